@@ -1,0 +1,30 @@
+"""The bus contract: msgspec messages, typed subjects, stream and bucket shapes. No I/O here."""
+
+from coderai.contracts.base import Message, decode, encode
+from coderai.contracts.errors import BusError, ErrorCode, ErrorReply
+from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
+from coderai.contracts.jobs import (
+    CancelJob,
+    ChatJob,
+    Choice,
+    Chunk,
+    CompletionJob,
+    Final,
+    Frame,
+    KeepAlive,
+    Op,
+    RequestId,
+    SamplingParams,
+    Usage,
+)
+from coderai.contracts.keys import model_key, model_name
+from coderai.contracts.models import ModelConfig
+from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
+from coderai.contracts.routing import RouteDecision, RouteRequest
+
+__all__ = [
+    "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
+    "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
+    "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",
+    "Usage", "decode", "encode", "model_key", "model_name",
+]

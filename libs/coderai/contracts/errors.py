@@ -1,0 +1,46 @@
+"""The typed error every bus reply may carry instead of its normal payload."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from coderai.contracts.base import Message
+
+ErrorCode = Literal[
+    "bad_request",  # the caller sent something the callee cannot accept
+    "not_found",  # unknown model, engine or node
+    "no_engine",  # nothing can serve this right now
+    "engine_failed",  # the engine broke while serving
+    "overloaded",  # try again later or elsewhere
+    "cancelled",  # the caller went away
+    "timeout",
+    "internal",
+]
+
+
+class ErrorReply(Message, frozen=True, tag="error", tag_field="t"):
+    """A failed reply. `retryable` tells the caller whether another engine or a later try may succeed."""
+
+    code: ErrorCode
+    message: str
+    retryable: bool = False
+    seq: int = 0
+
+
+class BusError(Exception):
+    """Raised on the calling side when a bus reply was an ErrorReply, or no reply came."""
+
+    def __init__(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+    @classmethod
+    def from_reply(cls, reply: ErrorReply) -> "BusError":
+        """Lift an ErrorReply off the wire into an exception."""
+        return cls(reply.code, reply.message, reply.retryable)
+
+    def to_reply(self, seq: int = 0) -> ErrorReply:
+        """Put this error back on the wire."""
+        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq)

@@ -1,0 +1,106 @@
+"""Jobs the gateway sends to one engine, and the frames an engine answers with.
+
+An engine answers every job with a sequence of frames on the caller's reply inbox, numbered from 1:
+`Chunk`s (streaming only), `KeepAlive`s while it has nothing to say yet (so the caller can tell a slow
+engine from a dead one), and exactly one terminal frame, `Final` or `ErrorReply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NewType, Union
+
+from coderai.contracts.base import Message
+from coderai.contracts.errors import ErrorReply
+
+RequestId = NewType("RequestId", str)
+
+Op = Literal["chat", "complete", "embed", "rerank", "image", "speech", "transcribe", "diarize", "ocr", "video", "train"]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "cancelled"]
+
+
+class SamplingParams(Message, frozen=True):
+    """Generation knobs common to chat and completions (OpenAI names)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = []
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+
+
+class ChatJob(Message, frozen=True):
+    """One chat completion. `messages`, `tools`, `tool_choice` and `response_format` are OpenAI-shaped JSON."""
+
+    request_id: RequestId
+    model: str
+    messages: list[dict[str, Any]]
+    params: SamplingParams = SamplingParams()
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    stream: bool = False
+
+
+class CompletionJob(Message, frozen=True):
+    """One text completion of a raw prompt."""
+
+    request_id: RequestId
+    model: str
+    prompt: str
+    params: SamplingParams = SamplingParams()
+    echo: bool = False
+    stream: bool = False
+
+
+class CancelJob(Message, frozen=True):
+    """Tells an engine to stop generating for a request whose caller went away."""
+
+    request_id: RequestId
+
+
+class Usage(Message, frozen=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Choice(Message, frozen=True):
+    """A finished choice: `message` for chat (OpenAI message JSON), `text` for completions."""
+
+    index: int = 0
+    message: dict[str, Any] | None = None
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Chunk(Message, frozen=True, tag="chunk", tag_field="t"):
+    """A streamed delta: for chat an OpenAI `delta` object, for completions a text piece."""
+
+    seq: int
+    index: int = 0
+    delta: dict[str, Any] | None = None
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+
+
+class KeepAlive(Message, frozen=True, tag="keepalive", tag_field="t"):
+    """Sent while the engine is busy but has produced nothing new (prefill, queueing)."""
+
+    seq: int
+
+
+class Final(Message, frozen=True, tag="final", tag_field="t"):
+    """The terminal success frame. Streaming jobs leave `choices` empty: the chunks carried them."""
+
+    seq: int
+    engine_id: str
+    choices: list[Choice] = []
+    usage: Usage = Usage()
+    ttft_s: float | None = None
+
+
+Frame = Union[Chunk, KeepAlive, Final, ErrorReply]
+"""Everything an engine may publish to a job's reply inbox."""

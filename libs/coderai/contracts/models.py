@@ -1,0 +1,41 @@
+"""Model configuration: what the scheduler places and the gateway lists."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from coderai.contracts.base import Message
+from coderai.contracts.jobs import Op
+
+EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "ocr", "video"]
+
+DEFAULT_OPS: dict[str, list[Op]] = {
+    "llama": ["chat", "complete"],
+    "vllm": ["chat", "complete"],
+    "embed": ["embed", "rerank"],
+    "diffusers": ["image"],
+    "whisper": ["transcribe"],
+    "tts": ["speech"],
+    "ocr": ["ocr"],
+    "video": ["video"],
+}
+
+
+class ModelConfig(Message, frozen=True):
+    """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...).
+
+    `nodes` restricts placement to the named nodes; empty means every node that runs the engine family.
+    """
+
+    name: str
+    engine: EngineFamily
+    path: str
+    params: dict[str, Any] = {}
+    ops: list[Op] = []
+    nodes: list[str] = []
+    owned_by: str = "coderai"
+    created: int = 0
+
+    def serves(self) -> list[Op]:
+        """The ops this model answers: explicit `ops`, else the engine family's default."""
+        return list(self.ops) or list(DEFAULT_OPS.get(self.engine, []))

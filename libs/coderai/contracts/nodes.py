@@ -1,0 +1,48 @@
+"""Node liveness and desired placement: heartbeats, node records, assignments."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from coderai.contracts.base import Message
+from coderai.contracts.jobs import Op
+from coderai.contracts.models import ModelConfig
+
+EngineState = Literal["loading", "ready", "failed", "unloading"]
+
+
+class EngineStatus(Message, frozen=True):
+    """One engine on a node: a loaded (or loading) model and how busy it is."""
+
+    engine_id: str
+    model: str
+    engine: str
+    ops: list[Op]
+    state: EngineState
+    in_flight: int = 0
+    served: int = 0
+    error: str | None = None
+
+
+class Heartbeat(Message, frozen=True):
+    """Published by every worker every ~2 s; also what the scheduler stores in `coderai_nodes`."""
+
+    node_id: str
+    version: str
+    seq: int
+    ts: float
+    host: str
+    capabilities: list[str]
+    engines: list[EngineStatus] = []
+    in_flight: int = 0
+    mem_total: int = 0
+    mem_free: int = 0
+    vram_total: int = 0
+    vram_free: int = 0
+
+
+class Assignment(Message, frozen=True):
+    """What one node should have loaded; the worker watches its own key and converges on it."""
+
+    node_id: str
+    models: list[ModelConfig] = []

@@ -1,0 +1,93 @@
+"""Typed subjects: every subject string in coderai is built here, never by hand.
+
+A `Subject` knows its pattern, the type it carries and the type its replies carry, so callers and
+handlers that use the object cannot drift apart on a typo.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, Union
+
+from coderai.contracts.base import decode, encode
+from coderai.contracts.errors import ErrorReply
+from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
+from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
+from coderai.contracts.nodes import Heartbeat
+from coderai.contracts.routing import RouteDecision, RouteRequest
+
+Req = TypeVar("Req")
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_BAD_TOKEN = re.compile(r"[.*>\s]")
+
+PREFIX = "coderai"
+
+
+def check_token(value: str, what: str = "token") -> str:
+    """Reject values that would change a subject's shape (dots, wildcards, whitespace) or are empty."""
+    if not value or _BAD_TOKEN.search(value):
+        raise ValueError(f"{what} {value!r} is not a valid subject token")
+    return value
+
+
+@dataclass(frozen=True)
+class Subject(Generic[Req]):
+    """A subject pattern such as `coderai.hb.{node_id}` with its request type and reply type (None: no reply)."""
+
+    pattern: str
+    request: type[Req] | Any
+    reply: Any = None
+    params: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(_PLACEHOLDER.findall(self.pattern)))
+
+    def __call__(self, **values: str) -> str:
+        """The concrete subject; every placeholder must be given a valid token."""
+        if set(values) != set(self.params):
+            raise TypeError(f"{self.pattern} needs {self.params}, got {tuple(values)}")
+        return self.pattern.format(**{k: check_token(v, k) for k, v in values.items()})
+
+    def wildcard(self, **values: str) -> str:
+        """A subscription subject: given placeholders filled in, the rest `*`."""
+        filled = {p: check_token(values[p], p) if p in values else "*" for p in self.params}
+        return self.pattern.format(**filled)
+
+    def parse(self, subject: str) -> dict[str, str]:
+        """The placeholder values of a concrete subject of this pattern."""
+        regex = "^" + _PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(self.pattern).replace(r"\{", "{").replace(r"\}", "}")) + "$"
+        m = re.match(regex, subject)
+        if not m:
+            raise ValueError(f"{subject!r} does not match {self.pattern}")
+        return m.groupdict()
+
+    def encode(self, msg: Req) -> bytes:
+        if not isinstance(msg, _types(self.request)):
+            raise TypeError(f"{self.pattern} carries {self.request}, not {type(msg).__name__}")
+        return encode(msg)
+
+    def decode(self, data: bytes) -> Req:
+        return decode(data, self.request)
+
+    def decode_reply(self, data: bytes) -> Any:
+        """A reply of this subject: its reply type, or an ErrorReply."""
+        return decode(data, Union[self.reply, ErrorReply])
+
+
+def _types(t: Any) -> tuple[type, ...]:
+    args = getattr(t, "__args__", None)
+    return tuple(args) if args else (t,)
+
+
+ROUTE_PICK = Subject("coderai.route.pick", RouteRequest, RouteDecision)
+ENGINE_CHAT = Subject("coderai.engine.{engine_id}.chat", ChatJob, Frame)
+ENGINE_COMPLETE = Subject("coderai.engine.{engine_id}.complete", CompletionJob, Frame)
+ENGINE_CANCEL = Subject("coderai.engine.{engine_id}.cancel", CancelJob)
+HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat)
+EVENTS_ALL = Subject("coderai.evt.>", Event)
+EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
+EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded", ModelLoaded)
+
+ENGINE_OPS = {"chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE}

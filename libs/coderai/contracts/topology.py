@@ -1,0 +1,44 @@
+"""JetStream streams and KV buckets: names and shapes, shared by whoever creates or binds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A KV bucket. `ttl_s` expires entries not written for that long (0: never)."""
+
+    name: str
+    ttl_s: float = 0
+    history: int = 1
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float = 0
+    description: str = ""
+
+
+NODE_TTL_S = 10.0
+"""A node whose heartbeats stop is gone from `coderai_nodes` after this long (heartbeats are every ~2 s)."""
+
+AFFINITY = BucketSpec("coderai_affinity", ttl_s=1800, description="conversation or prefix -> engine")
+NODES = BucketSpec("coderai_nodes", ttl_s=NODE_TTL_S, description="live nodes, last heartbeat")
+ASSIGNMENTS = BucketSpec("coderai_assignments", description="desired models per node")
+MODELS = BucketSpec("coderai_models", description="model configs by model key")
+PODS = BucketSpec("coderai_pods", description="rented pods")
+
+BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS)
+
+EVENTS = StreamSpec("EVENTS", ("coderai.evt.>",), max_age_s=7 * 24 * 3600, description="durable events")
+WORK = StreamSpec("WORK", ("coderai.work.>",), description="fan-out parts, work queue")
+
+STREAMS = (EVENTS, WORK)
+
+HDR_REQUEST_ID = "Coderai-Request-Id"
+HDR_KEY_NAME = "Coderai-Key-Name"
+HDR_TRACEPARENT = "traceparent"

@@ -1,0 +1,1 @@
+"""Runtime: settings, logging, the bus, service lifecycle and embedded servers. Imported by every service."""

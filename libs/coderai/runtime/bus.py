@@ -1,0 +1,287 @@
+"""NATS helpers: connect with reconnect, typed request/reply, typed handlers, and streamed replies.
+
+Streamed replies: the caller publishes a job with a reply subject under one inbox prefix that its `Bus`
+subscribes to once (`<inbox>.*`), so starting a stream costs one publish and no extra SUB. The callee
+publishes numbered frames there; the caller's `FrameStream` yields them in order and tells the callee to stop
+(`cancel`) when the caller goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError, NoRespondersError, TimeoutError as NatsTimeout
+
+from coderai.contracts import BusError, ErrorReply, KeepAlive, encode
+from coderai.contracts.subjects import Subject
+from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
+
+log = logging.getLogger("coderai.bus")
+
+Handler = Callable[[Any, Msg], Awaitable[Any]]
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    connect_timeout_s: float = 30.0,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+) -> NATS:
+    """Connect, retrying until `connect_timeout_s`; afterwards reconnect forever with a short wait."""
+
+    async def _reconnected() -> None:
+        log.warning("reconnected to NATS")
+        if on_reconnect:
+            await on_reconnect()
+
+    async def _disconnected() -> None:
+        log.warning("disconnected from NATS")
+        if on_disconnect:
+            await on_disconnect()
+
+    async def _error(exc: Exception) -> None:
+        log.debug("nats error: %s", exc)
+
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=2,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,
+                ping_interval=5,
+                max_outstanding_pings=2,
+                reconnected_cb=_reconnected,
+                disconnected_cb=_disconnected,
+                error_cb=_error,
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
+            if time.monotonic() > deadline:
+                raise BusError("internal", f"cannot reach NATS at {url}: {exc}", retryable=True) from None
+            await asyncio.sleep(0.2)
+
+
+class FrameStream:
+    """The frames of one streamed reply, in order. Iterate it; `cancel()` if you stop early."""
+
+    def __init__(self, bus: "Bus", token: str, idle_timeout_s: float) -> None:
+        self._bus = bus
+        self.token = token
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.idle_timeout_s = idle_timeout_s
+        self.on_cancel: Callable[[], Awaitable[None]] | None = None
+        self.done = False
+
+    async def next_raw(self) -> bytes:
+        """The next frame's bytes; BusError on an idle gap longer than the timeout or a lost connection."""
+        try:
+            data = await asyncio.wait_for(self.queue.get(), self.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True) from None
+        if data is None:
+            raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
+        return data
+
+    async def cancel(self) -> None:
+        """Tell the callee to stop, once."""
+        if not self.done and self.on_cancel is not None:
+            self.done = True
+            try:
+                await self.on_cancel()
+            except Exception as exc:  # noqa: BLE001 - best effort: the callee also stops on its own deadline
+                log.debug("cancel failed: %s", exc)
+        self.close()
+
+    def close(self) -> None:
+        self.done = True
+        self._bus._streams.pop(self.token, None)
+
+
+class Bus:
+    """A NATS connection plus the typed operations coderai services use on it."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._inbox = nc.new_inbox()
+        self._streams: dict[str, FrameStream] = {}
+        self._seq = itertools.count(1)
+        self._mux_sub: Any = None
+
+    @classmethod
+    async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
+        return cls(await connect(url, name, **kw))
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def close(self) -> None:
+        for s in list(self._streams.values()):
+            s.queue.put_nowait(None)
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001 - a connection already down cannot drain
+                await self.nc.close()
+
+    def fail_streams(self) -> None:
+        """Wake every open stream with an error (used when the connection drops)."""
+        for s in list(self._streams.values()):
+            s.queue.put_nowait(None)
+
+    # --- request / reply -------------------------------------------------------------------------
+
+    async def request(
+        self, subject: Subject, msg: Any, *, timeout: float = 5.0, headers: dict[str, str] | None = None, **params: str
+    ) -> Any:
+        """Send `msg` on `subject(**params)` and return the typed reply; an ErrorReply is raised as BusError."""
+        if not self.nc.is_connected:
+            raise BusError("no_engine", "message bus unavailable", retryable=True)
+        try:
+            reply = await self.nc.request(subject(**params), subject.encode(msg), timeout=timeout, headers=headers)
+        except NoRespondersError:
+            raise BusError("no_engine", f"nobody serves {subject.pattern}", retryable=True) from None
+        except NatsTimeout:
+            raise BusError("timeout", f"no reply on {subject.pattern} within {timeout}s", retryable=True) from None
+        except ConnectionClosedError:
+            raise BusError("no_engine", "message bus unavailable", retryable=True) from None
+        out = subject.decode_reply(reply.data)
+        if isinstance(out, ErrorReply):
+            raise BusError.from_reply(out)
+        return out
+
+    async def publish(self, subject: Subject, msg: Any, *, headers: dict[str, str] | None = None, **params: str) -> None:
+        await self.nc.publish(subject(**params), subject.encode(msg), headers=headers)
+
+    async def serve(
+        self, subject: Subject, handler: Handler, *, queue: str = "", subject_str: str | None = None
+    ) -> Any:
+        """Subscribe `handler(request, msg)`; its return value (if any) is the reply, exceptions become ErrorReply."""
+
+        async def _cb(m: Msg) -> None:
+            try:
+                req = subject.decode(m.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                if m.reply:
+                    await m.respond(encode(ErrorReply(code="bad_request", message=str(exc))))
+                return
+            try:
+                out = await handler(req, m)
+            except BusError as exc:
+                out = exc.to_reply()
+            except Exception as exc:  # noqa: BLE001 - outermost edge of a handler: log, answer typed
+                rid = (m.headers or {}).get(HDR_REQUEST_ID, "")
+                log.exception("handler for %s failed", m.subject, extra={"request_id": rid})
+                out = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+            if out is not None and m.reply:
+                await m.respond(encode(out))
+
+        return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
+
+    # --- streamed replies ------------------------------------------------------------------------
+
+    async def _ensure_mux(self) -> None:
+        if self._mux_sub is None:
+
+            async def _dispatch(m: Msg) -> None:
+                s = self._streams.get(m.subject.rsplit(".", 1)[-1])
+                if s is not None:
+                    s.queue.put_nowait(m.data)
+
+            self._mux_sub = await self.nc.subscribe(self._inbox + ".*", cb=_dispatch)
+
+    async def open_stream(
+        self,
+        subject: Subject,
+        msg: Any,
+        *,
+        idle_timeout_s: float,
+        headers: dict[str, str] | None = None,
+        on_cancel: Callable[[], Awaitable[None]] | None = None,
+        **params: str,
+    ) -> FrameStream:
+        """Publish a job whose reply is a stream of frames; returns the stream to read them from."""
+        if not self.nc.is_connected:
+            raise BusError("no_engine", "message bus unavailable", retryable=True)
+        await self._ensure_mux()
+        token = str(next(self._seq))
+        stream = FrameStream(self, token, idle_timeout_s)
+        stream.on_cancel = on_cancel
+        self._streams[token] = stream
+        try:
+            await self.nc.publish(subject(**params), subject.encode(msg), reply=f"{self._inbox}.{token}", headers=headers)
+        except Exception:
+            stream.close()
+            raise
+        return stream
+
+    # --- JetStream topology ----------------------------------------------------------------------
+
+    async def kv(self, spec: BucketSpec) -> Any:
+        """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history."""
+        from nats.js.api import KeyValueConfig
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            return await self.js.key_value(spec.name)
+        except BucketNotFoundError:
+            cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description)
+            return await self.js.create_key_value(cfg)
+
+    async def ensure_stream(self, spec: StreamSpec) -> None:
+        """Create a stream if missing (an existing one is left as it is)."""
+        from nats.js.api import RetentionPolicy, StreamConfig
+        from nats.js.errors import NotFoundError
+
+        try:
+            await self.js.stream_info(spec.name)
+        except NotFoundError:
+            retention = RetentionPolicy.WORK_QUEUE if spec.name == "WORK" else RetentionPolicy.LIMITS
+            cfg = StreamConfig(
+                name=spec.name,
+                subjects=list(spec.subjects),
+                max_age=spec.max_age_s or None,
+                retention=retention,
+                description=spec.description,
+            )
+            try:
+                await self.js.add_stream(cfg)
+            except Exception as exc:  # noqa: BLE001 - another service may have created it a moment ago
+                log.debug("add_stream %s: %s", spec.name, exc)
+                await self.js.stream_info(spec.name)
+
+
+class FrameWriter:
+    """The callee's side of a streamed reply: numbers frames and sends keep-alives while quiet."""
+
+    def __init__(self, nc: NATS, reply: str) -> None:
+        self.nc = nc
+        self.reply = reply
+        self.seq = 0
+        self.last_sent = time.monotonic()
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    async def send(self, frame: Any) -> None:
+        self.last_sent = time.monotonic()
+        await self.nc.publish(self.reply, encode(frame))
+
+    async def keepalive(self) -> None:
+        await self.send(KeepAlive(seq=self.next_seq()))

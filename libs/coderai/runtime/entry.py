@@ -1,0 +1,63 @@
+"""The shared `main()` of a service: arguments, settings, logging, then the lifecycle."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+
+from coderai.runtime.lifecycle import Starter, serve_until_stopped
+from coderai.runtime.logging import log_fields, setup_logging
+from coderai.runtime.settings import SettingsError, describe, load_settings
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def parser(service: str, description: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every service takes; each overrides its `CODERAI_*` variable."""
+    ap = argparse.ArgumentParser(prog=f"coderai {service}", description=description)
+    ap.add_argument("--nats-url", dest="nats_url", help="NATS server URL (CODERAI_NATS_URL)")
+    ap.add_argument("--node-id", dest="node_id", help="this node's id (CODERAI_NODE_ID)")
+    ap.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING (CODERAI_LOG_LEVEL)")
+    ap.add_argument("--data-dir", dest="data_dir", help="state directory (CODERAI_DATA_DIR)")
+    return ap
+
+
+def settings_from_args(settings_cls: type[S], service: str, args: argparse.Namespace) -> S:
+    fields = set(settings_cls.__struct_fields__)
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return load_settings(settings_cls, service, **overrides)
+
+
+def run_service(
+    service: str,
+    description: str,
+    settings_cls: type[S],
+    make: Callable[[S], Starter],
+    argv: list[str] | None = None,
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    drain_timeout_s: float = 15.0,
+) -> int:
+    """Parse flags, load settings (exit 2 naming the bad variable), set up logging and serve until signalled."""
+    ap = parser(service, description)
+    if add_args:
+        add_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        settings = settings_from_args(settings_cls, service, args)
+        setup_logging(service, getattr(settings, "node_id", ""), settings.log_level, settings.log_format)
+        logging.getLogger(f"coderai.{service}").info("starting", extra=log_fields(settings=describe(settings)))
+        starter = make(settings)
+    except SettingsError as exc:
+        print(f"coderai {service}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve_until_stopped(starter, drain_timeout_s=drain_timeout_s))
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,71 @@
+"""Logging: JSON lines off a terminal, readable text on one; every line carries request_id and node_id."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("coderai_request_id", default="")
+
+_static: dict[str, str] = {}
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = getattr(record, "request_id", None) or request_id_var.get()
+        record.node_id = _static.get("node_id", "")
+        record.service = _static.get("service", "")
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "service": record.service,
+            "node_id": record.node_id,
+            "request_id": record.request_id,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if extra:
+            doc.update(extra)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.strftime("%H:%M:%S", time.localtime(record.created))
+        rid = f" [{record.request_id}]" if record.request_id else ""
+        extra = getattr(record, "fields", None)
+        tail = " " + " ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
+        line = f"{t} {record.levelname[0]} {record.service}{rid} {record.getMessage()}{tail}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str = "auto") -> None:
+    """Configure the root logger once per process."""
+    _static.update(service=service, node_id=node_id)
+    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
+    handler.addFilter(_ContextFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("nats", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def log_fields(**fields: object) -> dict[str, dict[str, object]]:
+    """`logger.info("msg", extra=log_fields(a=1))` attaches structured fields to one line."""
+    return {"fields": fields}

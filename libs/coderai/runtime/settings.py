@@ -1,0 +1,100 @@
+"""Service settings: one frozen struct per service, read from `CODERAI_*` env vars and an optional TOML file.
+
+For a field `port` of the gateway, the value comes from `CODERAI_GATEWAY_PORT`, else `CODERAI_PORT` (shared
+names such as `CODERAI_NATS_URL` serve every service), else the `[gateway]` table of the TOML file named by
+`CODERAI_CONFIG`, else that file's top level, else the default. A bad value fails at start with the name of
+the variable (or TOML key) that held it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class SettingsError(Exception):
+    """A setting is missing or malformed; the message names the variable to fix."""
+
+
+class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings every service has."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    node_id: str = ""
+    log_level: str = "INFO"
+    log_format: str = "auto"  # auto: JSON off a terminal, text on one
+    data_dir: str = "~/.coderai"
+
+
+def _parse_env(raw: str, annotation: Any) -> Any:
+    """Env values are strings; lists and dicts may be written as JSON or (lists) comma-separated."""
+    text = raw.strip()
+    origin = getattr(annotation, "__origin__", annotation)
+    if origin in (list, tuple, set, frozenset) or "list" in str(annotation):
+        if text.startswith("["):
+            return json.loads(text)
+        return [p.strip() for p in text.split(",") if p.strip()]
+    if origin is dict or "dict" in str(annotation):
+        return json.loads(text)
+    return raw
+
+
+def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = None, **overrides: Any) -> S:
+    """Build `cls` for `service` from overrides > env > TOML file > defaults."""
+    env = os.environ if env is None else env
+    svc = service.upper().replace("-", "_")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    config_path = env.get("CODERAI_CONFIG")
+    if config_path:
+        try:
+            with open(os.path.expanduser(config_path), "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"CODERAI_CONFIG={config_path}: {exc}") from None
+        section = doc.get(service.replace("-", "_"), {}) or doc.get(service, {})
+        for name in cls.__struct_fields__:
+            if name in section:
+                values[name], sources[name] = section[name], f"{config_path} [{service}] {name}"
+            elif name in doc and not isinstance(doc[name], dict):
+                values[name], sources[name] = doc[name], f"{config_path} {name}"
+
+    hints = {f.name: f.type for f in msgspec.structs.fields(cls)}
+    for name in cls.__struct_fields__:
+        for var in (f"CODERAI_{svc}_{name.upper()}", f"CODERAI_{name.upper()}"):
+            if var in env:
+                try:
+                    values[name] = _parse_env(env[var], hints[name])
+                except ValueError as exc:
+                    raise SettingsError(f"{var}: {exc}") from None
+                sources[name] = var
+                break
+
+    for name, value in overrides.items():
+        if value is not None:
+            values[name], sources[name] = value, f"--{name.replace('_', '-')}"
+
+    try:
+        return msgspec.convert(values, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        field = msg.rsplit("$.", 1)[-1].split("[")[0].split(".")[0] if "$." in msg else ""
+        where = sources.get(field, f"CODERAI_{svc}_{field.upper()}" if field else "settings")
+        raise SettingsError(f"{where}: {msg}") from None
+
+
+def describe(settings: msgspec.Struct) -> dict[str, Any]:
+    """Settings as a dict for the start-up log line, secrets masked."""
+    out = msgspec.structs.asdict(settings)
+    for k in out:
+        if any(s in k for s in ("token", "secret", "password", "key_hash")) and out[k]:
+            out[k] = "***"
+    return out

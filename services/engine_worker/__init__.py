@@ -1,0 +1,1 @@
+"""coderai engine_worker service."""

@@ -1,0 +1,27 @@
+"""Engine families a worker can run. Each is imported only when a model of its family is assigned."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from coderai.engine_worker.engines.base import Engine, EngineLoadError
+
+# family -> (module that must be importable, module:class that runs it)
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("llama_cpp", "coderai.engine_worker.engines.llama:LlamaEngine"),
+}
+
+
+def available_families() -> list[str]:
+    """Engine families whose libraries are installed on this machine."""
+    return [fam for fam, (probe, _) in FAMILIES.items() if importlib.util.find_spec(probe) is not None]
+
+
+def engine_class(family: str) -> type[Engine]:
+    if family not in FAMILIES:
+        raise EngineLoadError(f"no engine family {family!r} in this worker (have {sorted(FAMILIES)})")
+    module, _, cls = FAMILIES[family][1].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["Engine", "EngineLoadError", "FAMILIES", "available_families", "engine_class"]

@@ -1,0 +1,193 @@
+"""One loaded engine on the bus: its subscriptions, its job thread, its cancel flags and its counters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from coderai.contracts import (
+    CancelJob,
+    Chunk,
+    EngineStatus,
+    ErrorReply,
+    Final,
+    ModelConfig,
+    model_key,
+)
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
+from coderai.contracts.topology import HDR_REQUEST_ID
+from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
+from coderai.engine_worker.engines.base import CancelFlag, Cancelled
+from coderai.runtime.bus import Bus, FrameWriter
+from coderai.runtime.logging import request_id_var
+
+log = logging.getLogger("coderai.engine_worker")
+
+_DONE = object()
+
+
+def engine_id_for(node_id: str, model: str) -> str:
+    return f"{node_id}-{model_key(model)}"
+
+
+class EngineHost:
+    """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
+
+    def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float) -> None:
+        self.bus = bus
+        self.node_id = node_id
+        self.config = config
+        self.engine_id = engine_id_for(node_id, config.name)
+        self.keepalive_s = keepalive_s
+        self.state = "loading"
+        self.error: str | None = None
+        self.in_flight = 0
+        self.served = 0
+        self.load_s = 0.0
+        self.engine: Engine | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.name}")
+        self._cancels: dict[str, CancelFlag] = {}
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            engine_id=self.engine_id,
+            model=self.config.name,
+            engine=self.config.engine,
+            ops=self.config.serves(),
+            state=self.state,  # type: ignore[arg-type]
+            in_flight=self.in_flight,
+            served=self.served,
+            error=self.error,
+        )
+
+    async def load(self) -> bool:
+        """Load the model in the engine thread, then subscribe to its ops. False if loading failed."""
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        try:
+            self.engine = engine_class(self.config.engine)(self.config)
+            await loop.run_in_executor(self._executor, self.engine.load)
+        except EngineLoadError as exc:
+            self.state, self.error = "failed", str(exc)
+            log.error("load of %s failed: %s", self.config.name, exc)
+            return False
+        self.load_s = time.monotonic() - t0
+        await self.subscribe()
+        self.state = "ready"
+        log.info("loaded %s as %s in %.2fs", self.config.name, self.engine_id, self.load_s)
+        return True
+
+    async def subscribe(self) -> None:
+        """(Re)subscribe this engine's subjects; called after load and after a reconnect to a new server."""
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - an old subscription on a dead connection is already gone
+                pass
+        nc = self.bus.nc
+        self._subs = [
+            await nc.subscribe(ENGINE_OPS[op](engine_id=self.engine_id), cb=self._job_cb(op))
+            for op in self.config.serves()
+            if op in ENGINE_OPS
+        ]
+        self._subs.append(await nc.subscribe(ENGINE_CANCEL(engine_id=self.engine_id), cb=self._on_cancel))
+
+    async def unload(self, timeout_s: float) -> None:
+        """Stop intake, let in-flight jobs finish (bounded), then free the model."""
+        self.state = "unloading"
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone at shutdown
+                pass
+        self._subs = []
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            for flag in self._cancels.values():
+                flag.set()
+            for t in pending:
+                t.cancel()
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _job_cb(self, op: str):
+        subject = ENGINE_OPS[op]
+
+        async def _cb(m: Any) -> None:
+            if not m.reply:
+                return
+            try:
+                job = subject.decode(m.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(code="bad_request", message=str(exc), seq=1)))
+                return
+            task = asyncio.create_task(self._run(op, job, m.reply, (m.headers or {}).get(HDR_REQUEST_ID, job.request_id)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return _cb
+
+    async def _on_cancel(self, m: Any) -> None:
+        try:
+            req = ENGINE_CANCEL.decode(m.data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return
+        flag = self._cancels.get(req.request_id)
+        if flag is not None:
+            log.info("cancel", extra={"request_id": req.request_id})
+            flag.set()
+
+    async def _run(self, op: str, job: Any, reply: str, request_id: str) -> None:
+        request_id_var.set(request_id)
+        writer = FrameWriter(self.bus.nc, reply)
+        flag = self._cancels[job.request_id] = CancelFlag()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        t0 = time.monotonic()
+        ttft: float | None = None
+        self.in_flight += 1
+
+        def emit(delta: dict | None, text: str | None, finish: str | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (delta, text, finish))
+
+        fn = self.engine.chat if op == "chat" else self.engine.complete  # type: ignore[union-attr]
+        fut = loop.run_in_executor(self._executor, fn, job, flag, emit if job.stream else None)
+        fut.add_done_callback(lambda _: queue.put_nowait(_DONE))
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except asyncio.TimeoutError:
+                    await writer.keepalive()
+                    continue
+                if item is _DONE:
+                    break
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                delta, text, finish = item
+                await writer.send(Chunk(seq=writer.next_seq(), delta=delta, text=text, finish_reason=finish))
+            choices, usage = fut.result()
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, usage=usage, ttft_s=ttft))
+            self.served += 1
+        except Cancelled:
+            await writer.send(ErrorReply(code="cancelled", message="cancelled by the caller", seq=writer.next_seq()))
+        except ValueError as exc:  # llama-cpp-python's word for a prompt it cannot take (e.g. longer than n_ctx)
+            await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
+        except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
+            log.exception("%s job failed", op)
+            await writer.send(ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq()))
+        finally:
+            self.in_flight -= 1
+            self._cancels.pop(job.request_id, None)
+            if not fut.done():
+                flag.set()

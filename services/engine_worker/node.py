@@ -1,0 +1,57 @@
+"""Facts about this machine: a stable node id, memory, and the heartbeat built from them."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import time
+from pathlib import Path
+
+from coderai import __version__
+from coderai.contracts import EngineStatus, Heartbeat
+
+
+def stable_node_id(data_dir: str | os.PathLike, given: str = "") -> str:
+    """The configured id, else one made once from the host name and kept in `<data_dir>/node_id`.
+
+    Stable across restarts so that a rebooted node finds its assignment under the same key.
+    """
+    if given:
+        return given
+    path = Path(os.path.expanduser(data_dir)) / "node_id"
+    if path.exists():
+        return path.read_text().strip()
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32].strip("-") or "node"
+    node_id = f"{host}-{secrets.token_hex(3)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id
+
+
+def memory() -> tuple[int, int]:
+    """(total, available) bytes of RAM, from /proc/meminfo where there is one."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        total = int(info["MemTotal"].split()[0]) * 1024
+        free = int(info.get("MemAvailable", info["MemFree"]).split()[0]) * 1024
+        return total, free
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus]) -> Heartbeat:
+    total, free = memory()
+    return Heartbeat(
+        node_id=node_id,
+        version=__version__,
+        seq=seq,
+        ts=time.time(),
+        host=socket.gethostname(),
+        capabilities=families,
+        engines=engines,
+        in_flight=sum(e.in_flight for e in engines),
+        mem_total=total,
+        mem_free=free,
+    )

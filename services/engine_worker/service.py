@@ -1,0 +1,129 @@
+"""Engine-worker lifecycle: heartbeat, watch this node's assignment, converge the loaded engines on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+
+from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode
+from coderai.contracts.subjects import EVT_MODEL_LOADED, HEARTBEAT
+from coderai.contracts.topology import ASSIGNMENTS, EVENTS
+from coderai.engine_worker.engines import available_families
+from coderai.engine_worker.host import EngineHost
+from coderai.engine_worker.node import build_heartbeat
+from coderai.engine_worker.settings import WorkerSettings
+from coderai.runtime.bus import Bus
+
+log = logging.getLogger("coderai.engine_worker")
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, node_id: str) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.families = settings.families or available_families()
+        self.bus: Bus | None = None
+        self.hosts: dict[str, EngineHost] = {}
+        self._seq = 0
+        self._converge_lock = asyncio.Lock()
+        self._watch_task: asyncio.Task | None = None
+        self._kv = None
+
+    async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+        s = self.settings
+        self.bus = await Bus.connect(s.nats_url, f"worker:{self.node_id}", on_reconnect=self._on_reconnect)
+        stack.push_async_callback(self.bus.close)
+        await self.bus.ensure_stream(EVENTS)
+        self._kv = await self.bus.kv(ASSIGNMENTS)
+        stack.push_async_callback(self._unload_all)
+        hb = asyncio.create_task(self._heartbeat_loop())
+        stack.callback(hb.cancel)
+        self._restart_watch()
+        stack.callback(lambda: self._watch_task and self._watch_task.cancel())
+        log.info("worker %s up with engine families %s", self.node_id, self.families)
+
+    # --- heartbeats -------------------------------------------------------------------------------
+
+    async def publish_heartbeat(self) -> None:
+        if self.bus is None or not self.bus.connected:
+            return
+        self._seq += 1
+        hb = build_heartbeat(self.node_id, self._seq, self.families, [h.status() for h in self.hosts.values()])
+        await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.publish_heartbeat()
+            except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried on the next tick
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    # --- assignment -------------------------------------------------------------------------------
+
+    def _restart_watch(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        self._watch_task = asyncio.create_task(self._watch_assignment())
+
+    async def _on_reconnect(self) -> None:
+        # A restarted server may have lost our subscriptions' interest or the watch's consumer: renew both.
+        for h in self.hosts.values():
+            if h.state == "ready":
+                await h.subscribe()
+        self._restart_watch()
+        await self.publish_heartbeat()
+
+    async def _watch_assignment(self) -> None:
+        """Follow this node's key in `coderai_assignments`; every value is converged on in order."""
+        while True:
+            try:
+                watcher = await self._kv.watch(self.node_id)
+                while True:
+                    entry = await watcher.updates(timeout=None)
+                    if entry is None:  # end of the initial values
+                        continue
+                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                        await self.converge(Assignment(node_id=self.node_id))
+                    else:
+                        try:
+                            await self.converge(decode(entry.value, Assignment))
+                        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                            log.error("ignoring malformed assignment: %s", exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting
+                log.warning("assignment watch ended (%s); restarting", exc)
+                await asyncio.sleep(0.5)
+
+    async def converge(self, assignment: Assignment) -> None:
+        """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""
+        async with self._converge_lock:
+            wanted: dict[str, ModelConfig] = {m.name: m for m in assignment.models if m.engine in self.families}
+            for m in assignment.models:
+                if m.engine not in self.families:
+                    log.error("assigned %s needs engine family %s, which this worker lacks", m.name, m.engine)
+            for name, host in list(self.hosts.items()):
+                if wanted.get(name) != host.config:
+                    log.info("unloading %s", name)
+                    del self.hosts[name]
+                    await host.unload(self.settings.drain_timeout_s)
+            for name, cfg in wanted.items():
+                if name not in self.hosts:
+                    host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s)
+                    await self.publish_heartbeat()
+                    if await host.load():
+                        evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
+                        await self.bus.publish(EVT_MODEL_LOADED, evt)
+                    await self.publish_heartbeat()
+
+    async def _unload_all(self) -> None:
+        for host in list(self.hosts.values()):
+            await host.unload(self.settings.drain_timeout_s)
+        self.hosts.clear()
+        with contextlib.suppress(Exception):
+            await self.publish_heartbeat()

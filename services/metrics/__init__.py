@@ -1,0 +1,1 @@
+"""coderai metrics service."""

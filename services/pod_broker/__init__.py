@@ -1,0 +1,1 @@
+"""coderai pod_broker service."""

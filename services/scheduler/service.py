@@ -1,0 +1,119 @@
+"""Scheduler lifecycle: publish model configs, record live nodes, write each node's assignment."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from coderai.contracts import Heartbeat, ModelConfig, decode, encode, model_key
+from coderai.contracts.subjects import HEARTBEAT
+from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES
+from coderai.runtime.bus import Bus
+from coderai.runtime.kv import RevisionCache, put_if_changed
+from coderai.scheduler.models_file import load_models
+from coderai.scheduler.placement import plan
+from coderai.scheduler.settings import SchedulerSettings
+
+log = logging.getLogger("coderai.scheduler")
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self.models: list[ModelConfig] = load_models(settings.models_file) if settings.models_file else []
+        self.nodes: dict[str, Heartbeat] = {}
+        self.seen: dict[str, float] = {}
+        self.bus: Bus | None = None
+        self._dirty = asyncio.Event()
+
+    async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+        self.bus = await Bus.connect(self.settings.nats_url, "scheduler", on_reconnect=self._on_reconnect)
+        stack.push_async_callback(self.bus.close)
+        self.kv_models = await self.bus.kv(MODELS)
+        self.kv_nodes = await self.bus.kv(NODES)
+        self.kv_assign = await self.bus.kv(ASSIGNMENTS)
+        self.node_records = RevisionCache(self.kv_nodes)
+        if self.settings.models_file:
+            await self._publish_models()
+        else:
+            self.models = await self._read_models()
+        task = asyncio.create_task(self._assign_loop())
+        stack.callback(task.cancel)
+        sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
+        stack.push_async_callback(sub.unsubscribe)
+        log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
+
+    async def _on_reconnect(self) -> None:
+        self.node_records.revs.clear()  # a restarted server may have another history
+        self._dirty.set()
+
+    async def _publish_models(self) -> None:
+        want = {model_key(m.name): m for m in self.models}
+        for key, m in want.items():
+            await put_if_changed(self.kv_models, key, encode(m))
+        try:
+            existing = await self.kv_models.keys()
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            existing = []
+        for key in existing:
+            if key not in want:
+                await self.kv_models.delete(key)
+
+    async def _read_models(self) -> list[ModelConfig]:
+        out = []
+        try:
+            keys = await self.kv_models.keys()
+        except Exception:  # noqa: BLE001 - empty bucket
+            return []
+        for key in keys:
+            entry = await self.kv_models.get(key)
+            out.append(decode(entry.value, ModelConfig))
+        return out
+
+    async def _on_heartbeat(self, m: Any) -> None:
+        try:
+            hb = decode(m.data, Heartbeat)
+        except Exception as exc:  # noqa: BLE001 - one bad node must not stop the scheduler
+            log.warning("bad heartbeat on %s: %s", m.subject, exc)
+            return
+        new = hb.node_id not in self.nodes or set(hb.capabilities) != set(self.nodes[hb.node_id].capabilities)
+        self.nodes[hb.node_id] = hb
+        self.seen[hb.node_id] = time.monotonic()
+        if new:
+            log.info("node %s joined (%s)", hb.node_id, hb.host)
+            self._dirty.set()
+        try:
+            await self.node_records.put(hb.node_id, m.data)
+        except Exception as exc:  # noqa: BLE001 - refreshed on the next heartbeat
+            log.warning("could not record node %s: %s", hb.node_id, exc)
+
+    async def _assign_loop(self) -> None:
+        """Write assignments when membership changes; also forget nodes whose heartbeats stopped."""
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), NODE_TTL_S / 2)
+            except asyncio.TimeoutError:
+                pass
+            now = time.monotonic()
+            for node_id in [n for n, t in self.seen.items() if now - t > NODE_TTL_S]:
+                log.info("node %s left (no heartbeat for %.0fs)", node_id, NODE_TTL_S)
+                self.nodes.pop(node_id, None)
+                self.seen.pop(node_id, None)
+            if not self._dirty.is_set():
+                continue
+            self._dirty.clear()
+            try:
+                for node_id, assignment in plan(self.models, self.nodes).items():
+                    if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
+                        log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])
+            except Exception as exc:  # noqa: BLE001 - retried: the bus may be reconnecting
+                log.warning("writing assignments failed (%s); retrying", exc)
+                self._dirty.set()
+                await asyncio.sleep(0.5)
+
+
+def make(settings: SchedulerSettings):
+    return Scheduler(settings).start
