@@ -29,6 +29,8 @@ log = logging.getLogger("coderai.bus")
 
 Handler = Callable[[Any, Msg], Awaitable[Any]]
 
+_NO_RESPONDERS: Any = object()  # queued instead of frame bytes when the server reports no responders
+
 
 async def connect(
     url: str,
@@ -94,6 +96,8 @@ class FrameStream:
             raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True) from None
         if data is None:
             raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
+        if data is _NO_RESPONDERS:
+            raise BusError("no_engine", "the engine is not listening", retryable=True)
         return data
 
     async def cancel(self) -> None:
@@ -201,7 +205,10 @@ class Bus:
             async def _dispatch(m: Msg) -> None:
                 s = self._streams.get(m.subject.rsplit(".", 1)[-1])
                 if s is not None:
-                    s.queue.put_nowait(m.data)
+                    if not m.data and m.headers and m.headers.get("Status") == "503":
+                        s.queue.put_nowait(_NO_RESPONDERS)  # the server's word that nobody subscribes there
+                    else:
+                        s.queue.put_nowait(m.data)
 
             self._mux_sub = await self.nc.subscribe(self._inbox + ".*", cb=_dispatch)
 

@@ -1,0 +1,55 @@
+"""python -m coderai.gateway: the OpenAI-compatible HTTP API, served by granian."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from coderai.gateway.settings import GatewaySettings
+from coderai.runtime.entry import parser, settings_from_args
+from coderai.runtime.settings import SettingsError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser("gateway", "The OpenAI-compatible HTTP API (and admin API) in front of the cluster.")
+    ap.add_argument("--host", help="address to listen on (CODERAI_GATEWAY_HOST, default 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="port (CODERAI_GATEWAY_PORT, default 8000)")
+    ap.add_argument("--workers", type=int, help="HTTP worker processes (CODERAI_GATEWAY_WORKERS)")
+    ap.add_argument("--api-keys-file", dest="api_keys_file", help="TOML of hashed API keys (CODERAI_GATEWAY_API_KEYS_FILE)")
+    ap.add_argument("--no-auth", dest="no_auth", action="store_const", const=True,
+                    help="serve without API keys (loopback hosts only)")
+    args = ap.parse_args(argv)
+    try:
+        settings = settings_from_args(GatewaySettings, "gateway", args)
+        from coderai.gateway.app import check_auth_settings
+        from coderai.gateway.auth import load_keys
+
+        check_auth_settings(settings)
+        if settings.api_keys_file and not settings.no_auth:
+            load_keys(settings.api_keys_file)
+    except SettingsError as exc:
+        print(f"coderai gateway: {exc}", file=sys.stderr)
+        return 2
+    # granian's workers build the app from the environment: hand them the flags given here
+    for name, value in vars(args).items():
+        if value is not None and name in GatewaySettings.__struct_fields__:
+            os.environ[f"CODERAI_GATEWAY_{name.upper()}"] = str(value)
+
+    from granian import Granian
+    from granian.constants import Interfaces
+
+    Granian(
+        "coderai.gateway.app:create_app",
+        factory=True,
+        address=settings.host,
+        port=settings.port,
+        interface=Interfaces.ASGI,
+        workers=settings.workers,
+        log_level="warning",
+        backlog=2048,
+    ).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""The gateway's HTTP app: OpenAI-compatible routes on litestar, served by granian."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from coderai.contracts import BusError, Chunk, ErrorReply, Final, RequestId
+from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
+from coderai.gateway import openai_types as oa
+from coderai.gateway import sse
+from coderai.gateway.auth import Authenticator, load_keys
+from coderai.gateway.catalog import Catalog
+from coderai.gateway.errors import ApiError, from_bus, from_http
+from coderai.gateway.relay import Outcome, Relay, next_frame
+from coderai.gateway.settings import GatewaySettings
+from coderai.runtime.bus import Bus
+from coderai.runtime.logging import request_id_var, setup_logging
+from coderai.runtime.settings import SettingsError, load_settings
+
+log = logging.getLogger("coderai.gateway")
+JSON = "application/json"
+
+
+class Gateway:
+    """State shared by the routes of one gateway process."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.auth = Authenticator(None if settings.no_auth else load_keys(settings.api_keys_file))
+        self.bus: Bus | None = None
+        self.catalog: Catalog | None = None
+        self.relay: Relay | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
+        self.bus = await Bus.connect(self.settings.nats_url, "gateway", on_reconnect=self._on_reconnect,
+                                     on_disconnect=self._on_disconnect)
+        self.catalog = Catalog(self.bus)
+        self.catalog.start()
+        self.relay = Relay(self.bus, self.settings)
+        log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)
+        try:
+            yield
+        finally:
+            self.catalog.stop()
+            await self.bus.close()
+
+    async def _on_reconnect(self) -> None:
+        if self.catalog:
+            self.catalog.start()
+
+    async def _on_disconnect(self) -> None:
+        if self.bus:
+            self.bus.fail_streams()
+
+    def model(self, name: str):
+        assert self.catalog is not None and self.bus is not None
+        cfg = self.catalog.models.get(name)
+        if cfg is None:
+            if not self.bus.connected and not self.catalog.models:
+                raise ApiError(503, "The cluster is unavailable; try again shortly.", type="service_unavailable",
+                               code="no_engine", headers={"Retry-After": str(self.settings.retry_after_s)})
+            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        return cfg
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(content=sse._enc.encode(obj), status_code=status, media_type=JSON)
+
+
+def _error_response(exc: ApiError) -> Response:
+    return Response(content=exc.encode(), status_code=exc.status, media_type=JSON, headers=exc.headers)
+
+
+def create_app(settings: GatewaySettings | None = None) -> Litestar:
+    """The ASGI app; with no settings they are read from `CODERAI_GATEWAY_*` (what granian workers do)."""
+    if settings is None:
+        settings = load_settings(GatewaySettings, "gateway")
+        setup_logging("gateway", settings.node_id, settings.log_level, settings.log_format)
+    check_auth_settings(settings)
+    gw = Gateway(settings)
+
+    def caller(request: Request, scope: str = "inference"):
+        return gw.auth.check(request.headers.get("authorization"), scope)
+
+    @get("/healthz", media_type=JSON)
+    async def healthz() -> Response:
+        ok = gw.bus is not None and gw.bus.connected
+        return _json({"status": "ok" if ok else "degraded", "bus": ok}, 200 if ok else 503)
+
+    @get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        caller(request)
+        assert gw.catalog is not None
+        data = [_model_json(m) for m in sorted(gw.catalog.models.values(), key=lambda m: m.name)]
+        return _json({"object": "list", "data": data})
+
+    @get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> Response:
+        caller(request)
+        return _json(_model_json(gw.model(model_id.lstrip("/"))))
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request) -> Response | Stream:
+        who = caller(request)
+        req = oa.parse(await request.body(), oa.ChatCompletionRequest)
+        return await _serve(gw, "chat", req, oa.chat_job(req, _rid()), who.key_name)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response | Stream:
+        who = caller(request)
+        req = oa.parse(await request.body(), oa.CompletionRequest)
+        return await _serve(gw, "complete", req, oa.completion_job(req, _rid()), who.key_name)
+
+    def on_api_error(_: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    def on_http_error(_: Request, exc: HTTPException) -> Response:
+        err = from_http(exc.status_code, str(exc.detail))
+        err.headers.update(getattr(exc, "headers", None) or {})
+        return _error_response(err)
+
+    def on_error(_: Request, exc: Exception) -> Response:
+        log.error("unhandled error", exc_info=exc)
+        return _error_response(ApiError(500, "Internal error; see the gateway log for this request id.", type="server_error", code="internal"))
+
+    return Litestar(
+        route_handlers=[healthz, list_models, get_model, chat, completions],
+        lifespan=[gw.lifespan],
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )
+
+
+def _rid() -> str:
+    rid = secrets.token_hex(12)
+    request_id_var.set(rid)
+    return rid
+
+
+def _model_json(m) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by}
+
+
+def check_auth_settings(settings: GatewaySettings) -> None:
+    """No auth is a deliberate choice for one machine only; any other host needs a keys file."""
+    if settings.no_auth and not is_loopback(settings.host):
+        raise SettingsError(f"--no-auth is only allowed on a loopback host, not {settings.host}")
+    if not settings.no_auth and not settings.api_keys_file:
+        raise SettingsError("CODERAI_GATEWAY_API_KEYS_FILE is not set: give a keys file, or --no-auth on loopback")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _serve(gw: Gateway, op: str, req: Any, job: Any, key_name: str) -> Response | Stream:
+    """Validate the model, then answer streamed or whole; every outcome becomes one `request.completed`."""
+    cfg = gw.model(job.model)
+    if op not in cfg.serves():
+        raise ApiError(400, f"The model '{job.model}' does not serve {op}.", param="model", code="unsupported_operation")
+    assert gw.relay is not None
+    relay = gw.relay
+    outcome = Outcome(request_id=job.request_id, key_name=key_name, model=job.model, op=op, stream=job.stream)
+    headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: key_name}
+    created = int(time.time())
+    try:
+        stream, first = await relay.first_frame(op, job, outcome, headers)
+    except (BusError, ApiError) as exc:
+        err = from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
+        outcome.status, outcome.http_status = err.code or "error", err.status
+        relay.completed(outcome)
+        raise err from None
+    outcome.ttft_s = time.monotonic() - outcome.started
+    resp_headers = {HDR_REQUEST_ID: job.request_id}
+
+    if not job.stream:
+        try:
+            final = first if isinstance(first, Final) else await _until_final(stream)
+        except BusError as exc:
+            err = from_bus(exc, gw.settings.retry_after_s)
+            outcome.status, outcome.http_status = err.code or "error", err.status
+            relay.completed(outcome)
+            raise err from None
+        finally:
+            stream.close()
+        outcome.prompt_tokens, outcome.completion_tokens = final.usage.prompt_tokens, final.usage.completion_tokens
+        relay.completed(outcome)
+        build = sse.chat_response if op == "chat" else sse.completion_response
+        return Response(content=sse._enc.encode(build(job.request_id, created, job.model, final.choices, final.usage)),
+                        media_type=JSON, headers=resp_headers)
+
+    chunk_bytes = sse.chat_chunk if op == "chat" else sse.completion_chunk
+    want_usage = oa.include_usage(req)
+
+    async def events() -> AsyncIterator[bytes]:
+        frame: Any = first
+        finished = False
+        try:
+            while True:
+                if isinstance(frame, Chunk):
+                    yield chunk_bytes(job.request_id, created, job.model, frame)
+                elif isinstance(frame, Final):
+                    outcome.prompt_tokens, outcome.completion_tokens = frame.usage.prompt_tokens, frame.usage.completion_tokens
+                    if want_usage:
+                        yield sse.usage_chunk(op, job.request_id, created, job.model, frame.usage)
+                    yield sse.DONE
+                    finished = True
+                    return
+                elif isinstance(frame, ErrorReply):
+                    raise BusError.from_reply(frame)
+                frame = await next_frame(stream)
+        except BusError as exc:
+            # Headers are gone already: the error travels as an SSE event the openai SDK raises on.
+            err = from_bus(exc, gw.settings.retry_after_s)
+            outcome.status, outcome.http_status = err.code or "error", err.status
+            finished = True
+            yield sse.sse(err.body())
+        finally:
+            if not finished:  # the client went away mid-stream: stop the engine
+                outcome.status, outcome.http_status = "cancelled", 499
+                relay.spawn(stream.cancel())
+            else:
+                stream.close()
+            relay.completed(outcome)
+
+    return Stream(events(), media_type="text/event-stream",
+                  headers={**resp_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _until_final(stream) -> Final:
+    while True:
+        frame = await next_frame(stream)
+        if isinstance(frame, Final):
+            return frame
+        if isinstance(frame, ErrorReply):
+            raise BusError.from_reply(frame)

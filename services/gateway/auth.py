@@ -1,0 +1,80 @@
+"""Bearer API keys, checked against SHA-256 hashes from the keys file (keys are never stored in clear)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import tomllib
+from dataclasses import dataclass
+
+import msgspec
+
+from coderai.gateway.errors import ApiError
+from coderai.runtime.settings import SettingsError
+
+
+class KeyRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    sha256: str
+    scopes: list[str] = msgspec.field(default_factory=lambda: ["inference"])
+
+
+class _KeysFile(msgspec.Struct, forbid_unknown_fields=True):
+    keys: list[KeyRecord] = []
+
+
+@dataclass(frozen=True)
+class Caller:
+    key_name: str
+    scopes: frozenset[str]
+
+
+ANONYMOUS = Caller("anonymous", frozenset({"inference", "admin"}))
+
+
+def new_key() -> str:
+    """A fresh API key in the OpenAI shape (`sk-...`)."""
+    return "sk-coderai-" + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_keys(path: str) -> dict[str, KeyRecord]:
+    """Hash -> record, from a TOML file of `[[keys]]` tables."""
+    try:
+        with open(os.path.expanduser(path), "rb") as fh:
+            doc = msgspec.convert(tomllib.load(fh), _KeysFile)
+    except (OSError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise SettingsError(f"CODERAI_GATEWAY_API_KEYS_FILE={path}: {exc}") from None
+    return {k.sha256.lower(): k for k in doc.keys}
+
+
+def write_keys(path: str, records: list[KeyRecord]) -> None:
+    lines = []
+    for r in records:
+        scopes = ", ".join(f'"{s}"' for s in r.scopes)
+        lines += ["[[keys]]", f'name = "{r.name}"', f'sha256 = "{r.sha256}"', f"scopes = [{scopes}]", ""]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines))
+
+
+class Authenticator:
+    def __init__(self, keys: dict[str, KeyRecord] | None) -> None:
+        self.keys = keys  # None: auth is off
+
+    def check(self, authorization: str | None, scope: str = "inference") -> Caller:
+        if self.keys is None:
+            return ANONYMOUS
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        digest = hash_key(authorization[7:].strip())
+        rec = self.keys.get(digest)  # a lookup by digest leaks nothing useful about the key itself
+        if rec is None:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        if scope not in rec.scopes:
+            raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")
+        return Caller(rec.name, frozenset(rec.scopes))

@@ -1,0 +1,173 @@
+"""OpenAI wire types at the edge: lenient on unknown fields (logged), strict on the ones we read.
+
+Fields follow the order of the OpenAI API reference. They are translated into internal jobs here, so
+nothing OpenAI-shaped leaks into the bus contract beyond message/tool JSON that engines consume as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from coderai.contracts import ChatJob, CompletionJob, RequestId, SamplingParams
+from coderai.gateway.errors import ApiError
+
+log = logging.getLogger("coderai.gateway")
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Prob = Annotated[float, Meta(ge=0, le=1)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    model: Annotated[str, Meta(min_length=1)]
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    presence_penalty: Penalty | None = None
+    response_format: dict[str, Any] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: Prob | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str | list[str]
+    echo: bool = False
+    frequency_penalty: Penalty | None = None
+    logprobs: int | None = None
+    max_tokens: PositiveInt | None = None
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    presence_penalty: Penalty | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Temperature | None = None
+    top_p: Prob | None = None
+    user: str | None = None
+
+
+def parse(body: bytes, type_: type) -> Any:
+    """Decode a request body: malformed JSON or a schema mismatch is a 400 that names the field."""
+    if not body:
+        raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = _param_of(text)
+        raise ApiError(400, f"Invalid request: {text}", code="invalid_request", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _param_of(text: str) -> str | None:
+    """The field a msgspec validation message points at: "... - at `$.messages[0]`" or "missing required field `x`"."""
+    if "$." in text:
+        return text.rsplit("$.", 1)[-1].rstrip("`")
+    if "required field `" in text:
+        return text.split("required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4:
+        raise ApiError(400, "At most 4 stop sequences are allowed.", param="stop", code="invalid_request")
+    return stops
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles; flatten text-only content parts into a string, which every chat template understands."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role", code="invalid_request")
+        content = m.get("content")
+        if isinstance(content, list):
+            if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.", param=f"messages[{i}].content", code="invalid_request")
+        elif content is None and role != "assistant":
+            raise ApiError(400, f"messages[{i}].content is required for role '{role}'.", param=f"messages[{i}].content", code="invalid_request")
+        out.append(m)
+    return out
+
+
+def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
+    if req.stream and req.n > 1:
+        raise ApiError(400, "n > 1 is not supported with stream=true.", param="n", code="invalid_request")
+    rf = req.response_format
+    if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema.", param="response_format", code="invalid_request")
+    params = SamplingParams(
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=_stops(req.stop),
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        n=req.n,
+    )
+    return ChatJob(
+        request_id=RequestId(request_id),
+        model=req.model,
+        messages=_messages(req.messages),
+        params=params,
+        tools=req.tools or None,
+        tool_choice=req.tool_choice,
+        response_format=rf if rf and rf.get("type") != "text" else None,
+        stream=req.stream,
+    )
+
+
+def completion_job(req: CompletionRequest, request_id: str) -> CompletionJob:
+    if req.stream and req.n > 1:
+        raise ApiError(400, "n > 1 is not supported with stream=true.", param="n", code="invalid_request")
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise ApiError(400, "Send one prompt per request (a list of exactly one string).", param="prompt", code="invalid_request")
+        prompt = req.prompt[0]
+    else:
+        prompt = req.prompt
+    params = SamplingParams(
+        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=_stops(req.stop),
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
+    )
+    return CompletionJob(request_id=RequestId(request_id), model=req.model, prompt=prompt, params=params, echo=req.echo, stream=req.stream)
+
+
+def include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+Kind = Literal["chat", "complete"]

@@ -1,0 +1,129 @@
+"""The data path: ask the router, send the job to the engine, relay frames; fail over before the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from coderai.contracts import (
+    BusError,
+    CancelJob,
+    Chunk,
+    ErrorReply,
+    Final,
+    Frame,
+    KeepAlive,
+    RequestCompleted,
+    RouteDecision,
+    RouteRequest,
+    decode,
+)
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS, EVT_REQUEST_COMPLETED, ROUTE_PICK
+from coderai.gateway.settings import GatewaySettings
+from coderai.runtime.bus import Bus, FrameStream
+
+log = logging.getLogger("coderai.gateway")
+
+
+@dataclass
+class Outcome:
+    """What one request did, for the `request.completed` event."""
+
+    request_id: str
+    key_name: str
+    model: str
+    op: str
+    stream: bool
+    started: float = field(default_factory=time.monotonic)
+    status: str = "ok"
+    http_status: int = 200
+    engine_id: str = ""
+    node_id: str = ""
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def event(self) -> RequestCompleted:
+        return RequestCompleted(
+            request_id=self.request_id, ts=time.time(), key_name=self.key_name, model=self.model,
+            op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
+            node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, stream=self.stream,
+        )
+
+
+class Relay:
+    def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
+        self.bus = bus
+        self.settings = settings
+        self._background: set[asyncio.Task] = set()
+
+    async def _route(self, job: Any, op: str, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+        req = RouteRequest(request_id=job.request_id, model=job.model, op=op, exclude=tried)  # type: ignore[arg-type]
+        return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
+
+    async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
+        async def cancel() -> None:
+            await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), engine_id=decision.engine_id)
+
+        return await self.bus.open_stream(
+            ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s, headers=headers,
+            on_cancel=cancel, engine_id=decision.engine_id,
+        )
+
+    async def first_frame(self, op: str, job: Any, outcome: Outcome, headers: dict[str, str]) -> tuple[FrameStream, Chunk | Final]:
+        """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
+        engines; an engine that fails retryably before that is excluded and the router asked again."""
+        tried: list[str] = []
+        last: BusError | None = None
+        for _ in range(self.settings.max_attempts):
+            try:
+                decision = await self._route(job, op, tried, headers)
+            except BusError as exc:
+                raise (last if last is not None and exc.code == "no_engine" else exc) from None
+            outcome.engine_id, outcome.node_id = decision.engine_id, decision.node_id
+            stream = await self._open(op, job, decision, headers)
+            try:
+                frame = await next_frame(stream)
+                if isinstance(frame, ErrorReply):
+                    raise BusError.from_reply(frame)
+                return stream, frame
+            except BusError as exc:
+                await stream.cancel()
+                if not exc.retryable:
+                    raise
+                log.warning("engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message)
+                tried.append(decision.engine_id)
+                last = exc
+        assert last is not None
+        raise last
+
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` detached from the request (it may be cancelled), keeping a reference until done."""
+        t = asyncio.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    def completed(self, outcome: Outcome) -> None:
+        """Publish `request.completed` off the response path (a core publish the EVENTS stream stores)."""
+        if not self.bus.connected:
+            return
+
+        async def _pub() -> None:
+            try:
+                await self.bus.publish(EVT_REQUEST_COMPLETED, outcome.event())
+            except Exception as exc:  # noqa: BLE001 - metrics must never break a request
+                log.debug("request.completed not published: %s", exc)
+
+        self.spawn(_pub())
+
+
+async def next_frame(stream: FrameStream) -> Chunk | Final | ErrorReply:
+    """The next frame that is not a keep-alive (keep-alives only prove the engine is alive)."""
+    while True:
+        frame = decode(await stream.next_raw(), Frame)
+        if not isinstance(frame, KeepAlive):
+            return frame

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from coderai.runtime.settings import CommonSettings
+
+
+class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
+    """`CODERAI_GATEWAY_*`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    no_auth: bool = False  # only allowed on a loopback host
+    api_keys_file: str = ""  # TOML [[keys]] with name, sha256, scopes
+    max_body_bytes: int = 16 * 1024 * 1024
+    route_timeout_s: float = 2.0
+    idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
+    max_attempts: int = 3  # engines tried for one request before the first token
+    retry_after_s: int = 5
