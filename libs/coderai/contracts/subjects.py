@@ -15,6 +15,7 @@ from coderai.contracts.errors import ErrorReply
 from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
 from coderai.contracts.nodes import Heartbeat
+from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest
 from coderai.contracts.routing import RouteDecision, RouteRequest
 
 Req = TypeVar("Req")
@@ -89,5 +90,7 @@ HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat)
 EVENTS_ALL = Subject("coderai.evt.>", Event)
 EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded", ModelLoaded)
+
+CMD_BROKER_STATUS = Subject("coderai.cmd.broker.status", BrokerStatusRequest, BrokerStatus)
 
 ENGINE_OPS = {"chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE}

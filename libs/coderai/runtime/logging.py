@@ -62,7 +62,7 @@ def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("nats", "asyncio"):
+    for noisy in ("nats", "asyncio", "gguf"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 

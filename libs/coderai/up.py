@@ -1,0 +1,221 @@
+"""`coderai up`: the whole stack on this machine, with nothing installed by hand beyond the package.
+
+Starts an embedded `nats-server` (JetStream) and `redis-server`, then every service as a supervised child
+process and one worker for this machine. On first run it builds a small GGUF model offline and creates an
+API key; it prints the base URL, the key and an SDK example. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
+from coderai.runtime.logging import setup_logging
+from coderai.runtime.supervisor import Child, Supervisor
+
+DEFAULT_MODEL = "coderai-tiny"
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def ensure_default_model(data: Path) -> Path:
+    """Build the tiny GGUF once (about a second, offline) and write a models file that serves it."""
+    models_file = data / "models.toml"
+    gguf = data / "models" / f"{DEFAULT_MODEL}.gguf"
+    if not gguf.exists():
+        try:
+            from coderai.testing.tiny_gguf import build_tiny_gguf
+        except ImportError:
+            raise SystemExit("coderai up: building the default model needs the llama extra: pip install 'coderai[llama]'")
+        print(f"first run: building the default model {DEFAULT_MODEL} (offline, random weights) ...", flush=True)
+        build_tiny_gguf(gguf, name=DEFAULT_MODEL)
+    if not models_file.exists():
+        models_file.write_text(
+            "# Models this box serves. Add your own GGUF files here; see docs/architecture.md.\n"
+            "[[models]]\n"
+            f'name = "{DEFAULT_MODEL}"\n'
+            'engine = "llama"\n'
+            f'path = "{gguf}"\n'
+            "params = { n_ctx = 2048 }\n"
+        )
+    return models_file
+
+
+def ensure_api_key(data: Path) -> tuple[Path, str]:
+    """Create an admin key on first run: its hash in keys.toml, the key itself in admin.key (mode 0600)."""
+    from coderai.gateway.auth import KeyRecord, hash_key, new_key, write_keys
+
+    keys_file, key_file = data / "keys.toml", data / "admin.key"
+    if keys_file.exists() and key_file.exists():
+        return keys_file, key_file.read_text().strip()
+    key = new_key()
+    write_keys(str(keys_file), [KeyRecord(name="admin", sha256=hash_key(key), scopes=["inference", "admin"])])
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return keys_file, key
+
+
+def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: float) -> None:
+    """Ready means a real one-token chat answer came back through the whole stack."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).encode()
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        sup.tick()
+        req = urllib.request.Request(f"{base}/chat/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise TimeoutError(f"the stack did not answer a chat request within {timeout_s:.0f}s (last: {last})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="coderai up", description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"), help="state directory (default ~/.coderai)")
+    ap.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    ap.add_argument("--nats-port", type=int, default=0, help="NATS port (default: a free one)")
+    ap.add_argument("--redis-port", type=int, default=0, help="Redis port (default: a free one)")
+    ap.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (default 9464, else a free one)")
+    ap.add_argument("--models-file", help="TOML of [[models]] to serve (default: the built-in tiny model)")
+    ap.add_argument("--no-auth", action="store_true", help="no API key (only with a loopback --host)")
+    ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the first answer")
+    args = ap.parse_args(argv)
+
+    data = Path(os.path.expanduser(args.data_dir)).resolve()
+    (data / "logs").mkdir(parents=True, exist_ok=True)
+    setup_logging("up", fmt="text")
+    if not _port_free(args.host, args.port):
+        print(f"coderai up: port {args.port} on {args.host} is in use; pass --port", file=sys.stderr)
+        return 2
+    metrics_port = args.metrics_port if _port_free("127.0.0.1", args.metrics_port) else free_port()
+
+    stopping = False
+
+    def _stop(signum, _frame):
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        print("\nstopping ...", flush=True)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+    nats = redis = None
+    sup = Supervisor()
+    try:
+        try:
+            nats = NatsServer(data / "nats", port=args.nats_port or None).start(log_file=data / "logs" / "nats.log")
+            redis = RedisServer(data / "redis", port=args.redis_port or None).start(log_file=data / "logs" / "redis.log")
+        except EmbeddedServerError as exc:
+            print(f"coderai up: {exc}", file=sys.stderr)
+            return 2
+        models_file = Path(args.models_file).resolve() if args.models_file else ensure_default_model(data)
+        key = ""
+        gateway_args = ["--host", args.host, "--port", str(args.port)]
+        if args.no_auth:
+            gateway_args.append("--no-auth")
+        else:
+            keys_file, key = ensure_api_key(data)
+            gateway_args += ["--api-keys-file", str(keys_file)]
+        env = {
+            **os.environ,
+            "CODERAI_NATS_URL": nats.url,
+            "CODERAI_DATA_DIR": str(data),
+            "CODERAI_LOG_FORMAT": "json",
+            "CODERAI_METRICS_REDIS_URL": redis.url,
+            "CODERAI_METRICS_PORT": str(metrics_port),
+        }
+        py = [sys.executable, "-m"]
+        for name, module, extra in [
+            ("router", "coderai.router", []),
+            ("scheduler", "coderai.scheduler", ["--models-file", str(models_file)]),
+            ("pod-broker", "coderai.pod_broker", []),
+            ("metrics", "coderai.metrics", []),
+            ("worker", "coderai.engine_worker", []),
+            ("gateway", "coderai.gateway", gateway_args),
+        ]:
+            sup.add(Child(name, py + [module, *extra], env, data / "logs" / f"{name}.log"))
+        run = data / "run"
+        run.mkdir(exist_ok=True)
+        base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
+        (run / "up.json").write_text(json.dumps({
+            "pid": os.getpid(), "base_url": base, "nats_url": nats.url, "redis_url": redis.url,
+            "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+            "pids": {c.name: c.proc.pid for c in sup.children} | {"nats": nats.proc.pid, "redis": redis.proc.pid},
+        }, indent=2))
+
+        from coderai.scheduler.models_file import load_models
+
+        first = load_models(str(models_file))[0].name
+        try:
+            wait_ready(base, key, first, sup, args.ready_timeout)
+        except TimeoutError as exc:
+            if not stopping:
+                print(f"coderai up: {exc}; see the logs in {data / 'logs'}", file=sys.stderr)
+                return 1
+        if not stopping:
+            print(banner(base, key, first, nats.url, metrics_port, data), flush=True)
+        while not stopping:
+            sup.tick()
+            time.sleep(0.25)
+        return 0
+    finally:
+        sup.stop()
+        if redis:
+            redis.stop()
+        if nats:
+            nats.stop()
+        print("stopped", flush=True)
+
+
+def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path) -> str:
+    shown_key = key or "anything (auth is off)"
+    return f"""
+coderai is up.
+
+  base URL   {base}
+  API key    {shown_key}{"" if not key else f"   (kept in {data / 'admin.key'})"}
+  model      {model}
+  NATS       {nats_url}
+  metrics    http://127.0.0.1:{metrics_port}/metrics
+  logs       {data / 'logs'}
+
+Try it with the official SDK:
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}", api_key="{key or 'none'}")
+  r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+  print(r.choices[0].message.content)
+
+Ctrl-C stops everything.
+ready"""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

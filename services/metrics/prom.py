@@ -1,0 +1,44 @@
+"""Prometheus series and how one event changes them. Pure: no I/O beyond the registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from coderai.contracts import Heartbeat, RequestCompleted
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Series:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("coderai_requests", "API requests finished", ["key", "model", "kind", "status", "engine"], registry=r)
+        self.seconds = Histogram("coderai_request_seconds", "API request duration", ["model", "kind", "status"], buckets=BUCKETS, registry=r)
+        self.ttft = Histogram("coderai_ttft_seconds", "time to the first token or part", ["model", "kind"], buckets=BUCKETS, registry=r)
+        self.tokens = Counter("coderai_tokens", "tokens processed", ["key", "model", "type"], registry=r)
+        self.in_flight = Gauge("coderai_engine_in_flight", "jobs running or queued per engine", ["node", "engine", "model"], registry=r)
+        self.served = Gauge("coderai_engine_served", "jobs an engine has finished since it loaded", ["node", "engine", "model"], registry=r)
+        self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
+        self._engines: dict[str, set[tuple[str, str, str]]] = {}
+
+    def on_request(self, e: RequestCompleted) -> None:
+        self.requests.labels(e.key_name, e.model, e.op, e.status, e.engine_id).inc()
+        self.seconds.labels(e.model, e.op, e.status).observe(e.duration_s)
+        if e.ttft_s is not None and e.status == "ok":
+            self.ttft.labels(e.model, e.op).observe(e.ttft_s)
+        if e.prompt_tokens:
+            self.tokens.labels(e.key_name, e.model, "prompt").inc(e.prompt_tokens)
+        if e.completion_tokens:
+            self.tokens.labels(e.key_name, e.model, "completion").inc(e.completion_tokens)
+
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        self.mem_free.labels(hb.node_id).set(hb.mem_free)
+        now = {(hb.node_id, e.engine_id, e.model) for e in hb.engines}
+        for gone in self._engines.get(hb.node_id, set()) - now:
+            self.in_flight.remove(*gone)
+            self.served.remove(*gone)
+        self._engines[hb.node_id] = now
+        for e in hb.engines:
+            self.in_flight.labels(hb.node_id, e.engine_id, e.model).set(e.in_flight)
+            self.served.labels(hb.node_id, e.engine_id, e.model).set(e.served)

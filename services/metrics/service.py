@@ -1,0 +1,90 @@
+"""Metrics lifecycle: consume `request.completed` from EVENTS (durable), follow heartbeats, serve /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from coderai.contracts import Heartbeat, RequestCompleted, decode
+from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT
+from coderai.contracts.topology import EVENTS
+from coderai.metrics import usage
+from coderai.metrics.prom import Series
+from coderai.metrics.settings import MetricsSettings
+from coderai.runtime.bus import Bus
+
+log = logging.getLogger("coderai.metrics")
+
+
+class Metrics:
+    def __init__(self, settings: MetricsSettings) -> None:
+        self.settings = settings
+        self.series = Series()
+        self.redis: Any = None
+
+    async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+        s = self.settings
+        server, thread = start_http_server(s.port, s.host, registry=self.series.registry)
+        stack.callback(server.shutdown)
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", s.host, s.port)
+        if s.redis_url:
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.from_url(s.redis_url)
+            stack.push_async_callback(self.redis.aclose)
+        self.bus = await Bus.connect(s.nats_url, "metrics")
+        stack.push_async_callback(self.bus.close)
+        await self.bus.ensure_stream(EVENTS)
+        hb = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
+        stack.push_async_callback(hb.unsubscribe)
+        task = asyncio.create_task(self._consume())
+        stack.callback(task.cancel)
+
+    async def _on_heartbeat(self, m: Any) -> None:
+        try:
+            self.series.on_heartbeat(decode(m.data, Heartbeat))
+        except Exception as exc:  # noqa: BLE001 - a bad heartbeat must not stop metrics
+            log.debug("bad heartbeat: %s", exc)
+
+    async def _consume(self) -> None:
+        """Pull events in batches and ack each after it is counted; restarted after bus trouble."""
+        while True:
+            try:
+                sub = await self.bus.js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=self.settings.consumer, stream=EVENTS.name)
+                while True:
+                    try:
+                        msgs = await sub.fetch(batch=256, timeout=1.0)
+                    except asyncio.TimeoutError:
+                        continue
+                    for m in msgs:
+                        await self._handle(m)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
+                log.warning("event consumer stopped (%s); restarting", exc)
+                await asyncio.sleep(0.5)
+
+    async def _handle(self, m: Any) -> None:
+        try:
+            e = decode(m.data, RequestCompleted)
+        except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
+            log.warning("dropping malformed event: %s", exc)
+            await m.term()
+            return
+        self.series.on_request(e)
+        if self.redis is not None:
+            try:
+                await usage.record(self.redis, e)
+            except Exception as exc:  # noqa: BLE001 - redelivered later
+                log.warning("usage not recorded (%s); will retry", exc)
+                await m.nak(delay=1.0)
+                return
+        await m.ack()
+
+
+def make(settings: MetricsSettings):
+    return Metrics(settings).start
