@@ -22,7 +22,7 @@ from coderai.contracts import (
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
-from coderai.engine_worker.engines.base import CancelFlag, Cancelled
+from coderai.engine_worker.engines.base import CancelFlag
 from coderai.runtime.bus import Bus, FrameWriter
 from coderai.runtime.logging import request_id_var
 
@@ -179,8 +179,6 @@ class EngineHost:
                 ttft = time.monotonic() - t0
             await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, usage=usage, ttft_s=ttft))
             self.served += 1
-        except Cancelled:
-            await writer.send(ErrorReply(code="cancelled", message="cancelled by the caller", seq=writer.next_seq()))
         except ValueError as exc:  # llama-cpp-python's word for a prompt it cannot take (e.g. longer than n_ctx)
             await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
         except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed

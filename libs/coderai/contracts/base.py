@@ -10,7 +10,10 @@ T = TypeVar("T")
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """A bus payload: immutable, keyword-only, strict about unknown fields, JSON on the wire."""
+    """A bus payload: immutable, keyword-only, strict about unknown fields, JSON on the wire.
+
+    msgspec applies `kw_only` to the fields a class itself defines, so every message class repeats it.
+    """
 
 
 _encoder = msgspec.json.Encoder()

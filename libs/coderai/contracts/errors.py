@@ -18,7 +18,7 @@ ErrorCode = Literal[
 ]
 
 
-class ErrorReply(Message, frozen=True, tag="error", tag_field="t"):
+class ErrorReply(Message, frozen=True, kw_only=True, tag="error", tag_field="t"):
     """A failed reply. `retryable` tells the caller whether another engine or a later try may succeed."""
 
     code: ErrorCode

@@ -8,7 +8,7 @@ from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op, RequestId
 
 
-class RequestCompleted(Message, frozen=True, tag="request.completed", tag_field="t"):
+class RequestCompleted(Message, frozen=True, kw_only=True, tag="request.completed", tag_field="t"):
     """One API request finished, well or not. `status` is "ok" or the error code given to the client."""
 
     request_id: RequestId
@@ -27,7 +27,7 @@ class RequestCompleted(Message, frozen=True, tag="request.completed", tag_field=
     stream: bool = False
 
 
-class ModelLoaded(Message, frozen=True, tag="model.loaded", tag_field="t"):
+class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_field="t"):
     node_id: str
     engine_id: str
     model: str

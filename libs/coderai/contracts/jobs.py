@@ -18,7 +18,7 @@ Op = Literal["chat", "complete", "embed", "rerank", "image", "speech", "transcri
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "cancelled"]
 
 
-class SamplingParams(Message, frozen=True):
+class SamplingParams(Message, frozen=True, kw_only=True):
     """Generation knobs common to chat and completions (OpenAI names)."""
 
     max_tokens: int | None = None
@@ -31,7 +31,7 @@ class SamplingParams(Message, frozen=True):
     n: int = 1
 
 
-class ChatJob(Message, frozen=True):
+class ChatJob(Message, frozen=True, kw_only=True):
     """One chat completion. `messages`, `tools`, `tool_choice` and `response_format` are OpenAI-shaped JSON."""
 
     request_id: RequestId
@@ -44,7 +44,7 @@ class ChatJob(Message, frozen=True):
     stream: bool = False
 
 
-class CompletionJob(Message, frozen=True):
+class CompletionJob(Message, frozen=True, kw_only=True):
     """One text completion of a raw prompt."""
 
     request_id: RequestId
@@ -55,19 +55,19 @@ class CompletionJob(Message, frozen=True):
     stream: bool = False
 
 
-class CancelJob(Message, frozen=True):
+class CancelJob(Message, frozen=True, kw_only=True):
     """Tells an engine to stop generating for a request whose caller went away."""
 
     request_id: RequestId
 
 
-class Usage(Message, frozen=True):
+class Usage(Message, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-class Choice(Message, frozen=True):
+class Choice(Message, frozen=True, kw_only=True):
     """A finished choice: `message` for chat (OpenAI message JSON), `text` for completions."""
 
     index: int = 0
@@ -76,7 +76,7 @@ class Choice(Message, frozen=True):
     finish_reason: FinishReason | None = None
 
 
-class Chunk(Message, frozen=True, tag="chunk", tag_field="t"):
+class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
     """A streamed delta: for chat an OpenAI `delta` object, for completions a text piece."""
 
     seq: int
@@ -86,13 +86,13 @@ class Chunk(Message, frozen=True, tag="chunk", tag_field="t"):
     finish_reason: FinishReason | None = None
 
 
-class KeepAlive(Message, frozen=True, tag="keepalive", tag_field="t"):
+class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="t"):
     """Sent while the engine is busy but has produced nothing new (prefill, queueing)."""
 
     seq: int
 
 
-class Final(Message, frozen=True, tag="final", tag_field="t"):
+class Final(Message, frozen=True, kw_only=True, tag="final", tag_field="t"):
     """The terminal success frame. Streaming jobs leave `choices` empty: the chunks carried them."""
 
     seq: int

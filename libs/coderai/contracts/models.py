@@ -21,7 +21,7 @@ DEFAULT_OPS: dict[str, list[Op]] = {
 }
 
 
-class ModelConfig(Message, frozen=True):
+class ModelConfig(Message, frozen=True, kw_only=True):
     """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...).
 
     `nodes` restricts placement to the named nodes; empty means every node that runs the engine family.

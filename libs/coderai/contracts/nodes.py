@@ -11,7 +11,7 @@ from coderai.contracts.models import ModelConfig
 EngineState = Literal["loading", "ready", "failed", "unloading"]
 
 
-class EngineStatus(Message, frozen=True):
+class EngineStatus(Message, frozen=True, kw_only=True):
     """One engine on a node: a loaded (or loading) model and how busy it is."""
 
     engine_id: str
@@ -24,7 +24,7 @@ class EngineStatus(Message, frozen=True):
     error: str | None = None
 
 
-class Heartbeat(Message, frozen=True):
+class Heartbeat(Message, frozen=True, kw_only=True):
     """Published by every worker every ~2 s; also what the scheduler stores in `coderai_nodes`."""
 
     node_id: str
@@ -41,7 +41,7 @@ class Heartbeat(Message, frozen=True):
     vram_free: int = 0
 
 
-class Assignment(Message, frozen=True):
+class Assignment(Message, frozen=True, kw_only=True):
     """What one node should have loaded; the worker watches its own key and converges on it."""
 
     node_id: str

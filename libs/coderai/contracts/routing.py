@@ -10,7 +10,7 @@ from coderai.contracts.jobs import Op, RequestId
 RouteReason = Literal["pin", "session", "user", "prefix", "least_busy", "fallback"]
 
 
-class RouteRequest(Message, frozen=True):
+class RouteRequest(Message, frozen=True, kw_only=True):
     """Ask the router for an engine. `exclude` lists engines that already failed this request."""
 
     request_id: RequestId
@@ -20,7 +20,7 @@ class RouteRequest(Message, frozen=True):
     exclude: list[str] = []
 
 
-class RouteDecision(Message, frozen=True, tag="route", tag_field="t"):
+class RouteDecision(Message, frozen=True, kw_only=True, tag="route", tag_field="t"):
     engine_id: str
     node_id: str
     reason: RouteReason

@@ -27,10 +27,6 @@ class Engine:
         """Free the model's memory."""
 
 
-class Cancelled(Exception):
-    """Raised inside an engine thread when the caller went away."""
-
-
 class CancelFlag:
     """A per-request flag the engine checks between tokens."""
 

@@ -3,8 +3,9 @@
 One `Llama` object is not thread-safe, so the worker runs all of an engine's jobs on one thread, in arrival
 order; llama.cpp then reuses the longest common token prefix with the previous job's KV cache by itself.
 Generation checks the request's cancel flag on every token through a logits processor (the one per-token hook
-`create_chat_completion` offers), which raises to abort and also counts tokens for `usage` when streaming
-(llama-cpp-python reports usage only for non-streamed answers).
+`create_chat_completion` offers). It runs as a C callback, where an exception would be swallowed, so a cancelled
+request is stopped by forcing the end-of-sequence token instead. The same hook counts tokens for `usage` when
+streaming (llama-cpp-python reports usage only for non-streamed answers).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
-from coderai.engine_worker.engines.base import CancelFlag, Cancelled, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadError
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
@@ -23,16 +24,19 @@ DEFAULTS: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "verbose": False}
 
 
 class _Meter:
-    """Logits processor: aborts on cancel; counts prompt and generated tokens."""
+    """Logits processor: forces end-of-sequence once cancelled; counts prompt and generated tokens."""
 
-    def __init__(self, cancel: CancelFlag) -> None:
+    def __init__(self, cancel: CancelFlag, eos: int) -> None:
         self.cancel = cancel
+        self.eos = eos
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         if self.cancel:
-            raise Cancelled()
+            scores[:] = -float("inf")
+            scores[self.eos] = 0.0
+            return scores
         if self.completion_tokens == 0:
             self.prompt_tokens = len(input_ids)
         self.completion_tokens += 1
@@ -83,6 +87,9 @@ class LlamaEngine(Engine):
             self.llm.close()
             self.llm = None
 
+    def _meter(self, cancel: CancelFlag) -> _Meter:
+        return _Meter(cancel, self.llm.token_eos())
+
     def cache_tokens(self) -> int:
         """Tokens currently held in the KV cache (what a repeated prefix can reuse)."""
         return int(getattr(self.llm, "n_tokens", 0) or 0)
@@ -96,7 +103,7 @@ class LlamaEngine(Engine):
         if job.tool_choice is not None:
             kwargs["tool_choice"] = job.tool_choice
         if job.response_format:
-            kwargs["response_format"] = job.response_format
+            kwargs["response_format"] = _response_format(job.response_format)
 
         def run(meter: _Meter, stream: bool) -> Any:
             return self.llm.create_chat_completion(
@@ -104,22 +111,21 @@ class LlamaEngine(Engine):
             )
 
         if emit is not None:
-            meter = _Meter(cancel)
-            try:
-                for chunk in run(meter, True):
-                    c = chunk["choices"][0]
-                    delta = {k: v for k, v in (c.get("delta") or {}).items() if v is not None}
-                    finish = c.get("finish_reason")
-                    if delta or finish:
-                        emit(delta or None, None, _finish(finish) if finish else None)
-            except Cancelled:
-                pass
+            meter = self._meter(cancel)
+            for chunk in run(meter, True):
+                if cancel:
+                    break  # closing the generator ends llama.cpp's decode loop
+                c = chunk["choices"][0]
+                delta = {k: v for k, v in (c.get("delta") or {}).items() if v is not None}
+                finish = c.get("finish_reason")
+                if delta or finish:
+                    emit(delta or None, None, _finish(finish) if finish else None)
             return [], meter.usage()
 
         choices: list[Choice] = []
         usage = Usage()
         for i in range(max(1, job.params.n)):
-            r = run(_Meter(cancel), False)
+            r = run(self._meter(cancel), False)
             c = r["choices"][0]
             msg = {k: v for k, v in c["message"].items() if v is not None}
             choices.append(Choice(index=i, message=msg, finish_reason=_finish(c.get("finish_reason"))))
@@ -138,25 +144,32 @@ class LlamaEngine(Engine):
             )
 
         if emit is not None:
-            meter = _Meter(cancel)
-            try:
-                for chunk in run(meter, True):
-                    c = chunk["choices"][0]
-                    finish = c.get("finish_reason")
-                    if c.get("text") or finish:
-                        emit(None, c.get("text") or "", _finish(finish) if finish else None)
-            except Cancelled:
-                pass
+            meter = self._meter(cancel)
+            for chunk in run(meter, True):
+                if cancel:
+                    break
+                c = chunk["choices"][0]
+                finish = c.get("finish_reason")
+                if c.get("text") or finish:
+                    emit(None, c.get("text") or "", _finish(finish) if finish else None)
             return [], meter.usage()
 
         choices: list[Choice] = []
         usage = Usage()
         for i in range(max(1, job.params.n)):
-            r = run(_Meter(cancel), False)
+            r = run(self._meter(cancel), False)
             c = r["choices"][0]
             choices.append(Choice(index=i, text=c["text"], finish_reason=_finish(c.get("finish_reason"))))
             usage = _add(usage, r.get("usage"))
         return choices, usage
+
+
+def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `json_schema` format becomes llama-cpp-python's `json_object` with a schema (grammar-enforced)."""
+    if rf.get("type") == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        return {"type": "json_object", "schema": schema} if schema else {"type": "json_object"}
+    return rf
 
 
 def _finish(reason: str | None) -> Any:

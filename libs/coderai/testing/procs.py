@@ -1,0 +1,100 @@
+"""Real service processes for integration tests: started with `python -m`, logs to a file, readiness read
+from the log or polled with a deadline, never slept for."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ProcessDied(RuntimeError):
+    """A process a test waits on is gone; waiting longer cannot help."""
+
+
+class ServiceProcess:
+    """One `python -m <module>` child in its own process group (so granian's workers stop with it)."""
+
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.module = module
+        self.args = args
+        self.env = env
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServiceProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        return self
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_log(self, needle: str, timeout_s: float = 30.0, after: int = 0) -> None:
+        """Poll the log until `needle` appears past offset `after`; fail early if the process died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if needle in self.log_text()[after:]:
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ProcessDied(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: no {needle!r} in its log within {timeout_s}s:\n{self.log_text()[-3000:]}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group, as a crash or a pulled plug would."""
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait for a graceful exit; SIGKILL the group after the deadline."""
+        if self.proc is None:
+            return None
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
+        self.proc.wait()
+        return self.proc.returncode
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll `predicate()` until it returns something truthy (returned); TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except ProcessDied:
+            raise
+        except Exception as exc:  # noqa: BLE001 - remembered for the timeout message
+            last_exc = exc
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")

@@ -1,0 +1,40 @@
+"""Session fixtures: a real nats-server (JetStream) and redis-server on random loopback ports, and a tiny GGUF."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from coderai.runtime.embedded import NatsServer, RedisServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    pytest.importorskip("gguf")
+    from coderai.testing.tiny_gguf import build_tiny_gguf
+
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    build_tiny_gguf(path)
+    return path
+
+
+@pytest.fixture
+def unique() -> str:
+    """A token for per-test subjects and buckets."""
+    return uuid.uuid4().hex[:10]

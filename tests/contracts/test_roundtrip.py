@@ -1,0 +1,82 @@
+"""Every bus message survives encode -> decode unchanged, and strictness holds."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from coderai.contracts import (
+    Assignment, CancelJob, ChatJob, Choice, Chunk, CompletionJob, EngineStatus, ErrorReply, Final, Frame,
+    Heartbeat, KeepAlive, ModelConfig, ModelLoaded, RequestCompleted, RouteDecision, RouteRequest,
+    SamplingParams, Usage, decode, encode,
+)
+from coderai.contracts.events import Event
+from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest, PodInfo
+
+MODEL = ModelConfig(name="qwen2.5:7b", engine="llama", path="/m/q.gguf", params={"n_ctx": 4096}, nodes=["a"])
+SAMPLES = [
+    SamplingParams(max_tokens=5, temperature=0.5, stop=["\n"], seed=3, n=2),
+    ChatJob(request_id="r1", model="m", messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="auto", response_format={"type": "json_object"}, stream=True, params=SamplingParams(top_p=0.9)),
+    CompletionJob(request_id="r2", model="m", prompt="def", echo=True),
+    CancelJob(request_id="r3"),
+    Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+    Choice(index=1, message={"role": "assistant", "content": "x"}, finish_reason="stop"),
+    Chunk(seq=1, delta={"content": "a"}),
+    KeepAlive(seq=2),
+    Final(seq=3, engine_id="e", choices=[Choice(text="t", finish_reason="length")], usage=Usage(total_tokens=1), ttft_s=0.1),
+    ErrorReply(code="no_engine", message="none", retryable=True, seq=4),
+    RouteRequest(request_id="r", model="m", op="chat", affinity=["k"], exclude=["e1"]),
+    RouteDecision(engine_id="e", node_id="n", reason="least_busy"),
+    EngineStatus(engine_id="e", model="m", engine="llama", ops=["chat"], state="ready", in_flight=2, served=9),
+    Heartbeat(node_id="n", version="0", seq=1, ts=1.5, host="h", capabilities=["llama"],
+              engines=[EngineStatus(engine_id="e", model="m", engine="llama", ops=["chat"], state="loading")], mem_total=10, mem_free=5),
+    MODEL,
+    Assignment(node_id="n", models=[MODEL]),
+    RequestCompleted(request_id="r", ts=1.0, key_name="k", model="m", op="chat", status="ok", http_status=200, ttft_s=0.2),
+    ModelLoaded(node_id="n", engine_id="e", model="m", load_s=0.1, ts=2.0),
+    BrokerStatusRequest(),
+    BrokerStatus(configured=True, pods=[PodInfo(pod_id="p", gpu_type="A40", hourly_usd=0.4, state="running")]),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    data = encode(msg)
+    assert decode(data, type(msg)) == msg
+    # readable JSON on the wire, as `nats sub` shows it
+    assert isinstance(msgspec.json.decode(data), dict)
+
+
+@pytest.mark.parametrize("frame", [Chunk(seq=1, text="x"), KeepAlive(seq=2), Final(seq=3, engine_id="e"), ErrorReply(code="timeout", message="m")])
+def test_frames_decode_as_the_tagged_union(frame):
+    assert decode(encode(frame), Frame) == frame
+
+
+def test_events_decode_as_the_tagged_union():
+    e = RequestCompleted(request_id="r", ts=1.0, key_name="k", model="m", op="chat", status="ok", http_status=200)
+    assert decode(encode(e), Event) == e
+
+
+def test_unknown_fields_are_rejected():
+    data = msgspec.json.encode({"request_id": "r", "surprise": 1})
+    with pytest.raises(msgspec.ValidationError, match="surprise"):
+        decode(data, CancelJob)
+
+
+def test_structs_are_frozen_and_keyword_only():
+    job = CancelJob(request_id="r")
+    with pytest.raises(AttributeError):
+        job.request_id = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CancelJob("r")  # type: ignore[misc]
+
+
+def test_bad_literal_is_rejected():
+    with pytest.raises(msgspec.ValidationError):
+        decode(b'{"t":"error","code":"nonsense","message":"x"}', ErrorReply)
+
+
+def test_model_serves_family_default_ops():
+    assert MODEL.serves() == ["chat", "complete"]
+    assert ModelConfig(name="e", engine="llama", path="p", ops=["complete"]).serves() == ["complete"]

@@ -1,0 +1,174 @@
+"""Routing is pure: the engine table follows heartbeats, and pick() chooses the least loaded live holder."""
+
+from __future__ import annotations
+
+from coderai.contracts import EngineStatus, Heartbeat, RouteDecision, RouteRequest
+from coderai.router.picking import EngineTable, EngineView, pick
+
+
+def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0) -> EngineStatus:
+    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight)
+
+
+def hb(node: str, *engines: EngineStatus, seq: int = 1) -> Heartbeat:
+    return Heartbeat(node_id=node, version="0", seq=seq, ts=0.0, host=node, capabilities=["llama"], engines=list(engines))
+
+
+def req(model: str = "m", op: str = "chat", exclude=()) -> RouteRequest:
+    return RouteRequest(request_id="r", model=model, op=op, exclude=list(exclude))
+
+
+def test_engine_view_load_counts_picks_not_yet_seen_by_a_heartbeat():
+    v = EngineView("e", "n", "m", frozenset({"chat"}), in_flight=3, picks_since_hb=2)
+    assert v.load == 5
+
+
+def test_apply_keeps_only_ready_engines():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1"), engine("e2", state="loading"), engine("e3", state="failed"),
+               engine("e4", state="unloading")), now=0.0)
+    assert set(t.engines) == {"e1"}
+    v = t.engines["e1"]
+    assert (v.node_id, v.model, v.ops, v.in_flight, v.picks_since_hb) == ("n1", "m", frozenset({"chat", "complete"}), 0, 0)
+    assert t.node_seen == {"n1": 0.0}
+
+
+def test_apply_replaces_the_nodes_engines_and_leaves_other_nodes_alone():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1"), engine("e2")), now=0.0)
+    t.apply(hb("n2", engine("e9")), now=0.0)
+    t.apply(hb("n1", engine("e3", in_flight=4), seq=2), now=1.0)
+    assert set(t.engines) == {"e3", "e9"}
+    assert t.engines["e3"].in_flight == 4
+    assert t.node_seen == {"n1": 1.0, "n2": 0.0}
+
+
+def test_apply_with_no_ready_engines_empties_the_node_but_keeps_it_alive():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1")), now=0.0)
+    t.apply(hb("n1", engine("e1", state="unloading")), now=1.0)
+    assert t.engines == {}
+    assert t.node_seen == {"n1": 1.0}
+
+
+def test_expire_drops_silent_nodes_and_returns_their_ids():
+    t = EngineTable(ttl_s=6.0)
+    t.apply(hb("old", engine("e1"), engine("e2")), now=0.0)
+    t.apply(hb("fresh", engine("e3")), now=5.0)
+    assert t.expire(now=6.0) == []  # exactly at the TTL is still alive
+    assert set(t.engines) == {"e1", "e2", "e3"}
+    assert t.expire(now=6.5) == ["old"]
+    assert set(t.engines) == {"e3"}
+    assert set(t.node_seen) == {"fresh"}
+    assert t.expire(now=6.5) == []
+    assert sorted(t.expire(now=100.0)) == ["fresh"]
+    assert t.engines == {} and t.node_seen == {}
+
+
+def test_expire_honours_a_custom_ttl():
+    t = EngineTable(ttl_s=1.0)
+    t.apply(hb("n1", engine("e1")), now=10.0)
+    assert t.expire(now=11.0) == []
+    assert t.expire(now=11.01) == ["n1"]
+
+
+def test_holders_filter_by_model_and_op():
+    t = EngineTable()
+    t.apply(hb("n1", engine("chat-a", model="a", ops=["chat"]), engine("emb-a", model="a", ops=["embed"]),
+               engine("chat-b", model="b", ops=["chat", "complete"])), now=0.0)
+    assert [v.engine_id for v in t.holders("a", "chat")] == ["chat-a"]
+    assert [v.engine_id for v in t.holders("a", "embed")] == ["emb-a"]
+    assert [v.engine_id for v in t.holders("b", "complete")] == ["chat-b"]
+    assert t.holders("b", "embed") == []
+    assert t.holders("zzz", "chat") == []
+
+
+def test_pick_returns_none_when_nothing_holds_the_model_or_op():
+    t = EngineTable()
+    assert pick(t, req()) is None
+    t.apply(hb("n1", engine("e1", model="other")), now=0.0)
+    assert pick(t, req(model="m")) is None
+    assert pick(t, req(model="other", op="embed")) is None
+
+
+def test_pick_chooses_the_least_loaded_engine():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1", in_flight=5)), now=0.0)
+    t.apply(hb("n2", engine("e2", in_flight=1), engine("e3", in_flight=3)), now=0.0)
+    d = pick(t, req())
+    assert d == RouteDecision(engine_id="e2", node_id="n2", reason="least_busy")
+
+
+def test_pick_breaks_ties_by_lowest_engine_id():
+    t = EngineTable()
+    t.apply(hb("n2", engine("e-b", in_flight=2)), now=0.0)
+    t.apply(hb("n1", engine("e-c", in_flight=2), engine("e-a", in_flight=2)), now=0.0)
+    d = pick(t, req())
+    assert (d.engine_id, d.node_id) == ("e-a", "n1")
+
+
+def test_pick_counts_against_the_chosen_engine_so_consecutive_picks_spread():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1"), engine("e2"), engine("e3", in_flight=1)), now=0.0)
+    chosen = [pick(t, req()).engine_id for _ in range(6)]
+    # e1/e2 start at 0, e3 at 1: load climbs evenly, ties going to the lowest id each round.
+    assert chosen == ["e1", "e2", "e1", "e2", "e3", "e1"]
+    assert {e: v.picks_since_hb for e, v in t.engines.items()} == {"e1": 3, "e2": 2, "e3": 1}
+    assert {e: v.load for e, v in t.engines.items()} == {"e1": 3, "e2": 2, "e3": 2}
+
+
+def test_a_heartbeat_resets_the_pick_counters_of_its_node_only():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1")), now=0.0)
+    t.apply(hb("n2", engine("e2")), now=0.0)
+    for _ in range(4):
+        pick(t, req())
+    assert t.engines["e1"].picks_since_hb == 2 and t.engines["e2"].picks_since_hb == 2
+    t.apply(hb("n1", engine("e1", in_flight=2), seq=2), now=1.0)
+    assert t.engines["e1"].picks_since_hb == 0 and t.engines["e1"].load == 2
+    assert t.engines["e2"].picks_since_hb == 2
+
+
+def test_a_heartbeat_with_higher_in_flight_moves_traffic_elsewhere():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1")), now=0.0)
+    t.apply(hb("n2", engine("e2", in_flight=1)), now=0.0)
+    assert pick(t, req()).engine_id == "e1"
+    t.apply(hb("n1", engine("e1", in_flight=7), seq=2), now=1.0)
+    assert pick(t, req()).engine_id == "e2"
+
+
+def test_pick_skips_excluded_engines():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1"), engine("e2", in_flight=9)), now=0.0)
+    assert pick(t, req(exclude=["e1"])).engine_id == "e2"
+    assert t.engines["e1"].picks_since_hb == 0  # an excluded engine is not charged
+    assert pick(t, req(exclude=["e1", "e2"])) is None
+    assert pick(t, req(exclude=["unknown"])).engine_id == "e1"
+
+
+def test_pick_does_not_charge_anyone_when_it_returns_none():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1", model="a")), now=0.0)
+    assert pick(t, req(model="b")) is None
+    assert t.engines["e1"].picks_since_hb == 0
+
+
+def test_expired_nodes_are_not_picked():
+    t = EngineTable(ttl_s=6.0)
+    t.apply(hb("dead", engine("e0")), now=0.0)
+    t.apply(hb("live", engine("e9", in_flight=10)), now=5.0)
+    assert pick(t, req()).engine_id == "e0"
+    assert t.expire(now=7.0) == ["dead"]
+    assert pick(t, req()).engine_id == "e9"
+    assert t.expire(now=20.0) == ["live"]
+    assert pick(t, req()) is None
+
+
+def test_a_node_that_comes_back_after_expiry_is_picked_again():
+    t = EngineTable(ttl_s=1.0)
+    t.apply(hb("n1", engine("e1")), now=0.0)
+    t.expire(now=5.0)
+    assert pick(t, req()) is None
+    t.apply(hb("n1", engine("e1"), seq=2), now=5.0)
+    assert pick(t, req()) == RouteDecision(engine_id="e1", node_id="n1", reason="least_busy")

@@ -1,0 +1,175 @@
+"""The bus helpers against a real nats-server: typed request/reply, streamed frames, KV revision checks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coderai.contracts import (
+    BusError, CancelJob, ChatJob, Chunk, ErrorReply, Final, Frame, KeepAlive, RouteDecision, RouteRequest, decode,
+)
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, ROUTE_PICK, Subject
+from coderai.contracts.topology import BucketSpec
+from coderai.runtime.bus import Bus, FrameWriter
+from coderai.runtime.kv import RevisionCache, put_if_changed
+
+
+@pytest.fixture
+async def bus(nats_server):
+    b = await Bus.connect(nats_server.url, "test")
+    yield b
+    await b.close()
+
+
+def _subject(unique: str) -> Subject:
+    # a per-test subject with the route contract, so tests never see each other's traffic
+    return Subject(f"test.{unique}.pick", RouteRequest, RouteDecision)
+
+
+async def test_typed_request_reply(bus, unique):
+    subj = _subject(unique)
+
+    async def handler(req: RouteRequest, _m):
+        return RouteDecision(engine_id=f"e-{req.model}", node_id="n", reason="least_busy")
+
+    await bus.serve(subj, handler)
+    out = await bus.request(subj, RouteRequest(request_id="r", model="m1", op="chat"))
+    assert out == RouteDecision(engine_id="e-m1", node_id="n", reason="least_busy")
+
+
+async def test_handler_errors_come_back_typed(bus, unique):
+    subj = _subject(unique)
+
+    async def handler(req: RouteRequest, _m):
+        if req.model == "typed":
+            raise BusError("no_engine", "nothing here", retryable=True)
+        raise RuntimeError("boom")
+
+    await bus.serve(subj, handler)
+    with pytest.raises(BusError) as typed:
+        await bus.request(subj, RouteRequest(request_id="r", model="typed", op="chat"))
+    assert (typed.value.code, typed.value.retryable) == ("no_engine", True)
+    with pytest.raises(BusError) as crashed:
+        await bus.request(subj, RouteRequest(request_id="r", model="x", op="chat"))
+    assert crashed.value.code == "internal" and "boom" in crashed.value.message
+
+
+async def test_malformed_request_gets_bad_request(bus, unique):
+    subj = _subject(unique)
+    await bus.serve(subj, lambda req, m: None)
+    reply = await bus.nc.request(subj(), b'{"not": "a route request"}', timeout=2)
+    err = decode(reply.data, ErrorReply)
+    assert err.code == "bad_request"
+
+
+async def test_no_responders_is_a_retryable_no_engine(bus, unique):
+    with pytest.raises(BusError) as exc:
+        await bus.request(_subject(unique), RouteRequest(request_id="r", model="m", op="chat"), timeout=2)
+    assert exc.value.code == "no_engine" and exc.value.retryable
+
+
+async def _fake_engine(bus: Bus, engine_id: str, frames: int, cancelled: asyncio.Event, keepalives: int = 0):
+    async def on_job(m):
+        job = ENGINE_CHAT.decode(m.data)
+        w = FrameWriter(bus.nc, m.reply)
+        for _ in range(keepalives):
+            await w.keepalive()
+        for i in range(frames):
+            await w.send(Chunk(seq=w.next_seq(), delta={"content": f"{job.request_id}-{i}"}))
+        await w.send(Final(seq=w.next_seq(), engine_id=engine_id))
+
+    async def on_cancel(m):
+        cancelled.set()
+
+    await bus.nc.subscribe(ENGINE_CHAT(engine_id=engine_id), cb=on_job)
+    await bus.nc.subscribe(ENGINE_CANCEL(engine_id=engine_id), cb=on_cancel)
+
+
+async def test_stream_delivers_frames_in_order(bus, unique):
+    await _fake_engine(bus, unique, frames=50, cancelled=asyncio.Event(), keepalives=2)
+    job = ChatJob(request_id="r1", model="m", messages=[], stream=True)
+    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, engine_id=unique)
+    frames = []
+    while True:
+        f = decode(await stream.next_raw(), Frame)
+        frames.append(f)
+        if isinstance(f, Final):
+            break
+    stream.close()
+    assert [f.seq for f in frames] == list(range(1, 54))
+    assert sum(isinstance(f, KeepAlive) for f in frames) == 2
+    assert [f.delta["content"] for f in frames if isinstance(f, Chunk)] == [f"r1-{i}" for i in range(50)]
+
+
+async def test_concurrent_streams_do_not_mix(bus, unique):
+    await _fake_engine(bus, unique, frames=20, cancelled=asyncio.Event())
+
+    async def one(rid: str) -> list[str]:
+        job = ChatJob(request_id=rid, model="m", messages=[], stream=True)
+        s = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, engine_id=unique)
+        out = []
+        while not isinstance(f := decode(await s.next_raw(), Frame), Final):
+            out.append(f.delta["content"])
+        s.close()
+        return out
+
+    results = await asyncio.gather(*(one(f"r{i}") for i in range(16)))
+    for i, r in enumerate(results):
+        assert r == [f"r{i}-{k}" for k in range(20)]
+
+
+async def test_cancel_reaches_the_callee(bus, unique):
+    cancelled = asyncio.Event()
+    await _fake_engine(bus, unique, frames=1, cancelled=cancelled)
+
+    async def send_cancel():
+        await bus.publish(ENGINE_CANCEL, CancelJob(request_id="r"), engine_id=unique)
+
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=5,
+                              on_cancel=send_cancel, engine_id=unique)
+    await s.next_raw()
+    await s.cancel()
+    await asyncio.wait_for(cancelled.wait(), 5)
+    assert s.token not in bus._streams
+
+
+async def test_silent_engine_times_out(bus, unique):
+    async def listen_only(_m):  # the engine is there but never answers
+        return None
+
+    await bus.nc.subscribe(ENGINE_CHAT(engine_id=unique), cb=listen_only)
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=0.3, engine_id=unique)
+    with pytest.raises(BusError) as exc:
+        await s.next_raw()
+    assert exc.value.code == "engine_failed" and exc.value.retryable
+
+
+async def test_stream_to_nobody_fails_fast_as_no_engine(bus, unique):
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, engine_id=unique)
+    with pytest.raises(BusError) as exc:
+        await asyncio.wait_for(s.next_raw(), 5)
+    assert exc.value.code == "no_engine"
+
+
+async def test_kv_bucket_and_revision_checked_writes(bus, unique):
+    kv = await bus.kv(BucketSpec(f"test_{unique}", ttl_s=60))
+    assert await put_if_changed(kv, "k", b"v1") is True
+    assert await put_if_changed(kv, "k", b"v1") is False  # unchanged: no write, no new revision
+    rev = (await kv.get("k")).revision
+    await kv.put("k", b"other-writer")  # someone else moved the revision on
+    assert await put_if_changed(kv, "k", b"v2") is True
+    entry = await kv.get("k")
+    assert entry.value == b"v2" and entry.revision > rev
+    status = await kv.status()
+    assert status.ttl == 60  # the bucket's TTL, in seconds
+
+
+async def test_revision_cache_recovers_from_a_foreign_write(bus, unique):
+    kv = await bus.kv(BucketSpec(f"test_{unique}"))
+    cache = RevisionCache(kv)
+    await cache.put("n1", b"a")
+    await cache.put("n1", b"b")
+    await kv.put("n1", b"foreign")
+    await cache.put("n1", b"c")
+    assert (await kv.get("n1")).value == b"c"
