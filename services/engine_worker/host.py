@@ -85,12 +85,7 @@ class EngineHost:
         return True
 
     async def subscribe(self) -> None:
-        """(Re)subscribe this engine's subjects; called after load and after a reconnect to a new server."""
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - an old subscription on a dead connection is already gone
-                pass
+        """Subscribe this engine's subjects (nats-py renews them by itself after a reconnect)."""
         nc = self.bus.nc
         self._subs = [
             await nc.subscribe(ENGINE_OPS[op](engine_id=self.engine_id), cb=self._job_cb(op))
@@ -154,6 +149,7 @@ class EngineHost:
         t0 = time.monotonic()
         ttft: float | None = None
         self.in_flight += 1
+        log.debug("%s job started", op)
 
         def emit(delta: dict | None, text: str | None, finish: str | None) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (delta, text, finish))

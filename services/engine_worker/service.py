@@ -71,16 +71,15 @@ class Worker:
         self._watch_task = asyncio.create_task(self._watch_assignment())
 
     async def _on_reconnect(self) -> None:
-        # A restarted server may have lost our subscriptions' interest or the watch's consumer: renew both.
-        for h in self.hosts.values():
-            if h.state == "ready":
-                await h.subscribe()
+        # nats-py re-sends plain subscriptions itself (doing it again would deliver every job twice), but a
+        # restarted server may have lost the watch's ephemeral consumer: start the watch afresh.
         self._restart_watch()
         await self.publish_heartbeat()
 
     async def _watch_assignment(self) -> None:
         """Follow this node's key in `coderai_assignments`; every value is converged on in order."""
         while True:
+            watcher = None
             try:
                 watcher = await self._kv.watch(self.node_id)
                 while True:
@@ -99,6 +98,10 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting
                 log.warning("assignment watch ended (%s); restarting", exc)
                 await asyncio.sleep(0.5)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
 
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""

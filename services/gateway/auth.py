@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import tomllib
@@ -53,11 +54,14 @@ def load_keys(path: str) -> dict[str, KeyRecord]:
 
 
 def write_keys(path: str, records: list[KeyRecord]) -> None:
+    """Write the keys file, readable by its owner only (also when it existed before with wider rights)."""
     lines = []
     for r in records:
-        scopes = ", ".join(f'"{s}"' for s in r.scopes)
-        lines += ["[[keys]]", f'name = "{r.name}"', f'sha256 = "{r.sha256}"', f"scopes = [{scopes}]", ""]
+        # JSON string escaping is valid TOML basic-string escaping
+        scopes = ", ".join(json.dumps(s) for s in r.scopes)
+        lines += ["[[keys]]", f"name = {json.dumps(r.name)}", f"sha256 = {json.dumps(r.sha256)}", f"scopes = [{scopes}]", ""]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write("\n".join(lines))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import msgspec
@@ -33,6 +34,7 @@ class Catalog:
 
     async def _watch(self) -> None:
         while True:
+            watcher = None
             try:
                 kv = await self.bus.kv(MODELS)
                 watcher = await kv.watch(">")
@@ -55,6 +57,10 @@ class Catalog:
             except Exception as exc:  # noqa: BLE001 - restarted; the cached models stay served meanwhile
                 log.warning("model catalog watch ended (%s); restarting", exc)
                 await asyncio.sleep(0.5)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
 
     def _drop(self, key: str) -> None:
         from coderai.contracts import model_name

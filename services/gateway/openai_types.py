@@ -1,4 +1,7 @@
-"""OpenAI wire types at the edge: lenient on unknown fields (logged), strict on the ones we read.
+"""OpenAI wire types at the edge: lenient on unknown fields, strict on the ones we read.
+
+Unknown fields are ignored rather than logged: spotting them would cost a second parse of every body, and
+the OpenAI API grows new optional fields faster than any server follows.
 
 Fields follow the order of the OpenAI API reference. They are translated into internal jobs here, so
 nothing OpenAI-shaped leaks into the bus contract beyond message/tool JSON that engines consume as is.
@@ -6,7 +9,6 @@ nothing OpenAI-shaped leaks into the bus contract beyond message/tool JSON that 
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -15,12 +17,10 @@ from msgspec import Meta
 from coderai.contracts import ChatJob, CompletionJob, RequestId, SamplingParams
 from coderai.gateway.errors import ApiError
 
-log = logging.getLogger("coderai.gateway")
-
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -108,7 +108,7 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role", code="invalid_request")
         content = m.get("content")
         if isinstance(content, list):

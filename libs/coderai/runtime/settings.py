@@ -86,7 +86,7 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
         return msgspec.convert(values, cls, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc)
-        field = msg.rsplit("$.", 1)[-1].split("[")[0].split(".")[0] if "$." in msg else ""
+        field = msg.rsplit("$.", 1)[-1].rstrip("`").split("[")[0].split(".")[0] if "$." in msg else ""
         where = sources.get(field, f"CODERAI_{svc}_{field.upper()}" if field else "settings")
         raise SettingsError(f"{where}: {msg}") from None
 

@@ -1,0 +1,230 @@
+"""The OpenAI API end to end with the official SDK: real gateway, router, scheduler, worker, llama.cpp."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from coderai.testing.procs import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(api_stack, admin_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api_stack.base_url, api_key=admin_key, max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def http(api_stack, admin_key):
+    with httpx.Client(base_url=api_stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as c:
+        yield c
+
+
+def test_models_list_and_retrieve(client):
+    ids = {m.id for m in client.models.list()}
+    assert {"tiny", "ghost"} <= ids
+    assert client.models.retrieve("tiny").owned_by == "coderai"
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_chat_stream_with_usage(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_greedy_stream_and_whole_answer_agree(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "same"}], max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == whole
+
+
+def test_sse_framing_is_exactly_openais(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    assert b"\r" not in raw
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith(b"data: {")
+        assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+def test_completions_whole_and_streamed(client):
+    r = client.completions.create(model="tiny", prompt="def hello():", max_tokens=5)
+    assert r.object == "text_completion" and isinstance(r.choices[0].text, str) and r.usage.completion_tokens <= 5
+    parts = list(client.completions.create(model="tiny", prompt="def hello():", max_tokens=5, stream=True))
+    assert parts and parts[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_response_format_reaches_the_engine(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "num", "schema": schema}},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
+
+
+def test_tools_reach_the_engine(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=40, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert "city" in json.loads(call.function.arguments)
+
+
+# --- errors: the OpenAI shape and the right status, never a 5xx for a client mistake ---------------------
+
+
+def _error(r: httpx.Response) -> dict:
+    doc = r.json()
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
+    return doc["error"]
+
+
+def test_malformed_json_is_400(http):
+    r = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+
+
+def test_schema_error_is_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=7)
+    assert exc.value.status_code == 400 and exc.value.body["param"] == "temperature"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert exc.value.body["code"] == "model_not_found"
+
+
+def test_model_without_engine_is_503_with_retry_after(http):
+    r = http.post("/v1/chat/completions", json={"model": "ghost", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
+    assert _error(r)["code"] == "no_engine"
+
+
+def test_body_too_large_is_413(http):
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 100_000}]}
+    r = http.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+
+
+def test_prompt_longer_than_context_is_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny", prompt="word " * 3000, max_tokens=5)
+    assert "context" in exc.value.message
+
+
+def test_missing_and_wrong_keys_are_401(api_stack, user_key):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic abc"}):
+        r = httpx.post(f"{api_stack.base_url}/chat/completions", headers=headers, json={"model": "tiny", "messages": []})
+        assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key"
+    user = openai.OpenAI(base_url=api_stack.base_url, api_key=user_key, max_retries=0)
+    assert user.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1).choices
+
+
+def test_health_needs_no_key(api_stack):
+    r = httpx.get(f"{api_stack.http_url}/healthz")
+    assert r.status_code == 200 and r.json()["bus"] is True
+
+
+def test_unknown_route_and_wrong_method(http):
+    assert http.get("/v1/nope").status_code == 404
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and _error(r)["type"] == "invalid_request_error"
+
+
+HOSTILE = [
+    b"null", b"[]", b'"string"', b"1e999999", b"{}", b'{"model": 5, "messages": []}',
+    b'{"model": "tiny", "messages": "hi"}', b'{"model": "tiny", "messages": []}',
+    b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}',
+    b'{"model": "tiny", "messages": [{"role": "user"}]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": true, "n": 2}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999999}',
+    b"\xff\xfe\x00garbage", b'{"model": "tiny", "messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}",
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_chat_bodies_are_4xx(http, body):
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    assert _error(r)["message"] and "Traceback" not in r.text
+
+
+def test_hostile_completion_bodies_are_4xx(http):
+    for body in (b"{}", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": ["a", "b"]}', b'{"model": "tiny", "prompt": 3}'):
+        r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+
+
+# --- the rest of the loop: cancellation, metrics, usage ------------------------------------------------
+
+
+def test_client_disconnect_stops_generation(api_stack, http):
+    worker = api_stack.procs["worker-w1"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1000, "stream": True,
+            "temperature": 0}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        rid = r.headers["Coderai-Request-Id"]
+        next(r.iter_bytes())  # the stream has started; now walk away
+    wait_until(lambda: f'"request_id": "{rid}"' in worker.log_text() and '"msg": "cancel"' in worker.log_text(), 10,
+               "the worker to log the cancel")
+
+
+def test_requests_show_in_prometheus_metrics(api_stack, client):
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count me"}], max_tokens=2)
+    url = f"http://127.0.0.1:{api_stack.metrics_port}/metrics"
+
+    def counted():
+        text = httpx.get(url).text
+        return 'coderai_requests_total{' in text and 'key="admin"' in text and 'model="tiny"' in text and \
+            'status="ok"' in text and "coderai_request_seconds_bucket" in text
+    wait_until(counted, 15, "request metrics")
+    assert "coderai_engine_in_flight" in httpx.get(url).text
+
+
+def test_usage_per_key_lands_in_redis(api_stack, user_key):
+    import redis
+
+    alice = openai.OpenAI(base_url=api_stack.base_url, api_key=user_key, max_retries=0)
+    alice.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "bill me"}], max_tokens=3)
+    r = redis.Redis.from_url(api_stack.redis_url)
+
+    def recorded():
+        keys = r.keys("coderai:usage:alice:day:*")
+        return keys and int(r.hget(keys[0], "requests") or 0) >= 1 and int(r.hget(keys[0], "prompt_tokens") or 0) > 0
+    wait_until(recorded, 15, "alice's usage in Redis")

@@ -1,0 +1,137 @@
+"""Prometheus series: how one finished request or one heartbeat changes them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from coderai.contracts import EngineStatus, Heartbeat, RequestCompleted
+from coderai.metrics.prom import Series
+
+
+def done(**kw) -> RequestCompleted:
+    base = dict(request_id="r", ts=0.0, key_name="alice", model="m", op="chat", status="ok", http_status=200,
+                engine_id="e1", duration_s=0.3)
+    return RequestCompleted(**{**base, **kw})
+
+
+def eng(eid: str, model: str = "m", in_flight: int = 0, served: int = 0) -> EngineStatus:
+    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=["chat"], state="ready", in_flight=in_flight, served=served)
+
+
+def beat(node: str, *engines: EngineStatus, mem_free: int = 0) -> Heartbeat:
+    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=["llama"], engines=list(engines), mem_free=mem_free)
+
+
+def req_labels(key="alice", model="m", kind="chat", status="ok", engine="e1"):
+    return {"key": key, "model": model, "kind": kind, "status": status, "engine": engine}
+
+
+def test_series_uses_the_given_registry_or_a_private_one():
+    reg = CollectorRegistry()
+    assert Series(reg).registry is reg
+    a, b = Series(), Series()
+    assert a.registry is not b.registry  # two Series never clash on metric names
+
+
+def test_on_request_counts_by_key_model_kind_status_and_engine():
+    s = Series()
+    s.on_request(done())
+    s.on_request(done())
+    s.on_request(done(status="timeout", http_status=504, engine_id="e2"))
+    s.on_request(done(op="complete", key_name="bob"))
+    get = s.registry.get_sample_value
+    assert get("coderai_requests_total", req_labels()) == 2
+    assert get("coderai_requests_total", req_labels(status="timeout", engine="e2")) == 1
+    assert get("coderai_requests_total", req_labels(key="bob", kind="complete")) == 1
+    assert get("coderai_requests_total", req_labels(key="bob")) is None
+
+
+def test_on_request_observes_duration_by_model_kind_status():
+    s = Series()
+    s.on_request(done(duration_s=0.3))
+    s.on_request(done(duration_s=2.0, engine_id="e2"))
+    s.on_request(done(duration_s=9.0, status="engine_failed"))
+    get = s.registry.get_sample_value
+    ok = {"model": "m", "kind": "chat", "status": "ok"}
+    assert get("coderai_request_seconds_count", ok) == 2
+    assert get("coderai_request_seconds_sum", ok) == pytest.approx(2.3)
+    assert get("coderai_request_seconds_bucket", {**ok, "le": "0.5"}) == 1
+    assert get("coderai_request_seconds_bucket", {**ok, "le": "2.5"}) == 2
+    assert get("coderai_request_seconds_count", {"model": "m", "kind": "chat", "status": "engine_failed"}) == 1
+
+
+def test_tokens_are_counted_by_type_and_zero_counts_add_no_series():
+    s = Series()
+    s.on_request(done(prompt_tokens=10, completion_tokens=5))
+    s.on_request(done(prompt_tokens=3, completion_tokens=0))
+    get = s.registry.get_sample_value
+    assert get("coderai_tokens_total", {"key": "alice", "model": "m", "type": "prompt"}) == 13
+    assert get("coderai_tokens_total", {"key": "alice", "model": "m", "type": "completion"}) == 5
+    s.on_request(done(key_name="bob"))
+    assert get("coderai_tokens_total", {"key": "bob", "model": "m", "type": "prompt"}) is None
+    assert get("coderai_tokens_total", {"key": "bob", "model": "m", "type": "completion"}) is None
+
+
+def test_ttft_is_observed_only_for_successful_requests_that_have_one():
+    s = Series()
+    s.on_request(done(ttft_s=0.04))
+    s.on_request(done(ttft_s=0.5, status="cancelled"))
+    s.on_request(done(ttft_s=None))
+    get = s.registry.get_sample_value
+    labels = {"model": "m", "kind": "chat"}
+    assert get("coderai_ttft_seconds_count", labels) == 1
+    assert get("coderai_ttft_seconds_sum", labels) == pytest.approx(0.04)
+
+
+def test_ttft_zero_is_still_observed():
+    s = Series()
+    s.on_request(done(ttft_s=0.0))
+    assert s.registry.get_sample_value("coderai_ttft_seconds_count", {"model": "m", "kind": "chat"}) == 1
+
+
+def test_on_heartbeat_sets_engine_and_node_gauges():
+    s = Series()
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=3, served=10), eng("e2", model="x", in_flight=0, served=1), mem_free=1234))
+    get = s.registry.get_sample_value
+    assert get("coderai_node_memory_free_bytes", {"node": "n1"}) == 1234
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 3
+    assert get("coderai_engine_served", {"node": "n1", "engine": "e1", "model": "m"}) == 10
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e2", "model": "x"}) == 0
+    assert get("coderai_engine_served", {"node": "n1", "engine": "e2", "model": "x"}) == 1
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=1, served=12), eng("e2", model="x"), mem_free=99))
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 1
+    assert get("coderai_engine_served", {"node": "n1", "engine": "e1", "model": "m"}) == 12
+    assert get("coderai_node_memory_free_bytes", {"node": "n1"}) == 99
+
+
+def test_engines_that_disappear_lose_their_series():
+    s = Series()
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=2), eng("e2", in_flight=5)))
+    s.on_heartbeat(beat("n2", eng("e9", in_flight=4)))
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=1)))
+    get = s.registry.get_sample_value
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e2", "model": "m"}) is None
+    assert get("coderai_engine_served", {"node": "n1", "engine": "e2", "model": "m"}) is None
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 1
+    assert get("coderai_engine_in_flight", {"node": "n2", "engine": "e9", "model": "m"}) == 4  # another node's engines stay
+    s.on_heartbeat(beat("n1"))
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) is None
+    assert b'engine="e1"' not in generate_latest(s.registry)
+
+
+def test_an_engine_reloaded_with_another_model_drops_the_old_label_set():
+    s = Series()
+    s.on_heartbeat(beat("n1", eng("e1", model="a", in_flight=1)))
+    s.on_heartbeat(beat("n1", eng("e1", model="b", in_flight=2)))
+    get = s.registry.get_sample_value
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "a"}) is None
+    assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "b"}) == 2
+
+
+def test_an_engine_that_comes_back_is_reported_again():
+    s = Series()
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=1)))
+    s.on_heartbeat(beat("n1"))
+    s.on_heartbeat(beat("n1", eng("e1", in_flight=6)))
+    assert s.registry.get_sample_value("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 6
