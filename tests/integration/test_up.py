@@ -1,0 +1,112 @@
+"""`coderai up` as a new user runs it: one command, a chat answer with the SDK, Ctrl-C leaves no process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from coderai.runtime.embedded import free_port
+from coderai.testing.procs import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _run_up(data: Path, port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(data), "--port", str(port),
+         "--metrics-port", str(free_port())],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+
+
+def _ctrl_c(proc: subprocess.Popen) -> None:
+    tree = _descendants(proc.pid)
+    assert len(tree) >= 8  # nats, redis, six services (and granian's worker)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    wait_until(lambda: not any(_alive(p) for p in tree), 10, "every process of the stack to be gone")
+
+
+def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
+    data, port, log = tmp_path / "data", free_port(), tmp_path / "up.log"
+    proc = _run_up(data, port, log)
+    try:
+        wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 120, "coderai up to print ready")
+        out = log.read_text()
+        assert proc.poll() is None, out
+        assert "first run: building the default model" in out
+        key = (data / "admin.key").read_text().strip()
+        base = f"http://127.0.0.1:{port}/v1"
+        assert base in out and key in out and "from openai import OpenAI" in out
+        assert oct((data / "admin.key").stat().st_mode & 0o777) == "0o600"
+
+        client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
+        r = client.chat.completions.create(model="coderai-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        assert isinstance(r.choices[0].message.content, str) and r.usage.completion_tokens > 0
+        pieces = list(client.chat.completions.create(model="coderai-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=8, stream=True))
+        assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+        assert json.loads((data / "run" / "up.json").read_text())["base_url"] == base
+        _ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    # second run: nothing rebuilt, same key
+    port2, log2 = free_port(), tmp_path / "up2.log"
+    proc = _run_up(data, port2, log2)
+    try:
+        wait_until(lambda: "\nready" in log2.read_text() or proc.poll() is not None, 120, "the second start")
+        assert "first run" not in log2.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port2}/v1", api_key=key, max_retries=0, timeout=30)
+        assert client.models.list().data[0].id == "coderai-tiny"
+        _ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_refuses_a_busy_port(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(tmp_path), "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "in use" in r.stderr
