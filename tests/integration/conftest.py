@@ -42,6 +42,7 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 1024}},
         {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},
+        {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},  # README's name
     ])
     stack = Stack(root, nats.url, redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"})
     try:
