@@ -65,6 +65,7 @@ class EngineHost:
             in_flight=self.in_flight,
             served=self.served,
             error=self.error,
+            **(self.engine.stats() if self.engine is not None and self.state == "ready" else {}),
         )
 
     async def load(self) -> bool:

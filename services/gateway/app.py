@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -17,12 +18,13 @@ from litestar.response import Stream
 
 from coderai.contracts import BusError, Chunk, ErrorReply, Final, RequestId
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
+from coderai.gateway import affinity
 from coderai.gateway import openai_types as oa
 from coderai.gateway import sse
-from coderai.gateway.auth import Authenticator, load_keys
+from coderai.gateway.auth import Authenticator, Caller, load_keys
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.errors import ApiError, from_bus, from_http
-from coderai.gateway.relay import Outcome, Relay, next_frame
+from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.logging import request_id_var, setup_logging
@@ -30,6 +32,10 @@ from coderai.runtime.settings import SettingsError, load_settings
 
 log = logging.getLogger("coderai.gateway")
 JSON = "application/json"
+SESSION_HEADER = "X-Session-Id"
+PIN_HEADER = "X-Coderai-Pin"  # admin only: route to this engine or node id
+ENGINE_HEADER = "Coderai-Engine"
+ROUTE_HEADER = "Coderai-Route"
 
 
 class Gateway:
@@ -115,13 +121,17 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     async def chat(request: Request) -> Response | Stream:
         who = caller(request)
         req = oa.parse(await request.body(), oa.ChatCompletionRequest)
-        return await _serve(gw, "chat", req, oa.chat_job(req, _rid()), who.key_name)
+        job = oa.chat_job(req, _rid())
+        hints = _hints(request, who, job.model, req.user, affinity.chat_chain(job.model, job.messages, job.tools))
+        return await _serve(gw, "chat", req, job, hints, who.key_name)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
         who = caller(request)
         req = oa.parse(await request.body(), oa.CompletionRequest)
-        return await _serve(gw, "complete", req, oa.completion_job(req, _rid()), who.key_name)
+        job = oa.completion_job(req, _rid())
+        hints = _hints(request, who, job.model, req.user, affinity.prompt_chain(job.model, job.prompt))
+        return await _serve(gw, "complete", req, job, hints, who.key_name)
 
     def on_api_error(_: Request, exc: ApiError) -> Response:
         return _error_response(exc)
@@ -142,6 +152,18 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
         debug=False,
+    )
+
+
+def _hints(request: Request, who: Caller, model: str, user: str | None, prefix: list[str]) -> Hints:
+    pin = request.headers.get(PIN_HEADER, "")
+    if pin and "admin" not in who.scopes:
+        raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
+    return Hints(
+        session=affinity.session_key(model, request.headers.get(SESSION_HEADER)),
+        user=affinity.user_key(model, user),
+        prefix=prefix,
+        pin=pin,
     )
 
 
@@ -172,7 +194,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def _serve(gw: Gateway, op: str, req: Any, job: Any, key_name: str) -> Response | Stream:
+async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_name: str) -> Response | Stream:
     """Validate the model, then answer streamed or whole; every outcome becomes one `request.completed`."""
     cfg = gw.model(job.model)
     if op not in cfg.serves():
@@ -183,18 +205,21 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, key_name: str) -> Res
     headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: key_name}
     created = int(time.time())
     try:
-        stream, first = await relay.first_frame(op, job, outcome, headers)
+        stream, first = await relay.first_frame(op, job, hints, outcome, headers)
     except (BusError, ApiError) as exc:
         err = from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
         outcome.status, outcome.http_status = err.code or "error", err.status
         relay.completed(outcome)
         raise err from None
     outcome.ttft_s = time.monotonic() - outcome.started
-    resp_headers = {HDR_REQUEST_ID: job.request_id}
+    resp_headers = {HDR_REQUEST_ID: job.request_id, ENGINE_HEADER: outcome.engine_id, ROUTE_HEADER: outcome.route_reason}
 
     if not job.stream:
         try:
             final = first if isinstance(first, Final) else await _until_final(stream)
+        except asyncio.CancelledError:  # the client went away: stop the engine too
+            relay.spawn(stream.cancel())
+            raise
         except BusError as exc:
             err = from_bus(exc, gw.settings.retry_after_s)
             outcome.status, outcome.http_status = err.code or "error", err.status

@@ -28,6 +28,16 @@ from coderai.runtime.bus import Bus, FrameStream
 log = logging.getLogger("coderai.gateway")
 
 
+@dataclass(frozen=True)
+class Hints:
+    """Routing hints from the request: affinity keys (gateway/affinity.py) and an admin's pin."""
+
+    session: str = ""
+    user: str = ""
+    prefix: list[str] = field(default_factory=list)
+    pin: str = ""
+
+
 @dataclass
 class Outcome:
     """What one request did, for the `request.completed` event."""
@@ -45,6 +55,7 @@ class Outcome:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    route_reason: str = ""
 
     def event(self) -> RequestCompleted:
         return RequestCompleted(
@@ -52,6 +63,7 @@ class Outcome:
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
             node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, stream=self.stream,
+            route_reason=self.route_reason,
         )
 
 
@@ -61,8 +73,11 @@ class Relay:
         self.settings = settings
         self._background: set[asyncio.Task] = set()
 
-    async def _route(self, job: Any, op: str, tried: list[str], headers: dict[str, str]) -> RouteDecision:
-        req = RouteRequest(request_id=job.request_id, model=job.model, op=op, exclude=tried)  # type: ignore[arg-type]
+    async def _route(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+        req = RouteRequest(
+            request_id=job.request_id, model=job.model, op=op,  # type: ignore[arg-type]
+            session=hints.session, user=hints.user, prefix=hints.prefix, pin=hints.pin, exclude=tried,
+        )
         return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
 
     async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
@@ -74,17 +89,17 @@ class Relay:
             on_cancel=cancel, engine_id=decision.engine_id,
         )
 
-    async def first_frame(self, op: str, job: Any, outcome: Outcome, headers: dict[str, str]) -> tuple[FrameStream, Chunk | Final]:
+    async def first_frame(self, op: str, job: Any, hints: Hints, outcome: Outcome, headers: dict[str, str]) -> tuple[FrameStream, Chunk | Final]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again."""
         tried: list[str] = []
         last: BusError | None = None
         for _ in range(self.settings.max_attempts):
             try:
-                decision = await self._route(job, op, tried, headers)
+                decision = await self._route(job, op, hints, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
-            outcome.engine_id, outcome.node_id = decision.engine_id, decision.node_id
+            outcome.engine_id, outcome.node_id, outcome.route_reason = decision.engine_id, decision.node_id, decision.reason
             stream = await self._open(op, job, decision, headers)
             try:
                 frame = await next_frame(stream)

@@ -19,6 +19,11 @@ class Series:
         self.tokens = Counter("coderai_tokens", "tokens processed", ["key", "model", "type"], registry=r)
         self.in_flight = Gauge("coderai_engine_in_flight", "jobs running or queued per engine", ["node", "engine", "model"], registry=r)
         self.served = Gauge("coderai_engine_served", "jobs an engine has finished since it loaded", ["node", "engine", "model"], registry=r)
+        self.route = Counter("coderai_route_decisions", "router decisions by reason", ["reason"], registry=r)
+        self.prompt_tokens = Gauge("coderai_engine_prompt_tokens", "prompt tokens an engine received since it loaded", ["node", "engine", "model"], registry=r)
+        self.cached_tokens = Gauge("coderai_engine_cached_prompt_tokens", "prompt tokens served from the engine's prefix cache", ["node", "engine", "model"], registry=r)
+        self.prefix_hits = Gauge("coderai_engine_prefix_hits", "requests that reused a cached prefix", ["node", "engine", "model"], registry=r)
+        self.cache_bytes = Gauge("coderai_engine_prompt_cache_bytes", "memory held by the engine's prompt cache", ["node", "engine", "model"], registry=r)
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
         self._engines: dict[str, set[tuple[str, str, str]]] = {}
 
@@ -27,6 +32,8 @@ class Series:
         self.seconds.labels(e.model, e.op, e.status).observe(e.duration_s)
         if e.ttft_s is not None and e.status == "ok":
             self.ttft.labels(e.model, e.op).observe(e.ttft_s)
+        if e.route_reason:
+            self.route.labels(e.route_reason).inc()
         if e.prompt_tokens:
             self.tokens.labels(e.key_name, e.model, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:
@@ -35,10 +42,12 @@ class Series:
     def on_heartbeat(self, hb: Heartbeat) -> None:
         self.mem_free.labels(hb.node_id).set(hb.mem_free)
         now = {(hb.node_id, e.engine_id, e.model) for e in hb.engines}
+        per_engine = (self.in_flight, self.served, self.prompt_tokens, self.cached_tokens, self.prefix_hits, self.cache_bytes)
         for gone in self._engines.get(hb.node_id, set()) - now:
-            self.in_flight.remove(*gone)
-            self.served.remove(*gone)
+            for g in per_engine:
+                g.remove(*gone)
         self._engines[hb.node_id] = now
         for e in hb.engines:
-            self.in_flight.labels(hb.node_id, e.engine_id, e.model).set(e.in_flight)
-            self.served.labels(hb.node_id, e.engine_id, e.model).set(e.served)
+            labels = (hb.node_id, e.engine_id, e.model)
+            for g, v in zip(per_engine, (e.in_flight, e.served, e.prompt_tokens, e.cached_tokens, e.prefix_hits, e.cache_bytes)):
+                g.labels(*labels).set(v)

@@ -1,10 +1,21 @@
-"""Pure routing: which live engine serves this request. No I/O; the service feeds it heartbeats."""
+"""Pure routing: which live engine serves this request. No I/O; the service feeds it heartbeats and affinity.
+
+Order: a pin (per request, then per model) beats everything; then the engine that the longest affinity key
+points at (session, user, then the prefix chain from its longest element down), unless that engine is dead,
+no longer holds the model, was excluded, or is overloaded against the least-busy holder (see `LoadGuard`);
+then the least-busy holder.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from coderai.contracts import Heartbeat, RouteDecision, RouteRequest
+from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest
+from coderai.contracts.routing import AffinityEntry
+
+AFFINITY_TTL_S = 1800.0
 
 
 @dataclass
@@ -46,24 +57,104 @@ class EngineTable:
         gone = [n for n, t in self.node_seen.items() if now - t > self.ttl_s]
         for n in gone:
             del self.node_seen[n]
-            for eid in [e for e, v in self.engines.items() if v.node_id == n]:
-                del self.engines[eid]
+            self.drop_node(n)
         return gone
+
+    def drop_node(self, node_id: str) -> None:
+        for eid in [e for e, v in self.engines.items() if v.node_id == node_id]:
+            del self.engines[eid]
 
     def holders(self, model: str, op: str) -> list[EngineView]:
         return [v for v in self.engines.values() if v.model == model and op in v.ops]
 
 
-def pick(table: EngineTable, req: RouteRequest) -> RouteDecision | None:
-    """Least loaded live holder of the model and op, skipping excluded engines; ties go to the lowest id.
+@dataclass(frozen=True)
+class LoadGuard:
+    """When a warm engine is too busy to keep its conversations.
 
-    Returns None when no engine qualifies. The chosen engine's pick counter goes up so that concurrent
-    requests spread before the next heartbeat reports the new load.
+    The warm engine is passed over when its load (in flight + picks since its last heartbeat) exceeds both
+    `ratio` times the least-busy holder's load and that load plus `slack`. A cold prefill costs one request
+    once; queueing behind a hot engine costs every request queued, so the guard only trips on a clear gap:
+    with the defaults, 3 vs 0 stays warm, 5 vs 0 moves; 9 vs 4 stays, 10 vs 4 moves.
     """
+
+    ratio: float = 2.0
+    slack: int = 4
+
+    def overloaded(self, warm: EngineView, least: EngineView) -> bool:
+        return warm.load > max(least.load * self.ratio, least.load + self.slack)
+
+
+def affinity_keys(req: RouteRequest) -> list[tuple[str, str]]:
+    """(reason, key) pairs, strongest first; prefix elements from the longest down."""
+    keys = [("session", req.session), ("user", req.user)] + [("prefix", k) for k in reversed(req.prefix)]
+    return [(r, k) for r, k in keys if k]
+
+
+def keys_to_record(req: RouteRequest) -> list[str]:
+    """What a decision is remembered under: session, user, the chain's first and last elements.
+
+    The first element keeps the conversation's home even when its chain is later bounded; the last is what
+    the next turn (which extends this chain) finds as its longest match.
+    """
+    keys = [req.session, req.user] + (req.prefix[:1] + req.prefix[-1:] if req.prefix else [])
+    return list(dict.fromkeys(k for k in keys if k))
+
+
+def _decide(v: EngineView, reason: str) -> RouteDecision:
+    v.picks_since_hb += 1
+    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason)  # type: ignore[arg-type]
+
+
+def pick(
+    table: EngineTable,
+    req: RouteRequest,
+    affinity: Mapping[str, AffinityEntry] | None = None,
+    model: ModelConfig | None = None,
+    now: float = 0.0,
+    guard: LoadGuard = LoadGuard(),
+    ttl_s: float = AFFINITY_TTL_S,
+) -> RouteDecision | None:
+    """The engine for `req`, or None when no live engine holds the model. Raises BusError("no_engine") when a
+    pin names an engine that is down and the pin does not allow fallback."""
     excluded = set(req.exclude)
     candidates = [v for v in table.holders(req.model, req.op) if v.engine_id not in excluded]
+    fallback = False
+
+    pin = req.pin or (model.pin if model else "")
+    if pin:
+        pinned = [v for v in candidates if pin in (v.engine_id, v.node_id)]
+        if pinned:
+            return _decide(min(pinned, key=lambda v: (v.load, v.engine_id)), "pin")
+        if req.pin or not (model and model.allow_fallback):
+            raise BusError("no_engine", f"pinned engine {pin!r} is not serving {req.model!r}", retryable=True)
+        fallback = True
+
     if not candidates:
         return None
-    best = min(candidates, key=lambda v: (v.load, v.engine_id))
-    best.picks_since_hb += 1
-    return RouteDecision(engine_id=best.engine_id, node_id=best.node_id, reason="least_busy")
+    least = min(candidates, key=lambda v: (v.load, v.engine_id))
+    by_id = {v.engine_id: v for v in candidates}
+    for reason, key in affinity_keys(req) if affinity else ():
+        entry = affinity.get(key)
+        if entry is None or now - entry.ts > ttl_s:
+            continue
+        warm = by_id.get(entry.engine_id)
+        if warm is None or guard.overloaded(warm, least):
+            fallback = True  # the conversation had a home that cannot take it now
+            continue
+        return _decide(warm, reason)
+    return _decide(least, "fallback" if fallback else "least_busy")
+
+
+class RoundRobin:
+    """A benchmark baseline: every holder in turn, ignoring load and affinity."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, table: EngineTable, req: RouteRequest) -> RouteDecision | None:
+        excluded = set(req.exclude)
+        candidates = sorted((v for v in table.holders(req.model, req.op) if v.engine_id not in excluded), key=lambda v: v.engine_id)
+        if not candidates:
+            return None
+        return _decide(candidates[next(self._counter) % len(candidates)], "least_busy")

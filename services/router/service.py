@@ -1,4 +1,5 @@
-"""Router lifecycle: keep the engine table from heartbeats, answer `coderai.route.pick`."""
+"""Router lifecycle: the engine table from heartbeats, model pins and affinity from KV mirrors, and
+`coderai.route.pick` answered from memory; affinity writes happen after the reply, off the request path."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import logging
 import time
 from typing import Any
 
-from coderai.contracts import BusError, Heartbeat, RouteRequest, decode
+from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest, decode, encode
+from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.subjects import HEARTBEAT, ROUTE_PICK
-from coderai.contracts.topology import AFFINITY
-from coderai.router.picking import EngineTable, pick
+from coderai.contracts.topology import AFFINITY, MODELS
+from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick
 from coderai.router.settings import RouterSettings
 from coderai.runtime.bus import Bus
+from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
 
@@ -22,16 +25,39 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.table = EngineTable(ttl_s=settings.engine_ttl_s)
+        self.guard = LoadGuard(settings.guard_ratio, settings.guard_slack)
+        self.round_robin = RoundRobin()
+        self.models_by_name: dict[str, ModelConfig] = {}
         self.bus: Bus | None = None
+        self._background: set[asyncio.Task] = set()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
-        self.bus = await Bus.connect(self.settings.nats_url, "router")
+        self.bus = await Bus.connect(self.settings.nats_url, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
-        await self.bus.kv(AFFINITY)  # created here; prefix routing fills it
+        self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
+        self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry)
+        for mirror in (self.models, self.affinity):
+            await mirror.bind()
+            mirror.start()
+            stack.callback(mirror.stop)
+        try:  # a restarted router answers with the affinity it had, not from scratch
+            await asyncio.wait_for(asyncio.gather(self.models.synced.wait(), self.affinity.synced.wait()), 10)
+        except asyncio.TimeoutError:
+            log.warning("KV mirrors not synced within 10 s; serving with what has arrived")
+        prune = asyncio.create_task(self._prune_loop())
+        stack.callback(prune.cancel)
         hb_sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
         stack.push_async_callback(hb_sub.unsubscribe)
         pick_sub = await self.bus.serve(ROUTE_PICK, self._on_pick, queue="router")
         stack.push_async_callback(pick_sub.unsubscribe)
+        log.info("routing with policy %s; %d affinity entries", self.settings.policy, len(self.affinity.values))
+
+    async def _on_reconnect(self) -> None:
+        self.models.start()
+        self.affinity.start()
+
+    def _model_changed(self, key: str, cfg: ModelConfig | None) -> None:
+        self.models_by_name = {m.name: m for m in self.models.values.values()}
 
     async def _on_heartbeat(self, m: Any) -> None:
         try:
@@ -41,13 +67,57 @@ class Router:
             return
         self.table.apply(hb, time.monotonic())
 
-    async def _on_pick(self, req: RouteRequest, _m: Any):
+    async def _on_pick(self, req: RouteRequest, _m: Any) -> RouteDecision:
         for gone in self.table.expire(time.monotonic()):
             log.info("node %s went silent; no longer routing to it", gone)
-        decision = pick(self.table, req)
+        policy = self.settings.policy
+        if policy == "round_robin":
+            decision = self.round_robin.pick(self.table, req)
+        else:
+            affinity = self.affinity.values if policy == "prefix" else None
+            decision = pick(self.table, req, affinity, self.models_by_name.get(req.model), time.time(), self.guard)
         if decision is None:
             raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}", retryable=True)
+        if policy == "prefix":
+            self._record(req, decision)
         return decision
+
+    # --- affinity writes --------------------------------------------------------------------------
+
+    def _record(self, req: RouteRequest, d: RouteDecision) -> None:
+        """Remember where this conversation went; unchanged entries are rewritten only to slide their TTL."""
+        now = time.time()
+        for key in keys_to_record(req):
+            cur = self.affinity.values.get(key)
+            if cur is not None and cur.engine_id == d.engine_id and now - cur.ts < self.settings.affinity_refresh_s:
+                continue
+            entry = AffinityEntry(engine_id=d.engine_id, node_id=d.node_id, ts=now)
+            rev = self.affinity.revisions.get(key, 0)
+            self.affinity.values[key] = entry  # this router's next pick sees it before the watch echoes it
+            task = asyncio.create_task(self._write(key, entry, rev))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _write(self, key: str, entry: AffinityEntry, rev: int) -> None:
+        """A revision-checked write; if another router wrote first, its entry stands and we adopt it."""
+        kv = self.affinity.kv
+        try:
+            new_rev = await (kv.update(key, encode(entry), last=rev) if rev else kv.create(key, encode(entry)))
+            self.affinity.remember(key, entry, new_rev)
+        except Exception as exc:  # noqa: BLE001 - lost a race (or the bus is down): re-read the winner
+            try:
+                theirs = await kv.get(key)
+                self.affinity.remember(key, decode(theirs.value, AffinityEntry), theirs.revision)
+            except Exception:  # noqa: BLE001 - nothing to adopt; the local guess stays until the watch corrects it
+                log.debug("affinity write for %s failed: %s", key, exc)
+
+    async def _prune_loop(self) -> None:
+        """Drop expired entries from memory (the bucket's TTL drops them from the server)."""
+        while True:
+            await asyncio.sleep(60)
+            now = time.time()
+            for key in [k for k, e in self.affinity.values.items() if now - e.ts > AFFINITY_TTL_S]:
+                self.affinity.forget(key)
 
 
 def make(settings: RouterSettings):

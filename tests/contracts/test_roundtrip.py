@@ -11,6 +11,7 @@ from coderai.contracts import (
     SamplingParams, Usage, decode, encode,
 )
 from coderai.contracts.events import Event
+from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest, PodInfo
 
 MODEL = ModelConfig(name="qwen2.5:7b", engine="llama", path="/m/q.gguf", params={"n_ctx": 4096}, nodes=["a"])
@@ -26,7 +27,8 @@ SAMPLES = [
     KeepAlive(seq=2),
     Final(seq=3, engine_id="e", choices=[Choice(text="t", finish_reason="length")], usage=Usage(total_tokens=1), ttft_s=0.1),
     ErrorReply(code="no_engine", message="none", retryable=True, seq=4),
-    RouteRequest(request_id="r", model="m", op="chat", affinity=["k"], exclude=["e1"]),
+    RouteRequest(request_id="r", model="m", op="chat", session="s", user="u", prefix=["a", "b"], pin="n1", exclude=["e1"]),
+    AffinityEntry(engine_id="e", node_id="n", ts=1.5),
     RouteDecision(engine_id="e", node_id="n", reason="least_busy"),
     EngineStatus(engine_id="e", model="m", engine="llama", ops=["chat"], state="ready", in_flight=2, served=9),
     Heartbeat(node_id="n", version="0", seq=1, ts=1.5, host="h", capabilities=["llama"],

@@ -25,6 +25,7 @@ class RequestCompleted(Message, frozen=True, kw_only=True, tag="request.complete
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stream: bool = False
+    route_reason: str = ""
 
 
 class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_field="t"):

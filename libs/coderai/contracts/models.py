@@ -7,7 +7,7 @@ from typing import Any, Literal
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 
-EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "ocr", "video"]
+EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "ocr", "video", "echo"]
 
 DEFAULT_OPS: dict[str, list[Op]] = {
     "llama": ["chat", "complete"],
@@ -18,6 +18,7 @@ DEFAULT_OPS: dict[str, list[Op]] = {
     "tts": ["speech"],
     "ocr": ["ocr"],
     "video": ["video"],
+    "echo": ["chat", "complete"],  # coderai.testing.echo_engine: a zero-cost test engine
 }
 
 
@@ -33,6 +34,8 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     params: dict[str, Any] = {}
     ops: list[Op] = []
     nodes: list[str] = []
+    pin: str = ""  # route every request to this engine or node id
+    allow_fallback: bool = False  # when the pinned engine is down, route elsewhere instead of failing
     owned_by: str = "coderai"
     created: int = 0
 

@@ -22,6 +22,10 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     in_flight: int = 0
     served: int = 0
     error: str | None = None
+    prompt_tokens: int = 0  # prompt tokens received since load
+    cached_tokens: int = 0  # of those, tokens whose KV came from the cache instead of being computed
+    prefix_hits: int = 0  # requests that reused a cached prefix
+    cache_bytes: int = 0  # memory the prompt cache holds now
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):

@@ -11,16 +11,36 @@ RouteReason = Literal["pin", "session", "user", "prefix", "least_busy", "fallbac
 
 
 class RouteRequest(Message, frozen=True, kw_only=True):
-    """Ask the router for an engine. `exclude` lists engines that already failed this request."""
+    """Ask the router for an engine.
+
+    Affinity keys, strongest first: `session` (the `X-Session-Id` header), `user` (the OpenAI `user` field), then
+    `prefix`, a chain of hashes over the conversation (h1 covers model, system and first user turn; each next
+    element extends the previous by one message), or over fixed-size chunks of a completion prompt. All keys are
+    opaque digests made by the gateway. `pin` is an admin's per-request pin (engine or node id). `exclude` lists
+    engines that already failed this request.
+    """
 
     request_id: RequestId
     model: str
     op: Op
-    affinity: list[str] = []
+    session: str = ""
+    user: str = ""
+    prefix: list[str] = []
+    pin: str = ""
     exclude: list[str] = []
 
 
 class RouteDecision(Message, frozen=True, kw_only=True, tag="route", tag_field="t"):
+    """The engine to use and why (`fallback`: the pinned or affine engine could not take it)."""
+
     engine_id: str
     node_id: str
     reason: RouteReason
+
+
+class AffinityEntry(Message, frozen=True, kw_only=True):
+    """A value in `coderai_affinity`: the engine a key last went to, and when (unix seconds)."""
+
+    engine_id: str
+    node_id: str
+    ts: float

@@ -26,6 +26,10 @@ class Engine:
     def close(self) -> None:
         """Free the model's memory."""
 
+    def stats(self) -> dict[str, int]:
+        """Cache counters for the heartbeat: prompt_tokens, cached_tokens, prefix_hits, cache_bytes."""
+        return {}
+
 
 class CancelFlag:
     """A per-request flag the engine checks between tokens."""

@@ -1,7 +1,10 @@
 """llama.cpp through llama-cpp-python: chat (tools, JSON mode) and completions, streamed or not.
 
 One `Llama` object is not thread-safe, so the worker runs all of an engine's jobs on one thread, in arrival
-order; llama.cpp then reuses the longest common token prefix with the previous job's KV cache by itself.
+order. Prefix reuse: llama.cpp keeps the previous job's KV and recomputes only what differs; on top of that a
+RAM prompt cache (`prompt_cache_mb` in the model's params, default 256) keeps the KV state of recent prompts, so
+several interleaved conversations each find their own prefix warm. The prompt tokens actually computed are read
+from llama.cpp's own counters, so `cached_tokens` is what the cache really saved.
 Generation checks the request's cancel flag on every token through a logits processor (the one per-token hook
 `create_chat_completion` offers). It runs as a C callback, where an exception would be swallowed, so a cancelled
 request is stopped by forcing the end-of-sequence token instead. The same hook counts tokens for `usage` when
@@ -21,6 +24,7 @@ Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
 
 DEFAULTS: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "verbose": False}
+DEFAULT_PROMPT_CACHE_MB = 256
 
 
 class _Meter:
@@ -66,6 +70,9 @@ class LlamaEngine(Engine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.llm: Any = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.prefix_hits = 0
 
     def load(self) -> None:
         try:
@@ -76,11 +83,20 @@ class LlamaEngine(Engine):
         path = os.path.expanduser(self.config.path)
         if not os.path.isfile(path):
             raise EngineLoadError(f"model file not found: {path}")
-        kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **self.config.params}
+        params = dict(self.config.params)
+        cache_mb = float(params.pop("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB))
+        kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **params}
         try:
             self.llm = Llama(model_path=path, **kwargs)
         except (ValueError, RuntimeError, TypeError) as exc:
             raise EngineLoadError(f"llama.cpp could not load {path}: {exc}") from exc
+        if cache_mb > 0:
+            from llama_cpp import LlamaRAMCache
+
+            self.llm.set_cache(LlamaRAMCache(capacity_bytes=int(cache_mb * (1 << 20))))
+        import llama_cpp
+
+        self._perf = lambda: llama_cpp.llama_perf_context(self.llm._ctx.ctx).n_p_eval
 
     def close(self) -> None:
         if self.llm is not None:
@@ -90,9 +106,24 @@ class LlamaEngine(Engine):
     def _meter(self, cancel: CancelFlag) -> _Meter:
         return _Meter(cancel, self.llm.token_eos())
 
-    def cache_tokens(self) -> int:
-        """Tokens currently held in the KV cache (what a repeated prefix can reuse)."""
-        return int(getattr(self.llm, "n_tokens", 0) or 0)
+    def stats(self) -> dict[str, int]:
+        """Prompt-cache counters for the heartbeat (read from the event loop while the engine thread runs)."""
+        cache = getattr(self.llm, "cache", None)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefix_hits": self.prefix_hits,
+            "cache_bytes": int(cache.cache_size) if cache is not None else 0,
+        }
+
+    def _account(self, prompt_tokens: int, evaluated_before: int) -> None:
+        """Count what this job's prompt cost: tokens it had minus tokens llama.cpp computed."""
+        computed = self._perf() - evaluated_before
+        reused = max(0, prompt_tokens - computed)
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += reused
+        if reused > 0:
+            self.prefix_hits += 1
 
     # --- chat -------------------------------------------------------------------------------------
 
@@ -110,6 +141,8 @@ class LlamaEngine(Engine):
                 messages=job.messages, stream=stream, logits_processor=self._processors([meter]), **kwargs
             )
 
+        before = self._perf()
+
         if emit is not None:
             meter = self._meter(cancel)
             for chunk in run(meter, True):
@@ -120,6 +153,7 @@ class LlamaEngine(Engine):
                 finish = c.get("finish_reason")
                 if delta or finish:
                     emit(delta or None, None, _finish(finish) if finish else None)
+            self._account(meter.prompt_tokens, before)
             return [], meter.usage()
 
         choices: list[Choice] = []
@@ -130,6 +164,8 @@ class LlamaEngine(Engine):
             msg = {k: v for k, v in c["message"].items() if v is not None}
             choices.append(Choice(index=i, message=msg, finish_reason=_finish(c.get("finish_reason"))))
             usage = _add(usage, r.get("usage"))
+            self._account(r["usage"]["prompt_tokens"], before)
+            before = self._perf()
         return choices, usage
 
     # --- completions ------------------------------------------------------------------------------
@@ -143,6 +179,8 @@ class LlamaEngine(Engine):
                 job.prompt, stream=stream, echo=job.echo, logits_processor=self._processors([meter]), **kwargs
             )
 
+        before = self._perf()
+
         if emit is not None:
             meter = self._meter(cancel)
             for chunk in run(meter, True):
@@ -152,6 +190,7 @@ class LlamaEngine(Engine):
                 finish = c.get("finish_reason")
                 if c.get("text") or finish:
                     emit(None, c.get("text") or "", _finish(finish) if finish else None)
+            self._account(meter.prompt_tokens, before)
             return [], meter.usage()
 
         choices: list[Choice] = []
@@ -161,6 +200,8 @@ class LlamaEngine(Engine):
             c = r["choices"][0]
             choices.append(Choice(index=i, text=c["text"], finish_reason=_finish(c.get("finish_reason"))))
             usage = _add(usage, r.get("usage"))
+            self._account(r["usage"]["prompt_tokens"], before)
+            before = self._perf()
         return choices, usage
 
 

@@ -1,0 +1,68 @@
+"""Affinity keys for a request, strongest first: explicit session, OpenAI `user`, then a prefix chain.
+
+Pure functions. Keys are digests, so the router and the `coderai_affinity` bucket never see message text, and
+every key includes the model (one conversation on two models is two caches).
+
+Chat: h1 = H(model, system messages, first user message); h(k+1) = H(h(k), message k+1) for every message
+after that, assistant and tool turns included. A request that extends an earlier one shares its whole chain, so
+the longest element the router knows points at the engine whose cache holds that much of the conversation.
+Tools (they are part of the prompt the model sees) go into h1; image parts go into the message they belong to.
+
+Completions: the prompt is cut into fixed-size character chunks; element k covers chunks 1..k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+CHUNK_CHARS = 512
+MAX_CHAIN = 64  # longer chains keep h1 and their last 63 elements: enough to contain the previous turn's last
+
+_enc = msgspec.json.Encoder(order="deterministic")
+
+
+def _h(*parts: bytes) -> str:
+    d = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        d.update(len(p).to_bytes(8, "little"))
+        d.update(p)
+    return d.hexdigest()
+
+
+def session_key(model: str, session: str | None) -> str:
+    return _h(b"session", model.encode(), session.encode()) if session else ""
+
+
+def user_key(model: str, user: str | None) -> str:
+    return _h(b"user", model.encode(), user.encode()) if user else ""
+
+
+def chat_chain(model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[str]:
+    """h1..hn over the conversation (see the module doc). Empty when there is no user message."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first_user is None:
+        return []
+    head = [m for m in messages[: first_user + 1] if m.get("role") in ("system", "developer")] + [messages[first_user]]
+    h = _h(b"chat", model.encode(), _enc.encode(tools or []), *(_enc.encode(m) for m in head))
+    chain = [h]
+    for m in messages[first_user + 1 :]:
+        h = _h(h.encode(), _enc.encode(m))
+        chain.append(h)
+    return _bound(chain)
+
+
+def prompt_chain(model: str, prompt: str, chunk_chars: int = CHUNK_CHARS) -> list[str]:
+    """One element per full chunk of the prompt (a partial last chunk is too unstable to key on)."""
+    chain: list[str] = []
+    h = _h(b"complete", model.encode())
+    for i in range(chunk_chars, len(prompt) + 1, chunk_chars):
+        h = _h(h.encode(), prompt[i - chunk_chars : i].encode())
+        chain.append(h)
+    return _bound(chain)
+
+
+def _bound(chain: list[str]) -> list[str]:
+    return chain if len(chain) <= MAX_CHAIN else chain[:1] + chain[-(MAX_CHAIN - 1) :]
