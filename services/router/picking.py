@@ -20,7 +20,7 @@ AFFINITY_TTL_S = 1800.0
 
 @dataclass
 class EngineView:
-    """What the router believes about one engine: its last heartbeat plus picks made since."""
+    """What the router believes about one engine: its last heartbeat, plus picks and completions since."""
 
     engine_id: str
     node_id: str
@@ -28,11 +28,13 @@ class EngineView:
     ops: frozenset[str]
     in_flight: int
     picks_since_hb: int = 0
+    done_since_hb: int = 0
 
     @property
     def load(self) -> int:
-        """Heartbeats are ~2 s old at worst; picks made since then are load the heartbeat has not seen yet."""
-        return self.in_flight + self.picks_since_hb
+        """In flight now, estimated: the heartbeat's count (up to ~2 s old), plus requests routed here since,
+        minus requests that finished here since (from `request.completed` events)."""
+        return max(0, self.in_flight + self.picks_since_hb - self.done_since_hb)
 
 
 @dataclass
@@ -42,6 +44,18 @@ class EngineTable:
     ttl_s: float = 6.0
     engines: dict[str, EngineView] = field(default_factory=dict)
     node_seen: dict[str, float] = field(default_factory=dict)
+    last_pick: dict[str, int] = field(default_factory=dict)  # engine id -> pick sequence, to rotate ties
+    picks: int = 0
+
+    def least_busy(self, candidates: list[EngineView]) -> EngineView:
+        """Lowest load; among equals the one picked least recently (never picked first), then the lowest id,
+        so idle engines take new conversations in turn instead of all landing on one."""
+        return min(candidates, key=lambda v: (v.load, self.last_pick.get(v.engine_id, 0), v.engine_id))
+
+    def chose(self, v: EngineView) -> None:
+        self.picks += 1
+        self.last_pick[v.engine_id] = self.picks
+        v.picks_since_hb += 1
 
     def apply(self, hb: Heartbeat, now: float) -> None:
         """Replace this node's engines with the heartbeat's ready ones."""
@@ -63,6 +77,16 @@ class EngineTable:
     def drop_node(self, node_id: str) -> None:
         for eid in [e for e, v in self.engines.items() if v.node_id == node_id]:
             del self.engines[eid]
+
+    def suspect(self, engine_id: str) -> None:
+        """A gateway saw this engine fail: route around it until its node's next heartbeat vouches for it."""
+        self.engines.pop(engine_id, None)
+
+    def completed(self, engine_id: str) -> None:
+        """A request on this engine finished (a `request.completed` event)."""
+        v = self.engines.get(engine_id)
+        if v is not None:
+            v.done_since_hb += 1
 
     def holders(self, model: str, op: str) -> list[EngineView]:
         return [v for v in self.engines.values() if v.model == model and op in v.ops]
@@ -101,8 +125,8 @@ def keys_to_record(req: RouteRequest) -> list[str]:
     return list(dict.fromkeys(k for k in keys if k))
 
 
-def _decide(v: EngineView, reason: str) -> RouteDecision:
-    v.picks_since_hb += 1
+def _decide(table: EngineTable, v: EngineView, reason: str) -> RouteDecision:
+    table.chose(v)
     return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason)  # type: ignore[arg-type]
 
 
@@ -125,14 +149,14 @@ def pick(
     if pin:
         pinned = [v for v in candidates if pin in (v.engine_id, v.node_id)]
         if pinned:
-            return _decide(min(pinned, key=lambda v: (v.load, v.engine_id)), "pin")
+            return _decide(table, table.least_busy(pinned), "pin")
         if req.pin or not (model and model.allow_fallback):
             raise BusError("no_engine", f"pinned engine {pin!r} is not serving {req.model!r}", retryable=True)
         fallback = True
 
     if not candidates:
         return None
-    least = min(candidates, key=lambda v: (v.load, v.engine_id))
+    least = table.least_busy(candidates)
     by_id = {v.engine_id: v for v in candidates}
     for reason, key in affinity_keys(req) if affinity else ():
         entry = affinity.get(key)
@@ -142,8 +166,8 @@ def pick(
         if warm is None or guard.overloaded(warm, least):
             fallback = True  # the conversation had a home that cannot take it now
             continue
-        return _decide(warm, reason)
-    return _decide(least, "fallback" if fallback else "least_busy")
+        return _decide(table, warm, reason)
+    return _decide(table, least, "fallback" if fallback else "least_busy")
 
 
 class RoundRobin:
@@ -157,4 +181,4 @@ class RoundRobin:
         candidates = sorted((v for v in table.holders(req.model, req.op) if v.engine_id not in excluded), key=lambda v: v.engine_id)
         if not candidates:
             return None
-        return _decide(candidates[next(self._counter) % len(candidates)], "least_busy")
+        return _decide(table, candidates[next(self._counter) % len(candidates)], "least_busy")

@@ -9,10 +9,10 @@ import logging
 import time
 from typing import Any
 
-from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest, decode, encode
+from coderai.contracts import BusError, Heartbeat, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, decode, encode
 from coderai.contracts.routing import AffinityEntry
-from coderai.contracts.subjects import HEARTBEAT, ROUTE_PICK
-from coderai.contracts.topology import AFFINITY, MODELS
+from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
+from coderai.contracts.topology import AFFINITY, MODELS, NODES
 from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick
 from coderai.router.settings import RouterSettings
 from coderai.runtime.bus import Bus
@@ -30,6 +30,8 @@ class Router:
         self.models_by_name: dict[str, ModelConfig] = {}
         self.bus: Bus | None = None
         self._background: set[asyncio.Task] = set()
+        self._latest: dict[str, AffinityEntry] = {}
+        self._writing: set[str] = set()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect(self.settings.nats_url, "router", on_reconnect=self._on_reconnect)
@@ -44,13 +46,31 @@ class Router:
             await asyncio.wait_for(asyncio.gather(self.models.synced.wait(), self.affinity.synced.wait()), 10)
         except asyncio.TimeoutError:
             log.warning("KV mirrors not synced within 10 s; serving with what has arrived")
+        await self._seed_engines()
         prune = asyncio.create_task(self._prune_loop())
         stack.callback(prune.cancel)
         hb_sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
         stack.push_async_callback(hb_sub.unsubscribe)
+        done_sub = await self.bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=self._on_completed)
+        stack.push_async_callback(done_sub.unsubscribe)
         pick_sub = await self.bus.serve(ROUTE_PICK, self._on_pick, queue="router")
         stack.push_async_callback(pick_sub.unsubscribe)
         log.info("routing with policy %s; %d affinity entries", self.settings.policy, len(self.affinity.values))
+
+    async def _seed_engines(self) -> None:
+        """Start from the last heartbeats the scheduler recorded in `coderai_nodes` (at most a TTL old), so a
+        restarted router routes at once instead of answering "no engine" until the next heartbeats arrive."""
+        kv = await self.bus.kv(NODES)
+        try:
+            keys = await kv.keys()
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            return
+        now = time.monotonic()
+        for key in keys:
+            try:
+                self.table.apply(decode((await kv.get(key)).value, Heartbeat), now)
+            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the start
+                log.warning("ignoring node record %s: %s", key, exc)
 
     async def _on_reconnect(self) -> None:
         self.models.start()
@@ -67,9 +87,17 @@ class Router:
             return
         self.table.apply(hb, time.monotonic())
 
+    async def _on_completed(self, m: Any) -> None:
+        try:
+            self.table.completed(decode(m.data, RequestCompleted).engine_id)
+        except Exception as exc:  # noqa: BLE001 - a bad event costs one load estimate, nothing more
+            log.debug("bad request.completed: %s", exc)
+
     async def _on_pick(self, req: RouteRequest, _m: Any) -> RouteDecision:
         for gone in self.table.expire(time.monotonic()):
             log.info("node %s went silent; no longer routing to it", gone)
+        for failed in req.exclude:
+            self.table.suspect(failed)
         policy = self.settings.policy
         if policy == "round_robin":
             decision = self.round_robin.pick(self.table, req)
@@ -80,6 +108,8 @@ class Router:
             raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}", retryable=True)
         if policy == "prefix":
             self._record(req, decision)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("picked %s for %s (%s)", decision.engine_id, req.model, decision.reason, extra={"request_id": req.request_id})
         return decision
 
     # --- affinity writes --------------------------------------------------------------------------
@@ -92,24 +122,38 @@ class Router:
             if cur is not None and cur.engine_id == d.engine_id and now - cur.ts < self.settings.affinity_refresh_s:
                 continue
             entry = AffinityEntry(engine_id=d.engine_id, node_id=d.node_id, ts=now)
-            rev = self.affinity.revisions.get(key, 0)
             self.affinity.values[key] = entry  # this router's next pick sees it before the watch echoes it
-            task = asyncio.create_task(self._write(key, entry, rev))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._latest[key] = entry
+            if key not in self._writing:  # one writer per key, so this router's own decisions land in order
+                self._writing.add(key)
+                task = asyncio.create_task(self._writer(key))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
-    async def _write(self, key: str, entry: AffinityEntry, rev: int) -> None:
-        """A revision-checked write; if another router wrote first, its entry stands and we adopt it."""
+    async def _writer(self, key: str) -> None:
+        """Write the newest decision for `key`, revision-checked. Losing to another router means re-reading:
+        its entry stands unless this router has decided again since, in which case ours goes on top."""
         kv = self.affinity.kv
         try:
-            new_rev = await (kv.update(key, encode(entry), last=rev) if rev else kv.create(key, encode(entry)))
-            self.affinity.remember(key, entry, new_rev)
-        except Exception as exc:  # noqa: BLE001 - lost a race (or the bus is down): re-read the winner
-            try:
-                theirs = await kv.get(key)
-                self.affinity.remember(key, decode(theirs.value, AffinityEntry), theirs.revision)
-            except Exception:  # noqa: BLE001 - nothing to adopt; the local guess stays until the watch corrects it
-                log.debug("affinity write for %s failed: %s", key, exc)
+            while True:
+                entry = self._latest[key]
+                rev = self.affinity.revisions.get(key, 0)
+                try:
+                    new_rev = await (kv.update(key, encode(entry), last=rev) if rev else kv.create(key, encode(entry)))
+                    self.affinity.remember(key, entry, new_rev)
+                except Exception as exc:  # noqa: BLE001 - lost a race (or the bus is down): adopt the winner
+                    try:
+                        theirs = await kv.get(key)
+                        self.affinity.remember(key, decode(theirs.value, AffinityEntry), theirs.revision)
+                    except Exception:  # noqa: BLE001 - nothing to adopt; the watch corrects the local guess
+                        log.debug("affinity write for %s failed: %s", key, exc)
+                        self._latest.pop(key, None)
+                        return
+                if self._latest.get(key) is entry:
+                    del self._latest[key]
+                    return
+        finally:
+            self._writing.discard(key)
 
     async def _prune_loop(self) -> None:
         """Drop expired entries from memory (the bucket's TTL drops them from the server)."""

@@ -111,9 +111,9 @@ def test_pick_counts_against_the_chosen_engine_so_consecutive_picks_spread():
     t = EngineTable()
     t.apply(hb("n1", engine("e1"), engine("e2"), engine("e3", in_flight=1)), now=0.0)
     chosen = [pick(t, req()).engine_id for _ in range(6)]
-    # e1/e2 start at 0, e3 at 1: load climbs evenly, ties going to the lowest id each round.
-    assert chosen == ["e1", "e2", "e1", "e2", "e3", "e1"]
-    assert {e: v.picks_since_hb for e, v in t.engines.items()} == {"e1": 3, "e2": 2, "e3": 1}
+    # e1/e2 start at 0, e3 at 1: load climbs evenly; ties go to the engine picked least recently.
+    assert chosen == ["e1", "e2", "e3", "e1", "e2", "e3"]
+    assert {e: v.picks_since_hb for e, v in t.engines.items()} == {"e1": 2, "e2": 2, "e3": 2}
     assert {e: v.load for e, v in t.engines.items()} == {"e1": 3, "e2": 2, "e3": 2}
 
 

@@ -25,9 +25,11 @@ class ServiceProcess:
         self.env = env
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
+        self.log_offset = 0
 
     def start(self) -> "ServiceProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = len(self.log_text())  # a restarted service appends: wait only on what it writes
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
@@ -41,8 +43,10 @@ class ServiceProcess:
         except FileNotFoundError:
             return ""
 
-    def wait_log(self, needle: str, timeout_s: float = 30.0, after: int = 0) -> None:
-        """Poll the log until `needle` appears past offset `after`; fail early if the process died."""
+    def wait_log(self, needle: str, timeout_s: float = 30.0, after: int | None = None) -> None:
+        """Poll the log until `needle` appears past offset `after` (default: where this run's output starts);
+        fail early if the process died."""
+        after = self.log_offset if after is None else after
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if needle in self.log_text()[after:]:
