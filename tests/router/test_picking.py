@@ -114,7 +114,7 @@ def test_pick_counts_against_the_chosen_engine_so_consecutive_picks_spread():
     # e1/e2 start at 0, e3 at 1: load climbs evenly; ties go to the engine picked least recently.
     assert chosen == ["e1", "e2", "e3", "e1", "e2", "e3"]
     assert {e: v.picks_since_hb for e, v in t.engines.items()} == {"e1": 2, "e2": 2, "e3": 2}
-    assert {e: v.load for e, v in t.engines.items()} == {"e1": 3, "e2": 2, "e3": 2}
+    assert {e: v.load for e, v in t.engines.items()} == {"e1": 2, "e2": 2, "e3": 3}
 
 
 def test_a_heartbeat_resets_the_pick_counters_of_its_node_only():
