@@ -3,8 +3,8 @@
 Pure functions. Keys are digests, so the router and the `coderai_affinity` bucket never see message text, and
 every key includes the model (one conversation on two models is two caches).
 
-Chat: h1 = H(model, system messages, first user message); h(k+1) = H(h(k), message k+1) for every message
-after that, assistant and tool turns included. A request that extends an earlier one shares its whole chain, so
+Chat: h1 = H(model, tools, every message up to and including the first user message: system prompt,
+few-shot turns); h(k+1) = H(h(k), message k+1) for every message after that, assistant and tool turns included. A request that extends an earlier one shares its whole chain, so
 the longest element the router knows points at the engine whose cache holds that much of the conversation.
 Tools (they are part of the prompt the model sees) go into h1; image parts go into the message they belong to.
 
@@ -45,8 +45,7 @@ def chat_chain(model: str, messages: list[dict[str, Any]], tools: list[dict[str,
     first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
     if first_user is None:
         return []
-    head = [m for m in messages[: first_user + 1] if m.get("role") in ("system", "developer")] + [messages[first_user]]
-    h = _h(b"chat", model.encode(), _enc.encode(tools or []), *(_enc.encode(m) for m in head))
+    h = _h(b"chat", model.encode(), _enc.encode(tools or []), *(_enc.encode(m) for m in messages[: first_user + 1]))
     chain = [h]
     for m in messages[first_user + 1 :]:
         h = _h(h.encode(), _enc.encode(m))

@@ -99,7 +99,7 @@ class LoadGuard:
     The warm engine is passed over when its load (in flight + picks since its last heartbeat) exceeds both
     `ratio` times the least-busy holder's load and that load plus `slack`. A cold prefill costs one request
     once; queueing behind a hot engine costs every request queued, so the guard only trips on a clear gap:
-    with the defaults, 3 vs 0 stays warm, 5 vs 0 moves; 9 vs 4 stays, 10 vs 4 moves.
+    with the defaults, 4 vs 0 stays warm, 5 vs 0 moves; 8 vs 4 stays, 9 vs 4 moves.
     """
 
     ratio: float = 2.0

@@ -1,0 +1,128 @@
+"""Multi-turn chat over two llama.cpp replicas: prefix routing vs round-robin vs one warm engine.
+
+16 concurrent conversations x 6 turns, each with its own ~1,000-token system prompt, on a ~70 MB model
+(dim 512, 8 layers). Every engine has the same prompt-cache budget (`--cache-mb`, default 192 MB): enough for
+the eight conversations prefix routing gives each replica, not for all sixteen. Modes, one after another in one run:
+
+  prefix       2 workers (1 thread each), router policy "prefix"
+  round_robin  2 workers (1 thread each), router policy "round_robin"
+  warm         1 worker (2 threads) with a cache that holds every conversation: the single warm engine
+
+TTFT is measured at the client (first streamed content chunk), over every turn. Prints p50/p95 per mode and
+the ratios the acceptance asks for. `--smoke` runs a tiny version (seconds) so CI keeps the script working.
+
+Usage: python bench/prefix_routing.py [--conversations 16] [--turns 6] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from coderai.runtime.embedded import NatsServer
+from coderai.testing.stack import Stack, write_models_file
+from coderai.testing.tiny_gguf import build_tiny_gguf
+
+WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
+         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
+
+
+def system_prompt(i: int, words: int) -> str:
+    rng = random.Random(i)
+    return f"You are assistant number {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int, max_tokens: int, ttfts: list[float]) -> None:
+    messages = [{"role": "system", "content": system_prompt(i, words)}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Turn {t}: tell me about {WORDS[(i + t) % len(WORDS)]}."})
+        body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        start = time.perf_counter()
+        first = None
+        text = []
+        async with client.stream("POST", "/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if first is None:
+                    first = time.perf_counter() - start
+                delta = httpx.Response(200, content=line[6:]).json()["choices"][0]["delta"]
+                text.append(delta.get("content") or "")
+        ttfts.append(first if first is not None else time.perf_counter() - start)
+        messages.append({"role": "assistant", "content": "".join(text) or "ok"})
+
+
+def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> list[float]:
+    nats = NatsServer(root / f"nats-{mode}").start()
+    workers = 1 if mode == "warm" else 2
+    cache_mb = a.cache_mb * (a.conversations / 2 if mode == "warm" else 1)  # warm: room for every conversation
+    params = {"n_ctx": a.ctx, "n_threads": 2 // workers if a.threads == 0 else a.threads, "prompt_cache_mb": cache_mb}
+    policy = "round_robin" if mode == "round_robin" else "prefix"
+    stack = Stack(root / mode, nats.url, extra_env={"CODERAI_ROUTER_POLICY": policy})
+    try:
+        stack.start_core(write_models_file(root / f"models-{mode}.toml", [{"name": "bench", "engine": "llama", "path": model, "params": params}]))
+        for w in range(workers):
+            stack.start_worker(f"{mode}-w{w}")
+        stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
+        stack.wait_model_ready("bench", timeout_s=120)
+        ttfts: list[float] = []
+
+        async def go() -> None:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
+                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts) for i in range(a.conversations)))
+
+        t = time.perf_counter()
+        asyncio.run(go())
+        print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+        return ttfts
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--words", type=int, default=900, help="system prompt length in words (~1 token each)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--cache-mb", type=float, default=192)
+    ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns")
+    a = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="coderai-prefix-"))
+    if a.smoke:
+        a.conversations, a.turns, a.words, a.max_tokens, a.cache_mb = 2, 2, 50, 4, 32
+        model = build_tiny_gguf(root / "bench.gguf")["out"]
+    else:
+        model = build_tiny_gguf(root / "bench.gguf", dim=512, layers=8, heads=8)["out"]
+    results = {mode: run_mode(root, model, mode, a) for mode in ("prefix", "round_robin", "warm")}
+
+    p50 = {m: statistics.median(v) for m, v in results.items()}
+    print(f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica")
+    print(f"| mode | TTFT p50 ms | TTFT p95 ms | p50 vs prefix |")
+    print(f"|---|---|---|---|")
+    for m, v in results.items():
+        print(f"| {m} | {p50[m] * 1000:.0f} | {pct(v, 0.95) * 1000:.0f} | {p50[m] / p50['prefix']:.2f}x |")
+    print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
+    print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
