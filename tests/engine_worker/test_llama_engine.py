@@ -140,3 +140,33 @@ def test_garbage_file_is_a_load_error(tmp_path):
 def test_unknown_family_is_a_load_error():
     with pytest.raises(EngineLoadError, match="no engine family"):
         engine_class("nonsense")
+
+
+def test_prompt_cache_keeps_interleaved_conversations_warm(tiny_gguf):
+    """Two conversations taking turns on one engine: each turn after the first reuses its own prefix."""
+    e = engine_class("llama")(ModelConfig(name="c", engine="llama", path=str(tiny_gguf),
+                                          params={"n_ctx": 1024, "prompt_cache_mb": 64}))
+    e.load()
+    try:
+        convs = {name: [{"role": "system", "content": f"{name} " * 150}] for name in ("alpha", "beta")}
+        for turn in range(3):
+            for name, msgs in convs.items():
+                msgs.append({"role": "user", "content": f"turn {turn}"})
+                choices, _ = e.chat(ChatJob(request_id="r", model="c", messages=msgs, params=SamplingParams(max_tokens=3, temperature=0)), CancelFlag(), None)
+                msgs.append({"role": "assistant", "content": choices[0].message.get("content") or "ok"})
+        s = e.stats()
+        assert s["prefix_hits"] >= 4  # every turn after each conversation's first
+        assert s["cached_tokens"] > s["prompt_tokens"] / 2  # most prompt tokens came from the cache
+        assert s["cache_bytes"] > 0
+    finally:
+        e.close()
+
+
+def test_prompt_cache_can_be_turned_off(tiny_gguf):
+    e = engine_class("llama")(ModelConfig(name="c", engine="llama", path=str(tiny_gguf), params={"n_ctx": 512, "prompt_cache_mb": 0}))
+    e.load()
+    try:
+        e.chat(chat(), CancelFlag(), None)
+        assert e.stats()["cache_bytes"] == 0
+    finally:
+        e.close()

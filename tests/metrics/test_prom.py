@@ -135,3 +135,28 @@ def test_an_engine_that_comes_back_is_reported_again():
     s.on_heartbeat(beat("n1"))
     s.on_heartbeat(beat("n1", eng("e1", in_flight=6)))
     assert s.registry.get_sample_value("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 6
+
+
+def test_route_decisions_are_counted_by_reason():
+    s = Series()
+    for reason in ("prefix", "prefix", "least_busy", ""):
+        s.on_request(done(route_reason=reason))
+    get = s.registry.get_sample_value
+    assert get("coderai_route_decisions_total", {"reason": "prefix"}) == 2
+    assert get("coderai_route_decisions_total", {"reason": "least_busy"}) == 1
+    assert get("coderai_route_decisions_total", {"reason": ""}) is None  # no decision (e.g. rejected early)
+
+
+def test_engine_prefix_cache_counters_come_from_the_heartbeat():
+    s = Series()
+    e = EngineStatus(engine_id="e1", model="m", engine="llama", ops=["chat"], state="ready",
+                     prompt_tokens=1000, cached_tokens=800, prefix_hits=7, cache_bytes=4096)
+    s.on_heartbeat(beat("n1", e))
+    labels = {"node": "n1", "engine": "e1", "model": "m"}
+    get = s.registry.get_sample_value
+    assert get("coderai_engine_prompt_tokens", labels) == 1000
+    assert get("coderai_engine_cached_prompt_tokens", labels) == 800
+    assert get("coderai_engine_prefix_hits", labels) == 7
+    assert get("coderai_engine_prompt_cache_bytes", labels) == 4096
+    s.on_heartbeat(beat("n1"))
+    assert get("coderai_engine_prefix_hits", labels) is None
