@@ -161,7 +161,7 @@ class EngineHost:
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                    item = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), self.keepalive_s)
                 except asyncio.TimeoutError:
                     await writer.keepalive()
                     continue

@@ -91,7 +91,8 @@ class FrameStream:
     async def next_raw(self) -> bytes:
         """The next frame's bytes; BusError on an idle gap longer than the timeout or a lost connection."""
         try:
-            data = await asyncio.wait_for(self.queue.get(), self.idle_timeout_s)
+            # a frame already queued needs no timer (wait_for costs a task per call: tokens arrive in bursts)
+            data = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(self.queue.get(), self.idle_timeout_s)
         except asyncio.TimeoutError:
             raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True) from None
         if data is None:
