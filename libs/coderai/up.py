@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from coderai.runtime.cluster import fingerprint, nats_auth_config
 from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
 from coderai.runtime.logging import setup_logging
 from coderai.runtime.supervisor import Child, Supervisor
@@ -103,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (default 9464, else a free one)")
     ap.add_argument("--models-file", help="TOML of [[models]] to serve (default: the built-in tiny model)")
     ap.add_argument("--no-auth", action="store_true", help="no API key (only with a loopback --host)")
+    ap.add_argument("--cluster-token", default=os.environ.get("CODERAI_CLUSTER_TOKEN", ""),
+                    help="let other machines join: NATS then requires credentials derived from this token and "
+                         "listens on --nats-host; workers started with the same token find this head by mDNS")
+    ap.add_argument("--nats-host", default="", help="NATS listen address (default: 0.0.0.0 with a token, else 127.0.0.1)")
+    ap.add_argument("--mdns-interface", action="append", default=[], help="address to announce mDNS on (repeat)")
+    ap.add_argument("--node-id", default="", help="this machine's node id (default: made once, kept in the data dir)")
     ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the first answer")
     args = ap.parse_args(argv)
 
@@ -129,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     nats = redis = None
     sup = Supervisor()
     try:
+        token = args.cluster_token
+        nats_host = args.nats_host or ("0.0.0.0" if token else "127.0.0.1")
+        nats_port = args.nats_port or (4222 if token else None)
         try:
-            nats = NatsServer(data / "nats", port=args.nats_port or None).start(log_file=data / "logs" / "nats.log")
+            nats = NatsServer(data / "nats", port=nats_port, host=nats_host,
+                              auth=nats_auth_config(token) if token else "").start(log_file=data / "logs" / "nats.log")
             redis = RedisServer(data / "redis", port=args.redis_port or None).start(log_file=data / "logs" / "redis.log")
         except EmbeddedServerError as exc:
             print(f"coderai up: {exc}", file=sys.stderr)
@@ -150,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             "CODERAI_LOG_FORMAT": "json",
             "CODERAI_METRICS_REDIS_URL": redis.url,
             "CODERAI_METRICS_PORT": str(metrics_port),
+            "CODERAI_CLUSTER_TOKEN": token,
         }
+        if args.node_id:
+            env["CODERAI_WORKER_NODE_ID"] = args.node_id
+        if token:  # this box's worker tells the LAN where to join
+            env["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
+            if args.mdns_interface:
+                env["CODERAI_WORKER_MDNS_INTERFACES"] = ",".join(args.mdns_interface)
         py = [sys.executable, "-m"]
         for name, module, extra in [
             ("router", "coderai.router", []),
@@ -181,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         if not stopping:
             print(banner(base, key, first, nats.url, metrics_port, data), flush=True)
+            if token:
+                print(f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
+                      f" (found by mDNS), or add --nats-url nats://<this host>:{nats.port}", flush=True)
         while not stopping:
             sup.tick()
             time.sleep(0.25)

@@ -10,10 +10,19 @@ def make(settings: WorkerSettings):
     return Worker(settings, stable_node_id(settings.data_dir, settings.node_id)).start
 
 
+def _args(ap) -> None:
+    ap.add_argument("--mdns-interface", dest="mdns_interfaces", action="append",
+                    help="address to announce and browse mDNS on (repeat; default every interface)")
+    ap.add_argument("--no-mdns", dest="mdns", action="store_const", const=False, help="no mDNS: join by --nats-url only")
+    ap.add_argument("--families", dest="families", type=lambda s: [f for f in s.split(",") if f],
+                    help="engine families to offer, comma-separated (default: every installed one)")
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_service(
-        "worker", "Runs this machine's engines: loads what its assignment says, answers jobs, heartbeats.",
-        WorkerSettings, make, argv, drain_timeout_s=30.0,
+        "worker", "Runs this machine's engines: loads what its assignment says, answers jobs, heartbeats. "
+        "Join a cluster with --cluster-token alone (the head is found by mDNS) or with --nats-url too.",
+        WorkerSettings, make, argv, add_args=_args, drain_timeout_s=30.0,
     )
 
 

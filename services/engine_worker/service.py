@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import msgspec
 
 from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode
 from coderai.contracts.subjects import EVT_MODEL_LOADED, HEARTBEAT
-from coderai.contracts.topology import ASSIGNMENTS, EVENTS
+from coderai.contracts.topology import ASSIGNMENTS
 from coderai.engine_worker.engines import available_families
 from coderai.engine_worker.host import EngineHost
 from coderai.engine_worker.node import build_heartbeat
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.runtime.bus import Bus
+from coderai.runtime.cluster import fingerprint
+from coderai.runtime.discovery import Announcement, Announcer, find_head
 
 log = logging.getLogger("coderai.engine_worker")
 
@@ -35,16 +38,36 @@ class Worker:
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
-        self.bus = await Bus.connect(s.nats_url, f"worker:{self.node_id}", on_reconnect=self._on_reconnect)
+        url = s.nats_url
+        if not url and s.cluster_token and s.mdns:
+            url = await self._discover()
+        self.bus = await Bus.connect_as(s, f"worker:{self.node_id}", role="node", url=url, on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
-        await self.bus.ensure_stream(EVENTS)
-        self._kv = await self.bus.kv(ASSIGNMENTS)
+        if s.cluster_token and s.mdns:
+            announcer = Announcer(Announcement(node_id=self.node_id, name=socket.gethostname(), fp=fingerprint(s.cluster_token),
+                                               nats_port=s.announce_nats_port, caps=tuple(self.families)), s.mdns_interfaces)
+            await announcer.start()
+            stack.push_async_callback(announcer.close)
         stack.push_async_callback(self._unload_all)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
         self._restart_watch()
         stack.callback(lambda: self._watch_task and self._watch_task.cancel())
         log.info("worker %s up with engine families %s", self.node_id, self.families)
+
+    async def _discover(self) -> str:
+        """Browse mDNS until a head with our token's fingerprint shows up (a stranger's cluster never matches)."""
+        s = self.settings
+        fp = fingerprint(s.cluster_token)
+        log.info("looking for the head of cluster %s by mDNS on %s", fp[:8], ", ".join(s.mdns_interfaces) or "every interface")
+        while True:
+            try:
+                host, port, head = await find_head(fp, s.mdns_interfaces, s.discover_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("no head with this cluster token's fingerprint (%s) yet; still looking", fp[:8])
+                continue
+            log.info("found head %s at nats://%s:%d", head, host, port)
+            return f"nats://{host}:{port}"
 
     # --- heartbeats -------------------------------------------------------------------------------
 
@@ -81,6 +104,8 @@ class Worker:
         while True:
             watcher = None
             try:
+                if self._kv is None:  # the head's scheduler creates the bucket; a node may not (and need not)
+                    self._kv = await self.bus.kv(ASSIGNMENTS)
                 watcher = await self._kv.watch(self.node_id)
                 while True:
                     entry = await watcher.updates(timeout=None)

@@ -10,3 +10,7 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     keepalive_s: float = 1.0  # a frame at least this often while a job is queued or prefilling
     drain_timeout_s: float = 15.0
     families: list[str] = []  # engine families to offer; empty: every one whose library is installed
+    mdns: bool = True  # with a cluster token: announce this node, and find the head when no NATS URL is given
+    mdns_interfaces: list[str] = []  # addresses to announce and browse on; empty: every interface
+    announce_nats_port: int = 0  # set on the head's own worker: the NATS port nodes should join
+    discover_timeout_s: float = 60.0

@@ -50,7 +50,7 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
-        self.bus = await Bus.connect(self.settings.nats_url, "gateway", on_reconnect=self._on_reconnect,
+        self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
                                      on_disconnect=self._on_disconnect)
         self.catalog = Catalog(self.bus)
         self.catalog.start()

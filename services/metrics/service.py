@@ -36,7 +36,7 @@ class Metrics:
 
             self.redis = aioredis.from_url(s.redis_url)
             stack.push_async_callback(self.redis.aclose)
-        self.bus = await Bus.connect(s.nats_url, "metrics")
+        self.bus = await Bus.connect_as(s, "metrics")
         stack.push_async_callback(self.bus.close)
         await self.bus.ensure_stream(EVENTS)
         hb = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)

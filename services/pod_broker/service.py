@@ -23,7 +23,7 @@ class Broker:
         self.settings = settings
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
-        self.bus = await Bus.connect(self.settings.nats_url, "pod-broker")
+        self.bus = await Bus.connect_as(self.settings, "pod-broker")
         stack.push_async_callback(self.bus.close)
         self.kv = await self.bus.kv(PODS)
         sub = await self.bus.serve(CMD_BROKER_STATUS, self._status, queue="pod-broker")

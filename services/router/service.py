@@ -34,7 +34,7 @@ class Router:
         self._writing: set[str] = set()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
-        self.bus = await Bus.connect(self.settings.nats_url, "router", on_reconnect=self._on_reconnect)
+        self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
         self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
         self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry)

@@ -1,19 +1,99 @@
-"""Pure placement: which node should load which model."""
+"""Pure placement: which node should load which model, by memory fit.
+
+A copy of a model needs `memory_mb` if the config says so, else its file size x 1.2 plus 256 MB (weights plus
+KV cache and runtime; an estimate that errs large). A node offers 90 % of its GPU memory when it reports one,
+else of its RAM. Existing placements are kept while they still fit (a new node joining moves nothing), then
+missing copies go to eligible nodes that fit: `spread` picks the node holding the fewest models (then most room),
+`binpack` the fullest node that still fits. A model with `replicas = 0` goes to every eligible node that fits.
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 
+MB = 1 << 20
+OVERHEAD = 256 * MB
+USABLE = 0.9
 
-def plan(models: list[ModelConfig], nodes: dict[str, Heartbeat]) -> dict[str, Assignment]:
-    """Every model goes to every live node that runs its engine family, or only to the nodes it names.
 
-    Memory-aware placement and escalation come with the scheduler's own issues; this is the rule that
-    keeps a single box and a small uniform cluster working.
-    """
-    out: dict[str, Assignment] = {}
-    for node_id, hb in sorted(nodes.items()):
-        caps = set(hb.capabilities)
-        chosen = [m for m in models if m.engine in caps and (not m.nodes or node_id in m.nodes)]
-        out[node_id] = Assignment(node_id=node_id, models=chosen)
-    return out
+def estimate_bytes(m: ModelConfig, file_size: int | None = None) -> int:
+    if m.memory_mb:
+        return m.memory_mb * MB
+    if file_size is None:
+        try:
+            file_size = os.path.getsize(os.path.expanduser(m.path))
+        except OSError:
+            file_size = 0  # the file lives on the nodes only: count the overhead alone
+    return int(file_size * 1.2) + OVERHEAD
+
+
+UNKNOWN_CAPACITY = 1 << 62
+
+
+def capacity(hb: Heartbeat) -> int:
+    """What a node offers; a node that reports no memory at all is not refused anything."""
+    total = hb.vram_total or hb.mem_total
+    return int(total * USABLE) if total else UNKNOWN_CAPACITY
+
+
+@dataclass
+class Plan:
+    assignments: dict[str, Assignment]
+    unplaced: dict[str, str] = field(default_factory=dict)  # model -> why it has fewer copies than asked
+
+
+def plan(
+    models: list[ModelConfig],
+    nodes: dict[str, Heartbeat],
+    current: dict[str, Assignment] | None = None,
+    sizes: dict[str, int] | None = None,
+) -> Plan:
+    """Assignments for live `nodes` (plus, for nodes in `current` that are gone, what they keep for their return)."""
+    current = current or {}
+    sizes = sizes or {}
+    need = {m.name: estimate_bytes(m, sizes.get(m.name)) for m in models}
+    free = {n: capacity(hb) for n, hb in nodes.items()}
+    placed: dict[str, list[ModelConfig]] = {n: [] for n in nodes}
+    unplaced: dict[str, str] = {}
+
+    def eligible(m: ModelConfig, n: str) -> bool:
+        return m.engine in nodes[n].capabilities and (not m.nodes or n in m.nodes)
+
+    def put(m: ModelConfig, n: str) -> None:
+        placed[n].append(m)
+        free[n] -= need[m.name]
+
+    candidates = {m.name: sorted(n for n in nodes if eligible(m, n)) for m in models}
+    wants = {m.name: len(candidates[m.name]) if m.replicas == 0 else m.replicas for m in models}
+    for m in models:  # first every copy already in place that still fits, so no new copy can push one out
+        holders = [n for n in candidates[m.name] if any(x.name == m.name for x in current.get(n, Assignment(node_id=n)).models)]
+        for n in holders[: wants[m.name]]:
+            if free[n] >= need[m.name]:
+                put(m, n)
+    for m in models:  # then the missing copies
+        want = wants[m.name]
+        have = [n for n in candidates[m.name] if m in placed[n]]
+        rest = [n for n in candidates[m.name] if n not in have and free[n] >= need[m.name]]
+        if m.placement == "binpack":
+            rest.sort(key=lambda n: (free[n], n))
+        else:
+            rest.sort(key=lambda n: (len(placed[n]), -free[n], n))
+        for n in rest[: max(0, want - len(have))]:
+            put(m, n)
+        got = sum(m in placed[n] for n in candidates[m.name])
+        if not candidates[m.name]:
+            unplaced[m.name] = ("none of its nodes (" + ", ".join(m.nodes) + ") is live and runs its engine family") \
+                if m.nodes else "no live node runs its engine family"
+        elif got < want:
+            unplaced[m.name] = f"{got} of {want} copies fit ({need[m.name] // MB} MB each)"
+
+    out = {n: Assignment(node_id=n, models=ms) for n, ms in sorted(placed.items())}
+    by_name = {m.name: m for m in models}
+    for n, a in current.items():  # gone nodes: keep the everywhere-models for when they come back
+        if n not in nodes:
+            keep = [by_name[x.name] for x in a.models if x.name in by_name and by_name[x.name].replicas == 0]
+            out[n] = Assignment(node_id=n, models=keep)
+    return Plan(out, unplaced)

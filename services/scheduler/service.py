@@ -8,11 +8,12 @@ import logging
 import time
 from typing import Any
 
-from coderai.contracts import Heartbeat, ModelConfig, decode, encode, model_key
+from coderai.contracts import Assignment, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.subjects import HEARTBEAT
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
+from coderai.runtime.mirror import KVMirror
 from coderai.scheduler.models_file import load_models
 from coderai.scheduler.placement import plan
 from coderai.scheduler.settings import SchedulerSettings
@@ -26,15 +27,23 @@ class Scheduler:
         self.models: list[ModelConfig] = load_models(settings.models_file) if settings.models_file else []
         self.nodes: dict[str, Heartbeat] = {}
         self.seen: dict[str, float] = {}
+        self.unplaced: dict[str, str] = {}
         self.bus: Bus | None = None
         self._dirty = asyncio.Event()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
-        self.bus = await Bus.connect(self.settings.nats_url, "scheduler", on_reconnect=self._on_reconnect)
+        self.bus = await Bus.connect_as(self.settings, "scheduler", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
         self.kv_models = await self.bus.kv(MODELS)
         self.kv_nodes = await self.bus.kv(NODES)
-        self.kv_assign = await self.bus.kv(ASSIGNMENTS)
+        self.assignments = KVMirror(self.bus, ASSIGNMENTS, Assignment)
+        self.kv_assign = await self.assignments.bind()
+        self.assignments.start()
+        stack.callback(self.assignments.stop)
+        try:  # placement is sticky: start from what the nodes were given before
+            await asyncio.wait_for(self.assignments.synced.wait(), 10)
+        except asyncio.TimeoutError:
+            log.warning("assignments not synced within 10 s")
         self.node_records = RevisionCache(self.kv_nodes)
         if self.settings.models_file:
             await self._publish_models()
@@ -48,6 +57,7 @@ class Scheduler:
 
     async def _on_reconnect(self) -> None:
         self.node_records.revs.clear()  # a restarted server may have another history
+        self.assignments.start()
         self._dirty.set()
 
     async def _publish_models(self) -> None:
@@ -102,11 +112,17 @@ class Scheduler:
                 log.info("node %s left (no heartbeat for %.0fs)", node_id, NODE_TTL_S)
                 self.nodes.pop(node_id, None)
                 self.seen.pop(node_id, None)
+                self._dirty.set()  # copies it held may need a new home
             if not self._dirty.is_set():
                 continue
             self._dirty.clear()
             try:
-                for node_id, assignment in plan(self.models, self.nodes).items():
+                result = plan(self.models, self.nodes, dict(self.assignments.values))
+                for name, why in result.unplaced.items():
+                    if self.unplaced.get(name) != why:
+                        log.warning("model %s: %s", name, why)
+                self.unplaced = result.unplaced
+                for node_id, assignment in result.assignments.items():
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])
             except Exception as exc:  # noqa: BLE001 - retried: the bus may be reconnecting

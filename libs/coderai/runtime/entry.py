@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import msgspec
 
+from coderai.contracts import BusError
 from coderai.runtime.lifecycle import Starter, serve_until_stopped
 from coderai.runtime.logging import log_fields, setup_logging
 from coderai.runtime.settings import SettingsError, describe, load_settings
@@ -22,6 +23,7 @@ def parser(service: str, description: str) -> argparse.ArgumentParser:
     """An argument parser with the flags every service takes; each overrides its `CODERAI_*` variable."""
     ap = argparse.ArgumentParser(prog=f"coderai {service}", description=description)
     ap.add_argument("--nats-url", dest="nats_url", help="NATS server URL (CODERAI_NATS_URL)")
+    ap.add_argument("--cluster-token", dest="cluster_token", help="the cluster's shared secret (CODERAI_CLUSTER_TOKEN)")
     ap.add_argument("--node-id", dest="node_id", help="this node's id (CODERAI_NODE_ID)")
     ap.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING (CODERAI_LOG_LEVEL)")
     ap.add_argument("--data-dir", dest="data_dir", help="state directory (CODERAI_DATA_DIR)")
@@ -60,4 +62,7 @@ def run_service(
         asyncio.run(serve_until_stopped(starter, drain_timeout_s=drain_timeout_s))
     except KeyboardInterrupt:
         pass
+    except BusError as exc:  # e.g. NATS unreachable, or it refused our credentials
+        print(f"coderai {service}: {exc.message}", file=sys.stderr)
+        return 1
     return 0

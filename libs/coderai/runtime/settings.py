@@ -26,7 +26,8 @@ class SettingsError(Exception):
 class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings every service has."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = ""  # empty: nats://127.0.0.1:4222, or (a worker with a cluster token) the head found by mDNS
+    cluster_token: str = ""  # the shared secret; NATS credentials are derived from it (runtime/cluster.py)
     node_id: str = ""
     log_level: str = "INFO"
     log_format: str = "auto"  # auto: JSON off a terminal, text on one

@@ -18,11 +18,13 @@ class ProcessDied(RuntimeError):
 class ServiceProcess:
     """One `python -m <module>` child in its own process group (so granian's workers stop with it)."""
 
-    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 prefix: list[str] | None = None) -> None:
         self.name = name
         self.module = module
         self.args = args
         self.env = env
+        self.prefix = prefix or []  # e.g. `ip netns exec <host>`: it execs the command, so the pid stays ours
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.log_offset = 0
@@ -32,7 +34,7 @@ class ServiceProcess:
         self.log_offset = len(self.log_text())  # a restarted service appends: wait only on what it writes
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
+                [*self.prefix, sys.executable, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         return self

@@ -9,12 +9,19 @@ from coderai.engine_worker.engines.base import Engine, EngineLoadError
 # family -> (module that must be importable, module:class that runs it)
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama_cpp", "coderai.engine_worker.engines.llama:LlamaEngine"),
+    "echo": ("coderai.testing", "coderai.testing.echo_engine:EchoEngine"),
 }
+
+# Test engines: offered only when a worker's settings name them (CODERAI_WORKER_FAMILIES), never by default.
+EXPLICIT_ONLY = frozenset({"echo"})
 
 
 def available_families() -> list[str]:
-    """Engine families whose libraries are installed on this machine."""
-    return [fam for fam, (probe, _) in FAMILIES.items() if importlib.util.find_spec(probe) is not None]
+    """Engine families whose libraries are installed on this machine (test engines left out)."""
+    return [
+        fam for fam, (probe, _) in FAMILIES.items()
+        if fam not in EXPLICIT_ONLY and importlib.util.find_spec(probe) is not None
+    ]
 
 
 def engine_class(family: str) -> type[Engine]:
@@ -24,4 +31,4 @@ def engine_class(family: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["Engine", "EngineLoadError", "FAMILIES", "available_families", "engine_class"]
+__all__ = ["Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class"]

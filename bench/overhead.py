@@ -1,0 +1,210 @@
+"""What coderai costs per request, side by side with LiteLLM proxy and the bare engine, in one run.
+
+Part "real engine": the same tiny llama.cpp GGUF served three ways, all on 127.0.0.1:
+  bare     python -m llama_cpp.server (llama-cpp-python's own OpenAI server): the baseline
+  litellm  LiteLLM proxy (its own venv, one worker, a master key) forwarding to the bare server
+  coderai  gateway (API keys) -> router -> llama worker, metrics with Redis, JSON logs at INFO
+Part "pure orchestration": no model work at all, so the orchestrator is the bottleneck:
+  litellm  the same proxy answering from `mock_response`: the baseline
+  coderai  the same stack, model `echo` on a worker with CODERAI_WORKER_FAMILIES=echo (coderai.testing)
+
+Load comes from wrk (one thread, -c = concurrency), cells interleaved path by path (A B C, then C B A, ...) so
+machine noise hits every path alike. Server CPU per request is read from /proc for each path's process trees.
+Streaming TTFT and inter-token gap come from an httpx client at concurrency 1. Prints markdown tables.
+
+  python bench/overhead.py            # full run: installs wrk, llama_cpp.server's extra and LiteLLM if missing
+  python bench/overhead.py --smoke    # seconds: a few requests per path, installs nothing, skips what is absent
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import _load
+import _report
+import _setup
+from _servers import Coderai, Target, start_bare, start_litellm
+
+MOCK_WORDS = 16  # LiteLLM's mock reply has as many words as the echo engine answers with max_tokens
+# llama_cpp.server samples with repeat_penalty 1.1 unless told, in-process llama-cpp-python with 1.0: the same
+# value everywhere makes every path generate the very same tokens (coderai ignores the unknown field, as its
+# engine's default is 1.0 already)
+REAL_EXTRA = {"repeat_penalty": 1.0}
+
+
+def _csv_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="a few requests per path; no installs; seconds, not minutes")
+    ap.add_argument("--parts", default="real,pure", help="which parts to run (default: real,pure)")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per wrk cell (default 5)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell (default 2)")
+    ap.add_argument("--concurrency", type=_csv_ints, default=[1, 8, 64], help="real part (default 1,8,64)")
+    ap.add_argument("--pure-concurrency", type=_csv_ints, default=[1, 64], help="pure part (default 1,64)")
+    ap.add_argument("--stream-requests", type=int, default=40, help="streamed requests per path and round for TTFT/gap")
+    ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default 16)")
+    ap.add_argument("--n-threads", type=int, default=1, help="llama.cpp threads, the same for every path (default 1)")
+    ap.add_argument("--gateway-workers", type=int, default=1, help="coderai gateway HTTP workers (default 1)")
+    ap.add_argument("--load", choices=["wrk", "python"], default="wrk",
+                    help="load generator; python is a weak stand-in for smoke runs without wrk (default wrk)")
+    ap.add_argument("--no-install", action="store_true", help="install nothing; skip paths whose tools are missing")
+    ap.add_argument("--json", type=Path, help="also write every measurement to this file")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of every server)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.duration, a.rounds, a.stream_requests = 1.0, 1, 3
+        a.concurrency, a.pure_concurrency, a.no_install = [1], [1], True
+    return a
+
+
+class Runner:
+    """Runs one part's cells interleaved and keeps what they measured."""
+
+    def __init__(self, a: argparse.Namespace, wrk: str | None, work: Path) -> None:
+        self.a = a
+        self.wrk = wrk
+        self.work = work
+
+    def cell(self, t: Target, conc: int, stream: bool) -> _load.Cell:
+        body = _load.body_for(t, self.a.max_tokens, stream)
+        if self.wrk:
+            return _load.wrk_cell(self.wrk, t, body, conc, self.a.duration, self.work)
+        return _load.py_cell(t, body, conc, max(3, conc))
+
+    def part(self, title: str, targets: list[Target], concs: list[int]) -> tuple[dict, dict, dict]:
+        cells: dict[tuple[str, int, bool], list[_load.Cell]] = defaultdict(list)
+        runs: dict[str, list[_load.StreamRun]] = defaultdict(list)
+        tokens = {t.name: _load.check(t, self.a.max_tokens) for t in targets}
+        for t in targets:  # warm every path (connections, caches) before anything is measured
+            _load.stream_probe(t, self.a.max_tokens, 2)
+        for r in range(self.a.rounds):
+            order = targets if r % 2 == 0 else targets[::-1]
+            for stream in (False, True):
+                for conc in concs:
+                    for t in order:
+                        c = self.cell(t, conc, stream)
+                        cells[(t.name, conc, stream)].append(c)
+                        print(f"[bench] {title} round {r + 1} {t.name:8} c={conc:<3} stream={int(stream)} "
+                              f"{c.requests / c.seconds:8.0f} req/s p50 {c.p50_ms:7.2f} ms", file=sys.stderr, flush=True)
+            for t in order:
+                runs[t.name] += _load.stream_probe(t, self.a.max_tokens, self.a.stream_requests)
+        rows = {k: _report.aggregate(v) for k, v in cells.items()}
+        probes = {k: _report.summarize(v) for k, v in runs.items()}
+        return rows, probes, tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    parts = {p.strip() for p in a.parts.split(",")}
+    install = not a.no_install
+    notes: list[str] = []
+    wrk = _setup.ensure_wrk(install) if a.load == "wrk" else None
+    if not wrk:
+        if not a.smoke:
+            print("wrk is required for a full run (apt-get install -y wrk)", file=sys.stderr)
+            return 2
+        notes.append("no wrk: load came from the Python fallback client (its numbers are not comparable)")
+    bare_ok = _setup.llama_server_ready(install) if "real" in parts else "real part not asked for"
+    litellm = _setup.litellm_bin(install)
+    if not isinstance(litellm, Path):
+        notes.append(f"LiteLLM skipped: {litellm}")
+        litellm = None
+    if "real" in parts and bare_ok is not True:
+        notes.append(f"bare engine skipped: {bare_ok}")
+
+    work = Path(tempfile.mkdtemp(prefix="coderai-overhead-"))
+    started: list = []
+    coderai = Coderai(work)
+    t_start = time.monotonic()
+    out: dict = {"machine": _setup.machine(), "versions": _setup.versions(litellm), "args": sys.argv[1:]}
+    try:
+        gguf = None
+        if "real" in parts:
+            from coderai.testing.tiny_gguf import build_tiny_gguf
+
+            gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
+        bare = None
+        if gguf is not None and bare_ok is True:
+            proc, bare = start_bare(work, gguf, a.n_threads, 512)
+            started.append(proc)
+        lite = None
+        if litellm is not None:
+            mock = " ".join(["tok"] * MOCK_WORDS)
+            proc, lite = start_litellm(work, litellm, bare.base_url if bare else None, mock)
+            started.append(proc)
+        coderai.start(gguf, a.n_threads, 512, a.gateway_workers)
+        runner = Runner(a, wrk, work)
+        print(f"[bench] everything up in {time.monotonic() - t_start:.0f}s; measuring", file=sys.stderr, flush=True)
+
+        tables: list[str] = []
+        real = pure = {}
+        real_probes: dict = {}
+        if gguf is not None:
+            targets = [t for t in (bare, lite if bare else None, coderai.target("coderai", "tiny")) if t is not None]
+            for t in targets:
+                t.extra_body = dict(REAL_EXTRA)
+            real, real_probes, tokens = runner.part("real", targets, a.concurrency)
+            order = [t.name for t in targets]
+            tables += ["## Real engine (tiny llama.cpp GGUF); baseline: bare", "",
+                       _report.load_table(real, order, "bare"), "",
+                       "Streaming at concurrency 1 (httpx client):", "",
+                       _report.probe_table(real_probes, tokens, order, "bare"), ""]
+            out["real"] = {"rows": _rows_json(real), "probes": {k: asdict(v) for k, v in real_probes.items()}, "tokens": tokens}
+        if "pure" in parts:
+            echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
+            targets = [t for t in (echo_lite, coderai.target("coderai", "echo")) if t is not None]
+            pure, pure_probes, tokens = runner.part("pure", targets, a.pure_concurrency)
+            order = [t.name for t in targets]
+            tables += ["## Pure orchestration (no model work); baseline: litellm (mock_response)", "",
+                       _report.load_table(pure, order, "litellm"), "",
+                       "Streaming at concurrency 1 (httpx client):", "",
+                       _report.probe_table(pure_probes, tokens, order, "litellm"), ""]
+            out["pure"] = {"rows": _rows_json(pure), "probes": {k: asdict(v) for k, v in pure_probes.items()}, "tokens": tokens}
+        checks = _report.acceptance(real, pure, real_probes)
+        if checks and not a.smoke and wrk:
+            tables += ["## Issue 14 targets", "", *checks, ""]
+    finally:
+        coderai.stop()
+        for p in reversed(started):
+            p.stop()
+    m = out["machine"]
+    print(f"# coderai overhead ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t_start:.0f}s)\n")
+    print(f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}, Python {m['python']}; "
+          + ", ".join(f"{k} {v}" for k, v in out["versions"].items()))
+    print(f"Cells: {a.duration:g}s x {a.rounds} rounds, max_tokens {a.max_tokens}, llama.cpp threads {a.n_threads}, "
+          f"gateway workers {a.gateway_workers}\n")
+    for n in notes:
+        print(f"> {n}")
+    if notes:
+        print()
+    print("\n".join(tables))
+    if a.json:
+        out["notes"] = notes
+        a.json.write_text(json.dumps(out, indent=2))
+    if a.keep:
+        print(f"work dir (logs): {work}")
+    else:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _rows_json(rows: dict) -> list[dict]:
+    return [{"path": n, "conc": c, "stream": s, **asdict(v)} for (n, c, s), v in rows.items()]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

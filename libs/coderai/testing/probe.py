@@ -1,0 +1,50 @@
+"""Small probes run on a test host (inside its network namespace): which nodes the cluster knows, and where a
+chat request lands. Prints one JSON line. `python -m coderai.testing.probe nodes|chat ...`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httpx
+
+
+async def _nodes(url: str, token: str) -> list[str]:
+    from coderai.contracts.topology import NODES
+    from coderai.runtime.bus import Bus
+    from coderai.runtime.cluster import with_credentials
+
+    bus = await Bus.connect(with_credentials(url, token, "service"), "probe", connect_timeout_s=5)
+    try:
+        kv = await bus.kv(NODES)
+        try:
+            return sorted(await kv.keys())
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            return []
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m coderai.testing.probe")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    n = sub.add_parser("nodes")
+    n.add_argument("--nats-url", required=True)
+    n.add_argument("--token", default="")
+    c = sub.add_parser("chat")
+    c.add_argument("--base-url", required=True)
+    c.add_argument("--key", default="")
+    c.add_argument("--model", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "nodes":
+        print(json.dumps(asyncio.run(_nodes(a.nats_url, a.token))))
+        return 0
+    r = httpx.post(f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {a.key}"}, timeout=30,
+                   json={"model": a.model, "messages": [{"role": "user", "content": "where am I?"}], "max_tokens": 2})
+    print(json.dumps({"status": r.status_code, "engine": r.headers.get("Coderai-Engine", ""), "body": r.text[:300]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

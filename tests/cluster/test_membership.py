@@ -1,0 +1,125 @@
+"""Three machines in network namespaces on one bridge: a head (`coderai up --cluster-token`) and two nodes that
+join with nothing but the token (mDNS bound only to the namespaces' own addresses). A stranger with another
+token joins nothing. A killed node leaves and its roaming model moves; a restarted node serves again."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from coderai.testing.netns import Lab, NetnsUnavailable
+from coderai.testing.procs import ServiceProcess, wait_until
+from coderai.testing.stack import write_models_file
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "correct horse battery staple"
+
+
+class Cluster:
+    def __init__(self, lab: Lab, root, env: dict[str, str]) -> None:
+        self.lab, self.root, self.env = lab, root, env
+        self.procs: dict[str, ServiceProcess] = {}
+        self.key = ""
+
+    def start_node(self, host: str, token: str = TOKEN, *extra: str) -> ServiceProcess:
+        h = self.lab[host]
+        args = ["--cluster-token", token, "--mdns-interface", h.ip, "--node-id", host, "--data-dir", str(self.root / host), *extra]
+        env = {**self.env, "CODERAI_WORKER_DISCOVER_TIMEOUT_S": "3"}
+        p = ServiceProcess(f"worker-{host}", "coderai.engine_worker", args, env, self.root / "logs", prefix=h.prefix()).start()
+        self.procs[host] = p
+        return p
+
+    def probe(self, *args: str) -> object:
+        r = self.lab.run("head", [sys.executable, "-m", "coderai.testing.probe", *args], env=self.env, timeout_s=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def nodes(self) -> list[str]:
+        return self.probe("nodes", "--nats-url", "nats://127.0.0.1:4222", "--token", TOKEN)  # type: ignore[return-value]
+
+    def chat(self, model: str) -> dict:
+        return self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_gguf):
+    try:
+        lab = Lab(["head", "n1", "n2", "rogue"])
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("cluster")
+    models = write_models_file(root / "models.toml", [
+        {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
+        {"name": "n1-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1"]},
+        {"name": "n2-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n2"]},
+        {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
+    ])
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("CODERAI_")}
+    c = Cluster(lab, root, {**env, "CODERAI_LOG_FORMAT": "json"})
+    head = lab["head"]
+    up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
+                                              "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
+                                              "--models-file", str(models)], c.env, root / "logs", prefix=head.prefix())
+    try:
+        up.start()
+        up.wait_log("\nready", 120)
+        c.procs["up"] = up
+        c.key = (root / "head" / "admin.key").read_text().strip()
+        yield c
+    finally:
+        for p in reversed(list(c.procs.values())):
+            p.stop()
+        lab.close()
+
+
+def test_nodes_join_with_only_the_token_within_10s(cluster):
+    t0 = time.monotonic()
+    cluster.start_node("n1")
+    cluster.start_node("n2")
+    wait_until(lambda: {"head", "n1", "n2"} <= set(cluster.nodes()), 10, "both nodes in coderai_nodes")
+    assert time.monotonic() - t0 <= 10.5
+    assert "found head head at nats://" in cluster.procs["n1"].log_text()
+
+
+def test_a_model_that_lives_only_on_a_node_answers_through_the_head(cluster):
+    wait_until(lambda: cluster.chat("n1-tiny")["status"] == 200, 30, "n1-tiny served")
+    r = cluster.chat("n1-tiny")
+    assert r["status"] == 200 and r["engine"].startswith("n1-")
+    r = cluster.chat("n2-tiny")
+    assert r["status"] == 200 and r["engine"].startswith("n2-")
+
+
+def test_a_wrong_token_joins_nothing(cluster):
+    rogue = cluster.start_node("rogue", "not the token")
+    rogue.wait_log("no head with this cluster token's fingerprint", 30)  # it saw the head's record and passed
+    # even told where NATS is, a wrong token is refused by NATS itself
+    direct = ServiceProcess("rogue-direct", "coderai.engine_worker",
+                            ["--cluster-token", "not the token", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
+                             "--node-id", "rogue2", "--no-mdns", "--data-dir", str(cluster.root / "rogue2")],
+                            cluster.env, cluster.root / "logs", prefix=cluster.lab["rogue"].prefix()).start()
+    cluster.procs["rogue-direct"] = direct
+    wait_until(lambda: "Authorization Violation" in direct.log_text() or not direct.alive(), 30, "NATS to refuse the wrong token")
+    nodes = cluster.nodes()
+    assert "rogue" not in nodes and "rogue2" not in nodes
+
+
+def test_a_killed_node_leaves_within_10s_and_its_roaming_model_moves(cluster):
+    wait_until(lambda: cluster.chat("roamer")["status"] == 200, 30, "roamer served")
+    holder = cluster.chat("roamer")["engine"].split("-")[0]
+    other = "n2" if holder == "n1" else "n1"
+    cluster.procs[holder].kill()
+    t0 = time.monotonic()
+    wait_until(lambda: holder not in cluster.nodes(), 12, f"{holder} to leave coderai_nodes")
+    assert time.monotonic() - t0 <= 10.5
+    wait_until(lambda: cluster.chat("roamer")["engine"].startswith(f"{other}-"), 30, f"roamer to move to {other}")
+
+    # the dead node comes back: it reloads its own assignment from its key, with no push, within 10 s
+    cluster.start_node(holder)
+    t1 = time.monotonic()
+    wait_until(lambda: cluster.chat(f"{holder}-tiny")["status"] == 200, 10, f"{holder} to serve again")
+    assert time.monotonic() - t1 <= 10.5
+    assert cluster.chat("roamer")["engine"].startswith(f"{other}-")  # the moved copy stays where it went

@@ -1,0 +1,125 @@
+"""The derived auth block against a real nats-server: strangers are refused, nodes get only their subjects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import nats.errors
+import pytest
+
+from coderai.runtime.cluster import nats_auth_config, with_credentials
+from coderai.runtime.embedded import NatsServer
+
+TOKEN = "tok"
+BUCKET = "coderai_assignments"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = NatsServer(tmp_path_factory.mktemp("nats-auth"), auth=nats_auth_config(TOKEN)).start()
+    yield s
+    s.stop()
+
+
+async def connect(url: str, **kw) -> nats.NATS:
+    return await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **kw)
+
+
+async def wait_until(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def as_role(server):
+    conns: list[nats.NATS] = []
+
+    async def make(role: str, **kw) -> nats.NATS:
+        nc = await connect(with_credentials(server.url, TOKEN, role), **kw)
+        conns.append(nc)
+        return nc
+
+    yield make
+    for nc in conns:
+        if not nc.is_closed:
+            await nc.close()
+
+
+async def _quiet(_e: Exception) -> None:
+    pass  # nats-py logs connection errors through error_cb; the test only cares that connect raises
+
+
+async def test_a_client_without_credentials_is_refused(server):
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await connect(server.url, error_cb=_quiet)
+
+
+async def test_credentials_from_another_token_are_refused(server):
+    for role in ["service", "node"]:
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await connect(with_credentials(server.url, "not-" + TOKEN, role), error_cb=_quiet)
+
+
+async def test_both_roles_connect_with_the_right_token(as_role):
+    for role in ["service", "node"]:
+        nc = await as_role(role)
+        assert nc.is_connected
+
+
+async def test_a_node_may_heartbeat_but_not_route(as_role):
+    errors: list[Exception] = []
+
+    async def collect(e: Exception) -> None:
+        errors.append(e)
+
+    service = await as_role("service")
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_hb(msg):
+        await got.put(msg.subject)
+
+    await service.subscribe("coderai.hb.*", cb=on_hb)
+    await service.flush()
+    node = await as_role("node", error_cb=collect)
+    await node.publish("coderai.hb.x", b"{}")
+    await node.flush()
+    assert await asyncio.wait_for(got.get(), 5) == "coderai.hb.x"
+    assert errors == []
+
+    await node.publish("coderai.route.pick", b"{}")
+    await node.flush()
+    await wait_until(lambda: errors)
+    assert "permissions violation" in str(errors[0]).lower()
+    assert "coderai.route.pick" in str(errors[0])
+    assert node.is_connected  # a refused publish is reported, not fatal
+
+
+async def test_a_node_reads_its_assignment_but_cannot_write_it(as_role):
+    service = await as_role("service")
+    kv = await service.jetstream().create_key_value(bucket=BUCKET)
+    await kv.put("n1", b"v1")
+
+    node = await as_role("node", error_cb=_quiet)
+    js = node.jetstream(timeout=2)
+    node_kv = await js.key_value(BUCKET)
+    watcher = await node_kv.watch("n1")
+    try:
+        entry = await watcher.updates(timeout=5)
+        assert (entry.key, entry.value) == ("n1", b"v1")
+        await kv.put("n1", b"v2")
+        entry = await watcher.updates(timeout=5)
+        while entry is None:  # the end-of-initial-values marker may come first
+            entry = await watcher.updates(timeout=5)
+        assert entry.value == b"v2"
+
+        # the server drops the publish (and says so on error_cb), so the JetStream ack never comes
+        with pytest.raises((nats.errors.TimeoutError, asyncio.TimeoutError)):
+            await asyncio.wait_for(node_kv.put("n1", b"forged"), 5)
+    finally:
+        await watcher.stop()
+    assert (await kv.get("n1")).value == b"v2"
