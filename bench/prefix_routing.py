@@ -98,7 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--words", type=int, default=900, help="system prompt length in words (~1 token each)")
+    ap.add_argument("--words", type=int, default=320, help="system prompt length in words (~3 tokens each: ~1,000 tokens)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--cache-mb", type=float, default=192)

@@ -95,6 +95,23 @@ class EngineHost:
         ]
         self._subs.append(await nc.subscribe(ENGINE_CANCEL(engine_id=self.engine_id), cb=self._on_cancel))
 
+    async def pause(self) -> None:
+        """Drain: take no new jobs (jobs already here finish); the router stops sending on the next heartbeat."""
+        if self.state != "ready":
+            return
+        self.state = "draining"
+        for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
+            await sub.unsubscribe()
+        self._subs = self._subs[-1:]
+
+    async def resume(self) -> None:
+        if self.state != "draining":
+            return
+        for sub in self._subs:
+            await sub.unsubscribe()
+        await self.subscribe()
+        self.state = "ready"
+
     async def unload(self, timeout_s: float) -> None:
         """Stop intake, let in-flight jobs finish (bounded), then free the model."""
         self.state = "unloading"

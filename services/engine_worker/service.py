@@ -11,7 +11,8 @@ import time
 import msgspec
 
 from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode
-from coderai.contracts.subjects import EVT_MODEL_LOADED, HEARTBEAT
+from coderai.contracts.admin import DrainRequest, NodeLogs, NodeLogsRequest, NodeState
+from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_LOADED, HEARTBEAT
 from coderai.contracts.topology import ASSIGNMENTS
 from coderai.engine_worker.engines import available_families
 from coderai.engine_worker.host import EngineHost
@@ -20,6 +21,7 @@ from coderai.engine_worker.settings import WorkerSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.cluster import fingerprint
 from coderai.runtime.discovery import Announcement, Announcer, find_head
+from coderai.runtime.logging import ring
 
 log = logging.getLogger("coderai.engine_worker")
 
@@ -35,6 +37,7 @@ class Worker:
         self._converge_lock = asyncio.Lock()
         self._watch_task: asyncio.Task | None = None
         self._kv = None
+        self.draining = False
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -49,11 +52,26 @@ class Worker:
             await announcer.start()
             stack.push_async_callback(announcer.close)
         stack.push_async_callback(self._unload_all)
+        for subject, handler in ((CMD_NODE_LOGS, self._logs), (CMD_NODE_DRAIN, self._drain)):
+            sub = await self.bus.serve(subject, handler, subject_str=subject(node_id=self.node_id))
+            stack.push_async_callback(sub.unsubscribe)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
         self._restart_watch()
         stack.callback(lambda: self._watch_task and self._watch_task.cancel())
         log.info("worker %s up with engine families %s", self.node_id, self.families)
+
+    async def _logs(self, req: NodeLogsRequest, _m) -> NodeLogs:
+        return NodeLogs(node_id=self.node_id, lines=ring.tail(req.lines))
+
+    async def _drain(self, req: DrainRequest, _m) -> NodeState:
+        """Drain or undrain every engine; new models loaded while draining start drained too."""
+        self.draining = req.drain
+        for h in self.hosts.values():
+            await (h.pause() if req.drain else h.resume())
+        log.info("node %s", "draining: taking no new work" if req.drain else "taking work again")
+        await self.publish_heartbeat()
+        return NodeState(node_id=self.node_id, draining=self.draining, in_flight=sum(h.in_flight for h in self.hosts.values()))
 
     async def _discover(self) -> str:
         """Browse mDNS until a head with our token's fingerprint shows up (a stranger's cluster never matches)."""
@@ -145,6 +163,8 @@ class Worker:
                     host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s)
                     await self.publish_heartbeat()
                     if await host.load():
+                        if self.draining:
+                            await host.pause()
                         evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
                         await self.bus.publish(EVT_MODEL_LOADED, evt)
                     await self.publish_heartbeat()

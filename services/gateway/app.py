@@ -19,6 +19,7 @@ from litestar.response import Stream
 from coderai.contracts import BusError, Chunk, ErrorReply, Final, RequestId
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway import affinity
+from coderai.gateway.admin import admin_routes
 from coderai.gateway import openai_types as oa
 from coderai.gateway import sse
 from coderai.gateway.auth import Authenticator, Caller, load_keys
@@ -146,7 +147,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return _error_response(ApiError(500, "Internal error; see the gateway log for this request id.", type="server_error", code="internal"))
 
     return Litestar(
-        route_handlers=[healthz, list_models, get_model, chat, completions],
+        route_handlers=[healthz, list_models, get_model, chat, completions, *admin_routes(gw, caller)],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
         request_max_body_size=settings.max_body_bytes,

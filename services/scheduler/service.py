@@ -8,8 +8,11 @@ import logging
 import time
 from typing import Any
 
-from coderai.contracts import Assignment, Heartbeat, ModelConfig, decode, encode, model_key
-from coderai.contracts.subjects import HEARTBEAT
+import msgspec
+
+from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
+from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
+from coderai.contracts.subjects import CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, HEARTBEAT
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
@@ -53,12 +56,50 @@ class Scheduler:
         stack.callback(task.cancel)
         sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
+        for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place)):
+            cmd = await self.bus.serve(subject, handler, queue="scheduler")
+            stack.push_async_callback(cmd.unsubscribe)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
 
     async def _on_reconnect(self) -> None:
         self.node_records.revs.clear()  # a restarted server may have another history
         self.assignments.start()
         self._dirty.set()
+
+    # --- operator commands ------------------------------------------------------------------------
+
+    async def _list_nodes(self, _req: NodesRequest, _m: Any) -> NodesReply:
+        now = time.monotonic()
+        assigned = self.assignments.values
+        infos = [
+            NodeInfo(heartbeat=hb, assigned=[m.name for m in assigned[n].models] if n in assigned else [],
+                     age_s=round(now - self.seen.get(n, now), 3))
+            for n, hb in sorted(self.nodes.items())
+        ]
+        return NodesReply(nodes=infos, unplaced=dict(self.unplaced))
+
+    async def _place(self, req: PlaceRequest, _m: Any) -> PlaceReply:
+        """Edit a model's `nodes` (and `replicas`, so an added node really gets a copy); lasts until the
+        scheduler restarts from a models file, which stays the source of truth."""
+        m = next((x for x in self.models if x.name == req.model), None)
+        if m is None:
+            raise BusError("not_found", f"no model {req.model!r}")
+        holders = {n for n, a in self.assignments.values.items() if any(x.name == m.name for x in a.models)}
+        if req.action == "place":
+            nodes = sorted(set(m.nodes) | {req.node}) if m.nodes else [req.node]
+            replicas = m.replicas + 1 if m.replicas and req.node not in holders else m.replicas
+        else:
+            base = m.nodes or [n for n, hb in self.nodes.items() if m.engine in hb.capabilities]
+            nodes = sorted(set(base) - {req.node})
+            if not nodes:
+                raise BusError("bad_request", f"unplacing {req.node} would leave {m.name} on no node")
+            replicas = m.replicas
+        new = msgspec.structs.replace(m, nodes=nodes, replicas=replicas)
+        self.models = [new if x.name == m.name else x for x in self.models]
+        await put_if_changed(self.kv_models, model_key(m.name), encode(new))
+        log.info("%s %s on %s: nodes=%s replicas=%d", req.action, m.name, req.node, nodes, replicas)
+        self._dirty.set()
+        return PlaceReply(model=new)
 
     async def _publish_models(self) -> None:
         want = {model_key(m.name): m for m in self.models}

@@ -8,7 +8,7 @@ from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 from coderai.contracts.models import ModelConfig
 
-EngineState = Literal["loading", "ready", "failed", "unloading"]
+EngineState = Literal["loading", "ready", "failed", "unloading", "draining"]
 
 
 class EngineStatus(Message, frozen=True, kw_only=True):

@@ -10,6 +10,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, Union
 
+from coderai.contracts.admin import (
+    DrainRequest,
+    NodeLogs,
+    NodeLogsRequest,
+    NodesReply,
+    NodesRequest,
+    NodeState,
+    PlaceReply,
+    PlaceRequest,
+)
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
 from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
@@ -92,5 +102,10 @@ EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestComplete
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded", ModelLoaded)
 
 CMD_BROKER_STATUS = Subject("coderai.cmd.broker.status", BrokerStatusRequest, BrokerStatus)
+
+CMD_NODE_LOGS = Subject("coderai.cmd.node.{node_id}.logs", NodeLogsRequest, NodeLogs)
+CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeState)
+CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
+CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
 
 ENGINE_OPS = {"chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE}

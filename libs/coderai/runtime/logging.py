@@ -52,6 +52,29 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class RingHandler(logging.Handler):
+    """Keeps the last `capacity` formatted lines in memory, for `coderai.cmd.node.<id>.logs`."""
+
+    def __init__(self, capacity: int = 2000) -> None:
+        super().__init__()
+        import collections
+
+        self.lines: collections.deque[str] = collections.deque(maxlen=capacity)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # noqa: BLE001 - a log line must never break the caller
+            self.handleError(record)
+
+    def tail(self, n: int) -> list[str]:
+        n = max(0, min(n, len(self.lines)))
+        return list(self.lines)[-n:] if n else []
+
+
+ring = RingHandler()
+
+
 def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str = "auto") -> None:
     """Configure the root logger once per process."""
     _static.update(service=service, node_id=node_id)
@@ -59,8 +82,10 @@ def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
     handler.addFilter(_ContextFilter())
+    ring.setFormatter(JsonFormatter())
+    ring.filters[:] = [_ContextFilter()]
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, ring]
     root.setLevel(level.upper())
     for noisy in ("nats", "asyncio", "gguf"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
