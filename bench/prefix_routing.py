@@ -40,7 +40,8 @@ def system_prompt(i: int, words: int) -> str:
     return f"You are assistant number {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int, max_tokens: int, ttfts: list[float]) -> None:
+async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int, max_tokens: int, ttfts: list[float],
+                       reasons: list[str]) -> None:
     messages = [{"role": "system", "content": system_prompt(i, words)}]
     for t in range(turns):
         messages.append({"role": "user", "content": f"Turn {t}: tell me about {WORDS[(i + t) % len(WORDS)]}."})
@@ -50,6 +51,7 @@ async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int
         text = []
         async with client.stream("POST", "/chat/completions", json=body) as r:
             r.raise_for_status()
+            reasons.append(r.headers.get("Coderai-Route", "?"))
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -61,7 +63,7 @@ async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int
         messages.append({"role": "assistant", "content": "".join(text) or "ok"})
 
 
-def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> list[float]:
+def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[list[float], dict[str, int]]:
     nats = NatsServer(root / f"nats-{mode}").start()
     workers = 1 if mode == "warm" else 2
     cache_mb = a.cache_mb * (a.conversations / 2 if mode == "warm" else 1)  # warm: room for every conversation
@@ -75,18 +77,33 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> list[f
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
         stack.wait_model_ready("bench", timeout_s=120)
         ttfts: list[float] = []
+        reasons: list[str] = []
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
-                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts) for i in range(a.conversations)))
+                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons)
+                                       for i in range(a.conversations)))
 
         t = time.perf_counter()
         asyncio.run(go())
-        print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s", file=sys.stderr)
-        return ttfts
+        counts = {r: reasons.count(r) for r in sorted(set(reasons))}
+        cache = _cache_stats(stack.metrics_port)
+        print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s; routes {counts}; {cache}", file=sys.stderr)
+        return ttfts, {**counts, "cache": cache}
     finally:
         stack.stop()
         nats.stop()
+
+
+def _cache_stats(metrics_port: int) -> str:
+    """Prompt tokens served from the engines' caches, summed over engines, from the metrics service."""
+    sums = {"coderai_engine_prompt_tokens": 0.0, "coderai_engine_cached_prompt_tokens": 0.0}
+    for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    total = sums["coderai_engine_prompt_tokens"]
+    return f"{sums['coderai_engine_cached_prompt_tokens'] / total:.0%} of prompt tokens from cache" if total else "no cache stats"
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -104,6 +121,7 @@ def main() -> int:
     ap.add_argument("--cache-mb", type=float, default=192)
     ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns")
+    ap.add_argument("--modes", default="prefix,round_robin,warm")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-prefix-"))
     if a.smoke:
@@ -111,16 +129,21 @@ def main() -> int:
         model = build_tiny_gguf(root / "bench.gguf")["out"]
     else:
         model = build_tiny_gguf(root / "bench.gguf", dim=512, layers=8, heads=8)["out"]
-    results = {mode: run_mode(root, model, mode, a) for mode in ("prefix", "round_robin", "warm")}
+    runs = {mode: run_mode(root, model, mode, a) for mode in a.modes.split(",")}
+    results = {m: r[0] for m, r in runs.items()}
 
     p50 = {m: statistics.median(v) for m, v in results.items()}
     print(f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica")
-    print(f"| mode | TTFT p50 ms | TTFT p95 ms | p50 vs prefix |")
-    print(f"|---|---|---|---|")
+    print("| mode | TTFT p50 ms | TTFT p95 ms | p50 vs prefix | prompt cache | route reasons |")
+    print("|---|---|---|---|---|---|")
     for m, v in results.items():
-        print(f"| {m} | {p50[m] * 1000:.0f} | {pct(v, 0.95) * 1000:.0f} | {p50[m] / p50['prefix']:.2f}x |")
-    print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
-    print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
+        extra = dict(runs[m][1])
+        cache = extra.pop("cache")
+        vs = f"{p50[m] / p50['prefix']:.2f}x" if "prefix" in p50 else ""
+        print(f"| {m} | {p50[m] * 1000:.0f} | {pct(v, 0.95) * 1000:.0f} | {vs} | {cache} | {extra} |")
+    if {"prefix", "round_robin", "warm"} <= set(p50):
+        print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
+        print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
     return 0
 
 

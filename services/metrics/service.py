@@ -50,40 +50,50 @@ class Metrics:
         except Exception as exc:  # noqa: BLE001 - a bad heartbeat must not stop metrics
             log.debug("bad heartbeat: %s", exc)
 
+    async def _subscribe(self) -> Any:
+        """A durable pull consumer acking cumulatively: one ack per batch, not per event."""
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        cfg = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=20_000, ack_wait=30)
+        js, name = self.bus.js, self.settings.consumer
+        try:
+            return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
+        except Exception as exc:  # noqa: BLE001 - a consumer made by an older release with per-message acks
+            log.info("recreating consumer %s (%s)", name, exc)
+            await js.delete_consumer(EVENTS.name, name)
+            return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
+
     async def _consume(self) -> None:
-        """Pull events in batches and ack each after it is counted; restarted after bus trouble."""
+        """Pull events in batches: usage to Redis first, then Prometheus, then one ack for the batch. If Redis
+        fails nothing is acked and the batch comes again, so neither store counts an event twice."""
         while True:
             try:
-                sub = await self.bus.js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=self.settings.consumer, stream=EVENTS.name)
+                sub = await self._subscribe()
                 while True:
                     try:
-                        msgs = await sub.fetch(batch=256, timeout=1.0)
+                        msgs = await sub.fetch(batch=1000, timeout=1.0)
                     except asyncio.TimeoutError:
                         continue
+                    events = []
                     for m in msgs:
-                        await self._handle(m)
+                        try:
+                            events.append(decode(m.data, RequestCompleted))
+                        except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
+                            log.warning("dropping malformed event: %s", exc)
+                    if self.redis is not None and events:
+                        try:
+                            await usage.record_many(self.redis, events)
+                        except Exception as exc:  # noqa: BLE001 - unacked: redelivered after ack_wait
+                            log.warning("usage not recorded (%s); the batch will come again", exc)
+                            continue
+                    for e in events:
+                        self.series.on_request(e)
+                    await msgs[-1].ack()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)
-
-    async def _handle(self, m: Any) -> None:
-        try:
-            e = decode(m.data, RequestCompleted)
-        except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
-            log.warning("dropping malformed event: %s", exc)
-            await m.term()
-            return
-        self.series.on_request(e)
-        if self.redis is not None:
-            try:
-                await usage.record(self.redis, e)
-            except Exception as exc:  # noqa: BLE001 - redelivered later
-                log.warning("usage not recorded (%s); will retry", exc)
-                await m.nak(delay=1.0)
-                return
-        await m.ack()
 
 
 def make(settings: MetricsSettings):

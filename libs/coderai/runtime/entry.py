@@ -36,6 +36,16 @@ def settings_from_args(settings_cls: type[S], service: str, args: argparse.Names
     return load_settings(settings_cls, service, **overrides)
 
 
+def run(coro) -> None:
+    """asyncio.run on uvloop where it is installed: every bus message costs fewer event-loop cycles there."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
 def run_service(
     service: str,
     description: str,
@@ -59,7 +69,7 @@ def run_service(
         print(f"coderai {service}: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve_until_stopped(starter, drain_timeout_s=drain_timeout_s))
+        run(serve_until_stopped(starter, drain_timeout_s=drain_timeout_s))
     except KeyboardInterrupt:
         pass
     except BusError as exc:  # e.g. NATS unreachable, or it refused our credentials

@@ -86,6 +86,9 @@ class LlamaEngine(Engine):
         params = dict(self.config.params)
         cache_mb = float(params.pop("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB))
         kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **params}
+        # llama-cpp-python gives prompt processing every core unless told; with two engines on a box that
+        # oversubscribes the CPU and ggml's spinning barriers make prefill 10x slower: follow n_threads
+        kwargs.setdefault("n_threads_batch", kwargs["n_threads"])
         try:
             self.llm = Llama(model_path=path, **kwargs)
         except (ValueError, RuntimeError, TypeError) as exc:
