@@ -94,9 +94,7 @@ class LlamaEngine(Engine):
         except (ValueError, RuntimeError, TypeError) as exc:
             raise EngineLoadError(f"llama.cpp could not load {path}: {exc}") from exc
         if cache_mb > 0:
-            from llama_cpp import LlamaRAMCache
-
-            self.llm.set_cache(LlamaRAMCache(capacity_bytes=int(cache_mb * (1 << 20))))
+            self.llm.set_cache(_prefix_cache(int(cache_mb * (1 << 20))))
         import llama_cpp
 
         self._perf = lambda: llama_cpp.llama_perf_context(self.llm._ctx.ctx).n_p_eval
@@ -206,6 +204,32 @@ class LlamaEngine(Engine):
             self._account(r["usage"]["prompt_tokens"], before)
             before = self._perf()
         return choices, usage
+
+
+SUPERSEDED_TAIL = 64
+
+
+def _prefix_cache(capacity_bytes: int) -> Any:
+    """llama-cpp-python's RAM prompt cache, keeping one state per conversation instead of one per turn.
+
+    Each answer saves a state keyed by prompt + answer tokens. The next turn's state shares all of the previous
+    one but its last few tokens (the answer, re-tokenized from text, then the turn's end marker), and serves any
+    request the old one could: llama.cpp re-evaluates from the longest common prefix. So a new state drops older
+    states it covers up to their last `SUPERSEDED_TAIL` tokens; without that, eight conversations need sixteen
+    states, and a budget sized for eight thrashes.
+    """
+    from llama_cpp import Llama, LlamaRAMCache
+
+    class PrefixRAMCache(LlamaRAMCache):
+        def __setitem__(self, key: Any, value: Any) -> None:
+            key = tuple(key)
+            for old in [k for k in self.cache_state if k != key]:
+                shared = Llama.longest_token_prefix(old, key)
+                if shared >= len(old) - SUPERSEDED_TAIL and shared * 2 > len(old):
+                    del self.cache_state[old]
+            super().__setitem__(key, value)
+
+    return PrefixRAMCache(capacity_bytes=capacity_bytes)
 
 
 def _response_format(rf: dict[str, Any]) -> dict[str, Any]:
