@@ -71,7 +71,7 @@ def test_json_schema_response_format_is_enforced(engine):
 
 def test_forced_tool_choice_returns_a_tool_call(engine):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
     job = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}, params={"max_tokens": 40})
     choices, _ = engine.chat(job, CancelFlag(), None)
     call = choices[0].message["tool_calls"][0]

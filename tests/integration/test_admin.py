@@ -46,10 +46,13 @@ def test_a_nodes_logs(admin):
 def test_place_and_unplace_a_model(admin):
     assert _chat(admin, "ghost") == 503
     r = admin.post("/admin/models/ghost/place", json={"node": "w1"})
-    assert r.status_code == 200 and r.json()["model"]["nodes"] == ["w1"]
+    assert r.status_code == 200 and r.json()["model"]["nodes"] == ["nowhere", "w1"]
     wait_until(lambda: _chat(admin, "ghost") == 200, 30, "ghost to be served after placing it on w1")
     r = admin.post("/admin/models/ghost/unplace", json={"node": "w1"})
-    assert r.status_code == 400  # that would leave it nowhere: refused, and it stays
+    assert r.status_code == 200 and r.json()["model"]["nodes"] == ["nowhere"]
+    wait_until(lambda: _chat(admin, "ghost") == 503, 30, "ghost to be gone from w1 again")
+    # tiny may go anywhere, and w1 is the only node: unplacing it there would leave it nowhere, so it is refused
+    assert admin.post("/admin/models/tiny/unplace", json={"node": "w1"}).status_code == 400
     assert admin.post("/admin/models/nope/place", json={"node": "w1"}).status_code == 404
     assert admin.post("/admin/models/ghost/place", json={"nod": "w1"}).status_code == 400
 

@@ -89,7 +89,7 @@ def test_response_format_reaches_the_engine(client):
 
 def test_tools_reach_the_engine(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
     r = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=40, tools=tools,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
