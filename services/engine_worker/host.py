@@ -23,7 +23,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
-from coderai.runtime.bus import Bus, FrameWriter
+from coderai.runtime.bus import TIMED_OUT, Bus, FrameWriter, get_or_timeout
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
@@ -177,9 +177,8 @@ class EngineHost:
         fut.add_done_callback(lambda _: queue.put_nowait(_DONE))
         try:
             while True:
-                try:
-                    item = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), self.keepalive_s)
-                except asyncio.TimeoutError:
+                item = await get_or_timeout(queue, self.keepalive_s)
+                if item is TIMED_OUT:
                     await writer.keepalive()
                     continue
                 if item is _DONE:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -168,8 +169,12 @@ def _hints(request: Request, who: Caller, model: str, user: str | None, prefix: 
     )
 
 
+_RID_PREFIX = secrets.token_hex(6)  # per process: ids stay unique across gateways without a syscall each
+_rid_counter = itertools.count(1)
+
+
 def _rid() -> str:
-    rid = secrets.token_hex(12)
+    rid = f"{_RID_PREFIX}{next(_rid_counter):012x}"
     request_id_var.set(rid)
     return rid
 
@@ -210,7 +215,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
     except (BusError, ApiError) as exc:
         err = from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
         outcome.status, outcome.http_status = err.code or "error", err.status
-        relay.completed(outcome)
+        await relay.completed(outcome)
         raise err from None
     outcome.ttft_s = time.monotonic() - outcome.started
     resp_headers = {HDR_REQUEST_ID: job.request_id, ENGINE_HEADER: outcome.engine_id, ROUTE_HEADER: outcome.route_reason}
@@ -224,12 +229,12 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
         except BusError as exc:
             err = from_bus(exc, gw.settings.retry_after_s)
             outcome.status, outcome.http_status = err.code or "error", err.status
-            relay.completed(outcome)
+            await relay.completed(outcome)
             raise err from None
         finally:
             stream.close()
         outcome.prompt_tokens, outcome.completion_tokens = final.usage.prompt_tokens, final.usage.completion_tokens
-        relay.completed(outcome)
+        await relay.completed(outcome)
         build = sse.chat_response if op == "chat" else sse.completion_response
         return Response(content=sse._enc.encode(build(job.request_id, created, job.model, final.choices, final.usage)),
                         media_type=JSON, headers=resp_headers)
@@ -266,7 +271,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
                 relay.spawn(stream.cancel())
             else:
                 stream.close()
-            relay.completed(outcome)
+            relay.spawn(relay.completed(outcome))  # may run while the stream task is being cancelled
 
     return Stream(events(), media_type="text/event-stream",
                   headers={**resp_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -122,18 +122,15 @@ class Relay:
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
-    def completed(self, outcome: Outcome) -> None:
-        """Publish `request.completed` off the response path (a core publish the EVENTS stream stores)."""
+    async def completed(self, outcome: Outcome) -> None:
+        """Publish `request.completed`: a core publish (the EVENTS stream stores it) that only appends to the
+        connection's write buffer, so it is awaited inline rather than given a task of its own."""
         if not self.bus.connected:
             return
-
-        async def _pub() -> None:
-            try:
-                await self.bus.publish(EVT_REQUEST_COMPLETED, outcome.event())
-            except Exception as exc:  # noqa: BLE001 - metrics must never break a request
-                log.debug("request.completed not published: %s", exc)
-
-        self.spawn(_pub())
+        try:
+            await self.bus.publish(EVT_REQUEST_COMPLETED, outcome.event())
+        except Exception as exc:  # noqa: BLE001 - metrics must never break a request
+            log.debug("request.completed not published: %s", exc)
 
 
 async def next_frame(stream: FrameStream) -> Chunk | Final | ErrorReply:

@@ -104,6 +104,38 @@ def _without_credentials(url: str) -> str:
     return urlunsplit((parts.scheme, f"{parts.username}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
+class _Tick:
+    """A timeout marker put into a queue by a timer; only the one for the current wait counts."""
+
+    __slots__ = ()
+
+
+TIMED_OUT: Any = object()
+
+
+async def get_or_timeout(queue: asyncio.Queue, timeout_s: float) -> Any:
+    """`queue.get()`, or TIMED_OUT after `timeout_s` without an item.
+
+    On the hot path: asyncio.wait_for costs a task per call; a timer handle that drops a marker into the queue
+    costs far less. A marker whose wait already ended (the item won the race) is skipped later.
+    """
+    if not queue.empty():
+        item = queue.get_nowait()
+        if not isinstance(item, _Tick):
+            return item
+    tick = _Tick()
+    handle = asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, tick)
+    try:
+        while True:
+            item = await queue.get()
+            if item is tick:
+                return TIMED_OUT
+            if not isinstance(item, _Tick):
+                return item
+    finally:
+        handle.cancel()
+
+
 class FrameStream:
     """The frames of one streamed reply, in order. Iterate it; `cancel()` if you stop early."""
 
@@ -117,11 +149,9 @@ class FrameStream:
 
     async def next_raw(self) -> bytes:
         """The next frame's bytes; BusError on an idle gap longer than the timeout or a lost connection."""
-        try:
-            # a frame already queued needs no timer (wait_for costs a task per call: tokens arrive in bursts)
-            data = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(self.queue.get(), self.idle_timeout_s)
-        except asyncio.TimeoutError:
-            raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True) from None
+        data = await get_or_timeout(self.queue, self.idle_timeout_s)
+        if data is TIMED_OUT:
+            raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
         if data is None:
             raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
