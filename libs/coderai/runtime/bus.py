@@ -19,7 +19,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError, NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import ConnectionClosedError
 
 from coderai.contracts import BusError, ErrorReply, KeepAlive, encode
 from coderai.contracts.subjects import Subject
@@ -219,18 +219,32 @@ class Bus:
     async def request(
         self, subject: Subject, msg: Any, *, timeout: float = 5.0, headers: dict[str, str] | None = None, **params: str
     ) -> Any:
-        """Send `msg` on `subject(**params)` and return the typed reply; an ErrorReply is raised as BusError."""
+        """Send `msg` on `subject(**params)` and return the typed reply; an ErrorReply is raised as BusError.
+
+        The reply comes through the same inbox subscription as streamed frames: no SUB, no task, no
+        per-request future bookkeeping (nats-py's own request() costs a wait_for task per call).
+        """
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
+        await self._ensure_mux()
+        token = str(next(self._seq))
+        pending = FrameStream(self, token, timeout)
+        self._streams[token] = pending
         try:
-            reply = await self.nc.request(subject(**params), subject.encode(msg), timeout=timeout, headers=headers)
-        except NoRespondersError:
-            raise BusError("no_engine", f"nobody serves {subject.pattern}", retryable=True) from None
-        except NatsTimeout:
-            raise BusError("timeout", f"no reply on {subject.pattern} within {timeout}s", retryable=True) from None
-        except ConnectionClosedError:
-            raise BusError("no_engine", "message bus unavailable", retryable=True) from None
-        out = subject.decode_reply(reply.data)
+            try:
+                await self.nc.publish(subject(**params), subject.encode(msg), reply=f"{self._inbox}.{token}", headers=headers)
+            except ConnectionClosedError:
+                raise BusError("no_engine", "message bus unavailable", retryable=True) from None
+            data = await get_or_timeout(pending.queue, timeout)
+        finally:
+            pending.close()
+        if data is TIMED_OUT:
+            raise BusError("timeout", f"no reply on {subject.pattern} within {timeout}s", retryable=True)
+        if data is None:
+            raise BusError("no_engine", "lost the connection to the message bus", retryable=True)
+        if data is _NO_RESPONDERS:
+            raise BusError("no_engine", f"nobody serves {subject.pattern}", retryable=True)
+        out = subject.decode_reply(data)
         if isinstance(out, ErrorReply):
             raise BusError.from_reply(out)
         return out
