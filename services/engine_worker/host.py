@@ -173,7 +173,14 @@ class EngineHost:
             loop.call_soon_threadsafe(queue.put_nowait, (delta, text, finish))
 
         fn = self.engine.chat if op == "chat" else self.engine.complete  # type: ignore[union-attr]
-        fut = loop.run_in_executor(self._executor, fn, job, flag, emit if job.stream else None)
+        if self.engine.blocking:  # type: ignore[union-attr]
+            fut = loop.run_in_executor(self._executor, fn, job, flag, emit if job.stream else None)
+        else:
+            fut = loop.create_future()
+            try:
+                fut.set_result(fn(job, flag, emit if job.stream else None))
+            except Exception as exc:  # noqa: BLE001 - delivered below exactly as a thread's failure would be
+                fut.set_exception(exc)
         fut.add_done_callback(lambda _: queue.put_nowait(_DONE))
         try:
             while True:

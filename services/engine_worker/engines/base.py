@@ -15,6 +15,7 @@ class Engine:
     """One loaded model. Subclasses implement `load`, the ops they serve, and `close`."""
 
     family = ""
+    blocking = True  # False: the engine's calls return at once (no compute, no I/O) and run on the event loop
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
