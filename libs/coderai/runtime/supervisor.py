@@ -26,6 +26,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+def signal_group(proc: subprocess.Popen | None, sig: int) -> None:
+    """Signal the process group a child leads (it was started in a session of its own); gone is fine."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 @dataclass
 class Child:
     name: str
@@ -52,12 +62,7 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, sig)
 
 
 class Supervisor:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from coderai.runtime.supervisor import signal_group
+
 
 class ProcessDied(RuntimeError):
     """A process a test waits on is gone; waiting longer cannot help."""
@@ -81,12 +83,7 @@ class ServiceProcess:
         return self.proc.returncode
 
     def _signal(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, sig)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):

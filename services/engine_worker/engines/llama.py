@@ -142,32 +142,14 @@ class LlamaEngine(Engine):
                 messages=job.messages, stream=stream, logits_processor=self._processors([meter]), **kwargs
             )
 
-        before = self._perf()
+        def piece(c: dict) -> tuple[dict | None, str | None]:
+            return {k: v for k, v in (c.get("delta") or {}).items() if v is not None} or None, None
 
-        if emit is not None:
-            meter = self._meter(cancel)
-            for chunk in run(meter, True):
-                if cancel:
-                    break  # closing the generator ends llama.cpp's decode loop
-                c = chunk["choices"][0]
-                delta = {k: v for k, v in (c.get("delta") or {}).items() if v is not None}
-                finish = c.get("finish_reason")
-                if delta or finish:
-                    emit(delta or None, None, _finish(finish) if finish else None)
-            self._account(meter.prompt_tokens, before)
-            return [], meter.usage()
-
-        choices: list[Choice] = []
-        usage = Usage()
-        for i in range(max(1, job.params.n)):
-            r = run(self._meter(cancel), False)
-            c = r["choices"][0]
+        def whole(i: int, c: dict) -> Choice:
             msg = {k: v for k, v in c["message"].items() if v is not None}
-            choices.append(Choice(index=i, message=msg, finish_reason=_finish(c.get("finish_reason"))))
-            usage = _add(usage, r.get("usage"))
-            self._account(r["usage"]["prompt_tokens"], before)
-            before = self._perf()
-        return choices, usage
+            return Choice(index=i, message=msg, finish_reason=_finish(c.get("finish_reason")))
+
+        return self._generate(run, job.params.n, cancel, emit, piece, whole)
 
     # --- completions ------------------------------------------------------------------------------
 
@@ -180,26 +162,39 @@ class LlamaEngine(Engine):
                 job.prompt, stream=stream, echo=job.echo, logits_processor=self._processors([meter]), **kwargs
             )
 
-        before = self._perf()
+        def piece(c: dict) -> tuple[dict | None, str | None]:
+            return None, c.get("text") or ""
 
+        def whole(i: int, c: dict) -> Choice:
+            return Choice(index=i, text=c["text"], finish_reason=_finish(c.get("finish_reason")))
+
+        return self._generate(run, job.params.n, cancel, emit, piece, whole)
+
+    # --- shared -----------------------------------------------------------------------------------
+
+    def _generate(self, run: Callable, n: int, cancel: CancelFlag, emit: Emit | None,
+                  piece: Callable[[dict], tuple[dict | None, str | None]],
+                  whole: Callable[[int, dict], Choice]) -> tuple[list[Choice], Usage]:
+        """Streamed: emit each piece, stop early on cancel, count usage with the meter. Whole: `n` answers
+        (llama.cpp makes one per call), usage as llama-cpp-python reports it."""
+        before = self._perf()
         if emit is not None:
             meter = self._meter(cancel)
             for chunk in run(meter, True):
                 if cancel:
-                    break
+                    break  # closing the generator ends llama.cpp's decode loop
                 c = chunk["choices"][0]
+                delta, text = piece(c)
                 finish = c.get("finish_reason")
-                if c.get("text") or finish:
-                    emit(None, c.get("text") or "", _finish(finish) if finish else None)
+                if delta or text or finish:
+                    emit(delta, text, _finish(finish) if finish else None)
             self._account(meter.prompt_tokens, before)
             return [], meter.usage()
-
         choices: list[Choice] = []
         usage = Usage()
-        for i in range(max(1, job.params.n)):
+        for i in range(max(1, n)):
             r = run(self._meter(cancel), False)
-            c = r["choices"][0]
-            choices.append(Choice(index=i, text=c["text"], finish_reason=_finish(c.get("finish_reason"))))
+            choices.append(whole(i, r["choices"][0]))
             usage = _add(usage, r.get("usage"))
             self._account(r["usage"]["prompt_tokens"], before)
             before = self._perf()
