@@ -3,7 +3,6 @@ from the log or polled with a deadline, never slept for."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
