@@ -15,6 +15,7 @@ COMMANDS = {
     "pod-broker": ("coderai.pod_broker.__main__", "rents RunPod GPUs under caps and budgets"),
     "metrics": ("coderai.metrics.__main__", "Prometheus /metrics and per-key usage"),
     "worker": ("coderai.engine_worker.__main__", "runs this machine's engines"),
+    "keys": ("coderai.accounts.cli", "create, list and revoke API keys (in Redis)"),
 }
 
 

@@ -73,6 +73,20 @@ def ensure_api_key(data: Path) -> tuple[Path, str]:
     return keys_file, key
 
 
+def ensure_scrape_token(data: Path) -> str:
+    """A token for Prometheus to read /metrics with (kept in scrape.token, mode 0600), made on first run."""
+    path = data / "scrape.token"
+    if path.exists():
+        return path.read_text().strip()
+    import secrets
+
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    return token
+
+
 def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: float) -> None:
     """Ready means a real one-token chat answer came back through the whole stack."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).encode()
@@ -148,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         models_file = Path(args.models_file).resolve() if args.models_file else ensure_default_model(data)
         key = ""
+        scrape_token = ensure_scrape_token(data)
         gateway_args = ["--host", args.host, "--port", str(args.port)]
         if args.no_auth:
             gateway_args.append("--no-auth")
@@ -161,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             "CODERAI_LOG_FORMAT": "json",
             "CODERAI_METRICS_REDIS_URL": redis.url,
             "CODERAI_METRICS_PORT": str(metrics_port),
+            "CODERAI_METRICS_SCRAPE_TOKEN": scrape_token,
+            "CODERAI_GATEWAY_REDIS_URL": redis.url,
+            "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
+            "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
             "CODERAI_CLUSTER_TOKEN": token,
         }
         if args.node_id:
@@ -224,7 +243,7 @@ coderai is up.
   API key    {shown_key}{"" if not key else f"   (kept in {data / 'admin.key'})"}
   model      {model}
   NATS       {nats_url}
-  metrics    http://127.0.0.1:{metrics_port}/metrics
+  metrics    {base[:-3]}/metrics (admin key, or the token in {data / 'scrape.token'})
   logs       {data / 'logs'}
 
 Try it with the official SDK:

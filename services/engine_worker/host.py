@@ -23,6 +23,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.runtime import tracing
 from coderai.runtime.bus import TIMED_OUT, Bus, FrameWriter, get_or_timeout
 from coderai.runtime.logging import request_id_var
 
@@ -142,7 +143,8 @@ class EngineHost:
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(code="bad_request", message=str(exc), seq=1)))
                 return
-            task = asyncio.create_task(self._run(op, job, m.reply, (m.headers or {}).get(HDR_REQUEST_ID, job.request_id)))
+            headers = m.headers or {}
+            task = asyncio.create_task(self._run(op, job, m.reply, headers.get(HDR_REQUEST_ID, job.request_id), headers))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -158,8 +160,14 @@ class EngineHost:
             log.info("cancel", extra={"request_id": req.request_id})
             flag.set()
 
-    async def _run(self, op: str, job: Any, reply: str, request_id: str) -> None:
+    async def _run(self, op: str, job: Any, reply: str, request_id: str, headers: dict[str, str] | None = None) -> None:
         request_id_var.set(request_id)
+        span = tracing.NO_SPAN
+        if tracing.enabled():  # a child of the gateway's engine call, through the job's traceparent header
+            span = tracing.start_span(f"engine.{op}", headers=headers, kind="server", attributes={
+                "coderai.request_id": request_id, "coderai.engine_id": self.engine_id, "coderai.model": job.model,
+                "coderai.stream": job.stream,
+            })
         writer = FrameWriter(self.bus.nc, reply)
         flag = self._cancels[job.request_id] = CancelFlag()
         loop = asyncio.get_running_loop()
@@ -199,13 +207,19 @@ class EngineHost:
                 ttft = time.monotonic() - t0
             await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, usage=usage, ttft_s=ttft))
             self.served += 1
+            if span is not tracing.NO_SPAN:
+                span.set_attributes({"coderai.prompt_tokens": usage.prompt_tokens,
+                                     "coderai.completion_tokens": usage.completion_tokens, "coderai.ttft_s": ttft})
         except ValueError as exc:  # llama-cpp-python's word for a prompt it cannot take (e.g. longer than n_ctx)
+            tracing.set_error(span, f"bad_request: {exc}")
             await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
         except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
             log.exception("%s job failed", op)
+            tracing.set_error(span, f"engine_failed: {type(exc).__name__}: {exc}")
             await writer.send(ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq()))
         finally:
             self.in_flight -= 1
             self._cancels.pop(job.request_id, None)
             if not fut.done():
                 flag.set()
+            span.end()

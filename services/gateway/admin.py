@@ -4,15 +4,24 @@ Each route is a thin bridge to one bus command; the scheduler and the workers ow
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import csv
+import datetime
+import hmac
+import io
+import urllib.request
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response, get, post
 
+from coderai.accounts.keys import KeyError_, KeyStore, public
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, check_token
 from coderai.gateway.errors import ApiError, from_bus
+from coderai.accounts.usage import FIELDS as USAGE_FIELDS
+from coderai.accounts.usage import read as read_usage
 
 JSON = "application/json"
 
@@ -43,12 +52,12 @@ def admin_routes(gw: Any, caller) -> list:
 
     @get("/admin/nodes")
     async def nodes(request: Request) -> Response:
-        caller(request, "admin")
+        await caller(request, "admin")
         return await ask(CMD_SCHEDULER_NODES, NodesRequest())
 
     @get("/admin/nodes/{nid:str}/logs")
     async def logs(request: Request, nid: str) -> Response:
-        caller(request, "admin")
+        await caller(request, "admin")
         try:
             lines = int(request.query_params.get("lines", "200"))
         except ValueError:
@@ -57,14 +66,14 @@ def admin_routes(gw: Any, caller) -> list:
 
     @post("/admin/nodes/{nid:str}/drain", status_code=200)
     async def drain(request: Request, nid: str) -> Response:
-        caller(request, "admin")
+        await caller(request, "admin")
         return await ask(CMD_NODE_DRAIN, body(await request.body(), DrainRequest), node_id=node_id(nid))
 
     class _Target(msgspec.Struct, forbid_unknown_fields=True):
         node: str
 
     async def placement(request: Request, model: str, action: str) -> Response:
-        caller(request, "admin")
+        await caller(request, "admin")
         target = body(await request.body(), _Target)
         return await ask(CMD_SCHEDULER_PLACE, PlaceRequest(model=model, node=target.node, action=action))  # type: ignore[arg-type]
 
@@ -76,4 +85,118 @@ def admin_routes(gw: Any, caller) -> list:
     async def unplace(request: Request, model: str) -> Response:
         return await placement(request, model, "unplace")
 
-    return [nodes, logs, drain, place, unplace]
+    # --- keys and usage (Redis) ---------------------------------------------------------------------
+
+    def store() -> KeyStore:
+        if gw.redis is None:
+            raise ApiError(503, "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.", type="service_unavailable",
+                           code="no_redis")
+        return KeyStore(gw.redis)
+
+    class _NewKey(msgspec.Struct, forbid_unknown_fields=True):
+        name: str
+        scopes: list[str] = msgspec.field(default_factory=lambda: ["inference"])
+        models: list[str] = []
+        rpm: int = 0
+        tpm: int = 0
+        budget_usd: float = 0.0
+        budget_period: Literal["hour", "day", "week", "month"] = "month"
+
+    class _Limits(msgspec.Struct, forbid_unknown_fields=True):
+        models: list[str] | None = None
+        rpm: int | None = None
+        tpm: int | None = None
+        budget_usd: float | None = None
+        budget_period: Literal["hour", "day", "week", "month"] | None = None
+
+    def json(obj: Any, status: int = 200) -> Response:
+        return Response(content=msgspec.json.encode(obj), media_type=JSON, status_code=status)
+
+    @post("/admin/keys", status_code=201)
+    async def create_key(request: Request) -> Response:
+        await caller(request, "admin")
+        spec = body(await request.body(), _NewKey)
+        try:
+            secret, rec = await store().create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
+                                               budget_usd=spec.budget_usd, budget_period=spec.budget_period)
+        except KeyError_ as exc:
+            raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
+        return json({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
+
+    @get("/admin/keys")
+    async def list_keys(request: Request) -> Response:
+        await caller(request, "admin")
+        return json({"keys": [public(k) for k in await store().list()]})
+
+    async def _change(name: str, fn) -> Response:
+        try:
+            return json(public(await fn(name)))
+        except KeyError_ as exc:
+            raise ApiError(404, str(exc), code="key_not_found") from None
+
+    @post("/admin/keys/{name:str}/revoke", status_code=200)
+    async def revoke_key(request: Request, name: str) -> Response:
+        await caller(request, "admin")
+        return await _change(name, store().revoke)
+
+    @post("/admin/keys/{name:str}/limits", status_code=200)
+    async def limit_key(request: Request, name: str) -> Response:
+        await caller(request, "admin")
+        changes = {k: v for k, v in msgspec.structs.asdict(body(await request.body(), _Limits)).items() if v is not None}
+        return await _change(name, lambda n: store().update(n, **changes))
+
+    @get("/admin/usage")
+    async def usage_rows(request: Request) -> Response:
+        """Usage per key x model x day; `from`/`to` (YYYY-MM-DD, default today), `key`, `model`, `format=csv`."""
+        await caller(request, "admin")
+        q = request.query_params
+        try:
+            days = day_range(q.get("from"), q.get("to"))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="from") from None
+        rows = await read_usage(store().redis, days, key=q.get("key", ""), model=q.get("model", ""))
+        if q.get("format") == "csv":
+            out = io.StringIO()
+            w = csv.DictWriter(out, fieldnames=["day", "key", "model", *USAGE_FIELDS[:-1], "cost_usd"])
+            w.writeheader()
+            w.writerows(rows)
+            return Response(content=out.getvalue(), media_type="text/csv",
+                            headers={"Content-Disposition": 'attachment; filename="coderai-usage.csv"'})
+        return json({"rows": rows})
+
+    @get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The metrics service's Prometheus text, for an admin key or the scrape token."""
+        token = gw.settings.scrape_token
+        given = request.headers.get("authorization", "")
+        if not (token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())):
+            await caller(request, "admin")
+        url = gw.settings.metrics_url
+        if not url:
+            raise ApiError(404, "No metrics service is configured (CODERAI_GATEWAY_METRICS_URL).", code="no_metrics")
+
+        def fetch() -> bytes:
+            req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.read()
+
+        try:
+            text = await asyncio.to_thread(fetch)
+        except OSError as exc:
+            raise ApiError(502, f"The metrics service did not answer: {exc}", type="engine_error", code="metrics_unavailable") from None
+        return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return [nodes, logs, drain, place, unplace, create_key, list_keys, revoke_key, limit_key, usage_rows, metrics]
+
+
+def day_range(start: str | None, end: str | None, max_days: int = 366) -> list[str]:
+    """Every UTC day from `start` to `end` inclusive (YYYY-MM-DD; default today)."""
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    a = datetime.date.fromisoformat(start) if start else today
+    b = datetime.date.fromisoformat(end) if end else (a if start else today)
+    if b < a:
+        raise ValueError("`to` is before `from`")
+    n = (b - a).days + 1
+    if n > max_days:
+        raise ValueError(f"at most {max_days} days at once")
+    return [(a + datetime.timedelta(days=i)).isoformat() for i in range(n)]

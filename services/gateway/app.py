@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import itertools
+import math
 import logging
 import os
 import secrets
@@ -17,7 +18,9 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from coderai.contracts import BusError, Chunk, ErrorReply, Final, RequestId
+from coderai.accounts.keys import KeyStore
+from coderai.accounts.limits import Limited, Limiter
+from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig, RequestId
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway import affinity
 from coderai.gateway.admin import admin_routes
@@ -28,9 +31,11 @@ from coderai.gateway.catalog import Catalog
 from coderai.gateway.errors import ApiError, from_bus, from_http
 from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
+from coderai.gateway.ui import ui_routes
 from coderai.runtime.bus import Bus
 from coderai.runtime.logging import request_id_var, setup_logging
 from coderai.runtime.settings import SettingsError, load_settings
+from coderai.runtime.tracing import setup_tracing
 
 log = logging.getLogger("coderai.gateway")
 JSON = "application/json"
@@ -38,6 +43,7 @@ SESSION_HEADER = "X-Session-Id"
 PIN_HEADER = "X-Coderai-Pin"  # admin only: route to this engine or node id
 ENGINE_HEADER = "Coderai-Engine"
 ROUTE_HEADER = "Coderai-Route"
+SPAN_NAMES = {"chat": "POST /v1/chat/completions", "complete": "POST /v1/completions"}  # request span per op
 
 
 class Gateway:
@@ -47,11 +53,19 @@ class Gateway:
         self.settings = settings
         self.auth = Authenticator(None if settings.no_auth else load_keys(settings.api_keys_file))
         self.bus: Bus | None = None
+        self.redis: Any = None
+        self.limiter: Limiter | None = None
         self.catalog: Catalog | None = None
         self.relay: Relay | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
+        if self.settings.redis_url:
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.from_url(self.settings.redis_url)
+            self.auth.store = KeyStore(self.redis)
+            self.limiter = Limiter(self.redis)
         self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
                                      on_disconnect=self._on_disconnect)
         self.catalog = Catalog(self.bus)
@@ -63,6 +77,8 @@ class Gateway:
         finally:
             self.catalog.stop()
             await self.bus.close()
+            if self.redis is not None:
+                await self.redis.aclose()
 
     async def _on_reconnect(self) -> None:
         if self.catalog:
@@ -71,6 +87,35 @@ class Gateway:
     async def _on_disconnect(self) -> None:
         if self.bus:
             self.bus.fail_streams()
+
+    async def admit(self, who: Caller, cfg: ModelConfig) -> None:
+        """A Redis key's model allow-list, rates and budget, checked before any work is done."""
+        key = who.key
+        if key is None:
+            return
+        if key.models and cfg.name not in key.models:
+            raise ApiError(403, f"This key may not use the model '{cfg.name}'.", param="model", code="model_not_allowed")
+        if self.limiter is not None and (key.rpm or key.tpm or key.budget_usd):
+            try:
+                await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period)
+            except Limited as lim:
+                code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
+                raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
+                               headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
+
+    async def finish(self, outcome: Outcome, who: Caller, cfg: ModelConfig) -> None:
+        """Price the request, charge a Redis key's token rate and budget, publish `request.completed`."""
+        outcome.cost_usd = (outcome.prompt_tokens * cfg.price_prompt_per_mtok
+                            + outcome.completion_tokens * cfg.price_completion_per_mtok) / 1e6
+        key = who.key
+        if key is not None and self.limiter is not None and (key.tpm or key.budget_usd):
+            try:
+                await self.limiter.charge(key.name, outcome.prompt_tokens + outcome.completion_tokens, key.tpm,
+                                          outcome.cost_usd, key.budget_period)
+            except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
+                log.warning("could not charge key %s: %s", key.name, exc)
+        assert self.relay is not None
+        await self.relay.completed(outcome)
 
     def model(self, name: str):
         assert self.catalog is not None and self.bus is not None
@@ -96,11 +141,12 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     if settings is None:
         settings = load_settings(GatewaySettings, "gateway")
         setup_logging("gateway", settings.node_id, settings.log_level, settings.log_format)
+        setup_tracing("gateway", settings.node_id)
     check_auth_settings(settings)
     gw = Gateway(settings)
 
-    def caller(request: Request, scope: str = "inference"):
-        return gw.auth.check(request.headers.get("authorization"), scope)
+    async def caller(request: Request, scope: str = "inference") -> Caller:
+        return await gw.auth.check(request.headers.get("authorization"), scope)
 
     @get("/healthz", media_type=JSON)
     async def healthz() -> Response:
@@ -109,31 +155,31 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     @get("/v1/models")
     async def list_models(request: Request) -> Response:
-        caller(request)
+        await caller(request)
         assert gw.catalog is not None
         data = [_model_json(m) for m in sorted(gw.catalog.models.values(), key=lambda m: m.name)]
         return _json({"object": "list", "data": data})
 
     @get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> Response:
-        caller(request)
+        await caller(request)
         return _json(_model_json(gw.model(model_id.lstrip("/"))))
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request) -> Response | Stream:
-        who = caller(request)
+        who = await caller(request)
         req = oa.parse(await request.body(), oa.ChatCompletionRequest)
         job = oa.chat_job(req, _rid())
         hints = _hints(request, who, job.model, req.user, affinity.chat_chain(job.model, job.messages, job.tools))
-        return await _serve(gw, "chat", req, job, hints, who.key_name)
+        return await _serve(gw, "chat", req, job, hints, who)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        who = caller(request)
+        who = await caller(request)
         req = oa.parse(await request.body(), oa.CompletionRequest)
         job = oa.completion_job(req, _rid())
         hints = _hints(request, who, job.model, req.user, affinity.prompt_chain(job.model, job.prompt))
-        return await _serve(gw, "complete", req, job, hints, who.key_name)
+        return await _serve(gw, "complete", req, job, hints, who)
 
     def on_api_error(_: Request, exc: ApiError) -> Response:
         return _error_response(exc)
@@ -148,7 +194,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return _error_response(ApiError(500, "Internal error; see the gateway log for this request id.", type="server_error", code="internal"))
 
     return Litestar(
-        route_handlers=[healthz, list_models, get_model, chat, completions, *admin_routes(gw, caller)],
+        route_handlers=[healthz, list_models, get_model, chat, completions, *admin_routes(gw, caller), *ui_routes()],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
         request_max_body_size=settings.max_body_bytes,
@@ -200,14 +246,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_name: str) -> Response | Stream:
+async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Caller) -> Response | Stream:
     """Validate the model, then answer streamed or whole; every outcome becomes one `request.completed`."""
+    key_name = who.key_name
     cfg = gw.model(job.model)
     if op not in cfg.serves():
         raise ApiError(400, f"The model '{job.model}' does not serve {op}.", param="model", code="unsupported_operation")
+    await gw.admit(who, cfg)
     assert gw.relay is not None
     relay = gw.relay
     outcome = Outcome(request_id=job.request_id, key_name=key_name, model=job.model, op=op, stream=job.stream)
+    outcome.start_span(SPAN_NAMES[op])
     headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: key_name}
     created = int(time.time())
     try:
@@ -215,7 +264,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
     except (BusError, ApiError) as exc:
         err = from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
         outcome.status, outcome.http_status = err.code or "error", err.status
-        await relay.completed(outcome)
+        await gw.finish(outcome, who, cfg)
         raise err from None
     outcome.ttft_s = time.monotonic() - outcome.started
     resp_headers = {HDR_REQUEST_ID: job.request_id, ENGINE_HEADER: outcome.engine_id, ROUTE_HEADER: outcome.route_reason}
@@ -229,12 +278,12 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
         except BusError as exc:
             err = from_bus(exc, gw.settings.retry_after_s)
             outcome.status, outcome.http_status = err.code or "error", err.status
-            await relay.completed(outcome)
+            await gw.finish(outcome, who, cfg)
             raise err from None
         finally:
             stream.close()
         outcome.prompt_tokens, outcome.completion_tokens = final.usage.prompt_tokens, final.usage.completion_tokens
-        await relay.completed(outcome)
+        await gw.finish(outcome, who, cfg)
         build = sse.chat_response if op == "chat" else sse.completion_response
         return Response(content=sse._enc.encode(build(job.request_id, created, job.model, final.choices, final.usage)),
                         media_type=JSON, headers=resp_headers)
@@ -271,7 +320,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, key_nam
                 relay.spawn(stream.cancel())
             else:
                 stream.close()
-            relay.spawn(relay.completed(outcome))  # may run while the stream task is being cancelled
+            relay.spawn(gw.finish(outcome, who, cfg))  # may run while the stream task is being cancelled
 
     return Stream(events(), media_type="text/event-stream",
                   headers={**resp_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

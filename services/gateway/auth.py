@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from coderai.accounts.keys import ApiKey, KeyStore
 from coderai.gateway.errors import ApiError
 from coderai.runtime.settings import SettingsError
 
@@ -29,6 +30,7 @@ class _KeysFile(msgspec.Struct, forbid_unknown_fields=True):
 class Caller:
     key_name: str
     scopes: frozenset[str]
+    key: ApiKey | None = None  # a Redis key, with its model allow-list, limits and budget
 
 
 ANONYMOUS = Caller("anonymous", frozenset({"inference", "admin"}))
@@ -67,18 +69,27 @@ def write_keys(path: str, records: list[KeyRecord]) -> None:
 
 
 class Authenticator:
-    def __init__(self, keys: dict[str, KeyRecord] | None) -> None:
-        self.keys = keys  # None: auth is off
+    """Keys from the keys file (the bootstrap admin key of `coderai up`), then keys in Redis (`coderai keys`)."""
 
-    def check(self, authorization: str | None, scope: str = "inference") -> Caller:
+    def __init__(self, keys: dict[str, KeyRecord] | None, store: KeyStore | None = None) -> None:
+        self.keys = keys  # None: auth is off
+        self.store = store
+
+    async def check(self, authorization: str | None, scope: str = "inference") -> Caller:
         if self.keys is None:
             return ANONYMOUS
         if not authorization or not authorization.lower().startswith("bearer "):
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
         digest = hash_key(authorization[7:].strip())
         rec = self.keys.get(digest)  # a lookup by digest leaks nothing useful about the key itself
-        if rec is None:
-            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        if scope not in rec.scopes:
+        if rec is not None:
+            caller = Caller(rec.name, frozenset(rec.scopes))
+        else:
+            stored = await self.store.get(digest) if self.store is not None else None
+            if stored is None or stored.revoked:
+                raise ApiError(401, "Incorrect API key provided." if stored is None else "This API key has been revoked.",
+                               code="invalid_api_key")
+            caller = Caller(stored.name, frozenset(stored.scopes), stored)
+        if scope not in caller.scopes:
             raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")
-        return Caller(rec.name, frozenset(rec.scopes))
+        return caller

@@ -23,7 +23,9 @@ from coderai.contracts import (
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS, EVT_REQUEST_COMPLETED, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
+from coderai.runtime import tracing
 from coderai.runtime.bus import Bus, FrameStream
+from coderai.runtime.tracing import NO_SPAN
 
 log = logging.getLogger("coderai.gateway")
 
@@ -56,6 +58,33 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     route_reason: str = ""
+    cost_usd: float = 0.0
+    span: Any = NO_SPAN  # the request's server span; NO_SPAN while tracing is off
+    engine_span: Any = NO_SPAN  # the gateway's call to the engine that answered
+
+    def start_span(self, name: str) -> None:
+        """Open the request's server span (a no-op while tracing is off); `Relay.completed` ends it."""
+        if tracing.enabled():
+            self.span = tracing.start_span(name, kind="server", attributes={
+                "coderai.request_id": self.request_id, "coderai.model": self.model, "coderai.op": self.op,
+                "coderai.key_name": self.key_name, "coderai.stream": self.stream,
+            })
+
+    def end_spans(self) -> None:
+        """End the engine call's span and the request's span with what happened."""
+        if self.status != "ok":
+            tracing.set_error(self.engine_span, self.status)
+            tracing.set_error(self.span, self.status)
+        self.engine_span.end()
+        attrs: dict[str, Any] = {
+            "coderai.status": self.status, "http.response.status_code": self.http_status,
+            "coderai.engine_id": self.engine_id, "coderai.route_reason": self.route_reason,
+            "coderai.prompt_tokens": self.prompt_tokens, "coderai.completion_tokens": self.completion_tokens,
+        }
+        if self.ttft_s is not None:
+            attrs["coderai.ttft_s"] = self.ttft_s
+        self.span.set_attributes(attrs)
+        self.span.end()
 
     def event(self) -> RequestCompleted:
         return RequestCompleted(
@@ -63,7 +92,7 @@ class Outcome:
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
             node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, stream=self.stream,
-            route_reason=self.route_reason,
+            route_reason=self.route_reason, cost_usd=self.cost_usd,
         )
 
 
@@ -94,13 +123,25 @@ class Relay:
         engines; an engine that fails retryably before that is excluded and the router asked again."""
         tried: list[str] = []
         last: BusError | None = None
-        for _ in range(self.settings.max_attempts):
+        traced = outcome.span is not NO_SPAN
+        for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                decision = await self._route(job, op, hints, tried, headers)
+                if traced:
+                    with tracing.start_span("route.pick", parent=outcome.span, kind="client",
+                                            attributes={"coderai.attempt": attempt}) as span:
+                        decision = await self._route(job, op, hints, tried, tracing.inject(span, headers))
+                        span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
+                else:
+                    decision = await self._route(job, op, hints, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             outcome.engine_id, outcome.node_id, outcome.route_reason = decision.engine_id, decision.node_id, decision.reason
-            stream = await self._open(op, job, decision, headers)
+            if traced:
+                outcome.engine_span = tracing.start_span("engine.call", parent=outcome.span, kind="client", attributes={
+                    "coderai.engine_id": decision.engine_id, "coderai.op": op, "coderai.attempt": attempt})
+                stream = await self._open(op, job, decision, tracing.inject(outcome.engine_span, headers))
+            else:
+                stream = await self._open(op, job, decision, headers)
             try:
                 frame = await next_frame(stream)
                 if isinstance(frame, ErrorReply):
@@ -108,6 +149,10 @@ class Relay:
                 return stream, frame
             except BusError as exc:
                 await stream.cancel()
+                if traced:  # this attempt's engine call ends here, whether or not another engine is tried
+                    tracing.set_error(outcome.engine_span, exc.code)
+                    outcome.engine_span.end()
+                    outcome.engine_span = NO_SPAN
                 if not exc.retryable:
                     raise
                 log.warning("engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message)
@@ -124,7 +169,10 @@ class Relay:
 
     async def completed(self, outcome: Outcome) -> None:
         """Publish `request.completed`: a core publish (the EVENTS stream stores it) that only appends to the
-        connection's write buffer, so it is awaited inline rather than given a task of its own."""
+        connection's write buffer, so it is awaited inline rather than given a task of its own. The request's
+        spans end here too."""
+        if outcome.span is not NO_SPAN:
+            outcome.end_spans()
         if not self.bus.connected:
             return
         try:

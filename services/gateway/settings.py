@@ -16,3 +16,6 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
     max_attempts: int = 3  # engines tried for one request before the first token
     retry_after_s: int = 5
+    redis_url: str = ""  # API keys, limits and budgets shared by every replica; empty: the keys file only
+    metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers
+    scrape_token: str = ""  # lets Prometheus read /metrics without an admin key

@@ -7,12 +7,17 @@ import contextlib
 import logging
 from typing import Any
 
-from prometheus_client import start_http_server
+import hmac
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
 
 from coderai.contracts import Heartbeat, RequestCompleted, decode
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT
 from coderai.contracts.topology import EVENTS
-from coderai.metrics import usage
+from coderai.accounts import usage
 from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
@@ -28,7 +33,7 @@ class Metrics:
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
-        server, thread = start_http_server(s.port, s.host, registry=self.series.registry)
+        server = serve_metrics(s.host, s.port, self.series.registry, s.scrape_token)
         stack.callback(server.shutdown)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", s.host, s.port)
         if s.redis_url:
@@ -94,6 +99,32 @@ class Metrics:
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args: object) -> None:  # scrapes every 15 s would flood the log
+        pass
+
+
+def serve_metrics(host: str, port: int, registry, token: str):
+    """Prometheus exposition on a thread; with a token, anything without `Bearer <token>` gets 401."""
+    app = make_wsgi_app(registry)
+
+    def guarded(environ, start_response):
+        if token:
+            given = environ.get("HTTP_AUTHORIZATION", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain")])
+                return [b"a scrape token is required\n"]
+        return app(environ, start_response)
+
+    server = make_server(host, port, guarded, server_class=_Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 def make(settings: MetricsSettings):

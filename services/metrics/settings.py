@@ -10,3 +10,4 @@ class MetricsSettings(CommonSettings, frozen=True, kw_only=True):
     port: int = 9464
     redis_url: str = ""  # per-key usage counters; empty: Prometheus only
     consumer: str = "metrics"  # durable consumer name on EVENTS
+    scrape_token: str = ""  # when set, /metrics needs `Authorization: Bearer <token>`

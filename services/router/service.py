@@ -15,6 +15,7 @@ from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_P
 from coderai.contracts.topology import AFFINITY, MODELS, NODES
 from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick
 from coderai.router.settings import RouterSettings
+from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
 from coderai.runtime.mirror import KVMirror
 
@@ -93,7 +94,17 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - a bad event costs one load estimate, nothing more
             log.debug("bad request.completed: %s", exc)
 
-    async def _on_pick(self, req: RouteRequest, _m: Any) -> RouteDecision:
+    async def _on_pick(self, req: RouteRequest, m: Any) -> RouteDecision:
+        if not tracing.enabled():
+            return self._pick(req)
+        with tracing.start_span("router.pick", headers=m.headers, kind="server", attributes={
+            "coderai.request_id": req.request_id, "coderai.model": req.model, "coderai.op": req.op,
+        }) as span:
+            decision = self._pick(req)
+            span.set_attributes({"coderai.route_reason": decision.reason, "coderai.engine_id": decision.engine_id})
+            return decision
+
+    def _pick(self, req: RouteRequest) -> RouteDecision:
         for gone in self.table.expire(time.monotonic()):
             log.info("node %s went silent; no longer routing to it", gone)
         for failed in req.exclude:

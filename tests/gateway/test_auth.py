@@ -22,9 +22,9 @@ def auth() -> Authenticator:
     return Authenticator({r.sha256: r for r in recs})
 
 
-def denied(auth: Authenticator, header: str | None, scope: str = "inference") -> ApiError:
+async def denied(auth: Authenticator, header: str | None, scope: str = "inference") -> ApiError:
     with pytest.raises(ApiError) as ei:
-        auth.check(header, scope)
+        await auth.check(header, scope)
     return ei.value
 
 
@@ -43,49 +43,49 @@ def test_a_record_defaults_to_the_inference_scope():
     assert KeyRecord("n", "h").scopes == ["inference"]
 
 
-def test_no_keys_means_everyone_is_anonymous_with_every_scope():
+async def test_no_keys_means_everyone_is_anonymous_with_every_scope():
     a = Authenticator(None)
-    assert a.check(None) is ANONYMOUS
-    assert a.check("Bearer whatever", "admin") is ANONYMOUS
+    assert await a.check(None) is ANONYMOUS
+    assert await a.check("Bearer whatever", "admin") is ANONYMOUS
     assert ANONYMOUS == Caller("anonymous", frozenset({"inference", "admin"}))
 
 
-def test_an_empty_key_table_still_requires_a_key():
-    err = denied(Authenticator({}), "Bearer " + KEY)
+async def test_an_empty_key_table_still_requires_a_key():
+    err = await denied(Authenticator({}), "Bearer " + KEY)
     assert (err.status, err.code) == (401, "invalid_api_key")
 
 
 @pytest.mark.parametrize("header", [None, "", "Basic abc", "Bearer", "sk-coderai-right", "Token " + KEY])
-def test_a_missing_or_non_bearer_header_is_401(auth, header):
-    err = denied(auth, header)
+async def test_a_missing_or_non_bearer_header_is_401(auth, header):
+    err = await denied(auth, header)
     assert (err.status, err.code, err.type) == (401, "invalid_api_key", "invalid_request_error")
     assert "Missing API key" in err.message
 
 
 @pytest.mark.parametrize("header", ["Bearer sk-coderai-wrong", "Bearer ", "Bearer " + KEY.upper(), "Bearer " + KEY + "x"])
-def test_a_wrong_key_is_401(auth, header):
-    err = denied(auth, header)
+async def test_a_wrong_key_is_401(auth, header):
+    err = await denied(auth, header)
     assert (err.status, err.code) == (401, "invalid_api_key")
     assert "Incorrect API key" in err.message
 
 
 @pytest.mark.parametrize("header", ["Bearer " + KEY, "bearer " + KEY, "BEARER " + KEY, "Bearer   " + KEY + "  "])
-def test_the_right_key_returns_its_caller(auth, header):
-    assert auth.check(header) == Caller("alice", frozenset({"inference"}))
+async def test_the_right_key_returns_its_caller(auth, header):
+    assert await auth.check(header) == Caller("alice", frozenset({"inference"}))
 
 
-def test_a_key_without_the_scope_is_403(auth):
-    err = denied(auth, "Bearer " + KEY, "admin")
+async def test_a_key_without_the_scope_is_403(auth):
+    err = await denied(auth, "Bearer " + KEY, "admin")
     assert (err.status, err.code) == (403, "forbidden")
     assert "'admin'" in err.message
 
 
-def test_a_key_with_the_scope_passes(auth):
-    assert auth.check("Bearer " + ADMIN_KEY, "admin") == Caller("root", frozenset({"inference", "admin"}))
-    assert auth.check("Bearer " + ADMIN_KEY).key_name == "root"
+async def test_a_key_with_the_scope_passes(auth):
+    assert await auth.check("Bearer " + ADMIN_KEY, "admin") == Caller("root", frozenset({"inference", "admin"}))
+    assert (await auth.check("Bearer " + ADMIN_KEY)).key_name == "root"
 
 
-def test_write_then_load_round_trips_with_mode_0600(tmp_path):
+async def test_write_then_load_round_trips_with_mode_0600(tmp_path):
     path = tmp_path / "keys.toml"
     recs = [KeyRecord("alice", hash_key(KEY)), KeyRecord("ci", hash_key("k2"), ["inference", "admin"]), KeyRecord("none", hash_key("k3"), [])]
     write_keys(str(path), recs)
@@ -93,9 +93,9 @@ def test_write_then_load_round_trips_with_mode_0600(tmp_path):
     loaded = load_keys(str(path))
     assert loaded == {r.sha256: r for r in recs}
     auth = Authenticator(loaded)
-    assert auth.check("Bearer " + KEY) == Caller("alice", frozenset({"inference"}))
-    assert auth.check("Bearer k2", "admin").key_name == "ci"
-    assert denied(auth, "Bearer k3").status == 403
+    assert await auth.check("Bearer " + KEY) == Caller("alice", frozenset({"inference"}))
+    assert (await auth.check("Bearer k2", "admin")).key_name == "ci"
+    assert (await denied(auth, "Bearer k3")).status == 403
 
 
 def test_write_keys_replaces_the_previous_contents(tmp_path):
@@ -125,12 +125,12 @@ def test_a_name_with_a_quote_round_trips(tmp_path):
     assert [r.name for r in load_keys(str(path)).values()] == ['bob "the admin"']
 
 
-def test_load_keys_lowercases_digests(tmp_path):
+async def test_load_keys_lowercases_digests(tmp_path):
     path = tmp_path / "keys.toml"
     path.write_text(f'[[keys]]\nname = "a"\nsha256 = "{hash_key(KEY).upper()}"\n')
     loaded = load_keys(str(path))
     assert list(loaded) == [hash_key(KEY)]
-    assert Authenticator(loaded).check("Bearer " + KEY).key_name == "a"
+    assert (await Authenticator(loaded).check("Bearer " + KEY)).key_name == "a"
 
 
 def test_load_keys_expands_home(tmp_path, monkeypatch):

@@ -225,6 +225,10 @@ def test_usage_per_key_lands_in_redis(api_stack, user_key):
     r = redis.Redis.from_url(api_stack.redis_url)
 
     def recorded():
-        keys = r.keys("coderai:usage:alice:day:*")
-        return keys and int(r.hget(keys[0], "requests") or 0) >= 1 and int(r.hget(keys[0], "prompt_tokens") or 0) > 0
+        import time
+
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        h = f"coderai:usage:{day}:alice:tiny"
+        return r.sismember(f"coderai:usage:index:{day}", "alice\ttiny") and int(r.hget(h, "requests") or 0) >= 1 \
+            and int(r.hget(h, "prompt_tokens") or 0) > 0
     wait_until(recorded, 15, "alice's usage in Redis")

@@ -1,81 +1,54 @@
-"""Per-key usage counters in a real Redis: day and month hashes, overall and per model."""
+"""Usage per key x model x day in the session's real Redis."""
 
 from __future__ import annotations
 
-import calendar
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
 from coderai.contracts import RequestCompleted
-from coderai.metrics.usage import record, usage_keys
-
-# 2024-02-29 23:59:59 UTC: a leap day, one second before the month turns.
-TS = float(calendar.timegm((2024, 2, 29, 23, 59, 59)))
+from coderai.accounts.usage import day_of, increments, read, record, record_many
 
 
-def done(key: str, **kw) -> RequestCompleted:
-    base = dict(request_id="r", ts=TS, key_name=key, model="m", op="chat", status="ok", http_status=200)
-    return RequestCompleted(**{**base, **kw})
+def ev(key: str, model: str = "m", status: str = "ok", p: int = 10, c: int = 5, ts: float | None = None,
+       duration: float = 0.25, cost: float = 0.0) -> RequestCompleted:
+    return RequestCompleted(request_id="r", ts=ts or time.time(), key_name=key, model=model, op="chat", status=status,
+                            http_status=200 if status == "ok" else 502, prompt_tokens=p, completion_tokens=c,
+                            duration_s=duration, cost_usd=cost)
 
 
 @pytest.fixture
-async def redis(redis_server):
-    client = aioredis.from_url(redis_server.url, decode_responses=True)
+async def r(redis_server):
+    client = aioredis.from_url(redis_server.url)
     yield client
     await client.aclose()
 
 
-def test_usage_keys_are_per_key_day_and_month_in_utc():
-    assert usage_keys(done("alice")) == ["coderai:usage:alice:day:2024-02-29", "coderai:usage:alice:month:2024-02"]
-    assert usage_keys(done("alice", ts=TS + 1)) == ["coderai:usage:alice:day:2024-03-01", "coderai:usage:alice:month:2024-03"]
+def test_increments_sum_per_day_key_and_model():
+    day = day_of(time.time())
+    rows = increments([ev("a"), ev("a", status="engine_failed"), ev("a", model="n"), ev("b", p=1, c=1, cost=0.5)])
+    assert rows[(day, "a", "m")] == {"requests": 2, "errors": 1, "prompt_tokens": 20, "completion_tokens": 10,
+                                     "wall_ms": 500, "cost_micro_usd": 0}
+    assert rows[(day, "a", "n")]["requests"] == 1
+    assert rows[(day, "b", "m")]["cost_micro_usd"] == 500_000
 
 
-async def test_record_counts_requests_and_tokens_in_both_hashes(redis, unique):
-    e = done(unique, prompt_tokens=12, completion_tokens=30)
-    await record(redis, e)
-    want = {"requests": "1", "requests:m": "1", "prompt_tokens": "12", "completion_tokens": "30", "tokens:m": "42"}
-    for key in usage_keys(e):
-        assert await redis.hgetall(key) == want
+def test_events_on_two_days_land_in_two_rows():
+    t = time.mktime((2026, 11, 28, 23, 59, 0, 0, 0, 0))
+    rows = increments([ev("a", ts=t), ev("a", ts=t + 120)])
+    assert len(rows) == 2
 
 
-async def test_record_accumulates_per_model_and_counts_errors(redis, unique):
-    await record(redis, done(unique, prompt_tokens=5, completion_tokens=7))
-    await record(redis, done(unique, model="big", prompt_tokens=100, completion_tokens=1))
-    await record(redis, done(unique, status="timeout", http_status=504, prompt_tokens=8))
-    await record(redis, done(unique, model="big", status="engine_failed", http_status=502))
-    day, month = usage_keys(done(unique))
-    want = {
-        "requests": "4", "errors": "2", "requests:m": "2", "requests:big": "2",
-        "prompt_tokens": "113", "completion_tokens": "8", "tokens:m": "20", "tokens:big": "101",
-    }
-    assert await redis.hgetall(day) == want
-    assert await redis.hgetall(month) == want
-
-
-async def test_a_successful_request_adds_no_errors_field(redis, unique):
-    await record(redis, done(unique))
-    day, _ = usage_keys(done(unique))
-    fields = await redis.hgetall(day)
-    assert "errors" not in fields
-    assert fields["requests"] == "1" and fields["tokens:m"] == "0"
-
-
-async def test_days_split_but_the_month_accumulates(redis, unique):
-    await record(redis, done(unique, ts=TS - 86400, completion_tokens=1))  # 2024-02-28
-    await record(redis, done(unique, completion_tokens=2))  # 2024-02-29
-    await record(redis, done(unique, ts=TS + 1, completion_tokens=4))  # 2024-03-01
-    hget = redis.hget
-    assert await hget(f"coderai:usage:{unique}:day:2024-02-28", "completion_tokens") == "1"
-    assert await hget(f"coderai:usage:{unique}:day:2024-02-29", "completion_tokens") == "2"
-    assert await hget(f"coderai:usage:{unique}:day:2024-03-01", "completion_tokens") == "4"
-    assert await hget(f"coderai:usage:{unique}:month:2024-02", "requests") == "2"
-    assert await hget(f"coderai:usage:{unique}:month:2024-02", "completion_tokens") == "3"
-    assert await hget(f"coderai:usage:{unique}:month:2024-03", "requests") == "1"
-
-
-async def test_keys_are_kept_apart(redis, unique):
-    await record(redis, done(f"{unique}-a", prompt_tokens=1))
-    await record(redis, done(f"{unique}-b", prompt_tokens=2))
-    assert await redis.hget(usage_keys(done(f"{unique}-a"))[0], "prompt_tokens") == "1"
-    assert await redis.hget(usage_keys(done(f"{unique}-b"))[0], "prompt_tokens") == "2"
+async def test_record_and_read_back(r, unique):
+    key = f"k{unique}"
+    await record_many(r, [ev(key), ev(key, model="other", p=3, c=4, cost=0.001), ev(key, status="timeout")])
+    await record(r, ev(key))
+    day = day_of(time.time())
+    rows = await read(r, [day], key=key)
+    assert [(x["model"], x["requests"]) for x in rows] == [("m", 3), ("other", 1)]
+    m = rows[0]
+    assert (m["errors"], m["prompt_tokens"], m["completion_tokens"], m["wall_ms"]) == (1, 30, 15, 750)
+    assert rows[1]["cost_usd"] == pytest.approx(0.001)
+    assert await read(r, [day], key=key, model="other") == rows[1:]
+    assert await read(r, ["1999-01-01"], key=key) == []

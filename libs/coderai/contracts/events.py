@@ -26,6 +26,7 @@ class RequestCompleted(Message, frozen=True, kw_only=True, tag="request.complete
     completion_tokens: int = 0
     stream: bool = False
     route_reason: str = ""
+    cost_usd: float = 0.0
 
 
 class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_field="t"):

@@ -37,6 +37,8 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     replicas: int = 0  # 0: every node that can run it and has room; N: N copies, re-placed when a holder leaves
     placement: Literal["spread", "binpack"] = "spread"
     memory_mb: int = 0  # what one copy needs; 0: estimated from the file (size x 1.2 + 256 MB)
+    price_prompt_per_mtok: float = 0.0  # USD per million prompt tokens, for key budgets and usage
+    price_completion_per_mtok: float = 0.0
     pin: str = ""  # route every request to this engine or node id
     allow_fallback: bool = False  # when the pinned engine is down, route elsewhere instead of failing
     owned_by: str = "coderai"

@@ -15,6 +15,7 @@ from coderai.contracts import BusError
 from coderai.runtime.lifecycle import Starter, serve_until_stopped
 from coderai.runtime.logging import log_fields, setup_logging
 from coderai.runtime.settings import SettingsError, describe, load_settings
+from coderai.runtime.tracing import setup_tracing
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -55,7 +56,8 @@ def run_service(
     add_args: Callable[[argparse.ArgumentParser], None] | None = None,
     drain_timeout_s: float = 15.0,
 ) -> int:
-    """Parse flags, load settings (exit 2 naming the bad variable), set up logging and serve until signalled."""
+    """Parse flags, load settings (exit 2 naming the bad variable), set up logging and tracing, serve until
+    signalled."""
     ap = parser(service, description)
     if add_args:
         add_args(ap)
@@ -64,6 +66,7 @@ def run_service(
         settings = settings_from_args(settings_cls, service, args)
         setup_logging(service, getattr(settings, "node_id", ""), settings.log_level, settings.log_format)
         logging.getLogger(f"coderai.{service}").info("starting", extra=log_fields(settings=describe(settings)))
+        setup_tracing(service, getattr(settings, "node_id", ""))
         starter = make(settings)
     except SettingsError as exc:
         print(f"coderai {service}: {exc}", file=sys.stderr)

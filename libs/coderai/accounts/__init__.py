@@ -1,0 +1,1 @@
+"""Accounts: API keys, rate limits and budgets in Redis, shared by every gateway replica."""

@@ -1,0 +1,70 @@
+"""`coderai keys`: create, list and revoke API keys in Redis (the same store every gateway reads)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from coderai.accounts.keys import KeyError_, KeyStore, public
+
+
+def _redis_url(args: argparse.Namespace) -> str:
+    if args.redis_url:
+        return args.redis_url
+    up = Path(os.path.expanduser(args.data_dir)) / "run" / "up.json"
+    if up.exists():
+        return json.loads(up.read_text())["redis_url"]
+    raise SystemExit("coderai keys: no Redis: pass --redis-url (or CODERAI_REDIS_URL), or run `coderai up` first")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(_redis_url(args))
+    store = KeyStore(r)
+    try:
+        if args.cmd == "create":
+            secret, rec = await store.create(args.name, args.scope or ["inference"], models=args.models or [],
+                                             rpm=args.rpm, tpm=args.tpm, budget_usd=args.budget_usd,
+                                             budget_period=args.budget_period)
+            print(json.dumps({"key": secret, **public(rec)}, indent=2))
+            print("The key is shown once: store it now.", file=sys.stderr)
+        elif args.cmd == "list":
+            for k in await store.list():
+                print(json.dumps(public(k)))
+        else:
+            print(json.dumps(public(await store.revoke(args.name))))
+        return 0
+    except KeyError_ as exc:
+        print(f"coderai keys: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await r.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="coderai keys", description=__doc__.splitlines()[0])
+    ap.add_argument("--redis-url", default=os.environ.get("CODERAI_REDIS_URL", ""))
+    ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
+                    help="where `coderai up` left run/up.json (used when no --redis-url)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("create", help="a new key, printed once")
+    c.add_argument("name")
+    c.add_argument("--scope", action="append", choices=["inference", "admin"], help="repeat for both (default inference)")
+    c.add_argument("--models", type=lambda s: [m for m in s.split(",") if m], help="allow-list, comma-separated")
+    c.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    c.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
+    c.add_argument("--budget-usd", type=float, default=0.0, help="dollars per period (0: no budget)")
+    c.add_argument("--budget-period", choices=["hour", "day", "week", "month"], default="month")
+    sub.add_parser("list", help="every key, without secrets")
+    rv = sub.add_parser("revoke", help="refuse a key from now on, on every gateway")
+    rv.add_argument("name")
+    return asyncio.run(_run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

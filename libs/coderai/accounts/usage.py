@@ -1,0 +1,73 @@
+"""Per key x model x day usage in Redis, summed per batch of events into one pipeline.
+
+    coderai:usage:<YYYY-MM-DD>:<key>:<model>  hash: requests, errors, prompt_tokens, completion_tokens,
+                                              wall_ms, cost_micro_usd
+    coderai:usage:index:<YYYY-MM-DD>          set of "<key>\\t<model>" that have a hash that day
+
+A batch of a thousand requests by one key and model is six HINCRBYs, not six thousand. Audio seconds, images
+and attributed pod spend join the hash with the modalities and the pod broker that produce them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from coderai.contracts import RequestCompleted
+
+FIELDS = ("requests", "errors", "prompt_tokens", "completion_tokens", "wall_ms", "cost_micro_usd")
+
+
+def day_of(ts: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+
+def usage_key(day: str, key_name: str, model: str) -> str:
+    return f"coderai:usage:{day}:{key_name}:{model}"
+
+
+def increments(events: list[RequestCompleted]) -> dict[tuple[str, str, str], dict[str, int]]:
+    """(day, key, model) -> field -> amount."""
+    out: dict[tuple[str, str, str], dict[str, int]] = {}
+    for e in events:
+        row = out.setdefault((day_of(e.ts), e.key_name, e.model), dict.fromkeys(FIELDS, 0))
+        row["requests"] += 1
+        row["errors"] += e.status != "ok"
+        row["prompt_tokens"] += e.prompt_tokens
+        row["completion_tokens"] += e.completion_tokens
+        row["wall_ms"] += round(e.duration_s * 1000)
+        row["cost_micro_usd"] += round(e.cost_usd * 1e6)
+    return out
+
+
+async def record_many(redis, events: list[RequestCompleted]) -> None:
+    """HINCRBY every summed field of the batch, and index the rows, in one pipeline."""
+    pipe = redis.pipeline(transaction=False)
+    for (day, key, model), row in increments(events).items():
+        hkey = usage_key(day, key, model)
+        for field, n in row.items():
+            if n:
+                pipe.hincrby(hkey, field, n)
+        pipe.sadd(f"coderai:usage:index:{day}", f"{key}\t{model}")
+    await pipe.execute()
+
+
+async def record(redis, e: RequestCompleted) -> None:
+    """One event's usage (see `record_many`)."""
+    await record_many(redis, [e])
+
+
+async def read(redis, days: list[str], key: str = "", model: str = "") -> list[dict]:
+    """Rows for the given days, optionally one key and/or one model, ordered by day, key, model."""
+    rows = []
+    for day in days:
+        members = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(f"coderai:usage:index:{day}"))
+        for member in members:
+            k, m = member.split("\t", 1)
+            if (key and k != key) or (model and m != model):
+                continue
+            h = await redis.hgetall(usage_key(day, k, m))
+            vals = {(f.decode() if isinstance(f, bytes) else f): int(v) for f, v in h.items()}
+            row = {"day": day, "key": k, "model": m, **{f: vals.get(f, 0) for f in FIELDS}}
+            row["cost_usd"] = row.pop("cost_micro_usd") / 1e6
+            rows.append(row)
+    return rows

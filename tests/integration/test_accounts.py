@@ -1,0 +1,191 @@
+"""Accounts across two gateway replicas sharing Redis: key lifecycle, revocation, limits, budgets, usage,
+/metrics, and the gates on every admin and telemetry route."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coderai.gateway.app import create_app
+from coderai.gateway.settings import GatewaySettings
+from coderai.runtime.embedded import NatsServer, free_port
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import Stack, write_models_file
+
+pytestmark = pytest.mark.slow
+
+SCRAPE = "scrape-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def duo(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
+    """One worker, two gateways (A and B) on the same NATS and Redis."""
+    root = tmp_path_factory.mktemp("accounts")
+    nats = NatsServer(root / "nats").start()
+    models = write_models_file(root / "models.toml", [
+        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
+         "price_prompt_per_mtok": 1000.0, "price_completion_per_mtok": 2000.0},
+        {"name": "other", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+    ])
+    stack = Stack(root, nats.url, redis_server.url, extra_env={
+        "CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_GATEWAY_SCRAPE_TOKEN": SCRAPE,
+        "CODERAI_METRICS_SCRAPE_TOKEN": SCRAPE})
+    try:
+        stack.start_core(models)
+        stack.env["CODERAI_GATEWAY_METRICS_URL"] = f"http://127.0.0.1:{stack.metrics_port}/metrics"
+        stack.start_worker("w1")
+        stack.start_gateway("--api-keys-file", str(keys_file))
+        a = stack.http_url
+        port_b = free_port()
+        stack.start("gateway-b", "coderai.gateway", ["--port", str(port_b), "--api-keys-file", str(keys_file)], ready=None)
+        b = f"http://127.0.0.1:{port_b}"
+        wait_until(lambda: httpx.get(f"{b}/healthz").status_code == 200, 60, "gateway B")
+        stack.wait_model_ready("tiny", headers={"Authorization": f"Bearer {admin_key}"})
+        stack.urls = (a, b)
+        yield stack
+    finally:
+        stack.stop()
+        nats.stop()
+
+
+def admin(duo, admin_key, which: int = 0) -> httpx.Client:
+    return httpx.Client(base_url=duo.urls[which], headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+
+
+def chat(base: str, key: str, model: str = "tiny", max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                      json={"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens})
+
+
+def new_key(duo, admin_key, name: str, **spec) -> str:
+    with admin(duo, admin_key) as c:
+        r = c.post("/admin/keys", json={"name": name, **spec})
+    assert r.status_code == 201, r.text
+    return r.json()["key"]
+
+
+def test_key_lifecycle_and_revocation_on_every_replica(duo, admin_key):
+    key = new_key(duo, admin_key, "dave")
+    a, b = duo.urls
+    assert chat(a, key).status_code == 200 and chat(b, key).status_code == 200
+    with admin(duo, admin_key) as c:
+        listed = {k["name"]: k for k in c.get("/admin/keys").json()["keys"]}
+        assert "dave" in listed and "sha256" not in listed["dave"] and "key" not in listed["dave"]
+        assert c.post("/admin/keys", json={"name": "dave"}).status_code == 409
+        assert c.post("/admin/keys/dave/revoke").json()["revoked"] is True
+    for base in (b, a):  # refused at once, on the replica that did not revoke it too
+        r = chat(base, key)
+        assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+    with admin(duo, admin_key) as c:
+        assert c.post("/admin/keys/nobody/revoke").status_code == 404
+
+
+def test_model_allow_list(duo, admin_key):
+    key = new_key(duo, admin_key, "erin", models=["tiny"])
+    assert chat(duo.urls[0], key).status_code == 200
+    r = chat(duo.urls[1], key, model="other")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+
+
+def test_requests_per_minute_hold_across_two_replicas_under_concurrent_load(duo, admin_key):
+    key = new_key(duo, admin_key, "frank", rpm=5)
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            return await asyncio.gather(*(c.post(f"{duo.urls[i % 2]}/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {key}"}) for i in range(16)))
+
+    rs = asyncio.run(fire())
+    codes = [r.status_code for r in rs]
+    assert codes.count(200) == 5 and codes.count(429) == 11, (codes, [r.text[:80] for r in rs if r.status_code == 200])
+    r = chat(duo.urls[0], key)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_tokens_per_minute(duo, admin_key):
+    key = new_key(duo, admin_key, "gina", tpm=40)
+    codes = []
+    for i in range(6):
+        codes.append(chat(duo.urls[i % 2], key, max_tokens=8).status_code)
+    assert codes[0] == 200 and 429 in codes  # each request spends ~20 tokens: the budget of 40 runs out
+
+
+def test_budget_holds_and_usage_equals_what_requests_used(duo, admin_key):
+    key = new_key(duo, admin_key, "hank", budget_usd=0.03, budget_period="day")
+    used = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    codes = []
+    for i in range(6):
+        r = chat(duo.urls[i % 2], key, max_tokens=4)
+        codes.append(r.status_code)
+        if r.status_code == 200:
+            u = r.json()["usage"]
+            used["requests"] += 1
+            used["prompt_tokens"] += u["prompt_tokens"]
+            used["completion_tokens"] += u["completion_tokens"]
+    # ~14 prompt tokens at $1000/M and <=4 completion at $2000/M: ~$0.02 a request, so the second one passes
+    # (the budget is not yet spent) and the third is refused
+    assert codes[:2] == [200, 200] and codes[2:] == [429] * 4, codes
+    r = chat(duo.urls[0], key)
+    assert r.json()["error"]["code"] == "insufficient_quota"
+
+    with admin(duo, admin_key, 1) as c:
+        def row():
+            rows = c.get("/admin/usage", params={"key": "hank"}).json()["rows"]
+            return rows if rows and rows[0]["requests"] == used["requests"] else None
+        [got] = wait_until(row, 15, "hank's usage")
+        assert (got["model"], got["prompt_tokens"], got["completion_tokens"]) == ("tiny", used["prompt_tokens"], used["completion_tokens"])
+        assert got["cost_usd"] == pytest.approx((used["prompt_tokens"] * 1000 + used["completion_tokens"] * 2000) / 1e6)
+        csv = c.get("/admin/usage", params={"key": "hank", "format": "csv"})
+        assert csv.headers["content-type"].startswith("text/csv") and csv.text.splitlines()[0].startswith("day,key,model")
+        assert c.get("/admin/usage", params={"from": "2026-02-30"}).status_code == 400
+
+
+def test_metrics_through_the_gateway_parse_with_prometheus_client(duo, admin_key, user_key):
+    for _ in range(3):
+        assert chat(duo.urls[0], admin_key).status_code == 200
+
+    def scraped():
+        r = httpx.get(f"{duo.urls[1]}/metrics", headers={"Authorization": f"Bearer {SCRAPE}"}, timeout=10)
+        fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+        req = fams.get("coderai_requests")
+        ok = [s for s in (req.samples if req else []) if s.labels.get("key") == "admin" and s.labels.get("model") == "tiny"
+              and s.labels.get("status") == "ok" and s.name == "coderai_requests_total"]
+        return fams if ok and ok[0].value >= 3 else None
+
+    fams = wait_until(scraped, 20, "admin's requests in /metrics")
+    assert {"coderai_request_seconds", "coderai_tokens", "coderai_engine_in_flight", "coderai_route_decisions"} <= set(fams)
+    hist = [s for s in fams["coderai_request_seconds"].samples if s.name.endswith("_count") and s.labels["model"] == "tiny"]
+    assert hist and hist[0].value >= 3
+    assert set(fams["coderai_requests"].samples[0].labels) == {"key", "model", "kind", "status", "engine"}
+    assert httpx.get(f"{duo.urls[0]}/metrics", headers={"Authorization": f"Bearer {admin_key}"}).status_code == 200
+    assert httpx.get(f"{duo.urls[0]}/metrics").status_code == 401
+    assert httpx.get(f"{duo.urls[0]}/metrics", headers={"Authorization": f"Bearer {user_key}"}).status_code == 403
+    assert httpx.get(f"http://127.0.0.1:{duo.metrics_port}/metrics").status_code == 401  # the service itself too
+
+
+def _admin_and_telemetry_routes() -> list[tuple[str, str]]:
+    """(method, path with placeholders filled) for every route but health, the OpenAI API and the UI shell."""
+    app = create_app(GatewaySettings(no_auth=True))
+    out = []
+    for route in app.routes:
+        path = route.path
+        if path in ("/healthz", "/ui") or path.startswith("/v1/"):
+            continue
+        for method in sorted(getattr(route, "methods", {"GET"}) - {"HEAD", "OPTIONS"}):
+            out.append((method, re.sub(r"\{[^}]+\}", "x", path)))
+    return out
+
+
+def test_every_admin_and_telemetry_route_needs_an_admin_key(duo, user_key):
+    routes = _admin_and_telemetry_routes()
+    assert ("GET", "/admin/nodes") in routes and ("GET", "/metrics") in routes and ("POST", "/admin/keys") in routes
+    for method, path in routes:
+        for headers, status in (({}, 401), ({"Authorization": f"Bearer {user_key}"}, 403)):
+            r = httpx.request(method, f"{duo.urls[0]}{path}", headers=headers, json={}, timeout=10)
+            assert r.status_code == status, (method, path, r.status_code, r.text)
