@@ -19,6 +19,10 @@ class Series:
         self.tokens = Counter("coderai_tokens", "tokens processed", ["key", "model", "type"], registry=r)
         self.in_flight = Gauge("coderai_engine_in_flight", "jobs running or queued per engine", ["node", "engine", "model"], registry=r)
         self.served = Gauge("coderai_engine_served", "jobs an engine has finished since it loaded", ["node", "engine", "model"], registry=r)
+        self.spend = Counter("coderai_spend_usd", "what requests cost at the models' prices", ["key", "model"], registry=r)
+        self.nodes_up = Gauge("coderai_nodes_up", "nodes heard from within the heartbeat TTL", registry=r)
+        self.engines_up = Gauge("coderai_engines_up", "engines ready to serve, by model", ["model"], registry=r)
+        self.budget_left = Gauge("coderai_key_budget_remaining_usd", "what a key may still spend this period", ["key", "period"], registry=r)
         self.route = Counter("coderai_route_decisions", "router decisions by reason", ["reason"], registry=r)
         self.prompt_tokens = Gauge("coderai_engine_prompt_tokens", "prompt tokens an engine received since it loaded", ["node", "engine", "model"], registry=r)
         self.cached_tokens = Gauge("coderai_engine_cached_prompt_tokens", "prompt tokens served from the engine's prefix cache", ["node", "engine", "model"], registry=r)
@@ -26,6 +30,7 @@ class Series:
         self.cache_bytes = Gauge("coderai_engine_prompt_cache_bytes", "memory held by the engine's prompt cache", ["node", "engine", "model"], registry=r)
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
         self._engines: dict[str, set[tuple[str, str, str]]] = {}
+        self._models_seen: set[str] = set()
 
     def on_request(self, e: RequestCompleted) -> None:
         self.requests.labels(e.key_name, e.model, e.op, e.status, e.engine_id).inc()
@@ -34,10 +39,26 @@ class Series:
             self.ttft.labels(e.model, e.op).observe(e.ttft_s)
         if e.route_reason:
             self.route.labels(e.route_reason).inc()
+        if e.cost_usd:
+            self.spend.labels(e.key_name, e.model).inc(e.cost_usd)
         if e.prompt_tokens:
             self.tokens.labels(e.key_name, e.model, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:
             self.tokens.labels(e.key_name, e.model, "completion").inc(e.completion_tokens)
+
+    def census(self, heartbeats: dict[str, Heartbeat]) -> None:
+        """Nodes and ready engines per model, from the live nodes' last heartbeats."""
+        self.nodes_up.set(len(heartbeats))
+        per_model: dict[str, int] = {}
+        for hb in heartbeats.values():
+            for e in hb.engines:
+                if e.state == "ready":
+                    per_model[e.model] = per_model.get(e.model, 0) + 1
+        for model in list(self._models_seen - set(per_model)):
+            self.engines_up.labels(model).set(0)
+        for model, n in per_model.items():
+            self.engines_up.labels(model).set(n)
+        self._models_seen |= set(per_model)
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         self.mem_free.labels(hb.node_id).set(hb.mem_free)

@@ -14,9 +14,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+import time
+
+from coderai.accounts.keys import KeyStore
+from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT
-from coderai.contracts.topology import EVENTS
+from coderai.contracts.topology import EVENTS, NODE_TTL_S
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
@@ -30,6 +34,7 @@ class Metrics:
         self.settings = settings
         self.series = Series()
         self.redis: Any = None
+        self._live: dict[str, tuple[float, Heartbeat]] = {}
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -48,12 +53,37 @@ class Metrics:
         stack.push_async_callback(hb.unsubscribe)
         task = asyncio.create_task(self._consume())
         stack.callback(task.cancel)
+        census = asyncio.create_task(self._census_loop())
+        stack.callback(census.cancel)
 
     async def _on_heartbeat(self, m: Any) -> None:
         try:
-            self.series.on_heartbeat(decode(m.data, Heartbeat))
+            hb = decode(m.data, Heartbeat)
         except Exception as exc:  # noqa: BLE001 - a bad heartbeat must not stop metrics
             log.debug("bad heartbeat: %s", exc)
+            return
+        self.series.on_heartbeat(hb)
+        self._live[hb.node_id] = (time.monotonic(), hb)
+
+    async def _census_loop(self) -> None:
+        """Every few seconds: nodes and engines up (from heartbeats), and each Redis key's remaining budget."""
+        while True:
+            now = time.monotonic()
+            self._live = {n: v for n, v in self._live.items() if now - v[0] <= NODE_TTL_S}
+            self.series.census({n: v[1] for n, v in self._live.items()})
+            if self.redis is not None:
+                try:
+                    await self._budgets()
+                except Exception as exc:  # noqa: BLE001 - retried on the next round
+                    log.debug("budgets not read: %s", exc)
+            await asyncio.sleep(5)
+
+    async def _budgets(self) -> None:
+        for key in await KeyStore(self.redis).list():
+            if key.budget_usd and not key.revoked:
+                pid, _ = period_id(key.budget_period, time.time())
+                spent = float(await self.redis.get(f"coderai:spend:{key.name}:{pid}") or 0)
+                self.series.budget_left.labels(key.name, key.budget_period).set(max(0.0, key.budget_usd - spent))
 
     async def _subscribe(self) -> Any:
         """A durable pull consumer acking cumulatively: one ack per batch, not per event."""

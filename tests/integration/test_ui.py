@@ -3,6 +3,7 @@ admin key, see both nodes, open a node's log tail, watch it refresh by itself; a
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,8 @@ def ui_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
         stack.start_core(models)
         stack.start_worker("w1")
         stack.start_worker("w2")
-        stack.start_gateway("--api-keys-file", str(keys_file))
+        # Redis lets the gateway answer /admin/usage (the metrics service writes the rows there).
+        stack.start_gateway("--api-keys-file", str(keys_file), env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url})
         stack.wait_model_ready("tiny", headers={"Authorization": f"Bearer {admin_key}"})
         yield stack
     finally:
@@ -107,6 +109,13 @@ def _click_node(driver, node_id: str) -> bool:
     return True
 
 
+def _full_page_png(driver) -> bytes:
+    size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+    clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 6000), "scale": 1}
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip})
+    return base64.b64decode(shot["data"])
+
+
 def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_key, tmp_path):
     _open_signed_out(browser, ui_stack)
     assert not browser.find_element(By.ID, "dash").is_displayed()  # nothing shows before signing in
@@ -115,8 +124,8 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
     _wait(browser, "nodes w1 and w2")(lambda d: _node_ids(d) >= {"w1", "w2"})
     _wait(browser, "tiny ready on a node")(
         lambda d: "ready" in _js(d, "return document.querySelector('#nodes .node[data-node=\"w1\"] table')?.textContent || ''"))
-    ghost = _js(browser, "return document.querySelector('#models tr[data-model=\"ghost\"]')?.textContent || ''")
-    assert "unplaced" in ghost
+    _wait(browser, "ghost listed as unplaced")(
+        lambda d: "unplaced" in _js(d, "return document.querySelector('#models tr[data-model=\"ghost\"]')?.textContent || ''"))
     assert "No pods" in browser.find_element(By.ID, "pods").text
 
     # It refreshes by itself: a request made behind its back shows up in the served count.
@@ -132,19 +141,21 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
                                      and len(d.find_elements(By.CSS_SELECTOR, "#logs .log-line")) > 0)
     assert browser.find_element(By.ID, "logs").text.strip()
 
-    height = _js(browser, "return document.documentElement.scrollHeight")
-    browser.set_window_size(1440, min(max(height, 1000), 4000))
     shot = tmp_path / "ui.png"
-    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    shot.write_bytes(_full_page_png(browser))
+    assert shot.stat().st_size > 10_000
     print(f"cluster page screenshot: {shot}")
 
 
-def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, user_key):
+def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, user_key, tmp_path):
     _open_signed_out(browser, ui_stack)
     error = lambda d: d.find_element(By.ID, "signin-error")  # noqa: E731
 
     _sign_in(browser, "sk-not-a-real-key-0000")
     _wait(browser, "the wrong-key error")(lambda d: error(d).is_displayed() and "not accepted" in error(d).text)
+    shot = tmp_path / "ui-wrong-key.png"
+    shot.write_bytes(_full_page_png(browser))
+    print(f"wrong-key screenshot: {shot}")
     assert browser.find_element(By.ID, "key").is_displayed()
     assert not browser.find_element(By.ID, "dash").is_displayed()
     assert _js(browser, "return sessionStorage.length") == 0  # a refused key is not kept

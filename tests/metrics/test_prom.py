@@ -160,3 +160,17 @@ def test_engine_prefix_cache_counters_come_from_the_heartbeat():
     assert get("coderai_engine_prompt_cache_bytes", labels) == 4096
     s.on_heartbeat(beat("n1"))
     assert get("coderai_engine_prefix_hits", labels) is None
+
+
+def test_spend_and_census():
+    s = Series()
+    s.on_request(done(cost_usd=0.25))
+    s.on_request(done(cost_usd=0.5))
+    get = s.registry.get_sample_value
+    assert get("coderai_spend_usd_total", {"key": "alice", "model": "m"}) == 0.75
+    ready = EngineStatus(engine_id="e1", model="m", engine="llama", ops=["chat"], state="ready")
+    loading = EngineStatus(engine_id="e2", model="n", engine="llama", ops=["chat"], state="loading")
+    s.census({"n1": beat("n1", ready), "n2": beat("n2", loading)})
+    assert get("coderai_nodes_up") == 2 and get("coderai_engines_up", {"model": "m"}) == 1
+    s.census({})
+    assert get("coderai_nodes_up") == 0 and get("coderai_engines_up", {"model": "m"}) == 0

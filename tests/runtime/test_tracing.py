@@ -91,3 +91,34 @@ def test_missing_otlp_exporter_is_named(clean_env, caplog):
         assert tracing.setup_tracing("router") is False
     assert not tracing.enabled() and tracing.start_span("x") is tracing.NO_SPAN
     assert tracing.OTLP_PACKAGE in caplog.text and "coderai[otel]" in caplog.text
+
+
+def test_otlp_endpoint_receives_the_spans(clean_env):
+    """A stand-in collector: the batch exporter posts protobuf to <endpoint>/v1/traces (flushed at shutdown)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    got: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            got.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        clean_env.setenv(tracing.ENV_OTLP_ENDPOINT, f"http://127.0.0.1:{server.server_port}")
+        assert tracing.setup_tracing("router") is True
+        tracing.start_span("router.pick", kind="server").end()
+        tracing.shutdown_tracing()
+    finally:
+        server.shutdown()
+    assert [path for path, _ in got] == ["/v1/traces"]
+    assert b"router.pick" in got[0][1] and b"router" in got[0][1]
