@@ -272,8 +272,10 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Ca
     if not job.stream:
         try:
             final = first if isinstance(first, Final) else await _until_final(stream)
-        except asyncio.CancelledError:  # the client went away: stop the engine too
+        except asyncio.CancelledError:  # the client went away: stop the engine too, and still account for it
             relay.spawn(stream.cancel())
+            outcome.status, outcome.http_status = "cancelled", 499
+            relay.spawn(gw.finish(outcome, who, cfg))
             raise
         except BusError as exc:
             err = from_bus(exc, gw.settings.retry_after_s)
