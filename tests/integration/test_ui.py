@@ -70,9 +70,9 @@ def browser(tmp_path_factory):
         driver.quit()
 
 
-def _wait(driver, what: str):
+def _wait(driver, what: str, predicate):
     """WebDriverWait with the test's deadline; the page re-renders every 2 s, so a stale element just means retry."""
-    return lambda predicate: WebDriverWait(driver, DEADLINE_S, ignored_exceptions=(StaleElementReferenceException,)) \
+    return WebDriverWait(driver, DEADLINE_S, ignored_exceptions=(StaleElementReferenceException,)) \
         .until(predicate, f"the cluster page to show {what} within {DEADLINE_S} s")
 
 
@@ -80,7 +80,7 @@ def _open_signed_out(driver, stack: Stack) -> None:
     driver.get(f"{stack.http_url}/ui")
     driver.execute_script("sessionStorage.clear()")
     driver.get(f"{stack.http_url}/ui")
-    _wait(driver, "the sign-in form")(lambda d: d.find_element(By.ID, "key").is_displayed())
+    _wait(driver, "the sign-in form", lambda d: d.find_element(By.ID, "key").is_displayed())
 
 
 def _sign_in(driver, key: str) -> None:
@@ -93,6 +93,10 @@ def _sign_in(driver, key: str) -> None:
 def _js(driver, script: str):
     """Read the page in one script call: atomic with respect to its 2-second re-render."""
     return driver.execute_script(script)
+
+
+def _text(driver, selector: str) -> str:
+    return _js(driver, f"return document.querySelector({selector!r})?.textContent || ''")
 
 
 def _node_ids(driver) -> set[str]:
@@ -121,23 +125,21 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
     assert not browser.find_element(By.ID, "dash").is_displayed()  # nothing shows before signing in
     _sign_in(browser, admin_key)
 
-    _wait(browser, "nodes w1 and w2")(lambda d: _node_ids(d) >= {"w1", "w2"})
-    _wait(browser, "tiny ready on a node")(
-        lambda d: "ready" in _js(d, "return document.querySelector('#nodes .node[data-node=\"w1\"] table')?.textContent || ''"))
-    _wait(browser, "ghost listed as unplaced")(
-        lambda d: "unplaced" in _js(d, "return document.querySelector('#models tr[data-model=\"ghost\"]')?.textContent || ''"))
+    _wait(browser, "nodes w1 and w2", lambda d: _node_ids(d) >= {"w1", "w2"})
+    _wait(browser, "tiny ready on w1", lambda d: "ready" in _text(d, '#nodes .node[data-node="w1"] table'))
+    _wait(browser, "ghost listed as unplaced", lambda d: "unplaced" in _text(d, '#models tr[data-model="ghost"]'))
     assert "No pods" in browser.find_element(By.ID, "pods").text
 
     # It refreshes by itself: a request made behind its back shows up in the served count.
     before = _served(browser)
-    assert before >= 0
+    assert before >= 0  # the tile is there
     r = httpx.post(f"{ui_stack.base_url}/chat/completions", headers={"Authorization": f"Bearer {admin_key}"},
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
-    _wait(browser, "the served count go up without a reload")(lambda d: _served(d) > before)
+    _wait(browser, "the served count go up without a reload", lambda d: _served(d) > before)
 
-    _wait(browser, "node w1 clicked")(lambda d: _click_node(d, "w1"))
-    _wait(browser, "w1's log lines")(lambda d: d.find_element(By.ID, "logs-title").text == "Log tail · w1"
+    _wait(browser, "node w1 clicked", lambda d: _click_node(d, "w1"))
+    _wait(browser, "w1's log lines", lambda d: d.find_element(By.ID, "logs-title").text == "Log tail · w1"
                                      and len(d.find_elements(By.CSS_SELECTOR, "#logs .log-line")) > 0)
     assert browser.find_element(By.ID, "logs").text.strip()
 
@@ -152,7 +154,7 @@ def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, use
     error = lambda d: d.find_element(By.ID, "signin-error")  # noqa: E731
 
     _sign_in(browser, "sk-not-a-real-key-0000")
-    _wait(browser, "the wrong-key error")(lambda d: error(d).is_displayed() and "not accepted" in error(d).text)
+    _wait(browser, "the wrong-key error", lambda d: error(d).is_displayed() and "not accepted" in error(d).text)
     shot = tmp_path / "ui-wrong-key.png"
     shot.write_bytes(_full_page_png(browser))
     print(f"wrong-key screenshot: {shot}")
@@ -161,5 +163,5 @@ def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, use
     assert _js(browser, "return sessionStorage.length") == 0  # a refused key is not kept
 
     _sign_in(browser, user_key)  # a real key without the admin scope
-    _wait(browser, "the missing-scope error")(lambda d: error(d).is_displayed() and "admin scope" in error(d).text)
+    _wait(browser, "the missing-scope error", lambda d: error(d).is_displayed() and "admin scope" in error(d).text)
     assert not browser.find_element(By.ID, "dash").is_displayed()
