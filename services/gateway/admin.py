@@ -56,7 +56,9 @@ def admin_routes(gw: Any, caller) -> list:
         return await ask(CMD_SCHEDULER_NODES, NodesRequest())
 
     @get("/admin/nodes/{nid:str}/logs")
-    async def logs(request: Request, nid: str) -> Response:
+    async def logs(request: Request) -> Response:
+
+        nid = request.path_params["nid"]
         await caller(request, "admin")
         try:
             lines = int(request.query_params.get("lines", "200"))
@@ -65,7 +67,9 @@ def admin_routes(gw: Any, caller) -> list:
         return await ask(CMD_NODE_LOGS, NodeLogsRequest(lines=max(1, min(lines, 2000))), node_id=node_id(nid))
 
     @post("/admin/nodes/{nid:str}/drain", status_code=200)
-    async def drain(request: Request, nid: str) -> Response:
+    async def drain(request: Request) -> Response:
+
+        nid = request.path_params["nid"]
         await caller(request, "admin")
         return await ask(CMD_NODE_DRAIN, body(await request.body(), DrainRequest), node_id=node_id(nid))
 
@@ -78,11 +82,15 @@ def admin_routes(gw: Any, caller) -> list:
         return await ask(CMD_SCHEDULER_PLACE, PlaceRequest(model=model, node=target.node, action=action))  # type: ignore[arg-type]
 
     @post("/admin/models/{model:str}/place", status_code=200)
-    async def place(request: Request, model: str) -> Response:
+    async def place(request: Request) -> Response:
+
+        model = request.path_params["model"]
         return await placement(request, model, "place")
 
     @post("/admin/models/{model:str}/unplace", status_code=200)
-    async def unplace(request: Request, model: str) -> Response:
+    async def unplace(request: Request) -> Response:
+
+        model = request.path_params["model"]
         return await placement(request, model, "unplace")
 
     # --- keys and usage (Redis) ---------------------------------------------------------------------
@@ -135,12 +143,16 @@ def admin_routes(gw: Any, caller) -> list:
             raise ApiError(404, str(exc), code="key_not_found") from None
 
     @post("/admin/keys/{name:str}/revoke", status_code=200)
-    async def revoke_key(request: Request, name: str) -> Response:
+    async def revoke_key(request: Request) -> Response:
+
+        name = request.path_params["name"]
         await caller(request, "admin")
         return await _change(name, store().revoke)
 
     @post("/admin/keys/{name:str}/limits", status_code=200)
-    async def limit_key(request: Request, name: str) -> Response:
+    async def limit_key(request: Request) -> Response:
+
+        name = request.path_params["name"]
         await caller(request, "admin")
         changes = {k: v for k, v in msgspec.structs.asdict(body(await request.body(), _Limits)).items() if v is not None}
         return await _change(name, lambda n: store().update(n, **changes))

@@ -161,7 +161,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return _json({"object": "list", "data": data})
 
     @get("/v1/models/{model_id:path}")
-    async def get_model(request: Request, model_id: str) -> Response:
+    async def get_model(request: Request) -> Response:
+
+        model_id = request.path_params["model_id"]
         await caller(request)
         return _json(_model_json(gw.model(model_id.lstrip("/"))))
 
