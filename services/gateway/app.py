@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -88,22 +89,25 @@ class Gateway:
         if self.bus:
             self.bus.fail_streams()
 
-    async def admit(self, who: Caller, cfg: ModelConfig) -> None:
-        """A Redis key's model allow-list, rates and budget, checked before any work is done."""
+    async def admit(self, who: Caller, cfg: ModelConfig, job: Any) -> float:
+        """A Redis key's model allow-list, rates and budget, checked before any work is done; returns the cost
+        estimate reserved against the key's budget (0 without one)."""
         key = who.key
         if key is None:
-            return
+            return 0.0
         if key.models and cfg.name not in key.models:
             raise ApiError(403, f"This key may not use the model '{cfg.name}'.", param="model", code="model_not_allowed")
+        estimate = estimate_cost(cfg, job) if key.budget_usd else 0.0
         if self.limiter is not None and (key.rpm or key.tpm or key.budget_usd):
             try:
-                await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period)
+                await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period, estimate)
             except Limited as lim:
                 code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
                 raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
                                headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
+        return estimate
 
-    async def finish(self, outcome: Outcome, who: Caller, cfg: ModelConfig) -> None:
+    async def finish(self, outcome: Outcome, who: Caller, cfg: ModelConfig, estimate: float = 0.0) -> None:
         """Price the request, charge a Redis key's token rate and budget, publish `request.completed`."""
         outcome.cost_usd = (outcome.prompt_tokens * cfg.price_prompt_per_mtok
                             + outcome.completion_tokens * cfg.price_completion_per_mtok) / 1e6
@@ -111,7 +115,7 @@ class Gateway:
         if key is not None and self.limiter is not None and (key.tpm or key.budget_usd):
             try:
                 await self.limiter.charge(key.name, outcome.prompt_tokens + outcome.completion_tokens, key.tpm,
-                                          outcome.cost_usd, key.budget_period)
+                                          outcome.cost_usd, key.budget_period, key.budget_usd, estimate)
             except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
                 log.warning("could not charge key %s: %s", key.name, exc)
         assert self.relay is not None
@@ -231,6 +235,17 @@ def _model_json(m) -> dict[str, Any]:
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by}
 
 
+def estimate_cost(cfg: ModelConfig, job: Any) -> float:
+    """A generous cost estimate for budget reservations: prompt tokens as half the characters of the request's
+    JSON (tokenizers give about 3-4 characters a token, and templates add a few), plus every token it may generate
+    (max_tokens, else the whole context)."""
+    text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
+    prompt = len(text) / 2 + 16
+    n = max(1, job.params.n)
+    completion = (job.params.max_tokens or int(cfg.params.get("n_ctx", 4096))) * n
+    return (prompt * n * cfg.price_prompt_per_mtok + completion * cfg.price_completion_per_mtok) / 1e6
+
+
 def check_auth_settings(settings: GatewaySettings) -> None:
     """No auth is a deliberate choice for one machine only; any other host needs a keys file."""
     if settings.no_auth and not is_loopback(settings.host):
@@ -254,7 +269,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Ca
     cfg = gw.model(job.model)
     if op not in cfg.serves():
         raise ApiError(400, f"The model '{job.model}' does not serve {op}.", param="model", code="unsupported_operation")
-    await gw.admit(who, cfg)
+    estimate = await gw.admit(who, cfg, job)
     assert gw.relay is not None
     relay = gw.relay
     outcome = Outcome(request_id=job.request_id, key_name=key_name, model=job.model, op=op, stream=job.stream)
@@ -266,7 +281,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Ca
     except (BusError, ApiError) as exc:
         err = from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
         outcome.status, outcome.http_status = err.code or "error", err.status
-        await gw.finish(outcome, who, cfg)
+        await gw.finish(outcome, who, cfg, estimate)
         raise err from None
     outcome.ttft_s = time.monotonic() - outcome.started
     resp_headers = {HDR_REQUEST_ID: job.request_id, ENGINE_HEADER: outcome.engine_id, ROUTE_HEADER: outcome.route_reason}
@@ -277,17 +292,17 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Ca
         except asyncio.CancelledError:  # the client went away: stop the engine too, and still account for it
             relay.spawn(stream.cancel())
             outcome.status, outcome.http_status = "cancelled", 499
-            relay.spawn(gw.finish(outcome, who, cfg))
+            relay.spawn(gw.finish(outcome, who, cfg, estimate))
             raise
         except BusError as exc:
             err = from_bus(exc, gw.settings.retry_after_s)
             outcome.status, outcome.http_status = err.code or "error", err.status
-            await gw.finish(outcome, who, cfg)
+            await gw.finish(outcome, who, cfg, estimate)
             raise err from None
         finally:
             stream.close()
         outcome.prompt_tokens, outcome.completion_tokens = final.usage.prompt_tokens, final.usage.completion_tokens
-        await gw.finish(outcome, who, cfg)
+        await gw.finish(outcome, who, cfg, estimate)
         build = sse.chat_response if op == "chat" else sse.completion_response
         return Response(content=sse._enc.encode(build(job.request_id, created, job.model, final.choices, final.usage)),
                         media_type=JSON, headers=resp_headers)
@@ -324,7 +339,7 @@ async def _serve(gw: Gateway, op: str, req: Any, job: Any, hints: Hints, who: Ca
                 relay.spawn(stream.cancel())
             else:
                 stream.close()
-            relay.spawn(gw.finish(outcome, who, cfg))  # may run while the stream task is being cancelled
+            relay.spawn(gw.finish(outcome, who, cfg, estimate))  # may run while the stream task is being cancelled
 
     return Stream(events(), media_type="text/event-stream",
                   headers={**resp_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -116,29 +116,47 @@ def test_tokens_per_minute(duo, admin_key):
     assert codes[0] == 200 and 429 in codes  # each request spends ~20 tokens: the budget of 40 runs out
 
 
-def test_budget_holds_and_usage_equals_what_requests_used(duo, admin_key):
-    key = new_key(duo, admin_key, "hank", budget_usd=0.03, budget_period="day")
-    used = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
-    codes = []
-    for i in range(6):
-        r = chat(duo.urls[i % 2], key, max_tokens=4)
-        codes.append(r.status_code)
-        if r.status_code == 200:
-            u = r.json()["usage"]
-            used["requests"] += 1
-            used["prompt_tokens"] += u["prompt_tokens"]
-            used["completion_tokens"] += u["completion_tokens"]
-    # ~14 prompt tokens at $1000/M and <=4 completion at $2000/M: ~$0.02 a request, so the second one passes
-    # (the budget is not yet spent) and the third is refused
-    assert codes[:2] == [200, 200] and codes[2:] == [429] * 4, codes
-    r = chat(duo.urls[0], key)
-    assert r.json()["error"]["code"] == "insufficient_quota"
-
+def _spent(duo, admin_key, name: str, n_ok: int) -> dict:
     with admin(duo, admin_key, 1) as c:
         def row():
-            rows = c.get("/admin/usage", params={"key": "hank"}).json()["rows"]
-            return rows if rows and rows[0]["requests"] == used["requests"] else None
-        [got] = wait_until(row, 15, "hank's usage")
+            rows = c.get("/admin/usage", params={"key": name}).json()["rows"]
+            return rows[0] if rows and rows[0]["requests"] == n_ok else None
+        return wait_until(row, 15, f"{name}'s usage")
+
+
+def test_a_budget_holds_across_two_replicas_under_concurrent_load(duo, admin_key):
+    # each request reserves a generous estimate (~$0.04 here) and settles at its real cost (~$0.02)
+    budget = 0.1
+    key = new_key(duo, admin_key, "ivan", budget_usd=budget, budget_period="day")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+            return await asyncio.gather(*(c.post(f"{duo.urls[i % 2]}/v1/chat/completions", json=body,
+                                                 headers={"Authorization": f"Bearer {key}"}) for i in range(12)))
+
+    rs = asyncio.run(burst()) + asyncio.run(burst())
+    ok = [r for r in rs if r.status_code == 200]
+    refused = [r for r in rs if r.status_code == 429]
+    assert ok and refused and len(ok) + len(refused) == len(rs)
+    assert {r.json()["error"]["code"] for r in refused} == {"insufficient_quota"}
+    row = _spent(duo, admin_key, "ivan", len(ok))
+    assert 0 < row["cost_usd"] <= budget  # never overshot, however the requests interleaved
+
+
+def test_usage_equals_what_requests_used(duo, admin_key):
+    key = new_key(duo, admin_key, "hank", budget_usd=1.0, budget_period="day")
+    used = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    for i in range(5):
+        r = chat(duo.urls[i % 2], key, max_tokens=4)
+        assert r.status_code == 200
+        u = r.json()["usage"]
+        used["requests"] += 1
+        used["prompt_tokens"] += u["prompt_tokens"]
+        used["completion_tokens"] += u["completion_tokens"]
+
+    got = _spent(duo, admin_key, "hank", used["requests"])
+    with admin(duo, admin_key, 1) as c:
         assert (got["model"], got["prompt_tokens"], got["completion_tokens"]) == ("tiny", used["prompt_tokens"], used["completion_tokens"])
         assert got["cost_usd"] == pytest.approx((used["prompt_tokens"] * 1000 + used["completion_tokens"] * 2000) / 1e6)
         csv = c.get("/admin/usage", params={"key": "hank", "format": "csv"})

@@ -3,9 +3,10 @@
 Rates use GCRA (a token bucket kept as one timestamp per key, updated by a Lua script on Redis's clock,
 atomic across replicas): `rpm` admits a burst of `rpm` requests and then one every 60/rpm seconds; `tpm` is checked before a
 request (a key in debt waits) and charged with the request's real tokens after it. Budgets are dollars spent in
-the current period (hour, day, week or month, UTC), checked before a request and charged after it; concurrent
-requests may overshoot a budget by what they spend in flight (the pod broker, which rents by the hour, reserves
-instead).
+the current period (hour, day, week or month, UTC): a request reserves its estimated cost atomically before it
+starts (refused if spent + reserved + estimate would pass the budget), and settles at its real cost when it
+ends, so concurrent requests on any replica cannot together overshoot, as long as estimates are not below real
+costs (the gateway estimates generously: see `gateway/app.py:estimate_cost`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,26 @@ if mode == 'take' then
 end
 redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil(new_tat - now) + 1000)
 return 0
+"""
+
+
+RESERVE = """
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
+local budget, estimate = tonumber(ARGV[1]), tonumber(ARGV[2])
+if spent + reserved + estimate > budget then return tostring(spent + reserved) end
+redis.call('INCRBYFLOAT', KEYS[2], estimate)
+redis.call('EXPIRE', KEYS[2], 600)
+return 'ok'
+"""
+
+SETTLE = """
+redis.call('INCRBYFLOAT', KEYS[2], -tonumber(ARGV[1]))
+if tonumber(ARGV[2]) > 0 then
+  redis.call('INCRBYFLOAT', KEYS[1], ARGV[2])
+  redis.call('EXPIREAT', KEYS[1], ARGV[3])
+end
+return 'ok'
 """
 
 
@@ -66,36 +87,38 @@ class Limiter:
     def __init__(self, redis: Any) -> None:
         self.redis = redis
         self.gcra = redis.register_script(GCRA)
+        self.reserve = redis.register_script(RESERVE)
+        self.settle = redis.register_script(SETTLE)
 
     async def _gcra(self, key: str, per_minute: int, cost: float, mode: str) -> float:
         # the clock is Redis's own (TIME inside the script): every replica measures against the same one
         wait_ms = await self.gcra(keys=[key], args=[60_000 / per_minute, per_minute, cost, mode])
         return float(wait_ms) / 1000
 
-    async def admit(self, name: str, rpm: int, tpm: int, budget_usd: float, period: str) -> None:
-        """Raise Limited unless the key may start a request now (and count the request against `rpm`)."""
+    async def admit(self, name: str, rpm: int, tpm: int, budget_usd: float, period: str, estimate_usd: float = 0.0) -> None:
+        """Raise Limited unless the key may start a request now; counts the request against `rpm` and reserves
+        `estimate_usd` of the budget (give the same estimate to `charge` when the request ends)."""
         if tpm:
             wait = await self._gcra(f"coderai:rl:{name}:tpm", tpm, 0, "check")
             if wait > 0:
                 raise Limited(f"tokens-per-minute limit of {tpm}", wait)
-        if budget_usd:
-            pid, end = period_id(period, time.time())
-            spent = float(await self.redis.get(f"coderai:spend:{name}:{pid}") or 0)
-            if spent >= budget_usd:
-                raise Limited(f"{period}ly budget of ${budget_usd:g} (spent ${spent:.4f})", end - time.time())
         if rpm:
             wait = await self._gcra(f"coderai:rl:{name}:rpm", rpm, 1, "take")
             if wait > 0:
                 raise Limited(f"requests-per-minute limit of {rpm}", wait)
+        if budget_usd:
+            pid, end = period_id(period, time.time())
+            got = await self.reserve(keys=[f"coderai:spend:{name}:{pid}", f"coderai:reserved:{name}:{pid}"],
+                                     args=[budget_usd, estimate_usd])
+            if got != b"ok" and got != "ok":
+                raise Limited(f"{period}ly budget of ${budget_usd:g} (spent and reserved ${float(got):.4f})", end - time.time())
 
-    async def charge(self, name: str, tokens: int, tpm: int, cost_usd: float, period: str) -> None:
-        """After a request: its tokens against `tpm`, its cost against the budget period."""
+    async def charge(self, name: str, tokens: int, tpm: int, cost_usd: float, period: str, budget_usd: float = 0.0,
+                     estimate_usd: float = 0.0) -> None:
+        """After a request: its tokens against `tpm`; its reservation released and its real cost spent."""
         if tpm and tokens:
             await self._gcra(f"coderai:rl:{name}:tpm", tpm, tokens, "add")
-        if cost_usd > 0:
+        if budget_usd or cost_usd > 0:
             pid, end = period_id(period, time.time())
-            key = f"coderai:spend:{name}:{pid}"
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.incrbyfloat(key, cost_usd)
-            pipe.expireat(key, int(end) + 86400)
-            await pipe.execute()
+            await self.settle(keys=[f"coderai:spend:{name}:{pid}", f"coderai:reserved:{name}:{pid}"],
+                              args=[estimate_usd if budget_usd else 0, cost_usd, int(end) + 86400])
