@@ -11,7 +11,6 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import (
-    CancelJob,
     Chunk,
     EngineStatus,
     ErrorReply,

@@ -8,7 +8,6 @@ import ipaddress
 import itertools
 import math
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from litestar.response import Stream
 
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import Limited, Limiter
-from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig, RequestId
+from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway import affinity
 from coderai.gateway.admin import admin_routes

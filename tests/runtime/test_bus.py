@@ -9,7 +9,7 @@ import pytest
 from coderai.contracts import (
     BusError, CancelJob, ChatJob, Chunk, ErrorReply, Final, Frame, KeepAlive, RouteDecision, RouteRequest, decode,
 )
-from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, ROUTE_PICK, Subject
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, Subject
 from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus, FrameWriter
 from coderai.runtime.kv import RevisionCache, put_if_changed

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
 import nats.errors
 import pytest
+
+from coderai.runtime.lifecycle import wait_for
 
 from coderai.runtime.cluster import nats_auth_config, with_credentials
 from coderai.runtime.embedded import NatsServer
@@ -28,11 +29,7 @@ async def connect(url: str, **kw) -> nats.NATS:
 
 
 async def wait_until(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.01)
+    await wait_for(cond, timeout_s, interval_s=0.01)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 from coderai.scheduler.placement import MB, OVERHEAD, UNKNOWN_CAPACITY, Plan, capacity, estimate_bytes, plan
