@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from coderai.gateway.auth import KeyRecord, hash_key, write_keys
-from coderai.runtime.embedded import NatsServer
-from coderai.testing.stack import Stack, write_models_file
+from coderai.testing.stack import running_stack
 
 ADMIN_KEY = "sk-test-admin-0123456789"
 USER_KEY = "sk-test-user-0123456789"
@@ -37,20 +36,12 @@ def keys_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
     """One worker serving `tiny`; `ghost` is configured but placed nowhere (so it has no engine)."""
-    root = tmp_path_factory.mktemp("stack")
-    nats = NatsServer(root / "nats").start()
-    models = write_models_file(root / "models.toml", [
+    models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 1024}},
         {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},
         {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},  # README's name
-    ])
-    stack = Stack(root, nats.url, redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"})
-    try:
-        stack.start_core(models)
-        stack.start_worker("w1")
-        stack.start_gateway("--api-keys-file", str(keys_file))
-        stack.wait_model_ready("tiny", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    ]
+    with running_stack(tmp_path_factory.mktemp("stack"), models, gateway_args=("--api-keys-file", str(keys_file)),
+                       redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"},
+                       headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as stack:
         yield stack
-    finally:
-        stack.stop()
-        nats.stop()

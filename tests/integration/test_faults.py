@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from coderai.runtime.embedded import NatsServer, free_port
+from coderai.runtime.embedded import free_port
 from coderai.testing.procs import wait_until
-from coderai.testing.stack import Stack, write_models_file
+from coderai.testing.stack import Stack, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -21,22 +21,12 @@ LONG = {"model": "tiny", "messages": [{"role": "user", "content": "keep going"}]
 
 @pytest.fixture(scope="module")
 def fault_stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
-    root = tmp_path_factory.mktemp("faults")
-    nats = NatsServer(root / "nats", port=free_port()).start()  # a fixed port, so it can come back on it
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 8192}},
-    ])
-    stack = Stack(root, nats.url, extra_env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "2", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"})
-    stack.nats = nats
-    try:
-        stack.start_core(models)
-        stack.start_worker("w1")
-        stack.start_gateway("--api-keys-file", str(keys_file))
-        stack.wait_model_ready("tiny", headers={"Authorization": f"Bearer {admin_key}"})
+    models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 8192}}]
+    with running_stack(tmp_path_factory.mktemp("faults"), models, gateway_args=("--api-keys-file", str(keys_file)),
+                       extra_env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "2", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
+                       nats_port=free_port(),  # a fixed port, so NATS can come back on it
+                       headers={"Authorization": f"Bearer {admin_key}"}) as stack:
         yield stack
-    finally:
-        stack.stop()
-        nats.stop()
 
 
 @pytest.fixture

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 
 
@@ -101,6 +103,29 @@ class Stack:
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
             p.stop()
+
+
+@contextlib.contextmanager
+def running_stack(
+    root: Path, models: list[dict], *, workers: tuple[str, ...] = ("w1",), gateway_args: tuple[str, ...] = (),
+    redis_url: str = "", extra_env: dict[str, str] | None = None, nats_port: int | None = None,
+    ready_model: str = "", headers: dict[str, str] | None = None,
+) -> Iterator[Stack]:
+    """A NATS server of its own, core services, workers and a gateway; `ready_model` answers before it yields.
+    `stack.nats` is the server, for tests that kill and restart it (give `nats_port` so it comes back there)."""
+    nats = NatsServer(root / "nats", port=nats_port).start()
+    stack = Stack(root, nats.url, redis_url, extra_env)
+    stack.nats = nats
+    try:
+        stack.start_core(write_models_file(root / "models.toml", models))
+        for w in workers:
+            stack.start_worker(w)
+        stack.start_gateway(*gateway_args)
+        stack.wait_model_ready(ready_model or models[0]["name"], headers=headers)
+        yield stack
+    finally:
+        stack.stop()
+        nats.stop()
 
 
 def _raise_if_dead(p: ServiceProcess) -> bool:
