@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import dataclass
 
 import msgspec
+from redis.exceptions import RedisError
 
 from coderai.accounts.keys import ApiKey, KeyStore
 from coderai.gateway.errors import ApiError
@@ -85,7 +86,11 @@ class Authenticator:
         if rec is not None:
             caller = Caller(rec.name, frozenset(rec.scopes))
         else:
-            stored = await self.store.get(digest) if self.store is not None else None
+            try:
+                stored = await self.store.get(digest) if self.store is not None else None
+            except (OSError, RedisError) as exc:  # Redis is down: that is not the caller's mistake
+                raise ApiError(503, f"The key store is unavailable: {exc}", type="service_unavailable",
+                               code="key_store_unavailable", headers={"Retry-After": "5"}) from None
             if stored is None or stored.revoked:
                 raise ApiError(401, "Incorrect API key provided." if stored is None else "This API key has been revoked.",
                                code="invalid_api_key")
