@@ -17,6 +17,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
+from redis.exceptions import RedisError
 
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import Limited, Limiter
@@ -104,6 +105,9 @@ class Gateway:
                 code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
                 raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
                                headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
+            except (OSError, RedisError) as exc:
+                raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
+                               code="key_store_unavailable", headers={"Retry-After": "5"}) from None
         return estimate
 
     async def finish(self, outcome: Outcome, who: Caller, cfg: ModelConfig, estimate: float = 0.0) -> None:
