@@ -102,6 +102,7 @@ class Metrics:
         """Pull events in batches: usage to Redis first, then Prometheus, then one ack for the batch. If Redis
         fails nothing is acked and the batch comes again, so neither store counts an event twice."""
         while True:
+            sub = None
             try:
                 sub = await self._subscribe()
                 while True:
@@ -129,6 +130,10 @@ class Metrics:
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)
+            finally:
+                if sub is not None:  # a pull subscription left behind holds the connection's drain open
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -72,7 +72,7 @@ def cluster(tmp_path_factory, tiny_gguf):
         yield c
     finally:
         for p in reversed(list(c.procs.values())):
-            p.stop()
+            p.stop(timeout_s=60 if p is up else 15)  # up stops its whole stack, NATS and Redis included
         lab.close()
 
 

@@ -80,6 +80,7 @@ async def connect(
                 reconnect_time_wait=0.25,
                 ping_interval=5,
                 max_outstanding_pings=2,
+                drain_timeout=5,  # nats-py's default (30 s) outlives any service's shutdown deadline
                 reconnected_cb=_reconnected,
                 disconnected_cb=_disconnected,
                 error_cb=_error,

@@ -14,6 +14,24 @@ import time
 from pathlib import Path
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """preexec_fn: ask Linux to SIGTERM this child when the process that started it dies, even by SIGKILL,
+    so an embedded server or a supervised service never outlives `coderai up` (or a test run)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _preexec():
+    return die_with_parent if sys.platform == "linux" else None
+
+
 class EmbeddedServerError(Exception):
     """A server binary is missing or did not come up."""
 
@@ -91,7 +109,8 @@ class NatsServer(_Server):
                 fh.write(self.auth)
             cmd += ["-c", str(conf)]
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_preexec())
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -129,7 +148,8 @@ class RedisServer(_Server):
         cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
                "--dir", str(self.data_dir), "--protected-mode", "yes"]
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_preexec())
         self.url = f"redis://{self.host}:{self.port}/0"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -3,7 +3,6 @@ dies, and stopped as a whole group (granian's workers included) so that nothing 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -13,18 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coderai.runtime.embedded import die_with_parent
+
 log = logging.getLogger("coderai.up")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM this child if the supervisor itself is killed (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def signal_group(proc: subprocess.Popen | None, sig: int) -> None:
     """Signal the process group a child leads (it was started in a session of its own); gone is fine."""
@@ -53,7 +43,7 @@ class Child:
         out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            start_new_session=True, preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         out.close()
         self.started = time.monotonic()
