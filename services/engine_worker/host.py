@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import (
+    CancelJob,
     Chunk,
     EngineStatus,
     ErrorReply,
@@ -93,7 +94,7 @@ class EngineHost:
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
-        self._subs.append(await nc.subscribe(ENGINE_CANCEL(engine_id=self.engine_id), cb=self._on_cancel))
+        self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(engine_id=self.engine_id)))
 
     async def pause(self) -> None:
         """Drain: take no new jobs (jobs already here finish); the router stops sending on the next heartbeat."""
@@ -149,11 +150,7 @@ class EngineHost:
 
         return _cb
 
-    async def _on_cancel(self, m: Any) -> None:
-        try:
-            req = ENGINE_CANCEL.decode(m.data)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return
+    async def _on_cancel(self, req: CancelJob, _m: Any) -> None:
         flag = self._cancels.get(req.request_id)
         if flag is not None:
             log.info("cancel", extra={"request_id": req.request_id})

@@ -49,19 +49,14 @@ class Metrics:
         self.bus = await Bus.connect_as(s, "metrics")
         stack.push_async_callback(self.bus.close)
         await self.bus.ensure_stream(EVENTS)
-        hb = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
+        hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb.unsubscribe)
         task = asyncio.create_task(self._consume())
         stack.callback(task.cancel)
         census = asyncio.create_task(self._census_loop())
         stack.callback(census.cancel)
 
-    async def _on_heartbeat(self, m: Any) -> None:
-        try:
-            hb = decode(m.data, Heartbeat)
-        except Exception as exc:  # noqa: BLE001 - a bad heartbeat must not stop metrics
-            log.debug("bad heartbeat: %s", exc)
-            return
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
         self.series.on_heartbeat(hb)
         self._live[hb.node_id] = (time.monotonic(), hb)
 

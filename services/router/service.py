@@ -50,9 +50,9 @@ class Router:
         await self._seed_engines()
         prune = asyncio.create_task(self._prune_loop())
         stack.callback(prune.cancel)
-        hb_sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
+        hb_sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb_sub.unsubscribe)
-        done_sub = await self.bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=self._on_completed)
+        done_sub = await self.bus.listen(EVT_REQUEST_COMPLETED, self._on_completed)
         stack.push_async_callback(done_sub.unsubscribe)
         pick_sub = await self.bus.serve(ROUTE_PICK, self._on_pick, queue="router")
         stack.push_async_callback(pick_sub.unsubscribe)
@@ -80,19 +80,11 @@ class Router:
     def _model_changed(self, key: str, cfg: ModelConfig | None) -> None:
         self.models_by_name = {m.name: m for m in self.models.values.values()}
 
-    async def _on_heartbeat(self, m: Any) -> None:
-        try:
-            hb = decode(m.data, Heartbeat)
-        except Exception as exc:  # noqa: BLE001 - a bad heartbeat from one node must not stop the router
-            log.warning("bad heartbeat on %s: %s", m.subject, exc)
-            return
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
         self.table.apply(hb, time.monotonic())
 
-    async def _on_completed(self, m: Any) -> None:
-        try:
-            self.table.completed(decode(m.data, RequestCompleted).engine_id)
-        except Exception as exc:  # noqa: BLE001 - a bad event costs one load estimate, nothing more
-            log.debug("bad request.completed: %s", exc)
+    async def _on_completed(self, e: RequestCompleted, _m: Any) -> None:
+        self.table.completed(e.engine_id)
 
     async def _on_pick(self, req: RouteRequest, m: Any) -> RouteDecision:
         if not tracing.enabled():

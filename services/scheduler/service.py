@@ -54,7 +54,7 @@ class Scheduler:
             self.models = await self._read_models()
         task = asyncio.create_task(self._assign_loop())
         stack.callback(task.cancel)
-        sub = await self.bus.nc.subscribe(HEARTBEAT.wildcard(), cb=self._on_heartbeat)
+        sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
@@ -124,12 +124,7 @@ class Scheduler:
             out.append(decode(entry.value, ModelConfig))
         return out
 
-    async def _on_heartbeat(self, m: Any) -> None:
-        try:
-            hb = decode(m.data, Heartbeat)
-        except Exception as exc:  # noqa: BLE001 - one bad node must not stop the scheduler
-            log.warning("bad heartbeat on %s: %s", m.subject, exc)
-            return
+    async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
         new = hb.node_id not in self.nodes or set(hb.capabilities) != set(self.nodes[hb.node_id].capabilities)
         self.nodes[hb.node_id] = hb
         self.seen[hb.node_id] = time.monotonic()

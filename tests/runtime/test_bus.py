@@ -173,3 +173,21 @@ async def test_revision_cache_recovers_from_a_foreign_write(bus, unique):
     await kv.put("n1", b"foreign")
     await cache.put("n1", b"c")
     assert (await kv.get("n1")).value == b"c"
+
+
+async def test_listen_decodes_and_drops_malformed_messages(bus, unique):
+    from coderai.contracts import CancelJob
+
+    got: list[str] = []
+    done = asyncio.Event()
+
+    async def handler(job: CancelJob, _m) -> None:
+        got.append(job.request_id)
+        if job.request_id == "last":
+            done.set()
+
+    await bus.listen(ENGINE_CANCEL, handler, subject_str=ENGINE_CANCEL(engine_id=unique))
+    for payload in (b'{"request_id": "a"}', b"not json", b'{"surprise": 1}', b'{"request_id": "last"}'):
+        await bus.nc.publish(ENGINE_CANCEL(engine_id=unique), payload)
+    await asyncio.wait_for(done.wait(), 5)
+    assert got == ["a", "last"]  # the two malformed ones were dropped, and the listener kept going

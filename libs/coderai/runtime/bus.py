@@ -278,6 +278,20 @@ class Bus:
 
         return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
 
+    async def listen(self, subject: Subject, handler: Callable[[Any, Msg], Awaitable[None]], *, subject_str: str | None = None) -> Any:
+        """Subscribe `handler(message, msg)` to a publish-only subject; a malformed message is logged and dropped,
+        so one bad publisher cannot stop a service."""
+
+        async def _cb(m: Msg) -> None:
+            try:
+                obj = subject.decode(m.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.warning("dropping a malformed message on %s: %s", m.subject, exc)
+                return
+            await handler(obj, m)
+
+        return await self.nc.subscribe(subject_str or subject.wildcard(), cb=_cb)
+
     # --- streamed replies ------------------------------------------------------------------------
 
     async def _ensure_mux(self) -> None:
