@@ -20,58 +20,36 @@ def usage_json(u: Usage) -> dict[str, int]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
 
+def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any) -> dict[str, Any]:
+    """The envelope every OpenAI chat/completion object and chunk shares, key order as OpenAI sends it."""
+    return {"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": model, "system_fingerprint": None, **rest}
+
+
 def chat_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": None, **(c.message or {})},
-             "logprobs": None, "finish_reason": c.finish_reason}
-            for c in choices
-        ],
-        "usage": usage_json(usage),
-        "system_fingerprint": None,
-    }
+    return _body("chatcmpl", "chat.completion", rid, created, model, choices=[
+        {"index": c.index, "message": {"role": "assistant", "content": None, **(c.message or {})},
+         "logprobs": None, "finish_reason": c.finish_reason}
+        for c in choices
+    ], usage=usage_json(usage))
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": c.index, "text": c.text or "", "logprobs": None, "finish_reason": c.finish_reason} for c in choices],
-        "usage": usage_json(usage),
-        "system_fingerprint": None,
-    }
+    return _body("cmpl", "text_completion", rid, created, model, choices=[
+        {"index": c.index, "text": c.text or "", "logprobs": None, "finish_reason": c.finish_reason} for c in choices
+    ], usage=usage_json(usage))
 
 
 def chat_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
-    return sse({
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": ch.index, "delta": ch.delta or {}, "logprobs": None, "finish_reason": ch.finish_reason}],
-    })
+    return sse(_body("chatcmpl", "chat.completion.chunk", rid, created, model, choices=[
+        {"index": ch.index, "delta": ch.delta or {}, "logprobs": None, "finish_reason": ch.finish_reason}]))
 
 
 def completion_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
-    return sse({
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": ch.index, "text": ch.text or "", "logprobs": None, "finish_reason": ch.finish_reason}],
-    })
+    return sse(_body("cmpl", "text_completion", rid, created, model, choices=[
+        {"index": ch.index, "text": ch.text or "", "logprobs": None, "finish_reason": ch.finish_reason}]))
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Usage) -> bytes:
     """The extra last chunk sent when `stream_options.include_usage` is set: no choices, only usage."""
     prefix, obj = ("chatcmpl", "chat.completion.chunk") if kind == "chat" else ("cmpl", "text_completion")
-    return sse({"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": model,
-                "system_fingerprint": None, "choices": [], "usage": usage_json(usage)})
+    return sse(_body(prefix, obj, rid, created, model, choices=[], usage=usage_json(usage)))
