@@ -150,27 +150,26 @@ def main(argv: list[str] | None = None) -> int:
         tables: list[str] = []
         real = pure = {}
         real_probes: dict = {}
+
+        def measure(part: str, title: str, targets: list, conc, baseline: str, note: str = "") -> tuple[dict, dict]:
+            """Run one part, add its load and streaming tables, record it in the JSON output."""
+            rows, probes, tokens = runner.part(part, targets, conc)
+            order = [t.name for t in targets]
+            tables.extend([f"## {title}; baseline: {baseline}{note}", "", _report.load_table(rows, order, baseline), "",
+                           "Streaming at concurrency 1 (httpx client):", "",
+                           _report.probe_table(probes, tokens, order, baseline), ""])
+            out[part] = {"rows": _rows_json(rows), "probes": {k: asdict(v) for k, v in probes.items()}, "tokens": tokens}
+            return rows, probes
         if gguf is not None:
             targets = [t for t in (bare, lite if bare else None, coderai.target("coderai", "tiny")) if t is not None]
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
-            real, real_probes, tokens = runner.part("real", targets, a.concurrency)
-            order = [t.name for t in targets]
-            tables += ["## Real engine (tiny llama.cpp GGUF); baseline: bare", "",
-                       _report.load_table(real, order, "bare"), "",
-                       "Streaming at concurrency 1 (httpx client):", "",
-                       _report.probe_table(real_probes, tokens, order, "bare"), ""]
-            out["real"] = {"rows": _rows_json(real), "probes": {k: asdict(v) for k, v in real_probes.items()}, "tokens": tokens}
+            real, real_probes = measure("real", "Real engine (tiny llama.cpp GGUF)", targets, a.concurrency, "bare")
         if "pure" in parts:
             echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
             targets = [t for t in (echo_lite, coderai.target("coderai", "echo")) if t is not None]
-            pure, pure_probes, tokens = runner.part("pure", targets, a.pure_concurrency)
-            order = [t.name for t in targets]
-            tables += ["## Pure orchestration (no model work); baseline: litellm (mock_response)", "",
-                       _report.load_table(pure, order, "litellm"), "",
-                       "Streaming at concurrency 1 (httpx client):", "",
-                       _report.probe_table(pure_probes, tokens, order, "litellm"), ""]
-            out["pure"] = {"rows": _rows_json(pure), "probes": {k: asdict(v) for k, v in pure_probes.items()}, "tokens": tokens}
+            pure, _ = measure("pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm",
+                              " (mock_response)")
         checks = _report.acceptance(real, pure, real_probes)
         if checks and not a.smoke and wrk:
             tables += ["## Issue 14 targets", "", *checks, ""]
