@@ -24,12 +24,14 @@ from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.runtime import tracing
+from coderai.runtime.blobs import BlobMissing, BlobStore
 from coderai.runtime.bus import TIMED_OUT, Bus, FrameWriter, get_or_timeout
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
 
 _DONE = object()
+LLM_OPS = frozenset({"chat", "complete"})  # engines answer these with choices; every other op with an `output`
 
 
 def engine_id_for(node_id: str, model: str) -> str:
@@ -55,6 +57,7 @@ class EngineHost:
         self._cancels: dict[str, CancelFlag] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task] = set()
+        self.blobs = BlobStore(bus)
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -173,16 +176,32 @@ class EngineHost:
         self.in_flight += 1
         log.debug("%s job started", op)
 
-        def emit(delta: dict | None, text: str | None, finish: str | None) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (delta, text, finish))
+        media = op not in LLM_OPS
+        if media:  # bytes come inline for the engine, whatever size they were sent at
+            try:
+                job = await self.blobs.unpack(job)
+            except BlobMissing as exc:
+                await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
+                self._finish_job(job, span)
+                return
 
-        fn = self.engine.chat if op == "chat" else self.engine.complete  # type: ignore[union-attr]
+            def emit(**fields: Any) -> None:  # data=bytes for speech, progress=0..1 for long jobs
+                loop.call_soon_threadsafe(queue.put_nowait, fields)
+
+            sink: Any = emit
+        else:
+            def emit_llm(delta: dict | None, text: str | None, finish: str | None) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, {"delta": delta, "text": text, "finish_reason": finish})
+
+            sink = emit_llm if job.stream else None
+
+        fn = getattr(self.engine, op)
         if self.engine.blocking:  # type: ignore[union-attr]
-            fut = loop.run_in_executor(self._executor, fn, job, flag, emit if job.stream else None)
+            fut = loop.run_in_executor(self._executor, fn, job, flag, sink)
         else:
             fut = loop.create_future()
             try:
-                fut.set_result(fn(job, flag, emit if job.stream else None))
+                fut.set_result(fn(job, flag, sink))
             except Exception as exc:  # noqa: BLE001 - delivered below exactly as a thread's failure would be
                 fut.set_exception(exc)
         fut.add_done_callback(lambda _: queue.put_nowait(_DONE))
@@ -196,26 +215,34 @@ class EngineHost:
                     break
                 if ttft is None:
                     ttft = time.monotonic() - t0
-                delta, text, finish = item
-                await writer.send(Chunk(seq=writer.next_seq(), delta=delta, text=text, finish_reason=finish))
-            choices, usage = fut.result()
+                await writer.send(Chunk(seq=writer.next_seq(), **item))
+            if media:
+                output, usage = fut.result()
+                output, choices = await self.blobs.pack(output), []
+            else:
+                (choices, usage), output = fut.result(), None
             if ttft is None:
                 ttft = time.monotonic() - t0
-            await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, usage=usage, ttft_s=ttft))
+            await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, output=output,
+                                    usage=usage, ttft_s=ttft))
             self.served += 1
             if span is not tracing.NO_SPAN:
                 span.set_attributes({"coderai.prompt_tokens": usage.prompt_tokens,
                                      "coderai.completion_tokens": usage.completion_tokens, "coderai.ttft_s": ttft})
-        except ValueError as exc:  # llama-cpp-python's word for a prompt it cannot take (e.g. longer than n_ctx)
+        except ValueError as exc:  # BadInput, or llama-cpp-python's word for a prompt it cannot take (> n_ctx)
             tracing.set_error(span, f"bad_request: {exc}")
-            await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
+            await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq(),
+                                         param=getattr(exc, "param", None)))
         except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
             log.exception("%s job failed", op)
             tracing.set_error(span, f"engine_failed: {type(exc).__name__}: {exc}")
             await writer.send(ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq()))
         finally:
-            self.in_flight -= 1
-            self._cancels.pop(job.request_id, None)
             if not fut.done():
                 flag.set()
-            span.end()
+            self._finish_job(job, span)
+
+    def _finish_job(self, job: Any, span: Any) -> None:
+        self.in_flight -= 1
+        self._cancels.pop(job.request_id, None)
+        span.end()

@@ -18,11 +18,40 @@ from coderai.contracts.jobs import (
     Usage,
 )
 from coderai.contracts.keys import model_key, model_name
+from coderai.contracts.media import (
+    Blob,
+    DiarizeJob,
+    DiarizeResult,
+    EmbedJob,
+    EmbedResult,
+    ImageJob,
+    ImageResult,
+    MediaJob,
+    OcrJob,
+    OcrLine,
+    OcrPage,
+    OcrResult,
+    Output,
+    RerankJob,
+    RerankResult,
+    Segment,
+    SpeechJob,
+    SpeechResult,
+    TranscribeJob,
+    TranscribeResult,
+    Turn,
+    VideoJob,
+    VideoResult,
+    Word,
+)
 from coderai.contracts.models import ModelConfig
 from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
 
 __all__ = [
+    "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
+    "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
+    "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, NewType, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+
+RequestId = NewType("RequestId", str)
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -25,22 +25,24 @@ class ErrorReply(Message, frozen=True, kw_only=True, tag="error", tag_field="t")
     message: str
     retryable: bool = False
     seq: int = 0
+    param: str | None = None  # the request field at fault, for bad_request
 
 
 class BusError(Exception):
     """Raised on the calling side when a bus reply was an ErrorReply, or no reply came."""
 
-    def __init__(self, code: ErrorCode, message: str, retryable: bool = False) -> None:
+    def __init__(self, code: ErrorCode, message: str, retryable: bool = False, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.param = param
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> "BusError":
         """Lift an ErrorReply off the wire into an exception."""
-        return cls(reply.code, reply.message, reply.retryable)
+        return cls(reply.code, reply.message, reply.retryable, reply.param)
 
     def to_reply(self, seq: int = 0) -> ErrorReply:
         """Put this error back on the wire."""
-        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq)
+        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq, param=self.param)

@@ -7,12 +7,11 @@ engine from a dead one), and exactly one terminal frame, `Final` or `ErrorReply`
 
 from __future__ import annotations
 
-from typing import Any, Literal, NewType, Union
+from typing import Any, Literal, Union
 
-from coderai.contracts.base import Message
+from coderai.contracts.base import Message, RequestId
 from coderai.contracts.errors import ErrorReply
-
-RequestId = NewType("RequestId", str)
+from coderai.contracts.media import Output
 
 Op = Literal["chat", "complete", "embed", "rerank", "image", "speech", "transcribe", "diarize", "ocr", "video", "train"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "cancelled"]
@@ -77,13 +76,16 @@ class Choice(Message, frozen=True, kw_only=True):
 
 
 class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
-    """A streamed delta: for chat an OpenAI `delta` object, for completions a text piece."""
+    """A streamed delta: for chat an OpenAI `delta` object, for completions a text piece, for speech the next
+    bytes of audio (`data`), for a long job how far it got (`progress`, 0..1)."""
 
     seq: int
     index: int = 0
     delta: dict[str, Any] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
+    data: bytes | None = None
+    progress: float | None = None
 
 
 class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="t"):
@@ -93,11 +95,13 @@ class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="
 
 
 class Final(Message, frozen=True, kw_only=True, tag="final", tag_field="t"):
-    """The terminal success frame. Streaming jobs leave `choices` empty: the chunks carried them."""
+    """The terminal success frame. Streaming jobs leave `choices` empty: the chunks carried them. Media ops
+    (embed, image, speech, ...) put their result in `output`."""
 
     seq: int
     engine_id: str
     choices: list[Choice] = []
+    output: Output | None = None
     usage: Usage = Usage()
     ttft_s: float | None = None
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 
-EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "ocr", "video", "echo"]
+EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "echo"]
 
 DEFAULT_OPS: dict[str, list[Op]] = {
     "llama": ["chat", "complete"],
@@ -16,6 +16,7 @@ DEFAULT_OPS: dict[str, list[Op]] = {
     "diffusers": ["image"],
     "whisper": ["transcribe"],
     "tts": ["speech"],
+    "diarize": ["diarize"],
     "ocr": ["ocr"],
     "video": ["video"],
     "echo": ["chat", "complete"],  # coderai.testing.echo_engine: a zero-cost test engine

@@ -24,6 +24,16 @@ from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
 from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
+from coderai.contracts.media import (
+    DiarizeJob,
+    EmbedJob,
+    ImageJob,
+    OcrJob,
+    RerankJob,
+    SpeechJob,
+    TranscribeJob,
+    VideoJob,
+)
 from coderai.contracts.nodes import Heartbeat
 from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest
 from coderai.contracts.routing import RouteDecision, RouteRequest
@@ -108,4 +118,17 @@ CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeS
 CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
 
-ENGINE_OPS = {"chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE}
+ENGINE_EMBED = Subject("coderai.engine.{engine_id}.embed", EmbedJob, Frame)
+ENGINE_RERANK = Subject("coderai.engine.{engine_id}.rerank", RerankJob, Frame)
+ENGINE_IMAGE = Subject("coderai.engine.{engine_id}.image", ImageJob, Frame)
+ENGINE_SPEECH = Subject("coderai.engine.{engine_id}.speech", SpeechJob, Frame)
+ENGINE_TRANSCRIBE = Subject("coderai.engine.{engine_id}.transcribe", TranscribeJob, Frame)
+ENGINE_DIARIZE = Subject("coderai.engine.{engine_id}.diarize", DiarizeJob, Frame)
+ENGINE_OCR = Subject("coderai.engine.{engine_id}.ocr", OcrJob, Frame)
+ENGINE_VIDEO = Subject("coderai.engine.{engine_id}.video", VideoJob, Frame)
+
+ENGINE_OPS = {
+    "chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE, "embed": ENGINE_EMBED, "rerank": ENGINE_RERANK,
+    "image": ENGINE_IMAGE, "speech": ENGINE_SPEECH, "transcribe": ENGINE_TRANSCRIBE, "diarize": ENGINE_DIARIZE,
+    "ocr": ENGINE_OCR, "video": ENGINE_VIDEO,
+}

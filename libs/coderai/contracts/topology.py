@@ -32,7 +32,12 @@ ASSIGNMENTS = BucketSpec("coderai_assignments", description="desired models per 
 MODELS = BucketSpec("coderai_models", description="model configs by model key")
 PODS = BucketSpec("coderai_pods", description="rented pods")
 
-BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS)
+VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: state, progress, result blob")
+
+BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS)
+
+BLOBS = BucketSpec("coderai_blobs", ttl_s=3600, description="large payloads: uploads, images, audio, video")
+"""An object store, not a KV bucket: messages carry a `Blob` naming an object here instead of the bytes."""
 
 EVENTS = StreamSpec("EVENTS", ("coderai.evt.>",), max_age_s=7 * 24 * 3600, description="durable events")
 WORK = StreamSpec("WORK", ("coderai.work.>",), description="fan-out parts, work queue")

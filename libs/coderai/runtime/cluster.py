@@ -29,6 +29,15 @@ NODE_PUBLISH = [
     "$JS.API.DIRECT.GET.KV_coderai_assignments.>",
     "$JS.API.STREAM.MSG.GET.KV_coderai_assignments",
     "$JS.FC.>",
+    # uploads in and results out through the `coderai_blobs` object store (the gateway creates the bucket)
+    "$O.coderai_blobs.>",
+    "$JS.API.STREAM.INFO.OBJ_coderai_blobs",
+    "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs",
+    "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs.>",
+    "$JS.API.CONSUMER.DELETE.OBJ_coderai_blobs.>",
+    "$JS.API.DIRECT.GET.OBJ_coderai_blobs.>",
+    "$JS.API.STREAM.MSG.GET.OBJ_coderai_blobs",
+    "$JS.API.STREAM.PURGE.OBJ_coderai_blobs",
 ]
 NODE_SUBSCRIBE = ["coderai.engine.>", "coderai.cmd.node.>", "coderai.work.>", "_INBOX.>"]
 

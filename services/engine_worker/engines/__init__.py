@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 
-from coderai.engine_worker.engines.base import Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, Engine, EngineLoadError
 
 # family -> (module that must be importable, module:class that runs it)
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama_cpp", "coderai.engine_worker.engines.llama:LlamaEngine"),
+    "vllm": ("vllm", "coderai.engine_worker.engines.vllm:VllmEngine"),
+    "embed": ("sentence_transformers", "coderai.engine_worker.engines.embed:EmbedEngine"),
+    "diffusers": ("diffusers", "coderai.engine_worker.engines.diffusion:ImageEngine"),
+    "video": ("diffusers", "coderai.engine_worker.engines.diffusion:VideoEngine"),
+    "whisper": ("faster_whisper", "coderai.engine_worker.engines.whisper:WhisperEngine"),
+    "tts": ("piper", "coderai.engine_worker.engines.tts:PiperEngine"),
+    "diarize": ("resemblyzer", "coderai.engine_worker.engines.diarize:DiarizeEngine"),
+    "ocr": ("rapidocr", "coderai.engine_worker.engines.ocr:OcrEngine"),
     "echo": ("coderai.testing", "coderai.testing.echo_engine:EchoEngine"),
 }
 
@@ -31,4 +39,4 @@ def engine_class(family: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class"]
+__all__ = ["BadInput", "Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class"]

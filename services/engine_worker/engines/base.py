@@ -11,8 +11,25 @@ class EngineLoadError(Exception):
     """The model could not be loaded (missing file, bad format, library absent)."""
 
 
+class BadInput(ValueError):
+    """The job's input cannot be used (unreadable audio, not an image, a size the model cannot make). The
+    worker answers `bad_request` naming `param`, which the gateway turns into a 400; never a 5xx."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class Engine:
-    """One loaded model. Subclasses implement `load`, the ops they serve, and `close`."""
+    """One loaded model. Subclasses implement `load`, the ops they serve, and `close`.
+
+    An op is a method named after it, called in the engine's thread as `op(job, cancel, emit)`:
+    - `chat`, `complete` return `(choices, usage)`; `emit(delta, text, finish_reason)` is given when streaming.
+    - every other op (`embed`, `rerank`, `image`, `speech`, `transcribe`, `diarize`, `ocr`, `video`) returns
+      `(output, usage)` with the op's result struct from `coderai.contracts.media`, its blobs inline (the worker
+      moves big ones to the object store); `emit(data=bytes)` streams speech, `emit(progress=0..1)` reports
+      progress. Input blobs arrive inline. Bad input raises `BadInput(message, param)`.
+    """
 
     family = ""
     blocking = True  # False: the engine's calls return at once (no compute, no I/O) and run on the event loop
