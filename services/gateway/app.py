@@ -30,9 +30,12 @@ from coderai.gateway import sse
 from coderai.gateway.auth import Authenticator, Caller, load_keys
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.errors import ApiError, from_bus, from_http
+from coderai.gateway.media import media_routes
 from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
 from coderai.gateway.ui import ui_routes
+from coderai.gateway.videos import video_routes
+from coderai.runtime.blobs import BlobStore
 from coderai.runtime.bus import Bus
 from coderai.runtime.logging import request_id_var, setup_logging
 from coderai.runtime.settings import SettingsError, load_settings
@@ -58,6 +61,7 @@ class Gateway:
         self.limiter: Limiter | None = None
         self.catalog: Catalog | None = None
         self.relay: Relay | None = None
+        self.blobs: BlobStore | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
@@ -72,6 +76,7 @@ class Gateway:
         self.catalog = Catalog(self.bus)
         self.catalog.start()
         self.relay = Relay(self.bus, self.settings)
+        self.blobs = BlobStore(self.bus, create=True)
         log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)
         try:
             yield
@@ -193,8 +198,12 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     def on_api_error(_: Request, exc: ApiError) -> Response:
         return _error_response(exc)
 
-    def on_http_error(_: Request, exc: HTTPException) -> Response:
+    def on_http_error(request: Request, exc: HTTPException) -> Response:
         err = from_http(exc.status_code, str(exc.detail))
+        field = UPLOAD_FIELDS.get(request.url.path)
+        if exc.status_code == 413 and field:  # the body as a whole was refused before any field was read
+            err.param = field
+            err.message = f"The upload in '{field}' is over the {settings.max_upload_bytes / 1e6:.0f} MB limit."
         err.headers.update(getattr(exc, "headers", None) or {})
         return _error_response(err)
 
@@ -203,10 +212,11 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return _error_response(ApiError(500, "Internal error; see the gateway log for this request id.", type="server_error", code="internal"))
 
     return Litestar(
-        route_handlers=[healthz, list_models, get_model, chat, completions, *admin_routes(gw, caller), *ui_routes()],
+        route_handlers=[healthz, list_models, get_model, chat, completions, *media_routes(gw, caller, _rid),
+                        *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *ui_routes()],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
-        request_max_body_size=settings.max_body_bytes,
+        request_max_body_size=max(settings.max_body_bytes, settings.max_upload_bytes + 1024 * 1024),
         openapi_config=None,
         debug=False,
     )
@@ -234,14 +244,26 @@ def _rid() -> str:
     return rid
 
 
-def _model_json(m) -> dict[str, Any]:
-    return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by}
+UPLOAD_FIELDS = {"/v1/audio/transcriptions": "file", "/v1/audio/translations": "file", "/v1/audio/diarization": "file",
+                 "/v1/ocr": "file", "/v1/images/edits": "image"}
+KINDS = {"chat": "chat", "complete": "completion", "embed": "embedding", "rerank": "rerank", "image": "image",
+         "speech": "speech", "transcribe": "transcription", "diarize": "diarization", "ocr": "ocr", "video": "video"}
+
+
+def _model_json(m: ModelConfig) -> dict[str, Any]:
+    """OpenAI's model object, plus what it is for: `kind` (its first op's kind) and every op it serves."""
+    ops = m.serves()
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
+            "kind": KINDS.get(ops[0], ops[0]) if ops else "unknown", "capabilities": [KINDS.get(o, o) for o in ops],
+            "engine": m.engine}
 
 
 def estimate_cost(cfg: ModelConfig, job: Any) -> float:
     """A generous cost estimate for budget reservations: prompt tokens as half the characters of the request's
     JSON (tokenizers give about 3-4 characters a token, and templates add a few), plus every token it may generate
     (max_tokens, else the whole context)."""
+    if not hasattr(job, "params"):  # a media job: its text (prompt, input, documents) is what is priced
+        return (len(msgspec.json.encode(job)) / 2 + 16) * cfg.price_prompt_per_mtok / 1e6
     text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
     prompt = len(text) / 2 + 16
     n = max(1, job.params.n)

@@ -58,7 +58,7 @@ HTTP_TYPES: dict[int, tuple[str, str]] = {
 def from_bus(exc: BusError, retry_after_s: int) -> ApiError:
     status, type_ = BUS_TO_HTTP.get(exc.code, (502, "engine_error"))
     headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
-    return ApiError(status, exc.message, type=type_, code=exc.code, headers=headers)
+    return ApiError(status, exc.message, type=type_, code=exc.code, param=exc.param, headers=headers)
 
 
 def from_http(status: int, detail: str) -> ApiError:

@@ -11,7 +11,8 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     workers: int = 1
     no_auth: bool = False  # only allowed on a loopback host
     api_keys_file: str = ""  # TOML [[keys]] with name, sha256, scopes
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024  # JSON bodies
+    max_upload_bytes: int = 25 * 1024 * 1024  # one uploaded file (audio, image, PDF): over it is a 413 naming the field
     route_timeout_s: float = 2.0
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
     max_attempts: int = 3  # engines tried for one request before the first token

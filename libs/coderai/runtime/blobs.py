@@ -51,9 +51,9 @@ class BlobStore:
                 self._obs = await self.bus.js.create_object_store(BLOBS.name, config=cfg)
         return self._obs
 
-    async def put(self, data: bytes, content_type: str = "", filename: str = "") -> Blob:
-        """Store `data` under a new random name, whatever its size."""
-        name = secrets.token_urlsafe(24)
+    async def put(self, data: bytes, content_type: str = "", filename: str = "", suffix: str = "") -> Blob:
+        """Store `data` under a new random name (ending in `suffix`, e.g. ".png"), whatever its size."""
+        name = secrets.token_urlsafe(24) + suffix
         await (await self.store()).put(name, data)
         return Blob(name=name, size=len(data), content_type=content_type, filename=filename)
 

@@ -1,0 +1,89 @@
+"""Build a tiny random-weight Hugging Face llama folder with a real byte-level BPE tokenizer, offline.
+
+The folder is what vLLM (or transformers) loads from disk: `config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json` with a ChatML template. It answers nonsense, fast. The tokenizer is the one the tiny GGUF
+uses (trained on the Python standard library's sources), so no download is ever needed.
+Needs `torch`, `transformers` and `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from coderai.testing.model_cache import cached_build
+from coderai.testing.tiny_gguf import CHATML, _train_tokenizer
+
+RECIPE_VERSION = "1"
+
+
+def build_tiny_hf_llama(
+    out: str | os.PathLike,
+    *,
+    dim: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    ff: int = 256,
+    vocab: int = 1024,
+    ctx: int = 2048,
+    seed: int = 0,
+) -> dict:
+    """Write the model into folder `out` and return its shape: {"out", "vocab", "head_dim"}.
+
+    The default head dim is 64 (128 / 2): vLLM's CPU attention kernels accept only some head sizes, and 64 is one.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers 5 builds a silently broken tokenizer from `LlamaTokenizer(vocab_file=...)`; wrapping a
+    # trained `tokenizers` object keeps exactly the vocabulary and merges we trained
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab),
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.chat_template = CHATML
+    tok.save_pretrained(out)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=dim,
+        intermediate_size=ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=ctx,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    # a generation config naming the chat end token lets servers stop at it without guessing
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}))
+    return {"out": str(out), "vocab": len(tok), "head_dim": dim // heads}
+
+
+def tiny_hf_llama() -> Path:
+    """The default tiny HF llama, built once into the model cache (`coderai.testing.model_cache`)."""
+    return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: build the folder at a path, or print the cached one's path."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m coderai.testing.tiny_hf_llama", description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", help="a folder to write; without it, the cached build's path is printed")
+    a = ap.parse_args(argv)
+    print(json.dumps(build_tiny_hf_llama(a.out)) if a.out else tiny_hf_llama())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

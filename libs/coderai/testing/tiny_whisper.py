@@ -1,0 +1,184 @@
+"""A tiny Whisper that faster-whisper runs and that transcribes one phrase exactly, built offline.
+
+The model is a random 2-layer Whisper overfitted on one phrase spoken by espeak-ng, then converted to
+CTranslate2. Nothing is downloaded: the tokenizer is a byte-level BPE trained on the Python standard library's
+sources, laid out like Whisper's multilingual one (50,257 ordinary tokens, then the special, language and
+timestamp tokens), because CTranslate2 infers "multilingual" and the language count from the vocabulary size
+and faster-whisper finds every special token by its text. Building takes well under a minute on two cores and is
+cached per phrase (`coderai.testing.model_cache`).
+Needs `faster-whisper` (ctranslate2), `transformers`, `torch`, `tokenizers` and Debian's `espeak-ng`.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coderai.testing.model_cache import cached_build
+from coderai.testing.speech import RATE, speak_pcm
+
+TRAINING_TEXT = "Hello world, this is a tiny speech test."
+RECIPE_VERSION = "1"
+
+# Whisper's language tokens, in its order (the 99 of the v1/v2 multilingual models)
+LANGUAGES = (
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt la "
+    "mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af oc ka be "
+    "tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su"
+).split()
+BASE_VOCAB = 50257  # ordinary tokens before <|endoftext|>, as in Whisper's multilingual tokenizer
+TRAINED_VOCAB = 2048  # what BPE actually learns; the rest are unreachable fillers to reach BASE_VOCAB
+TIME_STEP = 0.02
+TIMESTAMPS = 1501
+
+
+def ensure_tiny_whisper(text: str = TRAINING_TEXT) -> Path:
+    """The CTranslate2 folder of a tiny Whisper that transcribes espeak-ng's reading of `text` as `text`.
+
+    Built on first use (about half a minute on two cores) and cached by `text`; the folder holds
+    `tokenizer.json` and `preprocessor_config.json`, so faster-whisper never reaches for the hub.
+    """
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return cached_build(f"tiny-whisper-{digest}", RECIPE_VERSION, lambda out: build_tiny_whisper(out, text))
+
+
+def build_tiny_whisper(out: Path, text: str, *, max_steps: int = 400, seed: int = 0) -> None:
+    """Build, overfit on `text`, convert into the empty folder `out`, and check faster-whisper's transcript."""
+    import torch
+
+    torch.manual_seed(seed)
+    pcm = speak_pcm(text).astype(np.float32) / 32768
+    with tempfile.TemporaryDirectory(prefix="tiny-whisper-hf-") as hf_dir:
+        tok = _whisper_tokenizer()
+        model, fe = _random_model(tok)
+        _overfit(model, tok, fe, pcm, text, max_steps)
+        model.save_pretrained(hf_dir)
+        tok.save_pretrained(hf_dir)
+        fe.save_pretrained(hf_dir)
+        _convert(hf_dir, out)
+    _check(out, pcm, text)
+
+
+def _corpus(max_files: int = 300) -> list[str]:
+    # English prose (docstrings, comments) and code, present wherever CPython is: no download
+    texts = []
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:max_files]:
+        with open(path, encoding="utf-8", errors="ignore") as fh:
+            texts.append(fh.read())
+    return texts
+
+
+def _whisper_tokenizer() -> Any:
+    """A transformers WhisperTokenizer on a freshly trained BPE, with Whisper's special tokens at Whisper's ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import WhisperTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    learned = json.loads(bpe.to_str())["model"]
+    vocab: dict[str, int] = dict(learned["vocab"])
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    # fillers no merge can produce: they only pad the id space so the special tokens land where Whisper's do
+    for i in range(BASE_VOCAB - len(vocab)):
+        vocab[f"<unused{i}>"] = len(vocab)
+
+    tok = WhisperTokenizer(vocab=vocab, merges=merges)
+    specials = (["<|endoftext|>", "<|startoftranscript|>"] + [f"<|{code}|>" for code in LANGUAGES]
+                + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                   "<|notimestamps|>"])
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tok.add_tokens([AddedToken(f"<|{i * TIME_STEP:.2f}|>", special=False, normalized=False)
+                    for i in range(TIMESTAMPS)])
+    if tok.convert_tokens_to_ids("<|endoftext|>") != BASE_VOCAB or len(tok) != BASE_VOCAB + len(specials) + TIMESTAMPS:
+        raise RuntimeError("tiny whisper tokenizer: special tokens did not land at Whisper's ids")
+    return tok
+
+
+def _random_model(tok: Any, d_model: int = 64, layers: int = 2, heads: int = 4) -> tuple[Any, Any]:
+    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    ids = tok.convert_tokens_to_ids
+    eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
+    suppress_begin = [ids("Ġ"), eot]  # Whisper's own rule: never start with a bare space or end at once
+    cfg = WhisperConfig(
+        vocab_size=len(tok), num_mel_bins=80, d_model=d_model,
+        encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+        encoder_ffn_dim=4 * d_model, decoder_ffn_dim=4 * d_model, max_source_positions=1500, max_target_positions=448,
+        pad_token_id=eot, bos_token_id=eot, eos_token_id=eot, decoder_start_token_id=sot,
+        begin_suppress_tokens=suppress_begin, suppress_tokens=[],
+    )
+    model = WhisperForConditionalGeneration(cfg)
+    # CTranslate2 reads language ids and alignment heads (for word timestamps) from the generation config
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot, max_length=448,
+        begin_suppress_tokens=suppress_begin, suppress_tokens=[], is_multilingual=True,
+        no_timestamps_token_id=ids("<|notimestamps|>"),
+        lang_to_id={f"<|{code}|>": ids(f"<|{code}|>") for code in LANGUAGES},
+        task_to_id={"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")},
+        alignment_heads=[[layers - 1, h] for h in range(heads)],
+    )
+    return model, WhisperFeatureExtractor(feature_size=80)
+
+
+def _overfit(model: Any, tok: Any, fe: Any, pcm: np.ndarray, text: str, max_steps: int,
+             target_loss: float = 0.005) -> None:
+    """Teach the model one transcript in faster-whisper's default (timestamped) form, language token included,
+    so both an explicit `en` and language detection give the text."""
+    import torch
+
+    ids = tok.convert_tokens_to_ids
+    end = min(TIMESTAMPS - 1, int(len(pcm) / RATE / TIME_STEP))  # floored: the segment never outlasts the audio
+    seq = ([ids("<|startoftranscript|>"), ids("<|en|>"), ids("<|transcribe|>"), ids("<|0.00|>")]
+           + tok.encode(" " + text.strip(), add_special_tokens=False)
+           + [ids(f"<|{end * TIME_STEP:.2f}|>"), ids("<|endoftext|>")])
+    decoder_input = torch.tensor([seq[:-1]])
+    labels = torch.tensor([seq[1:]])
+    labels[0, 1] = -100  # the task token is the caller's choice, not something to predict
+    features = fe(pcm, sampling_rate=RATE, return_tensors="pt").input_features
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    try:
+        for _ in range(max_steps):
+            # slight noise on the log-mel input so small decoding and int8 differences at inference do not matter
+            noisy = features + 0.02 * torch.randn_like(features)
+            loss = model(input_features=noisy, decoder_input_ids=decoder_input, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if loss.item() < target_loss:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+
+
+def _convert(hf_dir: str, out: Path) -> None:
+    from ctranslate2.converters import TransformersConverter
+
+    converter = TransformersConverter(hf_dir, copy_files=["tokenizer.json", "preprocessor_config.json"])
+    converter.convert(str(out), quantization="float32", force=True)  # the engine quantizes at load
+
+
+def _check(out: Path, pcm: np.ndarray, text: str) -> None:
+    """Refuse to cache a model that faster-whisper does not read back exactly."""
+    from faster_whisper import WhisperModel
+
+    model = WhisperModel(str(out), device="cpu", compute_type="int8", cpu_threads=2)
+    segments, info = model.transcribe(pcm, temperature=0.0)
+    got = " ".join("".join(s.text for s in segments).split())
+    if got != " ".join(text.split()) or info.language != "en":
+        raise RuntimeError(f"tiny whisper did not learn its phrase: got {got!r} (language {info.language!r})")
