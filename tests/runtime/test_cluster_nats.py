@@ -120,3 +120,16 @@ async def test_a_node_reads_its_assignment_but_cannot_write_it(as_role):
     finally:
         await watcher.stop()
     assert (await kv.get("n1")).value == b"v2"
+
+
+async def test_a_node_reads_uploads_and_writes_results_in_the_blob_store(as_role):
+    from coderai.contracts import Blob
+    from coderai.runtime.blobs import BlobStore
+    from coderai.runtime.bus import Bus
+
+    service = Bus(await as_role("service"))
+    node = Bus(await as_role("node"))
+    upload = await BlobStore(service, create=True).put(b"u" * 300_000)
+    assert await BlobStore(node).get(upload) == b"u" * 300_000
+    result = await BlobStore(node).put(b"r" * 300_000, suffix=".png")
+    assert await BlobStore(service).get(Blob(name=result.name)) == b"r" * 300_000

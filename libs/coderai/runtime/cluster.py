@@ -32,6 +32,7 @@ NODE_PUBLISH = [
     # uploads in and results out through the `coderai_blobs` object store (the gateway creates the bucket)
     "$O.coderai_blobs.>",
     "$JS.API.STREAM.INFO.OBJ_coderai_blobs",
+    "$JS.API.STREAM.NAMES",  # nats-py looks the stream up by subject when it reads an object
     "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs",
     "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs.>",
     "$JS.API.CONSUMER.DELETE.OBJ_coderai_blobs.>",
