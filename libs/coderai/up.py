@@ -23,7 +23,6 @@ from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServe
 from coderai.runtime.logging import setup_logging
 from coderai.runtime.supervisor import Child, Supervisor
 
-DEFAULT_MODEL = "coderai-tiny"
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -36,25 +35,19 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def ensure_default_model(data: Path) -> Path:
-    """Build the tiny GGUF once (about a second, offline) and write a models file that serves it."""
+    """Write, once, a models file serving the tiny defaults: a GGUF chat model and one model per installed
+    modality (coderai.defaults); building them is offline and takes seconds to a minute."""
     models_file = data / "models.toml"
-    gguf = data / "models" / f"{DEFAULT_MODEL}.gguf"
-    if not gguf.exists():
+    if not models_file.exists():
         try:
-            from coderai.testing.tiny_gguf import build_tiny_gguf
+            from coderai.defaults import default_models
+            from coderai.testing.stack import write_models_file
         except ImportError:
             raise SystemExit("coderai up: building the default model needs the llama extra: pip install 'coderai[llama]'")
-        print(f"first run: building the default model {DEFAULT_MODEL} (offline, random weights) ...", flush=True)
-        build_tiny_gguf(gguf, name=DEFAULT_MODEL)
-    if not models_file.exists():
-        models_file.write_text(
-            "# Models this box serves. Add your own GGUF files here; see docs/architecture.md.\n"
-            "[[models]]\n"
-            f'name = "{DEFAULT_MODEL}"\n'
-            'engine = "llama"\n'
-            f'path = "{gguf}"\n'
-            "params = { n_ctx = 2048 }\n"
-        )
+        models = default_models(data, say=lambda m: print(m, flush=True))
+        write_models_file(models_file, models)
+        text = models_file.read_text()
+        models_file.write_text("# Models this box serves. Add your own by path; see docs/modalities.md.\n" + text)
     return models_file
 
 

@@ -100,6 +100,21 @@ class Stack:
         wait_until(lambda: httpx.post(f"{self.base_url}/chat/completions", json=body, headers=headers, timeout=10).status_code == 200,
                    timeout_s, f"model {model} to answer")
 
+    def wait_engines_ready(self, models: list[str], headers: dict[str, str] | None = None, timeout_s: float = 120) -> None:
+        """Every model in `models` has a ready engine on some node (any op: no request is sent). Needs an admin
+        key in `headers`, or a gateway started with --no-auth."""
+
+        def ready() -> bool:
+            nodes = httpx.get(f"{self.http_url}/admin/nodes", headers=headers, timeout=5).json()["nodes"]
+            up = {e["model"] for n in nodes for e in n["heartbeat"].get("engines", []) if e.get("state") == "ready"}
+            failed = {e["model"]: e.get("error") for n in nodes for e in n["heartbeat"].get("engines", [])
+                      if e.get("state") == "failed"}
+            if failed:
+                raise ProcessDied(f"engines failed to load: {failed}")
+            return set(models) <= up
+
+        wait_until(ready, timeout_s, f"engines of {models} to be ready")
+
     def stop(self) -> None:
         for p in reversed(list(self.procs.values())):
             p.stop()

@@ -9,6 +9,11 @@ Generation checks the request's cancel flag on every token through a logits proc
 `create_chat_completion` offers). It runs as a C callback, where an exception would be swallowed, so a cancelled
 request is stopped by forcing the end-of-sequence token instead. The same hook counts tokens for `usage` when
 streaming (llama-cpp-python reports usage only for non-streamed answers).
+
+Embedding models (params `embedding = true`, or a model whose ops include `embed`) load with `embedding=True`
+and a pooling that gives one vector per text: params `pooling` (mean, cls, last), else the GGUF's own, else mean
+(a llama-type GGUF declares none, and llama.cpp would answer one vector per token). They answer `embed` like the
+sentence-transformers engine: normalised float32 vectors, `dimensions` truncating and re-normalising.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
-from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadError
+from coderai.contracts.media import EmbedJob, EmbedResult
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.embed import check_dimensions, check_texts, embed_result
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
 
 DEFAULTS: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "verbose": False}
 DEFAULT_PROMPT_CACHE_MB = 256
+EMBED_CHUNK = 16  # texts per llama.cpp call: the cancel flag is checked between chunks
+POOLINGS = ("mean", "cls", "last")
 
 
 class _Meter:
@@ -73,6 +82,7 @@ class LlamaEngine(Engine):
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.prefix_hits = 0
+        self.embedding = False
 
     def load(self) -> None:
         try:
@@ -85,7 +95,17 @@ class LlamaEngine(Engine):
             raise EngineLoadError(f"model file not found: {path}")
         params = dict(self.config.params)
         cache_mb = float(params.pop("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB))
+        embedding = params.pop("embedding", None)
+        self.embedding = bool(embedding) if embedding is not None else "embed" in self.config.serves()
+        pooling = params.pop("pooling", params.pop("pooling_type", None))
         kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **params}
+        if self.embedding:
+            kwargs.update(embedding=True, pooling_type=_pooling(Llama, path, pooling))
+            # llama-cpp-python cuts a text at n_batch tokens, and encoder models need a whole text in one
+            # micro-batch: let one text fill the context unless the models file says otherwise
+            kwargs["n_batch"] = params.get("n_batch", kwargs["n_ctx"])
+            kwargs.setdefault("n_ubatch", kwargs["n_batch"])
+            cache_mb = 0  # nothing to reuse: every text is embedded from scratch
         # llama-cpp-python gives prompt processing every core unless told; with two engines on a box that
         # oversubscribes the CPU and ggml's spinning barriers make prefill 10x slower: follow n_threads
         kwargs.setdefault("n_threads_batch", kwargs["n_threads"])
@@ -103,6 +123,27 @@ class LlamaEngine(Engine):
         if self.llm is not None:
             self.llm.close()
             self.llm = None
+
+    # --- embeddings -----------------------------------------------------------------------------
+
+    def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
+        """One normalised vector per input text, in order; usage counts the tokens llama.cpp read."""
+        if not self.embedding:
+            raise BadInput(f"model {job.model!r} is not loaded for embeddings (its params need embedding = true)",
+                           param="model")
+        check_texts(job.input)
+        dim = check_dimensions(job.dimensions, self.llm.n_embd())
+        vectors: list[list[float]] = []
+        tokens = 0
+        for start in range(0, len(job.input), EMBED_CHUNK):
+            if cancel:
+                break  # nobody reads the answer any more
+            got, n = self.llm.embed(list(job.input[start:start + EMBED_CHUNK]), return_count=True)
+            vectors.extend(got)
+            tokens += n
+        if not vectors:
+            return EmbedResult(vectors=b"", count=0, dim=dim), Usage()
+        return embed_result(vectors, job.dimensions), Usage(prompt_tokens=tokens, total_tokens=tokens)
 
     def _meter(self, cancel: CancelFlag) -> _Meter:
         return _Meter(cancel, self.llm.token_eos())
@@ -199,6 +240,28 @@ class LlamaEngine(Engine):
             self._account(r["usage"]["prompt_tokens"], before)
             before = self._perf()
         return choices, usage
+
+
+def _pooling(llama_cls: Any, path: str, pooling: str | int | None) -> int:
+    """llama.cpp's pooling type for an embedding model: the one asked for, else the GGUF's own, else mean."""
+    import llama_cpp
+
+    by_type = {getattr(llama_cpp, f"LLAMA_POOLING_TYPE_{p.upper()}"): p for p in POOLINGS}
+    if pooling is None:
+        # the GGUF may name its pooling (BERT-style models do, often CLS); a vocab-only open reads it in ms
+        try:
+            peek = llama_cls(model_path=path, vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise EngineLoadError(f"llama.cpp could not read {path}: {exc}") from exc
+        try:
+            arch = peek.metadata.get("general.architecture", "")
+            pooling = by_type.get(int(peek.metadata.get(f"{arch}.pooling_type", -1)), "mean")
+        finally:
+            peek.close()
+    name = by_type.get(pooling, pooling) if isinstance(pooling, int) else str(pooling).lower()
+    if name not in POOLINGS:
+        raise EngineLoadError(f"pooling {pooling!r} gives no single vector per text: use one of {', '.join(POOLINGS)}")
+    return getattr(llama_cpp, f"LLAMA_POOLING_TYPE_{name.upper()}")
 
 
 SUPERSEDED_TAIL = 64
