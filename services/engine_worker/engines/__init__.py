@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from coderai.engine_worker.engines.base import BadInput, Engine, EngineLoadError
 
@@ -28,8 +29,13 @@ def available_families() -> list[str]:
     """Engine families whose libraries are installed on this machine (test engines left out)."""
     return [
         fam for fam, (probe, _) in FAMILIES.items()
-        if fam not in EXPLICIT_ONLY and importlib.util.find_spec(probe) is not None
+        if fam not in EXPLICIT_ONLY and (importlib.util.find_spec(probe) is not None or _external(fam))
     ]
+
+
+def _external(family: str) -> bool:
+    # vLLM pins its own torch, so a worker may keep it in another venv and name that interpreter instead
+    return family == "vllm" and bool(os.environ.get("CODERAI_VLLM_PYTHON"))
 
 
 def engine_class(family: str) -> type[Engine]:

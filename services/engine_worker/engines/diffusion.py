@@ -215,6 +215,8 @@ class ImageEngine(_DiffusionEngine):
             kwargs["negative_prompt"] = job.negative_prompt
         images: list[Blob] = []
         for k, seed in enumerate(seeds):
+            if cancel:
+                break
             def on_step(p: Any, i: int, _t: Any, tensors: dict, k: int = k) -> dict:
                 if cancel:
                     raise _Cancelled
