@@ -1,4 +1,4 @@
-"""The speech engines' codec: int16 PCM to every OpenAI speech format, whole and streamed, and uploads back to floats."""
+"""The speech engines' codec: int16 PCM to every OpenAI speech format, whole and streamed; uploads back to floats."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import wave
 import numpy as np
 import pytest
 
+from coderai.engine_worker.engines import audio
+
 av = pytest.importorskip("av")
 sf = pytest.importorskip("soundfile")
-
-from coderai.engine_worker.engines import audio  # noqa: E402 - after the skips: it needs av at call time
 
 RATE = 22050  # Piper's usual rate: not one any codec is built around, so resampling paths get exercised
 SECONDS = 2.5
@@ -87,6 +87,16 @@ def test_streamed_compressed_formats_produce_bytes_as_they_go_and_play(fmt):
     _, rate, seconds = av_probe(b"".join(parts))
     assert rate == enc.rate
     assert SECONDS - 0.05 <= seconds <= SECONDS + 0.15
+
+
+@pytest.mark.parametrize("fmt", audio.FORMATS)
+def test_a_whole_file_encoder_holds_everything_until_finish(fmt):
+    enc = audio.encoder(fmt, RATE, streamed=False)
+    assert [enc.write(p) for p in np.array_split(tone(), 4)] == [b""] * 4
+    data = enc.finish()
+    assert len(data) > 1000
+    if fmt != "pcm":
+        assert av_probe(data)[2] == pytest.approx(SECONDS, abs=0.15)
 
 
 def test_streamed_pcm_matches_whole_pcm_length():

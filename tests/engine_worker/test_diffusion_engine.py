@@ -20,10 +20,21 @@ from coderai.testing.tiny_diffusion import ensure_tiny_sd, ensure_tiny_t2v  # no
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """`threads` is process-wide in torch: give it back afterwards. One thread, because on a shared 2-core box
+    two threads' spinning barriers make these tiny models several times slower, not faster."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def images():
     e = engine_class("diffusers")(ModelConfig(name="sd", engine="diffusers", path=str(ensure_tiny_sd()),
-                                              params={"threads": 2, "steps": 2, "max_pixels": 128 * 128}))
+                                              params={"threads": 1, "steps": 2, "max_pixels": 128 * 128}))
     e.load()
     yield e
     e.close()
@@ -32,7 +43,7 @@ def images():
 @pytest.fixture(scope="module")
 def videos():
     e = engine_class("video")(ModelConfig(name="t2v", engine="video", path=str(ensure_tiny_t2v()),
-                                          params={"threads": 2, "steps": 2}))
+                                          params={"threads": 1, "steps": 2}))
     e.load()
     yield e
     e.close()

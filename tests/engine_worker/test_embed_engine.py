@@ -42,12 +42,14 @@ def cross_encoder_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("models") / "ce"
-    CrossEncoder(resolve_model_path(MINILM), num_labels=1, device="cpu", local_files_only=True).save_pretrained(str(out))
+    ce = CrossEncoder(resolve_model_path(MINILM), num_labels=1, device="cpu", local_files_only=True)
+    ce.save_pretrained(str(out))
     return out
 
 
 def embed(engine, texts, dimensions=None):
-    res, usage = engine.embed(EmbedJob(request_id="r", model="m", input=texts, dimensions=dimensions), CancelFlag(), None)
+    job = EmbedJob(request_id="r", model="m", input=texts, dimensions=dimensions)
+    res, usage = engine.embed(job, CancelFlag(), None)
     vecs = np.frombuffer(res.vectors, dtype="<f4").reshape(res.count, res.dim)
     return res, vecs, usage
 
@@ -124,7 +126,9 @@ def test_cancelled_job_does_no_work(engine):
     flag = CancelFlag()
     flag.set()
     res, _ = engine.embed(EmbedJob(request_id="r", model="m", input=[FOOD] * 40), flag, None)
-    assert res.count == 0
+    assert res.count == 0 and res.vectors == b""
+    ranked, _ = engine.rerank(RerankJob(request_id="r", model="m", query=FOOD, documents=[BREAD]), flag, None)
+    assert ranked.scores == []
 
 
 def test_rerank_puts_the_relevant_document_first(engine):

@@ -35,7 +35,8 @@ def engine(tiny_gguf):
 
 
 def embed(engine, texts, dimensions=None):
-    res, usage = engine.embed(EmbedJob(request_id="r", model="e", input=texts, dimensions=dimensions), CancelFlag(), None)
+    job = EmbedJob(request_id="r", model="e", input=texts, dimensions=dimensions)
+    res, usage = engine.embed(job, CancelFlag(), None)
     return res, np.frombuffer(res.vectors, dtype="<f4").reshape(res.count, res.dim), usage
 
 

@@ -15,7 +15,7 @@ from coderai.engine_worker.engines.ocr import reading_order
 pytestmark = pytest.mark.slow
 pytest.importorskip("rapidocr")
 pytest.importorskip("pypdfium2")
-from PIL import Image, ImageDraw, ImageFont  # noqa: E402 - after the skips: Pillow comes with the ocr extra
+from PIL import Image, ImageDraw, ImageFont
 
 HELLO, INVOICE = "Hello OCR World 2026", "Invoice total: $123.45"
 

@@ -92,7 +92,7 @@ def encoder(fmt: str, rate: int, *, streamed: bool = True) -> Encoder:
     if fmt == "wav":
         return _WavEncoder(rate, streamed)
     if fmt == "pcm":
-        return _PcmEncoder(rate)
+        return _PcmEncoder(rate, streamed)
     if fmt in _AV:
         return _AvEncoder(fmt, rate, streamed)
     raise ValueError(f"unknown audio format {fmt!r}; one of {', '.join(FORMATS)}")
@@ -153,24 +153,32 @@ class _PcmEncoder(Encoder):
     fmt = "pcm"
     rate = PCM_RATE
 
-    def __init__(self, rate: int) -> None:
+    def __init__(self, rate: int, streamed: bool) -> None:
         import av
 
         self.in_rate = rate
+        self.streamed = streamed
+        self._held: list[bytes] = []
         self._resampler = None if rate == PCM_RATE else av.AudioResampler(format="s16", layout="mono", rate=PCM_RATE)
 
     def _out(self, frames: list[Any]) -> bytes:
         return b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)
 
-    def write(self, pcm: np.ndarray) -> bytes:
+    def _convert(self, pcm: np.ndarray) -> bytes:
         if self._resampler is None:
             return _int16(pcm).tobytes()
-        if len(pcm) == 0:
-            return b""
-        return self._out(self._resampler.resample(_frame(pcm, self.in_rate)))
+        return self._out(self._resampler.resample(_frame(pcm, self.in_rate))) if len(pcm) else b""
+
+    def write(self, pcm: np.ndarray) -> bytes:
+        data = self._convert(pcm)
+        if self.streamed:
+            return data
+        self._held.append(data)
+        return b""
 
     def finish(self) -> bytes:
-        return b"" if self._resampler is None else self._out(self._resampler.resample(None))
+        tail = b"" if self._resampler is None else self._out(self._resampler.resample(None))
+        return b"".join(self._held) + tail
 
 
 class _Sink:

@@ -150,7 +150,7 @@ class EmbedEngine(Engine):
                 if not os.path.isdir(ranker_path):
                     raise EngineLoadError(f"cross-encoder folder not found: {ranker_path}")
                 self.ranker = CrossEncoder(ranker_path, device=device, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
             raise EngineLoadError(f"sentence-transformers could not load {path}: {exc}") from exc
 
     def close(self) -> None:
@@ -170,7 +170,8 @@ class EmbedEngine(Engine):
         """One relevance score per document, in the documents' order (higher is more relevant)."""
         if not job.documents:
             raise BadInput("'documents' must hold at least one document to rank", param="documents")
-        check_texts([job.query], param="query")
+        if not job.query:
+            raise BadInput("'query' must not be empty", param="query")
         docs = list(job.documents)
         if self.ranker is not None:
             pairs = [(job.query, d) for d in docs]
@@ -179,6 +180,8 @@ class EmbedEngine(Engine):
             # a classifier with several labels scores relevance as its last label, as rerankers trained so do
             return RerankResult(scores=[float(s) for s in scores[:, -1]]), _usage(self._count_pairs(pairs))
         vecs = normalise(self._encode([job.query, *docs], cancel))
+        if len(vecs) <= len(docs):
+            return RerankResult(scores=[]), _usage(0)  # cancelled part way: nobody reads the answer
         scores = vecs[1:] @ vecs[0]
         return RerankResult(scores=[float(s) for s in scores]), _usage(self._count([job.query, *docs]))
 

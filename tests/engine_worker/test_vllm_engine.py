@@ -1,0 +1,175 @@
+"""The vLLM engine against a real vLLM OpenAI server on a tiny random HF llama, on the CPU.
+
+vLLM usually lives in its own venv: set CODERAI_VLLM_PYTHON to that interpreter (or install vllm here).
+Without either, the module is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
+from coderai.engine_worker.engines import BadInput, EngineLoadError, available_families, engine_class
+from coderai.engine_worker.engines.base import CancelFlag
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def _vllm_python() -> str | None:
+    named = os.environ.get("CODERAI_VLLM_PYTHON")
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+VLLM_PYTHON = _vllm_python()
+if VLLM_PYTHON is None:
+    pytest.skip("no python with vllm: set CODERAI_VLLM_PYTHON or install vllm", allow_module_level=True)
+
+MAX_MODEL_LEN = 256
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # never the hub; a small KV cache on CPU
+
+
+def config(path: str) -> ModelConfig:
+    params = {"python": VLLM_PYTHON, "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+              "load_timeout_s": 600, "env": SERVER_ENV}
+    return ModelConfig(name="tiny", engine="vllm", path=path, params=params)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    pytest.importorskip("transformers")
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+
+    e = engine_class("vllm")(config(str(tiny_hf_llama())))
+    e.load()
+    yield e
+    e.close()
+
+
+def chat(content: str = "hi", **kw) -> ChatJob:
+    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **kw.pop("params", {})})
+    return ChatJob(request_id="r", model="tiny", messages=[{"role": "user", "content": content}], params=params, **kw)
+
+
+def completion(prompt: str = "def f():", **kw) -> CompletionJob:
+    params = SamplingParams(**{"max_tokens": 5, "temperature": 0.0, **kw.pop("params", {})})
+    return CompletionJob(request_id="r", model="tiny", prompt=prompt, params=params, **kw)
+
+
+def wait_for(check, timeout_s: float = 30.0):
+    """Poll `check()` until it returns something truthy, or fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        pause.wait(0.1)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def metric(engine, name: str) -> float:
+    text = httpx.get(f"{engine.base_url}/metrics").text
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    assert found, f"{name} not in vLLM's /metrics"
+    return float(found.group(1))
+
+
+def test_vllm_counts_as_available_with_an_external_python(monkeypatch):
+    monkeypatch.setenv("CODERAI_VLLM_PYTHON", VLLM_PYTHON)
+    assert "vllm" in available_families()
+
+
+def test_chat_answers_with_usage(engine):
+    choices, usage = engine.chat(chat(), CancelFlag(), None)
+    assert len(choices) == 1 and choices[0].message["role"] == "assistant"
+    assert isinstance(choices[0].message["content"], str)
+    assert choices[0].finish_reason in ("stop", "length")
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_stream_yields_deltas_then_a_finish_reason(engine):
+    whole, _ = engine.chat(chat(params={"max_tokens": 12}), CancelFlag(), None)
+    pieces: list[tuple] = []
+    choices, usage = engine.chat(chat(stream=True, params={"max_tokens": 12}), CancelFlag(),
+                                 lambda d, t, f: pieces.append((d, t, f)))
+    assert choices == []
+    assert pieces[0][0] == {"role": "assistant"}
+    assert all(t is None for _, t, _ in pieces)
+    assert "".join((d or {}).get("content", "") for d, _, _ in pieces) == whole[0].message["content"]
+    assert pieces[-1][2] in ("stop", "length") and all(f is None for _, _, f in pieces[:-1])
+    assert usage.prompt_tokens > 0
+    assert usage.completion_tokens == 12 if pieces[-1][2] == "length" else 0 < usage.completion_tokens < 12
+
+
+def test_completion_whole_and_streamed(engine):
+    choices, usage = engine.complete(completion(), CancelFlag(), None)
+    assert choices[0].text and usage.completion_tokens <= 5 and usage.prompt_tokens > 0
+    pieces: list[tuple] = []
+    _, streamed = engine.complete(completion(stream=True), CancelFlag(), lambda d, t, f: pieces.append((d, t, f)))
+    assert all(d is None for d, _, _ in pieces)
+    assert "".join(t or "" for _, t, _ in pieces) == choices[0].text
+    assert pieces[-1][2] in ("stop", "length") and streamed == usage
+
+
+def test_cancel_stops_a_long_stream_and_vllm_aborts_it(engine):
+    before = metric(engine, "vllm:generation_tokens_total")
+    cancel = CancelFlag()
+    pieces: list[str | None] = []
+
+    def emit(delta, text, finish):
+        pieces.append(finish)
+        if len(pieces) == 3:
+            cancel.set()
+
+    max_tokens = MAX_MODEL_LEN - 16
+    _, usage = engine.complete(completion(stream=True, params={"max_tokens": max_tokens}), cancel, emit)
+    assert pieces == [None, None, None] and usage.completion_tokens == 3
+    # the dropped connection is vLLM's signal to abort: it stops generating well short of max_tokens
+    wait_for(lambda: metric(engine, "vllm:num_requests_running") == 0)
+    assert metric(engine, "vllm:generation_tokens_total") - before < max_tokens / 2
+    assert engine.complete(completion(), CancelFlag(), None)[0][0].text  # still serving
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_over_max_model_len_is_bad_input(engine, stream):
+    job = chat("word " * (MAX_MODEL_LEN * 2), stream=stream)
+    with pytest.raises(BadInput) as err:
+        engine.chat(job, CancelFlag(), (lambda d, t, f: None) if stream else None)
+    assert isinstance(err.value, ValueError) and "maximum context length" in str(err.value)
+
+
+def test_missing_model_path_fails_with_the_server_log_tail():
+    e = engine_class("vllm")(config("/nonexistent/coderai-model"))
+    with pytest.raises(EngineLoadError) as err:
+        e.load()
+    message = str(err.value)
+    assert "exited with code" in message  # it failed by exiting, not by waiting out load_timeout_s
+    assert "its log ends" in message and "nonexistent/coderai-model" in message.split("its log ends", 1)[1]
+    assert e.proc is None
+
+
+def test_close_ends_the_server_and_its_children(engine):
+    # last in the file: it closes the shared engine (close is idempotent, so the fixture's teardown is fine)
+    group = engine.proc.pid
+    engine.close()
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(group_gone, 60)
+    assert engine.proc is None and engine.client is None
