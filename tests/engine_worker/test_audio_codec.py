@@ -99,6 +99,13 @@ def test_a_whole_file_encoder_holds_everything_until_finish(fmt):
         assert av_probe(data)[2] == pytest.approx(SECONDS, abs=0.15)
 
 
+@pytest.mark.parametrize("fmt", audio.FORMATS)
+def test_an_encoder_finished_before_any_samples_still_closes_cleanly(fmt):
+    # a request cancelled before its first sentence finishes its encoder with nothing written
+    for streamed_ in (True, False):
+        assert isinstance(audio.encoder(fmt, RATE, streamed=streamed_).finish(), bytes)
+
+
 def test_streamed_pcm_matches_whole_pcm_length():
     pcm = tone()
     parts, _ = streamed("pcm", pcm)
