@@ -6,16 +6,15 @@ import io
 
 import pytest
 
+from coderai.contracts import ModelConfig
+from coderai.contracts.media import Blob, ImageJob, VideoJob
+from coderai.engine_worker.engines import BadInput, EngineLoadError, engine_class
+from coderai.engine_worker.engines.base import CancelFlag
+from coderai.testing.tiny_diffusion import ensure_tiny_sd, ensure_tiny_t2v
+
 pytest.importorskip("diffusers")
 av = pytest.importorskip("av")
-
-from PIL import Image  # noqa: E402
-
-from coderai.contracts import ModelConfig  # noqa: E402
-from coderai.contracts.media import Blob, ImageJob, VideoJob  # noqa: E402
-from coderai.engine_worker.engines import BadInput, EngineLoadError, engine_class  # noqa: E402
-from coderai.engine_worker.engines.base import CancelFlag  # noqa: E402
-from coderai.testing.tiny_diffusion import ensure_tiny_sd, ensure_tiny_t2v  # noqa: E402
+Image = pytest.importorskip("PIL.Image")
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +73,7 @@ def png(color: str = "orange", size: tuple[int, int] = (96, 72), mode: str = "RG
     return buf.getvalue()
 
 
-def decode(blob: Blob) -> Image.Image:
+def decode(blob: Blob):
     assert blob.content_type == "image/png"
     img = Image.open(io.BytesIO(blob.data))
     assert img.format == "PNG"
@@ -173,6 +172,26 @@ def test_cancelled_job_stops_before_any_image(images):
     assert result.images == [] and result.seeds == [] and progress.values == [] and usage.prompt_tokens == 0
 
 
+class CancelAfterFirstStep(Progress):
+    """The caller goes away while the first step is reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flag = CancelFlag()
+
+    def __call__(self, progress: float) -> None:
+        super().__call__(progress)
+        self.flag.set()
+
+
+def test_cancel_between_steps_stops_the_job_and_the_engine_still_works(images):
+    caller = CancelAfterFirstStep()
+    result, _ = images.image(job(n=2, seed=1), caller.flag, caller)
+    assert result.images == [] and caller.values == [0.25]  # step 2 of image 1 never ran
+    after, _ = images.image(job(seed=1), CancelFlag(), None)
+    assert decode(after.images[0]).size == (64, 64)
+
+
 def test_missing_model_folder_fails_to_load(tmp_path):
     e = engine_class("diffusers")(ModelConfig(name="x", engine="diffusers", path=str(tmp_path / "nothing")))
     with pytest.raises(EngineLoadError):
@@ -194,6 +213,13 @@ def test_video_is_an_mp4_with_the_asked_frames_and_progress(videos):
     assert all(f.shape == (64, 80, 3) for f in frames)
     assert progress.values == sorted(progress.values) and len(progress.values) == 3 and progress.values[-1] == 1.0
     assert usage.prompt_tokens > 2
+
+
+def test_video_cancel_between_steps_returns_no_video(videos):
+    caller = CancelAfterFirstStep()
+    vjob = VideoJob(request_id="r", model="t2v", prompt="x", num_frames=2, width=64, height=64, steps=3)
+    result, _ = videos.video(vjob, caller.flag, caller)
+    assert result.video.data == b"" and result.frames == 0 and caller.values == [pytest.approx(1 / 3)]
 
 
 @pytest.mark.parametrize(("kw", "param"), [

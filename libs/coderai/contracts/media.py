@@ -48,8 +48,8 @@ class ImageJob(Message, frozen=True, kw_only=True):
     model: str
     prompt: str
     n: int = 1
-    width: int = 512
-    height: int = 512
+    width: int = 0  # 0: not given (512 for a generation, the input's own size for an edit)
+    height: int = 0
     seed: int | None = None
     steps: int | None = None
     guidance_scale: float | None = None

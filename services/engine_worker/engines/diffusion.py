@@ -9,6 +9,7 @@ Model params: `threads` (torch CPU threads; process-wide), `device` (default cud
 float16 on cuda, float32 on cpu), `steps` (default 20), `guidance_scale`, `max_pixels` (default 1024*1024),
 `max_frames` (video, default 64). A job's `n` images are made one after another with seeds `seed`, `seed + 1`, ...,
 so each image depends on its own seed alone and a gateway splitting `n` over workers gets the same pictures.
+An edit that gives no width/height keeps the picture's own size (shrunk to `max_pixels`).
 Cancellation is checked every denoising step and stops the job before the VAE decodes; nobody reads what returns.
 """
 
@@ -36,7 +37,8 @@ DEFAULT_MAX_FRAMES = 64
 DEFAULT_STRENGTH = 0.8
 MIN_SIDE = 64
 MAX_SEED = 2**63 - 1
-# ImageJob's own width/height defaults: an edit that leaves both keeps the input picture's size
+DEFAULT_SIDE = 512  # a generation that names no size
+# ImageJob's own width/height defaults (0, "not given"): an edit that leaves both keeps the input picture's size
 UNSET_SIZE = tuple(f.default for f in msgspec.structs.fields(ImageJob) if f.name in ("width", "height"))
 
 
@@ -62,8 +64,8 @@ class _DiffusionEngine(Engine):
 
     def load(self) -> None:
         try:
-            import torch
             import diffusers  # noqa: F401 - fail here, with the install hint, rather than inside _pipeline_class
+            import torch
         except ImportError as exc:
             raise EngineLoadError("diffusers is not installed: pip install 'coderai[diffusers]'") from exc
         path = os.path.expanduser(self.config.path)
@@ -85,13 +87,11 @@ class _DiffusionEngine(Engine):
         self.pipe.set_progress_bar_config(disable=True)
 
     def close(self) -> None:
-        if self.pipe is None:
-            return
-        import torch
-
-        on_gpu = self.pipe.device.type == "cuda"
+        on_gpu = self.pipe is not None and self.pipe.device.type == "cuda"
         self.pipe = None
-        if on_gpu:
+        if on_gpu:  # give the freed memory back to the driver, for the next model placed on this card
+            import torch
+
             torch.cuda.empty_cache()
 
     def _size(self, width: int, height: int) -> tuple[int, int]:
@@ -217,6 +217,7 @@ class ImageEngine(_DiffusionEngine):
         for k, seed in enumerate(seeds):
             if cancel:
                 break
+
             def on_step(p: Any, i: int, _t: Any, tensors: dict, k: int = k) -> dict:
                 if cancel:
                     raise _Cancelled
@@ -236,7 +237,7 @@ class ImageEngine(_DiffusionEngine):
         if job.image is None:
             if job.mask is not None:
                 raise BadInput("a mask needs an image to edit", param="mask")
-            width, height = self._size(job.width, job.height)
+            width, height = self._size(job.width or DEFAULT_SIDE, job.height or DEFAULT_SIDE)
             return self.pipe, {"width": width, "height": height}
         strength = DEFAULT_STRENGTH if job.strength is None else job.strength
         if not 0.01 <= strength <= 1:
@@ -301,11 +302,10 @@ class VideoEngine(_DiffusionEngine):
             return VideoResult(video=Blob(), frames=0, width=width, height=height, fps=job.fps, seed=seed), Usage()
         if emit is not None and reported < 1.0:  # a multi-order scheduler may stop its callbacks short of the end
             emit(progress=1.0)
-        frames = out.frames[0]
-        data = _mp4(frames, job.fps)
-        return (VideoResult(video=Blob(data=data, size=len(data), content_type="video/mp4"), frames=len(frames),
-                            width=width, height=height, fps=job.fps, seed=seed),
-                self._usage(job.prompt, 1))
+        data = _mp4(out.frames[0], job.fps)
+        video = Blob(data=data, size=len(data), content_type="video/mp4")
+        result = VideoResult(video=video, frames=len(out.frames[0]), width=width, height=height, fps=job.fps, seed=seed)
+        return result, self._usage(job.prompt, 1)
 
 
 def _mp4(frames: Any, fps: int) -> bytes:
