@@ -4,7 +4,8 @@ The server runs under its own interpreter (`params["python"]`, else `CODERAI_VLL
 because vLLM pins a torch build that rarely matches the worker's; a worker keeps it in a separate venv.
 The engine translates jobs to OpenAI requests on loopback; vLLM batches concurrent requests itself, so the
 engine keeps no lock. Streaming reads the server's SSE and stops on cancel: closing the response drops the
-connection, and vLLM aborts a request whose client went away, freeing its KV cache.
+connection, and vLLM aborts a request whose client went away, freeing its KV cache. A whole (non-streamed)
+answer is one blocking request, so cancel cannot cut it short.
 
 Model params: `dtype`, `max_model_len`, `gpu_memory_utilization`, `tensor_parallel_size` and any other key
 become `--kebab-case value` server flags (`True` a bare flag); `extra_args` is a list appended as is; `env` a
@@ -13,6 +14,7 @@ dict added to the server's environment; `python` and `load_timeout_s` (default 6
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +29,7 @@ import httpx
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
-from coderai.runtime.embedded import die_with_parent, free_port
+from coderai.runtime.embedded import free_port
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
@@ -36,6 +38,22 @@ OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env"})
 DEFAULT_LOAD_TIMEOUT_S = 600.0
 LOG_TAIL_CHARS = 4000
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGTERM the server when the thread that started it dies (even by SIGKILL).
+
+    Unlike `coderai.runtime.embedded.die_with_parent`, prctl is looked up here, in the parent: the forked child
+    of a threaded worker then runs no import and no dlopen, which could wait forever on a lock that another
+    thread (say, one loading torch for a second engine) held at the fork.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
@@ -67,23 +85,16 @@ def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
 
 def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
     """The OpenAI `/v1/chat/completions` body for a chat job."""
-    body: dict[str, Any] = {"model": model, "messages": job.messages, **_sampling(job.params, stream)}
-    if job.tools:
-        body["tools"] = job.tools
-    if job.tool_choice is not None:
-        body["tool_choice"] = job.tool_choice
-    if job.response_format:
-        body["response_format"] = job.response_format
-    return body
+    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None}
+    return {"model": model, "messages": job.messages, **_sampling(job.params, stream),
+            **{k: v for k, v in extras.items() if v is not None}}
 
 
 def completion_request(model: str, job: CompletionJob, stream: bool) -> dict[str, Any]:
     """The OpenAI `/v1/completions` body for a completion job."""
-    body: dict[str, Any] = {"model": model, "prompt": job.prompt, **_sampling(job.params, stream)}
-    body.setdefault("max_tokens", 16)  # the OpenAI default for completions
-    if job.echo:
-        body["echo"] = True
-    return body
+    body: dict[str, Any] = {"model": model, "prompt": job.prompt, "max_tokens": 16,  # OpenAI's default
+                            **_sampling(job.params, stream)}
+    return {**body, "echo": True} if job.echo else body
 
 
 def sse_events(lines: Iterator[str], cancel: CancelFlag) -> Iterator[dict[str, Any]]:
@@ -127,7 +138,7 @@ class VllmEngine(Engine):
     """One model served by a vLLM OpenAI server that this engine starts, owns and stops."""
 
     family = "vllm"
-    max_concurrency = 64  # vLLM batches in-flight requests; a worker may call this engine from many threads
+    max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: vLLM batches them
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -157,7 +168,8 @@ class VllmEngine(Engine):
             try:
                 # a session of its own lets close() reach vLLM's engine-core and worker processes too
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env, start_new_session=True, preexec_fn=die_with_parent)
+                                             env=env, start_new_session=True,
+                                             preexec_fn=_pdeathsig())  # noqa: PLW1509 - see _pdeathsig
             except OSError as exc:
                 raise EngineLoadError(f"cannot start vLLM with {python}: {exc}") from exc
         self.base_url = f"http://127.0.0.1:{port}"
@@ -177,17 +189,14 @@ class VllmEngine(Engine):
                 except httpx.HTTPError:
                     pass  # not listening yet
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    tail = self._log_tail()
-                    self.close()
-                    raise EngineLoadError(f"vLLM was not healthy after {timeout_s:.0f} s; its log ends:\n{tail}")
-                try:
-                    code = self.proc.wait(timeout=min(0.5, left))  # the poll interval doubles as exit detection
+                try:  # the poll interval doubles as exit detection
+                    code = self.proc.wait(timeout=min(0.5, left)) if left > 0 else None
                 except subprocess.TimeoutExpired:
                     continue
+                why = f"exited with code {code}" if code is not None else f"was not healthy after {timeout_s:.0f} s"
                 tail = self._log_tail()
                 self.close()
-                raise EngineLoadError(f"vLLM exited with code {code} while loading {self.config.path}; its log ends:\n{tail}")
+                raise EngineLoadError(f"vLLM {why} while loading {self.config.path}; its log ends:\n{tail}")
 
     def _log_tail(self) -> str:
         try:
@@ -212,15 +221,11 @@ class VllmEngine(Engine):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # vLLM's own children, should any outlive the server
-            except (ProcessLookupError, PermissionError):
-                pass
         if self.log_path:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.log_path)
-            except OSError:
-                pass
             self.log_path = ""
 
     def stats(self) -> dict[str, int]:
@@ -246,7 +251,7 @@ class VllmEngine(Engine):
             return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")))
 
         body = chat_request(self.config.name, job, emit is not None)
-        return self._run("/v1/chat/completions", body, cancel, emit, piece, whole)
+        return self._run("/v1/chat/completions", body, job.request_id, cancel, emit, piece, whole)
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         """A text completion: whole choices, or streamed text through `emit` (then no choices)."""
@@ -257,33 +262,34 @@ class VllmEngine(Engine):
             return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")))
 
         body = completion_request(self.config.name, job, emit is not None)
-        return self._run("/v1/completions", body, cancel, emit, piece, whole)
+        return self._run("/v1/completions", body, job.request_id, cancel, emit, piece, whole)
 
-    def _run(self, path: str, body: dict[str, Any], cancel: CancelFlag, emit: Emit | None,
+    def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
              piece: Callable[[dict], tuple[dict | None, str | None]],
              whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
         if self.client is None:
             raise RuntimeError("the vLLM engine is not loaded")
+        headers = {"X-Request-Id": request_id}  # vLLM's logs and aborts then name the request as we do
         try:
             if emit is None:
-                r = self.client.post(path, json=body)
+                r = self.client.post(path, json=body, headers=headers)
                 if r.status_code != 200:
                     _raise_error(_json(r), r.status_code)
                 answer = r.json()
                 self._account(answer.get("usage"))
                 return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
-            return [], self._stream(path, body, cancel, emit, piece)
+            return [], self._stream(path, body, headers, cancel, emit, piece)
         except httpx.TransportError as exc:
             raise RuntimeError(f"vLLM server unreachable ({exc}); "
                                f"it {'exited' if self.proc is None or self.proc.poll() is not None else 'is running'}") from exc
 
-    def _stream(self, path: str, body: dict[str, Any], cancel: CancelFlag, emit: Emit,
+    def _stream(self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit,
                 piece: Callable[[dict], tuple[dict | None, str | None]]) -> Usage:
         assert self.client is not None
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         usage: dict[str, Any] | None = None
         pieces = 0
-        with self.client.stream("POST", path, json=body) as r:
+        with self.client.stream("POST", path, json=body, headers=headers) as r:
             if r.status_code != 200:
                 r.read()
                 _raise_error(_json(r), r.status_code)
