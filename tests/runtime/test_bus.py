@@ -176,7 +176,6 @@ async def test_revision_cache_recovers_from_a_foreign_write(bus, unique):
 
 
 async def test_listen_decodes_and_drops_malformed_messages(bus, unique):
-    from coderai.contracts import CancelJob
 
     got: list[str] = []
     done = asyncio.Event()

@@ -17,19 +17,18 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """preexec_fn: ask Linux to SIGTERM this child when the process that started it dies, even by SIGKILL,
-    so an embedded server or a supervised service never outlives `coderai up` (or a test run)."""
-    try:
-        import ctypes
+def die_with_parent():
+    """A preexec_fn asking Linux to SIGTERM the child when the thread that started it dies, even by SIGKILL, so
+    an embedded server, a supervised service or an engine's server never outlives its starter (None off Linux).
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    prctl is looked up here, in the parent: the forked child of a threaded process then runs no import and no
+    dlopen, which could wait forever on a lock another thread held at the fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-
-def _preexec():
-    return die_with_parent if sys.platform == "linux" else None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedServerError(Exception):
@@ -110,7 +109,7 @@ class NatsServer(_Server):
             cmd += ["-c", str(conf)]
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_preexec())
+                                     preexec_fn=die_with_parent())
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -149,7 +148,7 @@ class RedisServer(_Server):
                "--dir", str(self.data_dir), "--protected-mode", "yes"]
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_preexec())
+                                     preexec_fn=die_with_parent())
         self.url = f"redis://{self.host}:{self.port}/0"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ class Child:
         out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            start_new_session=True, preexec_fn=die_with_parent(),
         )
         out.close()
         self.started = time.monotonic()

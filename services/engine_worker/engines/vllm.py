@@ -29,7 +29,7 @@ import httpx
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
-from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded import die_with_parent, free_port
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
@@ -38,22 +38,6 @@ OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env"})
 DEFAULT_LOAD_TIMEOUT_S = 600.0
 LOG_TAIL_CHARS = 4000
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
-_PR_SET_PDEATHSIG = 1
-
-
-def _pdeathsig() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the server when the thread that started it dies (even by SIGKILL).
-
-    Unlike `coderai.runtime.embedded.die_with_parent`, prctl is looked up here, in the parent: the forked child
-    of a threaded worker then runs no import and no dlopen, which could wait forever on a lock that another
-    thread (say, one loading torch for a second engine) held at the fork.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
@@ -169,7 +153,7 @@ class VllmEngine(Engine):
                 # a session of its own lets close() reach vLLM's engine-core and worker processes too
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True,
-                                             preexec_fn=_pdeathsig())  # noqa: PLW1509 - see _pdeathsig
+                                             preexec_fn=die_with_parent())  # noqa: PLW1509 - prctl only
             except OSError as exc:
                 raise EngineLoadError(f"cannot start vLLM with {python}: {exc}") from exc
         self.base_url = f"http://127.0.0.1:{port}"
