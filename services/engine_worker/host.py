@@ -78,6 +78,8 @@ class EngineHost:
         t0 = time.monotonic()
         try:
             self.engine = engine_class(self.config.engine)(self.config)
+            if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
+                self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
             await loop.run_in_executor(self._executor, self.engine.load)
         except EngineLoadError as exc:
             self.state, self.error = "failed", str(exc)

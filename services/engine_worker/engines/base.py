@@ -33,6 +33,7 @@ class Engine:
 
     family = ""
     blocking = True  # False: the engine's calls return at once (no compute, no I/O) and run on the event loop
+    max_concurrency = 1  # jobs run at once, each in its own thread; 1 for engines that are not thread-safe
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
