@@ -23,6 +23,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobStore
 from coderai.runtime.bus import TIMED_OUT, Bus, FrameWriter, get_or_timeout
@@ -58,6 +59,7 @@ class EngineHost:
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task] = set()
         self.blobs = BlobStore(bus)
+        self._pullers: list[PartPuller] = []
 
     def status(self) -> EngineStatus:
         return EngineStatus(
@@ -100,12 +102,22 @@ class EngineHost:
             if op in ENGINE_OPS
         ]
         self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(engine_id=self.engine_id)))
+        if self.config.distribute.enabled:
+            self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in FANOUT_OPS]
+            for p in self._pullers:
+                p.start()
+
+    async def _stop_pullers(self) -> None:
+        for p in self._pullers:
+            await p.stop()
+        self._pullers = []
 
     async def pause(self) -> None:
         """Drain: take no new jobs (jobs already here finish); the router stops sending on the next heartbeat."""
         if self.state != "ready":
             return
         self.state = "draining"
+        await self._stop_pullers()
         for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
             await sub.unsubscribe()
         self._subs = self._subs[-1:]
@@ -121,6 +133,7 @@ class EngineHost:
     async def unload(self, timeout_s: float) -> None:
         """Stop intake, let in-flight jobs finish (bounded), then free the model."""
         self.state = "unloading"
+        await self._stop_pullers()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -161,7 +174,10 @@ class EngineHost:
             log.info("cancel", extra={"request_id": req.request_id})
             flag.set()
 
-    async def _run(self, op: str, job: Any, reply: str, request_id: str, headers: dict[str, str] | None = None) -> None:
+    async def _run(self, op: str, job: Any, reply: str, request_id: str, headers: dict[str, str] | None = None,
+                   give_back: bool = False) -> str:
+        """Run one job, its frames to `reply`: "ok", or "failed" once an error was answered. With `give_back`
+        (a fan-out part that another worker may still take) an engine failure is not answered: "retry"."""
         request_id_var.set(request_id)
         span = tracing.NO_SPAN
         if tracing.enabled():  # a child of the gateway's engine call, through the job's traceparent header
@@ -185,7 +201,7 @@ class EngineHost:
             except BlobMissing as exc:
                 await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
                 self._finish_job(job, span)
-                return
+                return "failed"
 
             def emit(**fields: Any) -> None:  # data=bytes for speech, progress=0..1 for long jobs
                 loop.call_soon_threadsafe(queue.put_nowait, fields)
@@ -231,14 +247,19 @@ class EngineHost:
             if span is not tracing.NO_SPAN:
                 span.set_attributes({"coderai.prompt_tokens": usage.prompt_tokens,
                                      "coderai.completion_tokens": usage.completion_tokens, "coderai.ttft_s": ttft})
+            return "ok"
         except ValueError as exc:  # BadInput, or llama-cpp-python's word for a prompt it cannot take (> n_ctx)
             tracing.set_error(span, f"bad_request: {exc}")
             await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq(),
                                          param=getattr(exc, "param", None)))
+            return "failed"
         except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
             log.exception("%s job failed", op)
             tracing.set_error(span, f"engine_failed: {type(exc).__name__}: {exc}")
+            if give_back:
+                return "retry"
             await writer.send(ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq()))
+            return "failed"
         finally:
             if not fut.done():
                 flag.set()

@@ -125,9 +125,9 @@ def keys_to_record(req: RouteRequest) -> list[str]:
     return list(dict.fromkeys(k for k in keys if k))
 
 
-def _decide(table: EngineTable, v: EngineView, reason: str) -> RouteDecision:
+def _decide(table: EngineTable, v: EngineView, reason: str, holders: int = 1) -> RouteDecision:
     table.chose(v)
-    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason)  # type: ignore[arg-type]
+    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders)  # type: ignore[arg-type]
 
 
 def pick(
@@ -149,7 +149,7 @@ def pick(
     if pin:
         pinned = [v for v in candidates if pin in (v.engine_id, v.node_id)]
         if pinned:
-            return _decide(table, table.least_busy(pinned), "pin")
+            return _decide(table, table.least_busy(pinned), "pin", len(pinned))
         if req.pin or not (model and model.allow_fallback):
             raise BusError("no_engine", f"pinned engine {pin!r} is not serving {req.model!r}", retryable=True)
         fallback = True
@@ -166,8 +166,8 @@ def pick(
         if warm is None or guard.overloaded(warm, least):
             fallback = True  # the conversation had a home that cannot take it now
             continue
-        return _decide(table, warm, reason)
-    return _decide(table, least, "fallback" if fallback else "least_busy")
+        return _decide(table, warm, reason, len(candidates))
+    return _decide(table, least, "fallback" if fallback else "least_busy", len(candidates))
 
 
 class RoundRobin:
@@ -181,4 +181,4 @@ class RoundRobin:
         candidates = sorted((v for v in table.holders(req.model, req.op) if v.engine_id not in excluded), key=lambda v: v.engine_id)
         if not candidates:
             return None
-        return _decide(table, candidates[next(self._counter) % len(candidates)], "least_busy")
+        return _decide(table, candidates[next(self._counter) % len(candidates)], "least_busy", len(candidates))

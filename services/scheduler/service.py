@@ -13,7 +13,7 @@ import msgspec
 from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, HEARTBEAT
-from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES
+from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
 from coderai.runtime.mirror import KVMirror
@@ -39,6 +39,7 @@ class Scheduler:
         stack.push_async_callback(self.bus.close)
         self.kv_models = await self.bus.kv(MODELS)
         self.kv_nodes = await self.bus.kv(NODES)
+        await self.bus.ensure_stream(WORK)  # workers (which may not create streams) pull fan-out parts from it
         self.assignments = KVMirror(self.bus, ASSIGNMENTS, Assignment)
         self.kv_assign = await self.assignments.bind()
         self.assignments.start()

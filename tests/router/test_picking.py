@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from coderai.contracts import EngineStatus, Heartbeat, RouteDecision, RouteRequest
+from coderai.contracts import EngineStatus, Heartbeat, RouteRequest
 from coderai.router.picking import EngineTable, EngineView, pick
+
+
+def where(d):
+    """A decision's engine, node and reason (`holders` is tested on its own)."""
+    return (d.engine_id, d.node_id, d.reason)
 
 
 def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0) -> EngineStatus:
@@ -96,7 +101,17 @@ def test_pick_chooses_the_least_loaded_engine():
     t.apply(hb("n1", engine("e1", in_flight=5)), now=0.0)
     t.apply(hb("n2", engine("e2", in_flight=1), engine("e3", in_flight=3)), now=0.0)
     d = pick(t, req())
-    assert d == RouteDecision(engine_id="e2", node_id="n2", reason="least_busy")
+    assert where(d) == ("e2", "n2", "least_busy")
+    assert d.holders == 3  # the gateway splits a fan-out request only over two or more
+
+
+def test_holders_counts_the_engines_that_could_take_it():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1")), now=0.0)
+    assert pick(t, req()).holders == 1
+    t.apply(hb("n2", engine("e2"), engine("e3", model="other")), now=0.0)
+    assert pick(t, req()).holders == 2
+    assert pick(t, RouteRequest(request_id="r", model="m", op="chat", exclude=["e1"])).holders == 1
 
 
 def test_pick_breaks_ties_by_lowest_engine_id():
@@ -171,4 +186,4 @@ def test_a_node_that_comes_back_after_expiry_is_picked_again():
     t.expire(now=5.0)
     assert pick(t, req()) is None
     t.apply(hb("n1", engine("e1"), seq=2), now=5.0)
-    assert pick(t, req()) == RouteDecision(engine_id="e1", node_id="n1", reason="least_busy")
+    assert where(pick(t, req())) == ("e1", "n1", "least_busy")

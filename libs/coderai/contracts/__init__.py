@@ -2,7 +2,7 @@
 
 from coderai.contracts.base import Message, decode, encode
 from coderai.contracts.errors import BusError, ErrorCode, ErrorReply
-from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
+from coderai.contracts.events import Event, ModelLoaded, PartDone, RequestCompleted
 from coderai.contracts.jobs import (
     CancelJob,
     ChatJob,
@@ -44,14 +44,16 @@ from coderai.contracts.media import (
     VideoResult,
     Word,
 )
-from coderai.contracts.models import ModelConfig
+from coderai.contracts.models import Distribute, ModelConfig
 from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
+from coderai.contracts.work import WorkPart
 
 __all__ = [
     "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
     "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
+    "Distribute", "PartDone", "WorkPart",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",

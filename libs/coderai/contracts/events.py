@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op, RequestId
@@ -37,4 +37,20 @@ class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_fi
     ts: float
 
 
-Event = Union[RequestCompleted, ModelLoaded]
+class PartDone(Message, frozen=True, kw_only=True, tag="work.part", tag_field="t"):
+    """A worker finished a fan-out part (`ok`), gave it back for another worker (`retry`), or answered it with
+    an error once its deliveries ran out (`failed`); for the fan-out metrics (parts per worker, redeliveries)."""
+
+    request_id: RequestId
+    model: str
+    op: Op
+    part: int
+    node_id: str
+    engine_id: str
+    status: Literal["ok", "failed", "retry"]
+    deliveries: int = 1
+    duration_s: float = 0.0
+    ts: float = 0.0
+
+
+Event = Union[RequestCompleted, ModelLoaded, PartDone]

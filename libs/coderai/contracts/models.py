@@ -23,6 +23,15 @@ DEFAULT_OPS: dict[str, list[Op]] = {
 }
 
 
+class Distribute(Message, frozen=True, kw_only=True):
+    """Fan-out of one request over every worker holding the model (images by `n`, embeddings and rerank by
+    items, speech by sentences, transcription by audio cut at silences, OCR by pages)."""
+
+    enabled: bool = True
+    max_parts: int = 8
+    min_items: int = 2  # fewer items than this are never split
+
+
 class ModelConfig(Message, frozen=True, kw_only=True):
     """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...).
 
@@ -42,6 +51,7 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     price_completion_per_mtok: float = 0.0
     pin: str = ""  # route every request to this engine or node id
     allow_fallback: bool = False  # when the pinned engine is down, route elsewhere instead of failing
+    distribute: Distribute = Distribute()
     owned_by: str = "coderai"
     created: int = 0
 

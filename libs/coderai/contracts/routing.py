@@ -31,11 +31,13 @@ class RouteRequest(Message, frozen=True, kw_only=True):
 
 
 class RouteDecision(Message, frozen=True, kw_only=True, tag="route", tag_field="t"):
-    """The engine to use and why (`fallback`: the pinned or affine engine could not take it)."""
+    """The engine to use and why (`fallback`: the pinned or affine engine could not take it). `holders`: how many
+    live engines could have taken it (the gateway splits a fan-out request only over two or more)."""
 
     engine_id: str
     node_id: str
     reason: RouteReason
+    holders: int = 1
 
 
 class AffinityEntry(Message, frozen=True, kw_only=True):

@@ -22,7 +22,7 @@ from coderai.contracts.admin import (
 )
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
-from coderai.contracts.events import Event, ModelLoaded, RequestCompleted
+from coderai.contracts.events import Event, ModelLoaded, PartDone, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
 from coderai.contracts.media import (
     DiarizeJob,
@@ -35,6 +35,7 @@ from coderai.contracts.media import (
     VideoJob,
 )
 from coderai.contracts.nodes import Heartbeat
+from coderai.contracts.work import WorkPart
 from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest
 from coderai.contracts.routing import RouteDecision, RouteRequest
 
@@ -110,6 +111,8 @@ HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat)
 EVENTS_ALL = Subject("coderai.evt.>", Event)
 EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded", ModelLoaded)
+EVT_PART_DONE = Subject("coderai.evt.work.part", PartDone)
+WORK_PART = Subject("coderai.work.{model_key}.{op}", WorkPart)
 
 CMD_BROKER_STATUS = Subject("coderai.cmd.broker.status", BrokerStatusRequest, BrokerStatus)
 

@@ -40,7 +40,7 @@ BLOBS = BucketSpec("coderai_blobs", ttl_s=3600, description="large payloads: upl
 """An object store, not a KV bucket: messages carry a `Blob` naming an object here instead of the bytes."""
 
 EVENTS = StreamSpec("EVENTS", ("coderai.evt.>",), max_age_s=7 * 24 * 3600, description="durable events")
-WORK = StreamSpec("WORK", ("coderai.work.>",), description="fan-out parts, work queue")
+WORK = StreamSpec("WORK", ("coderai.work.>",), max_age_s=3600, description="fan-out parts, work queue")
 
 STREAMS = (EVENTS, WORK)
 

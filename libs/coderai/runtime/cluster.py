@@ -39,6 +39,14 @@ NODE_PUBLISH = [
     "$JS.API.DIRECT.GET.OBJ_coderai_blobs.>",
     "$JS.API.STREAM.MSG.GET.OBJ_coderai_blobs",
     "$JS.API.STREAM.PURGE.OBJ_coderai_blobs",
+    # fan-out parts: bind the shared durable pull consumer of the WORK stream, pull, ack
+    "$JS.API.STREAM.INFO.WORK",
+    "$JS.API.CONSUMER.CREATE.WORK",
+    "$JS.API.CONSUMER.CREATE.WORK.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.WORK.>",
+    "$JS.API.CONSUMER.INFO.WORK.>",
+    "$JS.API.CONSUMER.MSG.NEXT.WORK.>",
+    "$JS.ACK.WORK.>",
 ]
 NODE_SUBSCRIBE = ["coderai.engine.>", "coderai.cmd.node.>", "coderai.work.>", "_INBOX.>"]
 

@@ -1,11 +1,11 @@
 """A tiny Whisper that faster-whisper runs and that transcribes one phrase exactly, built offline.
 
-The model is a random 2-layer Whisper overfitted on one phrase spoken by espeak-ng, then converted to
-CTranslate2. Nothing is downloaded: the tokenizer is a byte-level BPE trained on the Python standard library's
-sources, laid out like Whisper's multilingual one (50,257 ordinary tokens, then the special, language and
-timestamp tokens), because CTranslate2 infers "multilingual" and the language count from the vocabulary size
-and faster-whisper finds every special token by its text. Building takes well under a minute on two cores and is
-cached per phrase (`coderai.testing.model_cache`).
+The model is a random 2-layer Whisper whose decoder is overfitted on one phrase spoken by espeak-ng, then
+converted to CTranslate2. Nothing is downloaded: the tokenizer is a byte-level BPE trained on the Python standard
+library's sources, laid out like OpenAI's multilingual one (50,257 ordinary tokens, then the special, 99 language
+and 1,501 timestamp tokens at the same ids), because CTranslate2 and faster-whisper find special tokens by text
+and id and count languages from their positions. Building takes about half a minute on two cores and is cached
+per phrase (`coderai.testing.model_cache`).
 Needs `faster-whisper` (ctranslate2), `transformers`, `torch`, `tokenizers` and Debian's `espeak-ng`.
 """
 
@@ -26,18 +26,22 @@ from coderai.testing.model_cache import cached_build
 from coderai.testing.speech import RATE, speak_pcm
 
 TRAINING_TEXT = "Hello world, this is a tiny speech test."
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"  # bump whenever the recipe changes: cached builds are keyed by it
 
 # Whisper's language tokens, in its order (the 99 of the v1/v2 multilingual models)
 LANGUAGES = (
-    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt la "
-    "mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af oc ka be "
-    "tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su"
-).split()
+    "en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr", "pl", "ca", "nl", "ar", "sv", "it", "id", "hi",
+    "fi", "vi", "he", "uk", "el", "ms", "cs", "ro", "da", "hu", "ta", "no", "th", "ur", "hr", "bg", "lt", "la",
+    "mi", "ml", "cy", "sk", "te", "fa", "lv", "bn", "sr", "az", "sl", "kn", "et", "mk", "br", "eu", "is", "hy",
+    "ne", "mn", "bs", "kk", "sq", "sw", "gl", "mr", "pa", "si", "km", "sn", "yo", "so", "af", "oc", "ka", "be",
+    "tg", "sd", "gu", "am", "yi", "lo", "uz", "fo", "ht", "ps", "tk", "nn", "mt", "sa", "lb", "my", "bo", "tl",
+    "mg", "as", "tt", "haw", "ln", "ha", "ba", "jw", "su",
+)
 BASE_VOCAB = 50257  # ordinary tokens before <|endoftext|>, as in Whisper's multilingual tokenizer
 TRAINED_VOCAB = 4096  # what BPE actually learns; the rest are unreachable fillers to reach BASE_VOCAB
 TIME_STEP = 0.02
 TIMESTAMPS = 1501
+JUNK_FLOOR = -20.0  # log-probability of "end here" mid-sentence the overfit aims below
 
 
 def ensure_tiny_whisper(text: str = TRAINING_TEXT) -> Path:
@@ -137,7 +141,7 @@ def _random_model(tok: Any, d_model: int = 64, layers: int = 2, heads: int = 4) 
 
 def _overfit(model: Any, tok: Any, pcm: np.ndarray, text: str, max_steps: int, target_loss: float = 0.005) -> None:
     """Teach the decoder one transcript, in faster-whisper's default timestamped form and in the
-    `without_timestamps` form, language token included so that language detection answers `en`.
+    `without_timestamps` form, for both tasks, language token included so that language detection answers `en`.
 
     The random encoder stays frozen: its output for this audio is computed once, which makes a step ~20x
     cheaper, and a decoder that memorises one sentence needs nothing better from it.
@@ -147,16 +151,23 @@ def _overfit(model: Any, tok: Any, pcm: np.ndarray, text: str, max_steps: int, t
     from faster_whisper.feature_extractor import FeatureExtractor
 
     ids = tok.convert_tokens_to_ids
+    sot, eot, no_timestamps = ids("<|startoftranscript|>"), ids("<|endoftext|>"), ids("<|notimestamps|>")
     words = tok.encode(" " + text.strip(), add_special_tokens=False)
     end = min(TIMESTAMPS - 1, int(len(pcm) / RATE / TIME_STEP))  # floored: the segment never outlasts the audio
-    head = [ids("<|startoftranscript|>"), ids("<|en|>"), ids("<|transcribe|>")]
-    timed = head + [ids("<|0.00|>")] + words + [ids(f"<|{end * TIME_STEP:.2f}|>"), ids("<|endoftext|>")]
-    plain = head + [ids("<|notimestamps|>")] + words + [ids("<|endoftext|>")]
-    pad = len(timed) - len(plain)
-    decoder_input = torch.tensor([timed[:-1], plain[:-1] + [ids("<|endoftext|>")] * pad])
-    labels = torch.tensor([timed[1:], plain[1:] + [-100] * pad])
-    labels[:, 1] = -100  # the task token is the caller's choice, not something to predict
-    labels[1, 2] = -100  # so is <|notimestamps|>
+    said = [ids("<|0.00|>")] + words + [ids(f"<|{end * TIME_STEP:.2f}|>")]
+    rows = []
+    for task in ("<|transcribe|>", "<|translate|>"):  # English speech translated to English is the same text
+        head = [sot, ids("<|en|>"), ids(task)]
+        rows += [head + said + [eot], head + [no_timestamps] + words + [eot]]
+
+    def targets(row: list[int]) -> list[int]:
+        out = row[1:]
+        out[1] = -100  # the task token is the caller's choice, not something to predict
+        return [-100 if t == no_timestamps else t for t in out]  # so is <|notimestamps|>
+
+    width = max(map(len, rows))
+    decoder_input = torch.tensor([r[:-1] + [eot] * (width - len(r)) for r in rows])
+    labels = torch.tensor([targets(r) + [-100] * (width - len(r)) for r in rows])
 
     # the exact features faster-whisper computes: its own log-mel, padded with zeros to 30 s in feature space
     # (Hugging Face's extractor pads the audio instead, and a decoder trained on that misreads at inference)
@@ -165,7 +176,15 @@ def _overfit(model: Any, tok: Any, pcm: np.ndarray, text: str, max_steps: int, t
     encoder = model.get_encoder()
     encoder.requires_grad_(False)
     with torch.no_grad():
-        encoded = encoder(features).last_hidden_state.expand(2, -1, -1)
+        encoded = encoder(features).last_hidden_state.expand(len(rows), -1, -1)
+
+    # Mid-sentence, a timestamp or the end token must be far less likely than any other wrong token. Beam search
+    # fills its spare beams with runners-up; a runner-up timestamp is followed by a forced end (text may not follow
+    # a lone timestamp), so each one becomes a finished junk hypothesis, and after `beam_size` of those the search
+    # stops before the true sentence is done. Pushing their mass below JUNK_FLOOR keeps runners-up to text.
+    stop_ids = torch.tensor([eot] + list(range(ids("<|0.00|>"), len(tok))))
+    mid_sentence = (labels >= 0) & (labels < eot)
+    targets = labels.clamp(min=0)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ops are tiny: more threads only add waiting on a busy machine
@@ -175,11 +194,14 @@ def _overfit(model: Any, tok: Any, pcm: np.ndarray, text: str, max_steps: int, t
         for _ in range(max_steps):
             # noise on the encoder output, so int8 weights and small numeric differences at inference do not matter
             noisy = encoded + 0.05 * torch.randn_like(encoded)
-            loss = model(encoder_outputs=(noisy,), decoder_input_ids=decoder_input, labels=labels).loss
+            logp = model(encoder_outputs=(noisy,), decoder_input_ids=decoder_input).logits.log_softmax(-1)
+            nll = -logp.gather(-1, targets[..., None])[..., 0][labels >= 0].mean()
+            junk = (logp[..., stop_ids].logsumexp(-1)[mid_sentence] - JUNK_FLOOR).clamp(min=0).mean()
+            loss = nll + junk
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if loss.item() < target_loss:
+            if nll.item() < target_loss and junk.item() == 0:
                 break
     finally:
         torch.set_num_threads(threads)

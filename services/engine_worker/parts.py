@@ -1,0 +1,129 @@
+"""Fan-out parts: every worker holding a model pulls its parts from the `WORK` work-queue stream.
+
+One durable pull consumer per (model, op) is shared by all holders, so each part goes to one of them and a
+faster machine, which comes back for the next part sooner, takes more. A part is acked once it is answered;
+while it runs the worker tells JetStream it is still on it, and a part whose worker dies is redelivered after
+`ack_wait_s`. An engine failure hands the part back (nak) for another worker until the last delivery, which
+answers the error so the gateway can name the part that failed everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from coderai.contracts import PartDone, WorkPart, decode, model_key
+from coderai.contracts.subjects import ENGINE_OPS, EVT_PART_DONE, WORK_PART
+from coderai.contracts.topology import HDR_REQUEST_ID, WORK
+
+log = logging.getLogger("coderai.engine_worker")
+
+FANOUT_OPS = ("embed", "rerank", "image", "speech", "transcribe", "ocr")
+ACK_WAIT_S = 10.0
+MAX_DELIVER = 3
+
+
+def consumer_name(model: str, op: str) -> str:
+    """The durable consumer every holder of `model` shares for `op`."""
+    return f"work-{model_key(model)}-{op}"
+
+
+class PartPuller:
+    """Pulls one (model, op)'s parts, one at a time, and runs them on the host's engine."""
+
+    def __init__(self, host: Any, op: str, ack_wait_s: float = ACK_WAIT_S, max_deliver: int = MAX_DELIVER) -> None:
+        self.host = host
+        self.op = op
+        self.ack_wait_s = ack_wait_s
+        self.max_deliver = max_deliver
+        self._sub: Any = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _subscribe(self) -> None:
+        """Bind (or create) the shared durable consumer; retried until the `WORK` stream exists."""
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        subject = WORK_PART(model_key=model_key(self.host.config.name), op=self.op)
+        cfg = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=self.max_deliver,
+                             filter_subject=subject)
+        while True:
+            try:
+                self._sub = await self.host.bus.js.pull_subscribe(
+                    subject, durable=consumer_name(self.host.config.name, self.op), stream=WORK.name, config=cfg)
+                return
+            except Exception as exc:  # noqa: BLE001 - the head creates WORK; until then, wait for it
+                log.info("no work queue for %s/%s yet (%s); retrying", self.host.config.name, self.op, exc)
+                await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()  # the durable consumer stays: other holders still pull from it
+
+    async def _loop(self) -> None:
+        import nats.errors
+
+        await self._subscribe()
+        while True:
+            try:
+                msgs = await self._sub.fetch(1, timeout=5)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reconnecting; the next fetch retries
+                log.warning("fetching parts for %s/%s failed: %s", self.host.config.name, self.op, exc)
+                await asyncio.sleep(1.0)
+                continue
+            for msg in msgs:
+                await self._one(msg)
+
+    async def _one(self, msg: Any) -> None:
+        host = self.host
+        try:
+            part = decode(msg.data, WorkPart)
+            job = ENGINE_OPS[self.op].decode(bytes(part.job))
+        except (msgspec.ValidationError, msgspec.DecodeError, KeyError) as exc:
+            log.error("dropping a malformed part: %s", exc)
+            await msg.term()
+            return
+        deliveries = msg.metadata.num_delivered if msg.metadata else 1
+        last = deliveries >= self.max_deliver
+        t0 = time.monotonic()
+        keep = asyncio.create_task(self._in_progress(msg))
+        try:
+            status = await host._run(self.op, job, part.reply, part.request_id, {HDR_REQUEST_ID: part.request_id},
+                                     give_back=not last)
+        finally:
+            keep.cancel()
+        if status == "retry":
+            await msg.nak()
+        else:
+            await msg.ack()
+        if status == "failed" and last:
+            log.error("part %d/%d of %s failed on its last delivery", part.part + 1, part.parts, part.request_id)
+        evt = PartDone(request_id=part.request_id, model=part.model, op=part.op, part=part.part, node_id=host.node_id,
+                       engine_id=host.engine_id, status=status, deliveries=deliveries,  # type: ignore[arg-type]
+                       duration_s=time.monotonic() - t0, ts=time.time())
+        with contextlib.suppress(Exception):
+            await host.bus.publish(EVT_PART_DONE, evt)
+
+    async def _in_progress(self, msg: Any) -> None:
+        """Keep the part ours while it runs (a long image or transcription outlasts `ack_wait_s`)."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+

@@ -1,0 +1,390 @@
+"""Fan-out: split one media request into parts for several workers, and merge their answers into one.
+
+Pure functions over the contract structs (no bus, no I/O). The contract: `merge(plan(job))` of the parts' answers is
+what one engine given the whole job would have answered (images: the same pictures, because an engine draws image
+i with seed `seed + i`; embeddings, rerank scores, OCR pages: the same rows in the same order; speech and
+transcription: the same audio and text up to the cuts, which fall between sentences and inside silences).
+
+The gateway base install has only msgspec and the stdlib: transcription (PyAV, numpy) and PDF (pypdfium2) plans
+import lazily and answer "do not split" where their library is missing, so the job still runs, on one engine.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+import secrets
+import wave
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec.structs import replace
+
+from coderai.contracts import Usage
+from coderai.contracts.media import (
+    Blob, EmbedResult, ImageResult, OcrResult, RerankResult, SpeechResult, TranscribeResult,
+)
+
+STT_RATE = 16000  # what Whisper-family models resample to anyway, so pieces lose nothing they would have kept
+STT_PIECE_S = 30.0  # Whisper decodes 30 s windows: a shorter piece costs a whole window and loses context
+_SEARCH = 0.2  # a cut may move this fraction of a piece's length either way to land in a silence
+_WINDOW_S, _HOP_S = 0.1, 0.01
+
+
+@dataclass(frozen=True)
+class Distribute:
+    """Per-model fan-out settings (from the model config)."""
+
+    enabled: bool = True
+    max_parts: int = 8
+    min_items: int = 2  # fewer items than this: do not split
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sub-jobs in part order, and each part's start in seconds in the original (0.0 where meaningless)."""
+
+    jobs: list
+    offsets: list[float]
+
+
+class MergeError(ValueError):
+    """The parts' answers cannot be put together (wrong type or count, mismatched dims or audio formats)."""
+
+
+def chunk_sizes(items: int, parts: int) -> list[int]:
+    """Sizes of `parts` contiguous chunks covering `items`, differing by at most one (the larger ones first)."""
+    q, r = divmod(items, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def plan(op: str, job: Any, parts_hint: int, d: Distribute) -> Plan | None:
+    """The sub-jobs (same struct type as `job`, request_id kept, each a valid job) in order, or None when the job
+    should not be split (op not splittable, too few items, disabled, job.stream true, a needed library missing).
+    parts_hint = number of workers holding the model; parts = min(hint, d.max_parts, items)."""
+    planner = _PLANNERS.get(op)
+    # streamed answers go out as the engine makes them, so there is nothing to gather and merge
+    if planner is None or not d.enabled or getattr(job, "stream", False) or min(parts_hint, d.max_parts) < 2:
+        return None
+
+    def count(items: int) -> int:
+        if items < max(2, d.min_items):
+            return 0
+        n = min(parts_hint, d.max_parts, items)
+        return n if n >= 2 else 0
+
+    return planner(job, count)
+
+
+def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list) -> tuple[Any, Usage]:
+    """The parts' outputs (in part order) into the single answer `job` would have had; usage summed."""
+    if len(outputs) != len(plan.jobs):
+        raise MergeError(f"{op}: {len(outputs)} answers for {len(plan.jobs)} parts")
+    kind = _RESULTS.get(op)
+    if kind is None:
+        raise MergeError(f"{op}: not an op that fans out")
+    for i, out in enumerate(outputs):
+        if not isinstance(out, kind):
+            raise MergeError(f"{op}: part {i} answered {type(out).__name__}, not {kind.__name__}")
+    us = [u for u in usages if u is not None]
+    usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in us), completion_tokens=sum(u.completion_tokens for u in us),
+                  total_tokens=sum(u.total_tokens for u in us))
+    return _MERGERS[op](job, plan, outputs), usage
+
+
+# --- item lists: image, embed, rerank ---------------------------------------------------------------------------
+
+
+def _flat(k: int) -> list[float]:
+    return [0.0] * k
+
+
+def _plan_image(job: Any, count: Callable[[int], int]) -> Plan | None:
+    k = count(job.n)
+    if not k:
+        return None
+    # without a seed each engine would draw its own and the reported seeds would not reproduce the set; the
+    # engines accept 0..2**63-1-n, and 2**31 matches what an engine draws for itself
+    base = job.seed if job.seed is not None else secrets.randbelow(2**31)
+    jobs, start = [], 0
+    for size in chunk_sizes(job.n, k):
+        jobs.append(replace(job, n=size, seed=base + start))
+        start += size
+    return Plan(jobs, _flat(k))
+
+
+def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | None:
+    items = getattr(job, field)
+    k = count(len(items))
+    if not k:
+        return None
+    jobs, start = [], 0
+    for size in chunk_sizes(len(items), k):
+        jobs.append(replace(job, **{field: items[start:start + size]}))
+        start += size
+    return Plan(jobs, _flat(k))
+
+
+def _merge_image(job: Any, plan: Plan, outputs: list) -> ImageResult:
+    images: list[Blob] = []
+    seeds: list[int] = []
+    for part, out in zip(plan.jobs, outputs):
+        if len(out.images) != part.n:
+            raise MergeError(f"image: a part asked for {part.n} images answered {len(out.images)}")
+        images += out.images
+        # an engine that leaves seeds out still used seed + i (see the module docstring)
+        seeds += out.seeds or [part.seed + i for i in range(part.n)]
+    return ImageResult(images=images, seeds=seeds)
+
+
+def _merge_embed(job: Any, plan: Plan, outputs: list) -> EmbedResult:
+    dims = {o.dim for o in outputs}
+    if len(dims) != 1:
+        raise MergeError(f"embed: parts answered different dimensions {sorted(dims)}")
+    dim = dims.pop()
+    for part, out in zip(plan.jobs, outputs):
+        if out.count != len(part.input) or len(out.vectors) != out.count * dim * 4:
+            raise MergeError(f"embed: a part of {len(part.input)} inputs answered {out.count} vectors")
+    return EmbedResult(vectors=b"".join(o.vectors for o in outputs), count=sum(o.count for o in outputs), dim=dim)
+
+
+def _merge_rerank(job: Any, plan: Plan, outputs: list) -> RerankResult:
+    for part, out in zip(plan.jobs, outputs):
+        if len(out.scores) != len(part.documents):
+            raise MergeError(f"rerank: a part of {len(part.documents)} documents answered {len(out.scores)} scores")
+    return RerankResult(scores=[s for o in outputs for s in o.scores])
+
+
+# --- speech: sentences in, audio joined ---------------------------------------------------------------------------
+
+# an end mark (with closing quotes or brackets) then whitespace, or a blank line (a heading, a list item)
+_SENTENCE_END = re.compile(r"([.!?\u2026]+)[\"'\u201d\u2019)\]]*(?:\s+|$)|\n\s*\n")
+_ABBREVIATIONS = frozenset("mr mrs ms dr prof sr jr st mt vs etc e.g i.e cf no fig approx dept inc ltd".split())
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of `text`, punctuation kept, whitespace stripped; "Dr. X" and initials ("J. Smith") do not end one."""
+    out: list[str] = []
+    start = 0
+    for m in _SENTENCE_END.finditer(text):
+        if m.group(1) == "." and m.end() < len(text):
+            words = text[start:m.start()].split()
+            last = words[-1].lstrip("(\"'\u201c\u2018").lower() if words else ""
+            if last in _ABBREVIATIONS or (len(last) == 1 and last.isalpha()):
+                continue
+        if piece := text[start:m.end()].strip():
+            out.append(piece)
+        start = m.end()
+    if tail := text[start:].strip():
+        out.append(tail)
+    return out
+
+
+def group_sizes(weights: list[int], parts: int) -> list[int]:
+    """Sizes of `parts` contiguous non-empty groups of `weights` whose sums are as even as whole items allow."""
+    cum = [0]
+    for w in weights:
+        cum.append(cum[-1] + w)
+    cuts, prev = [0], 0
+    for k in range(1, parts):
+        target = cum[-1] * k / parts
+        # leave at least one item for each group still to come
+        prev = min(range(prev + 1, len(weights) - (parts - k) + 1), key=lambda j: abs(cum[j] - target))
+        cuts.append(prev)
+    cuts.append(len(weights))
+    return [b - a for a, b in itertools.pairwise(cuts)]
+
+
+def _plan_speech(job: Any, count: Callable[[int], int]) -> Plan | None:
+    # wav and pcm join exactly; compressed formats would need re-encoding, and their frames and padding click
+    if job.response_format not in ("wav", "pcm"):
+        return None
+    sentences = split_sentences(job.input)
+    k = count(len(sentences))
+    if not k:
+        return None
+    # TTS time follows text length, so groups are balanced by characters rather than by sentence count
+    jobs, start = [], 0
+    for size in group_sizes([len(s) for s in sentences], k):
+        jobs.append(replace(job, input=" ".join(sentences[start:start + size]), stream=False))
+        start += size
+    return Plan(jobs, _flat(k))
+
+
+def _join_wav(parts: list[bytes]) -> bytes:
+    params, frames = None, []
+    try:
+        for data in parts:
+            with wave.open(io.BytesIO(data), "rb") as r:
+                p = (r.getnchannels(), r.getsampwidth(), r.getframerate())
+                if params is not None and p != params:
+                    raise MergeError(f"speech: parts in different formats {params} and {p}")
+                params = p
+                frames.append(r.readframes(r.getnframes()))
+    except (wave.Error, EOFError) as e:
+        raise MergeError(f"speech: a part is not a PCM WAV: {e}") from e
+    return _wav(b"".join(frames), params[2], channels=params[0], width=params[1])
+
+
+def _wav(frames: bytes, rate: int, *, channels: int = 1, width: int = 2) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(frames)
+    return buf.getvalue()
+
+
+def _merge_speech(job: Any, plan: Plan, outputs: list) -> SpeechResult:
+    audios = [o.audio for o in outputs]
+    if any(a is None or (not a.data and a.name) for a in audios):
+        raise MergeError("speech: every part's audio must be inline bytes (fetch stored blobs before merging)")
+    data = b"".join(a.data for a in audios) if job.response_format == "pcm" else _join_wav([a.data for a in audios])
+    audio = replace(audios[0], data=data, size=len(data), name="")
+    return SpeechResult(audio=audio, sample_rate=outputs[0].sample_rate, duration_s=sum(o.duration_s for o in outputs))
+
+
+# --- transcription: audio cut at silences, timestamps shifted -----------------------------------------------------
+
+
+def _decode(data: bytes) -> Any:
+    """`data` (any container ffmpeg reads) as int16 mono at STT_RATE, or None where it cannot be decoded."""
+    import av
+    import numpy as np
+
+    chunks = []
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=STT_RATE)
+            for frame in container.decode(container.streams.audio[0]):
+                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    except (av.FFmpegError, IndexError, ValueError):
+        return None  # the engine gets the whole upload and reports the error in its own words
+    return np.concatenate(chunks).astype("<i2") if chunks else None
+
+
+def silence_cuts(pcm: Any, parts: int, rate: int = STT_RATE) -> list[int]:
+    """`parts - 1` sample indices that cut `pcm` into pieces of roughly equal length, each at the quietest 100 ms
+    window within +-20% of a piece's length from its ideal point (the nearest such window on a tie)."""
+    import numpy as np
+
+    hop, per_window = int(rate * _HOP_S), round(_WINDOW_S / _HOP_S)
+    n_blocks = len(pcm) // hop
+    energy = np.empty(n_blocks)
+    step = 4096  # blocks per slice: bounds the float copies for hour-long uploads
+    for i in range(0, n_blocks, step):
+        b = pcm[i * hop:min(i + step, n_blocks) * hop].reshape(-1, hop).astype(np.float32) / 32768.0
+        energy[i:i + len(b)] = np.einsum("ij,ij->i", b, b)
+    cs = np.concatenate(([0.0], np.cumsum(energy)))
+    windows = cs[per_window:] - cs[:-per_window] if n_blocks >= per_window else np.zeros(0)
+    centres = np.arange(len(windows)) * hop + hop * per_window // 2
+    piece = len(pcm) / parts
+    cuts, prev = [], 0
+    for k in range(1, parts):
+        ideal = k * piece
+        sel = np.nonzero((centres > max(prev, ideal - _SEARCH * piece)) & (centres < ideal + _SEARCH * piece))[0]
+        if sel.size:
+            best = sel[np.lexsort((np.abs(centres[sel] - ideal), windows[sel]))[0]]
+            prev = int(centres[best])
+        else:
+            prev = int(ideal)
+        cuts.append(prev)
+    return cuts
+
+
+def _plan_transcribe(job: Any, count: Callable[[int], int]) -> Plan | None:
+    if not job.audio.data:
+        return None  # stored by name: the engine fetches it; cutting it here would mean fetching it twice
+    try:
+        import av  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError:
+        return None
+    pcm = _decode(job.audio.data)
+    if pcm is None:
+        return None
+    k = count(int(len(pcm) / STT_RATE // STT_PIECE_S))
+    if not k:
+        return None
+    bounds = [0, *silence_cuts(pcm, k), len(pcm)]
+    jobs = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        data = _wav(pcm[a:b].tobytes(), STT_RATE)
+        jobs.append(replace(job, audio=Blob(data=data, size=len(data), content_type="audio/wav",
+                                            filename=f"part-{i}.wav")))
+    return Plan(jobs, [a / STT_RATE for a in bounds[:-1]])
+
+
+def _merge_transcribe(job: Any, plan: Plan, outputs: list) -> TranscribeResult:
+    segments = []
+    for off, out in zip(plan.offsets, outputs):
+        for s in out.segments:
+            # rounded to the millisecond so float offsets do not print as 12.340000000000002
+            words = [replace(w, start=round(w.start + off, 3), end=round(w.end + off, 3)) for w in s.words]
+            segments.append(replace(s, id=len(segments), start=round(s.start + off, 3), end=round(s.end + off, 3),
+                                    words=words))
+    text = " ".join(t for t in (o.text.strip() for o in outputs) if t)
+    return TranscribeResult(text=text, language=outputs[0].language, duration_s=sum(o.duration_s for o in outputs),
+                            segments=segments)
+
+
+# --- OCR: PDF page ranges ---------------------------------------------------------------------------------------
+
+
+def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
+    data = job.file.data
+    if not data.startswith(b"%PDF"):
+        return None  # an image is one page; a stored blob is read by the engine
+    try:
+        import pypdfium2 as pdfium
+    except ImportError:
+        return None
+    try:
+        src = pdfium.PdfDocument(data)
+    except pdfium.PdfiumError:
+        return None  # the engine reports the broken file
+    try:
+        k = count(len(src))
+        if not k:
+            return None
+        jobs, start = [], 0
+        for i, size in enumerate(chunk_sizes(len(src), k)):
+            part = pdfium.PdfDocument.new()
+            part.import_pages(src, list(range(start, start + size)))
+            buf = io.BytesIO()
+            part.save(buf)
+            part.close()
+            body = buf.getvalue()
+            jobs.append(replace(job, file=Blob(data=body, size=len(body), content_type="application/pdf",
+                                               filename=f"part-{i}.pdf")))
+            start += size
+        return Plan(jobs, _flat(k))
+    finally:
+        src.close()
+
+
+def _merge_ocr(job: Any, plan: Plan, outputs: list) -> OcrResult:
+    pages = [p for o in outputs for p in o.pages]
+    return OcrResult(pages=[replace(p, index=i) for i, p in enumerate(pages)])
+
+
+_PLANNERS: dict[str, Callable[[Any, Callable[[int], int]], Plan | None]] = {
+    "image": _plan_image,
+    "embed": lambda job, count: _split_list(job, "input", count),
+    "rerank": lambda job, count: _split_list(job, "documents", count),
+    "speech": _plan_speech,
+    "transcribe": _plan_transcribe,
+    "ocr": _plan_ocr,
+}
+_MERGERS: dict[str, Callable[[Any, Plan, list], Any]] = {
+    "image": _merge_image, "embed": _merge_embed, "rerank": _merge_rerank, "speech": _merge_speech,
+    "transcribe": _merge_transcribe, "ocr": _merge_ocr,
+}
+_RESULTS: dict[str, type] = {
+    "image": ImageResult, "embed": EmbedResult, "rerank": RerankResult, "speech": SpeechResult,
+    "transcribe": TranscribeResult, "ocr": OcrResult,
+}
