@@ -64,7 +64,7 @@ def plan(op: str, job: Any, parts_hint: int, d: Distribute) -> Plan | None:
     """The sub-jobs (same struct type as `job`, request_id kept, each a valid job) in order, or None when the job
     should not be split (op not splittable, too few items, disabled, job.stream true, a needed library missing).
     parts_hint = number of workers holding the model; parts = min(hint, d.max_parts, items)."""
-    planner = _PLANNERS.get(op)
+    planner = _OPS[op][0] if op in _OPS else None
     # streamed answers go out as the engine makes them, so there is nothing to gather and merge
     if planner is None or not d.enabled or getattr(job, "stream", False) or min(parts_hint, d.max_parts) < 2:
         return None
@@ -82,23 +82,19 @@ def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list) -> tuple[A
     """The parts' outputs (in part order) into the single answer `job` would have had; usage summed."""
     if len(outputs) != len(plan.jobs):
         raise MergeError(f"{op}: {len(outputs)} answers for {len(plan.jobs)} parts")
-    kind = _RESULTS.get(op)
-    if kind is None:
+    if op not in _OPS:
         raise MergeError(f"{op}: not an op that fans out")
+    _, merger, kind = _OPS[op]
     for i, out in enumerate(outputs):
         if not isinstance(out, kind):
             raise MergeError(f"{op}: part {i} answered {type(out).__name__}, not {kind.__name__}")
-    us = [u for u in usages if u is not None]
-    usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in us), completion_tokens=sum(u.completion_tokens for u in us),
-                  total_tokens=sum(u.total_tokens for u in us))
-    return _MERGERS[op](job, plan, outputs), usage
+    us = [u for u in usages if u is not None]  # a part that reported no usage counts as zero
+    total = Usage(prompt_tokens=sum(u.prompt_tokens for u in us),
+                  completion_tokens=sum(u.completion_tokens for u in us), total_tokens=sum(u.total_tokens for u in us))
+    return merger(job, plan, outputs), total
 
 
 # --- item lists: image, embed, rerank ---------------------------------------------------------------------------
-
-
-def _flat(k: int) -> list[float]:
-    return [0.0] * k
 
 
 def _plan_image(job: Any, count: Callable[[int], int]) -> Plan | None:
@@ -112,7 +108,7 @@ def _plan_image(job: Any, count: Callable[[int], int]) -> Plan | None:
     for size in chunk_sizes(job.n, k):
         jobs.append(replace(job, n=size, seed=base + start))
         start += size
-    return Plan(jobs, _flat(k))
+    return Plan(jobs, [0.0] * k)
 
 
 def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | None:
@@ -124,7 +120,7 @@ def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | Non
     for size in chunk_sizes(len(items), k):
         jobs.append(replace(job, **{field: items[start:start + size]}))
         start += size
-    return Plan(jobs, _flat(k))
+    return Plan(jobs, [0.0] * k)
 
 
 def _merge_image(job: Any, plan: Plan, outputs: list) -> ImageResult:
@@ -165,7 +161,7 @@ _ABBREVIATIONS = frozenset("mr mrs ms dr prof sr jr st mt vs etc e.g i.e cf no f
 
 
 def split_sentences(text: str) -> list[str]:
-    """The sentences of `text`, punctuation kept, whitespace stripped; "Dr. X" and initials ("J. Smith") do not end one."""
+    """The sentences of `text`, punctuation kept, whitespace stripped; "Dr." and initials ("J. Smith") end none."""
     out: list[str] = []
     start = 0
     for m in _SENTENCE_END.finditer(text):
@@ -210,7 +206,7 @@ def _plan_speech(job: Any, count: Callable[[int], int]) -> Plan | None:
     for size in group_sizes([len(s) for s in sentences], k):
         jobs.append(replace(job, input=" ".join(sentences[start:start + size]), stream=False))
         start += size
-    return Plan(jobs, _flat(k))
+    return Plan(jobs, [0.0] * k)
 
 
 def _join_wav(parts: list[bytes]) -> bytes:
@@ -362,7 +358,7 @@ def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
             jobs.append(replace(job, file=Blob(data=body, size=len(body), content_type="application/pdf",
                                                filename=f"part-{i}.pdf")))
             start += size
-        return Plan(jobs, _flat(k))
+        return Plan(jobs, [0.0] * k)
     finally:
         src.close()
 
@@ -372,19 +368,12 @@ def _merge_ocr(job: Any, plan: Plan, outputs: list) -> OcrResult:
     return OcrResult(pages=[replace(p, index=i) for i, p in enumerate(pages)])
 
 
-_PLANNERS: dict[str, Callable[[Any, Callable[[int], int]], Plan | None]] = {
-    "image": _plan_image,
-    "embed": lambda job, count: _split_list(job, "input", count),
-    "rerank": lambda job, count: _split_list(job, "documents", count),
-    "speech": _plan_speech,
-    "transcribe": _plan_transcribe,
-    "ocr": _plan_ocr,
-}
-_MERGERS: dict[str, Callable[[Any, Plan, list], Any]] = {
-    "image": _merge_image, "embed": _merge_embed, "rerank": _merge_rerank, "speech": _merge_speech,
-    "transcribe": _merge_transcribe, "ocr": _merge_ocr,
-}
-_RESULTS: dict[str, type] = {
-    "image": ImageResult, "embed": EmbedResult, "rerank": RerankResult, "speech": SpeechResult,
-    "transcribe": TranscribeResult, "ocr": OcrResult,
+# op -> (planner, merger, the result type every part must answer)
+_OPS: dict[str, tuple[Callable[[Any, Callable[[int], int]], Plan | None], Callable[[Any, Plan, list], Any], type]] = {
+    "image": (_plan_image, _merge_image, ImageResult),
+    "embed": (lambda job, count: _split_list(job, "input", count), _merge_embed, EmbedResult),
+    "rerank": (lambda job, count: _split_list(job, "documents", count), _merge_rerank, RerankResult),
+    "speech": (_plan_speech, _merge_speech, SpeechResult),
+    "transcribe": (_plan_transcribe, _merge_transcribe, TranscribeResult),
+    "ocr": (_plan_ocr, _merge_ocr, OcrResult),
 }

@@ -13,12 +13,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig
+from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig, RouteDecision
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
+from coderai.gateway import fanout_plans
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.relay import Hints, Outcome, next_frame
+from coderai.gateway.scatter import scatter
 from coderai.runtime.bus import FrameStream
+
+FANOUT_OPS = frozenset({"embed", "rerank", "image", "speech", "transcribe", "ocr"})  # never chat: tokens stream
 
 SPAN_NAMES = {
     "embed": "POST /v1/embeddings", "rerank": "POST /v1/rerank", "image": "POST /v1/images",
@@ -73,28 +77,48 @@ def model_for(gw: Any, name: str, op: str) -> ModelConfig:
     return cfg
 
 
-async def start(gw: Any, who: Caller, op: str, job: Any) -> tuple[Call, Chunk | Final]:
-    """Admit and route the job, and wait for its first frame (failing over to another engine before it)."""
+async def admit(gw: Any, who: Caller, op: str, job: Any) -> Call:
+    """Check the model and the key's limits; the call whose accounting `finish` closes."""
     cfg = model_for(gw, job.model, op)
     estimate = await gw.admit(who, cfg, job)
     outcome = Outcome(request_id=job.request_id, key_name=who.key_name, model=job.model, op=op, stream=job.stream)
     outcome.start_span(SPAN_NAMES[op])
-    call = Call(gw, who, cfg, op, outcome, estimate)
-    headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: who.key_name}
+    return Call(gw, who, cfg, op, outcome, estimate)
+
+
+def _headers(call: Call) -> dict[str, str]:
+    return {HDR_REQUEST_ID: call.outcome.request_id, HDR_KEY_NAME: call.who.key_name}
+
+
+async def start(gw: Any, who: Caller, op: str, job: Any, call: Call | None = None,
+                decision: RouteDecision | None = None) -> tuple[Call, Chunk | Final]:
+    """Admit and route the job, and wait for its first frame (failing over to another engine before it)."""
+    call = call or await admit(gw, who, op, job)
     try:
         job = await gw.blobs.pack(job)
-        call.stream, first = await gw.relay.first_frame(op, job, Hints(), outcome, headers)
-    except BusError as exc:
-        err = from_bus(exc, gw.settings.retry_after_s)
-        call.fail(err.code or "error", err.status)
-        await call.finish()
-        raise err from None
-    except ApiError as err:
-        call.fail(err.code or "error", err.status)
-        await call.finish()
-        raise
-    outcome.ttft_s = time.monotonic() - outcome.started
+        call.stream, first = await gw.relay.first_frame(op, job, Hints(), call.outcome, _headers(call), decision)
+    except BaseException as exc:
+        await _failed(call, exc)
+        raise _api(gw, exc) from None
+    call.outcome.ttft_s = time.monotonic() - call.outcome.started
     return call, first
+
+
+def _api(gw: Any, exc: BaseException) -> BaseException:
+    return from_bus(exc, gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
+
+
+async def _failed(call: Call, exc: BaseException) -> None:
+    """Account for a call that ends in `exc` (detached when the client went away)."""
+    if isinstance(exc, asyncio.CancelledError):
+        call.abandon()
+        return
+    err = _api(call.gw, exc)
+    if isinstance(err, ApiError):
+        call.fail(err.code or "error", err.status)
+    else:
+        call.fail("error", 500)
+    await call.finish()
 
 
 async def frames(call: Call, first: Chunk | Final) -> AsyncIterator[Chunk | Final]:
@@ -109,9 +133,37 @@ async def frames(call: Call, first: Chunk | Final) -> AsyncIterator[Chunk | Fina
         frame = await next_frame(call.stream)  # type: ignore[arg-type]
 
 
+async def fan_out(call: Call, op: str, job: Any) -> tuple[Final | None, RouteDecision | None]:
+    """Split the job over the workers holding its model when its `distribute` settings allow and two or more
+    hold it: the merged `Final`. Otherwise (None, the route decision to reuse for the single engine)."""
+    gw, d = call.gw, call.cfg.distribute
+    if op not in FANOUT_OPS or not d.enabled or job.stream:
+        return None, None
+    try:
+        decision = await gw.relay.route(job, op, Hints(), [], _headers(call))
+        settings = fanout_plans.Distribute(enabled=d.enabled, max_parts=d.max_parts, min_items=d.min_items)
+        plan = fanout_plans.plan(op, job, decision.holders, settings) if decision.holders >= 2 else None
+        if plan is None:
+            return None, decision
+        call.outcome.route_reason = "fanout"
+        final = await scatter(gw, op, job, plan, _headers(call))
+    except BaseException as exc:
+        await _failed(call, exc)
+        raise _api(gw, exc) from None
+    call.outcome.engine_id = final.engine_id
+    call.outcome.ttft_s = time.monotonic() - call.outcome.started
+    await call.finish(final)
+    return final, None
+
+
 async def run(gw: Any, who: Caller, op: str, job: Any, on_chunk: OnChunk | None = None) -> tuple[Call, Final]:
-    """The whole job: its final frame with the output's blobs inline. Chunks go to `on_chunk`."""
-    call, first = await start(gw, who, op, job)
+    """The whole job: its final frame with the output's blobs inline. Chunks go to `on_chunk`. A job the model's
+    `distribute` settings allow to split, with two or more engines holding the model, fans out over them."""
+    call = await admit(gw, who, op, job)
+    final, decision = await fan_out(call, op, job)
+    if final is not None:
+        return call, final
+    call, first = await start(gw, who, op, job, call, decision)
     try:
         async for frame in frames(call, first):
             if isinstance(frame, Final):
@@ -122,18 +174,9 @@ async def run(gw: Any, who: Caller, op: str, job: Any, on_chunk: OnChunk | None 
                 return call, final
             if on_chunk is not None:
                 await on_chunk(frame)
-    except asyncio.CancelledError:
-        call.abandon()
-        raise
-    except BusError as exc:
-        err = from_bus(exc, gw.settings.retry_after_s)
-        call.fail(err.code or "error", err.status)
-        await call.finish()
-        raise err from None
-    except BaseException:
-        call.fail("error", 500)
-        await call.finish()
-        raise
+    except BaseException as exc:
+        await _failed(call, exc)
+        raise _api(gw, exc) from None
     raise AssertionError("unreachable: frames() ends with a Final")
 
 

@@ -130,8 +130,14 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
             raise ApiError(400, "stream_format 'sse' is not supported; use 'audio'.", param="stream_format",
                            code="invalid_value")
         job = SpeechJob(request_id=rid(), model=req.model, input=req.input, voice=req.voice,
-                        response_format=req.response_format, speed=req.speed, stream=True)
-        call, first = await jobs.start(gw, who, "speech", job)
+                        response_format=req.response_format, speed=req.speed)
+        call = await jobs.admit(gw, who, "speech", job)
+        final, decision = await jobs.fan_out(call, "speech", job)  # sentences over several workers: whole answer
+        if final is not None:
+            return Stream(iter([final.output.audio.data]), media_type=AUDIO_TYPES[req.response_format],
+                          headers=jobs.response_headers(call))
+        call.outcome.stream = True
+        call, first = await jobs.start(gw, who, "speech", msgspec.structs.replace(job, stream=True), call, decision)
 
         async def audio() -> AsyncIterator[bytes]:
             final: Final | None = None

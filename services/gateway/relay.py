@@ -102,7 +102,7 @@ class Relay:
         self.settings = settings
         self._background: set[asyncio.Task] = set()
 
-    async def _route(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+    async def route(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
         req = RouteRequest(
             request_id=job.request_id, model=job.model, op=op,  # type: ignore[arg-type]
             session=hints.session, user=hints.user, prefix=hints.prefix, pin=hints.pin, exclude=tried,
@@ -118,21 +118,25 @@ class Relay:
             on_cancel=cancel, engine_id=decision.engine_id,
         )
 
-    async def first_frame(self, op: str, job: Any, hints: Hints, outcome: Outcome, headers: dict[str, str]) -> tuple[FrameStream, Chunk | Final]:
+    async def first_frame(self, op: str, job: Any, hints: Hints, outcome: Outcome, headers: dict[str, str],
+                          first: RouteDecision | None = None) -> tuple[FrameStream, Chunk | Final]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
-        engines; an engine that fails retryably before that is excluded and the router asked again."""
+        engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
+        decision already made for the first attempt."""
         tried: list[str] = []
         last: BusError | None = None
         traced = outcome.span is not NO_SPAN
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                if traced:
+                if first is not None and attempt == 1:
+                    decision = first
+                elif traced:
                     with tracing.start_span("route.pick", parent=outcome.span, kind="client",
                                             attributes={"coderai.attempt": attempt}) as span:
-                        decision = await self._route(job, op, hints, tried, tracing.inject(span, headers))
+                        decision = await self.route(job, op, hints, tried, tracing.inject(span, headers))
                         span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
                 else:
-                    decision = await self._route(job, op, hints, tried, headers)
+                    decision = await self.route(job, op, hints, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             outcome.engine_id, outcome.node_id, outcome.route_reason = decision.engine_id, decision.node_id, decision.reason

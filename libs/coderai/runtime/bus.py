@@ -318,19 +318,25 @@ class Bus:
         **params: str,
     ) -> FrameStream:
         """Publish a job whose reply is a stream of frames; returns the stream to read them from."""
+        stream, reply = await self.expect_stream(idle_timeout_s)
+        stream.on_cancel = on_cancel
+        try:
+            await self.nc.publish(subject(**params), subject.encode(msg), reply=reply, headers=headers)
+        except Exception:
+            stream.close()
+            raise
+        return stream
+
+    async def expect_stream(self, idle_timeout_s: float) -> tuple[FrameStream, str]:
+        """A stream for frames that will arrive at the returned inbox subject (which the caller hands out, e.g.
+        inside a fan-out part); nothing is published."""
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
         token = str(next(self._seq))
         stream = FrameStream(self, token, idle_timeout_s)
-        stream.on_cancel = on_cancel
         self._streams[token] = stream
-        try:
-            await self.nc.publish(subject(**params), subject.encode(msg), reply=f"{self._inbox}.{token}", headers=headers)
-        except Exception:
-            stream.close()
-            raise
-        return stream
+        return stream, f"{self._inbox}.{token}"
 
     # --- JetStream topology ----------------------------------------------------------------------
 
