@@ -63,7 +63,10 @@ def chunk_sizes(items: int, parts: int) -> list[int]:
 def plan(op: str, job: Any, parts_hint: int, d: Distribute) -> Plan | None:
     """The sub-jobs (same struct type as `job`, request_id kept, each a valid job) in order, or None when the job
     should not be split (op not splittable, too few items, disabled, job.stream true, a needed library missing).
-    parts_hint = number of workers holding the model; parts = min(hint, d.max_parts, items)."""
+    parts_hint = number of workers holding the model; parts = min(hint, d.max_parts, items).
+
+    Transcribe and OCR plans decode the upload (seconds of CPU for an hour of audio): call them off the event loop,
+    e.g. `await asyncio.to_thread(plan, ...)`."""
     planner = _OPS[op][0] if op in _OPS else None
     # streamed answers go out as the engine makes them, so there is nothing to gather and merge
     if planner is None or not d.enabled or getattr(job, "stream", False) or min(parts_hint, d.max_parts) < 2:
@@ -124,8 +127,7 @@ def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | Non
 
 
 def _merge_image(job: Any, plan: Plan, outputs: list) -> ImageResult:
-    images: list[Blob] = []
-    seeds: list[int] = []
+    images, seeds = [], []
     for part, out in zip(plan.jobs, outputs):
         if len(out.images) != part.n:
             raise MergeError(f"image: a part asked for {part.n} images answered {len(out.images)}")
@@ -180,9 +182,7 @@ def split_sentences(text: str) -> list[str]:
 
 def group_sizes(weights: list[int], parts: int) -> list[int]:
     """Sizes of `parts` contiguous non-empty groups of `weights` whose sums are as even as whole items allow."""
-    cum = [0]
-    for w in weights:
-        cum.append(cum[-1] + w)
+    cum = [0, *itertools.accumulate(weights)]
     cuts, prev = [0], 0
     for k in range(1, parts):
         target = cum[-1] * k / parts
@@ -227,9 +227,7 @@ def _join_wav(parts: list[bytes]) -> bytes:
 def _wav(frames: bytes, rate: int, *, channels: int = 1, width: int = 2) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
+        w.setparams((channels, width, rate, 0, "NONE", "not compressed"))
         w.writeframes(frames)
     return buf.getvalue()
 
@@ -296,11 +294,9 @@ def _plan_transcribe(job: Any, count: Callable[[int], int]) -> Plan | None:
     if not job.audio.data:
         return None  # stored by name: the engine fetches it; cutting it here would mean fetching it twice
     try:
-        import av  # noqa: F401
-        import numpy  # noqa: F401
+        pcm = _decode(job.audio.data)
     except ImportError:
         return None
-    pcm = _decode(job.audio.data)
     if pcm is None:
         return None
     k = count(int(len(pcm) / STT_RATE // STT_PIECE_S))
@@ -319,7 +315,7 @@ def _merge_transcribe(job: Any, plan: Plan, outputs: list) -> TranscribeResult:
     segments = []
     for off, out in zip(plan.offsets, outputs):
         for s in out.segments:
-            # rounded to the millisecond so float offsets do not print as 12.340000000000002
+            # milliseconds, like the engine's own timestamps (and no 12.340000000000002 from the float offset)
             words = [replace(w, start=round(w.start + off, 3), end=round(w.end + off, 3)) for w in s.words]
             segments.append(replace(s, id=len(segments), start=round(s.start + off, 3), end=round(s.end + off, 3),
                                     words=words))
@@ -337,10 +333,10 @@ def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
         return None  # an image is one page; a stored blob is read by the engine
     try:
         import pypdfium2 as pdfium
+
+        src = pdfium.PdfDocument(data)
     except ImportError:
         return None
-    try:
-        src = pdfium.PdfDocument(data)
     except pdfium.PdfiumError:
         return None  # the engine reports the broken file
     try:

@@ -145,7 +145,7 @@ async def fan_out(call: Call, op: str, job: Any) -> tuple[Final | None, RouteDec
         plan = fanout_plans.plan(op, job, decision.holders, settings) if decision.holders >= 2 else None
         if plan is None:
             return None, decision
-        call.outcome.route_reason = "fanout"
+        call.outcome.route_reason, call.outcome.parts = "fanout", len(plan.jobs)
         final = await scatter(gw, op, job, plan, _headers(call))
     except BaseException as exc:
         await _failed(call, exc)

@@ -59,6 +59,7 @@ class Outcome:
     completion_tokens: int = 0
     route_reason: str = ""
     cost_usd: float = 0.0
+    parts: int = 0
     span: Any = NO_SPAN  # the request's server span; NO_SPAN while tracing is off
     engine_span: Any = NO_SPAN  # the gateway's call to the engine that answered
 
@@ -92,7 +93,7 @@ class Outcome:
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
             node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, stream=self.stream,
-            route_reason=self.route_reason, cost_usd=self.cost_usd,
+            route_reason=self.route_reason, cost_usd=self.cost_usd, parts=self.parts,
         )
 
 

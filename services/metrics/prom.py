@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from coderai.contracts import Heartbeat, RequestCompleted
+from coderai.contracts import Heartbeat, PartDone, RequestCompleted
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -28,6 +28,11 @@ class Series:
         self.cached_tokens = Gauge("coderai_engine_cached_prompt_tokens", "prompt tokens served from the engine's prefix cache", ["node", "engine", "model"], registry=r)
         self.prefix_hits = Gauge("coderai_engine_prefix_hits", "requests that reused a cached prefix", ["node", "engine", "model"], registry=r)
         self.cache_bytes = Gauge("coderai_engine_prompt_cache_bytes", "memory held by the engine's prompt cache", ["node", "engine", "model"], registry=r)
+        self.parts_sent = Counter("coderai_fanout_parts_sent", "parts fan-out requests were split into", ["model", "kind"], registry=r)
+        self.parts = Counter("coderai_fanout_parts", "fan-out parts a worker finished (ok), handed back (retry) or failed",
+                             ["model", "kind", "node", "status"], registry=r)
+        self.redelivered = Counter("coderai_fanout_redelivered", "fan-out parts run again after their worker died or failed",
+                                   ["model", "kind"], registry=r)
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
         self._engines: dict[str, set[tuple[str, str, str]]] = {}
         self._models_seen: set[str] = set()
@@ -39,12 +44,20 @@ class Series:
             self.ttft.labels(e.model, e.op).observe(e.ttft_s)
         if e.route_reason:
             self.route.labels(e.route_reason).inc()
+        if e.parts:
+            self.parts_sent.labels(e.model, e.op).inc(e.parts)
         if e.cost_usd:
             self.spend.labels(e.key_name, e.model).inc(e.cost_usd)
         if e.prompt_tokens:
             self.tokens.labels(e.key_name, e.model, "prompt").inc(e.prompt_tokens)
         if e.completion_tokens:
             self.tokens.labels(e.key_name, e.model, "completion").inc(e.completion_tokens)
+
+    def on_part(self, e: PartDone) -> None:
+        """Per-worker share (parts by node), and parts that needed another delivery."""
+        self.parts.labels(e.model, e.op, e.node_id, e.status).inc()
+        if e.deliveries > 1 and e.status != "retry":
+            self.redelivered.labels(e.model, e.op).inc()
 
     def census(self, heartbeats: dict[str, Heartbeat]) -> None:
         """Nodes and ready engines per model, from the live nodes' last heartbeats."""

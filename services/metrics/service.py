@@ -19,7 +19,7 @@ import time
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode
-from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT
+from coderai.contracts.subjects import EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
 from coderai.contracts.topology import EVENTS, NODE_TTL_S
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
@@ -51,6 +51,8 @@ class Metrics:
         await self.bus.ensure_stream(EVENTS)
         hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb.unsubscribe)
+        parts = await self.bus.listen(EVT_PART_DONE, self._on_part)  # best effort, like heartbeats: no usage rides on it
+        stack.push_async_callback(parts.unsubscribe)
         task = asyncio.create_task(self._consume())
         stack.callback(task.cancel)
         census = asyncio.create_task(self._census_loop())
@@ -59,6 +61,9 @@ class Metrics:
     async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
         self.series.on_heartbeat(hb)
         self._live[hb.node_id] = (time.monotonic(), hb)
+
+    async def _on_part(self, e, _m) -> None:
+        self.series.on_part(e)
 
     async def _census_loop(self) -> None:
         """Every few seconds: nodes and engines up (from heartbeats), and each Redis key's remaining budget."""

@@ -174,3 +174,19 @@ def test_spend_and_census():
     assert get("coderai_nodes_up") == 2 and get("coderai_engines_up", {"model": "m"}) == 1
     s.census({})
     assert get("coderai_nodes_up") == 0 and get("coderai_engines_up", {"model": "m"}) == 0
+
+
+def test_fanout_parts_by_worker_and_redeliveries():
+    from coderai.contracts import PartDone
+
+    s = Series()
+    s.on_request(RequestCompleted(request_id="r", ts=0, key_name="k", model="m", op="embed", status="ok",
+                                  http_status=200, parts=3, route_reason="fanout"))
+    for node, status, deliveries in [("n1", "ok", 1), ("n2", "ok", 1), ("n1", "retry", 1), ("n2", "ok", 2)]:
+        s.on_part(PartDone(request_id="r", model="m", op="embed", part=0, node_id=node, engine_id="e",
+                           status=status, deliveries=deliveries))
+    text = generate_latest(s.registry).decode()
+    assert 'coderai_fanout_parts_sent_total{kind="embed",model="m"} 3.0' in text
+    assert 'coderai_fanout_parts_total{kind="embed",model="m",node="n2",status="ok"} 2.0' in text
+    assert 'coderai_fanout_parts_total{kind="embed",model="m",node="n1",status="retry"} 1.0' in text
+    assert 'coderai_fanout_redelivered_total{kind="embed",model="m"} 1.0' in text

@@ -27,6 +27,7 @@ class RequestCompleted(Message, frozen=True, kw_only=True, tag="request.complete
     stream: bool = False
     route_reason: str = ""
     cost_usd: float = 0.0
+    parts: int = 0  # fan-out: how many parts the request was split into (0: not split)
 
 
 class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_field="t"):
