@@ -142,7 +142,9 @@ async def fan_out(call: Call, op: str, job: Any) -> tuple[Final | None, RouteDec
     try:
         decision = await gw.relay.route(job, op, Hints(), [], _headers(call))
         settings = fanout_plans.Distribute(enabled=d.enabled, max_parts=d.max_parts, min_items=d.min_items)
-        plan = fanout_plans.plan(op, job, decision.holders, settings) if decision.holders >= 2 else None
+        plan = None
+        if decision.holders >= 2:  # transcription and OCR plans decode the upload: off the event loop
+            plan = await asyncio.to_thread(fanout_plans.plan, op, job, decision.holders, settings)
         if plan is None:
             return None, decision
         call.outcome.route_reason, call.outcome.parts = "fanout", len(plan.jobs)

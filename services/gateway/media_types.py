@@ -19,7 +19,7 @@ NonEmpty = Annotated[str, Meta(min_length=1)]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str | int | list[int]]  # token ids parse, and are refused with a clear message
     model: NonEmpty
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None

@@ -2,20 +2,21 @@
 
 Each part gets an inbox of its own, so answers are told apart by where they arrive; a part whose worker dies
 is redelivered by JetStream to another holder and answered there. A part nobody answers within
-`part_timeout_s` (every delivery died) or that failed on its last delivery fails the request, naming the part.
+`part_timeout_s` while no other part is heard from either (its workers died) or that failed on its last
+delivery fails the request, naming the part.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
 
-from coderai.contracts import BusError, ErrorReply, Final, WorkPart, encode, model_key
+from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, decode, encode, model_key
 from coderai.contracts.subjects import WORK_PART
 from coderai.gateway import fanout_plans
-from coderai.gateway.relay import next_frame
 from coderai.runtime.bus import FrameStream
 
 
@@ -27,33 +28,42 @@ async def scatter(gw: Any, op: str, job: Any, plan: fanout_plans.Plan, headers: 
     try:
         for i, sub in enumerate(plan.jobs):
             sub = await gw.blobs.pack(sub)
-            stream, reply = await gw.bus.expect_stream(gw.settings.part_timeout_s)
+            stream, reply = await gw.bus.expect_stream(gw.settings.part_timeout_s / 2)  # wakes to check siblings
             streams.append(stream)
             part = WorkPart(request_id=job.request_id, model=job.model, op=op, part=i, parts=n, reply=reply,  # type: ignore[arg-type]
                             job=msgspec.Raw(encode(sub)))
             await gw.bus.js.publish(subject, encode(part), headers=headers)
-        finals = await asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s) for i, s in enumerate(streams)))
+        activity = [time.monotonic()]
+        finals = await asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s, activity)
+                                        for i, s in enumerate(streams)))
     finally:
         for s in streams:
             s.close()
     outputs = [await gw.blobs.unpack(f.output) for f in finals]
-    output, usage = fanout_plans.merge(op, job, plan, outputs, [f.usage for f in finals])
+    try:
+        output, usage = fanout_plans.merge(op, job, plan, outputs, [f.usage for f in finals])
+    except fanout_plans.MergeError as exc:  # engines answered parts in shapes that do not fit together
+        raise BusError("engine_failed", f"the parts' answers could not be merged: {exc}") from None
     engines = sorted({f.engine_id for f in finals})
     return Final(seq=0, engine_id=",".join(engines), output=output, usage=usage,
                  ttft_s=min((f.ttft_s for f in finals if f.ttft_s is not None), default=None))
 
 
-async def _final(stream: FrameStream, i: int, n: int, timeout_s: float) -> Final:
-    """Part `i`'s final frame; its error (or silence) as a BusError that names the part."""
-    try:
-        while True:
-            frame = await next_frame(stream)
-            if isinstance(frame, Final):
-                return frame
-            if isinstance(frame, ErrorReply):
-                raise BusError(frame.code, f"part {i + 1} of {n} failed: {frame.message}", False, frame.param)
-    except BusError as exc:
-        if exc.retryable:  # silence or a lost bus: nobody is answering this part any more
+async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity: list[float]) -> Final:
+    """Part `i`'s final frame; its error as a BusError that names the part. A part may wait in the queue while
+    other parts run, so it is given up on only when no part of the request has been heard for `timeout_s`."""
+    while True:
+        try:
+            frame = decode(await stream.next_raw(), Frame)
+        except BusError as exc:
+            if not exc.retryable:
+                raise
+            if time.monotonic() - activity[0] < timeout_s and exc.code == "engine_failed" and "silent" in exc.message:
+                continue  # this part is still queued, but its siblings are being answered
             raise BusError("engine_failed", f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s "
                                             "(every worker it went to stopped)", False) from None
-        raise
+        activity[0] = time.monotonic()
+        if isinstance(frame, Final):
+            return frame
+        if isinstance(frame, ErrorReply):
+            raise BusError(frame.code, f"part {i + 1} of {n} failed: {frame.message}", False, frame.param)

@@ -44,3 +44,21 @@ def test_video_plan_frames_from_seconds_and_fps():
         with pytest.raises(ApiError) as e:
             plan(VideoRequest(model="v", prompt="p", seconds=bad))
         assert e.value.param == "seconds"
+
+
+def test_every_media_request_type_decodes_its_openai_shape():
+    import msgspec
+
+    from coderai.gateway.media_types import EmbeddingRequest, ImageRequest, RerankRequest, SpeechRequest
+
+    emb = msgspec.json.decode(b'{"model":"m","input":["a","b"],"encoding_format":"base64"}', type=EmbeddingRequest)
+    assert emb.input == ["a", "b"] and emb.encoding_format == "base64"
+    assert msgspec.json.decode(b'{"model":"m","input":[[1,2]]}', type=EmbeddingRequest).input == [[1, 2]]
+    rr = msgspec.json.decode(b'{"model":"m","query":"q","documents":["a",{"text":"b"}]}', type=RerankRequest)
+    assert rr.documents[1].text == "b" and rr.return_documents
+    img = msgspec.json.decode(b'{"model":"m","prompt":"p","size":"64x64","n":2}', type=ImageRequest)
+    assert (img.n, img.response_format) == (2, "b64_json")
+    sp = msgspec.json.decode(b'{"model":"m","input":"hi","voice":"alloy"}', type=SpeechRequest)
+    assert (sp.response_format, sp.speed) == ("mp3", 1.0)
+    vid = msgspec.json.decode(b'{"model":"m","prompt":"p","seconds":"4","size":"720x1280"}', type=VideoRequest)
+    assert vid.seconds == "4"

@@ -5,7 +5,7 @@ clusters the windows' vectors and turns the clusters into turns; it decides the 
 honours `num_speakers`. Its own hand-built spectral features merge similar voices, so each window is described by
 Resemblyzer's speaker embedding instead (a small LSTM whose weights ship inside the wheel; nothing is downloaded).
 
-`path`: empty or `resemblyzer` for Resemblyzer's built-in weights, else a Resemblyzer-format `.pt` file.
+`path`: empty, `builtin` or `resemblyzer` for Resemblyzer's built-in weights, else a Resemblyzer-format `.pt` file.
 `params`: `device` (default cpu), `threads` (torch threads while diarizing, default 1), `max_audio_s` (longest
 upload accepted, default 4 h), and the pipeline's own knobs `window_s`, `hop_s`, `min_segment_s`,
 `min_speaker_s`, `max_speakers`, `separation_threshold`.
@@ -79,7 +79,7 @@ class DiarizeEngine(Engine):
         except ValueError as exc:
             raise EngineLoadError(f"bad diarization params: {exc}") from exc
         path = self.config.path.strip()
-        weights = None if path in ("", "resemblyzer") else os.path.expanduser(path)
+        weights = None if path in ("", "builtin", "resemblyzer") else os.path.expanduser(path)
         if weights is not None and not os.path.isfile(weights):
             raise EngineLoadError(f"speaker-embedding weights not found: {weights}")
         try:
