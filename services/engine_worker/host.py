@@ -204,6 +204,8 @@ class EngineHost:
                 return "failed"
 
             def emit(**fields: Any) -> None:  # data=bytes for speech, progress=0..1 for long jobs
+                if fields.get("progress") is not None:
+                    fields["progress"] = float(fields["progress"])  # engines compute it with numpy
                 loop.call_soon_threadsafe(queue.put_nowait, fields)
 
             sink: Any = emit

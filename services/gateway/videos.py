@@ -22,7 +22,7 @@ from coderai.contracts.topology import BLOBS, VIDEOS
 from coderai.gateway import jobs
 from coderai.gateway import openai_types as oa
 from coderai.gateway.errors import ApiError
-from coderai.gateway.media_types import VideoRequest, parse_size
+from coderai.gateway.media_types import Form, VideoRequest, parse_size, read_form
 from coderai.runtime.blobs import BlobMissing
 
 log = logging.getLogger("coderai.gateway")
@@ -81,6 +81,18 @@ def plan(req: VideoRequest) -> tuple[int, int, int, str]:
     return w, h, frames, seconds
 
 
+def _from_form(form: Form) -> VideoRequest:
+    if "input_reference" in form.files:
+        raise ApiError(400, "input_reference (image-to-video) is not supported yet; send a text prompt.",
+                       param="input_reference", code="unsupported_parameter")
+    return VideoRequest(
+        model=form.require("model"), prompt=form.require("prompt"), seconds=form.get("seconds"), size=form.get("size"),
+        fps=form.number("fps", int, 1, 60, 8), num_frames=form.number("num_frames", int, 1, 1024),
+        seed=form.number("seed", int, 0, 2**63 - 1), steps=form.number("steps", int, 1, 500),
+        negative_prompt=form.get("negative_prompt"),
+    )
+
+
 def video_routes(gw: Any, caller: Any, rid: Any) -> list:
     running: set[asyncio.Task] = set()
 
@@ -131,7 +143,10 @@ def video_routes(gw: Any, caller: Any, rid: Any) -> list:
     @post("/v1/videos", status_code=200)
     async def create(request: Request) -> Response:
         who = await caller(request)
-        req = oa.parse(await request.body(), VideoRequest)
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):  # what the openai SDK sends
+            req = _from_form(await read_form(request, gw.settings.max_upload_bytes))
+        else:
+            req = oa.parse(await request.body(), VideoRequest)
         w, h, frames, seconds = plan(req)
         jobs.model_for(gw, req.model, "video")
         request_id = rid()

@@ -118,9 +118,9 @@ def _png(size=(64, 64), color="white") -> bytes:
 
 
 def test_image_edit_with_a_mask_keeps_the_input_size(client):
-    res = client.images.edit(model="sd-tiny", prompt="paint it", image=("in.png", _png((64, 48)), "image/png"),
-                             mask=("mask.png", _png((64, 48), "white"), "image/png"))
-    assert Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))).size == (64, 48)
+    res = client.images.edit(model="sd-tiny", prompt="paint it", image=("in.png", _png((96, 72)), "image/png"),
+                             mask=("mask.png", _png((96, 72), "white"), "image/png"))
+    assert Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))).size == (96, 72)
 
 
 def test_a_video_job_completes_with_frames(client):
