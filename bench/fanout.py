@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _servers import CLK_TCK, tree_cpu_s
 from coderai.runtime.embedded import NatsServer
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
@@ -57,6 +58,7 @@ class Phase:
     routes: Counter = field(default_factory=Counter)
     engines: Counter = field(default_factory=Counter)  # distinct engines that answered a request -> requests
     parts: dict[str, float] = field(default_factory=dict)  # node -> parts it finished (phase 2)
+    cores: dict[str, float] = field(default_factory=dict)  # CPU seconds per wall second, by `CpuMeter` bucket
 
     @property
     def rate(self) -> float:
@@ -66,7 +68,10 @@ class Phase:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modalities", default="embeddings,ocr,images")
-    ap.add_argument("--requests", type=int, default=8, help="measured requests per modality and phase (default 8)")
+    ap.add_argument("--requests", type=int, default=8,
+                    help="measured requests per modality and phase, at least (default 8)")
+    ap.add_argument("--min-seconds", type=float, default=10.0,
+                    help="more requests until a cell has run this long (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests first, per modality and phase")
     ap.add_argument("--inputs", type=int, default=64, help="embedding inputs per request (default 64)")
     ap.add_argument("--pages", type=int, default=8, help="PDF pages per OCR request (default 8)")
@@ -78,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="one small request per modality and phase: seconds")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.requests, a.warmup, a.inputs, a.pages, a.images, a.steps = 1, 1, 4, 2, 2, 2
+        a.requests, a.min_seconds, a.warmup, a.inputs, a.pages, a.images, a.steps = 1, 0.0, 1, 4, 2, 2, 2
     a.modalities = [m.strip() for m in a.modalities.split(",") if m.strip()]
     unknown = set(a.modalities) - set(MODELS)
     if unknown:
@@ -192,15 +197,17 @@ def check(r: httpx.Response, modality: str, items: int) -> None:
         raise RuntimeError(f"{modality}: {got} items answered for {items} asked")
 
 
-def measure(client: httpx.Client, modality: str, items: int, send, a: argparse.Namespace,
+def measure(client: httpx.Client, modality: str, items: int, send, a: argparse.Namespace, cpu: CpuMeter,
             warmed: Callable[[], None] = lambda: None) -> Phase:
-    """`a.warmup` requests, then `warmed()`, then `a.requests` measured ones, one at a time."""
+    """`a.warmup` requests, then `warmed()`, then measured ones, one at a time: `a.requests` of them, or more
+    until `a.min_seconds` have passed."""
     for _ in range(a.warmup):
         check(send(client), modality, items)
     warmed()
     ph = Phase()
+    c0 = cpu.read()
     t0 = time.perf_counter()
-    for _ in range(a.requests):
+    while len(ph.latencies) < a.requests or time.perf_counter() - t0 < a.min_seconds:
         t = time.perf_counter()
         r = send(client)
         ph.latencies.append(time.perf_counter() - t)
@@ -209,7 +216,28 @@ def measure(client: httpx.Client, modality: str, items: int, send, a: argparse.N
         ph.engines[len(r.headers.get("coderai-engine", "").split(","))] += 1
         ph.items += items
     ph.seconds = time.perf_counter() - t0
+    ph.cores = {k: (v - c0[k]) / ph.seconds for k, v in cpu.read().items()}
     return ph
+
+
+class CpuMeter:
+    """Cumulative CPU seconds: each worker's process tree, the rest of this run (other services, the bench
+    client), everything else on the machine (other people's work), and time the hypervisor stole."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+
+    def read(self) -> dict[str, float]:
+        workers = {name.removeprefix("worker-"): p for name, p in self.stack.procs.items()
+                   if name.startswith("worker-") and p.alive()}
+        out = {n: tree_cpu_s([p.proc.pid]) for n, p in workers.items()}
+        ours = tree_cpu_s([os.getpid()])  # every service is a child of this process
+        with open("/proc/stat") as fh:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fh.readline().split()[1:9])
+        out["rest of stack"] = ours - sum(out.values())
+        out["outside"] = (user + nice + system + irq + softirq) / CLK_TCK - ours
+        out["steal"] = steal / CLK_TCK
+        return out
 
 
 # --- stack state ------------------------------------------------------------------------------------------------
@@ -278,9 +306,10 @@ def run(root: Path, a: argparse.Namespace) -> dict[str, tuple[Phase, Phase]]:
         wait_holders(stack, models, {"w1"})
         print(f"[bench] w1 (core {a.cores[0]}) holds {models} after {time.monotonic() - t:.0f}s", file=sys.stderr,
               flush=True)
+        cpu = CpuMeter(stack)
         with httpx.Client(base_url=stack.base_url, timeout=600) as client:
             for m in a.modalities:
-                one[m] = measure(client, m, send[m][0], send[m][1], a)
+                one[m] = measure(client, m, send[m][0], send[m][1], a, cpu)
                 print(f"[bench] 1 worker  {m:10} {one[m].rate:8.1f} items/s  routes {dict(one[m].routes)}",
                       file=sys.stderr, flush=True)
             t = time.monotonic()
@@ -292,9 +321,9 @@ def run(root: Path, a: argparse.Namespace) -> dict[str, tuple[Phase, Phase]]:
                 # phase 1 split nothing: the model's only parts are phase 2's, two per request
                 before: dict[str, float] = {}
                 model = MODELS[m]
-                two[m] = measure(client, m, send[m][0], send[m][1], a,
+                two[m] = measure(client, m, send[m][0], send[m][1], a, cpu,
                                  lambda: before.update(parts_settled(stack, model, 2 * a.warmup)))  # noqa: B023
-                after = parts_settled(stack, model, 2 * (a.warmup + a.requests))
+                after = parts_settled(stack, model, 2 * (a.warmup + len(two[m].latencies)))
                 two[m].parts = {n: after[n] - before.get(n, 0.0) for n in sorted(after)}
                 print(f"[bench] 2 workers {m:10} {two[m].rate:8.1f} items/s  routes {dict(two[m].routes)}  "
                       f"parts {two[m].parts}", file=sys.stderr, flush=True)
@@ -307,6 +336,14 @@ def run(root: Path, a: argparse.Namespace) -> dict[str, tuple[Phase, Phase]]:
         stack.stop()
         nats.stop()
     return {m: (one[m], two[m]) for m in a.modalities}
+
+
+def ratio(p1: Phase, p2: Phase) -> float:
+    return p2.rate / p1.rate if p1.rate else 0.0
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def unit(m: str) -> str:
@@ -323,25 +360,34 @@ def main(argv: list[str] | None = None) -> int:
     results = run(root, a)
     print(f"\n# coderai fan-out: 1 worker vs 2 ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
     print(f"Machine: {os.cpu_count()} CPUs; each worker pinned to one core ({a.cores}), engines 1 thread; "
-          f"{a.requests} sequential requests per cell after {a.warmup} warm-up; other services unpinned.")
+          f"sequential requests, at least {a.requests} and {a.min_seconds:g}s per cell, after {a.warmup} warm-up; "
+          "other services unpinned.")
     print(f"Requests: {a.inputs} embedding inputs, {a.pages}-page PDF, {a.images} images {a.size}x{a.size} "
           f"x {a.steps} steps.\n")
     print("| modality | items/request | 1 worker items/s | 2 workers items/s | ratio | mean s/request 1 -> 2 "
-          "| routes (2 workers) | parts per worker (2 workers) |")
-    print("|---|---:|---:|---:|---:|---|---|---|")
+          "| requests 1 / 2 | routes (2 workers) | parts per worker (2 workers) |")
+    print("|---|---:|---:|---:|---:|---|---|---|---|")
     for m, (p1, p2) in results.items():
-        ratio = p2.rate / p1.rate if p1.rate else 0.0
-        lat1 = sum(p1.latencies) / len(p1.latencies)
-        lat2 = sum(p2.latencies) / len(p2.latencies)
         routes = ", ".join(f"{k} {v}" for k, v in sorted(p2.routes.items()))
+        n = len(p2.latencies)
+        split = f"; {p2.engines[2]} of {n} answered by 2 engines" if p2.engines.get(2) != n else ""
         parts = ", ".join(f"{k} {v:g}" for k, v in p2.parts.items()) or "none counted"
-        print(f"| {m} | {p1.items // a.requests} {unit(m)} | {p1.rate:.1f} | {p2.rate:.1f} | {ratio:.2f}x "
-              f"| {lat1:.3f} -> {lat2:.3f} | {routes} | {parts} |")
+        print(f"| {m} | {p1.items // len(p1.latencies)} {unit(m)} | {p1.rate:.1f} | {p2.rate:.1f} | {ratio(p1, p2):.2f}x "
+              f"| {mean(p1.latencies):.3f} -> {mean(p2.latencies):.3f} | {len(p1.latencies)} / {n} | {routes}{split} | {parts} |")
+    print("\nWhere the CPU went while the measured requests ran (cores busy on average; `rest of stack` is "
+          "nats-server, gateway, router, scheduler, metrics and this client; `outside` is everything else on the "
+          "machine):\n")
+    cols = ["w1", "w2", "rest of stack", "outside", "steal"]
+    print("| modality | workers | " + " | ".join(cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
+    for m, phases in results.items():
+        for n, ph in enumerate(phases, 1):
+            print(f"| {m} | {n} | " + " | ".join(f"{ph.cores[c]:.2f}" if c in ph.cores else "-" for c in cols) + " |")
     if not a.smoke:
         print()
         for m, (p1, p2) in results.items():
-            ratio = p2.rate / p1.rate if p1.rate else 0.0
-            print(f"- [{'x' if ratio >= 1.8 else ' '}] {m}: {ratio:.2f}x with two workers (target >= 1.8x)")
+            r = ratio(p1, p2)
+            print(f"- [{'x' if r >= 1.8 else ' '}] {m}: {r:.2f}x with two workers (target >= 1.8x)")
     if a.keep:
         print(f"\nwork dir (logs): {root}")
     else:

@@ -41,7 +41,7 @@ def memory() -> tuple[int, int]:
         return 0, 0
 
 
-def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus]) -> Heartbeat:
+def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "") -> Heartbeat:
     total, free = memory()
     return Heartbeat(
         node_id=node_id,
@@ -54,4 +54,5 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         in_flight=sum(e.in_flight for e in engines),
         mem_total=total,
         mem_free=free,
+        pod=pod,
     )

@@ -57,7 +57,11 @@ class Worker:
             stack.push_async_callback(sub.unsubscribe)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
-        self._restart_watch()
+        if s.models_json:  # a rented pod: its models came with it, nobody reassigns them
+            fixed = decode(s.models_json, list[ModelConfig])
+            self._watch_task = asyncio.create_task(self.converge(Assignment(node_id=self.node_id, models=fixed)))
+        else:
+            self._restart_watch()
         stack.callback(lambda: self._watch_task and self._watch_task.cancel())
         log.info("worker %s up with engine families %s", self.node_id, self.families)
 
@@ -93,7 +97,8 @@ class Worker:
         if self.bus is None or not self.bus.connected:
             return
         self._seq += 1
-        hb = build_heartbeat(self.node_id, self._seq, self.families, [h.status() for h in self.hosts.values()])
+        hb = build_heartbeat(self.node_id, self._seq, self.families, [h.status() for h in self.hosts.values()],
+                             pod=self.settings.pod)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
@@ -112,6 +117,9 @@ class Worker:
         self._watch_task = asyncio.create_task(self._watch_assignment())
 
     async def _on_reconnect(self) -> None:
+        if self.settings.models_json:
+            await self.publish_heartbeat()
+            return
         # nats-py re-sends plain subscriptions itself (doing it again would deliver every job twice), but a
         # restarted server may have lost the watch's ephemeral consumer: start the watch afresh.
         self._restart_watch()

@@ -37,6 +37,7 @@ BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "not_found": (404, "invalid_request_error"),
     "no_engine": (503, "service_unavailable"),
     "overloaded": (503, "service_unavailable"),
+    "over_budget": (429, "insufficient_quota"),
     "timeout": (504, "timeout"),
     "engine_failed": (502, "engine_error"),
     "cancelled": (499, "cancelled"),

@@ -21,7 +21,8 @@ from coderai.contracts import (
     RouteRequest,
     decode,
 )
-from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS, EVT_REQUEST_COMPLETED, ROUTE_PICK
+from coderai.contracts.pods import EscalateReply, EscalateRequest
+from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, ENGINE_OPS, EVT_REQUEST_COMPLETED, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus, FrameStream
@@ -110,6 +111,50 @@ class Relay:
         )
         return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
 
+    async def _pick(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+        """The router's pick; with no engine, or only busy ones, for a model that may burst, the scheduler is
+        asked to escalate to a rented pod and the request waits (bounded) for the pod's engine."""
+        try:
+            decision = await self.route(job, op, hints, tried, headers)
+        except BusError as exc:
+            if exc.code != "no_engine" or tried:
+                raise
+            return await self._escalate(job, op, hints, headers, "no_engine", exc)
+        if decision.busy and not tried and not hints.pin:
+            return await self._escalate(job, op, hints, headers, "busy", decision)
+        return decision
+
+    async def _escalate(self, job: Any, op: str, hints: Hints, headers: dict[str, str], reason: str,
+                        fallback: RouteDecision | BusError) -> RouteDecision:
+        """Ask for a pod; then poll the router until an engine (a non-busy one, for `busy`) can take the job.
+        Without a pod in time: the busy engine after all, or the original `no_engine`."""
+        try:
+            reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=job.model, reason=reason),  # type: ignore[arg-type]
+                                           timeout=self.settings.route_timeout_s + 15.0, headers=headers)
+        except BusError as exc:
+            log.warning("escalation of %s not answered: %s", job.model, exc.message)
+            reply = EscalateReply(action="refused", code="no_engine", why=exc.message)
+        if reply.action == "refused":
+            if isinstance(fallback, RouteDecision):
+                return fallback
+            if reply.code == "over_budget":
+                raise BusError("over_budget", reply.why)
+            raise BusError("no_engine", f"{fallback.message}; {reply.why}" if reply.why else fallback.message, True)
+        log.info("escalated %s (%s): pod %s is %s", job.model, reason, reply.pod, reply.action)
+        deadline = time.monotonic() + self.settings.escalate_wait_s
+        while time.monotonic() < deadline:
+            try:
+                decision = await self.route(job, op, hints, [], headers)
+                if not isinstance(fallback, RouteDecision) or not decision.busy:
+                    return decision
+            except BusError as exc:
+                if exc.code != "no_engine":
+                    raise
+            await asyncio.sleep(0.25)  # a poll with a deadline: the pod's engine shows up in the router's table
+        if isinstance(fallback, RouteDecision):
+            return fallback
+        raise BusError("no_engine", f"a pod for {job.model!r} is starting; try again shortly", True)
+
     async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
         async def cancel() -> None:
             await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), engine_id=decision.engine_id)
@@ -134,10 +179,10 @@ class Relay:
                 elif traced:
                     with tracing.start_span("route.pick", parent=outcome.span, kind="client",
                                             attributes={"coderai.attempt": attempt}) as span:
-                        decision = await self.route(job, op, hints, tried, tracing.inject(span, headers))
+                        decision = await self._pick(job, op, hints, tried, tracing.inject(span, headers))
                         span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
                 else:
-                    decision = await self.route(job, op, hints, tried, headers)
+                    decision = await self._pick(job, op, hints, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             outcome.engine_id, outcome.node_id, outcome.route_reason = decision.engine_id, decision.node_id, decision.reason

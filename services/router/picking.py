@@ -125,9 +125,12 @@ def keys_to_record(req: RouteRequest) -> list[str]:
     return list(dict.fromkeys(k for k in keys if k))
 
 
-def _decide(table: EngineTable, v: EngineView, reason: str, holders: int = 1) -> RouteDecision:
+def _decide(table: EngineTable, v: EngineView, reason: str, holders: int = 1, model: ModelConfig | None = None) -> RouteDecision:
+    # busy: the model may burst to a pod when busy, and even the engine chosen is at its threshold
+    busy = (model is not None and model.pod.burst in ("when_busy", "always") and v.load >= model.pod.busy_in_flight
+            and reason != "pin")
     table.chose(v)
-    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders)  # type: ignore[arg-type]
+    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders, busy=busy)  # type: ignore[arg-type]
 
 
 def pick(
@@ -166,8 +169,8 @@ def pick(
         if warm is None or guard.overloaded(warm, least):
             fallback = True  # the conversation had a home that cannot take it now
             continue
-        return _decide(table, warm, reason, len(candidates))
-    return _decide(table, least, "fallback" if fallback else "least_busy", len(candidates))
+        return _decide(table, warm, reason, len(candidates), model)
+    return _decide(table, least, "fallback" if fallback else "least_busy", len(candidates), model)
 
 
 class RoundRobin:

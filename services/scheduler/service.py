@@ -12,7 +12,14 @@ import msgspec
 
 from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
-from coderai.contracts.subjects import CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, HEARTBEAT
+from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
+from coderai.contracts.subjects import (
+    CMD_BROKER_ACQUIRE,
+    CMD_SCHEDULER_ESCALATE,
+    CMD_SCHEDULER_NODES,
+    CMD_SCHEDULER_PLACE,
+    HEARTBEAT,
+)
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
@@ -57,7 +64,8 @@ class Scheduler:
         stack.callback(task.cancel)
         sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
-        for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place)):
+        for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
+                                 (CMD_SCHEDULER_ESCALATE, self._escalate)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
@@ -101,6 +109,22 @@ class Scheduler:
         log.info("%s %s on %s: nodes=%s replicas=%d", req.action, m.name, req.node, nodes, replicas)
         self._dirty.set()
         return PlaceReply(model=new)
+
+    async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
+        """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""
+        m = next((x for x in self.models if x.name == req.model), None)
+        if m is None:
+            raise BusError("not_found", f"no model {req.model!r}")
+        why = escalation_refused(m, req.reason, m.name in self.unplaced)
+        if why:
+            return EscalateReply(action="refused", code="no_engine", why=why)
+        try:
+            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason), timeout=15.0)
+        except BusError as exc:
+            code = "over_budget" if exc.code == "over_budget" else "no_engine"
+            return EscalateReply(action="refused", code=code, why=exc.message)
+        pod = reply.pod
+        return EscalateReply(action="ready" if pod.state == "ready" else "acquiring", pod=pod.name)
 
     async def _publish_models(self) -> None:
         want = {model_key(m.name): m for m in self.models}
@@ -154,7 +178,8 @@ class Scheduler:
                 continue
             self._dirty.clear()
             try:
-                result = plan(self.models, self.nodes, dict(self.assignments.values))
+                owned = {n: hb for n, hb in self.nodes.items() if not hb.pod}  # a pod brings its own models
+                result = plan(self.models, owned, dict(self.assignments.values))
                 for name, why in result.unplaced.items():
                     if self.unplaced.get(name) != why:
                         log.warning("model %s: %s", name, why)
@@ -166,6 +191,16 @@ class Scheduler:
                 log.warning("writing assignments failed (%s); retrying", exc)
                 self._dirty.set()
                 await asyncio.sleep(0.5)
+
+
+def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:
+    """Why `m` may not burst to a pod for `reason` now ("" when it may)."""
+    burst = m.pod.burst
+    if burst == "always" or (burst == "when_busy" and reason == "busy"):
+        return ""
+    if burst in ("when_no_fit", "always") and reason == "no_engine":
+        return "" if unplaced or burst == "always" else f"model {m.name!r} fits on a node of its own (burst=when_no_fit)"
+    return f"model {m.name!r} does not burst to rented pods for this (burst={burst}, {reason})"
 
 
 def make(settings: SchedulerSettings):

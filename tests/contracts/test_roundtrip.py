@@ -38,7 +38,7 @@ SAMPLES = [
     RequestCompleted(request_id="r", ts=1.0, key_name="k", model="m", op="chat", status="ok", http_status=200, ttft_s=0.2),
     ModelLoaded(node_id="n", engine_id="e", model="m", load_s=0.1, ts=2.0),
     BrokerStatusRequest(),
-    BrokerStatus(configured=True, pods=[PodInfo(pod_id="p", gpu_type="A40", hourly_usd=0.4, state="running")]),
+    BrokerStatus(configured=True, pods=[PodInfo(name="coderai-x-m-1", model="m", pod_id="p", gpu_type="A40", hourly_usd=0.4, state="ready")]),
 ]
 
 

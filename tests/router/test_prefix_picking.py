@@ -496,3 +496,15 @@ def test_every_kind_of_decision_charges_the_chosen_engine():
     assert reasons == ["pin", "session", "user", "prefix", "least_busy", "fallback"]
     assert sum(picks(t).values()) == 6
     assert picks(t) == {"A": 2, "B": 2, "C": 2}
+
+
+def test_busy_is_set_only_for_a_bursting_model_whose_least_busy_engine_is_at_its_threshold():
+    from coderai.contracts import PodPolicy
+
+    t = EngineTable()
+    t.apply(hb("n1", engine("A", in_flight=3), engine("B", in_flight=4)), now=NOW)
+    bursty = ModelConfig(name="m", engine="llama", path="x", pod=PodPolicy(burst="when_busy", busy_in_flight=3))
+    assert pick(t, req(), None, bursty, now=NOW).busy
+    assert not pick(t, req(), None, ModelConfig(name="m", engine="llama", path="x"), now=NOW).busy
+    relaxed = ModelConfig(name="m", engine="llama", path="x", pod=PodPolicy(burst="always", busy_in_flight=10))
+    assert not pick(t, req(), None, relaxed, now=NOW).busy

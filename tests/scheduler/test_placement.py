@@ -364,3 +364,19 @@ def test_a_new_model_does_not_push_an_existing_one_off_its_node():
     p = plan([x, y], nodes, current(b=[y]))
     assert holders(p, "y") == ["b"]  # y fits where it is; x fits on a
     assert holders(p, "x") == ["a"]
+
+
+def test_escalation_follows_the_models_burst_policy():
+    from coderai.contracts import PodPolicy
+    from coderai.scheduler.service import escalation_refused
+
+    def m(burst: str) -> ModelConfig:
+        return ModelConfig(name="big", engine="llama", path="x", pod=PodPolicy(burst=burst))
+
+    assert escalation_refused(m("never"), "no_engine", True) and escalation_refused(m("never"), "busy", False)
+    assert not escalation_refused(m("when_busy"), "busy", False)
+    assert escalation_refused(m("when_busy"), "no_engine", True)
+    assert not escalation_refused(m("when_no_fit"), "no_engine", True)
+    assert "fits on a node" in escalation_refused(m("when_no_fit"), "no_engine", False)
+    assert escalation_refused(m("when_no_fit"), "busy", False)
+    assert not escalation_refused(m("always"), "busy", False) and not escalation_refused(m("always"), "no_engine", False)

@@ -2,7 +2,7 @@
 
 from coderai.contracts.base import Message, decode, encode
 from coderai.contracts.errors import BusError, ErrorCode, ErrorReply
-from coderai.contracts.events import Event, ModelLoaded, PartDone, RequestCompleted
+from coderai.contracts.events import Event, ModelLoaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import (
     CancelJob,
     ChatJob,
@@ -44,7 +44,7 @@ from coderai.contracts.media import (
     VideoResult,
     Word,
 )
-from coderai.contracts.models import Distribute, ModelConfig
+from coderai.contracts.models import Distribute, ModelConfig, PodPolicy
 from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
 from coderai.contracts.work import WorkPart
@@ -53,7 +53,7 @@ __all__ = [
     "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
     "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
-    "Distribute", "PartDone", "WorkPart",
+    "Distribute", "PartDone", "PodEvent", "PodPolicy", "WorkPart",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",

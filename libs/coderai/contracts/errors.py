@@ -12,6 +12,7 @@ ErrorCode = Literal[
     "no_engine",  # nothing can serve this right now
     "engine_failed",  # the engine broke while serving
     "overloaded",  # try again later or elsewhere
+    "over_budget",  # a spend cap (a model's pod budget, a global cap) would be exceeded
     "cancelled",  # the caller went away
     "timeout",
     "internal",

@@ -54,4 +54,19 @@ class PartDone(Message, frozen=True, kw_only=True, tag="work.part", tag_field="t
     ts: float = 0.0
 
 
-Event = Union[RequestCompleted, ModelLoaded, PartDone]
+class PodEvent(Message, frozen=True, kw_only=True, tag="pod", tag_field="t"):
+    """`coderai.evt.pod.<what>`: created, ready, billed (with `seconds` and `usd`), stopped."""
+
+    what: Literal["created", "ready", "billed", "stopped"]
+    name: str
+    model: str
+    pod_id: str = ""
+    gpu_type: str = ""
+    hourly_usd: float = 0.0
+    seconds: float = 0.0
+    usd: float = 0.0
+    reason: str = ""
+    ts: float = 0.0
+
+
+Event = Union[RequestCompleted, ModelLoaded, PartDone, PodEvent]

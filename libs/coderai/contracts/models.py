@@ -32,6 +32,28 @@ class Distribute(Message, frozen=True, kw_only=True):
     min_items: int = 2  # fewer items than this are never split
 
 
+class PodPolicy(Message, frozen=True, kw_only=True):
+    """When and how a model escalates past the machines you own to a rented RunPod GPU.
+
+    `burst`: `never`; `when_busy` (every engine holding it has `busy_in_flight` jobs or more); `when_no_fit` (no
+    live node can hold it); `always` (either). `max_hourly_usd` caps the whole pod (card price x GPU count);
+    `budget_usd` caps what the model's pods may cost per `period`.
+    """
+
+    burst: Literal["never", "when_busy", "when_no_fit", "always"] = "never"
+    max_hourly_usd: float = 0.0
+    budget_usd: float = 0.0
+    period: Literal["hour", "day", "week", "month"] = "day"
+    idle_timeout_s: float = 300.0
+    min_pods: int = 0
+    max_pods: int = 1
+    gpu_types: list[str] = []  # preferred RunPod GPU type ids, in order; empty: the cheapest that fits
+    gpu_count: int = 1
+    spot: bool = False
+    busy_in_flight: int = 4
+    image: str = ""  # the pod's container image (a coderai worker image); empty: the broker's default
+
+
 class ModelConfig(Message, frozen=True, kw_only=True):
     """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...).
 
@@ -52,6 +74,7 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     pin: str = ""  # route every request to this engine or node id
     allow_fallback: bool = False  # when the pinned engine is down, route elsewhere instead of failing
     distribute: Distribute = Distribute()
+    pod: PodPolicy = PodPolicy()
     owned_by: str = "coderai"
     created: int = 0
 

@@ -43,6 +43,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     mem_free: int = 0
     vram_total: int = 0
     vram_free: int = 0
+    pod: str = ""  # a rented pod's name: its models come with it, the scheduler places nothing on it
 
 
 class Assignment(Message, frozen=True, kw_only=True):

@@ -1,8 +1,12 @@
-"""Pod-broker commands."""
+"""Escalation to rented pods: scheduler and pod-broker commands, what the broker tracks, and its events."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from coderai.contracts.base import Message
+
+PodState = Literal["creating", "booting", "ready", "stopping", "terminated", "failed"]
 
 
 class BrokerStatusRequest(Message, frozen=True, kw_only=True):
@@ -10,11 +14,23 @@ class BrokerStatusRequest(Message, frozen=True, kw_only=True):
 
 
 class PodInfo(Message, frozen=True, kw_only=True):
-    pod_id: str
-    gpu_type: str
-    hourly_usd: float
-    state: str
-    model: str = ""
+    """A pod the broker rents, as kept in `coderai_pods` (by name). `node_id` is the name: the pod's worker
+    heartbeats under it."""
+
+    name: str
+    model: str
+    state: PodState
+    pod_id: str = ""
+    gpu_type: str = ""
+    gpu_count: int = 1
+    hourly_usd: float = 0.0
+    created_at: float = 0.0
+    ready_at: float = 0.0
+    ended_at: float = 0.0
+    last_busy_at: float = 0.0
+    reserved_usd: float = 0.0
+    cost_usd: float = 0.0  # live while it runs, final once billed
+    error: str = ""
 
 
 class BrokerStatus(Message, frozen=True, kw_only=True, tag="broker.status", tag_field="t"):
@@ -23,3 +39,43 @@ class BrokerStatus(Message, frozen=True, kw_only=True, tag="broker.status", tag_
     configured: bool
     pods: list[PodInfo] = []
     spent_usd: float = 0.0
+
+
+class EscalateRequest(Message, frozen=True, kw_only=True):
+    """The gateway found no engine (`no_engine`) or only busy ones (`busy`) for `model`."""
+
+    model: str
+    reason: Literal["no_engine", "busy"]
+
+
+class EscalateReply(Message, frozen=True, kw_only=True, tag="escalate", tag_field="t"):
+    """`acquiring`: a pod is on its way (wait and route again); `ready`: one serves it now; `refused`: not
+    allowed (`why`), with `code` `no_engine` or `over_budget`."""
+
+    action: Literal["acquiring", "ready", "refused"]
+    why: str = ""
+    code: str = ""
+    pod: str = ""
+
+
+class AcquireRequest(Message, frozen=True, kw_only=True):
+    model: str
+    reason: str = ""
+
+
+class AcquireReply(Message, frozen=True, kw_only=True, tag="acquire", tag_field="t"):
+    pod: PodInfo
+
+
+class LeaseRequest(Message, frozen=True, kw_only=True):
+    """A warm floor: keep at least `pods` pods of `model` for `ttl_s` seconds, busy or not."""
+
+    model: str
+    pods: int
+    ttl_s: float
+
+
+class LeaseReply(Message, frozen=True, kw_only=True, tag="lease", tag_field="t"):
+    model: str
+    pods: int
+    until: float

@@ -38,6 +38,7 @@ class RouteDecision(Message, frozen=True, kw_only=True, tag="route", tag_field="
     node_id: str
     reason: RouteReason
     holders: int = 1
+    busy: bool = False  # every holder is at the model's `pod.busy_in_flight`: the gateway may escalate to a pod
 
 
 class AffinityEntry(Message, frozen=True, kw_only=True):

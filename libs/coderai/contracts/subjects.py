@@ -22,7 +22,7 @@ from coderai.contracts.admin import (
 )
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
-from coderai.contracts.events import Event, ModelLoaded, PartDone, RequestCompleted
+from coderai.contracts.events import Event, ModelLoaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
 from coderai.contracts.media import (
     DiarizeJob,
@@ -36,7 +36,16 @@ from coderai.contracts.media import (
 )
 from coderai.contracts.nodes import Heartbeat
 from coderai.contracts.work import WorkPart
-from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest
+from coderai.contracts.pods import (
+    AcquireReply,
+    AcquireRequest,
+    BrokerStatus,
+    BrokerStatusRequest,
+    EscalateReply,
+    EscalateRequest,
+    LeaseReply,
+    LeaseRequest,
+)
 from coderai.contracts.routing import RouteDecision, RouteRequest
 
 Req = TypeVar("Req")
@@ -115,6 +124,10 @@ EVT_PART_DONE = Subject("coderai.evt.work.part", PartDone)
 WORK_PART = Subject("coderai.work.{model_key}.{op}", WorkPart)
 
 CMD_BROKER_STATUS = Subject("coderai.cmd.broker.status", BrokerStatusRequest, BrokerStatus)
+CMD_BROKER_ACQUIRE = Subject("coderai.cmd.broker.acquire", AcquireRequest, AcquireReply)
+CMD_BROKER_LEASE = Subject("coderai.cmd.broker.lease", LeaseRequest, LeaseReply)
+CMD_SCHEDULER_ESCALATE = Subject("coderai.cmd.scheduler.escalate", EscalateRequest, EscalateReply)
+EVT_POD = Subject("coderai.evt.pod.{what}", PodEvent)
 
 CMD_NODE_LOGS = Subject("coderai.cmd.node.{node_id}.logs", NodeLogsRequest, NodeLogs)
 CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeState)

@@ -1,0 +1,470 @@
+"""A local fake of RunPod's GraphQL API (the one paid outside service tests may fake), served over HTTP.
+
+It answers the operations the `runpod` 1.12 SDK sends (string-built, so every field it selects is in the schema
+below) and the same operations sent with proper GraphQL variables (`coderai.pod_broker.runpod_api`). A pod is a
+record that is billed by the second from creation (boot included) to termination, and, after `boot_delay_s`, a real
+process started by the `launch(env)` callable the test gives (e.g. an engine worker). What is simplified:
+
+- A stopped pod bills 0 (RunPod bills its volume storage while stopped; we do not model storage).
+- A crashed pod (`crash()`, or its process exiting) shows `EXITED` and keeps billing until stopped or terminated.
+- A terminated pod vanishes from `pod` and `myself.pods`, as on RunPod; the fake keeps it for billing.
+- Spot pods are charged the type's spot price; a bid below it is refused.
+- A wrong API key gets HTTP 401 with a GraphQL error body `Unauthorized`.
+
+Pods are launched from one long-lived thread of the fake: a `die_with_parent()` preexec_fn (PDEATHSIG fires when
+the *thread* that forked dies) then keeps a pod alive exactly as long as the fake, and `close()` kills the rest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import secrets
+import signal
+import string
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterable
+from urllib.parse import parse_qs, urlsplit
+
+from graphql import GraphQLError, build_schema, graphql_sync
+
+from coderai.runtime.embedded import die_with_parent
+
+NO_CAPACITY_MESSAGE = ("There are no longer any instances available with the requested specifications. "
+                       "Please refresh and try again.")
+RESUME_NO_CAPACITY_MESSAGE = "There are not enough free GPUs on the host machine to start this pod."
+Launch = Callable[[dict[str, str]], subprocess.Popen]
+
+_DEPLOY_FIELDS = """name: String imageName: String cloudType: CloudTypeEnum gpuTypeId: String gpuCount: Int
+  volumeInGb: Int containerDiskInGb: Int minVcpuCount: Int minMemoryInGb: Int dockerArgs: String ports: String
+  volumeMountPath: String env: [EnvironmentVariableInput] startSsh: Boolean startJupyter: Boolean
+  supportPublicIp: Boolean dataCenterId: String countryCode: String templateId: String networkVolumeId: String
+  allowedCudaVersions: [String] minDownload: Int minUpload: Int"""
+SCHEMA = build_schema(f"""
+scalar Void
+enum CloudTypeEnum {{ ALL SECURE COMMUNITY }}
+enum PodStatus {{ CREATED RUNNING RESTARTING EXITED PAUSED DEAD TERMINATED }}
+enum PodType {{ INTERRUPTABLE RESERVED BID BACKGROUND }}
+input GpuTypeFilter {{ id: String ids: [String] }}
+input GpuLowestPriceInput {{ gpuCount: Int secureCloud: Boolean dataCenterId: String minMemoryInGb: Int
+  minVcpuCount: Int }}
+input PodFilter {{ podId: String! }}
+input EnvironmentVariableInput {{ key: String! value: String! }}
+input PodFindAndDeployOnDemandInput {{ {_DEPLOY_FIELDS} }}
+input PodRentInterruptableInput {{ bidPerGpu: Float! {_DEPLOY_FIELDS} }}
+input PodStopInput {{ podId: String! incrementVersion: Boolean }}
+input PodResumeInput {{ podId: String! gpuCount: Int }}
+input PodTerminateInput {{ podId: String! }}
+type LowestPrice {{ minimumBidPrice: Float uninterruptablePrice: Float stockStatus: String gpuTypeId: String }}
+type GpuType {{ id: String! displayName: String memoryInGb: Int maxGpuCount: Int manufacturer: String
+  cudaCores: Int secureCloud: Boolean communityCloud: Boolean securePrice: Float communityPrice: Float
+  oneWeekPrice: Float oneMonthPrice: Float threeMonthPrice: Float secureSpotPrice: Float communitySpotPrice: Float
+  lowestPrice(input: GpuLowestPriceInput): LowestPrice }}
+type PodRuntimePorts {{ ip: String isIpPublic: Boolean privatePort: Int publicPort: Int type: String }}
+type PodRuntime {{ uptimeInSeconds: Int ports: [PodRuntimePorts] }}
+type PodMachineInfo {{ podHostId: String gpuDisplayName: String gpuTypeId: String }}
+type Pod {{ id: String! name: String desiredStatus: PodStatus imageName: String env: [String] machineId: String
+  costPerHr: Float gpuCount: Int podType: PodType containerDiskInGb: Int volumeInGb: Int volumeMountPath: String
+  dockerArgs: String dockerId: String lastStatusChange: String memoryInGb: Float vcpuCount: Float port: Int
+  ports: String uptimeSeconds: Int runtime: PodRuntime machine: PodMachineInfo }}
+type User {{ id: String pods: [Pod] }}
+type Query {{ gpuTypes(input: GpuTypeFilter): [GpuType] pod(input: PodFilter): Pod myself: User }}
+type Mutation {{
+  podFindAndDeployOnDemand(input: PodFindAndDeployOnDemandInput): Pod
+  podRentInterruptable(input: PodRentInterruptableInput!): Pod
+  podStop(input: PodStopInput!): Pod
+  podResume(input: PodResumeInput!): Pod
+  podTerminate(input: PodTerminateInput!): Void
+}}
+""")
+
+
+@dataclass
+class FakeGpuType:
+    """A card on offer: prices are per GPU-hour; `capacity` is how many more pods of it can be created."""
+
+    id: str
+    display_name: str
+    memory_gb: int
+    price_hr: float
+    spot_price_hr: float
+    capacity: int = 10
+    max_gpu_count: int = 8
+
+
+DEFAULT_GPU_TYPES = (
+    FakeGpuType("NVIDIA GeForce RTX 4090", "RTX 4090", 24, 0.69, 0.35),
+    FakeGpuType("NVIDIA RTX A6000", "RTX A6000", 48, 0.79, 0.39),
+    FakeGpuType("NVIDIA A100 80GB PCIe", "A100 PCIe", 80, 1.64, 0.82),
+    FakeGpuType("NVIDIA H100 80GB HBM3", "H100 SXM", 80, 2.99, 1.49),
+)
+
+
+@dataclass
+class FakePod:
+    """One rented pod. `intervals` are the billed [start, end) spans on the fake's clock (end None: still open)."""
+
+    id: str
+    name: str
+    image: str
+    env: dict[str, str]
+    gpu_type_id: str
+    gpu_count: int
+    rate_hr: float
+    spot: bool
+    created_at: float
+    status: str = "RUNNING"
+    booted_at: float | None = None
+    terminated_at: float | None = None
+    process: subprocess.Popen | None = None
+    intervals: list[list[float | None]] = field(default_factory=list)
+
+
+def python_launcher(args: list[str], log_path: str | None = None) -> Launch:
+    """A `launch` callable running `python <args>` with the pod's env over os.environ, in its own process group,
+    dying with the fake (PDEATHSIG), output to `log_path` (or discarded)."""
+
+    def launch(env: dict[str, str]) -> subprocess.Popen:
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        try:
+            return subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, stdout=out, stderr=out,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
+        finally:
+            if log_path:
+                out.close()
+    return launch
+
+
+def kill_process(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """SIGTERM a pod's process (its whole group when it leads one), SIGKILL after `grace_s`, and reap it."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class FakeRunPod:
+    """RunPod's GraphQL API on http://127.0.0.1:<random port>/graphql; use as a context manager or start()/close()."""
+
+    def __init__(self, *, api_key: str = "fake-runpod-key", gpu_types: Iterable[FakeGpuType] = DEFAULT_GPU_TYPES,
+                 launch: Launch | None = None, boot_delay_s: float = 0.0, now: Callable[[], float] = time.time):
+        self.api_key = api_key
+        self.gpu_types = {g.id: FakeGpuType(**vars(g)) for g in gpu_types}
+        self.launch = launch
+        self.boot_delay_s = boot_delay_s
+        self.now = now
+        self.request_count = 0
+        self._pods: dict[str, FakePod] = {}
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._boots: list[tuple[float, str]] = []
+        self._failures: list[int] = []
+        self._never_prefixes: list[str] = []
+        self._never_count = 0
+        self._closed = False
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "FakeRunPod":
+        """Bind a random loopback port and serve, and start the thread that boots pods."""
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                fake._handle(self)
+
+            def log_message(self, *_args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        for target in (self._server.serve_forever, self._boot_loop):
+            t = threading.Thread(target=target, name=f"fake-runpod-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """What RUNPOD_API_BASE_URL (or the client's base_url) should be; the API is at `{base_url}/graphql`."""
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        """Stop serving and kill every pod's process; billing stops as if each pod were terminated now."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            pods = list(self._pods.values())
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        for t in self._threads:
+            t.join(timeout=10)
+        for pod in pods:
+            kill_process(pod.process)
+            with self._lock:
+                if pod.terminated_at is None:
+                    self._end_billing(pod)
+                    pod.status, pod.terminated_at = "TERMINATED", self.now()
+
+    def __enter__(self) -> "FakeRunPod":
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def fail_next(self, n: int, status: int = 500) -> None:
+        """Answer the next `n` HTTP calls with `status` (500: server error, 429: rate limited) before any work."""
+        with self._lock:
+            self._failures.extend([status] * n)
+
+    def never_boot(self, prefix: str | None = None, count: int = 0) -> None:
+        """Pods named with `prefix`, and the next `count` pods created, never start (no process, runtime null)."""
+        with self._lock:
+            if prefix is not None:
+                self._never_prefixes.append(prefix)
+            self._never_count += count
+
+    def set_capacity(self, gpu_type_id: str, capacity: int) -> None:
+        """How many more pods of this type can be created (0: the create mutations answer no-capacity)."""
+        with self._lock:
+            self.gpu_types[gpu_type_id].capacity = capacity
+
+    def crash(self, pod_id: str) -> None:
+        """Kill a running pod's process as a crash would: it shows EXITED and keeps billing."""
+        with self._lock:
+            pod = self._pods[pod_id]
+            proc, pod.process = pod.process, None
+            pod.status, pod.booted_at = "EXITED", None
+        kill_process(proc)
+
+    def pod(self, pod_id: str) -> FakePod:
+        """The fake's own record of a pod, terminated ones included."""
+        with self._lock:
+            return self._refresh(self._pods[pod_id])
+
+    def pods(self) -> list[FakePod]:
+        """Every pod ever created here, in creation order."""
+        with self._lock:
+            return [self._refresh(p) for p in self._pods.values()]
+
+    def billed_seconds(self, pod_id: str) -> float:
+        """Seconds billed so far: creation (boot included) to stop or termination, or to now while running."""
+        with self._lock:
+            return sum((end if end is not None else self.now()) - start
+                       for start, end in self._pods[pod_id].intervals)
+
+    def billed_usd(self, pod_id: str) -> float:
+        """The pod's spend: rate_hr / 3600 x billed seconds."""
+        return self._pods[pod_id].rate_hr / 3600 * self.billed_seconds(pod_id)
+
+    def total_billed_usd(self) -> float:
+        """Spend over every pod ever created here."""
+        return sum(self.billed_usd(pid) for pid in list(self._pods))
+
+    def wait_booted(self, pod_id: str, timeout_s: float = 30.0) -> FakePod:
+        """Poll until the pod has booted (its launch was called), failing after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            pod = self.pod(pod_id)
+            if pod.booted_at is not None:
+                return pod
+            time.sleep(0.01)
+        raise TimeoutError(f"pod {pod_id} did not boot within {timeout_s}s")
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        url = urlsplit(req.path)
+        body = req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        with self._lock:
+            self.request_count += 1
+            injected = self._failures.pop(0) if self._failures else None
+        if url.path != "/graphql":
+            return self._reply(req, 404, {"errors": [{"message": "Not Found"}]})
+        if injected is not None:
+            return self._reply(req, injected, {"errors": [{"message": f"injected HTTP {injected}"}]},
+                               {"Retry-After": "1"} if injected == 429 else None)
+        auth = req.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else (parse_qs(url.query).get("api_key") or [""])[0]
+        if key != self.api_key:
+            return self._reply(req, 401, {"errors": [{"message": "Unauthorized"}]})
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return self._reply(req, 400, {"errors": [{"message": "request body is not JSON"}]})
+        result = graphql_sync(SCHEMA, payload.get("query") or "", root_value=self._root,
+                              variable_values=payload.get("variables"), operation_name=payload.get("operationName"))
+        out = result.formatted
+        self._reply(req, 400 if result.data is None and result.errors else 200, out)
+
+    @staticmethod
+    def _reply(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            req.send_header(k, v)
+        req.end_headers()
+        req.wfile.write(data)
+
+    @property
+    def _root(self) -> dict:
+        return {"gpuTypes": self._q_gpu_types, "pod": self._q_pod, "myself": self._q_myself,
+                "podFindAndDeployOnDemand": lambda _i, input: self._create(input, None),
+                "podRentInterruptable": lambda _i, input: self._create(input, input["bidPerGpu"]),
+                "podStop": self._m_stop, "podResume": self._m_resume, "podTerminate": self._m_terminate}
+
+    def _q_gpu_types(self, _info, input=None) -> list[dict]:  # noqa: A002 - the GraphQL argument's name
+        ids = None if not input else ([input["id"]] if input.get("id") else input.get("ids"))
+        with self._lock:
+            return [self._gpu_view(g) for g in self.gpu_types.values() if ids is None or g.id in ids]
+
+    def _gpu_view(self, g: FakeGpuType) -> dict:
+        stock = None if g.capacity <= 0 else "Low" if g.capacity < 3 else "Medium" if g.capacity < 10 else "High"
+
+        def lowest(_info, input=None):  # noqa: A002
+            n = (input or {}).get("gpuCount") or 1
+            return {"minimumBidPrice": g.spot_price_hr * n, "uninterruptablePrice": g.price_hr * n,
+                    "stockStatus": stock, "gpuTypeId": g.id}
+        return {"id": g.id, "displayName": g.display_name, "memoryInGb": g.memory_gb, "maxGpuCount": g.max_gpu_count,
+                "manufacturer": "Nvidia", "cudaCores": 0, "secureCloud": True, "communityCloud": True,
+                "securePrice": g.price_hr, "communityPrice": g.price_hr, "secureSpotPrice": g.spot_price_hr,
+                "communitySpotPrice": g.spot_price_hr, "lowestPrice": lowest}
+
+    def _q_pod(self, _info, input) -> dict | None:  # noqa: A002
+        with self._lock:
+            pod = self._pods.get(input["podId"])
+            return None if pod is None or pod.terminated_at is not None else self._pod_view(pod)
+
+    def _q_myself(self, _info) -> dict:
+        with self._lock:
+            return {"id": "fake-user", "pods": [self._pod_view(p) for p in self._pods.values()
+                                                 if p.terminated_at is None]}
+
+    def _pod_view(self, pod: FakePod) -> dict:
+        self._refresh(pod)
+        up = None if pod.booted_at is None else int(self.now() - pod.booted_at)
+        return {"id": pod.id, "name": pod.name, "desiredStatus": pod.status, "imageName": pod.image,
+                "env": [f"{k}={v}" for k, v in pod.env.items()], "machineId": f"m-{pod.id}",
+                "costPerHr": pod.rate_hr, "gpuCount": pod.gpu_count,
+                "podType": "INTERRUPTABLE" if pod.spot else "RESERVED", "uptimeSeconds": up or 0,
+                "runtime": None if up is None else {"uptimeInSeconds": up, "ports": []},
+                "machine": {"podHostId": f"{pod.id}-fake", "gpuTypeId": pod.gpu_type_id,
+                            "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name}}
+
+    def _create(self, spec: dict, bid: float | None) -> dict:
+        with self._lock:
+            gpu = self.gpu_types.get(spec.get("gpuTypeId") or "")
+            count = spec.get("gpuCount") or 1
+            if gpu is None:
+                raise GraphQLError(f"Invalid GPU type: {spec.get('gpuTypeId')!r}")
+            if not spec.get("name") or not spec.get("imageName"):
+                raise GraphQLError("name and imageName are required")
+            if not 1 <= count <= gpu.max_gpu_count:
+                raise GraphQLError(f"gpuCount must be between 1 and {gpu.max_gpu_count}")
+            if bid is not None and bid < gpu.spot_price_hr:
+                raise GraphQLError(f"Your bid of {bid} is below the current spot price of {gpu.spot_price_hr}.")
+            if gpu.capacity <= 0:
+                raise GraphQLError(NO_CAPACITY_MESSAGE)
+            gpu.capacity -= 1
+            pod_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(14))
+            now = self.now()
+            pod = FakePod(id=pod_id, name=spec["name"], image=spec["imageName"], gpu_type_id=gpu.id,
+                          env={e["key"]: e["value"] for e in spec.get("env") or []}, gpu_count=count,
+                          rate_hr=(gpu.spot_price_hr if bid is not None else gpu.price_hr) * count,
+                          spot=bid is not None, created_at=now, intervals=[[now, None]])
+            self._pods[pod_id] = pod
+            self._schedule_boot(pod)
+            return self._pod_view(pod)
+
+    def _schedule_boot(self, pod: FakePod) -> None:
+        if any(pod.name.startswith(p) for p in self._never_prefixes):
+            return
+        if self._never_count > 0:
+            self._never_count -= 1
+            return
+        heapq.heappush(self._boots, (time.monotonic() + self.boot_delay_s, pod.id))
+        self._wake.notify_all()
+
+    def _boot_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (not self._boots or self._boots[0][0] > time.monotonic()):
+                    self._wake.wait(None if not self._boots else self._boots[0][0] - time.monotonic())
+                if self._closed:
+                    return
+                pod = self._pods[heapq.heappop(self._boots)[1]]
+                if pod.status != "RUNNING" or pod.booted_at is not None:
+                    continue
+                env = {"RUNPOD_POD_ID": pod.id, "RUNPOD_GPU_COUNT": str(pod.gpu_count), **pod.env}
+            proc = self.launch(env) if self.launch is not None else None
+            with self._lock:
+                if pod.status == "RUNNING" and not self._closed:
+                    pod.process, pod.booted_at, proc = proc, self.now(), None
+            kill_process(proc)  # the pod was stopped or terminated while its process started
+
+    def _refresh(self, pod: FakePod) -> FakePod:
+        if pod.status == "RUNNING" and pod.process is not None and pod.process.poll() is not None:
+            pod.status, pod.booted_at = "EXITED", None
+        return pod
+
+    def _end_billing(self, pod: FakePod) -> None:
+        if pod.intervals and pod.intervals[-1][1] is None:
+            pod.intervals[-1][1] = self.now()
+            self.gpu_types[pod.gpu_type_id].capacity += 1
+
+    def _live(self, pod_id: str) -> FakePod:
+        pod = self._pods.get(pod_id)
+        if pod is None or pod.terminated_at is not None:
+            raise GraphQLError(f"Pod {pod_id!r} not found")
+        return pod
+
+    def _m_stop(self, _info, input) -> dict:  # noqa: A002
+        with self._lock:
+            pod = self._live(input["podId"])
+            proc, pod.process = pod.process, None
+            self._end_billing(pod)
+            pod.status, pod.booted_at = "EXITED", None
+        kill_process(proc)
+        with self._lock:
+            return self._pod_view(pod)
+
+    def _m_resume(self, _info, input) -> dict:  # noqa: A002
+        with self._lock:
+            pod = self._live(input["podId"])
+            if pod.status != "RUNNING":
+                gpu = self.gpu_types[pod.gpu_type_id]
+                if pod.intervals[-1][1] is not None:
+                    if gpu.capacity <= 0:
+                        raise GraphQLError(RESUME_NO_CAPACITY_MESSAGE)
+                    gpu.capacity -= 1
+                    pod.intervals.append([self.now(), None])
+                pod.status = "RUNNING"
+                self._schedule_boot(pod)
+            return self._pod_view(pod)
+
+    def _m_terminate(self, _info, input) -> None:  # noqa: A002
+        with self._lock:
+            pod = self._live(input["podId"])
+            proc, pod.process = pod.process, None
+            self._end_billing(pod)
+            pod.status, pod.booted_at, pod.terminated_at = "TERMINATED", None, self.now()
+        kill_process(proc)
+        return None
