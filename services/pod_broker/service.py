@@ -1,46 +1,383 @@
-"""Pod-broker lifecycle. This release owns the `coderai_pods` bucket and answers status; renting, watching and
-reaping RunPod pods under price caps and budgets is the pod-broker issue's work and lands on this shell."""
+"""Pod-broker: rents RunPod pods for models that escalate, watches them, reaps them, and books every second.
+
+It owns `coderai_pods` (one `PodInfo` per pod, by name). `acquire` (from the scheduler) picks the cheapest GPU
+type that fits under the caps, reserves the pod's first stretch of money in Redis (one Lua script checks every
+cap), creates the pod with an environment that makes its worker join this bus as a node with just that model,
+and waits for its heartbeat. A reconcile loop marks pods ready, extends their reservations as they run (a cap
+that says no stops the pod), reaps idle and crashed ones, terminates pods that never boot, keeps warm floors,
+and terminates orphans: pods named for this deployment that nothing tracks. A terminated pod is billed from
+creation to termination into the ledger (`accounts/pod_money.py`).
+
+Run one broker per cluster: the reconcile loop is not shared between replicas.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
-from coderai.contracts import decode
-from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest, PodInfo
-from coderai.contracts.subjects import CMD_BROKER_STATUS
-from coderai.contracts.topology import PODS
+import msgspec
+
+from coderai.contracts import BusError, ModelConfig, decode, encode
+from coderai.contracts.events import PodEvent
+from coderai.contracts.nodes import Heartbeat
+from coderai.contracts.pods import (
+    AcquireReply,
+    AcquireRequest,
+    BrokerStatus,
+    BrokerStatusRequest,
+    LeaseReply,
+    LeaseRequest,
+    PodInfo,
+)
+from coderai.contracts.subjects import CMD_BROKER_ACQUIRE, CMD_BROKER_LEASE, CMD_BROKER_STATUS, EVT_POD, HEARTBEAT
+from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
+from coderai.pod_broker import choosing
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.bus import Bus
+from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.pod_broker")
 
+LIVE = ("creating", "booting", "ready")
+MB = 1024 * 1024
+
 
 class Broker:
-    def __init__(self, settings: BrokerSettings) -> None:
+    def __init__(self, settings: BrokerSettings, api: Any = None, money: Any = None) -> None:
         self.settings = settings
+        self.api = api
+        self.money = money
+        self.pods: dict[str, PodInfo] = {}
+        self.hbs: dict[str, tuple[float, Heartbeat]] = {}
+        self.leases: dict[str, tuple[int, float]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._last_orphan_scan = 0.0
+        self.redis: Any = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
-        self.bus = await Bus.connect_as(self.settings, "pod-broker")
+        s = self.settings
+        self.bus = await Bus.connect_as(s, "pod-broker")
         stack.push_async_callback(self.bus.close)
         self.kv = await self.bus.kv(PODS)
-        sub = await self.bus.serve(CMD_BROKER_STATUS, self._status, queue="pod-broker")
-        stack.push_async_callback(sub.unsubscribe)
-        if not self.settings.runpod_api_key:
-            log.info("no RunPod API key: models will not escalate to pods")
+        self.models = KVMirror(self.bus, MODELS, ModelConfig)
+        await self.models.bind()
+        self.models.start()
+        stack.callback(self.models.stop)
+        await self._load_pods()
+        if self.money is None and s.redis_url:
+            import redis.asyncio as aioredis
 
-    async def _status(self, _req: BrokerStatusRequest, _m: Any) -> BrokerStatus:
-        pods = []
+            from coderai.accounts.pod_money import PodMoney
+
+            self.redis = aioredis.from_url(s.redis_url)
+            stack.push_async_callback(self.redis.aclose)
+            self.money = PodMoney(self.redis)
+        if self.api is None and s.runpod_api_key:
+            from coderai.pod_broker.runpod_api import RunPodClient
+
+            self.api = RunPodClient(api_key=s.runpod_api_key, base_url=s.runpod_api_base)
+            stack.push_async_callback(self.api.aclose)
+        for subject, handler in ((CMD_BROKER_STATUS, self._status), (CMD_BROKER_ACQUIRE, self._acquire),
+                                 (CMD_BROKER_LEASE, self._lease)):
+            sub = await self.bus.serve(subject, handler, queue="pod-broker")
+            stack.push_async_callback(sub.unsubscribe)
+        hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
+        stack.push_async_callback(hb.unsubscribe)
+        if not self.configured:
+            log.info("pods are off: %s", self._why_off())
+        task = asyncio.create_task(self._reconcile_loop())
+        stack.callback(task.cancel)
+
+    @property
+    def configured(self) -> bool:
+        s = self.settings
+        return self.api is not None and self.money is not None and bool(s.pod_nats_url) and s.max_hourly_usd > 0
+
+    def _why_off(self) -> str:
+        s = self.settings
+        return "; ".join(w for w, ok in (("no RunPod API key (CODERAI_POD_BROKER_RUNPOD_API_KEY)", self.api is not None),
+                                         ("no Redis for the ledger (CODERAI_POD_BROKER_REDIS_URL)", self.money is not None),
+                                         ("no NATS URL for pods (CODERAI_POD_BROKER_POD_NATS_URL)", bool(s.pod_nats_url)),
+                                         ("no global hourly cap (CODERAI_POD_BROKER_MAX_HOURLY_USD)", s.max_hourly_usd > 0))
+                         if not ok)
+
+    # --- state --------------------------------------------------------------------------------------
+
+    async def _load_pods(self) -> None:
+        """Pods tracked before a restart are tracked again (their money lives in Redis)."""
         try:
             keys = await self.kv.keys()
         except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
             keys = []
         for key in keys:
             entry = await self.kv.get(key)
-            pods.append(decode(entry.value, PodInfo))
-        return BrokerStatus(configured=bool(self.settings.runpod_api_key), pods=pods)
+            try:
+                info = decode(entry.value, PodInfo)
+            except msgspec.ValidationError:
+                continue
+            self.pods[info.name] = info
+
+    async def _save(self, info: PodInfo) -> PodInfo:
+        self.pods[info.name] = info
+        await self.kv.put(info.name, encode(info))
+        return info
+
+    async def _event(self, what: str, p: PodInfo, **kw: Any) -> None:
+        evt = PodEvent(what=what, name=p.name, model=p.model, pod_id=p.pod_id, gpu_type=p.gpu_type,  # type: ignore[arg-type]
+                       hourly_usd=p.hourly_usd, ts=time.time(), **kw)
+        with contextlib.suppress(Exception):
+            await self.bus.publish(EVT_POD, evt, what=what)
+
+    def _model(self, name: str) -> ModelConfig:
+        for m in self.models.values.values():
+            if m.name == name:
+                return m
+        raise BusError("not_found", f"no model {name!r}")
+
+    def _live(self, model: str) -> list[PodInfo]:
+        return [p for p in self.pods.values() if p.model == model and p.state in LIVE]
+
+    # --- commands -----------------------------------------------------------------------------------
+
+    async def _status(self, _req: BrokerStatusRequest, _m: Any) -> BrokerStatus:
+        now = time.time()
+        pods = [self._with_live_cost(p, now) for p in sorted(self.pods.values(), key=lambda p: p.created_at)]
+        spent = await self.money.ledger_total_usd() if self.money is not None else 0.0
+        return BrokerStatus(configured=self.configured, pods=pods, spent_usd=spent)
+
+    @staticmethod
+    def _with_live_cost(p: PodInfo, now: float) -> PodInfo:
+        if p.state in LIVE and p.created_at:
+            return msgspec.structs.replace(p, cost_usd=round(p.hourly_usd * (now - p.created_at) / 3600, 6))
+        return p
+
+    async def _lease(self, req: LeaseRequest, _m: Any) -> LeaseReply:
+        self._model(req.model)
+        until = time.time() + req.ttl_s
+        self.leases[req.model] = (max(0, req.pods), until)
+        log.info("warm floor for %s: %d pod(s) until %s", req.model, req.pods, time.strftime("%H:%M:%S", time.gmtime(until)))
+        return LeaseReply(model=req.model, pods=req.pods, until=until)
+
+    async def _acquire(self, req: AcquireRequest, _m: Any) -> AcquireReply:
+        return AcquireReply(pod=await self.acquire(req.model, req.reason))
+
+    async def acquire(self, model: str, reason: str = "") -> PodInfo:
+        """A pod for `model`: one already on its way, or a new one within `max_pods` and the money caps."""
+        m = self._model(model)
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            live = self._live(model)
+            pending = [p for p in live if p.state != "ready"]
+            if pending:
+                return pending[0]
+            if live and (reason != "busy" or len(live) >= m.pod.max_pods):
+                return live[0]
+            if len(live) >= m.pod.max_pods:
+                raise BusError("no_engine", f"model {model!r} has its {m.pod.max_pods} pod(s) already")
+            return await self._create(m)
+
+    async def _create(self, m: ModelConfig) -> PodInfo:
+        from coderai.accounts.pod_money import OverBudget
+        from coderai.pod_broker.runpod_api import NoCapacity, RunPodError
+
+        if not self.configured:
+            raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._why_off()}")
+        s = self.settings
+        try:
+            offers = [choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr, g.spot_price_hr)
+                      for g in await self.api.gpu_types()]
+        except RunPodError as exc:
+            raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
+        options = choosing.candidates(offers, m, m.memory_mb * MB, s.max_hourly_usd)
+        if not options:
+            raise BusError("no_engine", f"no RunPod GPU type fits {m.name!r} under its hourly cap")
+        name = choosing.pod_name(s.deployment, m.name)
+        tried: list[str] = []
+        for offer in options:
+            rate = choosing.pod_rate(offer, m.pod)
+            amount = rate * (s.boot_timeout_s + m.pod.idle_timeout_s) / 3600
+            now = time.time()
+            try:
+                reservation = await self.money.reserve(m.name, name, rate, amount, self._caps(m), now)
+            except OverBudget as exc:
+                raise BusError("over_budget", str(exc)) from None
+            info = await self._save(PodInfo(name=name, model=m.name, state="creating", gpu_type=offer.id,
+                                            gpu_count=m.pod.gpu_count, hourly_usd=rate, created_at=now,
+                                            reserved_usd=reservation.amount_usd))
+            try:
+                rec = await self.api.create_pod(
+                    name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
+                    env=choosing.pod_env(name, m, s.pod_nats_url, s.cluster_token), spot=m.pod.spot)
+            except NoCapacity:
+                tried.append(offer.id)
+                await self._forget(info, reservation)
+                continue
+            except RunPodError as exc:
+                rec = await self._find(name)  # a create that timed out may still have made the pod
+                if rec is None:
+                    await self._forget(info, reservation)
+                    raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
+            info = await self._save(msgspec.structs.replace(info, pod_id=rec.id, state="booting"))
+            log.info("rented %s (%s x%d, $%.4f/h) for %s", name, offer.id, m.pod.gpu_count, rate, m.name)
+            await self._event("created", info)
+            return info
+        raise BusError("no_engine", f"no capacity on RunPod for {m.name!r} (tried {', '.join(tried)})", True)
+
+    async def _find(self, name: str) -> Any:
+        with contextlib.suppress(Exception):
+            return await self.api.find_by_name(name)
+        return None
+
+    async def _forget(self, info: PodInfo, reservation: Any) -> None:
+        await self.money.release(reservation)
+        self.pods.pop(info.name, None)
+        with contextlib.suppress(Exception):
+            await self.kv.delete(info.name)
+
+    def _caps(self, m: ModelConfig) -> Any:
+        from coderai.accounts.pod_money import Caps
+
+        s = self.settings
+        return Caps(budget_usd=m.pod.budget_usd, period=m.pod.period, max_hourly_usd=m.pod.max_hourly_usd,
+                    global_budget_usd=s.global_budget_usd, global_period=s.global_period,
+                    global_max_hourly_usd=s.max_hourly_usd)
+
+    # --- watching -----------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
+        if hb.pod:
+            self.hbs[hb.node_id] = (time.monotonic(), hb)
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried on the next round
+                log.warning("reconcile failed: %s", exc)
+            await asyncio.sleep(self.settings.reconcile_s)
+
+    async def reconcile(self) -> None:
+        """One round: readiness, boot timeouts, crashes, idle reaping, reservations, floors, orphans."""
+        now, mono = time.time(), time.monotonic()
+        for p in list(self.pods.values()):
+            if p.state not in LIVE or not p.pod_id:
+                continue
+            seen = self.hbs.get(p.name)
+            hb = seen[1] if seen and mono - seen[0] <= NODE_TTL_S else None
+            if p.state == "booting":
+                if hb is not None and any(e.model == p.model and e.state == "ready" for e in hb.engines):
+                    p = await self._save(msgspec.structs.replace(p, state="ready", ready_at=now, last_busy_at=now))
+                    log.info("pod %s is ready for %s after %.1fs", p.name, p.model, now - p.created_at)
+                    await self._event("ready", p)
+                elif now - p.created_at > self.settings.boot_timeout_s:
+                    await self.end(p, "failed", f"never became ready within {self.settings.boot_timeout_s:.0f}s")
+                    continue
+            elif p.state == "ready":
+                if hb is None:
+                    await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
+                    continue
+                if hb.in_flight > 0:
+                    p = await self._save(msgspec.structs.replace(p, last_busy_at=now))
+                if await self._idle(p, now):
+                    await self.end(p, "terminated", "idle")
+                    continue
+            await self._keep_reserved(p, now)
+        await self._floors()
+        if now - self._last_orphan_scan >= self.settings.orphan_scan_s:
+            self._last_orphan_scan = now
+            await self.reap_orphans()
+
+    async def _idle(self, p: PodInfo, now: float) -> bool:
+        try:
+            m = self._model(p.model)
+        except BusError:
+            return True  # its model is gone from the models file
+        if now - max(p.last_busy_at, p.ready_at) < m.pod.idle_timeout_s:
+            return False
+        ready = [x for x in self._live(p.model) if x.state == "ready"]
+        return len(ready) > self._floor(m, now)
+
+    def _floor(self, m: ModelConfig, now: float) -> int:
+        lease = self.leases.get(m.name)
+        return max(m.pod.min_pods, lease[0] if lease and lease[1] > now else 0)
+
+    async def _keep_reserved(self, p: PodInfo, now: float) -> None:
+        """Keep the pod's reservation ahead of its cost; a cap that refuses more stops the pod."""
+        from coderai.accounts.pod_money import OverBudget
+
+        cost = p.hourly_usd * (now - p.created_at) / 3600
+        ahead = p.hourly_usd * self.settings.reserve_ahead_s / 3600
+        if cost + ahead / 2 <= p.reserved_usd:
+            return
+        try:
+            m = self._model(p.model)
+            await self.money.extend(p.name, p.model, ahead, self._caps(m), now)
+        except (OverBudget, BusError) as exc:
+            await self.end(p, "terminated", f"budget: {exc}")
+            return
+        await self._save(msgspec.structs.replace(p, reserved_usd=p.reserved_usd + ahead))
+
+    async def _floors(self) -> None:
+        now = time.time()
+        for m in list(self.models.values.values()):
+            want = self._floor(m, now)
+            if want and len(self._live(m.name)) < want and self.configured:
+                with contextlib.suppress(BusError):
+                    async with self._locks.setdefault(m.name, asyncio.Lock()):
+                        if len(self._live(m.name)) < want:
+                            await self._create(m)
+
+    async def end(self, p: PodInfo, state: str, reason: str) -> PodInfo:
+        """Terminate the pod (retried) and bill it from creation to now, boot included."""
+        from coderai.pod_broker.runpod_api import RunPodError
+
+        p = await self._save(msgspec.structs.replace(p, state="stopping"))
+        try:
+            await self.api.terminate_pod(p.pod_id)
+        except RunPodError as exc:
+            log.warning("terminating %s failed (%s); the orphan reaper retries", p.name, exc)
+        end = time.time()
+        usd = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end)
+        p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]
+                                                     error=reason if state == "failed" else ""))
+        log.info("pod %s %s (%s): %.0fs, $%.6f", p.name, state, reason, end - p.created_at, usd)
+        await self._event("stopped", p, reason=reason)
+        await self._event("billed", p, seconds=end - p.created_at, usd=usd)
+        return p
+
+    async def reap_orphans(self) -> list[str]:
+        """Terminate (and bill) pods named for this deployment that no live record tracks."""
+        prefix = choosing.name_prefix(self.settings.deployment)
+        if self.api is None:
+            return []
+        try:
+            listed = await self.api.list_pods()
+        except Exception as exc:  # noqa: BLE001 - the next scan retries
+            log.warning("listing pods failed: %s", exc)
+            return []
+        reaped = []
+        for rec in listed:
+            tracked = self.pods.get(rec.name)
+            if not rec.name.startswith(prefix) or getattr(rec, "desired_status", "") == "TERMINATED":
+                continue
+            if tracked is not None and tracked.state in LIVE + ("stopping",):
+                continue
+            log.warning("terminating orphan pod %s (%s)", rec.name, rec.id)
+            if tracked is not None:  # billed already; its terminate had failed
+                with contextlib.suppress(Exception):
+                    await self.api.terminate_pod(rec.id)
+            else:  # nobody knew of it: bill what it ran, as far as RunPod says
+                now = time.time()
+                await self.end(PodInfo(name=rec.name, model="", state="ready", pod_id=rec.id,
+                                       gpu_type=getattr(rec, "gpu_type", ""), hourly_usd=getattr(rec, "cost_per_hr", 0.0),
+                                       created_at=now - getattr(rec, "uptime_s", 0.0)), "terminated", "orphan")
+            reaped.append(rec.name)
+        return reaped
 
 
 def make(settings: BrokerSettings):

@@ -7,4 +7,15 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     """`CODERAI_POD_BROKER_*`."""
 
     runpod_api_key: str = ""
-    max_hourly_usd: float = 0.0  # global cap over all pods; 0 forbids renting
+    runpod_api_base: str = "https://api.runpod.io"  # POST <base>/graphql
+    redis_url: str = ""  # the spend ledger, reservations and caps; pods are off without it
+    pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it
+    deployment: str = "default"  # pods are named coderai-<deployment>-...; the orphan reaper owns that prefix
+    pod_image: str = "ghcr.io/coderai/coderai-worker-cuda:latest"  # a model's pod.image overrides it
+    max_hourly_usd: float = 0.0  # global cap: the hourly rates of every pod together; 0 forbids renting
+    global_budget_usd: float = 0.0  # global spend cap per global_period; 0: none
+    global_period: str = "month"
+    boot_timeout_s: float = 600.0  # a pod not ready by then is terminated (and billed)
+    reconcile_s: float = 2.0
+    reserve_ahead_s: float = 600.0  # money reserved ahead of a running pod's cost
+    orphan_scan_s: float = 60.0
