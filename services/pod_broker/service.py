@@ -220,6 +220,7 @@ class Broker:
                 if rec is None:
                     await self._forget(info, reservation)
                     raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
+            await self.money.open_pod(name, offer.id, now)
             info = await self._save(msgspec.structs.replace(info, pod_id=rec.id, state="booting"))
             log.info("rented %s (%s x%d, $%.4f/h) for %s", name, offer.id, m.pod.gpu_count, rate, m.name)
             await self._event("created", info)
@@ -231,8 +232,8 @@ class Broker:
             return await self.api.find_by_name(name)
         return None
 
-    async def _forget(self, info: PodInfo, reservation: Any) -> None:
-        await self.money.release(reservation)
+    async def _forget(self, info: PodInfo, _reservation: Any) -> None:
+        await self.money.release(info.name)
         self.pods.pop(info.name, None)
         with contextlib.suppress(Exception):
             await self.kv.delete(info.name)
@@ -241,8 +242,10 @@ class Broker:
         from coderai.accounts.pod_money import Caps
 
         s = self.settings
-        return Caps(budget_usd=m.pod.budget_usd, period=m.pod.period, max_hourly_usd=m.pod.max_hourly_usd,
-                    global_budget_usd=s.global_budget_usd, global_period=s.global_period,
+        # 0 in a models file or setting means "no such cap" (None to PodMoney); the global hourly cap is always
+        # set, since pods are off without it
+        return Caps(budget_usd=m.pod.budget_usd or None, period=m.pod.period, max_hourly_usd=m.pod.max_hourly_usd or None,
+                    global_budget_usd=s.global_budget_usd or None, global_period=s.global_period,
                     global_max_hourly_usd=s.max_hourly_usd)
 
     # --- watching -----------------------------------------------------------------------------------
@@ -316,11 +319,14 @@ class Broker:
             return
         try:
             m = self._model(p.model)
-            await self.money.extend(p.name, p.model, ahead, self._caps(m), now)
+            held = await self.money.reservation(p.name)
+            if held is None:
+                return
+            held = await self.money.extend(held, ahead, now, self._caps(m))
         except (OverBudget, BusError) as exc:
             await self.end(p, "terminated", f"budget: {exc}")
             return
-        await self._save(msgspec.structs.replace(p, reserved_usd=p.reserved_usd + ahead))
+        await self._save(msgspec.structs.replace(p, reserved_usd=held.amount_usd))
 
     async def _floors(self) -> None:
         now = time.time()
@@ -342,7 +348,8 @@ class Broker:
         except RunPodError as exc:
             log.warning("terminating %s failed (%s); the orphan reaper retries", p.name, exc)
         end = time.time()
-        usd = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end)
+        entry = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end, end)
+        usd = entry.usd if entry is not None else p.cost_usd  # None: booked already (a retried end)
         p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]
                                                      error=reason if state == "failed" else ""))
         log.info("pod %s %s (%s): %.0fs, $%.6f", p.name, state, reason, end - p.created_at, usd)
