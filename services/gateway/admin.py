@@ -18,7 +18,16 @@ from litestar import Request, Response, get, post
 from coderai.accounts.keys import KeyError_, KeyStore, public
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
-from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, check_token
+from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
+from coderai.contracts.subjects import (
+    CMD_BROKER_LEASE,
+    CMD_BROKER_STATUS,
+    CMD_NODE_DRAIN,
+    CMD_NODE_LOGS,
+    CMD_SCHEDULER_NODES,
+    CMD_SCHEDULER_PLACE,
+    check_token,
+)
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.accounts.usage import FIELDS as USAGE_FIELDS
 from coderai.accounts.usage import read as read_usage
@@ -176,6 +185,41 @@ def admin_routes(gw: Any, caller) -> list:
                             headers={"Content-Disposition": 'attachment; filename="coderai-usage.csv"'})
         return json({"rows": rows})
 
+    @get("/admin/pods")
+    async def pods(request: Request) -> Response:
+        """Rented pods with their state and live cost, and what the ledger holds in all."""
+        await caller(request, "admin")
+        return await ask(CMD_BROKER_STATUS, BrokerStatusRequest())
+
+    @post("/admin/pods/lease", status_code=200)
+    async def lease(request: Request) -> Response:
+        """A warm floor: `{model, pods, ttl}` keeps that many pods up for ttl seconds, busy or not."""
+        await caller(request, "admin")
+        req = body(await request.body(), _Lease)
+        return await ask(CMD_BROKER_LEASE, LeaseRequest(model=req.model, pods=req.pods, ttl_s=req.ttl))
+
+    @get("/admin/spend")
+    async def spend(request: Request) -> Response:
+        """Pod spend (booked) and reservations by model for `period` (hour, day, week, month; default day)."""
+        await caller(request, "admin")
+        period = request.query_params.get("period", "day")
+        if period not in ("hour", "day", "week", "month"):
+            raise ApiError(400, "period is one of hour, day, week, month.", param="period")
+        if gw.redis is None:
+            raise ApiError(404, "No Redis is configured (CODERAI_GATEWAY_REDIS_URL): spend is not kept.", code="no_ledger")
+        from coderai.accounts.pod_money import PodMoney
+
+        money = PodMoney(gw.redis)
+        rows = []
+        for m in sorted(gw.catalog.models.values(), key=lambda m: m.name):
+            if m.pod.burst == "never":
+                continue
+            spent, held = await money.spend(m.name, period), await money.reserved(m.name, period)
+            rows.append({"model": m.name, "spent_usd": spent, "reserved_usd": held,
+                         "budget_usd": m.pod.budget_usd or None, "budget_period": m.pod.period})
+        return json({"period": period, "models": rows, "total_usd": await money.spend(None, period),
+                     "ledger_total_usd": await money.ledger_total_usd()})
+
     @get("/metrics")
     async def metrics(request: Request) -> Response:
         """The metrics service's Prometheus text, for an admin key or the scrape token."""
@@ -198,7 +242,14 @@ def admin_routes(gw: Any, caller) -> list:
             raise ApiError(502, f"The metrics service did not answer: {exc}", type="engine_error", code="metrics_unavailable") from None
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return [nodes, logs, drain, place, unplace, create_key, list_keys, revoke_key, limit_key, usage_rows, metrics]
+    return [nodes, logs, drain, place, unplace, create_key, list_keys, revoke_key, limit_key, usage_rows, pods, lease,
+            spend, metrics]
+
+
+class _Lease(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    pods: int
+    ttl: float
 
 
 def day_range(start: str | None, end: str | None, max_days: int = 366) -> list[str]:

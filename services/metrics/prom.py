@@ -33,6 +33,12 @@ class Series:
                              ["model", "kind", "node", "status"], registry=r)
         self.redelivered = Counter("coderai_fanout_redelivered", "fan-out parts run again after their worker died or failed",
                                    ["model", "kind"], registry=r)
+        self.pods = Gauge("coderai_pods", "rented pods by model and state", ["model", "state"], registry=r)
+        # `coderai_spend_usd` already counts request prices by key; pods' money is its own family
+        self.pod_spend = Gauge("coderai_pod_spend_usd", "what rented pods cost, booked, this period", ["model", "period"], registry=r)
+        self.pod_budget_left = Gauge("coderai_budget_remaining_usd", "a model's pod budget left this period (spent and reserved taken off)",
+                                     ["model", "period"], registry=r)
+        self._pod_labels: set[tuple[str, str]] = set()
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
         self._engines: dict[str, set[tuple[str, str, str]]] = {}
         self._models_seen: set[str] = set()
@@ -58,6 +64,14 @@ class Series:
         self.parts.labels(e.model, e.op, e.node_id, e.status).inc()
         if e.deliveries > 1 and e.status != "retry":
             self.redelivered.labels(e.model, e.op).inc()
+
+    def on_pods(self, counts: dict[tuple[str, str], int]) -> None:
+        """Pods per (model, state) from `coderai_pods`; states no pod is in any more drop to 0."""
+        for labels in self._pod_labels - set(counts):
+            self.pods.labels(*labels).set(0)
+        for labels, n in counts.items():
+            self.pods.labels(*labels).set(n)
+        self._pod_labels |= set(counts)
 
     def census(self, heartbeats: dict[str, Heartbeat]) -> None:
         """Nodes and ready engines per model, from the live nodes' last heartbeats."""

@@ -20,7 +20,7 @@ from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode
 from coderai.contracts.subjects import EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
-from coderai.contracts.topology import EVENTS, NODE_TTL_S
+from coderai.contracts.topology import EVENTS, MODELS, NODE_TTL_S, PODS
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
@@ -74,9 +74,36 @@ class Metrics:
             if self.redis is not None:
                 try:
                     await self._budgets()
+                    await self._pods()
                 except Exception as exc:  # noqa: BLE001 - retried on the next round
                     log.debug("budgets not read: %s", exc)
             await asyncio.sleep(5)
+
+    async def _pods(self) -> None:
+        """Rented pods by state (from `coderai_pods`), and each bursting model's pod spend and budget left."""
+        from coderai.accounts.pod_money import PodMoney
+        from coderai.contracts import ModelConfig
+        from coderai.contracts.pods import PodInfo
+
+        counts: dict[tuple[str, str], int] = {}
+        pods_kv, models_kv = await self.bus.kv(PODS), await self.bus.kv(MODELS)
+        for kv, type_ in ((pods_kv, PodInfo), (models_kv, ModelConfig)):
+            try:
+                keys = await kv.keys()
+            except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+                keys = []
+            for key in keys:
+                value = decode((await kv.get(key)).value, type_)
+                if type_ is PodInfo:
+                    counts[(value.model, value.state)] = counts.get((value.model, value.state), 0) + 1
+                elif value.pod.burst != "never":
+                    money, period = PodMoney(self.redis), value.pod.period
+                    spent = await money.spend(value.name, period)
+                    self.series.pod_spend.labels(value.name, period).set(spent)
+                    if value.pod.budget_usd:
+                        left = value.pod.budget_usd - spent - await money.reserved(value.name, period)
+                        self.series.pod_budget_left.labels(value.name, period).set(max(0.0, left))
+        self.series.on_pods(counts)
 
     async def _budgets(self) -> None:
         for key in await KeyStore(self.redis).list():
