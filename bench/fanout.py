@@ -378,11 +378,13 @@ def main(argv: list[str] | None = None) -> int:
           "nats-server, gateway, router, scheduler, metrics and this client; `outside` is everything else on the "
           "machine):\n")
     cols = ["w1", "w2", "rest of stack", "outside", "steal"]
-    print("| modality | workers | " + " | ".join(cols) + " |")
-    print("|---|---:|" + "---:|" * len(cols))
+    print("| modality | workers | " + " | ".join(cols) + " | items per worker CPU-second |")
+    print("|---|---:|" + "---:|" * (len(cols) + 1))
     for m, phases in results.items():
         for n, ph in enumerate(phases, 1):
-            print(f"| {m} | {n} | " + " | ".join(f"{ph.cores[c]:.2f}" if c in ph.cores else "-" for c in cols) + " |")
+            used = sum(ph.cores.get(w, 0.0) for w in ("w1", "w2"))
+            print(f"| {m} | {n} | " + " | ".join(f"{ph.cores[c]:.2f}" if c in ph.cores else "-" for c in cols)
+                  + f" | {ph.rate / used if used else 0.0:.1f} |")
     if not a.smoke:
         print()
         for m, (p1, p2) in results.items():

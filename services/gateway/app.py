@@ -216,7 +216,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
                         *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *ui_routes()],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
-        request_max_body_size=max(settings.max_body_bytes, settings.max_upload_bytes + 1024 * 1024),
+        request_max_body_size=settings.max_body_bytes,  # upload routes allow more (media.py)
         openapi_config=None,
         debug=False,
     )

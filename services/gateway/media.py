@@ -53,6 +53,7 @@ def _json(obj: Any, headers: dict[str, str] | None = None) -> Response:
 
 def media_routes(gw: Any, caller: Any, rid: Any) -> list:
     """Route handlers bound to the gateway state `gw`; `caller(request)` authenticates, `rid()` makes ids."""
+    upload_limit = gw.settings.max_upload_bytes + 1024 * 1024  # one file plus the form's other fields
 
     @post("/v1/embeddings", status_code=200)
     async def embeddings(request: Request) -> Response:
@@ -106,7 +107,7 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
                        steps=req.steps, guidance_scale=req.guidance_scale, negative_prompt=req.negative_prompt)
         return await image_answer(request, job, req.response_format, who)
 
-    @post("/v1/images/edits", status_code=200)
+    @post("/v1/images/edits", status_code=200, request_max_body_size=upload_limit)
     async def image_edits(request: Request) -> Response:
         who = await caller(request)
         form = await read_form(request, gw.settings.max_upload_bytes)
@@ -205,15 +206,15 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
         raise ApiError(400, "diarize=true needs a diarization model, and none is served.", param="diarize",
                        code="no_diarization_model")
 
-    @post("/v1/audio/transcriptions", status_code=200)
+    @post("/v1/audio/transcriptions", status_code=200, request_max_body_size=upload_limit)
     async def transcriptions(request: Request) -> Response:
         return await transcribe(request, "transcribe")
 
-    @post("/v1/audio/translations", status_code=200)
+    @post("/v1/audio/translations", status_code=200, request_max_body_size=upload_limit)
     async def translations(request: Request) -> Response:
         return await transcribe(request, "translate")
 
-    @post("/v1/audio/diarization", status_code=200)
+    @post("/v1/audio/diarization", status_code=200, request_max_body_size=upload_limit)
     async def diarization(request: Request) -> Response:
         who = await caller(request)
         form = await read_form(request, gw.settings.max_upload_bytes)
@@ -222,7 +223,7 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
         call, final = await jobs.run(gw, who, "diarize", job)
         return _json(formats.diarization(final.output, job.model), jobs.response_headers(call))
 
-    @post("/v1/ocr", status_code=200)
+    @post("/v1/ocr", status_code=200, request_max_body_size=upload_limit)
     async def ocr(request: Request) -> Response:
         who = await caller(request)
         form = await read_form(request, gw.settings.max_upload_bytes)

@@ -140,7 +140,7 @@ def video_routes(gw: Any, caller: Any, rid: Any) -> list:
                                           updated_at=time.time())
         await save(rec)
 
-    @post("/v1/videos", status_code=200)
+    @post("/v1/videos", status_code=200, request_max_body_size=gw.settings.max_upload_bytes + 1024 * 1024)
     async def create(request: Request) -> Response:
         who = await caller(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):  # what the openai SDK sends

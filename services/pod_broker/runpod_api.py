@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
@@ -162,7 +163,7 @@ class RunPodClient:
         """Close the HTTP connections."""
         await self._http.aclose()
 
-    async def __aenter__(self) -> "RunPodClient":
+    async def __aenter__(self) -> RunPodClient:
         return self
 
     async def __aexit__(self, *_exc) -> None:
@@ -257,9 +258,10 @@ class RunPodClient:
         data = await self._call(_Q_PODS)
         return [_pod(p) for p in (data.get("myself") or {}).get("pods") or []]
 
-    async def find_by_name(self, name: str) -> list[PodRecord]:
-        """Pods named exactly `name` (how a caller resolves `CreateUncertain`; RunPod does not force unique names)."""
-        return [p for p in await self.list_pods() if p.name == name]
+    async def find_by_name(self, name: str) -> PodRecord | None:
+        """The live pod named exactly `name`, or None: how a caller resolves `CreateUncertain`. RunPod does not
+        force unique names, so give each pod a unique one; with duplicates the first listed is returned."""
+        return next((p for p in await self.list_pods() if p.name == name), None)
 
     async def stop_pod(self, pod_id: str) -> PodRecord:
         """Stop a pod: its GPU is released and billing stops (RunPod still bills a volume's storage)."""

@@ -120,7 +120,7 @@ def test_a_part_with_bad_input_fails_the_request_naming_the_part(stack):
 
 
 def _slow_images(stack) -> concurrent.futures.Future:
-    body = {"model": "sd", "prompt": "a slow picture", "n": 3, "size": "128x128", "seed": 99, "steps": 40}
+    body = {"model": "sd", "prompt": "a slow picture", "n": 3, "size": "64x64", "seed": 99, "steps": 40}
     pool = concurrent.futures.ThreadPoolExecutor(1)
     return pool.submit(post, stack, "/images/generations", json=body)
 
@@ -138,7 +138,7 @@ def test_a_worker_killed_mid_part_still_yields_the_full_answer(stack):
     assert r.status_code == 200, r.text
     data = r.json()["data"]
     assert [d["seed"] for d in data] == [99, 100, 101]
-    assert all(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).size == (128, 128) for d in data)
+    assert all(Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))).size == (64, 64) for d in data)
 
 
 def test_a_part_no_worker_finishes_fails_naming_the_part(stack):

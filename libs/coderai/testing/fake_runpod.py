@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 import os
 import secrets
 import signal
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import parse_qs, urlsplit
 
 from graphql import GraphQLError, build_schema, graphql_sync
@@ -39,6 +40,8 @@ from coderai.runtime.embedded import die_with_parent
 NO_CAPACITY_MESSAGE = ("There are no longer any instances available with the requested specifications. "
                        "Please refresh and try again.")
 RESUME_NO_CAPACITY_MESSAGE = "There are not enough free GPUs on the host machine to start this pod."
+_ECHOED = ("containerDiskInGb", "volumeInGb", "volumeMountPath", "ports", "dockerArgs")
+log = logging.getLogger("coderai.testing.fake_runpod")
 Launch = Callable[[dict[str, str]], subprocess.Popen]
 
 _DEPLOY_FIELDS = """name: String imageName: String cloudType: CloudTypeEnum gpuTypeId: String gpuCount: Int
@@ -123,6 +126,7 @@ class FakePod:
     booted_at: float | None = None
     terminated_at: float | None = None
     process: subprocess.Popen | None = None
+    spec: dict = field(default_factory=dict)
     intervals: list[list[float | None]] = field(default_factory=list)
 
 
@@ -182,12 +186,12 @@ class FakeRunPod:
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> "FakeRunPod":
+    def start(self) -> FakeRunPod:
         """Bind a random loopback port and serve, and start the thread that boots pods."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 fake._handle(self)
 
             def log_message(self, *_args) -> None:
@@ -195,8 +199,9 @@ class FakeRunPod:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        for target in (self._server.serve_forever, self._boot_loop):
-            t = threading.Thread(target=target, name=f"fake-runpod-{target.__name__}", daemon=True)
+        serve = lambda: self._server.serve_forever(poll_interval=0.02)  # shutdown() waits one poll
+        for name, target in (("http", serve), ("boot", self._boot_loop)):
+            t = threading.Thread(target=target, name=f"fake-runpod-{name}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -218,13 +223,10 @@ class FakeRunPod:
         for t in self._threads:
             t.join(timeout=10)
         for pod in pods:
-            kill_process(pod.process)
-            with self._lock:
-                if pod.terminated_at is None:
-                    self._end_billing(pod)
-                    pod.status, pod.terminated_at = "TERMINATED", self.now()
+            if pod.terminated_at is None:
+                self._halt(pod.id, "TERMINATED")
 
-    def __enter__(self) -> "FakeRunPod":
+    def __enter__(self) -> FakeRunPod:
         return self.start()
 
     def __exit__(self, *_exc) -> None:
@@ -249,11 +251,7 @@ class FakeRunPod:
 
     def crash(self, pod_id: str) -> None:
         """Kill a running pod's process as a crash would: it shows EXITED and keeps billing."""
-        with self._lock:
-            pod = self._pods[pod_id]
-            proc, pod.process = pod.process, None
-            pod.status, pod.booted_at = "EXITED", None
-        kill_process(proc)
+        self._halt(pod_id, "EXITED", keep_billing=True)
 
     def pod(self, pod_id: str) -> FakePod:
         """The fake's own record of a pod, terminated ones included."""
@@ -307,11 +305,12 @@ class FakeRunPod:
         try:
             payload = json.loads(body)
         except ValueError:
-            return self._reply(req, 400, {"errors": [{"message": "request body is not JSON"}]})
+            payload = None
+        if not isinstance(payload, dict):
+            return self._reply(req, 400, {"errors": [{"message": "POST body must be a JSON object"}]})
         result = graphql_sync(SCHEMA, payload.get("query") or "", root_value=self._root,
                               variable_values=payload.get("variables"), operation_name=payload.get("operationName"))
-        out = result.formatted
-        self._reply(req, 400 if result.data is None and result.errors else 200, out)
+        self._reply(req, 400 if result.data is None and result.errors else 200, result.formatted)
 
     @staticmethod
     def _reply(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
@@ -331,7 +330,7 @@ class FakeRunPod:
                 "podRentInterruptable": lambda _i, input: self._create(input, input["bidPerGpu"]),
                 "podStop": self._m_stop, "podResume": self._m_resume, "podTerminate": self._m_terminate}
 
-    def _q_gpu_types(self, _info, input=None) -> list[dict]:  # noqa: A002 - the GraphQL argument's name
+    def _q_gpu_types(self, _info, input=None) -> list[dict]:
         ids = None if not input else ([input["id"]] if input.get("id") else input.get("ids"))
         with self._lock:
             return [self._gpu_view(g) for g in self.gpu_types.values() if ids is None or g.id in ids]
@@ -339,16 +338,15 @@ class FakeRunPod:
     def _gpu_view(self, g: FakeGpuType) -> dict:
         stock = None if g.capacity <= 0 else "Low" if g.capacity < 3 else "Medium" if g.capacity < 10 else "High"
 
-        def lowest(_info, input=None):  # noqa: A002
-            n = (input or {}).get("gpuCount") or 1
-            return {"minimumBidPrice": g.spot_price_hr * n, "uninterruptablePrice": g.price_hr * n,
+        def lowest(_info, input=None):  # prices stay per GPU-hour whatever gpuCount asks
+            return {"minimumBidPrice": g.spot_price_hr, "uninterruptablePrice": g.price_hr,
                     "stockStatus": stock, "gpuTypeId": g.id}
         return {"id": g.id, "displayName": g.display_name, "memoryInGb": g.memory_gb, "maxGpuCount": g.max_gpu_count,
                 "manufacturer": "Nvidia", "cudaCores": 0, "secureCloud": True, "communityCloud": True,
                 "securePrice": g.price_hr, "communityPrice": g.price_hr, "secureSpotPrice": g.spot_price_hr,
                 "communitySpotPrice": g.spot_price_hr, "lowestPrice": lowest}
 
-    def _q_pod(self, _info, input) -> dict | None:  # noqa: A002
+    def _q_pod(self, _info, input) -> dict | None:
         with self._lock:
             pod = self._pods.get(input["podId"])
             return None if pod is None or pod.terminated_at is not None else self._pod_view(pod)
@@ -367,7 +365,8 @@ class FakeRunPod:
                 "podType": "INTERRUPTABLE" if pod.spot else "RESERVED", "uptimeSeconds": up or 0,
                 "runtime": None if up is None else {"uptimeInSeconds": up, "ports": []},
                 "machine": {"podHostId": f"{pod.id}-fake", "gpuTypeId": pod.gpu_type_id,
-                            "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name}}
+                            "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name},
+                **{k: pod.spec.get(k) for k in _ECHOED}}
 
     def _create(self, spec: dict, bid: float | None) -> dict:
         with self._lock:
@@ -389,7 +388,7 @@ class FakeRunPod:
             pod = FakePod(id=pod_id, name=spec["name"], image=spec["imageName"], gpu_type_id=gpu.id,
                           env={e["key"]: e["value"] for e in spec.get("env") or []}, gpu_count=count,
                           rate_hr=(gpu.spot_price_hr if bid is not None else gpu.price_hr) * count,
-                          spot=bid is not None, created_at=now, intervals=[[now, None]])
+                          spot=bid is not None, created_at=now, intervals=[[now, None]], spec=spec)
             self._pods[pod_id] = pod
             self._schedule_boot(pod)
             return self._pod_view(pod)
@@ -414,7 +413,13 @@ class FakeRunPod:
                 if pod.status != "RUNNING" or pod.booted_at is not None:
                     continue
                 env = {"RUNPOD_POD_ID": pod.id, "RUNPOD_GPU_COUNT": str(pod.gpu_count), **pod.env}
-            proc = self.launch(env) if self.launch is not None else None
+            try:
+                proc = self.launch(env) if self.launch is not None else None
+            except Exception:  # noqa: BLE001 - like a container that cannot start; other pods still boot
+                log.exception("fake RunPod: launching pod %s failed", pod.id)
+                with self._lock:
+                    pod.status = "EXITED" if pod.status == "RUNNING" else pod.status
+                continue
             with self._lock:
                 if pod.status == "RUNNING" and not self._closed:
                     pod.process, pod.booted_at, proc = proc, self.now(), None
@@ -430,25 +435,31 @@ class FakeRunPod:
             pod.intervals[-1][1] = self.now()
             self.gpu_types[pod.gpu_type_id].capacity += 1
 
-    def _live(self, pod_id: str) -> FakePod:
+    def _live(self, pod_id: str) -> str:
         pod = self._pods.get(pod_id)
         if pod is None or pod.terminated_at is not None:
             raise GraphQLError(f"Pod {pod_id!r} not found")
+        return pod_id
+
+    def _halt(self, pod_id: str, status: str, keep_billing: bool = False) -> FakePod:
+        with self._lock:
+            pod = self._pods[pod_id]
+            proc, pod.process, pod.booted_at, pod.status = pod.process, None, None, status
+            if not keep_billing:
+                self._end_billing(pod)
+            if status == "TERMINATED":
+                pod.terminated_at = self.now()
+        kill_process(proc)
         return pod
 
-    def _m_stop(self, _info, input) -> dict:  # noqa: A002
-        with self._lock:
-            pod = self._live(input["podId"])
-            proc, pod.process = pod.process, None
-            self._end_billing(pod)
-            pod.status, pod.booted_at = "EXITED", None
-        kill_process(proc)
+    def _m_stop(self, _info, input) -> dict:
+        pod = self._halt(self._live(input["podId"]), "EXITED")
         with self._lock:
             return self._pod_view(pod)
 
-    def _m_resume(self, _info, input) -> dict:  # noqa: A002
+    def _m_resume(self, _info, input) -> dict:
         with self._lock:
-            pod = self._live(input["podId"])
+            pod = self._pods[self._live(input["podId"])]
             if pod.status != "RUNNING":
                 gpu = self.gpu_types[pod.gpu_type_id]
                 if pod.intervals[-1][1] is not None:
@@ -460,11 +471,5 @@ class FakeRunPod:
                 self._schedule_boot(pod)
             return self._pod_view(pod)
 
-    def _m_terminate(self, _info, input) -> None:  # noqa: A002
-        with self._lock:
-            pod = self._live(input["podId"])
-            proc, pod.process = pod.process, None
-            self._end_billing(pod)
-            pod.status, pod.booted_at, pod.terminated_at = "TERMINATED", None, self.now()
-        kill_process(proc)
-        return None
+    def _m_terminate(self, _info, input) -> None:
+        self._halt(self._live(input["podId"]), "TERMINATED")

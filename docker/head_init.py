@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Prepare a head machine before its services start (compose's `init` container, systemd's ExecStartPre).
+
+- `--nats-conf PATH`: write nats-server's config — listen address, JetStream store, monitoring port and the
+  `authorization` block that `coderai up` derives from the cluster token (runtime/cluster.py), so services and
+  nodes log in exactly as they do against `coderai up`. Rewritten on every start: a new token takes effect at
+  the next restart of NATS.
+- `--keys-dir DIR`: on first run, an admin API key: its hash in DIR/keys.toml (the gateway's
+  CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
+
+The token comes from CODERAI_CLUSTER_TOKEN (never a flag: flags show in `ps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from coderai.runtime.cluster import nats_auth_config
+
+
+def nats_config(token: str, *, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/data",
+                http_port: int = 8222, server_name: str = "coderai-head") -> str:
+    """A complete nats-server config: JetStream on, clients authenticated by the token's derived passwords."""
+    if not token:
+        raise ValueError("CODERAI_CLUSTER_TOKEN is empty: a head that other machines join needs the cluster token")
+    lines = [
+        "# Written by coderai-init from CODERAI_CLUSTER_TOKEN; edits are overwritten at the next start.",
+        f'server_name: "{server_name}"',
+        f'listen: "{host}:{port}"',
+    ]
+    if http_port:
+        lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check on this machine only')
+    lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", ""]
+    return "\n".join(lines) + nats_auth_config(token)
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds derived passwords
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line, shared with the deploy tests (which check the compose files' and units' arguments)."""
+    ap = argparse.ArgumentParser(prog="coderai-init", description=__doc__.splitlines()[0])
+    ap.add_argument("--nats-conf", type=Path, help="write nats-server's config here")
+    ap.add_argument("--nats-host", default="0.0.0.0", help="NATS listen address (default 0.0.0.0)")
+    ap.add_argument("--nats-port", type=int, default=4222, help="NATS client port (default 4222)")
+    ap.add_argument("--nats-http-port", type=int, default=8222, help="NATS monitoring port; 0 turns it off")
+    ap.add_argument("--store-dir", default="/data", help="JetStream store directory (default /data)")
+    ap.add_argument("--keys-dir", type=Path, help="create DIR/keys.toml and DIR/admin.key on first run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if not (args.nats_conf or args.keys_dir):
+        ap.error("nothing to do: give --nats-conf and/or --keys-dir")
+    if args.nats_conf:
+        try:
+            text = nats_config(os.environ.get("CODERAI_CLUSTER_TOKEN", ""), host=args.nats_host, port=args.nats_port,
+                               store_dir=args.store_dir, http_port=args.nats_http_port)
+        except ValueError as exc:
+            print(f"coderai-init: {exc}", file=sys.stderr)
+            return 2
+        _write_private(args.nats_conf, text)
+        print(f"coderai-init: wrote {args.nats_conf}")
+    if args.keys_dir:
+        from coderai.up import ensure_api_key
+
+        args.keys_dir.mkdir(parents=True, exist_ok=True)
+        existed = (args.keys_dir / "admin.key").exists()
+        keys_file, _key = ensure_api_key(args.keys_dir)
+        print(f"coderai-init: {'kept' if existed else 'created'} the admin key in {args.keys_dir / 'admin.key'}"
+              f" (hash in {keys_file})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
