@@ -209,7 +209,7 @@ def admin_routes(gw: Any, caller) -> list:
             raise ApiError(404, "No Redis is configured (CODERAI_GATEWAY_REDIS_URL): spend is not kept.", code="no_ledger")
         from coderai.accounts.pod_money import PodMoney
 
-        money = PodMoney(gw.redis)
+        money = PodMoney(gw.redis, prefix=gw.settings.pod_ledger_prefix)
         rows = []
         for m in sorted(gw.catalog.models.values(), key=lambda m: m.name):
             if m.pod.burst == "never":

@@ -110,8 +110,8 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
     @post("/v1/images/edits", status_code=200, request_max_body_size=upload_limit)
     async def image_edits(request: Request) -> Response:
         who = await caller(request)
-        form = await read_form(request, gw.settings.max_upload_bytes)
-        image = form.file("image") or form.file("image[]")
+        form = await read_form(request, gw.settings.max_upload_bytes, "image")
+        image = form.file("image")
         mask = form.file("mask", required=False)
         size = form.get("size")
         w, h = parse_size(size, (0, 0)) if size else (0, 0)

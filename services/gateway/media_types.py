@@ -163,8 +163,9 @@ class Form:
         return value
 
 
-async def read_form(request: Any, max_upload_bytes: int) -> Form:
-    """Parse a multipart/form-data body; a file over `max_upload_bytes` is a 413 naming its field."""
+async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -> Form:
+    """Parse a multipart/form-data body; a file over `max_upload_bytes` is a 413 naming its field (`upload`
+    when the whole body was over the route's limit before any field could be read)."""
     ctype = request.headers.get("content-type", "")
     if not ctype.startswith("multipart/form-data"):
         raise ApiError(415, "Send this endpoint multipart/form-data (a file upload).", code="unsupported_media_type")
@@ -173,6 +174,9 @@ async def read_form(request: Any, max_upload_bytes: int) -> Form:
     except ApiError:
         raise
     except Exception as exc:  # noqa: BLE001 - litestar's parser raises several types for a broken body
+        if getattr(exc, "status_code", None) == 413:
+            raise ApiError(413, f"The upload in '{upload}' is over the {max_upload_bytes / 1e6:.0f} MB limit.",
+                           param=upload, code="upload_too_large") from None
         raise ApiError(400, f"The multipart body could not be read: {exc}", code="invalid_multipart") from None
     out = Form()
     for name, value in form.multi_items():

@@ -75,7 +75,7 @@ class Broker:
 
             self.redis = aioredis.from_url(s.redis_url)
             stack.push_async_callback(self.redis.aclose)
-            self.money = PodMoney(self.redis)
+            self.money = PodMoney(self.redis, prefix=s.ledger_prefix)
         if self.api is None and s.runpod_api_key:
             from coderai.pod_broker.runpod_api import RunPodClient
 

@@ -9,7 +9,6 @@ from urllib.parse import urlsplit
 
 import msgspec
 import pytest
-
 from coderai.cli import COMMANDS
 from coderai.runtime import envdoc
 from coderai.scheduler.models_file import load_models
@@ -136,7 +135,7 @@ def test_ports_match_the_settings(head, head_init, compose_env):
         env = services[name]["environment"]
         prefix = envdoc.prefix(name)
         port = int(env.get(prefix + "PORT", _default(cls, "port")))
-        [(_ip, host_port, container_port)] = [_port(p) for p in services[name]["ports"]]
+        [(_ip, _host_port, container_port)] = [_port(p) for p in services[name]["ports"]]
         assert container_port == port, f"{name} listens on {port}, compose publishes {container_port}"
         assert env.get(prefix + "HOST", _default(cls, "host")) == "0.0.0.0", f"{name} must listen beyond loopback"
     assert _port(services["gateway"]["ports"][0])[1] == int(compose_env["GATEWAY_PORT"])

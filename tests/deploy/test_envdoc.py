@@ -1,0 +1,62 @@
+"""docs/env.md is generated from the settings structs and must be current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+from coderai.runtime import envdoc
+from coderai.runtime.settings import CommonSettings, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_env_md_is_current():
+    current = (ROOT / "docs" / "env.md").read_text()
+    assert current == envdoc.render(), "docs/env.md is stale: run `.venv/bin/python -m coderai.runtime.envdoc`"
+
+
+def test_every_field_of_every_service_is_documented():
+    text = envdoc.render()
+    for svc in envdoc.SERVICES:
+        cls = envdoc.settings_class(svc)
+        assert cls.__name__ in text
+        for name in cls.__struct_fields__:
+            shown = ("CODERAI_" if name in CommonSettings.__struct_fields__ else envdoc.prefix(svc)) + name.upper()
+            assert f"`{shown}`" in text, shown
+
+
+def test_variables_are_the_names_load_settings_reads():
+    """Each name variables() gives a service really sets a field when load_settings reads it."""
+    for svc in envdoc.SERVICES:
+        cls = envdoc.settings_class(svc)
+        for var in sorted(envdoc.variables(svc) - set(envdoc.OTHER_VARIABLES)):
+            field = next(f for f in cls.__struct_fields__
+                         if var in (envdoc.prefix(svc) + f.upper(), "CODERAI_" + f.upper()))
+            kind = {f.name: f.type for f in msgspec.structs.fields(cls)}[field]
+            value = {str: "x", int: "7", float: "7.5", bool: "true"}.get(kind)
+            if value is None:
+                continue  # lists and literals: parsing is runtime/settings.py's own test
+            got = getattr(load_settings(cls, svc, env={var: value}), field)
+            assert str(got).lower() == value.lower() or got == type(got)(value), var
+    assert "CODERAI_GATEWAY_PORT" in envdoc.variables("gateway")
+    assert "CODERAI_GATEWAY_PORT" not in envdoc.variables("metrics")
+    assert "CODERAI_REDIS_URL" in envdoc.variables("metrics")  # the shared name of its redis_url
+
+
+def test_descriptions_come_from_the_source_comments():
+    by_name = {f.name: f for f in envdoc.fields(envdoc.settings_class("gateway"), own_only=True)}
+    assert "taken for dead" in by_name["idle_timeout_s"].description  # the comment on its line
+    assert by_name["max_body_bytes"].default == "`16777216` (`16 * 1024 * 1024`)"
+    assert by_name["no_auth"].type == "`bool`" and by_name["no_auth"].default == "`false`"
+    assert "nats_url" not in by_name  # CommonSettings' fields have their own table
+    router = {f.name: f for f in envdoc.fields(envdoc.settings_class("router"))}
+    assert router["policy"].type.count("`") == 6  # the Literal's three choices
+
+
+def test_check_mode(tmp_path, capsys):
+    out = tmp_path / "env.md"
+    assert envdoc.main(["--output", str(out), "--check"]) == 1
+    assert envdoc.main(["--output", str(out)]) == 0
+    assert envdoc.main(["--output", str(out), "--check"]) == 0
+    assert out.read_text() == envdoc.render()

@@ -1,0 +1,117 @@
+"""docker/: every Dockerfile is multi-stage, runs as a non-root user, has the health check, installs real extras
+with the right torch, and sends a small build context; docker/build.sh knows every flavor compose can ask for."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from coderai.runtime import envdoc
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile.*") if p.suffix != ".dockerignore")
+EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#") and not buf:
+            continue
+        buf += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            if buf.strip():
+                word, _, rest = buf.strip().partition(" ")
+                out.append((word.upper(), rest.strip()))
+            buf = ""
+    return out
+
+
+def _extras_in(text: str) -> set[str]:
+    return {e for part in re.findall(r"EXTRAS=([\w,-]+)", text) for e in part.split(",")} | \
+           {e for part in re.findall(r'/src\[([\w,-]+)', text) for e in part.split(",")}
+
+
+def test_there_is_a_dockerfile_per_family():
+    assert {p.name for p in DOCKERFILES} == {"Dockerfile.cpu", "Dockerfile.llama-cuda", "Dockerfile.media", "Dockerfile.vllm"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_shape(dockerfile: Path):
+    ins = _instructions(dockerfile)
+    froms = [rest for word, rest in ins if word == "FROM"]
+    assert len(froms) >= 2 and " AS build" in froms[0], "multi-stage: build tools stay in the build stage"
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    users = [rest for word, rest in final if word == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the final stage runs as a non-root user"
+    assert any(w == "RUN" and "useradd" in r and "--uid 10001" in r for w, r in final)
+    [health] = [rest for word, rest in final if word == "HEALTHCHECK"]
+    assert health.endswith('CMD ["coderai-healthcheck"]')
+    assert [rest for word, rest in final if word == "CMD"][-1] == '["coderai", "worker"]', "a bare run is a worker"
+    copies = " ".join(rest for word, rest in final if word == "COPY")
+    assert "docker/healthcheck.py /opt/coderai/bin/coderai-healthcheck" in copies
+    assert "docker/head_init.py /opt/coderai/bin/coderai-init" in copies
+    assert "--from=build /opt/coderai/venv /opt/coderai/venv" in copies
+    env = " ".join(rest for word, rest in final if word == "ENV")
+    assert "/opt/coderai/venv/bin" in env and "/opt/coderai/bin" in env
+    unknown = set(re.findall(r"\b(CODERAI_[A-Z_]+)=", env)) - envdoc.variables()
+    assert not unknown, f"not a setting: {unknown}"
+    text = dockerfile.read_text()
+    assert _extras_in(text) <= EXTRAS, f"unknown extras {_extras_in(text) - EXTRAS}"
+    assert re.search(r'pip install "/src\[', text), "installs the project from the build context"
+
+
+def test_torch_comes_from_the_index_the_image_needs():
+    media = (DOCKER / "Dockerfile.media").read_text()
+    assert re.search(r"ARG TORCH_INDEX=https://download.pytorch.org/whl/cu\d+", media), "GPU images: CUDA torch"
+    assert media.index("torch==${TORCH_VERSION}") < media.index('pip install "/src['), "torch before the extras"
+    cpu = (DOCKER / "Dockerfile.cpu").read_text()
+    assert "torch" not in cpu and "-DGGML_NATIVE=OFF" in cpu
+    assert "-DGGML_CUDA=ON" in (DOCKER / "Dockerfile.llama-cuda").read_text()
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_context_is_small(dockerfile: Path):
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().splitlines()
+    rules = [ln.strip() for ln in ignore if ln.strip() and not ln.startswith("#")]
+    assert rules[0] == "**", "exclude everything, then allow what the image needs"
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied = set()
+    for word, rest in _instructions(dockerfile):
+        if word == "COPY" and "--from=" not in rest:
+            copied |= {p.rstrip("/") for p in shlex.split(rest)[:-1] if not p.startswith("--") and p != "./"}
+    assert copied <= allowed, f"copied but not in the context: {copied - allowed}"
+
+
+def _flavors() -> list[str]:
+    out = subprocess.run([str(DOCKER / "build.sh"), "--dry-run", "--prefix", "reg.example/coderai", "--tag", "9.9"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout
+    return out.splitlines()
+
+
+def test_build_sh_knows_every_flavor_compose_asks_for(env_example):
+    lines = _flavors()
+    flavors = {}
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[:3] == ["docker", "buildx", "build"] and argv[-1] == str(ROOT), "context: the repository root"
+        tag = argv[argv.index("-t") + 1]
+        assert tag.startswith("reg.example/coderai-") and tag.endswith(":9.9")
+        dockerfile = Path(argv[argv.index("-f") + 1])
+        assert dockerfile.exists()
+        args = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
+        assert set(args.get("EXTRAS", "").split(",")) - {""} <= EXTRAS
+        flavors[tag.removeprefix("reg.example/coderai-").removesuffix(":9.9")] = args
+    assert flavors["media-cpu"]["TORCH_INDEX"].endswith("/whl/cpu")
+    assert "TORCH_INDEX" not in flavors["media"], "the default (CUDA) index"
+    assert env_example["WORKER_FLAVOR"] in flavors
+    comment = next(ln for ln in (ROOT / "compose" / ".env.example").read_text().splitlines()
+                   if ln.startswith("# The worker's image:"))
+    named = set(re.split(r",\s*|\s+or\s+", comment.split(":", 1)[1].split("(")[0].strip()))
+    assert named == set(flavors), "the .env.example comment lists the flavors build.sh builds"

@@ -1,0 +1,198 @@
+"""Escalation to rented pods against the fake RunPod API, whose pods are real engine-worker processes that join
+this stack's NATS (auth on, node credentials only) with their model.
+
+One stack: `home` lives on node w1 and bursts when busy; `big` fits no node and bursts when it does not fit;
+`stay` never bursts; `capped` has a budget too small for any pod. The pod-broker reconciles every half second,
+reaps idle pods after 3 s and scans for orphans every 2 s."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import uuid
+
+import httpx
+import pytest
+
+from coderai.runtime.cluster import nats_auth_config
+from coderai.runtime.embedded import NatsServer
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import Stack, write_models_file
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("graphql")
+pytest.importorskip("llama_cpp")
+
+from coderai.testing.fake_runpod import FakeRunPod, python_launcher  # noqa: E402
+
+TOKEN = "pod-test-token"
+ADMIN = "sk-pods-admin-0123456789"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_gguf, redis_server):
+    from coderai.gateway.auth import KeyRecord, hash_key, write_keys
+
+    root = tmp_path_factory.mktemp("pods")
+    keys = root / "keys.toml"
+    write_keys(str(keys), [KeyRecord(name="admin", sha256=hash_key(ADMIN), scopes=["inference", "admin"])])
+    gguf = str(tiny_gguf)
+    chat = {"n_ctx": 4096}
+    models = [
+        {"name": "home", "engine": "llama", "path": gguf, "params": chat, "nodes": ["w1"],
+         "pod": {"burst": "when_busy", "busy_in_flight": 1, "max_pods": 1, "idle_timeout_s": 3, "max_hourly_usd": 1.0}},
+        {"name": "big", "engine": "llama", "path": gguf, "params": chat, "memory_mb": 100_000,
+         "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 600, "budget_usd": 50}},
+        {"name": "stay", "engine": "llama", "path": gguf, "nodes": ["nowhere"]},
+        {"name": "capped", "engine": "llama", "path": gguf, "nodes": ["nowhere"],
+         "pod": {"burst": "when_no_fit", "budget_usd": 0.0001, "period": "day"}},
+    ]
+    deployment = "t" + uuid.uuid4().hex[:6]
+    pod_dir = root / "pods"
+    pod_dir.mkdir()
+    def launch(e: dict[str, str]):
+        name = e.get("CODERAI_NODE_ID") or e["RUNPOD_POD_ID"]
+        return python_launcher(["-m", "coderai.engine_worker"], str(pod_dir / f"{name}.log"))(
+            {**e, "CODERAI_DATA_DIR": str(pod_dir / name)})
+
+    fake = FakeRunPod(launch=launch).start()
+    nats = NatsServer(root / "nats", auth=nats_auth_config(TOKEN)).start()
+    stack = Stack(root, nats.url, redis_server.url, {"CODERAI_CLUSTER_TOKEN": TOKEN, "CODERAI_WORKER_MDNS": "false"})
+    prefix = f"coderai:pods:{deployment}"
+    try:
+        stack.start_core(write_models_file(root / "models.toml", models))
+        stack.start("pod-broker", "coderai.pod_broker", env={
+            "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key, "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
+            "CODERAI_POD_BROKER_REDIS_URL": redis_server.url, "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
+            "CODERAI_POD_BROKER_DEPLOYMENT": deployment, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
+            "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "25", "CODERAI_POD_BROKER_RECONCILE_S": "0.5",
+            "CODERAI_POD_BROKER_ORPHAN_SCAN_S": "2", "CODERAI_POD_BROKER_LEDGER_PREFIX": prefix})
+        stack.start_worker("w1")
+        stack.start_gateway("--api-keys-file", str(keys), env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url,
+                                                               "CODERAI_GATEWAY_ESCALATE_WAIT_S": "40",
+                                                               "CODERAI_GATEWAY_POD_LEDGER_PREFIX": prefix})
+        stack.wait_model_ready("home", headers=auth())
+        yield stack, fake, deployment
+    finally:
+        stack.stop()
+        fake.close()
+        nats.stop()
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN}"}
+
+
+def chat(stack, model: str, max_tokens: int = 4, **kw) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens, **kw}
+    return httpx.post(f"{stack.base_url}/chat/completions", json=body, headers=auth(), timeout=90)
+
+
+def pods(stack) -> list[dict]:
+    r = httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["pods"]
+
+
+def live(stack, model: str) -> list[dict]:
+    return [p for p in pods(stack) if p["model"] == model and p["state"] in ("creating", "booting", "ready")]
+
+
+def test_never_is_503_and_nothing_is_rented(env):
+    stack, fake, _ = env
+    r = chat(stack, "stay")
+    assert r.status_code == 503, r.text
+    assert "burst" in r.json()["error"]["message"] and not [p for p in pods(stack) if p["model"] == "stay"]
+
+
+def test_a_spent_budget_is_429_naming_the_model_budget_and_reset(env):
+    stack, fake, _ = env
+    r = chat(stack, "capped")
+    assert r.status_code == 429, r.text
+    msg = r.json()["error"]["message"]
+    assert "'capped'" in msg and "day budget" in msg and "resets at" in msg
+    assert not any(p.name.startswith("coderai-") and "capped" in p.name for p in fake.pods())
+
+
+def test_when_no_fit_a_pod_serves_the_model(env):
+    stack, fake, _ = env
+    r = chat(stack, "big")
+    assert r.status_code == 200, r.text
+    [pod] = live(stack, "big")
+    assert r.headers["coderai-engine"].startswith(pod["name"]) and pod["state"] == "ready"
+    assert pod["gpu_count"] == 2 and pod["gpu_type"] == "NVIDIA A100 80GB PCIe"  # cheapest with 2 x 80 GB >= 98 GB
+    assert pod["cost_usd"] > 0  # live cost while it runs
+
+
+def test_when_busy_the_extra_request_is_served_by_a_pod(env):
+    stack, fake, _ = env
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    # greedy on the tiny random model: no early end of text, so these keep the local engine busy for a while
+    hold = [pool.submit(chat, stack, "home", 2000, temperature=0) for _ in range(2)]
+    wait_until(lambda: any(f.running() for f in hold), 10, "the long requests to start")
+    extra = chat(stack, "home")
+    assert extra.status_code == 200, extra.text
+    [pod] = live(stack, "home")
+    assert extra.headers["coderai-engine"].startswith(pod["name"]), extra.headers
+    assert all(f.result(90).status_code == 200 for f in hold)
+
+
+def test_an_idle_pod_is_reaped_and_billed(env):
+    stack, fake, _ = env
+    wait_until(lambda: not live(stack, "home") and any(p["model"] == "home" and p["state"] == "terminated"
+                                                        for p in pods(stack)), 60, "the idle pod to be reaped")
+    [pod] = [p for p in pods(stack) if p["model"] == "home"]
+    fp = next(p for p in fake.pods() if p.name == pod["name"])
+    assert fp.status == "TERMINATED" and pod["cost_usd"] == pytest.approx(fake.billed_usd(fp.id), abs=0.01)
+
+
+def test_a_crashed_pod_is_billed_and_the_next_request_rents_another(env):
+    stack, fake, _ = env
+    [before] = live(stack, "big")
+    fake.crash(before["pod_id"])
+    wait_until(lambda: not any(p["name"] == before["name"] for p in live(stack, "big")), 60, "the crash to be noticed")
+    failed = next(p for p in pods(stack) if p["name"] == before["name"])
+    assert failed["state"] == "failed" and "heartbeat" in failed["error"]
+    r = chat(stack, "big")
+    assert r.status_code == 200, r.text
+    [after] = live(stack, "big")
+    assert after["name"] != before["name"]
+
+
+def test_capacity_falls_back_to_the_next_type(env):
+    stack, fake, _ = env
+    for p in live(stack, "big"):  # end the current one by hand: terminate it at RunPod, the broker bills the crash
+        fake.crash(p["pod_id"])
+    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    fake.set_capacity("NVIDIA A100 80GB PCIe", 0)
+    r = chat(stack, "big")
+    assert r.status_code == 200, r.text
+    [pod] = live(stack, "big")
+    assert pod["gpu_type"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_an_orphan_named_for_this_deployment_is_terminated(env):
+    stack, fake, deployment = env
+    from coderai.pod_broker.runpod_api import RunPodClient
+
+    async def rent() -> str:
+        async with RunPodClient(fake.api_key, fake.base_url) as api:
+            rec = await api.create_pod(f"coderai-{deployment}-stray-abc123", "img", "NVIDIA GeForce RTX 4090")
+            other = await api.create_pod("someone-elses-pod", "img", "NVIDIA GeForce RTX 4090")
+            return rec.id, other.id
+
+    mine, theirs = asyncio.run(rent())
+    wait_until(lambda: fake.pod(mine).status == "TERMINATED", 30, "the orphan to be terminated")
+    assert fake.pod(theirs).status != "TERMINATED"
+
+
+def test_the_ledger_equals_what_runpod_billed_to_the_cent(env):
+    stack, fake, _ = env
+    for p in live(stack, "big"):
+        fake.crash(p["pod_id"])
+    wait_until(lambda: all(p["state"] in ("terminated", "failed") for p in pods(stack)), 60, "every pod to be billed")
+    ours = [p for p in fake.pods() if not p.name.startswith("someone")]
+    wait_until(lambda: all(p.status == "TERMINATED" for p in ours), 30, "RunPod to have terminated them")
+    spend = httpx.get(f"{stack.http_url}/admin/spend", headers=auth(), timeout=10).json()
+    assert round(spend["ledger_total_usd"], 2) == round(sum(fake.billed_usd(p.id) for p in ours), 2)
+    assert spend["ledger_total_usd"] > 0
