@@ -32,7 +32,7 @@ def nats_config(token: str, *, host: str = "0.0.0.0", port: int = 4222, store_di
         f'listen: "{host}:{port}"',
     ]
     if http_port:
-        lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check on this machine only')
+        lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check only')
     lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", ""]
     return "\n".join(lines) + nats_auth_config(token)
 

@@ -189,7 +189,12 @@ def admin_routes(gw: Any, caller) -> list:
     async def pods(request: Request) -> Response:
         """Rented pods with their state and live cost, and what the ledger holds in all."""
         await caller(request, "admin")
-        return await ask(CMD_BROKER_STATUS, BrokerStatusRequest())
+        try:
+            status = await gw.bus.request(CMD_BROKER_STATUS, BrokerStatusRequest(), timeout=5.0)
+        except BusError as exc:
+            raise from_bus(exc, gw.settings.retry_after_s) from None
+        pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
+        return json({"configured": status.configured, "pods": pods, "spent_usd": status.spent_usd})
 
     @post("/admin/pods/lease", status_code=200)
     async def lease(request: Request) -> Response:

@@ -11,7 +11,7 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     redis_url: str = ""  # the spend ledger, reservations and caps; pods are off without it
     pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it
     deployment: str = "default"  # pods are named coderai-<deployment>-...; the orphan reaper owns that prefix
-    pod_image: str = "ghcr.io/coderai/coderai-worker-cuda:latest"  # a model's pod.image overrides it
+    pod_image: str = "coderai-llama-cuda:latest"  # docker/build.sh names; push it where RunPod can pull it. A model's pod.image overrides it
     max_hourly_usd: float = 0.0  # global cap: the hourly rates of every pod together; 0 forbids renting
     global_budget_usd: float = 0.0  # global spend cap per global_period; 0: none
     global_period: str = "month"

@@ -26,7 +26,8 @@ def _is_coderai(svc: dict, env: dict[str, str]) -> bool:
 def _kind(svc: dict) -> str:
     """"gateway", "worker", ... for `coderai <service>`; "init" and "nats" for the helpers."""
     cmd = svc["command"]
-    return {"coderai": cmd[1] if len(cmd) > 1 else "", "coderai-init": "init", "nats-server": "nats"}.get(cmd[0], cmd[0])
+    names = {"coderai": cmd[1] if len(cmd) > 1 else "", "coderai-init": "init", "nats-server": "nats"}
+    return names.get(cmd[0], cmd[0])
 
 
 def _mounts(svc: dict) -> list[tuple[str, str]]:
@@ -158,7 +159,8 @@ def test_ports_match_the_settings(head, head_init, compose_env):
             assert (parts.hostname, parts.port) == ("nats", nats_container_port), name
 
     metrics_url = urlsplit(services["gateway"]["environment"]["CODERAI_GATEWAY_METRICS_URL"])
-    assert (metrics_url.hostname, metrics_url.port, metrics_url.path) == ("metrics", _port(services["metrics"]["ports"][0])[2], "/metrics")
+    metrics_port = _port(services["metrics"]["ports"][0])[2]
+    assert (metrics_url.hostname, metrics_url.port, metrics_url.path) == ("metrics", metrics_port, "/metrics")
     for name in ("gateway", "metrics"):
         redis = urlsplit(services[name]["environment"]["CODERAI_REDIS_URL"])
         assert (redis.hostname, redis.port) == ("redis", 6379) and "--port" not in services["redis"]["command"]
@@ -203,7 +205,8 @@ def test_volumes_are_declared_and_shared_where_they_must_be(head, node, compose_
 
     conf = str(init_args.nats_conf)
     assert volume_holding(services["init"], conf) == volume_holding(services["nats"], conf)
-    assert volume_holding(services["init"], init_args.store_dir) == volume_holding(services["nats"], init_args.store_dir)
+    store = init_args.store_dir
+    assert volume_holding(services["init"], store) == volume_holding(services["nats"], store)
     keys_file = services["gateway"]["environment"]["CODERAI_GATEWAY_API_KEYS_FILE"]
     assert keys_file == f"{init_args.keys_dir}/keys.toml"
     assert volume_holding(services["gateway"], keys_file) == volume_holding(services["init"], keys_file)

@@ -73,7 +73,8 @@ def test_the_config_admits_the_token_and_nobody_else(tmp_path, head_init, monkey
         deadline = time.monotonic() + 15
         while True:  # the health check's own probe is the readiness signal
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true", timeout=1) as r:
+                health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
+                with urllib.request.urlopen(health, timeout=1) as r:
                     assert json.loads(r.read())["status"] == "ok"
                     break
             except OSError:
@@ -116,7 +117,8 @@ def test_nats_port_from_the_url(healthcheck):
     assert healthcheck.nats_port({}, "router") == 4222
     assert healthcheck.nats_port({"CODERAI_NATS_URL": "nats://nats:4222"}, "router") == 4222
     assert healthcheck.nats_port({"CODERAI_NATS_URL": "nats://u:p@10.0.0.5:4333,nats://b:1"}, "worker") == 4333
-    assert healthcheck.nats_port({"CODERAI_NATS_URL": "nats://a:1", "CODERAI_WORKER_NATS_URL": "nats://b:5"}, "worker") == 5
+    both = {"CODERAI_NATS_URL": "nats://a:1", "CODERAI_WORKER_NATS_URL": "nats://b:5"}
+    assert healthcheck.nats_port(both, "worker") == 5
 
 
 def test_an_established_connection_is_seen(healthcheck):

@@ -39,7 +39,8 @@ def _extras_in(text: str) -> set[str]:
 
 
 def test_there_is_a_dockerfile_per_family():
-    assert {p.name for p in DOCKERFILES} == {"Dockerfile.cpu", "Dockerfile.llama-cuda", "Dockerfile.media", "Dockerfile.vllm"}
+    names = {p.name for p in DOCKERFILES}
+    assert names == {"Dockerfile.cpu", "Dockerfile.llama-cuda", "Dockerfile.media", "Dockerfile.vllm"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

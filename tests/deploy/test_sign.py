@@ -24,7 +24,8 @@ def fake_bin(tmp_path):
         "docker": "#!/bin/sh\nexit 1\n",
         "skopeo": "#!/bin/sh\nexit 1\n",
         "crane": '#!/bin/sh\n[ "$1" = digest ] || exit 3\necho "sha256:$(printf %s "$2" | sha256sum | cut -c1-64)"\n',
-        "cosign": '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done >> "$COSIGN_LOG"; echo --- >> "$COSIGN_LOG"\n',
+        "cosign": ('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done >> "$COSIGN_LOG"\n'
+                   'echo --- >> "$COSIGN_LOG"\n'),
     }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
