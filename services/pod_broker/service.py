@@ -208,24 +208,43 @@ class Broker:
                                             gpu_count=m.pod.gpu_count, hourly_usd=rate, created_at=now,
                                             reserved_usd=reservation.amount_usd))
             try:
-                rec = await self.api.create_pod(
-                    name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
-                    env=choosing.pod_env(name, m, s.pod_nats_url, s.cluster_token), spot=m.pod.spot)
+                rec = await self._create_once(m, name, offer)
             except NoCapacity:
                 tried.append(offer.id)
                 await self._forget(info, reservation)
                 continue
             except RunPodError as exc:
-                rec = await self._find(name)  # a create that timed out may still have made the pod
-                if rec is None:
-                    await self._forget(info, reservation)
-                    raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
+                await self._forget(info, reservation)
+                raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
             await self.money.open_pod(name, offer.id, now)
             info = await self._save(msgspec.structs.replace(info, pod_id=rec.id, state="booting"))
             log.info("rented %s (%s x%d, $%.4f/h) for %s", name, offer.id, m.pod.gpu_count, rate, m.name)
             await self._event("created", info)
             return info
         raise BusError("no_engine", f"no capacity on RunPod for {m.name!r} (tried {', '.join(tried)})", True)
+
+    async def _create_once(self, m: ModelConfig, name: str, offer: choosing.Offer) -> Any:
+        """Create the pod; after an error that may or may not have reached RunPod, look it up by name (never two
+        pods, never an untracked one) and create again only when it is surely not there."""
+        from coderai.pod_broker.runpod_api import NoCapacity, RunPodError
+
+        s = self.settings
+        for attempt in range(3):
+            try:
+                return await self.api.create_pod(
+                    name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
+                    env=choosing.pod_env(name, m, s.pod_nats_url, s.cluster_token), spot=m.pod.spot)
+            except NoCapacity:
+                raise
+            except RunPodError as exc:
+                rec = await self._find(name)
+                if rec is not None:
+                    return rec
+                if not exc.retryable or attempt == 2:
+                    raise
+                log.warning("creating %s failed (%s); it is not there, trying again", name, exc)
+                await asyncio.sleep(0.5 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     async def _find(self, name: str) -> Any:
         with contextlib.suppress(Exception):

@@ -171,6 +171,34 @@ def test_capacity_falls_back_to_the_next_type(env):
     assert pod["gpu_type"] == "NVIDIA H100 80GB HBM3"
 
 
+def test_runpod_errors_are_retried_and_leave_no_untracked_pod(env):
+    stack, fake, _ = env
+    for p in live(stack, "big"):
+        fake.crash(p["pod_id"])
+    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    before = {p.id for p in fake.pods()}
+    fake.fail_next(3, status=503)  # the GPU list, then the create itself, fail first
+    r = chat(stack, "big")
+    assert r.status_code == 200, r.text
+    new = [p for p in fake.pods() if p.id not in before]
+    assert len(new) == 1 and new[0].name == live(stack, "big")[0]["name"]
+
+
+def test_a_pod_that_never_boots_is_terminated_billed_and_the_request_fails_clearly(env):
+    stack, fake, _ = env
+    for p in live(stack, "big"):
+        fake.crash(p["pod_id"])
+    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    fake.never_boot(count=1)
+    r = chat(stack, "big")
+    assert r.status_code == 503 and "starting" in r.json()["error"]["message"], r.text
+    assert r.headers.get("retry-after")
+    wait_until(lambda: not live(stack, "big"), 60, "the broker to give up on the pod")
+    dead = max((p for p in pods(stack) if p["model"] == "big"), key=lambda p: p["created_at"])
+    assert dead["state"] == "failed" and "never became ready" in dead["error"] and dead["cost_usd"] > 0
+    assert fake.pod(dead["pod_id"]).status == "TERMINATED"
+
+
 def test_an_orphan_named_for_this_deployment_is_terminated(env):
     stack, fake, deployment = env
     from coderai.pod_broker.runpod_api import RunPodClient
