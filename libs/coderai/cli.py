@@ -16,6 +16,7 @@ COMMANDS = {
     "metrics": ("coderai.metrics.__main__", "Prometheus /metrics and per-key usage"),
     "worker": ("coderai.engine_worker.__main__", "runs this machine's engines"),
     "keys": ("coderai.accounts.cli", "create, list and revoke API keys (in Redis)"),
+    "models": ("coderai.catalog.cli", "pull models from the Hugging Face Hub by name; list, rm, info"),
 }
 
 

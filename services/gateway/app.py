@@ -29,6 +29,7 @@ from coderai.gateway import openai_types as oa
 from coderai.gateway import sse
 from coderai.gateway.auth import Authenticator, Caller, load_keys
 from coderai.gateway.catalog import Catalog
+from coderai.gateway.catalog_admin import catalog_routes
 from coderai.gateway.errors import ApiError, from_bus, from_http
 from coderai.gateway.media import media_routes
 from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
@@ -213,7 +214,8 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[healthz, list_models, get_model, chat, completions, *media_routes(gw, caller, _rid),
-                        *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *ui_routes()],
+                        *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *catalog_routes(gw, caller),
+                        *ui_routes()],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
         request_max_body_size=settings.max_body_bytes,  # upload routes allow more (media.py)

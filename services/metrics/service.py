@@ -137,6 +137,8 @@ class Metrics:
                         msgs = await sub.fetch(batch=1000, timeout=1.0)
                     except asyncio.TimeoutError:
                         continue
+                    if not msgs:  # nats-py may end a wait with nothing in hand (a stray status message)
+                        continue
                     events = []
                     for m in msgs:
                         try:

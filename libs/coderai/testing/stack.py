@@ -20,13 +20,18 @@ def write_models_file(path: Path, models: list[dict]) -> Path:
         lines.append("[[models]]")
         for k, v in m.items():
             if isinstance(v, dict):
-                inner = ", ".join(f"{ik} = {_toml(iv)}" for ik, iv in v.items())
+                inner = ", ".join(f"{_key(ik)} = {_toml(iv)}" for ik, iv in v.items())
                 lines.append(f"{k} = {{ {inner} }}")
             else:
                 lines.append(f"{k} = {_toml(v)}")
         lines.append("")
     path.write_text("\n".join(lines))
     return path
+
+
+def _key(k: str) -> str:
+    """A TOML key: bare when it can be, else quoted (a dotted key would otherwise nest tables)."""
+    return k if k and all(c.isalnum() or c in "_-" for c in k) else _toml(str(k))
 
 
 def _toml(v) -> str:
