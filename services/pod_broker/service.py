@@ -207,6 +207,7 @@ class Broker:
             info = await self._save(PodInfo(name=name, model=m.name, state="creating", gpu_type=offer.id,
                                             gpu_count=m.pod.gpu_count, hourly_usd=rate, created_at=now,
                                             reserved_usd=reservation.amount_usd))
+            t0 = time.time()
             try:
                 rec = await self._create_once(m, name, offer)
             except NoCapacity:
@@ -216,8 +217,10 @@ class Broker:
             except RunPodError as exc:
                 await self._forget(info, reservation)
                 raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
-            await self.money.open_pod(name, offer.id, now)
-            info = await self._save(msgspec.structs.replace(info, pod_id=rec.id, state="booting"))
+            # RunPod starts billing somewhere inside the create call: its midpoint errs by half its latency at most
+            started = (t0 + time.time()) / 2
+            await self.money.open_pod(name, offer.id, started)
+            info = await self._save(msgspec.structs.replace(info, pod_id=rec.id, state="booting", created_at=started))
             log.info("rented %s (%s x%d, $%.4f/h) for %s", name, offer.id, m.pod.gpu_count, rate, m.name)
             await self._event("created", info)
             return info
@@ -362,11 +365,12 @@ class Broker:
         from coderai.pod_broker.runpod_api import RunPodError
 
         p = await self._save(msgspec.structs.replace(p, state="stopping"))
+        t0 = time.time()
         try:
             await self.api.terminate_pod(p.pod_id)
         except RunPodError as exc:
             log.warning("terminating %s failed (%s); the orphan reaper retries", p.name, exc)
-        end = time.time()
+        end = (t0 + time.time()) / 2  # billing stops somewhere inside the call, as it started inside the create
         entry = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end, end)
         usd = entry.usd if entry is not None else p.cost_usd  # None: booked already (a retried end)
         p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]
