@@ -125,10 +125,13 @@ def keys_to_record(req: RouteRequest) -> list[str]:
     return list(dict.fromkeys(k for k in keys if k))
 
 
+def _busy(model: ModelConfig | None, v: EngineView) -> bool:
+    """The model may burst to a pod when busy, and `v` is at its threshold."""
+    return model is not None and model.pod.burst in ("when_busy", "always") and v.load >= model.pod.busy_in_flight
+
+
 def _decide(table: EngineTable, v: EngineView, reason: str, holders: int = 1, model: ModelConfig | None = None) -> RouteDecision:
-    # busy: the model may burst to a pod when busy, and even the engine chosen is at its threshold
-    busy = (model is not None and model.pod.burst in ("when_busy", "always") and v.load >= model.pod.busy_in_flight
-            and reason != "pin")
+    busy = _busy(model, v) and reason != "pin"
     table.chose(v)
     return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders, busy=busy)  # type: ignore[arg-type]
 
@@ -166,7 +169,8 @@ def pick(
         if entry is None or now - entry.ts > ttl_s:
             continue
         warm = by_id.get(entry.engine_id)
-        if warm is None or guard.overloaded(warm, least):
+        # a bursting model's saturated engine yields to one that is not (a rented pod, when one has come up)
+        if warm is None or guard.overloaded(warm, least) or (_busy(model, warm) and not _busy(model, least)):
             fallback = True  # the conversation had a home that cannot take it now
             continue
         return _decide(table, warm, reason, len(candidates), model)

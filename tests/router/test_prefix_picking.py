@@ -508,3 +508,18 @@ def test_busy_is_set_only_for_a_bursting_model_whose_least_busy_engine_is_at_its
     assert not pick(t, req(), None, ModelConfig(name="m", engine="llama", path="x"), now=NOW).busy
     relaxed = ModelConfig(name="m", engine="llama", path="x", pod=PodPolicy(burst="always", busy_in_flight=10))
     assert not pick(t, req(), None, relaxed, now=NOW).busy
+
+
+def test_a_bursting_models_saturated_warm_engine_yields_to_an_idle_one():
+    from coderai.contracts import PodPolicy
+
+    t = EngineTable()
+    t.apply(hb("n1", engine("A", in_flight=2)), now=NOW)
+    t.apply(hb("pod", engine("P", in_flight=0)), now=NOW)
+    r = req(prefix=["p1"])
+    aff = {"p1": AffinityEntry(engine_id="A", node_id="n1", ts=NOW)}
+    bursty = ModelConfig(name="m", engine="llama", path="x", pod=PodPolicy(burst="when_busy", busy_in_flight=2))
+    d = pick(t, r, aff, bursty, now=NOW)
+    assert (d.engine_id, d.reason, d.busy) == ("P", "fallback", False)
+    calm = ModelConfig(name="m", engine="llama", path="x")
+    assert pick(t, r, aff, calm, now=NOW).engine_id == "A"  # without burst, affinity holds as before
