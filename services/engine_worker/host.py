@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.fetch import bus_request, ensure_local
 from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobStore
@@ -42,8 +44,10 @@ def engine_id_for(node_id: str, model: str) -> str:
 class EngineHost:
     """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
 
-    def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float) -> None:
+    def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float,
+                 models_dir: Path | None = None) -> None:
         self.bus = bus
+        self.models_dir = models_dir  # where files fetched from the head's store go; None: never fetch
         self.node_id = node_id
         self.config = config
         self.engine_id = engine_id_for(node_id, config.name)
@@ -79,7 +83,11 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         try:
-            self.engine = engine_class(self.config.engine)(self.config)
+            cfg = self.config  # kept as assigned: the worker compares it with the next assignment
+            if self.models_dir is not None:
+                cfg = await ensure_local(cfg, bus_request(self.bus), self.models_dir)
+                t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
+            self.engine = engine_class(cfg.engine)(cfg)
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
                 self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
             await loop.run_in_executor(self._executor, self.engine.load)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -38,6 +40,7 @@ class Worker:
         self._watch_task: asyncio.Task | None = None
         self._kv = None
         self.draining = False
+        self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -168,7 +171,8 @@ class Worker:
                     await host.unload(self.settings.drain_timeout_s)
             for name, cfg in wanted.items():
                 if name not in self.hosts:
-                    host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s)
+                    host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
+                                                         models_dir=self.models_dir)
                     await self.publish_heartbeat()
                     if await host.load():
                         if self.draining:

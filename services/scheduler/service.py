@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -13,11 +14,13 @@ import msgspec
 from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
+from coderai.contracts.store import StoreChunk, StoreFetch
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
     CMD_SCHEDULER_ESCALATE,
     CMD_SCHEDULER_NODES,
     CMD_SCHEDULER_PLACE,
+    CMD_STORE_FETCH,
     HEARTBEAT,
 )
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
@@ -27,6 +30,7 @@ from coderai.runtime.mirror import KVMirror
 from coderai.scheduler.models_file import load_models
 from coderai.scheduler.placement import plan
 from coderai.scheduler.settings import SchedulerSettings
+from coderai.scheduler.store import StoreFiles
 
 log = logging.getLogger("coderai.scheduler")
 
@@ -40,6 +44,7 @@ class Scheduler:
         self.unplaced: dict[str, str] = {}
         self.bus: Bus | None = None
         self._dirty = asyncio.Event()
+        self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "scheduler", on_reconnect=self._on_reconnect)
@@ -65,7 +70,7 @@ class Scheduler:
         sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
-                                 (CMD_SCHEDULER_ESCALATE, self._escalate)):
+                                 (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
@@ -109,6 +114,10 @@ class Scheduler:
         log.info("%s %s on %s: nodes=%s replicas=%d", req.action, m.name, req.node, nodes, replicas)
         self._dirty.set()
         return PlaceReply(model=new)
+
+    async def _store_fetch(self, req: StoreFetch, _m: Any) -> StoreChunk:
+        """A node lacks a model file: hand it a range of the file from this head's model store."""
+        return await asyncio.to_thread(self.store.read, req)
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
         """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""

@@ -34,7 +34,8 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
     assert "pulled cli (llama, 12.0 MB)" in r.stdout and "restart the scheduler" in r.stdout
     placed = tomllib.loads((home / "models.toml").read_text())["models"]
     assert placed == [{"name": "cli", "engine": "llama",
-                       "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf")}]
+                       "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf"),
+                       "store_path": "acme/cli-GGUF/cli-q4.gguf"}]
 
     r = models(hf_env, home, "list")
     assert r.returncode == 0 and r.stdout.split()[:3] == ["cli", "llama", "chat"]

@@ -18,10 +18,16 @@ from coderai.catalog.store import ModelStore, Pulled
 
 
 def model_entry(rec: Pulled, store: ModelStore) -> dict[str, Any]:
-    """The `[[models]]` table for `rec`: name, engine, path, params, and memory_mb when the catalogue knows it."""
+    """The `[[models]]` table for `rec`: name, engine, path, params, and memory_mb when the catalogue knows it.
+
+    A single-file model also gets `store_path` (the file relative to the store), so a node that lacks `path`
+    fetches the file from the head; a model of several files (a repo folder, piper's .onnx + .onnx.json) does not.
+    """
     from coderai.contracts import ModelConfig
 
     entry: dict[str, Any] = {"name": rec.name, "engine": rec.engine, "path": str(store.model_path(rec))}
+    if rec.main and set(rec.files) <= {rec.main}:
+        entry["store_path"] = f"{rec.repo}/{rec.main}"
     if rec.params:
         entry["params"] = dict(rec.params)
     if rec.memory_mb:

@@ -63,6 +63,7 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     name: str
     engine: EngineFamily
     path: str
+    store_path: str = ""  # the file relative to the head's model store; a node without `path` fetches it from there
     params: dict[str, Any] = {}
     ops: list[Op] = []
     nodes: list[str] = []

@@ -47,6 +47,7 @@ from coderai.contracts.pods import (
     LeaseRequest,
 )
 from coderai.contracts.routing import RouteDecision, RouteRequest
+from coderai.contracts.store import StoreChunk, StoreFetch
 
 Req = TypeVar("Req")
 
@@ -133,6 +134,7 @@ CMD_NODE_LOGS = Subject("coderai.cmd.node.{node_id}.logs", NodeLogsRequest, Node
 CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeState)
 CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
+CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 
 ENGINE_EMBED = Subject("coderai.engine.{engine_id}.embed", EmbedJob, Frame)
 ENGINE_RERANK = Subject("coderai.engine.{engine_id}.rerank", RerankJob, Frame)

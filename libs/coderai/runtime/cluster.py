@@ -20,6 +20,7 @@ NODE_PUBLISH = [
     "coderai.hb.*",
     "coderai.evt.>",
     "_INBOX.>",  # frames and replies go to callers' inboxes
+    "coderai.cmd.store.fetch",  # model files from the head's store
     "$JS.API.INFO",
     "$JS.API.STREAM.INFO.KV_coderai_assignments",
     "$JS.API.CONSUMER.CREATE.KV_coderai_assignments",
