@@ -12,11 +12,12 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
-from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
+from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
 from coderai.contracts.store import StoreChunk, StoreFetch
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
+    CMD_SCHEDULER_ADD,
     CMD_SCHEDULER_ESCALATE,
     CMD_SCHEDULER_NODES,
     CMD_SCHEDULER_PLACE,
@@ -70,7 +71,8 @@ class Scheduler:
         sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
-                                 (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch)):
+                                 (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch),
+                                 (CMD_SCHEDULER_ADD, self._add)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
@@ -118,6 +120,16 @@ class Scheduler:
     async def _store_fetch(self, req: StoreFetch, _m: Any) -> StoreChunk:
         """A node lacks a model file: hand it a range of the file from this head's model store."""
         return await asyncio.to_thread(self.store.read, req)
+
+    async def _add(self, req: AddModelRequest, _m: Any) -> PlaceReply:
+        """Serve a model now (e.g. one just pulled); lasts until a restart re-reads the models file, which
+        `coderai models pull --place` has written it into as well."""
+        new = req.model
+        self.models = [m for m in self.models if m.name != new.name] + [new]
+        await put_if_changed(self.kv_models, model_key(new.name), encode(new))
+        log.info("added model %s (%s)", new.name, new.engine)
+        self._dirty.set()
+        return PlaceReply(model=new)
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
         """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""

@@ -31,7 +31,7 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
     percents = [float(ln.split()[2].rstrip("%")) for ln in lines]
     assert percents[0] == 0.0 and percents[-1] == 100.0 and any(0 < p < 100 for p in percents)
     assert percents == sorted(percents) and lines[-1].split()[1] == "done"
-    assert "pulled cli (llama, 12.0 MB)" in r.stdout and "restart the scheduler" in r.stdout
+    assert "pulled cli (llama, 12.0 MB)" in r.stdout and "no running stack reached" in r.stdout
     placed = tomllib.loads((home / "models.toml").read_text())["models"]
     assert placed == [{"name": "cli", "engine": "llama",
                        "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf"),

@@ -55,32 +55,40 @@ def _data_dir(args: argparse.Namespace) -> Path:
     return Path(os.path.expanduser(args.data_dir)).resolve()
 
 
-def _nodes(args: argparse.Namespace) -> list[Any] | str:
-    """Live nodes from the scheduler over the bus, or why there are none to show."""
-    url = args.nats_url
+def _ask_scheduler(args: argparse.Namespace, subject: Any, msg: Any) -> Any:
+    """One request to the running stack's scheduler (its NATS URL from --nats-url or <data>/run/up.json);
+    a string saying why when there is no answer."""
+    url = getattr(args, "nats_url", "") or os.environ.get("CODERAI_NATS_URL", "")
     up = _data_dir(args) / "run" / "up.json"
     if not url and up.exists():
         url = json.loads(up.read_text()).get("nats_url", "")
     if not url:
         return "no NATS URL (pass --nats-url, or run `coderai up`)"
 
-    async def ask() -> list[Any]:
-        from coderai.contracts.admin import NodesRequest
-        from coderai.contracts.subjects import CMD_SCHEDULER_NODES
+    async def ask() -> Any:
         from coderai.runtime.bus import Bus
         from coderai.runtime.cluster import with_credentials
 
         bus = await Bus.connect(with_credentials(url, os.environ.get("CODERAI_CLUSTER_TOKEN", ""), "service"),
                                 "coderai-models", connect_timeout_s=3.0)
         try:
-            return list((await bus.request(CMD_SCHEDULER_NODES, NodesRequest(), timeout=3.0)).nodes)
+            return await bus.request(subject, msg, timeout=5.0)
         finally:
             await bus.close()
 
     try:
         return asyncio.run(ask())
-    except Exception as exc:  # noqa: BLE001 - info still shows the model without the cluster
+    except Exception as exc:  # noqa: BLE001 - the caller still has its answer without the cluster
         return f"the scheduler did not answer ({type(exc).__name__}: {exc})"
+
+
+def _nodes(args: argparse.Namespace) -> list[Any] | str:
+    """Live nodes from the scheduler over the bus, or why there are none to show."""
+    from coderai.contracts.admin import NodesRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_NODES
+
+    reply = _ask_scheduler(args, CMD_SCHEDULER_NODES, NodesRequest())
+    return reply if isinstance(reply, str) else list(reply.nodes)
 
 
 def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
@@ -113,7 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="download a catalogue name, <owner>/<repo> or <owner>/<repo>:<file>")
     p.add_argument("spec")
     p.add_argument("--name", default="", help="the model's name (default: the catalogue name or the file's stem)")
-    p.add_argument("--place", action="store_true", help="append it to the models file (served after a restart)")
+    p.add_argument("--place", action="store_true",
+                   help="add it to the models file and, when a stack is running, serve it at once")
+    p.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""), help="the running stack's NATS")
     p.add_argument("--models-file", default="", help="the scheduler's models file (default <data-dir>/models.toml)")
     p.add_argument("--endpoint", default="", help="a Hub mirror (default HF_ENDPOINT, else huggingface.co)")
     sub.add_parser("list", help="what was pulled").add_argument("--json", action="store_true")
@@ -127,6 +137,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _place_now(args: argparse.Namespace, entry: dict[str, Any]) -> str:
+    """Tell a running stack's scheduler to serve the model at once (the models file keeps it across restarts)."""
+    import msgspec
+
+    from coderai.contracts import ModelConfig
+    from coderai.contracts.admin import AddModelRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_ADD
+
+    try:
+        cfg = msgspec.convert(entry, ModelConfig)
+    except msgspec.ValidationError as exc:
+        return f"not placed now ({exc}); it is served after a restart"
+    reply = _ask_scheduler(args, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg))
+    if isinstance(reply, str):
+        return f"no running stack reached ({reply}); it is served when the scheduler (or `coderai up`) starts"
+    return f"placed: the running stack serves {cfg.name} as soon as a node has loaded it"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `coderai models`."""
     args = _parser().parse_args(argv)
@@ -138,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pulled {rec.name} ({rec.engine}, {_size(rec.size)}) in {time.monotonic() - t0:.1f}s: "
                   f"{store.model_path(rec)}")
             if args.place:
-                path = append_model(args.models_file or store.data / "models.toml", model_entry(rec, store))
-                print(f"added {rec.name} to {path}; restart the scheduler (or `coderai up`) to serve it")
+                entry = model_entry(rec, store)
+                path = append_model(args.models_file or store.data / "models.toml", entry)
+                print(f"added {rec.name} to {path}")
+                print(_place_now(args, entry))
         elif args.cmd == "list":
             rows = store.list()
             if args.json:

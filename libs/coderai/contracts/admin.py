@@ -55,5 +55,11 @@ class PlaceRequest(Message, frozen=True, kw_only=True):
     action: Literal["place", "unplace"] = "place"
 
 
+class AddModelRequest(Message, frozen=True, kw_only=True):
+    """Serve `model` now (a pulled model placed at once); a model of the same name is replaced."""
+
+    model: ModelConfig
+
+
 class PlaceReply(Message, frozen=True, kw_only=True, tag="placed", tag_field="t"):
     model: ModelConfig

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, Union
 
 from coderai.contracts.admin import (
+    AddModelRequest,
     DrainRequest,
     NodeLogs,
     NodeLogsRequest,
@@ -134,6 +135,7 @@ CMD_NODE_LOGS = Subject("coderai.cmd.node.{node_id}.logs", NodeLogsRequest, Node
 CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeState)
 CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
+CMD_SCHEDULER_ADD = Subject("coderai.cmd.scheduler.add", AddModelRequest, PlaceReply)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 
 ENGINE_EMBED = Subject("coderai.engine.{engine_id}.embed", EmbedJob, Frame)
