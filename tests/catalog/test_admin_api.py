@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from coderai.gateway.catalog_admin import catalog_routes
 from coderai.gateway.errors import ApiError
+from coderai.testing.procs import wait_until
 from litestar import Litestar, Request, Response
 from litestar.testing import TestClient
 
@@ -29,13 +29,11 @@ def client(tmp_path, hf_env):
 
 
 def wait_job(client, job_id: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def finished() -> dict | None:
         job = client.get(f"/admin/models/pull/{job_id}", headers=ADMIN).json()
-        if job["state"] != "running":
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} still running: {job}")
+        return job if job["state"] != "running" else None
+
+    return wait_until(finished, timeout, f"job {job_id} to finish")
 
 
 def test_pull_job_reaches_done_with_progress(client, fake_hub, blob, tmp_path):
@@ -44,12 +42,14 @@ def test_pull_job_reaches_done_with_progress(client, fake_hub, blob, tmp_path):
     fake_hub.delay_s = 0.01
     r = client.post("/admin/models/pull", json={"spec": "acme/small-GGUF:small.gguf"}, headers=ADMIN)
     assert r.status_code == 202, r.text
-    job = r.json()
     seen = []
-    while job["state"] == "running":
+
+    def finished() -> dict | None:
+        job = client.get(f"/admin/models/pull/{r.json()['id']}", headers=ADMIN).json()
         seen.append(job["progress"]["bytes_done"])
-        time.sleep(0.03)
-        job = client.get(f"/admin/models/pull/{job['id']}", headers=ADMIN).json()
+        return job if job["state"] != "running" else None
+
+    job = wait_until(finished, 20, "the pull job to finish", interval_s=0.03)
     assert job["state"] == "done", job
     assert job["progress"]["percent"] == 100.0 and job["progress"]["bytes_total"] == len(data)
     assert any(0 < b < len(data) for b in seen)  # watched it move
@@ -77,8 +77,8 @@ def test_cancel_keeps_the_partial_for_a_resume(client, fake_hub, blob):
     fake_hub.add("acme/slow-GGUF", {"slow.gguf": data})
     fake_hub.delay_s = 0.05
     job = client.post("/admin/models/pull", json={"spec": "acme/slow-GGUF:slow.gguf"}, headers=ADMIN).json()
-    while client.get(f"/admin/models/pull/{job['id']}", headers=ADMIN).json()["progress"]["bytes_done"] == 0:
-        time.sleep(0.02)
+    wait_until(lambda: client.get(f"/admin/models/pull/{job['id']}", headers=ADMIN).json()["progress"]["bytes_done"],
+               20, "the pull to start moving", interval_s=0.02)
     assert client.post(f"/admin/models/pull/{job['id']}/cancel", headers=ADMIN).status_code == 200
     job = wait_job(client, job["id"])
     assert job["state"] == "cancelled", job

