@@ -9,7 +9,6 @@ and must match the head's sha256 before it is renamed into place.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -25,6 +24,7 @@ from coderai.contracts import (
     check_store_path,
 )
 from coderai.contracts.store import CHUNK_BYTES
+from coderai.runtime.files import sha256_file
 from coderai.contracts.subjects import CMD_STORE_FETCH
 from coderai.engine_worker.engines import EngineLoadError
 
@@ -59,14 +59,6 @@ def local_path(models_dir: Path, store_path: str) -> Path:
     return models_dir / store_path
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _sidecar(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.sha256")
 
@@ -76,7 +68,7 @@ def _verified(dest: Path, sha256: str) -> bool:
     note = _sidecar(dest)
     if note.exists() and note.stat().st_mtime_ns >= dest.stat().st_mtime_ns:
         return note.read_text().strip() == sha256
-    got = _sha256(dest)
+    got = sha256_file(dest)
     note.write_text(got)
     return got == sha256
 
@@ -125,7 +117,7 @@ async def fetch_file(request: Request, store_path: str, models_dir: Path, *, chu
                 rate = (done - start) / max(now - t0, 1e-6)
                 log.info("fetching %s: %d of %d bytes (%.0f%%, %.1f MB/s)", store_path, done, head.size,
                          100 * done / max(head.size, 1), rate / 1e6)
-    got = await asyncio.to_thread(_sha256, partial)
+    got = await asyncio.to_thread(sha256_file, partial)
     if got != head.sha256:
         partial.unlink(missing_ok=True)
         raise FetchError(f"checksum mismatch fetching {store_path}: sha256 {got}, the head has {head.sha256}")

@@ -3,13 +3,13 @@ version of the file), and its bytes by range. Blocking file I/O: the service run
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
 
 from coderai.contracts import BusError, StoreChunk, StoreFetch, check_store_path
 from coderai.contracts.store import CHUNK_BYTES
+from coderai.runtime.files import sha256_file
 
 
 def resolve_store_path(root: Path, rel: str) -> Path:
@@ -28,14 +28,6 @@ def resolve_store_path(root: Path, rel: str) -> Path:
     if not target.is_file():
         raise BusError("bad_request", f"store path {rel!r} is not a file", param="path")
     return target
-
-
-def sha256_file(path: Path, block: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class StoreFiles:

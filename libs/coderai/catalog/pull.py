@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import inspect
 import os
 import re
@@ -26,6 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from coderai.catalog.entries import Entry, guess_engine, resolve, select
+from coderai.runtime.files import git_blob_sha1, sha256_file
 from coderai.catalog.errors import (
     Cancelled,
     CatalogError,
@@ -181,7 +181,7 @@ def _fetch(store: ModelStore, repo: str, f: str, url: str, meta: Any, etag: str,
     """One file into place (skipped when it is already there and verified); returns its size."""
     dest = store.file_path(repo, f)
     in_place = dest.is_file() and (meta.size is None or dest.stat().st_size == meta.size)
-    if in_place and (recorded or (SHA256.match(etag) and _sha256(dest) == etag)):
+    if in_place and (recorded or (SHA256.match(etag) and sha256_file(dest) == etag)):
         t.skip(dest.stat().st_size)
         return dest.stat().st_size
     part = store.partial_path(repo, f, etag)
@@ -239,26 +239,9 @@ def _poll_size(part: Path, t: _Tracker, start: int):
         th.join()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _git_sha1(path: Path) -> str:
-    h = hashlib.sha1()
-    h.update(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _verify(part: Path, f: str, etag: str) -> None:
     """sha256 for an LFS etag, git blob sha1 for a plain one; any other etag (a mirror's) is not a hash."""
-    got = _sha256(part) if SHA256.match(etag) else _git_sha1(part) if SHA1.match(etag) else ""
+    got = sha256_file(part) if SHA256.match(etag) else git_blob_sha1(part) if SHA1.match(etag) else ""
     if got and got != etag:
         part.unlink(missing_ok=True)
         raise ChecksumError(f, etag, got)
