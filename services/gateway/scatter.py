@@ -17,7 +17,7 @@ import msgspec
 from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, decode, encode, model_key
 from coderai.contracts.subjects import WORK_PART
 from coderai.gateway import fanout_plans
-from coderai.runtime.bus import FrameStream
+from coderai.runtime.bus import FrameStream, Silence
 
 
 async def scatter(gw: Any, op: str, job: Any, plan: fanout_plans.Plan, headers: dict[str, str]) -> Final:
@@ -58,7 +58,7 @@ async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity
         except BusError as exc:
             if not exc.retryable:
                 raise
-            if time.monotonic() - activity[0] < timeout_s and exc.code == "engine_failed" and "silent" in exc.message:
+            if isinstance(exc, Silence) and time.monotonic() - activity[0] < timeout_s:
                 continue  # this part is still queued, but its siblings are being answered
             raise BusError("engine_failed", f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s "
                                             "(every worker it went to stopped)", False) from None

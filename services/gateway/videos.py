@@ -95,9 +95,12 @@ def _from_form(form: Form) -> VideoRequest:
 
 def video_routes(gw: Any, caller: Any, rid: Any) -> list:
     running: set[asyncio.Task] = set()
+    bucket: list[Any] = []  # bound once: every progress write and GET would otherwise ask JetStream for it again
 
     async def kv() -> Any:
-        return await gw.bus.kv(VIDEOS)
+        if not bucket:
+            bucket.append(await gw.bus.kv(VIDEOS))
+        return bucket[0]
 
     async def save(rec: VideoRecord) -> None:
         await (await kv()).put(rec.id, msgspec.json.encode(rec))

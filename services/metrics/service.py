@@ -35,6 +35,7 @@ class Metrics:
         self.series = Series()
         self.redis: Any = None
         self._live: dict[str, tuple[float, Heartbeat]] = {}
+        self._pod_kvs: tuple[Any, Any] | None = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -86,7 +87,9 @@ class Metrics:
         from coderai.contracts.pods import PodInfo
 
         counts: dict[tuple[str, str], int] = {}
-        pods_kv, models_kv = await self.bus.kv(PODS), await self.bus.kv(MODELS)
+        if self._pod_kvs is None:  # bound once, not every census round
+            self._pod_kvs = (await self.bus.kv(PODS), await self.bus.kv(MODELS))
+        pods_kv, models_kv = self._pod_kvs
         for kv, type_ in ((pods_kv, PodInfo), (models_kv, ModelConfig)):
             try:
                 keys = await kv.keys()

@@ -137,6 +137,10 @@ async def get_or_timeout(queue: asyncio.Queue, timeout_s: float) -> Any:
         handle.cancel()
 
 
+class Silence(BusError):
+    """Nothing arrived on a stream for its idle timeout (as opposed to a lost connection or no responder)."""
+
+
 class FrameStream:
     """The frames of one streamed reply, in order. Iterate it; `cancel()` if you stop early."""
 
@@ -152,7 +156,7 @@ class FrameStream:
         """The next frame's bytes; BusError on an idle gap longer than the timeout or a lost connection."""
         data = await get_or_timeout(self.queue, self.idle_timeout_s)
         if data is TIMED_OUT:
-            raise BusError("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
+            raise Silence("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
         if data is None:
             raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
