@@ -90,10 +90,10 @@ def _headers(call: Call) -> dict[str, str]:
     return {HDR_REQUEST_ID: call.outcome.request_id, HDR_KEY_NAME: call.who.key_name}
 
 
-async def start(gw: Any, who: Caller, op: str, job: Any, call: Call | None = None,
-                decision: RouteDecision | None = None) -> tuple[Call, Chunk | Final]:
-    """Admit and route the job, and wait for its first frame (failing over to another engine before it)."""
-    call = call or await admit(gw, who, op, job)
+async def start(call: Call, job: Any, decision: RouteDecision | None = None) -> Chunk | Final:
+    """Route the admitted job and wait for its first frame (failing over to another engine before it);
+    `decision`: a route already asked for, reused for the first try."""
+    gw, op = call.gw, call.op
     try:
         job = await gw.blobs.pack(job)
         call.stream, first = await gw.relay.first_frame(op, job, Hints(), call.outcome, _headers(call), decision)
@@ -101,7 +101,7 @@ async def start(gw: Any, who: Caller, op: str, job: Any, call: Call | None = Non
         await _failed(call, exc)
         raise _api(gw, exc) from None
     call.outcome.ttft_s = time.monotonic() - call.outcome.started
-    return call, first
+    return first
 
 
 def _api(gw: Any, exc: BaseException) -> BaseException:
@@ -165,7 +165,7 @@ async def run(gw: Any, who: Caller, op: str, job: Any, on_chunk: OnChunk | None 
     final, decision = await fan_out(call, op, job)
     if final is not None:
         return call, final
-    call, first = await start(gw, who, op, job, call, decision)
+    first = await start(call, job, decision)
     try:
         async for frame in frames(call, first):
             if isinstance(frame, Final):

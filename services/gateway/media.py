@@ -138,7 +138,7 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
             return Stream(iter([final.output.audio.data]), media_type=AUDIO_TYPES[req.response_format],
                           headers=jobs.response_headers(call))
         call.outcome.stream = True
-        call, first = await jobs.start(gw, who, "speech", msgspec.structs.replace(job, stream=True), call, decision)
+        first = await jobs.start(call, msgspec.structs.replace(job, stream=True), decision)
 
         async def audio() -> AsyncIterator[bytes]:
             final: Final | None = None
