@@ -87,7 +87,13 @@ class EngineHost:
             if self.models_dir is not None:
                 cfg = await ensure_local(cfg, bus_request(self.bus), self.models_dir)
                 t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
-            self.engine = engine_class(cfg.engine)(cfg)
+            if cfg.shards is not None and cfg.engine == "llama":  # split over other nodes' RPC servers
+                from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
+
+                self.engine = SplitLlamaEngine(cfg)
+            else:
+                self.engine = engine_class(cfg.engine)(cfg)
+            self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
                 self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
             await loop.run_in_executor(self._executor, self.engine.load)
@@ -120,15 +126,28 @@ class EngineHost:
             await p.stop()
         self._pullers = []
 
+    def _lost(self, why: str) -> None:
+        """The engine lost its devices: take nothing new (callers get no responder, then a clear 503), report it
+        failed in the heartbeat, and wait to be re-placed."""
+        if self.state not in ("ready", "draining"):
+            return
+        self.state, self.error = "failed", why
+        task = asyncio.create_task(self._drop_intake())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drop_intake(self) -> None:
+        await self._stop_pullers()
+        for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
+            await sub.unsubscribe()
+        self._subs = self._subs[-1:]
+
     async def pause(self) -> None:
         """Drain: take no new jobs (jobs already here finish); the router stops sending on the next heartbeat."""
         if self.state != "ready":
             return
         self.state = "draining"
-        await self._stop_pullers()
-        for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
-            await sub.unsubscribe()
-        self._subs = self._subs[-1:]
+        await self._drop_intake()
 
     async def resume(self) -> None:
         if self.state != "draining":

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from coderai import __version__
 from coderai.contracts import EngineStatus, Heartbeat
+from coderai.contracts.split import RpcServer
 
 
 def stable_node_id(data_dir: str | os.PathLike, given: str = "") -> str:
@@ -41,7 +42,21 @@ def memory() -> tuple[int, int]:
         return 0, 0
 
 
-def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "") -> Heartbeat:
+def addresses(first: str = "") -> list[str]:
+    """This machine's interface addresses (loopback and link-local left out), `first` (if any) first."""
+    import ifaddr  # comes with zeroconf
+
+    found: list[str] = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            a = ip.ip if isinstance(ip.ip, str) else ip.ip[0]
+            if not (a.startswith("127.") or a == "::1" or a.startswith("fe80")) and a not in found:
+                found.append(a)
+    return ([first] if first else []) + [a for a in found if a != first]
+
+
+def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "",
+                    addrs: list[str] | None = None, rpc: RpcServer | None = None) -> Heartbeat:
     total, free = memory()
     return Heartbeat(
         node_id=node_id,
@@ -55,4 +70,6 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         mem_total=total,
         mem_free=free,
         pod=pod,
+        addrs=addrs or [],
+        rpc=rpc,
     )

@@ -18,7 +18,8 @@ from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_
 from coderai.contracts.topology import ASSIGNMENTS
 from coderai.engine_worker.engines import available_families
 from coderai.engine_worker.host import EngineHost
-from coderai.engine_worker.node import build_heartbeat
+from coderai.engine_worker.node import addresses, build_heartbeat, memory
+from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.cluster import fingerprint
@@ -41,6 +42,8 @@ class Worker:
         self._kv = None
         self.draining = False
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
+        self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
+        self.rpc: RpcService | None = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -49,6 +52,12 @@ class Worker:
             url = await self._discover()
         self.bus = await Bus.connect_as(s, f"worker:{self.node_id}", role="node", url=url, on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
+        bus_url = self.bus.nc.connected_url.geturl()  # the server this node reached
+        self.addrs = addresses(cluster_address(bus_url))
+        if s.rpc:
+            self.rpc = RpcService(gate_address(s.rpc_bind, bus_url, s.rpc_allow_any), s.rpc_port, s.rpc_threads)
+            await self.rpc.start()
+            stack.push_async_callback(self.rpc.close)
         if s.cluster_token and s.mdns:
             announcer = Announcer(Announcement(node_id=self.node_id, name=socket.gethostname(), fp=fingerprint(s.cluster_token),
                                                nats_port=s.announce_nats_port, caps=tuple(self.families)), s.mdns_interfaces)
@@ -101,7 +110,8 @@ class Worker:
             return
         self._seq += 1
         hb = build_heartbeat(self.node_id, self._seq, self.families, [h.status() for h in self.hosts.values()],
-                             pod=self.settings.pod)
+                             pod=self.settings.pod, addrs=self.addrs,
+                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
@@ -160,6 +170,8 @@ class Worker:
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""
         async with self._converge_lock:
+            if self.rpc is not None and self.rpc.gate is not None:
+                self.rpc.gate.allow(assignment.rpc_peers)
             wanted: dict[str, ModelConfig] = {m.name: m for m in assignment.models if m.engine in self.families}
             for m in assignment.models:
                 if m.engine not in self.families:

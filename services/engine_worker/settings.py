@@ -16,3 +16,11 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     discover_timeout_s: float = 60.0
     pod: str = ""  # set by the pod-broker on a rented pod: its name (the node id it heartbeats under)
     models_json: str = ""  # a fixed assignment (JSON list of model configs) instead of watching coderai_assignments
+    # offer this machine's CPU as a ggml RPC server, to hold layers of models split over several nodes. ggml RPC
+    # has no authentication: it is bound to the cluster interface (the address this node reaches the bus from,
+    # or `rpc_bind`) and admits only nodes the scheduler names; every interface needs `rpc_allow_any`
+    rpc: bool = False
+    rpc_port: int = 50052  # 0: any free port
+    rpc_bind: str = ""  # the RPC gate's address; empty: the cluster interface
+    rpc_allow_any: bool = False  # allow binding the RPC gate to every interface (0.0.0.0, ::)
+    rpc_threads: int = 0  # 0: every core

@@ -64,6 +64,20 @@ def admin_routes(gw: Any, caller) -> list:
         await caller(request, "admin")
         return await ask(CMD_SCHEDULER_NODES, NodesRequest())
 
+    @get("/admin/splits")
+    async def splits(request: Request) -> Response:
+        """Models split over several nodes: per device, its node, endpoint, share and the layers it holds."""
+        await caller(request, "admin")
+        try:
+            reply = await gw.bus.request(CMD_SCHEDULER_NODES, NodesRequest(), timeout=5.0)
+        except BusError as exc:
+            raise from_bus(exc, gw.settings.retry_after_s) from None
+        data = [{"model": name, "serving_node": p.devices[0].node_id, "mode": p.mode, "n_layers": p.n_layers,
+                 "warning": p.warning, "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
+                                                    "layers": d.layers} for d in p.devices]}
+                for name, p in sorted(reply.splits.items())]
+        return Response(content=msgspec.json.encode({"object": "list", "data": data}), media_type=JSON)
+
     @get("/admin/nodes/{nid:str}/logs")
     async def logs(request: Request) -> Response:
 
@@ -247,7 +261,7 @@ def admin_routes(gw: Any, caller) -> list:
             raise ApiError(502, f"The metrics service did not answer: {exc}", type="engine_error", code="metrics_unavailable") from None
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return [nodes, logs, drain, place, unplace, create_key, list_keys, revoke_key, limit_key, usage_rows, pods, lease,
+    return [nodes, splits, logs, drain, place, unplace, create_key, list_keys, revoke_key, limit_key, usage_rows, pods, lease,
             spend, metrics]
 
 

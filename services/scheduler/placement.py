@@ -5,6 +5,8 @@ KV cache and runtime; an estimate that errs large). A node offers 90 % of its GP
 else of its RAM. Existing placements are kept while they still fit (a new node joining moves nothing), then
 missing copies go to eligible nodes that fit: `spread` picks the node holding the fewest models (then most room),
 `binpack` the fullest node that still fits. A model with `replicas = 0` goes to every eligible node that fits.
+A llama model that fits no node is split over a serving node and other nodes' RPC servers (`splitting`); one
+whose config names `rpc_nodes` is split over those first, and placed whole only when none of them is live.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import msgspec
+
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
+from coderai.contracts.split import SplitPlan
+from coderai.scheduler.splitting import Split, can_split, gate_peers, place_split, wants_pinned_split
 
 MB = 1 << 20
 OVERHEAD = 256 * MB
@@ -43,6 +49,7 @@ def capacity(hb: Heartbeat) -> int:
 class Plan:
     assignments: dict[str, Assignment]
     unplaced: dict[str, str] = field(default_factory=dict)  # model -> why it has fewer copies than asked
+    splits: dict[str, tuple[str, SplitPlan]] = field(default_factory=dict)  # model -> (serving node, devices)
 
 
 def plan(
@@ -50,10 +57,13 @@ def plan(
     nodes: dict[str, Heartbeat],
     current: dict[str, Assignment] | None = None,
     sizes: dict[str, int] | None = None,
+    layers: dict[str, int] | None = None,
 ) -> Plan:
-    """Assignments for live `nodes` (plus, for nodes in `current` that are gone, what they keep for their return)."""
+    """Assignments for live `nodes` (plus, for nodes in `current` that are gone, what they keep for their return).
+    `layers`: blocks per model, where the scheduler could read them (for the layer map of a split)."""
     current = current or {}
     sizes = sizes or {}
+    layers = layers or {}
     need = {m.name: estimate_bytes(m, sizes.get(m.name)) for m in models}
     free = {n: capacity(hb) for n, hb in nodes.items()}
     placed: dict[str, list[ModelConfig]] = {n: [] for n in nodes}
@@ -68,12 +78,34 @@ def plan(
 
     candidates = {m.name: sorted(n for n in nodes if eligible(m, n)) for m in models}
     wants = {m.name: len(candidates[m.name]) if m.replicas == 0 else m.replicas for m in models}
+    splits: dict[str, tuple[str, SplitPlan]] = {}
+    peers: dict[str, set[str]] = {n: set() for n in nodes}
+
+    def split(m: ModelConfig) -> str:
+        """Place `m` as one split copy; "" on success, else why not."""
+        now = next(((n, x.shards) for n, a in current.items() for x in a.models if x.name == m.name and x.shards), ("", None))
+        got = place_split(m, need[m.name], candidates[m.name], nodes, free, now[1], now[0], layers.get(m.name, 0))
+        if not isinstance(got, Split):
+            return got
+        placed[got.serving].append(msgspec.structs.replace(m, shards=got.plan))
+        for n, b in got.takes.items():
+            free[n] -= b
+        for d in got.plan.remote():
+            peers[d.node_id].update(gate_peers(nodes[got.serving], d.endpoint))
+        splits[m.name] = (got.serving, got.plan)
+        return ""
+
+    pinned = {m.name for m in models if wants_pinned_split(m, nodes) and not split(m)}
     for m in models:  # first every copy already in place that still fits, so no new copy can push one out
+        if m.name in pinned:
+            continue
         holders = [n for n in candidates[m.name] if any(x.name == m.name for x in current.get(n, Assignment(node_id=n)).models)]
         for n in holders[: wants[m.name]]:
             if free[n] >= need[m.name]:
                 put(m, n)
     for m in models:  # then the missing copies
+        if m.name in pinned:
+            continue
         want = wants[m.name]
         have = [n for n in candidates[m.name] if m in placed[n]]
         rest = [n for n in candidates[m.name] if n not in have and free[n] >= need[m.name]]
@@ -84,16 +116,22 @@ def plan(
         for n in rest[: max(0, want - len(have))]:
             put(m, n)
         got = sum(m in placed[n] for n in candidates[m.name])
+        if got == 0 and want > 0 and can_split(m) and candidates[m.name]:
+            why = split(m)  # fits no single node: over several, if RPC servers together have the room
+            if not why:
+                continue
+            unplaced[m.name] = f"0 of {want} copies fit ({need[m.name] // MB} MB each); no split either: {why}"
+            continue
         if not candidates[m.name]:
             unplaced[m.name] = ("none of its nodes (" + ", ".join(m.nodes) + ") is live and runs its engine family") \
                 if m.nodes else "no live node runs its engine family"
         elif got < want:
             unplaced[m.name] = f"{got} of {want} copies fit ({need[m.name] // MB} MB each)"
 
-    out = {n: Assignment(node_id=n, models=ms) for n, ms in sorted(placed.items())}
+    out = {n: Assignment(node_id=n, models=ms, rpc_peers=sorted(peers[n])) for n, ms in sorted(placed.items())}
     by_name = {m.name: m for m in models}
     for n, a in current.items():  # gone nodes: keep the everywhere-models for when they come back
         if n not in nodes:
             keep = [by_name[x.name] for x in a.models if x.name in by_name and by_name[x.name].replicas == 0]
             out[n] = Assignment(node_id=n, models=keep)
-    return Plan(out, unplaced)
+    return Plan(out, unplaced, splits)

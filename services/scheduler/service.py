@@ -14,6 +14,7 @@ import msgspec
 from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
+from coderai.contracts.stages import StagePlan, StagePlanRequest
 from coderai.contracts.store import StoreChunk, StoreFetch
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
@@ -21,6 +22,7 @@ from coderai.contracts.subjects import (
     CMD_SCHEDULER_ESCALATE,
     CMD_SCHEDULER_NODES,
     CMD_SCHEDULER_PLACE,
+    CMD_SCHEDULER_STAGES,
     CMD_STORE_FETCH,
     HEARTBEAT,
 )
@@ -29,7 +31,9 @@ from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
 from coderai.runtime.mirror import KVMirror
 from coderai.scheduler.models_file import load_models
+from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import plan
+from coderai.scheduler import stages
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
 
@@ -43,6 +47,8 @@ class Scheduler:
         self.nodes: dict[str, Heartbeat] = {}
         self.seen: dict[str, float] = {}
         self.unplaced: dict[str, str] = {}
+        self.splits: dict[str, Any] = {}  # model -> SplitPlan of the copy split over several nodes
+        self._layers: dict[str, int] = {}
         self.bus: Bus | None = None
         self._dirty = asyncio.Event()
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
@@ -72,10 +78,19 @@ class Scheduler:
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
                                  (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch),
-                                 (CMD_SCHEDULER_ADD, self._add)):
+                                 (CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
+
+    def _block_counts(self) -> dict[str, int]:
+        """Blocks per llama model whose GGUF this head can read (for the layer map of a split), read once."""
+        for m in self.models:
+            if m.engine == "llama" and m.name not in self._layers:
+                local = os.path.expanduser(m.path) if m.path else ""
+                path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path) if m.store_path else ""
+                self._layers[m.name] = block_count(path) if path else 0
+        return self._layers
 
     async def _on_reconnect(self) -> None:
         self.node_records.revs.clear()  # a restarted server may have another history
@@ -92,7 +107,7 @@ class Scheduler:
                      age_s=round(now - self.seen.get(n, now), 3))
             for n, hb in sorted(self.nodes.items())
         ]
-        return NodesReply(nodes=infos, unplaced=dict(self.unplaced))
+        return NodesReply(nodes=infos, unplaced=dict(self.unplaced), splits=dict(self.splits))
 
     async def _place(self, req: PlaceRequest, _m: Any) -> PlaceReply:
         """Edit a model's `nodes` (and `replicas`, so an added node really gets a copy); lasts until the
@@ -130,6 +145,17 @@ class Scheduler:
         log.info("added model %s (%s)", new.name, new.engine)
         self._dirty.set()
         return PlaceReply(model=new)
+
+    async def _stages(self, req: StagePlanRequest, _m: Any) -> StagePlan:
+        """Where each stage of one relayed video runs (coderai.scheduler.stages), from live heartbeats."""
+        m = next((x for x in self.models if x.name == req.model), None)
+        if m is None:
+            raise BusError("not_found", f"no model {req.model!r}")
+        live = {n: hb for n, hb in self.nodes.items() if time.monotonic() - self.seen.get(n, 0) <= NODE_TTL_S}
+        try:
+            return stages.plan_stages(req, m, live, await asyncio.to_thread(stages.model_parts, m.path))
+        except stages.NoStagePlan as exc:
+            raise BusError("no_engine", str(exc), retryable=True) from None
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
         """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""
@@ -171,7 +197,9 @@ class Scheduler:
         return out
 
     async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
-        new = hb.node_id not in self.nodes or set(hb.capabilities) != set(self.nodes[hb.node_id].capabilities)
+        old = self.nodes.get(hb.node_id)
+        new = old is None or set(hb.capabilities) != set(old.capabilities) \
+            or (old.rpc and old.rpc.endpoint) != (hb.rpc and hb.rpc.endpoint) or old.addrs != hb.addrs
         self.nodes[hb.node_id] = hb
         self.seen[hb.node_id] = time.monotonic()
         if new:
@@ -200,11 +228,18 @@ class Scheduler:
             self._dirty.clear()
             try:
                 owned = {n: hb for n, hb in self.nodes.items() if not hb.pod}  # a pod brings its own models
-                result = plan(self.models, owned, dict(self.assignments.values))
+                result = plan(self.models, owned, dict(self.assignments.values), layers=self._block_counts())
                 for name, why in result.unplaced.items():
                     if self.unplaced.get(name) != why:
                         log.warning("model %s: %s", name, why)
                 self.unplaced = result.unplaced
+                for name, (node, split) in result.splits.items():
+                    if name not in self.splits or self.splits[name] != split:
+                        log.info("model %s split (%s) served by %s over %s", name, split.mode, node,
+                                 ", ".join(f"{d.node_id} {d.share:.0%}" for d in split.devices))
+                        if split.warning:
+                            log.warning("model %s: %s", name, split.warning)
+                self.splits = {name: split for name, (_, split) in result.splits.items()}
                 for node_id, assignment in result.assignments.items():
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])

@@ -18,6 +18,7 @@ from coderai.contracts.jobs import (
     Usage,
 )
 from coderai.contracts.keys import model_key, model_name
+from coderai.contracts.split import RpcServer, SplitDevice, SplitPlan
 from coderai.contracts.media import (
     Blob,
     DiarizeJob,
@@ -54,7 +55,7 @@ __all__ = [
     "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
     "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
-    "Distribute", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreFetch", "WorkPart", "check_store_path",
+    "Distribute", "RpcServer", "SplitDevice", "SplitPlan", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreFetch", "WorkPart", "check_store_path",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",

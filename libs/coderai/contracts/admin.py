@@ -7,6 +7,7 @@ from typing import Literal
 from coderai.contracts.base import Message
 from coderai.contracts.models import ModelConfig
 from coderai.contracts.nodes import Heartbeat
+from coderai.contracts.split import SplitPlan
 
 
 class NodeLogsRequest(Message, frozen=True, kw_only=True):
@@ -45,6 +46,7 @@ class NodeInfo(Message, frozen=True, kw_only=True):
 class NodesReply(Message, frozen=True, kw_only=True, tag="nodes", tag_field="t"):
     nodes: list[NodeInfo]
     unplaced: dict[str, str] = {}
+    splits: dict[str, SplitPlan] = {}  # models split over several nodes: which devices hold which layers
 
 
 class PlaceRequest(Message, frozen=True, kw_only=True):

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
+from coderai.contracts.split import SplitMode, SplitPlan
 
 EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "echo"]
 
@@ -78,6 +79,13 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     pod: PodPolicy = PodPolicy()
     owned_by: str = "coderai"
     created: int = 0
+    # llama.cpp over several machines: `split` is how a model that fits no single node is cut (`off`: never);
+    # `rpc_nodes` splits it over those nodes' RPC servers even when it would fit one node; `link_gbps` is the
+    # link speed between them (0: unknown), below 10 a row split is answered with a warning
+    split: SplitMode | Literal["off"] = "layer"
+    rpc_nodes: list[str] = []
+    link_gbps: float = 0.0
+    shards: SplitPlan | None = None  # set by the scheduler in an assignment only: the devices holding this copy
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

@@ -7,6 +7,7 @@ from typing import Literal
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 from coderai.contracts.models import ModelConfig
+from coderai.contracts.split import RpcServer
 
 EngineState = Literal["loading", "ready", "failed", "unloading", "draining"]
 
@@ -44,6 +45,8 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     vram_total: int = 0
     vram_free: int = 0
     pod: str = ""  # a rented pod's name: its models come with it, the scheduler places nothing on it
+    addrs: list[str] = []  # the node's network addresses, the one it reaches the bus from first (loopback left out)
+    rpc: RpcServer | None = None  # a ggml RPC server this node offers to hold layers of others' models
 
 
 class Assignment(Message, frozen=True, kw_only=True):
@@ -51,3 +54,4 @@ class Assignment(Message, frozen=True, kw_only=True):
 
     node_id: str
     models: list[ModelConfig] = []
+    rpc_peers: list[str] = []  # addresses allowed through this node's RPC gate: the nodes serving split models

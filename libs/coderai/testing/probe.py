@@ -36,13 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--base-url", required=True)
     c.add_argument("--key", default="")
     c.add_argument("--model", required=True)
+    c.add_argument("--prompt", default="where am I?")
+    c.add_argument("--max-tokens", type=int, default=2)
+    c.add_argument("--temperature", type=float, default=None)
     a = ap.parse_args(argv)
     if a.cmd == "nodes":
         print(json.dumps(asyncio.run(_nodes(a.nats_url, a.token))))
         return 0
-    r = httpx.post(f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {a.key}"}, timeout=30,
-                   json={"model": a.model, "messages": [{"role": "user", "content": "where am I?"}], "max_tokens": 2})
-    print(json.dumps({"status": r.status_code, "engine": r.headers.get("Coderai-Engine", ""), "body": r.text[:300]}))
+    body = {"model": a.model, "messages": [{"role": "user", "content": a.prompt}], "max_tokens": a.max_tokens}
+    if a.temperature is not None:
+        body["temperature"] = a.temperature
+    r = httpx.post(f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {a.key}"}, timeout=30, json=body)
+    content = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None
+    print(json.dumps({"status": r.status_code, "engine": r.headers.get("Coderai-Engine", ""), "body": r.text[:300],
+                      "content": content}))
     return 0
 
 

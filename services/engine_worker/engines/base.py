@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from coderai.contracts import ModelConfig
 
@@ -37,6 +38,9 @@ class Engine:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+        # set by the worker: an engine whose devices went away (a split model's RPC server) calls it, from any
+        # thread, with the reason; the worker stops sending it jobs and reports it failed
+        self.on_lost: Callable[[str], None] | None = None
 
     def load(self) -> None:
         """Blocking: called in a thread."""

@@ -1,0 +1,175 @@
+"""This node's ggml RPC server, behind a gate that lets in only the nodes serving split models.
+
+ggml RPC has no authentication at all: whoever connects can read and write the device's memory. So the
+server itself listens on loopback only (a child process, `rpc_child`), and the address other nodes see is a
+small TCP relay here, bound to the cluster interface, that accepts a connection only from an address the
+scheduler named in this node's assignment (`rpc_peers`) and closes every other at once. It relays nothing
+until the peer sends its first byte, so the serving node's liveness probe (connect, close) costs the server
+nothing. Binding the gate to every interface (`0.0.0.0`, `::`) is refused unless explicitly allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+from coderai.contracts.split import RpcServer
+from coderai.runtime.embedded import die_with_parent, free_port
+
+log = logging.getLogger("coderai.engine_worker.rpc")
+
+ANY = ("0.0.0.0", "::", "")
+CHUNK = 1 << 16
+
+
+class RpcConfigError(ValueError):
+    """The RPC server may not be bound where the settings ask."""
+
+
+def cluster_address(nats_url: str) -> str:
+    """The local address this machine uses to reach the bus: the cluster interface (no packet is sent)."""
+    from urllib.parse import urlparse
+
+    u = urlparse(nats_url.split(",")[0])
+    host, port = u.hostname or "127.0.0.1", u.port or 4222
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def gate_address(bind: str, nats_url: str, allow_any: bool) -> str:
+    addr = bind or cluster_address(nats_url)
+    if addr in ANY and not allow_any:
+        raise RpcConfigError(
+            "refusing to offer the RPC server on every interface: ggml RPC has no authentication. Bind it to the "
+            "cluster interface (CODERAI_WORKER_RPC_BIND) or set CODERAI_WORKER_RPC_ALLOW_ANY=true")
+    return addr
+
+
+class RpcGate:
+    """Accepts peers from the allow-list and relays their bytes to the loopback RPC server."""
+
+    def __init__(self, host: str, port: int, upstream_port: int) -> None:
+        self.host, self.port, self.upstream_port = host, port, upstream_port
+        self.allowed: set[str] = set()
+        self.refused = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_peer, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def allow(self, peers: list[str]) -> None:
+        new = set(peers)
+        if new != self.allowed:
+            log.info("RPC gate on %s:%d admits %s", self.host, self.port, sorted(new) or "nobody")
+        self.allowed = new
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._conns):
+            t.cancel()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def _on_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = (writer.get_extra_info("peername") or ("?",))[0]
+        if peer not in self.allowed:
+            self.refused += 1
+            log.warning("RPC gate refused %s: not a node serving a split model here", peer)
+            writer.close()
+            return
+        task = asyncio.current_task()
+        self._conns.add(task)
+        up_writer = None
+        try:
+            first = await reader.read(CHUNK)
+            if not first:  # a liveness probe: connected and left
+                return
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            up_writer.write(first)
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            self._conns.discard(task)
+            for w in (writer, up_writer):
+                if w is not None:
+                    w.close()
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(CHUNK):
+            dst.write(data)
+            await dst.drain()
+    finally:
+        with contextlib.suppress(Exception):
+            dst.write_eof()
+
+
+class RpcService:
+    """The child RPC server plus its gate; `info()` is what the heartbeat announces."""
+
+    def __init__(self, host: str, port: int, threads: int = 0) -> None:
+        self.host, self.port, self.threads = host, port, threads
+        self.proc: subprocess.Popen | None = None
+        self.gate: RpcGate | None = None
+        self.device, self.mem_total, self.mem_free = "CPU", 0, 0
+
+    async def start(self) -> None:
+        inner = free_port()
+        cmd = [sys.executable, "-m", "coderai.engine_worker.rpc_child", f"127.0.0.1:{inner}",
+               str(self.threads or max(1, os.cpu_count() or 1))]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+        line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)  # type: ignore[union-attr]
+        info = json.loads(line or b"{}")
+        if "device" not in info:
+            raise RuntimeError(f"the RPC server did not start: {info.get('error') or 'no output'}")
+        self.device, self.mem_total, self.mem_free = info["device"], info["mem_total"], info["mem_free"]
+        await _until_listening(inner, self.proc)
+        self.gate = RpcGate(self.host, self.port, inner)
+        await self.gate.start()
+        log.info("RPC server (%s) offered on %s:%d", self.device, self.host, self.gate.port)
+
+    def info(self, mem_free: int) -> RpcServer:
+        assert self.gate is not None
+        return RpcServer(endpoint=f"{self.host}:{self.gate.port}", device=self.device, mem_total=self.mem_total,
+                         mem_free=mem_free)
+
+    async def close(self) -> None:
+        if self.gate is not None:
+            await self.gate.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.wait, 5)
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+async def _until_listening(port: int, proc: subprocess.Popen, deadline_s: float = 30.0) -> None:
+    """The child printed its line just before listening: wait for the port to accept (bounded)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the RPC server exited with {proc.returncode}")
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if loop.time() > end:
+                raise RuntimeError("the RPC server did not listen within 30 s") from None
+            await asyncio.sleep(0.05)
+            continue
+        w.close()  # a connect that sends nothing: the server drops it and waits for the next client
+        return

@@ -1,0 +1,126 @@
+"""Pure split placement: one llama.cpp model over a serving node and other nodes' RPC servers.
+
+Used by `placement.plan` for a llama model that fits no single node (unless its `split` is `off`), or whose
+config names `rpc_nodes` (an operator's choice, honoured whenever one of those nodes offers an RPC server).
+
+- The serving node is the eligible node with the most room; pinned splits prefer one outside `rpc_nodes`.
+- Remote devices: the named RPC nodes, or (automatic) the RPC servers with the most room, added one by one
+  until the devices together hold the model. A device offers the lesser of its node's unplaced room and what
+  its RPC server reports free.
+- Shares are proportional to what each device offers. Layers are handed out in the order llama.cpp uses:
+  the first blocks stay on the serving node's CPU, the last ones go to the remote devices in order.
+- A split in place is kept while its devices are live (free memory moves every heartbeat; re-splitting on
+  every wobble would reload the model each time).
+- A row split over a link below 10 GbE (or of unknown speed) is allowed, with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coderai.contracts import Heartbeat, ModelConfig
+from coderai.contracts.split import SplitDevice, SplitPlan
+
+FAST_LINK_GBPS = 10.0
+
+
+@dataclass
+class Split:
+    serving: str
+    plan: SplitPlan
+    takes: dict[str, int]  # node -> bytes it now holds of this model
+
+
+def wants_pinned_split(m: ModelConfig, nodes: dict[str, Heartbeat]) -> bool:
+    """An operator named RPC nodes for this model and at least one of them offers an RPC server now."""
+    return m.engine == "llama" and m.split != "off" and any(n in nodes and nodes[n].rpc for n in m.rpc_nodes)
+
+
+def can_split(m: ModelConfig) -> bool:
+    return m.engine == "llama" and m.split != "off"
+
+
+def row_warning(m: ModelConfig) -> str:
+    if m.split != "row":
+        return ""
+    if m.link_gbps <= 0:
+        return "row split over a link of unknown speed: it moves activations every layer and needs 10 GbE or better"
+    if m.link_gbps < FAST_LINK_GBPS:
+        return f"row split over a {m.link_gbps:g} Gb/s link (< 10 GbE): expect it to be slower than a layer split"
+    return ""
+
+
+def gate_peers(serving: Heartbeat, endpoint: str) -> list[str]:
+    """The addresses an RPC node's gate must admit for `serving` to reach it at `endpoint` (loopback too when the
+    endpoint is on loopback: both on one machine)."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    local = ["127.0.0.1", "::1"] if host.startswith("127.") or host == "::1" else []
+    return list(serving.addrs) + local
+
+
+def _layers(shares: list[float], n_layers: int) -> list[list[int]]:
+    """Contiguous block ranges per device, in device order, sizes proportional to the shares (largest remainder)."""
+    if n_layers <= 0:
+        return [[] for _ in shares]
+    raw = [s * n_layers for s in shares]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n_layers - sum(counts)]:
+        counts[i] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def place_split(
+    m: ModelConfig,
+    need: int,
+    candidates: list[str],
+    nodes: dict[str, Heartbeat],
+    free: dict[str, int],
+    current: SplitPlan | None = None,
+    current_node: str = "",
+    n_layers: int = 0,
+) -> Split | str:
+    """A split for `m` (a `Split`), or why there is none (a message)."""
+    offers = {n: hb.rpc for n, hb in nodes.items() if hb.rpc is not None}
+    pinned = [n for n in m.rpc_nodes if n in offers]
+    pool = pinned if m.rpc_nodes else sorted(offers)
+    if not candidates:
+        return "no live node runs llama.cpp to serve it"
+    if current is not None and current_node in candidates and all(d.node_id in pool for d in current.remote()):
+        plan = SplitPlan(mode=current.mode, devices=current.devices, n_layers=current.n_layers, warning=row_warning(m))
+        return Split(current_node, plan, {d.node_id: int(need * d.share) for d in current.devices})
+
+    def room(n: str) -> int:
+        rpc = offers[n]
+        return max(0, min(free.get(n, 0), rpc.mem_free or free.get(n, 0)))
+
+    outside = [n for n in candidates if n not in m.rpc_nodes]
+    serving = max(outside or candidates, key=lambda n: (free[n], n))
+    remote_pool = sorted((n for n in pool if n != serving), key=lambda n: (-room(n), n))
+    if not remote_pool:
+        return "no other node offers an RPC server"
+    chosen: list[str] = []
+    total = max(0, free[serving])
+    for n in remote_pool:
+        if room(n) <= 0:
+            continue
+        if not m.rpc_nodes and total >= need:
+            break
+        chosen.append(n)
+        total += room(n)
+    if not chosen or total < need:
+        have = ", ".join(f"{n} {room(n) >> 20} MB" for n in remote_pool)
+        return f"needs {need >> 20} MB; {serving} has {max(0, free[serving]) >> 20} MB and the RPC servers ({have}) too little"
+    offered = [max(0, free[serving])] + [room(n) for n in chosen]
+    shares = [o / sum(offered) for o in offered]
+    layers = _layers(shares, n_layers)
+    devices = [SplitDevice(node_id=serving, share=round(shares[0], 4), layers=layers[0])] + [
+        SplitDevice(node_id=n, endpoint=offers[n].endpoint, share=round(s, 4), layers=ls)
+        for n, s, ls in zip(chosen, shares[1:], layers[1:])
+    ]
+    plan = SplitPlan(mode=m.split if m.split in ("layer", "row") else "layer", devices=devices, n_layers=n_layers,
+                     warning=row_warning(m))
+    return Split(serving, plan, {d.node_id: int(need * d.share) for d in devices})
