@@ -100,6 +100,8 @@ class RpcGate:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
+        except asyncio.CancelledError:  # the gate is closing: end this connection quietly
+            pass
         finally:
             self._conns.discard(task)
             for w in (writer, up_writer):

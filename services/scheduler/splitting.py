@@ -3,7 +3,8 @@
 Used by `placement.plan` for a llama model that fits no single node (unless its `split` is `off`), or whose
 config names `rpc_nodes` (an operator's choice, honoured whenever one of those nodes offers an RPC server).
 
-- The serving node is the eligible node with the most room; pinned splits prefer one outside `rpc_nodes`.
+- The serving node is the eligible node with the most room, preferring one that is not among the RPC servers
+  it could use (those are kept for the layers).
 - Remote devices: the named RPC nodes, or (automatic) the RPC servers with the most room, added one by one
   until the devices together hold the model. A device offers the lesser of its node's unplaced room and what
   its RPC server reports free.
@@ -97,7 +98,7 @@ def place_split(
         rpc = offers[n]
         return max(0, min(free.get(n, 0), rpc.mem_free or free.get(n, 0)))
 
-    outside = [n for n in candidates if n not in m.rpc_nodes]
+    outside = [n for n in candidates if n not in pool]  # keep the RPC servers for the layers
     serving = max(outside or candidates, key=lambda n: (free[n], n))
     remote_pool = sorted((n for n in pool if n != serving), key=lambda n: (-room(n), n))
     if not remote_pool:

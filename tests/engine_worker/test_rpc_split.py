@@ -1,0 +1,150 @@
+"""The RPC side of a split model: the gate admits only named peers, binding to every interface needs a flag, the
+split engine answers like the whole model over a real ggml RPC server, and loses itself the moment the server dies."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+from coderai.contracts import ChatJob, ModelConfig, SamplingParams
+from coderai.contracts.split import SplitDevice, SplitPlan
+from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.engines.llama_split import LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, split_params
+from coderai.engine_worker.rpc import RpcConfigError, RpcGate, cluster_address, gate_address
+from coderai.runtime.gguf_meta import block_count
+from coderai.testing.procs import wait_until
+
+
+def plan(mode: str = "layer", layers: bool = True) -> SplitPlan:
+    return SplitPlan(mode=mode, n_layers=4, devices=[
+        SplitDevice(node_id="a", share=0.5, layers=[0, 1] if layers else []),
+        SplitDevice(node_id="b", endpoint="10.0.0.2:50052", share=0.25, layers=[2] if layers else []),
+        SplitDevice(node_id="c", endpoint="10.0.0.3:50052", share=0.25, layers=[3] if layers else []),
+    ])
+
+
+def test_split_params_offload_the_remote_layers_shared_by_tensor_split():
+    assert split_params(plan(), 4, row=False) == {"n_gpu_layers": 2, "split_mode": LLAMA_SPLIT_MODE_LAYER,
+                                                  "tensor_split": [0.5, 0.5]}
+    assert split_params(plan(layers=False), 8, row=False)["n_gpu_layers"] == 4  # by shares when no layer map
+    assert split_params(plan("row"), 4, row=True)["split_mode"] == LLAMA_SPLIT_MODE_ROW
+
+
+def test_the_gate_is_never_bound_to_every_interface_without_the_flag():
+    with pytest.raises(RpcConfigError, match="no authentication"):
+        gate_address("0.0.0.0", "nats://127.0.0.1:4222", allow_any=False)
+    assert gate_address("0.0.0.0", "nats://127.0.0.1:4222", allow_any=True) == "0.0.0.0"
+    assert gate_address("", "nats://user:pw@127.0.0.1:4222", allow_any=False) == "127.0.0.1"
+    assert cluster_address("nats://127.0.0.1:4222") == "127.0.0.1"
+
+
+async def test_the_gate_relays_named_peers_only_and_probes_cost_the_server_nothing():
+    upstream: list[int] = []
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream.append(1)
+        while data := await reader.read(1024):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    gate = RpcGate("127.0.0.1", 0, server.sockets[0].getsockname()[1])
+    await gate.start()
+    gate.allow(["127.0.0.2"])
+    loop = asyncio.get_running_loop()
+
+    def connect(source: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", gate.port))
+        s.settimeout(10)
+        return s
+
+    try:
+        s = await loop.run_in_executor(None, connect, "127.0.0.2")
+        await loop.run_in_executor(None, s.sendall, b"hello")
+        assert await loop.run_in_executor(None, s.recv, 5) == b"hello"
+        s.close()
+        probe = await loop.run_in_executor(None, connect, "127.0.0.2")
+        probe.close()
+        stranger = await loop.run_in_executor(None, connect, "127.0.0.1")
+        await loop.run_in_executor(None, stranger.sendall, b"let me in")
+        def answer() -> bytes:
+            try:
+                return stranger.recv(16)
+            except ConnectionResetError:
+                return b""
+
+        assert await loop.run_in_executor(None, answer) == b""  # closed, nothing relayed
+        stranger.close()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_until(lambda: gate.refused == 1, 5, "refusal"))
+        assert len(upstream) == 1  # the echo saw the allowed peer only; the probe never reached it
+    finally:
+        await gate.close()
+        server.close()
+
+
+def test_block_count_reads_the_gguf_header(tiny_gguf, tmp_path):
+    assert block_count(tiny_gguf) == 2
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf")
+    assert block_count(tmp_path / "x.gguf") == 0
+
+
+# --- a real RPC server on loopback ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_split_engine_answers_like_the_whole_model_and_is_lost_when_its_rpc_server_dies(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from coderai.engine_worker.engines import engine_class
+    from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
+    from coderai.engine_worker.rpc import RpcService
+    from coderai.testing.tiny_gguf import build_tiny_gguf
+
+    path = tmp_path / "four.gguf"
+    build_tiny_gguf(path, dim=128, layers=4, heads=4)
+    base = ModelConfig(name="m", engine="llama", path=str(path), params={"n_ctx": 512, "n_threads": 1})
+    job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "once upon a time"}],
+                  params=SamplingParams(max_tokens=12, temperature=0.0))
+    whole = engine_class("llama")(base)
+    whole.load()
+    expected = whole.chat(job, CancelFlag(), None)[0][0].message
+    whole.close()
+
+    async def start() -> RpcService:
+        svc = RpcService("127.0.0.1", 0, threads=1)
+        await svc.start()
+        svc.gate.allow(["127.0.0.1"])
+        return svc
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    svc = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    plan = SplitPlan(n_layers=4, devices=[SplitDevice(node_id="here", share=0.5, layers=[0, 1]),
+                                          SplitDevice(node_id="there", endpoint=f"127.0.0.1:{svc.gate.port}", share=0.5,
+                                                      layers=[2, 3])])
+    engine = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=str(path), params=base.params, shards=plan))
+    lost = threading.Event()
+    reasons: list[str] = []
+    engine.on_lost = lambda why: (reasons.append(why), lost.set())
+    try:
+        engine.load()
+        assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
+        streamed: list[dict] = []
+        stream_job = ChatJob(request_id="s", model="m", messages=job.messages, params=job.params, stream=True)
+        engine.chat(stream_job, CancelFlag(), lambda d, t, f: streamed.append(d or {}))
+        assert "".join(d.get("content", "") for d in streamed) == expected["content"]
+        svc.proc.kill()
+        asyncio.run_coroutine_threadsafe(svc.gate.close(), loop).result(10)
+        assert lost.wait(15), "the engine did not notice its RPC server was gone"
+        assert "unreachable" in reasons[0] and "there" in reasons[0]
+        with pytest.raises(RuntimeError, match="unreachable"):
+            engine.chat(job, CancelFlag(), None)
+    finally:
+        engine.close()
+        asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
