@@ -80,11 +80,12 @@ def plan(
     wants = {m.name: len(candidates[m.name]) if m.replicas == 0 else m.replicas for m in models}
     splits: dict[str, tuple[str, SplitPlan]] = {}
     peers: dict[str, set[str]] = {n: set() for n in nodes}
+    rpc_used: set[str] = set()
 
     def split(m: ModelConfig) -> str:
         """Place `m` as one split copy; "" on success, else why not."""
         now = next(((n, x.shards) for n, a in current.items() for x in a.models if x.name == m.name and x.shards), ("", None))
-        got = place_split(m, need[m.name], candidates[m.name], nodes, free, now[1], now[0], layers.get(m.name, 0))
+        got = place_split(m, need[m.name], candidates[m.name], nodes, free, now[1], now[0], layers.get(m.name, 0), rpc_used)
         if not isinstance(got, Split):
             return got
         placed[got.serving].append(msgspec.structs.replace(m, shards=got.plan))
@@ -92,6 +93,7 @@ def plan(
             free[n] -= b
         for d in got.plan.remote():
             peers[d.node_id].update(gate_peers(nodes[got.serving], d.endpoint))
+            rpc_used.add(d.node_id)
         splits[m.name] = (got.serving, got.plan)
         return ""
 

@@ -10,6 +10,7 @@ config names `rpc_nodes` (an operator's choice, honoured whenever one of those n
   its RPC server reports free.
 - Shares are proportional to what each device offers. Layers are handed out in the order llama.cpp uses:
   the first blocks stay on the serving node's CPU, the last ones go to the remote devices in order.
+- An RPC server holds layers of one split model at a time: a ggml RPC server serves one client at a time.
 - A split in place is kept while its devices are live (free memory moves every heartbeat; re-splitting on
   every wobble would reload the model each time).
 - A row split over a link below 10 GbE (or of unknown speed) is allowed, with a warning.
@@ -83,9 +84,11 @@ def place_split(
     current: SplitPlan | None = None,
     current_node: str = "",
     n_layers: int = 0,
+    taken: set[str] | frozenset[str] = frozenset(),
 ) -> Split | str:
-    """A split for `m` (a `Split`), or why there is none (a message)."""
-    offers = {n: hb.rpc for n, hb in nodes.items() if hb.rpc is not None}
+    """A split for `m` (a `Split`), or why there is none (a message). `taken`: RPC nodes another split uses
+    already (a ggml RPC server serves one client at a time)."""
+    offers = {n: hb.rpc for n, hb in nodes.items() if hb.rpc is not None and n not in taken}
     pinned = [n for n in m.rpc_nodes if n in offers]
     pool = pinned if m.rpc_nodes else sorted(offers)
     if not candidates:

@@ -98,3 +98,11 @@ def test_assignments_without_splits_are_unchanged_in_shape():
     nodes = {"a": hb("a", 8_000)}
     p = plan([model(memory_mb=100)], nodes)
     assert p.assignments == {"a": Assignment(node_id="a", models=[model(memory_mb=100)])} and p.splits == {}
+
+
+def test_an_rpc_server_holds_layers_of_one_split_model_at_a_time():
+    nodes = {"a": hb("a", 8_000), "b": hb("b", 8_000, rpc=True), "c": hb("c", 8_000, rpc=True)}
+    p = plan([model("m1", memory_mb=9_000), model("m2", memory_mb=9_000), model("m3", memory_mb=9_000)], nodes)
+    remote = [m.shards.remote()[0].node_id for _, m in served(p, "m1") + served(p, "m2")]
+    assert sorted(remote) == ["b", "c"]
+    assert served(p, "m3") == [] and "RPC server" in p.unplaced["m3"]

@@ -1,0 +1,28 @@
+"""bench/split.py --smoke runs end to end over two network namespaces (so the bench cannot rot); its numbers are
+not checked, only that every engine answered the same text as the whole model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_split_smoke_prints_its_table():
+    pytest.importorskip("llama_cpp")
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("the bench puts its two hosts in network namespaces: needs root and iproute2")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "split.py"), "--smoke"], check=False, cwd=ROOT,
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+    assert "| engine | tokens/s | ratio to local |" in r.stdout
+    for engine in ("local", "layer", "row"):
+        row = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"| {engine} | ")), "")
+        assert "| yes |" in row, r.stdout
