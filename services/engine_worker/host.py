@@ -22,6 +22,7 @@ from coderai.contracts import (
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
+from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
@@ -70,7 +71,7 @@ class EngineHost:
             engine_id=self.engine_id,
             model=self.config.name,
             engine=self.config.engine,
-            ops=self.config.serves(),
+            ops=[] if self.member else self.config.serves(),  # a Ray member answers nothing itself
             state=self.state,  # type: ignore[arg-type]
             in_flight=self.in_flight,
             served=self.served,
@@ -91,6 +92,11 @@ class EngineHost:
                 from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
 
                 self.engine = SplitLlamaEngine(cfg)
+            elif cfg.shards is not None and cfg.shards.mode == "ray":  # vLLM ranks over several nodes
+                from coderai.engine_worker.engines.vllm_ray import RayMember, VllmRayEngine
+
+                serving = cfg.shards.devices[0].node_id == self.node_id
+                self.engine = VllmRayEngine(cfg) if serving else RayMember(cfg, self.node_id)
             else:
                 self.engine = engine_class(cfg.engine)(cfg)
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
@@ -107,14 +113,22 @@ class EngineHost:
         log.info("loaded %s as %s in %.2fs", self.config.name, self.engine_id, self.load_s)
         return True
 
+    @property
+    def member(self) -> bool:
+        return bool(getattr(self.engine, "member", False))
+
     async def subscribe(self) -> None:
         """Subscribe this engine's subjects (nats-py renews them by itself after a reconnect)."""
+        if self.member:
+            return
         nc = self.bus.nc
         self._subs = [
             await nc.subscribe(ENGINE_OPS[op](engine_id=self.engine_id), cb=self._job_cb(op))
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
+        if stage_host.serves_stages(self):  # a relayed video's stages (the cancel subscription stays last)
+            self._subs.append(await stage_host.subscribe(self))
         self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(engine_id=self.engine_id)))
         if self.config.distribute.enabled:
             self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in FANOUT_OPS]

@@ -21,6 +21,7 @@ from coderai.engine_worker.host import EngineHost
 from coderai.engine_worker.node import addresses, build_heartbeat, memory
 from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
+from coderai.engine_worker.training import TrainingHost, training_capabilities
 from coderai.runtime.bus import Bus
 from coderai.runtime.cluster import fingerprint
 from coderai.runtime.discovery import Announcement, Announcer, find_head
@@ -33,7 +34,9 @@ class Worker:
     def __init__(self, settings: WorkerSettings, node_id: str) -> None:
         self.settings = settings
         self.node_id = node_id
-        self.families = settings.families or available_families()
+        # `train` in an explicit family list offers fine-tuning; it is a capability, not an engine family
+        self.families = [f for f in settings.families or available_families() if f not in ("train", "qlora")]
+        self.train_caps = training_capabilities() if not settings.families or "train" in settings.families else []
         self.bus: Bus | None = None
         self.hosts: dict[str, EngineHost] = {}
         self._seq = 0
@@ -67,6 +70,9 @@ class Worker:
         for subject, handler in ((CMD_NODE_LOGS, self._logs), (CMD_NODE_DRAIN, self._drain)):
             sub = await self.bus.serve(subject, handler, subject_str=subject(node_id=self.node_id))
             stack.push_async_callback(sub.unsubscribe)
+        if self.train_caps:  # fine-tuning ranks run as child processes (engine_worker/training.py)
+            await TrainingHost(self.bus, self.node_id, Path(os.path.expanduser(s.data_dir)), train_addr=s.train_addr,
+                               mdns_interfaces=s.mdns_interfaces).start(stack)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
         if s.models_json:  # a rented pod: its models came with it, nobody reassigns them
@@ -109,7 +115,8 @@ class Worker:
         if self.bus is None or not self.bus.connected:
             return
         self._seq += 1
-        hb = build_heartbeat(self.node_id, self._seq, self.families, [h.status() for h in self.hosts.values()],
+        hb = build_heartbeat(self.node_id, self._seq, self.families + self.train_caps,
+                             [h.status() for h in self.hosts.values()],
                              pod=self.settings.pod, addrs=self.addrs,
                              rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)

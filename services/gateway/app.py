@@ -31,6 +31,7 @@ from coderai.gateway.auth import Authenticator, Caller, load_keys
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.catalog_admin import catalog_routes
 from coderai.gateway.errors import ApiError, from_bus, from_http
+from coderai.gateway.finetune import finetune_routes
 from coderai.gateway.media import media_routes
 from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
@@ -215,6 +216,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     return Litestar(
         route_handlers=[healthz, list_models, get_model, chat, completions, *media_routes(gw, caller, _rid),
                         *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *catalog_routes(gw, caller),
+                        *finetune_routes(gw, caller),
                         *ui_routes()],
         lifespan=[gw.lifespan],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
@@ -247,7 +249,7 @@ def _rid() -> str:
 
 
 UPLOAD_FIELDS = {"/v1/audio/transcriptions": "file", "/v1/audio/translations": "file", "/v1/audio/diarization": "file",
-                 "/v1/ocr": "file", "/v1/images/edits": "image"}
+                 "/v1/ocr": "file", "/v1/images/edits": "image", "/v1/files": "file"}
 KINDS = {"chat": "chat", "complete": "completion", "embed": "embedding", "rerank": "rerank", "image": "image",
          "speech": "speech", "transcribe": "transcription", "diarize": "diarization", "ocr": "ocr", "video": "video"}
 

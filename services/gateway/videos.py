@@ -18,8 +18,9 @@ from litestar import Request, Response, get, post
 
 from coderai.contracts import Blob, Chunk, VideoJob
 from coderai.contracts.base import Message
+from coderai.contracts.stages import Handoff, StageRun
 from coderai.contracts.topology import BLOBS, VIDEOS
-from coderai.gateway import jobs
+from coderai.gateway import jobs, video_relay
 from coderai.gateway import openai_types as oa
 from coderai.gateway.errors import ApiError
 from coderai.gateway.media_types import Form, VideoRequest, parse_size, read_form
@@ -46,6 +47,10 @@ class VideoRecord(Message, frozen=True, kw_only=True):
     blob: str = ""
     error: str | None = None
     error_code: str | None = None
+    stage: str | None = None  # stage relay: the stage running now (encode, denoise, decode) and its node
+    node: str | None = None
+    stages: list[StageRun] = []  # stage relay: the stages that ran to the end, in order
+    handoff: Handoff | None = None  # stage relay: what the last finished stage left, to go on from
 
 
 def video_json(rec: VideoRecord, now: float) -> dict[str, Any]:
@@ -60,6 +65,9 @@ def video_json(rec: VideoRecord, now: float) -> dict[str, Any]:
         "created_at": rec.created_at, "completed_at": rec.completed_at,
         "expires_at": (rec.completed_at + int(BLOBS.ttl_s)) if rec.completed_at else None,
         "size": rec.size, "seconds": rec.seconds, "prompt": rec.prompt, "error": error,
+        "stage": rec.stage, "node": rec.node,  # extensions: where a relayed job is, and where it has been
+        "stages": [{"kind": s.kind, "start": s.start, "end": s.end, "node": s.node, "duration_s": s.duration_s}
+                   for s in rec.stages],
     }
 
 
@@ -129,10 +137,19 @@ def video_routes(gw: Any, caller: Any, rid: Any) -> list:
                                           updated_at=now)
             await save(rec)
 
+        async def update(**changes: Any) -> None:
+            nonlocal rec
+            rec = msgspec.structs.replace(rec, **changes, updated_at=time.time())
+            await save(rec)
+
         try:
-            _, final = await jobs.run(gw, who, "video", job, on_chunk)
-            stored = await gw.blobs.put(final.output.video.data, "video/mp4", suffix=".mp4")
-            rec = msgspec.structs.replace(rec, status="completed", progress=100, blob=stored.name,
+            if video_relay.is_staged(jobs.model_for(gw, job.model, "video")):
+                done = await video_relay.run(gw, who, job, update)
+                stored_name = done.video.name  # the decode node stored the MP4
+            else:
+                _, final = await jobs.run(gw, who, "video", job, on_chunk)
+                stored_name = (await gw.blobs.put(final.output.video.data, "video/mp4", suffix=".mp4")).name
+            rec = msgspec.structs.replace(rec, status="completed", progress=100, blob=stored_name,
                                           completed_at=int(time.time()), updated_at=time.time())
         except ApiError as exc:
             rec = msgspec.structs.replace(rec, status="failed", error=exc.message, error_code=exc.code,

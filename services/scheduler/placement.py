@@ -18,7 +18,15 @@ import msgspec
 
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 from coderai.contracts.split import SplitPlan
-from coderai.scheduler.splitting import Split, can_split, gate_peers, place_split, wants_pinned_split
+from coderai.scheduler.splitting import (
+    Split,
+    can_split,
+    gate_peers,
+    needs_ray,
+    place_ray,
+    place_split,
+    wants_pinned_split,
+)
 
 MB = 1 << 20
 OVERHEAD = 256 * MB
@@ -97,7 +105,23 @@ def plan(
         splits[m.name] = (got.serving, got.plan)
         return ""
 
+    def over_ray(m: ModelConfig) -> str:
+        """Place `m` over several nodes' vLLM ranks; "" on success, else why not."""
+        got = place_ray(m, need[m.name], candidates[m.name], nodes, free)
+        if not isinstance(got, Split):
+            return got
+        for d in got.plan.devices:  # every node of the plan runs a part: the serving one, the others join its Ray
+            placed[d.node_id].append(msgspec.structs.replace(m, shards=got.plan))
+            free[d.node_id] -= got.takes[d.node_id]
+        splits[m.name] = (got.serving, got.plan)
+        return ""
+
     pinned = {m.name for m in models if wants_pinned_split(m, nodes) and not split(m)}
+    pinned |= {m.name for m in models if needs_ray(m, nodes, candidates[m.name])}
+    for name in sorted(pinned - set(splits)):  # vLLM over Ray: placed here, before whole copies
+        m = next(x for x in models if x.name == name)
+        if why := over_ray(m):
+            unplaced[m.name] = why
     for m in models:  # first every copy already in place that still fits, so no new copy can push one out
         if m.name in pinned:
             continue

@@ -30,12 +30,13 @@ from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, W
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, put_if_changed
 from coderai.runtime.mirror import KVMirror
+from coderai.scheduler import stages
 from coderai.scheduler.models_file import load_models
 from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import plan
-from coderai.scheduler import stages
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
+from coderai.scheduler.training import Training
 
 log = logging.getLogger("coderai.scheduler")
 
@@ -81,6 +82,8 @@ class Scheduler:
                                  (CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
+        self.training = Training(self)  # fine-tuning jobs: rendezvous, state, the adapter into the store
+        await self.training.start(stack)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
 
     def _block_counts(self) -> dict[str, int]:
@@ -153,9 +156,12 @@ class Scheduler:
             raise BusError("not_found", f"no model {req.model!r}")
         live = {n: hb for n, hb in self.nodes.items() if time.monotonic() - self.seen.get(n, 0) <= NODE_TTL_S}
         try:
-            return stages.plan_stages(req, m, live, await asyncio.to_thread(stages.model_parts, m.path))
+            out = stages.plan_stages(req, m, live, await asyncio.to_thread(stages.model_parts, m.path))
         except stages.NoStagePlan as exc:
             raise BusError("no_engine", str(exc), retryable=True) from None
+        log.info("stages of %s: %s", req.job_id, ", ".join(
+            f"{s.kind}{f' {s.start}..{s.end}' if s.kind == 'denoise' else ''} on {s.node}" for s in out.stages))
+        return out
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
         """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""

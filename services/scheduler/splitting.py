@@ -128,3 +128,46 @@ def place_split(
     plan = SplitPlan(mode=m.split if m.split in ("layer", "row") else "layer", devices=devices, n_layers=n_layers,
                      warning=row_warning(m))
     return Split(serving, plan, {d.node_id: int(need * d.share) for d in devices})
+
+
+# --- vLLM over Ray ----------------------------------------------------------------------------------------
+
+
+def world_size(m: ModelConfig) -> int:
+    """vLLM ranks the model asks for: tensor parallel x pipeline parallel."""
+    p = m.params
+    return max(1, int(p.get("tensor_parallel_size", 1) or 1)) * max(1, int(p.get("pipeline_parallel_size", 1) or 1))
+
+
+def node_ranks(hb: Heartbeat) -> int:
+    return max(1, hb.gpus)
+
+
+def needs_ray(m: ModelConfig, nodes: dict[str, Heartbeat], candidates: list[str]) -> bool:
+    """A vLLM model with more ranks than any one of its nodes has."""
+    return m.engine == "vllm" and bool(candidates) and world_size(m) > max(node_ranks(nodes[n]) for n in candidates)
+
+
+def place_ray(m: ModelConfig, need: int, candidates: list[str], nodes: dict[str, Heartbeat], free: dict[str, int],
+              taken: set[str] | frozenset[str] = frozenset()) -> Split | str:
+    """Nodes for one vLLM copy over Ray: the node with the most ranks (then room) heads it, the next ones join
+    until the ranks add up. Each node must hold its share of the weights (need x its ranks / world)."""
+    world = world_size(m)
+    pool = sorted((n for n in candidates if n not in taken), key=lambda n: (-node_ranks(nodes[n]), -free[n], n))
+    chosen: list[tuple[str, int]] = []
+    left = world
+    for n in pool:
+        if left <= 0:
+            break
+        r = min(node_ranks(nodes[n]), left)
+        if free[n] < need * r // world:
+            continue
+        chosen.append((n, r))
+        left -= r
+    if left > 0:
+        have = sum(r for _, r in chosen)
+        return f"needs {world} vLLM ranks; the nodes with room have {have}"
+    devices = [SplitDevice(node_id=n, endpoint=(nodes[n].addrs or [""])[0], share=round(r / world, 4), ranks=r)
+               for n, r in chosen]
+    plan = SplitPlan(mode="ray", devices=devices)
+    return Split(chosen[0][0], plan, {n: need * r // world for n, r in chosen})

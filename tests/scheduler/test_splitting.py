@@ -106,3 +106,35 @@ def test_an_rpc_server_holds_layers_of_one_split_model_at_a_time():
     remote = [m.shards.remote()[0].node_id for _, m in served(p, "m1") + served(p, "m2")]
     assert sorted(remote) == ["b", "c"]
     assert served(p, "m3") == [] and "RPC server" in p.unplaced["m3"]
+
+
+# --- vLLM over Ray ------------------------------------------------------------------------------------
+
+
+def vllm(tp: int = 1, pp: int = 1, memory_mb: int = 2_000) -> ModelConfig:
+    return model("v", memory_mb=memory_mb, engine="vllm", params={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+
+
+def gpu_node(node: str, gpus: int, mem_mb: int = 64_000) -> Heartbeat:
+    return msgspec.structs.replace(hb(node, mem_mb, caps=["vllm"]), gpus=gpus, vram_total=gpus * 24_000 * MB)
+
+
+def test_a_vllm_model_with_more_ranks_than_any_node_is_planned_over_ray_on_every_node_it_needs():
+    nodes = {"a": gpu_node("a", 2), "b": gpu_node("b", 4), "c": gpu_node("c", 1)}
+    p = plan([vllm(tp=2, pp=3)], nodes)
+    held = served(p, "v")
+    assert sorted(n for n, _ in held) == ["a", "b"]  # 4 + 2 ranks; c is not needed
+    shards = held[0][1].shards
+    assert shards.mode == "ray" and [(d.node_id, d.ranks) for d in shards.devices] == [("b", 4), ("a", 2)]
+    assert shards.devices[0].endpoint == "192.168.1.98"  # b heads Ray, on its cluster address
+    assert all(m.shards == shards for _, m in held) and p.splits["v"][0] == "b"
+
+
+def test_cpu_nodes_count_one_rank_and_a_model_that_fits_one_node_is_not_spread():
+    nodes = {n: hb(n, 8_000, caps=["vllm"]) for n in ("a", "b")}
+    [(_, m)] = served(plan([vllm()], nodes), "v")
+    assert m.shards is None
+    held = served(plan([vllm(pp=2)], nodes), "v")
+    assert sorted(n for n, _ in held) == ["a", "b"] and held[0][1].shards.mode == "ray"
+    p = plan([vllm(pp=3)], nodes)
+    assert served(p, "v") == [] and "needs 3 vLLM ranks" in p.unplaced["v"]

@@ -8,7 +8,8 @@ from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 from coderai.contracts.split import SplitMode, SplitPlan
 
-EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "echo"]
+EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
+                       "echo"]
 
 DEFAULT_OPS: dict[str, list[Op]] = {
     "llama": ["chat", "complete"],
@@ -20,6 +21,7 @@ DEFAULT_OPS: dict[str, list[Op]] = {
     "diarize": ["diarize"],
     "ocr": ["ocr"],
     "video": ["video"],
+    "transformers": ["chat", "complete"],  # a Hugging Face folder (+ LoRA adapter): fine-tuned models
     "echo": ["chat", "complete"],  # coderai.testing.echo_engine: a zero-cost test engine
 }
 

@@ -47,6 +47,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     pod: str = ""  # a rented pod's name: its models come with it, the scheduler places nothing on it
     addrs: list[str] = []  # the node's network addresses, the one it reaches the bus from first (loopback left out)
     rpc: RpcServer | None = None  # a ggml RPC server this node offers to hold layers of others' models
+    gpus: int = 0  # GPUs this node has (vLLM runs one rank on each; a CPU-only node runs one rank)
 
 
 class Assignment(Message, frozen=True, kw_only=True):

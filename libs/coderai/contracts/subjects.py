@@ -48,7 +48,20 @@ from coderai.contracts.pods import (
     LeaseRequest,
 )
 from coderai.contracts.routing import RouteDecision, RouteRequest
+from coderai.contracts.stages import StageFrame, StageJob, StagePlan, StagePlanRequest
 from coderai.contracts.store import StoreChunk, StoreFetch
+from coderai.contracts.training import (
+    AdapterAck,
+    AdapterChunk,
+    FineTuneCancel,
+    FineTuneCreate,
+    FineTuneReply,
+    TrainReport,
+    TrainSpec,
+    TrainStarted,
+    TrainStop,
+    TrainStopped,
+)
 
 Req = TypeVar("Req")
 
@@ -146,6 +159,15 @@ ENGINE_TRANSCRIBE = Subject("coderai.engine.{engine_id}.transcribe", TranscribeJ
 ENGINE_DIARIZE = Subject("coderai.engine.{engine_id}.diarize", DiarizeJob, Frame)
 ENGINE_OCR = Subject("coderai.engine.{engine_id}.ocr", OcrJob, Frame)
 ENGINE_VIDEO = Subject("coderai.engine.{engine_id}.video", VideoJob, Frame)
+ENGINE_STAGE = Subject("coderai.engine.{engine_id}.stage", StageJob, StageFrame)  # one stage of a relayed video
+CMD_SCHEDULER_STAGES = Subject("coderai.cmd.scheduler.stages", StagePlanRequest, StagePlan)
+
+CMD_SCHEDULER_TRAIN = Subject("coderai.cmd.scheduler.train", FineTuneCreate, FineTuneReply)
+CMD_SCHEDULER_TRAIN_CANCEL = Subject("coderai.cmd.scheduler.train_cancel", FineTuneCancel, FineTuneReply)
+CMD_NODE_TRAIN = Subject("coderai.cmd.node.{node_id}.train", TrainSpec, TrainStarted)
+CMD_NODE_TRAIN_STOP = Subject("coderai.cmd.node.{node_id}.train_stop", TrainStop, TrainStopped)
+TRAIN_REPORT = Subject("coderai.train.report.{job_id}", TrainReport)
+TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}", AdapterChunk, AdapterAck)
 
 ENGINE_OPS = {
     "chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE, "embed": ENGINE_EMBED, "rerank": ENGINE_RERANK,

@@ -34,10 +34,15 @@ PODS = BucketSpec("coderai_pods", description="rented pods")
 
 VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: state, progress, result blob")
 
-BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS)
+FINETUNE = BucketSpec("coderai_finetune", description="fine-tuning: uploaded file records (file-*) and jobs (ftjob-*)")
+
+BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS, FINETUNE)
 
 BLOBS = BucketSpec("coderai_blobs", ttl_s=3600, description="large payloads: uploads, images, audio, video")
 """An object store, not a KV bucket: messages carry a `Blob` naming an object here instead of the bytes."""
+
+FILES = BucketSpec("coderai_files", description="uploaded files (POST /v1/files), kept until deleted")
+"""An object store: the bytes of uploaded files by file id (training data); no TTL, unlike `coderai_blobs`."""
 
 EVENTS = StreamSpec("EVENTS", ("coderai.evt.>",), max_age_s=7 * 24 * 3600, description="durable events")
 WORK = StreamSpec("WORK", ("coderai.work.>",), max_age_s=3600, description="fan-out parts, work queue")

@@ -18,6 +18,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "tts": ("piper", "coderai.engine_worker.engines.tts:PiperEngine"),
     "diarize": ("resemblyzer", "coderai.engine_worker.engines.diarize:DiarizeEngine"),
     "ocr": ("rapidocr", "coderai.engine_worker.engines.ocr:OcrEngine"),
+    "transformers": ("transformers", "coderai.engine_worker.engines.hf_chat:TransformersEngine"),
     "echo": ("coderai.testing", "coderai.testing.echo_engine:EchoEngine"),
 }
 

@@ -7,8 +7,10 @@ inpainting with one (a plain 4-channel UNet inpaints by re-noising the kept area
 
 Model params: `threads` (torch CPU threads; process-wide), `device` (default cuda when present), `dtype` (default
 float16 on cuda, float32 on cpu), `steps` (default 20), `guidance_scale`, `max_pixels` (default 1024*1024),
-`max_frames` (video, default 64). A job's `n` images are made one after another with seeds `seed`, `seed + 1`, ...,
-so each image depends on its own seed alone and a gateway splitting `n` over workers gets the same pictures.
+`max_frames` (video, default 64), `stages` (video: relay the generation stage by stage over several nodes, each
+loading only its part; see `video_stages.py` and docs/video-stages.md). A job's `n` images are made one after
+another with seeds `seed`, `seed + 1`, ..., so each image depends on its own seed alone and a gateway splitting
+`n` over workers gets the same pictures.
 An edit that gives no width/height keeps the picture's own size (shrunk to `max_pixels`).
 Cancellation is checked every denoising step and stops the job before the VAE decodes; nobody reads what returns.
 """
@@ -65,9 +67,21 @@ class _DiffusionEngine(Engine):
     def load(self) -> None:
         try:
             import diffusers  # noqa: F401 - fail here, with the install hint, rather than inside _pipeline_class
-            import torch
+            import torch  # noqa: F401 - likewise
         except ImportError as exc:
             raise EngineLoadError("diffusers is not installed: pip install 'coderai[diffusers]'") from exc
+        path, device, dtype = self._placement()
+        try:
+            pipe = self._pipeline_class().from_pretrained(path, local_files_only=True, dtype=dtype)
+            self.pipe = pipe.to(device)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise EngineLoadError(f"diffusers could not load {path}: {exc}") from exc
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def _placement(self) -> tuple[str, str, Any]:
+        """(model folder, device, torch dtype) from the config; sets torch's CPU threads when asked."""
+        import torch
+
         path = os.path.expanduser(self.config.path)
         if not os.path.isdir(path):
             raise EngineLoadError(f"diffusers model folder not found: {path}")
@@ -79,12 +93,7 @@ class _DiffusionEngine(Engine):
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype):
             raise EngineLoadError(f"unknown dtype {dtype_name!r} in the model's params (float32, float16, bfloat16)")
-        try:
-            pipe = self._pipeline_class().from_pretrained(path, local_files_only=True, dtype=dtype)
-            self.pipe = pipe.to(device)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise EngineLoadError(f"diffusers could not load {path}: {exc}") from exc
-        self.pipe.set_progress_bar_config(disable=True)
+        return path, device, dtype
 
     def close(self) -> None:
         on_gpu = self.pipe is not None and self.pipe.device.type == "cuda"
@@ -267,20 +276,65 @@ class VideoEngine(_DiffusionEngine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.max_frames = int(config.params.get("max_frames", DEFAULT_MAX_FRAMES))
+        self.staged: Any = None  # the parts, loaded stage by stage, of a stage-relay model
 
     def _pipeline_class(self) -> Any:
         from diffusers import TextToVideoSDPipeline
 
         return TextToVideoSDPipeline
 
-    def video(self, job: VideoJob, cancel: CancelFlag, emit: Emit | None) -> tuple[VideoResult, Usage]:
+    def load(self) -> None:
+        """A stage-relay model (`params.stages`) loads no part yet: each stage loads the part it needs
+        (text encoder, UNet, VAE) on first use, so a node holds only what the stages it runs need."""
+        if not self.config.params.get("stages"):
+            super().load()
+            return
+        from coderai.engine_worker.engines.video_stages import StagedVideo
+
+        try:
+            import diffusers  # noqa: F401
+        except ImportError as exc:
+            raise EngineLoadError("diffusers is not installed: pip install 'coderai[diffusers]'") from exc
+        path, device, dtype = self._placement()
+        try:
+            self.staged = StagedVideo(path, device, dtype)
+        except (OSError, KeyError, ValueError) as exc:
+            raise EngineLoadError(f"{path} is not a text-to-video model folder: {exc}") from exc
+
+    def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
+        super().close()
+
+    def _check(self, job: VideoJob) -> tuple[int, int, int]:
+        """(width, height, steps) of a job whose every setting is checked against this model's limits."""
         width, height = self._size(job.width, job.height)
         if not 1 <= job.num_frames <= self.max_frames:
             raise BadInput(f"num_frames must be between 1 and {self.max_frames}, got {job.num_frames}",
                            param="num_frames")
         if not 1 <= job.fps <= 120:
             raise BadInput(f"fps must be between 1 and 120, got {job.fps}", param="fps")
-        steps = self._steps(job.steps)
+        return width, height, self._steps(job.steps)
+
+    def stage(self, job: Any, inputs: dict[str, Any], cancel: CancelFlag, on_step: Callable[[int], None]) -> Any:
+        """One stage of a relayed video (`video_stages.run_stage`); decode's frames come back as MP4 bytes."""
+        from coderai.engine_worker.engines.video_stages import run_stage
+
+        if self.staged is None:
+            raise BadInput(f"model {self.config.name} is not set up for stage relay (params.stages)", param="model")
+        self._check(job.job)
+        if job.job.seed is None or not 0 <= job.job.seed <= MAX_SEED:
+            raise BadInput("a relayed video needs its seed fixed by the caller", param="seed")
+        out = run_stage(self.staged, job, inputs, self.guidance, job.job.seed, cancel, on_step)
+        if out.frames is not None:
+            out.frames = _mp4(out.frames, job.job.fps)
+        return out
+
+    def video(self, job: VideoJob, cancel: CancelFlag, emit: Emit | None) -> tuple[VideoResult, Usage]:
+        width, height, steps = self._check(job)
+        if self.pipe is None:  # a stage-relay model asked for a whole video: load all of it now
+            super().load()
         seed = self._seeds(job.seed, 1)[0]
         reported = 0.0
 

@@ -1,0 +1,230 @@
+"""`python -m coderai.engine_worker.trainer --spec S --data D --out O`: one rank of a fine-tuning job.
+
+It runs in a child process of the worker (torch and its threads stay out of the worker's event loop, and a crash
+here never takes the worker's engines down) and dies with its parent. Ranks meet at the master address the
+scheduler handed out (`MASTER_ADDR`/`MASTER_PORT`; `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` name the interface
+towards it) and train synchronously data-parallel: every rank takes its share of each batch, the LoRA gradients
+are averaged with all_reduce, and every rank applies the same AdamW step to the same start (broadcast from rank
+0), so all ranks end with identical adapters. Progress goes to stdout as `@@coderai {json}` lines the worker
+forwards over the bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from coderai.contracts import decode
+from coderai.contracts.training import BASE_LEARNING_RATE, TrainSpec
+from coderai.training_data import parse_examples
+
+MARK = "@@coderai "
+MAX_TOKENS = 512  # an example longer than this is cut: tiny test models and CPU training stay bounded
+COLLECTIVE_TIMEOUT_S = 300.0  # a rank that is gone is noticed sooner: its socket closes, or the scheduler sees silence
+
+
+class PeerFailed(RuntimeError):
+    """A collective failed: another rank went away (or never came)."""
+
+
+def say(**fields) -> None:
+    print(MARK + json.dumps(fields), flush=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the worker that started it dies, so no rank outlives its node."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def _collective(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:  # noqa: BLE001 - gloo/nccl raise several types for a lost peer
+        raise PeerFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def adapter_digest(model) -> str:
+    """sha256 over the trainable (LoRA) tensors by name: equal on ranks that hold equal adapters."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _encode(tok, examples: list[list[dict]]) -> list[list[int]]:
+    out = []
+    for messages in examples:
+        text = tok.apply_chat_template(messages, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"][:MAX_TOKENS]
+        out.append(ids)
+    return out
+
+
+def _batch(torch, seqs: list[list[int]], pad: int, device):
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    labels = torch.full((len(seqs), n), -100, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+        labels[i, : len(s)] = torch.tensor(s)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def plan_steps(n_examples: int, world: int, batch_size: int, n_epochs: int) -> tuple[int, int]:
+    """(steps per epoch, total steps): every rank runs the same number of steps, `batch_size` examples each."""
+    per_epoch = max(1, math.ceil(math.ceil(n_examples / world) / batch_size))
+    return per_epoch, per_epoch * n_epochs
+
+
+def rank_batch(order: list[int], step_in_epoch: int, rank: int, world: int, batch_size: int) -> list[int]:
+    """The example indices rank `rank` trains on at this step: a strided share of the epoch's order, wrapping
+    round when the examples do not divide evenly (every rank always has a full batch)."""
+    n = len(order)
+    base = step_in_epoch * batch_size * world
+    return [order[(base + j * world + rank) % n] for j in range(batch_size)]
+
+
+def train(spec: TrainSpec, data_path: Path, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if spec.method == "qlora":
+        import importlib.util
+
+        if not cuda or importlib.util.find_spec("bitsandbytes") is None:
+            raise SystemExit("QLoRA needs bitsandbytes and a CUDA GPU on every training node; this node lacks "
+                             + ("a CUDA GPU" if not cuda else "bitsandbytes") + " (use method \"lora\")")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    url = f"tcp://{spec.master_addr}:{spec.master_port}"
+    _collective(dist.init_process_group, backend, init_method=url, rank=spec.rank, world_size=spec.world_size,
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        tok = AutoTokenizer.from_pretrained(spec.base_path)
+        kwargs: dict = {"dtype": torch.float32}
+        if spec.method == "qlora":
+            from peft import prepare_model_for_kbit_training
+            from transformers import BitsAndBytesConfig
+
+            kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                bnb_4bit_compute_dtype=torch.bfloat16),
+                      "device_map": {"": 0}}
+        model = AutoModelForCausalLM.from_pretrained(spec.base_path, **kwargs)
+        if spec.method == "qlora":
+            model = prepare_model_for_kbit_training(model)
+        elif cuda:
+            model = model.to(device)
+        torch.manual_seed(spec.seed)
+        lora = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+                          task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # one start for every rank, whatever their RNGs did
+            _collective(dist.broadcast, p.data, src=0)
+        examples = _encode(tok, parse_examples(data_path.read_bytes()))
+        hp = spec.hyperparameters
+        per_epoch, total = plan_steps(len(examples), spec.world_size, hp.batch_size, hp.n_epochs)
+        opt = torch.optim.AdamW(params, lr=BASE_LEARNING_RATE * hp.learning_rate_multiplier, weight_decay=0.0)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        model.train()
+        say(event="started", total_steps=total, examples=len(examples), backend=backend)
+        step = 0
+        trained = 0
+        for epoch in range(hp.n_epochs):
+            order = list(range(len(examples)))
+            random.Random(spec.seed * 1000 + epoch).shuffle(order)  # the same order on every rank
+            for s in range(per_epoch):
+                t0 = time.monotonic()
+                seqs = [examples[i] for i in rank_batch(order, s, spec.rank, spec.world_size, hp.batch_size)]
+                ids, mask, labels = _batch(torch, seqs, pad, device)
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                _collective(dist.all_reduce, flat)  # one message a step: the whole LoRA gradient
+                flat /= spec.world_size
+                off = 0
+                for p in params:
+                    n = p.numel()
+                    p.grad.copy_(flat[off: off + n].view_as(p.grad))
+                    off += n
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                stats = torch.tensor([loss.detach().float().item(), float(mask.sum().item())])
+                _collective(dist.all_reduce, stats)
+                step += 1
+                tokens = int(stats[1].item())
+                trained += tokens
+                dt = max(time.monotonic() - t0, 1e-6)
+                say(event="step", step=step, total_steps=total, loss=round(stats[0].item() / spec.world_size, 6),
+                    tokens_per_s=round(tokens / dt, 1), trained_tokens=trained)
+        digest = adapter_digest(model)
+        tmp = out / f".adapter.{os.getpid()}"
+        model.save_pretrained(tmp)
+        final = out / "adapter"
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _collective(dist.barrier)  # no rank reports done before every rank has its adapter
+        say(event="done", digest=digest, total_steps=total, trained_tokens=trained)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group may refuse to be destroyed; the process ends anyway
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    ap = argparse.ArgumentParser(prog="python -m coderai.engine_worker.trainer", description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", required=True, help="the TrainSpec as JSON, in a file")
+    ap.add_argument("--data", required=True, help="the training JSONL file")
+    ap.add_argument("--out", required=True, help="a folder for the adapter")
+    a = ap.parse_args(argv)
+    spec = decode(Path(a.spec).read_bytes(), TrainSpec)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        train(spec, Path(a.data), out)
+    except PeerFailed as exc:
+        say(event="failed", peer=True, message=f"lost a peer rank: {exc}")
+        return 1
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        say(event="failed", message=str(exc.code))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the outermost edge of the trainer: report it, typed
+        say(event="failed", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

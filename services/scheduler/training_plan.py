@@ -1,0 +1,123 @@
+"""Pure fine-tuning logic for the scheduler: which nodes train a job and in which rank order, who is to blame
+when a job breaks, the job record's events, and the model config that serves the result."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import msgspec
+from coderai.contracts import BusError, Heartbeat, ModelConfig
+from coderai.contracts.training import MAX_EVENTS, FineTuneJob, JobEvent, Method
+
+SILENT_S = 10.0
+"""A rank whose worker sent no report for this long is dead (reports come every second)."""
+
+PEER_GRACE_S = SILENT_S + 2.0
+"""A rank that lost its peers is blamed only if no other rank was found failed or silent within this long."""
+
+SUFFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def eligible_nodes(nodes: dict[str, Heartbeat], base: ModelConfig, method: Method) -> list[str]:
+    """Live owned nodes that can train `base` with `method`: they have the `train` capability (and `qlora` for
+    QLoRA). The base model's `nodes` say where it is served, not where its folder is, so they do not restrict
+    training. BusError no_engine when no node can train, bad_request when QLoRA has no node."""
+    can = sorted(n for n, hb in nodes.items() if not hb.pod and "train" in hb.capabilities)
+    if not can:
+        raise BusError("no_engine", f"no live node can fine-tune {base.name!r}: training needs the `finetune` extra "
+                                    "(torch, transformers, peft) on a node", retryable=True)
+    if method == "qlora":
+        q = [n for n in can if "qlora" in nodes[n].capabilities]
+        if not q:
+            raise BusError("bad_request", "QLoRA needs bitsandbytes and a CUDA GPU on the training nodes; none of "
+                                          f"{', '.join(can)} has both. Use method \"lora\".", param="method")
+        return q
+    return can
+
+
+def choose_ranks(eligible: list[str], want: int, holders: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The nodes of the job in rank order: nodes already serving the base model first (rank 0 among them), then by
+    id; `want` of them (0: all). BusError bad_request when more are asked than can train."""
+    if want < 0:
+        raise BusError("bad_request", "nodes must be 0 (every node that can train) or more", param="nodes")
+    if want > len(eligible):
+        raise BusError("bad_request", f"{want} nodes asked, but only {len(eligible)} can train this model "
+                                      f"({', '.join(eligible)})", param="nodes")
+    ordered = sorted(eligible, key=lambda n: (n not in holders, n))
+    return ordered[: want or len(ordered)]
+
+
+def finetuned_name(base: str, suffix: str, job_id: str) -> str:
+    """`<base>:<suffix>`; without a suffix the job id stands in for it."""
+    return f"{base}:{suffix or job_id}"
+
+
+def check_suffix(suffix: str) -> None:
+    if suffix and not SUFFIX.match(suffix):
+        raise BusError("bad_request", "suffix may hold only letters, digits, '-' and '_', at most 64", param="suffix")
+
+
+def finetuned_config(base: ModelConfig, name: str, adapter_path: str, store_path: str, created: int,
+                     base_bytes: int = 0) -> ModelConfig:
+    """The base model's config serving base + adapter: a node without the head's adapter file fetches it from the
+    store like any model file; the base folder is read where the base model is."""
+    memory_mb = base.memory_mb
+    if not memory_mb and base_bytes:  # the adapter file is small; what a copy needs is the base model
+        memory_mb = (int(base_bytes * 1.2) >> 20) + 256
+    return msgspec.structs.replace(
+        base, name=name, path=adapter_path, store_path=store_path, params={**base.params, "base": base.path},
+        created=created, owned_by="coderai-finetune", memory_mb=memory_mb, pin="",
+    )
+
+
+def add_event(job: FineTuneJob, message: str, *, level: str = "info", type_: str = "message",
+              data: dict | None = None, now: float | None = None) -> FineTuneJob:
+    """`job` with one more event (ids count up per job; the oldest beyond MAX_EVENTS are dropped)."""
+    now = time.time() if now is None else now
+    seq = int(job.events[-1].id.rsplit("-", 1)[-1]) + 1 if job.events else 1
+    evt = JobEvent(id=f"ftevent-{job.id.removeprefix('ftjob-')}-{seq}", created_at=int(now),
+                   level=level, message=message, type=type_, data=data or {})  # type: ignore[arg-type]
+    return msgspec.structs.replace(job, events=[*job.events, evt][-MAX_EVENTS:], updated_at=now)
+
+
+@dataclass
+class Rank:
+    """What the scheduler knows of one rank of a running job."""
+
+    rank: int
+    node_id: str
+    last_seen: float
+    digest: str = ""
+    done: bool = False
+    failed: str = ""
+    peer: bool = False
+    failed_at: float = 0.0
+
+
+def verdict(ranks: list[Rank], now: float, silent_s: float = SILENT_S, grace_s: float = PEER_GRACE_S) -> str:
+    """Why the job has failed ("" while it has not), naming the rank and node at fault. A rank that failed by
+    itself is blamed at once; one that went silent (its worker or node died) after `silent_s`; a rank that only
+    lost its peers (a collective broke) after `grace_s`, when nobody else was found at fault first."""
+    for r in ranks:
+        if r.failed and not r.peer:
+            return f"rank {r.rank} on node {r.node_id} failed: {r.failed}"
+    for r in ranks:
+        if not r.done and not r.failed and now - r.last_seen > silent_s:
+            return (f"rank {r.rank} on node {r.node_id} stopped reporting {now - r.last_seen:.0f}s ago "
+                    "(its node, worker or trainer died)")
+    for r in ranks:
+        if r.failed and r.peer and now - r.failed_at > grace_s:
+            return f"rank {r.rank} on node {r.node_id} failed: {r.failed}"
+    return ""
+
+
+def finished(ranks: list[Rank]) -> str | None:
+    """None while some rank is still training; "" when every rank is done with one adapter; else why not."""
+    if not all(r.done for r in ranks):
+        return None
+    digests = {r.digest for r in ranks}
+    if len(digests) != 1:
+        return "the ranks ended with different adapters: " + ", ".join(f"{r.node_id}={r.digest[:12]}" for r in ranks)
+    return ""

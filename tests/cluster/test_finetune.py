@@ -1,0 +1,175 @@
+"""Fine-tuning across two machines in network namespaces: a head (`coderai up`) and node-b train a LoRA on the
+tiny random HF llama data-parallel (gloo over the namespaces' link), through the official openai SDK: bad files
+are refused at upload naming the line, loss goes down, events stream the steps, both ranks end with the same
+adapter, and `tiny:ft1` answers a chat through the gateway. A second job loses its rank on node-b mid-training
+(the trainer process is killed) and ends `failed`, naming node-b, within 30 s; nothing of it is registered. A
+cancelled job stops on both nodes. A last one loses node-b's whole worker (the trainer dies with it): its reports
+stop and the job fails naming node-b within 30 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+
+from coderai.scheduler.models_file import load_models
+from coderai.testing.netns import Lab, NetnsUnavailable
+from coderai.testing.procs import ServiceProcess, wait_until
+from coderai.testing.stack import write_models_file
+from coderai.testing.tiny_hf_llama import tiny_hf_llama
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "fine tuning test token"
+CLIENT = str(Path(__file__).with_name("finetune_client.py"))
+EXAMPLES = [{"messages": [{"role": "system", "content": "You add numbers."},
+                          {"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(4)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_path):
+    try:
+        lab = Lab(["head", "node-b"])
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    root = tmp_path
+    base = tiny_hf_llama()
+    models = write_models_file(root / "models.toml", [
+        {"name": "tiny", "engine": "transformers", "path": str(base), "params": {"max_tokens": 8}, "nodes": ["head"]},
+    ])
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {
+        "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    head, nb = lab["head"], lab["node-b"]
+    procs: list[ServiceProcess] = []
+
+    def client(*args: str) -> dict | list:
+        r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", key, *args], env=env, timeout_s=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def job(job_id: str) -> dict:
+        return client("get", job_id)
+
+    try:
+        up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
+                                                  "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
+                                                  "--models-file", str(models)], env, root / "logs", prefix=head.prefix())
+        procs.append(up.start())
+        node = ServiceProcess("worker-node-b", "coderai.engine_worker",
+                              ["--cluster-token", TOKEN, "--nats-url", f"nats://{head.ip}:4222", "--no-mdns",
+                               "--node-id", "node-b", "--data-dir", str(root / "node-b")], env, root / "logs",
+                              prefix=nb.prefix())
+        procs.append(node.start())
+        up.wait_log("\nready", 180)
+        key = (root / "head" / "admin.key").read_text().strip()
+
+        bad = client("bad")  # refused at upload, naming the line
+        assert bad["not_jsonl"]["status"] == 400 and "line 2" in bad["not_jsonl"]["message"]
+        assert bad["wrong_role"]["status"] == 400 and "line 3" in bad["wrong_role"]["message"]
+        assert "wizard" in bad["wrong_role"]["message"] and bad["wrong_role"]["param"] == "file"
+        assert bad["empty"]["status"] == 400 and "empty" in bad["empty"]["message"]
+        assert bad["unknown_job"]["status"] == 404
+        assert bad["unknown_file"]["status"] == 400 and bad["unknown_file"]["param"] == "training_file"
+        assert bad["unknown_model"]["status"] == 400 and bad["unknown_model"]["param"] == "model"
+
+        up_file = client("upload", str(data))
+        assert up_file["object"] == "file" and up_file["purpose"] == "fine-tune" and up_file["id"].startswith("file-")
+        file_id = up_file["id"]
+        qlora = client("create", file_id, "q", "1", "qlora")  # no bitsandbytes + CUDA here: a clear 400
+        assert qlora["status"] == 400 and "bitsandbytes" in qlora["message"], qlora
+
+        def start(suffix: str, epochs: str) -> str:
+            created: dict = {}
+
+            def accepted() -> bool:  # node-b may not have joined yet: two nodes are asked for
+                created.update(client("create", file_id, suffix, epochs))
+                assert created["status"] in (200, 400), created
+                return created["status"] == 200
+
+            wait_until(accepted, 90, f"job {suffix} on two nodes to be accepted", interval_s=1)
+            return created["id"]
+
+        job_id = start("ft1", "3")
+        wait_until(lambda: job(job_id)["job"]["status"] in ("succeeded", "failed", "cancelled"), 180,
+                   "the fine-tuning job to end", interval_s=1)
+        got = job(job_id)
+        j, events = got["job"], got["events"]
+        assert j["status"] == "succeeded", (j, [e["message"] for e in events], node.log_text()[-3000:])
+        assert j["fine_tuned_model"] == "tiny:ft1" and j["object"] == "fine_tuning.job" and job_id in got["listed"]
+        assert j["coderai"]["nodes"] == ["head", "node-b"] and j["trained_tokens"] > 0
+        steps = sorted((e for e in events if e["type"] == "metrics"), key=lambda e: e["data"]["step"])
+        assert [e["data"]["step"] for e in steps] == list(range(1, 7))  # 4 examples / 2 ranks x 3 epochs
+        assert all(e["object"] == "fine_tuning.job.event" and e["data"]["tokens_per_s"] > 0 for e in steps)
+        assert steps[-1]["data"]["train_loss"] < steps[0]["data"]["train_loss"]
+        assert any("rendezvous at " + head.ip in e["message"] for e in events)
+
+        import torch
+        from safetensors.torch import load_file
+
+        a = load_file(root / "head" / "finetune" / job_id / "adapter" / "adapter_model.safetensors")
+        b = load_file(root / "node-b" / "finetune" / job_id / "adapter" / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
+        assert (root / "head" / "models" / "finetune" / job_id / "adapter.tar").is_file()
+        kept = {m.name: m for m in load_models(str(models))}  # appended: still served after a restart
+        assert kept["tiny:ft1"].params["base"] == str(base) and kept["tiny:ft1"].engine == "transformers"
+
+        chat: dict = {}
+        wait_until(lambda: chat.update(client("chat", "tiny:ft1")) or chat["status"] == 200, 90,
+                   "tiny:ft1 to answer through the gateway", interval_s=1)
+        assert chat["model"] == "tiny:ft1" and isinstance(chat["content"], str)
+
+        # a rank killed mid-job: the job fails naming its node, and nothing is registered
+        long_id = start("ft2", "100")
+        wait_until(lambda: any(e["type"] == "metrics" for e in job(long_id)["events"]), 120,
+                   "the second job's first step", interval_s=1)
+        pid = int(re.search(rf"training job {long_id}: rank 1 runs as pid (\d+)", node.log_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: job(long_id)["job"]["status"] == "failed", 30, "the job to fail after its rank died",
+                   interval_s=0.5)
+        failed = job(long_id)["job"]
+        assert failed["error"]["code"] == "rank_failed", failed["error"]
+        assert failed["error"]["message"] == "rank 1 on node node-b failed: the trainer process was killed by SIGKILL"
+        assert "tiny:ft2" not in client("models") and "tiny:ft1" in client("models")
+        assert not (root / "head" / "models" / "finetune" / long_id / "adapter.tar").exists()
+
+        # a cancelled job stops on both nodes
+        stop_me = start("ftc", "100")
+        wait_until(lambda: job(stop_me)["job"]["status"] == "running", 60, "the job's ranks to start", interval_s=0.5)
+        assert client("cancel", stop_me)["status"] == "cancelled"
+        stopped = f"stopping training job {stop_me}: cancelled"
+        head_log = root / "head" / "logs" / "worker.log"
+        wait_until(lambda: stopped in node.log_text() and stopped in head_log.read_text(), 30,
+                   "both ranks of the cancelled job to stop")
+        assert job(stop_me)["job"]["status"] == "cancelled"
+
+        # node-b's worker dies mid-job (its trainer dies with it): its reports stop, the job fails naming node-b
+        third = start("ft3", "100")
+        ran = rf"training job {third}: rank 1 runs as pid (\d+)"
+        wait_until(lambda: re.search(ran, node.log_text()), 60, "node-b's trainer to start")
+        pid = int(re.search(ran, node.log_text()).group(1))
+        os.kill(node.proc.pid, signal.SIGKILL)
+        wait_until(lambda: _gone(pid), 10, "the orphaned trainer to die with its worker")
+        wait_until(lambda: job(third)["job"]["status"] == "failed", 30, "the job to fail after its node died",
+                   interval_s=0.5)
+        failed = job(third)["job"]["error"]
+        assert failed["message"].startswith("rank 1 on node node-b stopped reporting"), failed
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout_s=60 if p is procs[0] else 15)
+        lab.close()

@@ -1,0 +1,103 @@
+"""Fine-tuning, worker side: the data-parallel step plan, the rendezvous address, the adapter tar; contracts."""
+
+from __future__ import annotations
+
+import pytest
+from coderai.contracts import decode, encode
+from coderai.contracts.subjects import CMD_NODE_TRAIN, TRAIN_REPORT, TRAIN_UPLOAD
+from coderai.contracts.training import (
+    AdapterAck,
+    AdapterChunk,
+    FileRecord,
+    FineTuneCancel,
+    FineTuneCreate,
+    FineTuneJob,
+    FineTuneReply,
+    Hyperparameters,
+    JobError,
+    JobEvent,
+    TrainReport,
+    TrainSpec,
+    TrainStarted,
+    TrainStop,
+    TrainStopped,
+)
+from coderai.engine_worker.trainer import plan_steps, rank_batch
+from coderai.engine_worker.training import interface_of, pick_address, tar_folder
+
+HP = Hyperparameters(n_epochs=2, batch_size=2, learning_rate_multiplier=10.0)
+SPEC = TrainSpec(job_id="ftjob-1", rank=1, world_size=2, master_addr="10.0.0.1", master_port=2900, base_path="/m",
+                 data_store_path="finetune/ftjob-1/train.jsonl", adapter_store_path="finetune/ftjob-1/adapter.tar",
+                 method="qlora", hyperparameters=HP)
+JOB = FineTuneJob(id="ftjob-1", model="m", training_file="file-1", created_at=1, nodes=["a", "b"],
+                  error=JobError(code="x", message="y"),
+                  events=[JobEvent(id="ftevent-1-1", created_at=1, message="m", type="metrics", data={"step": 1})])
+SAMPLES = [
+    HP, SPEC, JOB, FineTuneReply(job=JOB), FineTuneCancel(job_id="ftjob-1"), TrainStop(job_id="ftjob-1", reason="r"),
+    FileRecord(id="file-1", bytes=3, created_at=1, filename="t.jsonl", purpose="fine-tune", examples=2),
+    FineTuneCreate(job_id="ftjob-1", model="m", training_file="file-1", suffix="s", nodes=2, hyperparameters=HP),
+    TrainStarted(node_id="a", rank=0, master_addr="10.0.0.1", master_port=2900), TrainStopped(node_id="a", was_running=True),
+    TrainReport(job_id="ftjob-1", node_id="a", rank=0, kind="step", step=1, total_steps=4, loss=2.5, tokens_per_s=9.0),
+    AdapterChunk(job_id="ftjob-1", offset=0, data=b"\x00\x01", size=2, sha256="ab"), AdapterAck(received=2, complete=True),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_training_messages_round_trip(msg):
+    assert decode(encode(msg), type(msg)) == msg
+
+
+def test_training_subjects():
+    assert CMD_NODE_TRAIN(node_id="b") == "coderai.cmd.node.b.train"
+    assert TRAIN_REPORT(job_id="ftjob-1") == "coderai.train.report.ftjob-1"
+    assert TRAIN_UPLOAD.decode_reply(encode(AdapterAck(received=1))) == AdapterAck(received=1)
+
+
+def test_every_rank_runs_the_same_steps_with_full_batches():
+    assert plan_steps(4, 2, 1, 3) == (2, 6)
+    assert plan_steps(5, 2, 2, 1) == (2, 2)  # 3 examples a rank, 2 a batch
+    assert plan_steps(1, 4, 8, 2) == (1, 2)  # fewer examples than ranks still trains
+    order = [3, 0, 2, 1]
+    assert rank_batch(order, 0, 0, 2, 1) == [3] and rank_batch(order, 0, 1, 2, 1) == [0]
+    assert rank_batch(order, 1, 0, 2, 1) == [2] and rank_batch(order, 1, 1, 2, 1) == [1]
+    assert rank_batch(order, 0, 1, 2, 2) == [0, 1]
+    seen = sorted(i for s in range(2) for r in range(2) for i in rank_batch(order, s, r, 2, 1))
+    assert seen == [0, 1, 2, 3]  # one epoch covers every example once
+    assert rank_batch([0, 1, 2], 1, 1, 2, 1) == [0]  # wraps round
+
+
+IFACES = {"lo": ["127.0.0.1"], "eth1": ["10.231.5.2"], "docker0": ["172.17.0.1"]}
+
+
+def test_the_rendezvous_address_follows_setting_then_mdns_then_bus_then_interfaces():
+    assert pick_address(IFACES, configured="192.168.1.9") == "192.168.1.9"
+    assert pick_address(IFACES, mdns=["10.231.5.2"], bus_local="172.17.0.1") == "10.231.5.2"
+    assert pick_address(IFACES, mdns=["10.9.9.9"], bus_local="172.17.0.1") == "172.17.0.1"
+    assert pick_address(IFACES, bus_local="127.0.0.1") == "172.17.0.1"  # loopback never; then by interface name
+    assert pick_address({"lo": ["127.0.0.1"]}) == "127.0.0.1"
+    assert interface_of(IFACES, "10.231.5.2") == "eth1" and interface_of(IFACES, "1.2.3.4") == ""
+
+
+def test_the_adapter_tar_is_the_same_bytes_for_the_same_folder(tmp_path):
+    import tarfile
+
+    for name in ("a", "b"):
+        d = tmp_path / name
+        (d / "sub").mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        (d / "sub" / "w.bin").write_bytes(b"\x01" * 10)
+    assert tar_folder(tmp_path / "a") == tar_folder(tmp_path / "b")
+    out = tmp_path / "x.tar"
+    out.write_bytes(tar_folder(tmp_path / "a"))
+    with tarfile.open(out) as t:
+        assert sorted(t.getnames()) == ["adapter_config.json", "sub/w.bin"]
+
+
+def test_a_silent_trainer_exit_is_explained_without_progress_bars():
+    from coderai.engine_worker.training import exit_reason
+
+    assert exit_reason(-9, ["Loading weights: 100%|##| 21/21 [00:00<00:00, 17895.24it/s]"]) == \
+        "the trainer process was killed by SIGKILL"
+    tail = ["Traceback (most recent call last):", "MemoryError: out of memory", "\rLoading: 5/9 [00:01, 3it/s]"]
+    assert exit_reason(1, tail) == "the trainer exited with code 1: MemoryError: out of memory"
+    assert exit_reason(3, []) == "the trainer exited with code 3"

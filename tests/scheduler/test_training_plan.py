@@ -1,0 +1,105 @@
+"""Fine-tuning, scheduler side: node choice and rank order, blame when a job breaks, events, the served config."""
+
+from __future__ import annotations
+
+import pytest
+from coderai.contracts import BusError, Heartbeat, ModelConfig
+from coderai.contracts.training import MAX_EVENTS, FineTuneJob
+from coderai.scheduler import training_plan as tp
+
+BASE = ModelConfig(name="tiny", engine="transformers", path="/m/tiny", params={"max_tokens": 8}, nodes=["a"])
+
+
+def hb(node: str, caps: list[str], pod: str = "") -> Heartbeat:
+    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=caps, pod=pod)
+
+
+NODES = {
+    "a": hb("a", ["llama", "transformers", "train"]),
+    "b": hb("b", ["transformers", "train", "qlora"]),
+    "c": hb("c", ["llama"]),  # no finetune extra
+    "p": hb("p", ["transformers", "train"], pod="pod-1"),  # a rented pod brings its own models
+}
+
+
+def test_only_owned_nodes_with_the_train_capability_are_eligible():
+    assert tp.eligible_nodes(NODES, BASE, "lora") == ["a", "b"]
+
+
+def test_qlora_needs_a_node_with_bitsandbytes_and_a_gpu():
+    assert tp.eligible_nodes(NODES, BASE, "qlora") == ["b"]
+    with pytest.raises(BusError) as exc:
+        tp.eligible_nodes({"a": NODES["a"]}, BASE, "qlora")
+    assert exc.value.code == "bad_request" and exc.value.param == "method"
+    assert "bitsandbytes" in exc.value.message and "CUDA" in exc.value.message and "a" in exc.value.message
+
+
+def test_no_trainer_at_all_is_no_engine():
+    with pytest.raises(BusError) as exc:
+        tp.eligible_nodes({"c": NODES["c"]}, BASE, "lora")
+    assert exc.value.code == "no_engine" and "finetune" in exc.value.message
+
+
+def test_ranks_put_holders_of_the_base_model_first_then_by_id():
+    assert tp.choose_ranks(["a", "b", "c"], 0, {"c"}) == ["c", "a", "b"]
+    assert tp.choose_ranks(["a", "b", "c"], 2) == ["a", "b"]
+    with pytest.raises(BusError) as exc:
+        tp.choose_ranks(["a", "b"], 3)
+    assert exc.value.param == "nodes" and "only 2" in exc.value.message
+
+
+def test_a_rank_that_failed_by_itself_is_blamed_at_once():
+    ranks = [tp.Rank(0, "a", last_seen=100.0, failed="lost a peer", peer=True, failed_at=100.0),
+             tp.Rank(1, "b", last_seen=100.0, failed="the trainer exited with signal 9", failed_at=100.0)]
+    assert tp.verdict(ranks, 100.5) == "rank 1 on node b failed: the trainer exited with signal 9"
+
+
+def test_a_silent_rank_is_blamed_before_the_rank_that_lost_it():
+    ranks = [tp.Rank(0, "a", last_seen=120.0, failed="lost a peer rank: connection closed", peer=True, failed_at=101.0),
+             tp.Rank(1, "b", last_seen=100.0)]
+    assert tp.verdict(ranks, 105.0) == ""  # b is not silent long enough yet, a's peer failure waits for it
+    why = tp.verdict(ranks, 100.0 + tp.SILENT_S + 1)
+    assert why.startswith("rank 1 on node b stopped reporting")
+
+
+def test_a_peer_failure_alone_is_blamed_after_the_grace():
+    ranks = [tp.Rank(0, "a", last_seen=200.0, failed="lost a peer rank", peer=True, failed_at=100.0),
+             tp.Rank(1, "b", last_seen=200.0, done=True, digest="x")]
+    assert tp.verdict(ranks, 100.0 + tp.PEER_GRACE_S - 1) == ""
+    assert tp.verdict(ranks, 100.0 + tp.PEER_GRACE_S + 1) == "rank 0 on node a failed: lost a peer rank"
+
+
+def test_a_job_finishes_only_when_every_rank_has_the_same_adapter():
+    a, b = tp.Rank(0, "a", 0.0, digest="d1", done=True), tp.Rank(1, "b", 0.0)
+    assert tp.finished([a, b]) is None
+    b.done, b.digest = True, "d1"
+    assert tp.finished([a, b]) == ""
+    b.digest = "d2"
+    assert "different adapters" in tp.finished([a, b])
+
+
+def test_events_count_up_and_are_capped():
+    job = FineTuneJob(id="ftjob-abc", model="tiny", training_file="file-x", created_at=1)
+    for i in range(MAX_EVENTS + 5):
+        job = tp.add_event(job, f"e{i}", now=float(i))
+    assert len(job.events) == MAX_EVENTS
+    assert job.events[-1].id == f"ftevent-abc-{MAX_EVENTS + 5}" and job.events[-1].message == f"e{MAX_EVENTS + 4}"
+    assert job.events[0].message == "e5"
+
+
+def test_the_served_model_is_the_base_config_with_the_adapter():
+    cfg = tp.finetuned_config(BASE, "tiny:mine", "/store/finetune/j/adapter.tar", "finetune/j/adapter.tar", 7,
+                              base_bytes=100 << 20)
+    assert cfg.name == "tiny:mine" and cfg.engine == "transformers" and cfg.nodes == ["a"]
+    assert cfg.path == "/store/finetune/j/adapter.tar" and cfg.store_path == "finetune/j/adapter.tar"
+    assert cfg.params == {"max_tokens": 8, "base": "/m/tiny"} and cfg.created == 7
+    assert cfg.memory_mb == 120 + 256
+
+
+def test_names_and_suffixes():
+    assert tp.finetuned_name("tiny", "mine", "ftjob-1") == "tiny:mine"
+    assert tp.finetuned_name("tiny", "", "ftjob-1") == "tiny:ftjob-1"
+    tp.check_suffix("ok_suffix-1")
+    with pytest.raises(BusError) as exc:
+        tp.check_suffix("no spaces")
+    assert exc.value.param == "suffix"
