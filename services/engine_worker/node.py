@@ -42,6 +42,20 @@ def memory() -> tuple[int, int]:
         return 0, 0
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine (`nvidia-smi -L`), 0 without one; vLLM runs one rank on each."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
 def addresses(first: str = "") -> list[str]:
     """This machine's interface addresses (loopback and link-local left out), `first` (if any) first."""
     import ifaddr  # comes with zeroconf
@@ -56,7 +70,7 @@ def addresses(first: str = "") -> list[str]:
 
 
 def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "",
-                    addrs: list[str] | None = None, rpc: RpcServer | None = None) -> Heartbeat:
+                    addrs: list[str] | None = None, rpc: RpcServer | None = None, gpus: int = 0) -> Heartbeat:
     total, free = memory()
     return Heartbeat(
         node_id=node_id,
@@ -72,4 +86,5 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         pod=pod,
         addrs=addrs or [],
         rpc=rpc,
+        gpus=gpus,
     )
