@@ -19,6 +19,7 @@ the model stops taking requests (callers get a clear 503) and the scheduler re-p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -201,11 +202,8 @@ class SplitLlamaEngine(Engine):
     def close(self) -> None:
         self._closed.set()
         if self.proc is not None:
-            for f in (self.proc.stdin, ):
-                try:
-                    f.close()  # type: ignore[union-attr]
-                except OSError:
-                    pass
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr] - the child's end of input: it finishes and exits
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
