@@ -57,7 +57,7 @@ def serve_rpc(ip: str, port: int, peer: str) -> int:
 
 def measure(model: str, endpoint: str, rounds: int, tokens: int, n_layers: int) -> int:
     """On the head: the three engines, interleaved; one JSON line of results."""
-    from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams  # noqa: F401
+    from coderai.contracts import CompletionJob, ModelConfig, SamplingParams
     from coderai.contracts.split import SplitDevice, SplitPlan
     from coderai.engine_worker.engines.base import CancelFlag
     from coderai.engine_worker.engines.llama import LlamaEngine

@@ -38,13 +38,17 @@ JSON = "application/json"
 def admin_routes(gw: Any, caller) -> list:
     """Route handlers bound to the gateway state `gw`; `caller(request, scope)` authenticates."""
 
-    async def ask(subject, msg, **params: str) -> Response:
+    async def reply_to(subject, msg, **params: str) -> Any:
+        """A bus command's reply; its errors as the API's (a node that does not answer: 404)."""
         try:
-            reply = await gw.bus.request(subject, msg, timeout=5.0, **params)
+            return await gw.bus.request(subject, msg, timeout=5.0, **params)
         except BusError as exc:
             if exc.code == "no_engine" and "node_id" in params:
                 raise ApiError(404, f"node {params['node_id']!r} is not reachable", code="node_not_found") from None
             raise from_bus(exc, gw.settings.retry_after_s) from None
+
+    async def ask(subject, msg, **params: str) -> Response:
+        reply = await reply_to(subject, msg, **params)
         return Response(content=msgspec.json.encode(msgspec.to_builtins(reply)), media_type=JSON)
 
     def node_id(value: str) -> str:
@@ -68,15 +72,12 @@ def admin_routes(gw: Any, caller) -> list:
     async def splits(request: Request) -> Response:
         """Models split over several nodes: per device, its node, endpoint, share and the layers it holds."""
         await caller(request, "admin")
-        try:
-            reply = await gw.bus.request(CMD_SCHEDULER_NODES, NodesRequest(), timeout=5.0)
-        except BusError as exc:
-            raise from_bus(exc, gw.settings.retry_after_s) from None
+        reply = await reply_to(CMD_SCHEDULER_NODES, NodesRequest())
         data = [{"model": name, "serving_node": p.devices[0].node_id, "mode": p.mode, "n_layers": p.n_layers,
                  "warning": p.warning, "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
                                                     "layers": d.layers} for d in p.devices]}
                 for name, p in sorted(reply.splits.items())]
-        return Response(content=msgspec.json.encode({"object": "list", "data": data}), media_type=JSON)
+        return json({"object": "list", "data": data})
 
     @get("/admin/nodes/{nid:str}/logs")
     async def logs(request: Request) -> Response:
@@ -203,10 +204,7 @@ def admin_routes(gw: Any, caller) -> list:
     async def pods(request: Request) -> Response:
         """Rented pods with their state and live cost, and what the ledger holds in all."""
         await caller(request, "admin")
-        try:
-            status = await gw.bus.request(CMD_BROKER_STATUS, BrokerStatusRequest(), timeout=5.0)
-        except BusError as exc:
-            raise from_bus(exc, gw.settings.retry_after_s) from None
+        status = await reply_to(CMD_BROKER_STATUS, BrokerStatusRequest())
         pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
         return json({"configured": status.configured, "pods": pods, "spent_usd": status.spent_usd})
 

@@ -12,7 +12,7 @@ import pytest
 
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import write_models_file
+from coderai.testing.stack import clean_env, head_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,8 @@ def cluster(tmp_path_factory, tiny_gguf):
         {"name": "n2-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n2"]},
         {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
     ])
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("CODERAI_")}
-    c = Cluster(lab, root, {**env, "CODERAI_LOG_FORMAT": "json"})
-    head = lab["head"]
-    up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
-                                              "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
-                                              "--models-file", str(models)], c.env, root / "logs", prefix=head.prefix())
+    c = Cluster(lab, root, clean_env())
+    up = head_up(lab["head"], root, models, TOKEN, c.env)
     try:
         up.start()
         up.wait_log("\nready", 120)

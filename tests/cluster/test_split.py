@@ -5,14 +5,13 @@ answer 503 within 10 s, and the scheduler re-places it on the head alone, where 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import write_models_file
+from coderai.testing.stack import clean_env, head_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +40,11 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         {"name": "split", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"],
          "replicas": 1, "rpc_nodes": ["node-b"]},
     ])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {"CODERAI_LOG_FORMAT": "json"}
+    env = clean_env()
     head, nb = lab["head"], lab["node-b"]
     procs: list[ServiceProcess] = []
     try:
-        up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
-                                                  "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
-                                                  "--models-file", str(models)], env, root / "logs", prefix=head.prefix())
+        up = head_up(head, root, models, TOKEN, env)
         procs.append(up.start())
         up.wait_log("\nready", 120)
         key = (root / "head" / "admin.key").read_text().strip()

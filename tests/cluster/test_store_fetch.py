@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 
 import pytest
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import write_models_file
+from coderai.testing.stack import clean_env, head_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
@@ -48,13 +47,11 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         {"name": "fetched", "engine": "llama", "path": str(pulled), "store_path": STORE_PATH,
          "params": {"n_ctx": 512}, "nodes": ["node-b"]},
     ])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {"CODERAI_LOG_FORMAT": "json"}
+    env = clean_env()
     head, nb = lab["head"], lab["node-b"]
     procs: list[ServiceProcess] = []
     try:
-        up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
-                                                  "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
-                                                  "--models-file", str(models)], env, root / "logs", prefix=head.prefix())
+        up = head_up(head, root, models, TOKEN, env)
         procs.append(up.start())
         up.wait_log("\nready", 120)
         key = (root / "head" / "admin.key").read_text().strip()

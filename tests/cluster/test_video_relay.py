@@ -5,14 +5,13 @@ a denoise node killed mid-stage costs only its own stage, run again elsewhere fr
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 
 import pytest
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import write_models_file
+from coderai.testing.stack import clean_env, head_up, write_models_file
 
 pytest.importorskip("diffusers")
 av = pytest.importorskip("av")
@@ -78,12 +77,8 @@ def cluster(tmp_path_factory):
         {"name": "t2v-relay2", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": 2},
          "nodes": list(WORKERS)},
     ])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")}
-    c = Cluster(lab, root, {**env, "CODERAI_LOG_FORMAT": "json", "CODERAI_WORKER_FAMILIES": "echo,video"})
-    head = lab["head"]
-    up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
-                                              "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
-                                              "--models-file", str(models)], c.env, root / "logs", prefix=head.prefix())
+    c = Cluster(lab, root, clean_env(CODERAI_WORKER_FAMILIES="echo,video"))
+    up = head_up(lab["head"], root, models, TOKEN, c.env)
     try:
         up.start()
         c.procs["up"] = up

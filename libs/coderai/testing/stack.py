@@ -152,3 +152,18 @@ def _raise_if_dead(p: ServiceProcess) -> bool:
     if not p.alive():
         raise ProcessDied(f"{p.name} died:\n{p.log_text()[-3000:]}")
     return False
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any `CODERAI_*` setting, with JSON logs, plus `extra`: what a test
+    hands the processes of a cluster it starts, so the developer's own settings leak into none of them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")}
+    return env | {"CODERAI_LOG_FORMAT": "json"} | extra
+
+
+def head_up(host, root: Path, models: Path, token: str, env: dict[str, str], port: int = 8000) -> ServiceProcess:
+    """`coderai up` as the head of a cluster on a test host (a `netns.Host`), node id "head", data under
+    `root/head`, logs under `root/logs`, mDNS on the host's address only. Returned unstarted."""
+    return ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", str(port),
+                                                "--cluster-token", token, "--mdns-interface", host.ip, "--node-id", "head",
+                                                "--models-file", str(models)], env, root / "logs", prefix=host.prefix())
