@@ -9,6 +9,7 @@ worker started with `--rpc` offers); the head loads the model in the product's e
   layer  `SplitLlamaEngine`, a `SplitPlan` of half the layers on the head, half on node-b (through the gate)
   row    the same plan with `mode = row` (llama.cpp's RPC backend refuses row splits; the engine then serves a
          layer split, and the table says so)
+  layer, no gate   the layer split straight to a bare ggml RPC server on node-b's address: what the gate costs
 
 Each engine generates `--tokens` tokens at temperature 0 for `--rounds` prompts, measured interleaved (local,
 layer, row, local, ...) so noise hits all alike. Prints tokens/s (decode) and time to first token per engine,
@@ -37,22 +38,40 @@ PROMPTS = ["Once upon a time in a small town", "The meaning of the cluster is", 
 
 def serve_rpc(ip: str, port: int, peer: str) -> int:
     """On node-b: two of the worker's RPC services (child server + gate admitting `peer`), on `port` and
-    `port + 1`, until stdin closes. Two, because a ggml RPC server serves one client at a time: the layer and
-    the row engine each need their own."""
+    `port + 1`, and a bare ggml RPC server on `port + 2` (no gate: what the gate costs), until stdin closes.
+    Three, because a ggml RPC server serves one client at a time: every engine needs its own."""
     from coderai.engine_worker.rpc import RpcService
+    from coderai.runtime.embedded import die_with_parent
 
     async def run() -> None:
         services = [RpcService(ip, port + i, threads=1) for i in range(2)]
         for svc in services:
             await svc.start()
             svc.gate.allow([peer])
+        bare = subprocess.Popen([sys.executable, "-m", "coderai.engine_worker.rpc_child", f"{ip}:{port + 2}", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+        bare.stdout.readline()  # type: ignore[union-attr] - printed just before it listens
         print("rpc ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        bare.kill()
         for svc in services:
             await svc.close()
 
     asyncio.run(run())
     return 0
+
+
+def _unwatched():
+    from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
+
+    class Unwatched(SplitLlamaEngine):
+        """No liveness probe: a bare ggml RPC server has one client at a time and a probe would wait in its
+        accept queue (the gate answers probes itself; that is one reason it exists)."""
+
+        def _watch(self) -> None:
+            return
+
+    return Unwatched
 
 
 def measure(model: str, endpoint: str, rounds: int, tokens: int, n_layers: int) -> int:
@@ -63,6 +82,7 @@ def measure(model: str, endpoint: str, rounds: int, tokens: int, n_layers: int) 
     from coderai.engine_worker.engines.llama import LlamaEngine
     from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
 
+    _Unwatched = _unwatched()
     params = {"n_ctx": 1024, "n_threads": 1, "prompt_cache_mb": 0}
     half = n_layers // 2
     host, _, port = endpoint.rpartition(":")
@@ -78,6 +98,8 @@ def measure(model: str, endpoint: str, rounds: int, tokens: int, n_layers: int) 
                                               shards=SplitPlan(mode="layer", devices=devices(0), n_layers=n_layers))),
         "row": SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=model, params=params,
                                             shards=SplitPlan(mode="row", devices=devices(1), n_layers=n_layers))),
+        "layer, no gate": _Unwatched(ModelConfig(name="m", engine="llama", path=model, params=params,
+                                                       shards=SplitPlan(mode="layer", devices=devices(2), n_layers=n_layers))),
     }
     out: dict[str, dict] = {}
     texts: dict[str, list[str]] = {}
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     base = res["local"]
     base_tps = base["tokens"] / base["decode_s"] if base["decode_s"] else 0.0
     base_ttft = sorted(base["ttft"])[len(base["ttft"]) // 2] if base["ttft"] else 0.0
-    for name in ("local", "layer", "row"):
+    for name in ("local", "layer", "row", "layer, no gate"):
         x = res[name]
         tps = x["tokens"] / x["decode_s"] if x["decode_s"] else 0.0
         ttft = sorted(x["ttft"])[len(x["ttft"]) // 2] if x["ttft"] else 0.0
