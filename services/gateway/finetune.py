@@ -1,5 +1,5 @@
-"""OpenAI's files and fine-tuning API: `POST /v1/files`, `/v1/fine_tuning/jobs` (create, list, retrieve, events,
-cancel), in OpenAI's response shapes, so the official SDK works against it.
+"""OpenAI's files and fine-tuning API: `/v1/files` (upload, list, retrieve, content, delete),
+`/v1/fine_tuning/jobs` (create, list, retrieve, events, cancel), in OpenAI's response shapes, so the official SDK works against it.
 
 Stateless like the rest of the gateway: file bytes go into the `coderai_files` object store and file records into
 the `coderai_finetune` KV bucket (this gateway writes them); job records are written by the scheduler, which runs
@@ -28,7 +28,7 @@ from coderai.gateway import openai_types as oa
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.media_types import read_form
 from coderai.training_data import BadTrainingFile, parse_examples
-from litestar import Request, Response, get, post
+from litestar import Request, Response, delete, get, post
 
 JSON = "application/json"
 PURPOSES = ("fine-tune", "assistants", "batch", "user_data", "vision", "evals")
@@ -136,14 +136,14 @@ def events_page(job: FineTuneJob, after: str | None, limit: int) -> dict[str, An
     return {"object": "list", "data": data, "has_more": len(events) > limit}
 
 
-def _limit(request: Request) -> int:
-    raw = request.query_params.get("limit", "20")
+def _limit(request: Request, default: int = 20, most: int = 100) -> int:
+    raw = request.query_params.get("limit", str(default))
     try:
         n = int(raw)
     except ValueError:
         raise _bad(f"limit must be a whole number, not {raw!r}.", "limit") from None
-    if not 1 <= n <= 100:
-        raise _bad("limit must be between 1 and 100.", "limit")
+    if not 1 <= n <= most:
+        raise _bad(f"limit must be between 1 and {most}.", "limit")
     return n
 
 
@@ -179,6 +179,28 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         if entry is None or not entry.value:
             raise ApiError(404, f"No {what} '{key}'.", param=param, code="not_found")
         return entry.value
+
+    async def all_records(prefix: str, kind: type) -> list[Any]:
+        """Every record whose key starts with `prefix`, newest first."""
+        bucket = await kv()
+        try:
+            keys = [k for k in await bucket.keys() if k.startswith(prefix)]
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            keys = []
+        out = []
+        for k in keys:
+            try:
+                out.append(msgspec.json.decode((await bucket.get(k)).value, type=kind))
+            except Exception:  # noqa: BLE001 - deleted between keys() and get()
+                continue
+        out.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+        return out
+
+    def page(items: list[Any], after: str | None, limit: int) -> tuple[list[Any], bool]:
+        if after:
+            ids = [x.id for x in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        return items[:limit], len(items) > limit
 
     async def load_job(job_id: str) -> FineTuneJob:
         data = await record(job_id, "ftjob-", "fine-tuning job", "fine_tuning_job_id")
@@ -219,10 +241,45 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         await (await kv()).put(rec.id, encode(rec))
         return json(file_json(rec))
 
+    @get("/v1/files")
+    async def list_files(request: Request) -> Response:
+        """Uploaded files, newest first (`order=asc` for oldest first), by `purpose`, paged by `after`/`limit`."""
+        await caller(request)
+        q = request.query_params
+        limit = _limit(request, default=10000, most=10000)
+        recs = [r for r in await all_records("file-", FileRecord) if not q.get("purpose") or r.purpose == q["purpose"]]
+        if q.get("order", "desc") == "asc":
+            recs.reverse()
+        data, more = page(recs, q.get("after"), limit)
+        return json({"object": "list", "data": [file_json(r) for r in data], "has_more": more,
+                     "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
+
     @get("/v1/files/{file_id:str}")
     async def get_file(request: Request, file_id: str) -> Response:
         await caller(request)
         return json(file_json(msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)))
+
+    @get("/v1/files/{file_id:str}/content")
+    async def file_content(request: Request, file_id: str) -> Response:
+        await caller(request)
+        rec = msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)
+        data = (await (await files()).get(rec.id)).data or b""
+        return Response(content=data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
+
+    @delete("/v1/files/{file_id:str}", status_code=200)
+    async def delete_file(request: Request, file_id: str) -> Response:
+        """Forget a file (its bytes and its record); jobs that already read it keep what they read."""
+        from nats.js.errors import NotFoundError
+
+        await caller(request)
+        await record(file_id, "file-", "file", "file_id")
+        try:
+            await (await files()).delete(file_id)
+        except NotFoundError:
+            pass
+        await (await kv()).delete(file_id)
+        return json({"id": file_id, "object": "file", "deleted": True})
 
     @post("/v1/fine_tuning/jobs", status_code=200)
     async def create(request: Request) -> Response:
@@ -233,23 +290,8 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     @get("/v1/fine_tuning/jobs")
     async def list_jobs(request: Request) -> Response:
         await caller(request)
-        limit, after = _limit(request), request.query_params.get("after")
-        bucket = await kv()
-        try:
-            keys = [k for k in await bucket.keys() if k.startswith("ftjob-")]
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            keys = []
-        jobs = []
-        for k in keys:
-            try:
-                jobs.append(msgspec.json.decode((await bucket.get(k)).value, type=FineTuneJob))
-            except Exception:  # noqa: BLE001 - deleted between keys() and get()
-                continue
-        jobs.sort(key=lambda j: (j.created_at, j.id), reverse=True)
-        if after:
-            ids = [j.id for j in jobs]
-            jobs = jobs[ids.index(after) + 1:] if after in ids else []
-        return json({"object": "list", "data": [job_json(j) for j in jobs[:limit]], "has_more": len(jobs) > limit})
+        jobs, more = page(await all_records("ftjob-", FineTuneJob), request.query_params.get("after"), _limit(request))
+        return json({"object": "list", "data": [job_json(j) for j in jobs], "has_more": more})
 
     @get("/v1/fine_tuning/jobs/{job_id:str}")
     async def retrieve(request: Request, job_id: str) -> Response:
@@ -268,4 +310,4 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         await load_job(job_id)  # 404 for an unknown id, from any replica
         return json(job_json(await ask(CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
 
-    return [upload, get_file, create, list_jobs, retrieve, events, cancel]
+    return [upload, list_files, get_file, file_content, delete_file, create, list_jobs, retrieve, events, cancel]

@@ -232,3 +232,21 @@ def test_usage_per_key_lands_in_redis(api_stack, user_key):
         return r.sismember(f"coderai:usage:index:{day}", "alice\ttiny") and int(r.hget(h, "requests") or 0) >= 1 \
             and int(r.hget(h, "prompt_tokens") or 0) > 0
     wait_until(recorded, 15, "alice's usage in Redis")
+
+
+def test_files_upload_list_content_and_delete_through_the_sdk(client):
+    data = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    up = client.files.create(file=("train.jsonl", data), purpose="fine-tune")
+    assert up.id.startswith("file-") and up.bytes == len(data) and up.purpose == "fine-tune"
+    other = client.files.create(file=("notes.txt", b"not training data"), purpose="user_data")
+    listed = [f.id for f in client.files.list()]
+    assert up.id in listed and other.id in listed
+    assert [f.id for f in client.files.list(purpose="fine-tune")] == [f.id for f in client.files.list() if f.purpose == "fine-tune"]
+    assert client.files.content(up.id).read() == data
+    gone = client.files.delete(other.id)
+    assert gone.deleted and gone.id == other.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(other.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(other.id)
+    assert other.id not in [f.id for f in client.files.list()]
