@@ -29,12 +29,11 @@ from coderai.engine_worker.fetch import bus_request, ensure_local
 from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobStore
-from coderai.runtime.bus import TIMED_OUT, Bus, FrameWriter, get_or_timeout
+from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
 
-_DONE = object()
 LLM_OPS = frozenset({"chat", "complete"})  # engines answer these with choices; every other op with an `output`
 
 
@@ -265,18 +264,16 @@ class EngineHost:
                 fut.set_result(fn(job, flag, sink))
             except Exception as exc:  # noqa: BLE001 - delivered below exactly as a thread's failure would be
                 fut.set_exception(exc)
-        fut.add_done_callback(lambda _: queue.put_nowait(_DONE))
+        fut.add_done_callback(lambda _: queue.put_nowait(DONE))
+
+        async def forward(item: dict) -> None:
+            nonlocal ttft
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            await writer.send(Chunk(seq=writer.next_seq(), **item))
+
         try:
-            while True:
-                item = await get_or_timeout(queue, self.keepalive_s)
-                if item is TIMED_OUT:
-                    await writer.keepalive()
-                    continue
-                if item is _DONE:
-                    break
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                await writer.send(Chunk(seq=writer.next_seq(), **item))
+            await pump(queue, writer, self.keepalive_s, forward)
             if media:
                 output, usage = fut.result()
                 output, choices = await self.blobs.pack(output), []

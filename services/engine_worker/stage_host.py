@@ -21,12 +21,11 @@ from coderai.contracts.stages import HandoffMismatch, StageDone, StageJob, check
 from coderai.contracts.subjects import ENGINE_STAGE
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.runtime.blobs import BlobMissing
-from coderai.runtime.bus import TIMED_OUT, FrameWriter, get_or_timeout
+from coderai.runtime.bus import DONE, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
 
-_DONE = object()
 
 
 def serves_stages(host: Any) -> bool:
@@ -85,16 +84,13 @@ async def run(host: Any, job: StageJob, reply: str) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, i)
 
         fut = loop.run_in_executor(host._executor, host.engine.stage, job, inputs, flag, on_step)
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _DONE))
-        while True:
-            item = await get_or_timeout(queue, host.keepalive_s)
-            if item is TIMED_OUT:
-                await writer.keepalive()
-                continue
-            if item is _DONE:
-                break
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, DONE))
+
+        async def step_done(item: int) -> None:
             log.info("stage %s of %s: step %d/%d done", what, job.request_id, item + 1, job.steps)
             await writer.send(Chunk(seq=writer.next_seq(), progress=(item + 1) / job.steps))
+
+        await pump(queue, writer, host.keepalive_s, step_done)
         out = fut.result()
         objects = {}
         for name, t in out.tensors.items():

@@ -137,6 +137,23 @@ async def get_or_timeout(queue: asyncio.Queue, timeout_s: float) -> Any:
         handle.cancel()
 
 
+DONE: Any = object()
+"""Put on a job's queue once the job's thread has returned (or raised)."""
+
+
+async def pump(queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any) -> None:
+    """Hand what a job's thread puts on `queue` to `await send(item)` until `DONE`, with a keep-alive frame on
+    `writer` whenever nothing came for `keepalive_s`: the caller tells a slow job from a dead worker by it."""
+    while True:
+        item = await get_or_timeout(queue, keepalive_s)
+        if item is TIMED_OUT:
+            await writer.keepalive()
+        elif item is DONE:
+            return
+        else:
+            await send(item)
+
+
 class Silence(BusError):
     """Nothing arrived on a stream for its idle timeout (as opposed to a lost connection or no responder)."""
 
