@@ -11,7 +11,7 @@ import pytest
 
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, head_up, write_models_file
+from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +48,7 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         procs.append(up.start())
         up.wait_log("\nready", 120)
         key = (root / "head" / "admin.key").read_text().strip()
-        node = ServiceProcess("worker-node-b", "coderai.engine_worker",
-                              ["--cluster-token", TOKEN, "--nats-url", f"nats://{head.ip}:4222", "--no-mdns",
-                               "--node-id", "node-b", "--data-dir", str(root / "node-b"), "--rpc", "--rpc-port", "50052",
-                               "--families", "llama"],
-                              env, root / "logs", prefix=nb.prefix())
+        node = node_up(nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama")
         procs.append(node.start())
 
         def chat(model: str, prompt: str = PROMPTS[0]) -> dict:

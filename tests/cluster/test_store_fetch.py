@@ -13,7 +13,7 @@ import sys
 import pytest
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, head_up, write_models_file
+from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +55,7 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         procs.append(up.start())
         up.wait_log("\nready", 120)
         key = (root / "head" / "admin.key").read_text().strip()
-        node = ServiceProcess("worker-node-b", "coderai.engine_worker",
-                              ["--cluster-token", TOKEN, "--nats-url", f"nats://{head.ip}:4222", "--no-mdns",
-                               "--node-id", "node-b", "--data-dir", str(root / "node-b")],
-                              env, root / "logs", prefix=nb.prefix() + _without(root / "head"))
+        node = node_up(nb, "node-b", head.ip, root, TOKEN, env, wrap=_without(root / "head"))
         procs.append(node.start())
 
         def chat() -> dict:

@@ -167,3 +167,14 @@ def head_up(host, root: Path, models: Path, token: str, env: dict[str, str], por
     return ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", str(port),
                                                 "--cluster-token", token, "--mdns-interface", host.ip, "--node-id", "head",
                                                 "--models-file", str(models)], env, root / "logs", prefix=host.prefix())
+
+
+def node_up(host, node_id: str, head_ip: str, root: Path, token: str, env: dict[str, str], *extra: str,
+            wrap: list[str] | None = None) -> ServiceProcess:
+    """A worker `node_id` on a test host (a `netns.Host`), joining the head at `head_ip` by URL (no mDNS), data
+    under `root/<node_id>`. `wrap` goes between the namespace prefix and the command (e.g. a mount namespace).
+    Returned unstarted."""
+    return ServiceProcess(f"worker-{node_id}", "coderai.engine_worker",
+                          ["--cluster-token", token, "--nats-url", f"nats://{head_ip}:4222", "--no-mdns",
+                           "--node-id", node_id, "--data-dir", str(root / node_id), *extra],
+                          env, root / "logs", prefix=host.prefix() + (wrap or []))
