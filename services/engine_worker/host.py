@@ -75,6 +75,7 @@ class EngineHost:
             in_flight=self.in_flight,
             served=self.served,
             error=self.error,
+            warning=self.engine.warning if self.engine is not None else "",
             **(self.engine.stats() if self.engine is not None and self.state == "ready" else {}),
         )
 

@@ -26,6 +26,8 @@ log = logging.getLogger("coderai.engine_worker.rpc")
 
 ANY = ("0.0.0.0", "::", "")
 CHUNK = 1 << 16
+LINK_PROBE = b"CODERAI-LINK-PROBE\n"  # ggml RPC's first byte is a small command number, never "C"
+PROBE_BYTES = 4 << 20
 
 
 class RpcConfigError(ValueError):
@@ -95,6 +97,13 @@ class RpcGate:
             first = await reader.read(CHUNK)
             if not first:  # a liveness probe: connected and left
                 return
+            if first.startswith(LINK_PROBE):  # a link-speed probe: swallow the bytes, say how many came
+                got = len(first) - len(LINK_PROBE)
+                while data := await reader.read(CHUNK):
+                    got += len(data)
+                writer.write(got.to_bytes(8, "big"))
+                await writer.drain()
+                return
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             up_writer.write(first)
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
@@ -117,6 +126,29 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
     finally:
         with contextlib.suppress(Exception):
             dst.write_eof()
+
+
+def link_gbps(endpoint: str, nbytes: int = PROBE_BYTES, timeout_s: float = 10.0) -> float:
+    """A short probe of the link to a node's RPC gate: `nbytes` sent, timed until the gate says it has them
+    all. 0.0 when the gate cannot be reached or answers short. Blocking."""
+    import time
+
+    host, _, port = endpoint.rpartition(":")
+    payload = LINK_PROBE + bytes(nbytes)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+            t0 = time.perf_counter()
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            answer = b""
+            while len(answer) < 8 and (data := s.recv(8 - len(answer))):
+                answer += data
+            elapsed = time.perf_counter() - t0
+    except OSError:
+        return 0.0
+    if len(answer) < 8 or int.from_bytes(answer, "big") != nbytes:
+        return 0.0
+    return nbytes * 8 / elapsed / 1e9
 
 
 class RpcService:

@@ -73,8 +73,13 @@ def admin_routes(gw: Any, caller) -> list:
         """Models split over several nodes: per device, its node, endpoint, share and the layers it holds."""
         await caller(request, "admin")
         reply = await reply_to(CMD_SCHEDULER_NODES, NodesRequest())
+        engine_warnings = {(n.heartbeat.node_id, e.model): e.warning for n in reply.nodes for e in n.heartbeat.engines}
+
+        def warning(name: str, p: Any) -> str:  # the plan's (configured link) and the engine's (measured link)
+            return "; ".join(w for w in (p.warning, engine_warnings.get((p.devices[0].node_id, name), "")) if w)
+
         data = [{"model": name, "serving_node": p.devices[0].node_id, "mode": p.mode, "n_layers": p.n_layers,
-                 "warning": p.warning, "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
+                 "warning": warning(name, p), "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
                                                     "layers": d.layers} for d in p.devices]}
                 for name, p in sorted(reply.splits.items())]
         return json({"object": "list", "data": data})

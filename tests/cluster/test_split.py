@@ -86,6 +86,7 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         assert devices[1]["endpoint"] == f"{nb.ip}:50052" and devices[0]["endpoint"] == ""
         assert sorted(devices[0]["layers"] + devices[1]["layers"]) == [0, 1, 2, 3] and devices[1]["layers"]
         assert "RPC gate" in node.log_text() and head.ip in node.log_text()  # only the head is admitted
+        assert f"link to node-b ({nb.ip}:50052) measured at" in head_worker_log()  # the short probe through the gate
 
         node.kill()
         wait_until(lambda: chat("split")["status"] == 503, 10, "the split model to answer 503 once node-b is gone")

@@ -148,3 +148,34 @@ def test_the_split_engine_answers_like_the_whole_model_and_is_lost_when_its_rpc_
         engine.close()
         asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
+
+
+async def test_the_gate_answers_a_link_probe_itself_and_the_row_split_warning_names_slow_links():
+    from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
+    from coderai.engine_worker.rpc import link_gbps
+
+    upstream: list[int] = []
+
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(never, "127.0.0.1", 0)
+    gate = RpcGate("127.0.0.1", 0, server.sockets[0].getsockname()[1])
+    await gate.start()
+    gate.allow(["127.0.0.1"])
+    loop = asyncio.get_running_loop()
+    try:
+        gbps = await loop.run_in_executor(None, link_gbps, f"127.0.0.1:{gate.port}", 1 << 20)
+        assert gbps > 0 and upstream == []  # measured by the gate, nothing reached the RPC server
+        gate.allow([])  # a stranger's probe is refused like any connection
+        assert await loop.run_in_executor(None, link_gbps, f"127.0.0.1:{gate.port}", 1 << 20) == 0.0
+    finally:
+        await gate.close()
+        server.close()
+    row = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path="/x.gguf", shards=plan("row")))
+    speeds = {"10.0.0.2:50052": 0.94, "10.0.0.3:50052": 25.0}
+    warning = row._link_warning(lambda ep: speeds[ep])
+    assert "b 0.94 Gb/s" in warning and "c " not in warning
+    layer = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path="/x.gguf", shards=plan("layer")))
+    assert layer._link_warning(lambda ep: 0.5) == ""  # a layer split moves little: no warning

@@ -23,6 +23,7 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     in_flight: int = 0
     served: int = 0
     error: str | None = None
+    warning: str = ""  # how it runs is not as good as asked (e.g. a row split over a slow link)
     prompt_tokens: int = 0  # prompt tokens received since load
     cached_tokens: int = 0  # of those, tokens whose KV came from the cache instead of being computed
     prefix_hits: int = 0  # requests that reused a cached prefix

@@ -41,6 +41,7 @@ class Engine:
         # set by the worker: an engine whose devices went away (a split model's RPC server) calls it, from any
         # thread, with the reason; the worker stops sending it jobs and reports it failed
         self.on_lost: Callable[[str], None] | None = None
+        self.warning = ""  # something an operator should know about how it runs (shown with the engine)
 
     def load(self) -> None:
         """Blocking: called in a thread."""

@@ -40,6 +40,7 @@ from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, Eng
 log = logging.getLogger("coderai.engine_worker.split")
 
 PROBE_S = 1.0
+FAST_LINK_GBPS = 10.0
 ROW_REFUSED = "split buffers"
 _DEAD = object()
 _JOBS = {"chat": ChatJob, "complete": CompletionJob}
@@ -99,7 +100,10 @@ class SplitLlamaEngine(Engine):
         self._stats: dict[str, int] = {}
 
     def load(self) -> None:
+        from coderai.engine_worker.rpc import link_gbps
         from coderai.runtime.embedded import die_with_parent
+
+        self.warning = self._link_warning(link_gbps)
 
         env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # an abort must not wait for gdb to print a backtrace
         self.proc = subprocess.Popen([sys.executable, "-m", "coderai.engine_worker.engines.llama_split"],
@@ -112,10 +116,26 @@ class SplitLlamaEngine(Engine):
         self.note = ready.get("note", "")
         if self.note:
             log.warning("%s: %s", self.config.name, self.note)
+            self.warning = "; ".join(w for w in (self.warning, self.note) if w)
         log.info("%s split over %s", self.config.name,
                  ", ".join(f"{d.node_id}{'@' + d.endpoint if d.endpoint else ' (local)'} {d.share:.0%}" for d in self.plan.devices))
         threading.Thread(target=self._reader, name=f"split-{self.config.name}", daemon=True).start()
         threading.Thread(target=self._watch, name=f"split-watch-{self.config.name}", daemon=True).start()
+
+    def _link_warning(self, probe: Any) -> str:
+        """Measure the link to every remote device (a short probe through its gate) and, for a row split, warn
+        about any below 10 GbE: row split moves activations at every layer."""
+        slow = []
+        for d in self.plan.remote():
+            gbps = probe(d.endpoint)
+            log.info("%s: link to %s (%s) measured at %.2f Gb/s", self.config.name, d.node_id, d.endpoint, gbps)
+            if self.plan.mode == "row" and gbps < FAST_LINK_GBPS:
+                slow.append(f"{d.node_id} {gbps:.2f} Gb/s")
+        if not slow:
+            return ""
+        why = f"row split over links slower than 10 GbE (measured: {', '.join(slow)}): expect it to be slower than a layer split"
+        log.warning("%s: %s", self.config.name, why)
+        return why
 
     # --- jobs ------------------------------------------------------------------------------------
 
