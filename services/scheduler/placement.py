@@ -7,6 +7,8 @@ missing copies go to eligible nodes that fit: `spread` picks the node holding th
 `binpack` the fullest node that still fits. A model with `replicas = 0` goes to every eligible node that fits.
 A llama model that fits no node is split over a serving node and other nodes' RPC servers (`splitting`); one
 whose config names `rpc_nodes` is split over those first, and placed whole only when none of them is live.
+A video model relayed by stages (`params.stages`) needs only its biggest part on a node; one that fits no node
+whole but whose biggest part fits is relayed by stages automatically. A folder model counts every file in it.
 """
 
 from __future__ import annotations
@@ -33,15 +35,42 @@ OVERHEAD = 256 * MB
 USABLE = 0.9
 
 
+def path_bytes(path: str) -> int:
+    """Bytes of a model file, or of every file in a model folder; 0 when it is not on this machine."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        total = 0
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, f))
+                except OSError:
+                    pass
+        return total
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # the file lives on the nodes only: count the overhead alone
+
+
 def estimate_bytes(m: ModelConfig, file_size: int | None = None) -> int:
     if m.memory_mb:
         return m.memory_mb * MB
     if file_size is None:
-        try:
-            file_size = os.path.getsize(os.path.expanduser(m.path))
-        except OSError:
-            file_size = 0  # the file lives on the nodes only: count the overhead alone
+        file_size = path_bytes(m.path)
     return int(file_size * 1.2) + OVERHEAD
+
+
+def staged(m: ModelConfig) -> bool:
+    """A video model relayed stage by stage (`params.stages`): a node holds only the parts its stages need."""
+    return m.engine == "video" and bool(m.params.get("stages"))
+
+
+def largest_part(m: ModelConfig) -> int:
+    """What the biggest single stage of a video model needs (text encoder, UNet or VAE)."""
+    from coderai.scheduler.stages import model_parts  # stages builds on this module
+
+    return max(model_parts(m.path).need.values())
 
 
 UNKNOWN_CAPACITY = 1 << 62
@@ -58,6 +87,7 @@ class Plan:
     assignments: dict[str, Assignment]
     unplaced: dict[str, str] = field(default_factory=dict)  # model -> why it has fewer copies than asked
     splits: dict[str, tuple[str, SplitPlan]] = field(default_factory=dict)  # model -> (serving node, devices)
+    restaged: dict[str, ModelConfig] = field(default_factory=dict)  # video models relayed by stages to fit
 
 
 def plan(
@@ -72,7 +102,18 @@ def plan(
     current = current or {}
     sizes = sizes or {}
     layers = layers or {}
-    need = {m.name: estimate_bytes(m, sizes.get(m.name)) for m in models}
+    # a video model that fits no node whole is relayed by stages when its biggest part fits one (the gateway
+    # learns it from the config the scheduler publishes: `restaged`)
+    restaged: dict[str, ModelConfig] = {}
+    for i, m in enumerate(models):
+        if m.engine == "video" and not staged(m) and not m.memory_mb and nodes and \
+                estimate_bytes(m, sizes.get(m.name)) > max(capacity(hb) for hb in nodes.values()):
+            relay = msgspec.structs.replace(m, params={**m.params, "stages": True})
+            if largest_part(relay) <= max(capacity(hb) for hb in nodes.values()):
+                models = [*models[:i], relay, *models[i + 1:]]
+                restaged[m.name] = relay
+    need = {m.name: largest_part(m) if staged(m) and not m.memory_mb else estimate_bytes(m, sizes.get(m.name))
+            for m in models}
     free = {n: capacity(hb) for n, hb in nodes.items()}
     placed: dict[str, list[ModelConfig]] = {n: [] for n in nodes}
     unplaced: dict[str, str] = {}
@@ -160,4 +201,4 @@ def plan(
         if n not in nodes:
             keep = [by_name[x.name] for x in a.models if x.name in by_name and by_name[x.name].replicas == 0]
             out[n] = Assignment(node_id=n, models=keep)
-    return Plan(out, unplaced, splits)
+    return Plan(out, unplaced, splits, restaged)

@@ -246,6 +246,10 @@ class Scheduler:
                         if split.warning:
                             log.warning("model %s: %s", name, split.warning)
                 self.splits = {name: split for name, (_, split) in result.splits.items()}
+                for m in self.models:  # what the gateway reads: a video model relayed by stages says so
+                    want = result.restaged.get(m.name, m)
+                    if await put_if_changed(self.kv_models, model_key(m.name), encode(want)) and want is not m:
+                        log.info("model %s fits no node whole: relayed stage by stage over several", m.name)
                 for node_id, assignment in result.assignments.items():
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])

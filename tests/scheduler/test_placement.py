@@ -380,3 +380,38 @@ def test_escalation_follows_the_models_burst_policy():
     assert "fits on a node" in escalation_refused(m("when_no_fit"), "no_engine", False)
     assert escalation_refused(m("when_no_fit"), "busy", False)
     assert not escalation_refused(m("always"), "busy", False) and not escalation_refused(m("always"), "no_engine", False)
+
+
+# --- folder models and video relayed by stages ------------------------------------------------------
+
+
+def video_folder(root, unet_mb: int, text_mb: int = 1000, vae_mb: int = 500):
+    """A model folder whose parts have these sizes (sparse files: nothing is written)."""
+    for part, mb in (("text_encoder", text_mb), ("unet", unet_mb), ("vae", vae_mb)):
+        (root / part).mkdir(parents=True)
+        with open(root / part / "model.safetensors", "wb") as f:
+            f.truncate(mb * MB)
+    return root
+
+
+def test_a_folder_model_counts_every_file_in_it(tmp_path):
+    folder = video_folder(tmp_path / "v", unet_mb=2000)
+    assert estimate_bytes(model("v", path=str(folder))) == int(3500 * MB * 1.2) + OVERHEAD
+
+
+def test_a_video_model_that_fits_no_node_whole_is_relayed_by_stages_when_its_biggest_part_fits(tmp_path):
+    folder = video_folder(tmp_path / "v", unet_mb=2000)
+    nodes = {n: hb(n, caps=["video"], mem_mb=4_000) for n in ["a", "b", "c"]}
+    p = plan([model("v", engine="video", path=str(folder))], nodes)
+    assert "v" not in p.unplaced and p.restaged["v"].params["stages"] is True
+    assert holders(p, "v") == ["a", "b", "c"]
+    assert all(m.params.get("stages") for a in p.assignments.values() for m in a.models)
+    roomy = {**nodes, "big": hb("big", caps=["video"], mem_mb=8_000)}  # one node holds it whole: no relay
+    whole = plan([model("v", engine="video", path=str(folder), replicas=1)], roomy)
+    assert whole.restaged == {} and holders(whole, "v") == ["big"]
+
+
+def test_a_video_model_whose_biggest_part_fits_nowhere_stays_unplaced(tmp_path):
+    folder = video_folder(tmp_path / "v", unet_mb=5000)
+    p = plan([model("v", engine="video", path=str(folder))], {"a": hb("a", caps=["video"], mem_mb=4_000)})
+    assert holders(p, "v") == [] and p.restaged == {} and "v" in p.unplaced
