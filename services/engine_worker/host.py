@@ -24,6 +24,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
+from coderai.engine_worker.engines.base import EngineLost
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
 from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
@@ -293,6 +294,13 @@ class EngineHost:
             tracing.set_error(span, f"bad_request: {exc}")
             await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq(),
                                          param=getattr(exc, "param", None)))
+            return "failed"
+        except EngineLost as exc:  # the devices went away: another engine (after re-placement) may serve it
+            log.error("%s job lost its engine: %s", op, exc)
+            tracing.set_error(span, f"no_engine: {exc}")
+            if give_back:
+                return "retry"
+            await writer.send(ErrorReply(code="no_engine", message=str(exc), retryable=True, seq=writer.next_seq()))
             return "failed"
         except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
             log.exception("%s job failed", op)

@@ -46,6 +46,7 @@ class EngineTable:
     node_seen: dict[str, float] = field(default_factory=dict)
     last_pick: dict[str, int] = field(default_factory=dict)  # engine id -> pick sequence, to rotate ties
     picks: int = 0
+    failed: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # engine id -> (node, model, why)
 
     def least_busy(self, candidates: list[EngineView]) -> EngineView:
         """Lowest load; among equals the one picked least recently (never picked first), then the lowest id,
@@ -60,11 +61,12 @@ class EngineTable:
     def apply(self, hb: Heartbeat, now: float) -> None:
         """Replace this node's engines with the heartbeat's ready ones."""
         self.node_seen[hb.node_id] = now
-        for eid in [e for e, v in self.engines.items() if v.node_id == hb.node_id]:
-            del self.engines[eid]
+        self.drop_node(hb.node_id)
         for e in hb.engines:
             if e.state == "ready":
                 self.engines[e.engine_id] = EngineView(e.engine_id, hb.node_id, e.model, frozenset(e.ops), e.in_flight)
+            elif e.state == "failed":
+                self.failed[e.engine_id] = (hb.node_id, e.model, e.error or "failed")
 
     def expire(self, now: float) -> list[str]:
         """Forget nodes not heard from within the TTL; returns their ids."""
@@ -77,6 +79,12 @@ class EngineTable:
     def drop_node(self, node_id: str) -> None:
         for eid in [e for e, v in self.engines.items() if v.node_id == node_id]:
             del self.engines[eid]
+        for eid in [e for e, f in self.failed.items() if f[0] == node_id]:
+            del self.failed[eid]
+
+    def failures(self, model: str) -> str:
+        """Why the model's failed engines are down (as their heartbeats say), for a clear `no_engine`."""
+        return "; ".join(f"{eid}: {why}" for eid, (_, m, why) in sorted(self.failed.items()) if m == model)
 
     def suspect(self, engine_id: str) -> None:
         """A gateway saw this engine fail: route around it until its node's next heartbeat vouches for it."""

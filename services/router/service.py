@@ -108,7 +108,9 @@ class Router:
             affinity = self.affinity.values if policy == "prefix" else None
             decision = pick(self.table, req, affinity, self.models_by_name.get(req.model), time.time(), self.guard)
         if decision is None:
-            raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}", retryable=True)
+            why = self.table.failures(req.model)
+            raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}"
+                           + (f" (failed: {why})" if why else ""), retryable=True)
         if policy == "prefix":
             self._record(req, decision)
         if log.isEnabledFor(logging.DEBUG):

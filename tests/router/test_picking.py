@@ -11,8 +11,10 @@ def where(d):
     return (d.engine_id, d.node_id, d.reason)
 
 
-def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0) -> EngineStatus:
-    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight)
+def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0,
+           error: str | None = None) -> EngineStatus:
+    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight,
+                        error=error)
 
 
 def hb(node: str, *engines: EngineStatus, seq: int = 1) -> Heartbeat:
@@ -187,3 +189,15 @@ def test_a_node_that_comes_back_after_expiry_is_picked_again():
     assert pick(t, req()) is None
     t.apply(hb("n1", engine("e1"), seq=2), now=5.0)
     assert where(pick(t, req())) == ("e1", "n1", "least_busy")
+
+
+def test_failed_engines_are_remembered_with_their_reason_until_their_node_says_otherwise():
+    t = EngineTable()
+    t.apply(hb("n1", engine("e1", state="failed", error="RPC server 10.0.0.2:50052 on node b is unreachable")), now=0.0)
+    assert t.failures("m") == "e1: RPC server 10.0.0.2:50052 on node b is unreachable" and t.failures("other") == ""
+    t.apply(hb("n1", engine("e1")), now=1.0)  # back
+    assert t.failures("m") == "" and set(t.engines) == {"e1"}
+    t.apply(hb("n1", engine("e1", state="failed")), now=2.0)
+    assert t.failures("m") == "e1: failed"
+    t.drop_node("n1")
+    assert t.failures("m") == ""

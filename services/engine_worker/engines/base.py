@@ -12,6 +12,11 @@ class EngineLoadError(Exception):
     """The model could not be loaded (missing file, bad format, library absent)."""
 
 
+class EngineLost(RuntimeError):
+    """The engine lost its devices mid-job (a split model's RPC server went away): the job may succeed
+    elsewhere, so the worker answers it retryable (`no_engine`), never as the engine's own failure."""
+
+
 class BadInput(ValueError):
     """The job's input cannot be used (unreadable audio, not an image, a size the model cannot make). The
     worker answers `bad_request` naming `param`, which the gateway turns into a 400; never a 5xx."""

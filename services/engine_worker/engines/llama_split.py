@@ -35,7 +35,7 @@ import msgspec
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage, decode, encode
 from coderai.contracts.split import SplitPlan
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, EngineLost
 
 log = logging.getLogger("coderai.engine_worker.split")
 
@@ -147,7 +147,7 @@ class SplitLlamaEngine(Engine):
 
     def _call(self, op: str, job: Any, cancel: CancelFlag, emit: Any) -> tuple[list[Choice], Usage]:
         if self.lost:
-            raise RuntimeError(self.lost)
+            raise EngineLost(self.lost)
         jid = next(self._ids)
         q: queue.Queue = queue.Queue()
         self._waiting[jid] = q
@@ -163,7 +163,7 @@ class SplitLlamaEngine(Engine):
                         _write(self.proc.stdin, self._lock, {"cancel": jid})  # type: ignore[union-attr,arg-type]
                     continue
                 if msg is _DEAD:
-                    raise RuntimeError(self.lost or "the split model's process ended")
+                    raise EngineLost(self.lost or "the split model's process ended")
                 if "emit" in msg:
                     if emit is not None:
                         emit(*msg["emit"])
@@ -173,7 +173,7 @@ class SplitLlamaEngine(Engine):
                 self._stats = msg.get("stats") or self._stats
                 return decode(msg["choices"], list[Choice]), decode(msg["usage"], Usage)
         except (BrokenPipeError, OSError) as exc:
-            raise RuntimeError(self.lost or f"the split model's process is gone: {exc}") from None
+            raise EngineLost(self.lost or f"the split model's process is gone: {exc}") from None
         finally:
             self._waiting.pop(jid, None)
 
@@ -182,26 +182,33 @@ class SplitLlamaEngine(Engine):
             q = self._waiting.get(msg.get("id", -1))
             if q is not None:
                 q.put(msg)
-        self._lose(f"the split model's process exited ({self.proc.wait()})" if not self._closed.is_set() else "")  # type: ignore[union-attr]
+        if not self._closed.is_set():  # ggml aborts the process when an RPC server vanishes: say which one
+            code = self.proc.wait()  # type: ignore[union-attr]
+            self._lose(self._unreachable(timeout_s=0.5) or f"the split model's process exited ({code})")
         for q in list(self._waiting.values()):
             q.put(_DEAD)
 
     # --- liveness --------------------------------------------------------------------------------
 
+    def _unreachable(self, timeout_s: float = PROBE_S, only: list[Any] | None = None) -> str:
+        """Why the model lost its layers ("" while every remote device answers a connect)."""
+        for d in only if only is not None else self.plan.remote():
+            host, _, port = d.endpoint.rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+            except OSError:
+                return f"RPC server {d.endpoint} on node {d.node_id} is unreachable: the model's layers there are gone"
+        return ""
+
     def _watch(self) -> None:
         fails = {d.endpoint: 0 for d in self.plan.remote()}
         while not self._closed.wait(PROBE_S):
             for d in self.plan.remote():
-                host, _, port = d.endpoint.rpartition(":")
-                try:
-                    socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
-                    fails[d.endpoint] = 0
-                except OSError:
-                    fails[d.endpoint] += 1
-                    if fails[d.endpoint] >= 2:
-                        self._lose(f"RPC server {d.endpoint} on node {d.node_id} is unreachable: the model's "
-                                   f"layers there are gone")
-                        return
+                why = self._unreachable(only=[d])
+                fails[d.endpoint] = fails[d.endpoint] + 1 if why else 0
+                if fails[d.endpoint] >= 2:
+                    self._lose(why)
+                    return
 
     def _lose(self, why: str) -> None:
         if self.lost or self._closed.is_set() or not why:
