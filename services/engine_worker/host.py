@@ -101,6 +101,7 @@ class EngineHost:
             else:
                 self.engine = engine_class(cfg.engine)(cfg)
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
+            self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
                 self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
             await loop.run_in_executor(self._executor, self.engine.load)
@@ -151,6 +152,20 @@ class EngineHost:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _back(self) -> None:
+        """The engine serves again by itself (its devices came back): take jobs again."""
+        if self.state != "failed":
+            return
+        task = asyncio.create_task(self._resume_intake())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resume_intake(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        await self.subscribe()
+        self.state, self.error = "ready", None
+
     async def _drop_intake(self) -> None:
         await self._stop_pullers()
         for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
@@ -165,12 +180,8 @@ class EngineHost:
         await self._drop_intake()
 
     async def resume(self) -> None:
-        if self.state != "draining":
-            return
-        for sub in self._subs:
-            await sub.unsubscribe()
-        await self.subscribe()
-        self.state = "ready"
+        if self.state == "draining":
+            await self._resume_intake()
 
     async def unload(self, timeout_s: float) -> None:
         """Stop intake, let in-flight jobs finish (bounded), then free the model."""

@@ -1,6 +1,7 @@
 """One GGUF split over two machines (network namespaces): the head serves it with its CPU plus node-b's ggml
 RPC server. Answers at temperature 0 equal the whole model's on one machine; killing node-b makes the model
-answer 503 within 10 s, and the scheduler re-places it on the head alone, where it serves again."""
+answer 503 within 10 s, and the scheduler re-places it on the head alone, where it serves again; once node-b is
+back, the model is split over it again."""
 
 from __future__ import annotations
 
@@ -99,6 +100,15 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         again = chat("split", PROMPTS[1])
         assert again["content"] == chat("whole", PROMPTS[1])["content"]
         assert admin("/admin/splits")["data"] == []
+
+        procs.append(node_up(nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052",
+                             "--families", "llama").start())  # node-b is back: the pinned split comes back too
+
+        def split_again() -> bool:  # a second split loaded (the log says so), and it answers
+            return head_worker_log().count('"msg": "split split over') >= 2 and chat("split")["status"] == 200
+
+        wait_until(split_again, 90, "the model to be split over node-b again")
+        assert chat("split", PROMPTS[0])["content"] == chat("whole", PROMPTS[0])["content"]
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=60 if p is procs[0] else 15)

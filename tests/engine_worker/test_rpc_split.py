@@ -11,7 +11,7 @@ import pytest
 
 from coderai.contracts import ChatJob, ModelConfig, SamplingParams
 from coderai.contracts.split import SplitDevice, SplitPlan
-from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.engines.base import CancelFlag, EngineLost
 from coderai.engine_worker.engines.llama_split import LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, split_params
 from coderai.engine_worker.rpc import RpcConfigError, RpcGate, cluster_address, gate_address
 from coderai.runtime.gguf_meta import block_count
@@ -98,7 +98,7 @@ def test_block_count_reads_the_gguf_header(tiny_gguf, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_split_engine_answers_like_the_whole_model_and_is_lost_when_its_rpc_server_dies(tmp_path):
+def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_server_dies_and_comes_back(tmp_path):
     pytest.importorskip("llama_cpp")
     from coderai.engine_worker.engines import engine_class
     from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
@@ -131,6 +131,8 @@ def test_the_split_engine_answers_like_the_whole_model_and_is_lost_when_its_rpc_
     lost = threading.Event()
     reasons: list[str] = []
     engine.on_lost = lambda why: (reasons.append(why), lost.set())
+    back = threading.Event()
+    engine.on_back = back.set
     try:
         engine.load()
         assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
@@ -138,12 +140,22 @@ def test_the_split_engine_answers_like_the_whole_model_and_is_lost_when_its_rpc_
         stream_job = ChatJob(request_id="s", model="m", messages=job.messages, params=job.params, stream=True)
         engine.chat(stream_job, CancelFlag(), lambda d, t, f: streamed.append(d or {}))
         assert "".join(d.get("content", "") for d in streamed) == expected["content"]
-        svc.proc.kill()
-        asyncio.run_coroutine_threadsafe(svc.gate.close(), loop).result(10)
+        port = svc.gate.port
+        asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
         assert lost.wait(15), "the engine did not notice its RPC server was gone"
         assert "unreachable" in reasons[0] and "there" in reasons[0]
-        with pytest.raises(RuntimeError, match="unreachable"):
+        with pytest.raises(EngineLost, match="unreachable"):
             engine.chat(job, CancelFlag(), None)
+
+        async def again() -> RpcService:  # the node restarted quickly: same gate, a fresh server behind it
+            svc = RpcService("127.0.0.1", port, threads=1)
+            await svc.start()
+            svc.gate.allow(["127.0.0.1"])
+            return svc
+
+        svc = asyncio.run_coroutine_threadsafe(again(), loop).result(60)
+        assert back.wait(30), "the engine did not load again once its RPC server answered"
+        assert engine.lost is None and engine.chat(job, CancelFlag(), None)[0][0].message == expected
     finally:
         engine.close()
         asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)

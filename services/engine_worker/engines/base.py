@@ -46,6 +46,7 @@ class Engine:
         # set by the worker: an engine whose devices went away (a split model's RPC server) calls it, from any
         # thread, with the reason; the worker stops sending it jobs and reports it failed
         self.on_lost: Callable[[str], None] | None = None
+        self.on_back: Callable[[], None] | None = None  # ... and this once it serves again by itself
         self.warning = ""  # something an operator should know about how it runs (shown with the engine)
 
     def load(self) -> None:

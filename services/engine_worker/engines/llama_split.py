@@ -14,7 +14,9 @@ the remote devices registered first and these llama.cpp parameters added:
   so, and the worker logs it.
 Parent and child talk over stdin/stdout in length-prefixed msgpack frames. A watchdog thread connects to each
 remote endpoint every `PROBE_S`; two failures in a row (or the child dying) mark the engine lost at once, so
-the model stops taking requests (callers get a clear 503) and the scheduler re-places it.
+the model stops taking requests (callers get a clear 503) and the scheduler re-places it. If the RPC servers
+answer again before that (a node that restarted within the heartbeat TTL keeps its plan), the engine loads the
+model again by itself and serves again.
 """
 
 from __future__ import annotations
@@ -101,9 +103,15 @@ class SplitLlamaEngine(Engine):
 
     def load(self) -> None:
         from coderai.engine_worker.rpc import link_gbps
-        from coderai.runtime.embedded import die_with_parent
 
         self.warning = self._link_warning(link_gbps)
+        self._start_child()
+        # the supervisor outlives every child it restarts: a child dies with the thread that forked it
+        threading.Thread(target=self._supervise, name=f"split-watch-{self.config.name}", daemon=True).start()
+
+    def _start_child(self) -> None:
+        """Start the child, wait until it has loaded the model over the RPC servers, then read its frames."""
+        from coderai.runtime.embedded import die_with_parent
 
         env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # an abort must not wait for gdb to print a backtrace
         self.proc = subprocess.Popen([sys.executable, "-m", "coderai.engine_worker.engines.llama_split"],
@@ -112,15 +120,14 @@ class SplitLlamaEngine(Engine):
         ready = _read(self.proc.stdout)  # type: ignore[arg-type]
         if not ready or "error" in ready:
             self._stop_child()
-            raise EngineLoadError((ready or {}).get("error") or f"the split model's process exited ({self.proc.poll()})")
+            raise EngineLoadError((ready or {}).get("error") or f"the split model's process exited ({self.proc.wait()})")
         self.note = ready.get("note", "")
-        if self.note:
+        if self.note and self.note not in self.warning:
             log.warning("%s: %s", self.config.name, self.note)
             self.warning = "; ".join(w for w in (self.warning, self.note) if w)
         log.info("%s split over %s", self.config.name,
                  ", ".join(f"{d.node_id}{'@' + d.endpoint if d.endpoint else ' (local)'} {d.share:.0%}" for d in self.plan.devices))
-        threading.Thread(target=self._reader, name=f"split-{self.config.name}", daemon=True).start()
-        threading.Thread(target=self._watch, name=f"split-watch-{self.config.name}", daemon=True).start()
+        threading.Thread(target=self._reader, args=(self.proc,), name=f"split-{self.config.name}", daemon=True).start()
 
     def _link_warning(self, probe: Any) -> str:
         """Measure the link to every remote device (a short probe through its gate) and, for a row split, warn
@@ -177,13 +184,13 @@ class SplitLlamaEngine(Engine):
         finally:
             self._waiting.pop(jid, None)
 
-    def _reader(self) -> None:
-        while (msg := _read(self.proc.stdout)) is not None:  # type: ignore[union-attr,arg-type]
+    def _reader(self, proc: subprocess.Popen) -> None:
+        while (msg := _read(proc.stdout)) is not None:  # type: ignore[arg-type]
             q = self._waiting.get(msg.get("id", -1))
             if q is not None:
                 q.put(msg)
         if not self._closed.is_set():  # ggml aborts the process when an RPC server vanishes: say which one
-            code = self.proc.wait()  # type: ignore[union-attr]
+            code = proc.wait()
             self._lose(self._unreachable(timeout_s=0.5) or f"the split model's process exited ({code})")
         for q in list(self._waiting.values()):
             q.put(_DEAD)
@@ -200,15 +207,32 @@ class SplitLlamaEngine(Engine):
                 return f"RPC server {d.endpoint} on node {d.node_id} is unreachable: the model's layers there are gone"
         return ""
 
-    def _watch(self) -> None:
+    def _supervise(self) -> None:
+        """Probe the remote devices every `PROBE_S`: two failures in a row lose the engine. Once lost, wait
+        until every RPC server answers again (an RPC node that restarted quickly is never re-placed, its plan
+        stays), load the model again, and tell the worker it serves again."""
         fails = {d.endpoint: 0 for d in self.plan.remote()}
         while not self._closed.wait(PROBE_S):
-            for d in self.plan.remote():
-                why = self._unreachable(only=[d])
-                fails[d.endpoint] = fails[d.endpoint] + 1 if why else 0
-                if fails[d.endpoint] >= 2:
-                    self._lose(why)
-                    return
+            if self.lost is None:
+                for d in self.plan.remote():
+                    why = self._unreachable(only=[d])
+                    fails[d.endpoint] = fails[d.endpoint] + 1 if why else 0
+                    if fails[d.endpoint] >= 2:
+                        self._lose(why)
+                        break
+                continue
+            if self._unreachable():
+                continue
+            try:
+                self._start_child()
+            except EngineLoadError as exc:  # e.g. the node's gate does not admit us yet: try again
+                log.warning("%s: the RPC servers answer again but the model did not load: %s", self.config.name, exc)
+                continue
+            fails = dict.fromkeys(fails, 0)
+            self.lost = None
+            log.info("%s: every RPC server answers again; serving", self.config.name)
+            if self.on_back is not None:
+                self.on_back()
 
     def _lose(self, why: str) -> None:
         if self.lost or self._closed.is_set() or not why:
