@@ -68,7 +68,7 @@ def _unwatched():
         """No liveness probe: a bare ggml RPC server has one client at a time and a probe would wait in its
         accept queue (the gate answers probes itself; that is one reason it exists)."""
 
-        def _watch(self) -> None:
+        def _supervise(self) -> None:
             return
 
     return Unwatched

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 from coderai.contracts.split import RpcServer
 from coderai.runtime.embedded import die_with_parent, free_port
@@ -55,77 +56,110 @@ def gate_address(bind: str, nats_url: str, allow_any: bool) -> str:
 
 
 class RpcGate:
-    """Accepts peers from the allow-list and relays their bytes to the loopback RPC server."""
+    """Accepts peers from the allow-list and relays their bytes to the loopback RPC server.
+
+    Plain threads with blocking sockets, not the worker's event loop: every token of a split model crosses the
+    gate twice in small messages, and a thread woken by the kernel relays them sooner than an event loop that
+    is also busy with the bus (TCP_NODELAY on both legs, as ggml sets on its own)."""
 
     def __init__(self, host: str, port: int, upstream_port: int) -> None:
         self.host, self.port, self.upstream_port = host, port, upstream_port
-        self.allowed: set[str] = set()
+        self.allowed: frozenset[str] = frozenset()
         self.refused = 0
-        self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._sock: socket.socket | None = None
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_peer, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._sock = socket.create_server((self.host, self.port), family=family, backlog=16)
+        self.port = self._sock.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name=f"rpc-gate-{self.port}", daemon=True).start()
 
     def allow(self, peers: list[str]) -> None:
-        new = set(peers)
+        new = frozenset(peers)
         if new != self.allowed:
             log.info("RPC gate on %s:%d admits %s", self.host, self.port, sorted(new) or "nobody")
         self.allowed = new
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            self._sock.close()
+        with self._lock:
+            conns, self._open = list(self._open), set()
+        for c in conns:
+            _close(c)
 
-    async def _on_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = (writer.get_extra_info("peername") or ("?",))[0]
-        if peer not in self.allowed:
-            self.refused += 1
-            log.warning("RPC gate refused %s: not a node serving a split model here", peer)
-            writer.close()
-            return
-        task = asyncio.current_task()
-        self._conns.add(task)
-        up_writer = None
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return  # closed
+            if addr[0] not in self.allowed:
+                self.refused += 1
+                log.warning("RPC gate refused %s: not a node serving a split model here", addr[0])
+                _close(conn)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name=f"rpc-gate-{addr[0]}", daemon=True).start()
+
+    def _track(self, *socks: socket.socket) -> None:
+        with self._lock:
+            self._open.update(socks)
+
+    def _serve(self, conn: socket.socket) -> None:
+        up = None
+        self._track(conn)
         try:
-            first = await reader.read(CHUNK)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            first = conn.recv(CHUNK)
             if not first:  # a liveness probe: connected and left
                 return
             if first.startswith(LINK_PROBE):  # a link-speed probe: swallow the bytes, say how many came
                 got = len(first) - len(LINK_PROBE)
-                while data := await reader.read(CHUNK):
+                while data := conn.recv(CHUNK):
                     got += len(data)
-                writer.write(got.to_bytes(8, "big"))
-                await writer.drain()
+                conn.sendall(got.to_bytes(8, "big"))
                 return
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-            up_writer.write(first)
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
-            pass
-        except asyncio.CancelledError:  # the gate is closing: end this connection quietly
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._track(up)
+            up.sendall(first)
+            back = threading.Thread(target=_pipe, args=(up, conn), daemon=True)
+            back.start()
+            _pipe(conn, up)
+            back.join()
+        except OSError:
             pass
         finally:
-            self._conns.discard(task)
-            for w in (writer, up_writer):
-                if w is not None:
-                    w.close()
+            for c in (conn, up):
+                if c is not None:
+                    with self._lock:
+                        self._open.discard(c)
+                    _close(c)
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    """Bytes from `src` to `dst` until `src` ends; then end `dst`'s sending side too."""
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
     try:
-        while data := await src.read(CHUNK):
-            dst.write(data)
-            await dst.drain()
+        while n := src.recv_into(buf):
+            dst.sendall(view[:n])
+    except OSError:
+        pass
     finally:
-        with contextlib.suppress(Exception):
-            dst.write_eof()
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+def _close(s: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
+    s.close()
 
 
 def link_gbps(endpoint: str, nbytes: int = PROBE_BYTES, timeout_s: float = 10.0) -> float:
