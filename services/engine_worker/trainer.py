@@ -1,11 +1,13 @@
-"""`python -m coderai.engine_worker.trainer --spec S --data D --out O`: one rank of a fine-tuning job.
+"""`python -m coderai.engine_worker.trainer --spec S --data D [--valid V] --out O`: one rank of a fine-tuning job.
 
 It runs in a child process of the worker (torch and its threads stay out of the worker's event loop, and a crash
 here never takes the worker's engines down) and dies with its parent. Ranks meet at the master address the
 scheduler handed out (`MASTER_ADDR`/`MASTER_PORT`; `GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME` name the interface
 towards it) and train synchronously data-parallel: every rank takes its share of each batch, the LoRA gradients
 are averaged with all_reduce, and every rank applies the same AdamW step to the same start (broadcast from rank
-0), so all ranks end with identical adapters. Progress goes to stdout as `@@coderai {json}` lines the worker
+0), so all ranks end with identical adapters. With a validation file, every rank computes the loss of its strided
+share of the validation examples (no gradient) at the end of each epoch, and one all_reduce makes it the mean
+token loss over the whole file; the epoch's last step event carries it. Progress goes to stdout as `@@coderai {json}` lines the worker
 forwards over the bus.
 """
 
@@ -91,6 +93,28 @@ def _batch(torch, seqs: list[list[int]], pad: int, device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
+def validation_loss(model, seqs: list[list[int]], device) -> tuple[float, int]:
+    """(summed token loss, predicted tokens) of `seqs`, one example at a time (no padding to account for), without
+    gradients; the model is put back in the train/eval mode it was in. Examples under two tokens predict nothing."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for s in seqs:
+                if len(s) < 2:
+                    continue
+                ids = torch.tensor([s], dtype=torch.long, device=device)
+                n = len(s) - 1  # the model shifts the labels: every token but the first is predicted
+                total += model(input_ids=ids, labels=ids).loss.float().item() * n
+                count += n
+    finally:
+        model.train(was_training)
+    return total, count
+
+
 def plan_steps(n_examples: int, world: int, batch_size: int, n_epochs: int) -> tuple[int, int]:
     """(steps per epoch, total steps): every rank runs the same number of steps, `batch_size` examples each."""
     per_epoch = max(1, math.ceil(math.ceil(n_examples / world) / batch_size))
@@ -105,7 +129,7 @@ def rank_batch(order: list[int], step_in_epoch: int, rank: int, world: int, batc
     return [order[(base + j * world + rank) % n] for j in range(batch_size)]
 
 
-def train(spec: TrainSpec, data_path: Path, out: Path) -> None:
+def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None = None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -147,12 +171,14 @@ def train(spec: TrainSpec, data_path: Path, out: Path) -> None:
         for p in params:  # one start for every rank, whatever their RNGs did
             _collective(dist.broadcast, p.data, src=0)
         examples = _encode(tok, parse_examples(data_path.read_bytes()))
+        valid = _encode(tok, parse_examples(valid_path.read_bytes())) if valid_path else []
+        mine = valid[spec.rank::spec.world_size]  # this rank's share of the validation examples
         hp = spec.hyperparameters
         per_epoch, total = plan_steps(len(examples), spec.world_size, hp.batch_size, hp.n_epochs)
         opt = torch.optim.AdamW(params, lr=BASE_LEARNING_RATE * hp.learning_rate_multiplier, weight_decay=0.0)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         model.train()
-        say(event="started", total_steps=total, examples=len(examples), backend=backend)
+        say(event="started", total_steps=total, examples=len(examples), valid_examples=len(valid), backend=backend)
         step = 0
         trained = 0
         for epoch in range(hp.n_epochs):
@@ -174,14 +200,21 @@ def train(spec: TrainSpec, data_path: Path, out: Path) -> None:
                     off += n
                 opt.step()
                 opt.zero_grad(set_to_none=False)
-                stats = torch.tensor([loss.detach().float().item(), float(mask.sum().item())])
+                stats = torch.tensor([loss.detach().float().item(), float(mask.sum().item())], device=device)
                 _collective(dist.all_reduce, stats)
                 step += 1
                 tokens = int(stats[1].item())
                 trained += tokens
                 dt = max(time.monotonic() - t0, 1e-6)
+                extra = {}
+                if valid and s == per_epoch - 1:  # the epoch's end (the last one is the end of training)
+                    vsum, vcount = validation_loss(model, mine, device)
+                    vstats = torch.tensor([vsum, float(vcount)], dtype=torch.float64, device=device)
+                    _collective(dist.all_reduce, vstats)
+                    if vstats[1].item() > 0:
+                        extra["valid_loss"] = round(vstats[0].item() / vstats[1].item(), 6)
                 say(event="step", step=step, total_steps=total, loss=round(stats[0].item() / spec.world_size, 6),
-                    tokens_per_s=round(tokens / dt, 1), trained_tokens=trained)
+                    tokens_per_s=round(tokens / dt, 1), trained_tokens=trained, **extra)
         digest = adapter_digest(model)
         tmp = out / f".adapter.{os.getpid()}"
         model.save_pretrained(tmp)
@@ -205,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coderai.engine_worker.trainer", description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True, help="the TrainSpec as JSON, in a file")
     ap.add_argument("--data", required=True, help="the training JSONL file")
+    ap.add_argument("--valid", default="", help="the validation JSONL file (optional)")
     ap.add_argument("--out", required=True, help="a folder for the adapter")
     a = ap.parse_args(argv)
     spec = decode(Path(a.spec).read_bytes(), TrainSpec)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        train(spec, Path(a.data), out)
+        train(spec, Path(a.data), out, Path(a.valid) if a.valid else None)
     except PeerFailed as exc:
         say(event="failed", peer=True, message=f"lost a peer rank: {exc}")
         return 1

@@ -222,6 +222,8 @@ class TrainingHost:
         job_dir = self.work_dir / spec.job_id
         job_dir.mkdir(parents=True, exist_ok=True)
         data = await fetch_file(bus_request(self.bus), spec.data_store_path, self.models_dir)
+        valid = (await fetch_file(bus_request(self.bus), spec.valid_store_path, self.models_dir)
+                 if spec.valid_store_path else None)
         spec_file = job_dir / f"spec-{spec.rank}.json"
         spec_file.write_bytes(encode(spec))
         own = spec.master_addr if spec.rank == 0 else await asyncio.to_thread(source_address_towards, spec.master_addr)
@@ -234,7 +236,7 @@ class TrainingHost:
             return
         run.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "coderai.engine_worker.trainer", "--spec", str(spec_file), "--data", str(data),
-            "--out", str(job_dir), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            *(("--valid", str(valid)) if valid else ()), "--out", str(job_dir), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             limit=1 << 20,
         )
         log.info("training job %s: rank %d runs as pid %d on %s", spec.job_id, spec.rank, run.proc.pid, ifname or "?")
@@ -251,7 +253,8 @@ class TrainingHost:
             kind = evt.pop("event")
             if kind == "step" and spec.rank == 0:
                 await self._report(spec, "step", step=evt["step"], total_steps=evt["total_steps"], loss=evt["loss"],
-                                   tokens_per_s=evt["tokens_per_s"], trained_tokens=evt["trained_tokens"])
+                                   tokens_per_s=evt["tokens_per_s"], trained_tokens=evt["trained_tokens"],
+                                   valid_loss=evt.get("valid_loss"))
             elif kind == "done":
                 done = evt
             elif kind == "failed":

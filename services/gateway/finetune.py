@@ -81,9 +81,6 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         hp = {**hp, **((req.method.get(kind) or {}).get("hyperparameters") or {})}
     if method not in ("lora", "qlora"):
         raise _bad(f"method must be \"lora\" or \"qlora\", not {method!r}.", "method", "unsupported_method")
-    if req.validation_file:
-        raise _bad("validation_file is not supported yet; send only training_file.", "validation_file",
-                   "unsupported_parameter")
     unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier"}
     if unknown:
         raise _bad(f"unknown hyperparameters {sorted(unknown)}.", "hyperparameters")
@@ -91,7 +88,8 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         if not lo <= getattr(req, name) <= hi:
             raise _bad(f"{name} must be between {lo} and {hi}.", name)
     return FineTuneCreate(
-        job_id=job_id, model=req.model, training_file=req.training_file, suffix=req.suffix or "",
+        job_id=job_id, model=req.model, training_file=req.training_file, validation_file=req.validation_file or None,
+        suffix=req.suffix or "",
         method=method, nodes=req.nodes, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha,  # type: ignore[arg-type]
         seed=req.seed if req.seed is not None else 42, key_name=key_name,
         hyperparameters=Hyperparameters(
@@ -108,19 +106,22 @@ def file_json(rec: FileRecord) -> dict[str, Any]:
 
 
 def job_json(job: FineTuneJob) -> dict[str, Any]:
-    """OpenAI's `fine_tuning.job`, plus coderai's `method` extension fields under `coderai`."""
+    """OpenAI's `fine_tuning.job`, plus coderai's `method` extension fields under `coderai` (and there the last
+    validation loss, `valid_loss`, when the job has a validation file)."""
     hp = {"n_epochs": job.hyperparameters.n_epochs, "batch_size": job.hyperparameters.batch_size,
           "learning_rate_multiplier": job.hyperparameters.learning_rate_multiplier}
     return {
         "object": "fine_tuning.job", "id": job.id, "model": job.model, "created_at": job.created_at,
         "finished_at": job.finished_at, "fine_tuned_model": job.fine_tuned_model, "organization_id": "coderai",
-        "result_files": [], "status": job.status, "validation_file": None, "training_file": job.training_file,
+        "result_files": [], "status": job.status, "validation_file": job.validation_file,
+        "training_file": job.training_file,
         "hyperparameters": hp, "trained_tokens": job.trained_tokens, "seed": job.seed, "estimated_finish": None,
         "integrations": [], "user_provided_suffix": job.suffix or None, "metadata": None,
         "error": ({"code": job.error.code, "message": job.error.message, "param": job.error.param}
                   if job.error else None),
         "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
-        "coderai": {"method": job.method, "nodes": job.nodes, "lora_rank": job.lora_rank, "lora_alpha": job.lora_alpha},
+        "coderai": {"method": job.method, "nodes": job.nodes, "lora_rank": job.lora_rank, "lora_alpha": job.lora_alpha,
+                    "valid_loss": job.valid_loss},
     }
 
 

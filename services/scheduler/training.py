@@ -1,10 +1,10 @@
 """Fine-tuning jobs, scheduler side: rendezvous, state, failure, and serving the result.
 
-A job is created by a gateway (`coderai.cmd.scheduler.train`): the training file is copied from the
-`coderai_files` object store into the head's model store (nodes fetch it like a model file), the nodes are chosen
-and given ranks, rank 0 is started first and answers the rendezvous address, then every other rank gets it. The
-ranks' workers report every second; a rank that fails or goes silent fails the job naming its node, and the other
-ranks are stopped. When every rank is done with the same adapter digest and rank 0's upload has landed (written
+A job is created by a gateway (`coderai.cmd.scheduler.train`): the training file (and the validation file, when
+the job has one) is copied from the `coderai_files` object store into the head's model store (nodes fetch it like
+a model file), the nodes are chosen and given ranks, rank 0 is started first and answers the rendezvous address,
+then every other rank gets it. The ranks' workers report every second; a rank that fails or goes silent fails
+the job naming its node, and the other ranks are stopped. When every rank is done with the same adapter digest and rank 0's upload has landed (written
 under a temporary name, renamed only after its sha256 checked out), the model `<base>:<suffix>` is added through
 the ordinary add-model path. Job records live in `coderai_finetune`; this service is their only writer.
 """
@@ -134,12 +134,14 @@ class Training:
         if name in taken:
             raise BusError("bad_request", f"A model named '{name}' exists already; choose another suffix.",
                            param="suffix")
-        file = await self._file(req.training_file)
+        file = await self._file(req.training_file, "training_file")
+        valid = await self._file(req.validation_file, "validation_file") if req.validation_file else None
         eligible = tp.eligible_nodes(self.sched.nodes, base, req.method)
         holders = {n for n, hb in self.sched.nodes.items() if any(e.model == base.name for e in hb.engines)}
         nodes = tp.choose_ranks(eligible, req.nodes, holders)
         now = time.time()
-        job = FineTuneJob(id=req.job_id, model=base.name, training_file=file.id, suffix=req.suffix, method=req.method,
+        job = FineTuneJob(id=req.job_id, model=base.name, training_file=file.id,
+                          validation_file=valid.id if valid else None, suffix=req.suffix, method=req.method,
                           lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, seed=req.seed,
                           hyperparameters=req.hyperparameters, status="validating_files", created_at=int(now),
                           updated_at=now, nodes=nodes, key_name=req.key_name)
@@ -149,20 +151,15 @@ class Training:
         task.add_done_callback(self._tasks.discard)
         return FineTuneReply(job=job)
 
-    async def _file(self, file_id: str) -> FileRecord:
+    async def _file(self, file_id: str, param: str) -> FileRecord:
         from nats.js.errors import KeyNotFoundError
 
         try:
             entry = await self.kv.get(file_id) if file_id.startswith("file-") else None
         except KeyNotFoundError:
             entry = None
-        if entry is None or not entry.value:
-            raise BusError("bad_request", f"No file '{file_id}' was uploaded.", param="training_file")
-        rec = decode(entry.value, FileRecord)
-        if rec.purpose != "fine-tune":
-            raise BusError("bad_request", f"File {file_id} was uploaded for {rec.purpose!r}, not 'fine-tune'.",
-                           param="training_file")
-        return rec
+        return tp.check_file(decode(entry.value, FileRecord) if entry is not None and entry.value else None,
+                             file_id, param)
 
     async def _cancel(self, req: FineTuneCancel, _m: Any) -> FineTuneReply:
         job = self.jobs.get(req.job_id) or await self._read_job(req.job_id)
@@ -208,15 +205,19 @@ class Training:
         try:
             data_path = f"finetune/{job.id}/train.jsonl"
             await self._copy_file(job.training_file, data_path)
+            valid_path = f"finetune/{job.id}/valid.jsonl" if job.validation_file else ""
+            if job.validation_file:  # moved to the nodes exactly like the training file
+                await self._copy_file(job.validation_file, valid_path)
             if self.jobs[job.id].status in TERMINAL:  # cancelled meanwhile
                 return
             job = await self._save(tp.add_event(msgspec.structs.replace(self.jobs[job.id], status="queued"),
-                                                "Training file checked and staged"))
+                                                "Training and validation files checked and staged"
+                                                if valid_path else "Training file checked and staged"))
             now = time.monotonic()
             ranks = [tp.Rank(rank=i, node_id=n, last_seen=now) for i, n in enumerate(job.nodes)]
             live = self.live[job.id] = _Live(ranks, base, name)
             spec = TrainSpec(job_id=job.id, rank=0, world_size=len(job.nodes), base_path=base.path,
-                             data_store_path=data_path, adapter_store_path=f"finetune/{job.id}/adapter.tar",
+                             data_store_path=data_path, valid_store_path=valid_path, adapter_store_path=f"finetune/{job.id}/adapter.tar",
                              method=job.method, lora_rank=job.lora_rank, lora_alpha=job.lora_alpha, seed=job.seed,
                              hyperparameters=job.hyperparameters)
             first = await self._start_rank(job, spec, live)
@@ -270,11 +271,11 @@ class Training:
         async with live.lock:
             job = self.jobs[rep.job_id]
             if rep.kind == "step":
-                data = {"step": rep.step, "total_steps": rep.total_steps, "train_loss": rep.loss,
-                        "tokens_per_s": rep.tokens_per_s, "trained_tokens": rep.trained_tokens}
-                job = tp.add_event(job, f"Step {rep.step}/{rep.total_steps}: training loss={rep.loss:.4f}, "
-                                        f"{rep.tokens_per_s:.0f} tokens/s", type_="metrics", data=data)
-                await self._save(msgspec.structs.replace(job, trained_tokens=rep.trained_tokens))
+                said, data = tp.step_event(rep.step, rep.total_steps, rep.loss or 0.0, rep.tokens_per_s or 0.0,
+                                           rep.trained_tokens, rep.valid_loss)
+                job = tp.add_event(job, said, type_="metrics", data=data)
+                valid = rep.valid_loss if rep.valid_loss is not None else job.valid_loss
+                await self._save(msgspec.structs.replace(job, trained_tokens=rep.trained_tokens, valid_loss=valid))
             elif rep.kind == "done":
                 r.done, r.digest = True, rep.digest
                 said = f"Rank {rep.rank} on {rep.node_id} finished (adapter {rep.digest[:12]})"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 from coderai.contracts import BusError, Heartbeat, ModelConfig
-from coderai.contracts.training import MAX_EVENTS, FineTuneJob, JobEvent, Method
+from coderai.contracts.training import MAX_EVENTS, FileRecord, FineTuneJob, JobEvent, Method
 
 SILENT_S = 10.0
 """A rank whose worker sent no report for this long is dead (reports come every second)."""
@@ -47,6 +47,30 @@ def choose_ranks(eligible: list[str], want: int, holders: set[str] | frozenset[s
                                       f"({', '.join(eligible)})", param="nodes")
     ordered = sorted(eligible, key=lambda n: (n not in holders, n))
     return ordered[: want or len(ordered)]
+
+
+def check_file(rec: FileRecord | None, file_id: str, param: str) -> FileRecord:
+    """The uploaded file a job names as `param` (`training_file` or `validation_file`): it must exist and be a
+    `fine-tune` upload (checked line by line when it was uploaded). BusError bad_request naming `param`."""
+    if rec is None:
+        raise BusError("bad_request", f"No file '{file_id}' was uploaded.", param=param)
+    if rec.purpose != "fine-tune":
+        raise BusError("bad_request", f"File {file_id} was uploaded for {rec.purpose!r}, not 'fine-tune'.",
+                       param=param)
+    return rec
+
+
+def step_event(step: int, total: int, loss: float, tokens_per_s: float, trained: int,
+               valid_loss: float | None) -> tuple[str, dict]:
+    """A step's metrics event (message, data), in OpenAI's keys. At an epoch's end, with a validation file, it
+    also has `valid_loss` and `full_valid_loss`: both the mean token loss over the whole validation file."""
+    data: dict = {"step": step, "total_steps": total, "train_loss": loss, "tokens_per_s": tokens_per_s,
+                  "trained_tokens": trained}
+    said = f"Step {step}/{total}: training loss={loss:.4f}"
+    if valid_loss is not None:
+        data["valid_loss"] = data["full_valid_loss"] = valid_loss
+        said += f", validation loss={valid_loss:.4f}"
+    return f"{said}, {tokens_per_s:.0f} tokens/s", data
 
 
 def finetuned_name(base: str, suffix: str, job_id: str) -> str:

@@ -42,18 +42,19 @@ def main() -> None:
         with open(args[0], "rb") as fh:
             f = client.files.create(file=("train.jsonl", fh), purpose="fine-tune")
         out = {"id": f.id, "object": f.object, "bytes": f.bytes, "purpose": f.purpose}
-    elif cmd == "create":  # FILE_ID SUFFIX N_EPOCHS [METHOD]
+    elif cmd == "create":  # FILE_ID SUFFIX N_EPOCHS [METHOD [VALIDATION_FILE_ID]]
         extra = {"nodes": 2, "lora_rank": 8, "lora_alpha": 16}
         if len(args) > 3:
             extra["method"] = args[3]
+        valid = {"validation_file": args[4]} if len(args) > 4 else {}
         try:
             job = client.fine_tuning.jobs.create(
-                model="tiny", training_file=args[0], suffix=args[1], seed=7,
+                model="tiny", training_file=args[0], suffix=args[1], seed=7, **valid,
                 hyperparameters={"n_epochs": int(args[2]), "batch_size": 1, "learning_rate_multiplier": 25},
                 extra_body=extra)
             out = {"status": 200, "id": job.id, "job_status": job.status}
         except openai.APIStatusError as exc:
-            out = {"status": exc.status_code, "message": exc.body["message"]}
+            out = {"status": exc.status_code, "message": exc.body["message"], "param": exc.body["param"]}
     elif cmd == "get":
         job = client.fine_tuning.jobs.retrieve(args[0])
         events = client.fine_tuning.jobs.list_events(args[0], limit=100)

@@ -1,7 +1,7 @@
 """Fine-tuning across two machines in network namespaces: a head (`coderai up`) and node-b train a LoRA on the
 tiny random HF llama data-parallel (gloo over the namespaces' link), through the official openai SDK: bad files
-are refused at upload naming the line, loss goes down, events stream the steps, both ranks end with the same
-adapter, and `tiny:ft1` answers a chat through the gateway. A second job loses its rank on node-b mid-training
+are refused at upload naming the line, loss goes down, events stream the steps (with the validation loss at each
+epoch's end: the job has a validation file), both ranks end with the same adapter, and `tiny:ft1` answers a chat through the gateway. A second job loses its rank on node-b mid-training
 (the trainer process is killed) and ends `failed`, naming node-b, within 30 s; nothing of it is registered. A
 cancelled job stops on both nodes. A last one loses node-b's whole worker (the trainer dies with it): its reports
 stop and the job fails naming node-b within 30 s."""
@@ -31,7 +31,7 @@ TOKEN = "fine tuning test token"
 CLIENT = str(Path(__file__).with_name("finetune_client.py"))
 EXAMPLES = [{"messages": [{"role": "system", "content": "You add numbers."},
                           {"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(4)]
+                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(6)]
 
 
 def _gone(pid: int) -> bool:
@@ -51,8 +51,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "transformers", "path": str(base), "params": {"max_tokens": 8}, "nodes": ["head"]},
     ])
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    data, valid = root / "train.jsonl", root / "valid.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4]))
+    valid.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[4:]))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {
         "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     head, nb = lab["head"], lab["node-b"]
@@ -91,21 +92,24 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         up_file = client("upload", str(data))
         assert up_file["object"] == "file" and up_file["purpose"] == "fine-tune" and up_file["id"].startswith("file-")
         file_id = up_file["id"]
+        valid_id = client("upload", str(valid))["id"]
+        no_valid = client("create", file_id, "v", "1", "lora", "file-nope")
+        assert no_valid["status"] == 400 and no_valid["param"] == "validation_file", no_valid
         qlora = client("create", file_id, "q", "1", "qlora")  # no bitsandbytes + CUDA here: a clear 400
         assert qlora["status"] == 400 and "bitsandbytes" in qlora["message"], qlora
 
-        def start(suffix: str, epochs: str) -> str:
+        def start(suffix: str, epochs: str, *valid_file: str) -> str:
             created: dict = {}
 
             def accepted() -> bool:  # node-b may not have joined yet: two nodes are asked for
-                created.update(client("create", file_id, suffix, epochs))
+                created.update(client("create", file_id, suffix, epochs, "lora", *valid_file))
                 assert created["status"] in (200, 400), created
                 return created["status"] == 200
 
             wait_until(accepted, 90, f"job {suffix} on two nodes to be accepted", interval_s=1)
             return created["id"]
 
-        job_id = start("ft1", "3")
+        job_id = start("ft1", "3", valid_id)
         wait_until(lambda: job(job_id)["job"]["status"] in ("succeeded", "failed", "cancelled"), 180,
                    "the fine-tuning job to end", interval_s=1)
         got = job(job_id)
@@ -117,6 +121,10 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert [e["data"]["step"] for e in steps] == list(range(1, 7))  # 4 examples / 2 ranks x 3 epochs
         assert all(e["object"] == "fine_tuning.job.event" and e["data"]["tokens_per_s"] > 0 for e in steps)
         assert steps[-1]["data"]["train_loss"] < steps[0]["data"]["train_loss"]
+        checked = [(e["data"]["step"], e["data"]["valid_loss"]) for e in steps if "valid_loss" in e["data"]]
+        assert [s for s, _ in checked] == [2, 4, 6], checked  # each epoch's end, the last one the end of training
+        assert checked[-1][1] < checked[0][1] and j["coderai"]["valid_loss"] == checked[-1][1]
+        assert j["validation_file"] == valid_id and (root / "node-b" / "models" / "finetune" / job_id / "valid.jsonl").is_file()
         assert any("rendezvous at " + head.ip in e["message"] for e in events)
 
         import torch

@@ -28,16 +28,19 @@ from coderai.engine_worker.training import interface_of, pick_address, tar_folde
 HP = Hyperparameters(n_epochs=2, batch_size=2, learning_rate_multiplier=10.0)
 SPEC = TrainSpec(job_id="ftjob-1", rank=1, world_size=2, master_addr="10.0.0.1", master_port=2900, base_path="/m",
                  data_store_path="finetune/ftjob-1/train.jsonl", adapter_store_path="finetune/ftjob-1/adapter.tar",
-                 method="qlora", hyperparameters=HP)
-JOB = FineTuneJob(id="ftjob-1", model="m", training_file="file-1", created_at=1, nodes=["a", "b"],
+                 valid_store_path="finetune/ftjob-1/valid.jsonl", method="qlora", hyperparameters=HP)
+JOB = FineTuneJob(id="ftjob-1", model="m", training_file="file-1", validation_file="file-2", valid_loss=2.0,
+                  created_at=1, nodes=["a", "b"],
                   error=JobError(code="x", message="y"),
                   events=[JobEvent(id="ftevent-1-1", created_at=1, message="m", type="metrics", data={"step": 1})])
 SAMPLES = [
     HP, SPEC, JOB, FineTuneReply(job=JOB), FineTuneCancel(job_id="ftjob-1"), TrainStop(job_id="ftjob-1", reason="r"),
     FileRecord(id="file-1", bytes=3, created_at=1, filename="t.jsonl", purpose="fine-tune", examples=2),
-    FineTuneCreate(job_id="ftjob-1", model="m", training_file="file-1", suffix="s", nodes=2, hyperparameters=HP),
+    FineTuneCreate(job_id="ftjob-1", model="m", training_file="file-1", validation_file="file-2", suffix="s", nodes=2,
+                   hyperparameters=HP),
     TrainStarted(node_id="a", rank=0, master_addr="10.0.0.1", master_port=2900), TrainStopped(node_id="a", was_running=True),
-    TrainReport(job_id="ftjob-1", node_id="a", rank=0, kind="step", step=1, total_steps=4, loss=2.5, tokens_per_s=9.0),
+    TrainReport(job_id="ftjob-1", node_id="a", rank=0, kind="step", step=1, total_steps=4, loss=2.5, tokens_per_s=9.0,
+                valid_loss=2.75),
     AdapterChunk(job_id="ftjob-1", offset=0, data=b"\x00\x01", size=2, sha256="ab"), AdapterAck(received=2, complete=True),
 ]
 
@@ -101,3 +104,22 @@ def test_a_silent_trainer_exit_is_explained_without_progress_bars():
     tail = ["Traceback (most recent call last):", "MemoryError: out of memory", "\rLoading: 5/9 [00:01, 3it/s]"]
     assert exit_reason(1, tail) == "the trainer exited with code 1: MemoryError: out of memory"
     assert exit_reason(3, []) == "the trainer exited with code 3"
+
+
+def test_the_validation_loss_is_the_mean_token_loss_without_gradients():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from coderai.engine_worker.trainer import validation_loss
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_llama(), dtype=torch.float32)
+    model.train()
+    seqs = [[5, 9, 13, 2], [7, 8, 9, 10, 11, 12], [4]]  # the last one predicts nothing
+    total, count = validation_loss(model, seqs, torch.device("cpu"))
+    assert count == 3 + 5 and model.training and all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        model.eval()
+        each = [model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss.item() for s in seqs[:2]]
+    assert total / count == pytest.approx((each[0] * 3 + each[1] * 5) / 8, rel=1e-5)
+    assert validation_loss(model, [], torch.device("cpu")) == (0.0, 0) and not model.training  # eval stays eval

@@ -75,12 +75,23 @@ def test_coderai_extensions_and_openai_method_object():
     ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
     ({"lora_rank": 0}, "lora_rank"),
     ({"nodes": -1}, "nodes"),
-    ({"validation_file": "file-2"}, "validation_file"),
 ])
 def test_bad_requests_are_400_naming_the_field(kw, param):
     with pytest.raises(ApiError) as exc:
         resolve(req(**kw), "ftjob-1")
     assert exc.value.status == 400 and exc.value.param == param
+
+
+def test_a_validation_file_goes_to_the_scheduler_and_shows_in_the_job():
+    assert resolve(req(validation_file="file-2"), "ftjob-1").validation_file == "file-2"
+    assert resolve(req(), "ftjob-1").validation_file is None
+    assert resolve(req(validation_file=""), "ftjob-1").validation_file is None
+    job = FineTuneJob(id="ftjob-v", model="tiny", training_file="file-1", validation_file="file-2", created_at=5,
+                      valid_loss=1.25)
+    j = job_json(job)
+    assert j["validation_file"] == "file-2" and j["training_file"] == "file-1" and j["coderai"]["valid_loss"] == 1.25
+    plain = job_json(FineTuneJob(id="ftjob-p", model="tiny", training_file="file-1", created_at=5))
+    assert plain["validation_file"] is None and plain["coderai"]["valid_loss"] is None
 
 
 def test_job_and_events_are_openai_shaped():

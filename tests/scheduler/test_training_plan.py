@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from coderai.contracts import BusError, Heartbeat, ModelConfig
-from coderai.contracts.training import MAX_EVENTS, FineTuneJob
+from coderai.contracts.training import MAX_EVENTS, FileRecord, FineTuneJob
 from coderai.scheduler import training_plan as tp
 
 BASE = ModelConfig(name="tiny", engine="transformers", path="/m/tiny", params={"max_tokens": 8}, nodes=["a"])
@@ -103,3 +103,24 @@ def test_names_and_suffixes():
     with pytest.raises(BusError) as exc:
         tp.check_suffix("no spaces")
     assert exc.value.param == "suffix"
+
+
+@pytest.mark.parametrize("param", ["training_file", "validation_file"])
+def test_a_job_file_must_be_an_uploaded_fine_tune_file_and_the_error_names_its_field(param):
+    rec = FileRecord(id="file-1", bytes=3, created_at=1, filename="t.jsonl", purpose="fine-tune")
+    assert tp.check_file(rec, "file-1", param) is rec
+    with pytest.raises(BusError) as exc:
+        tp.check_file(None, "file-nope", param)
+    assert (exc.value.code, exc.value.param) == ("bad_request", param) and "file-nope" in exc.value.message
+    with pytest.raises(BusError) as exc:
+        tp.check_file(FileRecord(id="file-2", bytes=3, created_at=1, filename="a", purpose="assistants"), "file-2", param)
+    assert (exc.value.code, exc.value.param) == ("bad_request", param) and "'assistants'" in exc.value.message
+
+
+def test_step_events_carry_the_validation_loss_only_when_there_is_one():
+    said, data = tp.step_event(3, 6, 2.5, 850.0, 120, None)
+    assert said == "Step 3/6: training loss=2.5000, 850 tokens/s"
+    assert data == {"step": 3, "total_steps": 6, "train_loss": 2.5, "tokens_per_s": 850.0, "trained_tokens": 120}
+    said, data = tp.step_event(6, 6, 2.0, 850.0, 240, 2.25)
+    assert said == "Step 6/6: training loss=2.0000, validation loss=2.2500, 850 tokens/s"
+    assert data["valid_loss"] == data["full_valid_loss"] == 2.25 and data["train_loss"] == 2.0

@@ -65,6 +65,7 @@ class FineTuneJob(Message, frozen=True, kw_only=True):
     id: str
     model: str
     training_file: str
+    validation_file: str | None = None
     suffix: str = ""
     method: Method = "lora"
     lora_rank: int = 8
@@ -78,6 +79,7 @@ class FineTuneJob(Message, frozen=True, kw_only=True):
     nodes: list[str] = []  # by rank
     fine_tuned_model: str | None = None
     trained_tokens: int | None = None
+    valid_loss: float | None = None  # the last mean loss over the validation file (at the end of training)
     error: JobError | None = None
     key_name: str = ""
     events: list[JobEvent] = []  # oldest first, at most MAX_EVENTS
@@ -89,6 +91,7 @@ class FineTuneCreate(Message, frozen=True, kw_only=True):
     job_id: str
     model: str
     training_file: str
+    validation_file: str | None = None
     suffix: str = ""
     method: Method = "lora"
     nodes: int = 0  # how many nodes train it; 0: every node that can
@@ -118,6 +121,7 @@ class TrainSpec(Message, frozen=True, kw_only=True):
     master_port: int = 0
     base_path: str  # the base model's Hugging Face folder on the node
     data_store_path: str  # the training file in the head's model store
+    valid_store_path: str = ""  # the validation file there ("" when the job has none)
     adapter_store_path: str  # where rank 0 uploads the adapter (a tar of the peft folder)
     method: Method = "lora"
     lora_rank: int = 8
@@ -150,7 +154,7 @@ ReportKind = Literal["alive", "step", "done", "failed"]
 
 class TrainReport(Message, frozen=True, kw_only=True):
     """Worker -> scheduler, published: `alive` every second while a rank runs, `step` (rank 0) with the loss
-    averaged over ranks, `done` with the adapter's digest, `failed` with why. `peer` marks a failure seen in a
+    averaged over ranks (and at each epoch's end the validation loss, when there is a validation file), `done` with the adapter's digest, `failed` with why. `peer` marks a failure seen in a
     collective (another rank went away), so the scheduler can name the rank that really failed."""
 
     job_id: str
@@ -160,6 +164,7 @@ class TrainReport(Message, frozen=True, kw_only=True):
     step: int = 0
     total_steps: int = 0
     loss: float | None = None
+    valid_loss: float | None = None  # at an epoch's last step, when the job has a validation file
     tokens_per_s: float | None = None
     trained_tokens: int = 0
     digest: str = ""  # sha256 over the adapter's tensors: equal on every rank of a correct job
