@@ -9,7 +9,13 @@ from dataclasses import dataclass
 
 import msgspec
 from coderai.contracts import BusError, Heartbeat, ModelConfig
-from coderai.contracts.training import MAX_EVENTS, FileRecord, FineTuneJob, JobEvent, Method
+from coderai.contracts.training import (
+    MAX_EVENTS,
+    FileRecord,
+    FineTuneJob,
+    JobEvent,
+    Method,
+)
 
 SILENT_S = 10.0
 """A rank whose worker sent no report for this long is dead (reports come every second)."""
