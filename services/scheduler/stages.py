@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from coderai.contracts import Heartbeat, ModelConfig
 from coderai.contracts.stages import RESUMABLE_SCHEDULERS as RESUMABLE
 from coderai.contracts.stages import Stage, StageKind, StagePlan, StagePlanRequest
-from coderai.scheduler.placement import MB, OVERHEAD, UNKNOWN_CAPACITY
+from coderai.scheduler.placement import MB, OVERHEAD, UNKNOWN_CAPACITY, path_bytes
 
 PART_DIRS: dict[StageKind, tuple[str, ...]] = {
     "encode": ("text_encoder", "tokenizer"),
@@ -43,21 +43,10 @@ class ModelParts:
     scheduler: str = ""
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
-
-
 def model_parts(path: str) -> ModelParts:
     """Sizes from the model folder on this machine; a folder that is not here counts the overhead alone."""
     path = os.path.expanduser(path)
-    need = {kind: int(sum(_dir_bytes(os.path.join(path, d)) for d in dirs) * 1.2) + OVERHEAD
+    need = {kind: int(sum(path_bytes(os.path.join(path, d)) for d in dirs) * 1.2) + OVERHEAD
             for kind, dirs in PART_DIRS.items()}
     try:
         with open(os.path.join(path, "scheduler", "scheduler_config.json"), encoding="utf-8") as fh:
