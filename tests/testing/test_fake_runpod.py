@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from coderai.testing.fake_runpod import NO_CAPACITY_MESSAGE, FakeGpuType, FakeRunPod, python_launcher
+from coderai.testing.procs import wait_until
 
 A6000 = "NVIDIA RTX A6000"
-SLEEPER = python_launcher(["-c", "import time; time.sleep(60)"])
+SLEEPER = python_launcher(["-c", "import signal; signal.pause()"])  # a pod process that runs until it is killed
 
 
 class Clock:
@@ -41,15 +42,6 @@ def sdk(fake, monkeypatch):
     monkeypatch.setenv("RUNPOD_API_BASE_URL", fake.base_url)
     monkeypatch.setattr(runpod, "api_key", fake.api_key)
     return runpod
-
-
-def wait_until(pred, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.01)
-    raise TimeoutError("condition not met in time")
 
 
 def post(fake: FakeRunPod, query: str, key: str | None = None, **kw) -> httpx.Response:
@@ -177,7 +169,7 @@ def test_a_launch_that_fails_leaves_its_pod_exited_and_others_booting(clock):
     with FakeRunPod(now=clock, launch=launch) as fake:
         bad, good = (create(fake, n, {"CODERAI_FAIL": f}) for n, f in (("bad", "1"), ("good", "0")))
         fake.wait_booted(good)
-        wait_until(lambda: fake.pod(bad).status == "EXITED")
+        wait_until(lambda: fake.pod(bad).status == "EXITED", 10, "the failing pod to exit")
 
 
 def test_custom_gpu_types_and_stock_status(clock):
@@ -211,7 +203,7 @@ def test_crash_and_a_dying_process_show_exited_and_keep_billing(clock):
         assert fake.billed_seconds(pod_id) == 5
     with FakeRunPod(now=clock, launch=python_launcher(["-c", "pass"])) as fake:
         pod_id = create(fake, "q")
-        wait_until(lambda: fake.pod(pod_id).status == "EXITED")
+        wait_until(lambda: fake.pod(pod_id).status == "EXITED", 10, "the pod to exit")
 
 
 @pytest.mark.slow
