@@ -104,16 +104,22 @@ def plan(
     layers = layers or {}
     # a video model that fits no node whole is relayed by stages when its biggest part fits one (the gateway
     # learns it from the config the scheduler publishes: `restaged`)
+    roomiest = max((capacity(hb) for hb in nodes.values()), default=0)
+    need: dict[str, int] = {}
     restaged: dict[str, ModelConfig] = {}
-    for i, m in enumerate(models):
-        if m.engine == "video" and not staged(m) and not m.memory_mb and nodes and \
-                estimate_bytes(m, sizes.get(m.name)) > max(capacity(hb) for hb in nodes.values()):
-            relay = msgspec.structs.replace(m, params={**m.params, "stages": True})
-            if largest_part(relay) <= max(capacity(hb) for hb in nodes.values()):
-                models = [*models[:i], relay, *models[i + 1:]]
-                restaged[m.name] = relay
-    need = {m.name: largest_part(m) if staged(m) and not m.memory_mb else estimate_bytes(m, sizes.get(m.name))
-            for m in models}
+    sized: list[ModelConfig] = []
+    for m in models:
+        if staged(m) and not m.memory_mb:
+            need[m.name] = largest_part(m)
+        else:
+            need[m.name] = estimate_bytes(m, sizes.get(m.name))
+            if m.engine == "video" and not m.memory_mb and nodes and need[m.name] > roomiest:
+                part = largest_part(m)
+                if part <= roomiest:
+                    m = restaged[m.name] = msgspec.structs.replace(m, params={**m.params, "stages": True})
+                    need[m.name] = part
+        sized.append(m)
+    models = sized
     free = {n: capacity(hb) for n, hb in nodes.items()}
     placed: dict[str, list[ModelConfig]] = {n: [] for n in nodes}
     unplaced: dict[str, str] = {}

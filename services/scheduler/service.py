@@ -49,6 +49,7 @@ class Scheduler:
         self.seen: dict[str, float] = {}
         self.unplaced: dict[str, str] = {}
         self.splits: dict[str, Any] = {}  # model -> SplitPlan of the copy split over several nodes
+        self.restaged: dict[str, ModelConfig] = {}  # video models published with stage relay on, to fit
         self._layers: dict[str, int] = {}
         self.bus: Bus | None = None
         self._dirty = asyncio.Event()
@@ -132,6 +133,7 @@ class Scheduler:
         self.models = [new if x.name == m.name else x for x in self.models]
         await put_if_changed(self.kv_models, model_key(m.name), encode(new))
         log.info("%s %s on %s: nodes=%s replicas=%d", req.action, m.name, req.node, nodes, replicas)
+        self.restaged.pop(m.name, None)  # the plain config was just published: the next plan says again
         self._dirty.set()
         return PlaceReply(model=new)
 
@@ -146,6 +148,7 @@ class Scheduler:
         self.models = [m for m in self.models if m.name != new.name] + [new]
         await put_if_changed(self.kv_models, model_key(new.name), encode(new))
         log.info("added model %s (%s)", new.name, new.engine)
+        self.restaged.pop(new.name, None)  # the plain config was just published: the next plan says again
         self._dirty.set()
         return PlaceReply(model=new)
 
@@ -246,10 +249,15 @@ class Scheduler:
                         if split.warning:
                             log.warning("model %s: %s", name, split.warning)
                 self.splits = {name: split for name, (_, split) in result.splits.items()}
+                turned = {n for n in set(result.restaged) | set(self.restaged)
+                          if result.restaged.get(n) != self.restaged.get(n)}
                 for m in self.models:  # what the gateway reads: a video model relayed by stages says so
-                    want = result.restaged.get(m.name, m)
-                    if await put_if_changed(self.kv_models, model_key(m.name), encode(want)) and want is not m:
-                        log.info("model %s fits no node whole: relayed stage by stage over several", m.name)
+                    if m.name in turned:
+                        want = result.restaged.get(m.name, m)
+                        await put_if_changed(self.kv_models, model_key(m.name), encode(want))
+                        log.info("model %s %s", m.name, "fits no node whole: relayed stage by stage over several"
+                                 if want is not m else "fits a node whole again: no stage relay")
+                self.restaged = result.restaged
                 for node_id, assignment in result.assignments.items():
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])

@@ -29,7 +29,7 @@ import msgspec
 from coderai.contracts import ModelConfig
 from coderai.contracts.split import SplitPlan
 from coderai.engine_worker.engines.base import Engine, EngineLoadError
-from coderai.engine_worker.engines.vllm import OWN_PARAMS, VllmEngine
+from coderai.engine_worker.engines.vllm import VllmEngine
 
 DEFAULT_RAY_PORT = 6385
 JOIN_TIMEOUT_S = 300.0
@@ -188,5 +188,5 @@ class RayMember(Engine):
         self.proc = None
 
 
-__all__ = ["OWN_PARAMS", "RayMember", "VllmRayEngine", "ray_env", "ray_head_command", "ray_member_command",
+__all__ = ["RayMember", "VllmRayEngine", "ray_env", "ray_head_command", "ray_member_command",
            "vllm_ray_params"]
