@@ -207,3 +207,15 @@ def test_every_admin_and_telemetry_route_needs_an_admin_key(duo, user_key):
         for headers, status in (({}, 401), ({"Authorization": f"Bearer {user_key}"}, 403)):
             r = httpx.request(method, f"{duo.urls[0]}{path}", headers=headers, json={}, timeout=10)
             assert r.status_code == status, (method, path, r.status_code, r.text)
+
+
+def test_requests_served_while_metrics_is_down_are_counted_when_it_comes_back(duo, admin_key):
+    """The metrics service reads EVENTS through a durable consumer: what it missed while dead waits for it."""
+    key = new_key(duo, admin_key, "olga")
+    duo.procs["metrics"].kill()
+    for i in range(4):
+        assert chat(duo.urls[i % 2], key).status_code == 200  # serving does not need the metrics service
+    duo.start("metrics", "coderai.metrics", env={"CODERAI_METRICS_PORT": str(duo.metrics_port),
+                                                 "CODERAI_METRICS_REDIS_URL": duo.redis_url})
+    row = _spent(duo, admin_key, "olga", 4)
+    assert row["model"] == "tiny" and row["completion_tokens"] > 0
