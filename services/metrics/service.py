@@ -27,6 +27,7 @@ from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
 
 log = logging.getLogger("coderai.metrics")
+BATCH = 1000  # events per fetch
 
 
 class Metrics:
@@ -137,7 +138,7 @@ class Metrics:
                 sub = await self._subscribe()
                 while True:
                     try:
-                        msgs = await sub.fetch(batch=1000, timeout=1.0)
+                        msgs = await sub.fetch(batch=BATCH, timeout=1.0)
                     except asyncio.TimeoutError:
                         continue
                     if not msgs:  # nats-py may end a wait with nothing in hand (a stray status message)
@@ -157,6 +158,8 @@ class Metrics:
                     for e in events:
                         self.series.on_request(e)
                     await msgs[-1].ack()
+                    if len(msgs) < BATCH:  # caught up: a fetch, a pipeline and an ack per event would cost the
+                        await asyncio.sleep(self.settings.batch_linger_s)  # hot path CPU on a small box
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
