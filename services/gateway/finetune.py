@@ -29,6 +29,7 @@ from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.media_types import read_form
 from coderai.training_data import BadTrainingFile, parse_examples
 from litestar import Request, Response, delete, get, post
+from litestar.params import FromPath
 
 JSON = "application/json"
 PURPOSES = ("fine-tune", "assistants", "batch", "user_data", "vision", "evals")
@@ -256,12 +257,12 @@ def finetune_routes(gw: Any, caller: Any) -> list:
                      "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
 
     @get("/v1/files/{file_id:str}")
-    async def get_file(request: Request, file_id: str) -> Response:
+    async def get_file(request: Request, file_id: FromPath[str]) -> Response:
         await caller(request)
         return json(file_json(msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)))
 
     @get("/v1/files/{file_id:str}/content")
-    async def file_content(request: Request, file_id: str) -> Response:
+    async def file_content(request: Request, file_id: FromPath[str]) -> Response:
         await caller(request)
         rec = msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)
         data = (await (await files()).get(rec.id)).data or b""
@@ -269,7 +270,7 @@ def finetune_routes(gw: Any, caller: Any) -> list:
                         headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
 
     @delete("/v1/files/{file_id:str}", status_code=200)
-    async def delete_file(request: Request, file_id: str) -> Response:
+    async def delete_file(request: Request, file_id: FromPath[str]) -> Response:
         """Forget a file (its bytes and its record); jobs that already read it keep what they read."""
         from nats.js.errors import NotFoundError
 
@@ -295,18 +296,18 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         return json({"object": "list", "data": [job_json(j) for j in jobs], "has_more": more})
 
     @get("/v1/fine_tuning/jobs/{job_id:str}")
-    async def retrieve(request: Request, job_id: str) -> Response:
+    async def retrieve(request: Request, job_id: FromPath[str]) -> Response:
         await caller(request)
         return json(job_json(await load_job(job_id)))
 
     @get("/v1/fine_tuning/jobs/{job_id:str}/events")
-    async def events(request: Request, job_id: str) -> Response:
+    async def events(request: Request, job_id: FromPath[str]) -> Response:
         await caller(request)
         limit = _limit(request)
         return json(events_page(await load_job(job_id), request.query_params.get("after"), limit))
 
     @post("/v1/fine_tuning/jobs/{job_id:str}/cancel", status_code=200)
-    async def cancel(request: Request, job_id: str) -> Response:
+    async def cancel(request: Request, job_id: FromPath[str]) -> Response:
         await caller(request)
         await load_job(job_id)  # 404 for an unknown id, from any replica
         return json(job_json(await ask(CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))

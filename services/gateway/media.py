@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from coderai.contracts import (
@@ -232,7 +233,7 @@ def media_routes(gw: Any, caller: Any, rid: Any) -> list:
         return _json(formats.ocr(final.output, job.model), jobs.response_headers(call))
 
     @get("/v1/blobs/{name:str}")
-    async def blob(name: str) -> Response:
+    async def blob(name: FromPath[str]) -> Response:
         """Generated images by URL: the name is random and unguessable (and expires), like a signed URL."""
         try:
             data = await gw.blobs.get(Blob(name=name))

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 
 from coderai.contracts import Blob, Chunk, VideoJob
 from coderai.contracts.base import Message
@@ -182,13 +183,13 @@ def video_routes(gw: Any, caller: Any, rid: Any) -> list:
         return Response(content=msgspec.json.encode(video_json(rec, now)), media_type="application/json")
 
     @get("/v1/videos/{video_id:str}")
-    async def retrieve(request: Request, video_id: str) -> Response:
+    async def retrieve(request: Request, video_id: FromPath[str]) -> Response:
         await caller(request)
         rec = await load(video_id)
         return Response(content=msgspec.json.encode(video_json(rec, time.time())), media_type="application/json")
 
     @get("/v1/videos/{video_id:str}/content")
-    async def content(request: Request, video_id: str) -> Response:
+    async def content(request: Request, video_id: FromPath[str]) -> Response:
         await caller(request)
         rec = await load(video_id)
         if rec.status != "completed":
