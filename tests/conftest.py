@@ -38,3 +38,16 @@ def tiny_gguf(tmp_path_factory) -> Path:
 def unique() -> str:
     """A token for per-test subjects and buckets."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def artifacts(request) -> Path:
+    """A folder kept after the run for what a test saves for people to look at (screenshots):
+    `$CODERAI_TEST_ARTIFACTS/<test>`, by default `test-artifacts/<test>` in the repository (git ignores it)."""
+    import os
+    import re
+
+    root = Path(os.environ.get("CODERAI_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "test-artifacts")
+    path = root / re.sub(r"[^\w.-]+", "_", request.node.name)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

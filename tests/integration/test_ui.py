@@ -35,13 +35,16 @@ def ui_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
     nats = NatsServer(root / "nats").start()
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
-        {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},
+        {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"],
+         "pod": {"burst": "when_no_fit", "max_hourly_usd": 2.0, "budget_usd": 20.0}},
     ])
     stack = Stack(root, nats.url, redis_server.url)
     try:
         stack.start_core(models)
         stack.start_worker("w1")
         stack.start_worker("w2")
+        # a broker without a RunPod key: it answers for the pods panel, and rents nothing
+        stack.start("pod-broker", "coderai.pod_broker", env={"CODERAI_POD_BROKER_REDIS_URL": redis_server.url})
         # Redis lets the gateway answer /admin/usage (the metrics service writes the rows there).
         stack.start_gateway("--api-keys-file", str(keys_file), env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url})
         stack.wait_model_ready("tiny", headers={"Authorization": f"Bearer {admin_key}"})
@@ -120,7 +123,7 @@ def _full_page_png(driver) -> bytes:
     return base64.b64decode(shot["data"])
 
 
-def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_key, tmp_path):
+def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_key, artifacts):
     _open_signed_out(browser, ui_stack)
     assert not browser.find_element(By.ID, "dash").is_displayed()  # nothing shows before signing in
     _sign_in(browser, admin_key)
@@ -128,7 +131,8 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
     _wait(browser, "nodes w1 and w2", lambda d: _node_ids(d) >= {"w1", "w2"})
     _wait(browser, "tiny ready on w1", lambda d: "ready" in _text(d, '#nodes .node[data-node="w1"] table'))
     _wait(browser, "ghost listed as unplaced", lambda d: "unplaced" in _text(d, '#models tr[data-model="ghost"]'))
-    assert "No pods" in browser.find_element(By.ID, "pods").text
+    _wait(browser, "the pods panel", lambda d: "No RunPod API key" in _text(d, "#pods") and "No pods rented" in _text(d, "#pods"))
+    _wait(browser, "ghost's pod spend and budget", lambda d: "$20.00 / day" in _text(d, '#spend tr[data-model="ghost"]'))
 
     # It refreshes by itself: a request made behind its back shows up in the served count.
     before = _served(browser)
@@ -143,19 +147,19 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
                                      and len(d.find_elements(By.CSS_SELECTOR, "#logs .log-line")) > 0)
     assert browser.find_element(By.ID, "logs").text.strip()
 
-    shot = tmp_path / "ui.png"
+    shot = artifacts / "ui.png"
     shot.write_bytes(_full_page_png(browser))
     assert shot.stat().st_size > 10_000
     print(f"cluster page screenshot: {shot}")
 
 
-def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, user_key, tmp_path):
+def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, user_key, artifacts):
     _open_signed_out(browser, ui_stack)
     error = lambda d: d.find_element(By.ID, "signin-error")  # noqa: E731
 
     _sign_in(browser, "sk-not-a-real-key-0000")
     _wait(browser, "the wrong-key error", lambda d: error(d).is_displayed() and "not accepted" in error(d).text)
-    shot = tmp_path / "ui-wrong-key.png"
+    shot = artifacts / "ui-wrong-key.png"
     shot.write_bytes(_full_page_png(browser))
     print(f"wrong-key screenshot: {shot}")
     assert browser.find_element(By.ID, "key").is_displayed()
