@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import secrets
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -42,18 +45,77 @@ def memory() -> tuple[int, int]:
         return 0, 0
 
 
-def gpu_count() -> int:
-    """NVIDIA GPUs on this machine (`nvidia-smi -L`), 0 without one; vLLM runs one rank on each."""
-    import shutil
-    import subprocess
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
-    if not shutil.which("nvidia-smi"):
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+def parse_smi_memory(text: str) -> list[tuple[int, int]]:
+    """(total, free) bytes per GPU from `nvidia-smi --query-gpu=memory.total,memory.free
+    --format=csv,noheader,nounits` (MiB per line); lines it cannot read are skipped."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            out.append((int(parts[0]) << 20, int(parts[1]) << 20))
+    return out
+
+
+class GpuProbe:
+    """NVIDIA GPUs on this machine and their memory, for the heartbeat (placement fits models by it).
+
+    NVML through ctypes (the driver's own library, microseconds a call) when it loads; otherwise `nvidia-smi`,
+    asked at most every `SMI_EVERY_S` since a process start costs tens of milliseconds. No driver: no GPUs.
+    """
+
+    SMI_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self._nvml = self._load_nvml()
+        self._smi = None if self._nvml is not None else shutil.which("nvidia-smi")
+        self._smi_at = -1e9
+        self._smi_last: list[tuple[int, int]] = []
+        self.count = len(self.devices())
+
+    @staticmethod
+    def _load_nvml():
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
+                return None
+            return lib
+        except (OSError, AttributeError):
+            return None
+
+    def devices(self) -> list[tuple[int, int]]:
+        """(total, free) bytes per GPU."""
+        if self._nvml is not None:
+            return self._nvml_devices()
+        if self._smi and time.monotonic() - self._smi_at >= self.SMI_EVERY_S:
+            self._smi_at = time.monotonic()
+            try:
+                out = subprocess.run([self._smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+                self._smi_last = parse_smi_memory(out)
+            except (OSError, subprocess.TimeoutExpired):
+                self._smi_last = []
+        return self._smi_last
+
+    def _nvml_devices(self) -> list[tuple[int, int]]:
+        lib, n = self._nvml, ctypes.c_uint(0)
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) != 0:
+            return []
+        out = []
+        for i in range(n.value):
+            handle, mem = ctypes.c_void_p(), _NvmlMemory()
+            if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0 and \
+                    lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) == 0:
+                out.append((int(mem.total), int(mem.free)))
+        return out
+
+    def memory(self) -> tuple[int, int]:
+        """(total, free) bytes over every GPU; (0, 0) without one."""
+        devs = self.devices()
+        return sum(t for t, _ in devs), sum(f for _, f in devs)
 
 
 def addresses(first: str = "") -> list[str]:
@@ -70,8 +132,10 @@ def addresses(first: str = "") -> list[str]:
 
 
 def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "",
-                    addrs: list[str] | None = None, rpc: RpcServer | None = None, gpus: int = 0) -> Heartbeat:
+                    addrs: list[str] | None = None, rpc: RpcServer | None = None,
+                    gpu: GpuProbe | None = None) -> Heartbeat:
     total, free = memory()
+    vram_total, vram_free = gpu.memory() if gpu is not None else (0, 0)
     return Heartbeat(
         node_id=node_id,
         version=__version__,
@@ -86,5 +150,7 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         pod=pod,
         addrs=addrs or [],
         rpc=rpc,
-        gpus=gpus,
+        gpus=gpu.count if gpu is not None else 0,
+        vram_total=vram_total,
+        vram_free=vram_free,
     )

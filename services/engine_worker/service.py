@@ -18,7 +18,7 @@ from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_
 from coderai.contracts.topology import ASSIGNMENTS
 from coderai.engine_worker.engines import available_families
 from coderai.engine_worker.host import EngineHost
-from coderai.engine_worker.node import addresses, build_heartbeat, gpu_count, memory
+from coderai.engine_worker.node import GpuProbe, addresses, build_heartbeat, memory
 from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.engine_worker.training import TrainingHost, training_capabilities
@@ -46,7 +46,7 @@ class Worker:
         self.draining = False
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
         self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
-        self.gpus = gpu_count()
+        self.gpu = GpuProbe()  # NVIDIA GPUs and their memory, for placement
         self.rpc: RpcService | None = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
@@ -119,7 +119,7 @@ class Worker:
         hb = build_heartbeat(self.node_id, self._seq, self.families + self.train_caps,
                              [h.status() for h in self.hosts.values()],
                              pod=self.settings.pod, addrs=self.addrs,
-                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpus=self.gpus)
+                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpu=self.gpu)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
