@@ -45,3 +45,14 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
                        redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"},
                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as stack:
         yield stack
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's headless Chromium, one per test module (see coderai.testing.browser)."""
+    from coderai.testing.browser import chromium, missing
+
+    if why := missing():
+        pytest.skip(why)
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as driver:
+        yield driver

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("graphql")
 pytest.importorskip("llama_cpp")
 
+from coderai.testing.browser import full_page_png, open_signed_out, sign_in, text, wait  # noqa: E402
 from coderai.testing.fake_runpod import FakeRunPod, python_launcher  # noqa: E402
 
 TOKEN = "pod-test-token"
@@ -123,6 +124,18 @@ def test_when_no_fit_a_pod_serves_the_model(env):
     assert r.headers["coderai-engine"].startswith(pod["name"])
     assert pod["gpu_count"] == 2 and pod["gpu_type"] == "NVIDIA A100 80GB PCIe"  # cheapest with 2 x 80 GB >= 98 GB
     assert pod["cost_usd"] > 0  # live cost while it runs
+
+
+def test_the_cluster_page_shows_the_rented_pod_and_the_spend(env, browser, artifacts):
+    stack, fake, _ = env
+    [pod] = wait_until(lambda: [p for p in live(stack, "big") if p["state"] == "ready"], 30, "big's pod")  # the test above
+    open_signed_out(browser, stack.http_url)
+    sign_in(browser, ADMIN)
+    row = f'#pods tr[data-pod="{pod["name"]}"]'
+    wait(browser, "big's pod with its GPUs and live cost",
+         lambda d: "ready" in text(d, row) and "2 × NVIDIA A100 80GB PCIe" in text(d, row) and "$" in text(d, row))
+    wait(browser, "big's pod spend against its budget", lambda d: "$50.00 / day" in text(d, '#spend tr[data-model="big"]'))
+    (artifacts / "ui-pods.png").write_bytes(full_page_png(browser))
 
 
 def test_when_busy_the_extra_request_is_served_by_a_pod(env):
