@@ -10,7 +10,7 @@ import math
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -36,7 +36,7 @@ from coderai.gateway.media import media_routes
 from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
 from coderai.gateway.ui import ui_routes
-from coderai.gateway.videos import video_routes
+from coderai.gateway.videos import VideoJobs, video_routes
 from coderai.runtime.blobs import BlobStore
 from coderai.runtime.bus import Bus
 from coderai.runtime.logging import request_id_var, setup_logging
@@ -64,6 +64,7 @@ class Gateway:
         self.catalog: Catalog | None = None
         self.relay: Relay | None = None
         self.blobs: BlobStore | None = None
+        self.reconnect_hooks: list[Callable[[], None]] = []  # after a reconnect: restart watches (video jobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
@@ -91,6 +92,8 @@ class Gateway:
     async def _on_reconnect(self) -> None:
         if self.catalog:
             self.catalog.start()
+        for hook in self.reconnect_hooks:
+            hook()
 
     async def _on_disconnect(self) -> None:
         if self.bus:
@@ -158,6 +161,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         setup_tracing("gateway", settings.node_id)
     check_auth_settings(settings)
     gw = Gateway(settings)
+    videos = VideoJobs(gw)
 
     async def caller(request: Request, scope: str = "inference") -> Caller:
         return await gw.auth.check(request.headers.get("authorization"), scope)
@@ -215,10 +219,10 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[healthz, list_models, get_model, chat, completions, *media_routes(gw, caller, _rid),
-                        *video_routes(gw, caller, _rid), *admin_routes(gw, caller), *catalog_routes(gw, caller),
+                        *video_routes(gw, caller, _rid, videos), *admin_routes(gw, caller), *catalog_routes(gw, caller),
                         *finetune_routes(gw, caller),
                         *ui_routes()],
-        lifespan=[gw.lifespan],
+        lifespan=[gw.lifespan, videos.lifespan],  # entered in order: the video sweeper needs the bus
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
         request_max_body_size=settings.max_body_bytes,  # upload routes allow more (media.py)
         openapi_config=None,

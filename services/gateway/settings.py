@@ -23,3 +23,4 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     redis_url: str = ""  # API keys, limits and budgets shared by every replica; empty: the keys file only
     metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers
     scrape_token: str = ""  # lets Prometheus read /metrics without an admin key
+    video_takeover_s: float = 20.0  # a running video job whose gateway wrote nothing this long is taken over by another replica

@@ -4,7 +4,8 @@ A model with `params.stages` is generated stage by stage (encode, denoise steps 
 node the scheduler chose by memory, its tensors handed on through the object store. After every stage the job's
 record gets the new handoff, the stage history and the progress, so `GET /v1/videos/{id}` shows where the job
 is. A stage that fails retryably (its node went silent or died, or its engine broke) is planned again without
-that node and run again from the last stored handoff: the job never starts over from zero.
+that node and run again from the last stored handoff: the job never starts over from zero. A gateway taking
+over a job whose gateway died (`video_jobs.py`) calls `run` with the record's handoff and stage history.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ async def run(gw: Any, who: Any, job: VideoJob, update: Update, handoff: Handoff
     call = await jobs.admit(gw, who, "video", job)
     headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: who.key_name}
     if job.seed is None:  # every stage must draw from the same seed: fix it here, once
-        job = msgspec.structs.replace(job, seed=secrets.randbelow(2**31))
+        job = msgspec.structs.replace(job, seed=handoff.seed if handoff else secrets.randbelow(2**31))
     if job.steps is None:
         job = msgspec.structs.replace(job, steps=int(call.cfg.params.get("steps", 20)))
     steps = int(job.steps or 1)
@@ -114,6 +115,7 @@ async def run(gw: Any, who: Any, job: VideoJob, update: Update, handoff: Handoff
     usage = Usage()
     excluded: list[str] = []
     try:
+        await update(job=job)  # with its seed and steps fixed: a gateway taking the job over goes on with the same
         await gw.blobs.store()  # the gateway creates the object store the stages hand their tensors through
         plan = await _plan(gw, job, excluded, headers)
         i = 0
