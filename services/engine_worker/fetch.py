@@ -4,6 +4,12 @@
 The file grows in `.<name>.<sha16>.partial` beside its target and resumes from that file's size; the partial is
 named by the head's sha256, so a file that changed on the head never resumes an old one. A finished file is hashed
 and must match the head's sha256 before it is renamed into place.
+
+A model that is a folder (`store_path` ending in "/") is listed first (`coderai.cmd.store.list`: every file's
+relative path, size and sha256), then fetched file by file the same way. A manifest beside the folder
+(`.<folder>.folder.json`) records the listing and says `complete` only once every file is verified; a folder is
+used only then, so a half-fetched folder is never loaded. Files an earlier fetch brought that the head no longer
+lists are removed; files this node did not fetch are left alone.
 """
 
 from __future__ import annotations
@@ -20,17 +26,21 @@ from coderai.contracts import (
     BusError,
     ModelConfig,
     StoreChunk,
+    StoreEntry,
     StoreFetch,
+    StoreList,
+    StoreListing,
     check_store_path,
 )
 from coderai.contracts.store import CHUNK_BYTES
-from coderai.runtime.files import sha256_file
-from coderai.contracts.subjects import CMD_STORE_FETCH
+from coderai.contracts.subjects import CMD_STORE_FETCH, CMD_STORE_LIST
 from coderai.engine_worker.engines import EngineLoadError
+from coderai.runtime.files import sha256_file
 
 log = logging.getLogger("coderai.engine_worker")
 
-Request = Callable[[StoreFetch, float], Awaitable[StoreChunk]]
+# one callable for both questions: a StoreFetch gets a StoreChunk, a StoreList a StoreListing
+Request = Callable[[StoreFetch | StoreList, float], Awaitable[StoreChunk | StoreListing]]
 
 FIRST_TIMEOUT_S = 600.0  # the head hashes a file on its first request: minutes for a big model
 CHUNK_TIMEOUT_S = 60.0
@@ -44,8 +54,9 @@ class FetchError(EngineLoadError):
 def bus_request(bus) -> Request:
     """A `Request` over `bus`."""
 
-    async def _request(req: StoreFetch, timeout: float) -> StoreChunk:
-        return await bus.request(CMD_STORE_FETCH, req, timeout=timeout)
+    async def _request(req: StoreFetch | StoreList, timeout: float) -> StoreChunk | StoreListing:
+        subject = CMD_STORE_LIST if isinstance(req, StoreList) else CMD_STORE_FETCH
+        return await bus.request(subject, req, timeout=timeout)
 
     return _request
 
@@ -85,55 +96,156 @@ async def fetch_file(request: Request, store_path: str, models_dir: Path, *, chu
         raise FetchError(f"cannot fetch {store_path} from the head's model store: {exc}") from None
     if dest.is_file() and dest.stat().st_size == head.size and await asyncio.to_thread(_verified, dest, head.sha256):
         return dest
+    await _fetch_into(request, store_path, dest, head.size, head.sha256, chunk)
+    return dest
+
+
+async def _fetch_into(request: Request, store_path: str, dest: Path, size: int, sha256: str, chunk: int) -> None:
+    """Fetch the head's `store_path` (`size` bytes, `sha256`) into `dest`: resume its partial, verify, rename."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(f".{dest.name}.{head.sha256[:16]}.partial")
+    partial = dest.with_name(f".{dest.name}.{sha256[:16]}.partial")
     done = partial.stat().st_size if partial.exists() else 0
-    if done > head.size:
+    if done > size:
         partial.unlink()
         done = 0
     if done:
-        log.info("resuming fetch of %s at %d of %d bytes", store_path, done, head.size)
+        log.info("resuming fetch of %s at %d of %d bytes", store_path, done, size)
     else:
-        log.info("fetching %s (%d bytes) from the head's model store", store_path, head.size)
+        log.info("fetching %s (%d bytes) from the head's model store", store_path, size)
     t0 = last = time.monotonic()
     start = done
     with open(partial, "ab") as fh:  # noqa: ASYNC230 - 512 KB appends: cheaper inline than a thread each
-        while done < head.size:
+        while done < size:
             try:
                 part = await request(StoreFetch(path=store_path, offset=done, length=chunk), CHUNK_TIMEOUT_S)
             except BusError as exc:
-                raise FetchError(f"fetching {store_path} stopped at {done} of {head.size} bytes: {exc}") from None
-            if (part.size, part.sha256) != (head.size, head.sha256):
+                raise FetchError(f"fetching {store_path} stopped at {done} of {size} bytes: {exc}") from None
+            if (part.size, part.sha256) != (size, sha256):
                 fh.close()
                 partial.unlink(missing_ok=True)
                 raise FetchError(f"{store_path} changed on the head during the fetch; try again")
             if not part.data:
-                raise FetchError(f"the head sent no bytes of {store_path} at offset {done} of {head.size}")
+                raise FetchError(f"the head sent no bytes of {store_path} at offset {done} of {size}")
             fh.write(part.data)
             done += len(part.data)
             now = time.monotonic()
             if now - last >= PROGRESS_EVERY_S:
                 last = now
                 rate = (done - start) / max(now - t0, 1e-6)
-                log.info("fetching %s: %d of %d bytes (%.0f%%, %.1f MB/s)", store_path, done, head.size,
-                         100 * done / max(head.size, 1), rate / 1e6)
+                log.info("fetching %s: %d of %d bytes (%.0f%%, %.1f MB/s)", store_path, done, size,
+                         100 * done / max(size, 1), rate / 1e6)
     got = await asyncio.to_thread(sha256_file, partial)
-    if got != head.sha256:
+    if got != sha256:
         partial.unlink(missing_ok=True)
-        raise FetchError(f"checksum mismatch fetching {store_path}: sha256 {got}, the head has {head.sha256}")
+        raise FetchError(f"checksum mismatch fetching {store_path}: sha256 {got}, the head has {sha256}")
     os.replace(partial, dest)
     _sidecar(dest).write_text(got)
-    log.info("fetched %s (%d bytes) in %.1fs", store_path, head.size, time.monotonic() - t0)
-    return dest
+    log.info("fetched %s (%d bytes) in %.1fs", store_path, size, time.monotonic() - t0)
+
+
+class _Manifest(msgspec.Struct, kw_only=True):
+    """What this node fetched of a store folder; `complete` only once every file was verified."""
+
+    complete: bool = False
+    files: list[StoreEntry] = []
+
+
+def _manifest_path(local: Path) -> Path:
+    return local.with_name(f".{local.name}.folder.json")
+
+
+def _read_manifest(local: Path) -> _Manifest:
+    try:
+        return msgspec.json.decode(_manifest_path(local).read_bytes(), type=_Manifest)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return _Manifest()
+
+
+def _write_manifest(local: Path, manifest: _Manifest) -> None:
+    path = _manifest_path(local)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(manifest))
+    os.replace(tmp, path)
+
+
+def _complete(local: Path) -> bool:
+    """Whether the folder was fetched whole before and every file is still the one verified then."""
+    m = _read_manifest(local)
+    return m.complete and bool(m.files) and all(
+        (f := local / e.path).is_file() and f.stat().st_size == e.size and _verified(f, e.sha256) for e in m.files)
+
+
+def folder_of(store_path: str) -> str:
+    """The folder a folder `store_path` ("org/repo/") names, checked ("org/repo"); FetchError for a bad one."""
+    folder = store_path.removesuffix("/")
+    try:
+        check_store_path(folder)
+    except ValueError as exc:
+        raise FetchError(str(exc)) from None
+    return folder
+
+
+async def fetch_folder(request: Request, store_path: str, models_dir: Path, *, holds: str = "",
+                       chunk: int = CHUNK_BYTES) -> Path:
+    """Make `<models_dir>/<folder>` hold a verified copy of every file of the head's store folder `store_path`
+    ("org/repo/") and return the folder; `holds`: a file (relative to the folder) that must be among them."""
+    folder = folder_of(store_path)
+    local = models_dir / folder
+    try:
+        listing = await request(StoreList(path=folder), FIRST_TIMEOUT_S)
+    except BusError as exc:
+        if await asyncio.to_thread(_complete, local) and (not holds or (local / holds).is_file()):
+            log.warning("cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message)
+            return local
+        raise FetchError(f"cannot fetch {store_path} from the head's model store: {exc}") from None
+    if not listing.files:
+        raise FetchError(f"the head's store folder {store_path} holds no files")
+    for e in listing.files:
+        try:
+            check_store_path(e.path)
+        except ValueError:
+            raise FetchError(f"the head listed {e.path!r} in {store_path}: a path that leaves the folder") from None
+    names = {e.path for e in listing.files}
+    if holds and holds not in names:
+        raise FetchError(f"the head's store folder {store_path} holds no {holds!r}")
+    for gone in {e.path for e in _read_manifest(local).files} - names:  # fetched before, no longer on the head
+        (local / gone).unlink(missing_ok=True)
+        _sidecar(local / gone).unlink(missing_ok=True)
+    local.mkdir(parents=True, exist_ok=True)
+    _write_manifest(local, _Manifest(complete=False, files=list(listing.files)))
+    todo = []
+    for e in listing.files:  # a file already here and verified is not fetched again
+        f = local / e.path
+        if not (f.is_file() and f.stat().st_size == e.size and await asyncio.to_thread(_verified, f, e.sha256)):
+            todo.append(e)
+    if todo:
+        log.info("fetching %d of the %d files of %s (%d bytes) from the head's model store", len(todo),
+                 len(listing.files), store_path, sum(e.size for e in todo))
+    for e in todo:
+        await _fetch_into(request, f"{folder}/{e.path}", local / e.path, e.size, e.sha256, chunk)
+    _write_manifest(local, _Manifest(complete=True, files=list(listing.files)))
+    return local
 
 
 async def ensure_local(config: ModelConfig, request: Request, models_dir: Path) -> ModelConfig:
-    """`config` as this node should load it: unchanged when its `path` exists here (or it names no store file),
-    else pointing at the copy fetched from the head's store."""
+    """`config` as this node should load it: unchanged when its `path` exists here (or it names nothing in the
+    store), else pointing at the copy fetched from the head's store: the file, the folder, or `store_file` in it."""
     if not config.store_path or os.path.exists(os.path.expanduser(config.path)):
         return config
     try:
-        path = await fetch_file(request, config.store_path, models_dir)
+        if config.store_path.endswith("/"):
+            holds = config.store_file
+            if holds:
+                try:
+                    check_store_path(holds)
+                except ValueError as exc:
+                    raise FetchError(f"store_file: {exc}") from None
+            folder = await fetch_folder(request, config.store_path, models_dir, holds=holds)
+            path = folder / holds if holds else folder
+        elif config.store_file:
+            raise FetchError(f"store_file needs a folder store_path (ending in '/'), not {config.store_path!r}")
+        else:
+            path = await fetch_file(request, config.store_path, models_dir)
     except OSError as exc:
         raise FetchError(f"cannot write {config.store_path} under {models_dir}: {exc}") from None
     return msgspec.structs.replace(config, path=str(path))

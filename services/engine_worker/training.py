@@ -6,6 +6,10 @@ The rendezvous address is this node's address towards the others: `CODERAI_WORKE
 the first mDNS interface address, else the local address of the NATS connection when it is not loopback, else the
 first non-loopback IPv4 address. Gloo (and NCCL) are pinned to the interface that reaches the master address,
 so ranks never meet on a loopback or a container bridge by accident.
+
+A rank outlives a scheduler restart: the trainer goes on, its step reports and its final report are also kept
+here, and a restarted scheduler asks for them (`coderai.cmd.node.<id>.train_state`); rank 0 retries the adapter
+upload until a scheduler takes it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import signal
 import socket
 import sys
 import tarfile
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +35,19 @@ from coderai.contracts import BusError, encode
 from coderai.contracts.store import CHUNK_BYTES
 from coderai.contracts.subjects import (
     CMD_NODE_TRAIN,
+    CMD_NODE_TRAIN_STATE,
     CMD_NODE_TRAIN_STOP,
     TRAIN_REPORT,
     TRAIN_UPLOAD,
 )
 from coderai.contracts.training import (
+    MAX_EVENTS,
     AdapterChunk,
     TrainReport,
     TrainSpec,
     TrainStarted,
+    TrainState,
+    TrainStateAsk,
     TrainStop,
     TrainStopped,
 )
@@ -49,6 +58,9 @@ log = logging.getLogger("coderai.engine_worker")
 
 ALIVE_EVERY_S = 1.0
 STOP_GRACE_S = 5.0
+UPLOAD_RETRY_S = 2.0
+UPLOAD_PATIENCE_S = 300.0
+"""How long rank 0 keeps retrying the adapter upload (the scheduler may be restarting) before the rank fails."""
 
 
 def training_capabilities() -> list[str]:
@@ -123,6 +135,8 @@ class _Run:
         self.proc: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task | None = None
         self.stopped = False
+        self.steps: deque[TrainReport] = deque(maxlen=MAX_EVENTS)  # for a restarted scheduler (`_state`)
+        self.final: TrainReport | None = None
 
 
 class TrainingHost:
@@ -139,7 +153,8 @@ class TrainingHost:
         self.runs: dict[str, _Run] = {}
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
-        for subject, handler in ((CMD_NODE_TRAIN, self._train), (CMD_NODE_TRAIN_STOP, self._stop)):
+        for subject, handler in ((CMD_NODE_TRAIN, self._train), (CMD_NODE_TRAIN_STOP, self._stop),
+                                 (CMD_NODE_TRAIN_STATE, self._state)):
             sub = await self.bus.serve(subject, handler, subject_str=subject(node_id=self.node_id))
             stack.push_async_callback(sub.unsubscribe)
         stack.push_async_callback(self.stop_all)
@@ -174,6 +189,15 @@ class TrainingHost:
         await self._end(run)
         return TrainStopped(node_id=self.node_id, was_running=True)
 
+    async def _state(self, req: TrainStateAsk, _m: Any) -> TrainState:
+        """What this rank published so far, for a scheduler that restarted while it ran (it missed some)."""
+        run = self.runs.get(req.job_id)
+        if run is None:
+            return TrainState(node_id=self.node_id)
+        reports = [*run.steps, *([run.final] if run.final is not None else [])]
+        return TrainState(node_id=self.node_id, rank=run.spec.rank, known=True, running=not run.stopped,
+                          reports=reports)
+
     async def _end(self, run: _Run) -> None:
         run.stopped = True
         if run.proc is not None and run.proc.returncode is None:
@@ -192,6 +216,12 @@ class TrainingHost:
     async def _report(self, spec: TrainSpec, kind: str, **fields: Any) -> None:
         rep = TrainReport(job_id=spec.job_id, node_id=self.node_id, rank=spec.rank,
                           kind=kind, **fields)  # type: ignore[arg-type]
+        run = self.runs.get(spec.job_id)
+        if run is not None and run.spec is spec:  # kept: a restarted scheduler asks for what it missed
+            if kind == "step":
+                run.steps.append(rep)
+            elif kind in ("done", "failed"):
+                run.final = rep
         try:
             await self.bus.publish(TRAIN_REPORT, rep, job_id=spec.job_id)
         except Exception as exc:  # noqa: BLE001 - the next report (alive every second) tries again
@@ -279,9 +309,25 @@ class TrainingHost:
 
     async def _upload(self, spec: TrainSpec, folder: Path) -> None:
         """Send the adapter (a tar of the peft folder) to the head's store in chunks; the head renames it into
-        place only after the last chunk's size and sha256 check out."""
+        place only after the last chunk's size and sha256 check out. A failed attempt (no scheduler: it is
+        restarting; a chunk refused or lost) starts again from the first chunk every UPLOAD_RETRY_S, for up to
+        UPLOAD_PATIENCE_S; the rank stays alive meanwhile, and a cancelled job stops it (`_end`)."""
         data = await asyncio.to_thread(tar_folder, folder)
         digest = hashlib.sha256(data).hexdigest()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + UPLOAD_PATIENCE_S
+        while True:
+            try:
+                await self._send_adapter(spec, data, digest)
+                return
+            except (BusError, RuntimeError) as exc:
+                if loop.time() + UPLOAD_RETRY_S > deadline:
+                    raise RuntimeError(f"the adapter upload failed for {UPLOAD_PATIENCE_S:.0f}s: {exc}") from None
+                log.warning("training job %s: adapter upload failed (%s); retrying in %.0fs", spec.job_id, exc,
+                            UPLOAD_RETRY_S)
+                await asyncio.sleep(UPLOAD_RETRY_S)
+
+    async def _send_adapter(self, spec: TrainSpec, data: bytes, digest: str) -> None:
         off = 0
         while True:
             piece = data[off: off + CHUNK_BYTES]

@@ -15,7 +15,7 @@ from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, deco
 from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
 from coderai.contracts.stages import StagePlan, StagePlanRequest
-from coderai.contracts.store import StoreChunk, StoreFetch
+from coderai.contracts.store import StoreChunk, StoreFetch, StoreList, StoreListing
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
     CMD_SCHEDULER_ADD,
@@ -24,6 +24,7 @@ from coderai.contracts.subjects import (
     CMD_SCHEDULER_PLACE,
     CMD_SCHEDULER_STAGES,
     CMD_STORE_FETCH,
+    CMD_STORE_LIST,
     HEARTBEAT,
 )
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
@@ -80,6 +81,7 @@ class Scheduler:
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
                                  (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch),
+                                 (CMD_STORE_LIST, self._store_list),
                                  (CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
@@ -92,7 +94,7 @@ class Scheduler:
         for m in self.models:
             if m.engine == "llama" and m.name not in self._layers:
                 local = os.path.expanduser(m.path) if m.path else ""
-                path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path) if m.store_path else ""
+                path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path / m.store_file) if m.store_path else ""
                 self._layers[m.name] = block_count(path) if path else 0
         return self._layers
 
@@ -140,6 +142,10 @@ class Scheduler:
     async def _store_fetch(self, req: StoreFetch, _m: Any) -> StoreChunk:
         """A node lacks a model file: hand it a range of the file from this head's model store."""
         return await asyncio.to_thread(self.store.read, req)
+
+    async def _store_list(self, req: StoreList, _m: Any) -> StoreListing:
+        """A node lacks a model folder: the files in it, which it then fetches one by one."""
+        return await asyncio.to_thread(self.store.listing, req)
 
     async def _add(self, req: AddModelRequest, _m: Any) -> PlaceReply:
         """Serve a model now (e.g. one just pulled); lasts until a restart re-reads the models file, which

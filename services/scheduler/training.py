@@ -7,6 +7,18 @@ then every other rank gets it. The ranks' workers report every second; a rank th
 the job naming its node, and the other ranks are stopped. When every rank is done with the same adapter digest and rank 0's upload has landed (written
 under a temporary name, renamed only after its sha256 checked out), the model `<base>:<suffix>` is added through
 the ordinary add-model path. Job records live in `coderai_finetune`; this service is their only writer.
+
+A scheduler restart does not fail a job: the workers (and their trainers) keep running meanwhile. The new
+scheduler adopts every `running` job from its record (`training_plan.adoption`: ranks from `job.nodes`, the base
+model from the models file, the model name derived as at creation), gives its ranks a fresh grace period and asks
+each rank once for its state (`coderai.cmd.node.<id>.train_state`) before following reports again: reports are core
+NATS, so a `step`, `done` or `failed` published while no scheduler listened is gone from the bus, but the worker
+keeps its rank's reports and hands them over (see `_catch_up`). Asking is preferred over having ranks re-send
+their final report until they see the job end: the answer also covers the steps of the gap, a worker that
+restarted (it answers that it does not know the job), and it needs no acknowledgement protocol. The adapter upload
+needs no such help: rank 0 retries it until the scheduler takes it (it reports `done` only after that), and a
+file already renamed into place was complete and checked. A job caught before its ranks were started is started
+again from its files.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from coderai.contracts import BusError, ModelConfig, decode, encode
 from coderai.contracts.admin import AddModelRequest
 from coderai.contracts.subjects import (
     CMD_NODE_TRAIN,
+    CMD_NODE_TRAIN_STATE,
     CMD_NODE_TRAIN_STOP,
     CMD_SCHEDULER_TRAIN,
     CMD_SCHEDULER_TRAIN_CANCEL,
@@ -45,6 +58,8 @@ from coderai.contracts.training import (
     JobError,
     TrainReport,
     TrainSpec,
+    TrainState,
+    TrainStateAsk,
     TrainStop,
 )
 from coderai.runtime.files import sha256_file
@@ -54,6 +69,9 @@ log = logging.getLogger("coderai.scheduler")
 
 START_TIMEOUT_S = 30.0
 MONITOR_EVERY_S = 1.0
+STATE_TIMEOUT_S = 5.0
+"""How long a restarted scheduler waits for a rank's state; a rank that does not answer is left to the silence
+rule (its grace period started at adoption)."""
 
 
 class _Live:
@@ -64,6 +82,8 @@ class _Live:
         self.base = base
         self.name = name  # the model it becomes
         self.uploaded = ""  # the adapter's sha256 once its file is complete
+        # held while an adopted job catches up on what its ranks did with no scheduler listening: live reports
+        # wait behind it, so steps are recorded in order and none twice
         self.lock = asyncio.Lock()
 
 
@@ -84,7 +104,9 @@ class Training:
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         self.kv = await self.bus.kv(FINETUNE)
-        await self._orphaned()
+        adopted, later = await self._adopt()
+        for live in adopted.values():
+            await live.lock.acquire()  # released by _catch_up, once the gap is replayed
         for subject, handler in ((CMD_SCHEDULER_TRAIN, self._create), (CMD_SCHEDULER_TRAIN_CANCEL, self._cancel),
                                  (TRAIN_UPLOAD, self._upload)):
             sub = await self.bus.serve(subject, handler, queue="scheduler")
@@ -93,17 +115,81 @@ class Training:
         stack.push_async_callback(sub.unsubscribe)
         task = asyncio.create_task(self._monitor())
         stack.callback(task.cancel)
+        for job_id, live in adopted.items():  # subscribed first: nothing published from now on is missed
+            self._spawn(self._catch_up(job_id, live))
+        for coro in later:  # stopping ranks and starting jobs again waits on nodes: not in the way of starting
+            self._spawn(coro)
 
-    async def _orphaned(self) -> None:
-        """Jobs a previous scheduler left running cannot be followed any more: mark them failed."""
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.add(task := asyncio.create_task(coro))
+        task.add_done_callback(self._tasks.discard)
+
+    async def _adopt(self) -> tuple[dict[str, _Live], list[Any]]:
+        """The jobs a previous scheduler left unfinished (`training_plan.adoption`): `running` ones are followed
+        again (live state rebuilt from the record, a fresh grace period for every rank); ones caught before their
+        ranks ran are stopped wherever a rank may have started and started again; the rest fail with a clear
+        message. Terminal jobs are untouched. Returns the adopted jobs' live state, and what is to run once this
+        service listens (stopping ranks, starting jobs again)."""
+        adopted: dict[str, _Live] = {}
+        later: list[Any] = []
         try:
             keys = [k for k in await self.kv.keys() if k.startswith("ftjob-")]
         except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            return
+            return adopted, later
         for key in keys:
             job = decode((await self.kv.get(key)).value, FineTuneJob)
-            if job.status not in TERMINAL:
-                await self._save(self._failed(job, "scheduler_restarted", "the scheduler restarted while the job ran"))
+            plan = tp.adoption(job, self.sched.models)
+            if plan.action == "leave":
+                continue
+            self.jobs[job.id] = job
+            if plan.action == "fail":
+                await self._save(self._failed(job, "scheduler_restarted", plan.message))
+                later.append(self._stop_ranks(job, plan.message))
+            elif plan.action == "adopt":
+                assert plan.base is not None
+                live = adopted[job.id] = self.live[job.id] = _Live(tp.ranks_of(job.nodes, time.monotonic()),
+                                                                   plan.base, plan.name)
+                done = self.root / "finetune" / job.id / "adapter.tar"
+                if done.is_file():  # renamed into place only once complete and checked: the upload had landed
+                    live.uploaded = await asyncio.to_thread(sha256_file, done)
+                await self._save(tp.add_event(job, "The scheduler restarted; following the job's ranks again"))
+                log.info("fine-tuning job %s adopted: ranks %s", job.id, ", ".join(job.nodes))
+            else:
+                assert plan.base is not None
+                job = await self._save(tp.add_event(job, "The scheduler restarted before the job's ranks ran; "
+                                                         "starting it again"))
+                later.append(self._restart(job, plan.base, plan.name))
+                log.info("fine-tuning job %s (%s) started again", job.id, job.status)
+        return adopted, later
+
+    async def _restart(self, job: FineTuneJob, base: ModelConfig, name: str) -> None:
+        """Start again a job the previous scheduler left before its ranks all ran: first stop any rank it had
+        started (a worker refuses a job it runs already), then the ordinary start from the staged files."""
+        await self._stop_ranks(job, "restarted by a new scheduler")
+        if self.jobs[job.id].status not in TERMINAL:  # not cancelled meanwhile
+            await self._run(self.jobs[job.id], base, name)
+
+    async def _catch_up(self, job_id: str, live: _Live) -> None:
+        """Ask every rank of an adopted job (at once) what it did while no scheduler listened, and apply the
+        reports it missed (`training_plan.missed`) as if they had come on time. Runs holding the job's lock,
+        taken before this service subscribed, so a live report waits until the gap is replayed. A rank that
+        does not answer is not blamed here: the silence rule fails it, naming it, once its grace period ends."""
+        try:
+            answers = await asyncio.gather(*(
+                self.bus.request(CMD_NODE_TRAIN_STATE, TrainStateAsk(job_id=job_id), timeout=STATE_TIMEOUT_S,
+                                 node_id=r.node_id) for r in live.ranks), return_exceptions=True)
+            for r, state in zip(live.ranks, answers, strict=True):
+                if not isinstance(state, TrainState):
+                    log.warning("job %s: rank %d on %s did not say its state: %s", job_id, r.rank, r.node_id, state)
+                    continue
+                r.last_seen = time.monotonic()
+                for rep in tp.missed(self.jobs[job_id], r, state):
+                    await self._apply(live, r, rep)
+        except Exception:  # noqa: BLE001 - the live reports and the silence rule still decide the job
+            log.exception("catching up on fine-tuning job %s failed", job_id)
+        finally:
+            live.lock.release()
+        await self._check(job_id)
 
     # --- records ----------------------------------------------------------------------------------
 
@@ -213,9 +299,7 @@ class Training:
             job = await self._save(tp.add_event(msgspec.structs.replace(self.jobs[job.id], status="queued"),
                                                 "Training and validation files checked and staged"
                                                 if valid_path else "Training file checked and staged"))
-            now = time.monotonic()
-            ranks = [tp.Rank(rank=i, node_id=n, last_seen=now) for i, n in enumerate(job.nodes)]
-            live = self.live[job.id] = _Live(ranks, base, name)
+            live = self.live[job.id] = _Live(tp.ranks_of(job.nodes, time.monotonic()), base, name)
             spec = TrainSpec(job_id=job.id, rank=0, world_size=len(job.nodes), base_path=base.path,
                              data_store_path=data_path, valid_store_path=valid_path, adapter_store_path=f"finetune/{job.id}/adapter.tar",
                              method=job.method, lora_rank=job.lora_rank, lora_alpha=job.lora_alpha, seed=job.seed,
@@ -248,10 +332,13 @@ class Training:
             return None
 
     async def _copy_file(self, file_id: str, store_path: str) -> None:
-        """The uploaded file into the head's model store (temp name, then rename), where nodes fetch it."""
+        """The uploaded file into the head's model store (temp name, then rename), where nodes fetch it. A copy
+        already there (a job started again after a restart) is complete: it was renamed into place."""
+        dest = self.root / store_path
+        if dest.is_file():
+            return
         obs = await self.bus.js.object_store(FILES.name)
         data = (await obs.get(file_id)).data
-        dest = self.root / store_path
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp")
         tmp.write_bytes(data)
@@ -269,20 +356,29 @@ class Training:
             return
         r.last_seen = time.monotonic()
         async with live.lock:
-            job = self.jobs[rep.job_id]
-            if rep.kind == "step":
-                said, data = tp.step_event(rep.step, rep.total_steps, rep.loss or 0.0, rep.tokens_per_s or 0.0,
-                                           rep.trained_tokens, rep.valid_loss)
-                job = tp.add_event(job, said, type_="metrics", data=data)
-                valid = rep.valid_loss if rep.valid_loss is not None else job.valid_loss
-                await self._save(msgspec.structs.replace(job, trained_tokens=rep.trained_tokens, valid_loss=valid))
-            elif rep.kind == "done":
-                r.done, r.digest = True, rep.digest
-                said = f"Rank {rep.rank} on {rep.node_id} finished (adapter {rep.digest[:12]})"
-                await self._save(tp.add_event(job, said))
-            elif rep.kind == "failed":
-                r.failed, r.peer, r.failed_at = rep.message or "failed", rep.peer, time.monotonic()
+            await self._apply(live, r, rep)
         await self._check(rep.job_id)
+
+    async def _apply(self, live: _Live, r: tp.Rank, rep: TrainReport) -> None:
+        """One report of rank `r` into the job's record and live state (the caller holds `live.lock`). A step
+        already recorded (a live report the catch-up also handed over) is not recorded twice."""
+        job = self.jobs[rep.job_id]
+        if job.status in TERMINAL or self.live.get(rep.job_id) is not live:
+            return
+        if rep.kind == "step":
+            if rep.step <= tp.last_step(job):
+                return
+            said, data = tp.step_event(rep.step, rep.total_steps, rep.loss or 0.0, rep.tokens_per_s or 0.0,
+                                       rep.trained_tokens, rep.valid_loss)
+            job = tp.add_event(job, said, type_="metrics", data=data)
+            valid = rep.valid_loss if rep.valid_loss is not None else job.valid_loss
+            await self._save(msgspec.structs.replace(job, trained_tokens=rep.trained_tokens, valid_loss=valid))
+        elif rep.kind == "done" and not r.done:
+            r.done, r.digest = True, rep.digest
+            said = f"Rank {rep.rank} on {rep.node_id} finished (adapter {rep.digest[:12]})"
+            await self._save(tp.add_event(job, said))
+        elif rep.kind == "failed":
+            r.failed, r.peer, r.failed_at = rep.message or "failed", rep.peer, time.monotonic()
 
     async def _check(self, job_id: str) -> None:
         live = self.live.get(job_id)
@@ -317,10 +413,13 @@ class Training:
             return
         base, name = live.base, live.name
         store_path = f"finetune/{job_id}/adapter.tar"
+        # a scheduler that died between adding the model and saving the job already kept it in the models file
+        kept = any(m.name == name and m.store_path == store_path for m in self.sched.models)
         base_bytes = _folder_bytes(Path(os.path.expanduser(base.path)))
         cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes)
         await self.sched._add(AddModelRequest(model=cfg), None)  # the one add-model path, as `models pull` uses
-        job = await self._keep(job, cfg)
+        if not kept:
+            job = await self._keep(job, cfg)
         now = time.time()
         job = msgspec.structs.replace(job, status="succeeded", fine_tuned_model=name, finished_at=int(now))
         await self._save(tp.add_event(job, f"New fine-tuned model created: {name}", now=now))

@@ -11,10 +11,13 @@ import msgspec
 from coderai.contracts import BusError, Heartbeat, ModelConfig
 from coderai.contracts.training import (
     MAX_EVENTS,
+    TERMINAL,
     FileRecord,
     FineTuneJob,
     JobEvent,
     Method,
+    TrainReport,
+    TrainState,
 )
 
 SILENT_S = 10.0
@@ -151,3 +154,56 @@ def finished(ranks: list[Rank]) -> str | None:
     if len(digests) != 1:
         return "the ranks ended with different adapters: " + ", ".join(f"{r.node_id}={r.digest[:12]}" for r in ranks)
     return ""
+
+
+def ranks_of(nodes: list[str], now: float) -> list[Rank]:
+    """A job's ranks (its `nodes`, in rank order), each seen `now`: a fresh grace period before silence counts."""
+    return [Rank(rank=i, node_id=n, last_seen=now) for i, n in enumerate(nodes)]
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """What a (re)started scheduler does with a job record it finds in the bucket."""
+
+    action: str  # "leave" (terminal) | "adopt" (ranks run: follow them) | "restart" (start its ranks) | "fail"
+    base: ModelConfig | None = None
+    name: str = ""  # the model it becomes
+    message: str = ""  # why it fails
+
+
+def adoption(job: FineTuneJob, models: list[ModelConfig]) -> Adoption:
+    """A job left by a previous scheduler. Terminal jobs are left alone. A `running` job's ranks were all started
+    and their workers kept training while no scheduler ran: it is adopted (followed again from its record). A job
+    caught before that (`validating_files`, `queued`: files being staged, ranks maybe half started) is started
+    again from its files, on the nodes it was given; nothing of it had trained yet. Either fails when its base
+    model is no longer configured. The model's name is derived as at creation (`finetuned_name`)."""
+    if job.status in TERMINAL:
+        return Adoption("leave")
+    base = next((m for m in models if m.name == job.model), None)
+    if base is None:
+        return Adoption("fail", message=f"the scheduler restarted and no longer serves the base model {job.model!r}")
+    if not job.nodes:
+        return Adoption("fail", message="the scheduler restarted and the job names no nodes to train on")
+    return Adoption("adopt" if job.status == "running" else "restart", base, finetuned_name(base.name, job.suffix, job.id))
+
+
+def last_step(job: FineTuneJob) -> int:
+    """The highest step a metrics event of `job` records (0: none yet)."""
+    return max((int(e.data.get("step", 0)) for e in job.events if e.type == "metrics"), default=0)
+
+
+def missed(job: FineTuneJob, rank: Rank, state: TrainState) -> list[TrainReport]:
+    """The reports of `rank` that a restarted scheduler did not see, from the rank's answered state: its step
+    reports past the last step the job records, then its final one. A worker that no longer knows the job (it
+    restarted too) or whose rank was stopped without an outcome gives a `failed` report naming why."""
+    if not state.known:
+        return [TrainReport(job_id=job.id, node_id=rank.node_id, rank=rank.rank, kind="failed",
+                            message="its worker no longer runs the job (it restarted while the scheduler was away)")]
+    seen = last_step(job)
+    out = [r for r in state.reports if r.kind == "step" and r.step > seen]
+    final = [r for r in state.reports if r.kind in ("done", "failed")]
+    out += final[-1:]
+    if not state.running and not final:
+        out.append(TrainReport(job_id=job.id, node_id=rank.node_id, rank=rank.rank, kind="failed",
+                               message="its trainer was stopped while the scheduler was away"))
+    return [r for r in out if r.job_id == job.id and r.rank == rank.rank and r.node_id == rank.node_id]

@@ -9,6 +9,7 @@ import pytest
 from coderai.catalog import BUILTIN, CatalogError, ModelStore, Pulled, resolve
 from coderai.catalog.entries import guess_engine, select
 from coderai.catalog.place import append_model, model_entry
+from coderai.catalog.store import FileRecord
 from coderai.contracts import ModelConfig
 
 
@@ -55,3 +56,24 @@ def test_append_model_keeps_the_file_valid_and_refuses_duplicates(tmp_path):
     assert doc["models"][1]["params"] == {"n_ctx": 2048, "x-y": True} and doc["models"][1]["path"] == '/x "y"'
     with pytest.raises(CatalogError, match="already serves"):
         append_model(f, {"name": "a", "engine": "llama", "path": "/z"})
+
+
+def test_every_pulled_model_gets_a_store_path_nodes_can_fetch(tmp_path):
+    store = ModelStore(tmp_path)
+    rec = lambda repo, main, *files: Pulled(name="m", repo=repo, revision="main", main=main, engine="tts",
+                                           files={f: FileRecord(size=1, etag="0" * 64) for f in files})
+    gguf = model_entry(rec("acme/x-GGUF", "sub/x.gguf", "sub/x.gguf"), store)
+    assert (gguf["store_path"], "store_file" in gguf) == ("acme/x-GGUF/sub/x.gguf", False)  # as before
+    folder = model_entry(rec("Systran/faster-whisper-tiny", "", "config.json", "model.bin", "tokenizer.json"), store)
+    assert (folder["store_path"], "store_file" in folder) == ("Systran/faster-whisper-tiny/", False)
+    assert folder["path"] == str(store.root / "Systran" / "faster-whisper-tiny")
+    piper = BUILTIN["piper-en-us-lessac-medium"]
+    voice = model_entry(rec(piper.repo, piper.main, *piper.files), store)
+    assert (voice["store_path"], voice["store_file"]) == ("rhasspy/piper-voices/en/en_US/lessac/medium/",
+                                                          "en_US-lessac-medium.onnx")
+    assert voice["path"] == str(store.root / voice["store_path"] / voice["store_file"])
+    top = model_entry(rec("me/voice", "v.onnx", "v.onnx", "v.onnx.json"), store)
+    assert (top["store_path"], top["store_file"]) == ("me/voice/", "v.onnx")
+    spread = model_entry(rec("me/voice", "a/b/v.onnx", "a/b/v.onnx", "a/c/v.json"), store)
+    assert (spread["store_path"], spread["store_file"]) == ("me/voice/a/", "b/v.onnx")
+    assert msgspec.convert(spread, ModelConfig).store_file == "b/v.onnx"

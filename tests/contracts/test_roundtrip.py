@@ -13,6 +13,7 @@ from coderai.contracts import (
 from coderai.contracts.events import Event
 from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.pods import BrokerStatus, BrokerStatusRequest, PodInfo
+from coderai.contracts.store import StoreEntry, StoreList, StoreListing
 
 MODEL = ModelConfig(name="qwen2.5:7b", engine="llama", path="/m/q.gguf", params={"n_ctx": 4096}, nodes=["a"])
 SAMPLES = [
@@ -39,6 +40,9 @@ SAMPLES = [
     ModelLoaded(node_id="n", engine_id="e", model="m", load_s=0.1, ts=2.0),
     BrokerStatusRequest(),
     BrokerStatus(configured=True, pods=[PodInfo(name="coderai-x-m-1", model="m", pod_id="p", gpu_type="A40", hourly_usd=0.4, state="ready")]),
+    StoreList(path="org/voices/en"),
+    StoreListing(files=[StoreEntry(path="v.onnx", size=3, sha256="a" * 64), StoreEntry(path="sub/x.json", size=0, sha256="b" * 64)]),
+    ModelConfig(name="piper", engine="tts", path="/m/en/v.onnx", store_path="org/voices/en/", store_file="v.onnx"),
 ]
 
 

@@ -7,6 +7,7 @@ The scheduler reads its models file at start only, so an appended model is serve
 from __future__ import annotations
 
 import os
+import posixpath
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,13 @@ from coderai.catalog.store import ModelStore, Pulled
 def model_entry(rec: Pulled, store: ModelStore) -> dict[str, Any]:
     """The `[[models]]` table for `rec`: name, engine, path, params, and memory_mb when the catalogue knows it.
 
-    A single-file model also gets `store_path` (the file relative to the store), so a node that lacks `path`
-    fetches the file from the head; a model of several files (a repo folder, piper's .onnx + .onnx.json) does not.
+    It also gets `store_path`, relative to the store, so a node that lacks `path` fetches the model from the head
+    (see `store_location`).
     """
     from coderai.contracts import ModelConfig
 
     entry: dict[str, Any] = {"name": rec.name, "engine": rec.engine, "path": str(store.model_path(rec))}
-    if rec.main and set(rec.files) <= {rec.main}:
-        entry["store_path"] = f"{rec.repo}/{rec.main}"
+    entry.update(store_location(rec))
     if rec.params:
         entry["params"] = dict(rec.params)
     if rec.memory_mb:
@@ -37,6 +37,20 @@ def model_entry(rec: Pulled, store: ModelStore) -> dict[str, Any]:
     except msgspec.ValidationError as exc:
         raise CatalogError(f"{rec.name} does not make a valid model entry: {exc}") from None
     return entry
+
+
+def store_location(rec: Pulled) -> dict[str, str]:
+    """`store_path` (and `store_file`) of a pulled model: a single file (a GGUF) is named itself; a model that is
+    the repo folder (whisper, embeddings, diffusers) is that folder, "<repo>/"; a main file among others (piper's
+    .onnx beside its .onnx.json) is the smallest folder holding them all plus the main file's path inside it."""
+    if rec.main and set(rec.files) <= {rec.main}:
+        return {"store_path": f"{rec.repo}/{rec.main}"}
+    if not rec.main:
+        return {"store_path": f"{rec.repo}/"}
+    common = posixpath.commonpath([posixpath.dirname(f) for f in {*rec.files, rec.main}])
+    if not common:
+        return {"store_path": f"{rec.repo}/", "store_file": rec.main}
+    return {"store_path": f"{rec.repo}/{common}/", "store_file": posixpath.relpath(rec.main, common)}
 
 
 def append_model(models_file: str | os.PathLike[str], entry: dict[str, Any]) -> Path:

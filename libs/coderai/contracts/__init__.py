@@ -48,14 +48,14 @@ from coderai.contracts.media import (
 from coderai.contracts.models import Distribute, ModelConfig, PodPolicy
 from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
-from coderai.contracts.store import StoreChunk, StoreFetch, check_store_path
+from coderai.contracts.store import StoreChunk, StoreEntry, StoreFetch, StoreList, StoreListing, check_store_path
 from coderai.contracts.work import WorkPart
 
 __all__ = [
     "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
     "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
-    "Distribute", "RpcServer", "SplitDevice", "SplitPlan", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreFetch", "WorkPart", "check_store_path",
+    "Distribute", "RpcServer", "SplitDevice", "SplitPlan", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreEntry", "StoreFetch", "StoreList", "StoreListing", "WorkPart", "check_store_path",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",

@@ -66,7 +66,11 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     name: str
     engine: EngineFamily
     path: str
-    store_path: str = ""  # the file relative to the head's model store; a node without `path` fetches it from there
+    # relative to the head's model store: the file `path` names, or (ending in "/") a folder, every file of which a
+    # node without `path` fetches from there; `store_file`: with a folder, the file inside it that `path` names
+    # (piper's .onnx beside its .onnx.json), empty when `path` is the folder itself
+    store_path: str = ""
+    store_file: str = ""
     params: dict[str, Any] = {}
     ops: list[Op] = []
     nodes: list[str] = []

@@ -1,5 +1,5 @@
-"""Files of the head's model store, fetched by nodes over the bus (`coderai.cmd.store.fetch`), and the one rule
-for what a store path may look like. No I/O here."""
+"""Files of the head's model store, fetched by nodes over the bus (`coderai.cmd.store.fetch`; a folder's files are
+listed first with `coderai.cmd.store.list`), and the one rule for what a store path may look like. No I/O here."""
 
 from __future__ import annotations
 
@@ -24,6 +24,31 @@ class StoreChunk(Message, frozen=True, kw_only=True, tag="store.chunk", tag_fiel
     data: bytes = b""
     size: int
     sha256: str
+
+
+class StoreList(Message, frozen=True, kw_only=True):
+    """List the files of the folder at `path` (relative to the head's model store), at any depth: what a node
+    fetches, file by file with `StoreFetch`, for a model that is a folder."""
+
+    path: str
+
+
+class StoreEntry(Message, frozen=True, kw_only=True):
+    """One file of a listed folder: `path` relative to that folder, its size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class StoreListing(Message, frozen=True, kw_only=True, tag="store.listing", tag_field="t"):
+    """The regular files of a store folder (no hidden files, nothing whose real path leaves the store), sorted."""
+
+    files: list[StoreEntry] = []
+
+
+MAX_LIST_FILES = 4096  # more is no model folder; ~150 bytes an entry, so a listing fits NATS' 1 MB max payload
+MAX_LIST_BYTES = 900 * 1024  # and a listing of very long names that would not is refused, not lost on the wire
 
 
 def check_store_path(path: str) -> str:

@@ -49,7 +49,7 @@ from coderai.contracts.pods import (
 )
 from coderai.contracts.routing import RouteDecision, RouteRequest
 from coderai.contracts.stages import StageFrame, StageJob, StagePlan, StagePlanRequest
-from coderai.contracts.store import StoreChunk, StoreFetch
+from coderai.contracts.store import StoreChunk, StoreFetch, StoreList, StoreListing
 from coderai.contracts.training import (
     AdapterAck,
     AdapterChunk,
@@ -59,6 +59,8 @@ from coderai.contracts.training import (
     TrainReport,
     TrainSpec,
     TrainStarted,
+    TrainState,
+    TrainStateAsk,
     TrainStop,
     TrainStopped,
 )
@@ -150,6 +152,7 @@ CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, Nodes
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
 CMD_SCHEDULER_ADD = Subject("coderai.cmd.scheduler.add", AddModelRequest, PlaceReply)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
+CMD_STORE_LIST = Subject("coderai.cmd.store.list", StoreList, StoreListing)
 
 ENGINE_EMBED = Subject("coderai.engine.{engine_id}.embed", EmbedJob, Frame)
 ENGINE_RERANK = Subject("coderai.engine.{engine_id}.rerank", RerankJob, Frame)
@@ -166,6 +169,7 @@ CMD_SCHEDULER_TRAIN = Subject("coderai.cmd.scheduler.train", FineTuneCreate, Fin
 CMD_SCHEDULER_TRAIN_CANCEL = Subject("coderai.cmd.scheduler.train_cancel", FineTuneCancel, FineTuneReply)
 CMD_NODE_TRAIN = Subject("coderai.cmd.node.{node_id}.train", TrainSpec, TrainStarted)
 CMD_NODE_TRAIN_STOP = Subject("coderai.cmd.node.{node_id}.train_stop", TrainStop, TrainStopped)
+CMD_NODE_TRAIN_STATE = Subject("coderai.cmd.node.{node_id}.train_state", TrainStateAsk, TrainState)
 TRAIN_REPORT = Subject("coderai.train.report.{job_id}", TrainReport)
 TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}", AdapterChunk, AdapterAck)
 

@@ -172,6 +172,26 @@ class TrainReport(Message, frozen=True, kw_only=True):
     peer: bool = False
 
 
+class TrainStateAsk(Message, frozen=True, kw_only=True):
+    """Scheduler -> worker (`coderai.cmd.node.<id>.train_state`): what became of this job's rank here? A scheduler
+    that restarted while the job ran asks every rank once, so what they published while no scheduler listened (the
+    reports are core NATS, not kept) is not lost."""
+
+    job_id: str
+
+
+class TrainState(Message, frozen=True, kw_only=True, tag="train.state", tag_field="t"):
+    """A rank's answer: `known` False when this worker never ran the job or has forgotten it (it restarted);
+    `running` while its trainer (or rank 0's upload) still goes on; `reports` its last step reports (oldest first, at
+    most MAX_EVENTS) and then its final `done` / `failed` report, if it has one."""
+
+    node_id: str
+    rank: int = -1
+    known: bool = False
+    running: bool = False
+    reports: list[TrainReport] = []
+
+
 class AdapterChunk(Message, frozen=True, kw_only=True):
     """Rank 0 -> scheduler (`coderai.train.upload.<job>`): bytes of the adapter tar at `offset`. The last chunk
     gives the whole file's `size` and `sha256`; only then does the file get its final name."""

@@ -21,6 +21,7 @@ NODE_PUBLISH = [
     "coderai.evt.>",
     "_INBOX.>",  # frames and replies go to callers' inboxes
     "coderai.cmd.store.fetch",  # model files from the head's store
+    "coderai.cmd.store.list",  # the files of a model folder there
     "coderai.train.>",  # fine-tuning: progress reports, and rank 0's adapter upload into the head's store
     "$JS.API.INFO",
     "$JS.API.STREAM.INFO.KV_coderai_assignments",
