@@ -10,6 +10,10 @@ import pytest
 
 from coderai.runtime.lifecycle import wait_for
 
+from coderai.contracts import BusError
+from coderai.contracts.routing import RouteRequest
+from coderai.contracts.subjects import ROUTE_PICK
+from coderai.runtime.bus import Bus, refused_subject
 from coderai.runtime.cluster import nats_auth_config, with_credentials
 from coderai.runtime.embedded import NatsServer
 
@@ -133,3 +137,22 @@ async def test_a_node_reads_uploads_and_writes_results_in_the_blob_store(as_role
     assert await BlobStore(node).get(upload) == b"u" * 300_000
     result = await BlobStore(node).put(b"r" * 300_000, suffix=".png")
     assert await BlobStore(service).get(Blob(name=result.name)) == b"r" * 300_000
+
+
+def test_refused_subject_reads_the_servers_words():
+    assert refused_subject("nats: permissions violation for publish to \"coderai.route.pick\"") == "coderai.route.pick"
+    assert refused_subject("Permissions Violation for Publish to coderai.cmd.x") == "coderai.cmd.x"
+    assert refused_subject("Permissions Violation for Subscription to \"coderai.>\"") == ""
+    assert refused_subject("Authorization Violation") == ""
+
+
+async def test_a_request_the_server_refuses_fails_at_once_instead_of_timing_out(server):
+    node = await Bus.connect(with_credentials(server.url, TOKEN, "node"), "node-test")
+    try:
+        with pytest.raises(BusError) as caught:  # a wait for the timeout would end as code "timeout"
+            await node.request(ROUTE_PICK, RouteRequest(model="m", op="chat", request_id="r1"), timeout=30)
+        assert caught.value.code == "internal" and not caught.value.retryable
+        assert "coderai.route.pick" in caught.value.message and "may not publish" in caught.value.message
+        assert node.connected  # and the connection goes on
+    finally:
+        await node.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +33,14 @@ Handler = Callable[[Any, Msg], Awaitable[Any]]
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 _NO_RESPONDERS: Any = object()  # queued instead of frame bytes when the server reports no responders
+_REFUSED: Any = object()  # queued when the server refused to carry the request (this connection's permissions)
+_REFUSED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)', re.IGNORECASE)
+
+
+def refused_subject(text: str) -> str:
+    """The subject of a NATS 'Permissions Violation for Publish to "<subject>"' error, else ''."""
+    m = _REFUSED_PUBLISH.search(text)
+    return m.group(1) if m else ""
 
 
 async def connect(
@@ -41,8 +50,10 @@ async def connect(
     connect_timeout_s: float = 30.0,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_refused: Callable[[str], None] | None = None,
 ) -> NATS:
-    """Connect, retrying until `connect_timeout_s`; afterwards reconnect forever with a short wait."""
+    """Connect, retrying until `connect_timeout_s`; afterwards reconnect forever with a short wait.
+    `on_refused(subject)`: the server refused a publish there (the connection's role may not use it)."""
 
     async def _reconnected() -> None:
         log.warning("reconnected to NATS")
@@ -60,7 +71,9 @@ async def connect(
     async def _error(exc: Exception) -> None:
         nonlocal said
         text = str(exc)
-        if "Authorization" in text or "Permissions" in text:  # a wrong token or a missing right: say it once
+        if "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token or a missing right: say it once
+            if on_refused is not None and (subject := refused_subject(text)):
+                on_refused(subject)
             if text != said:
                 said = text
                 log.warning("NATS at %s says: %s", safe_url, text)
@@ -92,6 +105,11 @@ async def connect(
             if time.monotonic() > deadline:
                 raise BusError("internal", f"cannot reach NATS at {safe_url}: {exc}", retryable=True) from None
             await asyncio.sleep(0.2)
+
+
+def _refused(subject: str) -> BusError:
+    return BusError("internal", f"NATS refused to carry a request to {subject}: this connection's credentials "
+                                "(its cluster role) may not publish there", retryable=False)
 
 
 def _without_credentials(url: str) -> str:
@@ -161,9 +179,10 @@ class Silence(BusError):
 class FrameStream:
     """The frames of one streamed reply, in order. Iterate it; `cancel()` if you stop early."""
 
-    def __init__(self, bus: "Bus", token: str, idle_timeout_s: float) -> None:
+    def __init__(self, bus: "Bus", token: str, idle_timeout_s: float, subject: str = "") -> None:
         self._bus = bus
         self.token = token
+        self.subject = subject  # where the request went: a refused publish there ends this stream at once
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.idle_timeout_s = idle_timeout_s
         self.on_cancel: Callable[[], Awaitable[None]] | None = None
@@ -178,6 +197,8 @@ class FrameStream:
             raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
             raise BusError("no_engine", "the engine is not listening", retryable=True)
+        if data is _REFUSED:
+            raise _refused(self.subject)
         return data
 
     async def cancel(self) -> None:
@@ -208,7 +229,17 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
-        return cls(await connect(url, name, **kw))
+        made: list[Bus] = []  # the error callback is wired before the Bus exists
+        bus = cls(await connect(url, name, on_refused=lambda subject: made and made[0].refuse(subject), **kw))
+        made.append(bus)
+        return bus
+
+    def refuse(self, subject: str) -> None:
+        """NATS refused a publish to `subject`: end every request waiting for an answer from there, instead of
+        letting it wait out its timeout for a reply that cannot come."""
+        for s in list(self._streams.values()):
+            if s.subject == subject:
+                s.queue.put_nowait(_REFUSED)
 
     @classmethod
     async def connect_as(cls, settings: Any, name: str, role: str = "service", url: str = "", **kw: Any) -> "Bus":
@@ -216,7 +247,7 @@ class Bus:
         from coderai.runtime.cluster import with_credentials
 
         url = url or settings.nats_url or DEFAULT_NATS_URL
-        return cls(await connect(with_credentials(url, settings.cluster_token, role), name, **kw))
+        return await cls.connect(with_credentials(url, settings.cluster_token, role), name, **kw)
 
     @property
     def connected(self) -> bool:
@@ -250,11 +281,12 @@ class Bus:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
         token = str(next(self._seq))
-        pending = FrameStream(self, token, timeout)
+        where = subject(**params)
+        pending = FrameStream(self, token, timeout, where)
         self._streams[token] = pending
         try:
             try:
-                await self.nc.publish(subject(**params), subject.encode(msg), reply=f"{self._inbox}.{token}", headers=headers)
+                await self.nc.publish(where, subject.encode(msg), reply=f"{self._inbox}.{token}", headers=headers)
             except ConnectionClosedError:
                 raise BusError("no_engine", "message bus unavailable", retryable=True) from None
             data = await get_or_timeout(pending.queue, timeout)
@@ -266,6 +298,8 @@ class Bus:
             raise BusError("no_engine", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
             raise BusError("no_engine", f"nobody serves {subject.pattern}", retryable=True)
+        if data is _REFUSED:
+            raise _refused(where)
         out = subject.decode_reply(data)
         if isinstance(out, ErrorReply):
             raise BusError.from_reply(out)
@@ -341,8 +375,9 @@ class Bus:
         """Publish a job whose reply is a stream of frames; returns the stream to read them from."""
         stream, reply = await self.expect_stream(idle_timeout_s)
         stream.on_cancel = on_cancel
+        stream.subject = subject(**params)
         try:
-            await self.nc.publish(subject(**params), subject.encode(msg), reply=reply, headers=headers)
+            await self.nc.publish(stream.subject, subject.encode(msg), reply=reply, headers=headers)
         except Exception:
             stream.close()
             raise
