@@ -232,6 +232,16 @@ async def ensure_local(config: ModelConfig, request: Request, models_dir: Path) 
     store), else pointing at the copy fetched from the head's store: the file, the folder, or `store_file` in it."""
     if not config.store_path or os.path.exists(os.path.expanduser(config.path)):
         return config
+    async with _fetching.setdefault(config.store_path, asyncio.Lock()):  # two engines of one model: one fetch
+        return await _ensure_local(config, request, models_dir)
+
+
+_fetching: dict[str, asyncio.Lock] = {}
+"""One lock per store path: a second engine (another replica, a reload) waits for the first one's fetch and
+then finds the copy verified, instead of appending to the same partial file."""
+
+
+async def _ensure_local(config: ModelConfig, request: Request, models_dir: Path) -> ModelConfig:
     try:
         if config.store_path.endswith("/"):
             holds = config.store_file

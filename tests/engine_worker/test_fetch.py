@@ -3,11 +3,14 @@ against the head's sha256 before it is used; a failed fetch fails the engine's l
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
 from coderai.contracts import BusError, ModelConfig, StoreChunk, StoreFetch
+from coderai.contracts.store import CHUNK_BYTES
 from coderai.engine_worker.fetch import FetchError, ensure_local, fetch_file
 from coderai.engine_worker.host import EngineHost
 
@@ -111,6 +114,14 @@ async def test_ensure_local_only_fetches_what_is_missing(tmp_path):
     away = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/repo/m.gguf")
     got = await ensure_local(away, head, tmp_path / "models")
     assert got.path == str(tmp_path / "models" / "org" / "repo" / "m.gguf") and got.store_path == away.store_path
+
+
+async def test_two_engines_of_one_model_fetch_it_once(tmp_path):
+    head = Head()
+    away = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/repo/m.gguf")
+    a, b = await asyncio.gather(ensure_local(away, head, tmp_path / "models"), ensure_local(away, head, tmp_path / "models"))
+    assert a.path == b.path and Path(a.path).read_bytes() == DATA
+    assert [n for _, n in head.asked if n] == [CHUNK_BYTES]  # the bytes once; the second only asked for the size
 
 
 async def test_a_failed_fetch_fails_the_engine_with_a_clear_error(tmp_path):
