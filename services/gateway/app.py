@@ -80,6 +80,11 @@ class Gateway:
         self.catalog.start()
         self.relay = Relay(self.bus, self.settings)
         self.blobs = BlobStore(self.bus, create=True)
+        # workers store large outputs there but may not create it: it must exist before the first one answers
+        try:
+            await self.blobs.store()
+        except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: the first upload here creates it
+            log.warning("could not create the blob store yet (%s); the first upload will", exc)
         log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)
         try:
             yield

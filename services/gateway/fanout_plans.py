@@ -194,7 +194,8 @@ def group_sizes(weights: list[int], parts: int) -> list[int]:
 
 
 def _plan_speech(job: Any, count: Callable[[int], int]) -> Plan | None:
-    # wav and pcm join exactly; compressed formats would need re-encoding, and their frames and padding click
+    # wav joins exactly; pcm (resampled to 24 kHz by each part's engine) joins with under a sample of phase shift
+    # per cut, in the silence between sentences; compressed formats would need re-encoding, and their frames click
     if job.response_format not in ("wav", "pcm"):
         return None
     sentences = split_sentences(job.input)
