@@ -29,6 +29,8 @@ def stack(tmp_path_factory):
     models = write_models_file(root / "models.toml", [
         {"name": "t2v", "engine": "video", "path": str(ensure_tiny_t2v()),
          "params": {"threads": 1, "steps": STEPS, "stages": 2}},
+        {"name": "t2v-whole", "engine": "video", "path": str(ensure_tiny_t2v()),  # one engine runs the whole job
+         "params": {"threads": 1, "steps": STEPS}},
     ])
     nats = NatsServer(root / "nats").start()
     # a short takeover threshold, so the test waits seconds, not the default 20 s
@@ -37,25 +39,27 @@ def stack(tmp_path_factory):
         s.start_core(models)
         s.start_worker("w1")
         s.start_gateway("--no-auth")
-        s.wait_engines_ready(["t2v"], timeout_s=180)
+        s.wait_engines_ready(["t2v", "t2v-whole"], timeout_s=180)
         yield s
     finally:
         s.stop()
         nats.stop()
 
 
-def start_second_gateway(s: Stack) -> str:
+@pytest.fixture(scope="module")
+def gateway_b(stack) -> str:
+    """A second gateway replica on the same bus: the one that takes jobs over."""
     from coderai.runtime.embedded import free_port
 
     port = free_port()
-    s.start("gateway-b", "coderai.gateway", ["--port", str(port), "--no-auth"], ready=None)
+    stack.start("gateway-b", "coderai.gateway", ["--port", str(port), "--no-auth"], ready=None)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 60, "gateway B /healthz")
     return url + "/v1"
 
 
-def test_a_job_whose_gateway_dies_completes_through_another(stack):
-    b_url = start_second_gateway(stack)
+def test_a_job_whose_gateway_dies_completes_through_another(stack, gateway_b):
+    b_url = gateway_b
     a_url, gateway_a = stack.base_url, stack.procs["gateway"]
     made = httpx.post(f"{a_url}/videos", json=BODY, timeout=30)
     assert made.status_code == 200, made.text
@@ -93,3 +97,28 @@ def test_a_job_whose_gateway_dies_completes_through_another(stack):
     with av.open(io.BytesIO(mp4.content)) as container:
         frames = list(container.decode(video=0))
     assert len(frames) == BODY["num_frames"] and (frames[0].width, frames[0].height) == (64, 64)
+
+
+def test_a_whole_model_job_whose_gateway_dies_runs_again_through_another(stack, gateway_b):
+    """Without stages there is no handoff to go on from: the replica that takes the job over runs it again."""
+    if not stack.procs["gateway"].alive():  # the test above killed the first gateway A
+        stack.start_gateway("--no-auth")
+    made = httpx.post(f"{stack.base_url}/videos", json={**BODY, "model": "t2v-whole"}, timeout=30)
+    assert made.status_code == 200, made.text
+    vid = made.json()["id"]
+
+    def video() -> dict:
+        return httpx.get(f"{gateway_b}/videos/{vid}", timeout=10).json()
+
+    def started() -> dict | None:
+        v = video()
+        return v if v["progress"] > 0 or v["status"] not in ("queued", "in_progress") else None
+
+    before = wait_until(started, 120, "the job to make progress")
+    stack.procs["gateway"].kill()
+    assert before["status"] == "in_progress", f"the job ended before gateway A was killed: {before}"
+    done = wait_until(lambda: (v := video())["status"] in ("completed", "failed") and v, 180,
+                      "the job to finish through gateway B")
+    assert done["status"] == "completed" and done["takeovers"] == 1, done
+    mp4 = httpx.get(f"{gateway_b}/videos/{vid}/content", timeout=30)
+    assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"
