@@ -84,6 +84,11 @@ def _verified(dest: Path, sha256: str) -> bool:
     return got == sha256
 
 
+def _have(dest: Path, size: int, sha256: str) -> bool:
+    """Whether `dest` already is the head's file of this size and sha256 (blocking: it may hash)."""
+    return dest.is_file() and dest.stat().st_size == size and _verified(dest, sha256)
+
+
 async def fetch_file(request: Request, store_path: str, models_dir: Path, *, chunk: int = CHUNK_BYTES) -> Path:
     """Make `<models_dir>/<store_path>` a copy of the head's file and return its path."""
     dest = local_path(models_dir, store_path)
@@ -94,7 +99,7 @@ async def fetch_file(request: Request, store_path: str, models_dir: Path, *, chu
             log.warning("cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message)
             return dest
         raise FetchError(f"cannot fetch {store_path} from the head's model store: {exc}") from None
-    if dest.is_file() and dest.stat().st_size == head.size and await asyncio.to_thread(_verified, dest, head.sha256):
+    if await asyncio.to_thread(_have, dest, head.size, head.sha256):
         return dest
     await _fetch_into(request, store_path, dest, head.size, head.sha256, chunk)
     return dest
@@ -171,8 +176,7 @@ def _write_manifest(local: Path, manifest: _Manifest) -> None:
 def _complete(local: Path) -> bool:
     """Whether the folder was fetched whole before and every file is still the one verified then."""
     m = _read_manifest(local)
-    return m.complete and bool(m.files) and all(
-        (f := local / e.path).is_file() and f.stat().st_size == e.size and _verified(f, e.sha256) for e in m.files)
+    return m.complete and bool(m.files) and all(_have(local / e.path, e.size, e.sha256) for e in m.files)
 
 
 def folder_of(store_path: str) -> str:
@@ -213,11 +217,8 @@ async def fetch_folder(request: Request, store_path: str, models_dir: Path, *, h
         _sidecar(local / gone).unlink(missing_ok=True)
     local.mkdir(parents=True, exist_ok=True)
     _write_manifest(local, _Manifest(complete=False, files=list(listing.files)))
-    todo = []
-    for e in listing.files:  # a file already here and verified is not fetched again
-        f = local / e.path
-        if not (f.is_file() and f.stat().st_size == e.size and await asyncio.to_thread(_verified, f, e.sha256)):
-            todo.append(e)
+    todo = [e for e in listing.files  # a file already here and verified is not fetched again
+            if not await asyncio.to_thread(_have, local / e.path, e.size, e.sha256)]
     if todo:
         log.info("fetching %d of the %d files of %s (%d bytes) from the head's model store", len(todo),
                  len(listing.files), store_path, sum(e.size for e in todo))
