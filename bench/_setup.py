@@ -14,7 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-CACHE = Path(os.environ.get("CODERAI_BENCH_CACHE", "~/.cache/coderai-bench")).expanduser()
+
+
+def cache_dir() -> Path:
+    """Where the bench keeps the baselines it installs (`$CODERAI_BENCH_CACHE`, default
+    `$XDG_CACHE_HOME/coderai-bench`), read when asked, so a changed environment is seen."""
+    if os.environ.get("CODERAI_BENCH_CACHE"):
+        return Path(os.environ["CODERAI_BENCH_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coderai-bench"
+
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "pydantic_settings", "starlette_context")
 
 
@@ -61,8 +69,9 @@ def llama_server_ready(install: bool) -> bool | str:
     return err or True
 
 
-def litellm_bin(install: bool, cache: Path = CACHE) -> Path | str:
+def litellm_bin(install: bool, cache: Path | None = None) -> Path | str:
     """The `litellm` proxy command from its own venv under the cache dir, or why there is none."""
+    cache = cache or cache_dir()
     venv = cache / "litellm-venv"
     exe = venv / "bin" / "litellm"
     if exe.exists():

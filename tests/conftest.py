@@ -1,13 +1,66 @@
-"""Session fixtures: a real nats-server (JetStream) and redis-server on random loopback ports, and a tiny GGUF."""
+"""Session fixtures: an empty home for the whole suite, a real nats-server (JetStream) and redis-server on
+random loopback ports, and a tiny GGUF.
+
+The suite runs as on a new machine wherever it runs: before anything is collected, `pytest_configure` points
+`HOME`, the XDG folders and the `CODERAI_*` cache and data settings at new empty folders under one temp dir,
+so this process and every process a test starts (they inherit the environment) find nothing a developer's
+home holds. What the suite needs is built there, or in the repo's `.venv`, during the run. The one thing kept
+from outside is pip's cache (`PIP_CACHE_DIR`), which `scripts/setup` fills. `suite_home` names the folders.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
 
 from coderai.runtime.embedded import NatsServer, RedisServer
+
+# settings that name a cache or a data dir: dropped, so their defaults (under the empty home) apply
+_OUTSIDE_SETTINGS = ("CODERAI_DATA_DIR", "CODERAI_MODEL_CACHE", "CODERAI_BENCH_CACHE", "CODERAI_BUILD_CACHE",
+                     "CODERAI_CONFIG", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME")
+_suite_root: Path | None = None
+
+
+def pytest_configure(config):
+    global _suite_root
+    if _suite_root is not None:
+        return
+    real_home = Path(os.path.expanduser("~"))
+    pip_cache = os.environ.get("PIP_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or real_home / ".cache") / "pip")
+    _suite_root = Path(tempfile.mkdtemp(prefix="coderai-suite-"))
+    home = _suite_root / "home"
+    for name in _OUTSIDE_SETTINGS:
+        os.environ.pop(name, None)
+    os.environ.update({
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "PIP_CACHE_DIR": pip_cache,
+        "CODERAI_TEST_OUTSIDE_HOME": str(real_home),  # only for the test that proves the isolation
+    })
+    for sub in (".cache", ".local/share", ".config", ".local/state"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+
+
+def pytest_unconfigure(config):
+    if _suite_root is not None and not os.environ.get("CODERAI_TEST_KEEP_HOME"):
+        shutil.rmtree(_suite_root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_home() -> Path:
+    """The suite's own empty home (see the module docstring); every test runs with it as `HOME`."""
+    home = Path(os.environ["HOME"])
+    assert _suite_root is not None and home.is_relative_to(_suite_root), "the suite must run in its own home"
+    return home
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +104,15 @@ def artifacts(request) -> Path:
     path = root / re.sub(r"[^\w.-]+", "_", request.node.name)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+_spent = {"slow": 0.0, "fast": 0.0}
+
+
+def pytest_runtest_logreport(report):
+    _spent["slow" if "slow" in report.keywords else "fast"] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The split CI's time is reported in: fast tests, slow tests (set-up, call and tear-down of each)."""
+    terminalreporter.write_line(f"time in tests: fast {_spent['fast']:.0f} s, slow {_spent['slow']:.0f} s")

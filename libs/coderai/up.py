@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             nats = NatsServer(data / "nats", port=nats_port, host=nats_host,
                               auth=nats_auth_config(token) if token else "").start(log_file=data / "logs" / "nats.log")
-            redis = RedisServer(data / "redis", port=args.redis_port or None).start(log_file=data / "logs" / "redis.log")
+            redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True).start(log_file=data / "logs" / "redis.log")
         except EmbeddedServerError as exc:
             print(f"coderai up: {exc}", file=sys.stderr)
             return 2

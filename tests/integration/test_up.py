@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -46,10 +47,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _run_up(data: Path, port: int, log: Path) -> subprocess.Popen:
+def _run_up(data: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(data), "--port", str(port),
-         "--metrics-port", str(free_port())],
+         "--metrics-port", str(free_port()), *extra],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
     )
 
@@ -122,3 +123,81 @@ def test_up_refuses_a_busy_port(tmp_path):
         r = subprocess.run([sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(tmp_path), "--port", str(port)],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "in use" in r.stderr
+
+
+def _sigkill(proc: subprocess.Popen, data: Path) -> None:
+    """A crash of the box as near as a test gets: Redis SIGKILLed first (no shutdown save), then `coderai up`;
+    the rest of the tree dies with its parent."""
+    tree = _descendants(proc.pid)
+    os.kill(json.loads((data / "run" / "up.json").read_text())["pids"]["redis"], signal.SIGKILL)
+    proc.kill()
+    proc.wait(30)
+    wait_until(lambda: not any(_alive(p) for p in tree), 30, "every process of the killed stack to be gone")
+
+
+def test_keys_budgets_spend_and_limits_survive_a_ctrl_c_and_a_sigkill(tmp_path, tiny_gguf):
+    """What a user made through the admin API is still there after `coderai up` is stopped either way."""
+    import httpx
+
+    from coderai.testing.stack import write_models_file
+
+    data = tmp_path / "data"
+    # $0.1 a completion token: one 8-token answer spends $0.80 of a $1 day, so the next one is refused
+    models = write_models_file(tmp_path / "models.toml", [{
+        "name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
+        "price_prompt_per_mtok": 0.0, "price_completion_per_mtok": 100000.0}])
+    chat = {"model": "coderai-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
+
+    def start(n: int) -> tuple[subprocess.Popen, str]:
+        port, log = free_port(), tmp_path / f"up{n}.log"
+        proc = _run_up(data, port, log, "--models-file", str(models))
+        wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 180, f"start {n} to print ready")
+        assert proc.poll() is None, log.read_text()
+        return proc, f"http://127.0.0.1:{port}"
+
+    def state(base: str, admin: str) -> tuple[dict, float]:
+        keys = {k["name"]: k for k in httpx.get(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"},
+                                               timeout=30).json()["keys"]}
+        import redis as redis_lib
+
+        from coderai.accounts.limits import period_id
+
+        r = redis_lib.Redis.from_url(json.loads((data / "run" / "up.json").read_text())["redis_url"])
+        try:
+            spent = float(r.get(f"coderai:spend:alice:{period_id('day', time.time())[0]}") or 0)
+        finally:
+            r.close()
+        return keys, spent
+
+    proc, base = start(1)
+    try:
+        admin = (data / "admin.key").read_text().strip()
+        made = httpx.post(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30, json={
+            "name": "alice", "rpm": 600, "tpm": 50000, "budget_usd": 1.0, "budget_period": "day"})
+        assert made.status_code == 201, made.text
+        alice = {"Authorization": f"Bearer {made.json()['key']}"}
+        first = httpx.post(f"{base}/v1/chat/completions", headers=alice, json=chat, timeout=60)
+        assert first.status_code == 200, first.text
+        spent_cost = first.json()["usage"]["completion_tokens"] * 0.1
+        keys, spent = state(base, admin)
+        assert abs(spent - spent_cost) < 1e-6 and spent > 0.5
+        refused = httpx.post(f"{base}/v1/chat/completions", headers=alice, json=chat, timeout=60)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+        before = keys["alice"]
+        assert (before["rpm"], before["tpm"], before["budget_usd"]) == (600, 50000, 1.0)
+        _ctrl_c(proc)
+
+        for how in ("ctrl-c", "sigkill"):
+            proc, base = start(2 if how == "ctrl-c" else 3)
+            keys, spent_after = state(base, admin)
+            assert keys.get("alice") == before, f"after {how}: {keys}"
+            assert abs(spent_after - spent) < 1e-9, f"after {how}: spend {spent_after} != {spent}"
+            again = httpx.post(f"{base}/v1/chat/completions", headers=alice, json=chat, timeout=60)
+            assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota", again.text
+            assert httpx.get(f"{base}/v1/models", headers=alice, timeout=30).status_code == 200  # the key still works
+            if how == "ctrl-c":
+                _sigkill(proc, data)
+        _ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

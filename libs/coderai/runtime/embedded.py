@@ -52,6 +52,14 @@ def _find(binary: str, hint: str) -> str:
     return found
 
 
+def open_log(log_file: str | os.PathLike | None):
+    """The file a child's output goes to (appended; its folder made first), or DEVNULL when there is none."""
+    if not log_file:
+        return subprocess.DEVNULL
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    return open(log_file, "ab")
+
+
 class _Server:
     proc: subprocess.Popen | None = None
     url: str = ""
@@ -107,7 +115,7 @@ class NatsServer(_Server):
             with os.fdopen(fd, "w") as fh:
                 fh.write(self.auth)
             cmd += ["-c", str(conf)]
-        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
@@ -133,20 +141,25 @@ class NatsServer(_Server):
 
 
 class RedisServer(_Server):
-    """A private `redis-server` on loopback with persistence off."""
+    """A private `redis-server` on loopback. `durable=True` (what `coderai up` runs) keeps an append-only file
+    in `data_dir`, fsynced every second, so keys, budgets and spend survive a restart or a crash of the process;
+    without it (tests, benchmarks) nothing is written to disk."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1",
+                 durable: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
+        self.durable = durable
         self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
-        cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+        persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
+        cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", *persistence,
                "--dir", str(self.data_dir), "--protected-mode", "yes"]
-        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
         self.url = f"redis://{self.host}:{self.port}/0"

@@ -1,7 +1,7 @@
 """A cache for the small models the project builds itself (tiny diffusers, overfitted whisper, ...).
 
 Building some of them takes tens of seconds (overfitting), so a build is kept under
-`$CODERAI_MODEL_CACHE` (default `~/.cache/coderai/models`) by name and recipe version, written to a temporary
+`$CODERAI_MODEL_CACHE` (default `$XDG_CACHE_HOME/coderai/models`, i.e. `~/.cache/coderai/models`) by name and recipe version, written to a temporary
 folder and renamed into place, so a half-built model is never seen and concurrent builders do not collide.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 def cache_root() -> Path:
     """Where built models are kept."""
-    root = os.environ.get("CODERAI_MODEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "coderai", "models")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = os.environ.get("CODERAI_MODEL_CACHE") or os.path.join(cache, "coderai", "models")
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path

