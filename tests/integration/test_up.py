@@ -135,7 +135,7 @@ def _sigkill(proc: subprocess.Popen, data: Path) -> None:
     wait_until(lambda: not any(_alive(p) for p in tree), 30, "every process of the killed stack to be gone")
 
 
-def test_keys_budgets_spend_and_limits_survive_a_ctrl_c_and_a_sigkill(tmp_path, tiny_gguf):
+def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_path, tiny_gguf):
     """What a user made through the admin API is still there after `coderai up` is stopped either way."""
     import httpx
 
@@ -185,6 +185,10 @@ def test_keys_budgets_spend_and_limits_survive_a_ctrl_c_and_a_sigkill(tmp_path, 
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
         before = keys["alice"]
         assert (before["rpm"], before["tpm"], before["budget_usd"]) == (600, 50000, 1.0)
+        # and a file in the bus's object store (JetStream on disk in the data dir)
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=admin, max_retries=0, timeout=30)
+        lines = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        uploaded = sdk.files.create(file=("train.jsonl", lines), purpose="fine-tune")
         _ctrl_c(proc)
 
         for how in ("ctrl-c", "sigkill"):
@@ -195,6 +199,8 @@ def test_keys_budgets_spend_and_limits_survive_a_ctrl_c_and_a_sigkill(tmp_path, 
             again = httpx.post(f"{base}/v1/chat/completions", headers=alice, json=chat, timeout=60)
             assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota", again.text
             assert httpx.get(f"{base}/v1/models", headers=alice, timeout=30).status_code == 200  # the key still works
+            sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=admin, max_retries=0, timeout=30)
+            assert sdk.files.content(uploaded.id).read() == lines, f"after {how}"
             if how == "ctrl-c":
                 _sigkill(proc, data)
         _ctrl_c(proc)

@@ -397,19 +397,21 @@ class Bus:
     # --- JetStream topology ----------------------------------------------------------------------
 
     async def kv(self, spec: BucketSpec) -> Any:
-        """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history."""
-        from nats.js.api import KeyValueConfig
+        """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history, on disk (file storage, in
+        the server's store dir), so what it holds survives a restart of the server."""
+        from nats.js.api import KeyValueConfig, StorageType
         from nats.js.errors import BucketNotFoundError
 
         try:
             return await self.js.key_value(spec.name)
         except BucketNotFoundError:
-            cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description)
+            cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description,
+                                 storage=StorageType.FILE)
             return await self.js.create_key_value(cfg)
 
     async def ensure_stream(self, spec: StreamSpec) -> None:
-        """Create a stream if missing (an existing one is left as it is)."""
-        from nats.js.api import RetentionPolicy, StreamConfig
+        """Create a stream if missing (an existing one is left as it is), on disk like every bucket."""
+        from nats.js.api import RetentionPolicy, StorageType, StreamConfig
         from nats.js.errors import NotFoundError
 
         try:
@@ -422,6 +424,7 @@ class Bus:
                 max_age=spec.max_age_s or None,
                 retention=retention,
                 description=spec.description,
+                storage=StorageType.FILE,
             )
             try:
                 await self.js.add_stream(cfg)
