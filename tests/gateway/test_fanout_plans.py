@@ -372,6 +372,53 @@ def test_transcribe_merge_shifts_timestamps_and_renumbers():
     assert use == usage(3)
 
 
+def sound_per_window(windows: int):
+    """The integration test's layout, with a tone for the phrase: per 30 s window, 2.6 s of sound from 0.5 s,
+    then silence."""
+    np = pytest.importorskip("numpy")
+    t = np.arange(int(2.6 * 16000)) / 16000
+    window = np.zeros(30 * 16000, dtype="<i2")
+    window[8000:8000 + len(t)] = (0.4 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    return np.tile(window, windows)
+
+
+def fake_whisper(pcm, lead: float) -> TranscribeResult:
+    """Whisper's shape of answer: one segment per 30 s window that holds sound, starting `lead` s after the
+    window's start. Segment-level timestamps give lead 0; with word timestamps faster-whisper moves a segment's
+    start to its first word's, and the untrained alignment heads of the tiny test whisper pile every word on
+    the window's last frame (29.98 s), where the first-word clamp leaves it 1.4 s earlier: lead 28.58."""
+    segments = []
+    for w in range(0, len(pcm), 30 * 16000):
+        if abs(pcm[w:w + 30 * 16000].astype(float)).max() > 0:
+            start = round(w / 16000 + lead, 3)
+            segments.append(Segment(id=len(segments), start=start, end=round(w / 16000 + 29.98, 3), text=" Hi.",
+                                    words=[Word(word="Hi.", start=start, end=round(w / 16000 + 29.98, 3))]))
+    return TranscribeResult(text="".join(s.text for s in segments).strip(), language="en",
+                            duration_s=len(pcm) / 16000, segments=segments)
+
+
+@pytest.mark.parametrize("lead", [0.0, 28.58])
+def test_transcribe_split_at_the_windows_merges_to_the_whole_answer(lead):
+    """The reported [28.58, 58.58, 88.58] is not a wrong offset: the parts are cut exactly at 30 s and 60 s, on
+    every planning, and when each part's own answer starts at 28.58 (as the whole engine's windows do), the
+    merge is the whole answer."""
+    pytest.importorskip("av")
+    np = pytest.importorskip("numpy")
+    pcm = sound_per_window(3)
+    job = TranscribeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(pcm.tobytes(), 16000)),
+                        word_timestamps=True)
+    p = plan("transcribe", job, 3, ON)
+    assert p.offsets == [0.0, 30.0, 60.0]
+    assert [j.audio.data for j in plan("transcribe", job, 3, ON).jobs] == [j.audio.data for j in p.jobs]
+    parts = [np.frombuffer(read_wav(j.audio.data)[1], "<i2") for j in p.jobs]
+    assert all(np.array_equal(x, pcm[:30 * 16000]) for x in parts)  # each part is one window, unshifted
+    outs = [fake_whisper(x, lead) for x in parts]
+    assert [s.start for o in outs for s in o.segments] == [lead] * 3  # each part's own times start at its 0
+    out, _ = merge("transcribe", job, p, outs, [None] * 3)
+    assert out == fake_whisper(pcm, lead)
+    assert [s.start for s in out.segments] == [lead, round(30 + lead, 3), round(60 + lead, 3)]
+
+
 # --- OCR ------------------------------------------------------------------------------------------------------
 
 

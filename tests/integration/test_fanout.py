@@ -202,7 +202,7 @@ def test_split_speech_equals_the_single_engine_answer(stack):
 def _phrase_per_window(windows: int) -> bytes:
     """`windows` stretches of 30 s (Whisper's window), each the phrase the tiny whisper was taught, then silence.
 
-    That tiny whisper answers the phrase timed from the start of whatever window it hears, not from where it is
+    That tiny whisper times the phrase's segment from the start of whatever window it hears, not from where it is
     said, and each of its windows ends on a lone timestamp, so the whole model's windows start at 0, 30, 60 s.
     The split answers the same only if its cuts fall there too; they fall in the quietest 100 ms nearest the
     even split points, and 26 s of silence around each point make that the points themselves."""
@@ -226,8 +226,8 @@ def test_split_transcription_equals_the_single_engine_answer(stack):
         assert r.status_code == 200, r.text
         return r
 
-    verbose = {"response_format": "verbose_json", "timestamp_granularities": ["segment", "word"]}
-    split, whole = ask("whisper", **verbose), ask("whisper-whole", **verbose)
+    segments = {"response_format": "verbose_json", "timestamp_granularities": ["segment"]}
+    split, whole = ask("whisper", **segments), ask("whisper-whole", **segments)
     assert split.headers["coderai-route"] == "fanout" and whole.headers["coderai-route"] != "fanout"
     assert len(split.headers["coderai-engine"].split(",")) >= 2, "the parts should be spread over workers"
     a, b = split.json(), whole.json()
@@ -235,6 +235,16 @@ def test_split_transcription_equals_the_single_engine_answer(stack):
     # each part's timestamps start at its own 0: shifted by the part's start, they are the whole answer's
     assert [s["start"] for s in a["segments"]] == [0.0, 30.0, 60.0]
     assert [s["id"] for s in a["segments"]] == [0, 1, 2]
+    assert a == b  # text, duration, segments (ids, times, tokens, scores)
+    # With word timestamps faster-whisper moves a segment's start to its first word's, which it finds by aligning
+    # the text to the audio through the cross-attention. The tiny whisper's alignment heads never learned
+    # anything (only its decoder was taught the phrase), so where its words land depends on the build: on some,
+    # every word on a window's last frame (29.98 s) and the first clamped to 1.4 s before, so segments start at
+    # 28.58, 58.58, 88.58 in the whole answer too. The parts are the same audio, so that lead is the same in each.
+    verbose = {"response_format": "verbose_json", "timestamp_granularities": ["segment", "word"]}
+    a, b = ask("whisper", **verbose).json(), ask("whisper-whole", **verbose).json()
+    lead = a["segments"][0]["start"]
+    assert [s["start"] for s in a["segments"]] == [lead, round(30 + lead, 3), round(60 + lead, 3)]
     assert a == b  # text, duration, segments (ids, times, tokens, scores) and words
     short = ask("whisper", response_format="json").json()
     assert short == ask("whisper-whole", response_format="json").json()
