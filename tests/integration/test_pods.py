@@ -99,6 +99,25 @@ def live(stack, model: str) -> list[dict]:
     return [p for p in pods(stack) if p["model"] == model and p["state"] in ("creating", "booting", "ready")]
 
 
+def over(stack, fake, pod: dict) -> dict | None:
+    """The broker's record of `pod` once it is over: billed (terminated or failed) and terminated at RunPod; None
+    before. Out of `live` is not over: a `stopping` pod holds its GPU until the broker's terminate lands, and that
+    gives the GPU back to RunPod's stock (undoing a capacity set in between)."""
+    rec = next((p for p in pods(stack) if p["name"] == pod["name"]), None)
+    done = rec is not None and rec["state"] in ("terminated", "failed")
+    return rec if done and fake.pod(pod["pod_id"]).status == "TERMINATED" else None
+
+
+def end_pods(stack, fake, model: str) -> None:
+    """End the model's pods by hand: crash each (RunPod keeps billing it), and wait until the broker has noticed,
+    terminated it at RunPod and billed it."""
+    ended = live(stack, model)
+    for p in ended:
+        fake.crash(p["pod_id"])
+    wait_until(lambda: not live(stack, model) and all(over(stack, fake, p) for p in ended), 60,
+               f"{model}'s pods to be terminated and billed")
+
+
 def test_never_is_503_and_nothing_is_rented(env):
     stack, fake, _ = env
     r = chat(stack, "stay")
@@ -181,8 +200,7 @@ def test_a_crashed_pod_is_billed_and_the_next_request_rents_another(env):
     stack, fake, _ = env
     [before] = live(stack, "big")
     fake.crash(before["pod_id"])
-    wait_until(lambda: not any(p["name"] == before["name"] for p in live(stack, "big")), 60, "the crash to be noticed")
-    failed = next(p for p in pods(stack) if p["name"] == before["name"])
+    failed = wait_until(lambda: over(stack, fake, before), 60, "the crash to be noticed and billed")
     assert failed["state"] == "failed" and "heartbeat" in failed["error"]
     r = chat(stack, "big")
     assert r.status_code == 200, r.text
@@ -192,9 +210,7 @@ def test_a_crashed_pod_is_billed_and_the_next_request_rents_another(env):
 
 def test_capacity_falls_back_to_the_next_type(env):
     stack, fake, _ = env
-    for p in live(stack, "big"):  # end the current one by hand: terminate it at RunPod, the broker bills the crash
-        fake.crash(p["pod_id"])
-    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    end_pods(stack, fake, "big")  # its A100 is back in stock before the capacity is set
     fake.set_capacity("NVIDIA A100 80GB PCIe", 0)
     r = chat(stack, "big")
     assert r.status_code == 200, r.text
@@ -204,9 +220,7 @@ def test_capacity_falls_back_to_the_next_type(env):
 
 def test_runpod_errors_are_retried_and_leave_no_untracked_pod(env):
     stack, fake, _ = env
-    for p in live(stack, "big"):
-        fake.crash(p["pod_id"])
-    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    end_pods(stack, fake, "big")
     before = {p.id for p in fake.pods()}
     fake.fail_next(3, status=503)  # the GPU list, then the create itself, fail first
     r = chat(stack, "big")
@@ -217,9 +231,7 @@ def test_runpod_errors_are_retried_and_leave_no_untracked_pod(env):
 
 def test_a_pod_that_never_boots_is_terminated_billed_and_the_request_fails_clearly(env):
     stack, fake, _ = env
-    for p in live(stack, "big"):
-        fake.crash(p["pod_id"])
-    wait_until(lambda: not live(stack, "big"), 60, "the pod to be gone")
+    end_pods(stack, fake, "big")
     fake.never_boot(count=1)
     r = chat(stack, "big")
     assert r.status_code == 503 and "starting" in r.json()["error"]["message"], r.text
