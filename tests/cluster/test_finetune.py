@@ -98,11 +98,11 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         qlora = client("create", file_id, "q", "1", "qlora")  # no bitsandbytes + CUDA here: a clear 400
         assert qlora["status"] == 400 and "bitsandbytes" in qlora["message"], qlora
 
-        def start(suffix: str, epochs: str, *valid_file: str) -> str:
+        def start(suffix: str, epochs: str, *valid_file: str, training: str = "") -> str:
             created: dict = {}
 
             def accepted() -> bool:  # node-b may not have joined yet: two nodes are asked for
-                created.update(client("create", file_id, suffix, epochs, "lora", *valid_file))
+                created.update(client("create", training or file_id, suffix, epochs, "lora", *valid_file))
                 assert created["status"] in (200, 400), created
                 return created["status"] == 200
 
@@ -142,8 +142,13 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
                    "tiny:ft1 to answer through the gateway", interval_s=1)
         assert chat["model"] == "tiny:ft1" and isinstance(chat["content"], str)
 
-        # a rank killed mid-job: the job fails naming its node, and nothing is registered
-        long_id = start("ft2", "100")
+        # a rank killed mid-job: the job fails naming its node, and nothing is registered. The jobs stopped on
+        # purpose train on 100 examples (5,000 steps at 100 epochs): 4 examples trained to the end in 15 s on a
+        # loaded machine, before the test had seen the first step
+        long_data = root / "long.jsonl"
+        long_data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4] * 25))
+        long_file = client("upload", str(long_data))["id"]
+        long_id = start("ft2", "100", training=long_file)
         wait_until(lambda: any(e["type"] == "metrics" for e in job(long_id)["events"]), 120,
                    "the second job's first step", interval_s=1)
         pid = int(re.search(rf"training job {long_id}: rank 1 runs as pid (\d+)", node.log_text()).group(1))
@@ -157,7 +162,7 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert not (root / "head" / "models" / "finetune" / long_id / "adapter.tar").exists()
 
         # a cancelled job stops on both nodes
-        stop_me = start("ftc", "100")
+        stop_me = start("ftc", "100", training=long_file)
         wait_until(lambda: job(stop_me)["job"]["status"] == "running", 60, "the job's ranks to start", interval_s=0.5)
         assert client("cancel", stop_me)["status"] == "cancelled"
         stopped = f"stopping training job {stop_me}: cancelled"
@@ -167,7 +172,7 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert job(stop_me)["job"]["status"] == "cancelled"
 
         # node-b's worker dies mid-job (its trainer dies with it): its reports stop, the job fails naming node-b
-        third = start("ft3", "100")
+        third = start("ft3", "100", training=long_file)
         ran = rf"training job {third}: rank 1 runs as pid (\d+)"
         wait_until(lambda: re.search(ran, node.log_text()), 60, "node-b's trainer to start")
         pid = int(re.search(ran, node.log_text()).group(1))

@@ -174,13 +174,15 @@ def test_when_busy_the_extra_request_is_served_by_a_pod(env):
         wait_until(lambda: any(e["model"] == "home" and e["in_flight"] for n in _nodes(stack)
                                for e in n["heartbeat"].get("engines", [])), 30, "the local engine to be busy")
         extra = chat(stack, "home")
+        # read before the holders are joined: under load that takes long enough for the idle pod to be reaped,
+        # so the pod is looked up among every pod rented for the model, whatever its state now
+        rented = [p["name"] for p in pods(stack) if p["model"] == "home"]
     finally:
         stop.set()
         for t in holders:
             t.join(90)
     assert extra.status_code == 200, extra.text
-    [pod] = live(stack, "home")
-    assert extra.headers["coderai-engine"].startswith(pod["name"]), extra.headers
+    assert any(extra.headers["coderai-engine"].startswith(name) for name in rented), (rented, extra.headers)
 
 
 def _nodes(stack) -> list[dict]:
