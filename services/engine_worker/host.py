@@ -214,6 +214,12 @@ class EngineHost:
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(code="bad_request", message=str(exc), seq=1)))
                 return
+            limit = getattr(self.engine, "queue_limit", 0)
+            if limit and len(self._tasks) >= limit:  # a bounded queue: beyond it the client is told to slow down
+                await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(
+                    code="busy", retryable=True, seq=1,
+                    message=f"{self.config.name} is busy: {limit} requests are running or queued on {self.engine_id}")))
+                return
             headers = m.headers or {}
             task = asyncio.create_task(self._run(op, job, m.reply, headers.get(HDR_REQUEST_ID, job.request_id), headers))
             self._tasks.add(task)

@@ -37,6 +37,7 @@ BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "not_found": (404, "invalid_request_error"),
     "no_engine": (503, "service_unavailable"),
     "overloaded": (503, "service_unavailable"),
+    "busy": (429, "rate_limit_error"),
     "over_budget": (429, "insufficient_quota"),
     "timeout": (504, "timeout"),
     "engine_failed": (502, "engine_error"),
@@ -58,7 +59,7 @@ HTTP_TYPES: dict[int, tuple[str, str]] = {
 
 def from_bus(exc: BusError, retry_after_s: int) -> ApiError:
     status, type_ = BUS_TO_HTTP.get(exc.code, (502, "engine_error"))
-    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 or exc.code == "busy" else None
     return ApiError(status, exc.message, type=type_, code=exc.code, param=exc.param, headers=headers)
 
 

@@ -20,7 +20,7 @@ def test_from_bus_follows_the_table(code):
     err = from_bus(BusError(code, f"details for {code}", retryable=True), retry_after_s=7)
     status, type_ = BUS_TO_HTTP[code]
     assert (err.status, err.type, err.code, err.message, err.param) == (status, type_, code, f"details for {code}", None)
-    if status == 503:
+    if status == 503 or code == "busy":
         assert err.headers == {"Retry-After": "7"}
     else:
         assert err.headers == {}
@@ -28,14 +28,14 @@ def test_from_bus_follows_the_table(code):
 
 def test_the_statuses_clients_rely_on():
     assert {c: s for c, (s, _) in BUS_TO_HTTP.items()} == {
-        "bad_request": 400, "not_found": 404, "no_engine": 503, "overloaded": 503, "over_budget": 429, "timeout": 504,
+        "bad_request": 400, "not_found": 404, "no_engine": 503, "overloaded": 503, "busy": 429, "over_budget": 429, "timeout": 504,
         "engine_failed": 502, "cancelled": 499, "internal": 502,
     }
 
 
-def test_only_unavailable_codes_carry_retry_after():
+def test_only_unavailable_and_busy_codes_carry_retry_after():
     with_header = {c for c in BUS_TO_HTTP if "Retry-After" in from_bus(BusError(c, "m"), 3).headers}
-    assert with_header == {"no_engine", "overloaded"}
+    assert with_header == {"no_engine", "overloaded", "busy"}  # a full engine queue: come back in a moment
 
 
 def test_an_unknown_bus_code_is_a_502():

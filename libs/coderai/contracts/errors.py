@@ -12,6 +12,7 @@ ErrorCode = Literal[
     "no_engine",  # nothing can serve this right now
     "engine_failed",  # the engine broke while serving
     "overloaded",  # try again later or elsewhere
+    "busy",  # the engine's bounded queue is full: the client should slow down (429 with Retry-After)
     "over_budget",  # a spend cap (a model's pod budget, a global cap) would be exceeded
     "cancelled",  # the caller went away
     "timeout",

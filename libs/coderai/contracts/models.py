@@ -8,11 +8,12 @@ from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 from coderai.contracts.split import SplitMode, SplitPlan
 
-EngineFamily = Literal["llama", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
+EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
                        "echo"]
 
 DEFAULT_OPS: dict[str, list[Op]] = {
     "llama": ["chat", "complete"],
+    "llama-server": ["chat", "complete"],
     "vllm": ["chat", "complete"],
     "embed": ["embed", "rerank"],
     "diffusers": ["image"],

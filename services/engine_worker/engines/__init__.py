@@ -10,6 +10,7 @@ from coderai.engine_worker.engines.base import BadInput, Engine, EngineLoadError
 # family -> (module that must be importable, module:class that runs it)
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama_cpp", "coderai.engine_worker.engines.llama:LlamaEngine"),
+    "llama-server": ("", "coderai.engine_worker.engines.llama_server:LlamaServerEngine"),  # a binary, not a module
     "vllm": ("vllm", "coderai.engine_worker.engines.vllm:VllmEngine"),
     "embed": ("sentence_transformers", "coderai.engine_worker.engines.embed:EmbedEngine"),
     "diffusers": ("diffusers", "coderai.engine_worker.engines.diffusion:ImageEngine"),
@@ -30,11 +31,15 @@ def available_families() -> list[str]:
     """Engine families whose libraries are installed on this machine (test engines left out)."""
     return [
         fam for fam, (probe, _) in FAMILIES.items()
-        if fam not in EXPLICIT_ONLY and (importlib.util.find_spec(probe) is not None or _external(fam))
+        if fam not in EXPLICIT_ONLY and ((probe and importlib.util.find_spec(probe) is not None) or _external(fam))
     ]
 
 
 def _external(family: str) -> bool:
+    if family == "llama-server":  # llama.cpp's server binary (scripts/setup builds it), not a Python module
+        from coderai.engine_worker.engines.llama_server import find_binary
+
+        return find_binary() is not None
     # vLLM pins its own torch, so a worker may keep it in another venv and name that interpreter instead
     return family == "vllm" and bool(os.environ.get("CODERAI_VLLM_PYTHON"))
 

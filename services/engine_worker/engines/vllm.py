@@ -14,30 +14,15 @@ dict added to the server's environment; `python` and `load_timeout_s` (default 6
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
-
-from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
-from coderai.runtime.embedded import die_with_parent, free_port
-
-Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
-"""emit(chat_delta, text_piece, finish_reason)"""
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine
+from coderai.runtime.embedded import free_port
 
 OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env"})
 DEFAULT_LOAD_TIMEOUT_S = 600.0
-LOG_TAIL_CHARS = 4000
-FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
@@ -53,247 +38,19 @@ def server_command(python: str, model_path: str, name: str, port: int, params: d
     return cmd + [str(a) for a in params.get("extra_args") or []]
 
 
-def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
-        v = getattr(p, name)
-        if v is not None:
-            out[name] = v
-    if p.stop:
-        out["stop"] = list(p.stop)
-    # emit carries no choice index, so a stream can only hold one choice
-    if p.n != 1 and not stream:
-        out["n"] = p.n
-    return out
-
-
-def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
-    """The OpenAI `/v1/chat/completions` body for a chat job."""
-    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None}
-    return {"model": model, "messages": job.messages, **_sampling(job.params, stream),
-            **{k: v for k, v in extras.items() if v is not None}}
-
-
-def completion_request(model: str, job: CompletionJob, stream: bool) -> dict[str, Any]:
-    """The OpenAI `/v1/completions` body for a completion job."""
-    body: dict[str, Any] = {"model": model, "prompt": job.prompt, "max_tokens": 16,  # OpenAI's default
-                            **_sampling(job.params, stream)}
-    return {**body, "echo": True} if job.echo else body
-
-
-def sse_events(lines: Iterator[str], cancel: CancelFlag) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream's `data:` lines, until `[DONE]` or until `cancel` is set."""
-    for line in lines:
-        if cancel:
-            return
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        event = json.loads(data)
-        if "error" in event:  # a failure after the stream began arrives as an event, not a status
-            _raise_error(event, 500)
-        yield event
-
-
-def _raise_error(body: Any, status: int) -> None:
-    err = body.get("error") if isinstance(body, dict) else None
-    err = err if isinstance(err, dict) else (body if isinstance(body, dict) else {})
-    message = str(err.get("message") or body)
-    code = err.get("code") or status
-    if code == 400 or status == 400:
-        raise BadInput(f"vLLM: {message}", err.get("param"))
-    raise RuntimeError(f"vLLM answered {code}: {message}")
-
-
-def _finish(reason: str | None) -> Any:
-    return reason if reason in FINISH_REASONS else "stop"
-
-
-def _usage(u: dict[str, Any] | None) -> Usage:
-    if not u:
-        return Usage()
-    p, c = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-
-class VllmEngine(Engine):
+class VllmEngine(OpenAIServerEngine):
     """One model served by a vLLM OpenAI server that this engine starts, owns and stops."""
 
     family = "vllm"
+    label = "vLLM"
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: vLLM batches them
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.proc: subprocess.Popen | None = None
-        self.base_url = ""
-        self.log_path = ""
-        self.client: httpx.Client | None = None
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.prefix_hits = 0
-
-    def load(self) -> None:
-        """Start the server and wait for `/health`; fail with the server's log tail if it exits or times out.
-
-        The server gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG follows the forking
-        thread, not the process): the worker calls `load` on the engine's own thread, which lives as long as
-        the engine does.
-        """
+    def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
         python = params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
-        timeout_s = float(params.get("load_timeout_s") or DEFAULT_LOAD_TIMEOUT_S)
-        port = free_port()
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
-        env = {**os.environ, **{k: str(v) for k, v in (params.get("env") or {}).items()}}
-        fd, self.log_path = tempfile.mkstemp(prefix=f"coderai-vllm-{port}-", suffix=".log")
-        with os.fdopen(fd, "wb") as log:
-            try:
-                # a session of its own lets close() reach vLLM's engine-core and worker processes too
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env, start_new_session=True,
-                                             preexec_fn=die_with_parent())  # noqa: PLW1509 - prctl only
-            except OSError as exc:
-                raise EngineLoadError(f"cannot start vLLM with {python}: {exc}") from exc
-        self.base_url = f"http://127.0.0.1:{port}"
-        self._wait_healthy(timeout_s)
-        # no read timeout: a long generation is silent until it ends; cancel is how a request is cut short
-        self.client = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(30.0, read=None),
-                                   limits=httpx.Limits(max_connections=self.max_concurrency))
+        return cmd, {**os.environ, **{k: str(v) for k, v in (params.get("env") or {}).items()}}
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as probe:
-            while True:
-                try:
-                    if probe.get(f"{self.base_url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                left = deadline - time.monotonic()
-                try:  # the poll interval doubles as exit detection
-                    code = self.proc.wait(timeout=min(0.5, left)) if left > 0 else None
-                except subprocess.TimeoutExpired:
-                    continue
-                why = f"exited with code {code}" if code is not None else f"was not healthy after {timeout_s:.0f} s"
-                tail = self._log_tail()
-                self.close()
-                raise EngineLoadError(f"vLLM {why} while loading {self.config.path}; its log ends:\n{tail}")
-
-    def _log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - LOG_TAIL_CHARS))
-                return fh.read().decode("utf-8", "replace")
-        except OSError:
-            return "(no log)"
-
-    def close(self) -> None:
-        """Stop the server and its engine processes; SIGKILL whatever lingers."""
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # vLLM's own children, should any outlive the server
-        if self.log_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
-            self.log_path = ""
-
-    def stats(self) -> dict[str, int]:
-        """Prompt counters from the answers' usage (no I/O: the heartbeat reads this on the event loop)."""
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "prefix_hits": self.prefix_hits, "cache_bytes": 0}
-
-    def _account(self, u: dict[str, Any] | None) -> None:
-        if not u:
-            return
-        self.prompt_tokens += int(u.get("prompt_tokens") or 0)
-        cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        self.cached_tokens += cached
-        self.prefix_hits += cached > 0
-
-    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        """A chat completion: whole choices, or streamed deltas through `emit` (then no choices)."""
-        def piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
-            return {k: v for k, v in (c.get("delta") or {}).items() if v not in (None, "")} or None, None
-
-        def whole(c: dict[str, Any]) -> Choice:
-            msg = {k: v for k, v in c["message"].items() if v is not None}
-            return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")))
-
-        body = chat_request(self.config.name, job, emit is not None)
-        return self._run("/v1/chat/completions", body, job.request_id, cancel, emit, piece, whole)
-
-    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        """A text completion: whole choices, or streamed text through `emit` (then no choices)."""
-        def piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
-            return None, c.get("text") or None
-
-        def whole(c: dict[str, Any]) -> Choice:
-            return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")))
-
-        body = completion_request(self.config.name, job, emit is not None)
-        return self._run("/v1/completions", body, job.request_id, cancel, emit, piece, whole)
-
-    def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
-             piece: Callable[[dict], tuple[dict | None, str | None]],
-             whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
-        if self.client is None:
-            raise RuntimeError("the vLLM engine is not loaded")
-        headers = {"X-Request-Id": request_id}  # vLLM's logs and aborts then name the request as we do
-        try:
-            if emit is None:
-                r = self.client.post(path, json=body, headers=headers)
-                if r.status_code != 200:
-                    _raise_error(_json(r), r.status_code)
-                answer = r.json()
-                self._account(answer.get("usage"))
-                return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
-            return [], self._stream(path, body, headers, cancel, emit, piece)
-        except httpx.TransportError as exc:
-            raise RuntimeError(f"vLLM server unreachable ({exc}); "
-                               f"it {'exited' if self.proc is None or self.proc.poll() is not None else 'is running'}") from exc
-
-    def _stream(self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit,
-                piece: Callable[[dict], tuple[dict | None, str | None]]) -> Usage:
-        assert self.client is not None
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        usage: dict[str, Any] | None = None
-        pieces = 0
-        with self.client.stream("POST", path, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                r.read()
-                _raise_error(_json(r), r.status_code)
-            for event in sse_events(r.iter_lines(), cancel):
-                usage = event.get("usage") or usage
-                for c in event.get("choices") or []:
-                    delta, text = piece(c)
-                    finish = c.get("finish_reason")
-                    if delta or text or finish:
-                        pieces += bool(delta or text)
-                        emit(delta, text, _finish(finish) if finish else None)
-        # leaving the block closes the response; on cancel that is what tells vLLM to abort the request
-        if usage is None:  # cancelled before the usage event: one streamed piece is one token in vLLM
-            return Usage(completion_tokens=pieces, total_tokens=pieces)
-        self._account(usage)
-        return _usage(usage)
-
-
-def _json(r: httpx.Response) -> Any:
-    try:
-        return r.json()
-    except ValueError:
-        return {"message": r.text[:2000]}
+    def load(self) -> None:
+        """Start the server and wait for `/health`; fail with the server's log tail if it exits or times out."""
+        self.start_server(free_port(), float(self.config.params.get("load_timeout_s") or DEFAULT_LOAD_TIMEOUT_S))

@@ -1,0 +1,198 @@
+"""llama.cpp's own server (`llama-server`) as a supervised child: one process per model, many users at once.
+
+The server runs `--parallel N` slots with continuous batching, the model's own chat template (`--jinja`: tool
+calls, reasoning), and its prompt cache; the worker relays jobs over loopback HTTP (see openai_server). A child
+that dies is restarted with backoff while the engine is reported failed, with the last lines of its log; it never
+outlives the worker (PR_SET_PDEATHSIG from the thread that started it, its own session killed on close).
+
+Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
+n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
+image input), `cache_ram_mb` (the server's host prompt cache, default 256 MiB), `n_threads`, `n_threads_batch`,
+`n_batch`, `chat_template`, `queue` (jobs the worker takes beyond the slots, default 3 x parallel). Every other
+key becomes a `--kebab-case value` flag (`True` a bare flag); `extra_args` is appended as is; `env` is added to
+the server's environment. The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter (what
+`scripts/setup` builds into `.venv/bin`), else on `PATH`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from coderai.contracts import ModelConfig
+from coderai.engine_worker.engines.base import EngineLoadError
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine
+from coderai.runtime.embedded import free_port
+
+log = logging.getLogger("coderai.engine_worker")
+
+NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size",
+         "chat_template": "--chat-template", "mmproj": "--mmproj"}
+OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "queue", "load_timeout_s", "extra_args",
+                        "env", "prompt_cache_mb"}) | NAMED.keys()
+DEFAULT_PARALLEL = 4
+DEFAULT_N_CTX = 2048
+DEFAULT_CACHE_RAM_MB = 256  # measured: the 8 GiB default grew and slowed one server over many distinct prompts
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+POLL_S = 0.5  # how often the supervisor looks at the child and reads its slots
+STDERR_TAIL_CHARS = 1500
+
+
+def find_binary() -> str | None:
+    """The llama-server to run: `CODERAI_LLAMA_SERVER`, the one beside this interpreter, or one on PATH."""
+    named = os.environ.get("CODERAI_LLAMA_SERVER")
+    if named:
+        return named
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("llama-server")
+
+
+def server_args(config: ModelConfig, port: int) -> list[str]:
+    """The flags that start llama-server for `config` on 127.0.0.1:`port` (the binary not included)."""
+    p = dict(config.params)
+    parallel = int(p.get("parallel") or DEFAULT_PARALLEL)
+    n_ctx = int(p.get("n_ctx") or DEFAULT_N_CTX)
+    ngl = p.get("n_gpu_layers")
+    args = ["--model", os.path.expanduser(config.path), "--host", "127.0.0.1", "--port", str(port),
+            "--alias", config.name, "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel),
+            "--jinja", "--metrics", "--slots", "--no-webui",
+            "--n-gpu-layers", str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
+            "--cache-ram", str(int(p.get("cache_ram_mb", DEFAULT_CACHE_RAM_MB)))]
+    for key, flag in NAMED.items():
+        if p.get(key) not in (None, ""):
+            value = p[key]
+            args += [flag, os.path.expanduser(str(value)) if key == "mmproj" else str(value)]
+    for key, value in p.items():
+        if key in OWN_PARAMS or value is None or value is False:
+            continue
+        args.append("--" + key.replace("_", "-"))
+        if value is not True:
+            args.append(str(value))
+    return args + [str(a) for a in p.get("extra_args") or []]
+
+
+def slot_load(metrics_text: str) -> tuple[int, int]:
+    """(requests running in a slot, requests waiting for one) from the server's Prometheus text."""
+    busy = queued = 0
+    for line in metrics_text.splitlines():
+        if line.startswith("llamacpp:requests_processing "):
+            busy = int(float(line.split()[1]))
+        elif line.startswith("llamacpp:requests_deferred "):
+            queued = int(float(line.split()[1]))
+    return busy, queued
+
+
+class LlamaServerEngine(OpenAIServerEngine):
+    """One GGUF model served by a supervised `llama-server` child with `parallel` slots."""
+
+    family = "llama-server"
+    label = "llama-server"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.slots = int(config.params.get("parallel") or DEFAULT_PARALLEL)
+        queue = config.params.get("queue")
+        self.max_concurrency = self.slots + int(queue if queue is not None else 3 * self.slots)
+        self.queue_limit = self.max_concurrency  # the worker answers `busy` (a 429) beyond it
+        self.slots_busy = 0
+        self.queued = 0
+        self.restarts = 0
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.Lock()  # the child and the client change only under it (restart vs close)
+
+    def command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        binary = find_binary()
+        if not binary:
+            raise EngineLoadError("llama-server not found: run scripts/setup (it builds .venv/bin/llama-server), "
+                                  "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path")
+        env = {**os.environ, **{k: str(v) for k, v in (self.config.params.get("env") or {}).items()}}
+        return [binary, *server_args(self.config, port)], env
+
+    def load(self) -> None:
+        if not os.path.exists(os.path.expanduser(self.config.path)):
+            raise EngineLoadError(f"no such model file: {self.config.path}")
+        self.start_server(free_port(), self.load_timeout_s())
+        self._supervisor = threading.Thread(target=self._supervise, name=f"llama-server-{self.config.name}",
+                                            daemon=True)
+        self._supervisor.start()
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued}
+
+    def close(self) -> None:
+        self._closing.set()
+        with self._lock:
+            super().close()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(10)
+
+    # --- supervision -------------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Watch the child; read its slot load while it lives; restart it with backoff when it dies. Runs on the
+        thread that starts every later child, so each child dies with it (PR_SET_PDEATHSIG)."""
+        probe = httpx.Client(timeout=2.0)
+        try:
+            while not self._closing.wait(POLL_S):
+                proc = self.proc
+                if proc is not None and proc.poll() is None:
+                    self._read_load(probe)
+                    continue
+                if self._closing.is_set():
+                    return
+                code = proc.returncode if proc is not None else None
+                tail = self.log_tail(STDERR_TAIL_CHARS).strip()
+                why = f"llama-server exited with code {code}; its log ends:\n{tail}"
+                log.error("%s: %s", self.config.name, why)
+                self.slots_busy = self.queued = 0
+                if self.on_lost is not None:
+                    self.on_lost(why)
+                self._restart()
+        finally:
+            probe.close()
+
+    def _read_load(self, probe: httpx.Client) -> None:
+        try:
+            r = probe.get(f"{self.base_url}/metrics")
+            if r.status_code == 200:
+                self.slots_busy, self.queued = slot_load(r.text)
+        except httpx.HTTPError:
+            pass  # the next poll sees whether it died
+
+    def _restart(self) -> None:
+        for attempt in range(10**9):
+            if self._closing.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
+                return
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                self.stop_server(grace_s=5)
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+                try:
+                    self.start_server(free_port(), self.load_timeout_s())
+                except EngineLoadError as exc:
+                    log.error("%s: restart %d of llama-server failed: %s", self.config.name, attempt + 1, exc)
+                    continue
+            self.restarts += 1
+            log.info("%s: llama-server restarted (%d restarts so far)", self.config.name, self.restarts)
+            if self.on_back is not None:
+                self.on_back()
+            return
+
+
+def available() -> bool:
+    """Whether this machine has a llama-server to run (the family's probe)."""
+    return find_binary() is not None
+

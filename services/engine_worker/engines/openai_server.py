@@ -1,0 +1,292 @@
+"""An engine that is an OpenAI-compatible server run as a child process on loopback (vLLM's, llama.cpp's).
+
+The engine translates jobs to OpenAI requests; the server batches concurrent requests itself, so the engine
+keeps no lock. Streaming reads the server's SSE and stops on cancel: closing the response drops the connection,
+and the server aborts a request whose client went away, freeing its slot or KV cache at once. A whole
+(non-streamed) answer is one blocking request, so cancel cannot cut it short.
+
+Subclasses say how to start the server (`command`), what it is called in messages (`label`) and may override
+`ready_path`. The child gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG follows the forking
+thread, not the process): the worker calls `load` on the engine's own thread, which lives as long as the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+
+from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.runtime.embedded import die_with_parent
+
+Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
+"""emit(chat_delta, text_piece, finish_reason)"""
+
+LOG_TAIL_CHARS = 4000
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+
+
+def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if v is not None:
+            out[name] = v
+    if p.stop:
+        out["stop"] = list(p.stop)
+    # emit carries no choice index, so a stream can only hold one choice
+    if p.n != 1 and not stream:
+        out["n"] = p.n
+    return out
+
+
+def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
+    """The OpenAI `/v1/chat/completions` body for a chat job."""
+    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None}
+    return {"model": model, "messages": job.messages, **_sampling(job.params, stream),
+            **{k: v for k, v in extras.items() if v is not None}}
+
+
+def completion_request(model: str, job: CompletionJob, stream: bool) -> dict[str, Any]:
+    """The OpenAI `/v1/completions` body for a completion job."""
+    body: dict[str, Any] = {"model": model, "prompt": job.prompt, "max_tokens": 16,  # OpenAI's default
+                            **_sampling(job.params, stream)}
+    return {**body, "echo": True} if job.echo else body
+
+
+def sse_events(lines: Iterator[str], cancel: CancelFlag, label: str = "the server") -> Iterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream's `data:` lines, until `[DONE]` or until `cancel` is set."""
+    for line in lines:
+        if cancel:
+            return
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:  # a failure after the stream began arrives as an event, not a status
+            raise_error(event, 500, label)
+        yield event
+
+
+def raise_error(body: Any, status: int, label: str = "the server") -> None:
+    """A server's error answer as the worker's errors: a 400 is the client's (BadInput, naming its param)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    err = err if isinstance(err, dict) else (body if isinstance(body, dict) else {})
+    message = str(err.get("message") or body)
+    code = err.get("code") or status
+    if code == 400 or status == 400:
+        raise BadInput(f"{label}: {message}", err.get("param"))
+    raise RuntimeError(f"{label} answered {code}: {message}")
+
+
+def _finish(reason: str | None) -> Any:
+    return reason if reason in FINISH_REASONS else "stop"
+
+
+def _usage(u: dict[str, Any] | None) -> Usage:
+    if not u:
+        return Usage()
+    p, c = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def json_of(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return {"message": r.text[:2000]}
+
+
+class OpenAIServerEngine(Engine):
+    """One model served by an OpenAI-compatible server that this engine starts, owns and stops."""
+
+    label = "the server"
+    ready_path = "/health"
+    max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: the server batches
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.base_url = ""
+        self.log_path = ""
+        self.client: httpx.Client | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.prefix_hits = 0
+
+    def command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        """The argv and environment that start the server on 127.0.0.1:`port`."""
+        raise NotImplementedError
+
+    def load_timeout_s(self) -> float:
+        return float(self.config.params.get("load_timeout_s") or 600.0)
+
+    def start_server(self, port: int, timeout_s: float) -> None:
+        """Start the server and wait for `ready_path`; EngineLoadError with its log tail if it exits or times out."""
+        cmd, env = self.command(port)
+        fd, self.log_path = tempfile.mkstemp(prefix=f"coderai-{self.family}-{port}-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            try:
+                # a session of its own lets close() reach the server's own children too
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, start_new_session=True,
+                                             preexec_fn=die_with_parent())  # noqa: PLW1509 - prctl only
+            except OSError as exc:
+                raise EngineLoadError(f"cannot start {self.label} ({cmd[0]}): {exc}") from exc
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._wait_healthy(timeout_s)
+        if self.client is None:
+            # no read timeout: a long generation is silent until it ends; cancel is how a request is cut short
+            self.client = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(30.0, read=None),
+                                       limits=httpx.Limits(max_connections=self.max_concurrency))
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as probe:
+            while True:
+                try:
+                    if probe.get(f"{self.base_url}{self.ready_path}").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                left = deadline - time.monotonic()
+                try:  # the poll interval doubles as exit detection
+                    code = self.proc.wait(timeout=min(0.5, left)) if left > 0 else None
+                except subprocess.TimeoutExpired:
+                    continue
+                why = f"exited with code {code}" if code is not None else f"was not healthy after {timeout_s:.0f} s"
+                tail = self.log_tail()
+                self.stop_server()
+                raise EngineLoadError(f"{self.label} {why} while loading {self.config.path}; its log ends:\n{tail}")
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - chars))
+                return fh.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def stop_server(self, grace_s: float = 30.0) -> None:
+        """Stop the server and its children; SIGKILL whatever lingers."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the server's own children, should any outlive it
+        if self.log_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+            self.log_path = ""
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self.stop_server()
+
+    def stats(self) -> dict[str, int]:
+        """Prompt counters from the answers' usage (no I/O: the heartbeat reads this on the event loop)."""
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "prefix_hits": self.prefix_hits, "cache_bytes": 0}
+
+    def _account(self, u: dict[str, Any] | None) -> None:
+        if not u:
+            return
+        self.prompt_tokens += int(u.get("prompt_tokens") or 0)
+        cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.cached_tokens += cached
+        self.prefix_hits += cached > 0
+
+    def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
+        return chat_request(self.config.name, job, stream)
+
+    def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
+        return completion_request(self.config.name, job, stream)
+
+    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        """A chat completion: whole choices, or streamed deltas through `emit` (then no choices)."""
+        def piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
+            return {k: v for k, v in (c.get("delta") or {}).items() if v not in (None, "")} or None, None
+
+        def whole(c: dict[str, Any]) -> Choice:
+            msg = {k: v for k, v in c["message"].items() if v is not None}
+            return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")))
+
+        return self._run("/v1/chat/completions", self.chat_body(job, emit is not None), job.request_id, cancel, emit,
+                         piece, whole)
+
+    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        """A text completion: whole choices, or streamed text through `emit` (then no choices)."""
+        def piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
+            return None, c.get("text") or None
+
+        def whole(c: dict[str, Any]) -> Choice:
+            return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")))
+
+        return self._run("/v1/completions", self.completion_body(job, emit is not None), job.request_id, cancel, emit,
+                         piece, whole)
+
+    def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
+             piece: Callable[[dict], tuple[dict | None, str | None]],
+             whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
+        if self.client is None:
+            raise RuntimeError(f"{self.label} is not loaded")
+        headers = {"X-Request-Id": request_id}  # the server's logs and aborts then name the request as we do
+        try:
+            if emit is None:
+                r = self.client.post(path, json=body, headers=headers)
+                if r.status_code != 200:
+                    raise_error(json_of(r), r.status_code, self.label)
+                answer = r.json()
+                self._account(answer.get("usage"))
+                return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
+            return [], self._stream(path, body, headers, cancel, emit, piece)
+        except httpx.TransportError as exc:
+            state = "exited" if self.proc is None or self.proc.poll() is not None else "is running"
+            raise RuntimeError(f"{self.label} unreachable ({exc}); it {state}") from exc
+
+    def _stream(self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit,
+                piece: Callable[[dict], tuple[dict | None, str | None]]) -> Usage:
+        assert self.client is not None
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        usage: dict[str, Any] | None = None
+        pieces = 0
+        with self.client.stream("POST", path, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                r.read()
+                raise_error(json_of(r), r.status_code, self.label)
+            for event in sse_events(r.iter_lines(), cancel, self.label):
+                usage = event.get("usage") or usage
+                for c in event.get("choices") or []:
+                    delta, text = piece(c)
+                    finish = c.get("finish_reason")
+                    if delta or text or finish:
+                        pieces += bool(delta or text)
+                        emit(delta, text, _finish(finish) if finish else None)
+        # leaving the block closes the response; on cancel that is what tells the server to abort the request
+        if usage is None:  # cancelled before the usage event: one streamed piece is one token
+            return Usage(completion_tokens=pieces, total_tokens=pieces)
+        self._account(usage)
+        return _usage(usage)
