@@ -29,12 +29,18 @@ class EngineView:
     in_flight: int
     picks_since_hb: int = 0
     done_since_hb: int = 0
+    slots: int = 1  # requests it runs at once (llama-server's --parallel); 1 where the engine reports none
 
     @property
     def load(self) -> int:
         """In flight now, estimated: the heartbeat's count (up to ~2 s old), plus requests routed here since,
         minus requests that finished here since (from `request.completed` events)."""
         return max(0, self.in_flight + self.picks_since_hb - self.done_since_hb)
+
+    @property
+    def busy_share(self) -> float:
+        """Load per slot: an engine with 8 slots and 4 requests is less busy than one with 1 slot and 1."""
+        return self.load / max(1, self.slots)
 
 
 @dataclass
@@ -49,9 +55,9 @@ class EngineTable:
     failed: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # engine id -> (node, model, why)
 
     def least_busy(self, candidates: list[EngineView]) -> EngineView:
-        """Lowest load; among equals the one picked least recently (never picked first), then the lowest id,
-        so idle engines take new conversations in turn instead of all landing on one."""
-        return min(candidates, key=lambda v: (v.load, self.last_pick.get(v.engine_id, 0), v.engine_id))
+        """Lowest load per slot; among equals the one picked least recently (never picked first), then the lowest
+        id, so idle engines take new conversations in turn instead of all landing on one."""
+        return min(candidates, key=lambda v: (v.busy_share, self.last_pick.get(v.engine_id, 0), v.engine_id))
 
     def chose(self, v: EngineView) -> None:
         self.picks += 1
@@ -64,7 +70,8 @@ class EngineTable:
         self.drop_node(hb.node_id)
         for e in hb.engines:
             if e.state == "ready":
-                self.engines[e.engine_id] = EngineView(e.engine_id, hb.node_id, e.model, frozenset(e.ops), e.in_flight)
+                self.engines[e.engine_id] = EngineView(e.engine_id, hb.node_id, e.model, frozenset(e.ops), e.in_flight,
+                                                       slots=max(1, e.slots))
             elif e.state == "failed":
                 self.failed[e.engine_id] = (hb.node_id, e.model, e.error or "failed")
 
@@ -107,14 +114,16 @@ class LoadGuard:
     The warm engine is passed over when its load (in flight + picks since its last heartbeat) exceeds both
     `ratio` times the least-busy holder's load and that load plus `slack`. A cold prefill costs one request
     once; queueing behind a hot engine costs every request queued, so the guard only trips on a clear gap:
-    with the defaults, 4 vs 0 stays warm, 5 vs 0 moves; 8 vs 4 stays, 9 vs 4 moves.
+    with the defaults, 4 vs 0 stays warm, 5 vs 0 moves; 8 vs 4 stays, 9 vs 4 moves. An engine with slots to
+    spare is never passed over: 6 in flight on 8 slots stays warm whatever the others carry.
     """
 
     ratio: float = 2.0
     slack: int = 4
 
     def overloaded(self, warm: EngineView, least: EngineView) -> bool:
-        return warm.load > max(least.load * self.ratio, least.load + self.slack)
+        # an engine with a free slot (llama-server's --parallel) takes the conversation at once: never passed over
+        return warm.load >= warm.slots and warm.load > max(least.load * self.ratio, least.load + self.slack)
 
 
 def affinity_keys(req: RouteRequest) -> list[tuple[str, str]]:

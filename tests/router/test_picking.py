@@ -107,6 +107,27 @@ def test_pick_chooses_the_least_loaded_engine():
     assert d.holders == 3  # the gateway splits a fan-out request only over two or more
 
 
+def test_pick_weighs_load_by_the_engines_slots():
+    t = EngineTable()
+    many = EngineStatus(engine_id="e8", model="m", engine="llama-server", ops=["chat"], state="ready", in_flight=4,
+                        slots=8, slots_busy=4)
+    t.apply(hb("n1", engine("e1", in_flight=1)), now=0.0)  # one request on a one-at-a-time engine: full
+    t.apply(hb("n2", many), now=0.0)  # four on eight slots: half full
+    assert t.engines["e8"].busy_share == 0.5 and t.engines["e1"].busy_share == 1.0
+    assert where(pick(t, req()))[0] == "e8"
+
+
+def test_the_guard_keeps_a_conversation_on_an_engine_with_a_free_slot():
+    from coderai.router.picking import LoadGuard
+
+    guard = LoadGuard()
+    warm = EngineView("w", "n1", "m", frozenset({"chat"}), in_flight=6, slots=8)
+    idle = EngineView("i", "n2", "m", frozenset({"chat"}), in_flight=0)
+    assert not guard.overloaded(warm, idle)  # 6 of 8 slots: the warm cache still wins
+    full = EngineView("f", "n1", "m", frozenset({"chat"}), in_flight=9, slots=8)
+    assert guard.overloaded(full, idle)  # every slot busy and a clear gap: move
+
+
 def test_holders_counts_the_engines_that_could_take_it():
     t = EngineTable()
     t.apply(hb("n1", engine("e1")), now=0.0)
