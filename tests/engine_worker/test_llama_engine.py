@@ -170,3 +170,20 @@ def test_prompt_cache_can_be_turned_off(tiny_gguf):
         assert e.stats()["cache_bytes"] == 0
     finally:
         e.close()
+
+
+def test_streamed_tool_call_deltas_name_the_call_once():
+    from coderai.engine_worker.engines.llama import openai_delta
+
+    def chunk(args: str) -> dict:  # what llama-cpp-python streams for one tool call: everything, every time
+        return {"role": "assistant", "content": None,
+                "function_call": {"name": "get_weather", "arguments": args},
+                "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": args}}]}
+
+    announced: set[int] = set()
+    deltas = [openai_delta(chunk(a), announced) for a in ('{"city"', ': "Paris"', "}")]
+    assert all("function_call" not in d for d in deltas)
+    first, *rest = [d["tool_calls"][0] for d in deltas]
+    assert first == {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city"'}}
+    assert rest == [{"index": 0, "function": {"arguments": ': "Paris"'}}, {"index": 0, "function": {"arguments": "}"}}]

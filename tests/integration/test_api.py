@@ -99,6 +99,19 @@ def test_tools_reach_the_engine(client):
     assert "city" in json.loads(call.function.arguments)
 
 
+def test_a_streamed_tool_call_accumulates_to_one_call_in_the_sdk_stream_helper(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    with client.chat.completions.stream(
+        model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=40, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ) as stream:
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls  # the helper concatenates what it gets: once, not per chunk
+    assert call.function.name == "get_weather" and call.id and call.type == "function"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
 # --- errors: the OpenAI shape and the right status, never a 5xx for a client mistake ---------------------
 
 

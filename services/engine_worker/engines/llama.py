@@ -73,6 +73,29 @@ def _sampling(p: SamplingParams) -> dict[str, Any]:
     return out
 
 
+def openai_delta(delta: dict, announced: set[int]) -> dict:
+    """A streamed chat delta as OpenAI sends it. llama-cpp-python repeats a tool call's `id`, `type` and
+    `function.name` in every chunk, next to a legacy `function_call`; clients concatenate what they get (the
+    SDK's stream helper and LangChain made `get_weatherget_weather...`), so those go only in a call's first
+    delta (`announced` holds the indices already sent) and `function_call` is dropped."""
+    out = {k: v for k, v in delta.items() if v is not None and k != "function_call"}
+    calls = out.get("tool_calls")
+    if calls:
+        tidy = []
+        for pos, call in enumerate(calls):
+            index = call.get("index", pos)
+            call = {**call, "index": index}
+            if index in announced:
+                call.pop("id", None)
+                call.pop("type", None)
+                call["function"] = {k: v for k, v in (call.get("function") or {}).items() if k != "name"}
+            else:
+                announced.add(index)
+            tidy.append(call)
+        out["tool_calls"] = tidy
+    return out
+
+
 class LlamaEngine(Engine):
     family = "llama"
 
@@ -183,11 +206,13 @@ class LlamaEngine(Engine):
                 messages=job.messages, stream=stream, logits_processor=self._processors([meter]), **kwargs
             )
 
+        announced: set[int] = set()  # tool calls whose id and name were sent
+
         def piece(c: dict) -> tuple[dict | None, str | None]:
-            return {k: v for k, v in (c.get("delta") or {}).items() if v is not None} or None, None
+            return openai_delta(c.get("delta") or {}, announced) or None, None
 
         def whole(i: int, c: dict) -> Choice:
-            msg = {k: v for k, v in c["message"].items() if v is not None}
+            msg = {k: v for k, v in c["message"].items() if v is not None and k != "function_call"}
             return Choice(index=i, message=msg, finish_reason=_finish(c.get("finish_reason")))
 
         return self._generate(run, job.params.n, cancel, emit, piece, whole)
