@@ -28,7 +28,7 @@ import httpx
 
 from coderai.contracts import ModelConfig
 from coderai.engine_worker.engines.base import EngineLoadError
-from coderai.engine_worker.engines.openai_server import OpenAIServerEngine
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
 
 log = logging.getLogger("coderai.engine_worker")
@@ -71,13 +71,7 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
         if p.get(key) not in (None, ""):
             value = p[key]
             args += [flag, os.path.expanduser(str(value)) if key == "mmproj" else str(value)]
-    for key, value in p.items():
-        if key in OWN_PARAMS or value is None or value is False:
-            continue
-        args.append("--" + key.replace("_", "-"))
-        if value is not True:
-            args.append(str(value))
-    return args + [str(a) for a in p.get("extra_args") or []]
+    return args + param_flags(p, OWN_PARAMS)
 
 
 def slot_load(metrics_text: str) -> tuple[int, int]:

@@ -35,6 +35,19 @@ LOG_TAIL_CHARS = 4000
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 
 
+def param_flags(params: dict[str, Any], own: frozenset[str]) -> list[str]:
+    """A models-file entry's other params as server flags: `key = v` becomes `--key v` (underscores to dashes),
+    `true` a bare flag, `false` or none nothing; then `extra_args` as given. Keys in `own` are the engine's."""
+    out: list[str] = []
+    for key, value in params.items():
+        if key in own or value is None or value is False:
+            continue
+        out.append("--" + key.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out + [str(a) for a in params.get("extra_args") or []]
+
+
 def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty"):

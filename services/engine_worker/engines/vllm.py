@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from coderai.engine_worker.engines.openai_server import OpenAIServerEngine
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
 
 OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env"})
@@ -29,13 +29,7 @@ def server_command(python: str, model_path: str, name: str, port: int, params: d
     """The argv that starts vLLM's OpenAI server for one model on loopback."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name]
-    for key, value in params.items():
-        if key in OWN_PARAMS or value is None or value is False:
-            continue
-        cmd.append("--" + key.replace("_", "-"))
-        if value is not True:
-            cmd.append(str(value))
-    return cmd + [str(a) for a in params.get("extra_args") or []]
+    return cmd + param_flags(params, OWN_PARAMS)
 
 
 class VllmEngine(OpenAIServerEngine):

@@ -1,0 +1,42 @@
+"""The llama-server engine's pure parts: the flags a models-file entry becomes, and the slot load it reads."""
+
+from __future__ import annotations
+
+from coderai.contracts import ModelConfig
+from coderai.engine_worker.engines.llama_server import LlamaServerEngine, server_args, slot_load
+
+
+def _cfg(**params) -> ModelConfig:
+    return ModelConfig(name="qwen", engine="llama-server", path="/models/q.gguf", params=params)
+
+
+def test_defaults_give_slots_a_context_each_and_every_layer_on_the_gpu():
+    args = server_args(_cfg(), 4321)
+    flag = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    assert flag["--model"] == "/models/q.gguf" and flag["--alias"] == "qwen"
+    assert (flag["--host"], flag["--port"]) == ("127.0.0.1", "4321")
+    assert (flag["--parallel"], flag["--ctx-size"]) == ("4", str(4 * 2048))
+    assert flag["--n-gpu-layers"] == "999" and flag["--cache-ram"] == "256"
+    assert {"--jinja", "--metrics", "--slots", "--no-webui"} <= set(args)
+
+
+def test_named_params_and_the_rest_as_flags():
+    args = server_args(_cfg(parallel=8, n_ctx=4096, n_gpu_layers=10, n_threads=2, mmproj="~/p.gguf", flash_attn=True,
+                            top_k=5, no_mmap=False, extra_args=["--verbose"], env={"A": "1"}, queue=2), 1)
+    flag = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    assert (flag["--parallel"], flag["--ctx-size"], flag["--n-gpu-layers"], flag["--threads"]) == ("8", "32768", "10", "2")
+    assert flag["--mmproj"].endswith("/p.gguf") and not flag["--mmproj"].startswith("~")
+    assert "--flash-attn" in args and flag["--top-k"] == "5" and "--no-mmap" not in args
+    assert args[-1] == "--verbose" and "--env" not in args and "--queue" not in args
+
+
+def test_the_queue_bound_is_the_slots_plus_three_times_as_many_unless_set():
+    e = LlamaServerEngine(_cfg(parallel=2))
+    assert (e.slots, e.queue_limit, e.max_concurrency) == (2, 8, 8)
+    assert LlamaServerEngine(_cfg(parallel=2, queue=0)).queue_limit == 2
+
+
+def test_slot_load_reads_running_and_deferred_requests():
+    text = "# HELP x\nllamacpp:requests_processing 3\nllamacpp:requests_deferred 5\nllamacpp:n_decode_total 9\n"
+    assert slot_load(text) == (3, 5)
+    assert slot_load("") == (0, 0)
