@@ -118,6 +118,8 @@ class NatsServer(_Server):
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child has its own copy
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -162,6 +164,8 @@ class RedisServer(_Server):
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child has its own copy
         self.url = f"redis://{self.host}:{self.port}/0"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

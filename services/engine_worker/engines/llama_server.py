@@ -16,6 +16,7 @@ the server's environment. The binary: `CODERAI_LLAMA_SERVER`, else `llama-server
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -164,7 +165,7 @@ class LlamaServerEngine(OpenAIServerEngine):
             pass  # the next poll sees whether it died
 
     def _restart(self) -> None:
-        for attempt in range(10**9):
+        for attempt in itertools.count():
             if self._closing.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
                 return
             with self._lock:
