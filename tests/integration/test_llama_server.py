@@ -19,6 +19,9 @@ from coderai.testing.stack import running_stack
 pytestmark = pytest.mark.slow
 
 SLOTS = 4
+# a long prompt (~900 tokens of the tiny model): its prefill alone keeps a slot busy for a while, where the tiny
+# model's decoding (thousands of tokens a second) can end before a heartbeat sees the slot busy
+FILLER = " ".join(f"word{j}" for j in range(250))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_concurrent_streams_share_the_slots(stack):
     def chat(i: int) -> None:
         try:
             chunks = [c for c in client.chat.completions.create(
-                model="tiny-ls", stream=True, max_tokens=1500, messages=[{"role": "user", "content": f"story {i}"}])
+                model="tiny-ls", stream=True, max_tokens=1000, messages=[{"role": "user", "content": f"story {i} {FILLER}"}])
                 if c.choices]
             results.append(chunks[-1].choices[0].finish_reason)  # random weights may say little: it must end
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
@@ -101,13 +104,12 @@ def test_concurrent_streams_share_the_slots(stack):
 def test_beyond_the_bounded_queue_a_request_gets_a_clean_429(stack):
     client = _client(stack)
     answers: list[object] = []
-    # long distinct prompts: their prefill alone keeps every slot and the queue full while all 17 arrive
-    filler = " ".join(f"word{j}" for j in range(250))  # ~900 tokens
+    # long distinct prompts: their prefill keeps every slot and the queue full while all 17 arrive
 
     def ask(i: int) -> None:
         try:
             answers.append(client.chat.completions.create(
-                model="tiny-ls", max_tokens=1000, messages=[{"role": "user", "content": f"q{i} {filler}"}]))
+                model="tiny-ls", max_tokens=1000, messages=[{"role": "user", "content": f"q{i} {FILLER}"}]))
         except openai.APIStatusError as exc:
             answers.append(exc)
 
