@@ -126,11 +126,15 @@ def test_up_refuses_a_busy_port(tmp_path):
 
 
 def _sigkill(proc: subprocess.Popen, data: Path) -> None:
-    """A crash of the box as near as a test gets: Redis SIGKILLed first (no shutdown save), then `coderai up`;
-    the rest of the tree dies with its parent."""
+    """A crash of the box as near as a test gets: Redis first (no shutdown save), then every other process of the
+    stack and `coderai up` itself, all with SIGKILL, so nothing gets to flush or shut down cleanly."""
     tree = _descendants(proc.pid)
-    os.kill(json.loads((data / "run" / "up.json").read_text())["pids"]["redis"], signal.SIGKILL)
-    proc.kill()
+    redis_pid = json.loads((data / "run" / "up.json").read_text())["pids"]["redis"]
+    for pid in [redis_pid, *sorted(tree - {redis_pid}), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(30)
     wait_until(lambda: not any(_alive(p) for p in tree), 30, "every process of the killed stack to be gone")
 
