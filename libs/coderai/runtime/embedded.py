@@ -17,9 +17,10 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent():
-    """A preexec_fn asking Linux to SIGTERM the child when the thread that started it dies, even by SIGKILL, so
-    an embedded server, a supervised service or an engine's server never outlives its starter (None off Linux).
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A preexec_fn asking Linux to send `sig` (SIGTERM) to the child when the thread that started it dies, even by
+    SIGKILL, so an embedded server, a supervised service or an engine's server never outlives its starter (None off
+    Linux). A child with nothing to save and a shutdown that can hang (llama-server) asks for SIGKILL.
 
     prctl is looked up here, in the parent: the forked child of a threaded process then runs no import and no
     dlopen, which could wait forever on a lock another thread held at the fork."""
@@ -28,7 +29,7 @@ def die_with_parent():
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    return lambda: prctl(_PR_SET_PDEATHSIG, sig)
 
 
 class EmbeddedServerError(Exception):

@@ -3,7 +3,8 @@
 The server runs `--parallel N` slots with continuous batching, the model's own chat template (`--jinja`: tool
 calls, reasoning), and its prompt cache; the worker relays jobs over loopback HTTP (see openai_server). A child
 that dies is restarted with backoff while the engine is reported failed, with the last lines of its log; it never
-outlives the worker (PR_SET_PDEATHSIG from the thread that started it, its own session killed on close).
+outlives the worker (PR_SET_PDEATHSIG SIGKILL from the thread that started it, its own session killed on close:
+its SIGTERM shutdown can wait forever on a connection handler, and it has nothing to save).
 
 Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
 n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
@@ -20,6 +21,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -91,6 +93,7 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     family = "llama-server"
     label = "llama-server"
+    death_signal = signal.SIGKILL  # once its cleanup began, a second signal was needed to end it (CI, 2026-12-01)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

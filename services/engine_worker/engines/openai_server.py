@@ -126,6 +126,7 @@ class OpenAIServerEngine(Engine):
 
     label = "the server"
     ready_path = "/health"
+    death_signal = signal.SIGTERM  # what the server gets when the thread that started it dies (PR_SET_PDEATHSIG)
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: the server batches
 
     def __init__(self, config: ModelConfig) -> None:
@@ -155,7 +156,7 @@ class OpenAIServerEngine(Engine):
                 # a session of its own lets close() reach the server's own children too
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              env=env, start_new_session=True,
-                                             preexec_fn=die_with_parent())  # noqa: PLW1509 - prctl only
+                                             preexec_fn=die_with_parent(self.death_signal))  # noqa: PLW1509
             except OSError as exc:
                 raise EngineLoadError(f"cannot start {self.label} ({cmd[0]}): {exc}") from exc
         self.port = port
