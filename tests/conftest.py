@@ -87,6 +87,16 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tool_gguf() -> Path:
+    """The overfitted tiny GGUF that calls `get_weather` by itself (coderai.testing.tool_gguf; ~1 min to train)."""
+    for mod in ("gguf", "torch", "transformers", "llama_cpp"):
+        pytest.importorskip(mod)
+    from coderai.testing.tool_gguf import tool_gguf as build
+
+    return build()
+
+
 @pytest.fixture
 def unique() -> str:
     """A token for per-test subjects and buckets."""

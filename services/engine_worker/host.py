@@ -269,8 +269,11 @@ class EngineHost:
 
             sink: Any = emit
         else:
-            def emit_llm(delta: dict | None, text: str | None, finish: str | None) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, {"delta": delta, "text": text, "finish_reason": finish})
+            def emit_llm(delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None) -> None:
+                item = {"delta": delta, "text": text, "finish_reason": finish}
+                if logprobs:
+                    item["logprobs"] = logprobs
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
             sink = emit_llm if job.stream else None
 

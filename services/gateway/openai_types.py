@@ -49,6 +49,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # llama.cpp/vLLM's: e.g. {"enable_thinking": false}
     user: str | None = None
 
 
@@ -57,7 +59,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     prompt: str | list[str]
     echo: bool = False
     frequency_penalty: Penalty | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     max_tokens: PositiveInt | None = None
     n: Annotated[int, Meta(ge=1, le=16)] = 1
     presence_penalty: Penalty | None = None
@@ -112,6 +114,7 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role", code="invalid_request")
         content = m.get("content")
         if isinstance(content, list):
+            _check_parts(content, i)
             if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
         elif content is not None and not isinstance(content, str):
@@ -122,12 +125,40 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _check_parts(parts: list[Any], i: int) -> None:
+    """Content parts: text, and images as data URLs. A remote image URL is refused: fetching it would let any
+    key make the head reach any address (and no engine fetches it itself)."""
+    for j, p in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+            raise ApiError(400, f"{where} must be an object with a type.", param=where, code="invalid_request")
+        if p["type"] != "image_url":
+            continue
+        image = p.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise ApiError(400, f"{where}.image_url.url is required.", param=f"{where}.image_url", code="invalid_request")
+        if not url.startswith("data:"):
+            raise ApiError(400, f"{where}.image_url must be a data: URL (data:image/png;base64,...); this server does "
+                                "not fetch remote images.", param=f"{where}.image_url", code="invalid_image_url")
+
+
+def _logprobs(req: ChatCompletionRequest) -> tuple[bool, int | None]:
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= 20:
+        raise ApiError(400, "top_logprobs must be between 0 and 20.", param="top_logprobs", code="invalid_request")
+    if top is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_request")
+    return bool(req.logprobs), top
+
+
 def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
     if req.stream and req.n > 1:
         raise ApiError(400, "n > 1 is not supported with stream=true.", param="n", code="invalid_request")
     rf = req.response_format
     if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
         raise ApiError(400, "response_format.type must be text, json_object or json_schema.", param="response_format", code="invalid_request")
+    logprobs, top_logprobs = _logprobs(req)
     params = SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens,
         temperature=req.temperature,
@@ -137,7 +168,11 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         n=req.n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
+    options = {"reasoning_effort": req.reasoning_effort, "chat_template_kwargs": req.chat_template_kwargs,
+               "parallel_tool_calls": req.parallel_tool_calls}
     return ChatJob(
         request_id=RequestId(request_id),
         model=req.model,
@@ -147,6 +182,7 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
         tool_choice=req.tool_choice,
         response_format=rf if rf and rf.get("type") != "text" else None,
         stream=req.stream,
+        options={k: v for k, v in options.items() if v is not None} or None,
     )
 
 
@@ -162,6 +198,7 @@ def completion_job(req: CompletionRequest, request_id: str) -> CompletionJob:
     params = SamplingParams(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=_stops(req.stop),
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
+        logprobs=req.logprobs is not None, top_logprobs=req.logprobs,
     )
     return CompletionJob(request_id=RequestId(request_id), model=req.model, prompt=prompt, params=params, echo=req.echo, stream=req.stream)
 

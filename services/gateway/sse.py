@@ -28,25 +28,25 @@ def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any
 def chat_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
     return _body("chatcmpl", "chat.completion", rid, created, model, choices=[
         {"index": c.index, "message": {"role": "assistant", "content": None, **(c.message or {})},
-         "logprobs": None, "finish_reason": c.finish_reason}
+         "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         for c in choices
     ], usage=usage_json(usage))
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
     return _body("cmpl", "text_completion", rid, created, model, choices=[
-        {"index": c.index, "text": c.text or "", "logprobs": None, "finish_reason": c.finish_reason} for c in choices
+        {"index": c.index, "text": c.text or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices
     ], usage=usage_json(usage))
 
 
 def chat_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
     return sse(_body("chatcmpl", "chat.completion.chunk", rid, created, model, choices=[
-        {"index": ch.index, "delta": ch.delta or {}, "logprobs": None, "finish_reason": ch.finish_reason}]))
+        {"index": ch.index, "delta": ch.delta or {}, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}]))
 
 
 def completion_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
     return sse(_body("cmpl", "text_completion", rid, created, model, choices=[
-        {"index": ch.index, "text": ch.text or "", "logprobs": None, "finish_reason": ch.finish_reason}]))
+        {"index": ch.index, "text": ch.text or "", "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}]))
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Usage) -> bytes:

@@ -225,3 +225,31 @@ def test_include_usage_follows_stream_options():
     assert include_usage(chat(stream_options={})) is False
     assert include_usage(chat(stream=True, stream_options={"include_usage": True})) is True
     assert include_usage(completion(stream_options={"include_usage": True})) is True
+
+
+def test_logprobs_and_engine_options_are_carried_to_the_job():
+    job = chat_job(chat(logprobs=True, top_logprobs=3, reasoning_effort="low",
+                        chat_template_kwargs={"enable_thinking": False}), "r")
+    assert job.params.logprobs is True and job.params.top_logprobs == 3
+    assert job.options == {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}
+    assert chat_job(chat(), "r").options is None and chat_job(chat(), "r").params.logprobs is False
+    done = completion_job(completion(logprobs=2), "r")
+    assert done.params.logprobs is True and done.params.top_logprobs == 2
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_top_logprobs_out_of_range_or_alone_is_a_400(fields, param):
+    err = api_error(chat_job, chat(**fields), "r")
+    assert err.status == 400 and err.param == param
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data", "https://example.com/cat.png", "file:///etc/passwd"])
+def test_a_remote_image_url_is_refused_and_a_data_url_passes(url):
+    parts = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]
+    err = api_error(chat_job, chat(messages=[{"role": "user", "content": parts}]), "r")
+    assert err.status == 400 and err.param == "messages[0].content[1].image_url"
+    ok = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    assert chat_job(chat(messages=[{"role": "user", "content": ok}]), "r").messages[0]["content"] == ok

@@ -9,6 +9,8 @@ import signal
 import threading
 from pathlib import Path
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -25,13 +27,16 @@ FILLER = " ".join(f"word{j}" for j in range(250))
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_gguf):
+def stack(tmp_path_factory, tiny_gguf, tool_gguf):
     from coderai.engine_worker.engines.llama_server import find_binary
 
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     models = [{"name": "tiny-ls", "engine": "llama-server", "path": str(tiny_gguf),
-               "params": {"parallel": SLOTS, "n_ctx": 2048, "n_threads": 2}}]  # the tiny model's own context
+               "params": {"parallel": SLOTS, "n_ctx": 2048, "n_threads": 2}},  # the tiny model's own context
+              # overfitted to call get_weather when asked about the weather (coderai.testing.tool_gguf)
+              {"name": "tools-ls", "engine": "llama-server", "path": str(tool_gguf),
+               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}}]
     # the tiny model makes thousands of tokens a second: heartbeats every 0.2 s see its slots while they are busy
     with running_stack(tmp_path_factory.mktemp("llama-server"), models, gateway_args=("--no-auth",),
                        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
@@ -126,6 +131,93 @@ def test_beyond_the_bounded_queue_a_request_gets_a_clean_429(stack):
     assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers if a not in refused)
 
 
+WEATHER = [{"role": "user", "content": "what is the weather in Paris"}]
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+def _tools():
+    from coderai.testing.tool_gguf import TOOL
+
+    return [TOOL]
+
+
+def _the_weather_call(calls) -> None:
+    assert calls is not None and len(calls) == 1, calls
+    call = calls[0]
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_auto_tool_choice_calls_the_tool_by_itself_and_answers_text_otherwise(stack):
+    client = _client(stack)
+    r = client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _the_weather_call(r.choices[0].message.tool_calls)
+    r = client.chat.completions.create(model="tools-ls", messages=HELLO, tools=_tools(), tool_choice="auto",
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == "Hello! How can I help?"
+
+
+def test_a_streamed_tool_call_accumulates_to_exactly_one_call(stack):
+    client = _client(stack)
+    with client.chat.completions.stream(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    _the_weather_call(final.choices[0].message.tool_calls)
+    # the raw deltas: the id and the name come once, then only argument pieces
+    chunks = list(client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0,
+                                                 stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len([d for d in deltas if d.id]) == 1 and len([d for d in deltas if d.function and d.function.name]) == 1
+    assert json.loads("".join(d.function.arguments or "" for d in deltas if d.function)) == {"city": "Paris"}
+
+
+def test_langchain_streams_one_tool_call(stack):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model="tools-ls", base_url=stack.base_url, api_key="none", temperature=0,
+                                      max_retries=0).bind_tools(_tools())
+    total = None
+    for chunk in llm.stream("what is the weather in Paris"):
+        total = chunk if total is None else total + chunk
+    assert total is not None and len(total.tool_calls) == 1, total
+    call = total.tool_calls[0]
+    assert call["name"] == "get_weather" and call["args"] == {"city": "Paris"} and call["id"]
+
+
+def test_required_and_named_tool_choice_yield_a_tool_call(stack):
+    client = _client(stack)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), tool_choice=choice,
+                                           temperature=0)
+        _the_weather_call(r.choices[0].message.tool_calls)
+
+
+def test_logprobs_are_filled_when_asked(stack):
+    client = _client(stack)
+    r = client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content).startswith("Hello")
+    streamed = [t for c in client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0,
+                                                         logprobs=True, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    # llama-server lists the end-of-generation token ('') whole, not streamed
+    assert [t.token for t in streamed] == [t.token for t in content if t.token]
+    plain = client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_an_image_part_is_a_400_on_a_model_without_a_projector(stack):
+    client = _client(stack)
+    png = "data:image/png;base64,iVBORw0KGgo="
+    for url, param in ((png, "messages[0].content[1]"), ("http://127.0.0.1:9/cat.png", "messages[0].content[1].image_url")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny-ls", messages=[{"role": "user", "content": [
+                {"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]}])
+        assert err.value.body["param"] == param, err.value.body
+
+
 def test_a_killed_child_ends_the_stream_with_an_error_and_is_restarted(stack, tiny_gguf):
     def killed_mid_stream() -> list[str] | None:
         """Kill the child after the first streamed token; the rest of the stream, or None when the answer was
@@ -144,6 +236,9 @@ def test_a_killed_child_ends_the_stream_with_an_error_and_is_restarted(stack, ti
         return rest if not any('"finish_reason":"' in line for line in rest) else None
 
     rest = next(filter(None, (killed_mid_stream() for _ in range(5))), None)
+    # the worker and its other engine stayed up meanwhile
+    r = _client(stack).chat.completions.create(model="tools-ls", messages=HELLO, temperature=0)
+    assert r.choices[0].message.content == "Hello! How can I help?"
     assert rest is not None, "five streams finished before their child was killed"
     assert any('"error"' in line for line in rest), rest[-5:]
     # the supervisor started a new child; the engine was failed meanwhile, and serves again

@@ -28,6 +28,8 @@ class SamplingParams(Message, frozen=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int = 1
+    logprobs: bool = False  # chat: per-token logprobs; completions: with `top_logprobs` alternatives
+    top_logprobs: int | None = None
 
 
 class ChatJob(Message, frozen=True, kw_only=True):
@@ -41,6 +43,7 @@ class ChatJob(Message, frozen=True, kw_only=True):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     stream: bool = False
+    options: dict[str, Any] | None = None  # passed to engines that take them: reasoning_effort, chat_template_kwargs
 
 
 class CompletionJob(Message, frozen=True, kw_only=True):
@@ -73,6 +76,7 @@ class Choice(Message, frozen=True, kw_only=True):
     message: dict[str, Any] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
+    logprobs: dict[str, Any] | None = None  # OpenAI's choice `logprobs` object, when asked for
 
 
 class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
@@ -86,6 +90,7 @@ class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
     finish_reason: FinishReason | None = None
     data: bytes | None = None
     progress: float | None = None
+    logprobs: dict[str, Any] | None = None  # the logprobs of this delta's tokens, when asked for
 
 
 class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="t"):

@@ -59,8 +59,13 @@ def build_tiny_gguf(
     f32: bool = False,
     seed: int = 0,
     name: str = "coderai-tiny",
+    chat_template: str = CHATML,
+    weights: dict | None = None,
 ) -> dict:
-    """Write the model to `out` (atomically) and return its shape: {"out", "vocab", "params", "bytes"}."""
+    """Write the model to `out` (atomically) and return its shape: {"out", "vocab", "params", "bytes"}.
+
+    `weights` (GGUF tensor name -> numpy array, as `weights_from_hf` gives) replaces the random ones: a model
+    trained in torch on this same tokenizer (see tool_gguf)."""
     import gguf
     import numpy as np
 
@@ -102,16 +107,22 @@ def build_tiny_gguf(
     w.add_eos_token_id(vocab_map["<|im_end|>"])
     w.add_pad_token_id(vocab_map["<|endoftext|>"])
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(chat_template)
 
     rng = np.random.default_rng(seed)
     wt = np.float32 if f32 else np.float16
 
     def mat(rows: int, cols: int):  # numpy (rows, cols) is ggml ne [cols, rows]
+        if weights is not None:
+            return weights[names.pop(0)].astype(wt)
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(wt)
 
     def ones(n: int):
+        if weights is not None:
+            return weights[names.pop(0)].astype(np.float32)
         return np.ones(n, dtype=np.float32)
+
+    names = tensor_names(layers)  # the order the tensors are written in below
 
     w.add_tensor("token_embd.weight", mat(n_vocab, dim))
     for i in range(layers):
@@ -134,6 +145,41 @@ def build_tiny_gguf(
     os.replace(tmp, out)
     params = n_vocab * dim * 2 + layers * (dim * (heads + 2 * kv) * head_dim + dim * dim + 3 * dim * ff)
     return {"out": str(out), "vocab": n_vocab, "params": params, "bytes": out.stat().st_size}
+
+
+def tensor_names(layers: int) -> list[str]:
+    """The GGUF tensor names of a llama of `layers` blocks, in the order build_tiny_gguf writes them."""
+    block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    return (["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in block]
+            + ["output_norm.weight", "output.weight"])
+
+
+def weights_from_hf(state: dict, heads: int, kv_heads: int) -> dict:
+    """GGUF tensors (numpy, float32) from a transformers LlamaForCausalLM state dict. Q and K rows are permuted
+    from Hugging Face's rotate-half RoPE layout to llama.cpp's interleaved one, as llama.cpp's converter does."""
+
+    def permute(w, n_head: int):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def get(key: str):
+        return state[key].detach().float().cpu().numpy()
+
+    out = {"token_embd.weight": get("model.embed_tokens.weight"), "output_norm.weight": get("model.norm.weight"),
+           "output.weight": get("lm_head.weight")}
+    hf = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    i = 0
+    while f"model.layers.{i}.input_layernorm.weight" in state:
+        for ours, theirs in hf.items():
+            w = get(f"model.layers.{i}.{theirs}.weight")
+            if ours == "attn_q":
+                w = permute(w, heads)
+            elif ours == "attn_k":
+                w = permute(w, kv_heads)
+            out[f"blk.{i}.{ours}.weight"] = w
+        i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,24 @@ class EngineLost(RuntimeError):
     elsewhere, so the worker answers it retryable (`no_engine`), never as the engine's own failure."""
 
 
+MEDIA_PARTS = {"image_url": "images", "input_audio": "audio", "file": "files"}
+
+
+def refuse_media(messages: list[dict], model: str, takes: frozenset[str] = frozenset()) -> None:
+    """BadInput (a 400 naming the part) for a content part this model cannot read: `takes` is the part types it
+    can (`image_url` where it has a projector)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS and kind not in takes:
+                raise BadInput(f"model '{model}' does not take {MEDIA_PARTS[kind]} (messages[{i}].content[{j}] is "
+                               f"{kind}); a GGUF model reads images only with a projector (`mmproj` in its entry)",
+                               f"messages[{i}].content[{j}]")
+
+
 class BadInput(ValueError):
     """The job's input cannot be used (unreadable audio, not an image, a size the model cannot make). The
     worker answers `bad_request` naming `param`, which the gateway turns into a 400; never a 5xx."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
 from coderai.contracts.media import EmbedJob, EmbedResult
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, refuse_media
 from coderai.engine_worker.engines.embed import check_dimensions, check_texts, embed_result
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
@@ -193,6 +193,10 @@ class LlamaEngine(Engine):
     # --- chat -------------------------------------------------------------------------------------
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        refuse_media(job.messages, self.config.name)  # llama-cpp-python's handlers here read text only
+        if job.params.logprobs:
+            raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
+                           "the llama-server engine does", "logprobs")
         kwargs = _sampling(job.params)
         if job.tools:
             kwargs["tools"] = job.tools
@@ -220,6 +224,9 @@ class LlamaEngine(Engine):
     # --- completions ------------------------------------------------------------------------------
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        if job.params.logprobs:
+            raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
+                           "the llama-server engine does", "logprobs")
         kwargs = _sampling(job.params)
         kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
 

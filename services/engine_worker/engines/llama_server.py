@@ -26,15 +26,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from coderai.contracts import ModelConfig
-from coderai.engine_worker.engines.base import EngineLoadError
+from coderai.contracts import ChatJob, ModelConfig
+from coderai.engine_worker.engines.base import EngineLoadError, refuse_media
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
 
 log = logging.getLogger("coderai.engine_worker")
+MEDIA_WITH_PROJECTOR = frozenset({"image_url", "input_audio"})  # what llama.cpp's mtmd reads with an mmproj
 
 NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size",
          "chat_template": "--chat-template", "mmproj": "--mmproj"}
@@ -123,6 +125,11 @@ class LlamaServerEngine(OpenAIServerEngine):
         self._supervisor = threading.Thread(target=self._supervise, name=f"llama-server-{self.config.name}",
                                             daemon=True)
         self._supervisor.start()
+
+    def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
+        # without a projector the server answers a 500 for an image; the client's mistake is a 400 naming the part
+        refuse_media(job.messages, self.config.name, MEDIA_WITH_PROJECTOR if self.config.params.get("mmproj") else frozenset())
+        return super().chat_body(job, stream)
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued}

@@ -28,8 +28,8 @@ from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Sampl
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
 from coderai.runtime.embedded import die_with_parent
 
-Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
-"""emit(chat_delta, text_piece, finish_reason)"""
+Emit = Callable[..., None]
+"""emit(chat_delta, text_piece, finish_reason, logprobs=None)"""
 
 LOG_TAIL_CHARS = 4000
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
@@ -63,8 +63,12 @@ def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
 
 
 def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
-    """The OpenAI `/v1/chat/completions` body for a chat job."""
-    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None}
+    """The OpenAI `/v1/chat/completions` body for a chat job (its `options` too: reasoning_effort, ...)."""
+    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None,
+              **(job.options or {})}
+    if job.params.logprobs:
+        extras["logprobs"] = True
+        extras["top_logprobs"] = job.params.top_logprobs
     return {"model": model, "messages": job.messages, **_sampling(job.params, stream),
             **{k: v for k, v in extras.items() if v is not None}}
 
@@ -73,6 +77,8 @@ def completion_request(model: str, job: CompletionJob, stream: bool) -> dict[str
     """The OpenAI `/v1/completions` body for a completion job."""
     body: dict[str, Any] = {"model": model, "prompt": job.prompt, "max_tokens": 16,  # OpenAI's default
                             **_sampling(job.params, stream)}
+    if job.params.logprobs:
+        body["logprobs"] = job.params.top_logprobs or 0
     return {**body, "echo": True} if job.echo else body
 
 
@@ -246,7 +252,8 @@ class OpenAIServerEngine(Engine):
 
         def whole(c: dict[str, Any]) -> Choice:
             msg = {k: v for k, v in c["message"].items() if v is not None}
-            return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")))
+            return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")),
+                          logprobs=c.get("logprobs") or None)
 
         return self._run("/v1/chat/completions", self.chat_body(job, emit is not None), job.request_id, cancel, emit,
                          piece, whole)
@@ -257,7 +264,8 @@ class OpenAIServerEngine(Engine):
             return None, c.get("text") or None
 
         def whole(c: dict[str, Any]) -> Choice:
-            return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")))
+            return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")),
+                          logprobs=c.get("logprobs") or None)
 
         return self._run("/v1/completions", self.completion_body(job, emit is not None), job.request_id, cancel, emit,
                          piece, whole)
@@ -296,9 +304,13 @@ class OpenAIServerEngine(Engine):
                 for c in event.get("choices") or []:
                     delta, text = piece(c)
                     finish = c.get("finish_reason")
-                    if delta or text or finish:
-                        pieces += bool(delta or text)
-                        emit(delta, text, _finish(finish) if finish else None)
+                    logprobs = c.get("logprobs") or None
+                    if delta or text or finish or logprobs:
+                        pieces += bool(delta or text or logprobs)
+                        if logprobs:
+                            emit(delta, text, _finish(finish) if finish else None, logprobs=logprobs)
+                        else:
+                            emit(delta, text, _finish(finish) if finish else None)
         # leaving the block closes the response; on cancel that is what tells the server to abort the request
         if usage is None:  # cancelled before the usage event: one streamed piece is one token
             return Usage(completion_tokens=pieces, total_tokens=pieces)
