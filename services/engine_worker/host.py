@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import (
+    GGUF_FAMILIES,
     CancelJob,
     Chunk,
     EngineStatus,
@@ -23,7 +24,7 @@ from coderai.contracts import (
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
-from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class
+from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
 from coderai.engine_worker.engines.base import EngineLost
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
@@ -89,7 +90,7 @@ class EngineHost:
             if self.models_dir is not None:
                 cfg = await ensure_local(cfg, bus_request(self.bus), self.models_dir)
                 t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
-            if cfg.shards is not None and cfg.engine == "llama":  # split over other nodes' RPC servers
+            if cfg.shards is not None and cfg.engine in GGUF_FAMILIES:  # split over other nodes' RPC servers (in process)
                 from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
 
                 self.engine = SplitLlamaEngine(cfg)
@@ -99,6 +100,7 @@ class EngineHost:
                 serving = cfg.shards.devices[0].node_id == self.node_id
                 self.engine = VllmRayEngine(cfg) if serving else RayMember(cfg, self.node_id)
             else:
+                cfg = resolve(cfg)
                 self.engine = engine_class(cfg.engine)(cfg)
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
             self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)

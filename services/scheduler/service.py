@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
+from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
 from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
 from coderai.contracts.stages import StagePlan, StagePlanRequest
@@ -92,7 +92,7 @@ class Scheduler:
     def _block_counts(self) -> dict[str, int]:
         """Blocks per llama model whose GGUF this head can read (for the layer map of a split), read once."""
         for m in self.models:
-            if m.engine == "llama" and m.name not in self._layers:
+            if m.engine in GGUF_FAMILIES and m.name not in self._layers:
                 local = os.path.expanduser(m.path) if m.path else ""
                 path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path / m.store_file) if m.store_path else ""
                 self._layers[m.name] = block_count(path) if path else 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coderai.contracts import Heartbeat, ModelConfig
+from coderai.contracts import GGUF_FAMILIES, Heartbeat, ModelConfig
 from coderai.contracts.split import SplitDevice, SplitPlan
 
 FAST_LINK_GBPS = 10.0
@@ -35,11 +35,11 @@ class Split:
 
 def wants_pinned_split(m: ModelConfig, nodes: dict[str, Heartbeat]) -> bool:
     """An operator named RPC nodes for this model and at least one of them offers an RPC server now."""
-    return m.engine == "llama" and m.split != "off" and any(n in nodes and nodes[n].rpc for n in m.rpc_nodes)
+    return m.engine in GGUF_FAMILIES and m.split != "off" and any(n in nodes and nodes[n].rpc for n in m.rpc_nodes)
 
 
 def can_split(m: ModelConfig) -> bool:
-    return m.engine == "llama" and m.split != "off"
+    return m.engine in GGUF_FAMILIES and m.split != "off"
 
 
 def row_warning(m: ModelConfig) -> str:

@@ -54,7 +54,7 @@ def test_pull_job_reaches_done_with_progress(client, fake_hub, blob, tmp_path):
     assert job["progress"]["percent"] == 100.0 and job["progress"]["bytes_total"] == len(data)
     assert any(0 < b < len(data) for b in seen)  # watched it move
     assert [e["state"] for e in job["events"]][:1] == ["queued"] and job["events"][-1]["state"] == "done"
-    assert job["model"]["engine"] == "llama"
+    assert job["model"]["engine"] == "llama-server"
     assert Path(job["model"]["path"]).read_bytes() == data
     assert [m["name"] for m in client.get("/admin/models/pulled", headers=ADMIN).json()["models"]] == ["small"]
     assert [j["id"] for j in client.get("/admin/models/pull", headers=ADMIN).json()["jobs"]] == [job["id"]]

@@ -31,17 +31,17 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
     percents = [float(ln.split()[2].rstrip("%")) for ln in lines]
     assert percents[0] == 0.0 and percents[-1] == 100.0 and any(0 < p < 100 for p in percents)
     assert percents == sorted(percents) and lines[-1].split()[1] == "done"
-    assert "pulled cli (llama, 12.0 MB)" in r.stdout and "no running stack reached" in r.stdout
+    assert "pulled cli (llama-server, 12.0 MB)" in r.stdout and "no running stack reached" in r.stdout
     placed = tomllib.loads((home / "models.toml").read_text())["models"]
-    assert placed == [{"name": "cli", "engine": "llama",
+    assert placed == [{"name": "cli", "engine": "llama-server",
                        "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf"),
                        "store_path": "acme/cli-GGUF/cli-q4.gguf"}]
 
     r = models(hf_env, home, "list")
-    assert r.returncode == 0 and r.stdout.split()[:3] == ["cli", "llama", "chat"]
+    assert r.returncode == 0 and r.stdout.split()[:3] == ["cli", "llama-server", "chat"]
     r = models(hf_env, home, "info", "cli", "--no-nodes")
     info = json.loads(r.stdout)
-    assert info["size"] == len(data) and info["engine"] == "llama" and info["pulled"]
+    assert info["size"] == len(data) and info["engine"] == "llama-server" and info["pulled"]
     assert info["memory_mb"] == int(len(data) * 1.2 + 256 * (1 << 20)) // (1 << 20)  # the scheduler's estimate
     r = models(hf_env, home, "info", "qwen2.5-7b-instruct", "--no-nodes")
     assert json.loads(r.stdout)["memory_mb"] == 6400 and not json.loads(r.stdout)["pulled"]

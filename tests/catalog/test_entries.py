@@ -27,7 +27,7 @@ def test_specs_resolve():
     known = resolve("Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf")
     assert known.name == "qwen2.5-0.5b-instruct" and known.memory_mb == 900
     adhoc = resolve("me/My-GGUF:sub/My-Model.Q4.gguf", name="")
-    assert (adhoc.name, adhoc.engine, adhoc.files, adhoc.main) == ("my-model.q4", "llama", ["sub/My-Model.Q4.gguf"],
+    assert (adhoc.name, adhoc.engine, adhoc.files, adhoc.main) == ("my-model.q4", "llama-server", ["sub/My-Model.Q4.gguf"],
                                                                    "sub/My-Model.Q4.gguf")
     assert resolve("me/repo", name="mine").name == "mine" and resolve("me/repo").engine == ""
     for bad in ("nothing", "a/b/c", "../x", "a/..", "me/repo:../../etc/passwd", ""):

@@ -22,7 +22,7 @@ def test_pull_reports_progress_to_100(fake_hub, hf_env, tmp_path, blob):
     path = store.model_path(rec)
     assert path == tmp_path.resolve() / "models" / REPO / FILE
     assert path.read_bytes() == data
-    assert rec.engine == "llama" and rec.kind == "chat" and rec.name == "tiny-q4_k_m"
+    assert rec.engine == "llama-server" and rec.kind == "chat" and rec.name == "tiny-q4_k_m"
     downloading = [p for p in seen if p.state == "downloading"]
     done = [p.bytes_done for p in downloading]
     assert len(set(done)) >= 3 and done == sorted(done)

@@ -33,7 +33,7 @@ def test_readme_models_file_is_valid(tmp_path):
     path = tmp_path / "models.toml"
     path.write_text(toml)
     [model] = load_models(str(path))
-    assert model.engine == "llama" and model.params["n_ctx"] == 8192
+    assert model.engine == "llama-server" and model.params["n_ctx"] == 8192
 
 
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():

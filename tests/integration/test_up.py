@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded import find_llama_server, free_port
 from coderai.testing.procs import wait_until
 
 pytestmark = pytest.mark.slow
@@ -37,6 +37,13 @@ def _descendants(pid: int) -> set[int]:
             out.add(c)
             todo.append(c)
     return out
+
+
+def _argv0(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
@@ -83,7 +90,10 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
                                                      max_tokens=8, stream=True))
         assert pieces[-1].choices[0].finish_reason in ("stop", "length")
         assert json.loads((data / "run" / "up.json").read_text())["base_url"] == base
-        _ctrl_c(proc)
+        if find_llama_server():  # the default chat model runs on llama.cpp's own server, a child of the worker
+            servers = [p for p in _descendants(proc.pid) if _argv0(p).endswith("llama-server")]
+            assert servers, "no llama-server child serves the default model"
+        _ctrl_c(proc)  # every descendant gone, the llama-server child too
     finally:
         if proc.poll() is None:
             proc.kill()

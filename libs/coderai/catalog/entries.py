@@ -36,7 +36,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _gguf(name: str, repo: str, file: str, size_mb: int, memory_mb: int, n_ctx: int = 4096) -> Entry:
-    return Entry(name=name, repo=repo, files=[file], main=file, engine="llama", kind="chat", size_mb=size_mb,
+    return Entry(name=name, repo=repo, files=[file], main=file, engine="llama-server", kind="chat", size_mb=size_mb,
                  memory_mb=memory_mb, params={"n_ctx": n_ctx})
 
 
@@ -64,7 +64,7 @@ BUILTIN: dict[str, Entry] = {e.name: e for e in [
           params={"steps": 1, "guidance_scale": 0.0}),
 ]}
 
-KIND = {"llama": "chat", "vllm": "chat", "embed": "embed", "whisper": "transcribe", "tts": "speech",
+KIND = {"llama": "chat", "llama-server": "chat", "vllm": "chat", "embed": "embed", "whisper": "transcribe", "tts": "speech",
         "diffusers": "image"}
 
 
@@ -90,7 +90,7 @@ def resolve(spec: str, name: str = "") -> Entry:
             return msgspec.structs.replace(e, name=name or e.name)
     default = (file.rsplit("/", 1)[-1].removesuffix(".gguf") if file else repo.split("/")[1]).lower()
     if file:
-        engine = "llama" if file.endswith(".gguf") else ""
+        engine = "llama-server" if file.endswith(".gguf") else ""
         return Entry(name=name or default, repo=repo, files=[file], main=file, engine=engine, kind=KIND.get(engine, ""))
     return Entry(name=name or default, repo=repo, engine="", kind="")
 
@@ -116,7 +116,7 @@ def guess_engine(files: list[str]) -> tuple[str, str, str]:
     names = {f.rsplit("/", 1)[-1] for f in files}
     ggufs = [f for f in files if f.endswith(".gguf")]
     if ggufs:
-        return "llama", "chat", ggufs[0]
+        return "llama-server", "chat", ggufs[0]
     if "model.bin" in names and "tokenizer.json" in names:
         return "whisper", "transcribe", ""
     if "model_index.json" in names:

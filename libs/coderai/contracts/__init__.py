@@ -45,13 +45,14 @@ from coderai.contracts.media import (
     VideoResult,
     Word,
 )
-from coderai.contracts.models import Distribute, ModelConfig, PodPolicy
+from coderai.contracts.models import GGUF_FAMILIES, Distribute, ModelConfig, PodPolicy
 from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
 from coderai.contracts.store import StoreChunk, StoreEntry, StoreFetch, StoreList, StoreListing, check_store_path
 from coderai.contracts.work import WorkPart
 
 __all__ = [
+    "GGUF_FAMILIES",
     "Blob", "DiarizeJob", "DiarizeResult", "EmbedJob", "EmbedResult", "ImageJob", "ImageResult", "MediaJob", "OcrJob",
     "OcrLine", "OcrPage", "OcrResult", "Output", "RerankJob", "RerankResult", "Segment", "SpeechJob", "SpeechResult",
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",

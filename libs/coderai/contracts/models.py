@@ -10,6 +10,7 @@ from coderai.contracts.split import SplitMode, SplitPlan
 
 EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
                        "echo"]
+GGUF_FAMILIES = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
 
 DEFAULT_OPS: dict[str, list[Op]] = {
     "llama": ["chat", "complete"],

@@ -43,6 +43,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def find_llama_server() -> str | None:
+    """The llama.cpp server to run: `CODERAI_LLAMA_SERVER`, the one beside this interpreter (what `scripts/setup`
+    builds into `.venv/bin`), or one on PATH; None when there is none."""
+    named = os.environ.get("CODERAI_LLAMA_SERVER")
+    if named:
+        return named
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("llama-server")
+
+
 def _find(binary: str, hint: str) -> str:
     beside = Path(sys.executable).parent / binary
     if beside.exists():

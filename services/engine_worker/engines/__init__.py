@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
+import msgspec
+
+from coderai.contracts import ModelConfig
 from coderai.engine_worker.engines.base import BadInput, Engine, EngineLoadError
+from coderai.runtime.embedded import find_llama_server
+
+log = logging.getLogger("coderai.engine_worker")
 
 # family -> (module that must be importable, module:class that runs it)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -36,12 +43,26 @@ def available_families() -> list[str]:
 
 
 def _external(family: str) -> bool:
-    if family == "llama-server":  # llama.cpp's server binary (scripts/setup builds it), not a Python module
-        from coderai.engine_worker.engines.llama_server import find_binary
-
-        return find_binary() is not None
+    if family == "llama-server":  # llama.cpp's server binary (scripts/setup builds it), else the in-process engine
+        return find_llama_server() is not None or importlib.util.find_spec("llama_cpp") is not None
     # vLLM pins its own torch, so a worker may keep it in another venv and name that interpreter instead
     return family == "vllm" and bool(os.environ.get("CODERAI_VLLM_PYTHON"))
+
+
+# what only the llama-server family reads; dropped when a model falls back to the in-process engine
+SERVER_ONLY_PARAMS = frozenset({"parallel", "cache_ram_mb", "queue", "load_timeout_s", "extra_args", "env", "mmproj",
+                                "chat_template", "n_gpu_layers_draft"})
+
+
+def resolve(cfg: ModelConfig) -> ModelConfig:
+    """The config a worker loads: a `llama-server` model on a machine without the binary (a plain `pip install`)
+    runs on the in-process llama engine instead, one request at a time, with a warning saying so."""
+    if cfg.engine != "llama-server" or find_llama_server() is not None or importlib.util.find_spec("llama_cpp") is None:
+        return cfg
+    log.warning("%s: no llama-server binary here (scripts/setup builds it; or set CODERAI_LLAMA_SERVER): serving it "
+                "on the in-process llama engine, one request at a time", cfg.name)
+    return msgspec.structs.replace(cfg, engine="llama", params={
+        k: v for k, v in cfg.params.items() if k not in SERVER_ONLY_PARAMS})
 
 
 def engine_class(family: str) -> type[Engine]:
@@ -51,4 +72,5 @@ def engine_class(family: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["BadInput", "Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class"]
+__all__ = ["BadInput", "Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class",
+           "resolve"]

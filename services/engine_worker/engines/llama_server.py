@@ -20,12 +20,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,7 +30,7 @@ import httpx
 from coderai.contracts import ChatJob, ModelConfig
 from coderai.engine_worker.engines.base import EngineLoadError, refuse_media
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
-from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
 MEDIA_WITH_PROJECTOR = frozenset({"image_url", "input_audio"})  # what llama.cpp's mtmd reads with an mmproj
@@ -51,14 +48,8 @@ STDERR_TAIL_CHARS = 1500
 
 
 def find_binary() -> str | None:
-    """The llama-server to run: `CODERAI_LLAMA_SERVER`, the one beside this interpreter, or one on PATH."""
-    named = os.environ.get("CODERAI_LLAMA_SERVER")
-    if named:
-        return named
-    beside = Path(sys.executable).parent / "llama-server"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("llama-server")
+    """The llama-server to run (coderai.runtime.embedded.find_llama_server)."""
+    return find_llama_server()
 
 
 def server_args(config: ModelConfig, port: int) -> list[str]:
