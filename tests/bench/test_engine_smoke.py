@@ -1,0 +1,26 @@
+"""bench/engine.py --smoke runs end to end (so the bench cannot rot); its numbers are not checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coderai.runtime.embedded import find_llama_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_engine_bench_smoke_prints_its_table():
+    pytest.importorskip("llama_cpp")
+    if find_llama_server() is None:
+        pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+    assert "| path | conc | tokens/s | vs bare |" in r.stdout
+    for path in ("bare", "server", "inproc"):
+        assert f"| {path} | 1 |" in r.stdout and f"| {path} | 2 |" in r.stdout
