@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from coderai import __version__
-from coderai.contracts import EngineStatus, Heartbeat
+from coderai.contracts import EngineStatus, GpuMemory, Heartbeat
 from coderai.contracts.split import RpcServer
 
 
@@ -135,7 +135,8 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
                     addrs: list[str] | None = None, rpc: RpcServer | None = None,
                     gpu: GpuProbe | None = None) -> Heartbeat:
     total, free = memory()
-    vram_total, vram_free = gpu.memory() if gpu is not None else (0, 0)
+    devices = gpu.devices() if gpu is not None else []
+    vram_total, vram_free = sum(t for t, _ in devices), sum(f for _, f in devices)
     return Heartbeat(
         node_id=node_id,
         version=__version__,
@@ -153,4 +154,5 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         gpus=gpu.count if gpu is not None else 0,
         vram_total=vram_total,
         vram_free=vram_free,
+        gpu_memory=[GpuMemory(total=t, free=f) for t, f in devices],
     )

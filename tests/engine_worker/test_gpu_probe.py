@@ -32,6 +32,7 @@ def test_without_nvml_the_probe_asks_nvidia_smi_at_most_every_few_seconds(tmp_pa
     assert probe.memory() == (2 * 24576 << 20, (20480 + 24000) << 20)
     hb = build_heartbeat("n1", 1, ["llama"], [], gpu=probe)
     assert (hb.gpus, hb.vram_total, hb.vram_free) == (2, 2 * 24576 << 20, (20480 + 24000) << 20)
+    assert [(g.total, g.free) for g in hb.gpu_memory] == [(24576 << 20, 20480 << 20), (24576 << 20, 24000 << 20)]
     assert len((tmp_path / "calls").read_text().split()) == 1  # count, memory and heartbeat shared one run
 
 
@@ -41,4 +42,4 @@ def test_no_driver_means_no_gpu_memory(tmp_path, monkeypatch):
     if probe._nvml is None:
         assert (probe.count, probe.memory()) == (0, (0, 0))
     hb = build_heartbeat("n1", 1, ["llama"], [])
-    assert (hb.gpus, hb.vram_total, hb.vram_free) == (0, 0, 0)
+    assert (hb.gpus, hb.vram_total, hb.vram_free, hb.gpu_memory) == (0, 0, 0, [])

@@ -40,3 +40,15 @@ def test_slot_load_reads_running_and_deferred_requests():
     text = "# HELP x\nllamacpp:requests_processing 3\nllamacpp:requests_deferred 5\nllamacpp:n_decode_total 9\n"
     assert slot_load(text) == (3, 5)
     assert slot_load("") == (0, 0)
+
+
+def test_the_backend_and_offloaded_layers_come_from_the_start_log():
+    from coderai.engine_worker.engines.llama_server import offload_of
+
+    cuda = ("ggml_cuda_init: found 1 CUDA devices:\n  Device 0: NVIDIA H200, compute capability 9.0, VMM: yes\n"
+            "llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) - 139812 MiB free\n"
+            "load_tensors: offloading 18 repeating layers to GPU\nload_tensors: offloaded 19/19 layers to GPU\n")
+    assert offload_of(cuda) == ("cuda", 19)
+    assert offload_of("load_tensors: offloaded 19/19 layers to GPU\nggml_vulkan_init: found 1 Vulkan devices") == ("vulkan", 19)
+    assert offload_of("srv load_model: loading model\nload_tensors: CPU_Mapped model buffer size = 1.2 MiB\n") == ("cpu", 0)
+    assert offload_of("load_tensors: offloaded 0/19 layers to GPU\nggml_cuda_init: found 1 CUDA devices") == ("cpu", 0)

@@ -103,6 +103,7 @@ def test_concurrent_streams_share_the_slots(stack):
     assert all(r in ("stop", "length") for r in results), results
     e = _engine(stack)
     assert e["engine"] == "llama-server" and e["slots"] == SLOTS
+    assert e["backend"] == "cpu" and e.get("gpu_layers", 0) == 0  # the portable CPU build here
     assert busiest > 1, "the engine never reported more than one busy slot"
 
 

@@ -46,7 +46,7 @@ from coderai.contracts.media import (
     Word,
 )
 from coderai.contracts.models import GGUF_FAMILIES, Distribute, ModelConfig, PodPolicy
-from coderai.contracts.nodes import Assignment, EngineStatus, Heartbeat
+from coderai.contracts.nodes import Assignment, EngineStatus, GpuMemory, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
 from coderai.contracts.store import StoreChunk, StoreEntry, StoreFetch, StoreList, StoreListing, check_store_path
 from coderai.contracts.work import WorkPart
@@ -58,7 +58,7 @@ __all__ = [
     "TranscribeJob", "TranscribeResult", "Turn", "VideoJob", "VideoResult", "Word",
     "Distribute", "RpcServer", "SplitDevice", "SplitPlan", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreEntry", "StoreFetch", "StoreList", "StoreListing", "WorkPart", "check_store_path",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
-    "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
+    "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "GpuMemory", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",
     "Usage", "decode", "encode", "model_key", "model_name",
 ]

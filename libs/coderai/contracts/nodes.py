@@ -31,6 +31,15 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     slots: int = 0  # requests the engine runs at once (llama-server's --parallel); 0: not reported
     slots_busy: int = 0  # of those, running now
     queued: int = 0  # requests the engine holds waiting for a slot
+    backend: str = ""  # where its layers run: "cpu", "cuda", ... ("" not reported)
+    gpu_layers: int = 0  # layers offloaded to the GPU
+
+
+class GpuMemory(Message, frozen=True, kw_only=True):
+    """One GPU's memory, in bytes."""
+
+    total: int
+    free: int
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
@@ -52,6 +61,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     addrs: list[str] = []  # the node's network addresses, the one it reaches the bus from first (loopback left out)
     rpc: RpcServer | None = None  # a ggml RPC server this node offers to hold layers of others' models
     gpus: int = 0  # GPUs this node has (vLLM runs one rank on each; a CPU-only node runs one rank)
+    gpu_memory: list[GpuMemory] = []  # per GPU, in device order (vram_total/vram_free are their sums)
 
 
 class Assignment(Message, frozen=True, kw_only=True):

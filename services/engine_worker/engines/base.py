@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from coderai.contracts import ModelConfig
 
@@ -74,7 +75,7 @@ class Engine:
     def close(self) -> None:
         """Free the model's memory."""
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Cache counters for the heartbeat: prompt_tokens, cached_tokens, prefix_hits, cache_bytes."""
         return {}
 

@@ -18,6 +18,7 @@ the server's environment. The binary: `CODERAI_LLAMA_SERVER`, else `llama-server
 from __future__ import annotations
 
 import itertools
+import re
 import logging
 import os
 import signal
@@ -50,6 +51,21 @@ STDERR_TAIL_CHARS = 1500
 def find_binary() -> str | None:
     """The llama-server to run (coderai.runtime.embedded.find_llama_server)."""
     return find_llama_server()
+
+
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+_DEVICE = re.compile(r"using device (\w+?)\d* \(|ggml_(cuda|vulkan|metal|sycl|hip)_init: found [1-9]", re.IGNORECASE)
+
+
+def offload_of(log: str) -> tuple[str, int]:
+    """(backend, layers on the GPU) from a llama-server start log: ("cpu", 0) when nothing went to a GPU."""
+    m = _OFFLOADED.search(log)
+    layers = int(m.group(1)) if m else 0
+    if layers == 0:
+        return "cpu", 0
+    d = _DEVICE.search(log)
+    name = (d.group(1) or d.group(2)) if d else "gpu"
+    return name.lower(), layers
 
 
 def server_args(config: ModelConfig, port: int) -> list[str]:
@@ -97,6 +113,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         self.slots_busy = 0
         self.queued = 0
         self.restarts = 0
+        self.backend = ""  # "cpu", or the GPU backend the layers went to ("cuda", ...), read from the log
+        self.gpu_layers = 0
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()  # the child and the client change only under it (restart vs close)
@@ -113,6 +131,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         if not os.path.exists(os.path.expanduser(self.config.path)):
             raise EngineLoadError(f"no such model file: {self.config.path}")
         self.start_server(free_port(), self.load_timeout_s())
+        self.backend, self.gpu_layers = offload_of(self.log_head())
         self._supervisor = threading.Thread(target=self._supervise, name=f"llama-server-{self.config.name}",
                                             daemon=True)
         self._supervisor.start()
@@ -122,8 +141,17 @@ class LlamaServerEngine(OpenAIServerEngine):
         refuse_media(job.messages, self.config.name, MEDIA_WITH_PROJECTOR if self.config.params.get("mmproj") else frozenset())
         return super().chat_body(job, stream)
 
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued}
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued,
+                "backend": self.backend, "gpu_layers": self.gpu_layers}
+
+    def log_head(self, chars: int = 200_000) -> str:
+        """The start of the server's log, where llama.cpp says which devices it found and what it offloaded."""
+        try:
+            with open(self.log_path, "rb") as fh:
+                return fh.read(chars).decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def close(self) -> None:
         self._closing.set()

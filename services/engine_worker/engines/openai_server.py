@@ -226,7 +226,7 @@ class OpenAIServerEngine(Engine):
             self.client = None
         self.stop_server()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Prompt counters from the answers' usage (no I/O: the heartbeat reads this on the event loop)."""
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "prefix_hits": self.prefix_hits, "cache_bytes": 0}
