@@ -110,3 +110,22 @@ def acceptance(real: dict, pure: dict, real_probes: dict[str, Probe]) -> list[st
         line(abs(pc.gap_ms - pb.gap_ms) <= 0.2, f"real, streaming: inter-token gap {pc.gap_ms - pb.gap_ms:+.3f} ms "
              "against the bare engine (target within 0.2 ms)")
     return lines
+
+
+def router_targets(rows: dict) -> list[str]:
+    """Issue 20's router targets: coderai's added p50 at 1 within 0.5 ms of the best Rust router's, its req/s at
+    64 at least the best Rust router's (non-streamed), each with what this run measured."""
+    lines: list[str] = []
+    rust = ("sglang-rr", "sglang-ca", "vllm-router")
+    base1, ours1 = rows.get(("ls-bare", 1, False)), rows.get(("coderai-ls", 1, False))
+    best1 = min((rows[(r, 1, False)] for r in rust if (r, 1, False) in rows), key=lambda x: x.p50_ms, default=None)
+    if base1 and ours1 and best1:
+        ours, theirs = ours1.p50_ms - base1.p50_ms, best1.p50_ms - base1.p50_ms
+        lines.append(f"- [{'x' if ours <= theirs + 0.5 else ' '}] conc 1: coderai adds {ours:+.2f} ms p50, the best "
+                     f"Rust router {theirs:+.2f} ms (target: within 0.5 ms)")
+    ours64 = rows.get(("coderai-ls", 64, False))
+    best64 = max((rows[(r, 64, False)] for r in rust if (r, 64, False) in rows), key=lambda x: x.rps, default=None)
+    if ours64 and best64:
+        lines.append(f"- [{'x' if ours64.rps >= best64.rps else ' '}] conc 64: coderai {ours64.rps:,.0f} req/s, the "
+                     f"best Rust router {best64.rps:,.0f} (target: at least as many)")
+    return lines

@@ -149,7 +149,9 @@ class Coderai:
         self.stack: Stack | None = None
         self.headers = {"Authorization": f"Bearer {BENCH_KEY}"}
 
-    def start(self, gguf: Path | None, n_threads: int, n_ctx: int, gateway_workers: int) -> None:
+    def start(self, gguf: Path | None, n_threads: int, n_ctx: int, gateway_workers: int,
+              ls_params: dict | None = None, ls_gguf: Path | None = None) -> None:
+        """`ls_params`: also serve `tiny-ls` (the routers part) on the llama-server engine, on two workers."""
         from coderai.gateway.auth import KeyRecord, hash_key, write_keys
 
         self.nats = NatsServer(self.root / "nats").start(log_file=self.root / "logs" / "nats.log")
@@ -163,16 +165,22 @@ class Coderai:
         write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
         models = [{"name": "echo", "engine": "echo", "path": "-"}]
         if gguf is not None:
-            models.append({"name": "tiny", "engine": "llama", "path": str(gguf),
+            models.append({"name": "tiny", "engine": "llama", "path": str(gguf), "nodes": ["llama"],
                            "params": {"n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads}})
+        if ls_params is not None:
+            models.append({"name": "tiny-ls", "engine": "llama-server", "path": str(ls_gguf or gguf),
+                           "nodes": ["ls1", "ls2"], "params": ls_params})
         self.stack = Stack(self.root, self.nats.url, redis_url, extra_env={"CODERAI_LOG_LEVEL": "INFO"})
         self.stack.start_core(write_models_file(self.root / "models.toml", models))
         if gguf is not None:
             self.stack.start_worker("llama")
+        if ls_params is not None:
+            self.stack.start_worker("ls1")
+            self.stack.start_worker("ls2")
         self.stack.start("worker-echo", "coderai.engine_worker", ["--node-id", "echo"],
                          env={"CODERAI_DATA_DIR": str(self.root / "echo"), "CODERAI_WORKER_FAMILIES": "echo"})
         self.stack.start_gateway("--api-keys-file", str(keys), "--workers", str(gateway_workers))
-        for name in ["echo"] + (["tiny"] if gguf is not None else []):
+        for name in ["echo"] + (["tiny"] if gguf is not None else []) + (["tiny-ls"] if ls_params is not None else []):
             self.stack.wait_model_ready(name, headers=self.headers, timeout_s=120)
 
     def target(self, name: str, model: str) -> Target:
@@ -187,3 +195,37 @@ class Coderai:
         for s in (self.redis, self.nats):
             if s is not None:
                 s.stop()
+
+
+def start_llama_replica(root: Path, binary: str, gguf: Path, name: str, threads: int, slots: int, n_ctx: int,
+                        cache_mb: int) -> tuple[Proc, Target]:
+    """A bare `llama-server` replica, as the Rust routers are put in front of: the same flags coderai's
+    llama-server engine gives it (slots, context per slot, threads, host prompt cache)."""
+    port = free_port()
+    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", "bench",
+           "--parallel", str(slots), "--ctx-size", str(n_ctx * slots), "--threads", str(threads),
+           "--threads-batch", str(threads), "--cache-ram", str(cache_mb), "--jinja", "--metrics", "--no-webui"]
+    proc = Proc(name, cmd, root / "logs")
+    proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
+    return proc, Target(name, f"http://127.0.0.1:{port}/v1", "bench", pids=[proc.pid])
+
+
+def start_router(root: Path, exe: Path, name: str, policy: str, replicas: list[Target]) -> tuple[Proc, Target]:
+    """`sglang-router launch` or `vllm-router` with `policy` in front of `replicas`, retries off (as coderai's
+    gateway does not retry a request that reached an engine), its Prometheus exporter on a free port."""
+    port = free_port()
+    urls = [r.base_url.removesuffix("/v1") for r in replicas]
+    sub = ["launch"] if exe.name == "sglang-router" else []
+    cmd = [str(exe), *sub, "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-port", str(free_port()), "--log-level", "warn" if sub else "warning"]
+    proc = Proc(name, cmd, root / "logs")
+    base = f"http://127.0.0.1:{port}/v1"
+
+    def answers() -> bool:
+        proc.check()
+        r = httpx.post(base + "/chat/completions", timeout=10, json={
+            "model": "bench", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
+        return r.status_code == 200
+
+    wait_until(answers, 60, f"{name} to route a request")
+    return proc, Target(name, base, "bench", pids=[proc.pid])

@@ -87,6 +87,38 @@ def litellm_bin(install: bool, cache: Path | None = None) -> Path | str:
     return exe if exe.exists() else f"litellm[proxy] installed but {exe} is missing"
 
 
+ROUTERS = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}  # command -> PyPI package
+
+
+def rust_routers(install: bool, cache: Path | None = None) -> dict[str, Path] | str:
+    """The `sglang-router` and `vllm-router` commands (the Rust routers people put in front of llama.cpp or vLLM
+    replicas) from their own venv under the cache dir, or why there are none."""
+    venv = (cache or cache_dir()) / "routers-venv"
+    exes = {name: venv / "bin" / name for name in ROUTERS}
+    if all(e.exists() for e in exes.values()):
+        return exes
+    if not install:
+        return f"no router venv at {venv} (run the full bench once to install sglang-router and vllm-router)"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    err = _run([base, "-m", "venv", str(venv)], "creating the routers venv") or \
+        _run([str(venv / "bin" / "pip"), "install", "-q", *ROUTERS.values()], "installing sglang-router and vllm-router")
+    if err:
+        return err
+    missing = [str(e) for e in exes.values() if not e.exists()]
+    return exes if not missing else f"routers installed but {', '.join(missing)} missing"
+
+
+def router_versions(exes: dict[str, Path]) -> dict[str, str]:
+    py = next(iter(exes.values())).parent / "python"
+    code = "import importlib.metadata as m; print(m.version('sglang-router'), m.version('vllm-router'))"
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        return {}
+    sgl, vllm = r.stdout.split()
+    return {"sglang-router": sgl, "vllm-router": vllm}
+
+
 def machine() -> dict[str, str]:
     """What the numbers were measured on."""
     model = "unknown"

@@ -4,6 +4,12 @@ Part "real engine": the same tiny llama.cpp GGUF served three ways, all on 127.0
   bare     python -m llama_cpp.server (llama-cpp-python's own OpenAI server): the baseline
   litellm  LiteLLM proxy (its own venv, one worker, a master key) forwarding to the bare server
   coderai  gateway (API keys) -> router -> llama worker, metrics with Redis, JSON logs at INFO
+Part "routers": two bare `llama-server` replicas (the binary scripts/setup builds) of the tiny GGUF:
+  ls-bare        one replica, asked directly: the baseline
+  sglang-rr      `sglang-router launch --policy round_robin` (PyPI, Rust) in front of both replicas
+  sglang-ca      the same with `--policy cache_aware`
+  vllm-router    `vllm-router --policy round_robin` (PyPI, Rust) in front of both
+  coderai-ls     coderai with the model on its llama-server engine on two workers (the same server flags)
 Part "pure orchestration": no model work at all, so the orchestrator is the bottleneck:
   litellm  the same proxy answering from `mock_response`: the baseline
   coderai  the same stack, model `echo` on a worker with CODERAI_WORKER_FAMILIES=echo (coderai.testing)
@@ -31,7 +37,12 @@ from pathlib import Path
 import _load
 import _report
 import _setup
-from _servers import Coderai, Target, start_bare, start_litellm
+from _servers import Coderai, Target, start_bare, start_litellm, start_llama_replica, start_router
+from coderai.runtime.embedded import find_llama_server
+
+ROUTER_PATHS = (("sglang-rr", "sglang-router", "round_robin"), ("sglang-ca", "sglang-router", "cache_aware"),
+                ("vllm-router", "vllm-router", "round_robin"))
+LS_SLOTS = 4
 
 MOCK_WORDS = 16  # LiteLLM's mock reply has as many words as the echo engine answers with max_tokens
 # llama_cpp.server samples with repeat_penalty 1.1 unless told, in-process llama-cpp-python with 1.0: the same
@@ -47,7 +58,7 @@ def _csv_ints(s: str) -> list[int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="a few requests per path; no installs; seconds, not minutes")
-    ap.add_argument("--parts", default="real,pure", help="which parts to run (default: real,pure)")
+    ap.add_argument("--parts", default="real,pure,routers", help="which parts to run (default: real,pure,routers)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per wrk cell (default 5)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell (default 2)")
     ap.add_argument("--concurrency", type=_csv_ints, default=[1, 8, 64], help="real part (default 1,8,64)")
@@ -122,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         litellm = None
     if "real" in parts and bare_ok is not True:
         notes.append(f"bare engine skipped: {bare_ok}")
+    routers: dict = {}
+    if "routers" in parts:
+        found = _setup.rust_routers(install)
+        if find_llama_server() is None:
+            notes.append("routers part skipped: no llama-server (scripts/setup builds it)")
+            parts.discard("routers")
+        elif isinstance(found, str):
+            notes.append(f"Rust routers skipped: {found}")
+        else:
+            routers = found
 
     work = Path(tempfile.mkdtemp(prefix="coderai-overhead-"))
     started: list = []
@@ -130,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"machine": _setup.machine(), "versions": _setup.versions(litellm), "args": sys.argv[1:]}
     try:
         gguf = None
-        if "real" in parts:
+        if parts & {"real", "routers"}:
             from coderai.testing.tiny_gguf import build_tiny_gguf
 
             gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
@@ -143,7 +164,17 @@ def main(argv: list[str] | None = None) -> int:
             mock = " ".join(["tok"] * MOCK_WORDS)
             proc, lite = start_litellm(work, litellm, bare.base_url if bare else None, mock)
             started.append(proc)
-        coderai.start(gguf, a.n_threads, 512, a.gateway_workers)
+        replicas: list[Target] = []
+        if "routers" in parts:
+            binary = find_llama_server()
+            for r in range(2):
+                proc, t = start_llama_replica(work, binary, gguf, f"ls-{r}", a.n_threads, LS_SLOTS, 512, 256)
+                started.append(proc)
+                replicas.append(t)
+        ls_params = {"parallel": LS_SLOTS, "n_ctx": 512, "n_threads": a.n_threads, "n_threads_batch": a.n_threads,
+                     "cache_ram_mb": 256, "queue": 128}  # queue: the bare replicas queue without bound too
+        coderai.start(gguf if "real" in parts else None, a.n_threads, 512, a.gateway_workers,
+                      ls_params=ls_params if "routers" in parts else None, ls_gguf=gguf)
         runner = Runner(a, wrk, work)
         print(f"[bench] everything up in {time.monotonic() - t_start:.0f}s; measuring", file=sys.stderr, flush=True)
 
@@ -165,6 +196,20 @@ def main(argv: list[str] | None = None) -> int:
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
             real, real_probes = measure("real", "Real engine (tiny llama.cpp GGUF)", targets, a.concurrency, "bare")
+        if "routers" in parts:
+            bare_ls = Target("ls-bare", replicas[0].base_url, "bench", pids=[replicas[0].pids[0]])
+            targets = [bare_ls]
+            for name, kind, policy in ROUTER_PATHS if routers else ():
+                proc, t = start_router(work, routers[kind], name, policy, replicas)
+                started.append(proc)
+                t.pids += [r.pids[0] for r in replicas]
+                targets.append(t)
+            targets.append(coderai.target("coderai-ls", "tiny-ls"))
+            for t in targets:
+                t.extra_body = dict(REAL_EXTRA)
+            rows, _ = measure("routers", "Rust routers and coderai in front of llama-server replicas", targets,
+                              a.concurrency, "ls-bare")
+            out["router_checks"] = _report.router_targets(rows)
         if "pure" in parts:
             echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
             targets = [t for t in (echo_lite, coderai.target("coderai", "echo")) if t is not None]
@@ -173,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = _report.acceptance(real, pure, real_probes)
         if checks and not a.smoke and wrk:
             tables += ["## Issue 14 targets", "", *checks, ""]
+        if out.get("router_checks") and not a.smoke and wrk:
+            tables += ["## Issue 20 targets (routers)", "", *out["router_checks"], ""]
     finally:
         coderai.stop()
         for p in reversed(started):

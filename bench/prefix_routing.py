@@ -7,11 +7,16 @@ the eight conversations prefix routing gives each replica, not for all sixteen. 
   prefix       2 workers (1 thread each), router policy "prefix"
   round_robin  2 workers (1 thread each), router policy "round_robin"
   warm         1 worker (2 threads) with a cache that holds every conversation: the single warm engine
+  prefix_ls    as prefix, on the llama-server engine (8 slots a replica, the same cache budget as --cache-ram)
+  sglang_round_robin, sglang_cache_aware, vllm_cache_aware
+               the Rust routers from PyPI (`sglang-router`, `vllm-router`) in front of two bare `llama-server`
+               replicas with the same flags as prefix_ls's (slots, context, 1 thread, --cache-ram)
 
 TTFT is measured at the client (first streamed content chunk), over every turn. Prints p50/p95 per mode and
 the ratios the acceptance asks for. `--smoke` runs a tiny version (seconds) so CI keeps the script working.
 
-Usage: python bench/prefix_routing.py [--conversations 16] [--turns 6] [--smoke]
+Usage: python bench/prefix_routing.py [--conversations 16] [--turns 6] [--smoke] [--modes prefix,round_robin,...]
+The router modes install sglang-router and vllm-router into their own venv under the bench cache the first time.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from coderai.runtime.embedded import NatsServer
+import _setup
+from _servers import start_llama_replica, start_router
+from coderai.runtime.embedded import NatsServer, find_llama_server
 from coderai.testing.stack import Stack, write_models_file
 from coderai.testing.tiny_gguf import build_tiny_gguf
 
@@ -40,8 +47,13 @@ def system_prompt(i: int, words: int) -> str:
     return f"You are assistant number {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+ROUTER_MODES = {"sglang_round_robin": ("sglang-router", "round_robin"),
+                "sglang_cache_aware": ("sglang-router", "cache_aware"),
+                "vllm_cache_aware": ("vllm-router", "cache_aware")}
+
+
 async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int, max_tokens: int, ttfts: list[float],
-                       reasons: list[str]) -> None:
+                       reasons: list[str], cache: dict[str, int] | None = None) -> None:
     messages = [{"role": "system", "content": system_prompt(i, words)}]
     for t in range(turns):
         messages.append({"role": "user", "content": f"Turn {t}: tell me about {WORDS[(i + t) % len(WORDS)]}."})
@@ -57,10 +69,53 @@ async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int
                     continue
                 if first is None:
                     first = time.perf_counter() - start
-                delta = httpx.Response(200, content=line[6:]).json()["choices"][0]["delta"]
-                text.append(delta.get("content") or "")
+                event = httpx.Response(200, content=line[6:]).json()
+                if cache is not None and event.get("timings"):  # a bare llama-server says what its cache gave
+                    cache["cached"] += int(event["timings"].get("cache_n") or 0)
+                    cache["computed"] += int(event["timings"].get("prompt_n") or 0)
+                if event.get("choices"):
+                    text.append(event["choices"][0]["delta"].get("content") or "")
         ttfts.append(first if first is not None else time.perf_counter() - start)
         messages.append({"role": "assistant", "content": "".join(text) or "ok"})
+
+
+def _slots(a: argparse.Namespace) -> int:
+    return max(1, a.conversations // 2)  # every conversation a replica gets has a slot of its own
+
+
+def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, exes: dict) -> tuple[list[float], dict]:
+    """Two bare llama-server replicas behind a Rust router; the same conversations."""
+    binary = find_llama_server()
+    assert binary is not None
+    kind, policy = ROUTER_MODES[mode]
+    procs = []
+    try:
+        replicas = []
+        for r in range(2):
+            proc, t = start_llama_replica(root / mode, binary, Path(model), f"{mode}-r{r}", 1 if a.threads == 0 else a.threads,
+                                          _slots(a), a.ctx, int(a.cache_mb))
+            procs.append(proc)
+            replicas.append(t)
+        proc, router = start_router(root / mode, exes[kind], f"{mode}-router", policy, replicas)
+        procs.append(proc)
+        ttfts: list[float] = []
+        reasons: list[str] = []
+        cache = {"cached": 0, "computed": 0}
+
+        async def go() -> None:
+            async with httpx.AsyncClient(base_url=router.base_url, timeout=600) as client:
+                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons, cache)
+                                       for i in range(a.conversations)))
+
+        t = time.perf_counter()
+        asyncio.run(go())
+        total = cache["cached"] + cache["computed"]
+        share = f"{cache['cached'] / total:.0%} of prompt tokens from cache" if total else "no cache stats"
+        print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s; {share}", file=sys.stderr)
+        return ttfts, {"cache": share}
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[list[float], dict[str, int]]:
@@ -68,10 +123,15 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
     workers = 1 if mode == "warm" else 2
     cache_mb = a.cache_mb * (a.conversations / 2 if mode == "warm" else 1)  # warm: room for every conversation
     params = {"n_ctx": a.ctx, "n_threads": 2 // workers if a.threads == 0 else a.threads, "prompt_cache_mb": cache_mb}
+    engine = "llama"
+    if mode == "prefix_ls":  # llama.cpp's own server: slots and its host prompt cache, as the router modes' replicas
+        engine = "llama-server"
+        params = {"n_ctx": a.ctx, "n_threads": params["n_threads"], "n_threads_batch": params["n_threads"],
+                  "parallel": _slots(a), "cache_ram_mb": int(a.cache_mb), "queue": a.conversations}
     policy = "round_robin" if mode == "round_robin" else "prefix"
     stack = Stack(root / mode, nats.url, extra_env={"CODERAI_ROUTER_POLICY": policy})
     try:
-        stack.start_core(write_models_file(root / f"models-{mode}.toml", [{"name": "bench", "engine": "llama", "path": model, "params": params}]))
+        stack.start_core(write_models_file(root / f"models-{mode}.toml", [{"name": "bench", "engine": engine, "path": model, "params": params}]))
         for w in range(workers):
             stack.start_worker(f"{mode}-w{w}")
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
@@ -121,7 +181,8 @@ def main() -> int:
     ap.add_argument("--cache-mb", type=float, default=192)
     ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns")
-    ap.add_argument("--modes", default="prefix,round_robin,warm")
+    ap.add_argument("--modes", default="prefix,round_robin,warm,prefix_ls,sglang_round_robin,sglang_cache_aware,"
+                                       "vllm_cache_aware")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-prefix-"))
     if a.smoke:
@@ -129,7 +190,18 @@ def main() -> int:
         model = build_tiny_gguf(root / "bench.gguf")["out"]
     else:
         model = build_tiny_gguf(root / "bench.gguf", dim=512, layers=8, heads=8)["out"]
-    runs = {mode: run_mode(root, model, mode, a) for mode in a.modes.split(",")}
+    modes = a.modes.split(",")
+    exes: dict = {}
+    if set(modes) & set(ROUTER_MODES) or "prefix_ls" in modes:
+        found = _setup.rust_routers(install=not a.smoke) if set(modes) & set(ROUTER_MODES) else {}
+        if find_llama_server() is None or isinstance(found, str):
+            why = "no llama-server (scripts/setup builds it)" if find_llama_server() is None else found
+            print(f"> skipping {', '.join(m for m in modes if m in ROUTER_MODES or m == 'prefix_ls')}: {why}")
+            modes = [m for m in modes if m not in ROUTER_MODES and (m != "prefix_ls" or find_llama_server())]
+        else:
+            exes = found
+    runs = {mode: (run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a))
+            for mode in modes}
     results = {m: r[0] for m, r in runs.items()}
 
     p50 = {m: statistics.median(v) for m, v in results.items()}
@@ -144,6 +216,10 @@ def main() -> int:
     if {"prefix", "round_robin", "warm"} <= set(p50):
         print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
         print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
+    for rust in ("sglang_cache_aware", "vllm_cache_aware"):
+        if {"prefix_ls", rust} <= set(p50):
+            r = p50["prefix_ls"] / p50[rust]
+            print(f"prefix_ls p50 / {rust} p50 = {r:.2f} (goal <= 1: {'met' if r <= 1 else 'missed'})")
     return 0
 
 
