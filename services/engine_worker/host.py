@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from coderai.contracts import (
     ErrorReply,
     Final,
     ModelConfig,
+    Usage,
     model_key,
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
@@ -68,6 +70,9 @@ class EngineHost:
         self._pullers: list[PartPuller] = []
 
     def status(self) -> EngineStatus:
+        stats = self.engine.stats() if self.engine is not None and self.state == "ready" else {}
+        if stats.get("slots"):  # jobs beyond the slots wait in this worker's queue, not in the server's
+            stats["queued"] = max(int(stats.get("queued") or 0), self.in_flight - int(stats["slots"]))
         return EngineStatus(
             engine_id=self.engine_id,
             model=self.config.name,
@@ -78,7 +83,7 @@ class EngineHost:
             served=self.served,
             error=self.error,
             warning=self.engine.warning if self.engine is not None else "",
-            **(self.engine.stats() if self.engine is not None and self.state == "ready" else {}),
+            **stats,
         )
 
     async def load(self) -> bool:
@@ -280,12 +285,20 @@ class EngineHost:
             sink = emit_llm if job.stream else None
 
         fn = getattr(self.engine, op)
+        started = threading.Event()  # set when an engine thread takes the job: before that it is queued
+
+        def run(*args: Any) -> Any:
+            started.set()
+            if flag and not media:  # its caller gave up while it waited for a slot: nothing to run
+                return [], Usage()
+            return fn(*args)
+
         if self.engine.blocking:  # type: ignore[union-attr]
-            fut = loop.run_in_executor(self._executor, fn, job, flag, sink)
+            fut = loop.run_in_executor(self._executor, run, job, flag, sink)
         else:
             fut = loop.create_future()
             try:
-                fut.set_result(fn(job, flag, sink))
+                fut.set_result(run(job, flag, sink))
             except Exception as exc:  # noqa: BLE001 - delivered below exactly as a thread's failure would be
                 fut.set_exception(exc)
         fut.add_done_callback(lambda _: queue.put_nowait(DONE))
@@ -297,7 +310,7 @@ class EngineHost:
             await writer.send(Chunk(seq=writer.next_seq(), **item))
 
         try:
-            await pump(queue, writer, self.keepalive_s, forward)
+            await pump(queue, writer, self.keepalive_s, forward, queued=lambda: not started.is_set())
             if media:
                 output, usage = fut.result()
                 output, choices = await self.blobs.pack(output), []

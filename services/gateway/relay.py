@@ -193,7 +193,7 @@ class Relay:
             else:
                 stream = await self._open(op, job, decision, headers)
             try:
-                frame = await next_frame(stream)
+                frame = await next_frame(stream, self.settings.queue_timeout_s, job.model)
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
                 return stream, frame
@@ -231,9 +231,15 @@ class Relay:
             log.debug("request.completed not published: %s", exc)
 
 
-async def next_frame(stream: FrameStream) -> Chunk | Final | ErrorReply:
-    """The next frame that is not a keep-alive (keep-alives only prove the engine is alive)."""
+async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: str = "") -> Chunk | Final | ErrorReply:
+    """The next frame that is not a keep-alive (keep-alives only prove the engine is alive). With
+    `queue_timeout_s`, a job whose keep-alives still say it waits for a slot after that long is an `overloaded`
+    BusError (a 503 with Retry-After): the client is told, never left hanging on a queue."""
+    start = time.monotonic()
     while True:
         frame = decode(await stream.next_raw(), Frame)
         if not isinstance(frame, KeepAlive):
             return frame
+        if frame.queued and queue_timeout_s and time.monotonic() - start > queue_timeout_s:
+            raise BusError("overloaded", f"every slot of {model or 'the model'} stayed busy for {queue_timeout_s:g} s "
+                           "while this request waited (CODERAI_GATEWAY_QUEUE_TIMEOUT_S); try again later")

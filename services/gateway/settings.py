@@ -19,6 +19,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     pod_ledger_prefix: str = "coderai:pods"  # where the pod-broker keeps pod spend in Redis (GET /admin/spend)
     escalate_wait_s: float = 120.0  # how long a request waits for a rented pod's engine after escalating
     max_attempts: int = 3  # engines tried for one request before the first token
+    queue_timeout_s: float = 300.0  # a request still waiting for an engine's slot after this long gets a 503
     retry_after_s: int = 5
     redis_url: str = ""  # API keys, limits and budgets shared by every replica; empty: the keys file only
     metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coderai.contracts import ModelConfig
-from coderai.engine_worker.engines.llama_server import LlamaServerEngine, server_args, slot_load
+from coderai.engine_worker.engines.llama_server import LlamaServerEngine, default_cache_ram_mb, server_args, slot_load
 
 
 def _cfg(**params) -> ModelConfig:
@@ -16,8 +16,17 @@ def test_defaults_give_slots_a_context_each_and_every_layer_on_the_gpu():
     assert flag["--model"] == "/models/q.gguf" and flag["--alias"] == "qwen"
     assert (flag["--host"], flag["--port"]) == ("127.0.0.1", "4321")
     assert (flag["--parallel"], flag["--ctx-size"]) == ("4", str(4 * 2048))
-    assert flag["--n-gpu-layers"] == "999" and flag["--cache-ram"] == "256"
+    assert flag["--n-gpu-layers"] == "999" and flag["--cache-ram"] == str(default_cache_ram_mb())
     assert {"--jinja", "--metrics", "--slots", "--no-webui"} <= set(args)
+    args = server_args(_cfg(cache_ram_mb=0), 1)
+    assert args[args.index("--cache-ram") + 1] == "0"  # a model's own size wins, off included
+
+
+def test_the_prompt_cache_is_a_share_of_the_node_memory_within_bounds():
+    gib = 1 << 30
+    assert default_cache_ram_mb(24 * gib) == 768  # this CI machine: 1/32 of 24 GiB
+    assert default_cache_ram_mb(1 * gib) == 64 and default_cache_ram_mb(512 * gib) == 1024
+    assert default_cache_ram_mb(0) == 64  # memory unknown
 
 
 def test_named_params_and_the_rest_as_flags():
@@ -32,7 +41,7 @@ def test_named_params_and_the_rest_as_flags():
 
 def test_the_queue_bound_is_the_slots_plus_three_times_as_many_unless_set():
     e = LlamaServerEngine(_cfg(parallel=2))
-    assert (e.slots, e.queue_limit, e.max_concurrency) == (2, 8, 8)
+    assert (e.slots, e.queue_limit, e.max_concurrency) == (2, 8, 2)  # one engine thread a slot; the rest queue here
     assert LlamaServerEngine(_cfg(parallel=2, queue=0)).queue_limit == 2
 
 

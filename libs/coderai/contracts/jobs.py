@@ -97,6 +97,7 @@ class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="
     """Sent while the engine is busy but has produced nothing new (prefill, queueing)."""
 
     seq: int
+    queued: bool = False  # the job waits for a free slot: nothing of it has started yet
 
 
 class Final(Message, frozen=True, kw_only=True, tag="final", tag_field="t"):

@@ -159,13 +159,15 @@ DONE: Any = object()
 """Put on a job's queue once the job's thread has returned (or raised)."""
 
 
-async def pump(queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any) -> None:
+async def pump(queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any,
+               queued: Callable[[], bool] | None = None) -> None:
     """Hand what a job's thread puts on `queue` to `await send(item)` until `DONE`, with a keep-alive frame on
-    `writer` whenever nothing came for `keepalive_s`: the caller tells a slow job from a dead worker by it."""
+    `writer` whenever nothing came for `keepalive_s`: the caller tells a slow job from a dead worker by it, and
+    a queued one (`queued()` true: it waits for a slot) from a running one."""
     while True:
         item = await get_or_timeout(queue, keepalive_s)
         if item is TIMED_OUT:
-            await writer.keepalive()
+            await writer.keepalive(queued is not None and queued())
         elif item is DONE:
             return
         else:
@@ -450,5 +452,5 @@ class FrameWriter:
         self.last_sent = time.monotonic()
         await self.nc.publish(self.reply, encode(frame))
 
-    async def keepalive(self) -> None:
-        await self.send(KeepAlive(seq=self.next_seq()))
+    async def keepalive(self, queued: bool = False) -> None:
+        await self.send(KeepAlive(seq=self.next_seq(), queued=queued))

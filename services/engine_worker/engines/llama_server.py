@@ -42,7 +42,23 @@ OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "qu
                         "env", "prompt_cache_mb"}) | NAMED.keys()
 DEFAULT_PARALLEL = 4
 DEFAULT_N_CTX = 2048
-DEFAULT_CACHE_RAM_MB = 256  # measured: the 8 GiB default grew and slowed one server over many distinct prompts
+# The server's host prompt cache, per server, unless a model's `cache_ram_mb` says: 1/32 of the node's RAM, at
+# least 64 MiB, at most 1 GiB. Measured (docs/benchmarks.md, bench/prompt_cache.py): over 8,000 distinct prompts
+# every cached prompt is looked at for each new one, so a request slowed from 11 to 32 ms at 256 MiB and to 41 ms
+# at 1 GiB on the tiny model (many small entries), while llama.cpp's 8 GiB default only bounds memory it may take.
+CACHE_RAM_SHARE = 32
+CACHE_RAM_MIN_MB, CACHE_RAM_MAX_MB = 64, 1024
+
+
+def default_cache_ram_mb(mem_total: int | None = None) -> int:
+    """The host prompt cache a server gets from the node's RAM (bytes; this machine's when None)."""
+    if mem_total is None:
+        from coderai.engine_worker.node import memory
+
+        mem_total = memory()[0]
+    if mem_total <= 0:
+        return CACHE_RAM_MIN_MB
+    return max(CACHE_RAM_MIN_MB, min(CACHE_RAM_MAX_MB, (mem_total >> 20) // CACHE_RAM_SHARE))
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 POLL_S = 0.5  # how often the supervisor looks at the child and reads its slots
 STDERR_TAIL_CHARS = 1500
@@ -78,7 +94,7 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
             "--alias", config.name, "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel),
             "--jinja", "--metrics", "--slots", "--no-webui",
             "--n-gpu-layers", str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
-            "--cache-ram", str(int(p.get("cache_ram_mb", DEFAULT_CACHE_RAM_MB)))]
+            "--cache-ram", str(int(p["cache_ram_mb"]) if p.get("cache_ram_mb") is not None else default_cache_ram_mb())]
     for key, flag in NAMED.items():
         if p.get(key) not in (None, ""):
             value = p[key]
@@ -108,8 +124,10 @@ class LlamaServerEngine(OpenAIServerEngine):
         super().__init__(config)
         self.slots = int(config.params.get("parallel") or DEFAULT_PARALLEL)
         queue = config.params.get("queue")
-        self.max_concurrency = self.slots + int(queue if queue is not None else 3 * self.slots)
-        self.queue_limit = self.max_concurrency  # the worker answers `busy` (a 429) beyond it
+        # one engine thread a slot: the worker's queue is the queue (a queued job is known as such, its keep-alives
+        # say so and the gateway can time it out), and the server never holds jobs of its own
+        self.max_concurrency = self.slots
+        self.queue_limit = self.slots + int(queue if queue is not None else 3 * self.slots)  # beyond: `busy` (429)
         self.slots_busy = 0
         self.queued = 0
         self.restarts = 0
