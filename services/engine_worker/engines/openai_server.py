@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, SamplingParams, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.loopback_http import LoopbackClient, TransportError
 from coderai.runtime.embedded import die_with_parent
 
 Emit = Callable[..., None]
@@ -96,6 +98,8 @@ def sse_events(lines: Iterator[str], cancel: CancelFlag, label: str = "the serve
         if "error" in event:  # a failure after the stream began arrives as an event, not a status
             raise_error(event, 500, label)
         yield event
+    if not cancel:  # the connection ended without the server's last word: it died or dropped us mid-answer
+        raise RuntimeError(f"{label} ended the stream before [DONE]")
 
 
 def raise_error(body: Any, status: int, label: str = "the server") -> None:
@@ -120,6 +124,16 @@ def _usage(u: dict[str, Any] | None) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
+_enc = msgspec.json.Encoder()
+
+
+def _json_bytes(data: bytes) -> Any:
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return {"message": data[:2000].decode("utf-8", "replace")}
+
+
 def json_of(r: httpx.Response) -> Any:
     try:
         return r.json()
@@ -141,7 +155,7 @@ class OpenAIServerEngine(Engine):
         self.port = 0
         self.base_url = ""
         self.log_path = ""
-        self.client: httpx.Client | None = None
+        self.client: LoopbackClient | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.prefix_hits = 0
@@ -168,10 +182,8 @@ class OpenAIServerEngine(Engine):
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self._wait_healthy(timeout_s)
-        if self.client is None:
-            # no read timeout: a long generation is silent until it ends; cancel is how a request is cut short
-            self.client = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(30.0, read=None),
-                                       limits=httpx.Limits(max_connections=self.max_concurrency))
+        if self.client is None:  # no read timeout: a long generation is silent until it ends; cancel cuts it short
+            self.client = LoopbackClient("127.0.0.1", port)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         assert self.proc is not None
@@ -278,14 +290,14 @@ class OpenAIServerEngine(Engine):
         headers = {"X-Request-Id": request_id}  # the server's logs and aborts then name the request as we do
         try:
             if emit is None:
-                r = self.client.post(path, json=body, headers=headers)
-                if r.status_code != 200:
-                    raise_error(json_of(r), r.status_code, self.label)
-                answer = r.json()
+                r = self.client.post(path, _enc.encode(body), headers)
+                if r.status != 200:
+                    raise_error(_json_bytes(r.body), r.status, self.label)
+                answer = msgspec.json.decode(r.body)
                 self._account(answer.get("usage"))
                 return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
             return [], self._stream(path, body, headers, cancel, emit, piece)
-        except httpx.TransportError as exc:
+        except TransportError as exc:
             state = "exited" if self.proc is None or self.proc.poll() is not None else "is running"
             raise RuntimeError(f"{self.label} unreachable ({exc}); it {state}") from exc
 
@@ -295,11 +307,10 @@ class OpenAIServerEngine(Engine):
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         usage: dict[str, Any] | None = None
         pieces = 0
-        with self.client.stream("POST", path, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                r.read()
-                raise_error(json_of(r), r.status_code, self.label)
-            for event in sse_events(r.iter_lines(), cancel, self.label):
+        with self.client.stream(path, _enc.encode(body), headers) as (status, lines):
+            if status != 200:
+                raise_error(_json_bytes(b"".join(lines)), status, self.label)
+            for event in sse_events((line.decode("utf-8", "replace") for line in lines), cancel, self.label):
                 usage = event.get("usage") or usage
                 for c in event.get("choices") or []:
                     delta, text = piece(c)

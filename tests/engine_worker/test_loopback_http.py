@@ -1,0 +1,97 @@
+"""LoopbackClient: kept connections, a stale one sent again on a new connection, streams closed early."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from coderai.engine_worker.engines.loopback_http import LoopbackClient
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    drop_after_answer = False  # close the socket after each answer without saying so: the next reuse is stale
+    seen: list[str] = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).seen.append(self.path)
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(int(json.loads(body)["n"])):
+                line = f"data: {i}\n\n".encode()
+                self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        out = json.dumps({"echo": json.loads(body), "rid": self.headers.get("X-Request-Id")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+        if type(self).drop_after_answer:
+            self.wfile.flush()
+            self.close_connection = True
+
+
+@pytest.fixture
+def server():
+    _Handler.seen = []
+    _Handler.drop_after_answer = False
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_answers_come_back_on_one_kept_connection(server):
+    c = LoopbackClient("127.0.0.1", server.server_address[1])
+    for i in range(3):
+        a = c.post("/x", json.dumps({"i": i}).encode(), {"X-Request-Id": f"r{i}"})
+        assert a.status == 200 and json.loads(a.body) == {"echo": {"i": i}, "rid": f"r{i}"}
+    assert len(c._all) == 1  # noqa: SLF001 - one connection served all three
+    c.close()
+
+
+def test_a_connection_the_server_closed_is_replaced_and_the_request_sent_once(server):
+    _Handler.drop_after_answer = True
+    c = LoopbackClient("127.0.0.1", server.server_address[1])
+    for i in range(3):
+        assert json.loads(c.post("/x", b'{"i": 1}', {}).body)["echo"] == {"i": 1}
+    assert _Handler.seen == ["/x", "/x", "/x"]  # no request reached the server twice
+    c.close()
+
+
+def test_a_stream_read_to_its_end_and_one_left_early(server):
+    c = LoopbackClient("127.0.0.1", server.server_address[1])
+    with c.stream("/stream", b'{"n": 5}', {}) as (status, lines):
+        got = [line for line in lines if line.strip()]
+    assert status == 200 and got == [f"data: {i}\n".encode() for i in range(5)]
+    with c.stream("/stream", b'{"n": 50}', {}) as (status, lines):
+        assert next(lines) == b"data: 0\n"
+    assert not c._all  # noqa: SLF001 - left early: its connection was closed, as an abort tells the server
+    assert json.loads(c.post("/x", b"{}", {}).body)["echo"] == {}  # and a new one serves the next request
+    c.close()
+
+
+def test_an_sse_stream_that_ends_without_done_is_an_error_unless_cancelled():
+    from coderai.engine_worker.engines.base import CancelFlag
+    from coderai.engine_worker.engines.openai_server import sse_events
+
+    whole = ['data: {"a": 1}\n', "\n", "data: [DONE]\n"]
+    assert list(sse_events(iter(whole), CancelFlag())) == [{"a": 1}]
+    with pytest.raises(RuntimeError, match=r"before \[DONE\]"):
+        list(sse_events(iter(whole[:2]), CancelFlag()))
+    cancelled = CancelFlag()
+    cancelled.set()
+    assert list(sse_events(iter(whole[:2]), cancelled)) == []
