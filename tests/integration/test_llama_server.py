@@ -209,6 +209,15 @@ def test_logprobs_are_filled_when_asked(stack):
     assert plain.choices[0].logprobs is None
 
 
+def test_a_json_schema_response_format_constrains_the_answer(stack):
+    client = _client(stack)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    assert set(json.loads(r.choices[0].message.content)) == {"ok"}  # a random model, held to the schema
+
+
 def test_an_image_part_is_a_400_on_a_model_without_a_projector(stack):
     client = _client(stack)
     png = "data:image/png;base64,iVBORw0KGgo="
