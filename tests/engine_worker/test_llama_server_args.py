@@ -61,3 +61,12 @@ def test_the_backend_and_offloaded_layers_come_from_the_start_log():
     assert offload_of("load_tensors: offloaded 19/19 layers to GPU\nggml_vulkan_init: found 1 Vulkan devices") == ("vulkan", 19)
     assert offload_of("srv load_model: loading model\nload_tensors: CPU_Mapped model buffer size = 1.2 MiB\n") == ("cpu", 0)
     assert offload_of("load_tensors: offloaded 0/19 layers to GPU\nggml_cuda_init: found 1 CUDA devices") == ("cpu", 0)
+
+
+def test_an_embedding_model_is_started_in_embedding_mode():
+    cfg = ModelConfig(name="e", engine="llama-server", path="/e.gguf", ops=["embed"], params={"pooling": "cls"})
+    args = server_args(cfg, 1)
+    assert "--embedding" in args and args[args.index("--pooling") + 1] == "cls"
+    no_file = server_args(ModelConfig(name="e", engine="llama-server", path="/none.gguf", ops=["embed"]), 1)
+    assert no_file[no_file.index("--pooling") + 1] == "mean"  # unreadable or unnamed: mean
+    assert "--embedding" not in server_args(_cfg(), 1)

@@ -5,6 +5,7 @@ Real worker, real `llama-server` child (the one `scripts/setup` builds into `.ve
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -36,7 +37,10 @@ def stack(tmp_path_factory, tiny_gguf, tool_gguf):
                "params": {"parallel": SLOTS, "n_ctx": 2048, "n_threads": 2}},  # the tiny model's own context
               # overfitted to call get_weather when asked about the weather (coderai.testing.tool_gguf)
               {"name": "tools-ls", "engine": "llama-server", "path": str(tool_gguf),
-               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}}]
+               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}},
+              # the tiny model again (a copy: the child-counting tests look for the first one) in embedding mode
+              {"name": "embed-ls", "engine": "llama-server", "path": str(shutil.copy(tiny_gguf, tmp_path_factory.mktemp("e") / "e.gguf")),
+               "ops": ["embed"], "params": {"parallel": 1, "n_ctx": 512, "n_threads": 1}}]
     # the tiny model makes thousands of tokens a second: heartbeats every 0.2 s see its slots while they are busy
     with running_stack(tmp_path_factory.mktemp("llama-server"), models, gateway_args=("--no-auth",),
                        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
@@ -57,6 +61,11 @@ def _children(model_path: str) -> list[int]:
         if state != "Z" and argv and argv[0].endswith(b"llama-server") and model_path.encode() in argv:
             out.append(int(entry))
     return out
+
+
+def _engine_of(stack, model: str) -> dict:
+    nodes = httpx.get(f"{stack.http_url}/admin/nodes", timeout=10).json()["nodes"]
+    return next(e for n in nodes for e in n["heartbeat"].get("engines", []) if e["model"] == model)
 
 
 def _engine(stack) -> dict:
@@ -216,6 +225,18 @@ def test_a_json_schema_response_format_constrains_the_answer(stack):
     r = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=64, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
     assert set(json.loads(r.choices[0].message.content)) == {"ok"}  # a random model, held to the schema
+
+
+def test_embeddings_from_a_model_in_embedding_mode(stack):
+    client = _client(stack)
+    wait_until(lambda: _engine_of(stack, "embed-ls")["state"] == "ready", 60, "the embedding engine")
+    r = client.embeddings.create(model="embed-ls", input=["hello world", "a second text"])
+    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == 64  # the tiny model's width
+    for d in r.data:
+        assert abs(sum(x * x for x in d.embedding) - 1.0) < 1e-3
+    assert r.data[0].embedding != r.data[1].embedding and r.usage.prompt_tokens > 0
+    short = client.embeddings.create(model="embed-ls", input="hello world", dimensions=16)
+    assert len(short.data[0].embedding) == 16
 
 
 def test_an_image_part_is_a_400_on_a_model_without_a_projector(stack):

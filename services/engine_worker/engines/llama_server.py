@@ -27,10 +27,13 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 
-from coderai.contracts import ChatJob, ModelConfig
-from coderai.engine_worker.engines.base import EngineLoadError, refuse_media
-from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
+from coderai.contracts import ChatJob, EmbedJob, EmbedResult, ModelConfig, Usage
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media
+from coderai.engine_worker.engines.embed import check_texts, embed_result
+from coderai.engine_worker.engines.loopback_http import TransportError
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags, raise_error
 from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
@@ -99,7 +102,27 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
         if p.get(key) not in (None, ""):
             value = p[key]
             args += [flag, os.path.expanduser(str(value)) if key == "mmproj" else str(value)]
+    if "embed" in config.serves() and not p.get("embedding"):
+        args.append("--embedding")  # an embedding model (ops = ["embed"]): /v1/embeddings, pooled per input
+    if "embed" in config.serves() and not p.get("pooling"):
+        args += ["--pooling", gguf_pooling(os.path.expanduser(config.path))]
     return args + param_flags(p, OWN_PARAMS)
+
+
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum; 0 (none) and 4 (rank) give no vector a text
+
+
+def gguf_pooling(path: str) -> str:
+    """The pooling a GGUF names for itself (BERT-style embedding models often say cls), else mean."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        field = reader.fields.get(f"{arch}.pooling_type")
+        return POOLING_TYPES.get(int(field.parts[-1][0]), "mean") if field is not None else "mean"
+    except Exception:  # noqa: BLE001 - unreadable here: llama.cpp itself will say what is wrong with the file
+        return "mean"
 
 
 def slot_load(metrics_text: str) -> tuple[int, int]:
@@ -158,6 +181,27 @@ class LlamaServerEngine(OpenAIServerEngine):
         # without a projector the server answers a 500 for an image; the client's mistake is a 400 naming the part
         refuse_media(job.messages, self.config.name, MEDIA_WITH_PROJECTOR if self.config.params.get("mmproj") else frozenset())
         return super().chat_body(job, stream)
+
+    def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
+        """One normalised vector per input, from the server's /v1/embeddings (a model served with `embedding`)."""
+        if "embed" not in self.config.serves():
+            raise BadInput(f"model {job.model!r} does not serve embeddings (give it ops = [\"embed\"])", "model")
+        check_texts(job.input)
+        if self.client is None:
+            raise RuntimeError(f"{self.label} is not loaded")
+        try:
+            r = self.client.post("/v1/embeddings", msgspec.json.encode(
+                {"model": self.config.name, "input": list(job.input), "encoding_format": "float"}),
+                {"X-Request-Id": job.request_id})
+        except TransportError as exc:
+            raise RuntimeError(f"{self.label} unreachable ({exc})") from exc
+        answer = msgspec.json.decode(r.body)
+        if r.status != 200:
+            raise_error(answer, r.status, self.label)
+        rows = sorted(answer["data"], key=lambda d: d["index"])
+        tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
+        return embed_result([d["embedding"] for d in rows], job.dimensions), Usage(prompt_tokens=tokens,
+                                                                                   total_tokens=tokens)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued,
