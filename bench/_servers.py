@@ -151,7 +151,24 @@ class Coderai:
 
     def start(self, gguf: Path | None, n_threads: int, n_ctx: int, gateway_workers: int,
               ls_params: dict | None = None, ls_gguf: Path | None = None) -> None:
-        """`ls_params`: also serve `tiny-ls` (the routers part) on the llama-server engine, on two workers."""
+        """`echo` on an echo worker, `tiny` (in process) on worker `llama` when `gguf` is given, and with
+        `ls_params` `tiny-ls` on the llama-server engine on workers `ls1` and `ls2` (the routers part)."""
+        models = [{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}]
+        workers = []
+        if gguf is not None:
+            models.append({"name": "tiny", "engine": "llama", "path": str(gguf), "nodes": ["llama"],
+                           "params": {"n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads}})
+            workers.append("llama")
+        if ls_params is not None:
+            models.append({"name": "tiny-ls", "engine": "llama-server", "path": str(ls_gguf or gguf),
+                           "nodes": ["ls1", "ls2"], "params": ls_params})
+            workers += ["ls1", "ls2"]
+        self.start_models(models, workers, gateway_workers, echo=True)
+
+    def start_models(self, models: list[dict], workers: list[str], gateway_workers: int = 1, echo: bool = False,
+                     ready_timeout_s: float = 120) -> None:
+        """NATS, Redis (if it starts), the core services with `models`, `workers` and the gateway with the bench
+        key; `echo` adds a worker that offers the echo engine. Returns once every model answers."""
         from coderai.gateway.auth import KeyRecord, hash_key, write_keys
 
         self.nats = NatsServer(self.root / "nats").start(log_file=self.root / "logs" / "nats.log")
@@ -163,25 +180,16 @@ class Coderai:
             print(f"[bench] coderai runs without Redis: {exc}", file=sys.stderr)
         keys = self.root / "keys.toml"
         write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
-        models = [{"name": "echo", "engine": "echo", "path": "-"}]
-        if gguf is not None:
-            models.append({"name": "tiny", "engine": "llama", "path": str(gguf), "nodes": ["llama"],
-                           "params": {"n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads}})
-        if ls_params is not None:
-            models.append({"name": "tiny-ls", "engine": "llama-server", "path": str(ls_gguf or gguf),
-                           "nodes": ["ls1", "ls2"], "params": ls_params})
         self.stack = Stack(self.root, self.nats.url, redis_url, extra_env={"CODERAI_LOG_LEVEL": "INFO"})
         self.stack.start_core(write_models_file(self.root / "models.toml", models))
-        if gguf is not None:
-            self.stack.start_worker("llama")
-        if ls_params is not None:
-            self.stack.start_worker("ls1")
-            self.stack.start_worker("ls2")
-        self.stack.start("worker-echo", "coderai.engine_worker", ["--node-id", "echo"],
-                         env={"CODERAI_DATA_DIR": str(self.root / "echo"), "CODERAI_WORKER_FAMILIES": "echo"})
+        for w in workers:
+            self.stack.start_worker(w)
+        if echo:
+            self.stack.start("worker-echo", "coderai.engine_worker", ["--node-id", "echo"],
+                             env={"CODERAI_DATA_DIR": str(self.root / "echo"), "CODERAI_WORKER_FAMILIES": "echo"})
         self.stack.start_gateway("--api-keys-file", str(keys), "--workers", str(gateway_workers))
-        for name in ["echo"] + (["tiny"] if gguf is not None else []) + (["tiny-ls"] if ls_params is not None else []):
-            self.stack.wait_model_ready(name, headers=self.headers, timeout_s=120)
+        for m in models:
+            self.stack.wait_model_ready(m["name"], headers=self.headers, timeout_s=ready_timeout_s)
 
     def target(self, name: str, model: str) -> Target:
         assert self.stack is not None and self.nats is not None

@@ -28,9 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from _servers import BENCH_KEY, Proc, Target
-from coderai.runtime.embedded import NatsServer, RedisServer, find_llama_server, free_port
-from coderai.testing.stack import Stack, write_models_file
+from _servers import Coderai, Proc, Target
+from coderai.runtime.embedded import find_llama_server, free_port
 
 
 @dataclass
@@ -79,46 +78,18 @@ def start_bare(work: Path, binary: str, gguf: Path, a: argparse.Namespace) -> tu
     return proc, Target("bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
 
 
-class Coderai:
-    """The stack as in production (API keys, Redis metrics, INFO logs) with the model on both engines."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.nats = self.redis = None
-        self.stack: Stack | None = None
-
-    def start(self, gguf: Path, a: argparse.Namespace, paths: set[str]) -> None:
-        from coderai.gateway.auth import KeyRecord, hash_key, write_keys
-
-        self.nats = NatsServer(self.work / "nats").start(log_file=self.work / "logs" / "nats.log")
-        self.redis = RedisServer(self.work / "redis").start()
-        keys = self.work / "keys.toml"
-        write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
-        threads = {"n_threads": a.threads, "n_threads_batch": a.threads}
-        models = []
-        if "server" in paths:
-            models.append({"name": "m-server", "engine": "llama-server", "path": str(gguf),
-                           "params": {"parallel": a.slots, "n_ctx": a.n_ctx, **threads}})
-        if "inproc" in paths:
-            models.append({"name": "m-inproc", "engine": "llama", "path": str(gguf),
-                           "params": {"n_ctx": a.n_ctx, **threads}})
-        self.stack = Stack(self.work, self.nats.url, self.redis.url, extra_env={"CODERAI_LOG_LEVEL": "INFO"})
-        self.stack.start_core(write_models_file(self.work / "models.toml", models))
-        self.stack.start_worker("w1")
-        self.stack.start_gateway("--api-keys-file", str(keys))
-        for m in models:
-            self.stack.wait_model_ready(m["name"], headers={"Authorization": f"Bearer {BENCH_KEY}"}, timeout_s=180)
-
-    def target(self, name: str, model: str) -> Target:
-        assert self.stack is not None
-        return Target(name, self.stack.base_url, model, {"Authorization": f"Bearer {BENCH_KEY}"})
-
-    def stop(self) -> None:
-        if self.stack is not None:
-            self.stack.stop()
-        for s in (self.redis, self.nats):
-            if s is not None:
-                s.stop()
+def start_coderai(work: Path, gguf: Path, a: argparse.Namespace, paths: set[str]) -> Coderai:
+    """The stack as in production (API keys, Redis metrics, INFO logs), the model on the engines asked for."""
+    threads = {"n_threads": a.threads, "n_threads_batch": a.threads}
+    models = []
+    if "server" in paths:
+        models.append({"name": "m-server", "engine": "llama-server", "path": str(gguf),
+                       "params": {"parallel": a.slots, "n_ctx": a.n_ctx, **threads}})
+    if "inproc" in paths:
+        models.append({"name": "m-inproc", "engine": "llama", "path": str(gguf), "params": {"n_ctx": a.n_ctx, **threads}})
+    coderai = Coderai(work)
+    coderai.start_models(models, ["w1"], ready_timeout_s=180)
+    return coderai
 
 
 async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str) -> Cell:
@@ -208,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
         gguf = gemma3_q4km()
     started: list[Proc] = []
-    coderai = Coderai(work)
+    coderai: Coderai | None = None
     t0 = time.monotonic()
     cells: dict[tuple[str, int], Cell] = {}
     try:
@@ -218,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             started.append(proc)
             targets.append(bare)
         if paths & {"server", "inproc"}:
-            coderai.start(gguf, a, paths)
+            coderai = start_coderai(work, gguf, a, paths)
             targets += [coderai.target(p, f"m-{p}") for p in ("server", "inproc") if p in paths]
         for t in targets:  # warm every path
             asyncio.run(_cell(t, 1, 0.01, a.max_tokens, "warm"))
@@ -235,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[bench] {t.name:7} c={conc:<3} {c.tps:7.1f} tok/s p50 {c.p50_ms:8.1f} ms "
                           f"errors {c.errors}", file=sys.stderr, flush=True)
     finally:
-        coderai.stop()
+        if coderai is not None:
+            coderai.stop()
         for p in started:
             p.stop()
     order = [p for p in ("bare", "server", "inproc") if p in paths]
