@@ -120,13 +120,19 @@ def stream_probe(target: Target, max_tokens: int, n: int) -> list[StreamRun]:
     out: list[StreamRun] = []
     with httpx.Client(headers=target.headers, timeout=30) as http:
         for _ in range(n):
-            times: list[float] = []
-            t0 = time.perf_counter()
-            with http.stream("POST", target.chat_url, json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if _content(line):
-                        times.append(time.perf_counter())
+            for attempt in (1, 2):  # llama-server closes a connection after a stream: a kept one may be gone
+                times: list[float] = []
+                t0 = time.perf_counter()
+                try:
+                    with http.stream("POST", target.chat_url, json=body) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if _content(line):
+                                times.append(time.perf_counter())
+                    break
+                except httpx.RemoteProtocolError:
+                    if attempt == 2 or times:
+                        raise
             if not times:
                 raise RuntimeError(f"{target.name}: a streamed answer carried no content")
             out.append(StreamRun(times[0] - t0, [b - a for a, b in zip(times, times[1:])], len(times)))

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                            _report.probe_table(probes, tokens, order, baseline), ""])
             out[part] = {"rows": _rows_json(rows), "probes": {k: asdict(v) for k, v in probes.items()}, "tokens": tokens}
             return rows, probes
-        if gguf is not None:
+        if gguf is not None and "real" in parts:
             targets = [t for t in (bare, lite if bare else None, coderai.target("coderai", "tiny")) if t is not None]
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
