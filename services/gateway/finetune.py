@@ -208,6 +208,23 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         data = await record(job_id, "ftjob-", "fine-tuning job", "fine_tuning_job_id")
         return msgspec.json.decode(data, type=FineTuneJob)
 
+    def mine(who: Any, owner: str) -> bool:
+        """What a key may see: its own files and jobs; an admin key sees every one."""
+        return "admin" in who.scopes or owner == who.key_name
+
+    async def own_file(who: Any, file_id: str, param: str = "file_id") -> FileRecord:
+        """The caller's file, else the 404 an unknown id gets (another key's file is not said to exist)."""
+        rec = msgspec.json.decode(await record(file_id, "file-", "file", param), type=FileRecord)
+        if not mine(who, rec.owner):
+            raise ApiError(404, f"No file '{file_id}'.", param=param, code="not_found")
+        return rec
+
+    async def own_job(who: Any, job_id: str) -> FineTuneJob:
+        job = await load_job(job_id)
+        if not mine(who, job.key_name):
+            raise ApiError(404, f"No fine-tuning job '{job_id}'.", param="fine_tuning_job_id", code="not_found")
+        return job
+
     def json(obj: Any, status: int = 200) -> Response:
         return Response(content=msgspec.json.encode(obj), media_type=JSON, status_code=status)
 
@@ -221,7 +238,7 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     @post("/v1/files", status_code=200, request_max_body_size=gw.settings.max_upload_bytes + 1024 * 1024)
     async def upload(request: Request) -> Response:
         """A file in OpenAI's shape; `fine-tune` files are checked line by line before they are kept."""
-        await caller(request)
+        who = await caller(request)
         form = await read_form(request, gw.settings.max_upload_bytes)
         purpose = form.require("purpose")
         if purpose not in PURPOSES:
@@ -238,7 +255,8 @@ def finetune_routes(gw: Any, caller: Any) -> list:
                 raise ApiError(400, f"Invalid fine-tuning file{named}: {exc}", param="file",
                                code="invalid_file_format") from None
         rec = FileRecord(id="file-" + secrets.token_hex(12), bytes=len(up.data), created_at=int(time.time()),
-                         filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples)
+                         filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples,
+                         owner=who.key_name)
         await (await files()).put(rec.id, up.data)
         await (await kv()).put(rec.id, encode(rec))
         return json(file_json(rec))
@@ -246,10 +264,11 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     @get("/v1/files")
     async def list_files(request: Request) -> Response:
         """Uploaded files, newest first (`order=asc` for oldest first), by `purpose`, paged by `after`/`limit`."""
-        await caller(request)
+        who = await caller(request)
         q = request.query_params
         limit = _limit(request, default=10000, most=10000)
-        recs = [r for r in await all_records("file-", FileRecord) if not q.get("purpose") or r.purpose == q["purpose"]]
+        recs = [r for r in await all_records("file-", FileRecord)
+                if mine(who, r.owner) and (not q.get("purpose") or r.purpose == q["purpose"])]
         if q.get("order", "desc") == "asc":
             recs.reverse()
         data, more = page(recs, q.get("after"), limit)
@@ -258,13 +277,11 @@ def finetune_routes(gw: Any, caller: Any) -> list:
 
     @get("/v1/files/{file_id:str}")
     async def get_file(request: Request, file_id: FromPath[str]) -> Response:
-        await caller(request)
-        return json(file_json(msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)))
+        return json(file_json(await own_file(await caller(request), file_id)))
 
     @get("/v1/files/{file_id:str}/content")
     async def file_content(request: Request, file_id: FromPath[str]) -> Response:
-        await caller(request)
-        rec = msgspec.json.decode(await record(file_id, "file-", "file", "file_id"), type=FileRecord)
+        rec = await own_file(await caller(request), file_id)
         data = (await (await files()).get(rec.id)).data or b""
         return Response(content=data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
@@ -274,8 +291,7 @@ def finetune_routes(gw: Any, caller: Any) -> list:
         """Forget a file (its bytes and its record); jobs that already read it keep what they read."""
         from nats.js.errors import NotFoundError
 
-        await caller(request)
-        await record(file_id, "file-", "file", "file_id")
+        await own_file(await caller(request), file_id)
         try:
             await (await files()).delete(file_id)
         except NotFoundError:
@@ -286,30 +302,36 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     @post("/v1/fine_tuning/jobs", status_code=200)
     async def create(request: Request) -> Response:
         who = await caller(request)
-        msg = resolve(oa.parse(await request.body(), JobRequest), "ftjob-" + secrets.token_hex(12), who.key_name)
+        req = oa.parse(await request.body(), JobRequest)
+        for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
+            if file_id:  # a key trains only on its own files; another key's is as unknown as one that never was
+                try:
+                    await own_file(who, file_id, param)
+                except ApiError as exc:
+                    raise ApiError(400, f"{param} {file_id!r} is not one of your files (upload it with "
+                                        "purpose=fine-tune).", param=param, code="invalid_file") from None
+        msg = resolve(req, "ftjob-" + secrets.token_hex(12), who.key_name)
         return json(job_json(await ask(CMD_SCHEDULER_TRAIN, msg)))
 
     @get("/v1/fine_tuning/jobs")
     async def list_jobs(request: Request) -> Response:
-        await caller(request)
-        jobs, more = page(await all_records("ftjob-", FineTuneJob), request.query_params.get("after"), _limit(request))
+        who = await caller(request)
+        jobs = [j for j in await all_records("ftjob-", FineTuneJob) if mine(who, j.key_name)]
+        jobs, more = page(jobs, request.query_params.get("after"), _limit(request))
         return json({"object": "list", "data": [job_json(j) for j in jobs], "has_more": more})
 
     @get("/v1/fine_tuning/jobs/{job_id:str}")
     async def retrieve(request: Request, job_id: FromPath[str]) -> Response:
-        await caller(request)
-        return json(job_json(await load_job(job_id)))
+        return json(job_json(await own_job(await caller(request), job_id)))
 
     @get("/v1/fine_tuning/jobs/{job_id:str}/events")
     async def events(request: Request, job_id: FromPath[str]) -> Response:
-        await caller(request)
-        limit = _limit(request)
-        return json(events_page(await load_job(job_id), request.query_params.get("after"), limit))
+        job = await own_job(await caller(request), job_id)
+        return json(events_page(job, request.query_params.get("after"), _limit(request)))
 
     @post("/v1/fine_tuning/jobs/{job_id:str}/cancel", status_code=200)
     async def cancel(request: Request, job_id: FromPath[str]) -> Response:
-        await caller(request)
-        await load_job(job_id)  # 404 for an unknown id, from any replica
+        await own_job(await caller(request), job_id)  # 404 for an unknown id or another key's, from any replica
         return json(job_json(await ask(CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
 
     return [upload, list_files, get_file, file_content, delete_file, create, list_jobs, retrieve, events, cancel]

@@ -30,9 +30,11 @@ def main() -> None:
                 out[name] = {"status": 200}
             except openai.APIStatusError as exc:
                 out[name] = {"status": exc.status_code, "message": exc.body["message"], "param": exc.body["param"]}
+        good = client.files.create(file=("good.jsonl", io.BytesIO(BAD_FILES["wrong_role"].rsplit(b"\n", 2)[0] + b"\n")),
+                                   purpose="fine-tune")  # a file of this key's, so the model is what is wrong
         for name, call in (("unknown_job", lambda: client.fine_tuning.jobs.retrieve("ftjob-doesnotexist")),
                            ("unknown_file", lambda: client.fine_tuning.jobs.create(model="tiny", training_file="file-nope")),
-                           ("unknown_model", lambda: client.fine_tuning.jobs.create(model="nope", training_file="file-x"))):
+                           ("unknown_model", lambda: client.fine_tuning.jobs.create(model="nope", training_file=good.id))):
             try:
                 call()
                 out[name] = {"status": 200}

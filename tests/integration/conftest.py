@@ -11,6 +11,7 @@ from coderai.testing.stack import running_stack
 
 ADMIN_KEY = "sk-test-admin-0123456789"
 USER_KEY = "sk-test-user-0123456789"
+OTHER_USER_KEY = "sk-test-bob-0123456789"  # a second tenant
 
 
 @pytest.fixture(scope="session")
@@ -23,12 +24,18 @@ def user_key() -> str:
     return USER_KEY
 
 
+@pytest.fixture(scope="session")
+def other_user_key() -> str:
+    return OTHER_USER_KEY
+
+
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
     write_keys(str(path), [
         KeyRecord(name="admin", sha256=hash_key(ADMIN_KEY), scopes=["inference", "admin"]),
         KeyRecord(name="alice", sha256=hash_key(USER_KEY), scopes=["inference"]),
+        KeyRecord(name="bob", sha256=hash_key(OTHER_USER_KEY), scopes=["inference"]),
     ])
     return path
 

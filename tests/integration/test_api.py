@@ -263,3 +263,27 @@ def test_files_upload_list_content_and_delete_through_the_sdk(client):
     with pytest.raises(openai.NotFoundError):
         client.files.delete(other.id)
     assert other.id not in [f.id for f in client.files.list()]
+
+
+def test_a_key_sees_only_its_own_files_and_trains_only_on_them(api_stack, user_key, other_user_key, client):
+    def sdk(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=api_stack.base_url, api_key=key, max_retries=0, timeout=30)
+
+    alice, bob = sdk(user_key), sdk(other_user_key)
+    data = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    mine = alice.files.create(file=("alice.jsonl", data), purpose="fine-tune")
+    theirs = bob.files.create(file=("bob.jsonl", data), purpose="fine-tune")
+    assert mine.id in [f.id for f in alice.files.list()] and theirs.id not in [f.id for f in alice.files.list()]
+    assert mine.id not in [f.id for f in bob.files.list()]
+    for attempt in (lambda: bob.files.retrieve(mine.id), lambda: bob.files.content(mine.id),
+                    lambda: bob.files.delete(mine.id)):
+        with pytest.raises(openai.NotFoundError):  # as for an id that never was: no sign that it exists
+            attempt()
+    with pytest.raises(openai.BadRequestError) as err:  # as OpenAI answers a training_file that is not yours
+        bob.fine_tuning.jobs.create(model="coderai-tiny", training_file=mine.id)
+    assert err.value.body["param"] == "training_file"
+    assert alice.files.content(mine.id).read() == data  # bob's tries changed nothing
+    admin_sees = [f.id for f in client.files.list()]  # an admin key sees every tenant's
+    assert mine.id in admin_sees and theirs.id in admin_sees
+    for c, f in ((alice, mine), (bob, theirs)):
+        assert c.files.delete(f.id).deleted

@@ -40,6 +40,7 @@ class FileRecord(Message, frozen=True, kw_only=True):
     filename: str
     purpose: str
     examples: int = 0  # lines of a checked fine-tune file
+    owner: str = ""  # the API key that uploaded it: only it (or an admin key) lists, reads or deletes it
 
 
 class JobError(Message, frozen=True, kw_only=True):
