@@ -24,7 +24,7 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from nats.js.errors import KeyWrongLastSequenceError
 
-from coderai.contracts import Blob, Chunk, VideoJob
+from coderai.contracts import Blob, Chunk, RequestId, VideoJob
 from coderai.contracts.topology import BLOBS, VIDEOS
 from coderai.gateway import jobs, video_jobs, video_relay
 from coderai.gateway import openai_types as oa
@@ -246,6 +246,14 @@ def video_routes(gw: Any, caller: Any, rid: Any, videos: VideoJobs) -> list:
             raise ApiError(404, f"No video job '{video_id}'.", param="video_id", code="not_found") from None
         return msgspec.json.decode(entry.value, type=VideoRecord)
 
+    async def own(request: Request, video_id: str) -> VideoRecord:
+        """The caller's video job; another key's is a 404 as an unknown one (an admin key sees every one)."""
+        who = await caller(request)
+        rec = await load(video_id)
+        if "admin" not in who.scopes and rec.key_name != who.key_name:
+            raise ApiError(404, f"No video job '{video_id}'.", param="video_id", code="not_found")
+        return rec
+
     @post("/v1/videos", status_code=200, request_max_body_size=gw.settings.max_upload_bytes + 1024 * 1024)
     async def create(request: Request) -> Response:
         who = await caller(request)
@@ -255,7 +263,8 @@ def video_routes(gw: Any, caller: Any, rid: Any, videos: VideoJobs) -> list:
             req = oa.parse(await request.body(), VideoRequest)
         w, h, frames, seconds = plan(req)
         jobs.model_for(gw, req.model, "video")
-        request_id = rid()
+        # the job's own id, random: the request ids are a counter, which would let a key guess its neighbours' videos
+        request_id = RequestId(secrets.token_hex(12))
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
                        fps=req.fps, seed=req.seed, steps=req.steps, negative_prompt=req.negative_prompt)
         now = time.time()
@@ -266,14 +275,12 @@ def video_routes(gw: Any, caller: Any, rid: Any, videos: VideoJobs) -> list:
 
     @get("/v1/videos/{video_id:str}")
     async def retrieve(request: Request, video_id: FromPath[str]) -> Response:
-        await caller(request)
-        rec = await load(video_id)
+        rec = await own(request, video_id)
         return Response(content=msgspec.json.encode(video_json(rec, time.time())), media_type="application/json")
 
     @get("/v1/videos/{video_id:str}/content")
     async def content(request: Request, video_id: FromPath[str]) -> Response:
-        await caller(request)
-        rec = await load(video_id)
+        rec = await own(request, video_id)
         if rec.status != "completed":
             raise ApiError(409 if rec.status != "failed" else 400, f"Video {video_id} is {rec.status}, not completed.",
                            param="video_id", code="video_not_ready")

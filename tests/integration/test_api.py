@@ -287,3 +287,37 @@ def test_a_key_sees_only_its_own_files_and_trains_only_on_them(api_stack, user_k
     assert mine.id in admin_sees and theirs.id in admin_sees
     for c, f in ((alice, mine), (bob, theirs)):
         assert c.files.delete(f.id).deleted
+
+
+def test_a_key_sees_only_its_own_video_jobs(api_stack, user_key, other_user_key, admin_key):
+    """A video job's record as the gateway keeps it (written straight into its bucket: no video model here),
+    asked for by its owner, another key and an admin key."""
+    import asyncio
+    import time
+
+    import msgspec
+
+    from coderai.contracts.topology import VIDEOS
+    from coderai.runtime.bus import Bus
+    from coderai.gateway.video_jobs import VideoRecord
+
+    vid = "video_" + "ab" * 12
+    rec = VideoRecord(id=vid, model="t2v", prompt="alice's secret prompt", status="queued", created_at=int(time.time()),
+                      updated_at=time.time(), size="64x64", seconds="1", key_name="alice")
+
+    async def put() -> None:
+        bus = await Bus.connect(api_stack.nats_url, "test-videos")
+        try:
+            await (await bus.kv(VIDEOS)).put(vid, msgspec.json.encode(rec))  # the bucket as the gateway makes it
+        finally:
+            await bus.close()
+
+    asyncio.run(put())
+
+    def get(key: str) -> httpx.Response:
+        return httpx.get(f"{api_stack.base_url}/videos/{vid}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+    assert get(user_key).status_code == 200 and get(user_key).json()["id"] == vid
+    theirs = get(other_user_key)
+    assert theirs.status_code == 404 and "secret" not in theirs.text  # as for an id that never was
+    assert get(admin_key).status_code == 200
