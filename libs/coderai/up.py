@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     data = Path(os.path.expanduser(args.data_dir)).resolve()
-    (data / "logs").mkdir(parents=True, exist_ok=True)
+    (data / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
+    (data / "logs").chmod(0o700)  # logs hold prompts and addresses: this user's only
     setup_logging("up", fmt="text")
     if not _port_free(args.host, args.port):
         print(f"coderai up: port {args.port} on {args.host} is in use; pass --port", file=sys.stderr)
@@ -230,13 +231,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path,
            others: tuple[str, ...] = ()) -> str:
-    shown_key = key or "anything (auth is off)"
+    # the key itself is not printed (terminals and their scrollback, CI logs and screen shares keep what is)
+    shown_key = f"in {data / 'admin.key'}" if key else "anything (auth is off)"
+    sdk_key = f'open("{data / "admin.key"}").read().strip()' if key else '"none"'
     also = f"\n  also       {', '.join(others)}   (GET /v1/models: each with its kind)" if others else ""
     return f"""
 coderai is up.
 
   base URL   {base}
-  API key    {shown_key}{"" if not key else f"   (kept in {data / 'admin.key'})"}
+  API key    {shown_key}
   model      {model}{also}
   NATS       {nats_url}
   metrics    {base[:-3]}/metrics (admin key, or the token in {data / 'scrape.token'})
@@ -245,7 +248,7 @@ coderai is up.
 Try it with the official SDK:
 
   from openai import OpenAI
-  client = OpenAI(base_url="{base}", api_key="{key or 'none'}")
+  client = OpenAI(base_url="{base}", api_key={sdk_key})
   r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content)
 

@@ -80,8 +80,12 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
         assert "first run: building the default model" in out
         key = (data / "admin.key").read_text().strip()
         base = f"http://127.0.0.1:{port}/v1"
-        assert base in out and key in out and "from openai import OpenAI" in out
+        assert base in out and str(data / "admin.key") in out and "from openai import OpenAI" in out
+        assert key not in out  # the banner names the key's file, never the key
         assert oct((data / "admin.key").stat().st_mode & 0o777) == "0o600"
+        logs = data / "logs"
+        assert oct(logs.stat().st_mode & 0o777) == "0o700"
+        assert {oct(f.stat().st_mode & 0o777) for f in logs.iterdir() if f.is_file()} == {"0o600"}
 
         client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
         r = client.chat.completions.create(model="coderai-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)

@@ -66,11 +66,16 @@ def _find(binary: str, hint: str) -> str:
 
 
 def open_log(log_file: str | os.PathLike | None):
-    """The file a child's output goes to (appended; its folder made first), or DEVNULL when there is none."""
+    """The file a child's output goes to (appended; its folder made first), or DEVNULL when there is none.
+    Logs hold prompts, model names and addresses: the file is its owner's only (0600), in a folder made 0700."""
     if not log_file:
         return subprocess.DEVNULL
-    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-    return open(log_file, "ab")
+    path = Path(log_file)
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # also when an older run left it readable by others
+    return os.fdopen(fd, "ab")
 
 
 class _Server:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coderai.runtime.embedded import die_with_parent
+from coderai.runtime.embedded import die_with_parent, open_log
 
 log = logging.getLogger("coderai.up")
 
@@ -38,8 +38,7 @@ class Child:
     backoff_s: float = field(default=0.5)
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
+        out = open_log(self.log_path)
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=die_with_parent(),
