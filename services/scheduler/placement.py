@@ -1,8 +1,6 @@
 """Pure placement: which node should load which model, by memory fit.
 
-A copy of a model needs `memory_mb` if the config says so, else its file size x 1.2 plus 256 MB (weights plus
-KV cache and runtime; an estimate that errs large). A node offers 90 % of its GPU memory when it reports one,
-else of its RAM. Existing placements are kept while they still fit (a new node joining moves nothing), then
+A copy of a model needs, and a node offers, what `coderai.sizing` says (shared with the catalogue). Existing placements are kept while they still fit (a new node joining moves nothing), then
 missing copies go to eligible nodes that fit: `spread` picks the node holding the fewest models (then most room),
 `binpack` the fullest node that still fits. A model with `replicas = 0` goes to every eligible node that fits.
 A llama model that fits no node is split over a serving node and other nodes' RPC servers (`splitting`); one
@@ -13,13 +11,13 @@ whole but whose biggest part fits is relayed by stages automatically. A folder m
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import msgspec
 
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 from coderai.contracts.split import SplitPlan
+from coderai.sizing import MB, capacity, estimate_bytes
 from coderai.scheduler.splitting import (
     Split,
     can_split,
@@ -29,37 +27,6 @@ from coderai.scheduler.splitting import (
     place_split,
     wants_pinned_split,
 )
-
-MB = 1 << 20
-OVERHEAD = 256 * MB
-USABLE = 0.9
-
-
-def path_bytes(path: str) -> int:
-    """Bytes of a model file, or of every file in a model folder; 0 when it is not on this machine."""
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):
-        total = 0
-        for root, _dirs, files in os.walk(path):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(root, f))
-                except OSError:
-                    pass
-        return total
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0  # the file lives on the nodes only: count the overhead alone
-
-
-def estimate_bytes(m: ModelConfig, file_size: int | None = None) -> int:
-    if m.memory_mb:
-        return m.memory_mb * MB
-    if file_size is None:
-        file_size = path_bytes(m.path)
-    return int(file_size * 1.2) + OVERHEAD
-
 
 def staged(m: ModelConfig) -> bool:
     """A video model relayed stage by stage (`params.stages`): a node holds only the parts its stages need."""
@@ -71,15 +38,6 @@ def largest_part(m: ModelConfig) -> int:
     from coderai.scheduler.stages import model_parts  # stages builds on this module
 
     return max(model_parts(m.path).need.values())
-
-
-UNKNOWN_CAPACITY = 1 << 62
-
-
-def capacity(hb: Heartbeat) -> int:
-    """What a node offers; a node that reports no memory at all is not refused anything."""
-    total = hb.vram_total or hb.mem_total
-    return int(total * USABLE) if total else UNKNOWN_CAPACITY
 
 
 @dataclass

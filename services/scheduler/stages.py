@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from coderai.contracts import Heartbeat, ModelConfig
 from coderai.contracts.stages import RESUMABLE_SCHEDULERS as RESUMABLE
 from coderai.contracts.stages import Stage, StageKind, StagePlan, StagePlanRequest
-from coderai.scheduler.placement import MB, OVERHEAD, UNKNOWN_CAPACITY, path_bytes
+from coderai.sizing import MB, OVERHEAD, UNKNOWN_CAPACITY, path_bytes
 
 PART_DIRS: dict[StageKind, tuple[str, ...]] = {
     "encode": ("text_encoder", "tokenizer"),

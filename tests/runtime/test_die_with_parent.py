@@ -30,9 +30,10 @@ def _start_from_a_thread(sig: int | None, script: str) -> subprocess.Popen:
     return started[0]
 
 
-# a child that ignores SIGTERM, as a server whose graceful shutdown hangs does in effect
-STUBBORN = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
-PLAIN = "import time; print('up', flush=True); time.sleep(600)"
+# children that wait for a signal and nothing else; one ignores SIGTERM, as a server whose graceful shutdown
+# hangs does in effect
+STUBBORN = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); signal.pause()"
+PLAIN = "import signal; print('up', flush=True); signal.pause()"
 
 
 def test_the_default_is_sigterm():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
-from coderai.scheduler.placement import MB, OVERHEAD, UNKNOWN_CAPACITY, Plan, capacity, estimate_bytes, plan
+from coderai.scheduler.placement import Plan, plan
+from coderai.sizing import MB, OVERHEAD, UNKNOWN_CAPACITY, capacity, estimate_bytes
 
 GB = 1 << 30
 

@@ -7,7 +7,8 @@ import msgspec
 
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 from coderai.contracts.split import RpcServer
-from coderai.scheduler.placement import MB, plan
+from coderai.scheduler.placement import plan
+from coderai.sizing import MB
 from coderai.scheduler.splitting import _layers, gate_peers, row_warning
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from coderai.contracts import EngineStatus, Heartbeat, ModelConfig
 from coderai.contracts.stages import StagePlanRequest
-from coderai.scheduler.placement import MB, OVERHEAD
+from coderai.sizing import MB, OVERHEAD
 from coderai.scheduler.stages import (
     ModelParts,
     NoStagePlan,

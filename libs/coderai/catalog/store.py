@@ -138,7 +138,7 @@ class ModelStore:
 def estimate_bytes(rec: Pulled) -> int:
     """What one loaded copy needs: the catalogue's figure, else the scheduler's rule (size x 1.2 + 256 MB)."""
     from coderai.contracts import ModelConfig
-    from coderai.scheduler.placement import estimate_bytes as placement_estimate
+    from coderai.sizing import estimate_bytes as placement_estimate
 
     cfg = ModelConfig(name=rec.name, engine="echo", path="", memory_mb=rec.memory_mb)
     return placement_estimate(cfg, rec.size)
@@ -148,7 +148,7 @@ def fits(model_bytes: int, nodes: list[Any]) -> list[dict[str, Any]]:
     """For each node (a Heartbeat, a NodeInfo, or their JSON as `GET /admin/nodes` gives it): its id, what it
     offers (the scheduler's `capacity`), what is free now, and whether `model_bytes` fits in each."""
     from coderai.contracts import Heartbeat
-    from coderai.scheduler.placement import UNKNOWN_CAPACITY, capacity
+    from coderai.sizing import UNKNOWN_CAPACITY, capacity
 
     out = []
     for n in nodes:

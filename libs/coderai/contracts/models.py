@@ -24,7 +24,7 @@ DEFAULT_OPS: dict[str, list[Op]] = {
     "ocr": ["ocr"],
     "video": ["video"],
     "transformers": ["chat", "complete"],  # a Hugging Face folder (+ LoRA adapter): fine-tuned models
-    "echo": ["chat", "complete"],  # coderai.testing.echo_engine: a zero-cost test engine
+    "echo": ["chat", "complete"],  # coderai.engine_worker.engines.echo: a zero-cost test engine
 }
 
 

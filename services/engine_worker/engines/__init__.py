@@ -27,7 +27,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "diarize": ("resemblyzer", "coderai.engine_worker.engines.diarize:DiarizeEngine"),
     "ocr": ("rapidocr", "coderai.engine_worker.engines.ocr:OcrEngine"),
     "transformers": ("transformers", "coderai.engine_worker.engines.hf_chat:TransformersEngine"),
-    "echo": ("coderai.testing", "coderai.testing.echo_engine:EchoEngine"),
+    "echo": ("coderai.engine_worker", "coderai.engine_worker.engines.echo:EchoEngine"),
 }
 
 # Test engines: offered only when a worker's settings name them (CODERAI_WORKER_FAMILIES), never by default.

@@ -7,7 +7,7 @@ from coderai.engine_worker.engines import available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.runtime.settings import load_settings
-from coderai.testing.echo_engine import DEFAULT_REPLY, EchoEngine
+from coderai.engine_worker.engines.echo import DEFAULT_REPLY, EchoEngine
 
 CONFIG = ModelConfig(name="echo", engine="echo", path="-")
 

@@ -4,9 +4,8 @@ It exists so benchmarks and tests can measure the orchestrator alone (gateway, r
 with the engine taken out of the picture. A worker offers it only when its settings name it
 (`CODERAI_WORKER_FAMILIES=echo`); it is never picked up from what is installed.
 
-It subclasses the worker's `Engine` so that whatever the worker later asks of every engine (heartbeat stats,
-...) has the base class's default here too. That import of a service module is on purpose and harmless: this
-engine is only ever loaded inside the engine-worker.
+It lives with the worker's other engines and subclasses their `Engine`, so whatever the worker later asks of
+every engine (heartbeat stats, ...) has the base class's default here too.
 """
 
 from __future__ import annotations
