@@ -23,17 +23,14 @@ import logging
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 import httpx
-import msgspec
 
 from coderai.contracts import ChatJob, EmbedJob, EmbedResult, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media
 from coderai.engine_worker.engines.embed import check_texts, embed_result
-from coderai.engine_worker.engines.loopback_http import TransportError
-from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags, raise_error
+from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
@@ -187,17 +184,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         if "embed" not in self.config.serves():
             raise BadInput(f"model {job.model!r} does not serve embeddings (give it ops = [\"embed\"])", "model")
         check_texts(job.input)
-        if self.client is None:
-            raise RuntimeError(f"{self.label} is not loaded")
-        try:
-            r = self.client.post("/v1/embeddings", msgspec.json.encode(
-                {"model": self.config.name, "input": list(job.input), "encoding_format": "float"}),
-                {"X-Request-Id": job.request_id})
-        except TransportError as exc:
-            raise RuntimeError(f"{self.label} unreachable ({exc})") from exc
-        answer = msgspec.json.decode(r.body)
-        if r.status != 200:
-            raise_error(answer, r.status, self.label)
+        answer = self.post_json("/v1/embeddings", {"model": self.config.name, "input": list(job.input),
+                                                   "encoding_format": "float"}, job.request_id)
         rows = sorted(answer["data"], key=lambda d: d["index"])
         tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
         return embed_result([d["embedding"] for d in rows], job.dimensions), Usage(prompt_tokens=tokens,

@@ -134,13 +134,6 @@ def _json_bytes(data: bytes) -> Any:
         return {"message": data[:2000].decode("utf-8", "replace")}
 
 
-def json_of(r: httpx.Response) -> Any:
-    try:
-        return r.json()
-    except ValueError:
-        return {"message": r.text[:2000]}
-
-
 class OpenAIServerEngine(Engine):
     """One model served by an OpenAI-compatible server that this engine starts, owns and stops."""
 
@@ -285,21 +278,32 @@ class OpenAIServerEngine(Engine):
     def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
              piece: Callable[[dict], tuple[dict | None, str | None]],
              whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
+        if emit is None:
+            answer = self.post_json(path, body, request_id)
+            self._account(answer.get("usage"))
+            return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
         if self.client is None:
             raise RuntimeError(f"{self.label} is not loaded")
-        headers = {"X-Request-Id": request_id}  # the server's logs and aborts then name the request as we do
         try:
-            if emit is None:
-                r = self.client.post(path, _enc.encode(body), headers)
-                if r.status != 200:
-                    raise_error(_json_bytes(r.body), r.status, self.label)
-                answer = msgspec.json.decode(r.body)
-                self._account(answer.get("usage"))
-                return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
-            return [], self._stream(path, body, headers, cancel, emit, piece)
+            return [], self._stream(path, body, {"X-Request-Id": request_id}, cancel, emit, piece)
         except TransportError as exc:
-            state = "exited" if self.proc is None or self.proc.poll() is not None else "is running"
-            raise RuntimeError(f"{self.label} unreachable ({exc}); it {state}") from exc
+            raise self._unreachable(exc) from exc
+
+    def post_json(self, path: str, body: dict[str, Any], request_id: str) -> Any:
+        """One whole answer of the server, decoded; its error answer as the worker's errors."""
+        if self.client is None:
+            raise RuntimeError(f"{self.label} is not loaded")
+        try:  # the request id in a header: the server's logs and aborts then name the request as we do
+            r = self.client.post(path, _enc.encode(body), {"X-Request-Id": request_id})
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        if r.status != 200:
+            raise_error(_json_bytes(r.body), r.status, self.label)
+        return msgspec.json.decode(r.body)
+
+    def _unreachable(self, exc: Exception) -> RuntimeError:
+        state = "exited" if self.proc is None or self.proc.poll() is not None else "is running"
+        return RuntimeError(f"{self.label} unreachable ({exc}); it {state}")
 
     def _stream(self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit,
                 piece: Callable[[dict], tuple[dict | None, str | None]]) -> Usage:
