@@ -17,6 +17,8 @@ COMMANDS = {
     "worker": ("coderai.engine_worker.__main__", "runs this machine's engines"),
     "keys": ("coderai.accounts.cli", "create, list and revoke API keys (in Redis)"),
     "models": ("coderai.catalog.cli", "pull models from the Hugging Face Hub by name; list, rm, info"),
+    "nodes": ("coderai.nodes_cli:nodes_main", "the cluster's members; revoke a node's credentials"),
+    "token": ("coderai.nodes_cli:token_main", "`coderai token new`: make a cluster token"),
 }
 
 
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"coderai: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[cmd][0]).main(rest)
+    module, _, func = COMMANDS[cmd][0].partition(":")
+    return getattr(importlib.import_module(module), func or "main")(rest)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from coderai.runtime.cluster import fingerprint, nats_auth_config
+from coderai.runtime import members
+from coderai.runtime.cluster import WeakToken, check_token, fingerprint, with_user
 from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
 from coderai.runtime.logging import setup_logging
 from coderai.runtime.supervisor import Child, Supervisor
@@ -78,6 +79,33 @@ def ensure_scrape_token(data: Path) -> str:
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
     return token
+
+
+def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
+    """NATS' users for this head: the registry (kept across restarts, so joined nodes stay members), the service
+    password (made once, in secrets/nats-service.password) and a new password for this box's own worker, which
+    is a node like any other. Writes the users file nats-server reads; returns (service, worker) passwords."""
+    reg_path, secret = data / "nats" / "members.json", data / "secrets" / "nats-service.password"
+    reg = members.load(reg_path)
+    if reg is None or not secret.exists():
+        fresh, password = members.new_registry()
+        reg = fresh if reg is None else members.Registry(service_hash=fresh.service_hash, members=reg.members,
+                                                         revoked=reg.revoked)
+        members._write_private(secret, password + "\n")
+    password = members.read_secret(secret)
+    reg.join_hash = members.new_registry(token)[0].join_hash if token else ""
+    worker_password = members.add_node(reg, worker_id)
+    members.save(reg_path, reg)
+    members.write_users(data / "nats" / "users.conf", reg)
+    return password, worker_password
+
+
+def service_urls(data: Path) -> tuple[str, str]:
+    """(NATS URL as a service, Redis URL with its password) of the `coderai up` running on `data`, for the CLI."""
+    up = json.loads((data / "run" / "up.json").read_text())
+    nats_url = with_user(up["nats_url"], members.SERVICE_USER, members.read_secret(data / "secrets" / "nats-service.password"))
+    redis_password = members.read_secret(data / "secrets" / "redis.password")
+    return nats_url, up["redis_url"].replace("redis://", f"redis://:{redis_password}@", 1)
 
 
 def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: float) -> None:
@@ -145,15 +173,29 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor()
     try:
         token = args.cluster_token
+        if token:
+            try:
+                check_token(token)
+            except WeakToken as exc:
+                print(f"coderai up: {exc}", file=sys.stderr)
+                return 2
         nats_host = args.nats_host or ("0.0.0.0" if token else "127.0.0.1")
         nats_port = args.nats_port or (4222 if token else None)
+        from coderai.engine_worker.node import stable_node_id
+
+        worker_id = stable_node_id(data, args.node_id)
+        service_password, worker_password = ensure_members(data, token, worker_id)
+        redis_password = members.ensure_secret(data / "secrets" / "redis.password")
         try:
             nats = NatsServer(data / "nats", port=nats_port, host=nats_host,
-                              auth=nats_auth_config(token) if token else "").start(log_file=data / "logs" / "nats.log")
-            redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True).start(log_file=data / "logs" / "redis.log")
+                              users_file=data / "nats" / "users.conf").start(log_file=data / "logs" / "nats.log")
+            redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True,
+                                password=redis_password).start(log_file=data / "logs" / "redis.log")
         except EmbeddedServerError as exc:
             print(f"coderai up: {exc}", file=sys.stderr)
             return 2
+        service_url = with_user(nats.url, members.SERVICE_USER, service_password)
+        redis_url = redis.url.replace("redis://", f"redis://:{redis_password}@", 1)
         models_file = Path(args.models_file).resolve() if args.models_file else ensure_default_model(data)
         key = ""
         scrape_token = ensure_scrape_token(data)
@@ -163,40 +205,44 @@ def main(argv: list[str] | None = None) -> int:
         else:
             keys_file, key = ensure_api_key(data)
             gateway_args += ["--api-keys-file", str(keys_file)]
-        env = {
-            **os.environ,
-            "CODERAI_NATS_URL": nats.url,
+        env = {k: v for k, v in os.environ.items() if k != "CODERAI_CLUSTER_TOKEN"} | {
+            "CODERAI_NATS_URL": service_url,
             "CODERAI_DATA_DIR": str(data),
             "CODERAI_LOG_FORMAT": "json",
-            "CODERAI_METRICS_REDIS_URL": redis.url,
+            "CODERAI_METRICS_REDIS_URL": redis_url,
             "CODERAI_METRICS_PORT": str(metrics_port),
             "CODERAI_METRICS_SCRAPE_TOKEN": scrape_token,
-            "CODERAI_GATEWAY_REDIS_URL": redis.url,
+            "CODERAI_GATEWAY_REDIS_URL": redis_url,
             "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
             "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
-            "CODERAI_CLUSTER_TOKEN": token,
         }
-        if args.node_id:
-            env["CODERAI_WORKER_NODE_ID"] = args.node_id
-        if token:  # this box's worker tells the LAN where to join
-            env["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
+        # the scheduler keeps the member registry: joins (it alone holds the token), revocations, pods' users
+        scheduler_env = env | {"CODERAI_CLUSTER_TOKEN": token, "CODERAI_SCHEDULER_MEMBERS_FILE": str(data / "nats" / "members.json"),
+                               "CODERAI_SCHEDULER_NATS_USERS_FILE": str(data / "nats" / "users.conf"),
+                               "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)}
+        # this box's worker is a node like any other: its own user, no token, no service rights
+        worker_env = env | {"CODERAI_NATS_URL": with_user(nats.url, members.node_user(worker_id), worker_password),
+                            "CODERAI_WORKER_NODE_ID": worker_id}
+        if token:  # this box's worker tells the LAN where to join (the fingerprint names the cluster)
+            worker_env["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
+            worker_env["CODERAI_WORKER_ANNOUNCE_FINGERPRINT"] = fingerprint(token)
             if args.mdns_interface:
-                env["CODERAI_WORKER_MDNS_INTERFACES"] = ",".join(args.mdns_interface)
+                worker_env["CODERAI_WORKER_MDNS_INTERFACES"] = ",".join(args.mdns_interface)
         py = [sys.executable, "-m"]
-        for name, module, extra in [
-            ("router", "coderai.router", []),
-            ("scheduler", "coderai.scheduler", ["--models-file", str(models_file)]),
-            ("pod-broker", "coderai.pod_broker", []),
-            ("metrics", "coderai.metrics", []),
-            ("worker", "coderai.engine_worker", []),
-            ("gateway", "coderai.gateway", gateway_args),
+        for name, module, extra, child_env in [
+            ("router", "coderai.router", [], env),
+            ("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], scheduler_env),
+            ("pod-broker", "coderai.pod_broker", [], env),
+            ("metrics", "coderai.metrics", [], env),
+            ("worker", "coderai.engine_worker", [], worker_env),
+            ("gateway", "coderai.gateway", gateway_args, env),
         ]:
-            sup.add(Child(name, py + [module, *extra], env, data / "logs" / f"{name}.log"))
+            sup.add(Child(name, py + [module, *extra], child_env, data / "logs" / f"{name}.log"))
         run = data / "run"
         run.mkdir(exist_ok=True)
         base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
         (run / "up.json").write_text(json.dumps({
-            "pid": os.getpid(), "base_url": base, "nats_url": nats.url, "redis_url": redis.url,
+            "pid": os.getpid(), "base_url": base, "nats_url": nats.url, "redis_url": redis.url,  # no secrets: see secrets/
             "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
             "pids": {c.name: c.proc.pid for c in sup.children} | {"nats": nats.proc.pid, "redis": redis.proc.pid},
         }, indent=2))

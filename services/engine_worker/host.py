@@ -132,13 +132,13 @@ class EngineHost:
             return
         nc = self.bus.nc
         self._subs = [
-            await nc.subscribe(ENGINE_OPS[op](engine_id=self.engine_id), cb=self._job_cb(op))
+            await nc.subscribe(ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id), cb=self._job_cb(op))
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
         if stage_host.serves_stages(self):  # a relayed video's stages (the cancel subscription stays last)
             self._subs.append(await stage_host.subscribe(self))
-        self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(engine_id=self.engine_id)))
+        self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(node_id=self.node_id, engine_id=self.engine_id)))
         if self.config.distribute.enabled:
             self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in FANOUT_OPS]
             for p in self._pullers:

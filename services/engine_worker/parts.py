@@ -118,7 +118,7 @@ class PartPuller:
                        engine_id=host.engine_id, status=status, deliveries=deliveries,  # type: ignore[arg-type]
                        duration_s=time.monotonic() - t0, ts=time.time())
         with contextlib.suppress(Exception):
-            await host.bus.publish(EVT_PART_DONE, evt)
+            await host.bus.publish(EVT_PART_DONE, evt, node_id=host.node_id)
 
     async def _in_progress(self, msg: Any) -> None:
         """Keep the part ours while it runs (a long image or transcription outlasts `ack_wait_s`)."""

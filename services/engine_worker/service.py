@@ -22,9 +22,14 @@ from coderai.engine_worker.node import GpuProbe, addresses, build_heartbeat, mem
 from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.engine_worker.training import TrainingHost, training_capabilities
-from coderai.runtime.bus import Bus
-from coderai.runtime.cluster import fingerprint
+from coderai.contracts import BusError
+from coderai.engine_worker.joining import JoinRefused, forget, join, saved_url
+from coderai.runtime.bus import DEFAULT_NATS_URL, Bus
+from coderai.runtime.members import node_inbox
+from coderai.runtime.cluster import check_token as check_cluster_token
+from coderai.runtime.cluster import fingerprint, user_of
 from coderai.runtime.discovery import Announcement, Announcer, find_head
+from coderai.runtime.kv import KeyWatch
 from coderai.runtime.logging import ring
 
 log = logging.getLogger("coderai.engine_worker")
@@ -42,7 +47,6 @@ class Worker:
         self._seq = 0
         self._converge_lock = asyncio.Lock()
         self._watch_task: asyncio.Task | None = None
-        self._kv = None
         self.draining = False
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
         self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
@@ -51,10 +55,7 @@ class Worker:
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
-        url = s.nats_url
-        if not url and s.cluster_token and s.mdns:
-            url = await self._discover()
-        self.bus = await Bus.connect_as(s, f"worker:{self.node_id}", role="node", url=url, on_reconnect=self._on_reconnect)
+        self.bus = await self._connect()
         stack.push_async_callback(self.bus.close)
         bus_url = self.bus.nc.connected_url.geturl()  # the server this node reached
         self.addrs = addresses(cluster_address(bus_url))
@@ -62,8 +63,9 @@ class Worker:
             self.rpc = RpcService(gate_address(s.rpc_bind, bus_url, s.rpc_allow_any), s.rpc_port, s.rpc_threads)
             await self.rpc.start()
             stack.push_async_callback(self.rpc.close)
-        if s.cluster_token and s.mdns:
-            announcer = Announcer(Announcement(node_id=self.node_id, name=socket.gethostname(), fp=fingerprint(s.cluster_token),
+        fp = s.announce_fingerprint or (fingerprint(s.cluster_token) if s.cluster_token else "")
+        if fp and s.mdns:
+            announcer = Announcer(Announcement(node_id=self.node_id, name=socket.gethostname(), fp=fp,
                                                nats_port=s.announce_nats_port, caps=tuple(self.families)), s.mdns_interfaces)
             await announcer.start()
             stack.push_async_callback(announcer.close)
@@ -83,6 +85,33 @@ class Worker:
             self._restart_watch()
         stack.callback(lambda: self._watch_task and self._watch_task.cancel())
         log.info("worker %s up with engine families %s", self.node_id, self.families)
+
+    async def _connect(self) -> Bus:
+        """The bus as this node: with the credentials in the URL (a pod, this box's own worker), else with those
+        saved at the last join, else joining with the cluster token (again, when the saved ones are refused)."""
+        s = self.settings
+        url = s.nats_url
+        if not url and s.cluster_token and s.mdns:
+            url = await self._discover()
+        url = url or DEFAULT_NATS_URL
+        kw = dict(on_reconnect=self._on_reconnect, inbox_prefix=node_inbox(self.node_id))
+        name = f"worker:{self.node_id}"
+        if user_of(url)[0] or not s.cluster_token:
+            return await Bus.connect(url, name, **kw)
+        check_cluster_token(s.cluster_token)
+        saved = saved_url(s.data_dir, url, self.node_id)
+        if saved:
+            try:
+                return await Bus.connect(saved, name, connect_timeout_s=10, **kw)
+            except BusError as exc:
+                log.warning("the head refused this node's saved credentials (%s); joining again", exc.message)
+                forget(s.data_dir)
+        try:
+            joined = await join(url, s.cluster_token, self.node_id, s.data_dir)
+        except JoinRefused as exc:
+            raise BusError("forbidden", str(exc), retryable=False) from None
+        # Bus.connect retries a refused login until its deadline: the head's reload of nats-server may lag the welcome
+        return await Bus.connect(joined, name, connect_timeout_s=30, **kw)
 
     async def _logs(self, req: NodeLogsRequest, _m) -> NodeLogs:
         return NodeLogs(node_id=self.node_id, lines=ring.tail(req.lines))
@@ -149,31 +178,26 @@ class Worker:
     async def _watch_assignment(self) -> None:
         """Follow this node's key in `coderai_assignments`; every value is converged on in order."""
         while True:
-            watcher = None
+            watch = None
             try:
-                if self._kv is None:  # the head's scheduler creates the bucket; a node may not (and need not)
-                    self._kv = await self.bus.kv(ASSIGNMENTS)
-                watcher = await self._kv.watch(self.node_id)
+                watch = await KeyWatch(self.bus, ASSIGNMENTS.name, self.node_id).start()
                 while True:
-                    entry = await watcher.updates(timeout=None)
-                    if entry is None:  # end of the initial values
-                        continue
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    value = await watch.next()
+                    if not value:
                         await self.converge(Assignment(node_id=self.node_id))
-                    else:
-                        try:
-                            await self.converge(decode(entry.value, Assignment))
-                        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                            log.error("ignoring malformed assignment: %s", exc)
+                        continue
+                    try:
+                        await self.converge(decode(value, Assignment))
+                    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                        log.error("ignoring malformed assignment: %s", exc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting
-                log.warning("assignment watch ended (%s); restarting", exc)
+                log.warning("assignment watch ended (%s); restarting", exc or type(exc).__name__)
                 await asyncio.sleep(0.5)
             finally:
-                if watcher is not None:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
+                if watch is not None:
+                    await watch.stop()
 
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""
@@ -198,7 +222,7 @@ class Worker:
                         if self.draining:
                             await host.pause()
                         evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
-                        await self.bus.publish(EVT_MODEL_LOADED, evt)
+                        await self.bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
                     await self.publish_heartbeat()
 
     async def _unload_all(self) -> None:

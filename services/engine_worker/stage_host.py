@@ -49,7 +49,7 @@ async def subscribe(host: Any) -> Any:
         host._tasks.add(task)
         task.add_done_callback(host._tasks.discard)
 
-    return await host.bus.nc.subscribe(ENGINE_STAGE(engine_id=host.engine_id), cb=_cb)
+    return await host.bus.nc.subscribe(ENGINE_STAGE(node_id=host.node_id, engine_id=host.engine_id), cb=_cb)
 
 
 async def _inputs(host: Any, job: StageJob) -> dict[str, Any]:

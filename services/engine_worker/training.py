@@ -223,7 +223,7 @@ class TrainingHost:
             elif kind in ("done", "failed"):
                 run.final = rep
         try:
-            await self.bus.publish(TRAIN_REPORT, rep, job_id=spec.job_id)
+            await self.bus.publish(TRAIN_REPORT, rep, job_id=spec.job_id, node_id=self.node_id)
         except Exception as exc:  # noqa: BLE001 - the next report (alive every second) tries again
             log.warning("could not report %s for job %s: %s", kind, spec.job_id, exc)
 
@@ -332,9 +332,9 @@ class TrainingHost:
         while True:
             piece = data[off: off + CHUNK_BYTES]
             last = off + len(piece) >= len(data)
-            chunk = AdapterChunk(job_id=spec.job_id, offset=off, data=piece,
+            chunk = AdapterChunk(job_id=spec.job_id, node_id=self.node_id, offset=off, data=piece,
                                  size=len(data) if last else 0, sha256=digest if last else "")
-            ack = await self.bus.request(TRAIN_UPLOAD, chunk, timeout=60.0, job_id=spec.job_id)
+            ack = await self.bus.request(TRAIN_UPLOAD, chunk, timeout=60.0, job_id=spec.job_id, node_id=self.node_id)
             off += len(piece)
             if last:
                 if not ack.complete:

@@ -157,11 +157,12 @@ class Relay:
 
     async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
         async def cancel() -> None:
-            await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), engine_id=decision.engine_id)
+            await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), node_id=decision.node_id,
+                                   engine_id=decision.engine_id)
 
         return await self.bus.open_stream(
             ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s, headers=headers,
-            on_cancel=cancel, engine_id=decision.engine_id,
+            on_cancel=cancel, node_id=decision.node_id, engine_id=decision.engine_id,
         )
 
     async def first_frame(self, op: str, job: Any, hints: Hints, outcome: Outcome, headers: dict[str, str],

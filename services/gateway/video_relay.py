@@ -84,7 +84,7 @@ async def _run_stage(gw: Any, sj: StageJob, headers: dict[str, str],
                      on_chunk: Callable[[Chunk], Awaitable[None]]) -> StageDone:
     """One stage on its engine: its progress chunks to `on_chunk`, its `StageDone`; a typed error is raised."""
     stream = await gw.bus.open_stream(ENGINE_STAGE, sj, idle_timeout_s=gw.settings.idle_timeout_s, headers=headers,
-                                      engine_id=sj.stage.engine_id)
+                                      node_id=sj.stage.node, engine_id=sj.stage.engine_id)
     try:
         while True:
             frame = decode(await stream.next_raw(), StageFrame)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from coderai.contracts import ModelConfig, model_key
 from coderai.contracts.models import PodPolicy
-from coderai.runtime.cluster import with_credentials
+from coderai.runtime.cluster import with_user
 
 MB = 1024 * 1024
 
@@ -53,12 +53,12 @@ def name_prefix(deployment: str) -> str:
     return f"coderai-{deployment}-"
 
 
-def pod_env(name: str, model: ModelConfig, nats_url: str, token: str) -> dict[str, str]:
-    """The pod's worker joins this cluster's bus as a node (node-role credentials: never the cluster token) and
-    loads just `model`, under the node id `name`."""
+def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str) -> dict[str, str]:
+    """The pod's worker joins this cluster's bus as a pod (credentials of its own, made by the head's membership
+    for this pod alone and ended with it: never the cluster token) and loads just `model`, under node id `name`."""
     cfg = json.dumps([_builtins(model)])
     return {
-        "CODERAI_NATS_URL": with_credentials(nats_url, token, "node"),
+        "CODERAI_NATS_URL": with_user(nats_url, user, password),
         "CODERAI_NODE_ID": name,
         "CODERAI_WORKER_POD": name,
         "CODERAI_WORKER_MODELS_JSON": cfg,

@@ -33,7 +33,16 @@ from coderai.contracts.pods import (
     LeaseRequest,
     PodInfo,
 )
-from coderai.contracts.subjects import CMD_BROKER_ACQUIRE, CMD_BROKER_LEASE, CMD_BROKER_STATUS, EVT_POD, HEARTBEAT
+from coderai.contracts.admin import PodUserRequest, RevokeRequest
+from coderai.contracts.subjects import (
+    CMD_BROKER_ACQUIRE,
+    CMD_BROKER_LEASE,
+    CMD_BROKER_STATUS,
+    CMD_SCHEDULER_POD_USER,
+    CMD_SCHEDULER_REVOKE,
+    EVT_POD,
+    HEARTBEAT,
+)
 from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
 from coderai.pod_broker import choosing
 from coderai.pod_broker.settings import BrokerSettings
@@ -232,11 +241,14 @@ class Broker:
         from coderai.pod_broker.runpod_api import NoCapacity, RunPodError
 
         s = self.settings
+        # the pod's own NATS user, from the head's membership; it ends with the pod (end()) or after its ttl
+        user = await self.bus.request(CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id=name, ttl_s=s.pod_credentials_ttl_s),
+                                      timeout=10.0)
         for attempt in range(3):
             try:
                 return await self.api.create_pod(
                     name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
-                    env=choosing.pod_env(name, m, s.pod_nats_url, s.cluster_token), spot=m.pod.spot)
+                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password), spot=m.pod.spot)
             except NoCapacity:
                 raise
             except RunPodError as exc:
@@ -371,6 +383,8 @@ class Broker:
         except RunPodError as exc:
             log.warning("terminating %s failed (%s); the orphan reaper retries", p.name, exc)
         end = (t0 + time.time()) / 2  # billing stops somewhere inside the call, as it started inside the create
+        with contextlib.suppress(BusError):  # its credentials end with it (else with their ttl)
+            await self.bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id=p.name, forget=True), timeout=5.0)
         entry = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end, end)
         usd = entry.usd if entry is not None else p.cost_usd  # None: booked already (a retried end)
         p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     runpod_api_key: str = ""
     runpod_api_base: str = "https://api.runpod.io"  # POST <base>/graphql
     redis_url: str = ""  # the spend ledger, reservations and caps; pods are off without it
+    pod_credentials_ttl_s: float = 7 * 24 * 3600  # a pod's NATS user ends with the pod, or after this long
     pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it
     deployment: str = "default"  # pods are named coderai-<deployment>-...; the orphan reaper owns that prefix
     pod_image: str = "coderai-llama-cuda:latest"  # docker/build.sh names; push it where RunPod can pull it. A model's pod.image overrides it

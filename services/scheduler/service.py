@@ -37,6 +37,7 @@ from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import plan
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
+from coderai.scheduler.membership import Membership
 from coderai.scheduler.training import Training
 
 log = logging.getLogger("coderai.scheduler")
@@ -85,9 +86,20 @@ class Scheduler:
                                  (CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
+        s = self.settings
+        if s.members_file:
+            self.membership = Membership(self.bus, s.cluster_token, s.members_file, s.nats_users_file, s.nats_pid_file,
+                                         on_revoke=self._forget_node)
+            await self.membership.start(stack)
         self.training = Training(self)  # fine-tuning jobs: rendezvous, state, the adapter into the store
         await self.training.start(stack)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
+
+    def _forget_node(self, node_id: str) -> None:
+        """A revoked node is gone now, not when its heartbeats would have timed out."""
+        self.nodes.pop(node_id, None)
+        self.seen.pop(node_id, None)
+        self._dirty.set()
 
     def _block_counts(self) -> dict[str, int]:
         """Blocks per llama model whose GGUF this head can read (for the layer map of a split), read once."""

@@ -447,6 +447,9 @@ class Training:
         live = self.live.get(chunk.job_id)
         if live is None:
             raise BusError("bad_request", f"job {chunk.job_id} is not running: no upload taken")
+        if not live.ranks or live.ranks[0].node_id != chunk.node_id:  # the subject (NATS rights) names the sender
+            log.warning("job %s: an adapter upload from %s, which is not rank 0; refused", chunk.job_id, chunk.node_id)
+            raise BusError("forbidden", f"only rank 0 of job {chunk.job_id} uploads its adapter")
         folder = self.root / "finetune" / chunk.job_id
         partial = folder / ".adapter.tar.partial"
         have = partial.stat().st_size if partial.exists() else 0

@@ -81,7 +81,7 @@ def test_stage_messages_round_trip_and_frames_decode_as_the_tagged_union():
         assert decode(encode(msg), type(msg)) == msg
     done = StageDone(seq=3, engine_id="b-v", node="b", video=Blob(name="x.mp4", size=10), frames=4)
     assert decode(encode(done), StageFrame) == done
-    assert ENGINE_STAGE(engine_id="b-v") == "coderai.engine.b-v.stage"
+    assert ENGINE_STAGE(node_id="b", engine_id="b-v") == "coderai.engine.b.b-v.stage"
     assert CMD_SCHEDULER_STAGES.decode_reply(encode(plan)) == plan
     with pytest.raises(msgspec.ValidationError):
         decode(encode(handoff()).replace(b'"seed"', b'"sneed"'), Handoff)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from coderai.contracts import ChatJob, ErrorReply, RouteDecision, RouteRequest, encode, model_key, model_name
+from coderai.contracts.nodes import Heartbeat
 from coderai.contracts.subjects import ENGINE_CHAT, HEARTBEAT, ROUTE_PICK, check_token
 
 NAMES = [
@@ -36,8 +37,8 @@ def test_model_key_rejects_empty():
 
 
 def test_subject_builds_parses_and_wildcards():
-    assert ENGINE_CHAT(engine_id="n1-m") == "coderai.engine.n1-m.chat"
-    assert ENGINE_CHAT.parse("coderai.engine.n1-m.chat") == {"engine_id": "n1-m"}
+    assert ENGINE_CHAT(node_id="n1", engine_id="n1-m") == "coderai.engine.n1.n1-m.chat"
+    assert ENGINE_CHAT.parse("coderai.engine.n1.n1-m.chat") == {"node_id": "n1", "engine_id": "n1-m"}
     assert HEARTBEAT.wildcard() == "coderai.hb.*"
     assert ROUTE_PICK() == "coderai.route.pick"
 
@@ -45,14 +46,21 @@ def test_subject_builds_parses_and_wildcards():
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", ">", "a b"])
 def test_subject_rejects_tokens_that_change_its_shape(bad):
     with pytest.raises(ValueError):
-        ENGINE_CHAT(engine_id=bad)
+        ENGINE_CHAT(node_id="n", engine_id=bad)
 
 
 def test_subject_requires_exactly_its_placeholders():
     with pytest.raises(TypeError):
         ENGINE_CHAT()
     with pytest.raises(TypeError):
-        ENGINE_CHAT(engine_id="e", extra="x")
+        ENGINE_CHAT(node_id="n", engine_id="e", extra="x")
+
+
+def test_a_bound_subject_drops_messages_that_speak_for_another_sender():
+    hb = Heartbeat(node_id="n1", version="0", seq=1, ts=1.0, host="h", capabilities=[])
+    assert HEARTBEAT.bound_to("coderai.hb.n1", hb)
+    assert not HEARTBEAT.bound_to("coderai.hb.n2", hb)  # n2 may publish there, but not as n1
+    assert ENGINE_CHAT.bound_to("coderai.engine.x.y.chat", ChatJob(request_id="r", model="m", messages=[]))  # unbound
 
 
 def test_subject_checks_the_message_type():

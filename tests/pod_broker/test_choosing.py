@@ -6,7 +6,7 @@ import json
 
 from coderai.contracts import ModelConfig, PodPolicy
 from coderai.pod_broker.choosing import Offer, candidates, name_prefix, pod_env, pod_name, pod_rate
-from coderai.runtime.cluster import credentials
+from coderai.runtime.cluster import user_of
 
 OFFERS = [Offer("A40", "A40", 48, 0.40, 0.20), Offer("RTX4090", "4090", 24, 0.69, 0.35),
           Offer("H100", "H100", 80, 2.99, 1.50), Offer("T4", "T4", 16, 0.10, 0.05)]
@@ -39,12 +39,12 @@ def test_rate_is_card_price_times_gpus_and_spot_when_asked():
     assert pod_rate(OFFERS[0], PodPolicy(spot=True)) == 0.2
 
 
-def test_names_are_ours_and_the_env_carries_node_credentials_not_the_token():
+def test_names_are_ours_and_the_env_carries_the_pods_own_credentials():
     name = pod_name("prod", "Qwen/Qwen2.5-7B")
     assert name.startswith(name_prefix("prod")) and name == name.lower() and "." not in name
-    env = pod_env(name, model(), "nats://head.example:4222", "s3cret")
-    assert "s3cret" not in json.dumps(env)
-    assert credentials("s3cret", "node")[1] in env["CODERAI_NATS_URL"]
+    env = pod_env(name, model(), "nats://head.example:4222", f"pod-{name}", "pw-of-this-pod")
+    assert user_of(env["CODERAI_NATS_URL"]) == (f"pod-{name}", "pw-of-this-pod")
+    assert not any(k == "CODERAI_CLUSTER_TOKEN" for k in env)
     assert env["CODERAI_NODE_ID"] == env["CODERAI_WORKER_POD"] == name
     [cfg] = json.loads(env["CODERAI_WORKER_MODELS_JSON"])
     assert cfg["name"] == "big" and cfg["engine"] == "llama"

@@ -82,14 +82,14 @@ async def _fake_engine(bus: Bus, engine_id: str, frames: int, cancelled: asyncio
     async def on_cancel(m):
         cancelled.set()
 
-    await bus.nc.subscribe(ENGINE_CHAT(engine_id=engine_id), cb=on_job)
-    await bus.nc.subscribe(ENGINE_CANCEL(engine_id=engine_id), cb=on_cancel)
+    await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=engine_id), cb=on_job)
+    await bus.nc.subscribe(ENGINE_CANCEL(node_id="n", engine_id=engine_id), cb=on_cancel)
 
 
 async def test_stream_delivers_frames_in_order(bus, unique):
     await _fake_engine(bus, unique, frames=50, cancelled=asyncio.Event(), keepalives=2)
     job = ChatJob(request_id="r1", model="m", messages=[], stream=True)
-    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, engine_id=unique)
+    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, node_id="n", engine_id=unique)
     frames = []
     while True:
         f = decode(await stream.next_raw(), Frame)
@@ -107,7 +107,7 @@ async def test_concurrent_streams_do_not_mix(bus, unique):
 
     async def one(rid: str) -> list[str]:
         job = ChatJob(request_id=rid, model="m", messages=[], stream=True)
-        s = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, engine_id=unique)
+        s = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, node_id="n", engine_id=unique)
         out = []
         while not isinstance(f := decode(await s.next_raw(), Frame), Final):
             out.append(f.delta["content"])
@@ -124,10 +124,10 @@ async def test_cancel_reaches_the_callee(bus, unique):
     await _fake_engine(bus, unique, frames=1, cancelled=cancelled)
 
     async def send_cancel():
-        await bus.publish(ENGINE_CANCEL, CancelJob(request_id="r"), engine_id=unique)
+        await bus.publish(ENGINE_CANCEL, CancelJob(request_id="r"), node_id="n", engine_id=unique)
 
     s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=5,
-                              on_cancel=send_cancel, engine_id=unique)
+                              on_cancel=send_cancel, node_id="n", engine_id=unique)
     await s.next_raw()
     await s.cancel()
     await asyncio.wait_for(cancelled.wait(), 5)
@@ -138,15 +138,15 @@ async def test_silent_engine_times_out(bus, unique):
     async def listen_only(_m):  # the engine is there but never answers
         return None
 
-    await bus.nc.subscribe(ENGINE_CHAT(engine_id=unique), cb=listen_only)
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=0.3, engine_id=unique)
+    await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=listen_only)
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=0.3, node_id="n", engine_id=unique)
     with pytest.raises(BusError) as exc:
         await s.next_raw()
     assert exc.value.code == "engine_failed" and exc.value.retryable
 
 
 async def test_stream_to_nobody_fails_fast_as_no_engine(bus, unique):
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, engine_id=unique)
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, node_id="n", engine_id=unique)
     with pytest.raises(BusError) as exc:
         await asyncio.wait_for(s.next_raw(), 5)
     assert exc.value.code == "no_engine"
@@ -185,8 +185,8 @@ async def test_listen_decodes_and_drops_malformed_messages(bus, unique):
         if job.request_id == "last":
             done.set()
 
-    await bus.listen(ENGINE_CANCEL, handler, subject_str=ENGINE_CANCEL(engine_id=unique))
+    await bus.listen(ENGINE_CANCEL, handler, subject_str=ENGINE_CANCEL(node_id="n", engine_id=unique))
     for payload in (b'{"request_id": "a"}', b"not json", b'{"surprise": 1}', b'{"request_id": "last"}'):
-        await bus.nc.publish(ENGINE_CANCEL(engine_id=unique), payload)
+        await bus.nc.publish(ENGINE_CANCEL(node_id="n", engine_id=unique), payload)
     await asyncio.wait_for(done.wait(), 5)
     assert got == ["a", "last"]  # the two malformed ones were dropped, and the listener kept going

@@ -1,144 +1,127 @@
-"""What the cluster token derives: an mDNS fingerprint, per-role NATS credentials, and nats-server's auth block."""
+"""The cluster token's rules and the join handshake's proofs (pure), and the users block rendered from the member
+registry. The same rules against a real nats-server and a real head: tests/security/."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from coderai.runtime.cluster import credentials, fingerprint, nats_auth_config, with_credentials
+from coderai.runtime import members
+from coderai.runtime.cluster import (
+    WeakToken,
+    check_token,
+    fingerprint,
+    head_proof,
+    join_password,
+    new_token,
+    node_proof,
+    token_bits,
+    user_of,
+    welcome_proof,
+    with_user,
+    without_user,
+)
 
-TOKEN = "correct horse battery staple"
+TOKEN = new_token()
 
 
-def users_of(config: str) -> list[dict]:
-    """The JSON array after `users = `, up to the block's final `}`."""
-    body = config[config.index("users = ") + len("users = "):config.rindex("}")]
-    return json.loads(body)
+def test_a_new_token_has_256_bits_and_passes():
+    t = new_token()
+    assert token_bits(t) >= 250 and check_token(t) == t
+    assert new_token() != t
 
 
-# --- fingerprint ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weak", ["", "s3cret", "coderai-test-token", "0123456789abcdef", "a" * 12])
+def test_a_weak_token_is_refused_with_how_to_make_one(weak):
+    with pytest.raises(WeakToken, match="coderai token new"):
+        check_token(weak)
 
 
-def test_fingerprint_is_24_lowercase_hex_digits():
+def test_hex_counts_four_bits_a_character():
+    assert token_bits("ab" * 16) == 128
+    check_token("0123456789abcdef" * 2)
+
+
+def test_the_fingerprint_names_the_cluster_without_the_token():
     assert re.fullmatch(r"[0-9a-f]{24}", fingerprint(TOKEN))
+    assert fingerprint(TOKEN) == fingerprint(TOKEN) != fingerprint(new_token())
+    assert TOKEN not in fingerprint(TOKEN)
 
 
-def test_fingerprint_is_the_hmac_of_the_membership_context():
-    expected = hmac.new(TOKEN.encode(), b"coderai-cluster-membership-v1", hashlib.sha256).hexdigest()[:24]
-    assert fingerprint(TOKEN) == expected
+def test_proofs_bind_every_input():
+    base = head_proof(TOKEN, "n1", "w" * 32, "h" * 32)
+    assert base != head_proof(new_token(), "n1", "w" * 32, "h" * 32)
+    assert base != head_proof(TOKEN, "n2", "w" * 32, "h" * 32)
+    assert base != head_proof(TOKEN, "n1", "x" * 32, "h" * 32)
+    assert base != head_proof(TOKEN, "n1", "w" * 32, "x" * 32)
+    # the worker's answer is another function of the same nonces: a head proof cannot be replayed as one
+    assert base != node_proof(TOKEN, "n1", "w" * 32, "h" * 32, "")
+    assert node_proof(TOKEN, "n1", "w", "h", "$2b$hash1") != node_proof(TOKEN, "n1", "w", "h", "$2b$hash2")
+    assert welcome_proof(TOKEN, "n1", "h", "node-n1", "") != welcome_proof(TOKEN, "n1", "h", "node-n2", "")
 
 
-def test_fingerprint_is_deterministic_and_differs_per_token():
-    assert fingerprint(TOKEN) == fingerprint(TOKEN)
-    assert fingerprint(TOKEN) != fingerprint(TOKEN + "!")
-    assert fingerprint("a") != fingerprint("b")
+def test_the_join_password_is_no_other_credential():
+    jp = join_password(TOKEN)
+    assert TOKEN not in jp and jp == join_password(TOKEN) != join_password(new_token())
 
 
-def test_fingerprint_never_contains_the_token():
-    for token in ["abc", "0123456789abcdef", fingerprint("seed")[:8]]:
-        assert token not in fingerprint(token)
+def test_urls_with_and_without_users():
+    url = with_user("nats://10.0.0.5:4222", "node-a", "p@ss/word:")
+    assert user_of(url) == ("node-a", "p@ss/word:")
+    assert urlsplit(url).hostname == "10.0.0.5" and urlsplit(url).port == 4222
+    assert without_user(url) == "nats://10.0.0.5:4222"
+    assert user_of("nats://h:1") == ("", "")
+    assert "p@ss" not in unquote(without_user(url))
 
 
-# --- credentials ------------------------------------------------------------------------------------
+# --- the users block ----------------------------------------------------------------------------------------
 
 
-def test_user_is_the_role():
-    assert credentials(TOKEN, "service")[0] == "service"
-    assert credentials(TOKEN, "node")[0] == "node"
+def users_of(config: str) -> dict[str, dict]:
+    body = config[config.index("users = ") + len("users = "): config.rindex("}")]
+    return {u["user"]: u for u in json.loads(body)}
 
 
-def test_passwords_differ_per_role_and_per_token():
-    passwords = {credentials(t, r)[1] for t in [TOKEN, "other"] for r in ["service", "node"]}
-    assert len(passwords) == 4
+def test_the_registry_renders_one_user_per_identity():
+    reg, service_password = members.new_registry(TOKEN)
+    node_password = members.add_node(reg, "n1")
+    users = users_of(members.render(reg))
+    assert set(users) == {"service", "join", "node-n1"}
+    import bcrypt
 
-
-def test_credentials_are_deterministic_and_hide_the_token():
-    assert credentials(TOKEN, "node") == credentials(TOKEN, "node")
-    assert TOKEN not in credentials(TOKEN, "node")[1]
-
-
-@pytest.mark.parametrize("role", ["admin", "", "Node", "services"])
-def test_unknown_roles_are_refused(role):
-    with pytest.raises(ValueError, match="role"):
-        credentials(TOKEN, role)
-
-
-# --- with_credentials -------------------------------------------------------------------------------
-
-
-def test_credentials_go_into_a_url_with_a_port():
-    user, password = credentials(TOKEN, "node")
-    url = with_credentials("nats://10.0.0.5:4222", TOKEN, "node")
-    parts = urlsplit(url)
-    assert parts.scheme == "nats"
-    assert (parts.hostname, parts.port) == ("10.0.0.5", 4222)
-    assert (unquote(parts.username), unquote(parts.password)) == (user, password)
-
-
-def test_credentials_go_into_a_url_without_a_port():
-    url = with_credentials("nats://head.local", TOKEN, "service")
-    parts = urlsplit(url)
-    assert (parts.hostname, parts.port) == ("head.local", None)
-    assert (parts.username, parts.password) == credentials(TOKEN, "service")
-
-
-def test_the_scheme_is_kept():
-    assert with_credentials("tls://head:4443", TOKEN, "node").startswith("tls://node:")
-
-
-def test_an_empty_token_leaves_the_url_alone():
-    assert with_credentials("nats://127.0.0.1:4222", "", "node") == "nats://127.0.0.1:4222"
-
-
-def test_the_password_needs_no_escaping_in_a_url():
-    for token in [TOKEN, "p@ss:w/rd?#%", "ü"]:
-        _, password = credentials(token, "node")
-        assert quote(password, safe="") == password
-        assert urlsplit(with_credentials("nats://h:1", token, "node")).password == password
-
-
-def test_the_token_never_appears_in_the_url():
-    assert TOKEN not in unquote(with_credentials("nats://h:1", TOKEN, "node"))
-
-
-# --- nats_auth_config -------------------------------------------------------------------------------
-
-
-def test_the_config_is_an_authorization_block_with_both_users():
-    config = nats_auth_config(TOKEN)
-    assert config.startswith("authorization {")
-    users = {u["user"]: u for u in users_of(config)}
-    assert set(users) == {"service", "node"}
-    for role in ["service", "node"]:
-        assert users[role]["password"] == credentials(TOKEN, role)[1]
-
-
-def test_the_service_user_has_full_rights():
-    users = {u["user"]: u for u in users_of(nats_auth_config(TOKEN))}
+    assert bcrypt.checkpw(service_password.encode(), users["service"]["password"].encode())
+    assert bcrypt.checkpw(node_password.encode(), users["node-n1"]["password"].encode())
+    assert bcrypt.checkpw(join_password(TOKEN).encode(), users["join"]["password"].encode())
     assert "permissions" not in users["service"]
+    assert service_password not in members.render(reg) and node_password not in members.render(reg)
 
 
-def test_the_node_user_has_allow_lists():
-    node = {u["user"]: u for u in users_of(nats_auth_config(TOKEN))}["node"]
-    publish = node["permissions"]["publish"]["allow"]
-    subscribe = node["permissions"]["subscribe"]["allow"]
-    assert publish and subscribe
-    assert "coderai.hb.*" in publish
-    assert "coderai.route.pick" not in publish
-    assert not any(s.startswith("coderai.route") for s in publish)
-    assert not any(s.startswith("$KV.") for s in publish)  # a node reads its assignment, never writes one
-    assert "_INBOX.>" in subscribe
+def test_without_a_token_nobody_can_join():
+    reg, _ = members.new_registry("")
+    assert set(users_of(members.render(reg))) == {"service"}
 
 
-def test_the_token_never_appears_in_the_config():
-    for token in [TOKEN, "short", "x" * 40]:
-        assert token not in nats_auth_config(token)
+def test_expired_pods_are_left_out():
+    reg, _ = members.new_registry()
+    reg.members["p1"] = members.Member(node_id="p1", kind="pod", password_hash="$2b$x", expires_at=100.0)
+    assert "pod-p1" in users_of(members.render(reg, now=99.0))
+    assert "pod-p1" not in users_of(members.render(reg, now=101.0))
 
 
-def test_the_config_differs_per_token():
-    assert nats_auth_config("a") != nats_auth_config("b")
+def test_a_node_reaches_only_its_own_subjects():
+    perms = members.node_permissions("n1")
+    pub, sub = perms["publish"]["allow"], perms["subscribe"]["allow"]
+    assert "coderai.hb.n1" in pub and not any(p.startswith("coderai.hb.") and p != "coderai.hb.n1" for p in pub)
+    assert sub == ["coderai.engine.n1.>", "coderai.cmd.node.n1.>", "_N.n1.>"]
+    assert not any(p.startswith("_INBOX") for p in pub + sub)
+    assert not any("PURGE" in p or p.startswith("coderai.cmd.scheduler") or p.startswith("coderai.cmd.broker") for p in pub)
+    assert perms["allow_responses"]["max"] > 1
+
+
+def test_join_may_only_ask_to_join():
+    perms = members.join_permissions()
+    assert perms["publish"]["allow"] == ["coderai.join.hello", "coderai.join.prove"]
+    assert perms["subscribe"]["allow"] == ["_JOIN.>"]

@@ -17,7 +17,9 @@ def _redis_url(args: argparse.Namespace) -> str:
         return args.redis_url
     up = Path(os.path.expanduser(args.data_dir)) / "run" / "up.json"
     if up.exists():
-        return json.loads(up.read_text())["redis_url"]
+        from coderai.up import service_urls
+
+        return service_urls(up.parent.parent)[1]
     raise SystemExit("coderai keys: no Redis: pass --redis-url (or CODERAI_REDIS_URL), or run `coderai up` first")
 
 

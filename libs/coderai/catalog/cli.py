@@ -59,18 +59,20 @@ def _ask_scheduler(args: argparse.Namespace, subject: Any, msg: Any) -> Any:
     """One request to the running stack's scheduler (its NATS URL from --nats-url or <data>/run/up.json);
     a string saying why when there is no answer."""
     url = getattr(args, "nats_url", "") or os.environ.get("CODERAI_NATS_URL", "")
-    up = _data_dir(args) / "run" / "up.json"
-    if not url and up.exists():
-        url = json.loads(up.read_text()).get("nats_url", "")
+    if not url and (_data_dir(args) / "run" / "up.json").exists():
+        from coderai.up import service_urls
+
+        try:
+            url = service_urls(_data_dir(args))[0]
+        except (OSError, KeyError, ValueError) as exc:
+            return f"cannot read the running stack's NATS credentials ({exc})"
     if not url:
         return "no NATS URL (pass --nats-url, or run `coderai up`)"
 
     async def ask() -> Any:
         from coderai.runtime.bus import Bus
-        from coderai.runtime.cluster import with_credentials
 
-        bus = await Bus.connect(with_credentials(url, os.environ.get("CODERAI_CLUSTER_TOKEN", ""), "service"),
-                                "coderai-models", connect_timeout_s=3.0)
+        bus = await Bus.connect(url, "coderai-models", connect_timeout_s=3.0)
         try:
             return await bus.request(subject, msg, timeout=5.0)
         finally:

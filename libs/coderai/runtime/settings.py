@@ -27,7 +27,8 @@ class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Settings every service has."""
 
     nats_url: str = ""  # empty: nats://127.0.0.1:4222, or (a worker with a cluster token) the head found by mDNS
-    cluster_token: str = ""  # the shared secret; NATS credentials are derived from it (runtime/cluster.py)
+    nats_password_file: str = ""  # a file holding the `service` user's NATS password (the head makes it)
+    cluster_token: str = ""  # the shared secret a worker joins with (runtime/cluster.py); no credential comes from it
     node_id: str = ""
     log_level: str = "INFO"
     log_format: str = "auto"  # auto: JSON off a terminal, text on one

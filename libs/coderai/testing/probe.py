@@ -10,12 +10,14 @@ import json
 import httpx
 
 
-async def _nodes(url: str, token: str) -> list[str]:
+async def _nodes(data_dir: str) -> list[str]:
+    from pathlib import Path
+
     from coderai.contracts.topology import NODES
     from coderai.runtime.bus import Bus
-    from coderai.runtime.cluster import with_credentials
+    from coderai.up import service_urls
 
-    bus = await Bus.connect(with_credentials(url, token, "service"), "probe", connect_timeout_s=5)
+    bus = await Bus.connect(service_urls(Path(data_dir))[0], "probe", connect_timeout_s=5)
     try:
         kv = await bus.kv(NODES)
         try:
@@ -30,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m coderai.testing.probe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("nodes")
-    n.add_argument("--nats-url", required=True)
-    n.add_argument("--token", default="")
+    n.add_argument("--data-dir", required=True, help="the head's `coderai up --data-dir`")
     c = sub.add_parser("chat")
     c.add_argument("--base-url", required=True)
     c.add_argument("--key", default="")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--temperature", type=float, default=None)
     a = ap.parse_args(argv)
     if a.cmd == "nodes":
-        print(json.dumps(asyncio.run(_nodes(a.nats_url, a.token))))
+        print(json.dumps(asyncio.run(_nodes(a.data_dir))))
         return 0
     body = {"model": a.model, "messages": [{"role": "user", "content": a.prompt}], "max_tokens": a.max_tokens}
     if a.temperature is not None:

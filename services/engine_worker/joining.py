@@ -1,0 +1,82 @@
+"""Joining a cluster: prove the token to the head (and have it prove the token back), get a NATS user of this
+node's own, keep its password in the data dir. The token is never sent anywhere; the password never leaves
+this machine (the head gets its bcrypt hash)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from coderai.contracts import BusError
+from coderai.contracts.admin import JoinHello, JoinProof
+from coderai.contracts.subjects import JOIN_HELLO, JOIN_PROVE
+from coderai.runtime import members
+from coderai.runtime.bus import Bus
+from coderai.runtime.cluster import (
+    JOIN_USER,
+    head_proof,
+    join_password,
+    node_proof,
+    nonce,
+    same,
+    welcome_proof,
+    with_user,
+    without_user,
+)
+
+log = logging.getLogger("coderai.engine_worker")
+
+
+class JoinRefused(Exception):
+    """The head refused us, or is not a head of our cluster."""
+
+
+def creds_path(data_dir: str) -> Path:
+    return Path(os.path.expanduser(data_dir)) / "node-credentials.json"
+
+
+def saved_url(data_dir: str, url: str, node_id: str) -> str:
+    """The URL with this node's saved credentials for the head at `url` (by host and port), else ''."""
+    try:
+        saved = json.loads(creds_path(data_dir).read_text())
+    except (OSError, ValueError):
+        return ""
+    if saved.get("head") != without_user(url) or saved.get("node_id") != node_id:
+        return ""
+    return with_user(url, saved["user"], saved["password"])
+
+
+def forget(data_dir: str) -> None:
+    creds_path(data_dir).unlink(missing_ok=True)
+
+
+async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0) -> str:
+    """Join the head at `url`; the URL with this node's own credentials, saved for the next start."""
+    password = members.new_password()
+    password_hash = members.hash_password(password)
+    mine = nonce()
+    bus = await Bus.connect(with_user(url, JOIN_USER, join_password(token)), f"join:{node_id}", connect_timeout_s=timeout_s,
+                            inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}")
+    try:
+        challenge = await bus.request(JOIN_HELLO, JoinHello(node_id=node_id, nonce=mine), timeout=10)
+        if not same(challenge.proof, head_proof(token, node_id, mine, challenge.nonce)):
+            raise JoinRefused(f"{without_user(url)} answered the join without knowing the cluster token: not our head")
+        proof = node_proof(token, node_id, mine, challenge.nonce, password_hash)
+        welcome = await bus.request(JOIN_PROVE, JoinProof(node_id=node_id, nonce=mine, head_nonce=challenge.nonce,
+                                                          password_hash=password_hash, proof=proof), timeout=10)
+    except BusError as exc:
+        raise JoinRefused(f"the head refused the join: {exc.message}") from None
+    finally:
+        await bus.close()
+    if not same(welcome.proof, welcome_proof(token, node_id, challenge.nonce, welcome.user, welcome.tls_fingerprint)):
+        raise JoinRefused("the head's welcome is not sealed with the cluster token")
+    path = creds_path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
+                   "tls_fingerprint": welcome.tls_fingerprint}, fh)
+    log.info("joined the cluster at %s as %s", without_user(url), welcome.user)
+    return with_user(url, welcome.user, password)

@@ -1,0 +1,210 @@
+"""Membership: who may log in to the head's NATS. Joins (the token's challenge, both ways), revocations and the
+short-lived credentials of rented pods; each change rewrites nats-server's users and reloads it (SIGHUP), which
+also disconnects a removed member at once. Runs in the scheduler on the head, beside the nats-server it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from coderai.contracts import BusError
+from coderai.contracts.admin import (
+    JoinChallenge,
+    JoinHello,
+    JoinProof,
+    JoinWelcome,
+    MemberInfo,
+    MembersReply,
+    MembersRequest,
+    PodUser,
+    PodUserRequest,
+    RevokeRequest,
+)
+from coderai.contracts.subjects import (
+    CMD_SCHEDULER_MEMBERS,
+    CMD_SCHEDULER_POD_USER,
+    CMD_SCHEDULER_REVOKE,
+    JOIN_HELLO,
+    JOIN_PROVE,
+    check_token,
+)
+from coderai.runtime import members
+from coderai.runtime.cluster import head_proof, node_proof, nonce, same, welcome_proof
+
+log = logging.getLogger("coderai.scheduler.membership")
+
+CHALLENGE_TTL_S = 30.0
+MAX_PENDING = 1024
+_BCRYPT = re.compile(r"^\$2[aby]\$\d{2}\$[./A-Za-z0-9]{53}$")
+
+
+class Membership:
+    """The member registry of this head and the handlers that change it."""
+
+    def __init__(self, bus: Any, token: str, members_file: str, auth_file: str, pid_file: str,
+                 tls_fingerprint: str = "", ca_file: str = "", on_revoke: Any = None) -> None:
+        self.bus = bus
+        self.token = token
+        self.members_file = Path(os.path.expanduser(members_file))
+        self.auth_file = Path(os.path.expanduser(auth_file))
+        self.pid_file = Path(os.path.expanduser(pid_file)) if pid_file else None
+        self.tls_fingerprint = tls_fingerprint
+        self.ca_pem = Path(os.path.expanduser(ca_file)).read_text() if ca_file else ""
+        self.on_revoke = on_revoke
+        self.pending: dict[str, tuple[str, str, float]] = {}  # head nonce -> (node id, worker nonce, deadline)
+        self._lock = asyncio.Lock()
+
+    def registry(self) -> members.Registry:
+        reg = members.load(self.members_file)
+        if reg is None:
+            raise BusError("unavailable", f"no member registry at {self.members_file}", retryable=False)
+        return reg
+
+    async def start(self, stack: contextlib.AsyncExitStack) -> None:
+        self.registry()  # fail at start, not at the first join, when the head was not set up for members
+        handlers = [(CMD_SCHEDULER_MEMBERS, self._list), (CMD_SCHEDULER_REVOKE, self._revoke),
+                    (CMD_SCHEDULER_POD_USER, self._pod_user)]
+        if self.token:
+            handlers += [(JOIN_HELLO, self._hello), (JOIN_PROVE, self._prove)]
+        for subject, handler in handlers:
+            sub = await self.bus.serve(subject, handler, queue="membership")
+            stack.push_async_callback(sub.unsubscribe)
+        sweep = asyncio.create_task(self._sweep_loop())
+        stack.callback(sweep.cancel)
+        log.info("membership: %d member(s); joins %s", len(self.registry().members), "on" if self.token else "off (no cluster token)")
+
+    # --- the join handshake ----------------------------------------------------------------------
+
+    async def _hello(self, req: JoinHello, _m: Any) -> JoinChallenge:
+        node_id = _node_id(req.node_id)
+        if len(req.nonce) < 16:
+            raise BusError("bad_request", "the join nonce is too short", retryable=False)
+        now = time.monotonic()
+        self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
+        while len(self.pending) >= MAX_PENDING:
+            self.pending.pop(next(iter(self.pending)))
+        head_nonce = nonce()
+        self.pending[head_nonce] = (node_id, req.nonce, now + CHALLENGE_TTL_S)
+        return JoinChallenge(nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce))
+
+    async def _prove(self, req: JoinProof, _m: Any) -> JoinWelcome:
+        node_id = _node_id(req.node_id)
+        held = self.pending.pop(req.head_nonce, None)  # one answer per challenge: a replay finds nothing
+        if held is None or held[2] < time.monotonic() or held[0] != node_id or not same(held[1], req.nonce):
+            raise BusError("forbidden", "no such join challenge (expired, or answered already)", retryable=False)
+        if not same(req.proof, node_proof(self.token, node_id, req.nonce, req.head_nonce, req.password_hash)):
+            log.warning("join of %s refused: it does not know the cluster token", node_id)
+            raise BusError("forbidden", "the join proof is wrong: this worker has another cluster token", retryable=False)
+        if not _BCRYPT.match(req.password_hash):
+            raise BusError("bad_request", "password_hash must be a bcrypt hash", retryable=False)
+        async with self._lock:
+            reg = self.registry()
+            if node_id in reg.revoked:
+                log.warning("join of revoked node %s refused", node_id)
+                raise BusError("forbidden", f"node {node_id} was revoked; `coderai nodes revoke {node_id} --forget` "
+                                            "lets it join again", retryable=False)
+            old = reg.members.get(node_id)
+            if old is not None and old.kind != "node":
+                raise BusError("forbidden", f"{node_id} is a pod's id", retryable=False)
+            reg.members[node_id] = members.Member(node_id=node_id, password_hash=req.password_hash, joined_at=time.time())
+            self._apply(reg)
+        log.info("node %s joined", node_id)
+        user = members.node_user(node_id)
+        return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem,
+                           proof=welcome_proof(self.token, node_id, req.head_nonce, user, self.tls_fingerprint))
+
+    # --- operator commands and the pod-broker ----------------------------------------------------
+
+    async def _list(self, _req: MembersRequest, _m: Any) -> MembersReply:
+        return _reply(self.registry())
+
+    async def _revoke(self, req: RevokeRequest, _m: Any) -> MembersReply:
+        node_id = _node_id(req.node_id)
+        async with self._lock:
+            reg = self.registry()
+            gone = reg.members.pop(node_id, None)
+            if req.forget:
+                reg.revoked = [n for n in reg.revoked if n != node_id]
+            elif node_id not in reg.revoked:
+                reg.revoked.append(node_id)
+            self._apply(reg)
+        log.info("node %s %s", node_id, "revoked" if gone else "was not a member; its id is refused from now on"
+                 if not req.forget else "may join again")
+        if gone is not None and self.on_revoke is not None:
+            self.on_revoke(node_id)
+        return _reply(reg)
+
+    async def _pod_user(self, req: PodUserRequest, _m: Any) -> PodUser:
+        node_id = _node_id(req.pod_id)
+        password = members.new_password()
+        expires = time.time() + max(60.0, req.ttl_s)
+        async with self._lock:
+            reg = self.registry()
+            old = reg.members.get(node_id)
+            if old is not None and old.kind != "pod":
+                raise BusError("forbidden", f"{node_id} is a node's id", retryable=False)
+            reg.members[node_id] = members.Member(node_id=node_id, kind="pod", password_hash=members.hash_password(password),
+                                                  joined_at=time.time(), expires_at=expires)
+            self._apply(reg)
+        return PodUser(user=members.node_user(node_id, "pod"), password=password, expires_at=expires)
+
+    async def _sweep_loop(self) -> None:
+        """Pods' credentials end with their time: drop the expired ones from the config."""
+        while True:
+            await asyncio.sleep(30)
+            with contextlib.suppress(BusError, OSError):
+                await self.sweep()
+
+    async def sweep(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        async with self._lock:
+            reg = self.registry()
+            expired = [n for n, m in reg.members.items() if m.expires_at and m.expires_at <= now]
+            for n in expired:
+                del reg.members[n]
+            if expired:
+                self._apply(reg)
+                log.info("pod credentials expired: %s", ", ".join(expired))
+        return expired
+
+    # --- nats-server -----------------------------------------------------------------------------
+
+    def _apply(self, reg: members.Registry) -> None:
+        """Save the registry, rewrite the users and have nats-server reload them."""
+        members.save(self.members_file, reg)
+        members.write_users(self.auth_file, reg)
+        reload_nats(self.pid_file)
+
+
+def reload_nats(pid_file: Path | None) -> None:
+    if pid_file is None:
+        raise BusError("unavailable", "this head does not know nats-server's pid file: members cannot change", retryable=False)
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError) as exc:
+        raise BusError("unavailable", f"cannot reload nats-server (pid file {pid_file}): {exc}", retryable=True) from None
+
+
+def _node_id(value: str) -> str:
+    try:
+        check_token(value, "node id")
+    except ValueError as exc:
+        raise BusError("bad_request", str(exc), retryable=False) from None
+    if len(value) > 128 or not re.fullmatch(r"[A-Za-z0-9_-]+", value):
+        raise BusError("bad_request", "a node id is 1-128 letters, digits, '-' or '_'", retryable=False)
+    return value
+
+
+def _reply(reg: members.Registry) -> MembersReply:
+    return MembersReply(members=[MemberInfo(node_id=m.node_id, kind=m.kind, joined_at=m.joined_at, expires_at=m.expires_at,
+                                            addr=m.addr) for m in sorted(reg.members.values(), key=lambda m: m.node_id)],
+                        revoked=list(reg.revoked))
