@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import clean_env, head_up, write_models_file
@@ -39,7 +40,7 @@ class Cluster:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def nodes(self) -> list[str]:
-        return self.probe("nodes", "--nats-url", "nats://127.0.0.1:4222", "--token", TOKEN)  # type: ignore[return-value]
+        return self.probe("nodes", "--data-dir", str(self.root / "head"))  # type: ignore[return-value]
 
     def chat(self, model: str) -> dict:
         return self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)  # type: ignore[return-value]
@@ -90,11 +91,11 @@ def test_a_model_that_lives_only_on_a_node_answers_through_the_head(cluster):
 
 
 def test_a_wrong_token_joins_nothing(cluster):
-    rogue = cluster.start_node("rogue", "not the token")
+    rogue = cluster.start_node("rogue", new_token())
     rogue.wait_log("no head with this cluster token's fingerprint", 30)  # it saw the head's record and passed
     # even told where NATS is, a wrong token is refused by NATS itself
     direct = ServiceProcess("rogue-direct", "coderai.engine_worker",
-                            ["--cluster-token", "not the token", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
+                            ["--cluster-token", new_token(), "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
                              "--node-id", "rogue2", "--no-mdns", "--data-dir", str(cluster.root / "rogue2")],
                             cluster.env, cluster.root / "logs", prefix=cluster.lab["rogue"].prefix()).start()
     cluster.procs["rogue-direct"] = direct

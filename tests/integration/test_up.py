@@ -180,7 +180,9 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
 
         from coderai.accounts.limits import period_id
 
-        r = redis_lib.Redis.from_url(json.loads((data / "run" / "up.json").read_text())["redis_url"])
+        from coderai.up import service_urls
+
+        r = redis_lib.Redis.from_url(service_urls(data)[1])  # the password is in secrets/, not in up.json
         try:
             spent = float(r.get(f"coderai:spend:alice:{period_id('day', time.time())[0]}") or 0)
         finally:
