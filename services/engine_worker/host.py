@@ -32,7 +32,7 @@ from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
 from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
 from coderai.runtime import tracing
-from coderai.runtime.blobs import BlobMissing, BlobStore
+from coderai.runtime.blobs import BlobMissing, BlobProxy
 from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
 
@@ -66,7 +66,7 @@ class EngineHost:
         self._cancels: dict[str, CancelFlag] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task] = set()
-        self.blobs = BlobStore(bus)
+        self.blobs = BlobProxy(bus)  # a node reaches blobs only through the gateway's blob service, by name
         self._pullers: list[PartPuller] = []
 
     def status(self) -> EngineStatus:

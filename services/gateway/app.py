@@ -37,7 +37,7 @@ from coderai.gateway.relay import Hints, Outcome, Relay, next_frame
 from coderai.gateway.settings import GatewaySettings
 from coderai.gateway.ui import ui_routes
 from coderai.gateway.videos import VideoJobs, video_routes
-from coderai.runtime.blobs import BlobStore
+from coderai.runtime.blobs import BlobService, BlobStore
 from coderai.runtime.bus import Bus
 from coderai.runtime.logging import request_id_var, setup_logging
 from coderai.runtime.settings import SettingsError, load_settings
@@ -85,6 +85,7 @@ class Gateway:
             await self.blobs.store()
         except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: the first upload here creates it
             log.warning("could not create the blob store yet (%s); the first upload will", exc)
+        await BlobService(self.blobs).start(self.bus)  # nodes read and write blobs only through this, by name
         log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)
         try:
             yield

@@ -222,3 +222,37 @@ Output = Union[EmbedResult, RerankResult, ImageResult, SpeechResult, TranscribeR
 """What a media engine's `Final` carries."""
 
 MediaJob = Union[EmbedJob, RerankJob, ImageJob, SpeechJob, TranscribeJob, DiarizeJob, OcrJob, VideoJob]
+
+
+# --- blobs for nodes: read and written through a service, by name (runtime/blobs.py BlobProxy) ---------------
+
+
+class BlobRead(Message, frozen=True, kw_only=True):
+    """A node reads `limit` bytes at `offset` of the stored blob `name` (which only the job that carries it tells)."""
+
+    name: str
+    offset: int = 0
+    limit: int = 512 * 1024
+
+
+class BlobPiece(Message, frozen=True, kw_only=True, tag="blob.piece", tag_field="t"):
+    data: bytes
+    size: int  # the whole blob's
+
+
+class BlobWrite(Message, frozen=True, kw_only=True):
+    """A node writes a new blob piece by piece under a random `upload` id; the last piece stores it under a new
+    random name (so no node can overwrite a blob, its own or another's)."""
+
+    upload: str
+    offset: int
+    data: bytes = b""
+    last: bool = False
+    content_type: str = ""
+    filename: str = ""
+    suffix: str = ""
+
+
+class BlobWritten(Message, frozen=True, kw_only=True, tag="blob.written", tag_field="t"):
+    received: int
+    blob: Blob | None = None

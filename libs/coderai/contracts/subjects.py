@@ -35,6 +35,10 @@ from coderai.contracts.errors import ErrorReply
 from coderai.contracts.events import Event, ModelLoaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
 from coderai.contracts.media import (
+    BlobPiece,
+    BlobRead,
+    BlobWrite,
+    BlobWritten,
     DiarizeJob,
     EmbedJob,
     ImageJob,
@@ -178,6 +182,8 @@ JOIN_PROVE = Subject("coderai.join.prove", JoinProof, JoinWelcome)
 CMD_SCHEDULER_MEMBERS = Subject("coderai.cmd.scheduler.members", MembersRequest, MembersReply)
 CMD_SCHEDULER_REVOKE = Subject("coderai.cmd.scheduler.revoke", RevokeRequest, MembersReply)
 CMD_SCHEDULER_POD_USER = Subject("coderai.cmd.scheduler.pod_user", PodUserRequest, PodUser)
+CMD_BLOB_READ = Subject("coderai.cmd.blob.read", BlobRead, BlobPiece)  # nodes' only way to blobs (gateway)
+CMD_BLOB_WRITE = Subject("coderai.cmd.blob.write", BlobWrite, BlobWritten)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 CMD_STORE_LIST = Subject("coderai.cmd.store.list", StoreList, StoreListing)
 

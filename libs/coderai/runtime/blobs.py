@@ -107,3 +107,108 @@ async def _map_blobs(msg: Any, fn: Any) -> Any:
             if any(a is not b for a, b in zip(items, value)):
                 changes[name] = items
     return msgspec.structs.replace(msg, **changes) if changes else msg
+
+
+PIECE = 512 * 1024
+"""Bytes of a blob one proxied message carries (NATS' default max payload is 1 MB)."""
+
+
+class BlobProxy(BlobStore):
+    """A node's blobs: read and written through the head's blob service (`BlobService`) by name, never in the
+    object store itself, so a node can neither list, read without the name, overwrite nor purge anything."""
+
+    async def store(self) -> Any:
+        raise RuntimeError("a node has no access to the object store; it reads and writes through the blob service")
+
+    async def put(self, data: bytes, content_type: str = "", filename: str = "", suffix: str = "") -> Blob:
+        from coderai.contracts.media import BlobWrite
+        from coderai.contracts.subjects import CMD_BLOB_WRITE
+
+        upload, off = secrets.token_urlsafe(16), 0
+        while True:
+            piece = data[off: off + PIECE]
+            last = off + len(piece) >= len(data)
+            ack = await self.bus.request(CMD_BLOB_WRITE, BlobWrite(upload=upload, offset=off, data=piece, last=last,
+                                                                   content_type=content_type, filename=filename,
+                                                                   suffix=suffix), timeout=30.0)
+            off += len(piece)
+            if last:
+                return ack.blob
+
+    async def get(self, blob: Blob) -> bytes:
+        from coderai.contracts import BusError
+        from coderai.contracts.media import BlobRead
+        from coderai.contracts.subjects import CMD_BLOB_READ
+
+        if not blob.name:
+            return blob.data
+        out, size = bytearray(), None
+        while size is None or len(out) < size:
+            try:
+                piece = await self.bus.request(CMD_BLOB_READ, BlobRead(name=blob.name, offset=len(out), limit=PIECE), timeout=30.0)
+            except BusError as exc:
+                if exc.code == "not_found":
+                    raise BlobMissing(f"blob {blob.name} is gone (expired?)") from None
+                raise
+            size = piece.size
+            if not piece.data and len(out) < size:
+                raise BlobMissing(f"blob {blob.name} ended early")
+            out += piece.data
+        return bytes(out)
+
+
+class BlobService:
+    """The service side of `BlobProxy` (run by every gateway): reads by name, writes as new random names.
+    The last blobs read stay in memory, so a blob read piece by piece is fetched from the store once."""
+
+    UPLOAD_TTL_S = 600.0
+    MAX_UPLOAD = 1 << 30
+
+    def __init__(self, store: BlobStore) -> None:
+        self.blobs = store
+        self._recent: dict[str, bytes] = {}
+        self._uploads: dict[str, tuple[bytearray, float]] = {}
+
+    async def start(self, bus: Any) -> list[Any]:
+        from coderai.contracts.subjects import CMD_BLOB_READ, CMD_BLOB_WRITE
+
+        return [await bus.serve(CMD_BLOB_READ, self.read, queue="blobs"),
+                await bus.serve(CMD_BLOB_WRITE, self.write, queue="blobs")]
+
+    async def read(self, req: Any, _m: Any) -> Any:
+        from coderai.contracts import BusError
+        from coderai.contracts.media import BlobPiece
+
+        data = self._recent.get(req.name)
+        if data is None:
+            try:
+                data = await self.blobs.get(Blob(name=req.name))
+            except BlobMissing:
+                raise BusError("not_found", "no such blob", retryable=False) from None
+            self._recent[req.name] = data
+            while len(self._recent) > 4:
+                self._recent.pop(next(iter(self._recent)))
+        limit = max(1, min(req.limit, PIECE))
+        return BlobPiece(data=data[req.offset: req.offset + limit], size=len(data))
+
+    async def write(self, req: Any, _m: Any) -> Any:
+        import time
+
+        from coderai.contracts import BusError
+        from coderai.contracts.media import BlobWritten
+
+        now = time.monotonic()
+        self._uploads = {k: v for k, v in self._uploads.items() if v[1] > now}
+        buf = self._uploads.get(req.upload, (bytearray(), 0.0))[0] if req.offset else bytearray()
+        if req.offset != len(buf):
+            raise BusError("bad_request", f"upload {req.upload}: offset {req.offset}, have {len(buf)}", retryable=False)
+        if len(buf) + len(req.data) > self.MAX_UPLOAD:
+            raise BusError("bad_request", "blob too large", retryable=False)
+        buf += req.data
+        if not req.last:
+            self._uploads[req.upload] = (buf, now + self.UPLOAD_TTL_S)
+            return BlobWritten(received=len(buf))
+        self._uploads.pop(req.upload, None)
+        suffix = req.suffix if len(req.suffix) <= 16 and req.suffix.replace(".", "").isalnum() else ""
+        blob = await self.blobs.put(bytes(buf), req.content_type[:100], req.filename[:200], suffix=suffix)
+        return BlobWritten(received=len(buf), blob=blob)

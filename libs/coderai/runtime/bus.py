@@ -9,10 +9,10 @@ publishes numbered frames there; the caller's `FrameStream` yields them in order
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,6 +33,8 @@ log = logging.getLogger("coderai.bus")
 Handler = Callable[[Any, Msg], Awaitable[Any]]
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+HANDOUT_PREFIX = "coderai.reply"
+"""Where replies go whose subject rides inside a message (runtime/members.py lets nodes publish, not subscribe)."""
 
 _NO_RESPONDERS: Any = object()  # queued instead of frame bytes when the server reports no responders
 _REFUSED: Any = object()  # queued when the server refused to carry the request (this connection's permissions)
@@ -231,8 +233,10 @@ class Bus:
         self.nc = nc
         self.js = nc.jetstream()
         self._inbox = nc.new_inbox()
+        # replies whose subject is handed out inside a message (fan-out parts) come here: a node may publish under
+        # this prefix but subscribe nowhere in it, and every token is random, so it can answer only what it was given
+        self._handout = f"{HANDOUT_PREFIX}.{self._inbox.rsplit('.', 1)[-1]}"
         self._streams: dict[str, FrameStream] = {}
-        self._seq = itertools.count(1)
         self._mux_sub: Any = None
 
     @classmethod
@@ -292,7 +296,7 @@ class Bus:
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
-        token = str(next(self._seq))
+        token = secrets.token_hex(8)  # unguessable: a reply subject names one request, never its neighbours
         where = subject(**params)
         pending = FrameStream(self, token, timeout, where)
         self._streams[token] = pending
@@ -381,6 +385,7 @@ class Bus:
                         s.queue.put_nowait(m.data)
 
             self._mux_sub = await self.nc.subscribe(self._inbox + ".*", cb=_dispatch)
+            self._handout_sub = await self.nc.subscribe(self._handout + ".*", cb=_dispatch)
 
     async def open_stream(
         self,
@@ -409,10 +414,10 @@ class Bus:
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
-        token = str(next(self._seq))
+        token = secrets.token_hex(8)
         stream = FrameStream(self, token, idle_timeout_s)
         self._streams[token] = stream
-        return stream, f"{self._inbox}.{token}"
+        return stream, f"{self._handout}.{token}"
 
     # --- JetStream topology ----------------------------------------------------------------------
 

@@ -128,6 +128,46 @@ class NatsServer(_Server):
         if self.proc is not None:
             self.proc.send_signal(signal.SIGHUP)
 
+    @classmethod
+    def secured(cls, data_dir: str | os.PathLike, token: str = "", **kw) -> "NatsServer":
+        """A server whose users come from a fresh member registry (runtime/members.py), as `coderai up` runs it:
+        `service_url` logs in as the services do, `add_node()` makes a node user as a join would."""
+        from coderai.runtime import members
+
+        data = Path(data_dir)
+        reg, password = members.new_registry(token)
+        server = cls(data, users_file=data / "users.conf", **kw)
+        server.members_file = data / "members.json"
+        server.service_password = password
+        members.save(server.members_file, reg)
+        members.write_users(server.users_file, reg)
+        return server
+
+    @property
+    def service_url(self) -> str:
+        from coderai.runtime.cluster import with_user
+
+        password = getattr(self, "service_password", "")
+        return with_user(self.url, "service", password) if password else self.url
+
+    def add_node(self, node_id: str, kind: str = "node", timeout_s: float = 10.0) -> str:
+        """Make `node_id` a member now (the users file rewritten, the server reloaded); its URL with credentials."""
+        from coderai.runtime import members
+        from coderai.runtime.cluster import with_user
+
+        reg = members.load(self.members_file)
+        password = members.add_node(reg, node_id, kind)
+        members.save(self.members_file, reg)
+        members.write_users(self.users_file, reg)
+        self.reload()
+        user = members.node_user(node_id, kind)
+        deadline = time.monotonic() + timeout_s
+        while not _login_ok(self.url, user, password):  # the reload is applied a moment after the signal
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError(f"nats-server did not take user {user} within {timeout_s}s")
+            time.sleep(0.02)
+        return with_user(self.url, user, password)
+
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "NatsServer":
         store = self.data_dir / "jetstream"
         ports_dir = self.data_dir / "ports"
@@ -170,6 +210,26 @@ class NatsServer(_Server):
             time.sleep(0.02)
         self.stop()
         raise EmbeddedServerError(f"nats-server did not report its ports within {timeout_s}s")
+
+
+def _login_ok(url: str, user: str, password: str) -> bool:
+    """Whether nats-server at `url` takes this user's login (a CONNECT answered +OK, not -ERR)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=2) as sock:
+            sock.recv(4096)  # INFO
+            sock.sendall(b"CONNECT " + json.dumps({"user": user, "pass": password, "verbose": True}).encode() + b"\r\nPING\r\n")
+            answer = b""
+            while b"\r\n" not in answer:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            return answer.startswith(b"+OK")
+    except OSError:
+        return False
 
 
 class RedisServer(_Server):

@@ -9,7 +9,7 @@ members by rewriting the config and sending nats-server SIGHUP, which also disco
 
 A node's rights are the least it needs (docs/security.md lists them): its own heartbeat, engine, command and
 inbox subjects, replies only to requests it was sent (`allow_responses`), its own assignment key, events and
-training reports under its own id, and blobs only by their random names.
+training reports under its own id, and blobs only through the gateway's blob service, by their random names.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from coderai.contracts.topology import ASSIGNMENTS, BLOBS, WORK
+from coderai.contracts.topology import ASSIGNMENTS, WORK
 from coderai.runtime.cluster import JOIN_USER
 
 SERVICE_USER = "service"
@@ -72,13 +72,13 @@ def hash_password(password: str) -> str:
 def node_permissions(node_id: str) -> dict:
     """The publish and subscribe rights of node (or pod) `node_id`."""
     kv, kv_stream = ASSIGNMENTS.name, f"KV_{ASSIGNMENTS.name}"
-    obj, obj_stream = BLOBS.name, f"OBJ_{BLOBS.name}"
     publish = [
         f"coderai.hb.{node_id}",
         f"coderai.evt.model.loaded.{node_id}",
         f"coderai.evt.work.part.{node_id}",
         f"coderai.train.report.*.{node_id}",
         f"coderai.train.upload.*.{node_id}",
+        "coderai.reply.*.*",  # answers to fan-out parts, at the random reply subject the part carries
         "coderai.cmd.store.fetch",  # model files from the head's store
         "coderai.cmd.store.list",
         "$JS.API.INFO",
@@ -88,17 +88,9 @@ def node_permissions(node_id: str) -> dict:
         f"$JS.API.CONSUMER.CREATE.{kv_stream}.*.$KV.{kv}.{node_id}",
         f"$JS.API.CONSUMER.DELETE.{kv_stream}.*",
         f"$JS.API.CONSUMER.INFO.{kv_stream}.*",
-        # blobs: objects are read by their random names, which only the jobs that carry them tell; a node may not
-        # purge, delete from or reconfigure the store (nats-py reads an object's metadata through the stream's
-        # message API, which cannot be narrowed to one name: see docs/security.md, "what is left")
-        f"$JS.API.STREAM.INFO.{obj_stream}",
-        f"$JS.API.STREAM.MSG.GET.{obj_stream}",
-        f"$JS.API.CONSUMER.CREATE.{obj_stream}",
-        f"$JS.API.CONSUMER.DELETE.{obj_stream}.*",
-        "$JS.API.STREAM.NAMES",
-        f"$O.{obj}.C.*",
-        f"$O.{obj}.M.*",
-        "$JS.FC.>",
+        # blobs only through the gateway's blob service, by their random names (runtime/blobs.py BlobProxy)
+        "coderai.cmd.blob.read",
+        "coderai.cmd.blob.write",
         # fan-out parts: bind the shared durable pull consumers of the WORK stream and pull from them
         f"$JS.API.STREAM.INFO.{WORK.name}",
         f"$JS.API.CONSUMER.INFO.{WORK.name}.*",

@@ -73,7 +73,11 @@ class Stack:
     def start_core(self, models_file: Path) -> None:
         """Router, scheduler and metrics: everything but workers and the gateway."""
         self.start("router", "coderai.router")
-        self.start("scheduler", "coderai.scheduler", ["--models-file", str(models_file)])
+        nats = getattr(self, "nats", None)
+        members = {"CODERAI_SCHEDULER_MEMBERS_FILE": str(nats.members_file), "CODERAI_SCHEDULER_NATS_USERS_FILE":
+                   str(nats.users_file), "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)} \
+            if getattr(nats, "members_file", None) else {}
+        self.start("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], env=members)
         self.metrics_port = free_port()
         env = {"CODERAI_METRICS_PORT": str(self.metrics_port)}
         if self.redis_url:
@@ -81,8 +85,12 @@ class Stack:
         self.start("metrics", "coderai.metrics", env=env)
 
     def start_worker(self, node_id: str) -> ServiceProcess:
-        return self.start(f"worker-{node_id}", "coderai.engine_worker", ["--node-id", node_id],
-                          env={"CODERAI_DATA_DIR": str(self.root / node_id)})
+        """A worker; on a secured NATS (NatsServer.secured) it logs in as a node of its own, as a joined one does."""
+        env = {"CODERAI_DATA_DIR": str(self.root / node_id)}
+        nats = getattr(self, "nats", None)
+        if getattr(nats, "members_file", None):
+            env["CODERAI_NATS_URL"] = nats.add_node(node_id)
+        return self.start(f"worker-{node_id}", "coderai.engine_worker", ["--node-id", node_id], env=env)
 
     def start_gateway(self, *args: str, env: dict[str, str] | None = None) -> ServiceProcess:
         self.gateway_port = free_port()
@@ -133,8 +141,8 @@ def running_stack(
 ) -> Iterator[Stack]:
     """A NATS server of its own, core services, workers and a gateway; `ready_model` answers before it yields.
     `stack.nats` is the server, for tests that kill and restart it (give `nats_port` so it comes back there)."""
-    nats = NatsServer(root / "nats", port=nats_port).start()
-    stack = Stack(root, nats.url, redis_url, extra_env)
+    nats = NatsServer.secured(root / "nats", port=nats_port).start()  # every worker a node with a node's rights
+    stack = Stack(root, nats.service_url, redis_url, extra_env)
     stack.nats = nats
     try:
         stack.start_core(write_models_file(root / "models.toml", models))
