@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Prepare a head machine before its services start (compose's `init` container, systemd's ExecStartPre).
 
-- `--nats-conf PATH`: write nats-server's config — listen address, JetStream store, monitoring port and the
-  `authorization` block that `coderai up` derives from the cluster token (runtime/cluster.py), so services and
-  nodes log in exactly as they do against `coderai up`. Rewritten on every start: a new token takes effect at
-  the next restart of NATS.
+- `--nats-conf PATH`: write nats-server's config (listen address, JetStream store, monitoring port, pid file)
+  and, beside it, `users.conf` with its users, from the member registry `members.json` there (made on first
+  run, kept after: joined nodes stay members; the join user follows the current cluster token). The
+  scheduler's membership rewrites `users.conf` and reloads the server as nodes join and are revoked.
+- `--secrets-dir DIR`: the `service` user's NATS password in DIR/nats-service.password (mode 0600), made with
+  the registry; every service reads it (CODERAI_NATS_PASSWORD_FILE).
 - `--keys-dir DIR`: on first run, an admin API key: its hash in DIR/keys.toml (the gateway's
   CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
 
-The token comes from CODERAI_CLUSTER_TOKEN (never a flag: flags show in `ps`).
+The token comes from CODERAI_CLUSTER_TOKEN (never a flag: flags show in `ps`); nothing is derived from it but
+the join user's password.
 """
 
 from __future__ import annotations
@@ -18,28 +21,28 @@ import os
 import sys
 from pathlib import Path
 
-from coderai.runtime.cluster import nats_auth_config
+from coderai.runtime import members
+from coderai.runtime.cluster import WeakToken, check_token
 
 
-def nats_config(token: str, *, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/data",
-                http_port: int = 8222, server_name: str = "coderai-head") -> str:
-    """A complete nats-server config: JetStream on, clients authenticated by the token's derived passwords."""
-    if not token:
-        raise ValueError("CODERAI_CLUSTER_TOKEN is empty: a head that other machines join needs the cluster token")
+def nats_config(*, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/data", http_port: int = 8222,
+                server_name: str = "coderai-head", pid_file: str = "nats.pid") -> str:
+    """nats-server's main config: JetStream on, users from `users.conf` beside it."""
     lines = [
-        "# Written by coderai-init from CODERAI_CLUSTER_TOKEN; edits are overwritten at the next start.",
+        "# Written by coderai-init at every start; edits are overwritten. Users: users.conf (the scheduler's).",
         f'server_name: "{server_name}"',
         f'listen: "{host}:{port}"',
+        f'pid_file: "{pid_file}"',
     ]
     if http_port:
         lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check only')
-    lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", ""]
-    return "\n".join(lines) + nats_auth_config(token)
+    lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", "include ./users.conf", ""]
+    return "\n".join(lines)
 
 
 def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds derived passwords
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
@@ -53,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nats-port", type=int, default=4222, help="NATS client port (default 4222)")
     ap.add_argument("--nats-http-port", type=int, default=8222, help="NATS monitoring port; 0 turns it off")
     ap.add_argument("--store-dir", default="/data", help="JetStream store directory (default /data)")
+    ap.add_argument("--secrets-dir", type=Path, help="the service NATS password goes here (default: beside nats.conf)")
     ap.add_argument("--keys-dir", type=Path, help="create DIR/keys.toml and DIR/admin.key on first run")
     return ap
 
@@ -63,14 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.nats_conf or args.keys_dir):
         ap.error("nothing to do: give --nats-conf and/or --keys-dir")
     if args.nats_conf:
+        token = os.environ.get("CODERAI_CLUSTER_TOKEN", "")
+        if not token:
+            print("coderai-init: CODERAI_CLUSTER_TOKEN is empty: a head that other machines join needs the cluster "
+                  "token (make one with `coderai token new`)", file=sys.stderr)
+            return 2
         try:
-            text = nats_config(os.environ.get("CODERAI_CLUSTER_TOKEN", ""), host=args.nats_host, port=args.nats_port,
-                               store_dir=args.store_dir, http_port=args.nats_http_port)
-        except ValueError as exc:
+            check_token(token)
+        except WeakToken as exc:
             print(f"coderai-init: {exc}", file=sys.stderr)
             return 2
-        _write_private(args.nats_conf, text)
-        print(f"coderai-init: wrote {args.nats_conf}")
+        folder = args.nats_conf.parent
+        reg, _password = members.ensure_registry(folder, (args.secrets_dir or folder) / "nats-service.password", token)
+        members.save(folder / "members.json", reg)
+        members.write_users(folder / "users.conf", reg)
+        _write_private(args.nats_conf, nats_config(host=args.nats_host, port=args.nats_port, store_dir=args.store_dir,
+                                                   http_port=args.nats_http_port, pid_file=str(folder / "nats.pid")))
+        print(f"coderai-init: wrote {args.nats_conf} and {folder / 'users.conf'}")
     if args.keys_dir:
         from coderai.up import ensure_api_key
 

@@ -114,6 +114,11 @@ if [ -f "$env_file" ]; then scrape_token="$(sed -n 's/^CODERAI_SCRAPE_TOKEN=//p'
 if [ "$role" = head ] && [ -z "$scrape_token" ]; then
   scrape_token="$(LC_ALL=C tr -dc 'A-Za-z0-9' < /dev/urandom | head -c 32 || true)"
 fi
+redis_password=""
+if [ -f "$env_file" ]; then redis_password="$(sed -n 's/^REDIS_PASSWORD=//p' "$env_file" | head -1)"; fi
+if [ "$role" = head ] && [ -z "$redis_password" ]; then
+  redis_password="$(LC_ALL=C tr -dc 'A-Za-z0-9' < /dev/urandom | head -c 40 || true)"
+fi
 umask 077
 {
   echo "# coderai ($role), written by helm-free-deploy/install.sh. Holds the cluster token: keep it mode 0600."
@@ -125,7 +130,12 @@ umask 077
   echo "HF_HOME=$state_dir/hf"
   if [ "$role" = head ]; then
     echo "CODERAI_NATS_URL=nats://127.0.0.1:$nats_port"
-    echo "CODERAI_REDIS_URL=redis://127.0.0.1:$redis_port/0"
+    echo "CODERAI_NATS_PASSWORD_FILE=$state_dir/secrets/nats-service.password"
+    echo "REDIS_PASSWORD=$redis_password"
+    echo "CODERAI_REDIS_URL=redis://:$redis_password@127.0.0.1:$redis_port/0"
+    echo "CODERAI_SCHEDULER_MEMBERS_FILE=$state_dir/nats/members.json"
+    echo "CODERAI_SCHEDULER_NATS_USERS_FILE=$state_dir/nats/users.conf"
+    echo "CODERAI_SCHEDULER_NATS_PID_FILE=$state_dir/nats/nats.pid"
     echo "CODERAI_SCRAPE_TOKEN=$scrape_token"
     echo "CODERAI_GATEWAY_HOST=$gateway_host"
     echo "CODERAI_GATEWAY_PORT=$gateway_port"

@@ -85,17 +85,9 @@ def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
     """NATS' users for this head: the registry (kept across restarts, so joined nodes stay members), the service
     password (made once, in secrets/nats-service.password) and a new password for this box's own worker, which
     is a node like any other. Writes the users file nats-server reads; returns (service, worker) passwords."""
-    reg_path, secret = data / "nats" / "members.json", data / "secrets" / "nats-service.password"
-    reg = members.load(reg_path)
-    if reg is None or not secret.exists():
-        fresh, password = members.new_registry()
-        reg = fresh if reg is None else members.Registry(service_hash=fresh.service_hash, members=reg.members,
-                                                         revoked=reg.revoked)
-        members._write_private(secret, password + "\n")
-    password = members.read_secret(secret)
-    reg.join_hash = members.new_registry(token)[0].join_hash if token else ""
+    reg, password = members.ensure_registry(data / "nats", data / "secrets" / "nats-service.password", token)
     worker_password = members.add_node(reg, worker_id)
-    members.save(reg_path, reg)
+    members.save(data / "nats" / "members.json", reg)
     members.write_users(data / "nats" / "users.conf", reg)
     return password, worker_password
 

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 DOCKER = ROOT / "docker"
-TEST_TOKEN = "test-token_0123456789"
+TEST_TOKEN = "test-token_0123456789-abcdefghij"
+TEST_REDIS_PASSWORD = "test-redis-password"
 
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
@@ -71,7 +72,7 @@ def env_example() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def compose_env(env_example) -> dict[str, str]:
     """What a filled-in .env gives compose: the example with a token."""
-    return {**env_example, "CODERAI_CLUSTER_TOKEN": TEST_TOKEN}
+    return {**env_example, "CODERAI_CLUSTER_TOKEN": TEST_TOKEN, "REDIS_PASSWORD": TEST_REDIS_PASSWORD}
 
 
 @pytest.fixture(scope="session")

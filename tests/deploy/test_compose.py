@@ -13,6 +13,8 @@ from coderai.cli import COMMANDS
 from coderai.runtime import envdoc
 from coderai.scheduler.models_file import load_models
 
+from tests.deploy.conftest import TEST_TOKEN
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 FILES = ("head.yml", "node.yml", "gpu.yml")
@@ -99,8 +101,15 @@ def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env):
             elif kind in envdoc.SERVICES:
                 unknown = names - envdoc.variables(kind)
                 assert not unknown, f"{name} does not read {sorted(unknown)} (docs/env.md lists what it reads)"
-                assert env["CODERAI_CLUSTER_TOKEN"] == "test-token_0123456789"
                 assert "CODERAI_NATS_URL" in env
+                # the token only where joins happen: the worker joins with it, the scheduler answers joins
+                if kind in ("worker", "scheduler"):
+                    assert env["CODERAI_CLUSTER_TOKEN"] == TEST_TOKEN
+                else:
+                    assert "CODERAI_CLUSTER_TOKEN" not in env, f"{name} has no use for the cluster token"
+                if kind != "worker":
+                    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{DATA_DIR}/secrets/nats-service.password"
+                    assert ("secrets", f"{DATA_DIR}/secrets") in _mounts(svc)
             else:
                 assert not names, f"{name} is not a coderai service"
 

