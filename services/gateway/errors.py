@@ -39,6 +39,8 @@ BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "overloaded": (503, "service_unavailable"),
     "busy": (429, "rate_limit_error"),
     "over_budget": (429, "insufficient_quota"),
+    "forbidden": (403, "permission_error"),
+    "unavailable": (502, "engine_error"),  # a head that cannot change its members: not the client's to retry
     "timeout": (504, "timeout"),
     "engine_failed": (502, "engine_error"),
     "cancelled": (499, "cancelled"),

@@ -14,6 +14,8 @@ ErrorCode = Literal[
     "overloaded",  # try again later or elsewhere
     "busy",  # the engine's bounded queue is full: the client should slow down (429 with Retry-After)
     "over_budget",  # a spend cap (a model's pod budget, a global cap) would be exceeded
+    "forbidden",  # the caller may not do this (a join without the token, a node speaking for another)
+    "unavailable",  # the callee cannot do this here (e.g. a head without a member registry)
     "cancelled",  # the caller went away
     "timeout",
     "internal",

@@ -238,6 +238,7 @@ class Bus:
         self._handout = f"{HANDOUT_PREFIX}.{self._inbox.rsplit('.', 1)[-1]}"
         self._streams: dict[str, FrameStream] = {}
         self._mux_sub: Any = None
+        self._handout_sub: Any = None
 
     @classmethod
     async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
@@ -384,8 +385,8 @@ class Bus:
                     else:
                         s.queue.put_nowait(m.data)
 
+            self._dispatch = _dispatch
             self._mux_sub = await self.nc.subscribe(self._inbox + ".*", cb=_dispatch)
-            self._handout_sub = await self.nc.subscribe(self._handout + ".*", cb=_dispatch)
 
     async def open_stream(
         self,
@@ -414,6 +415,8 @@ class Bus:
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
+        if self._handout_sub is None:  # only callers that hand replies out subscribe here (gateways)
+            self._handout_sub = await self.nc.subscribe(self._handout + ".*", cb=self._dispatch)
         token = secrets.token_hex(8)
         stream = FrameStream(self, token, idle_timeout_s)
         self._streams[token] = stream

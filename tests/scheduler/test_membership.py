@@ -1,0 +1,118 @@
+"""The head's membership against a real nats-server it reloads: a join with the token gives a login of the
+node's own; a wrong token, a replayed or transplanted answer and a revoked id get nothing; pods' users end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from coderai.contracts import BusError
+from coderai.contracts.admin import JoinHello, JoinProof, PodUserRequest, RevokeRequest
+from coderai.contracts.subjects import CMD_SCHEDULER_POD_USER, CMD_SCHEDULER_REVOKE, JOIN_HELLO, JOIN_PROVE
+from coderai.engine_worker.joining import JoinRefused, join
+from coderai.runtime import members
+from coderai.runtime.bus import Bus
+from coderai.runtime.cluster import JOIN_USER, join_password, new_token, node_proof, nonce, with_user
+from coderai.runtime.embedded import NatsServer, _login_ok
+from coderai.scheduler.membership import Membership
+
+TOKEN = new_token()
+
+
+@pytest.fixture
+async def head(tmp_path):
+    server = NatsServer.secured(tmp_path / "nats", token=TOKEN).start()
+    async with contextlib.AsyncExitStack() as stack:
+        bus = await Bus.connect(server.service_url, "scheduler")
+        stack.push_async_callback(bus.close)
+        m = Membership(bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file))
+        await m.start(stack)
+        yield server, bus, m
+    server.stop()
+
+
+async def _as_joiner(server) -> Bus:
+    return await Bus.connect(with_user(server.url, JOIN_USER, join_password(TOKEN)), "joiner",
+                             inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}", connect_timeout_s=5)
+
+
+async def _wait_login(url: str, user: str, password: str, want: bool = True) -> None:
+    for _ in range(250):
+        if _login_ok(url, user, password) == want:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"login of {user} is not {'taken' if want else 'refused'}")
+
+
+async def test_a_join_gives_the_node_a_login_of_its_own(head, tmp_path):
+    server, _, _ = head
+    url = await join(server.url, TOKEN, "n1", str(tmp_path / "n1"))
+    user, password = members.node_user("n1"), url.split(":")[2].split("@")[0]
+    await _wait_login(server.url, user, password)
+    assert "n1" in members.load(server.members_file).members
+    assert password not in server.users_file.read_text()  # the head has its hash only
+
+
+async def test_a_wrong_token_gets_no_login_and_no_answer(head, tmp_path):
+    server, _, _ = head
+    with pytest.raises(BusError):  # the join user's password comes from the token: NATS refuses the login
+        await join(server.url, new_token(), "n2", str(tmp_path / "n2"), timeout_s=2)
+    assert "n2" not in members.load(server.members_file).members
+
+
+async def test_a_replayed_or_transplanted_answer_is_refused(head):
+    server, _, _ = head
+    bus = await _as_joiner(server)
+    try:
+        mine = nonce()
+        ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
+        ph = members.hash_password("pw-of-n3")
+        proof = JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
+                          proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph))
+        stolen = JoinProof(node_id="n4", nonce=mine, head_nonce=ch.nonce, password_hash=ph, proof=proof.proof)
+        with pytest.raises(BusError, match="no such join challenge"):  # the challenge was for n3
+            await bus.request(JOIN_PROVE, stolen)
+        ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
+        other = members.hash_password("the attacker's")  # the answer binds the password hash too
+        with pytest.raises(BusError, match="proof is wrong"):
+            await bus.request(JOIN_PROVE, JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=other,
+                                                    proof=node_proof(TOKEN, "n3", mine, "0" * 32, other)))
+        ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
+        good = JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
+                         proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph))
+        assert (await bus.request(JOIN_PROVE, good)).user == "node-n3"
+        with pytest.raises(BusError, match="no such join challenge"):  # the same answer again
+            await bus.request(JOIN_PROVE, good)
+    finally:
+        await bus.close()
+
+
+async def test_a_revoked_node_is_cut_off_and_may_not_join_again(head, tmp_path):
+    server, bus, _ = head
+    url = await join(server.url, TOKEN, "n5", str(tmp_path / "n5"))
+    node = await Bus.connect(url, "n5", inbox_prefix=members.node_inbox("n5"), connect_timeout_s=10)
+    try:
+        reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5"))
+        assert "n5" in reply.revoked and all(m.node_id != "n5" for m in reply.members)
+        for _ in range(250):
+            if not node.connected:
+                break
+            await asyncio.sleep(0.02)
+        assert not node.connected, "the reload disconnects a removed user"
+    finally:
+        await node.nc.close()
+    with pytest.raises(JoinRefused, match="was revoked"):
+        await join(server.url, TOKEN, "n5", str(tmp_path / "n5b"))
+    await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5", forget=True))
+    await join(server.url, TOKEN, "n5", str(tmp_path / "n5c"))
+
+
+async def test_a_pods_user_ends_with_its_time(head):
+    server, bus, m = head
+    pod = await bus.request(CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id="coderai-x-big-abc123", ttl_s=3600))
+    assert pod.user == "pod-coderai-x-big-abc123"
+    await _wait_login(server.url, pod.user, pod.password)
+    assert await m.sweep(now=pod.expires_at + 1) == ["coderai-x-big-abc123"]
+    await _wait_login(server.url, pod.user, pod.password, want=False)

@@ -1,0 +1,117 @@
+"""A hostile node on a real cluster: machines in network namespaces, a head (`coderai up --cluster-token`), a
+good node and an evil one that both join with the token. The evil node, with credentials of its own, tries
+every attack of docs/security.md (coderai.testing.hostile) and each is refused. A fake head replaying the head's
+announcement gets no credentials; a revoked node is cut off at once and may not join again."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from coderai.runtime.cluster import new_token
+from coderai.testing.netns import Lab, NetnsUnavailable
+from coderai.testing.procs import ServiceProcess, wait_until
+from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
+
+pytestmark = pytest.mark.slow
+
+TOKEN = new_token()
+
+
+class Cluster:
+    def __init__(self, lab: Lab, root, env: dict[str, str]) -> None:
+        self.lab, self.root, self.env = lab, root, env
+        self.procs: dict[str, ServiceProcess] = {}
+
+    def run(self, host: str, *args: str, timeout_s: float = 120) -> str:
+        r = self.lab.run(host, [sys.executable, *args], env=self.env, timeout_s=timeout_s)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return r.stdout
+
+    def nodes(self) -> list[str]:
+        out = self.run("head", "-m", "coderai.testing.probe", "nodes", "--data-dir", str(self.root / "head"), timeout_s=60)
+        return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_gguf):
+    try:
+        lab = Lab(["head", "good", "evil", "spy"])
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("hostile")
+    models = write_models_file(root / "models.toml", [
+        {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
+    ])
+    c = Cluster(lab, root, clean_env())
+    up = head_up(lab["head"], root, models, TOKEN, c.env)
+    try:
+        up.start()
+        up.wait_log("\nready", 120)
+        c.procs["up"] = up
+        good = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
+        c.procs["good"] = good
+        wait_until(lambda: "good" in c.nodes(), 60, "the good node to join")
+        yield c
+    finally:
+        for p in reversed(list(c.procs.values())):
+            p.stop(timeout_s=60 if p is up else 15)
+        lab.close()
+
+
+def test_every_attack_of_a_hostile_node_is_refused(cluster):
+    out = cluster.run("evil", "-m", "coderai.testing.hostile", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
+                      "--token", TOKEN, "--node-id", "evil", "--victim", "good", "--data-dir", str(cluster.root / "evil"))
+    report = json.loads(out.strip().splitlines()[-1])
+    for r in report["results"]:
+        print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")
+    print(f"hostile node: {report['tried']} attacks tried, {len(report['succeeded'])} succeeded")
+    assert report["tried"] >= 40
+    assert report["succeeded"] == []
+    # and the good node is none the worse: it still serves through the head
+    assert "good" in cluster.nodes()
+
+
+def test_a_fake_head_replaying_the_announcement_gets_no_credentials(cluster):
+    """The spy runs a NATS of its own (it takes any login) and announces the head's fingerprint, as a replay of
+    the head's mDNS record would; a joining worker reaches it, the spy cannot answer the challenge without the
+    token, and the worker gives up on it having sent nothing but the join user's password."""
+    spy = cluster.lab["spy"]
+    fake = ServiceProcess("fake-head", "coderai.testing.fake_head", ["--host", spy.ip, "--port", "4222",
+                                                                      "--record", str(cluster.root / "fake.json")],
+                          cluster.env, cluster.root / "logs", prefix=spy.prefix()).start()
+    cluster.procs["fake-head"] = fake
+    fake.wait_log("fake head up", 30)
+    victim = ServiceProcess("worker-victim", "coderai.engine_worker",
+                            ["--cluster-token", TOKEN, "--nats-url", f"nats://{spy.ip}:4222", "--no-mdns",
+                             "--node-id", "victim", "--data-dir", str(cluster.root / "victim")],
+                            cluster.env, cluster.root / "logs", prefix=cluster.lab["good"].prefix()).start()
+    cluster.procs["victim"] = victim
+    wait_until(lambda: not victim.alive() or "not our head" in victim.log_text(), 60, "the worker to refuse the fake head")
+    assert "not our head" in victim.log_text()
+    seen = json.loads((cluster.root / "fake.json").read_text())
+    assert seen["subjects"] == ["coderai.join.hello"], "the worker sent nothing after the unanswerable challenge"
+    assert TOKEN not in json.dumps(seen)
+    assert not (cluster.root / "victim" / "node-credentials.json").exists()
+
+
+def test_a_revoked_node_is_cut_off_at_once_and_may_not_join_again(cluster):
+    spare = node_up(cluster.lab["evil"], "spare", cluster.lab["head"].ip, cluster.root, TOKEN, cluster.env).start()
+    cluster.procs["spare"] = spare
+    wait_until(lambda: "spare" in cluster.nodes(), 60, "the spare node to join")
+    out = cluster.run("head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "revoke", "spare")
+    assert '"revoked": ["spare"]' in out
+    wait_until(lambda: "spare" not in cluster.nodes(), 15, "the revoked node to leave")
+    wait_until(lambda: "Authorization Violation" in spare.log_text() or "authorization violation" in spare.log_text(),
+               15, "NATS to cut the revoked node off")
+    members = cluster.run("head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "list")
+    assert '"node_id": "good"' in members and '"node_id": "spare"' not in members
+    spare.stop()
+    # it still has the token, but its id may not join again
+    again = node_up(cluster.lab["evil"], "spare", cluster.lab["head"].ip, cluster.root / "again", TOKEN, cluster.env).start()
+    cluster.procs["spare-again"] = again
+    wait_until(lambda: not again.alive() or "was revoked" in again.log_text(), 60, "the rejoin to be refused")
+    assert "was revoked" in again.log_text()
+    assert "spare" not in cluster.nodes()
