@@ -6,7 +6,8 @@
   run, kept after: joined nodes stay members; the join user follows the current cluster token). The
   scheduler's membership rewrites `users.conf` and reloads the server as nodes join and are revoked.
 - `--secrets-dir DIR`: the `service` user's NATS password in DIR/nats-service.password (mode 0600), made with
-  the registry; every service reads it (CODERAI_NATS_PASSWORD_FILE).
+  the registry, and the CA of NATS' TLS certificate (made once, in `tls/` beside nats.conf) in DIR/nats-ca.pem;
+  every service reads both (CODERAI_NATS_PASSWORD_FILE, CODERAI_NATS_CA).
 - `--keys-dir DIR`: on first run, an admin API key: its hash in DIR/keys.toml (the gateway's
   CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
 
@@ -23,11 +24,12 @@ from pathlib import Path
 
 from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token
+from coderai.runtime.tls import ensure_certs
 
 
 def nats_config(*, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/data", http_port: int = 8222,
-                server_name: str = "coderai-head", pid_file: str = "nats.pid") -> str:
-    """nats-server's main config: JetStream on, users from `users.conf` beside it."""
+                server_name: str = "coderai-head", pid_file: str = "nats.pid", tls_dir: str = "tls") -> str:
+    """nats-server's main config: TLS with the head's own certificate, JetStream on, users from `users.conf`."""
     lines = [
         "# Written by coderai-init at every start; edits are overwritten. Users: users.conf (the scheduler's).",
         f'server_name: "{server_name}"',
@@ -36,6 +38,7 @@ def nats_config(*, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/d
     ]
     if http_port:
         lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check only')
+    lines += ["tls {", f'  cert_file: "{tls_dir}/server.pem"', f'  key_file: "{tls_dir}/server-key.pem"', "}"]
     lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", "include ./users.conf", ""]
     return "\n".join(lines)
 
@@ -78,11 +81,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"coderai-init: {exc}", file=sys.stderr)
             return 2
         folder = args.nats_conf.parent
-        reg, _password = members.ensure_registry(folder, (args.secrets_dir or folder) / "nats-service.password", token)
+        secrets_dir = args.secrets_dir or folder
+        certs = ensure_certs(folder / "tls")  # made once; services trust its CA, joining workers pin it
+        _write_private(secrets_dir / "nats-ca.pem", certs.ca_pem)
+        reg, _password = members.ensure_registry(folder, secrets_dir / "nats-service.password", token)
         members.save(folder / "members.json", reg)
         members.write_users(folder / "users.conf", reg)
         _write_private(args.nats_conf, nats_config(host=args.nats_host, port=args.nats_port, store_dir=args.store_dir,
-                                                   http_port=args.nats_http_port, pid_file=str(folder / "nats.pid")))
+                                                   http_port=args.nats_http_port, pid_file=str(folder / "nats.pid"),
+                                                   tls_dir=str(folder / "tls")))
         print(f"coderai-init: wrote {args.nats_conf} and {folder / 'users.conf'}")
     if args.keys_dir:
         from coderai.up import ensure_api_key

@@ -131,6 +131,7 @@ umask 077
   if [ "$role" = head ]; then
     echo "CODERAI_NATS_URL=nats://127.0.0.1:$nats_port"
     echo "CODERAI_NATS_PASSWORD_FILE=$state_dir/secrets/nats-service.password"
+    echo "CODERAI_NATS_CA=$state_dir/secrets/nats-ca.pem"
     echo "REDIS_PASSWORD=$redis_password"
     echo "CODERAI_REDIS_URL=redis://:$redis_password@127.0.0.1:$redis_port/0"
     echo "CODERAI_SCHEDULER_MEMBERS_FILE=$state_dir/nats/members.json"

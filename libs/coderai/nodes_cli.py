@@ -13,29 +13,17 @@ from pathlib import Path
 from coderai.runtime.cluster import new_token
 
 
-def head_nats_url(args: argparse.Namespace) -> str:
-    """The head's NATS as a service: --nats-url with the password in CODERAI_NATS_PASSWORD_FILE, else what the
-    `coderai up` running on --data-dir wrote."""
-    from coderai.runtime.cluster import with_user
-    from coderai.runtime.members import SERVICE_USER, read_secret
-
-    password_file = os.environ.get("CODERAI_NATS_PASSWORD_FILE", "")
-    if args.nats_url:
-        return with_user(args.nats_url, SERVICE_USER, read_secret(Path(password_file))) if password_file else args.nats_url
-    from coderai.up import service_urls
+async def _ask(args: argparse.Namespace, subject, msg):
+    """One request to the head's scheduler as a service: --nats-url with CODERAI_NATS_PASSWORD_FILE (and
+    CODERAI_NATS_CA for TLS), else the `coderai up` running on --data-dir."""
+    from coderai.up import head_bus
 
     data = Path(os.path.expanduser(args.data_dir)).resolve()
     try:
-        return service_urls(data)[0]
+        bus = await head_bus("coderai-nodes", args.nats_url, data)
     except (OSError, KeyError, ValueError):
         raise SystemExit(f"coderai nodes: no running `coderai up` in {data}: pass --nats-url (and "
                          "CODERAI_NATS_PASSWORD_FILE) or --data-dir") from None
-
-
-async def _ask(url: str, subject, msg):
-    from coderai.runtime.bus import Bus
-
-    bus = await Bus.connect(url, "coderai-nodes", connect_timeout_s=5.0)
     try:
         return await bus.request(subject, msg, timeout=10.0)
     finally:
@@ -56,10 +44,9 @@ def nodes_main(argv: list[str] | None = None) -> int:
     r.add_argument("node_id")
     r.add_argument("--forget", action="store_true", help="also let this id join again later")
     args = ap.parse_args(argv)
-    url = head_nats_url(args)
     msg = MembersRequest() if args.cmd == "list" else RevokeRequest(node_id=args.node_id, forget=args.forget)
     try:
-        reply = asyncio.run(_ask(url, CMD_SCHEDULER_MEMBERS if args.cmd == "list" else CMD_SCHEDULER_REVOKE, msg))
+        reply = asyncio.run(_ask(args, CMD_SCHEDULER_MEMBERS if args.cmd == "list" else CMD_SCHEDULER_REVOKE, msg))
     except BusError as exc:
         print(f"coderai nodes: {exc.message}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ from coderai.runtime.cluster import WeakToken, check_token, fingerprint, with_us
 from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
 from coderai.runtime.logging import setup_logging
 from coderai.runtime.supervisor import Child, Supervisor
+from coderai.runtime.tls import ensure_certs
 
 
 
@@ -90,6 +91,29 @@ def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
     members.save(data / "nats" / "members.json", reg)
     members.write_users(data / "nats" / "users.conf", reg)
     return password, worker_password
+
+
+async def service_bus(data: Path, name: str):
+    """A bus connection as a service to the `coderai up` running on `data` (its password, its CA), for the CLI."""
+    from coderai.runtime.bus import Bus
+    from coderai.runtime.tls import client_context
+
+    ca = data / "nats" / "tls" / "ca.pem"
+    tls = client_context(ca.read_text()) if ca.exists() else None
+    return await Bus.connect(service_urls(data)[0], name, connect_timeout_s=5.0, tls=tls)
+
+
+async def head_bus(name: str, nats_url: str = "", data: Path | None = None):
+    """The CLI's connection to a head as a service: `nats_url` with CODERAI_NATS_PASSWORD_FILE and CODERAI_NATS_CA
+    from the environment, else the `coderai up` running on `data`."""
+    if not nats_url:
+        return await service_bus(data, name)
+    from coderai.runtime.bus import Bus
+    from coderai.runtime.settings import CommonSettings
+
+    settings = CommonSettings(nats_url=nats_url, nats_password_file=os.environ.get("CODERAI_NATS_PASSWORD_FILE", ""),
+                              nats_ca=os.environ.get("CODERAI_NATS_CA", ""))
+    return await Bus.connect_as(settings, name, connect_timeout_s=5.0)
 
 
 def service_urls(data: Path) -> tuple[str, str]:
@@ -178,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         worker_id = stable_node_id(data, args.node_id)
         service_password, worker_password = ensure_members(data, token, worker_id)
         redis_password = members.ensure_secret(data / "secrets" / "redis.password")
+        # beyond loopback NATS speaks TLS only, with a certificate of this head's own CA (joining workers pin it)
+        tls = ensure_certs(data / "nats" / "tls") if nats_host not in ("127.0.0.1", "localhost", "::1") else None
         try:
-            nats = NatsServer(data / "nats", port=nats_port, host=nats_host,
-                              users_file=data / "nats" / "users.conf").start(log_file=data / "logs" / "nats.log")
+            nats = NatsServer(data / "nats", port=nats_port, host=nats_host, users_file=data / "nats" / "users.conf",
+                              tls=tls).start(log_file=data / "logs" / "nats.log")
             redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True,
                                 password=redis_password).start(log_file=data / "logs" / "redis.log")
         except EmbeddedServerError as exc:
@@ -207,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "CODERAI_GATEWAY_REDIS_URL": redis_url,
             "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
             "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
-        }
+        } | ({"CODERAI_NATS_CA": str(tls.ca)} if tls else {})
         # the scheduler keeps the member registry: joins (it alone holds the token), revocations, pods' users
         scheduler_env = env | {"CODERAI_CLUSTER_TOKEN": token, "CODERAI_SCHEDULER_MEMBERS_FILE": str(data / "nats" / "members.json"),
                                "CODERAI_SCHEDULER_NATS_USERS_FILE": str(data / "nats" / "users.conf"),

@@ -14,6 +14,7 @@ from coderai.contracts.admin import JoinHello, JoinProof
 from coderai.contracts.subjects import JOIN_HELLO, JOIN_PROVE
 from coderai.runtime import members
 from coderai.runtime.bus import Bus
+from coderai.runtime.tls import client_context, fingerprint
 from coderai.runtime.cluster import (
     JOIN_USER,
     head_proof,
@@ -37,28 +38,31 @@ def creds_path(data_dir: str) -> Path:
     return Path(os.path.expanduser(data_dir)) / "node-credentials.json"
 
 
-def saved_url(data_dir: str, url: str, node_id: str) -> str:
-    """The URL with this node's saved credentials for the head at `url` (by host and port), else ''."""
+def saved_url(data_dir: str, url: str, node_id: str) -> tuple[str, str]:
+    """(the URL with this node's saved credentials, the CA it pinned) for the head at `url` (by host and port),
+    else ("", "")."""
     try:
         saved = json.loads(creds_path(data_dir).read_text())
     except (OSError, ValueError):
-        return ""
+        return "", ""
     if saved.get("head") != without_user(url) or saved.get("node_id") != node_id:
-        return ""
-    return with_user(url, saved["user"], saved["password"])
+        return "", ""
+    return with_user(url, saved["user"], saved["password"]), saved.get("ca_pem", "")
 
 
 def forget(data_dir: str) -> None:
     creds_path(data_dir).unlink(missing_ok=True)
 
 
-async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0) -> str:
-    """Join the head at `url`; the URL with this node's own credentials, saved for the next start."""
+async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0) -> tuple[str, str]:
+    """Join the head at `url`; (the URL with this node's own credentials, the CA to pin: '' without TLS), saved
+    for the next start. The first contact takes any certificate: the token authenticates the answers, and the
+    CA the head seals in its welcome is the only one trusted from then on."""
     password = members.new_password()
     password_hash = members.hash_password(password)
     mine = nonce()
     bus = await Bus.connect(with_user(url, JOIN_USER, join_password(token)), f"join:{node_id}", connect_timeout_s=timeout_s,
-                            inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}")
+                            inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}", tls=client_context())
     try:
         challenge = await bus.request(JOIN_HELLO, JoinHello(node_id=node_id, nonce=mine), timeout=10)
         if not same(challenge.proof, head_proof(token, node_id, mine, challenge.nonce)):
@@ -72,11 +76,14 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         await bus.close()
     if not same(welcome.proof, welcome_proof(token, node_id, challenge.nonce, welcome.user, welcome.tls_fingerprint)):
         raise JoinRefused("the head's welcome is not sealed with the cluster token")
+    if welcome.tls_fingerprint and not same(fingerprint(welcome.ca_pem), welcome.tls_fingerprint):
+        raise JoinRefused("the head's CA does not match the fingerprint it sealed")
     path = creds_path(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump({"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
-                   "tls_fingerprint": welcome.tls_fingerprint}, fh)
-    log.info("joined the cluster at %s as %s", without_user(url), welcome.user)
-    return with_user(url, welcome.user, password)
+                   "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem}, fh)
+    log.info("joined the cluster at %s as %s%s", without_user(url), welcome.user,
+             f"; pinned its CA {welcome.tls_fingerprint[:16]}" if welcome.tls_fingerprint else "")
+    return with_user(url, welcome.user, password), welcome.ca_pem

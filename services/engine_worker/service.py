@@ -26,6 +26,7 @@ from coderai.contracts import BusError
 from coderai.engine_worker.joining import JoinRefused, forget, join, saved_url
 from coderai.runtime.bus import DEFAULT_NATS_URL, Bus
 from coderai.runtime.members import node_inbox
+from coderai.runtime.tls import ca_text, client_context
 from coderai.runtime.cluster import check_token as check_cluster_token
 from coderai.runtime.cluster import fingerprint, user_of
 from coderai.runtime.discovery import Announcement, Announcer, find_head
@@ -97,21 +98,23 @@ class Worker:
         kw = dict(on_reconnect=self._on_reconnect, inbox_prefix=node_inbox(self.node_id))
         name = f"worker:{self.node_id}"
         if user_of(url)[0] or not s.cluster_token:
-            return await Bus.connect(url, name, **kw)
+            ca = ca_text(s.nats_ca)
+            return await Bus.connect(url, name, tls=client_context(ca) if ca else None, **kw)
         check_cluster_token(s.cluster_token)
-        saved = saved_url(s.data_dir, url, self.node_id)
+        saved, ca = saved_url(s.data_dir, url, self.node_id)
         if saved:
-            try:
-                return await Bus.connect(saved, name, connect_timeout_s=10, **kw)
+            try:  # the CA pinned at the join: a server whose certificate it did not sign is refused
+                return await Bus.connect(saved, name, connect_timeout_s=10, tls=client_context(ca) if ca else None, **kw)
             except BusError as exc:
-                log.warning("the head refused this node's saved credentials (%s); joining again", exc.message)
+                log.warning("the head refused this node's saved credentials, or is not the head they were made "
+                            "with (%s); joining again", exc.message)
                 forget(s.data_dir)
         try:
-            joined = await join(url, s.cluster_token, self.node_id, s.data_dir)
+            joined, ca = await join(url, s.cluster_token, self.node_id, s.data_dir)
         except JoinRefused as exc:
             raise BusError("forbidden", str(exc), retryable=False) from None
         # Bus.connect retries a refused login until its deadline: the head's reload of nats-server may lag the welcome
-        return await Bus.connect(joined, name, connect_timeout_s=30, **kw)
+        return await Bus.connect(joined, name, connect_timeout_s=30, tls=client_context(ca) if ca else None, **kw)
 
     async def _logs(self, req: NodeLogsRequest, _m) -> NodeLogs:
         return NodeLogs(node_id=self.node_id, lines=ring.tail(req.lines))

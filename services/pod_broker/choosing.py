@@ -53,7 +53,7 @@ def name_prefix(deployment: str) -> str:
     return f"coderai-{deployment}-"
 
 
-def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str) -> dict[str, str]:
+def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str, ca_pem: str = "") -> dict[str, str]:
     """The pod's worker joins this cluster's bus as a pod (credentials of its own, made by the head's membership
     for this pod alone and ended with it: never the cluster token) and loads just `model`, under node id `name`."""
     cfg = json.dumps([_builtins(model)])
@@ -64,7 +64,7 @@ def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: s
         "CODERAI_WORKER_MODELS_JSON": cfg,
         "CODERAI_WORKER_MDNS": "false",
         "CODERAI_LOG_FORMAT": "json",
-    }
+    } | ({"CODERAI_NATS_CA": ca_pem} if ca_pem else {})  # the pod trusts this cluster's CA alone
 
 
 def _builtins(model: ModelConfig) -> dict:

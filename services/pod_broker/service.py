@@ -34,6 +34,7 @@ from coderai.contracts.pods import (
     PodInfo,
 )
 from coderai.contracts.admin import PodUserRequest, RevokeRequest
+from coderai.runtime.tls import ca_text
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
     CMD_BROKER_LEASE,
@@ -248,7 +249,8 @@ class Broker:
             try:
                 return await self.api.create_pod(
                     name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
-                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password), spot=m.pod.spot)
+                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password, ca_text(s.nats_ca)),
+                    spot=m.pod.spot)
             except NoCapacity:
                 raise
             except RunPodError as exc:

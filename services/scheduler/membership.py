@@ -38,6 +38,7 @@ from coderai.contracts.subjects import (
 )
 from coderai.runtime import members
 from coderai.runtime.cluster import head_proof, node_proof, nonce, same, welcome_proof
+from coderai.runtime.tls import fingerprint
 
 log = logging.getLogger("coderai.scheduler.membership")
 
@@ -50,14 +51,14 @@ class Membership:
     """The member registry of this head and the handlers that change it."""
 
     def __init__(self, bus: Any, token: str, members_file: str, auth_file: str, pid_file: str,
-                 tls_fingerprint: str = "", ca_file: str = "", on_revoke: Any = None) -> None:
+                 ca_pem: str = "", on_revoke: Any = None) -> None:
         self.bus = bus
         self.token = token
         self.members_file = Path(os.path.expanduser(members_file))
         self.auth_file = Path(os.path.expanduser(auth_file))
         self.pid_file = Path(os.path.expanduser(pid_file)) if pid_file else None
-        self.tls_fingerprint = tls_fingerprint
-        self.ca_pem = Path(os.path.expanduser(ca_file)).read_text() if ca_file else ""
+        self.ca_pem = ca_pem  # NATS' CA, handed to joining workers to pin (sealed by its fingerprint)
+        self.tls_fingerprint = fingerprint(ca_pem) if ca_pem else ""
         self.on_revoke = on_revoke
         self.pending: dict[str, tuple[str, str, float]] = {}  # head nonce -> (node id, worker nonce, deadline)
         self._lock = asyncio.Lock()

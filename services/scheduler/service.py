@@ -37,6 +37,7 @@ from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import plan
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
+from coderai.runtime.tls import ca_text
 from coderai.scheduler.membership import Membership
 from coderai.scheduler.training import Training
 
@@ -89,7 +90,7 @@ class Scheduler:
         s = self.settings
         if s.members_file:
             self.membership = Membership(self.bus, s.cluster_token, s.members_file, s.nats_users_file, s.nats_pid_file,
-                                         on_revoke=self._forget_node)
+                                         ca_pem=ca_text(s.nats_ca), on_revoke=self._forget_node)
             await self.membership.start(stack)
         self.training = Training(self)  # fine-tuning jobs: rendezvous, state, the adapter into the store
         await self.training.start(stack)

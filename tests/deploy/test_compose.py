@@ -109,6 +109,7 @@ def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env):
                     assert "CODERAI_CLUSTER_TOKEN" not in env, f"{name} has no use for the cluster token"
                 if kind != "worker":
                     assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{DATA_DIR}/secrets/nats-service.password"
+                    assert env["CODERAI_NATS_CA"] == f"{DATA_DIR}/secrets/nats-ca.pem"  # NATS speaks TLS
                     assert ("secrets", f"{DATA_DIR}/secrets") in _mounts(svc)
             else:
                 assert not names, f"{name} is not a coderai service"

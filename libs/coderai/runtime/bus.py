@@ -83,6 +83,10 @@ async def connect(
             if text != said:
                 said = text
                 log.warning("NATS at %s says: %s", safe_url, text)
+        elif "certificate" in text.lower():  # a server whose certificate the pinned CA did not sign: say it once
+            if text != said:
+                said = text
+                log.warning("NATS at %s is refused: %s (not the server this connection trusts)", safe_url, text)
         else:
             log.debug("nats error: %s", exc)
 
@@ -264,6 +268,11 @@ class Bus:
             from coderai.runtime.members import SERVICE_USER, read_secret
 
             url = with_user(url, SERVICE_USER, read_secret(Path(os.path.expanduser(password_file))))
+        ca = getattr(settings, "nats_ca", "")
+        if ca and "tls" not in kw:
+            from coderai.runtime.tls import ca_text, client_context
+
+            kw["tls"] = client_context(ca_text(ca))
         return await cls.connect(url, name, **kw)
 
     @property

@@ -114,8 +114,9 @@ class NatsServer(_Server):
     in `pid_file`); `auth` is such a block as text, written to `<data_dir>/auth.conf`."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "",
-                 users_file: str | os.PathLike | None = None) -> None:
+                 users_file: str | os.PathLike | None = None, tls=None) -> None:
         self.data_dir = Path(data_dir)
+        self.tls = tls  # runtime/tls.TlsFiles: every client must then speak TLS
         self.port = port
         self.host = host
         self.auth = auth
@@ -183,6 +184,14 @@ class NatsServer(_Server):
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds password hashes
             with os.fdopen(fd, "w") as fh:
                 fh.write(self.auth)
+        if self.tls is not None:  # in the config file, not flags: a reload must see the same TLS settings
+            main = self.data_dir / "nats.conf"
+            users = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
+            fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n}}\n"
+                         + users)
+            conf = main
         if conf is not None:
             cmd += ["-c", str(conf)]
         out = open_log(log_file)

@@ -29,6 +29,7 @@ class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     nats_url: str = ""  # empty: nats://127.0.0.1:4222, or (a worker with a cluster token) the head found by mDNS
     nats_password_file: str = ""  # a file holding the `service` user's NATS password (the head makes it)
+    nats_ca: str = ""  # the CA (PEM text, or a file) NATS' certificate must be signed by; set: connect with TLS
     cluster_token: str = ""  # the shared secret a worker joins with (runtime/cluster.py); no credential comes from it
     node_id: str = ""
     log_level: str = "INFO"

@@ -23,6 +23,7 @@ import nats
 import nats.errors
 
 from coderai.runtime.cluster import join_password, user_of, with_user
+from coderai.runtime.tls import client_context
 
 WAIT_S = 2.0
 
@@ -78,21 +79,22 @@ async def _login_refused(url: str, user: str, password: str) -> bool:
 
     try:
         nc = await nats.connect(with_user(url, user, password), connect_timeout=2, allow_reconnect=False,
-                                max_reconnect_attempts=0, error_cb=quiet)
+                                max_reconnect_attempts=0, error_cb=quiet, tls=client_context())
     except Exception:  # noqa: BLE001 - any refusal to log in is what we want
         return True
     await nc.close()
     return False
 
 
-async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: str) -> list[dict]:
+async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: str, ca_pem: str = "") -> list[dict]:
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
     base_url = url
-    nc = await nats.connect(joined_url, inbox_prefix=f"_N.{node_id}", error_cb=on_error, connect_timeout=5)
+    tls = client_context(ca_pem) if ca_pem else None
+    nc = await nats.connect(joined_url, inbox_prefix=f"_N.{node_id}", error_cb=on_error, connect_timeout=5, tls=tls)
     me = Node(nc, errors)
     out: list[dict] = []
 
@@ -170,8 +172,8 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
 async def run(args: argparse.Namespace) -> dict:
     from coderai.engine_worker.joining import join
 
-    joined = await join(args.nats_url, args.token, args.node_id, args.data_dir)
-    results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined)
+    joined, ca_pem = await join(args.nats_url, args.token, args.node_id, args.data_dir)
+    results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem)
     return {"tried": len(results), "succeeded": [r for r in results if not r["refused"]], "results": results}
 
 

@@ -14,10 +14,9 @@ async def _nodes(data_dir: str) -> list[str]:
     from pathlib import Path
 
     from coderai.contracts.topology import NODES
-    from coderai.runtime.bus import Bus
-    from coderai.up import service_urls
+    from coderai.up import service_bus
 
-    bus = await Bus.connect(service_urls(Path(data_dir))[0], "probe", connect_timeout_s=5)
+    bus = await service_bus(Path(data_dir), "probe")
     try:
         kv = await bus.kv(NODES)
         try:
