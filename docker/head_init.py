@@ -38,7 +38,9 @@ def nats_config(*, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/d
     ]
     if http_port:
         lines.append(f'http: "127.0.0.1:{http_port}"  # monitoring (/healthz), for the health check only')
-    lines += ["tls {", f'  cert_file: "{tls_dir}/server.pem"', f'  key_file: "{tls_dir}/server-key.pem"', "}"]
+    # handshake_first: TLS before the server's first word, so a client never logs in to a plain-text impostor
+    lines += ["tls {", f'  cert_file: "{tls_dir}/server.pem"', f'  key_file: "{tls_dir}/server-key.pem"',
+              "  handshake_first: true", "}"]
     lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", "include ./users.conf", ""]
     return "\n".join(lines)
 

@@ -69,7 +69,7 @@ async def _login(url: str, ca_pem: str = "") -> bool:
 
     try:
         nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False,
-                                tls=client_context(ca_pem) if ca_pem else None)
+                                tls=client_context(ca_pem) if ca_pem else None, tls_handshake_first=bool(ca_pem))
     except (NoServersError, OSError, nats.errors.Error):
         return False
     await nc.close()

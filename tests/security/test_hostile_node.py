@@ -42,7 +42,8 @@ def cluster(tmp_path_factory, tiny_gguf):
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
     root = tmp_path_factory.mktemp("hostile")
-    models = write_models_file(root / "models.toml", [
+    models = write_models_file(root / "models.toml", [  # the first answers before `coderai up` says ready
+        {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
         {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
     ])
     c = Cluster(lab, root, clean_env())
@@ -63,7 +64,8 @@ def cluster(tmp_path_factory, tiny_gguf):
 
 def test_every_attack_of_a_hostile_node_is_refused(cluster):
     out = cluster.run("evil", "-m", "coderai.testing.hostile", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
-                      "--token", TOKEN, "--node-id", "evil", "--victim", "good", "--data-dir", str(cluster.root / "evil"))
+                      "--token", TOKEN, "--node-id", "evil", "--victim", "good", "--data-dir", str(cluster.root / "evil"),
+                      timeout_s=400)
     report = json.loads(out.strip().splitlines()[-1])
     for r in report["results"]:
         print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")
@@ -95,6 +97,26 @@ def test_a_fake_head_replaying_the_announcement_gets_no_credentials(cluster):
     assert seen["subjects"] == ["coderai.join.hello"], "the worker sent nothing after the unanswerable challenge"
     assert TOKEN not in json.dumps(seen)
     assert not (cluster.root / "victim" / "node-credentials.json").exists()
+
+    # a node that joined the real head and pinned its CA, sent to the impostor at what it believes is the head's
+    # address: the TLS handshake fails before any login, and a fresh join gets nowhere either
+    pinned = cluster.root / "pinned"
+    pinned.mkdir()
+    saved = json.loads((cluster.root / "good" / "node-credentials.json").read_text())
+    assert saved["ca_pem"] and saved["tls_fingerprint"]
+    saved["head"] = f"nats://{spy.ip}:4222"
+    (pinned / "node-credentials.json").write_text(json.dumps(saved))
+    (pinned / "node-credentials.json").chmod(0o600)
+    fooled = ServiceProcess("worker-pinned", "coderai.engine_worker",
+                            ["--cluster-token", TOKEN, "--nats-url", f"nats://{spy.ip}:4222", "--no-mdns",
+                             "--node-id", "good", "--data-dir", str(pinned)],
+                            cluster.env, cluster.root / "logs", prefix=cluster.lab["good"].prefix()).start()
+    cluster.procs["pinned"] = fooled
+    wait_until(lambda: not fooled.alive() or "not our head" in fooled.log_text(), 90, "the pinned worker to refuse")
+    log = fooled.log_text()
+    assert "certificate verify failed" in log.lower() and "not the server this connection trusts" in log
+    assert "not our head" in log
+    assert json.loads((cluster.root / "fake.json").read_text())["subjects"] == ["coderai.join.hello"] * 2
 
 
 def test_a_revoked_node_is_cut_off_at_once_and_may_not_join_again(cluster):

@@ -108,7 +108,8 @@ async def connect(
                 disconnected_cb=_disconnected,
                 error_cb=_error,
                 **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
-                **({"tls": tls, "tls_handshake_first": False} if tls is not None else {}),
+                # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
+                **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
             ), max(1.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
             if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")

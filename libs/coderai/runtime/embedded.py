@@ -189,8 +189,8 @@ class NatsServer(_Server):
             users = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
             fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
-                fh.write(f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n}}\n"
-                         + users)
+                fh.write(f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
+                         "  handshake_first: true\n}\n" + users)
             conf = main
         if conf is not None:
             cmd += ["-c", str(conf)]

@@ -1,4 +1,4 @@
-"""A fake head for the security tests: a NATS server that takes any login, on a test host, answering join
+"""A fake head for the security tests: a NATS server (TLS, its own CA) that takes any login, on a test host, answering join
 requests as a head that does not know the cluster token must (with a proof it cannot compute). It records
 every subject a client published to (inboxes aside) in `--record`, so a test sees what a worker sent it.
 `python -m coderai.testing.fake_head --host IP --port 4222 --record F`."""
@@ -17,10 +17,13 @@ from coderai.runtime.embedded import NatsServer
 
 
 async def serve(host: str, port: int, record: Path, root: Path) -> None:
-    server = NatsServer(root, port=port, host=host).start()
+    from coderai.runtime.tls import client_context, ensure_certs
+
+    # TLS with a CA of its own, as an impostor at the head's address would have: any certificate but the head's
+    server = NatsServer(root, port=port, host=host, tls=ensure_certs(root / "tls")).start()
     seen: list[str] = []
     payloads: list[str] = []
-    nc = await nats.connect(server.url)
+    nc = await nats.connect(server.url, tls=client_context(server.tls.ca_pem), tls_handshake_first=True)
 
     async def on_any(m) -> None:
         if m.subject.startswith(("_INBOX", "_JOIN", "$JS", "_N.")):

@@ -62,11 +62,18 @@ class Node:
 
     async def request_refused(self, subject: str, payload: bytes, *, error_ok: bool = True) -> tuple[bool, str]:
         """Refused by NATS (violation, no reply), or answered with an error by the service."""
+        ask = asyncio.ensure_future(self.nc.request(subject, payload, timeout=WAIT_S * 2))
+        violation = asyncio.ensure_future(self._violation(f'publish to "{subject}"'))
+        await asyncio.wait({ask, violation}, return_when=asyncio.FIRST_COMPLETED)
+        if violation.done() and violation.result():
+            ask.cancel()
+            return True, "violation"
         try:
-            msg = await self.nc.request(subject, payload, timeout=WAIT_S)
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-            refused = await self._violation(f'publish to "{subject}"')
+            msg = await ask
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.CancelledError) as exc:
+            refused = await violation
             return refused, "violation" if refused else f"no answer ({type(exc).__name__})"
+        violation.cancel()
         data = msg.data
         if error_ok and (b'"code"' in data and b'"message"' in data or (msg.headers or {}).get("Status")):
             return True, "answered with an error: " + data[:120].decode(errors="replace")
@@ -77,9 +84,9 @@ async def _login_refused(url: str, user: str, password: str) -> bool:
     async def quiet(_e: Exception) -> None:
         pass
 
-    try:
+    try:  # TLS first, as the head's NATS speaks (the certificate is not what is tried here)
         nc = await nats.connect(with_user(url, user, password), connect_timeout=2, allow_reconnect=False,
-                                max_reconnect_attempts=0, error_cb=quiet, tls=client_context())
+                                max_reconnect_attempts=0, error_cb=quiet, tls=client_context(), tls_handshake_first=True)
     except Exception:  # noqa: BLE001 - any refusal to log in is what we want
         return True
     await nc.close()
@@ -94,7 +101,8 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
 
     base_url = url
     tls = client_context(ca_pem) if ca_pem else None
-    nc = await nats.connect(joined_url, inbox_prefix=f"_N.{node_id}", error_cb=on_error, connect_timeout=5, tls=tls)
+    nc = await nats.connect(joined_url, inbox_prefix=f"_N.{node_id}", error_cb=on_error, connect_timeout=5, tls=tls,
+                            tls_handshake_first=tls is not None)
     me = Node(nc, errors)
     out: list[dict] = []
 
@@ -107,6 +115,7 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
     await tried("derive the service credential from the token",
                 (all([await _login_refused(base_url, "service", g) for g in guesses]), "every guess refused"))
     my_password = user_of(joined_url)[1]
+    assert not await _login_refused(base_url, f"node-{node_id}", my_password), "the control: its own login must work"
     await tried("log in as another node", (await _login_refused(base_url, f"node-{victim}", my_password), "refused"))
     await tried("log in as `join` with a made-up password", (await _login_refused(base_url, "join", secrets.token_hex(16)), "refused"))
 
