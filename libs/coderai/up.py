@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                                "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)}
         # this box's worker is a node like any other: its own user, no token, no service rights
         worker_env = env | {"CODERAI_NATS_URL": with_user(nats.url, members.node_user(worker_id), worker_password),
-                            "CODERAI_WORKER_NODE_ID": worker_id}
+                            "CODERAI_WORKER_NODE_ID": worker_id,
+                            "CODERAI_WORKER_BUS_EXEC": "true"}  # its models come from this box's own models file
         if token:  # this box's worker tells the LAN where to join (the fingerprint names the cluster)
             worker_env["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
             worker_env["CODERAI_WORKER_ANNOUNCE_FINGERPRINT"] = fingerprint(token)

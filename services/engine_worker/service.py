@@ -35,6 +35,9 @@ from coderai.runtime.logging import ring
 
 log = logging.getLogger("coderai.engine_worker")
 
+EXEC_PARAMS = frozenset({"python", "env", "extra_args"})
+"""Model params that choose a program, its arguments or its environment (engines/vllm.py, llama_server.py)."""
+
 
 class Worker:
     def __init__(self, settings: WorkerSettings, node_id: str) -> None:
@@ -202,8 +205,18 @@ class Worker:
                 if watch is not None:
                     await watch.stop()
 
+    def _trusted(self, m: ModelConfig) -> ModelConfig:
+        """`m` without what chooses a program or its environment, unless this node's own settings allow it."""
+        if self.settings.bus_exec or not (EXEC_PARAMS & set(m.params)):
+            return m
+        dropped = sorted(EXEC_PARAMS & set(m.params))
+        log.warning("ignoring %s of %s from the bus (CODERAI_WORKER_BUS_EXEC=true on this node honours them)",
+                    ", ".join(dropped), m.name)
+        return msgspec.structs.replace(m, params={k: v for k, v in m.params.items() if k not in EXEC_PARAMS})
+
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""
+        assignment = msgspec.structs.replace(assignment, models=[self._trusted(m) for m in assignment.models])
         async with self._converge_lock:
             if self.rpc is not None and self.rpc.gate is not None:
                 self.rpc.gate.allow(assignment.rpc_peers)

@@ -13,6 +13,10 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     mdns: bool = True  # with a cluster token: announce this node, and find the head when no NATS URL is given
     mdns_interfaces: list[str] = []  # addresses to announce and browse on; empty: every interface
     announce_nats_port: int = 0  # set on the head's own worker: the NATS port nodes should join
+    # honour `python`, `env` and `extra_args` in the params of models that come over the bus (what runs, with what
+    # environment): off, they are dropped, so whoever could write an assignment still could not run a program here;
+    # `coderai up` turns it on for its own worker, whose models file is its operator's own
+    bus_exec: bool = False
     announce_fingerprint: str = ""  # set on the head's own worker (which has no token): the cluster it announces
     discover_timeout_s: float = 60.0
     pod: str = ""  # set by the pod-broker on a rented pod: its name (the node id it heartbeats under)

@@ -1,0 +1,33 @@
+"""A model's `python`, `env` and `extra_args` choose what a worker runs: from the bus they are dropped unless the
+node's own settings allow them (CODERAI_WORKER_BUS_EXEC), so writing an assignment never runs a program."""
+
+from __future__ import annotations
+
+from coderai.contracts import ModelConfig
+from coderai.engine_worker.service import Worker
+from coderai.engine_worker.settings import WorkerSettings
+
+RISKY = {"python": "/tmp/evil/bin/python", "env": {"LD_PRELOAD": "/tmp/evil.so"}, "extra_args": ["--log-file", "/etc/x"],
+         "n_ctx": 512}
+
+
+def model() -> ModelConfig:
+    return ModelConfig(name="m", engine="vllm", path="/models/m", params=dict(RISKY))
+
+
+def test_a_node_drops_what_would_run_a_program(caplog):
+    w = Worker(WorkerSettings(families=["vllm"]), "n1")
+    safe = w._trusted(model())
+    assert safe.params == {"n_ctx": 512}
+    assert "ignoring env, extra_args, python of m" in caplog.text
+
+
+def test_a_node_that_allows_it_keeps_them():
+    w = Worker(WorkerSettings(families=["vllm"], bus_exec=True), "n1")
+    assert w._trusted(model()).params == RISKY
+
+
+def test_a_model_without_them_is_left_as_it_is():
+    w = Worker(WorkerSettings(families=["llama"]), "n1")
+    m = ModelConfig(name="t", engine="llama", path="/m.gguf", params={"n_ctx": 256})
+    assert w._trusted(m) is m
