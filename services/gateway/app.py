@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import itertools
 import math
 import logging
 import secrets
@@ -79,7 +78,7 @@ class Gateway:
         self.catalog = Catalog(self.bus)
         self.catalog.start()
         self.relay = Relay(self.bus, self.settings)
-        self.blobs = BlobStore(self.bus, create=True)
+        self.blobs = BlobStore(self.bus, create=True, max_bytes=self.settings.blobs_max_bytes)
         # workers store large outputs there but may not create it: it must exist before the first one answers
         try:
             await self.blobs.store()
@@ -105,15 +104,16 @@ class Gateway:
         if self.bus:
             self.bus.fail_streams()
 
-    async def admit(self, who: Caller, cfg: ModelConfig, job: Any) -> float:
+    async def admit(self, who: Caller, cfg: ModelConfig | None, job: Any) -> float:
         """A Redis key's model allow-list, rates and budget, checked before any work is done; returns the cost
-        estimate reserved against the key's budget (0 without one)."""
+        estimate reserved against the key's budget (0 without one). Without a model (a file upload) only the
+        rates and a spent budget count."""
         key = who.key
         if key is None:
             return 0.0
-        if key.models and cfg.name not in key.models:
+        if cfg is not None and key.models and cfg.name not in key.models:
             raise ApiError(403, f"This key may not use the model '{cfg.name}'.", param="model", code="model_not_allowed")
-        estimate = estimate_cost(cfg, job) if key.budget_usd else 0.0
+        estimate = estimate_cost(cfg, job) if key.budget_usd and cfg is not None and job is not None else 0.0
         if self.limiter is not None and (key.rpm or key.tpm or key.budget_usd):
             try:
                 await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period, estimate)
@@ -248,12 +248,9 @@ def _hints(request: Request, who: Caller, model: str, user: str | None, prefix: 
     )
 
 
-_RID_PREFIX = secrets.token_hex(6)  # per process: ids stay unique across gateways without a syscall each
-_rid_counter = itertools.count(1)
-
-
 def _rid() -> str:
-    rid = f"{_RID_PREFIX}{next(_rid_counter):012x}"
+    """A request id: random (no id in a response header says anything about another request's)."""
+    rid = secrets.token_hex(12)
     request_id_var.set(rid)
     return rid
 

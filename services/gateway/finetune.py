@@ -165,7 +165,8 @@ def finetune_routes(gw: Any, caller: Any) -> list:
             try:
                 handles["obs"] = await gw.bus.js.object_store(FILES.name)
             except (BucketNotFoundError, NotFoundError):
-                cfg = ObjectStoreConfig(bucket=FILES.name, description=FILES.description)
+                cfg = ObjectStoreConfig(bucket=FILES.name, description=FILES.description,
+                                        max_bytes=gw.settings.files_max_bytes or None)
                 handles["obs"] = await gw.bus.js.create_object_store(FILES.name, config=cfg)
         return handles["obs"]
 
@@ -239,6 +240,7 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     async def upload(request: Request) -> Response:
         """A file in OpenAI's shape; `fine-tune` files are checked line by line before they are kept."""
         who = await caller(request)
+        await gw.admit(who, None, None)  # rates and a spent budget, as on every call
         form = await read_form(request, gw.settings.max_upload_bytes)
         purpose = form.require("purpose")
         if purpose not in PURPOSES:
@@ -254,6 +256,13 @@ def finetune_routes(gw: Any, caller: Any) -> list:
                 named = f" {up.filename}" if up.filename else ""
                 raise ApiError(400, f"Invalid fine-tuning file{named}: {exc}", param="file",
                                code="invalid_file_format") from None
+        quota = gw.settings.file_quota_bytes
+        if quota:
+            kept = sum(r.bytes for r in await all_records("file-", FileRecord) if r.owner == who.key_name)
+            if kept + len(up.data) > quota:
+                raise ApiError(429, f"This key keeps {kept} bytes of files; {len(up.data)} more would pass its quota of "
+                                    f"{quota} bytes. Delete files it no longer needs.", type="insufficient_quota",
+                               param="file", code="file_quota_exceeded")
         rec = FileRecord(id="file-" + secrets.token_hex(12), bytes=len(up.data), created_at=int(time.time()),
                          filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples,
                          owner=who.key_name)
@@ -303,6 +312,10 @@ def finetune_routes(gw: Any, caller: Any) -> list:
     async def create(request: Request) -> Response:
         who = await caller(request)
         req = oa.parse(await request.body(), JobRequest)
+        key = who.key  # the key's model allow-list, rates and budget, as on every call
+        if key is not None and key.models and req.model not in key.models:
+            raise ApiError(403, f"This key may not use the model '{req.model}'.", param="model", code="model_not_allowed")
+        await gw.admit(who, None, None)
         for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
             if file_id:  # a key trains only on its own files; another key's is as unknown as one that never was
                 try:

@@ -13,6 +13,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     api_keys_file: str = ""  # TOML [[keys]] with name, sha256, scopes
     max_body_bytes: int = 16 * 1024 * 1024  # JSON bodies
     max_upload_bytes: int = 25 * 1024 * 1024  # one uploaded file (audio, image, PDF): over it is a 413 naming the field
+    file_quota_bytes: int = 1024 * 1024 * 1024  # the files (POST /v1/files) one key may keep in all; 0: no limit
+    files_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_files` store's cap, every key together
+    blobs_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_blobs` store's cap (inputs and outputs, 1 h each)
     route_timeout_s: float = 2.0
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
     part_timeout_s: float = 60.0  # a fan-out part silent this long (queued or its workers dead) fails the request

@@ -19,6 +19,10 @@ def admin_key() -> str:
     return ADMIN_KEY
 
 
+FILE_QUOTA = 300_000
+"""Bytes of files one key may keep in the shared stack (test_api checks the quota)."""
+
+
 @pytest.fixture(scope="session")
 def user_key() -> str:
     return USER_KEY
@@ -49,7 +53,8 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
         {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},  # README's name
     ]
     with running_stack(tmp_path_factory.mktemp("stack"), models, gateway_args=("--api-keys-file", str(keys_file)),
-                       redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"},
+                       redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536",
+                                                             "CODERAI_GATEWAY_FILE_QUOTA_BYTES": str(FILE_QUOTA)},
                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as stack:
         yield stack
 

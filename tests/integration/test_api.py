@@ -289,6 +289,29 @@ def test_a_key_sees_only_its_own_files_and_trains_only_on_them(api_stack, user_k
         assert c.files.delete(f.id).deleted
 
 
+def test_request_ids_in_headers_are_random(client):
+    ids = []
+    for _ in range(4):
+        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                              max_tokens=1)
+        ids.append(raw.headers["coderai-request-id"])
+    assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 4
+    steps = {int(b, 16) - int(a, 16) for a, b in zip(ids, ids[1:])}
+    assert not steps & {1, 2, 3, 4}, "one id must say nothing about the next"
+    assert len({i[:12] for i in ids}) == 4, "not one prefix per process and a counter"
+
+
+def test_a_keys_files_have_a_quota(api_stack, other_user_key):
+    bob = openai.OpenAI(base_url=api_stack.base_url, api_key=other_user_key, max_retries=0, timeout=30)
+    big = bob.files.create(file=("a.bin", b"x" * 200_000), purpose="user_data")
+    with pytest.raises(openai.RateLimitError) as err:  # 429 insufficient_quota: 400 KB would pass the 300 KB quota
+        bob.files.create(file=("b.bin", b"y" * 200_000), purpose="user_data")
+    assert err.value.body["code"] == "file_quota_exceeded" and err.value.body["param"] == "file"
+    assert bob.files.delete(big.id).deleted
+    again = bob.files.create(file=("b.bin", b"y" * 200_000), purpose="user_data")  # room again once deleted
+    assert bob.files.delete(again.id).deleted
+
+
 def test_a_key_sees_only_its_own_video_jobs(api_stack, user_key, other_user_key, admin_key):
     """A video job's record as the gateway keeps it (written straight into its bucket: no video model here),
     asked for by its owner, another key and an admin key."""

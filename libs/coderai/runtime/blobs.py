@@ -31,9 +31,10 @@ class BlobMissing(Exception):
 class BlobStore:
     """Packs and unpacks `Blob`s; binds the object store on first use (created when `create` is set)."""
 
-    def __init__(self, bus: Any, *, create: bool = False, inline_max: int = INLINE_MAX) -> None:
+    def __init__(self, bus: Any, *, create: bool = False, inline_max: int = INLINE_MAX, max_bytes: int = 0) -> None:
         self.bus = bus
         self.create = create
+        self.max_bytes = max_bytes  # the store's cap when this creates it (0: none)
         self.inline_max = inline_max
         self._obs: Any = None
 
@@ -47,7 +48,8 @@ class BlobStore:
             except (BucketNotFoundError, NotFoundError):
                 if not self.create:
                     raise
-                cfg = ObjectStoreConfig(bucket=BLOBS.name, ttl=BLOBS.ttl_s, description=BLOBS.description)
+                cfg = ObjectStoreConfig(bucket=BLOBS.name, ttl=BLOBS.ttl_s, description=BLOBS.description,
+                                        max_bytes=self.max_bytes or None)
                 self._obs = await self.bus.js.create_object_store(BLOBS.name, config=cfg)
         return self._obs
 
