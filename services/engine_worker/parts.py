@@ -20,17 +20,17 @@ import msgspec
 from coderai.contracts import PartDone, WorkPart, decode, model_key
 from coderai.contracts.subjects import ENGINE_OPS, EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
+from coderai.contracts.work import FANOUT_OPS, work_consumer
+
+__all__ = ["FANOUT_OPS", "PartPuller", "consumer_name"]
 
 log = logging.getLogger("coderai.engine_worker")
 
-FANOUT_OPS = ("embed", "rerank", "image", "speech", "transcribe", "ocr")
 ACK_WAIT_S = 10.0
 MAX_DELIVER = 3
 
 
-def consumer_name(model: str, op: str) -> str:
-    """The durable consumer every holder of `model` shares for `op`."""
-    return f"work-{model_key(model)}-{op}"
+consumer_name = work_consumer
 
 
 class PartPuller:

@@ -243,7 +243,7 @@ class Broker:
 
         s = self.settings
         # the pod's own NATS user, from the head's membership; it ends with the pod (end()) or after its ttl
-        user = await self.bus.request(CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id=name, ttl_s=s.pod_credentials_ttl_s),
+        user = await self.bus.request(CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id=name, ttl_s=s.pod_credentials_ttl_s, models=[m]),
                                       timeout=10.0)
         for attempt in range(3):
             try:

@@ -36,6 +36,7 @@ from coderai.contracts.subjects import (
     JOIN_PROVE,
     check_token,
 )
+from coderai.contracts.work import work_consumers
 from coderai.runtime import members
 from coderai.runtime.cluster import head_proof, node_proof, nonce, same, welcome_proof
 from coderai.runtime.tls import fingerprint
@@ -107,16 +108,17 @@ class Membership:
         if not _BCRYPT.match(req.password_hash):
             raise BusError("bad_request", "password_hash must be a bcrypt hash", retryable=False)
         async with self._lock:
-            reg = self.registry()
-            if node_id in reg.revoked:
-                log.warning("join of revoked node %s refused", node_id)
-                raise BusError("forbidden", f"node {node_id} was revoked; `coderai nodes revoke {node_id} --forget` "
-                                            "lets it join again", retryable=False)
-            old = reg.members.get(node_id)
-            if old is not None and old.kind != "node":
-                raise BusError("forbidden", f"{node_id} is a pod's id", retryable=False)
-            reg.members[node_id] = members.Member(node_id=node_id, password_hash=req.password_hash, joined_at=time.time())
-            self._apply(reg)
+            with members.file_lock(self.members_file):
+                reg = self.registry()
+                if node_id in reg.revoked:
+                    log.warning("join of revoked node %s refused", node_id)
+                    raise BusError("forbidden", f"node {node_id} was revoked; `coderai nodes revoke {node_id} --forget` "
+                                                "lets it join again", retryable=False)
+                old = reg.members.get(node_id)
+                if old is not None and old.kind != "node":
+                    raise BusError("forbidden", f"{node_id} is a pod's id", retryable=False)
+                reg.members[node_id] = members.Member(node_id=node_id, password_hash=req.password_hash, joined_at=time.time())
+                self._apply(reg)
         log.info("node %s joined", node_id)
         user = members.node_user(node_id)
         return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem,
@@ -130,13 +132,14 @@ class Membership:
     async def _revoke(self, req: RevokeRequest, _m: Any) -> MembersReply:
         node_id = _node_id(req.node_id)
         async with self._lock:
-            reg = self.registry()
-            gone = reg.members.pop(node_id, None)
-            if req.forget:
-                reg.revoked = [n for n in reg.revoked if n != node_id]
-            elif node_id not in reg.revoked:
-                reg.revoked.append(node_id)
-            self._apply(reg)
+            with members.file_lock(self.members_file):
+                reg = self.registry()
+                gone = reg.members.pop(node_id, None)
+                if req.forget:
+                    reg.revoked = [n for n in reg.revoked if n != node_id]
+                elif node_id not in reg.revoked:
+                    reg.revoked.append(node_id)
+                self._apply(reg)
         log.info("node %s %s", node_id, "revoked" if gone else "was not a member; its id is refused from now on"
                  if not req.forget else "may join again")
         if gone is not None and self.on_revoke is not None:
@@ -148,14 +151,27 @@ class Membership:
         password = members.new_password()
         expires = time.time() + max(60.0, req.ttl_s)
         async with self._lock:
-            reg = self.registry()
-            old = reg.members.get(node_id)
-            if old is not None and old.kind != "pod":
-                raise BusError("forbidden", f"{node_id} is a node's id", retryable=False)
-            reg.members[node_id] = members.Member(node_id=node_id, kind="pod", password_hash=members.hash_password(password),
-                                                  joined_at=time.time(), expires_at=expires)
-            self._apply(reg)
+            with members.file_lock(self.members_file):
+                reg = self.registry()
+                old = reg.members.get(node_id)
+                if old is not None and old.kind != "pod":
+                    raise BusError("forbidden", f"{node_id} is a node's id", retryable=False)
+                reg.members[node_id] = members.Member(node_id=node_id, kind="pod", password_hash=members.hash_password(password),
+                                                      joined_at=time.time(), expires_at=expires, work=work_consumers(req.models))
+                self._apply(reg)
         return PodUser(user=members.node_user(node_id, "pod"), password=password, expires_at=expires)
+
+    async def grant_work(self, node_id: str, models: list) -> None:
+        """Let `node_id` pull the fan-out parts of exactly `models` (what it is assigned), before it is told to."""
+        want = work_consumers(models)
+        async with self._lock:
+            with members.file_lock(self.members_file):
+                reg = self.registry()
+                m = reg.members.get(node_id)
+                if m is None or m.work == want:
+                    return
+                m.work = want
+                self._apply(reg)
 
     async def _sweep_loop(self) -> None:
         """Pods' credentials end with their time: drop the expired ones from the config."""
@@ -167,13 +183,14 @@ class Membership:
     async def sweep(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
         async with self._lock:
-            reg = self.registry()
-            expired = [n for n, m in reg.members.items() if m.expires_at and m.expires_at <= now]
-            for n in expired:
-                del reg.members[n]
-            if expired:
-                self._apply(reg)
-                log.info("pod credentials expired: %s", ", ".join(expired))
+            with members.file_lock(self.members_file):
+                reg = self.registry()
+                expired = [n for n, m in reg.members.items() if m.expires_at and m.expires_at <= now]
+                for n in expired:
+                    del reg.members[n]
+                if expired:
+                    self._apply(reg)
+                    log.info("pod credentials expired: %s", ", ".join(expired))
         return expired
 
     # --- nats-server -----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Scheduler:
         self.restaged: dict[str, ModelConfig] = {}  # video models published with stage relay on, to fit
         self._layers: dict[str, int] = {}
         self.bus: Bus | None = None
+        self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
         self._dirty = asyncio.Event()
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
@@ -278,6 +279,8 @@ class Scheduler:
                                  if want is not m else "fits a node whole again: no stage relay")
                 self.restaged = result.restaged
                 for node_id, assignment in result.assignments.items():
+                    if self.membership is not None:  # its rights follow what it holds, before it is told
+                        await self.membership.grant_work(node_id, assignment.models)
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])
             except Exception as exc:  # noqa: BLE001 - retried: the bus may be reconnecting

@@ -119,6 +119,20 @@ def test_a_node_reaches_only_its_own_subjects():
     assert not any(p.startswith("_INBOX") for p in pub + sub)
     assert not any("PURGE" in p or p.startswith("coderai.cmd.scheduler") or p.startswith("coderai.cmd.broker") for p in pub)
     assert perms["allow_responses"]["max"] > 1
+    assert not any(".WORK." in p and "CONSUMER" in p for p in pub)  # no model held: no fan-out parts
+
+
+def test_a_node_pulls_only_the_parts_of_the_models_it_holds():
+    from coderai.contracts import ModelConfig
+    from coderai.contracts.work import work_consumers
+
+    held = [ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"])]
+    pub = members.node_permissions("n1", work_consumers(held))["publish"]["allow"]
+    [c] = work_consumers(held)
+    assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{c}" in pub
+    assert [p for p in pub if p.startswith("$JS.API.CONSUMER.CREATE.WORK.")] == \
+        [f"$JS.API.CONSUMER.CREATE.WORK.{c}.coderai.work.minilm.embed"]  # its own filter only, never a wider one
+    assert not any(p.endswith(".*") or p.endswith(".>") for p in pub if ".WORK." in p)
 
 
 def test_join_may_only_ask_to_join():

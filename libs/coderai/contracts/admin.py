@@ -130,6 +130,7 @@ class PodUserRequest(Message, frozen=True, kw_only=True):
 
     pod_id: str
     ttl_s: float = 24 * 3600
+    models: list[ModelConfig] = []  # what it will serve: the fan-out parts it may pull
 
 
 class PodUser(Message, frozen=True, kw_only=True, tag="pod.user", tag_field="t"):

@@ -156,11 +156,12 @@ class NatsServer(_Server):
         from coderai.runtime import members
         from coderai.runtime.cluster import with_user
 
-        reg = members.load(self.members_file)
-        password = members.add_node(reg, node_id, kind)
-        members.save(self.members_file, reg)
-        members.write_users(self.users_file, reg)
-        self.reload()
+        with members.file_lock(self.members_file):
+            reg = members.load(self.members_file)
+            password = members.add_node(reg, node_id, kind)
+            members.save(self.members_file, reg)
+            members.write_users(self.users_file, reg)
+            self.reload()
         user = members.node_user(node_id, kind)
         deadline = time.monotonic() + timeout_s
         while not _login_ok(self.url, user, password):  # the reload is applied a moment after the signal

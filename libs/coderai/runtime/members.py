@@ -14,6 +14,7 @@ training reports under its own id, and blobs only through the gateway's blob ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ class Member(msgspec.Struct, kw_only=True):
     joined_at: float = 0.0
     expires_at: float = 0.0  # pods: their credentials end with the lease (0: never)
     addr: str = ""  # the address the head saw the join come from
+    work: list[str] = []  # the `WORK` consumers of the models it holds (contracts/work.py): the only ones it may pull
 
 
 class Registry(msgspec.Struct, kw_only=True):
@@ -69,8 +71,9 @@ def hash_password(password: str) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(BCRYPT_COST)).decode()
 
 
-def node_permissions(node_id: str) -> dict:
-    """The publish and subscribe rights of node (or pod) `node_id`."""
+def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> dict:
+    """The publish and subscribe rights of node (or pod) `node_id`, which holds the models whose `WORK`
+    consumers are `work`."""
     kv, kv_stream = ASSIGNMENTS.name, f"KV_{ASSIGNMENTS.name}"
     publish = [
         f"coderai.hb.{node_id}",
@@ -91,13 +94,13 @@ def node_permissions(node_id: str) -> dict:
         # blobs only through the gateway's blob service, by their random names (runtime/blobs.py BlobProxy)
         "coderai.cmd.blob.read",
         "coderai.cmd.blob.write",
-        # fan-out parts: bind the shared durable pull consumers of the WORK stream and pull from them
+        # fan-out parts: bind the shared durable pull consumers of the models it holds, and pull from them
         f"$JS.API.STREAM.INFO.{WORK.name}",
-        f"$JS.API.CONSUMER.INFO.{WORK.name}.*",
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{WORK.name}.*",
-        f"$JS.API.CONSUMER.CREATE.{WORK.name}.*.coderai.work.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.*",
     ]
+    for c in work:  # `work-<model key>-<op>` (contracts/work.py), created only with its own filter subject
+        mk, op = c.removeprefix("work-").rsplit("-", 1)
+        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.CREATE.{WORK.name}.{c}.coderai.work.{mk}.{op}",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}"]
     subscribe = [f"coderai.engine.{node_id}.>", f"coderai.cmd.node.{node_id}.>", f"{node_inbox(node_id)}.>"]
     return {
         "publish": {"allow": publish},
@@ -120,7 +123,7 @@ def render(reg: Registry, now: float | None = None) -> str:
         if m.expires_at and m.expires_at <= now:
             continue
         users.append({"user": node_user(m.node_id, m.kind), "password": m.password_hash,
-                      "permissions": node_permissions(m.node_id)})
+                      "permissions": node_permissions(m.node_id, m.work)})
     # nats-server's config accepts JSON values, so json.dumps quotes every string safely
     return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
 
@@ -132,6 +135,21 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive lock beside the registry while reading, changing and saving it (the scheduler's
+    membership and a test harness may both edit it)."""
+    import fcntl
+
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def load(path: Path) -> Registry | None:

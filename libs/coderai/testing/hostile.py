@@ -164,6 +164,11 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
     await tried("read the model registry", await me.request_refused("$JS.API.STREAM.INFO.KV_coderai_models", b""))
     await tried("delete the WORK stream", await me.request_refused("$JS.API.STREAM.DELETE.WORK", b""))
     await tried("create a stream", await me.request_refused("$JS.API.STREAM.CREATE.EVIL", b'{"name":"EVIL","subjects":[">"]}'))
+    await tried("pull the fan-out parts of a model it does not hold", await me.request_refused(
+        "$JS.API.CONSUMER.MSG.NEXT.WORK.work-good-tiny-embed", b'{"batch":1}'))
+    await tried("widen a shared work consumer to every part", await me.request_refused(
+        "$JS.API.CONSUMER.CREATE.WORK.work-good-tiny-embed.coderai.work.>",
+        b'{"stream_name":"WORK","config":{"name":"work-good-tiny-embed","filter_subject":"coderai.work.>"}}'))
     await tried("fetch a file outside the model store", await me.request_refused(
         "coderai.cmd.store.fetch", b'{"path":"../../../../etc/passwd","offset":0}'))
 
