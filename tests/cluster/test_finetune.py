@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("peft")
 
 from coderai.scheduler.models_file import load_models
+from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import write_models_file
@@ -27,7 +28,7 @@ from coderai.testing.tiny_hf_llama import tiny_hf_llama
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "fine tuning test token"
+TOKEN = new_token()
 CLIENT = str(Path(__file__).with_name("finetune_client.py"))
 EXAMPLES = [{"messages": [{"role": "system", "content": "You add numbers."},
                           {"role": "user", "content": f"What is {i} plus {i}?"},

@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
+from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "split test token"
+TOKEN = new_token()
 PROMPTS = ["tell me a story about", "the quick brown fox"]
 
 

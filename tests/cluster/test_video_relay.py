@@ -9,6 +9,7 @@ import re
 import sys
 
 import pytest
+from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import clean_env, head_up, write_models_file
@@ -19,7 +20,7 @@ np = pytest.importorskip("numpy")
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "video relay test token"
+TOKEN = new_token()
 WORKERS = ("n1", "n2", "n3")
 TOLERANCE = 2  # max difference of any decoded pixel value (0..255); measured 0 (the MP4s are byte-identical)
 

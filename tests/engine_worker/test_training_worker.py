@@ -52,7 +52,7 @@ def test_training_messages_round_trip(msg):
 
 def test_training_subjects():
     assert CMD_NODE_TRAIN(node_id="b") == "coderai.cmd.node.b.train"
-    assert TRAIN_REPORT(job_id="ftjob-1") == "coderai.train.report.ftjob-1"
+    assert TRAIN_REPORT(job_id="ftjob-1", node_id="b") == "coderai.train.report.ftjob-1.b"  # a rank speaks as its node
     assert TRAIN_UPLOAD.decode_reply(encode(AdapterAck(received=1))) == AdapterAck(received=1)
 
 

@@ -28,7 +28,8 @@ def stack(tmp_path_factory, tiny_gguf):
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     models = [{"name": "one-slot", "engine": "llama-server", "path": str(tiny_gguf),
                "params": {"parallel": 1, "n_ctx": 4096, "n_threads": 2, "queue": 4}}]
-    env = {"CODERAI_GATEWAY_QUEUE_TIMEOUT_S": "0.3", "CODERAI_WORKER_KEEPALIVE_S": "0.1",
+    # the first queued keep-alive (0.1 s) is past the timeout: the long request need only outlast it by that much
+    env = {"CODERAI_GATEWAY_QUEUE_TIMEOUT_S": "0.05", "CODERAI_WORKER_KEEPALIVE_S": "0.1",
            "CODERAI_WORKER_HEARTBEAT_S": "0.2"}
     with running_stack(tmp_path_factory.mktemp("queue-timeout"), models, gateway_args=("--no-auth",),
                        extra_env=env) as s:

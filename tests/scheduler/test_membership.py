@@ -142,9 +142,6 @@ async def test_over_tls_the_worker_pins_the_ca_it_was_given_and_refuses_another(
                 await Bus.connect(url.replace(f":{server.port}", f":{other.port}"), "t1", tls=client_context(ca),
                                   connect_timeout_s=2)
             assert "certificate verify failed" in caplog.text.lower()
-            trusting = await Bus.connect(url.replace(f":{server.port}", f":{other.port}"), "t1",
-                                         tls=client_context(other.tls.ca_pem), connect_timeout_s=5)
-            await trusting.close()  # the same login goes in when the certificate is the one trusted
             # and without TLS nothing gets in
             with pytest.raises(BusError):
                 await Bus.connect(url, "t1-plain", connect_timeout_s=2)

@@ -141,7 +141,8 @@ def running_stack(
 ) -> Iterator[Stack]:
     """A NATS server of its own, core services, workers and a gateway; `ready_model` answers before it yields.
     `stack.nats` is the server, for tests that kill and restart it (give `nats_port` so it comes back there)."""
-    nats = NatsServer.secured(root / "nats", port=nats_port).start()  # every worker a node with a node's rights
+    # every worker a node with a node's rights; the server's log beside the services'
+    nats = NatsServer.secured(root / "nats", port=nats_port).start(log_file=root / "logs" / "nats.log")
     stack = Stack(root, nats.service_url, redis_url, extra_env)
     stack.nats = nats
     try:
