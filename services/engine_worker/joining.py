@@ -4,9 +4,11 @@ this machine (the head gets its bcrypt hash)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from coderai.contracts import BusError
@@ -54,7 +56,21 @@ def forget(data_dir: str) -> None:
     creds_path(data_dir).unlink(missing_ok=True)
 
 
-async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0) -> tuple[str, str]:
+async def _first_contact(url: str, name: str, inbox: str, timeout_s: float) -> Bus:
+    """The join user's connection: TLS (any certificate: the token authenticates what the head says), else plain
+    text for a head without TLS (one on loopback), which learns only the join password: it only asks to join."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for tls in (client_context(), None):
+            try:
+                return await Bus.connect(url, name, connect_timeout_s=min(3.0, timeout_s), inbox_prefix=inbox, tls=tls)
+            except BusError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0,
+               wait_s: float = 300.0) -> tuple[str, str]:
     """Join the head at `url`; (the URL with this node's own credentials, the CA to pin: '' without TLS), saved
     for the next start. The first contact takes any certificate: the token authenticates the answers, and the
     CA the head seals in its welcome is the only one trusted from then on."""
@@ -62,13 +78,19 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
     password_hash = members.hash_password(password)
     mine = nonce()
     join_url, inbox = with_user(url, JOIN_USER, join_password(token)), f"{members.JOIN_INBOX}.{nonce()}"
+    bus = await _first_contact(join_url, f"join:{node_id}", inbox, timeout_s)
     try:
-        bus = await Bus.connect(join_url, f"join:{node_id}", connect_timeout_s=min(3.0, timeout_s), inbox_prefix=inbox,
-                                tls=client_context())
-    except BusError:  # a head without TLS (one on loopback); what it may learn, the join password, only asks to join
-        bus = await Bus.connect(join_url, f"join:{node_id}", connect_timeout_s=timeout_s, inbox_prefix=inbox)
-    try:
-        challenge = await bus.request(JOIN_HELLO, JoinHello(node_id=node_id, nonce=mine), timeout=10)
+        deadline = time.monotonic() + wait_s
+        while True:  # a head that is still starting has nobody answering joins yet: ask again until it does
+            try:
+                challenge = await bus.request(JOIN_HELLO, JoinHello(node_id=node_id, nonce=mine), timeout=10)
+                break
+            except BusError as exc:
+                if not exc.retryable or time.monotonic() > deadline:
+                    raise
+                if time.monotonic() + wait_s - 1.5 < deadline:  # said once, on the first refusal
+                    log.info("the head does not answer joins yet (%s); asking again", exc.message)
+                await asyncio.sleep(1.0)
         if not same(challenge.proof, head_proof(token, node_id, mine, challenge.nonce)):
             raise JoinRefused(f"{without_user(url)} answered the join without knowing the cluster token: not our head")
         proof = node_proof(token, node_id, mine, challenge.nonce, password_hash)
