@@ -32,6 +32,7 @@ def test_a_new_token_has_256_bits_and_passes():
     t = new_token()
     assert token_bits(t) >= 250 and check_token(t) == t
     assert new_token() != t
+    assert not any(new_token().startswith("-") for _ in range(2000))  # `--cluster-token -x...` reads as an option
 
 
 @pytest.mark.parametrize("weak", ["", "s3cret", "coderai-test-token", "0123456789abcdef", "a" * 12])

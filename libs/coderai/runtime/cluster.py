@@ -28,8 +28,12 @@ class WeakToken(ValueError):
 
 
 def new_token() -> str:
-    """A fresh cluster token: 256 random bits (what `coderai token new` prints)."""
-    return secrets.token_urlsafe(32)
+    """A fresh cluster token: 256 random bits (what `coderai token new` prints), never starting with `-` (a
+    command line would read it as an option)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return token
 
 
 def token_bits(token: str) -> float:
