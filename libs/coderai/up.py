@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         nats_host = args.nats_host or ("0.0.0.0" if token else "127.0.0.1")
         nats_port = args.nats_port or (4222 if token else None)
-        from coderai.engine_worker.node import stable_node_id
+        from coderai.runtime.node_id import stable_node_id
 
         worker_id = stable_node_id(data, args.node_id)
         service_password, worker_password = ensure_members(data, token, worker_id)

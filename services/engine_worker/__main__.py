@@ -1,6 +1,6 @@
 """python -m coderai.engine_worker"""
 
-from coderai.engine_worker.node import stable_node_id
+from coderai.runtime.node_id import stable_node_id
 from coderai.engine_worker.service import Worker
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.runtime.entry import run_service

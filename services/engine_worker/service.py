@@ -23,7 +23,7 @@ from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.engine_worker.training import TrainingHost, training_capabilities
 from coderai.contracts import BusError
-from coderai.engine_worker.joining import JoinRefused, forget, join, saved_url
+from coderai.runtime.joining import JoinRefused, forget, join, saved_url
 from coderai.runtime.bus import DEFAULT_NATS_URL, Bus
 from coderai.runtime.members import node_inbox
 from coderai.runtime.tls import ca_text, client_context

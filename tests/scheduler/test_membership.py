@@ -11,11 +11,12 @@ import pytest
 from coderai.contracts import BusError
 from coderai.contracts.admin import JoinHello, JoinProof, PodUserRequest, RevokeRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_POD_USER, CMD_SCHEDULER_REVOKE, JOIN_HELLO, JOIN_PROVE
-from coderai.engine_worker.joining import JoinRefused, join
+from coderai.runtime.joining import JoinRefused, join
 from coderai.runtime import members
 from coderai.runtime.bus import Bus
 from coderai.runtime.cluster import JOIN_USER, join_password, new_token, node_proof, nonce, with_user
 from coderai.runtime.embedded import NatsServer, _login_ok
+from coderai.runtime.lifecycle import wait_for
 from coderai.scheduler.membership import Membership
 
 TOKEN = new_token()
@@ -39,11 +40,8 @@ async def _as_joiner(server) -> Bus:
 
 
 async def _wait_login(url: str, user: str, password: str, want: bool = True) -> None:
-    for _ in range(250):
-        if _login_ok(url, user, password) == want:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"login of {user} is not {'taken' if want else 'refused'}")
+    await wait_for(lambda: _login_ok(url, user, password) == want, 5.0, interval_s=0.02,
+                   what=f"the login of {user} to be {'taken' if want else 'refused'}")
 
 
 async def test_a_join_gives_the_node_a_login_of_its_own(head, tmp_path):
@@ -97,11 +95,7 @@ async def test_a_revoked_node_is_cut_off_and_may_not_join_again(head, tmp_path):
     try:
         reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5"))
         assert "n5" in reply.revoked and all(m.node_id != "n5" for m in reply.members)
-        for _ in range(250):
-            if not node.connected:
-                break
-            await asyncio.sleep(0.02)
-        assert not node.connected, "the reload disconnects a removed user"
+        await wait_for(lambda: not node.connected, 5.0, interval_s=0.02, what="the reload to disconnect a removed user")
     finally:
         await node.nc.close()
     with pytest.raises(JoinRefused, match="was revoked"):

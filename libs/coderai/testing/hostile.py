@@ -184,7 +184,7 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from coderai.engine_worker.joining import join
+    from coderai.runtime.joining import join
 
     joined, ca_pem = await join(args.nats_url, args.token, args.node_id, args.data_dir)
     results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem)
