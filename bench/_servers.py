@@ -169,7 +169,7 @@ class Coderai:
                      ready_timeout_s: float = 120) -> None:
         """NATS, Redis (if it starts), the core services with `models`, `workers` and the gateway with the bench
         key; `echo` adds a worker that offers the echo engine. Returns once every model answers."""
-        from coderai.gateway.auth import KeyRecord, hash_key, write_keys
+        from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
 
         self.nats = NatsServer(self.root / "nats").start(log_file=self.root / "logs" / "nats.log")
         redis_url = ""

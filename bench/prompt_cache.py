@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="coderai-prompt-cache-"))
     gguf = a.model
     if gguf is None:
-        from coderai.testing.tiny_gguf import build_tiny_gguf
+        from coderai.tiny_models.llm import build_tiny_gguf
 
         gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
     rows = []

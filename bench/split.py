@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         a.dim, a.layers, a.rounds, a.tokens = 64, 2, 2, 8
 
     from coderai.testing.netns import Lab
-    from coderai.testing.tiny_gguf import build_tiny_gguf
+    from coderai.tiny_models.llm import build_tiny_gguf
 
     work = Path(tempfile.mkdtemp(prefix="coderai-split-bench-"))
     model = work / "model.gguf"

@@ -80,7 +80,7 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> Path:
     pytest.importorskip("gguf")
-    from coderai.testing.tiny_gguf import build_tiny_gguf
+    from coderai.tiny_models.llm import build_tiny_gguf
 
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     build_tiny_gguf(path)

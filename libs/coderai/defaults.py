@@ -22,7 +22,7 @@ def _have(*modules: str) -> bool:
 def default_models(data: Path, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Model entries for the models file; optional ones whose build fails are left out with a warning."""
     from coderai.runtime.embedded import find_llama_server
-    from coderai.testing.tiny_gguf import build_tiny_gguf
+    from coderai.tiny_models.llm import build_tiny_gguf
 
     gguf = data / "models" / f"{LLM}.gguf"
     if not gguf.exists():
@@ -40,11 +40,11 @@ def default_models(data: Path, say: Callable[[str], None] = print) -> list[dict[
     if _have("resemblyzer", "speaker_diarize_lite"):
         models.append({"name": "resemblyzer", "engine": "diarize", "path": "builtin"})
     built: list[tuple[str, str, tuple[str, ...], str, str]] = [
-        ("whisper-tiny", "whisper", ("faster_whisper", "transformers", "torch"), "coderai.testing.tiny_whisper",
+        ("whisper-tiny", "whisper", ("faster_whisper", "transformers", "torch"), "coderai.tiny_models.whisper",
          "ensure_tiny_whisper"),
-        ("sd-tiny", "diffusers", ("diffusers", "transformers", "torch"), "coderai.testing.tiny_diffusion",
+        ("sd-tiny", "diffusers", ("diffusers", "transformers", "torch"), "coderai.tiny_models.diffusion",
          "ensure_tiny_sd"),
-        ("t2v-tiny", "video", ("diffusers", "transformers", "torch", "av"), "coderai.testing.tiny_diffusion",
+        ("t2v-tiny", "video", ("diffusers", "transformers", "torch", "av"), "coderai.tiny_models.diffusion",
          "ensure_tiny_t2v"),
     ]
     for name, engine, needs, module, fn in built:

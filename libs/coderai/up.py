@@ -43,7 +43,7 @@ def ensure_default_model(data: Path) -> Path:
     if not models_file.exists():
         try:
             from coderai.defaults import default_models
-            from coderai.testing.stack import write_models_file
+            from coderai.models_file import write_models_file
         except ImportError:
             raise SystemExit("coderai up: building the default model needs the llama extra: pip install 'coderai[llama]'")
         models = default_models(data, say=lambda m: print(m, flush=True))
@@ -55,7 +55,7 @@ def ensure_default_model(data: Path) -> Path:
 
 def ensure_api_key(data: Path) -> tuple[Path, str]:
     """Create an admin key on first run: its hash in keys.toml, the key itself in admin.key (mode 0600)."""
-    from coderai.gateway.auth import KeyRecord, hash_key, new_key, write_keys
+    from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
 
     keys_file, key_file = data / "keys.toml", data / "admin.key"
     if keys_file.exists() and key_file.exists():
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "pids": {c.name: c.proc.pid for c in sup.children} | {"nats": nats.proc.pid, "redis": redis.proc.pid},
         }, indent=2))
 
-        from coderai.scheduler.models_file import load_models
+        from coderai.models_file import load_models
 
         served = [m.name for m in load_models(str(models_file))]
         first = served[0]

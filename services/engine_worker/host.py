@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from coderai.contracts import (
     GGUF_FAMILIES,
+    BusError,
     CancelJob,
     Chunk,
     EngineStatus,
@@ -130,9 +129,9 @@ class EngineHost:
         """Subscribe this engine's subjects (nats-py renews them by itself after a reconnect)."""
         if self.member:
             return
-        nc = self.bus.nc
         self._subs = [
-            await nc.subscribe(ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id), cb=self._job_cb(op))
+            await self.bus.serve_stream(ENGINE_OPS[op], self._job(op), spawn=self._admit,
+                                        subject_str=ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id))
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
@@ -155,17 +154,13 @@ class EngineHost:
         if self.state not in ("ready", "draining"):
             return
         self.state, self.error = "failed", why
-        task = asyncio.create_task(self._drop_intake())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(self._drop_intake())
 
     def _back(self) -> None:
         """The engine serves again by itself (its devices came back): take jobs again."""
         if self.state != "failed":
             return
-        task = asyncio.create_task(self._resume_intake())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(self._resume_intake())
 
     async def _resume_intake(self) -> None:
         for sub in self._subs:
@@ -210,29 +205,23 @@ class EngineHost:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _job_cb(self, op: str):
-        subject = ENGINE_OPS[op]
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` as a task of this engine: unloading waits for it (bounded), then cancels it."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-        async def _cb(m: Any) -> None:
-            if not m.reply:
-                return
-            try:
-                job = subject.decode(m.data)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(code="bad_request", message=str(exc), seq=1)))
-                return
-            limit = getattr(self.engine, "queue_limit", 0)
-            if limit and len(self._tasks) >= limit:  # a bounded queue: beyond it the client is told to slow down
-                await self.bus.nc.publish(m.reply, msgspec.json.encode(ErrorReply(
-                    code="busy", retryable=True, seq=1,
-                    message=f"{self.config.name} is busy: {limit} requests are running or queued on {self.engine_id}")))
-                return
-            headers = m.headers or {}
-            task = asyncio.create_task(self._run(op, job, m.reply, headers.get(HDR_REQUEST_ID, job.request_id), headers))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _admit(self, coro: Any) -> None:
+        """Start a job (`Bus.serve_stream`'s spawn), or refuse it as `busy` beyond the engine's queue limit."""
+        limit = getattr(self.engine, "queue_limit", 0)
+        if limit and len(self._tasks) >= limit:  # a bounded queue: beyond it the client is told to slow down
+            raise BusError("busy", f"{self.config.name} is busy: {limit} requests are running or queued on "
+                                   f"{self.engine_id}", retryable=True)
+        self.spawn(coro)
 
-        return _cb
+    def _job(self, op: str) -> Any:
+        """The `serve_stream` handler of one op: the job runs with the request id and trace context of its headers."""
+        return lambda job, writer, m: self._run(op, job, writer, m.headers or {})
 
     async def _on_cancel(self, req: CancelJob, _m: Any) -> None:
         flag = self._cancels.get(req.request_id)
@@ -240,10 +229,12 @@ class EngineHost:
             log.info("cancel", extra={"request_id": req.request_id})
             flag.set()
 
-    async def _run(self, op: str, job: Any, reply: str, request_id: str, headers: dict[str, str] | None = None,
+    async def _run(self, op: str, job: Any, writer: FrameWriter, headers: dict[str, str],
                    give_back: bool = False) -> str:
-        """Run one job, its frames to `reply`: "ok", or "failed" once an error was answered. With `give_back`
-        (a fan-out part that another worker may still take) an engine failure is not answered: "retry"."""
+        """Run one job, its frames to `writer`: "ok", or "failed" once an error was answered. With `give_back`
+        (a fan-out part that another worker may still take) an engine failure is not answered: "retry". The
+        request id is the one in `headers` (HDR_REQUEST_ID), else the job's."""
+        request_id = headers.get(HDR_REQUEST_ID, job.request_id)
         request_id_var.set(request_id)
         span = tracing.NO_SPAN
         if tracing.enabled():  # a child of the gateway's engine call, through the job's traceparent header
@@ -251,7 +242,6 @@ class EngineHost:
                 "coderai.request_id": request_id, "coderai.engine_id": self.engine_id, "coderai.model": job.model,
                 "coderai.stream": job.stream,
             })
-        writer = FrameWriter(self.bus.nc, reply)
         flag = self._cancels[job.request_id] = CancelFlag()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -20,7 +20,9 @@ import msgspec
 from coderai.contracts import PartDone, WorkPart, decode, model_key
 from coderai.contracts.subjects import ENGINE_OPS, EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
-from coderai.contracts.work import FANOUT_OPS, work_consumer
+from coderai.contracts.ops import FANOUT_OPS
+from coderai.contracts.work import work_consumer
+from coderai.runtime.bus import FrameWriter
 
 __all__ = ["FANOUT_OPS", "PartPuller", "consumer_name"]
 
@@ -104,8 +106,8 @@ class PartPuller:
         t0 = time.monotonic()
         keep = asyncio.create_task(self._in_progress(msg))
         try:
-            status = await host._run(self.op, job, part.reply, part.request_id, {HDR_REQUEST_ID: part.request_id},
-                                     give_back=not last)
+            status = await host._run(self.op, job, FrameWriter(host.bus.nc, part.reply),
+                                     {HDR_REQUEST_ID: part.request_id}, give_back=not last)
         finally:
             keep.cancel()
         if status == "retry":

@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Any
 
-import msgspec
 from coderai.contracts import Chunk, ErrorReply, Usage
 from coderai.contracts.media import Blob
 from coderai.contracts.stages import HandoffMismatch, StageDone, StageJob, check_handoff
@@ -34,22 +33,9 @@ def serves_stages(host: Any) -> bool:
 
 
 async def subscribe(host: Any) -> Any:
-    """The stage subscription of `host`'s engine."""
-
-    async def _cb(m: Any) -> None:
-        if not m.reply:
-            return
-        try:
-            job = ENGINE_STAGE.decode(m.data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            err = ErrorReply(code="bad_request", message=str(exc), seq=1)
-            await host.bus.nc.publish(m.reply, msgspec.json.encode(err))
-            return
-        task = asyncio.create_task(run(host, job, m.reply))
-        host._tasks.add(task)
-        task.add_done_callback(host._tasks.discard)
-
-    return await host.bus.nc.subscribe(ENGINE_STAGE(node_id=host.node_id, engine_id=host.engine_id), cb=_cb)
+    """The stage subscription of `host`'s engine: each stage runs as a task of the host (no queue limit)."""
+    return await host.bus.serve_stream(ENGINE_STAGE, lambda job, writer, _m: run(host, job, writer), spawn=host.spawn,
+                                       subject_str=ENGINE_STAGE(node_id=host.node_id, engine_id=host.engine_id))
 
 
 async def _inputs(host: Any, job: StageJob) -> dict[str, Any]:
@@ -62,14 +48,13 @@ async def _inputs(host: Any, job: StageJob) -> dict[str, Any]:
     return out
 
 
-async def run(host: Any, job: StageJob, reply: str) -> None:
+async def run(host: Any, job: StageJob, writer: FrameWriter) -> None:
     """Run one stage and answer it: progress chunks, keep-alives, then `StageDone` or a typed error."""
     from coderai.engine_worker.engines.video_stages import make_handoff
 
     request_id_var.set(job.request_id)
     stage = job.stage
     what = f"{stage.kind} {stage.start}..{stage.end}" if stage.kind == "denoise" else stage.kind
-    writer = FrameWriter(host.bus.nc, reply)
     flag = host._cancels[job.request_id] = CancelFlag()
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -10,6 +11,10 @@ import tomllib
 from dataclasses import dataclass
 
 import msgspec
+from litestar import Request
+from litestar.di import NamedDependency
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from redis.exceptions import RedisError
 
 from coderai.accounts.keys import ApiKey, KeyStore
@@ -98,3 +103,38 @@ class Authenticator:
         if scope not in caller.scopes:
             raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")
         return caller
+
+
+# --- guards: every controller declares one; the caller they admit is the `who` its handlers are given ---------
+
+
+def _guard(scope: str):
+    async def guard(connection: ASGIConnection, _handler: BaseRouteHandler) -> None:
+        auth: Authenticator = connection.app.state.gateway.auth
+        connection.state.caller = await auth.check(connection.headers.get("authorization"), scope)
+
+    guard.__name__ = f"{scope}_guard"
+    return guard
+
+
+inference_guard = _guard("inference")
+admin_guard = _guard("admin")
+
+
+async def scrape_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """`/metrics`: the scrape token (CODERAI_GATEWAY_SCRAPE_TOKEN) or an admin key."""
+    token = connection.app.state.gateway.settings.scrape_token
+    given = connection.headers.get("authorization", "")
+    if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        connection.state.caller = Caller("scraper", frozenset())
+        return
+    await admin_guard(connection, handler)
+
+
+def provide_caller(request: Request) -> Caller:
+    """The caller the controller's guard admitted."""
+    return request.state.caller
+
+
+CallerDep = NamedDependency[Caller]
+"""How a handler asks for its caller: `who: CallerDep` (the one its controller's guard admitted)."""

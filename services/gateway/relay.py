@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coderai.contracts import (
     BusError,
@@ -16,17 +16,20 @@ from coderai.contracts import (
     Final,
     Frame,
     KeepAlive,
-    RequestCompleted,
     RouteDecision,
     RouteRequest,
     decode,
 )
 from coderai.contracts.pods import EscalateReply, EscalateRequest
-from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, ENGINE_OPS, EVT_REQUEST_COMPLETED, ROUTE_PICK
+from coderai.contracts.ops import ENGINE_OPS
+from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus, FrameStream
 from coderai.runtime.tracing import NO_SPAN
+
+if TYPE_CHECKING:
+    from coderai.gateway.accounting import Trace
 
 log = logging.getLogger("coderai.gateway")
 
@@ -39,63 +42,6 @@ class Hints:
     user: str = ""
     prefix: list[str] = field(default_factory=list)
     pin: str = ""
-
-
-@dataclass
-class Outcome:
-    """What one request did, for the `request.completed` event."""
-
-    request_id: str
-    key_name: str
-    model: str
-    op: str
-    stream: bool
-    started: float = field(default_factory=time.monotonic)
-    status: str = "ok"
-    http_status: int = 200
-    engine_id: str = ""
-    node_id: str = ""
-    ttft_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    route_reason: str = ""
-    cost_usd: float = 0.0
-    parts: int = 0
-    span: Any = NO_SPAN  # the request's server span; NO_SPAN while tracing is off
-    engine_span: Any = NO_SPAN  # the gateway's call to the engine that answered
-
-    def start_span(self, name: str) -> None:
-        """Open the request's server span (a no-op while tracing is off); `Relay.completed` ends it."""
-        if tracing.enabled():
-            self.span = tracing.start_span(name, kind="server", attributes={
-                "coderai.request_id": self.request_id, "coderai.model": self.model, "coderai.op": self.op,
-                "coderai.key_name": self.key_name, "coderai.stream": self.stream,
-            })
-
-    def end_spans(self) -> None:
-        """End the engine call's span and the request's span with what happened."""
-        if self.status != "ok":
-            tracing.set_error(self.engine_span, self.status)
-            tracing.set_error(self.span, self.status)
-        self.engine_span.end()
-        attrs: dict[str, Any] = {
-            "coderai.status": self.status, "http.response.status_code": self.http_status,
-            "coderai.engine_id": self.engine_id, "coderai.route_reason": self.route_reason,
-            "coderai.prompt_tokens": self.prompt_tokens, "coderai.completion_tokens": self.completion_tokens,
-        }
-        if self.ttft_s is not None:
-            attrs["coderai.ttft_s"] = self.ttft_s
-        self.span.set_attributes(attrs)
-        self.span.end()
-
-    def event(self) -> RequestCompleted:
-        return RequestCompleted(
-            request_id=self.request_id, ts=time.time(), key_name=self.key_name, model=self.model,
-            op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
-            node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, stream=self.stream,
-            route_reason=self.route_reason, cost_usd=self.cost_usd, parts=self.parts,
-        )
 
 
 class Relay:
@@ -165,20 +111,20 @@ class Relay:
             on_cancel=cancel, node_id=decision.node_id, engine_id=decision.engine_id,
         )
 
-    async def first_frame(self, op: str, job: Any, hints: Hints, outcome: Outcome, headers: dict[str, str],
-                          first: RouteDecision | None = None) -> tuple[FrameStream, Chunk | Final]:
+    async def first_frame(self, op: str, job: Any, hints: Hints, trace: Trace, headers: dict[str, str],
+                          first: RouteDecision | None = None) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
-        decision already made for the first attempt."""
+        decision already made for the first attempt. The stream, its first frame and the engine that sent it."""
         tried: list[str] = []
         last: BusError | None = None
-        traced = outcome.span is not NO_SPAN
+        traced = trace.on
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
                 if first is not None and attempt == 1:
                     decision = first
                 elif traced:
-                    with tracing.start_span("route.pick", parent=outcome.span, kind="client",
+                    with tracing.start_span("route.pick", parent=trace.span, kind="client",
                                             attributes={"coderai.attempt": attempt}) as span:
                         decision = await self._pick(job, op, hints, tried, tracing.inject(span, headers))
                         span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
@@ -186,24 +132,23 @@ class Relay:
                     decision = await self._pick(job, op, hints, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
-            outcome.engine_id, outcome.node_id, outcome.route_reason = decision.engine_id, decision.node_id, decision.reason
             if traced:
-                outcome.engine_span = tracing.start_span("engine.call", parent=outcome.span, kind="client", attributes={
+                trace.engine_span = tracing.start_span("engine.call", parent=trace.span, kind="client", attributes={
                     "coderai.engine_id": decision.engine_id, "coderai.op": op, "coderai.attempt": attempt})
-                stream = await self._open(op, job, decision, tracing.inject(outcome.engine_span, headers))
+                stream = await self._open(op, job, decision, tracing.inject(trace.engine_span, headers))
             else:
                 stream = await self._open(op, job, decision, headers)
             try:
                 frame = await next_frame(stream, self.settings.queue_timeout_s, job.model)
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
-                return stream, frame
+                return stream, frame, decision
             except BusError as exc:
                 await stream.cancel()
                 if traced:  # this attempt's engine call ends here, whether or not another engine is tried
-                    tracing.set_error(outcome.engine_span, exc.code)
-                    outcome.engine_span.end()
-                    outcome.engine_span = NO_SPAN
+                    tracing.set_error(trace.engine_span, exc.code)
+                    trace.engine_span.end()
+                    trace.engine_span = NO_SPAN
                 if not exc.retryable:
                     raise
                 log.warning("engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message)
@@ -217,19 +162,6 @@ class Relay:
         t = asyncio.create_task(coro)
         self._background.add(t)
         t.add_done_callback(self._background.discard)
-
-    async def completed(self, outcome: Outcome) -> None:
-        """Publish `request.completed`: a core publish (the EVENTS stream stores it) that only appends to the
-        connection's write buffer, so it is awaited inline rather than given a task of its own. The request's
-        spans end here too."""
-        if outcome.span is not NO_SPAN:
-            outcome.end_spans()
-        if not self.bus.connected:
-            return
-        try:
-            await self.bus.publish(EVT_REQUEST_COMPLETED, outcome.event())
-        except Exception as exc:  # noqa: BLE001 - metrics must never break a request
-            log.debug("request.completed not published: %s", exc)
 
 
 async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: str = "") -> Chunk | Final | ErrorReply:

@@ -25,6 +25,7 @@ from coderai.accounts import usage
 from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
+from coderai.runtime.kv import read_all
 
 log = logging.getLogger("coderai.metrics")
 BATCH = 1000  # events per fetch
@@ -92,16 +93,11 @@ class Metrics:
             self._pod_kvs = (await self.bus.kv(PODS), await self.bus.kv(MODELS))
         pods_kv, models_kv = self._pod_kvs
         for kv, type_ in ((pods_kv, PodInfo), (models_kv, ModelConfig)):
-            try:
-                keys = await kv.keys()
-            except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-                keys = []
-            for key in keys:
-                value = decode((await kv.get(key)).value, type_)
+            for value in (await read_all(kv, type_)).values():
                 if type_ is PodInfo:
                     counts[(value.model, value.state)] = counts.get((value.model, value.state), 0) + 1
                 elif value.pod.burst != "never":
-                    money, period = PodMoney(self.redis), value.pod.period
+                    money, period = PodMoney(self.redis, prefix=self.settings.pod_ledger_prefix), value.pod.period
                     spent = await money.spend(value.name, period)
                     self.series.pod_spend.labels(value.name, period).set(spent)
                     if value.pod.budget_usd:

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import BusError, ModelConfig, decode, encode
+from coderai.contracts import BusError, ModelConfig, encode
 from coderai.contracts.events import PodEvent
 from coderai.contracts.nodes import Heartbeat
 from coderai.contracts.pods import (
@@ -48,6 +48,7 @@ from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
 from coderai.pod_broker import choosing
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.bus import Bus
+from coderai.runtime.kv import read_all
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.pod_broker")
@@ -85,7 +86,7 @@ class Broker:
 
             self.redis = aioredis.from_url(s.redis_url)
             stack.push_async_callback(self.redis.aclose)
-            self.money = PodMoney(self.redis, prefix=s.ledger_prefix)
+            self.money = PodMoney(self.redis, prefix=s.pod_ledger_prefix)
         if self.api is None and s.runpod_api_key:
             from coderai.pod_broker.runpod_api import RunPodClient
 
@@ -119,16 +120,7 @@ class Broker:
 
     async def _load_pods(self) -> None:
         """Pods tracked before a restart are tracked again (their money lives in Redis)."""
-        try:
-            keys = await self.kv.keys()
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            keys = []
-        for key in keys:
-            entry = await self.kv.get(key)
-            try:
-                info = decode(entry.value, PodInfo)
-            except msgspec.ValidationError:
-                continue
+        for info in (await read_all(self.kv, PodInfo)).values():
             self.pods[info.name] = info
 
     async def _save(self, info: PodInfo) -> PodInfo:

@@ -20,4 +20,3 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     reconcile_s: float = 2.0
     reserve_ahead_s: float = 600.0  # money reserved ahead of a running pod's cost
     orphan_scan_s: float = 60.0
-    ledger_prefix: str = "coderai:pods"  # Redis key prefix of reservations, spend and the ledger

@@ -17,6 +17,7 @@ from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, Round
 from coderai.router.settings import RouterSettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
+from coderai.runtime.kv import read_all
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
@@ -61,15 +62,11 @@ class Router:
     async def _seed_engines(self) -> None:
         """Start from the last heartbeats the scheduler recorded in `coderai_nodes` (at most a TTL old), so a
         restarted router routes at once instead of answering "no engine" until the next heartbeats arrive."""
-        kv = await self.bus.kv(NODES)
-        try:
-            keys = await kv.keys()
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            return
+        records = await read_all(await self.bus.kv(NODES), Heartbeat)
         now = time.monotonic()
-        for key in keys:
+        for key, hb in records.items():
             try:
-                self.table.apply(decode((await kv.get(key)).value, Heartbeat), now)
+                self.table.apply(hb, now)
             except Exception as exc:  # noqa: BLE001 - one bad record must not stop the start
                 log.warning("ignoring node record %s: %s", key, exc)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, decode, encode, model_key
+from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, encode, model_key
 from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
 from coderai.contracts.stages import StagePlan, StagePlanRequest
@@ -29,10 +29,10 @@ from coderai.contracts.subjects import (
 )
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
 from coderai.runtime.bus import Bus
-from coderai.runtime.kv import RevisionCache, put_if_changed
+from coderai.runtime.kv import RevisionCache, list_keys, put_if_changed, read_all
 from coderai.runtime.mirror import KVMirror
 from coderai.scheduler import stages
-from coderai.scheduler.models_file import load_models
+from coderai.models_file import load_models
 from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import plan
 from coderai.scheduler.settings import SchedulerSettings
@@ -206,24 +206,12 @@ class Scheduler:
         want = {model_key(m.name): m for m in self.models}
         for key, m in want.items():
             await put_if_changed(self.kv_models, key, encode(m))
-        try:
-            existing = await self.kv_models.keys()
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            existing = []
-        for key in existing:
+        for key in await list_keys(self.kv_models):
             if key not in want:
                 await self.kv_models.delete(key)
 
     async def _read_models(self) -> list[ModelConfig]:
-        out = []
-        try:
-            keys = await self.kv_models.keys()
-        except Exception:  # noqa: BLE001 - empty bucket
-            return []
-        for key in keys:
-            entry = await self.kv_models.get(key)
-            out.append(decode(entry.value, ModelConfig))
-        return out
+        return list((await read_all(self.kv_models, ModelConfig)).values())
 
     async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
         old = self.nodes.get(hb.node_id)

@@ -63,6 +63,7 @@ from coderai.contracts.training import (
     TrainStop,
 )
 from coderai.runtime.files import sha256_file
+from coderai.runtime.kv import read_all
 from coderai.scheduler import training_plan as tp
 
 log = logging.getLogger("coderai.scheduler")
@@ -132,12 +133,7 @@ class Training:
         service listens (stopping ranks, starting jobs again)."""
         adopted: dict[str, _Live] = {}
         later: list[Any] = []
-        try:
-            keys = [k for k in await self.kv.keys() if k.startswith("ftjob-")]
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            return adopted, later
-        for key in keys:
-            job = decode((await self.kv.get(key)).value, FineTuneJob)
+        for job in (await read_all(self.kv, FineTuneJob, prefix="ftjob-")).values():
             plan = tp.adoption(job, self.sched.models)
             if plan.action == "leave":
                 continue
@@ -337,7 +333,7 @@ class Training:
         dest = self.root / store_path
         if dest.is_file():
             return
-        obs = await self.bus.js.object_store(FILES.name)
+        obs = await self.bus.object_store(FILES)
         data = (await obs.get(file_id)).data
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp")

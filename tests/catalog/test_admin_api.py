@@ -6,10 +6,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from coderai.gateway.catalog_admin import catalog_routes
+from coderai.gateway.admin.catalog import CatalogController, Pulls
+from coderai.gateway.auth import Authenticator, KeyRecord, hash_key, provide_caller
 from coderai.gateway.errors import ApiError
 from coderai.testing.procs import wait_until
-from litestar import Litestar, Request, Response
+from litestar import Litestar, Response
+from litestar.di import Provide
 from litestar.testing import TestClient
 
 ADMIN = {"Authorization": "Bearer admin"}
@@ -17,13 +19,14 @@ ADMIN = {"Authorization": "Bearer admin"}
 
 @pytest.fixture
 def client(tmp_path, hf_env):
-    async def caller(request: Request, scope: str = "inference") -> None:
-        if request.headers.get("authorization") != "Bearer admin" or scope != "admin":
-            raise ApiError(401, "admin key needed", code="invalid_api_key")
-
-    gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data")))
-    app = Litestar(route_handlers=catalog_routes(gw, caller), exception_handlers={
+    auth = Authenticator({hash_key("admin"): KeyRecord("admin", hash_key("admin"), ["admin"])})
+    gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data"), max_body_bytes=1 << 20), auth=auth)
+    pulls = Pulls(gw)  # type: ignore[arg-type]
+    app = Litestar(route_handlers=[CatalogController], dependencies={
+        "pulls": Provide(lambda: pulls, sync_to_thread=False), "who": Provide(provide_caller, sync_to_thread=False)},
+        exception_handlers={
         ApiError: lambda _r, e: Response(content=e.encode(), status_code=e.status, media_type="application/json")})
+    app.state.gateway = gw
     with TestClient(app) as c:
         yield c
 

@@ -19,11 +19,10 @@ import pytest
 
 pytest.importorskip("peft")
 
-from coderai.scheduler.models_file import load_models
+from coderai.models_file import load_models, write_models_file
 from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import write_models_file
 from coderai.testing.tiny_hf_llama import tiny_hf_llama
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ PROMPTS = ["tell me a story about", "the quick brown fox"]
 
 @pytest.fixture(scope="module")
 def layered_gguf(tmp_path_factory):
-    from coderai.testing.tiny_gguf import build_tiny_gguf
+    from coderai.tiny_models.llm import build_tiny_gguf
 
     path = tmp_path_factory.mktemp("split-model") / "layered.gguf"
     build_tiny_gguf(path, dim=128, layers=4, heads=4)

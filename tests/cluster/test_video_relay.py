@@ -60,7 +60,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from coderai.testing.tiny_diffusion import ensure_tiny_t2v
+    from coderai.tiny_models.diffusion import ensure_tiny_t2v
 
     try:
         lab = Lab(["head", *WORKERS])

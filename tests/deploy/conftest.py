@@ -56,10 +56,13 @@ def load_compose(name: str, env: dict[str, str]) -> dict:
 
 
 def load_script(path: Path, name: str):
-    """Import a helper script (docker/head_init.py, docker/healthcheck.py) by path."""
+    """Import a helper script (docker/head_init.py, docker/healthcheck.py, scripts/envdoc.py) by path."""
+    import sys
+
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses (envdoc's Field) look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -93,6 +96,12 @@ def head_init():
 @pytest.fixture(scope="session")
 def healthcheck():
     return load_script(DOCKER / "healthcheck.py", "coderai_healthcheck")
+
+
+@pytest.fixture(scope="session")
+def envdoc():
+    """scripts/envdoc.py: the variables every service reads, and docs/env.md rendered from the settings structs."""
+    return load_script(ROOT / "scripts" / "envdoc.py", "coderai_envdoc")
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ from urllib.parse import urlsplit
 import msgspec
 import pytest
 from coderai.cli import COMMANDS
-from coderai.runtime import envdoc
-from coderai.scheduler.models_file import load_models
+from coderai.models_file import load_models
 
 from tests.deploy.conftest import TEST_TOKEN
 
@@ -55,7 +54,7 @@ def _service(doc: dict, kind: str) -> dict:
     return svc
 
 
-def test_commands_are_real_entry_points(head, node, compose_env, head_init):
+def test_commands_are_real_entry_points(head, node, compose_env, head_init, envdoc):
     seen = set()
     for doc in (head, node):
         for name, svc in doc["services"].items():
@@ -89,7 +88,7 @@ def test_redis_keeps_an_append_only_file(head):
     assert "ports" not in head["services"]["redis"], "Redis holds key hashes and budgets: never publish it"
 
 
-def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env):
+def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env, envdoc):
     for doc in (head, node):
         for name, svc in doc["services"].items():
             env = svc.get("environment") or {}
@@ -115,7 +114,7 @@ def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env):
                 assert not names, f"{name} is not a coderai service"
 
 
-def test_env_example_documents_exactly_what_the_files_use(env_example, helpers):
+def test_env_example_documents_exactly_what_the_files_use(env_example, helpers, envdoc):
     used = set()
     for name in FILES:
         used |= helpers.compose_variables((COMPOSE / name).read_text())
@@ -137,7 +136,7 @@ def test_env_example_documents_exactly_what_the_files_use(env_example, helpers):
             f"{name}: the token must be required (`:?`), never silently empty"
 
 
-def test_ports_match_the_settings(head, head_init, compose_env):
+def test_ports_match_the_settings(head, head_init, compose_env, envdoc):
     from coderai.gateway.settings import GatewaySettings
     from coderai.metrics.settings import MetricsSettings
 

@@ -1,22 +1,24 @@
-"""docs/env.md is generated from the settings structs and must be current."""
+"""docs/env.md is generated from the settings structs (scripts/envdoc.py, a dev tool) and must be current."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
-from coderai.runtime import envdoc
+
 from coderai.runtime.settings import CommonSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_docs_env_md_is_current():
+def test_docs_env_md_is_current(envdoc):
     current = (ROOT / "docs" / "env.md").read_text()
-    assert current == envdoc.render(), "docs/env.md is stale: run `.venv/bin/python -m coderai.runtime.envdoc`"
+    assert current == envdoc.render(), "docs/env.md is stale: run `.venv/bin/python scripts/envdoc.py`"
 
 
-def test_every_field_of_every_service_is_documented():
+def test_every_field_of_every_service_is_documented(envdoc):
     text = envdoc.render()
     for svc in envdoc.SERVICES:
         cls = envdoc.settings_class(svc)
@@ -26,7 +28,7 @@ def test_every_field_of_every_service_is_documented():
             assert f"`{shown}`" in text, shown
 
 
-def test_variables_are_the_names_load_settings_reads():
+def test_variables_are_the_names_load_settings_reads(envdoc):
     """Each name variables() gives a service really sets a field when load_settings reads it."""
     for svc in envdoc.SERVICES:
         cls = envdoc.settings_class(svc)
@@ -44,7 +46,7 @@ def test_variables_are_the_names_load_settings_reads():
     assert "CODERAI_REDIS_URL" in envdoc.variables("metrics")  # the shared name of its redis_url
 
 
-def test_descriptions_come_from_the_source_comments():
+def test_descriptions_come_from_the_source_comments(envdoc):
     by_name = {f.name: f for f in envdoc.fields(envdoc.settings_class("gateway"), own_only=True)}
     assert "taken for dead" in by_name["idle_timeout_s"].description  # the comment on its line
     assert by_name["max_body_bytes"].default == "`16777216` (`16 * 1024 * 1024`)"
@@ -54,9 +56,24 @@ def test_descriptions_come_from_the_source_comments():
     assert router["policy"].type.count("`") == 6  # the Literal's three choices
 
 
-def test_check_mode(tmp_path, capsys):
+def test_check_mode(tmp_path, capsys, envdoc):
     out = tmp_path / "env.md"
     assert envdoc.main(["--output", str(out), "--check"]) == 1
     assert envdoc.main(["--output", str(out)]) == 0
     assert envdoc.main(["--output", str(out), "--check"]) == 0
     assert out.read_text() == envdoc.render()
+
+
+def test_the_script_checks_docs_env_md_from_any_directory(tmp_path):
+    """As developers and CI run it: `python scripts/envdoc.py --check`, wherever they stand."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "envdoc.py"), "--check"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_pod_ledger_prefix_is_one_setting_for_every_service(envdoc):
+    text = envdoc.render()
+    assert "`CODERAI_POD_LEDGER_PREFIX`" in text
+    assert "CODERAI_POD_BROKER_LEDGER_PREFIX" not in text and "CODERAI_GATEWAY_POD_LEDGER_PREFIX" not in text
+    for svc in ("gateway", "pod-broker", "metrics"):
+        assert "CODERAI_POD_LEDGER_PREFIX" in envdoc.variables(svc)

@@ -54,7 +54,7 @@ def test_admin_key_is_made_once(tmp_path, head_init):
     assert head_init.main(["--keys-dir", str(tmp_path)]) == 0
     key = (tmp_path / "admin.key").read_text()
     assert key.startswith("sk-coderai-") and stat.S_IMODE((tmp_path / "admin.key").stat().st_mode) == 0o600
-    from coderai.gateway.auth import hash_key, load_keys
+    from coderai.accounts.keyfile import hash_key, load_keys
 
     assert hash_key(key.strip()) in load_keys(str(tmp_path / "keys.toml"))
     assert head_init.main(["--keys-dir", str(tmp_path)]) == 0

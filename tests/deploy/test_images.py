@@ -10,7 +10,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from coderai.runtime import envdoc
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -44,7 +43,7 @@ def test_there_is_a_dockerfile_per_family():
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_dockerfile_shape(dockerfile: Path):
+def test_dockerfile_shape(dockerfile: Path, envdoc):
     ins = _instructions(dockerfile)
     froms = [rest for word, rest in ins if word == "FROM"]
     assert len(froms) >= 2 and " AS build" in froms[0], "multi-stage: build tools stay in the build stage"

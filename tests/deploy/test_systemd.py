@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from coderai.cli import COMMANDS
-from coderai.runtime import envdoc
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "helm-free-deploy"
@@ -105,7 +104,7 @@ def test_head_units(installed_head):
     assert "systemctl enable --now coderai.target" in result.stdout, "--no-start says what to run"
 
 
-def test_head_env_file(installed_head, head_init):
+def test_head_env_file(installed_head, head_init, envdoc):
     tmp, _ = installed_head
     prefix = tmp / "opt"
     env_file = prefix / "etc" / "coderai.env"

@@ -10,7 +10,7 @@ from coderai.contracts import ModelConfig
 from coderai.contracts.media import Blob, ImageJob, VideoJob
 from coderai.engine_worker.engines import BadInput, EngineLoadError, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
-from coderai.testing.tiny_diffusion import ensure_tiny_sd, ensure_tiny_t2v
+from coderai.tiny_models.diffusion import ensure_tiny_sd, ensure_tiny_t2v
 
 pytest.importorskip("diffusers")
 av = pytest.importorskip("av")

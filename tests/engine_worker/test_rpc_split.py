@@ -103,7 +103,7 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
     from coderai.engine_worker.engines import engine_class
     from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
     from coderai.engine_worker.rpc import RpcService
-    from coderai.testing.tiny_gguf import build_tiny_gguf
+    from coderai.tiny_models.llm import build_tiny_gguf
 
     path = tmp_path / "four.gguf"
     build_tiny_gguf(path, dim=128, layers=4, heads=4)

@@ -9,7 +9,7 @@ from coderai.contracts.media import VideoJob
 from coderai.contracts.stages import HandoffMismatch, Stage, StageJob, check_handoff
 from coderai.engine_worker.engines import engine_class
 from coderai.engine_worker.engines.base import CancelFlag
-from coderai.testing.tiny_diffusion import ensure_tiny_t2v
+from coderai.tiny_models.diffusion import ensure_tiny_t2v
 
 pytest.importorskip("diffusers")
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from coderai.contracts.media import Blob, TranscribeJob
 from coderai.engine_worker.engines import EngineLoadError, audio, available_families, engine_class
 from coderai.engine_worker.engines.base import BadInput, CancelFlag
 from coderai.testing.speech import RATE, have_espeak, speak_pcm, to_wav
-from coderai.testing.tiny_whisper import TRAINING_TEXT, ensure_tiny_whisper
+from coderai.tiny_models.whisper import TRAINING_TEXT, ensure_tiny_whisper
 
 pytest.importorskip("faster_whisper")
 pytestmark = pytest.mark.slow

@@ -18,8 +18,10 @@ from coderai.contracts.media import (
     Blob, DiarizeJob, EmbedJob, EmbedResult, ImageJob, ImageResult, OcrJob, OcrPage, OcrResult, RerankJob,
     RerankResult, Segment, SpeechJob, SpeechResult, TranscribeJob, TranscribeResult, VideoJob, Word,
 )
-from coderai.gateway import fanout_plans as fp
-from coderai.gateway.fanout_plans import Distribute, MergeError, Plan, chunk_sizes, group_sizes, merge, plan
+from coderai.contracts import Distribute
+from coderai.gateway.fanout import audio as fp
+from coderai.gateway.fanout.audio import group_sizes
+from coderai.gateway.fanout.plans import MergeError, Plan, chunk_sizes, merge, plan
 
 ON = Distribute()
 TEXTS = [f"text number {i} " + "a" * (i % 7) for i in range(23)]

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from coderai.contracts.training import FineTuneJob, JobError
 from coderai.gateway.errors import ApiError
-from coderai.gateway.finetune import JobRequest, events_page, job_json, resolve
+from coderai.gateway.openai.fine_tuning import JobRequest, events_page, job_json, resolve
 from coderai.scheduler.training_plan import add_event
 from coderai.training_data import BadTrainingFile, parse_examples
 

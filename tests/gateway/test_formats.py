@@ -6,7 +6,7 @@ import base64
 import struct
 
 from coderai.contracts import DiarizeResult, EmbedResult, OcrLine, OcrPage, OcrResult, Segment, TranscribeResult, Turn, Usage, Word
-from coderai.gateway import formats
+from coderai.gateway.openai import formats
 
 
 def _vectors(rows: list[list[float]]) -> EmbedResult:

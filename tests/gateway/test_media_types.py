@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coderai.gateway.errors import ApiError
-from coderai.gateway.media_types import Form, Upload, VideoRequest, parse_size
-from coderai.gateway.videos import plan
+from coderai.gateway.openai.forms import Form, Upload, parse_size
+from coderai.gateway.openai.videos import VideoRequest, plan
 
 
 def test_parse_size():
@@ -49,7 +49,9 @@ def test_video_plan_frames_from_seconds_and_fps():
 def test_every_media_request_type_decodes_its_openai_shape():
     import msgspec
 
-    from coderai.gateway.media_types import EmbeddingRequest, ImageRequest, RerankRequest, SpeechRequest
+    from coderai.gateway.openai.audio import SpeechRequest
+    from coderai.gateway.openai.embeddings import EmbeddingRequest, RerankRequest
+    from coderai.gateway.openai.images import ImageRequest
 
     emb = msgspec.json.decode(b'{"model":"m","input":["a","b"],"encoding_format":"base64"}', type=EmbeddingRequest)
     assert emb.input == ["a", "b"] and emb.encoding_format == "base64"

@@ -8,8 +8,9 @@ import pytest
 
 from coderai.contracts import ChatJob, CompletionJob, SamplingParams
 from coderai.gateway.errors import ApiError
-from coderai.gateway.openai_types import (
-    ChatCompletionRequest, CompletionRequest, chat_job, completion_job, include_usage, parse,
+from coderai.gateway.http import parse
+from coderai.gateway.openai.chat_types import (
+    ChatCompletionRequest, CompletionRequest, chat_job, completion_job, include_usage,
 )
 
 USER = {"role": "user", "content": "hi"}

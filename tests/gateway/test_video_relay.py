@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from coderai.contracts import BusError
 from coderai.contracts.stages import Stage, StagePlan
-from coderai.gateway.video_relay import percent, resume_at
+from coderai.gateway.video.relay import percent, resume_at
 
 
 def plan(*stages: tuple[str, int, int, str]) -> StagePlan:

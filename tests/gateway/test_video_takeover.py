@@ -14,7 +14,7 @@ from coderai.contracts import VideoJob
 from coderai.contracts.stages import Handoff, SchedulerState, StageRun
 from coderai.contracts.topology import BucketSpec
 from coderai.gateway.auth import Authenticator
-from coderai.gateway.video_jobs import (
+from coderai.gateway.video.records import (
     MAX_TAKEOVERS,
     Superseded,
     Tenure,
@@ -72,12 +72,12 @@ async def test_a_taken_over_job_runs_as_the_key_that_asked_for_it(redis_server, 
     from coderai.accounts.keys import KeyStore
 
     auth = Authenticator(None)
-    assert (await caller_for(types.SimpleNamespace(auth=auth), "alice")).key_name == "alice"  # keys file / no auth
+    assert (await caller_for(auth, "alice")).key_name == "alice"  # keys file / no auth
     r = aioredis.from_url(redis_server.url)
     try:
         auth.store = KeyStore(r)
         await auth.store.create(f"k{unique}", ["inference"], rpm=5)
-        who = await caller_for(types.SimpleNamespace(auth=auth), f"k{unique}")
+        who = await caller_for(auth, f"k{unique}")
         assert who.key is not None and who.key.name == f"k{unique}" and who.key.rpm == 5  # its limits still apply
     finally:
         await r.aclose()

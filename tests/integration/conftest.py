@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from coderai.gateway.auth import KeyRecord, hash_key, write_keys
+from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
 from coderai.testing.stack import running_stack
 
 ADMIN_KEY = "sk-test-admin-0123456789"

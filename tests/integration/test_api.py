@@ -322,7 +322,7 @@ def test_a_key_sees_only_its_own_video_jobs(api_stack, user_key, other_user_key,
 
     from coderai.contracts.topology import VIDEOS
     from coderai.runtime.bus import Bus
-    from coderai.gateway.video_jobs import VideoRecord
+    from coderai.gateway.video.records import VideoRecord
 
     vid = "video_" + "ab" * 12
     rec = VideoRecord(id=vid, model="t2v", prompt="alice's secret prompt", status="queued", created_at=int(time.time()),

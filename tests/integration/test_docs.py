@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coderai.scheduler.models_file import load_models
+from coderai.models_file import load_models
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -35,7 +35,7 @@ WORKERS = ("w1", "w2", "w3")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gguf):
-    from coderai.testing.tiny_diffusion import ensure_tiny_sd
+    from coderai.tiny_models.diffusion import ensure_tiny_sd
 
     sd = str(ensure_tiny_sd())
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["w1"]}]
@@ -47,7 +47,7 @@ def stack(tmp_path_factory, tiny_gguf):
         voice, config = _noiseless_voice(root)
         split.append(("piper", "tts", voice, {"config_path": config}))
     if _have("faster_whisper", "transformers", "torch", "av") and speech.have_espeak():
-        from coderai.testing.tiny_whisper import ensure_tiny_whisper
+        from coderai.tiny_models.whisper import ensure_tiny_whisper
 
         # the tiny whisper was never taught a prompt: conditioned on its own previous text it babbles, and a split
         # part has no previous text to be conditioned on, so the whole model must not be either
@@ -206,7 +206,7 @@ def _phrase_per_window(windows: int) -> bytes:
     said, and each of its windows ends on a lone timestamp, so the whole model's windows start at 0, 30, 60 s.
     The split answers the same only if its cuts fall there too; they fall in the quietest 100 ms nearest the
     even split points, and 26 s of silence around each point make that the points themselves."""
-    from coderai.testing.tiny_whisper import TRAINING_TEXT
+    from coderai.tiny_models.whisper import TRAINING_TEXT
 
     phrase = speech.speak_pcm(TRAINING_TEXT)
     window = np.zeros(30 * speech.RATE, dtype="<i2")
@@ -216,7 +216,7 @@ def _phrase_per_window(windows: int) -> bytes:
 
 def test_split_transcription_equals_the_single_engine_answer(stack):
     _served(stack, "whisper")
-    from coderai.testing.tiny_whisper import TRAINING_TEXT
+    from coderai.tiny_models.whisper import TRAINING_TEXT
 
     audio = _phrase_per_window(3)  # 90 s: three parts of 30 s
 

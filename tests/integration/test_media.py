@@ -31,8 +31,8 @@ MODELS = ["minilm", "sd-tiny", "t2v-tiny", "whisper-tiny", "piper", "dia", "ocr"
 def stack(tmp_path_factory, tiny_gguf):
     if not speech.have_espeak():
         pytest.skip("espeak-ng is not installed")
-    from coderai.testing.tiny_diffusion import ensure_tiny_sd, ensure_tiny_t2v
-    from coderai.testing.tiny_whisper import ensure_tiny_whisper
+    from coderai.tiny_models.diffusion import ensure_tiny_sd, ensure_tiny_t2v
+    from coderai.tiny_models.whisper import ensure_tiny_whisper
 
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
@@ -158,7 +158,7 @@ def test_speech_is_a_valid_file_of_each_asked_format(client):
 
 
 def test_transcription_of_the_spoken_phrase_equals_its_training_text(client):
-    from coderai.testing.tiny_whisper import TRAINING_TEXT
+    from coderai.tiny_models.whisper import TRAINING_TEXT
 
     audio = speech.speak(TRAINING_TEXT)
     res = client.audio.transcriptions.create(model="whisper-tiny", file=("phrase.wav", audio), temperature=0)

@@ -30,7 +30,7 @@ ADMIN = "sk-pods-admin-0123456789"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_gguf, redis_server):
-    from coderai.gateway.auth import KeyRecord, hash_key, write_keys
+    from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
 
     root = tmp_path_factory.mktemp("pods")
     keys = root / "keys.toml"
@@ -56,9 +56,10 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
 
     fake = FakeRunPod(launch=launch).start()
     nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
-    stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false"})
+    prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
+    stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",
+                                                             "CODERAI_POD_LEDGER_PREFIX": prefix})
     stack.nats = nats
-    prefix = f"coderai:pods:{deployment}"
     try:
         stack.start_core(write_models_file(root / "models.toml", models))
         stack.start("pod-broker", "coderai.pod_broker", env={
@@ -66,11 +67,10 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
             "CODERAI_POD_BROKER_REDIS_URL": redis_server.url, "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
             "CODERAI_POD_BROKER_DEPLOYMENT": deployment, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
             "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "25", "CODERAI_POD_BROKER_RECONCILE_S": "0.5",
-            "CODERAI_POD_BROKER_ORPHAN_SCAN_S": "2", "CODERAI_POD_BROKER_LEDGER_PREFIX": prefix})
+            "CODERAI_POD_BROKER_ORPHAN_SCAN_S": "2"})
         stack.start_worker("w1")
         stack.start_gateway("--api-keys-file", str(keys), env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url,
-                                                               "CODERAI_GATEWAY_ESCALATE_WAIT_S": "40",
-                                                               "CODERAI_GATEWAY_POD_LEDGER_PREFIX": prefix})
+                                                               "CODERAI_GATEWAY_ESCALATE_WAIT_S": "40"})
         stack.wait_model_ready("home", headers=auth())
         yield stack, fake, deployment
     finally:

@@ -23,7 +23,7 @@ BODY = {"model": "t2v", "prompt": "a cat on a red sofa", "size": "64x64", "num_f
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from coderai.testing.tiny_diffusion import ensure_tiny_t2v
+    from coderai.tiny_models.diffusion import ensure_tiny_t2v
 
     root = tmp_path_factory.mktemp("takeover")
     models = write_models_file(root / "models.toml", [

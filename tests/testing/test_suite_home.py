@@ -50,7 +50,7 @@ def test_a_file_planted_in_the_real_caches_is_not_seen(planted, suite_home):
         import _setup
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    from coderai.testing.model_cache import cache_root
+    from coderai.tiny_models.cache import cache_root
 
     bench_cache = _setup.cache_dir()
     assert bench_cache.is_relative_to(suite_home)
@@ -62,7 +62,7 @@ def test_a_file_planted_in_the_real_caches_is_not_seen(planted, suite_home):
 
 
 def test_processes_the_suite_starts_get_the_empty_home(planted, suite_home):
-    code = ("import os, pathlib; from coderai.testing.model_cache import cache_root; "
+    code = ("import os, pathlib; from coderai.tiny_models.cache import cache_root; "
             "print(pathlib.Path.home()); print(cache_root()); "
             f"print(sorted(p.name for p in cache_root().iterdir() if '{planted}' in p.name))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()

@@ -6,7 +6,7 @@ request (a key in debt waits) and charged with the request's real tokens after i
 the current period (hour, day, week or month, UTC): a request reserves its estimated cost atomically before it
 starts (refused if spent + reserved + estimate would pass the budget), and settles at its real cost when it
 ends, so concurrent requests on any replica cannot together overshoot, as long as estimates are not below real
-costs (the gateway estimates generously: see `gateway/app.py:estimate_cost`).
+costs (the gateway estimates generously: see `gateway/accounting.py:estimate_cost`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
 local budget, estimate = tonumber(ARGV[1]), tonumber(ARGV[2])
 if spent + reserved + estimate > budget then return tostring(spent + reserved) end
 redis.call('INCRBYFLOAT', KEYS[2], estimate)
-redis.call('EXPIRE', KEYS[2], 600)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'ok'
 """
+
+RESERVED_TTL_S = 600  # a reservation nobody refreshes (its gateway died) is forgotten after this
+REFRESH_EVERY_S = RESERVED_TTL_S / 4  # how often a running request refreshes its reservation
 
 SETTLE = """
 redis.call('INCRBYFLOAT', KEYS[2], -tonumber(ARGV[1]))
@@ -55,6 +58,20 @@ if tonumber(ARGV[2]) > 0 then
 end
 return 'ok'
 """
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Budget held for one running request, in the period it was made in (a request that runs past the end of its
+    period releases it there, not in the next one)."""
+
+    name: str
+    period_id: str
+    estimate_usd: float
+
+    @property
+    def key(self) -> str:
+        return f"coderai:reserved:{self.name}:{self.period_id}"
 
 
 @dataclass(frozen=True)
@@ -95,9 +112,11 @@ class Limiter:
         wait_ms = await self.gcra(keys=[key], args=[60_000 / per_minute, per_minute, cost, mode])
         return float(wait_ms) / 1000
 
-    async def admit(self, name: str, rpm: int, tpm: int, budget_usd: float, period: str, estimate_usd: float = 0.0) -> None:
+    async def admit(self, name: str, rpm: int, tpm: int, budget_usd: float, period: str,
+                    estimate_usd: float = 0.0) -> Reservation | None:
         """Raise Limited unless the key may start a request now; counts the request against `rpm` and reserves
-        `estimate_usd` of the budget (give the same estimate to `charge` when the request ends)."""
+        `estimate_usd` of the budget: the reservation to `refresh` while the request runs and give to `charge`
+        when it ends (None without a budget)."""
         if tpm:
             wait = await self._gcra(f"coderai:rl:{name}:tpm", tpm, 0, "check")
             if wait > 0:
@@ -108,17 +127,25 @@ class Limiter:
                 raise Limited(f"requests-per-minute limit of {rpm}", wait)
         if budget_usd:
             pid, end = period_id(period, time.time())
-            got = await self.reserve(keys=[f"coderai:spend:{name}:{pid}", f"coderai:reserved:{name}:{pid}"],
-                                     args=[budget_usd, estimate_usd])
+            held = Reservation(name, pid, estimate_usd)
+            got = await self.reserve(keys=[f"coderai:spend:{name}:{pid}", held.key],
+                                     args=[budget_usd, estimate_usd, RESERVED_TTL_S])
             if got != b"ok" and got != "ok":
                 raise Limited(f"{period}ly budget of ${budget_usd:g} (spent and reserved ${float(got):.4f})", end - time.time())
+            return held
+        return None
 
-    async def charge(self, name: str, tokens: int, tpm: int, cost_usd: float, period: str, budget_usd: float = 0.0,
-                     estimate_usd: float = 0.0) -> None:
-        """After a request: its tokens against `tpm`; its reservation released and its real cost spent."""
+    async def refresh(self, held: Reservation) -> None:
+        """Keep a running request's reservation from expiring (it would otherwise after RESERVED_TTL_S)."""
+        await self.redis.expire(held.key, RESERVED_TTL_S)
+
+    async def charge(self, name: str, tokens: int, tpm: int, cost_usd: float, period: str,
+                     held: Reservation | None = None) -> None:
+        """After a request: its tokens against `tpm`; its reservation released (in the period it was made in) and
+        its real cost spent (in the period it ends in)."""
         if tpm and tokens:
             await self._gcra(f"coderai:rl:{name}:tpm", tpm, tokens, "add")
-        if budget_usd or cost_usd > 0:
+        if held is not None or cost_usd > 0:
             pid, end = period_id(period, time.time())
-            await self.settle(keys=[f"coderai:spend:{name}:{pid}", f"coderai:reserved:{name}:{pid}"],
-                              args=[estimate_usd if budget_usd else 0, cost_usd, int(end) + 86400])
+            await self.settle(keys=[f"coderai:spend:{name}:{pid}", held.key if held else f"coderai:reserved:{name}:{pid}"],
+                              args=[held.estimate_usd if held else 0, cost_usd, int(end) + 86400])

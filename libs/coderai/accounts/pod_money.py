@@ -1,7 +1,9 @@
 """The money side of pod escalation, all in Redis: caps, reservations, spend counters and the pod ledger.
 
 Money is kept in Redis as integer micro-dollars (rates as micro-dollars per hour) and converted only at the edges,
-so sums never drift. Keys, under a prefix (default `coderai:pods`):
+so sums never drift. The pod-broker owns this state and is its only writer; the gateway (GET /admin/spend) and
+metrics only read it. All of them find it under one prefix, CommonSettings' `pod_ledger_prefix`
+(`CODERAI_POD_LEDGER_PREFIX`, default `coderai:pods`). Keys:
 
     <p>:spent:<period>:<id>      hash: "m:<model>" and "g" (global) -> micro-dollars booked in that period
     <p>:reserved:<period>:<id>   hash: same fields -> micro-dollars reserved and not yet booked or released

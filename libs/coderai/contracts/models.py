@@ -12,21 +12,6 @@ EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "w
                        "echo"]
 GGUF_FAMILIES = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
 
-DEFAULT_OPS: dict[str, list[Op]] = {
-    "llama": ["chat", "complete"],
-    "llama-server": ["chat", "complete"],
-    "vllm": ["chat", "complete"],
-    "embed": ["embed", "rerank"],
-    "diffusers": ["image"],
-    "whisper": ["transcribe"],
-    "tts": ["speech"],
-    "diarize": ["diarize"],
-    "ocr": ["ocr"],
-    "video": ["video"],
-    "transformers": ["chat", "complete"],  # a Hugging Face folder (+ LoRA adapter): fine-tuned models
-    "echo": ["chat", "complete"],  # coderai.engine_worker.engines.echo: a zero-cost test engine
-}
-
 
 class Distribute(Message, frozen=True, kw_only=True):
     """Fan-out of one request over every worker holding the model (images by `n`, embeddings and rerank by
@@ -97,4 +82,6 @@ class ModelConfig(Message, frozen=True, kw_only=True):
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""
+        from coderai.contracts.ops import DEFAULT_OPS  # ops.py imports the subjects, which import this module
+
         return list(self.ops) or list(DEFAULT_OPS.get(self.engine, []))

@@ -22,10 +22,6 @@ class WorkPart(Message, frozen=True, kw_only=True):
     job: msgspec.Raw
 
 
-FANOUT_OPS = ("embed", "rerank", "image", "speech", "transcribe", "ocr")
-"""Ops whose requests fan out over every holder of the model, as parts on the `WORK` stream."""
-
-
 def work_consumer(model: str, op: str) -> str:
     """The durable consumer of `WORK` every holder of `model` shares for `op`."""
     from coderai.contracts.keys import model_key
@@ -35,5 +31,7 @@ def work_consumer(model: str, op: str) -> str:
 
 def work_consumers(models: list) -> list[str]:
     """The `WORK` consumers a node holding `models` (ModelConfigs) pulls from: the only ones its rights name."""
+    from coderai.contracts.ops import FANOUT_OPS  # ops.py imports the subjects, which import this module
+
     return sorted({work_consumer(m.name, op) for m in models for op in m.serves() if op in FANOUT_OPS})
 

@@ -40,17 +40,7 @@ class BlobStore:
 
     async def store(self) -> Any:
         if self._obs is None:
-            from nats.js.api import ObjectStoreConfig
-            from nats.js.errors import BucketNotFoundError, NotFoundError
-
-            try:
-                self._obs = await self.bus.js.object_store(BLOBS.name)
-            except (BucketNotFoundError, NotFoundError):
-                if not self.create:
-                    raise
-                cfg = ObjectStoreConfig(bucket=BLOBS.name, ttl=BLOBS.ttl_s, description=BLOBS.description,
-                                        max_bytes=self.max_bytes or None)
-                self._obs = await self.bus.js.create_object_store(BLOBS.name, config=cfg)
+            self._obs = await self.bus.object_store(BLOBS, create=self.create, max_bytes=self.max_bytes)
         return self._obs
 
     async def put(self, data: bytes, content_type: str = "", filename: str = "", suffix: str = "") -> Blob:

@@ -2,8 +2,8 @@
 
 Streamed replies: the caller publishes a job with a reply subject under one inbox prefix that its `Bus`
 subscribes to once (`<inbox>.*`), so starting a stream costs one publish and no extra SUB. The callee
-publishes numbered frames there; the caller's `FrameStream` yields them in order and tells the callee to stop
-(`cancel`) when the caller goes away.
+publishes numbered frames there (`Bus.serve_stream` hands its handler a `FrameWriter` on it); the caller's
+`FrameStream` yields them in order and tells the callee to stop (`cancel`) when the caller goes away.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
+from nats.errors import Error as NatsError
 
 from coderai.contracts import BusError, ErrorReply, KeepAlive, encode
 from coderai.contracts.subjects import Subject
@@ -31,6 +32,10 @@ from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
 log = logging.getLogger("coderai.bus")
 
 Handler = Callable[[Any, Msg], Awaitable[Any]]
+StreamHandler = Callable[[Any, "FrameWriter", Msg], Awaitable[None]]
+"""handler(job, writer, msg) of `Bus.serve_stream`: runs the job, its frames written with `writer`."""
+Spawn = Callable[[Coroutine[Any, Any, None]], Any]
+"""spawn(coro) of `Bus.serve_stream`: starts one job's coroutine, or raises BusError to refuse the job."""
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 HANDOUT_PREFIX = "coderai.reply"
@@ -365,6 +370,66 @@ class Bus:
 
         return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
 
+    async def serve_stream(
+        self, subject: Subject, handler: StreamHandler, *, queue: str = "", subject_str: str | None = None,
+        spawn: Spawn | None = None,
+    ) -> Any:
+        """Subscribe `handler(job, writer, msg)` for jobs answered with a stream of frames on the job's reply subject.
+
+        The handler runs the job and writes its frames (keep-alives included) with `writer`, a `FrameWriter` on
+        `msg.reply`. What goes wrong outside it, or escapes it, ends the stream with one ErrorReply frame: a job that
+        does not decode is `bad_request`, one on a subject bound to another sender `forbidden`, a BusError raised
+        is its own reply, any other exception is logged and answered `internal`. A message without a reply subject
+        is dropped: there is nowhere to stream to.
+
+        `spawn(coro)`: how each job runs. None: awaited in the subscription's callback, so one job at a time, in
+        arrival order. Otherwise it is called there with the job's coroutine and starts it (as a task it keeps, so
+        jobs run side by side and a shutdown can wait for them); a BusError it raises refuses the job (`busy`),
+        answered as above.
+        """
+
+        async def _run(job: Any, writer: FrameWriter, m: Msg) -> None:
+            try:
+                await handler(job, writer, m)
+            except BusError as exc:
+                await writer.answer(exc.to_reply(writer.next_seq()))
+            except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log, answer typed
+                rid = (m.headers or {}).get(HDR_REQUEST_ID, "")
+                log.exception("stream handler for %s failed", m.subject, extra={"request_id": rid})
+                await writer.answer(ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}",
+                                               seq=writer.next_seq()))
+
+        nc = self.nc
+
+        async def _cb(m: Msg) -> None:
+            if not m.reply:
+                return
+            writer = FrameWriter(nc, m.reply)
+            try:
+                job = subject.decode(m.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                await writer.answer(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
+                return
+            if not subject.bound_to(m.subject, job):
+                log.warning("dropping a message on %s that speaks for another sender", m.subject)
+                await writer.answer(ErrorReply(code="forbidden", seq=writer.next_seq(),
+                                               message="the message names another sender than its subject"))
+                return
+            if spawn is None:
+                await _run(job, writer, m)
+                return
+            coro = _run(job, writer, m)
+            try:
+                spawn(coro)
+            except BusError as exc:  # refused (busy): never started
+                coro.close()
+                await writer.answer(exc.to_reply(writer.next_seq()))
+            except Exception:
+                coro.close()
+                raise
+
+        return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
+
     async def listen(self, subject: Subject, handler: Callable[[Any, Msg], Awaitable[None]], *, subject_str: str | None = None) -> Any:
         """Subscribe `handler(message, msg)` to a publish-only subject; a malformed message is logged and dropped,
         so one bad publisher cannot stop a service."""
@@ -447,6 +512,28 @@ class Bus:
                                  storage=StorageType.FILE, direct=True)  # direct: a node reads its own key by name
             return await self.js.create_key_value(cfg)
 
+    async def object_store(self, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> Any:
+        """Bind the object store `spec` names (`BLOBS`, `FILES`). Missing: created with its spec's TTL and
+        description and at most `max_bytes` (0: no cap) when `create`, else nats-py's BucketNotFoundError."""
+        from nats.js.api import ObjectStoreConfig
+        from nats.js.errors import BadRequestError, BucketNotFoundError
+
+        try:
+            return await self.js.object_store(spec.name)
+        except BucketNotFoundError:
+            if not create:
+                raise
+        cfg = ObjectStoreConfig(bucket=spec.name, ttl=spec.ttl_s or None, description=spec.description,
+                                max_bytes=max_bytes or None)
+        try:
+            return await self.js.create_object_store(spec.name, config=cfg)
+        except BadRequestError as exc:  # another service created it a moment ago, with other limits: bind that one
+            log.debug("create_object_store %s: %s", spec.name, exc)
+            try:
+                return await self.js.object_store(spec.name)
+            except BucketNotFoundError:
+                raise exc from None
+
     async def ensure_stream(self, spec: StreamSpec) -> None:
         """Create a stream if missing (an existing one is left as it is), on disk like every bucket."""
         from nats.js.api import RetentionPolicy, StorageType, StreamConfig
@@ -490,3 +577,11 @@ class FrameWriter:
 
     async def keepalive(self, queued: bool = False) -> None:
         await self.send(KeepAlive(seq=self.next_seq(), queued=queued))
+
+    async def answer(self, err: ErrorReply) -> None:
+        """Send the frame that ends the stream with an error; a connection that is gone is only logged (the caller
+        then ends on its idle timeout)."""
+        try:
+            await self.send(err)
+        except NatsError as exc:
+            log.debug("cannot answer %s on %s: %s", err.code, self.reply, exc)

@@ -1,10 +1,46 @@
-"""Revision-checked KV writes: shared state is never overwritten blindly."""
+"""KV helpers: revision-checked writes (shared state is never overwritten blindly), and reading a whole bucket."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+
+from coderai.contracts import decode
+
+log = logging.getLogger("coderai.kv")
+
+T = TypeVar("T")
+
+
+async def list_keys(kv: Any, *, prefix: str = "") -> list[str]:
+    """The keys of a bucket (those starting with `prefix`); [] for an empty bucket, which nats-py reports by
+    raising NoKeysError."""
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    return [k for k in keys if k.startswith(prefix)] if prefix else keys
+
+
+async def read_all(kv: Any, type_: type[T] | Any, *, prefix: str = "") -> dict[str, T]:
+    """Every key of a bucket (starting with `prefix`) with its value decoded into `type_`. A key deleted between
+    listing and reading is left out, and so is a value that does not decode (logged at debug)."""
+    out: dict[str, T] = {}
+    for key in await list_keys(kv, prefix=prefix):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # deleted (or expired) since the listing; nats-py turns KeyDeletedError into this
+            continue
+        if not entry.value:
+            continue
+        try:
+            out[key] = decode(entry.value, type_)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.debug("skipping %s: not a %s: %s", key, getattr(type_, "__name__", type_), exc)
+    return out
 
 
 async def put_if_changed(kv: Any, key: str, value: bytes, attempts: int = 5) -> bool:

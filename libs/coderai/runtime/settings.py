@@ -35,6 +35,9 @@ class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     log_level: str = "INFO"
     log_format: str = "auto"  # auto: JSON off a terminal, text on one
     data_dir: str = "~/.coderai"
+    # Redis key prefix of pod money (accounts/pod_money.py): the pod-broker writes reservations, spend and the
+    # ledger there; the gateway (GET /admin/spend) and metrics read them. One value for all of them
+    pod_ledger_prefix: str = "coderai:pods"
 
 
 def _parse_env(raw: str, annotation: Any) -> Any:

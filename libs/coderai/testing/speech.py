@@ -1,4 +1,5 @@
-"""Speech for tests, spoken by espeak-ng (Debian package `espeak-ng`): single phrases and two-voice dialogues.
+"""Speech for tests, spoken by espeak-ng (Debian package `espeak-ng`): single phrases and two-voice dialogues
+(`speak_pcm` itself is coderai.tiny_models.speech, which the tiny Whisper builder uses).
 
 Audio is 16 kHz mono 16-bit WAV, what speech-to-text and diarization engines take without resampling.
 """
@@ -7,32 +8,17 @@ from __future__ import annotations
 
 import io
 import shutil
-import subprocess
 import wave
 
 import numpy as np
 
-RATE = 16000
+from coderai.tiny_models.speech import RATE, speak_pcm
+
 VOICES = ("en-us+m3", "en-us+f4")  # two voices far apart in pitch and timbre, for diarization
 
 
 def have_espeak() -> bool:
     return shutil.which("espeak-ng") is not None
-
-
-def speak_pcm(text: str, *, voice: str = "en-us", speed: int = 150, pitch: int = 50) -> np.ndarray:
-    """`text` spoken by espeak-ng, as int16 samples at 16 kHz."""
-    wav = subprocess.run(
-        ["espeak-ng", "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdout", text],
-        check=True, capture_output=True,
-    ).stdout
-    with wave.open(io.BytesIO(wav)) as w:
-        rate, frames = w.getframerate(), w.readframes(w.getnframes())
-    samples = np.frombuffer(frames, dtype="<i2")
-    if rate != RATE:  # espeak-ng speaks at 22,050 Hz: resample linearly, plenty for tests
-        n = int(len(samples) * RATE / rate)
-        samples = np.interp(np.linspace(0, len(samples) - 1, n), np.arange(len(samples)), samples).astype("<i2")
-    return samples
 
 
 def to_wav(samples: np.ndarray, rate: int = RATE) -> bytes:

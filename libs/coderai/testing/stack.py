@@ -9,39 +9,9 @@ from pathlib import Path
 
 import httpx
 
+from coderai.models_file import write_models_file  # noqa: F401 - tests and benches take it from here too
 from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
-
-
-def write_models_file(path: Path, models: list[dict]) -> Path:
-    """Write a scheduler models file from plain dicts (name, engine, path, params, nodes)."""
-    lines: list[str] = []
-    for m in models:
-        lines.append("[[models]]")
-        for k, v in m.items():
-            if isinstance(v, dict):
-                inner = ", ".join(f"{_key(ik)} = {_toml(iv)}" for ik, iv in v.items())
-                lines.append(f"{k} = {{ {inner} }}")
-            else:
-                lines.append(f"{k} = {_toml(v)}")
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
-
-
-def _key(k: str) -> str:
-    """A TOML key: bare when it can be, else quoted (a dotted key would otherwise nest tables)."""
-    return k if k and all(c.isalnum() or c in "_-" for c in k) else _toml(str(k))
-
-
-def _toml(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 class Stack:

@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from coderai.testing.model_cache import cached_build
-from coderai.testing.tiny_gguf import CHATML, _train_tokenizer
+from coderai.tiny_models.cache import cached_build
+from coderai.tiny_models.llm import CHATML, _train_tokenizer
 
 RECIPE_VERSION = "1"
 
@@ -70,7 +70,7 @@ def build_tiny_hf_llama(
 
 
 def tiny_hf_llama() -> Path:
-    """The default tiny HF llama, built once into the model cache (`coderai.testing.model_cache`)."""
+    """The default tiny HF llama, built once into the model cache (`coderai.tiny_models.cache`)."""
     return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
 
 

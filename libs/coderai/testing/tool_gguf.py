@@ -16,7 +16,7 @@ import os
 import random
 from pathlib import Path
 
-from coderai.testing.model_cache import cached_build
+from coderai.tiny_models.cache import cached_build
 
 RECIPE_VERSION = "1"
 REPLY = "Hello! How can I help?"
@@ -164,7 +164,7 @@ def build_tool_gguf(out: str | os.PathLike, *, steps: int = 200, seed: int = 0) 
     """Train the model and write it to `out`; returns {"out", "loss"}."""
     from llama_cpp import Llama
 
-    from coderai.testing.tiny_gguf import build_tiny_gguf, weights_from_hf
+    from coderai.tiny_models.llm import build_tiny_gguf, weights_from_hf
 
     out = Path(out)
     build_tiny_gguf(out, dim=DIM, layers=LAYERS, heads=HEADS, chat_template=TOOLS_CHATML)  # its tokenizer

@@ -1,11 +1,12 @@
 """Tiny random-weight diffusers pipelines, built offline: Stable Diffusion (text-to-image) and text-to-video.
 
-They draw noise, fast: real diffusers pipelines for tests and benchmarks without any download. Both share one
-small CLIP tokenizer whose byte-level BPE merges are trained with `tokenizers` on the Python standard library's
-sources (they ship with every CPython), laid out like OpenAI's CLIP vocabulary: the 256 byte symbols, the same
-with `</w>`, the merges, then `<|startoftext|>` and `<|endoftext|>`. The VAE halves the size once (real ones
-divide by 8), so a 64 px image is 32 latent pixels; keep tests at <= 128 px (256 px costs over a minute on CPU).
-Built folders are kept by `coderai.testing.model_cache`. Needs `diffusers`, `transformers`, `tokenizers`, `torch`.
+They draw noise, fast: real diffusers pipelines for `coderai up`'s defaults, tests and benchmarks without any
+download. Both share one small CLIP tokenizer whose byte-level BPE merges are trained with `tokenizers` on the
+Python standard library's sources (they ship with every CPython), laid out like OpenAI's CLIP vocabulary: the 256
+byte symbols, the same with `</w>`, the merges, then `<|startoftext|>` and `<|endoftext|>`. The VAE halves the
+size once (real ones divide by 8), so a 64 px image is 32 latent pixels; keep tests at <= 128 px (256 px costs
+over a minute on CPU). Built folders are kept by `coderai.tiny_models.cache`. Needs `diffusers`, `transformers`,
+`tokenizers`, `torch`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from coderai.testing.model_cache import cached_build
+from coderai.tiny_models.cache import cached_build
 
 RECIPE = "1"  # change whenever a builder below changes: cached folders are keyed by it
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"

@@ -1,80 +1,18 @@
-"""Wire types of the media endpoints, and the checks that turn a bad field into a 400 naming it.
-
-JSON bodies decode into the structs below (lenient on unknown fields, strict on the ones we read); multipart
-uploads (transcriptions, image edits, diarization, OCR) are read by `read_form` into plain fields and files.
-"""
+"""What the media endpoints share: sizes ("512x512"), and multipart uploads (transcriptions, image edits,
+diarization, OCR, files) read by `read_form` into plain fields and files, each bad field a 400 naming it."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import msgspec
 from msgspec import Meta
 
+from coderai.contracts import Blob
 from coderai.gateway.errors import ApiError
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
-
-
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: str | list[str | int | list[int]]  # token ids parse, and are refused with a clear message
-    model: NonEmpty
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Meta(ge=1)] | None = None
-    user: str | None = None
-
-
-class RerankDocument(msgspec.Struct):
-    text: str
-
-
-class RerankRequest(msgspec.Struct, kw_only=True):
-    model: NonEmpty
-    query: NonEmpty
-    documents: Annotated[list[str | RerankDocument], Meta(min_length=1, max_length=4096)]
-    top_n: Annotated[int, Meta(ge=1)] | None = None
-    return_documents: bool = True
-
-
-class ImageRequest(msgspec.Struct, kw_only=True):
-    prompt: NonEmpty
-    model: NonEmpty
-    n: Annotated[int, Meta(ge=1, le=10)] = 1
-    size: str | None = None
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    seed: int | None = None
-    quality: str | None = None
-    style: str | None = None
-    negative_prompt: str | None = None
-    steps: Annotated[int, Meta(ge=1, le=500)] | None = None
-    guidance_scale: Annotated[float, Meta(ge=0, le=50)] | None = None
-    user: str | None = None
-
-
-class SpeechRequest(msgspec.Struct, kw_only=True):
-    model: NonEmpty
-    input: Annotated[str, Meta(min_length=1, max_length=4096)]
-    voice: NonEmpty
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
-    instructions: str | None = None
-    stream_format: Literal["audio", "sse"] | None = None
-
-
-class VideoRequest(msgspec.Struct, kw_only=True):
-    """OpenAI's `POST /v1/videos` (Sora shape), with the knobs an open model takes as extensions."""
-
-    model: NonEmpty
-    prompt: NonEmpty
-    seconds: str | int | float | None = None
-    size: str | None = None
-    fps: Annotated[int, Meta(ge=1, le=60)] = 8
-    num_frames: Annotated[int, Meta(ge=1, le=1024)] | None = None
-    seed: int | None = None
-    steps: Annotated[int, Meta(ge=1, le=500)] | None = None
-    negative_prompt: str | None = None
 
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -191,3 +129,8 @@ async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -
         else:
             out.fields.setdefault(key, []).append(str(value))
     return out
+
+
+def blob(up: Upload) -> Blob:
+    """An uploaded file as the job's blob (packed into the object store by the pipeline when big)."""
+    return Blob(data=up.data, size=len(up.data), content_type=up.content_type, filename=up.filename)

@@ -5,7 +5,7 @@ converted to CTranslate2. Nothing is downloaded: the tokenizer is a byte-level B
 library's sources, laid out like OpenAI's multilingual one (50,257 ordinary tokens, then the special, 99 language
 and 1,501 timestamp tokens at the same ids), because CTranslate2 and faster-whisper find special tokens by text
 and id and count languages from their positions. Building takes about half a minute on two cores and is cached
-per phrase (`coderai.testing.model_cache`).
+per phrase (`coderai.tiny_models.cache`).
 Needs `faster-whisper` (ctranslate2), `transformers`, `torch`, `tokenizers` and Debian's `espeak-ng`.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from coderai.testing.model_cache import cached_build
-from coderai.testing.speech import RATE, speak_pcm
+from coderai.tiny_models.cache import cached_build
+from coderai.tiny_models.speech import RATE, speak_pcm
 
 TRAINING_TEXT = "Hello world, this is a tiny speech test."
 RECIPE_VERSION = "2"  # bump whenever the recipe changes: cached builds are keyed by it

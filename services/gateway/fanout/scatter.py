@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, decode, encode, model_key
 from coderai.contracts.subjects import WORK_PART
-from coderai.gateway import fanout_plans
+from coderai.gateway.fanout import plans
 from coderai.runtime.bus import FrameStream, Silence
 
+if TYPE_CHECKING:
+    from coderai.gateway.state import Gateway
 
-async def scatter(gw: Any, op: str, job: Any, plan: fanout_plans.Plan, headers: dict[str, str]) -> Final:
+
+async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dict[str, str]) -> Final:
     """Run every part of `plan` on whichever workers pull them; the merged answer as one `Final`."""
     n = len(plan.jobs)
     streams: list[FrameStream] = []
@@ -41,8 +44,8 @@ async def scatter(gw: Any, op: str, job: Any, plan: fanout_plans.Plan, headers: 
             s.close()
     outputs = [await gw.blobs.unpack(f.output) for f in finals]
     try:
-        output, usage = fanout_plans.merge(op, job, plan, outputs, [f.usage for f in finals])
-    except fanout_plans.MergeError as exc:  # engines answered parts in shapes that do not fit together
+        output, usage = plans.merge(op, job, plan, outputs, [f.usage for f in finals])
+    except plans.MergeError as exc:  # engines answered parts in shapes that do not fit together
         raise BusError("engine_failed", f"the parts' answers could not be merged: {exc}") from None
     engines = sorted({f.engine_id for f in finals})
     return Final(seq=0, engine_id=",".join(engines), output=output, usage=usage,

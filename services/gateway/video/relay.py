@@ -5,7 +5,7 @@ node the scheduler chose by memory, its tensors handed on through the object sto
 record gets the new handoff, the stage history and the progress, so `GET /v1/videos/{id}` shows where the job
 is. A stage that fails retryably (its node went silent or died, or its engine broke) is planned again without
 that node and run again from the last stored handoff: the job never starts over from zero. A gateway taking
-over a job whose gateway died (`video_jobs.py`) calls `run` with the record's handoff and stage history.
+over a job whose gateway died (`takeover.py`) calls `run` with the record's handoff and stage history.
 """
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from coderai.contracts import (
     BusError,
     Chunk,
     ErrorReply,
-    Final,
     KeepAlive,
     Usage,
     decode,
 )
 from coderai.contracts.media import VideoJob
+from coderai.contracts.models import ModelConfig
 from coderai.contracts.stages import (
     Handoff,
     Stage,
@@ -38,9 +37,9 @@ from coderai.contracts.stages import (
     StageRun,
 )
 from coderai.contracts.subjects import CMD_SCHEDULER_STAGES, ENGINE_STAGE
-from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
-from coderai.gateway import jobs
-from coderai.gateway.errors import ApiError
+from coderai.gateway.auth import Caller
+from coderai.gateway.pipeline import Call
+from coderai.gateway.state import Gateway
 
 log = logging.getLogger("coderai.gateway")
 
@@ -52,7 +51,7 @@ Update = Callable[..., Awaitable[None]]
 """update(**record_fields): change the job's record and save it."""
 
 
-def is_staged(cfg: Any) -> bool:
+def is_staged(cfg: ModelConfig) -> bool:
     """A model opts in to stage relay with `params.stages`: true, or the number of stages its denoise is cut into."""
     return bool(cfg.params.get("stages"))
 
@@ -75,12 +74,12 @@ def resume_at(plan: StagePlan, stage: Stage) -> int:
     raise BusError("internal", f"the new plan has no {stage.kind} stage starting at step {stage.start}")
 
 
-async def _plan(gw: Any, job: VideoJob, exclude: list[str], headers: dict[str, str]) -> StagePlan:
+async def _plan(gw: Gateway, job: VideoJob, exclude: list[str], headers: dict[str, str]) -> StagePlan:
     req = StagePlanRequest(job_id=job.request_id, model=job.model, steps=job.steps or 1, exclude=exclude)
     return await gw.bus.request(CMD_SCHEDULER_STAGES, req, timeout=PLAN_TIMEOUT_S, headers=headers)
 
 
-async def _run_stage(gw: Any, sj: StageJob, headers: dict[str, str],
+async def _run_stage(gw: Gateway, sj: StageJob, headers: dict[str, str],
                      on_chunk: Callable[[Chunk], Awaitable[None]]) -> StageDone:
     """One stage on its engine: its progress chunks to `on_chunk`, its `StageDone`; a typed error is raised."""
     stream = await gw.bus.open_stream(ENGINE_STAGE, sj, idle_timeout_s=gw.settings.idle_timeout_s, headers=headers,
@@ -100,12 +99,13 @@ async def _run_stage(gw: Any, sj: StageJob, headers: dict[str, str],
         stream.close()
 
 
-async def run(gw: Any, who: Any, job: VideoJob, update: Update, handoff: Handoff | None = None,
+async def run(gw: Gateway, who: Caller, job: VideoJob, update: Update, handoff: Handoff | None = None,
               history: list[StageRun] | None = None) -> StageDone:
     """The whole relayed job; the decode stage's `StageDone` (its `video` is the stored MP4). `handoff` and
     `history`: where a job stopped before, to go on from."""
-    call = await jobs.admit(gw, who, "video", job)
-    headers = {HDR_REQUEST_ID: job.request_id, HDR_KEY_NAME: who.key_name}
+    call = Call(gw, who, "video", job)
+    await call.admit()
+    headers = call.bus_headers()
     if job.seed is None:  # every stage must draw from the same seed: fix it here, once
         job = msgspec.structs.replace(job, seed=handoff.seed if handoff else secrets.randbelow(2**31))
     if job.steps is None:
@@ -161,12 +161,7 @@ async def run(gw: Any, who: Any, job: VideoJob, update: Update, handoff: Handoff
         if done is None or done.video is None:
             raise BusError("internal", "the plan ended without a decode stage")
     except BaseException as exc:
-        err = jobs._api(gw, exc)
-        call.fail(getattr(err, "code", None) or "error", getattr(err, "status", 500))
-        await call.finish()
-        if isinstance(err, ApiError):
-            raise err from None
-        raise
-    call.outcome.engine_id = done.engine_id
-    await call.finish(Final(seq=done.seq, engine_id=done.engine_id, usage=usage))
+        raise await call.fail(exc) from None
+    call.engine_id = done.engine_id
+    await call.finish(usage=usage)
     return done

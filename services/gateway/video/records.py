@@ -21,7 +21,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from coderai.contracts import VideoJob
 from coderai.contracts.base import Message
 from coderai.contracts.stages import Handoff, StageRun
-from coderai.gateway.auth import Caller
+from coderai.gateway.auth import Authenticator, Caller
 
 STALE_S = 60.0  # a running record not touched for this long has lost its runner (and no replica took it over)
 MAX_TAKEOVERS = 3  # a job whose runner died this many times is failed rather than taken over again
@@ -73,10 +73,10 @@ def claim(rec: VideoRecord, runner: str, now: float, max_takeovers: int = MAX_TA
     return msgspec.structs.replace(rec, runner=runner, takeovers=rec.takeovers + 1, updated_at=now)
 
 
-async def caller_for(gw: Any, key_name: str) -> Caller:
+async def caller_for(auth: Authenticator, key_name: str) -> Caller:
     """The caller a taken-over job runs as: the Redis key of that name (its limits and budget are charged), or,
     for a key from the keys file (or auth off), a caller of that name with no Redis key, as when it was accepted."""
-    store = getattr(gw.auth, "store", None)
+    store = auth.store
     if store is not None and key_name:
         key = await store.by_name(key_name)
         if key is not None:

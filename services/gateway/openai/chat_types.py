@@ -73,29 +73,6 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-def parse(body: bytes, type_: type) -> Any:
-    """Decode a request body: malformed JSON or a schema mismatch is a 400 that names the field."""
-    if not body:
-        raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        return msgspec.json.decode(body, type=type_)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        param = _param_of(text)
-        raise ApiError(400, f"Invalid request: {text}", code="invalid_request", param=param) from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-def _param_of(text: str) -> str | None:
-    """The field a msgspec validation message points at: "... - at `$.messages[0]`" or "missing required field `x`"."""
-    if "$." in text:
-        return text.rsplit("$.", 1)[-1].rstrip("`")
-    if "required field `" in text:
-        return text.split("required field `", 1)[1].split("`", 1)[0]
-    return None
-
-
 def _stops(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []

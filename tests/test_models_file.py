@@ -1,4 +1,5 @@
-"""The models file: valid TOML becomes ModelConfigs; every failure is a ModelsFileError naming the path."""
+"""The models file (coderai.models_file): valid TOML becomes ModelConfigs; every failure is a ModelsFileError
+naming the path; what write_models_file writes loads back."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from coderai.contracts import ModelConfig
 from coderai.runtime.settings import SettingsError
-from coderai.scheduler.models_file import ModelsFileError, load_models
+from coderai.models_file import ModelsFileError, load_models, write_models_file
 
 VALID = """
 [[models]]
@@ -99,3 +100,16 @@ def test_a_directory_is_an_error_not_a_crash(tmp_path):
     with pytest.raises(ModelsFileError) as ei:
         load_models(str(tmp_path))
     assert str(ei.value).startswith(f"{tmp_path}: ")
+
+
+def test_what_write_models_file_writes_loads_back(tmp_path):
+    models = [
+        {"name": "tiny", "engine": "llama", "path": "/m/a \\ \"b\".gguf", "params": {"n_ctx": 2048, "a.b": True}},
+        {"name": "emb", "engine": "embed", "path": "/m/emb", "nodes": ["n1", "n2"], "memory_mb": 12},
+    ]
+    p = write_models_file(tmp_path / "models.toml", models)
+    assert p == tmp_path / "models.toml"
+    got = load_models(str(p))
+    assert [m.name for m in got] == ["tiny", "emb"]
+    assert got[0].path == '/m/a \\ "b".gguf' and got[0].params == {"n_ctx": 2048, "a.b": True}
+    assert got[1].nodes == ["n1", "n2"] and got[1].memory_mb == 12

@@ -1,0 +1,141 @@
+"""What a request may cost and what it did cost: a key's allow-list, rates and budget checked (and the budget
+reserved) before any work, then its tokens and price charged and one `request.completed` built and published
+when it ends. Only the pipeline (`pipeline.py`) calls `admit` and `finish`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+
+from coderai.accounts.limits import Limited, Limiter, Reservation
+from coderai.contracts import ModelConfig, RequestCompleted, Usage
+from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+from coderai.gateway.auth import Caller
+from coderai.gateway.errors import ApiError
+from coderai.runtime import tracing
+from coderai.runtime.bus import Bus
+from coderai.runtime.tracing import NO_SPAN
+
+log = logging.getLogger("coderai.gateway")
+
+
+def estimate_cost(cfg: ModelConfig, job: Any) -> float:
+    """A generous cost estimate for budget reservations: prompt tokens as half the characters of the request's
+    JSON (tokenizers give about 3-4 characters a token, and templates add a few), plus every token it may generate
+    (max_tokens, else the whole context)."""
+    if not hasattr(job, "params"):  # a media job: its text (prompt, input, documents) is what is priced
+        return (len(msgspec.json.encode(job)) / 2 + 16) * cfg.price_prompt_per_mtok / 1e6
+    text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
+    prompt = len(text) / 2 + 16
+    n = max(1, job.params.n)
+    completion = (job.params.max_tokens or int(cfg.params.get("n_ctx", 4096))) * n
+    return (prompt * n * cfg.price_prompt_per_mtok + completion * cfg.price_completion_per_mtok) / 1e6
+
+
+def price(cfg: ModelConfig, usage: Usage) -> float:
+    return (usage.prompt_tokens * cfg.price_prompt_per_mtok + usage.completion_tokens * cfg.price_completion_per_mtok) / 1e6
+
+
+class Trace:
+    """The request's server span and the span of its call to the engine that answered (NO_SPAN while tracing is
+    off: then nothing here costs anything)."""
+
+    def __init__(self) -> None:
+        self.span: Any = NO_SPAN
+        self.engine_span: Any = NO_SPAN
+
+    @property
+    def on(self) -> bool:
+        return self.span is not NO_SPAN
+
+    def start(self, name: str, **attributes: Any) -> None:
+        if tracing.enabled():
+            self.span = tracing.start_span(name, kind="server", attributes={f"coderai.{k}": v for k, v in attributes.items()})
+
+    def end(self, done: RequestCompleted) -> None:
+        if self.span is NO_SPAN:
+            return
+        if done.status != "ok":
+            tracing.set_error(self.engine_span, done.status)
+            tracing.set_error(self.span, done.status)
+        self.engine_span.end()
+        attrs: dict[str, Any] = {
+            "coderai.status": done.status, "http.response.status_code": done.http_status,
+            "coderai.engine_id": done.engine_id, "coderai.route_reason": done.route_reason,
+            "coderai.prompt_tokens": done.prompt_tokens, "coderai.completion_tokens": done.completion_tokens,
+        }
+        if done.ttft_s is not None:
+            attrs["coderai.ttft_s"] = done.ttft_s
+        self.span.set_attributes(attrs)
+        self.span.end()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `admit` let through: the model (None for a file upload) and the budget it holds."""
+
+    cfg: ModelConfig | None
+    held: Reservation | None = None
+
+
+class Accounts:
+    """Limits in Redis (none without it) and the `request.completed` events on the bus."""
+
+    def __init__(self, bus: Bus, limiter: Limiter | None) -> None:
+        self.bus = bus
+        self.limiter = limiter
+
+    async def admit(self, who: Caller, cfg: ModelConfig | None, job: Any = None) -> Admission:
+        """Check a Redis key's model allow-list, rates and budget; reserve the cost estimate against the budget.
+        Without a model (a file upload) only the rates and a spent budget count."""
+        key = who.key
+        if key is None:
+            return Admission(cfg)
+        if cfg is not None and key.models and cfg.name not in key.models:
+            raise ApiError(403, f"This key may not use the model '{cfg.name}'.", param="model", code="model_not_allowed")
+        estimate = estimate_cost(cfg, job) if key.budget_usd and cfg is not None and job is not None else 0.0
+        if self.limiter is None or not (key.rpm or key.tpm or key.budget_usd):
+            return Admission(cfg)
+        try:
+            held = await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period, estimate)
+        except Limited as lim:
+            code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
+            raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
+                           headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
+        except (OSError, RedisError) as exc:
+            raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
+                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+        return Admission(cfg, held)
+
+    async def refresh(self, held: Reservation) -> None:
+        if self.limiter is not None:
+            await self.limiter.refresh(held)
+
+    async def finish(self, who: Caller, admission: Admission, done: RequestCompleted, trace: Trace) -> None:
+        """Charge a Redis key's token rate and budget (releasing its reservation) and publish `request.completed`:
+        a core publish (the EVENTS stream stores it) that only appends to the connection's write buffer, so it
+        is awaited inline rather than given a task of its own. The request's spans end here too."""
+        key = who.key
+        if key is not None and self.limiter is not None and (key.tpm or admission.held is not None):
+            try:
+                await self.limiter.charge(key.name, done.prompt_tokens + done.completion_tokens, key.tpm, done.cost_usd,
+                                          key.budget_period, admission.held)
+            except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
+                log.warning("could not charge key %s: %s", key.name, exc)
+        trace.end(done)
+        if not self.bus.connected:
+            return
+        try:
+            await self.bus.publish(EVT_REQUEST_COMPLETED, done)
+        except Exception as exc:  # noqa: BLE001 - metrics must never break a request
+            log.debug("request.completed not published: %s", exc)
+
+
+def completed(**fields: Any) -> RequestCompleted:
+    return RequestCompleted(ts=time.time(), **fields)

@@ -1,0 +1,117 @@
+"""Admin HTTP for API keys and usage (admin keys only; both live in Redis): create, list, revoke and limit keys,
+and usage per key x model x day (JSON or CSV)."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
+
+from coderai.accounts.keys import ApiKey, KeyError_, KeyStore, public
+from coderai.accounts.usage import FIELDS as USAGE_FIELDS
+from coderai.accounts.usage import read as read_usage
+from coderai.gateway.auth import admin_guard
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import json_response, read_json
+from coderai.gateway.state import Gateway, GatewayDep
+
+Period = Literal["hour", "day", "week", "month"]
+
+
+class _NewKey(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    scopes: list[str] = msgspec.field(default_factory=lambda: ["inference"])
+    models: list[str] = []
+    rpm: int = 0
+    tpm: int = 0
+    budget_usd: float = 0.0
+    budget_period: Period = "month"
+
+
+class _Limits(msgspec.Struct, forbid_unknown_fields=True):
+    models: list[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_usd: float | None = None
+    budget_period: Period | None = None
+
+
+def _store(gw: Gateway) -> KeyStore:
+    if gw.redis is None:
+        raise ApiError(503, "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.", type="service_unavailable",
+                       code="no_redis")
+    return KeyStore(gw.redis)
+
+
+async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response:
+    try:
+        return json_response(public(await fn(name)))
+    except KeyError_ as exc:
+        raise ApiError(404, str(exc), code="key_not_found") from None
+
+
+class KeysController(Controller):
+    path = "/admin"
+    guards = [admin_guard]
+
+    @post("/keys", status_code=201)
+    async def create_key(self, request: Request, gw: GatewayDep) -> Response:
+        spec = await read_json(request, _NewKey)
+        try:
+            secret, rec = await _store(gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
+                                                  budget_usd=spec.budget_usd, budget_period=spec.budget_period)
+        except KeyError_ as exc:
+            raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
+        return json_response({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
+
+    @get("/keys")
+    async def list_keys(self, gw: GatewayDep) -> Response:
+        return json_response({"keys": [public(k) for k in await _store(gw).list()]})
+
+    @post("/keys/{name:str}/revoke", status_code=200)
+    async def revoke_key(self, gw: GatewayDep, name: FromPath[str]) -> Response:
+        return await _change(name, _store(gw).revoke)
+
+    @post("/keys/{name:str}/limits", status_code=200)
+    async def limit_key(self, request: Request, gw: GatewayDep, name: FromPath[str]) -> Response:
+        limits = await read_json(request, _Limits, empty=b"{}")
+        changes = {k: v for k, v in msgspec.structs.asdict(limits).items() if v is not None}
+        store = _store(gw)
+        return await _change(name, lambda n: store.update(n, **changes))
+
+    @get("/usage")
+    async def usage_rows(self, request: Request, gw: GatewayDep) -> Response:
+        """Usage per key x model x day; `from`/`to` (YYYY-MM-DD, default today), `key`, `model`, `format=csv`."""
+        q = request.query_params
+        try:
+            days = day_range(q.get("from"), q.get("to"))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="from") from None
+        rows = await read_usage(_store(gw).redis, days, key=q.get("key", ""), model=q.get("model", ""))
+        if q.get("format") == "csv":
+            out = io.StringIO()
+            w = csv.DictWriter(out, fieldnames=["day", "key", "model", *USAGE_FIELDS[:-1], "cost_usd"])
+            w.writeheader()
+            w.writerows(rows)
+            return Response(content=out.getvalue(), media_type="text/csv",
+                            headers={"Content-Disposition": 'attachment; filename="coderai-usage.csv"'})
+        return json_response({"rows": rows})
+
+
+def day_range(start: str | None, end: str | None, max_days: int = 366) -> list[str]:
+    """Every UTC day from `start` to `end` inclusive (YYYY-MM-DD; default today)."""
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    a = datetime.date.fromisoformat(start) if start else today
+    b = datetime.date.fromisoformat(end) if end else (a if start else today)
+    if b < a:
+        raise ValueError("`to` is before `from`")
+    n = (b - a).days + 1
+    if n > max_days:
+        raise ValueError(f"at most {max_days} days at once")
+    return [(a + datetime.timedelta(days=i)).isoformat() for i in range(n)]

@@ -1,0 +1,94 @@
+"""Admin HTTP for the cluster (admin keys only): nodes, models split over several nodes, a node's logs, drain,
+and model placement. Each route is a thin bridge to one bus command; the scheduler and the workers own the state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
+
+from coderai.contracts import BusError
+from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
+from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, Subject, check_token
+from coderai.gateway.auth import admin_guard
+from coderai.gateway.errors import ApiError, from_bus
+from coderai.gateway.http import json_response, read_json
+from coderai.gateway.state import Gateway, GatewayDep
+
+
+async def ask(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Any:
+    """A bus command's reply; its errors as the API's (a node that does not answer: 404)."""
+    try:
+        return await gw.bus.request(subject, msg, timeout=5.0, **params)
+    except BusError as exc:
+        if exc.code == "no_engine" and "node_id" in params:
+            raise ApiError(404, f"node {params['node_id']!r} is not reachable", code="node_not_found") from None
+        raise from_bus(exc, gw.settings.retry_after_s) from None
+
+
+async def relay(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Response:
+    """The command's reply as the answer's JSON."""
+    return json_response(msgspec.to_builtins(await ask(gw, subject, msg, **params)))
+
+
+def _node(value: str) -> str:
+    try:
+        return check_token(value, "node id")
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="node_id") from None
+
+
+class _Target(msgspec.Struct, forbid_unknown_fields=True):
+    node: str
+
+
+class NodesController(Controller):
+    path = "/admin"
+    guards = [admin_guard]
+
+    @get("/nodes")
+    async def nodes(self, gw: GatewayDep) -> Response:
+        return await relay(gw, CMD_SCHEDULER_NODES, NodesRequest())
+
+    @get("/splits")
+    async def splits(self, gw: GatewayDep) -> Response:
+        """Models split over several nodes: per device, its node, endpoint, share and the layers it holds."""
+        reply = await ask(gw, CMD_SCHEDULER_NODES, NodesRequest())
+        engine_warnings = {(n.heartbeat.node_id, e.model): e.warning for n in reply.nodes for e in n.heartbeat.engines}
+
+        def warning(name: str, p: Any) -> str:  # the plan's (configured link) and the engine's (measured link)
+            return "; ".join(w for w in (p.warning, engine_warnings.get((p.devices[0].node_id, name), "")) if w)
+
+        data = [{"model": name, "serving_node": p.devices[0].node_id, "mode": p.mode, "n_layers": p.n_layers,
+                 "warning": warning(name, p), "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
+                                                           "layers": d.layers} for d in p.devices]}
+                for name, p in sorted(reply.splits.items())]
+        return json_response({"object": "list", "data": data})
+
+    @get("/nodes/{nid:str}/logs")
+    async def logs(self, request: Request, gw: GatewayDep, nid: FromPath[str]) -> Response:
+        try:
+            lines = int(request.query_params.get("lines", "200"))
+        except ValueError:
+            raise ApiError(400, "lines must be an integer", param="lines") from None
+        return await relay(gw, CMD_NODE_LOGS, NodeLogsRequest(lines=max(1, min(lines, 2000))), node_id=_node(nid))
+
+    @post("/nodes/{nid:str}/drain", status_code=200)
+    async def drain(self, request: Request, gw: GatewayDep, nid: FromPath[str]) -> Response:
+        msg = await read_json(request, DrainRequest, empty=b"{}")
+        return await relay(gw, CMD_NODE_DRAIN, msg, node_id=_node(nid))
+
+    @post("/models/{model:str}/place", status_code=200)
+    async def place(self, request: Request, gw: GatewayDep, model: FromPath[str]) -> Response:
+        return await _placement(request, gw, model, "place")
+
+    @post("/models/{model:str}/unplace", status_code=200)
+    async def unplace(self, request: Request, gw: GatewayDep, model: FromPath[str]) -> Response:
+        return await _placement(request, gw, model, "unplace")
+
+
+async def _placement(request: Request, gw: Gateway, model: str, action: str) -> Response:
+    target = await read_json(request, _Target, empty=b"{}")
+    return await relay(gw, CMD_SCHEDULER_PLACE, PlaceRequest(model=model, node=target.node, action=action))  # type: ignore[arg-type]

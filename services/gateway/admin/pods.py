@@ -1,0 +1,61 @@
+"""Admin HTTP for rented pods (admin keys only): the pod-broker's pods and live cost, a warm floor (lease), and
+pod spend and reservations by model from the broker's ledger in Redis."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+
+from coderai.accounts.pod_money import PodMoney
+from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
+from coderai.contracts.subjects import CMD_BROKER_LEASE, CMD_BROKER_STATUS
+from coderai.gateway.admin.nodes import ask, relay
+from coderai.gateway.auth import admin_guard
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import json_response, read_json
+from coderai.gateway.state import GatewayDep
+
+PERIODS = ("hour", "day", "week", "month")
+
+
+class _Lease(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    pods: int
+    ttl: float
+
+
+class PodsController(Controller):
+    path = "/admin"
+    guards = [admin_guard]
+
+    @get("/pods")
+    async def pods(self, gw: GatewayDep) -> Response:
+        """Rented pods with their state and live cost, and what the ledger holds in all."""
+        status = await ask(gw, CMD_BROKER_STATUS, BrokerStatusRequest())
+        pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
+        return json_response({"configured": status.configured, "pods": pods, "spent_usd": status.spent_usd})
+
+    @post("/pods/lease", status_code=200)
+    async def lease(self, request: Request, gw: GatewayDep) -> Response:
+        """A warm floor: `{model, pods, ttl}` keeps that many pods up for ttl seconds, busy or not."""
+        req = await read_json(request, _Lease)
+        return await relay(gw, CMD_BROKER_LEASE, LeaseRequest(model=req.model, pods=req.pods, ttl_s=req.ttl))
+
+    @get("/spend")
+    async def spend(self, request: Request, gw: GatewayDep) -> Response:
+        """Pod spend (booked) and reservations by model for `period` (hour, day, week, month; default day)."""
+        period = request.query_params.get("period", "day")
+        if period not in PERIODS:
+            raise ApiError(400, "period is one of hour, day, week, month.", param="period")
+        if gw.redis is None:
+            raise ApiError(404, "No Redis is configured (CODERAI_GATEWAY_REDIS_URL): spend is not kept.", code="no_ledger")
+        money = PodMoney(gw.redis, prefix=gw.settings.pod_ledger_prefix)
+        rows = []
+        for m in sorted(gw.catalog.models.values(), key=lambda m: m.name):
+            if m.pod.burst == "never":
+                continue
+            spent, held = await money.spend(m.name, period), await money.reserved(m.name, period)
+            rows.append({"model": m.name, "spent_usd": spent, "reserved_usd": held,
+                         "budget_usd": m.pod.budget_usd or None, "budget_period": m.pod.period})
+        return json_response({"period": period, "models": rows, "total_usd": await money.spend(None, period),
+                              "ledger_total_usd": await money.ledger_total_usd()})

@@ -1,0 +1,105 @@
+"""HTTP plumbing every controller shares: JSON bodies in (only as `application/json`, errors naming the field),
+JSON answers out, request ids and the response headers coderai adds."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response
+
+from coderai.contracts.topology import HDR_REQUEST_ID
+from coderai.gateway.errors import ApiError
+from coderai.runtime.logging import request_id_var
+
+T = TypeVar("T")
+
+JSON = "application/json"
+SESSION_HEADER = "X-Session-Id"
+PIN_HEADER = "X-Coderai-Pin"  # admin only: route to this engine or node id
+ENGINE_HEADER = "Coderai-Engine"
+ROUTE_HEADER = "Coderai-Route"
+REQUEST_ID_HEADER = HDR_REQUEST_ID
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_enc = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """`obj` as a JSON answer (the one JSON helper of the gateway)."""
+    return Response(content=_enc.encode(obj), status_code=status, media_type=JSON, headers=headers)
+
+
+def error_response(exc: ApiError) -> Response:
+    return Response(content=exc.encode(), status_code=exc.status, media_type=JSON, headers=exc.headers)
+
+
+def new_request_id() -> str:
+    """A request id: random (no id in a response header says anything about another request's)."""
+    rid = secrets.token_hex(12)
+    request_id_var.set(rid)
+    return rid
+
+
+def is_json(request: Request) -> bool:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media == JSON
+
+
+async def read_json(request: Request, type_: type[T], *, empty: bytes | None = None) -> T:
+    """The body as `type_`; a body that is not `application/json` is a 415. `empty`: what an empty body means
+    (admin commands whose fields all have defaults), else an empty body is a 400."""
+    limit = request.app.state.gateway.settings.max_body_bytes
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise _too_large(limit)
+    body = await request.body()
+    if len(body) > limit:
+        raise _too_large(limit)
+    if not body and empty is not None:
+        return parse(empty, type_)
+    if not is_json(request):
+        raise ApiError(415, "Send the body as JSON, with 'Content-Type: application/json'.",
+                       code="unsupported_media_type")
+    return parse(body, type_)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is over the {limit} byte limit (CODERAI_GATEWAY_MAX_BODY_BYTES).",
+                    code="request_too_large")
+
+
+def parse(body: bytes, type_: type[T]) -> T:
+    """Decode a JSON body: malformed or too deeply nested JSON, or a schema mismatch, is a 400 naming the field."""
+    if not body:
+        raise ApiError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        raise ApiError(400, f"Invalid request: {text}", code="invalid_request", param=_param_of(text)) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply.", code="invalid_json") from None
+
+
+def _param_of(text: str) -> str | None:
+    """The field a msgspec validation message points at: "... - at `$.messages[0]`" or "missing required field `x`"."""
+    if "$." in text:
+        return text.rsplit("$.", 1)[-1].rstrip("`")
+    if "required field `" in text:
+        return text.split("required field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    """An integer query parameter in [lo, hi] (a 400 naming it otherwise)."""
+    raw = request.query_params.get(name, str(default))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be a whole number, not {raw!r}.", param=name, code="invalid_value") from None
+    if not lo <= n <= hi:
+        raise ApiError(400, f"{name} must be between {lo} and {hi}.", param=name, code="invalid_value")
+    return n

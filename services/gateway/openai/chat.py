@@ -1,0 +1,72 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: tokens streamed as SSE or a whole answer, with the
+routing hints (session, user, prompt prefix, an admin's pin) the router's cache affinity uses."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, Response, post
+from litestar.response import Stream
+
+from coderai.contracts import Chunk, Final
+from coderai.gateway import affinity
+from coderai.gateway.auth import Caller, CallerDep, inference_guard
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json
+from coderai.gateway.openai import sse
+from coderai.gateway.openai.chat_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_job,
+    completion_job,
+    include_usage,
+)
+from coderai.gateway.pipeline import Call, answer, relay_stream, until_disconnect
+from coderai.gateway.relay import Hints
+from coderai.gateway.state import GatewayDep
+
+
+class ChatController(Controller):
+    guards = [inference_guard]
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
+        req = await read_json(request, ChatCompletionRequest)
+        job = chat_job(req, new_request_id())
+        hints = _hints(request, who, job.model, req.user, affinity.chat_chain(job.model, job.messages, job.tools))
+        return await _serve(Call(gw, who, "chat", job, hints), request, include_usage(req))
+
+    @post("/v1/completions", status_code=200)
+    async def completions(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
+        req = await read_json(request, CompletionRequest)
+        job = completion_job(req, new_request_id())
+        hints = _hints(request, who, job.model, req.user, affinity.prompt_chain(job.model, job.prompt))
+        return await _serve(Call(gw, who, "complete", job, hints), request, include_usage(req))
+
+
+def _hints(request: Request, who: Caller, model: str, user: str | None, prefix: list[str]) -> Hints:
+    pin = request.headers.get(PIN_HEADER, "")
+    if pin and "admin" not in who.scopes:
+        raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
+    return Hints(session=affinity.session_key(model, request.headers.get(SESSION_HEADER)),
+                 user=affinity.user_key(model, user), prefix=prefix, pin=pin)
+
+
+async def _serve(call: Call, request: Request, want_usage: bool) -> Response | Stream:
+    """The whole completion object, or its chunks as SSE (`data: {...}` ... `data: [DONE]`)."""
+    job, chat = call.job, call.op == "chat"
+    if not job.stream:
+        final = await answer(call, request)
+        build = sse.chat_response if chat else sse.completion_response
+        return json_response(build(job.request_id, call.created, job.model, final.choices, final.usage),
+                             headers=call.response_headers())
+    await call.admit()
+    first = await until_disconnect(request, call.open())
+    chunk = sse.chat_chunk if chat else sse.completion_chunk
+
+    async def render(frame: Chunk | Final) -> bytes:
+        if isinstance(frame, Chunk):
+            return chunk(job.request_id, call.created, job.model, frame)
+        usage = sse.usage_chunk(call.op, job.request_id, call.created, job.model, frame.usage) if want_usage else b""
+        return usage + sse.DONE
+
+    events = relay_stream(call, first, render, error=lambda err: sse.sse(err.body()))
+    return Stream(events, media_type="text/event-stream", headers={**call.response_headers(), **STREAM_HEADERS})

@@ -1,0 +1,73 @@
+"""`POST /v1/embeddings` and `POST /v1/rerank` (the Jina/Cohere shape): items fan out over every worker holding
+the model when its `distribute` settings allow."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from litestar import Controller, Request, Response, post
+from msgspec import Meta
+
+from coderai.contracts import EmbedJob, RerankJob
+from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import json_response, new_request_id, read_json
+from coderai.gateway.openai import formats
+from coderai.gateway.openai.forms import NonEmpty
+from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.state import GatewayDep
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: str | list[str | int | list[int]]  # token ids parse, and are refused with a clear message
+    model: NonEmpty
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: str | None = None
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    model: NonEmpty
+    query: NonEmpty
+    documents: Annotated[list[str | RerankDocument], Meta(min_length=1, max_length=4096)]
+    top_n: Annotated[int, Meta(ge=1)] | None = None
+    return_documents: bool = True
+
+
+def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    if not texts:
+        raise ApiError(400, "'input' must not be empty.", param="input", code="invalid_value")
+    if not all(isinstance(t, str) for t in texts):
+        raise ApiError(400, "Token-id input is not supported here; send the text.", param="input", code="invalid_value")
+    if any(not t for t in texts):
+        raise ApiError(400, "'input' must not contain empty strings.", param="input", code="invalid_value")
+    return EmbedJob(request_id=request_id, model=req.model, input=texts, dimensions=req.dimensions)  # type: ignore[arg-type]
+
+
+class EmbeddingsController(Controller):
+    guards = [inference_guard]
+
+    @post("/v1/embeddings", status_code=200)
+    async def embeddings(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+        req = await read_json(request, EmbeddingRequest)
+        call = Call(gw, who, "embed", embed_job(req, new_request_id()))
+        final = await answer(call, request)
+        return json_response(formats.embeddings(final.output, req.model, req.encoding_format, final.usage),
+                             headers=call.response_headers())
+
+    @post("/v1/rerank", status_code=200)
+    async def rerank(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+        req = await read_json(request, RerankRequest)
+        docs = [d if isinstance(d, str) else d.text for d in req.documents]
+        job = RerankJob(request_id=new_request_id(), model=req.model, query=req.query, documents=docs)
+        call = Call(gw, who, "rerank", job)
+        final = await answer(call, request)
+        body = formats.rerank(job.request_id, final.output.scores, docs, req.model, req.top_n, req.return_documents,
+                              final.usage)
+        return json_response(body, headers=call.response_headers())

@@ -1,0 +1,100 @@
+"""`POST /v1/images/generations` and `/v1/images/edits` (diffusers), and `GET /v1/blobs/{name}`: generated images
+by URL, under random names that expire, like signed URLs."""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any, Literal
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
+from msgspec import Meta
+
+from coderai.contracts import Blob, ImageJob
+from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import json_response, new_request_id, read_json
+from coderai.gateway.openai.forms import NonEmpty, blob, parse_size, read_form
+from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.state import GatewayDep
+from coderai.runtime.blobs import BlobMissing
+
+MEDIA_TYPES = {"png": "image/png", "mp4": "video/mp4"}
+
+
+class ImageRequest(msgspec.Struct, kw_only=True):
+    prompt: NonEmpty
+    model: NonEmpty
+    n: Annotated[int, Meta(ge=1, le=10)] = 1
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    seed: int | None = None
+    quality: str | None = None
+    style: str | None = None
+    negative_prompt: str | None = None
+    steps: Annotated[int, Meta(ge=1, le=500)] | None = None
+    guidance_scale: Annotated[float, Meta(ge=0, le=50)] | None = None
+    user: str | None = None
+
+
+class ImagesController(Controller):
+    guards = [inference_guard]
+
+    @post("/v1/images/generations", status_code=200)
+    async def generations(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+        req = await read_json(request, ImageRequest)
+        w, h = parse_size(req.size, (512, 512))
+        job = ImageJob(request_id=new_request_id(), model=req.model, prompt=req.prompt, n=req.n, width=w, height=h,
+                       seed=req.seed, steps=req.steps, guidance_scale=req.guidance_scale,
+                       negative_prompt=req.negative_prompt)
+        return await _images(Call(gw, who, "image", job), request, req.response_format)
+
+    @post("/v1/images/edits", status_code=200)
+    async def edits(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+        form = await read_form(request, gw.settings.max_upload_bytes, "image")
+        image = form.file("image")
+        mask = form.file("mask", required=False)
+        size = form.get("size")
+        w, h = parse_size(size, (0, 0)) if size else (0, 0)
+        job = ImageJob(
+            request_id=new_request_id(), model=form.require("model"), prompt=form.require("prompt"),
+            n=form.number("n", int, 1, 10, 1), width=w, height=h, seed=form.number("seed", int, 0, 2**63 - 1),
+            steps=form.number("steps", int, 1, 500), strength=form.number("strength", float, 0.0, 1.0),
+            image=blob(image), mask=blob(mask) if mask else None,  # type: ignore[arg-type]
+        )
+        fmt = form.choice("response_format", ("b64_json", "url"), "b64_json")
+        return await _images(Call(gw, who, "image", job), request, fmt)
+
+
+
+class BlobsController(Controller):
+    """No guard: the name is the credential."""
+
+    @get("/v1/blobs/{name:str}")
+    async def blob(self, gw: GatewayDep, name: FromPath[str]) -> Response:
+        """No key needed: the name is random and unguessable (and expires), like a signed URL."""
+        try:
+            data = await gw.blobs.get(Blob(name=name))
+        except (BlobMissing, ValueError):
+            raise ApiError(404, "No such file (it may have expired).", code="not_found") from None
+        ext = name.rsplit(".", 1)[-1] if "." in name else ""
+        return Response(content=data, media_type=MEDIA_TYPES.get(ext, "application/octet-stream"),
+                        headers={"Cache-Control": "private, max-age=3600"})
+
+
+async def _images(call: Call, request: Request, response_format: str) -> Response:
+    final = await answer(call, request)
+    out = final.output
+    data = []
+    for img, seed in zip(out.images, out.seeds or [None] * len(out.images)):
+        item: dict[str, Any] = {"revised_prompt": call.job.prompt}
+        if response_format == "url":
+            stored = await call.gw.blobs.put(img.data, "image/png", suffix=".png")
+            item["url"] = f"{str(request.base_url).rstrip('/')}/v1/blobs/{stored.name}"
+        else:
+            item["b64_json"] = base64.b64encode(img.data).decode()
+        if seed is not None:
+            item["seed"] = seed
+        data.append(item)
+    return json_response({"created": call.created, "data": data}, headers=call.response_headers())

@@ -1,0 +1,25 @@
+"""`POST /v1/ocr`: text of an image or a PDF, page by page (a PDF's pages fan out over the model's holders)."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, Response, post
+
+from coderai.contracts import OcrJob
+from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.http import json_response, new_request_id
+from coderai.gateway.openai import formats
+from coderai.gateway.openai.forms import blob, read_form
+from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.state import GatewayDep
+
+
+class OcrController(Controller):
+    guards = [inference_guard]
+
+    @post("/v1/ocr", status_code=200)
+    async def ocr(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+        form = await read_form(request, gw.settings.max_upload_bytes)
+        job = OcrJob(request_id=new_request_id(), model=form.require("model"), file=blob(form.file("file")))  # type: ignore[arg-type]
+        call = Call(gw, who, "ocr", job)
+        final = await answer(call, request)
+        return json_response(formats.ocr(final.output, job.model), headers=call.response_headers())

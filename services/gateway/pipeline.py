@@ -1,0 +1,286 @@
+"""One request pipeline for every endpoint: admit -> fan-out | pick + first frame (failing over before it) ->
+frames -> account exactly once.
+
+A controller builds the op's job and a `Call`, then hands it to the adapter for its answer's shape: `answer` for a
+whole answer (a JSON body), `relay_stream` for frames relayed as they come (SSE tokens, audio bytes). Whatever
+happens (an error before or after the first frame, the client leaving, streamed or not), the engine job is
+cancelled when nobody waits for it, the key's budget reservation is released and one `request.completed` is
+published. Only this module calls the relay's `first_frame` and `spawn` and the accounts' `finish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request
+
+from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
+from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, Usage, encode
+from coderai.contracts.ops import OPS
+from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
+from coderai.gateway.accounting import Admission, Trace, price
+from coderai.gateway.auth import Caller
+from coderai.gateway.errors import ApiError, from_bus
+from coderai.gateway.fanout import plans
+from coderai.gateway.fanout.scatter import scatter
+from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER
+from coderai.gateway.relay import Hints, next_frame
+from coderai.gateway.state import Gateway
+from coderai.runtime.bus import FrameStream
+
+log = logging.getLogger("coderai.gateway")
+
+T = TypeVar("T")
+NO_HINTS = Hints()
+HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and headers
+
+
+class Call:
+    """One request, from admission to its one `request.completed`: where it went and what it used."""
+
+    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, hints: Hints = NO_HINTS) -> None:
+        self.gw, self.who, self.op, self.job, self.hints = gw, who, op, job, hints
+        self.spec = OPS[op]
+        self.started = time.monotonic()
+        self.created = int(time.time())
+        self.streamed = bool(getattr(job, "stream", False))
+        self.trace = Trace()
+        self.admission = Admission(None)
+        self.stream: FrameStream | None = None
+        self.engine_id = self.node_id = self.route_reason = ""
+        self.parts = 0
+        self.ttft_s: float | None = None
+        self.usage = Usage()
+        self.status, self.http_status = "ok", 200
+        self._refresher: asyncio.Task | None = None
+        self.admitted = False
+        self._finished = False
+
+    @property
+    def cfg(self) -> ModelConfig:
+        assert self.admission.cfg is not None, "the call is not admitted yet"
+        return self.admission.cfg
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    def bus_headers(self) -> dict[str, str]:
+        return {HDR_REQUEST_ID: self.job.request_id, HDR_KEY_NAME: self.who.key_name}
+
+    def response_headers(self) -> dict[str, str]:
+        return {HDR_REQUEST_ID: self.job.request_id, ENGINE_HEADER: self.engine_id, ROUTE_HEADER: self.route_reason}
+
+    # --- the steps -------------------------------------------------------------------------------------
+
+    async def admit(self) -> ModelConfig:
+        """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
+        a request refused by the first two."""
+        cfg = self.gw.model(self.job.model, self.op)
+        if not self.spec.blobs:
+            self.check_size(self.job)
+        self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)
+        self.admitted = True
+        self.trace.start(self.spec.span, request_id=self.job.request_id, model=self.job.model, op=self.op,
+                         key_name=self.who.key_name, stream=self.streamed)
+        if self.admission.held is not None:
+            self._refresher = asyncio.create_task(self._refresh(self.admission.held))
+        return cfg
+
+    def check_size(self, job: Any) -> None:
+        """A job over what one bus message carries is the client's 413, not a 500 from the publish."""
+        limit = self.gw.bus.nc.max_payload - HEADROOM
+        size = len(encode(job))
+        if size > limit:
+            raise ApiError(413, f"The request is too large: {size} bytes of job, and one message carries at most "
+                                f"{limit}.", code="request_too_large")
+
+    async def open(self, *, stream: bool = False) -> Chunk | Final:
+        """The first frame: the merged answer of a fan-out, or one engine's first frame. `stream`: send the job
+        streamed when it goes to one engine (speech: bytes as they come, while a fan-out answers whole)."""
+        try:
+            decision = None
+            if self.spec.fanout and self.cfg.distribute.enabled and not self.streamed:
+                final, decision = await self._fan_out()
+                if final is not None:
+                    return final
+            job = self.job
+            if stream:
+                job = self.job = msgspec.structs.replace(job, stream=True)
+                self.streamed = True
+            if not self.spec.llm:
+                job = await self.gw.blobs.pack(job)
+                if self.spec.blobs:
+                    self.check_size(job)
+            self.stream, first, decision = await self.gw.relay.first_frame(
+                self.op, job, self.hints, self.trace, self.bus_headers(), decision)
+        except BaseException as exc:
+            raise await self.fail(exc) from None
+        self.engine_id, self.node_id, self.route_reason = decision.engine_id, decision.node_id, decision.reason
+        self.ttft_s = time.monotonic() - self.started
+        return first
+
+    async def _fan_out(self) -> tuple[Final | None, RouteDecision | None]:
+        """Split the job over the workers holding its model when two or more hold it and its plan splits it:
+        the merged `Final`. Otherwise (None, the route decision to reuse for the single engine)."""
+        decision = await self.gw.relay.route(self.job, self.op, self.hints, [], self.bus_headers())
+        plan = None
+        if decision.holders >= 2:  # transcription and OCR plans decode the upload: off the event loop
+            plan = await asyncio.to_thread(plans.plan, self.op, self.job, decision.holders, self.cfg.distribute)
+        if plan is None:
+            return None, decision
+        self.route_reason, self.parts = "fanout", len(plan.jobs)
+        final = await scatter(self.gw, self.op, self.job, plan, self.bus_headers())
+        self.engine_id = final.engine_id
+        self.ttft_s = time.monotonic() - self.started
+        return final, None
+
+    async def frames(self, first: Chunk | Final) -> AsyncIterator[Chunk | Final]:
+        """The job's chunks and then its final frame; an engine's error is raised as a BusError."""
+        frame: Any = first
+        while True:
+            if isinstance(frame, ErrorReply):
+                raise BusError.from_reply(frame)
+            yield frame
+            if isinstance(frame, Final):
+                return
+            frame = await next_frame(self.stream)  # type: ignore[arg-type]
+
+    # --- the end, exactly once ---------------------------------------------------------------------------
+
+    async def finish(self, final: Final | None = None, usage: Usage | None = None) -> None:
+        """Account once: the usage (of `final`), the key's charges, `request.completed`."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.stream is not None:
+            self.stream.close()
+        if final is not None:
+            self.usage = final.usage
+        if usage is not None:
+            self.usage = usage
+        done = RequestCompleted(
+            request_id=self.job.request_id, ts=time.time(), key_name=self.who.key_name, model=self.job.model,
+            op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
+            node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
+            prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
+            stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts)
+        await self.gw.accounts.finish(self.who, self.admission, done, self.trace)
+
+    def abandon(self) -> None:
+        """The client went away: stop the engine, and still account (detached from the cancelled task)."""
+        self.status, self.http_status = "cancelled", 499
+        if self.stream is not None:
+            self.gw.relay.spawn(self.stream.cancel())
+        self.gw.relay.spawn(self.finish())
+
+    async def fail(self, exc: BaseException) -> BaseException:
+        """Account for a call that ends in `exc`; what to raise in its place (the client's ApiError)."""
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            self.abandon()
+            return exc
+        err = from_bus(exc, self.gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
+        if isinstance(err, ApiError):
+            self.status, self.http_status = err.code or "error", err.status
+        else:
+            self.status, self.http_status = "error", 500
+        await self.finish()
+        return err
+
+    async def _refresh(self, held: Reservation) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_EVERY_S)
+            try:
+                await self.gw.accounts.refresh(held)
+            except Exception as exc:  # noqa: BLE001 - Redis blinked: the next tick tries again
+                log.warning("could not refresh the budget reservation of %s: %s", self.job.request_id, exc)
+
+
+# --- adapters: the shapes of an answer ---------------------------------------------------------------------
+
+
+async def answer(call: Call, request: Request | None = None,
+                 on_chunk: Callable[[Chunk], Awaitable[None]] | None = None) -> Final:
+    """The whole answer, its output's blobs inline, accounted once. With `request`, a client that disconnects
+    while it waits cancels the engine job (and the call is accounted as cancelled)."""
+    if request is None:
+        return await _whole(call, on_chunk)
+    return await until_disconnect(request, _whole(call, on_chunk))
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in this task, cancelling it (and what it awaits: an engine job's call abandons it) if the
+    client disconnects first. For answers that are not streamed yet (litestar watches a streamed one)."""
+    watch = asyncio.create_task(_cancel_on_disconnect(request, asyncio.current_task()))  # type: ignore[arg-type]
+    try:
+        return await work
+    finally:
+        watch.cancel()
+
+
+async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> Final:
+    if not call.admitted:
+        await call.admit()
+    first = await call.open()
+    try:
+        async for frame in call.frames(first):
+            if isinstance(frame, Final):
+                if frame.output is not None:
+                    frame = msgspec.structs.replace(frame, output=await call.gw.blobs.unpack(frame.output))
+                await call.finish(frame)
+                return frame
+            if on_chunk is not None:
+                await on_chunk(frame)
+    except BaseException as exc:
+        raise await call.fail(exc) from None
+    raise AssertionError("unreachable: frames() ends with a Final")
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
+    """Cancel `task` when the client disconnects (the body is read already: the next ASGI message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return
+
+
+Render = Callable[[Chunk | Final], Awaitable[bytes]]
+
+
+def relay_stream(call: Call, first: Chunk | Final, render: Render,
+                 error: Callable[[ApiError], bytes] | None = None) -> AsyncIterator[bytes]:
+    """The frames as `render` shapes them (SSE events, audio bytes), relayed as they come. Headers are gone by
+    the time an engine fails mid-stream: `error` renders the failure as a last piece (SSE's error event); without
+    it the stream is cut. A client that leaves cancels the engine job. Accounted once, in every case."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        final: Final | None = None
+        ended = False
+        try:
+            async for frame in call.frames(first):
+                if isinstance(frame, Final):
+                    final = frame
+                    ended = True
+                yield await render(frame)
+        except BusError as exc:
+            err = from_bus(exc, call.gw.settings.retry_after_s)
+            call.status, call.http_status = err.code or "error", err.status
+            ended = True
+            if error is None:
+                raise err from None
+            yield error(err)
+        finally:
+            if not ended:  # the client went away mid-stream (or the stream broke): stop the engine
+                call.abandon()
+            else:  # may run while the stream's task is being cancelled: detached
+                call.gw.relay.spawn(call.finish(final))
+
+    return pieces()

@@ -1,0 +1,102 @@
+"""The state one gateway process shares between its controllers, injected into them as `gw: Gateway`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from litestar import Litestar
+from litestar.di import NamedDependency
+
+from coderai.accounts.keys import KeyStore
+from coderai.accounts.limits import Limiter
+from coderai.contracts import ModelConfig
+from coderai.gateway.accounting import Accounts
+from coderai.gateway.auth import Authenticator, load_keys
+from coderai.gateway.catalog import Catalog
+from coderai.gateway.errors import ApiError
+from coderai.gateway.relay import Relay
+from coderai.gateway.settings import GatewaySettings
+from coderai.runtime.blobs import BlobService, BlobStore
+from coderai.runtime.bus import Bus
+
+log = logging.getLogger("coderai.gateway")
+
+
+class Gateway:
+    """Bus, Redis, limits, catalogue, relay and blobs of one gateway process; set up by `lifespan`."""
+
+    bus: Bus
+    catalog: Catalog
+    relay: Relay
+    blobs: BlobStore
+    accounts: Accounts
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.auth = Authenticator(None if settings.no_auth else load_keys(settings.api_keys_file))
+        self.redis: Any = None  # redis.asyncio.Redis, when CODERAI_GATEWAY_REDIS_URL is set
+        self.reconnect_hooks: list[Callable[[], None]] = []  # after a reconnect: restart watches (video jobs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
+        limiter = None
+        if self.settings.redis_url:
+            import redis.asyncio as aioredis
+
+            self.redis = aioredis.from_url(self.settings.redis_url)
+            self.auth.store = KeyStore(self.redis)
+            limiter = Limiter(self.redis)
+        self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
+                                        on_disconnect=self._on_disconnect)
+        self.accounts = Accounts(self.bus, limiter)
+        self.catalog = Catalog(self.bus)
+        self.catalog.start()
+        self.relay = Relay(self.bus, self.settings)
+        self.blobs = BlobStore(self.bus, create=True, max_bytes=self.settings.blobs_max_bytes)
+        # workers store large outputs there but may not create it: it must exist before the first one answers
+        try:
+            await self.blobs.store()
+        except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: the first upload here creates it
+            log.warning("could not create the blob store yet (%s); the first upload will", exc)
+        await BlobService(self.blobs).start(self.bus)  # nodes read and write blobs only through this, by name
+        log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)
+        try:
+            yield
+        finally:
+            self.catalog.stop()
+            await self.bus.close()
+            if self.redis is not None:
+                await self.redis.aclose()
+
+    async def _on_reconnect(self) -> None:
+        self.catalog.start()
+        for hook in self.reconnect_hooks:
+            hook()
+
+    async def _on_disconnect(self) -> None:
+        self.bus.fail_streams()
+
+    def model(self, name: str, op: str | None = None) -> ModelConfig:
+        """The served model `name` (404 if none; 503 while the bus is down and nothing is known), checked to serve
+        `op` when given (400 if not)."""
+        cfg = self.catalog.models.get(name)
+        if cfg is None:
+            if not self.bus.connected and not self.catalog.models:
+                raise ApiError(503, "The cluster is unavailable; try again shortly.", type="service_unavailable",
+                               code="no_engine", headers={"Retry-After": str(self.settings.retry_after_s)})
+            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        if op is not None and op not in cfg.serves():
+            raise ApiError(400, f"The model '{name}' does not serve {op}; it serves {', '.join(cfg.serves())}.",
+                           param="model", code="unsupported_operation")
+        return cfg
+
+    def first_model(self, op: str) -> ModelConfig | None:
+        """The first served model (by name) that serves `op`."""
+        return next((m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if op in m.serves()), None)
+
+
+GatewayDep = NamedDependency[Gateway]
+"""How a handler asks for the gateway: `gw: GatewayDep` (app.py provides it)."""

@@ -1,0 +1,176 @@
+"""The video jobs one gateway runs, and its sweeper: the replica that takes over jobs whose gateway stopped
+(`records.py` says how a record changes hands). A staged model's job runs stage by stage (`relay.py`); any other
+runs whole on one engine, through the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
+
+from coderai.contracts import Chunk, VideoJob
+from coderai.contracts.topology import VIDEOS
+from coderai.gateway.auth import Caller
+from coderai.gateway.errors import ApiError
+from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.video import records, relay
+from coderai.gateway.video.records import STALE_S, Superseded, Tenure, VideoRecord, claim, due
+from coderai.gateway.state import Gateway
+from coderai.runtime.mirror import KVMirror
+
+log = logging.getLogger("coderai.gateway")
+
+PROGRESS_EVERY_S = 0.5  # KV writes of progress are throttled to this
+
+
+class VideoJobs:
+    """The video jobs this gateway runs, and its sweeper: the replica that takes over jobs whose gateway stopped.
+
+    Enter `lifespan` after the gateway's own (the bus must be up); leaving it stops the sweeper and the jobs
+    running here, which other replicas then take over.
+    """
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.me = f"{gw.settings.node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.after_s = min(max(1.0, gw.settings.video_takeover_s), STALE_S / 2)
+        self.touch_every_s = min(5.0, self.after_s / 4)  # a live runner is never mistaken for a dead one
+        self.sweep_every_s = min(5.0, self.after_s / 4)
+        self.running: set[asyncio.Task] = set()
+        self.bucket: list[Any] = []  # bound once: every progress write and GET would otherwise ask JetStream for it
+        self.mirror: KVMirror | None = None
+        self.seen: dict[str, float] = {}  # record id -> when this gateway last saw it change (monotonic)
+
+    async def kv(self) -> Any:
+        if not self.bucket:
+            self.bucket.append(await self.gw.bus.kv(VIDEOS))
+        return self.bucket[0]
+
+    async def create(self, rec: VideoRecord, job: VideoJob, who: Caller) -> None:
+        rec = msgspec.structs.replace(rec, job=job, runner=self.me)
+        revision = await (await self.kv()).create(rec.id, msgspec.json.encode(rec))
+        self.spawn(Tenure(await self.kv(), rec, revision), job, who)
+
+    def spawn(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
+        task = asyncio.create_task(self.work(tenure, job, who))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def keepalive(self, tenure: Tenure, job_task: asyncio.Task) -> None:
+        """Touch the record while the job runs, so that no replica takes a live job for abandoned."""
+        while True:
+            await asyncio.sleep(self.touch_every_s)
+            if time.time() - tenure.rec.updated_at < self.touch_every_s:
+                continue  # the job's own writes kept it fresh
+            try:
+                await tenure.save()
+            except Superseded as exc:
+                log.warning("video job %s: %s; stopping here", tenure.rec.id, exc)
+                job_task.cancel()
+                return
+            except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
+                log.warning("video job %s: could not touch its record (%s)", tenure.rec.id, exc)
+
+    async def work(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
+        gw, rec = self.gw, tenure.rec
+        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task()))
+        last = [0.0]
+
+        async def on_chunk(chunk: Chunk) -> None:
+            now = time.time()
+            if chunk.progress is None or now - last[0] < PROGRESS_EVERY_S:
+                return
+            last[0] = now
+            await tenure.save(status="in_progress", progress=min(99, int(chunk.progress * 100)))
+
+        try:
+            try:
+                if relay.is_staged(gw.model(job.model, "video")):
+                    done = await relay.run(gw, who, job, tenure.save, handoff=rec.handoff, history=list(rec.stages))
+                    stored_name = done.video.name  # the decode node stored the MP4
+                else:
+                    final = await answer(Call(gw, who, "video", job), on_chunk=on_chunk)
+                    stored_name = (await gw.blobs.put(final.output.video.data, "video/mp4", suffix=".mp4")).name
+                end: dict[str, Any] = dict(status="completed", progress=100, blob=stored_name,
+                                           completed_at=int(time.time()))
+            except Superseded:
+                raise
+            except ApiError as exc:
+                end = dict(status="failed", error=exc.message, error_code=exc.code)
+            except Exception as exc:  # noqa: BLE001 - the outermost edge of a background job: record it
+                log.exception("video job %s failed", rec.id)
+                end = dict(status="failed", error=f"{type(exc).__name__}: {exc}")
+            keep.cancel()
+            await tenure.save(**end)
+        except Superseded as exc:
+            log.warning("video job %s: %s; stopping here", rec.id, exc)
+        finally:
+            keep.cancel()
+
+    async def sweep(self) -> None:
+        """Claim every record due for takeover (one revision-checked write each: one replica wins) and run it."""
+        assert self.mirror is not None
+        kv = await self.kv()
+        for key, rec in list(self.mirror.values.items()):
+            if not due(rec, time.monotonic() - self.seen.get(key, time.monotonic()), self.after_s):
+                continue
+            taken = claim(rec, self.me, time.time())
+            try:
+                revision = await kv.update(key, msgspec.json.encode(taken), last=self.mirror.revisions[key])
+            except KeyWrongLastSequenceError:
+                continue  # its runner wrote, or another replica claimed it first
+            self.mirror.remember(key, taken, revision)
+            self.seen[key] = time.monotonic()
+            if taken.status == "failed":
+                log.warning("video job %s lost its gateway again; failed after %d takeovers", key, rec.takeovers)
+                continue
+            log.warning("video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
+                        key, rec.runner or "?", taken.takeovers, len(taken.stages))
+            tenure = Tenure(kv, taken, revision)
+            try:
+                who = await records.caller_for(self.gw.auth, taken.key_name)
+            except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
+                await tenure.save(status="failed", error=f"Could not look up key {taken.key_name}: {exc}",
+                                  error_code="key_store_unavailable")
+                continue
+            assert taken.job is not None
+            self.spawn(tenure, taken.job, who)
+
+    async def sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_every_s)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bus blinked: sweep again at the next tick
+                log.warning("video sweep failed: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        def changed(key: str, rec: VideoRecord | None) -> None:
+            if rec is None or not records.running(rec):
+                self.seen.pop(key, None)
+            else:
+                self.seen[key] = time.monotonic()
+
+        self.mirror = KVMirror(self.gw.bus, VIDEOS, VideoRecord, on_change=changed)
+        self.mirror.start()
+        self.gw.reconnect_hooks.append(self.mirror.start)  # a restarted server may have dropped the watch
+        sweeper = asyncio.create_task(self.sweeper())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            self.mirror.stop()
+            for task in list(self.running):
+                task.cancel()
+            await asyncio.gather(sweeper, *self.running, return_exceptions=True)
