@@ -22,22 +22,21 @@ from coderai.contracts import (
     Usage,
     model_key,
 )
-from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_OPS
+from coderai.contracts.ops import ENGINE_OPS, FANOUT_OPS, LLM_OPS
+from coderai.contracts.subjects import ENGINE_CANCEL
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
 from coderai.engine_worker.engines.base import EngineLost
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
-from coderai.engine_worker.parts import FANOUT_OPS, PartPuller
+from coderai.engine_worker.parts import PartPuller
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobProxy
 from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
-
-LLM_OPS = frozenset({"chat", "complete"})  # engines answer these with choices; every other op with an `output`
 
 
 def engine_id_for(node_id: str, model: str) -> str:

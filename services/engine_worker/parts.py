@@ -18,13 +18,13 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import PartDone, WorkPart, decode, model_key
-from coderai.contracts.subjects import ENGINE_OPS, EVT_PART_DONE, WORK_PART
+from coderai.contracts.ops import ENGINE_OPS
+from coderai.contracts.subjects import EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
-from coderai.contracts.ops import FANOUT_OPS
 from coderai.contracts.work import work_consumer
 from coderai.runtime.bus import FrameWriter
 
-__all__ = ["FANOUT_OPS", "PartPuller", "consumer_name"]
+__all__ = ["PartPuller", "consumer_name"]
 
 log = logging.getLogger("coderai.engine_worker")
 

@@ -206,8 +206,3 @@ CMD_NODE_TRAIN_STATE = Subject("coderai.cmd.node.{node_id}.train_state", TrainSt
 TRAIN_REPORT = Subject("coderai.train.report.{job_id}.{node_id}", TrainReport, bind=("job_id", "node_id"))
 TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}.{node_id}", AdapterChunk, AdapterAck, bind=("job_id", "node_id"))
 
-ENGINE_OPS = {
-    "chat": ENGINE_CHAT, "complete": ENGINE_COMPLETE, "embed": ENGINE_EMBED, "rerank": ENGINE_RERANK,
-    "image": ENGINE_IMAGE, "speech": ENGINE_SPEECH, "transcribe": ENGINE_TRANSCRIBE, "diarize": ENGINE_DIARIZE,
-    "ocr": ENGINE_OCR, "video": ENGINE_VIDEO,
-}

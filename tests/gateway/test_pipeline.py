@@ -1,0 +1,261 @@
+"""The request pipeline (`gateway/pipeline.py`) over a real nats-server and Redis, with a router and engines that
+live in the test: failover before the first frame, an engine error mid-stream, a client that leaves (streamed
+and whole), an oversize body, and one `request.completed` on every path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections import Counter
+
+import pytest
+import redis.asyncio as aioredis
+
+from coderai.accounts.keys import ApiKey
+from coderai.accounts.limits import period_id
+from coderai.contracts import (
+    CancelJob, ChatJob, Choice, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage,
+    encode, model_key,
+)
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, EVT_REQUEST_COMPLETED, ROUTE_PICK
+from coderai.contracts.topology import MODELS
+from coderai.gateway.auth import Caller
+from coderai.gateway.errors import ApiError
+from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.settings import GatewaySettings
+from coderai.gateway.state import Gateway
+from coderai.runtime.bus import Bus, FrameWriter
+from coderai.runtime.lifecycle import wait_for
+
+PRICE = 1000.0  # USD per million tokens: a reservation is visible in Redis
+
+
+class Engine:
+    """An engine on the bus, node `n1`, doing what the test sets in `mode` for each job it is sent."""
+
+    def __init__(self, engine_id: str, mode: str = "answer") -> None:
+        self.engine_id, self.mode = engine_id, mode
+        self.jobs: list[str] = []
+        self.cancelled: set[str] = set()
+        self.release = asyncio.Event()
+
+    async def start(self, bus: Bus) -> None:
+        tasks: set[asyncio.Task] = set()
+
+        def spawn(coro) -> None:
+            t = asyncio.create_task(coro)
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+        await bus.serve_stream(ENGINE_CHAT, self.run, spawn=spawn,
+                               subject_str=ENGINE_CHAT(node_id="n1", engine_id=self.engine_id))
+
+        async def on_cancel(msg: CancelJob, _m) -> None:
+            self.cancelled.add(msg.request_id)
+            self.release.set()
+
+        await bus.listen(ENGINE_CANCEL, on_cancel, subject_str=ENGINE_CANCEL(node_id="n1", engine_id=self.engine_id))
+
+    async def run(self, job: ChatJob, w: FrameWriter, _msg) -> None:
+        self.jobs.append(job.request_id)
+        if self.mode == "fail_first":  # retryable, before any frame: the gateway tries another engine
+            await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="GPU fell off", retryable=True))
+            return
+        await w.send(Chunk(seq=w.next_seq(), delta={"content": "hi"}))
+        if self.mode == "fail_mid":
+            await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="died mid-answer"))
+            return
+        if self.mode == "hang":  # until the gateway cancels the job
+            while not self.release.is_set():
+                await w.keepalive()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.release.wait(), 0.5)
+            return
+        usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+        choices = [] if job.stream else [Choice(message={"role": "assistant", "content": "hi"}, finish_reason="stop")]
+        await w.send(Final(seq=w.next_seq(), engine_id=self.engine_id, usage=usage, choices=choices))
+
+
+class Rig:
+    """A gateway's state over the bus, the router's pick (the first engine not excluded) and the events."""
+
+    def __init__(self, gw: Gateway, engines: dict[str, Engine], redis) -> None:
+        self.gw, self.engines, self.redis = gw, engines, redis
+        self.events: list[RequestCompleted] = []
+        self.picks: list[list[str]] = []
+
+    def count(self, rid: str) -> int:
+        return Counter(e.request_id for e in self.events)[rid]
+
+    async def one_event(self, rid: str) -> RequestCompleted:
+        """The request's `request.completed`, after making sure no second one follows it."""
+        await wait_for(lambda: self.count(rid) >= 1, 10, what=f"request.completed of {rid}")
+        await self.gw.bus.nc.flush()
+        [event] = [e for e in self.events if e.request_id == rid]
+        return event
+
+    def call(self, who: Caller, stream: bool = False, content: str = "hello") -> Call:
+        job = ChatJob(request_id=secrets.token_hex(12), model=self.model, stream=stream,
+                      messages=[{"role": "user", "content": content}])
+        return Call(self.gw, who, "chat", job)
+
+    async def reserved(self, who: Caller) -> float:
+        raw = await self.redis.get(f"coderai:reserved:{who.key_name}:{period_id('month', time.time())[0]}")
+        return float(raw or 0)
+
+
+@pytest.fixture
+async def rig(nats_server, redis_server, unique):
+    settings = GatewaySettings(nats_url=nats_server.url, redis_url=redis_server.url, no_auth=True,
+                               idle_timeout_s=5.0, retry_after_s=3)
+    gw = Gateway(settings)
+    async with gw.lifespan(None):  # type: ignore[arg-type]
+        engines = {"e1": Engine("e1"), "e2": Engine("e2")}
+        side = await Bus.connect(nats_server.url, "test-side")
+        for e in engines.values():
+            await e.start(side)
+        redis = aioredis.from_url(redis_server.url)
+        r = Rig(gw, engines, redis)
+        r.model = f"m-{unique}"
+
+        async def pick(req: RouteRequest, _m) -> RouteDecision:
+            r.picks.append(list(req.exclude))
+            engine = next(e for e in engines if e not in req.exclude)
+            return RouteDecision(engine_id=engine, node_id="n1", reason="least_busy")
+
+        await side.serve(ROUTE_PICK, pick)
+
+        async def completed(ev: RequestCompleted, _m) -> None:
+            r.events.append(ev)
+
+        await side.listen(EVT_REQUEST_COMPLETED, completed)
+        cfg = ModelConfig(name=r.model, engine="echo", path="", price_prompt_per_mtok=PRICE,
+                          price_completion_per_mtok=PRICE)
+        await (await side.kv(MODELS)).put(model_key(r.model), encode(cfg))
+        await wait_for(lambda: r.model in gw.catalog.models, 10, what="the catalogue to see the model")
+        try:
+            yield r
+        finally:
+            await redis.aclose()
+            await side.close()
+
+
+def budgeted(unique: str) -> Caller:
+    key = ApiKey(name=f"k-{unique}", sha256="0" * 64, budget_usd=1000.0)
+    return Caller(key.name, frozenset({"inference"}), key)
+
+
+async def test_a_whole_answer_fails_over_before_the_first_frame(rig, unique):
+    rig.engines["e1"].mode = "fail_first"
+    who = budgeted(unique)
+    call = rig.call(who)
+    final = await answer(call)
+    assert final.engine_id == "e2" and final.choices[0].message["content"] == "hi"
+    assert rig.picks == [[], ["e1"]]  # asked again without the engine that failed
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.engine_id, event.prompt_tokens, event.completion_tokens) == ("ok", "e2", 3, 2)
+    assert event.cost_usd == pytest.approx(5 * PRICE / 1e6)
+    assert await rig.reserved(who) == pytest.approx(0.0, abs=1e-9)  # the reservation was settled
+
+
+async def test_an_error_mid_stream_ends_the_sse_with_an_error_event(rig, unique):
+    rig.engines["e1"].mode = "fail_mid"
+    who = budgeted(unique)
+    call = rig.call(who, stream=True)
+    await call.admit()
+    first = await call.open()
+
+    async def render(frame) -> bytes:
+        return b"chunk " if isinstance(frame, Chunk) else b"done "
+
+    pieces = [p async for p in relay_stream(call, first, render, error=lambda err: f"error {err.status}".encode())]
+    assert pieces == [b"chunk ", b"error 502"]
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.http_status, event.stream) == ("engine_failed", 502, True)
+    assert await rig.reserved(who) == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_an_error_mid_answer_is_a_502_accounted_once(rig, unique):
+    rig.engines["e1"].mode = "fail_mid"
+    call = rig.call(budgeted(unique))
+    with pytest.raises(ApiError) as exc:
+        await answer(call)
+    assert exc.value.status == 502 and exc.value.code == "engine_failed"
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.http_status, event.engine_id) == ("engine_failed", 502, "e1")
+
+
+class Client:
+    """What `answer` reads of a request after its body: the ASGI receive, which says when the client leaves."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_a_client_leaving_a_whole_answer_cancels_the_engine_job(rig, unique):
+    engine = rig.engines["e1"]
+    engine.mode = "hang"
+    who = budgeted(unique)
+    call, client = rig.call(who), Client()
+    task = asyncio.create_task(answer(call, client))  # type: ignore[arg-type]
+    await wait_for(lambda: call.request_id in engine.jobs, 10, what="the engine to get the job")
+    assert await rig.reserved(who) > 0  # held while it runs
+    client.gone.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: call.request_id in engine.cancelled, 10, what="the engine to be told to cancel")
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.http_status) == ("cancelled", 499)
+    assert await rig.reserved(who) == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_a_client_leaving_a_stream_cancels_the_engine_job(rig, unique):
+    engine = rig.engines["e1"]
+    engine.mode = "hang"
+    call = rig.call(budgeted(unique), stream=True)
+    await call.admit()
+    first = await call.open()
+
+    async def render(frame) -> bytes:
+        return b"x"
+
+    pieces = relay_stream(call, first, render)
+    assert await pieces.__anext__() == b"x"
+    await pieces.aclose()  # what the HTTP server does when the client goes
+    await wait_for(lambda: call.request_id in engine.cancelled, 10, what="the engine to be told to cancel")
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.http_status, event.stream) == ("cancelled", 499, True)
+
+
+async def test_a_body_the_bus_cannot_carry_is_a_413_before_any_reservation(rig, unique):
+    who = budgeted(unique)
+    limit = rig.gw.bus.nc.max_payload
+    call = rig.call(who, content="x" * (limit + 1))
+    with pytest.raises(ApiError) as exc:
+        await answer(call)
+    assert exc.value.status == 413 and exc.value.code == "request_too_large"
+    assert await rig.reserved(who) == 0.0  # nothing was held, so nothing is left held
+    assert rig.engines["e1"].jobs == [] and rig.picks == []
+    await rig.gw.bus.nc.flush()
+    assert rig.count(call.request_id) == 0  # refused at the door, like a 429: never admitted, never completed
+
+
+async def test_every_path_accounts_exactly_once(rig, unique):
+    """A mix of the paths above, run together: each request has exactly one event."""
+    modes = ["answer", "fail_mid"]
+    calls = []
+    for i in range(6):
+        rig.engines["e1"].mode = modes[i % 2]
+        call = rig.call(budgeted(unique))
+        calls.append(call)
+        with contextlib.suppress(ApiError):
+            await answer(call)
+    for call in calls:
+        await rig.one_event(call.request_id)
+    assert all(rig.count(c.request_id) == 1 for c in calls)
