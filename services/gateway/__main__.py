@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(GatewaySettings, "gateway", args)
         from coderai.gateway.app import check_auth_settings
-        from coderai.gateway.auth import load_keys
+        from coderai.accounts.keyfile import load_keys
 
         check_auth_settings(settings)
         if settings.api_keys_file and not settings.no_auth:

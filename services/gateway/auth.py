@@ -1,35 +1,20 @@
-"""Bearer API keys, checked against SHA-256 hashes from the keys file (keys are never stored in clear)."""
+"""Bearer API keys, checked against SHA-256 hashes from the keys file (`coderai.accounts.keyfile`; keys are never
+stored in clear) and then in Redis, and the guards that admit a controller's callers."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
-import os
-import secrets
-import tomllib
 from dataclasses import dataclass
 
-import msgspec
 from litestar import Request
-from litestar.di import NamedDependency
 from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 from redis.exceptions import RedisError
 
+from coderai.accounts.keyfile import KeyRecord, hash_key
 from coderai.accounts.keys import ApiKey, KeyStore
 from coderai.gateway.errors import ApiError
-from coderai.runtime.settings import SettingsError
-
-
-class KeyRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str
-    sha256: str
-    scopes: list[str] = msgspec.field(default_factory=lambda: ["inference"])
-
-
-class _KeysFile(msgspec.Struct, forbid_unknown_fields=True):
-    keys: list[KeyRecord] = []
 
 
 @dataclass(frozen=True)
@@ -40,38 +25,6 @@ class Caller:
 
 
 ANONYMOUS = Caller("anonymous", frozenset({"inference", "admin"}))
-
-
-def new_key() -> str:
-    """A fresh API key in the OpenAI shape (`sk-...`)."""
-    return "sk-coderai-" + secrets.token_urlsafe(32)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def load_keys(path: str) -> dict[str, KeyRecord]:
-    """Hash -> record, from a TOML file of `[[keys]]` tables."""
-    try:
-        with open(os.path.expanduser(path), "rb") as fh:
-            doc = msgspec.convert(tomllib.load(fh), _KeysFile)
-    except (OSError, tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
-        raise SettingsError(f"CODERAI_GATEWAY_API_KEYS_FILE={path}: {exc}") from None
-    return {k.sha256.lower(): k for k in doc.keys}
-
-
-def write_keys(path: str, records: list[KeyRecord]) -> None:
-    """Write the keys file, readable by its owner only (also when it existed before with wider rights)."""
-    lines = []
-    for r in records:
-        # JSON string escaping is valid TOML basic-string escaping
-        scopes = ", ".join(json.dumps(s) for s in r.scopes)
-        lines += ["[[keys]]", f"name = {json.dumps(r.name)}", f"sha256 = {json.dumps(r.sha256)}", f"scopes = [{scopes}]", ""]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines))
 
 
 class Authenticator:

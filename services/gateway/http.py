@@ -14,6 +14,7 @@ from coderai.gateway.errors import ApiError
 from coderai.runtime.logging import request_id_var
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 JSON = "application/json"
 SESSION_HEADER = "X-Session-Id"
@@ -93,13 +94,18 @@ def _param_of(text: str) -> str | None:
     return None
 
 
-def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
-    """An integer query parameter in [lo, hi] (a 400 naming it otherwise)."""
-    raw = request.query_params.get(name, str(default))
+def number(name: str, raw: str, kind: type[N], lo: float, hi: float) -> N:
+    """`raw` (a query or form field `name`) as a `kind` in [lo, hi]; a 400 naming it otherwise."""
     try:
-        n = int(raw)
+        value = kind(raw)  # type: ignore[call-arg]
     except ValueError:
-        raise ApiError(400, f"{name} must be a whole number, not {raw!r}.", param=name, code="invalid_value") from None
-    if not lo <= n <= hi:
-        raise ApiError(400, f"{name} must be between {lo} and {hi}.", param=name, code="invalid_value")
-    return n
+        what = "a whole number" if kind is int else "a number"
+        raise ApiError(400, f"'{name}' must be {what}, not {raw!r}.", param=name, code="invalid_value") from None
+    if not lo <= value <= hi:  # type: ignore[operator]
+        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}.", param=name, code="invalid_value")
+    return value
+
+
+def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    """An integer query parameter in [lo, hi]."""
+    return number(name, request.query_params.get(name, str(default)), int, lo, hi)

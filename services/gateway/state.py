@@ -14,7 +14,8 @@ from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import Limiter
 from coderai.contracts import ModelConfig
 from coderai.gateway.accounting import Accounts
-from coderai.gateway.auth import Authenticator, load_keys
+from coderai.accounts.keyfile import load_keys
+from coderai.gateway.auth import Authenticator
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.errors import ApiError
 from coderai.gateway.relay import Relay

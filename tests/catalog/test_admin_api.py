@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 from coderai.gateway.admin.catalog import CatalogController, Pulls
-from coderai.gateway.auth import Authenticator, KeyRecord, hash_key, provide_caller
+from coderai.accounts.keyfile import KeyRecord, hash_key
+from coderai.gateway.auth import Authenticator, provide_caller
 from coderai.gateway.errors import ApiError
 from coderai.testing.procs import wait_until
 from litestar import Litestar, Response

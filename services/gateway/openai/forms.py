@@ -11,6 +11,7 @@ from msgspec import Meta
 
 from coderai.contracts import Blob
 from coderai.gateway.errors import ApiError
+from coderai.gateway.http import number
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
 
@@ -77,13 +78,7 @@ class Form:
         raw = self.get(name)
         if raw is None or raw == "":
             return default
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise ApiError(400, f"'{name}' must be a number, not {raw!r}.", param=name, code="invalid_value") from None
-        if not lo <= value <= hi:
-            raise ApiError(400, f"'{name}' must be between {lo} and {hi}.", param=name, code="invalid_value")
-        return value
+        return number(name, raw, kind, lo, hi)
 
     def flag(self, name: str) -> bool:
         raw = (self.get(name) or "").lower()
