@@ -20,7 +20,9 @@ import msgspec
 from litestar import Request
 
 from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
-from coderai.contracts import BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, Usage, encode
+from coderai.contracts import (
+    BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage, encode,
+)
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import Admission, Trace, price
@@ -29,22 +31,23 @@ from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER
-from coderai.gateway.relay import Hints, next_frame
+from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
 from coderai.runtime.bus import FrameStream
 
 log = logging.getLogger("coderai.gateway")
 
 T = TypeVar("T")
-NO_HINTS = Hints()
 HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and headers
 
 
 class Call:
     """One request, from admission to its one `request.completed`: where it went and what it used."""
 
-    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, hints: Hints = NO_HINTS) -> None:
-        self.gw, self.who, self.op, self.job, self.hints = gw, who, op, job, hints
+    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None) -> None:
+        """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin)."""
+        self.gw, self.who, self.op, self.job = gw, who, op, job
+        self.route = route or RouteRequest(request_id=job.request_id, model=job.model, op=op)  # type: ignore[arg-type]
         self.spec = OPS[op]
         self.started = time.monotonic()
         self.created = int(time.time())
@@ -118,7 +121,7 @@ class Call:
                 if self.spec.blobs:
                     self.check_size(job)
             self.stream, first, decision = await self.gw.relay.first_frame(
-                self.op, job, self.hints, self.trace, self.bus_headers(), decision)
+                self.op, job, self.route, self.trace, self.bus_headers(), decision)
         except BaseException as exc:
             raise await self.fail(exc) from None
         self.engine_id, self.node_id, self.route_reason = decision.engine_id, decision.node_id, decision.reason
@@ -128,7 +131,7 @@ class Call:
     async def _fan_out(self) -> tuple[Final | None, RouteDecision | None]:
         """Split the job over the workers holding its model when two or more hold it and its plan splits it:
         the merged `Final`. Otherwise (None, the route decision to reuse for the single engine)."""
-        decision = await self.gw.relay.route(self.job, self.op, self.hints, [], self.bus_headers())
+        decision = await self.gw.relay.route(self.route, [], self.bus_headers())
         plan = None
         if decision.holders >= 2:  # transcription and OCR plans decode the upload: off the event loop
             plan = await asyncio.to_thread(plans.plan, self.op, self.job, decision.holders, self.cfg.distribute)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from coderai.contracts import (
     BusError,
@@ -20,8 +21,8 @@ from coderai.contracts import (
     RouteRequest,
     decode,
 )
-from coderai.contracts.pods import EscalateReply, EscalateRequest
 from coderai.contracts.ops import ENGINE_OPS
+from coderai.contracts.pods import EscalateReply, EscalateRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
@@ -34,51 +35,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("coderai.gateway")
 
 
-@dataclass(frozen=True)
-class Hints:
-    """Routing hints from the request: affinity keys (gateway/affinity.py) and an admin's pin."""
-
-    session: str = ""
-    user: str = ""
-    prefix: list[str] = field(default_factory=list)
-    pin: str = ""
-
-
 class Relay:
     def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
         self.bus = bus
         self.settings = settings
         self._background: set[asyncio.Task] = set()
 
-    async def route(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
-        req = RouteRequest(
-            request_id=job.request_id, model=job.model, op=op,  # type: ignore[arg-type]
-            session=hints.session, user=hints.user, prefix=hints.prefix, pin=hints.pin, exclude=tried,
-        )
+    async def route(self, req: RouteRequest, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+        """The router's pick for `req` (the request's model, op and affinity hints), without the engines `tried`."""
+        if tried:
+            req = msgspec.structs.replace(req, exclude=tried)
         return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
 
-    async def _pick(self, job: Any, op: str, hints: Hints, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+    async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str]) -> RouteDecision:
         """The router's pick; with no engine, or only busy ones, for a model that may burst, the scheduler is
         asked to escalate to a rented pod and the request waits (bounded) for the pod's engine."""
         try:
-            decision = await self.route(job, op, hints, tried, headers)
+            decision = await self.route(req, tried, headers)
         except BusError as exc:
             if exc.code != "no_engine" or tried:
                 raise
-            return await self._escalate(job, op, hints, headers, "no_engine", exc)
-        if decision.busy and not tried and not hints.pin:
-            return await self._escalate(job, op, hints, headers, "busy", decision)
+            return await self._escalate(req, headers, "no_engine", exc)
+        if decision.busy and not tried and not req.pin:
+            return await self._escalate(req, headers, "busy", decision)
         return decision
 
-    async def _escalate(self, job: Any, op: str, hints: Hints, headers: dict[str, str], reason: str,
+    async def _escalate(self, req: RouteRequest, headers: dict[str, str], reason: str,
                         fallback: RouteDecision | BusError) -> RouteDecision:
         """Ask for a pod; then poll the router until an engine (a non-busy one, for `busy`) can take the job.
         Without a pod in time: the busy engine after all, or the original `no_engine`."""
         try:
-            reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=job.model, reason=reason),  # type: ignore[arg-type]
+            reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
                                            timeout=self.settings.route_timeout_s + 15.0, headers=headers)
         except BusError as exc:
-            log.warning("escalation of %s not answered: %s", job.model, exc.message)
+            log.warning("escalation of %s not answered: %s", req.model, exc.message)
             reply = EscalateReply(action="refused", code="no_engine", why=exc.message)
         if reply.action == "refused":
             if isinstance(fallback, RouteDecision):
@@ -86,11 +76,11 @@ class Relay:
             if reply.code == "over_budget":
                 raise BusError("over_budget", reply.why)
             raise BusError("no_engine", f"{fallback.message}; {reply.why}" if reply.why else fallback.message, True)
-        log.info("escalated %s (%s): pod %s is %s", job.model, reason, reply.pod, reply.action)
+        log.info("escalated %s (%s): pod %s is %s", req.model, reason, reply.pod, reply.action)
         deadline = time.monotonic() + self.settings.escalate_wait_s
         while time.monotonic() < deadline:
             try:
-                decision = await self.route(job, op, hints, [], headers)
+                decision = await self.route(req, [], headers)
                 if not isinstance(fallback, RouteDecision) or not decision.busy:
                     return decision
             except BusError as exc:
@@ -99,7 +89,7 @@ class Relay:
             await asyncio.sleep(0.25)  # a poll with a deadline: the pod's engine shows up in the router's table
         if isinstance(fallback, RouteDecision):
             return fallback
-        raise BusError("no_engine", f"a pod for {job.model!r} is starting; try again shortly", True)
+        raise BusError("no_engine", f"a pod for {req.model!r} is starting; try again shortly", True)
 
     async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
         async def cancel() -> None:
@@ -111,7 +101,7 @@ class Relay:
             on_cancel=cancel, node_id=decision.node_id, engine_id=decision.engine_id,
         )
 
-    async def first_frame(self, op: str, job: Any, hints: Hints, trace: Trace, headers: dict[str, str],
+    async def first_frame(self, op: str, job: Any, route: RouteRequest, trace: Trace, headers: dict[str, str],
                           first: RouteDecision | None = None) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
@@ -126,10 +116,10 @@ class Relay:
                 elif traced:
                     with tracing.start_span("route.pick", parent=trace.span, kind="client",
                                             attributes={"coderai.attempt": attempt}) as span:
-                        decision = await self._pick(job, op, hints, tried, tracing.inject(span, headers))
+                        decision = await self._pick(route, tried, tracing.inject(span, headers))
                         span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
                 else:
-                    decision = await self._pick(job, op, hints, tried, headers)
+                    decision = await self._pick(route, tried, headers)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             if traced:

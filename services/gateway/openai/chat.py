@@ -3,10 +3,12 @@ routing hints (session, user, prompt prefix, an admin's pin) the router's cache 
 
 from __future__ import annotations
 
+from typing import Any
+
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
-from coderai.contracts import Chunk, Final
+from coderai.contracts import Chunk, Final, RouteRequest
 from coderai.gateway import affinity
 from coderai.gateway.auth import Caller, CallerDep, inference_guard
 from coderai.gateway.errors import ApiError
@@ -20,7 +22,6 @@ from coderai.gateway.openai.chat_types import (
     include_usage,
 )
 from coderai.gateway.pipeline import Call, answer, relay_stream, until_disconnect
-from coderai.gateway.relay import Hints
 from coderai.gateway.state import GatewayDep
 
 
@@ -31,23 +32,25 @@ class ChatController(Controller):
     async def chat(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
         req = await read_json(request, ChatCompletionRequest)
         job = chat_job(req, new_request_id())
-        hints = _hints(request, who, job.model, req.user, affinity.chat_chain(job.model, job.messages, job.tools))
-        return await _serve(Call(gw, who, "chat", job, hints), request, include_usage(req))
+        route = _route(request, who, job, "chat", req.user, affinity.chat_chain(job.model, job.messages, job.tools))
+        return await _serve(Call(gw, who, "chat", job, route), request, include_usage(req))
 
     @post("/v1/completions", status_code=200)
     async def completions(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
         req = await read_json(request, CompletionRequest)
         job = completion_job(req, new_request_id())
-        hints = _hints(request, who, job.model, req.user, affinity.prompt_chain(job.model, job.prompt))
-        return await _serve(Call(gw, who, "complete", job, hints), request, include_usage(req))
+        route = _route(request, who, job, "complete", req.user, affinity.prompt_chain(job.model, job.prompt))
+        return await _serve(Call(gw, who, "complete", job, route), request, include_usage(req))
 
 
-def _hints(request: Request, who: Caller, model: str, user: str | None, prefix: list[str]) -> Hints:
+def _route(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:
+    """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin."""
     pin = request.headers.get(PIN_HEADER, "")
     if pin and "admin" not in who.scopes:
         raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
-    return Hints(session=affinity.session_key(model, request.headers.get(SESSION_HEADER)),
-                 user=affinity.user_key(model, user), prefix=prefix, pin=pin)
+    return RouteRequest(request_id=job.request_id, model=job.model, op=op, pin=pin, prefix=prefix,  # type: ignore[arg-type]
+                        session=affinity.session_key(job.model, request.headers.get(SESSION_HEADER)),
+                        user=affinity.user_key(job.model, user))
 
 
 async def _serve(call: Call, request: Request, want_usage: bool) -> Response | Stream:
