@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-install", action="store_true", help="install nothing; skip paths whose tools are missing")
     ap.add_argument("--json", type=Path, help="also write every measurement to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of every server)")
+    ap.add_argument("--baseline-tree", type=Path,
+                    help="another checkout with its own .venv (e.g. the commit before a change): its stack joins the "
+                         "pure part as path `coderai-base`, measured interleaved with this one")
     a = ap.parse_args(argv)
     if a.smoke:
         a.duration, a.rounds, a.stream_requests = 1.0, 1, 3
@@ -147,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="coderai-overhead-"))
     started: list = []
     coderai = Coderai(work)
+    base = None
+    if a.baseline_tree is not None:
+        python = a.baseline_tree / ".venv" / "bin" / "python"
+        if not python.exists():
+            print(f"--baseline-tree: {python} does not exist (run that checkout's scripts/setup)", file=sys.stderr)
+            return 2
+        base = Coderai(work / "base", python=str(python))
     t_start = time.monotonic()
     out: dict = {"machine": _setup.machine(), "versions": _setup.versions(litellm), "args": sys.argv[1:]}
     try:
@@ -175,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                      "cache_ram_mb": 256, "queue": 128}  # queue: the bare replicas queue without bound too
         coderai.start(gguf if "real" in parts else None, a.n_threads, 512, a.gateway_workers,
                       ls_params=ls_params if "routers" in parts else None, ls_gguf=gguf)
+        if base is not None and "pure" in parts:
+            base.start_models([{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}], [],
+                              a.gateway_workers, echo=True)
         runner = Runner(a, wrk, work)
         print(f"[bench] everything up in {time.monotonic() - t_start:.0f}s; measuring", file=sys.stderr, flush=True)
 
@@ -212,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             out["router_checks"] = _report.router_targets(rows)
         if "pure" in parts:
             echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
-            targets = [t for t in (echo_lite, coderai.target("coderai", "echo")) if t is not None]
+            targets = [t for t in (echo_lite, coderai.target("coderai", "echo"),
+                                   base.target("coderai-base", "echo") if base and base.stack else None) if t is not None]
             pure, _ = measure("pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm",
                               " (mock_response)")
         checks = _report.acceptance(real, pure, real_probes)
@@ -222,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             tables += ["## Issue 20 targets (routers)", "", *out["router_checks"], ""]
     finally:
         coderai.stop()
+        if base is not None:
+            base.stop()
         for p in reversed(started):
             p.stop()
     m = out["machine"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +134,3 @@ class Accounts:
             await self.bus.publish(EVT_REQUEST_COMPLETED, done)
         except Exception as exc:  # noqa: BLE001 - metrics must never break a request
             log.debug("request.completed not published: %s", exc)
-
-
-def completed(**fields: Any) -> RequestCompleted:
-    return RequestCompleted(ts=time.time(), **fields)

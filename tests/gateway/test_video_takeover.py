@@ -4,7 +4,6 @@ one replica win and make a runner that was only slow stop."""
 
 from __future__ import annotations
 
-import types
 
 import msgspec
 import pytest

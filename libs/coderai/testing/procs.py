@@ -29,8 +29,9 @@ class ServiceProcess:
     """One `python -m <module>` child in its own process group (so granian's workers stop with it)."""
 
     def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], log_dir: Path,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, python: str = "") -> None:
         self.name = name
+        self.python = python or sys.executable  # another checkout's venv runs that checkout's code (bench baselines)
         self.module = module
         self.args = args
         self.env = env
@@ -44,7 +45,7 @@ class ServiceProcess:
         self.log_offset = len(self.log_text())  # a restarted service appends: wait only on what it writes
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [*self.prefix, sys.executable, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
+                [*self.prefix, self.python, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         return self

@@ -17,8 +17,10 @@ from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 class Stack:
     """Services started one by one; `stop()` ends them all. Env vars in `extra_env` reach every service."""
 
-    def __init__(self, root: Path, nats_url: str, redis_url: str = "", extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, nats_url: str, redis_url: str = "", extra_env: dict[str, str] | None = None,
+                 python: str = "") -> None:
         self.root = Path(root)
+        self.python = python  # empty: this interpreter
         self.nats_url = nats_url
         self.redis_url = redis_url
         self.procs: dict[str, ServiceProcess] = {}
@@ -34,7 +36,8 @@ class Stack:
 
     def start(self, name: str, module: str, args: list[str] | None = None, env: dict[str, str] | None = None,
               ready: str | None = '"msg": "ready"', timeout_s: float = 60.0) -> ServiceProcess:
-        p = ServiceProcess(name, module, args or [], {**self.env, **(env or {})}, self.root / "logs").start()
+        p = ServiceProcess(name, module, args or [], {**self.env, **(env or {})}, self.root / "logs",
+                           python=self.python).start()
         self.procs[name] = p
         if ready:
             p.wait_log(ready, timeout_s)

@@ -13,7 +13,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from coderai.contracts.media import Blob, SpeechResult, TranscribeResult
-from coderai.gateway.fanout.parts import MergeError, Plan, chunk_sizes
+from coderai.gateway.fanout.parts import MergeError, Plan
 
 STT_RATE = 16000  # what Whisper-family models resample to anyway, so pieces lose nothing they would have kept
 STT_PIECE_S = 30.0  # Whisper decodes 30 s windows: a shorter piece costs a whole window and loses context
