@@ -1,6 +1,6 @@
 """Jobs and results of the non-LLM ops: embed, rerank, image, speech, transcribe, diarize, ocr, video.
 
-Each job goes to one engine on `coderai.engine.<engine_id>.<op>` and is answered like a chat job (frames on the
+Each job goes to one engine on `coderai.engine.<node_id>.<engine_id>.<op>` and is answered like a chat job (frames on the
 reply inbox); its `Final` carries the op's result in `output`. Bytes (uploads, images, audio, video) travel as a
 `Blob`: inline while small, else a name in the `coderai_blobs` object store (see `coderai.runtime.blobs`).
 """
