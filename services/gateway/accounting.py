@@ -75,6 +75,9 @@ class Trace:
         self.span.end()
 
 
+NO_TRACE = Trace()  # while tracing is off: shared, never started, never changed
+
+
 @dataclass(frozen=True)
 class Admission:
     """What `admit` let through: the model (None for a file upload) and the budget it holds."""

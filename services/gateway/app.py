@@ -77,7 +77,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     app = Litestar(
         route_handlers=[HealthController, *CONTROLLERS, *ui_routes()],
         dependencies={"gw": singleton(gw), "videos": singleton(videos), "records": singleton(records),
-                      "pulls": singleton(pulls), "who": Provide(provide_caller, sync_to_thread=False)},
+                      "pulls": singleton(pulls), "who": Provide(provide_caller)},
         lifespan=[gw.lifespan, videos.lifespan],  # entered in order: the video sweeper needs the bus
         exception_handlers={ApiError: lambda _, exc: error_response(exc), HTTPException: on_http_error,
                             Exception: on_error},

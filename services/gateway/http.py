@@ -43,23 +43,23 @@ def new_request_id() -> str:
     return rid
 
 
-def is_json(request: Request) -> bool:
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    return media == JSON
+def is_json(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == JSON
 
 
 async def read_json(request: Request, type_: type[T], *, empty: bytes | None = None) -> T:
     """The body as `type_`; a body that is not `application/json` is a 415. `empty`: what an empty body means
     (admin commands whose fields all have defaults), else an empty body is a 400."""
     limit = request.app.state.gateway.settings.max_body_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
+    headers = request.headers  # built anew from the scope at every access
+    if int(headers.get("content-length") or 0) > limit:
         raise _too_large(limit)
     body = await request.body()
     if len(body) > limit:
         raise _too_large(limit)
     if not body and empty is not None:
         return parse(empty, type_)
-    if not is_json(request):
+    if not is_json(headers.get("content-type", "")):
         raise ApiError(415, "Send the body as JSON, with 'Content-Type: application/json'.",
                        code="unsupported_media_type")
     return parse(body, type_)

@@ -25,7 +25,7 @@ from coderai.contracts import (
 )
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
-from coderai.gateway.accounting import Admission, Trace, price
+from coderai.gateway.accounting import NO_TRACE, Admission, Trace, price
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.fanout import plans
@@ -33,16 +33,22 @@ from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER
 from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
+from coderai.runtime import tracing
 from coderai.runtime.bus import FrameStream
 
 log = logging.getLogger("coderai.gateway")
 
 T = TypeVar("T")
+NOT_ADMITTED = Admission(None)
 HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and headers
 
 
 class Call:
     """One request, from admission to its one `request.completed`: where it went and what it used."""
+
+    __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
+                 "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
+                 "_refresher", "admitted", "_finished")
 
     def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None) -> None:
         """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin)."""
@@ -52,8 +58,8 @@ class Call:
         self.started = time.monotonic()
         self.created = int(time.time())
         self.streamed = bool(getattr(job, "stream", False))
-        self.trace = Trace()
-        self.admission = Admission(None)
+        self.trace = Trace() if tracing.enabled() else NO_TRACE
+        self.admission = NOT_ADMITTED
         self.stream: FrameStream | None = None
         self.engine_id = self.node_id = self.route_reason = ""
         self.parts = 0
@@ -89,8 +95,9 @@ class Call:
             self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)
         self.admitted = True
-        self.trace.start(self.spec.span, request_id=self.job.request_id, model=self.job.model, op=self.op,
-                         key_name=self.who.key_name, stream=self.streamed)
+        if self.trace is not NO_TRACE:
+            self.trace.start(self.spec.span, request_id=self.job.request_id, model=self.job.model, op=self.op,
+                             key_name=self.who.key_name, stream=self.streamed)
         if self.admission.held is not None:
             self._refresher = asyncio.create_task(self._refresh(self.admission.held))
         return cfg
@@ -143,16 +150,22 @@ class Call:
         self.ttft_s = time.monotonic() - self.started
         return final, None
 
+    async def next(self) -> Chunk | Final:
+        """The frame after the first ones; an engine's error is raised as a BusError."""
+        frame = await next_frame(self.stream)  # type: ignore[arg-type]
+        if isinstance(frame, ErrorReply):
+            raise BusError.from_reply(frame)
+        return frame
+
     async def frames(self, first: Chunk | Final) -> AsyncIterator[Chunk | Final]:
-        """The job's chunks and then its final frame; an engine's error is raised as a BusError."""
-        frame: Any = first
+        """The job's chunks and then its final frame (run to its end: an async generator left suspended is closed
+        by a task of its own)."""
+        frame = first
         while True:
-            if isinstance(frame, ErrorReply):
-                raise BusError.from_reply(frame)
             yield frame
             if isinstance(frame, Final):
                 return
-            frame = await next_frame(self.stream)  # type: ignore[arg-type]
+            frame = await self.next()
 
     # --- the end, exactly once ---------------------------------------------------------------------------
 
@@ -231,19 +244,18 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> Final:
     if not call.admitted:
         await call.admit()
-    first = await call.open()
+    frame = await call.open()
     try:
-        async for frame in call.frames(first):
-            if isinstance(frame, Final):
-                if frame.output is not None:
-                    frame = msgspec.structs.replace(frame, output=await call.gw.blobs.unpack(frame.output))
-                await call.finish(frame)
-                return frame
+        while not isinstance(frame, Final):
             if on_chunk is not None:
                 await on_chunk(frame)
+            frame = await call.next()
+        if frame.output is not None:
+            frame = msgspec.structs.replace(frame, output=await call.gw.blobs.unpack(frame.output))
     except BaseException as exc:
         raise await call.fail(exc) from None
-    raise AssertionError("unreachable: frames() ends with a Final")
+    await call.finish(frame)
+    return frame
 
 
 async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:

@@ -24,7 +24,8 @@ def client(tmp_path, hf_env):
     gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data"), max_body_bytes=1 << 20), auth=auth)
     pulls = Pulls(gw)  # type: ignore[arg-type]
     app = Litestar(route_handlers=[CatalogController], dependencies={
-        "pulls": Provide(lambda: pulls, sync_to_thread=False), "who": Provide(provide_caller, sync_to_thread=False)},
+        "pulls": Provide(lambda: pulls, sync_to_thread=False), "gw": Provide(lambda: gw, sync_to_thread=False),
+        "who": Provide(provide_caller)},
         exception_handlers={
         ApiError: lambda _r, e: Response(content=e.encode(), status_code=e.status, media_type="application/json")})
     app.state.gateway = gw

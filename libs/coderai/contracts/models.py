@@ -82,6 +82,17 @@ class ModelConfig(Message, frozen=True, kw_only=True):
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""
-        from coderai.contracts.ops import DEFAULT_OPS  # ops.py imports the subjects, which import this module
+        if self.ops:
+            return list(self.ops)
+        return list((_DEFAULT_OPS or _default_ops()).get(self.engine, ()))
 
-        return list(self.ops) or list(DEFAULT_OPS.get(self.engine, []))
+
+_DEFAULT_OPS: dict[str, list[Op]] = {}
+
+
+def _default_ops() -> dict[str, list[Op]]:
+    """`contracts/ops.py:DEFAULT_OPS`, bound on first use: ops.py imports the subjects, which import this module."""
+    from coderai.contracts.ops import DEFAULT_OPS
+
+    _DEFAULT_OPS.update(DEFAULT_OPS)
+    return _DEFAULT_OPS

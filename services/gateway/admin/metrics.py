@@ -13,7 +13,7 @@ from coderai.gateway.state import GatewayDep
 
 
 class MetricsController(Controller):
-    guards = [scrape_guard]
+    middleware = [scrape_guard]
 
     @get("/metrics")
     async def metrics(self, gw: GatewayDep) -> Response:

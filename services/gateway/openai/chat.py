@@ -26,7 +26,7 @@ from coderai.gateway.state import GatewayDep
 
 
 class ChatController(Controller):
-    guards = [inference_guard]
+    middleware = [inference_guard]
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
@@ -45,11 +45,12 @@ class ChatController(Controller):
 
 def _route(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:
     """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin."""
-    pin = request.headers.get(PIN_HEADER, "")
+    headers = request.headers  # built anew from the scope at every access
+    pin = headers.get(PIN_HEADER, "")
     if pin and "admin" not in who.scopes:
         raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
     return RouteRequest(request_id=job.request_id, model=job.model, op=op, pin=pin, prefix=prefix,  # type: ignore[arg-type]
-                        session=affinity.session_key(job.model, request.headers.get(SESSION_HEADER)),
+                        session=affinity.session_key(job.model, headers.get(SESSION_HEADER)),
                         user=affinity.user_key(job.model, user))
 
 

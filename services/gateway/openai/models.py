@@ -24,7 +24,7 @@ def model_json(m: ModelConfig) -> dict[str, Any]:
 
 class ModelsController(Controller):
     path = "/v1/models"
-    guards = [inference_guard]
+    middleware = [inference_guard]
 
     @get("/")
     async def list_models(self, gw: GatewayDep) -> Response:
