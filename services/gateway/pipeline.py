@@ -233,12 +233,25 @@ async def answer(call: Call, request: Request | None = None,
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work` in this task, cancelling it (and what it awaits: an engine job's call abandons it) if the
-    client disconnects first. For answers that are not streamed yet (litestar watches a streamed one)."""
-    watch = asyncio.create_task(_cancel_on_disconnect(request, asyncio.current_task()))  # type: ignore[arg-type]
+    client disconnects first. For answers that are not streamed yet (litestar watches a streamed one). The body
+    is read already, so the next ASGI message is the disconnect; granian's `receive` hands out a future, which is
+    watched with a callback (no task of its own)."""
+    task = asyncio.current_task()
+    assert task is not None
+    waiter: Any = request.receive()
+    if not asyncio.isfuture(waiter):  # a server whose receive is a coroutine: a task drives it
+        waiter = asyncio.ensure_future(waiter)
+
+    def on_message(done: Any) -> None:
+        if not done.cancelled() and done.exception() is None and done.result().get("type") == "http.disconnect":
+            task.cancel()
+
+    waiter.add_done_callback(on_message)
     try:
         return await work
     finally:
-        watch.cancel()
+        waiter.remove_done_callback(on_message)
+        waiter.cancel()
 
 
 async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> Final:
@@ -256,15 +269,6 @@ async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None
         raise await call.fail(exc) from None
     await call.finish(frame)
     return frame
-
-
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
-    """Cancel `task` when the client disconnects (the body is read already: the next ASGI message is that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            task.cancel()
-            return
 
 
 Render = Callable[[Chunk | Final], Awaitable[bytes]]

@@ -133,6 +133,9 @@ class Relay:
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
                 return stream, frame, decision
+            except asyncio.CancelledError:  # the caller went away while the engine works (a whole answer waits
+                await stream.cancel()  # here for all of it): stop the engine too
+                raise
             except BusError as exc:
                 await stream.cancel()
                 if traced:  # this attempt's engine call ends here, whether or not another engine is tried

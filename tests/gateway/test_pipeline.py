@@ -63,7 +63,8 @@ class Engine:
         if self.mode == "fail_first":  # retryable, before any frame: the gateway tries another engine
             await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="GPU fell off", retryable=True))
             return
-        await w.send(Chunk(seq=w.next_seq(), delta={"content": "hi"}))
+        if job.stream or self.mode != "hang":  # a whole answer has no chunks: the gateway waits for the Final
+            await w.send(Chunk(seq=w.next_seq(), delta={"content": "hi"}))
         if self.mode == "fail_mid":
             await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="died mid-answer"))
             return

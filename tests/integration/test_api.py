@@ -218,6 +218,24 @@ def test_client_disconnect_stops_generation(api_stack, http):
                "the worker to log the cancel")
 
 
+def test_client_leaving_a_whole_answer_stops_generation(api_stack, admin_key):
+    """Not streamed: nothing reaches the client before the end, and still the engine stops when it leaves."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    worker = api_stack.procs["worker-w1"]
+    cancels = worker.log_text().count('"msg": "cancel"')
+    body = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 1000, "temperature": 0}).encode()
+    url = urlparse(api_stack.http_url)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + admin_key.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # the job is on the engine (1000 tokens take it longer than this); now walk away
+    wait_until(lambda: worker.log_text().count('"msg": "cancel"') > cancels, 10, "the worker to log the cancel")
+
+
 def test_requests_show_in_prometheus_metrics(api_stack, client):
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count me"}], max_tokens=2)
     url = f"http://127.0.0.1:{api_stack.metrics_port}/metrics"
