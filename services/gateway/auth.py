@@ -76,9 +76,12 @@ def _authorization(scope: Scope) -> str | None:
 
 def _guard(needed: str) -> Callable[[ASGIApp], ASGIApp]:
     def wrap(app: ASGIApp) -> ASGIApp:
+        bound: list[Authenticator] = []  # the app's, on its first request (one wrap per route of one app)
+
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-            auth: Authenticator = scope["litestar_app"].state.gateway.auth
-            scope["state"][CALLER] = await auth.check(_authorization(scope), needed)
+            if not bound:
+                bound.append(scope["litestar_app"].state.gateway.auth)
+            scope["state"][CALLER] = await bound[0].check(_authorization(scope), needed)
             await app(scope, receive, send)
 
         return guarded

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.types import Receive, Scope, Send
 
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.gateway.errors import ApiError
@@ -27,9 +28,32 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _enc = msgspec.json.Encoder()
 
 
+class JSONAnswer:
+    """A JSON answer as a bare ASGI app: two sends, nothing else to build (a litestar `Response` normalises
+    headers, cookies and background tasks first, on every request). Litestar passes it through as it is, from
+    handlers annotated with `Response` too (`to_asgi_response`)."""
+
+    __slots__ = ("body", "status", "headers")
+
+    def __init__(self, obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.body = _enc.encode(obj)
+        self.status = status
+        self.headers = headers
+
+    def to_asgi_response(self, *_args: Any, **_kwargs: Any) -> JSONAnswer:
+        return self
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body))]
+        if self.headers:
+            raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": self.status, "headers": raw})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """`obj` as a JSON answer (the one JSON helper of the gateway)."""
-    return Response(content=_enc.encode(obj), status_code=status, media_type=JSON, headers=headers)
+    return JSONAnswer(obj, status, headers)  # type: ignore[return-value]  # a Response to litestar
 
 
 def error_response(exc: ApiError) -> Response:
