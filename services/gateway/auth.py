@@ -4,13 +4,13 @@ stored in clear) and then in Redis, and the guards that admit a controller's cal
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from litestar import Request
 from litestar.di import NamedDependency
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import Scope
 from redis.exceptions import RedisError
 
 from coderai.accounts.keyfile import KeyRecord, hash_key
@@ -61,8 +61,9 @@ class Authenticator:
 
 # --- guards: every controller declares one; the caller it admits is the `who` its handlers are given -------------
 #
-# A guard is a small ASGI middleware on the controller, not a litestar guard: litestar copies the route handler for
-# every guard it runs, which costs the hot path more than the key check itself.
+# A guard is the controller's `before_request` hook, not a litestar guard or middleware: litestar copies the route
+# handler for every guard it runs, and wraps a route with middleware in a second exception layer that every send
+# goes through, each of which costs the hot path more than the key check itself.
 
 CALLER = "coderai.caller"  # where a guard leaves the caller, in the request's ASGI state
 
@@ -74,40 +75,29 @@ def _authorization(scope: Scope) -> str | None:
     return None
 
 
-def _guard(needed: str) -> Callable[[ASGIApp], ASGIApp]:
-    def wrap(app: ASGIApp) -> ASGIApp:
-        bound: list[Authenticator] = []  # the app's, on its first request (one wrap per route of one app)
+def _guard(needed: str) -> Callable[[Request], Awaitable[None]]:
+    async def guard(request: Request) -> None:
+        scope = request.scope
+        auth: Authenticator = scope["litestar_app"].state.gateway.auth
+        scope["state"][CALLER] = await auth.check(_authorization(scope), needed)
 
-        async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-            if not bound:
-                bound.append(scope["litestar_app"].state.gateway.auth)
-            scope["state"][CALLER] = await bound[0].check(_authorization(scope), needed)
-            await app(scope, receive, send)
-
-        return guarded
-
-    wrap.__name__ = f"{needed}_guard"
-    return wrap
+    guard.__name__ = f"{needed}_guard"
+    return guard
 
 
 inference_guard = _guard("inference")
 admin_guard = _guard("admin")
 
 
-def scrape_guard(app: ASGIApp) -> ASGIApp:
+async def scrape_guard(request: Request) -> None:
     """`/metrics`: the scrape token (CODERAI_GATEWAY_SCRAPE_TOKEN) or an admin key."""
-    admin = admin_guard(app)
-
-    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-        token = scope["litestar_app"].state.gateway.settings.scrape_token
-        given = _authorization(scope) or ""
-        if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            scope["state"][CALLER] = Caller("scraper", frozenset())
-            await app(scope, receive, send)
-            return
-        await admin(scope, receive, send)
-
-    return guarded
+    scope = request.scope
+    token = scope["litestar_app"].state.gateway.settings.scrape_token
+    given = _authorization(scope) or ""
+    if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        scope["state"][CALLER] = Caller("scraper", frozenset())
+        return
+    await admin_guard(request)
 
 
 async def provide_caller(request: Request, gw: NamedDependency[Any]) -> Caller:

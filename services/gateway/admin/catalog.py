@@ -55,7 +55,7 @@ def _job_or_404(fn: Callable[[str], Any], job_id: str) -> Response:
 
 class CatalogController(Controller):
     path = "/admin/models"
-    middleware = [admin_guard]
+    before_request = admin_guard
 
     @post("/pull", status_code=202)
     async def start_pull(self, request: Request, pulls: NamedDependency[Pulls]) -> Response:

@@ -58,7 +58,7 @@ async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response
 
 class KeysController(Controller):
     path = "/admin"
-    middleware = [admin_guard]
+    before_request = admin_guard
 
     @post("/keys", status_code=201)
     async def create_key(self, request: Request, gw: GatewayDep) -> Response:

@@ -13,7 +13,7 @@ from coderai.gateway.state import GatewayDep
 
 
 class MetricsController(Controller):
-    middleware = [scrape_guard]
+    before_request = scrape_guard
 
     @get("/metrics")
     async def metrics(self, gw: GatewayDep) -> Response:

@@ -46,7 +46,7 @@ class _Target(msgspec.Struct, forbid_unknown_fields=True):
 
 class NodesController(Controller):
     path = "/admin"
-    middleware = [admin_guard]
+    before_request = admin_guard
 
     @get("/nodes")
     async def nodes(self, gw: GatewayDep) -> Response:

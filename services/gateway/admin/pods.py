@@ -26,7 +26,7 @@ class _Lease(msgspec.Struct, forbid_unknown_fields=True):
 
 class PodsController(Controller):
     path = "/admin"
-    middleware = [admin_guard]
+    before_request = admin_guard
 
     @get("/pods")
     async def pods(self, gw: GatewayDep) -> Response:

@@ -38,7 +38,7 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
 
 class AudioController(Controller):
     path = "/v1/audio"
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/speech", status_code=200)
     async def speech(self, request: Request, gw: GatewayDep, who: CallerDep) -> Stream:

@@ -26,7 +26,7 @@ from coderai.gateway.state import GatewayDep
 
 
 class ChatController(Controller):
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:

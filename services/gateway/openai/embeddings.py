@@ -51,7 +51,7 @@ def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
 
 
 class EmbeddingsController(Controller):
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/v1/embeddings", status_code=200)
     async def embeddings(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:

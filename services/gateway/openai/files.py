@@ -101,7 +101,7 @@ class Records:
 
 class FilesController(Controller):
     path = "/v1/files"
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/", status_code=200)
     async def upload(self, request: Request, gw: GatewayDep, who: CallerDep, records: NamedDependency[Records]) -> Response:

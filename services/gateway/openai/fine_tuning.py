@@ -126,7 +126,7 @@ def events_page(job: FineTuneJob, after: str | None, limit: int) -> dict[str, An
 
 class FineTuningController(Controller):
     path = "/v1/fine_tuning/jobs"
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/", status_code=200)
     async def create(self, request: Request, gw: GatewayDep, who: CallerDep, records: NamedDependency[Records]) -> Response:

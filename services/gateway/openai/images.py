@@ -39,7 +39,7 @@ class ImageRequest(msgspec.Struct, kw_only=True):
 
 
 class ImagesController(Controller):
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/v1/images/generations", status_code=200)
     async def generations(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:

@@ -24,7 +24,7 @@ def model_json(m: ModelConfig) -> dict[str, Any]:
 
 class ModelsController(Controller):
     path = "/v1/models"
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @get("/")
     async def list_models(self, gw: GatewayDep) -> Response:

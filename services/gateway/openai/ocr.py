@@ -14,7 +14,7 @@ from coderai.gateway.state import GatewayDep
 
 
 class OcrController(Controller):
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/v1/ocr", status_code=200)
     async def ocr(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:

@@ -96,7 +96,7 @@ def _from_form(form: Form) -> VideoRequest:
 
 class VideosController(Controller):
     path = "/v1/videos"
-    middleware = [inference_guard]
+    before_request = inference_guard
 
     @post("/", status_code=200)
     async def create(self, request: Request, gw: GatewayDep, who: CallerDep, videos: NamedDependency[VideoJobs]) -> Response:
