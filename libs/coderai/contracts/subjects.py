@@ -84,6 +84,7 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _BAD_TOKEN = re.compile(r"[.*>\s]")
 
 PREFIX = "coderai"
+_MADE_MAX = 4096  # concrete subjects one Subject keeps made
 
 
 def check_token(value: str, what: str = "token") -> str:
@@ -107,12 +108,25 @@ class Subject(Generic[Req]):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(_PLACEHOLDER.findall(self.pattern)))
+        # what every message on the hot path would otherwise build again: the types checked and decoded, and the
+        # concrete subjects made so far (a few per engine; bounded, for subjects that name a job)
+        object.__setattr__(self, "_request_types", _types(self.request))
+        object.__setattr__(self, "_reply_type", Union[self.reply, ErrorReply])
+        object.__setattr__(self, "_made", {})
 
     def __call__(self, **values: str) -> str:
         """The concrete subject; every placeholder must be given a valid token."""
+        key = tuple(values.items())
+        made = self._made.get(key)  # type: ignore[attr-defined]
+        if made is not None:
+            return made
         if set(values) != set(self.params):
             raise TypeError(f"{self.pattern} needs {self.params}, got {tuple(values)}")
-        return self.pattern.format(**{k: check_token(v, k) for k, v in values.items()})
+        made = self.pattern.format(**{k: check_token(v, k) for k, v in values.items()})
+        if len(self._made) >= _MADE_MAX:  # type: ignore[attr-defined]
+            self._made.clear()  # type: ignore[attr-defined]
+        self._made[key] = made  # type: ignore[attr-defined]
+        return made
 
     def wildcard(self, **values: str) -> str:
         """A subscription subject: given placeholders filled in, the rest `*`."""
@@ -138,7 +152,7 @@ class Subject(Generic[Req]):
         return all(getattr(msg, name, None) == values.get(name) for name in self.bind)
 
     def encode(self, msg: Req) -> bytes:
-        if not isinstance(msg, _types(self.request)):
+        if not isinstance(msg, self._request_types):  # type: ignore[attr-defined]
             raise TypeError(f"{self.pattern} carries {self.request}, not {type(msg).__name__}")
         return encode(msg)
 
@@ -147,7 +161,7 @@ class Subject(Generic[Req]):
 
     def decode_reply(self, data: bytes) -> Any:
         """A reply of this subject: its reply type, or an ErrorReply."""
-        return decode(data, Union[self.reply, ErrorReply])
+        return decode(data, self._reply_type)  # type: ignore[attr-defined]
 
 
 def _types(t: Any) -> tuple[type, ...]:
