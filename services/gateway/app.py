@@ -6,8 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from litestar import Controller, Litestar, Request, Response, get
-from litestar.di import Provide
+from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
 
 from coderai.gateway.admin.catalog import CatalogController, Pulls
@@ -15,7 +14,6 @@ from coderai.gateway.admin.keys import KeysController
 from coderai.gateway.admin.metrics import MetricsController
 from coderai.gateway.admin.nodes import NodesController
 from coderai.gateway.admin.pods import PodsController
-from coderai.gateway.auth import provide_caller
 from coderai.gateway.errors import ApiError, from_http
 from coderai.gateway.http import error_response, json_response
 from coderai.gateway.openai.audio import AudioController
@@ -28,7 +26,7 @@ from coderai.gateway.openai.models import ModelsController
 from coderai.gateway.openai.ocr import OcrController
 from coderai.gateway.openai.videos import VideosController
 from coderai.gateway.settings import GatewaySettings
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.state import Gateway, GatewayController
 from coderai.gateway.ui import ui_routes
 from coderai.gateway.video.takeover import VideoJobs
 from coderai.runtime.logging import setup_logging
@@ -37,17 +35,17 @@ from coderai.runtime.tracing import setup_tracing
 
 log = logging.getLogger("coderai.gateway")
 
-CONTROLLERS: list[type[Controller]] = [
+CONTROLLERS: list[type[GatewayController]] = [
     ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
     OcrController, VideosController, FilesController, FineTuningController,
     NodesController, KeysController, PodsController, CatalogController, MetricsController,
 ]
 
 
-class HealthController(Controller):
+class HealthController(GatewayController):
     @get("/healthz")
-    async def healthz(self, gw: GatewayDep) -> Response:
-        ok = gw.bus.connected
+    async def healthz(self) -> Response:
+        ok = self.gw.bus.connected
         return json_response({"status": "ok" if ok else "degraded", "bus": ok}, 200 if ok else 503)
 
 
@@ -71,13 +69,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return error_response(ApiError(500, "Internal error; see the gateway log for this request id.",
                                        type="server_error", code="internal"))
 
-    def singleton(value: object) -> Provide:
-        return Provide(lambda: value, use_cache=True, sync_to_thread=False)
-
+    state = {"gw": gw, "videos": videos, "records": records, "pulls": pulls}
     app = Litestar(
-        route_handlers=[HealthController, *CONTROLLERS, *ui_routes()],
-        dependencies={"gw": singleton(gw), "videos": singleton(videos), "records": singleton(records),
-                      "pulls": singleton(pulls), "who": Provide(provide_caller)},
+        route_handlers=[*(bound(c, state) for c in [HealthController, *CONTROLLERS]), *ui_routes()],
         lifespan=[gw.lifespan, videos.lifespan],  # entered in order: the video sweeper needs the bus
         exception_handlers={ApiError: lambda _, exc: error_response(exc), HTTPException: on_http_error,
                             Exception: on_error},
@@ -88,6 +82,12 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     )
     app.state.gateway = gw  # the guards' way to the keys
     return app
+
+
+def bound(controller: type[GatewayController], state: dict[str, object]) -> type[GatewayController]:
+    """`controller` for one app: a subclass holding the state its annotations name (`gw`, and `videos`, ...)."""
+    declared = {name for cls in controller.__mro__ for name in vars(cls).get("__annotations__", {})}
+    return type(controller.__name__, (controller,), {k: v for k, v in state.items() if k in declared})
 
 
 def check_auth_settings(settings: GatewaySettings) -> None:

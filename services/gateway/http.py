@@ -3,7 +3,9 @@ JSON answers out, request ids and the response headers coderai adds."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,6 +26,7 @@ ENGINE_HEADER = "Coderai-Engine"
 ROUTE_HEADER = "Coderai-Route"
 REQUEST_ID_HEADER = HDR_REQUEST_ID
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+WATCH_AFTER_S = 0.2  # an answer still running this long starts watching for its client leaving
 
 _enc = msgspec.json.Encoder()
 
@@ -133,3 +136,44 @@ def number(name: str, raw: str, kind: type[N], lo: float, hi: float) -> N:
 def query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     """An integer query parameter in [lo, hi]."""
     return number(name, request.query_params.get(name, str(default)), int, lo, hi)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in this task, cancelling it (and what it awaits: an engine job's call abandons it) if the
+    client disconnects first. For answers that are not streamed yet (litestar watches a streamed one).
+
+    The watch starts `WATCH_AFTER_S` in: most answers are done by then, and asking the server for the next ASGI
+    message costs the hot path more than the rest of the pipeline. A client gone sooner is noticed then."""
+    watch = _Watch(request, asyncio.current_task())  # type: ignore[arg-type]
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
+    try:
+        return await work
+    finally:
+        timer.cancel()
+        watch.stop()
+
+
+class _Watch:
+    """The request's next ASGI message (the body is read already, so it is the disconnect), watched with a
+    callback: granian's `receive` hands out a future; another server's coroutine gets a task."""
+
+    __slots__ = ("request", "task", "waiter")
+
+    def __init__(self, request: Request, task: asyncio.Task) -> None:
+        self.request, self.task, self.waiter = request, task, None
+
+    def start(self) -> None:
+        waiter: Any = self.request.receive()
+        if not asyncio.isfuture(waiter):
+            waiter = asyncio.ensure_future(waiter)
+        waiter.add_done_callback(self._message)
+        self.waiter = waiter
+
+    def _message(self, done: Any) -> None:
+        if not done.cancelled() and done.exception() is None and done.result().get("type") == "http.disconnect":
+            self.task.cancel()
+
+    def stop(self) -> None:
+        if self.waiter is not None:
+            self.waiter.remove_done_callback(self._message)
+            self.waiter.cancel()

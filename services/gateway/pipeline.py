@@ -21,7 +21,7 @@ from litestar import Request
 
 from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
 from coderai.contracts import (
-    BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage, encode,
+    BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage,
 )
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
@@ -30,7 +30,7 @@ from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
-from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER
+from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, until_disconnect
 from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
 from coderai.runtime import tracing
@@ -48,7 +48,7 @@ class Call:
 
     __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
                  "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
-                 "_refresher", "admitted", "_finished")
+                 "encoded", "_refresher", "admitted", "_finished")
 
     def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None) -> None:
         """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin)."""
@@ -66,6 +66,7 @@ class Call:
         self.ttft_s: float | None = None
         self.usage = Usage()
         self.status, self.http_status = "ok", 200
+        self.encoded: bytes | None = None  # the job as sent, once measured
         self._refresher: asyncio.Task | None = None
         self.admitted = False
         self._finished = False
@@ -91,8 +92,8 @@ class Call:
         """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
         a request refused by the first two."""
         cfg = self.gw.model(self.job.model, self.op)
-        if not self.spec.blobs:
-            self.check_size(self.job)
+        if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
+            self.encoded = self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)
         self.admitted = True
         if self.trace is not NO_TRACE:
@@ -102,13 +103,15 @@ class Call:
             self._refresher = asyncio.create_task(self._refresh(self.admission.held))
         return cfg
 
-    def check_size(self, job: Any) -> None:
-        """A job over what one bus message carries is the client's 413, not a 500 from the publish."""
+    def check_size(self, job: Any) -> bytes:
+        """The job encoded for the bus; over what one message carries it is the client's 413, not a 500 from the
+        publish."""
+        data = self.spec.subject.encode(job)
         limit = self.gw.bus.nc.max_payload - HEADROOM
-        size = len(encode(job))
-        if size > limit:
-            raise ApiError(413, f"The request is too large: {size} bytes of job, and one message carries at most "
-                                f"{limit}.", code="request_too_large")
+        if len(data) > limit:
+            raise ApiError(413, f"The request is too large: {len(data)} bytes of job, and one message carries at "
+                                f"most {limit}.", code="request_too_large")
+        return data
 
     async def open(self, *, stream: bool = False) -> Chunk | Final:
         """The first frame: the merged answer of a fan-out, or one engine's first frame. `stream`: send the job
@@ -123,12 +126,15 @@ class Call:
             if stream:
                 job = self.job = msgspec.structs.replace(job, stream=True)
                 self.streamed = True
+                self.encoded = None
             if not self.spec.llm:
                 job = await self.gw.blobs.pack(job)
                 if self.spec.blobs:
-                    self.check_size(job)
+                    self.encoded = self.check_size(job)
+                elif job is not self.job:
+                    self.encoded = None
             self.stream, first, decision = await self.gw.relay.first_frame(
-                self.op, job, self.route, self.trace, self.bus_headers(), decision)
+                self.op, job, self.route, self.trace, self.bus_headers(), decision, self.encoded)
         except BaseException as exc:
             raise await self.fail(exc) from None
         self.engine_id, self.node_id, self.route_reason = decision.engine_id, decision.node_id, decision.reason
@@ -190,12 +196,16 @@ class Call:
             stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts)
         await self.gw.accounts.finish(self.who, self.admission, done, self.trace)
 
+    def finish_detached(self, final: Final | None = None) -> None:
+        """`finish`, as a task of its own (from a stream whose task may be being cancelled)."""
+        self.gw.relay.spawn(self.finish(final))
+
     def abandon(self) -> None:
         """The client went away: stop the engine, and still account (detached from the cancelled task)."""
         self.status, self.http_status = "cancelled", 499
         if self.stream is not None:
             self.gw.relay.spawn(self.stream.cancel())
-        self.gw.relay.spawn(self.finish())
+        self.finish_detached()
 
     async def fail(self, exc: BaseException) -> BaseException:
         """Account for a call that ends in `exc`; what to raise in its place (the client's ApiError)."""
@@ -229,29 +239,6 @@ async def answer(call: Call, request: Request | None = None,
     if request is None:
         return await _whole(call, on_chunk)
     return await until_disconnect(request, _whole(call, on_chunk))
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` in this task, cancelling it (and what it awaits: an engine job's call abandons it) if the
-    client disconnects first. For answers that are not streamed yet (litestar watches a streamed one). The body
-    is read already, so the next ASGI message is the disconnect; granian's `receive` hands out a future, which is
-    watched with a callback (no task of its own)."""
-    task = asyncio.current_task()
-    assert task is not None
-    waiter: Any = request.receive()
-    if not asyncio.isfuture(waiter):  # a server whose receive is a coroutine: a task drives it
-        waiter = asyncio.ensure_future(waiter)
-
-    def on_message(done: Any) -> None:
-        if not done.cancelled() and done.exception() is None and done.result().get("type") == "http.disconnect":
-            task.cancel()
-
-    waiter.add_done_callback(on_message)
-    try:
-        return await work
-    finally:
-        waiter.remove_done_callback(on_message)
-        waiter.cancel()
 
 
 async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> Final:
@@ -300,6 +287,6 @@ def relay_stream(call: Call, first: Chunk | Final, render: Render,
             if not ended:  # the client went away mid-stream (or the stream broke): stop the engine
                 call.abandon()
             else:  # may run while the stream's task is being cancelled: detached
-                call.gw.relay.spawn(call.finish(final))
+                call.finish_detached(final)
 
     return pieces()

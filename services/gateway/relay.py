@@ -91,21 +91,24 @@ class Relay:
             return fallback
         raise BusError("no_engine", f"a pod for {req.model!r} is starting; try again shortly", True)
 
-    async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str]) -> FrameStream:
+    async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str],
+                    encoded: bytes | None) -> FrameStream:
         async def cancel() -> None:
             await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), node_id=decision.node_id,
                                    engine_id=decision.engine_id)
 
         return await self.bus.open_stream(
             ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s, headers=headers,
-            on_cancel=cancel, node_id=decision.node_id, engine_id=decision.engine_id,
+            on_cancel=cancel, encoded=encoded, node_id=decision.node_id, engine_id=decision.engine_id,
         )
 
     async def first_frame(self, op: str, job: Any, route: RouteRequest, trace: Trace, headers: dict[str, str],
-                          first: RouteDecision | None = None) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
+                          first: RouteDecision | None = None, encoded: bytes | None = None,
+                          ) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
-        decision already made for the first attempt. The stream, its first frame and the engine that sent it."""
+        decision already made for the first attempt; `encoded`: the job, encoded already. The stream, its first
+        frame and the engine that sent it."""
         tried: list[str] = []
         last: BusError | None = None
         traced = trace.on
@@ -125,9 +128,9 @@ class Relay:
             if traced:
                 trace.engine_span = tracing.start_span("engine.call", parent=trace.span, kind="client", attributes={
                     "coderai.engine_id": decision.engine_id, "coderai.op": op, "coderai.attempt": attempt})
-                stream = await self._open(op, job, decision, tracing.inject(trace.engine_span, headers))
+                stream = await self._open(op, job, decision, tracing.inject(trace.engine_span, headers), encoded)
             else:
-                stream = await self._open(op, job, decision, headers)
+                stream = await self._open(op, job, decision, headers, encoded)
             try:
                 frame = await next_frame(stream, self.settings.queue_timeout_s, job.model)
                 if isinstance(frame, ErrorReply):

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 from coderai.gateway.admin.catalog import CatalogController, Pulls
 from coderai.accounts.keyfile import KeyRecord, hash_key
-from coderai.gateway.auth import Authenticator, provide_caller
+from coderai.gateway.app import bound
+from coderai.gateway.auth import Authenticator
 from coderai.gateway.errors import ApiError
 from coderai.testing.procs import wait_until
 from litestar import Litestar, Response
-from litestar.di import Provide
 from litestar.testing import TestClient
 
 ADMIN = {"Authorization": "Bearer admin"}
@@ -23,10 +23,7 @@ def client(tmp_path, hf_env):
     auth = Authenticator({hash_key("admin"): KeyRecord("admin", hash_key("admin"), ["admin"])})
     gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data"), max_body_bytes=1 << 20), auth=auth)
     pulls = Pulls(gw)  # type: ignore[arg-type]
-    app = Litestar(route_handlers=[CatalogController], dependencies={
-        "pulls": Provide(lambda: pulls, sync_to_thread=False), "gw": Provide(lambda: gw, sync_to_thread=False),
-        "who": Provide(provide_caller)},
-        exception_handlers={
+    app = Litestar(route_handlers=[bound(CatalogController, {"gw": gw, "pulls": pulls})], exception_handlers={
         ApiError: lambda _r, e: Response(content=e.encode(), status_code=e.status, media_type="application/json")})
     app.state.gateway = gw
     with TestClient(app) as c:

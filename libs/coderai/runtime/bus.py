@@ -471,14 +471,17 @@ class Bus:
         idle_timeout_s: float,
         headers: dict[str, str] | None = None,
         on_cancel: Callable[[], Awaitable[None]] | None = None,
+        encoded: bytes | None = None,
         **params: str,
     ) -> FrameStream:
-        """Publish a job whose reply is a stream of frames; returns the stream to read them from."""
+        """Publish a job whose reply is a stream of frames; returns the stream to read them from. `encoded`:
+        `subject.encode(msg)` made already (a caller that measured it, or sends it again to another engine)."""
         stream, reply = await self.expect_stream(idle_timeout_s)
         stream.on_cancel = on_cancel
         stream.subject = subject(**params)
         try:
-            await self.nc.publish(stream.subject, subject.encode(msg), reply=reply, headers=headers)
+            data = subject.encode(msg) if encoded is None else encoded
+            await self.nc.publish(stream.subject, data, reply=reply, headers=headers)
         except Exception:
             stream.close()
             raise

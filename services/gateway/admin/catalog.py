@@ -10,8 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
-from litestar.di import NamedDependency
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai.catalog.errors import CatalogError, MissingExtra, NotFound
@@ -21,7 +20,7 @@ from coderai.catalog.store import ModelStore
 from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway
+from coderai.gateway.state import Gateway, GatewayController
 
 
 class _Pull(msgspec.Struct, forbid_unknown_fields=True):
@@ -53,36 +52,37 @@ def _job_or_404(fn: Callable[[str], Any], job_id: str) -> Response:
         raise ApiError(404, str(exc), code="job_not_found", param="job") from None
 
 
-class CatalogController(Controller):
+class CatalogController(GatewayController):
     path = "/admin/models"
+    pulls: Pulls
     before_request = admin_guard
 
     @post("/pull", status_code=202)
-    async def start_pull(self, request: Request, pulls: NamedDependency[Pulls]) -> Response:
+    async def start_pull(self, request: Request) -> Response:
         """`{spec, name?}`: a catalogue name, `<owner>/<repo>` or `<owner>/<repo>:<file>`; 202 with the job."""
         req = await read_json(request, _Pull, empty=b"{}")
         try:
-            job = pulls.jobs().start(req.spec, req.name)
+            job = self.pulls.jobs().start(req.spec, req.name)
         except CatalogError as exc:
             raise ApiError(400, str(exc), code="invalid_spec", param="spec") from None
         return json_response(job, 202)
 
     @get("/pull")
-    async def list_pulls(self, pulls: NamedDependency[Pulls]) -> Response:
-        return json_response({"jobs": pulls.jobs().list()})
+    async def list_pulls(self) -> Response:
+        return json_response({"jobs": self.pulls.jobs().list()})
 
     @get("/pull/{job:str}")
-    async def pull_status(self, pulls: NamedDependency[Pulls], job: FromPath[str]) -> Response:
+    async def pull_status(self, job: FromPath[str]) -> Response:
         """The job: state (running, done, failed, cancelled, interrupted), progress (bytes, percent, rate), events."""
-        return _job_or_404(pulls.jobs().get, job)
+        return _job_or_404(self.pulls.jobs().get, job)
 
     @post("/pull/{job:str}/cancel", status_code=200)
-    async def cancel_pull(self, pulls: NamedDependency[Pulls], job: FromPath[str]) -> Response:
-        return _job_or_404(pulls.jobs().cancel, job)
+    async def cancel_pull(self, job: FromPath[str]) -> Response:
+        return _job_or_404(self.pulls.jobs().cancel, job)
 
     @get("/pulled")
-    async def pulled(self, pulls: NamedDependency[Pulls]) -> Response:
+    async def pulled(self) -> Response:
         """What the model store holds: name, repo, engine, kind, size, path."""
-        store = pulls.jobs().store
+        store = self.pulls.jobs().store
         return json_response({"models": [{"name": r.name, "repo": r.repo, "engine": r.engine, "kind": r.kind,
                                           "size": r.size, "path": str(store.model_path(r))} for r in store.list()]})

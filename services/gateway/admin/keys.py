@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai.accounts.keys import ApiKey, KeyError_, KeyStore, public
@@ -19,7 +19,7 @@ from coderai.accounts.usage import read as read_usage
 from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.state import Gateway, GatewayController
 
 Period = Literal["hour", "day", "week", "month"]
 
@@ -56,44 +56,44 @@ async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response
         raise ApiError(404, str(exc), code="key_not_found") from None
 
 
-class KeysController(Controller):
+class KeysController(GatewayController):
     path = "/admin"
     before_request = admin_guard
 
     @post("/keys", status_code=201)
-    async def create_key(self, request: Request, gw: GatewayDep) -> Response:
+    async def create_key(self, request: Request) -> Response:
         spec = await read_json(request, _NewKey)
         try:
-            secret, rec = await _store(gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
+            secret, rec = await _store(self.gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
                                                   budget_usd=spec.budget_usd, budget_period=spec.budget_period)
         except KeyError_ as exc:
             raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
         return json_response({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
 
     @get("/keys")
-    async def list_keys(self, gw: GatewayDep) -> Response:
-        return json_response({"keys": [public(k) for k in await _store(gw).list()]})
+    async def list_keys(self) -> Response:
+        return json_response({"keys": [public(k) for k in await _store(self.gw).list()]})
 
     @post("/keys/{name:str}/revoke", status_code=200)
-    async def revoke_key(self, gw: GatewayDep, name: FromPath[str]) -> Response:
-        return await _change(name, _store(gw).revoke)
+    async def revoke_key(self, name: FromPath[str]) -> Response:
+        return await _change(name, _store(self.gw).revoke)
 
     @post("/keys/{name:str}/limits", status_code=200)
-    async def limit_key(self, request: Request, gw: GatewayDep, name: FromPath[str]) -> Response:
+    async def limit_key(self, request: Request, name: FromPath[str]) -> Response:
         limits = await read_json(request, _Limits, empty=b"{}")
         changes = {k: v for k, v in msgspec.structs.asdict(limits).items() if v is not None}
-        store = _store(gw)
+        store = _store(self.gw)
         return await _change(name, lambda n: store.update(n, **changes))
 
     @get("/usage")
-    async def usage_rows(self, request: Request, gw: GatewayDep) -> Response:
+    async def usage_rows(self, request: Request) -> Response:
         """Usage per key x model x day; `from`/`to` (YYYY-MM-DD, default today), `key`, `model`, `format=csv`."""
         q = request.query_params
         try:
             days = day_range(q.get("from"), q.get("to"))
         except ValueError as exc:
             raise ApiError(400, str(exc), param="from") from None
-        rows = await read_usage(_store(gw).redis, days, key=q.get("key", ""), model=q.get("model", ""))
+        rows = await read_usage(_store(self.gw).redis, days, key=q.get("key", ""), model=q.get("model", ""))
         if q.get("format") == "csv":
             out = io.StringIO()
             w = csv.DictWriter(out, fieldnames=["day", "key", "model", *USAGE_FIELDS[:-1], "cost_usd"])

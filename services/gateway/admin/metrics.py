@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from litestar import Controller, Response, get
+from litestar import Response, get
 
 from coderai.gateway.auth import scrape_guard
 from coderai.gateway.errors import ApiError
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 
 
-class MetricsController(Controller):
+class MetricsController(GatewayController):
     before_request = scrape_guard
 
     @get("/metrics")
-    async def metrics(self, gw: GatewayDep) -> Response:
-        url, token = gw.settings.metrics_url, gw.settings.scrape_token
+    async def metrics(self) -> Response:
+        url, token = self.gw.settings.metrics_url, self.gw.settings.scrape_token
         if not url:
             raise ApiError(404, "No metrics service is configured (CODERAI_GATEWAY_METRICS_URL).", code="no_metrics")
 

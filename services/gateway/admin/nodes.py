@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai.contracts import BusError
@@ -15,7 +15,7 @@ from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDU
 from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.state import Gateway, GatewayController
 
 
 async def ask(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Any:
@@ -44,18 +44,18 @@ class _Target(msgspec.Struct, forbid_unknown_fields=True):
     node: str
 
 
-class NodesController(Controller):
+class NodesController(GatewayController):
     path = "/admin"
     before_request = admin_guard
 
     @get("/nodes")
-    async def nodes(self, gw: GatewayDep) -> Response:
-        return await relay(gw, CMD_SCHEDULER_NODES, NodesRequest())
+    async def nodes(self) -> Response:
+        return await relay(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
 
     @get("/splits")
-    async def splits(self, gw: GatewayDep) -> Response:
+    async def splits(self) -> Response:
         """Models split over several nodes: per device, its node, endpoint, share and the layers it holds."""
-        reply = await ask(gw, CMD_SCHEDULER_NODES, NodesRequest())
+        reply = await ask(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
         engine_warnings = {(n.heartbeat.node_id, e.model): e.warning for n in reply.nodes for e in n.heartbeat.engines}
 
         def warning(name: str, p: Any) -> str:  # the plan's (configured link) and the engine's (measured link)
@@ -68,25 +68,25 @@ class NodesController(Controller):
         return json_response({"object": "list", "data": data})
 
     @get("/nodes/{nid:str}/logs")
-    async def logs(self, request: Request, gw: GatewayDep, nid: FromPath[str]) -> Response:
+    async def logs(self, request: Request, nid: FromPath[str]) -> Response:
         try:
             lines = int(request.query_params.get("lines", "200"))
         except ValueError:
             raise ApiError(400, "lines must be an integer", param="lines") from None
-        return await relay(gw, CMD_NODE_LOGS, NodeLogsRequest(lines=max(1, min(lines, 2000))), node_id=_node(nid))
+        return await relay(self.gw, CMD_NODE_LOGS, NodeLogsRequest(lines=max(1, min(lines, 2000))), node_id=_node(nid))
 
     @post("/nodes/{nid:str}/drain", status_code=200)
-    async def drain(self, request: Request, gw: GatewayDep, nid: FromPath[str]) -> Response:
+    async def drain(self, request: Request, nid: FromPath[str]) -> Response:
         msg = await read_json(request, DrainRequest, empty=b"{}")
-        return await relay(gw, CMD_NODE_DRAIN, msg, node_id=_node(nid))
+        return await relay(self.gw, CMD_NODE_DRAIN, msg, node_id=_node(nid))
 
     @post("/models/{model:str}/place", status_code=200)
-    async def place(self, request: Request, gw: GatewayDep, model: FromPath[str]) -> Response:
-        return await _placement(request, gw, model, "place")
+    async def place(self, request: Request, model: FromPath[str]) -> Response:
+        return await _placement(request, self.gw, model, "place")
 
     @post("/models/{model:str}/unplace", status_code=200)
-    async def unplace(self, request: Request, gw: GatewayDep, model: FromPath[str]) -> Response:
-        return await _placement(request, gw, model, "unplace")
+    async def unplace(self, request: Request, model: FromPath[str]) -> Response:
+        return await _placement(request, self.gw, model, "unplace")
 
 
 async def _placement(request: Request, gw: Gateway, model: str, action: str) -> Response:

@@ -4,7 +4,7 @@ pod spend and reservations by model from the broker's ledger in Redis."""
 from __future__ import annotations
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Request, Response, get, post
 
 from coderai.accounts.pod_money import PodMoney
 from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
@@ -13,7 +13,7 @@ from coderai.gateway.admin.nodes import ask, relay
 from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 
 PERIODS = ("hour", "day", "week", "month")
 
@@ -24,34 +24,34 @@ class _Lease(msgspec.Struct, forbid_unknown_fields=True):
     ttl: float
 
 
-class PodsController(Controller):
+class PodsController(GatewayController):
     path = "/admin"
     before_request = admin_guard
 
     @get("/pods")
-    async def pods(self, gw: GatewayDep) -> Response:
+    async def pods(self) -> Response:
         """Rented pods with their state and live cost, and what the ledger holds in all."""
-        status = await ask(gw, CMD_BROKER_STATUS, BrokerStatusRequest())
+        status = await ask(self.gw, CMD_BROKER_STATUS, BrokerStatusRequest())
         pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
         return json_response({"configured": status.configured, "pods": pods, "spent_usd": status.spent_usd})
 
     @post("/pods/lease", status_code=200)
-    async def lease(self, request: Request, gw: GatewayDep) -> Response:
+    async def lease(self, request: Request) -> Response:
         """A warm floor: `{model, pods, ttl}` keeps that many pods up for ttl seconds, busy or not."""
         req = await read_json(request, _Lease)
-        return await relay(gw, CMD_BROKER_LEASE, LeaseRequest(model=req.model, pods=req.pods, ttl_s=req.ttl))
+        return await relay(self.gw, CMD_BROKER_LEASE, LeaseRequest(model=req.model, pods=req.pods, ttl_s=req.ttl))
 
     @get("/spend")
-    async def spend(self, request: Request, gw: GatewayDep) -> Response:
+    async def spend(self, request: Request) -> Response:
         """Pod spend (booked) and reservations by model for `period` (hour, day, week, month; default day)."""
         period = request.query_params.get("period", "day")
         if period not in PERIODS:
             raise ApiError(400, "period is one of hour, day, week, month.", param="period")
-        if gw.redis is None:
+        if self.gw.redis is None:
             raise ApiError(404, "No Redis is configured (CODERAI_GATEWAY_REDIS_URL): spend is not kept.", code="no_ledger")
-        money = PodMoney(gw.redis, prefix=gw.settings.pod_ledger_prefix)
+        money = PodMoney(self.gw.redis, prefix=self.gw.settings.pod_ledger_prefix)
         rows = []
-        for m in sorted(gw.catalog.models.values(), key=lambda m: m.name):
+        for m in sorted(self.gw.catalog.models.values(), key=lambda m: m.name):
             if m.pod.burst == "never":
                 continue
             spent, held = await money.spend(m.name, period), await money.reserved(m.name, period)

@@ -8,18 +8,18 @@ import asyncio
 from typing import Annotated, Literal
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 from litestar.response import Stream
 from msgspec import Meta
 
 from coderai.contracts import Chunk, DiarizeJob, Final, SpeechJob, TranscribeJob
-from coderai.gateway.auth import Caller, CallerDep, inference_guard
+from coderai.gateway.auth import Caller, inference_guard
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import json_response, new_request_id, read_json
+from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import Form, NonEmpty, blob, read_form
-from coderai.gateway.pipeline import Call, answer, relay_stream, until_disconnect
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.state import Gateway, GatewayController
 
 AUDIO_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
                "pcm": "audio/pcm"}
@@ -36,19 +36,20 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     stream_format: Literal["audio", "sse"] | None = None
 
 
-class AudioController(Controller):
+class AudioController(GatewayController):
     path = "/v1/audio"
     before_request = inference_guard
 
     @post("/speech", status_code=200)
-    async def speech(self, request: Request, gw: GatewayDep, who: CallerDep) -> Stream:
+    async def speech(self, request: Request) -> Stream:
+        who = self.caller(request)
         req = await read_json(request, SpeechRequest)
         if req.stream_format == "sse":
             raise ApiError(400, "stream_format 'sse' is not supported; use 'audio'.", param="stream_format",
                            code="invalid_value")
         job = SpeechJob(request_id=new_request_id(), model=req.model, input=req.input, voice=req.voice,
                         response_format=req.response_format, speed=req.speed)
-        call = Call(gw, who, "speech", job)
+        call = Call(self.gw, who, "speech", job)
         await call.admit()
         first = await until_disconnect(request, call.open(stream=True))  # fanned out: whole; one engine: streamed
         media_type = AUDIO_TYPES[req.response_format]
@@ -60,24 +61,27 @@ class AudioController(Controller):
             if isinstance(frame, Chunk):
                 return frame.data or b""
             out = frame.output  # an engine that answered whole
-            return await gw.blobs.get(out.audio) if out is not None and out.audio is not None else b""
+            return await self.gw.blobs.get(out.audio) if out is not None and out.audio is not None else b""
 
         return Stream(relay_stream(call, first, render), media_type=media_type, headers=call.response_headers())
 
     @post("/transcriptions", status_code=200)
-    async def transcriptions(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
-        return await _transcribe(gw, who, request, "transcribe")
+    async def transcriptions(self, request: Request) -> Response:
+        who = self.caller(request)
+        return await _transcribe(self.gw, who, request, "transcribe")
 
     @post("/translations", status_code=200)
-    async def translations(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
-        return await _transcribe(gw, who, request, "translate")
+    async def translations(self, request: Request) -> Response:
+        who = self.caller(request)
+        return await _transcribe(self.gw, who, request, "translate")
 
     @post("/diarization", status_code=200)
-    async def diarization(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
-        form = await read_form(request, gw.settings.max_upload_bytes)
+    async def diarization(self, request: Request) -> Response:
+        who = self.caller(request)
+        form = await read_form(request, self.gw.settings.max_upload_bytes)
         job = DiarizeJob(request_id=new_request_id(), model=form.require("model"), audio=blob(form.file("file")),  # type: ignore[arg-type]
                          num_speakers=form.number("num_speakers", int, 1, 32))
-        call = Call(gw, who, "diarize", job)
+        call = Call(self.gw, who, "diarize", job)
         final = await answer(call, request)
         return json_response(formats.diarization(final.output, job.model), headers=call.response_headers())
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 from litestar.response import Stream
 
 from coderai.contracts import Chunk, Final, RouteRequest
 from coderai.gateway import affinity
-from coderai.gateway.auth import Caller, CallerDep, inference_guard
+from coderai.gateway.auth import Caller, inference_guard
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json
+from coderai.gateway.http import (
+    PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json, until_disconnect,
+)
 from coderai.gateway.openai import sse
 from coderai.gateway.openai.chat_types import (
     ChatCompletionRequest,
@@ -21,26 +23,28 @@ from coderai.gateway.openai.chat_types import (
     completion_job,
     include_usage,
 )
-from coderai.gateway.pipeline import Call, answer, relay_stream, until_disconnect
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.state import GatewayController
 
 
-class ChatController(Controller):
+class ChatController(GatewayController):
     before_request = inference_guard
 
     @post("/v1/chat/completions", status_code=200)
-    async def chat(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
+    async def chat(self, request: Request) -> Response | Stream:
+        who = self.caller(request)
         req = await read_json(request, ChatCompletionRequest)
         job = chat_job(req, new_request_id())
         route = _route(request, who, job, "chat", req.user, affinity.chat_chain(job.model, job.messages, job.tools))
-        return await _serve(Call(gw, who, "chat", job, route), request, include_usage(req))
+        return await _serve(Call(self.gw, who, "chat", job, route), request, include_usage(req))
 
     @post("/v1/completions", status_code=200)
-    async def completions(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response | Stream:
+    async def completions(self, request: Request) -> Response | Stream:
+        who = self.caller(request)
         req = await read_json(request, CompletionRequest)
         job = completion_job(req, new_request_id())
         route = _route(request, who, job, "complete", req.user, affinity.prompt_chain(job.model, job.prompt))
-        return await _serve(Call(gw, who, "complete", job, route), request, include_usage(req))
+        return await _serve(Call(self.gw, who, "complete", job, route), request, include_usage(req))
 
 
 def _route(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:

@@ -6,17 +6,17 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 from msgspec import Meta
 
 from coderai.contracts import EmbedJob, RerankJob
-from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import NonEmpty
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -50,23 +50,25 @@ def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
     return EmbedJob(request_id=request_id, model=req.model, input=texts, dimensions=req.dimensions)  # type: ignore[arg-type]
 
 
-class EmbeddingsController(Controller):
+class EmbeddingsController(GatewayController):
     before_request = inference_guard
 
     @post("/v1/embeddings", status_code=200)
-    async def embeddings(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        who = self.caller(request)
         req = await read_json(request, EmbeddingRequest)
-        call = Call(gw, who, "embed", embed_job(req, new_request_id()))
+        call = Call(self.gw, who, "embed", embed_job(req, new_request_id()))
         final = await answer(call, request)
         return json_response(formats.embeddings(final.output, req.model, req.encoding_format, final.usage),
                              headers=call.response_headers())
 
     @post("/v1/rerank", status_code=200)
-    async def rerank(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+    async def rerank(self, request: Request) -> Response:
+        who = self.caller(request)
         req = await read_json(request, RerankRequest)
         docs = [d if isinstance(d, str) else d.text for d in req.documents]
         job = RerankJob(request_id=new_request_id(), model=req.model, query=req.query, documents=docs)
-        call = Call(gw, who, "rerank", job)
+        call = Call(self.gw, who, "rerank", job)
         final = await answer(call, request)
         body = formats.rerank(job.request_id, final.output.scores, docs, req.model, req.top_n, req.return_documents,
                               final.usage)

@@ -10,18 +10,17 @@ import time
 from typing import Any, TypeVar
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, post
-from litestar.di import NamedDependency
+from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
 
 from coderai.contracts import encode
 from coderai.contracts.topology import FILES, FINETUNE
 from coderai.contracts.training import FileRecord, FineTuneJob
-from coderai.gateway.auth import Caller, CallerDep, inference_guard
+from coderai.gateway.auth import Caller, inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, query_int
 from coderai.gateway.openai.forms import read_form
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.state import Gateway, GatewayController
 from coderai.runtime.kv import read_all
 from coderai.training_data import BadTrainingFile, parse_examples
 
@@ -65,7 +64,7 @@ class Records:
             self._files = await self.gw.bus.object_store(FILES, create=True, max_bytes=self.gw.settings.files_max_bytes)
         return self._files
 
-    async def get(self, key: FromPath[str], prefix: FromPath[str], type_: type[T], what: FromPath[str], param: FromPath[str]) -> T:
+    async def get(self, key: str, prefix: str, type_: type[T], what: str, param: str) -> T:
         """The record `key` (`prefix` + letters and digits), else a 404 naming `param`."""
         from nats.js.errors import KeyNotFoundError
 
@@ -80,34 +79,36 @@ class Records:
             raise missing
         return msgspec.json.decode(entry.value, type=type_)
 
-    async def all(self, prefix: FromPath[str], type_: type[T]) -> list[T]:
+    async def all(self, prefix: str, type_: type[T]) -> list[T]:
         """Every record whose key starts with `prefix`, newest first."""
         out = list((await read_all(await self.kv(), type_, prefix=prefix)).values())
         out.sort(key=lambda r: (r.created_at, r.id), reverse=True)  # type: ignore[attr-defined]
         return out
 
-    async def own_file(self, who: CallerDep, file_id: FromPath[str], param: str = "file_id") -> FileRecord:
+    async def own_file(self, who: Caller, file_id: str, param: str = "file_id") -> FileRecord:
         rec = await self.get(file_id, "file-", FileRecord, "file", param)
         if not mine(who, rec.owner):
             raise ApiError(404, f"No file '{file_id}'.", param=param, code="not_found")
         return rec
 
-    async def own_job(self, who: CallerDep, job_id: FromPath[str]) -> FineTuneJob:
+    async def own_job(self, who: Caller, job_id: str) -> FineTuneJob:
         job = await self.get(job_id, "ftjob-", FineTuneJob, "fine-tuning job", "fine_tuning_job_id")
         if not mine(who, job.key_name):
             raise ApiError(404, f"No fine-tuning job '{job_id}'.", param="fine_tuning_job_id", code="not_found")
         return job
 
 
-class FilesController(Controller):
+class FilesController(GatewayController):
     path = "/v1/files"
+    records: Records
     before_request = inference_guard
 
     @post("/", status_code=200)
-    async def upload(self, request: Request, gw: GatewayDep, who: CallerDep, records: NamedDependency[Records]) -> Response:
+    async def upload(self, request: Request) -> Response:
         """A file in OpenAI's shape; `fine-tune` files are checked line by line before they are kept."""
-        await gw.accounts.admit(who, None)  # rates and a spent budget, as on every call
-        form = await read_form(request, gw.settings.max_upload_bytes)
+        who = self.caller(request)
+        await self.gw.accounts.admit(who, None)  # rates and a spent budget, as on every call
+        form = await read_form(request, self.gw.settings.max_upload_bytes)
         purpose = form.require("purpose")
         if purpose not in PURPOSES:
             raise ApiError(400, f"purpose must be one of {', '.join(PURPOSES)}.", param="purpose", code="invalid_value")
@@ -122,9 +123,9 @@ class FilesController(Controller):
                 named = f" {up.filename}" if up.filename else ""
                 raise ApiError(400, f"Invalid fine-tuning file{named}: {exc}", param="file",
                                code="invalid_file_format") from None
-        quota = gw.settings.file_quota_bytes
+        quota = self.gw.settings.file_quota_bytes
         if quota:
-            kept = sum(r.bytes for r in await records.all("file-", FileRecord) if r.owner == who.key_name)
+            kept = sum(r.bytes for r in await self.records.all("file-", FileRecord) if r.owner == who.key_name)
             if kept + len(up.data) > quota:
                 raise ApiError(429, f"This key keeps {kept} bytes of files; {len(up.data)} more would pass its quota of "
                                     f"{quota} bytes. Delete files it no longer needs.", type="insufficient_quota",
@@ -132,16 +133,17 @@ class FilesController(Controller):
         rec = FileRecord(id="file-" + secrets.token_hex(12), bytes=len(up.data), created_at=int(time.time()),
                          filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples,
                          owner=who.key_name)
-        await (await records.files()).put(rec.id, up.data)
-        await (await records.kv()).put(rec.id, encode(rec))
+        await (await self.records.files()).put(rec.id, up.data)
+        await (await self.records.kv()).put(rec.id, encode(rec))
         return json_response(file_json(rec))
 
     @get("/")
-    async def list_files(self, request: Request, who: CallerDep, records: NamedDependency[Records]) -> Response:
+    async def list_files(self, request: Request) -> Response:
         """Uploaded files, newest first (`order=asc` for oldest first), by `purpose`, paged by `after`/`limit`."""
+        who = self.caller(request)
         q = request.query_params
         limit = query_int(request, "limit", 10000, 1, 10000)
-        recs = [r for r in await records.all("file-", FileRecord)
+        recs = [r for r in await self.records.all("file-", FileRecord)
                 if mine(who, r.owner) and (not q.get("purpose") or r.purpose == q["purpose"])]
         if q.get("order", "desc") == "asc":
             recs.reverse()
@@ -150,25 +152,28 @@ class FilesController(Controller):
                               "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
 
     @get("/{file_id:str}")
-    async def retrieve(self, who: CallerDep, records: NamedDependency[Records], file_id: FromPath[str]) -> Response:
-        return json_response(file_json(await records.own_file(who, file_id)))
+    async def retrieve(self, request: Request, file_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        return json_response(file_json(await self.records.own_file(who, file_id)))
 
     @get("/{file_id:str}/content")
-    async def content(self, who: CallerDep, records: NamedDependency[Records], file_id: FromPath[str]) -> Response:
-        rec = await records.own_file(who, file_id)
-        data = (await (await records.files()).get(rec.id)).data or b""
+    async def content(self, request: Request, file_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        rec = await self.records.own_file(who, file_id)
+        data = (await (await self.records.files()).get(rec.id)).data or b""
         return Response(content=data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
 
     @delete("/{file_id:str}", status_code=200)
-    async def remove(self, who: CallerDep, records: NamedDependency[Records], file_id: FromPath[str]) -> Response:
+    async def remove(self, request: Request, file_id: FromPath[str]) -> Response:
         """Forget a file (its bytes and its record); jobs that already read it keep what they read."""
+        who = self.caller(request)
         from nats.js.errors import NotFoundError
 
-        await records.own_file(who, file_id)
+        await self.records.own_file(who, file_id)
         try:
-            await (await records.files()).delete(file_id)
+            await (await self.records.files()).delete(file_id)
         except NotFoundError:
             pass
-        await (await records.kv()).delete(file_id)
+        await (await self.records.kv()).delete(file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})

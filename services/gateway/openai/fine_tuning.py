@@ -12,18 +12,17 @@ import secrets
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
-from litestar.di import NamedDependency
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai.contracts import BusError
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
 from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, Hyperparameters
-from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
 from coderai.gateway.openai.files import Records, mine, page
-from coderai.gateway.state import Gateway, GatewayDep
+from coderai.gateway.state import Gateway, GatewayController
 
 
 class JobRequest(msgspec.Struct, kw_only=True):
@@ -124,46 +123,52 @@ def events_page(job: FineTuneJob, after: str | None, limit: int) -> dict[str, An
     return {"object": "list", "data": data, "has_more": len(events) > limit}
 
 
-class FineTuningController(Controller):
+class FineTuningController(GatewayController):
     path = "/v1/fine_tuning/jobs"
+    records: Records
     before_request = inference_guard
 
     @post("/", status_code=200)
-    async def create(self, request: Request, gw: GatewayDep, who: CallerDep, records: NamedDependency[Records]) -> Response:
+    async def create(self, request: Request) -> Response:
+        who = self.caller(request)
         req = await read_json(request, JobRequest)
         key = who.key  # the key's model allow-list, rates and budget, as on every call
         if key is not None and key.models and req.model not in key.models:
             raise ApiError(403, f"This key may not use the model '{req.model}'.", param="model", code="model_not_allowed")
-        await gw.accounts.admit(who, None)
+        await self.gw.accounts.admit(who, None)
         for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
             if file_id:  # a key trains only on its own files; another key's is as unknown as one that never was
                 try:
-                    await records.own_file(who, file_id, param)
+                    await self.records.own_file(who, file_id, param)
                 except ApiError:
                     raise ApiError(400, f"{param} {file_id!r} is not one of your files (upload it with "
                                         "purpose=fine-tune).", param=param, code="invalid_file") from None
         msg = resolve(req, "ftjob-" + secrets.token_hex(12), who.key_name)
-        return json_response(job_json(await _ask(gw, CMD_SCHEDULER_TRAIN, msg)))
+        return json_response(job_json(await _ask(self.gw, CMD_SCHEDULER_TRAIN, msg)))
 
     @get("/")
-    async def list_jobs(self, request: Request, who: CallerDep, records: NamedDependency[Records]) -> Response:
-        jobs = [j for j in await records.all("ftjob-", FineTuneJob) if mine(who, j.key_name)]
+    async def list_jobs(self, request: Request) -> Response:
+        who = self.caller(request)
+        jobs = [j for j in await self.records.all("ftjob-", FineTuneJob) if mine(who, j.key_name)]
         jobs, more = page(jobs, request.query_params.get("after"), query_int(request, "limit", 20, 1, 100))
         return json_response({"object": "list", "data": [job_json(j) for j in jobs], "has_more": more})
 
     @get("/{job_id:str}")
-    async def retrieve(self, who: CallerDep, records: NamedDependency[Records], job_id: FromPath[str]) -> Response:
-        return json_response(job_json(await records.own_job(who, job_id)))
+    async def retrieve(self, request: Request, job_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        return json_response(job_json(await self.records.own_job(who, job_id)))
 
     @get("/{job_id:str}/events")
-    async def events(self, request: Request, who: CallerDep, records: NamedDependency[Records], job_id: FromPath[str]) -> Response:
-        job = await records.own_job(who, job_id)
+    async def events(self, request: Request, job_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        job = await self.records.own_job(who, job_id)
         return json_response(events_page(job, request.query_params.get("after"), query_int(request, "limit", 20, 1, 100)))
 
     @post("/{job_id:str}/cancel", status_code=200)
-    async def cancel(self, gw: GatewayDep, who: CallerDep, records: NamedDependency[Records], job_id: FromPath[str]) -> Response:
-        await records.own_job(who, job_id)  # 404 for an unknown id or another key's, from any replica
-        return json_response(job_json(await _ask(gw, CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
+    async def cancel(self, request: Request, job_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        await self.records.own_job(who, job_id)  # 404 for an unknown id or another key's, from any replica
+        return json_response(job_json(await _ask(self.gw, CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
 
 
 async def _ask(gw: Gateway, subject: Any, msg: Any) -> FineTuneJob:

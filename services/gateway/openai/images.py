@@ -7,17 +7,17 @@ import base64
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from msgspec import Meta
 
 from coderai.contracts import Blob, ImageJob
-from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai.forms import NonEmpty, blob, parse_size, read_form
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 from coderai.runtime.blobs import BlobMissing
 
 MEDIA_TYPES = {"png": "image/png", "mp4": "video/mp4"}
@@ -38,21 +38,23 @@ class ImageRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-class ImagesController(Controller):
+class ImagesController(GatewayController):
     before_request = inference_guard
 
     @post("/v1/images/generations", status_code=200)
-    async def generations(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
+    async def generations(self, request: Request) -> Response:
+        who = self.caller(request)
         req = await read_json(request, ImageRequest)
         w, h = parse_size(req.size, (512, 512))
         job = ImageJob(request_id=new_request_id(), model=req.model, prompt=req.prompt, n=req.n, width=w, height=h,
                        seed=req.seed, steps=req.steps, guidance_scale=req.guidance_scale,
                        negative_prompt=req.negative_prompt)
-        return await _images(Call(gw, who, "image", job), request, req.response_format)
+        return await _images(Call(self.gw, who, "image", job), request, req.response_format)
 
     @post("/v1/images/edits", status_code=200)
-    async def edits(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
-        form = await read_form(request, gw.settings.max_upload_bytes, "image")
+    async def edits(self, request: Request) -> Response:
+        who = self.caller(request)
+        form = await read_form(request, self.gw.settings.max_upload_bytes, "image")
         image = form.file("image")
         mask = form.file("mask", required=False)
         size = form.get("size")
@@ -64,18 +66,18 @@ class ImagesController(Controller):
             image=blob(image), mask=blob(mask) if mask else None,  # type: ignore[arg-type]
         )
         fmt = form.choice("response_format", ("b64_json", "url"), "b64_json")
-        return await _images(Call(gw, who, "image", job), request, fmt)
+        return await _images(Call(self.gw, who, "image", job), request, fmt)
 
 
 
-class BlobsController(Controller):
+class BlobsController(GatewayController):
     """No guard: the name is the credential."""
 
     @get("/v1/blobs/{name:str}")
-    async def blob(self, gw: GatewayDep, name: FromPath[str]) -> Response:
+    async def blob(self, name: FromPath[str]) -> Response:
         """No key needed: the name is random and unguessable (and expires), like a signed URL."""
         try:
-            data = await gw.blobs.get(Blob(name=name))
+            data = await self.gw.blobs.get(Blob(name=name))
         except (BlobMissing, ValueError):
             raise ApiError(404, "No such file (it may have expired).", code="not_found") from None
         ext = name.rsplit(".", 1)[-1] if "." in name else ""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Response, get
+from litestar import Response, get
 from litestar.params import FromPath
 
 from coderai.contracts import ModelConfig
 from coderai.contracts.ops import kind_of
 from coderai.gateway.auth import inference_guard
 from coderai.gateway.http import json_response
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 
 
 def model_json(m: ModelConfig) -> dict[str, Any]:
@@ -22,15 +22,15 @@ def model_json(m: ModelConfig) -> dict[str, Any]:
             "engine": m.engine}
 
 
-class ModelsController(Controller):
+class ModelsController(GatewayController):
     path = "/v1/models"
     before_request = inference_guard
 
     @get("/")
-    async def list_models(self, gw: GatewayDep) -> Response:
-        data = [model_json(m) for m in sorted(gw.catalog.models.values(), key=lambda m: m.name)]
+    async def list_models(self) -> Response:
+        data = [model_json(m) for m in sorted(self.gw.catalog.models.values(), key=lambda m: m.name)]
         return json_response({"object": "list", "data": data})
 
     @get("/{model_id:path}")
-    async def get_model(self, gw: GatewayDep, model_id: FromPath[str]) -> Response:
-        return json_response(model_json(gw.model(model_id.lstrip("/"))))
+    async def get_model(self, model_id: FromPath[str]) -> Response:
+        return json_response(model_json(self.gw.model(model_id.lstrip("/"))))

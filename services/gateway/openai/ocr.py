@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from litestar import Controller, Request, Response, post
+from litestar import Request, Response, post
 
 from coderai.contracts import OcrJob
-from coderai.gateway.auth import CallerDep, inference_guard
+from coderai.gateway.auth import inference_guard
 from coderai.gateway.http import json_response, new_request_id
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import blob, read_form
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 
 
-class OcrController(Controller):
+class OcrController(GatewayController):
     before_request = inference_guard
 
     @post("/v1/ocr", status_code=200)
-    async def ocr(self, request: Request, gw: GatewayDep, who: CallerDep) -> Response:
-        form = await read_form(request, gw.settings.max_upload_bytes)
+    async def ocr(self, request: Request) -> Response:
+        who = self.caller(request)
+        form = await read_form(request, self.gw.settings.max_upload_bytes)
         job = OcrJob(request_id=new_request_id(), model=form.require("model"), file=blob(form.file("file")))  # type: ignore[arg-type]
-        call = Call(gw, who, "ocr", job)
+        call = Call(self.gw, who, "ocr", job)
         final = await answer(call, request)
         return json_response(formats.ocr(final.output, job.model), headers=call.response_headers())

@@ -14,18 +14,17 @@ import time
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
-from litestar.di import NamedDependency
+from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from msgspec import Meta
 
 from coderai.contracts import Blob, RequestId, VideoJob
 from coderai.contracts.topology import BLOBS
-from coderai.gateway.auth import Caller, CallerDep, inference_guard
+from coderai.gateway.auth import Caller, inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai.forms import Form, NonEmpty, parse_size, read_form
-from coderai.gateway.state import GatewayDep
+from coderai.gateway.state import GatewayController
 from coderai.gateway.video.records import STALE_S, VideoRecord
 from coderai.gateway.video.takeover import VideoJobs
 from coderai.runtime.blobs import BlobMissing
@@ -94,18 +93,20 @@ def _from_form(form: Form) -> VideoRequest:
     )
 
 
-class VideosController(Controller):
+class VideosController(GatewayController):
     path = "/v1/videos"
+    videos: VideoJobs
     before_request = inference_guard
 
     @post("/", status_code=200)
-    async def create(self, request: Request, gw: GatewayDep, who: CallerDep, videos: NamedDependency[VideoJobs]) -> Response:
+    async def create(self, request: Request) -> Response:
+        who = self.caller(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):  # what the openai SDK sends
-            req = _from_form(await read_form(request, gw.settings.max_upload_bytes))
+            req = _from_form(await read_form(request, self.gw.settings.max_upload_bytes))
         else:
             req = await read_json(request, VideoRequest)
         w, h, frames, seconds = plan(req)
-        gw.model(req.model, "video")
+        self.gw.model(req.model, "video")
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
@@ -113,21 +114,23 @@ class VideosController(Controller):
         now = time.time()
         rec = VideoRecord(id=f"video_{request_id}", model=req.model, prompt=req.prompt, status="queued",
                           created_at=int(now), updated_at=now, size=f"{w}x{h}", seconds=seconds, key_name=who.key_name)
-        await videos.create(rec, job, who)
+        await self.videos.create(rec, job, who)
         return json_response(video_json(rec, now))
 
     @get("/{video_id:str}")
-    async def retrieve(self, who: CallerDep, videos: NamedDependency[VideoJobs], video_id: FromPath[str]) -> Response:
-        return json_response(video_json(await _own(videos, who, video_id), time.time()))
+    async def retrieve(self, request: Request, video_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        return json_response(video_json(await _own(self.videos, who, video_id), time.time()))
 
     @get("/{video_id:str}/content")
-    async def content(self, gw: GatewayDep, who: CallerDep, videos: NamedDependency[VideoJobs], video_id: FromPath[str]) -> Response:
-        rec = await _own(videos, who, video_id)
+    async def content(self, request: Request, video_id: FromPath[str]) -> Response:
+        who = self.caller(request)
+        rec = await _own(self.videos, who, video_id)
         if rec.status != "completed":
             raise ApiError(409 if rec.status != "failed" else 400, f"Video {video_id} is {rec.status}, not completed.",
                            param="video_id", code="video_not_ready")
         try:
-            data = await gw.blobs.get(Blob(name=rec.blob))
+            data = await self.gw.blobs.get(Blob(name=rec.blob))
         except BlobMissing:
             raise ApiError(404, f"The content of {video_id} has expired.", code="not_found") from None
         return Response(content=data, media_type="video/mp4")
