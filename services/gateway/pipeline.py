@@ -163,16 +163,6 @@ class Call:
             raise BusError.from_reply(frame)
         return frame
 
-    async def frames(self, first: Chunk | Final) -> AsyncIterator[Chunk | Final]:
-        """The job's chunks and then its final frame (run to its end: an async generator left suspended is closed
-        by a task of its own)."""
-        frame = first
-        while True:
-            yield frame
-            if isinstance(frame, Final):
-                return
-            frame = await self.next()
-
     # --- the end, exactly once ---------------------------------------------------------------------------
 
     async def finish(self, final: Final | None = None, usage: Usage | None = None) -> None:
@@ -258,24 +248,24 @@ async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None
     return frame
 
 
-Render = Callable[[Chunk | Final], Awaitable[bytes]]
-
-
-def relay_stream(call: Call, first: Chunk | Final, render: Render,
+def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], bytes],
+                 final: Callable[[Final], Awaitable[bytes]],
                  error: Callable[[ApiError], bytes] | None = None) -> AsyncIterator[bytes]:
-    """The frames as `render` shapes them (SSE events, audio bytes), relayed as they come. Headers are gone by
-    the time an engine fails mid-stream: `error` renders the failure as a last piece (SSE's error event); without
-    it the stream is cut. A client that leaves cancels the engine job. Accounted once, in every case."""
+    """The frames relayed as they come, each chunk as `chunk` shapes it (an SSE event, audio bytes) and the end
+    as `final` does. Headers are gone by the time an engine fails mid-stream: `error` renders the failure as a
+    last piece (SSE's error event); without it the stream is cut. A client that leaves cancels the engine job.
+    Accounted once, in every case."""
 
     async def pieces() -> AsyncIterator[bytes]:
-        final: Final | None = None
+        last: Final | None = None
         ended = False
+        frame = first
         try:
-            async for frame in call.frames(first):
-                if isinstance(frame, Final):
-                    final = frame
-                    ended = True
-                yield await render(frame)
+            while not isinstance(frame, Final):
+                yield chunk(frame)
+                frame = await call.next()
+            last, ended = frame, True
+            yield await final(frame)
         except BusError as exc:
             err = from_bus(exc, call.gw.settings.retry_after_s)
             call.status, call.http_status = err.code or "error", err.status
@@ -287,6 +277,6 @@ def relay_stream(call: Call, first: Chunk | Final, render: Render,
             if not ended:  # the client went away mid-stream (or the stream broke): stop the engine
                 call.abandon()
             else:  # may run while the stream's task is being cancelled: detached
-                call.finish_detached(final)
+                call.finish_detached(last)
 
     return pieces()

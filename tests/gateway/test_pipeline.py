@@ -168,10 +168,11 @@ async def test_an_error_mid_stream_ends_the_sse_with_an_error_event(rig, unique)
     await call.admit()
     first = await call.open()
 
-    async def render(frame) -> bytes:
-        return b"chunk " if isinstance(frame, Chunk) else b"done "
+    async def done(frame) -> bytes:
+        return b"done "
 
-    pieces = [p async for p in relay_stream(call, first, render, error=lambda err: f"error {err.status}".encode())]
+    pieces = [p async for p in relay_stream(call, first, lambda f: b"chunk ", done,
+                                            error=lambda err: f"error {err.status}".encode())]
     assert pieces == [b"chunk ", b"error 502"]
     event = await rig.one_event(call.request_id)
     assert (event.status, event.http_status, event.stream) == ("engine_failed", 502, True)
@@ -223,10 +224,10 @@ async def test_a_client_leaving_a_stream_cancels_the_engine_job(rig, unique):
     await call.admit()
     first = await call.open()
 
-    async def render(frame) -> bytes:
-        return b"x"
+    async def done(frame) -> bytes:
+        return b"done"
 
-    pieces = relay_stream(call, first, render)
+    pieces = relay_stream(call, first, lambda f: b"x", done)
     assert await pieces.__anext__() == b"x"
     await pieces.aclose()  # what the HTTP server does when the client goes
     await wait_for(lambda: call.request_id in engine.cancelled, 10, what="the engine to be told to cancel")

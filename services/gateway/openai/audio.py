@@ -57,13 +57,14 @@ class AudioController(GatewayController):
             await call.finish(first)
             return Stream(iter([first.output.audio.data]), media_type=media_type, headers=call.response_headers())
 
-        async def render(frame: Chunk | Final) -> bytes:
-            if isinstance(frame, Chunk):
-                return frame.data or b""
+        def chunk(frame: Chunk) -> bytes:
+            return frame.data or b""
+
+        async def final(frame: Final) -> bytes:
             out = frame.output  # an engine that answered whole
             return await self.gw.blobs.get(out.audio) if out is not None and out.audio is not None else b""
 
-        return Stream(relay_stream(call, first, render), media_type=media_type, headers=call.response_headers())
+        return Stream(relay_stream(call, first, chunk, final), media_type=media_type, headers=call.response_headers())
 
     @post("/transcriptions", status_code=200)
     async def transcriptions(self, request: Request) -> Response:

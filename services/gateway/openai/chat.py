@@ -68,13 +68,14 @@ async def _serve(call: Call, request: Request, want_usage: bool) -> Response | S
                              headers=call.response_headers())
     await call.admit()
     first = await until_disconnect(request, call.open())
-    chunk = sse.chat_chunk if chat else sse.completion_chunk
+    render = sse.chat_chunk if chat else sse.completion_chunk
 
-    async def render(frame: Chunk | Final) -> bytes:
-        if isinstance(frame, Chunk):
-            return chunk(job.request_id, call.created, job.model, frame)
+    def chunk(frame: Chunk) -> bytes:
+        return render(job.request_id, call.created, job.model, frame)
+
+    async def final(frame: Final) -> bytes:
         usage = sse.usage_chunk(call.op, job.request_id, call.created, job.model, frame.usage) if want_usage else b""
         return usage + sse.DONE
 
-    events = relay_stream(call, first, render, error=lambda err: sse.sse(err.body()))
+    events = relay_stream(call, first, chunk, final, error=lambda err: sse.sse(err.body()))
     return Stream(events, media_type="text/event-stream", headers={**call.response_headers(), **STREAM_HEADERS})
