@@ -259,11 +259,14 @@ def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], byte
     async def pieces() -> AsyncIterator[bytes]:
         last: Final | None = None
         ended = False
-        frame = first
+        frame: Any = first
+        stream = call.stream
         try:
-            while not isinstance(frame, Final):
+            while not isinstance(frame, Final):  # per token: `Call.next` inlined
                 yield chunk(frame)
-                frame = await call.next()
+                frame = await next_frame(stream)  # type: ignore[arg-type]
+                if isinstance(frame, ErrorReply):
+                    raise BusError.from_reply(frame)
             last, ended = frame, True
             yield await final(frame)
         except BusError as exc:

@@ -3,12 +3,13 @@ routing hints (session, user, prompt prefix, an admin's pin) the router's cache 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from coderai.contracts import Chunk, Final, RouteRequest
+from coderai.contracts import Final, RouteRequest
 from coderai.gateway import affinity
 from coderai.gateway.auth import Caller, inference_guard
 from coderai.gateway.errors import ApiError
@@ -68,10 +69,7 @@ async def _serve(call: Call, request: Request, want_usage: bool) -> Response | S
                              headers=call.response_headers())
     await call.admit()
     first = await until_disconnect(request, call.open())
-    render = sse.chat_chunk if chat else sse.completion_chunk
-
-    def chunk(frame: Chunk) -> bytes:
-        return render(job.request_id, call.created, job.model, frame)
+    chunk = partial(sse.chat_chunk if chat else sse.completion_chunk, job.request_id, call.created, job.model)
 
     async def final(frame: Final) -> bytes:
         usage = sse.usage_chunk(call.op, job.request_id, call.created, job.model, frame.usage) if want_usage else b""
