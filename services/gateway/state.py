@@ -14,7 +14,7 @@ from coderai.accounts.limits import Limiter
 from coderai.contracts import ModelConfig
 from coderai.gateway.accounting import Accounts
 from coderai.accounts.keyfile import load_keys
-from coderai.gateway.auth import CALLER, Authenticator, Caller
+from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.errors import ApiError
 from coderai.gateway.relay import Relay
@@ -109,3 +109,16 @@ class GatewayController(Controller):
     @staticmethod
     def caller(request: Request) -> Caller:
         return request.scope["state"][CALLER]
+
+
+class InferenceController(GatewayController):
+    """A controller of the OpenAI-compatible API: every route wants a key with the `inference` scope."""
+
+    before_request = inference_guard
+
+
+class AdminController(GatewayController):
+    """A controller under `/admin`: every route wants a key with the `admin` scope."""
+
+    path = "/admin"
+    before_request = admin_guard

@@ -7,7 +7,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import redis.asyncio as aioredis
 
 from coderai.accounts.pod_money import Caps, PodMoney
 from coderai.contracts import ModelConfig, encode
@@ -29,13 +28,6 @@ class FakeKV:
 
     async def get(self, key: str) -> SimpleNamespace:
         return SimpleNamespace(value=self.values[key])
-
-
-@pytest.fixture
-async def r(redis_server):
-    client = aioredis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 def test_one_variable_sets_the_prefix_of_every_service():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from coderai.contracts import RequestCompleted
 from coderai.accounts.usage import day_of, increments, read, record, record_many
@@ -16,13 +15,6 @@ def ev(key: str, model: str = "m", status: str = "ok", p: int = 10, c: int = 5, 
     return RequestCompleted(request_id="r", ts=ts or time.time(), key_name=key, model=model, op="chat", status=status,
                             http_status=200 if status == "ok" else 502, prompt_tokens=p, completion_tokens=c,
                             duration_s=duration, cost_usd=cost)
-
-
-@pytest.fixture
-async def r(redis_server):
-    client = aioredis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 def test_increments_sum_per_day_key_and_model():

@@ -15,13 +15,6 @@ from coderai.runtime.bus import Bus, FrameWriter
 from coderai.runtime.kv import RevisionCache, put_if_changed
 
 
-@pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
-
-
 def _subject(unique: str) -> Subject:
     # a per-test subject with the route contract, so tests never see each other's traffic
     return Subject(f"test.{unique}.pick", RouteRequest, RouteDecision)

@@ -6,18 +6,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import pytest
 
 from coderai.contracts import BusError, ChatJob, Chunk, ErrorReply, Final, Frame, KeepAlive, decode
 from coderai.contracts.subjects import Subject
 from coderai.runtime.bus import Bus, FrameWriter
-
-
-@pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
 
 
 def _subject(unique: str) -> Subject:
@@ -42,6 +34,17 @@ async def _frames(stream) -> list:
 
 async def _ask(bus: Bus, subj: Subject, job: ChatJob, model: str = "m") -> list:
     return await _frames(await bus.open_stream(subj, job, idle_timeout_s=10, model=model))
+
+
+def _recording(ran: list[str], answer: bool = True):
+    """A handler that notes each job it runs (and answers it with a Final unless `answer` is false)."""
+
+    async def handler(job: ChatJob, w: FrameWriter, _m) -> None:
+        ran.append(job.request_id)
+        if answer:
+            await w.send(Final(seq=w.next_seq(), engine_id="e"))
+
+    return handler
 
 
 class Tasks:
@@ -95,9 +98,7 @@ async def test_a_malformed_job_is_a_bad_request(bus, unique):
     subj = _subject(unique)
     ran: list[str] = []
 
-    async def handler(job: ChatJob, w: FrameWriter, _m) -> None:
-        ran.append(job.request_id)
-
+    handler = _recording(ran, answer=False)
     await bus.serve_stream(subj, handler, spawn=Tasks())
     for payload in (b"not json", b'{"request_id": "r"}'):  # not JSON; JSON but not a chat job
         stream, reply = await bus.expect_stream(10)
@@ -110,12 +111,7 @@ async def test_a_malformed_job_is_a_bad_request(bus, unique):
 async def test_a_job_for_another_sender_is_forbidden(bus, unique):
     subj = _subject(unique)
     ran: list[str] = []
-
-    async def handler(job: ChatJob, w: FrameWriter, _m) -> None:
-        ran.append(job.request_id)
-        await w.send(Final(seq=w.next_seq(), engine_id="e"))
-
-    await bus.serve_stream(subj, handler)
+    await bus.serve_stream(subj, _recording(ran))
     frames = await _ask(bus, subj, _job("r", model="m"), model="other")  # the subject says `other`, the job `m`
     assert len(frames) == 1 and frames[0].code == "forbidden" and frames[0].seq == 1
     assert ran == []
@@ -159,9 +155,7 @@ async def test_a_spawn_that_refuses_answers_its_error_and_never_runs_the_job(bus
     def refuse(coro) -> None:
         raise BusError("busy", "full", retryable=True)
 
-    async def handler(job: ChatJob, w: FrameWriter, _m) -> None:
-        ran.append(job.request_id)
-
+    handler = _recording(ran, answer=False)
     await bus.serve_stream(subj, handler, spawn=refuse)
     frames = await _ask(bus, subj, _job())
     assert len(frames) == 1 and (frames[0].code, frames[0].retryable, frames[0].seq) == ("busy", True, 1)
@@ -171,12 +165,7 @@ async def test_a_spawn_that_refuses_answers_its_error_and_never_runs_the_job(bus
 async def test_a_job_without_a_reply_subject_is_dropped(bus, unique):
     subj = _subject(unique)
     ran: list[str] = []
-
-    async def handler(job: ChatJob, w: FrameWriter, _m) -> None:
-        ran.append(job.request_id)
-        await w.send(Final(seq=w.next_seq(), engine_id="e"))
-
-    await bus.serve_stream(subj, handler)  # inline: jobs in arrival order, so the second's answer follows the first
+    await bus.serve_stream(subj, _recording(ran))  # inline: jobs in arrival order, so the second's answer follows the first
     await bus.publish(subj, _job("no-reply"), model="m")
     assert isinstance((await _ask(bus, subj, _job("answered")))[-1], Final)
     assert ran == ["answered"]

@@ -17,10 +17,9 @@ from coderai.catalog.errors import CatalogError, MissingExtra, NotFound
 from coderai.catalog.jobs import PullJobs
 from coderai.catalog.pull import hub
 from coderai.catalog.store import ModelStore
-from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import AdminController, Gateway
 
 
 class _Pull(msgspec.Struct, forbid_unknown_fields=True):
@@ -52,10 +51,9 @@ def _job_or_404(fn: Callable[[str], Any], job_id: str) -> Response:
         raise ApiError(404, str(exc), code="job_not_found", param="job") from None
 
 
-class CatalogController(GatewayController):
+class CatalogController(AdminController):
     path = "/admin/models"
     pulls: Pulls
-    before_request = admin_guard
 
     @post("/pull", status_code=202)
     async def start_pull(self, request: Request) -> Response:

@@ -16,10 +16,9 @@ from litestar.params import FromPath
 from coderai.accounts.keys import ApiKey, KeyError_, KeyStore, public
 from coderai.accounts.usage import FIELDS as USAGE_FIELDS
 from coderai.accounts.usage import read as read_usage
-from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import AdminController, Gateway
 
 Period = Literal["hour", "day", "week", "month"]
 
@@ -56,9 +55,7 @@ async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response
         raise ApiError(404, str(exc), code="key_not_found") from None
 
 
-class KeysController(GatewayController):
-    path = "/admin"
-    before_request = admin_guard
+class KeysController(AdminController):
 
     @post("/keys", status_code=201)
     async def create_key(self, request: Request) -> Response:

@@ -12,10 +12,9 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, Subject, check_token
-from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import AdminController, Gateway
 
 
 async def ask(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Any:
@@ -44,9 +43,7 @@ class _Target(msgspec.Struct, forbid_unknown_fields=True):
     node: str
 
 
-class NodesController(GatewayController):
-    path = "/admin"
-    before_request = admin_guard
+class NodesController(AdminController):
 
     @get("/nodes")
     async def nodes(self) -> Response:

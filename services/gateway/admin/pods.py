@@ -10,10 +10,9 @@ from coderai.accounts.pod_money import PodMoney
 from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
 from coderai.contracts.subjects import CMD_BROKER_LEASE, CMD_BROKER_STATUS
 from coderai.gateway.admin.nodes import ask, relay
-from coderai.gateway.auth import admin_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import AdminController
 
 PERIODS = ("hour", "day", "week", "month")
 
@@ -24,9 +23,7 @@ class _Lease(msgspec.Struct, forbid_unknown_fields=True):
     ttl: float
 
 
-class PodsController(GatewayController):
-    path = "/admin"
-    before_request = admin_guard
+class PodsController(AdminController):
 
     @get("/pods")
     async def pods(self) -> Response:

@@ -13,13 +13,13 @@ from litestar.response import Stream
 from msgspec import Meta
 
 from coderai.contracts import Chunk, DiarizeJob, Final, SpeechJob, TranscribeJob
-from coderai.gateway.auth import Caller, inference_guard
+from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import Form, NonEmpty, blob, read_form
 from coderai.gateway.pipeline import Call, answer, relay_stream
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import Gateway, InferenceController
 
 AUDIO_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
                "pcm": "audio/pcm"}
@@ -36,9 +36,8 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     stream_format: Literal["audio", "sse"] | None = None
 
 
-class AudioController(GatewayController):
+class AudioController(InferenceController):
     path = "/v1/audio"
-    before_request = inference_guard
 
     @post("/speech", status_code=200)
     async def speech(self, request: Request) -> Stream:

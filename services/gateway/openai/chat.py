@@ -11,7 +11,7 @@ from litestar.response import Stream
 
 from coderai.contracts import Final, RouteRequest
 from coderai.gateway import affinity
-from coderai.gateway.auth import Caller, inference_guard
+from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import (
     PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json, until_disconnect,
@@ -25,11 +25,10 @@ from coderai.gateway.openai.chat_types import (
     include_usage,
 )
 from coderai.gateway.pipeline import Call, answer, relay_stream
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import InferenceController
 
 
-class ChatController(GatewayController):
-    before_request = inference_guard
+class ChatController(InferenceController):
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(self, request: Request) -> Response | Stream:

@@ -10,13 +10,12 @@ from litestar import Request, Response, post
 from msgspec import Meta
 
 from coderai.contracts import EmbedJob, RerankJob
-from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import NonEmpty
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import InferenceController
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -50,8 +49,7 @@ def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
     return EmbedJob(request_id=request_id, model=req.model, input=texts, dimensions=req.dimensions)  # type: ignore[arg-type]
 
 
-class EmbeddingsController(GatewayController):
-    before_request = inference_guard
+class EmbeddingsController(InferenceController):
 
     @post("/v1/embeddings", status_code=200)
     async def embeddings(self, request: Request) -> Response:

@@ -16,11 +16,11 @@ from litestar.params import FromPath
 from coderai.contracts import encode
 from coderai.contracts.topology import FILES, FINETUNE
 from coderai.contracts.training import FileRecord, FineTuneJob
-from coderai.gateway.auth import Caller, inference_guard
+from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, query_int
 from coderai.gateway.openai.forms import read_form
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import Gateway, InferenceController
 from coderai.runtime.kv import read_all
 from coderai.training_data import BadTrainingFile, parse_examples
 
@@ -98,10 +98,9 @@ class Records:
         return job
 
 
-class FilesController(GatewayController):
+class FilesController(InferenceController):
     path = "/v1/files"
     records: Records
-    before_request = inference_guard
 
     @post("/", status_code=200)
     async def upload(self, request: Request) -> Response:

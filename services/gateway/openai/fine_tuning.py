@@ -18,11 +18,10 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
 from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, Hyperparameters
-from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
 from coderai.gateway.openai.files import Records, mine, page
-from coderai.gateway.state import Gateway, GatewayController
+from coderai.gateway.state import Gateway, InferenceController
 
 
 class JobRequest(msgspec.Struct, kw_only=True):
@@ -123,10 +122,9 @@ def events_page(job: FineTuneJob, after: str | None, limit: int) -> dict[str, An
     return {"object": "list", "data": data, "has_more": len(events) > limit}
 
 
-class FineTuningController(GatewayController):
+class FineTuningController(InferenceController):
     path = "/v1/fine_tuning/jobs"
     records: Records
-    before_request = inference_guard
 
     @post("/", status_code=200)
     async def create(self, request: Request) -> Response:

@@ -12,12 +12,11 @@ from litestar.params import FromPath
 from msgspec import Meta
 
 from coderai.contracts import Blob, ImageJob
-from coderai.gateway.auth import inference_guard
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai.forms import NonEmpty, blob, parse_size, read_form
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import GatewayController, InferenceController
 from coderai.runtime.blobs import BlobMissing
 
 MEDIA_TYPES = {"png": "image/png", "mp4": "video/mp4"}
@@ -38,8 +37,7 @@ class ImageRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-class ImagesController(GatewayController):
-    before_request = inference_guard
+class ImagesController(InferenceController):
 
     @post("/v1/images/generations", status_code=200)
     async def generations(self, request: Request) -> Response:

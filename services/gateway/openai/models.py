@@ -9,9 +9,8 @@ from litestar.params import FromPath
 
 from coderai.contracts import ModelConfig
 from coderai.contracts.ops import kind_of
-from coderai.gateway.auth import inference_guard
 from coderai.gateway.http import json_response
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import InferenceController
 
 
 def model_json(m: ModelConfig) -> dict[str, Any]:
@@ -22,9 +21,8 @@ def model_json(m: ModelConfig) -> dict[str, Any]:
             "engine": m.engine}
 
 
-class ModelsController(GatewayController):
+class ModelsController(InferenceController):
     path = "/v1/models"
-    before_request = inference_guard
 
     @get("/")
     async def list_models(self) -> Response:

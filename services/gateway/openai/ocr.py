@@ -5,16 +5,14 @@ from __future__ import annotations
 from litestar import Request, Response, post
 
 from coderai.contracts import OcrJob
-from coderai.gateway.auth import inference_guard
 from coderai.gateway.http import json_response, new_request_id
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import blob, read_form
 from coderai.gateway.pipeline import Call, answer
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import InferenceController
 
 
-class OcrController(GatewayController):
-    before_request = inference_guard
+class OcrController(InferenceController):
 
     @post("/v1/ocr", status_code=200)
     async def ocr(self, request: Request) -> Response:

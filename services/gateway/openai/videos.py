@@ -20,11 +20,11 @@ from msgspec import Meta
 
 from coderai.contracts import Blob, RequestId, VideoJob
 from coderai.contracts.topology import BLOBS
-from coderai.gateway.auth import Caller, inference_guard
+from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai.forms import Form, NonEmpty, parse_size, read_form
-from coderai.gateway.state import GatewayController
+from coderai.gateway.state import InferenceController
 from coderai.gateway.video.records import STALE_S, VideoRecord
 from coderai.gateway.video.takeover import VideoJobs
 from coderai.runtime.blobs import BlobMissing
@@ -93,10 +93,9 @@ def _from_form(form: Form) -> VideoRequest:
     )
 
 
-class VideosController(GatewayController):
+class VideosController(InferenceController):
     path = "/v1/videos"
     videos: VideoJobs
-    before_request = inference_guard
 
     @post("/", status_code=200)
     async def create(self, request: Request) -> Response:

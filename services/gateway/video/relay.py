@@ -26,16 +26,7 @@ from coderai.contracts import (
 )
 from coderai.contracts.media import VideoJob
 from coderai.contracts.models import ModelConfig
-from coderai.contracts.stages import (
-    Handoff,
-    Stage,
-    StageDone,
-    StageFrame,
-    StageJob,
-    StagePlan,
-    StagePlanRequest,
-    StageRun,
-)
+from coderai.contracts.stages import Handoff, Stage, StageDone, StageFrame, StageJob, StagePlan, StagePlanRequest, StageRun
 from coderai.contracts.subjects import CMD_SCHEDULER_STAGES, ENGINE_STAGE
 from coderai.gateway.auth import Caller
 from coderai.gateway.pipeline import Call
