@@ -37,6 +37,7 @@ from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
 
 log = logging.getLogger("coderai.engine_worker")
+EARLY_CANCELS = 1024  # cancels kept for jobs not arrived yet
 
 
 def engine_id_for(node_id: str, model: str) -> str:
@@ -62,6 +63,9 @@ class EngineHost:
         self.engine: Engine | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.name}")
         self._cancels: dict[str, CancelFlag] = {}
+        # cancels that came before their job: the job and its cancel arrive on different subscriptions, so a
+        # client that leaves at once can be heard before its job (bounded: oldest forgotten first)
+        self._early_cancels: dict[str, None] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task] = set()
         self.blobs = BlobProxy(bus)  # a node reaches blobs only through the gateway's blob service, by name
@@ -224,9 +228,13 @@ class EngineHost:
 
     async def _on_cancel(self, req: CancelJob, _m: Any) -> None:
         flag = self._cancels.get(req.request_id)
-        if flag is not None:
-            log.info("cancel", extra={"request_id": req.request_id})
-            flag.set()
+        if flag is None:
+            if len(self._early_cancels) >= EARLY_CANCELS:
+                self._early_cancels.pop(next(iter(self._early_cancels)))
+            self._early_cancels[req.request_id] = None
+            return
+        log.info("cancel", extra={"request_id": req.request_id})
+        flag.set()
 
     async def _run(self, op: str, job: Any, writer: FrameWriter, headers: dict[str, str],
                    give_back: bool = False) -> str:
@@ -242,6 +250,10 @@ class EngineHost:
                 "coderai.stream": job.stream,
             })
         flag = self._cancels[job.request_id] = CancelFlag()
+        if self._early_cancels and job.request_id in self._early_cancels:  # its caller left before it came
+            del self._early_cancels[job.request_id]
+            log.info("cancel", extra={"request_id": job.request_id})
+            flag.set()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         t0 = time.monotonic()

@@ -9,10 +9,10 @@ import asyncio
 import msgspec
 import pytest
 
-from coderai.contracts import ChatJob, Chunk, ErrorReply, Final, Frame, ModelConfig, SamplingParams, decode
+from coderai.contracts import CancelJob, ChatJob, Chunk, ErrorReply, Final, Frame, ModelConfig, SamplingParams, decode
 from coderai.contracts.media import VideoJob
 from coderai.contracts.stages import SchedulerState, Stage, StageDone, StageFrame, StageJob
-from coderai.contracts.subjects import ENGINE_CHAT, ENGINE_STAGE
+from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, ENGINE_STAGE
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.host import EngineHost
 from coderai.runtime.blobs import BlobService, BlobStore
@@ -61,6 +61,17 @@ async def test_a_chat_job_streams_chunks_then_its_final(bus, host):
     assert isinstance(final, Final) and final.engine_id == host.engine_id and final.usage.completion_tokens == 3
     await wait_for(lambda: host.in_flight == 0 and not host._tasks, 10, what="the job to finish")
     assert host.served == 1
+
+
+async def test_a_cancel_heard_before_its_job_still_cancels_it(bus, host):
+    """The job and its cancel come on different subscriptions: a client that leaves at once may be heard first."""
+    await bus.publish(ENGINE_CANCEL, CancelJob(request_id="early"), node_id=host.node_id, engine_id=host.engine_id)
+    await wait_for(lambda: "early" in host._early_cancels, 10, what="the worker to hear the cancel")
+    frames = await _chat(bus, host, "early", stream=False)
+    assert isinstance(frames[-1], Final) and frames[-1].usage.completion_tokens == 0  # it never ran
+    assert "early" not in host._early_cancels
+    frames = await _chat(bus, host, "later", stream=False)  # the next job is not touched
+    assert frames[-1].usage.completion_tokens == 3
 
 
 async def test_a_malformed_job_is_a_bad_request(bus, host):
