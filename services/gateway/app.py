@@ -24,6 +24,7 @@ from coderai.gateway.openai.fine_tuning import FineTuningController
 from coderai.gateway.openai.images import BlobsController, ImagesController
 from coderai.gateway.openai.models import ModelsController
 from coderai.gateway.openai.ocr import OcrController
+from coderai.gateway.ollama import OllamaController
 from coderai.gateway.openai.videos import VideosController
 from coderai.gateway.settings import GatewaySettings
 from coderai.gateway.state import Gateway, GatewayController
@@ -38,7 +39,7 @@ log = logging.getLogger("coderai.gateway")
 CONTROLLERS: list[type[GatewayController]] = [
     ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
     OcrController, VideosController, FilesController, FineTuningController,
-    NodesController, KeysController, PodsController, CatalogController, MetricsController,
+    OllamaController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
 ]
 
 

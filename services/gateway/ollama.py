@@ -1,0 +1,273 @@
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/ps`, `/api/show`, `/api/version`), so
+the `ollama` client, Open WebUI's Ollama connection and every Ollama integration work against coderai: the same
+pipeline as the OpenAI endpoints, answers streamed as NDJSON (Ollama's default) or whole. The key goes in the
+`Authorization` header, as the clients send it when given one."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import struct
+import time
+from functools import partial
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, ModelConfig, RequestId, SamplingParams
+from coderai.contracts.ops import kind_of
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
+from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.state import InferenceController
+
+VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate features on it)
+NDJSON = "application/x-ndjson"
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] | None = None
+    format: Any = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: Any = None
+    think: Any = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    format: Any = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: Any = None
+
+
+class EmbedRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | list[str]
+    truncate: bool | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+    dimensions: int | None = None
+
+
+class ShowRequest(msgspec.Struct, kw_only=True):
+    model: str = ""
+    name: str = ""  # older clients
+
+
+def params(options: dict[str, Any] | None) -> SamplingParams:
+    """Ollama's `options` in the OpenAI names the engines take; options without an equivalent are ignored."""
+    o = options or {}
+    stop = o.get("stop") or []
+    try:
+        return SamplingParams(
+            max_tokens=o.get("num_predict") if (o.get("num_predict") or 0) > 0 else None,
+            temperature=o.get("temperature"), top_p=o.get("top_p"), seed=o.get("seed"),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            presence_penalty=o.get("presence_penalty"), frequency_penalty=o.get("frequency_penalty"))
+    except (TypeError, msgspec.ValidationError) as exc:
+        raise ApiError(400, f"Invalid options: {exc}", param="options", code="invalid_request") from None
+
+
+def response_format(fmt: Any) -> dict[str, Any] | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):  # a JSON schema
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
+    raise ApiError(400, "format is \"json\" or a JSON schema.", param="format", code="invalid_request")
+
+
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama messages as OpenAI's: `images` (base64) become image parts, tool calls' arguments JSON text."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.get("role", "user"), "content": m.get("content") or ""}
+        if m.get("images"):
+            msg["content"] = [{"type": "text", "text": msg["content"]}] + [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in m["images"]]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments") or {})}}
+                for i, c in enumerate(m["tool_calls"])]
+        if m.get("role") == "tool" and m.get("tool_name"):
+            msg["name"] = m["tool_name"]
+        out.append(msg)
+    return out
+
+
+def ollama_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = {"arguments": fn.get("arguments")}
+        out.append({"function": {"name": fn.get("name", ""), "arguments": args}})
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _done(call: Call, final: Final, reason: str | None) -> dict[str, Any]:
+    """What Ollama's last object carries: why it stopped, the token counts and the durations in nanoseconds."""
+    total = int((time.monotonic() - call.started) * 1e9)
+    first = int((call.ttft_s or 0) * 1e9)
+    return {"done": True, "done_reason": reason or "stop", "total_duration": total, "load_duration": 0,
+            "prompt_eval_count": final.usage.prompt_tokens, "prompt_eval_duration": first,
+            "eval_count": final.usage.completion_tokens, "eval_duration": max(0, total - first)}
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return msgspec.json.encode(obj) + b"\n"
+
+
+def _chat_piece(model: str, frame: Chunk) -> bytes:
+    delta = frame.delta or {}
+    return _line({"model": model, "created_at": _now(), "message": {"role": "assistant",
+                  "content": delta.get("content") or "", **({"thinking": delta["reasoning_content"]}
+                                                           if delta.get("reasoning_content") else {})},
+                  "done": False})
+
+
+def _generate_piece(model: str, frame: Chunk) -> bytes:
+    delta = frame.delta or {}
+    return _line({"model": model, "created_at": _now(), "response": frame.text or delta.get("content") or "",
+                  "done": False})
+
+
+def model_json(m: ModelConfig) -> dict[str, Any]:
+    """One model in `/api/tags` and `/api/ps`: coderai's name as Ollama's, what little of the rest is known."""
+    return {"name": m.name, "model": m.name, "modified_at": _now(), "size": 0,
+            "digest": hashlib.sha256(m.name.encode()).hexdigest(),
+            "details": {"format": "gguf" if m.engine in ("llama", "llama-server") else m.engine, "family": m.engine,
+                        "families": [m.engine], "parameter_size": "", "quantization_level": ""}}
+
+
+def _ollama_error(_: Request, exc: ApiError) -> Response:
+    """Ollama's error shape, `{"error": "<message>"}`, with the same status (and Retry-After) as the OpenAI routes."""
+    return Response(content=msgspec.json.encode({"error": exc.message}), status_code=exc.status,
+                    media_type="application/json", headers=exc.headers)
+
+
+class OllamaController(InferenceController):
+    path = "/api"
+    exception_handlers = {ApiError: _ollama_error}
+
+    @get("/version")
+    async def version(self) -> Response:
+        return json_response({"version": VERSION})
+
+    @get("/tags")
+    async def list_tags(self) -> Response:  # not `tags`: that is a litestar Controller setting
+        return json_response({"models": [model_json(m) for m in sorted(self.gw.catalog.models.values(),
+                                                                        key=lambda m: m.name)]})
+
+    @get("/ps")
+    async def ps(self) -> Response:
+        models = [{**model_json(m), "expires_at": None, "size_vram": 0}
+                  for m in sorted(self.gw.catalog.models.values(), key=lambda m: m.name)]
+        return json_response({"models": models})
+
+    @post("/show", status_code=200)
+    async def show(self, request: Request) -> Response:
+        req = await read_json(request, ShowRequest)
+        cfg = self.gw.model(req.model or req.name)
+        caps = sorted({"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in cfg.serves()})
+        info = model_json(cfg)
+        return json_response({"modelfile": "", "parameters": "", "template": "", "details": info["details"],
+                              "model_info": {"general.architecture": cfg.engine}, "capabilities": caps,
+                              "modified_at": info["modified_at"]})
+
+    @post("/chat", status_code=200)
+    async def chat(self, request: Request) -> Response | Stream:
+        req = await read_json(request, ChatRequest)
+        job = ChatJob(request_id=RequestId(new_request_id()), model=req.model, messages=openai_messages(req.messages),
+                      params=params(req.options), tools=req.tools or None, stream=req.stream and not req.tools,
+                      response_format=response_format(req.format))
+        call = Call(self.gw, self.caller(request), "chat", job)
+        if not job.stream:  # tool calls come whole in Ollama's answer: a streamed one asks for them at the end
+            final = await answer(call, request)
+            choice = final.choices[0] if final.choices else None
+            message = dict(choice.message or {}) if choice else {}
+            body = {"model": req.model, "created_at": _now(),
+                    "message": {"role": "assistant", "content": message.get("content") or "",
+                                **({"tool_calls": t} if (t := ollama_tool_calls(message.get("tool_calls"))) else {})},
+                    **_done(call, final, choice.finish_reason if choice else None)}
+            if not req.stream:
+                return json_response(body, headers=call.response_headers())
+            return Stream(iter([_line(body)]), media_type=NDJSON, headers=call.response_headers())
+        return await _stream(call, request, partial(_chat_piece, req.model),
+                             lambda final: {"model": req.model, "created_at": _now(),
+                                            "message": {"role": "assistant", "content": ""}})
+
+    @post("/generate", status_code=200)
+    async def generate(self, request: Request) -> Response | Stream:
+        req = await read_json(request, GenerateRequest)
+        rid = RequestId(new_request_id())
+        if req.raw:
+            job: Any = CompletionJob(request_id=rid, model=req.model, prompt=req.prompt, params=params(req.options),
+                                     stream=req.stream)
+            op = "complete"
+        else:
+            messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+                {"role": "user", "content": req.prompt}]
+            job = ChatJob(request_id=rid, model=req.model, messages=messages, params=params(req.options),
+                          stream=req.stream, response_format=response_format(req.format))
+            op = "chat"
+        call = Call(self.gw, self.caller(request), op, job)
+        if not req.stream:
+            final = await answer(call, request)
+            choice = final.choices[0] if final.choices else None
+            text = (choice.text if op == "complete" else (choice.message or {}).get("content")) if choice else ""
+            return json_response({"model": req.model, "created_at": _now(), "response": text or "",
+                                  **_done(call, final, choice.finish_reason if choice else None)},
+                                 headers=call.response_headers())
+        return await _stream(call, request, partial(_generate_piece, req.model),
+                             lambda final: {"model": req.model, "created_at": _now(), "response": ""})
+
+    @post("/embed", status_code=200)
+    async def embed(self, request: Request) -> Response:
+        req = await read_json(request, EmbedRequest)
+        texts = [req.input] if isinstance(req.input, str) else list(req.input)
+        if not texts or any(not t for t in texts):
+            raise ApiError(400, "'input' must be text, or a list of texts, none of them empty.", param="input",
+                           code="invalid_value")
+        job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=texts, dimensions=req.dimensions)
+        call = Call(self.gw, self.caller(request), "embed", job)
+        final = await answer(call, request)
+        out = final.output
+        row = out.dim * 4
+        vectors = [list(struct.unpack(f"<{out.dim}f", out.vectors[i * row:(i + 1) * row])) for i in range(out.count)]
+        return json_response({"model": req.model, "embeddings": vectors,
+                              "total_duration": int((time.monotonic() - call.started) * 1e9), "load_duration": 0,
+                              "prompt_eval_count": final.usage.prompt_tokens}, headers=call.response_headers())
+
+
+async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream:
+    """NDJSON: an object per piece, then one with `done` and the counts; an engine failure mid-stream is a last
+    `{"error": ...}` line, as Ollama writes it."""
+    await call.admit()
+    first = await until_disconnect(request, call.open())
+
+    async def final(frame: Final) -> bytes:
+        reason = frame.choices[0].finish_reason if frame.choices else None
+        return _line({**head(frame), **_done(call, frame, reason)})
+
+    pieces = relay_stream(call, first, chunk, final, error=lambda err: _line({"error": err.message}))
+    return Stream(pieces, media_type=NDJSON, headers=call.response_headers())
