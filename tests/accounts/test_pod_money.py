@@ -31,9 +31,13 @@ def money(r, unique) -> PodMoney:
 
 
 async def shuffle_yield(rng: random.Random) -> None:
-    """Give the loop to other tasks a random number of times (no clock involved), to vary the interleaving."""
+    """Give the loop to other tasks a random number of times (no clock involved), to vary the interleaving: each
+    turn awaits a future the loop resolves on its next pass, after the tasks already ready have run."""
+    loop = asyncio.get_running_loop()
     for _ in range(rng.randrange(4)):
-        await asyncio.sleep(0)
+        turn = loop.create_future()
+        loop.call_soon(turn.set_result, None)
+        await turn
 
 
 async def test_reserve_open_extend_book(money):
