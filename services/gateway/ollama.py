@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import struct
 import time
 from functools import partial
 from typing import Any
@@ -21,6 +20,7 @@ from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, Mo
 from coderai.contracts.ops import kind_of
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
+from coderai.gateway.openai import formats
 from coderai.gateway.pipeline import Call, answer, relay_stream
 from coderai.gateway.state import InferenceController
 
@@ -251,10 +251,7 @@ class OllamaController(InferenceController):
         job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=texts, dimensions=req.dimensions)
         call = Call(self.gw, self.caller(request), "embed", job)
         final = await answer(call, request)
-        out = final.output
-        row = out.dim * 4
-        vectors = [list(struct.unpack(f"<{out.dim}f", out.vectors[i * row:(i + 1) * row])) for i in range(out.count)]
-        return json_response({"model": req.model, "embeddings": vectors,
+        return json_response({"model": req.model, "embeddings": formats.vectors(final.output),
                               "total_duration": int((time.monotonic() - call.started) * 1e9), "load_duration": 0,
                               "prompt_eval_count": final.usage.prompt_tokens}, headers=call.response_headers())
 

@@ -19,18 +19,22 @@ from coderai.contracts import (
 )
 
 
+def rows(result: EmbedResult) -> list[bytes]:
+    """Each vector's float32 little-endian bytes, in input order."""
+    row = result.dim * 4
+    return [result.vectors[i * row:(i + 1) * row] for i in range(result.count)]
+
+
+def vectors(result: EmbedResult) -> list[list[float]]:
+    return [list(struct.unpack(f"<{result.dim}f", raw)) for raw in rows(result)]
+
+
 def embeddings(result: EmbedResult, model: str, encoding_format: str, usage: Usage) -> dict[str, Any]:
     """`/v1/embeddings`: float lists, or base64 of each vector's float32 little-endian bytes (what the openai
     SDK asks for by default and decodes with numpy)."""
-    row = result.dim * 4
-    data = []
-    for i in range(result.count):
-        raw = result.vectors[i * row:(i + 1) * row]
-        if encoding_format == "base64":
-            vec: Any = base64.b64encode(raw).decode()
-        else:
-            vec = list(struct.unpack(f"<{result.dim}f", raw))
-        data.append({"object": "embedding", "index": i, "embedding": vec})
+    vecs: list[Any] = ([base64.b64encode(raw).decode() for raw in rows(result)] if encoding_format == "base64"
+                       else vectors(result))
+    data = [{"object": "embedding", "index": i, "embedding": vec} for i, vec in enumerate(vecs)]
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
 
