@@ -36,7 +36,11 @@ VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: 
 
 FINETUNE = BucketSpec("coderai_finetune", description="fine-tuning: uploaded file records (file-*) and jobs (ftjob-*)")
 
-BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS, FINETUNE)
+RESPONSES = BucketSpec("coderai_responses", ttl_s=30 * 24 * 3600,
+                       description="stored Responses API responses (resp_*): owner, response, conversation")
+"""Written and read by the gateway only: no node's rights name it."""
+
+BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS, FINETUNE, RESPONSES)
 
 BLOBS = BucketSpec("coderai_blobs", ttl_s=3600, description="large payloads: uploads, images, audio, video")
 """An object store, not a KV bucket: messages carry a `Blob` naming an object here instead of the bytes."""
