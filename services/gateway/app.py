@@ -25,6 +25,7 @@ from coderai.gateway.openai.images import BlobsController, ImagesController
 from coderai.gateway.openai.models import ModelsController
 from coderai.gateway.openai.ocr import OcrController
 from coderai.gateway.ollama import OllamaController
+from coderai.gateway.anthropic import AnthropicController
 from coderai.gateway.openai.videos import VideosController
 from coderai.gateway.settings import GatewaySettings
 from coderai.gateway.state import Gateway, GatewayController
@@ -38,7 +39,7 @@ log = logging.getLogger("coderai.gateway")
 
 CONTROLLERS: list[type[GatewayController]] = [
     ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
-    OcrController, VideosController, FilesController, FineTuningController,
+    OcrController, VideosController, FilesController, FineTuningController, AnthropicController,
     OllamaController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
 ]
 

@@ -67,10 +67,14 @@ CALLER = "coderai.caller"  # where a guard leaves the caller, in the request's A
 
 
 def _authorization(scope: Scope) -> str | None:
+    """The `Authorization` header; else an `x-api-key` (the Anthropic SDK's) as its Bearer key. One scan."""
+    api_key = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             return value.decode("latin-1")
-    return None
+        if name == b"x-api-key":
+            api_key = value
+    return None if api_key is None else "Bearer " + api_key.decode("latin-1")
 
 
 def _guard(needed: str) -> Callable[[Request], Awaitable[None]]:

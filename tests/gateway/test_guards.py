@@ -44,6 +44,8 @@ def test_every_route_but_the_open_ones_wants_a_key(client):
         error = r.json()["error"]
         if path.startswith("/api/"):  # Ollama's routes answer in Ollama's error shape
             assert "API key" in error
+        elif path.startswith("/v1/messages"):  # Anthropic's routes in Anthropic's
+            assert error["type"] == "authentication_error"
         else:
             assert error["code"] == "invalid_api_key"
 

@@ -1,0 +1,306 @@
+"""Anthropic's Messages API at the edge: its request types, their translation into a `ChatJob` (OpenAI-shaped
+messages and tools, what every engine reads), and the engine's answer shaped back into Anthropic's message.
+
+Pure functions, no I/O. Lenient on unknown fields (Claude Code sends betas: `cache_control`, `context_management`,
+...), strict on the ones read. Tool use ids: an engine's tool call id `x` is `toolu_x` to the client, and a
+`toolu_x` coming back (in `tool_use` and `tool_result` blocks) is `x` again, so a round trip hands the engine the
+ids it made.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from coderai.contracts import ChatJob, Choice, RequestId, SamplingParams, Usage
+from coderai.gateway.errors import ApiError
+
+PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Prob = Annotated[float, Meta(ge=0, le=1)]
+TOOL_ID_PREFIX = "toolu_"
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/messages`, fields in the order of Anthropic's reference. `max_tokens` is required there too."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    max_tokens: PositiveInt
+    metadata: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    system: str | list[dict[str, Any]] | None = None
+    temperature: Prob | None = None
+    thinking: dict[str, Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_k: int | None = None  # no engine takes it through the job: ignored
+    top_p: Prob | None = None
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def tool_use_id(call_id: str | None) -> str:
+    """The id the client sees for an engine's tool call (a fresh one when the engine gave none)."""
+    if not call_id:
+        return TOOL_ID_PREFIX + secrets.token_hex(12)
+    return call_id if call_id.startswith(TOOL_ID_PREFIX) else TOOL_ID_PREFIX + call_id
+
+
+def engine_call_id(use_id: str) -> str:
+    """The engine's id again, for a `tool_use` or `tool_result` the client sends back."""
+    return use_id[len(TOOL_ID_PREFIX):] if use_id.startswith(TOOL_ID_PREFIX) else use_id
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or a list of text blocks (system prompts, tool results), as one string."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for j, b in enumerate(value):
+            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+                raise _bad(f"{where}[{j}] must be a text block.", f"{where}[{j}]")
+            parts.append(b["text"])
+        return "\n".join(parts)
+    raise _bad(f"{where} must be a string or a list of text blocks.", where)
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as an OpenAI image part: base64 only. A URL is refused as chat refuses remote images: the
+    head would fetch any address any key names."""
+    src = block.get("source")
+    if not isinstance(src, dict):
+        raise _bad(f"{where}.source is required.", f"{where}.source")
+    if src.get("type") != "base64":
+        raise _bad(f"{where}.source must be base64 data; this server does not fetch images by URL or file id.",
+                   f"{where}.source", "invalid_image_url")
+    media, data = src.get("media_type"), src.get("data")
+    if not isinstance(media, str) or not isinstance(data, str) or not data:
+        raise _bad(f"{where}.source needs media_type and data.", f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
+def _tool_result(block: dict[str, Any], where: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A tool message, and the images of the result (they follow in a user message: a tool message is text)."""
+    use_id = block.get("tool_use_id")
+    if not isinstance(use_id, str) or not use_id:
+        raise _bad(f"{where}.tool_use_id is required.", f"{where}.tool_use_id")
+    content, images, texts = block.get("content"), [], []
+    if isinstance(content, list):
+        for j, b in enumerate(content):
+            if isinstance(b, dict) and b.get("type") == "image":
+                images.append(_image(b, f"{where}.content[{j}]"))
+            else:
+                texts.append(_text([b], f"{where}.content"))
+        content = "\n".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise _bad(f"{where}.content must be a string or a list of blocks.", f"{where}.content")
+    return {"role": "tool", "tool_call_id": engine_call_id(use_id), "content": content}, images
+
+
+def _user(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """One user turn: its tool results first (they answer the assistant's last tool calls), then its text and
+    images as one user message."""
+    tools: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image":
+            parts.append(_image(b, at))
+        elif kind == "tool_result":
+            msg, images = _tool_result(b, at)
+            tools.append(msg)
+            parts += images
+        elif kind == "document" and isinstance(b.get("source"), dict) and b["source"].get("type") == "text":
+            parts.append({"type": "text", "text": str(b["source"].get("data") or "")})
+        else:
+            raise _bad(f"{at}: a user message holds text, image, tool_result or text document blocks, not {kind!r}.",
+                       at)
+    if not parts:
+        return tools
+    if all(p["type"] == "text" for p in parts):
+        return tools + [{"role": "user", "content": "\n".join(p["text"] for p in parts)}]
+    return tools + [{"role": "user", "content": parts}]
+
+
+def _assistant(content: list[Any], where: str) -> dict[str, Any]:
+    """One assistant turn: its text, its tool calls (arguments as JSON text), its thinking as reasoning."""
+    texts, calls, thoughts = [], [], []
+    for j, b in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        elif kind == "tool_use":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                raise _bad(f"{at} needs an id and a name.", at)
+            calls.append({"id": engine_call_id(b["id"]), "type": "function",
+                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+        elif kind == "thinking":
+            thoughts.append(str(b.get("thinking") or ""))
+        elif kind != "redacted_thinking":  # opaque to anyone but Anthropic: dropped
+            raise _bad(f"{at}: an assistant message holds text, tool_use or thinking blocks, not {kind!r}.", at)
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    if thoughts:
+        msg["reasoning_content"] = "".join(thoughts)
+    return msg
+
+
+def openai_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Anthropic's system prompt and turns as OpenAI chat messages."""
+    out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role must be 'user' or 'assistant'.", f"{where}.role")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            out += _user(content, f"{where}.content") if role == "user" else [_assistant(content, f"{where}.content")]
+        else:
+            raise _bad(f"{where}.content must be a string or a list of blocks.", f"{where}.content")
+    return out
+
+
+def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Client tools as OpenAI function tools; Anthropic's server tools (web search, bash, ...) have no engine."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad(f"{where}.name is required.", f"{where}.name")
+        if t.get("type") not in (None, "custom") or not isinstance(t.get("input_schema"), dict):
+            raise _bad(f"{where}: only client tools (name, description, input_schema) are supported, not "
+                       f"Anthropic's server tools.", where, "unsupported_tool")
+        fn = {"name": t["name"], "parameters": t["input_schema"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def openai_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """(OpenAI's tool_choice, parallel_tool_calls) for Anthropic's `tool_choice`."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise _bad("tool_choice.type must be auto, any, none or tool (with a name).", "tool_choice")
+
+
+def thinking_options(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """Anthropic's `thinking` as the chat template switch reasoning models read (`enable_thinking`)."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise _bad("thinking.budget_tokens must be a positive integer.", "thinking.budget_tokens")
+        return {"chat_template_kwargs": {"enable_thinking": True}}
+    if kind == "adaptive":
+        return {"chat_template_kwargs": {"enable_thinking": True}}
+    if kind == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    raise _bad("thinking.type must be enabled, adaptive or disabled.", "thinking.type")
+
+
+def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str) -> ChatJob:
+    """The chat job of a Messages request. A token count is the same prompt answered with one token."""
+    counting = isinstance(req, CountTokensRequest)
+    tools = openai_tools(req.tools)
+    tool_choice, parallel = openai_tool_choice(req.tool_choice) if tools and not counting else (None, None)
+    if req.tool_choice and req.tool_choice.get("type") in ("any", "tool") and not tools:
+        raise _bad("tool_choice names tools, but no tools were given.", "tool_choice")
+    options = thinking_options(req.thinking)
+    if parallel is not None:
+        options["parallel_tool_calls"] = parallel
+    if counting:
+        params = SamplingParams(max_tokens=1, temperature=0)
+    else:
+        stops = req.stop_sequences or []
+        if not all(isinstance(s, str) and s for s in stops):
+            raise _bad("stop_sequences must be non-empty strings.", "stop_sequences")
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stops)
+    return ChatJob(request_id=RequestId(request_id), model=req.model, messages=openai_messages(req.system, req.messages),
+                   params=params, tools=tools, tool_choice=tool_choice, stream=False if counting else req.stream,
+                   options=options or None)
+
+
+def user_id(req: MessagesRequest) -> str | None:
+    """`metadata.user_id`: the affinity key chat takes from OpenAI's `user`."""
+    uid = (req.metadata or {}).get("user_id")
+    return uid if isinstance(uid, str) and uid else None
+
+
+def stop_reason(finish: str | None, tool_calls: bool = False) -> str:
+    return "tool_use" if tool_calls else STOP_REASONS.get(finish or "stop", "end_turn")
+
+
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """A tool call's JSON arguments as the `input` object (text that is no JSON object is kept whole)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def usage_json(u: Usage) -> dict[str, int]:
+    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
+
+
+def message_body(rid: str, model: str, choice: Choice | None, usage: Usage) -> dict[str, Any]:
+    """The whole answer as Anthropic's `message`: thinking, text, then tool_use blocks."""
+    msg = (choice.message if choice else None) or {}
+    content: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        text = msg["content"] if isinstance(msg["content"], str) else _text(msg["content"], "content")
+        content.append({"type": "text", "text": text})
+    calls = msg.get("tool_calls") or []
+    for c in calls:
+        fn = c.get("function") or {}
+        content.append({"type": "tool_use", "id": tool_use_id(c.get("id")), "name": fn.get("name", ""),
+                        "input": tool_input(fn.get("arguments"))})
+    return {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason(choice.finish_reason if choice else None, bool(calls)), "stop_sequence": None,
+            "usage": usage_json(usage)}
