@@ -1,0 +1,170 @@
+"""Stored responses (`store: true`): one record per response in the `coderai_responses` KV bucket, for 30 days.
+
+A record holds its owner (the key name), the response object as the client saw it last, the input items it was
+made from (for `input_items`) and the conversation as chat messages (output included), which is what a
+`previous_response_id` continues. Another key's record is as unknown as one that never was; an admin key sees all.
+Background responses also run here: as tasks of this gateway process, their record written as they go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+
+from coderai.contracts import encode
+from coderai.contracts.topology import RESPONSES
+from coderai.gateway.auth import Caller
+from coderai.gateway.errors import ApiError
+from coderai.gateway.openai.files import mine
+from coderai.gateway.openai.responses_types import new_id
+from coderai.gateway.state import Gateway
+
+log = logging.getLogger("coderai.gateway")
+
+
+class StoredResponse(msgspec.Struct, kw_only=True):
+    id: str
+    owner: str
+    created_at: float
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []  # the conversation without instructions, this response's output included
+
+
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as `input_items` lists them: each with an id and a type (a bare role message is a message)."""
+    out = []
+    for it in items:
+        it = {**it, "type": it.get("type") or "message"}
+        if it["type"] == "message" and isinstance(it.get("content"), str):
+            kind = "output_text" if it.get("role") == "assistant" else "input_text"
+            it["content"] = [{"type": kind, "text": it["content"]}]
+        if not it.get("id"):
+            prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+            it = {"id": new_id(prefix.get(it["type"], "item")), **it}
+        out.append(it)
+    return out
+
+
+def not_found(resp_id: str) -> ApiError:
+    return ApiError(404, f"No response with id '{resp_id}'.", param="response_id", code="not_found")
+
+
+class Responses:
+    """The bucket (bound once per process) and the background responses this process runs."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self._kv: Any = None
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    async def kv(self) -> Any:
+        if self._kv is None:
+            self._kv = await self.gw.bus.kv(RESPONSES)
+        return self._kv
+
+    async def _entry(self, resp_id: str) -> tuple[StoredResponse, int] | None:
+        from nats.js.errors import KeyNotFoundError
+
+        if not resp_id.startswith("resp_") or not resp_id[5:].isalnum():
+            return None
+        try:
+            entry = await (await self.kv()).get(resp_id)
+        except KeyNotFoundError:
+            return None
+        if entry is None or not entry.value:
+            return None
+        return msgspec.json.decode(entry.value, type=StoredResponse), entry.revision
+
+    async def get(self, who: Caller, resp_id: str) -> StoredResponse:
+        """The caller's stored response `resp_id`, else a 404."""
+        found = await self._entry(resp_id)
+        if found is None or not mine(who, found[0].owner):
+            raise not_found(resp_id)
+        return found[0]
+
+    async def prior(self, who: Caller, resp_id: str) -> StoredResponse:
+        """The response a `previous_response_id` continues; OpenAI's 400 previous_response_not_found if the caller
+        has none by that id (unknown, expired, deleted or another key's)."""
+        try:
+            rec = await self.get(who, resp_id)
+        except ApiError:
+            rec = None
+        if rec is None or rec.response.get("status") not in ("completed", "incomplete"):
+            raise ApiError(400, f"Previous response with id '{resp_id}' not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        return rec
+
+    async def put(self, rec: StoredResponse) -> None:
+        await (await self.kv()).put(rec.id, encode(rec))
+
+    async def update(self, resp_id: str, response: dict[str, Any], messages: list[dict[str, Any]] | None = None,
+                     *, unless_cancelled: bool = True) -> bool:
+        """Write a background response's new state, unless it was cancelled meanwhile (compare-and-set on the
+        revision, so a cancel from another gateway process is never overwritten). Whether it was written."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        for _ in range(5):
+            found = await self._entry(resp_id)
+            if found is None:
+                return False  # deleted meanwhile
+            rec, rev = found
+            if unless_cancelled and rec.response.get("status") == "cancelled":
+                return False
+            new = msgspec.structs.replace(rec, response=response, messages=messages or rec.messages)
+            try:
+                await (await self.kv()).update(resp_id, encode(new), last=rev)
+                return True
+            except KeyWrongLastSequenceError:
+                continue
+        return False
+
+    async def delete(self, who: Caller, resp_id: str) -> None:
+        await self.get(who, resp_id)
+        task = self.tasks.pop(resp_id, None)
+        if task is not None:
+            task.cancel()
+        await (await self.kv()).delete(resp_id)
+
+    def run(self, resp_id: str, work: Awaitable[None]) -> None:
+        """Run a background response's `work` as a task of this process (kept until done, cancellable)."""
+
+        async def guarded() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the outermost edge of a task nobody awaits
+                log.warning("background response %s failed: %s", resp_id, exc)
+            finally:
+                self.tasks.pop(resp_id, None)
+
+        self.tasks[resp_id] = asyncio.create_task(guarded())
+
+    async def cancel(self, who: Caller, resp_id: str) -> dict[str, Any]:
+        """Cancel a background response: its status becomes cancelled and its engine job stops (when it runs in
+        this process; in another, its result is dropped when it ends). Cancelling a finished one is a no-op."""
+        rec = await self.get(who, resp_id)
+        if not rec.response.get("background"):
+            raise ApiError(400, "Only a background response can be cancelled.", param="response_id",
+                           code="invalid_request")
+        if rec.response.get("status") not in ("queued", "in_progress"):
+            return rec.response
+        body = {**rec.response, "status": "cancelled", "completed_at": None}
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        found = await self._entry(resp_id)
+        if found is not None:
+            try:
+                await (await self.kv()).update(resp_id, encode(msgspec.structs.replace(found[0], response=body)),
+                                               last=found[1])
+            except KeyWrongLastSequenceError:  # it finished meanwhile: what it became
+                return (await self.get(who, resp_id)).response
+        task = self.tasks.pop(resp_id, None)
+        if task is not None:
+            task.cancel()
+        return body
