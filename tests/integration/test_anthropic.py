@@ -1,0 +1,139 @@
+"""Anthropic's Messages API with the official `anthropic` SDK against a real stack: the overfitted tool-calling
+GGUF (coderai.testing.tool_gguf) behind llama-server, a keys file, the key sent as the SDK sends it (`x-api-key`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
+from coderai.testing.stack import running_stack
+
+pytestmark = pytest.mark.slow
+KEY = "sk-anthropic-client-0123456789"
+MODEL = "tools-ls"
+WEATHER = [{"role": "user", "content": "what is the weather in Paris"}]
+HELLO = [{"role": "user", "content": "hello there"}]
+GREEDY = {"temperature": 0}  # this SDK leaves sampling out of its signature
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tool_gguf):
+    from coderai.engine_worker.engines.llama_server import find_binary
+
+    if find_binary() is None:
+        pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
+    keys = tmp_path_factory.mktemp("anthropic-keys") / "keys.toml"
+    write_keys(str(keys), [KeyRecord("claude", hash_key(KEY), ["inference"])])
+    models = [{"name": MODEL, "engine": "llama-server", "path": str(tool_gguf),
+               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}}]
+    with running_stack(tmp_path_factory.mktemp("anthropic"), models, gateway_args=("--api-keys-file", str(keys)),
+                       headers={"Authorization": f"Bearer {KEY}"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=stack.http_url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _tools():
+    from coderai.testing.tool_gguf import TOOL
+
+    fn = TOOL["function"]
+    return [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}]
+
+
+def _reply():
+    from coderai.testing.tool_gguf import REPLY
+
+    return REPLY
+
+
+def test_a_whole_message(client):
+    m = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, messages=HELLO)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == _reply()
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
+    assert m._request_id == m.id[len("msg_"):]  # the SDK reads the `request-id` header
+    # Claude Code's way: the beta route (`?beta=true`, `anthropic-beta`), system blocks with cache_control
+    beta = client.beta.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, betas=["context-1m-2025-08-07"],
+                                       system=[{"type": "text", "text": "You are a test model.",
+                                                "cache_control": {"type": "ephemeral"}}], messages=HELLO)
+    assert beta.content[0].text == _reply() and beta.stop_reason == "end_turn"
+
+
+def test_a_streamed_message_is_the_same_text(client):
+    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, messages=HELLO) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) > 1 and "".join(pieces) == _reply() == final.content[0].text
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0 and final.usage.input_tokens > 0
+
+
+def test_max_tokens_and_stop_sequences(client):
+    m = client.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=HELLO)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+    m = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, messages=HELLO, stop_sequences=["help"])
+    assert m.content[0].text == _reply().split("help")[0]  # the engine stopped at the sequence
+
+
+def _round_trip(client, first) -> None:
+    """The tool's answer sent back as a tool_result: the model answers it with text."""
+    [use] = [b for b in first.content if b.type == "tool_use"]
+    assert use.id.startswith("toolu_") and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert first.stop_reason == "tool_use"
+    messages = [*WEATHER, {"role": "assistant", "content": first.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=messages) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"] and final.content[0].text
+    assert final.usage.input_tokens > first.usage.input_tokens  # the call and its result reached the prompt
+    counted = client.messages.count_tokens(model=MODEL, tools=_tools(), messages=messages)
+    assert counted.input_tokens == final.usage.input_tokens
+
+
+def test_a_tool_round_trip_whole(client):
+    first = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=WEATHER)
+    _round_trip(client, first)
+
+
+def test_a_tool_round_trip_streamed(client):
+    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=WEATHER,
+                                tool_choice={"type": "any"}) as s:
+        events = list(s)
+        first = s.get_final_message()
+    assert [e.type for e in events[:1]] == ["message_start"] and events[-1].type == "message_stop"
+    assert any(e.type == "input_json" for e in events)  # the arguments came as input_json_delta pieces
+    _round_trip(client, first)
+
+
+def test_count_tokens_is_the_prompt_the_engine_reads(client):
+    whole = client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system="You are a test model.",
+                                   messages=HELLO)
+    counted = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO)
+    assert counted.input_tokens == whole.usage.input_tokens > 0
+    with_tools = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO,
+                                              tools=_tools())
+    assert with_tools.input_tokens > counted.input_tokens  # the template renders the tools into the prompt
+
+
+def test_errors_are_the_sdks_exceptions(client, stack):
+    import anthropic
+
+    wrong = anthropic.Anthropic(base_url=stack.http_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as exc:
+        wrong.messages.create(model=MODEL, max_tokens=4, messages=HELLO)
+    assert exc.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        client.messages.create(model="ghost", max_tokens=4, messages=HELLO)
+    assert exc.value.body == {"type": "error", "error": {"type": "not_found_error",
+                                                         "message": "The model 'ghost' does not exist."}}
+    with pytest.raises(anthropic.BadRequestError) as exc:  # the SDK's signature wants max_tokens: sent raw
+        client.post("/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, "messages": HELLO})
+    assert exc.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in exc.value.message
+    image = {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/latest"}}
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
