@@ -166,24 +166,37 @@ def test_bad_input_is_a_400_naming_the_field(stack, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_an_agent_with_one_function_tool_runs_to_completion(stack):
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+def _agent_run(stack, streamed: bool) -> tuple[list[str], object]:
+    from agents import Agent, FunctionTool, OpenAIResponsesModel, Runner, set_tracing_disabled
 
     set_tracing_disabled(True)
     asked: list[str] = []
 
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather of a city"""
+    async def get_weather(_ctx: object, arguments: str) -> str:
+        city = json.loads(arguments)["city"]
         asked.append(city)
         return f"It is sunny in {city}."
 
+    # the schema the tool model was trained on, as is (the decorator's would add titles and a strict schema)
+    tool = FunctionTool(name="get_weather", description=TOOL["description"], params_json_schema=TOOL["parameters"],
+                        on_invoke_tool=get_weather, strict_json_schema=False)
+
     async def run() -> object:
         api = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        agent = Agent(name="weather", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+        agent = Agent(name="weather", tools=[tool], tool_use_behavior="stop_on_first_tool",
                       model=OpenAIResponsesModel(model=MODEL, openai_client=api))
-        return await Runner.run(agent, WEATHER, max_turns=3)
+        if not streamed:
+            return await Runner.run(agent, WEATHER, max_turns=3)
+        result = Runner.run_streamed(agent, WEATHER, max_turns=3)
+        async for _ in result.stream_events():
+            pass
+        return result
 
-    result = asyncio.run(run())
+    return asked, asyncio.run(run())
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_agent_with_one_function_tool_runs_to_completion(stack, streamed):
+    asked, result = _agent_run(stack, streamed)
     assert asked == ["Paris"]  # the model called the tool, and the SDK ran it
     assert result.final_output == "It is sunny in Paris."

@@ -171,11 +171,12 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise _bad(f"tools[{i}].name is required.", f"tools[{i}].name")
-        fn = {"name": name, "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        fn: dict[str, Any] = {"name": name}  # chat's key order: templates render the tool as JSON
         if t.get("description"):
             fn["description"] = t["description"]
-        if t.get("strict") is not None:
-            fn["strict"] = t["strict"]
+        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
+        if t.get("strict"):  # false is chat's default: left out, as a chat client leaves it out
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out or None
 
