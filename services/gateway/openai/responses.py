@@ -17,7 +17,7 @@ from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from coderai.contracts import Choice, Final
+from coderai.contracts import Final
 from coderai.gateway import affinity
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, query_int, read_json, until_disconnect
@@ -26,7 +26,7 @@ from coderai.gateway.openai.files import page
 from coderai.gateway.openai.responses_store import Responses, StoredResponse, with_ids
 from coderai.gateway.openai.responses_stream import EventStream
 from coderai.gateway.openai.responses_types import (
-    ResponseRequest, assistant_message, final_status, from_choice, input_items, new_id, response_body, response_job,
+    ResponseRequest, assistant_message, final_body, input_items, new_id, response_body, response_job,
 )
 from coderai.gateway.pipeline import Call, answer, relay_stream
 from coderai.gateway.state import InferenceController
@@ -53,15 +53,10 @@ class ResponsesController(InferenceController):
         if job.stream:
             return await self._stream(call, req, rec, request)
         final = await answer(call, request)
-        body = self._finished(req, rec, final)
+        body = final_body(rec.id, rec.created_at, req, final)
         if req.store:
             await self._keep(rec, body)
         return json_response(body, headers=call.response_headers())
-
-    def _finished(self, req: ResponseRequest, rec: StoredResponse, final: Final) -> dict[str, Any]:
-        choice = final.choices[0] if final.choices else Choice()
-        output = from_choice(choice)
-        return response_body(rec.id, rec.created_at, req, output, final.usage, final_status(choice.finish_reason))
 
     async def _keep(self, rec: StoredResponse, body: dict[str, Any]) -> None:
         rec.response = body
@@ -117,7 +112,7 @@ class ResponsesController(InferenceController):
                                        {"code": "server_error", "message": message})
                 await self.responses.update(rec.id, failed)
                 return
-            body = self._finished(req, rec, final)
+            body = final_body(rec.id, rec.created_at, req, final)
             await self.responses.update(rec.id, body, [*rec.messages, assistant_message(body["output"])])
 
         self.responses.run(rec.id, work())

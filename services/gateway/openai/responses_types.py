@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import ChatJob, Choice, RequestId, SamplingParams, Usage
+from coderai.contracts import ChatJob, Choice, Final, RequestId, SamplingParams, Usage
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.chat_types import PositiveInt, Prob, Temperature
 
@@ -316,3 +316,9 @@ def final_status(finish_reason: str | None) -> str:
 
 def from_choice(choice: Choice) -> list[dict[str, Any]]:
     return output_items(choice.message or {}, choice.finish_reason)
+
+
+def final_body(resp_id: str, created: float, req: ResponseRequest, final: Final) -> dict[str, Any]:
+    """The response object of a whole chat answer (what `/v1/responses` and a batch's line answer)."""
+    choice = final.choices[0] if final.choices else Choice()
+    return response_body(resp_id, created, req, from_choice(choice), final.usage, final_status(choice.finish_reason))
