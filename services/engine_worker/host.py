@@ -27,7 +27,7 @@ from coderai.contracts.subjects import ENGINE_CANCEL
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
-from coderai.engine_worker.engines.base import EngineLost
+from coderai.engine_worker.engines.base import EngineLost, unhonoured
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request, ensure_local
 from coderai.engine_worker.parts import PartPuller
@@ -243,6 +243,10 @@ class EngineHost:
         request id is the one in `headers` (HDR_REQUEST_ID), else the job's."""
         request_id = headers.get(HDR_REQUEST_ID, job.request_id)
         request_id_var.set(request_id)
+        if op in LLM_OPS and (refused := unhonoured(self.engine, job)) is not None:
+            await writer.send(ErrorReply(code="bad_request", message=str(refused), param=refused.param,
+                                         seq=writer.next_seq()))
+            return "failed"
         span = tracing.NO_SPAN
         if tracing.enabled():  # a child of the gateway's engine call, through the job's traceparent header
             span = tracing.start_span(f"engine.{op}", headers=headers, kind="server", attributes={
@@ -277,10 +281,13 @@ class EngineHost:
 
             sink: Any = emit
         else:
-            def emit_llm(delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None) -> None:
+            def emit_llm(delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None,
+                         index: int = 0) -> None:
                 item = {"delta": delta, "text": text, "finish_reason": finish}
                 if logprobs:
                     item["logprobs"] = logprobs
+                if index:
+                    item["index"] = index
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
             sink = emit_llm if job.stream else None

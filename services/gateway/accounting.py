@@ -32,7 +32,7 @@ def estimate_cost(cfg: ModelConfig, job: Any) -> float:
         return (len(msgspec.json.encode(job)) / 2 + 16) * cfg.price_prompt_per_mtok / 1e6
     text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
     prompt = len(text) / 2 + 16
-    n = max(1, job.params.n)
+    n = max(1, job.params.n) * (len(job.prompt) if isinstance(getattr(job, "prompt", None), list) else 1)
     completion = (job.params.max_tokens or int(cfg.params.get("n_ctx", 4096))) * n
     return (prompt * n * cfg.price_prompt_per_mtok + completion * cfg.price_completion_per_mtok) / 1e6
 

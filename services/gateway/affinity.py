@@ -53,8 +53,11 @@ def chat_chain(model: str, messages: list[dict[str, Any]], tools: list[dict[str,
     return _bound(chain)
 
 
-def prompt_chain(model: str, prompt: str, chunk_chars: int = CHUNK_CHARS) -> list[str]:
-    """One element per full chunk of the prompt (a partial last chunk is too unstable to key on)."""
+def prompt_chain(model: str, prompt: str | list[str], chunk_chars: int = CHUNK_CHARS) -> list[str]:
+    """One element per full chunk of the prompt (a partial last chunk is too unstable to key on); a list of
+    prompts is keyed on its first."""
+    if isinstance(prompt, list):
+        prompt = prompt[0]
     chain: list[str] = []
     h = _h(b"complete", model.encode())
     for i in range(chunk_chars, len(prompt) + 1, chunk_chars):

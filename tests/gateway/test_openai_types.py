@@ -181,13 +181,21 @@ def test_assistant_may_omit_content_for_tool_calls():
     assert chat_job(chat(messages=msgs), "r").messages == msgs
 
 
-def test_stream_with_n_over_one_is_a_400():
-    err = api_error(chat_job, chat(stream=True, n=2), "r")
-    assert (err.status, err.code, err.param) == (400, "invalid_request", "n")
-    assert chat_job(chat(stream=True, n=1), "r").stream is True
+def test_n_over_one_is_carried_streamed_or_not():
+    # the engine answers n > 1 streamed where it can (llama-server, vLLM) and refuses it with a 400 where not
+    assert chat_job(chat(stream=True, n=2), "r").params.n == 2
     assert chat_job(chat(stream=False, n=3), "r").params.n == 3
-    err = api_error(completion_job, completion(stream=True, n=2), "r")
-    assert (err.status, err.param) == (400, "n")
+    assert completion_job(completion(stream=True, n=2), "r").params.n == 2
+
+
+def test_logit_bias_takes_token_ids_and_biases_in_range():
+    assert chat_job(chat(logit_bias={"42": -100, "7": 5.5}), "r").params.logit_bias == {"42": -100, "7": 5.5}
+    assert completion_job(completion(logit_bias={"3": 1}), "r").params.logit_bias == {"3": 1}
+    assert chat_job(chat(logit_bias={}), "r").params.logit_bias is None
+    err = api_error(chat_job, chat(logit_bias={"hello": 1}), "r")
+    assert (err.status, err.param) == (400, "logit_bias")
+    err = api_error(parse, body(model="m", messages=[USER], logit_bias={"1": 101}), ChatCompletionRequest)
+    assert (err.status, err.code) == (400, "invalid_request") and "logit_bias" in (err.param or err.message)
 
 
 def test_response_format_text_is_dropped_and_json_kinds_kept():
@@ -214,10 +222,11 @@ def test_completion_job_carries_the_request_through():
     assert job.params == SamplingParams(max_tokens=3, temperature=1.5, stop=["x"], seed=1)
 
 
-def test_a_list_prompt_of_one_is_unwrapped_more_or_fewer_is_a_400():
+def test_a_list_prompt_is_kept_a_list_of_one_unwrapped_an_empty_one_a_400():
     assert completion_job(completion(prompt=["only"]), "r").prompt == "only"
-    for prompt in (["a", "b"], []):
-        err = api_error(completion_job, completion(prompt=prompt), "r")
+    assert completion_job(completion(prompt=["a", "b"]), "r").prompt == ["a", "b"]
+    for prompt, n in (([], 1), (["p"] * 65, 2)):
+        err = api_error(completion_job, completion(prompt=prompt, n=n), "r")
         assert (err.status, err.code, err.param) == (400, "invalid_request", "prompt")
 
 

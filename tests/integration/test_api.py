@@ -71,6 +71,19 @@ def test_sse_framing_is_exactly_openais(http):
         assert json.loads(e[6:])["object"] == "chat.completion.chunk"
 
 
+def test_what_the_in_process_engine_cannot_do_is_a_clear_400(client):
+    # llama-cpp-python streams one choice and takes one prompt (the llama-server engine does both)
+    with pytest.raises(openai.BadRequestError) as exc:
+        list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
+                                            max_tokens=2, stream=True))
+    assert exc.value.body["param"] == "n" and "streams one choice" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+    assert exc.value.body["param"] == "prompt"
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+
+
 def test_completions_whole_and_streamed(client):
     r = client.completions.create(model="tiny", prompt="def hello():", max_tokens=5)
     assert r.object == "text_completion" and isinstance(r.choices[0].text, str) and r.usage.completion_tokens <= 5

@@ -44,6 +44,7 @@ def stack(tmp_path_factory, tiny_gguf, tool_gguf):
     # the tiny model makes thousands of tokens a second: heartbeats every 0.2 s see its slots while they are busy
     with running_stack(tmp_path_factory.mktemp("llama-server"), models, gateway_args=("--no-auth",),
                        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
+        s.wait_engines_ready([m["name"] for m in models], timeout_s=300)
         yield s
 
 
@@ -216,6 +217,53 @@ def test_logprobs_are_filled_when_asked(stack):
     assert [t.token for t in streamed] == [t.token for t in content if t.token]
     plain = client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_streamed_and_whole_each_counted(stack):
+    client = _client(stack)
+    kw = dict(model="tiny-ls", messages=HELLO, max_tokens=4, temperature=0, n=2)
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1] and all(c.finish_reason == "length" for c in whole.choices)
+    assert whole.usage.completion_tokens == 8  # both choices' tokens (llama-server's own whole answer counts one)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = {0: "", 1: ""}
+    finishes = {}
+    for c in chunks:
+        for ch in c.choices:
+            text[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    assert text == {c.index: c.message.content for c in whole.choices}  # greedy: the same tokens both ways
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_list_of_prompts_is_answered_choice_by_choice(stack):
+    client = _client(stack)
+    prompts = ["once upon", "the weather in"]
+    alone = [client.completions.create(model="tiny-ls", prompt=p, max_tokens=3, temperature=0) for p in prompts]
+    both = client.completions.create(model="tiny-ls", prompt=prompts, max_tokens=3, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    streamed = {0: "", 1: ""}
+    for c in client.completions.create(model="tiny-ls", prompt=prompts, max_tokens=3, temperature=0, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert [streamed[0], streamed[1]] == [c.text for c in both.choices]
+
+
+def test_logit_bias_steers_the_tokens(stack):
+    client = _client(stack)
+    plain = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    r = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True,
+                                       logit_bias={"100": 100})
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert len(tokens) == 3 and len(set(tokens)) == 1 and tokens[0] != first  # token 100, every time
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, logit_bias={"x": 1})
 
 
 def test_a_json_schema_response_format_constrains_the_answer(stack):

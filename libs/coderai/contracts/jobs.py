@@ -30,6 +30,7 @@ class SamplingParams(Message, frozen=True, kw_only=True):
     n: int = 1
     logprobs: bool = False  # chat: per-token logprobs; completions: with `top_logprobs` alternatives
     top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, -100..100
 
 
 class ChatJob(Message, frozen=True, kw_only=True):
@@ -47,11 +48,12 @@ class ChatJob(Message, frozen=True, kw_only=True):
 
 
 class CompletionJob(Message, frozen=True, kw_only=True):
-    """One text completion of a raw prompt."""
+    """One text completion of a raw prompt, or of each of a list of prompts (choice `i * n + j` is the `j`th of
+    prompt `i`; only engines with `prompt_lists` take a list)."""
 
     request_id: RequestId
     model: str
-    prompt: str
+    prompt: str | list[str]
     params: SamplingParams = SamplingParams()
     echo: bool = False
     stream: bool = False

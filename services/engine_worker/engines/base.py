@@ -45,6 +45,20 @@ class BadInput(ValueError):
         self.param = param
 
 
+def unhonoured(engine: Engine, job: Any) -> BadInput | None:
+    """What of a chat or completion job `engine` cannot honour, as the 400 to answer; None if it can do it all."""
+    name, family = engine.config.name, engine.family or type(engine).__name__
+    params = job.params
+    if params.n > 1 and job.stream and not engine.streams_choices:
+        return BadInput(f"model '{name}' ({family}) streams one choice: send n > 1 without stream, or one "
+                        "request per choice", "n")
+    if isinstance(getattr(job, "prompt", None), list) and not engine.prompt_lists:
+        return BadInput(f"model '{name}' ({family}) takes one prompt per request", "prompt")
+    if params.logit_bias and not engine.logit_bias:
+        return BadInput(f"model '{name}' ({family}) does not apply logit_bias", "logit_bias")
+    return None
+
+
 class Engine:
     """One loaded model. Subclasses implement `load`, the ops they serve, and `close`.
 
@@ -59,6 +73,10 @@ class Engine:
     family = ""
     blocking = True  # False: the engine's calls return at once (no compute, no I/O) and run on the event loop
     max_concurrency = 1  # jobs run at once, each in its own thread; 1 for engines that are not thread-safe
+    # what of a chat or completion job it honours; the worker refuses the rest with a 400 before running it
+    streams_choices = False  # `n > 1` streamed (its emit names each delta's choice `index`)
+    prompt_lists = False  # a completion job's `prompt` as a list of prompts
+    logit_bias = False
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

@@ -70,6 +70,8 @@ def _sampling(p: SamplingParams) -> dict[str, Any]:
             out[name] = v
     if p.stop:
         out["stop"] = list(p.stop)
+    if p.logit_bias:
+        out["logit_bias"] = {int(k): v for k, v in p.logit_bias.items()}
     return out
 
 
@@ -98,6 +100,7 @@ def openai_delta(delta: dict, announced: set[int]) -> dict:
 
 class LlamaEngine(Engine):
     family = "llama"
+    logit_bias = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

@@ -31,7 +31,7 @@ from coderai.engine_worker.engines.loopback_http import LoopbackClient, Transpor
 from coderai.runtime.embedded import die_with_parent
 
 Emit = Callable[..., None]
-"""emit(chat_delta, text_piece, finish_reason, logprobs=None)"""
+"""emit(chat_delta, text_piece, finish_reason, logprobs=None, index=0)"""
 
 LOG_TAIL_CHARS = 4000
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
@@ -58,9 +58,10 @@ def _sampling(p: SamplingParams, stream: bool) -> dict[str, Any]:
             out[name] = v
     if p.stop:
         out["stop"] = list(p.stop)
-    # emit carries no choice index, so a stream can only hold one choice
-    if p.n != 1 and not stream:
+    if p.n != 1:
         out["n"] = p.n
+    if p.logit_bias:
+        out["logit_bias"] = p.logit_bias
     return out
 
 
@@ -95,6 +96,8 @@ def sse_events(lines: Iterator[str], cancel: CancelFlag, label: str = "the serve
         if data == "[DONE]":
             return
         event = json.loads(data)
+        if not isinstance(event, dict):  # llama-server opens a stream over a list of prompts with `null`
+            continue
         if "error" in event:  # a failure after the stream began arrives as an event, not a status
             raise_error(event, 500, label)
         yield event
@@ -115,6 +118,69 @@ def raise_error(body: Any, status: int, label: str = "the server") -> None:
 
 def _finish(reason: str | None) -> Any:
     return reason if reason in FINISH_REASONS else "stop"
+
+
+class Assembly:
+    """Whole choices from a stream's pieces: content, reasoning and tool calls (by their index) put together."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.parts: dict[int, dict[str, Any]] = {}
+
+    def add(self, delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None,
+            index: int = 0) -> None:
+        c = self.parts.setdefault(index, {"message": {}, "text": "", "finish": None, "logprobs": None})
+        if text:
+            c["text"] += text
+        msg = c["message"]
+        for key, value in (delta or {}).items():
+            if key == "tool_calls":
+                calls = msg.setdefault("tool_calls", [])
+                for t in value:
+                    i = t.get("index", len(calls))
+                    while len(calls) <= i:
+                        calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                    if t.get("id"):
+                        calls[i]["id"] = t["id"]
+                    fn = t.get("function") or {}
+                    calls[i]["function"]["name"] += fn.get("name") or ""
+                    calls[i]["function"]["arguments"] += fn.get("arguments") or ""
+            elif isinstance(value, str) and key != "role":
+                msg[key] = msg.get(key, "") + value
+        if logprobs:
+            c["logprobs"] = _joined_logprobs(c["logprobs"], logprobs)
+        if finish:
+            c["finish"] = finish
+
+    def choices(self) -> list[Choice]:
+        out = []
+        for i, c in sorted(self.parts.items()):
+            if self.chat:
+                out.append(Choice(index=i, message={"role": "assistant", "content": None, **c["message"]},
+                                  finish_reason=c["finish"] or "stop", logprobs=c["logprobs"]))
+            else:
+                out.append(Choice(index=i, text=c["text"], finish_reason=c["finish"] or "stop", logprobs=c["logprobs"]))
+        return out
+
+
+def _joined_logprobs(have: dict | None, more: dict) -> dict:
+    """Two pieces' logprobs as one: every list in them (chat's `content`, completions' `tokens`, ...) joined."""
+    if have is None:
+        return dict(more)
+    return {k: (have.get(k) or []) + v if isinstance(v, list) else v for k, v in more.items()}
+
+
+def _merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One usage of a stream whose server counted each choice apart: every completion token, and each prompt
+    once (its `n` choices all counted it)."""
+    if len(usages) == 1:
+        return usages[0]
+
+    def total(name: str, of: Callable[[dict], Any] = lambda u: u) -> int:
+        return sum(int((of(u) or {}).get(name) or 0) for u in usages)
+
+    return {"prompt_tokens": total("prompt_tokens") // n, "completion_tokens": total("completion_tokens"),
+            "prompt_tokens_details": {"cached_tokens": total("cached_tokens", lambda u: u.get("prompt_tokens_details")) // n}}
 
 
 def _usage(u: dict[str, Any] | None) -> Usage:
@@ -141,6 +207,7 @@ class OpenAIServerEngine(Engine):
     ready_path = "/health"
     death_signal = signal.SIGTERM  # what the server gets when the thread that started it dies (PR_SET_PDEATHSIG)
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: the server batches
+    streams_choices = prompt_lists = logit_bias = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -278,6 +345,12 @@ class OpenAIServerEngine(Engine):
     def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
              piece: Callable[[dict], tuple[dict | None, str | None]],
              whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
+        if emit is None and ((body.get("n") or 1) > 1 or isinstance(body.get("prompt"), list)):
+            # llama-server's whole answer over several choices counts the tokens of one of them: streamed, each
+            # is counted, and the choices are put together here
+            parts = Assembly(chat="messages" in body)
+            usage = self._run(path, body, request_id, cancel, parts.add, piece, whole)[1]
+            return parts.choices(), usage
         if emit is None:
             answer = self.post_json(path, body, request_id)
             self._account(answer.get("usage"))
@@ -309,25 +382,27 @@ class OpenAIServerEngine(Engine):
                 piece: Callable[[dict], tuple[dict | None, str | None]]) -> Usage:
         assert self.client is not None
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        usage: dict[str, Any] | None = None
+        usages: list[dict[str, Any]] = []  # llama-server sends one per choice (n > 1, a list of prompts)
         pieces = 0
         with self.client.stream(path, _enc.encode(body), headers) as (status, lines):
             if status != 200:
                 raise_error(_json_bytes(b"".join(lines)), status, self.label)
             for event in sse_events((line.decode("utf-8", "replace") for line in lines), cancel, self.label):
-                usage = event.get("usage") or usage
+                if event.get("usage"):
+                    usages.append(event["usage"])
                 for c in event.get("choices") or []:
                     delta, text = piece(c)
                     finish = c.get("finish_reason")
                     logprobs = c.get("logprobs") or None
                     if delta or text or finish or logprobs:
                         pieces += bool(delta or text or logprobs)
+                        extra: dict[str, Any] = {"index": c["index"]} if c.get("index") else {}
                         if logprobs:
-                            emit(delta, text, _finish(finish) if finish else None, logprobs=logprobs)
-                        else:
-                            emit(delta, text, _finish(finish) if finish else None)
+                            extra["logprobs"] = logprobs
+                        emit(delta, text, _finish(finish) if finish else None, **extra)
         # leaving the block closes the response; on cancel that is what tells the server to abort the request
-        if usage is None:  # cancelled before the usage event: one streamed piece is one token
+        if not usages:  # cancelled before the usage event: one streamed piece is one token
             return Usage(completion_tokens=pieces, total_tokens=pieces)
+        usage = _merged_usage(usages, max(1, body.get("n") or 1))
         self._account(usage)
         return _usage(usage)

@@ -21,6 +21,8 @@ Temperature = Annotated[float, Meta(ge=0, le=2)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Bias = Annotated[float, Meta(ge=-100, le=100)]
+MAX_CHOICES = 128  # prompts x n of one completions request
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -32,7 +34,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     model: Annotated[str, Meta(min_length=1)]
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: PositiveInt | None = None
@@ -59,6 +61,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     prompt: str | list[str]
     echo: bool = False
     frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     max_tokens: PositiveInt | None = None
     n: Annotated[int, Meta(ge=1, le=16)] = 1
@@ -129,9 +132,20 @@ def _logprobs(req: ChatCompletionRequest) -> tuple[bool, int | None]:
     return bool(req.logprobs), top
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias in -100..100."""
+    if not bias:
+        return None
+    if len(bias) > 1024:
+        raise ApiError(400, "logit_bias may name at most 1024 tokens.", param="logit_bias", code="invalid_request")
+    for token in bias:
+        if not token.isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids; '{token}' is not one.", param="logit_bias",
+                           code="invalid_request")
+    return bias
+
+
 def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
-    if req.stream and req.n > 1:
-        raise ApiError(400, "n > 1 is not supported with stream=true.", param="n", code="invalid_request")
     rf = req.response_format
     if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
         raise ApiError(400, "response_format.type must be text, json_object or json_schema.", param="response_format", code="invalid_request")
@@ -147,6 +161,7 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
         n=req.n,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=_logit_bias(req.logit_bias),
     )
     options = {"reasoning_effort": req.reasoning_effort, "chat_template_kwargs": req.chat_template_kwargs,
                "parallel_tool_calls": req.parallel_tool_calls}
@@ -163,19 +178,24 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
     )
 
 
+def _prompt(req: CompletionRequest) -> str | list[str]:
+    """One prompt, or a list of them (a list of one is that one); token-id prompts are refused."""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    if not req.prompt:
+        raise ApiError(400, "prompt must not be an empty list.", param="prompt", code="invalid_request")
+    if len(req.prompt) * req.n > MAX_CHOICES:
+        raise ApiError(400, f"At most {MAX_CHOICES} choices (prompts x n) per request.", param="prompt",
+                       code="invalid_request")
+    return req.prompt[0] if len(req.prompt) == 1 else list(req.prompt)
+
+
 def completion_job(req: CompletionRequest, request_id: str) -> CompletionJob:
-    if req.stream and req.n > 1:
-        raise ApiError(400, "n > 1 is not supported with stream=true.", param="n", code="invalid_request")
-    if isinstance(req.prompt, list):
-        if len(req.prompt) != 1:
-            raise ApiError(400, "Send one prompt per request (a list of exactly one string).", param="prompt", code="invalid_request")
-        prompt = req.prompt[0]
-    else:
-        prompt = req.prompt
+    prompt = _prompt(req)
     params = SamplingParams(
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=_stops(req.stop),
         seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
-        logprobs=req.logprobs is not None, top_logprobs=req.logprobs,
+        logprobs=req.logprobs is not None, top_logprobs=req.logprobs, logit_bias=_logit_bias(req.logit_bias),
     )
     return CompletionJob(request_id=RequestId(request_id), model=req.model, prompt=prompt, params=params, echo=req.echo, stream=req.stream)
 
