@@ -261,10 +261,15 @@ async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream
     `{"error": ...}` line, as Ollama writes it."""
     await call.admit()
     first = await until_disconnect(request, call.open())
+    reason: list[str | None] = [None]  # a streamed answer's finish reason rides on its last chunk
+
+    def piece(frame: Chunk) -> bytes:
+        if frame.finish_reason:
+            reason[0] = frame.finish_reason
+        return chunk(frame)
 
     async def final(frame: Final) -> bytes:
-        reason = frame.choices[0].finish_reason if frame.choices else None
-        return _line({**head(frame), **_done(call, frame, reason)})
+        return _line({**head(frame), **_done(call, frame, reason[0])})
 
-    pieces = relay_stream(call, first, chunk, final, error=lambda err: _line({"error": err.message}))
+    pieces = relay_stream(call, first, piece, final, error=lambda err: _line({"error": err.message}))
     return Stream(pieces, media_type=NDJSON, headers=call.response_headers())

@@ -49,6 +49,7 @@ def test_chat_whole_and_streamed(client):
     assert whole.eval_count == 4 and whole.prompt_eval_count > 0 and whole.done_reason == "length"
     parts = list(client.chat(model="tiny", messages=messages, stream=True, options={"num_predict": 4, "temperature": 0}))
     assert parts[-1].done and not any(p.done for p in parts[:-1]) and parts[-1].eval_count == 4
+    assert parts[-1].done_reason == "length"  # the cap, streamed as whole
     assert "".join(p.message.content for p in parts) == whole.message.content  # the same tokens, greedy
 
 
