@@ -14,11 +14,10 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from coderai.contracts import Chunk, Final
-from coderai.gateway import affinity
 from coderai.gateway import anthropic_types as wire
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, read_json, until_disconnect
-from coderai.gateway.openai.chat import _route as chat_route
+from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.pipeline import Call, answer, relay_stream
 from coderai.gateway.state import InferenceController
 
@@ -139,8 +138,7 @@ class AnthropicController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, wire.MessagesRequest)
         job = wire.chat_job(req, new_request_id())
-        route = chat_route(request, who, job, "chat", wire.user_id(req),
-                           affinity.chat_chain(job.model, job.messages, job.tools))
+        route = chat_route(request, who, job, wire.user_id(req))
         call = Call(self.gw, who, "chat", job, route)
         if not job.stream:
             final = await answer(call, request)
@@ -161,7 +159,7 @@ class AnthropicController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, wire.CountTokensRequest)
         job = wire.chat_job(req, new_request_id())
-        route = chat_route(request, who, job, "chat", None, affinity.chat_chain(job.model, job.messages, job.tools))
+        route = chat_route(request, who, job, None)
         call = Call(self.gw, who, "chat", job, route)
         final = await answer(call, request)
         return json_response({"input_tokens": final.usage.prompt_tokens}, headers=_headers(call))

@@ -9,7 +9,7 @@ from typing import Any
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from coderai.contracts import Final, RouteRequest
+from coderai.contracts import ChatJob, Final, RouteRequest
 from coderai.gateway import affinity
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
@@ -35,7 +35,7 @@ class ChatController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, ChatCompletionRequest)
         job = chat_job(req, new_request_id())
-        route = _route(request, who, job, "chat", req.user, affinity.chat_chain(job.model, job.messages, job.tools))
+        route = chat_route(request, who, job, req.user)
         return await _serve(Call(self.gw, who, "chat", job, route), request, include_usage(req))
 
     @post("/v1/completions", status_code=200)
@@ -43,11 +43,17 @@ class ChatController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, CompletionRequest)
         job = completion_job(req, new_request_id())
-        route = _route(request, who, job, "complete", req.user, affinity.prompt_chain(job.model, job.prompt))
+        route = route_request(request, who, job, "complete", req.user, affinity.prompt_chain(job.model, job.prompt))
         return await _serve(Call(self.gw, who, "complete", job, route), request, include_usage(req))
 
 
-def _route(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:
+def chat_route(request: Request, who: Caller, job: ChatJob, user: str | None) -> RouteRequest:
+    """A chat job's route (chat completions, Responses, Anthropic Messages alike): keyed on the prefix chain of its
+    whole conversation, so a conversation's next turn returns to the engine whose cache holds it."""
+    return route_request(request, who, job, "chat", user, affinity.chat_chain(job.model, job.messages, job.tools))
+
+
+def route_request(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:
     """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin."""
     headers = request.headers  # built anew from the scope at every access
     pin = headers.get(PIN_HEADER, "")

@@ -18,10 +18,9 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from coderai.contracts import Final
-from coderai.gateway import affinity
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, query_int, read_json, until_disconnect
-from coderai.gateway.openai.chat import _route
+from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.openai.files import page
 from coderai.gateway.openai.responses_store import Responses, StoredResponse, with_ids
 from coderai.gateway.openai.responses_stream import EventStream
@@ -44,7 +43,7 @@ class ResponsesController(InferenceController):
         req = await read_json(request, ResponseRequest)
         prior = await self.responses.prior(who, req.previous_response_id) if req.previous_response_id else None
         job, conversation = response_job(req, new_request_id(), prior.messages if prior else None)
-        route = _route(request, who, job, "chat", req.user, affinity.chat_chain(job.model, job.messages, job.tools))
+        route = chat_route(request, who, job, req.user)
         call = Call(self.gw, who, "chat", job, route)
         rec = StoredResponse(id=new_id("resp"), owner=who.key_name, created_at=call.created, response={},
                              input_items=with_ids(input_items(req)), messages=conversation)
