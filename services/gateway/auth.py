@@ -37,7 +37,8 @@ class Authenticator:
         if self.keys is None:
             return ANONYMOUS
         if not authorization or not authorization.lower().startswith("bearer "):
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                           code="invalid_api_key")
         digest = hash_key(authorization[7:].strip())
         rec = self.keys.get(digest)  # a lookup by digest leaks nothing useful about the key itself
         if rec is not None:
