@@ -22,7 +22,7 @@ from coderai.contracts import (
     Usage,
     model_key,
 )
-from coderai.contracts.ops import ENGINE_OPS, FANOUT_OPS, LLM_OPS
+from coderai.contracts.ops import BATCH_OPS, ENGINE_OPS, FANOUT_OPS, LLM_OPS
 from coderai.contracts.subjects import ENGINE_CANCEL
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
@@ -141,10 +141,11 @@ class EngineHost:
         if stage_host.serves_stages(self):  # a relayed video's stages (the cancel subscription stays last)
             self._subs.append(await stage_host.subscribe(self))
         self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(node_id=self.node_id, engine_id=self.engine_id)))
-        if self.config.distribute.enabled:
-            self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in FANOUT_OPS]
-            for p in self._pullers:
-                p.start()
+        # batch lines come whole, so a model that is never split still pulls them; fan-out parts only when split
+        queued = BATCH_OPS | (FANOUT_OPS if self.config.distribute.enabled else frozenset())
+        self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in queued]
+        for p in self._pullers:
+            p.start()
 
     async def _stop_pullers(self) -> None:
         for p in self._pullers:

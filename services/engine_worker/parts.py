@@ -45,6 +45,7 @@ class PartPuller:
         self.max_deliver = max_deliver
         self._sub: Any = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -62,10 +63,13 @@ class PartPuller:
                     subject, durable=consumer_name(self.host.config.name, self.op), stream=WORK.name, config=cfg)
                 return
             except Exception as exc:  # noqa: BLE001 - the head creates WORK; until then, wait for it
+                if self._stopping:  # a cancel inside a nats-py request can come out as its own error
+                    raise asyncio.CancelledError from None
                 log.info("no work queue for %s/%s yet (%s); retrying", self.host.config.name, self.op, exc)
                 await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -86,6 +90,8 @@ class PartPuller:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnecting; the next fetch retries
+                if self._stopping:
+                    raise asyncio.CancelledError from None
                 log.warning("fetching parts for %s/%s failed: %s", self.host.config.name, self.op, exc)
                 await asyncio.sleep(1.0)
                 continue

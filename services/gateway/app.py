@@ -16,7 +16,9 @@ from coderai.gateway.admin.nodes import NodesController
 from coderai.gateway.admin.pods import PodsController
 from coderai.gateway.errors import ApiError, from_http
 from coderai.gateway.http import error_response, json_response
+from coderai.gateway.batches.runner import BatchRunner
 from coderai.gateway.openai.audio import AudioController
+from coderai.gateway.openai.batches import BatchesController
 from coderai.gateway.openai.chat import ChatController
 from coderai.gateway.openai.embeddings import EmbeddingsController
 from coderai.gateway.openai.files import FilesController, Records
@@ -42,6 +44,7 @@ log = logging.getLogger("coderai.gateway")
 CONTROLLERS: list[type[GatewayController]] = [
     ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
     ResponsesController, OcrController, VideosController, FilesController, FineTuningController, AnthropicController,
+    BatchesController,
     OllamaController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
 ]
 
@@ -62,6 +65,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     check_auth_settings(settings)
     gw = Gateway(settings)
     videos, records, pulls = VideoJobs(gw), Records(gw), Pulls(gw)
+    batches = BatchRunner(gw, records)
 
     def on_http_error(_: Request, exc: HTTPException) -> Response:
         err = from_http(exc.status_code, str(exc.detail))
@@ -73,10 +77,11 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return error_response(ApiError(500, "Internal error; see the gateway log for this request id.",
                                        type="server_error", code="internal"))
 
-    state = {"gw": gw, "videos": videos, "records": records, "pulls": pulls, "responses": Responses(gw)}
+    state = {"gw": gw, "videos": videos, "records": records, "pulls": pulls, "responses": Responses(gw),
+             "batches": batches}
     app = Litestar(
         route_handlers=[*(bound(c, state) for c in [HealthController, *CONTROLLERS]), *ui_routes()],
-        lifespan=[gw.lifespan, videos.lifespan],  # entered in order: the video sweeper needs the bus
+        lifespan=[gw.lifespan, videos.lifespan, batches.lifespan],  # entered in order: the sweepers need the bus
         exception_handlers={ApiError: lambda _, exc: error_response(exc), HTTPException: on_http_error,
                             Exception: on_error},
         # JSON bodies are held to max_body_bytes by `http.read_json`; uploads to this (one file and the form)

@@ -1,5 +1,5 @@
 """One request pipeline for every endpoint: admit -> fan-out | pick + first frame (failing over before it) ->
-frames -> account exactly once.
+frames -> account exactly once (or a batch line's one part on the `WORK` queue: `Call.queued`).
 
 A controller builds the op's job and a `Call`, then hands it to the adapter for its answer's shape: `answer` for a
 whole answer (a JSON body), `relay_stream` for frames relayed as they come (SSE tokens, audio bytes). Whatever
@@ -155,6 +155,25 @@ class Call:
         self.engine_id = final.engine_id
         self.ttft_s = time.monotonic() - self.started
         return final, None
+
+    async def queued(self, send: Callable[[Any, dict[str, str]], Awaitable[Final]]) -> Final:
+        """The whole answer when the job runs as one part on the `WORK` queue instead of through `open` (a batch
+        line: whichever holder of the model pulls it runs it, and a part whose worker dies is redelivered).
+        `send(job, headers)` publishes it and waits for its `Final`. Admitted first (raising the refusal, with
+        nothing to account), then accounted once, its output's blobs inline."""
+        if not self.admitted:
+            await self.admit()
+        self.route_reason, self.parts = "batch", 1
+        try:
+            job = self.job if self.spec.llm else await self.gw.blobs.pack(self.job)
+            final = await send(job, self.bus_headers())
+            self.engine_id, self.ttft_s = final.engine_id, time.monotonic() - self.started
+            if final.output is not None:
+                final = msgspec.structs.replace(final, output=await self.gw.blobs.unpack(final.output))
+        except BaseException as exc:
+            raise await self.fail(exc) from None
+        await self.finish(final)
+        return final
 
     async def next(self) -> Chunk | Final:
         """The frame after the first ones; an engine's error is raised as a BusError."""

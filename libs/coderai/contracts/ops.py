@@ -26,7 +26,8 @@ from coderai.contracts.subjects import (
 @dataclass(frozen=True)
 class OpSpec:
     """What coderai knows about one op. `llm`: answered with choices (tokens stream); otherwise with an `output`.
-    `fanout`: a request may be split over every worker holding the model (parts on `WORK`). `blobs`: its job
+    `fanout`: a request may be split over every worker holding the model (parts on `WORK`). `batch`: a batch's
+    lines (`/v1/batches`) of it go on `WORK` whole, pulled by every worker holding the model. `blobs`: its job
     carries uploads (packed into the object store when big), so its size is checked after packing. `kind`: the
     model capability and usage kind it is listed as. `families`: the engine families that serve it by default."""
 
@@ -38,15 +39,18 @@ class OpSpec:
     families: tuple[str, ...]
     llm: bool = False
     fanout: bool = False
+    batch: bool = False
     blobs: bool = False
 
 
 _LLM_FAMILIES = ("llama", "llama-server", "vllm", "transformers", "echo")
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("chat", ChatJob, ENGINE_CHAT, "POST /v1/chat/completions", "chat", _LLM_FAMILIES, llm=True),
+    OpSpec("chat", ChatJob, ENGINE_CHAT, "POST /v1/chat/completions", "chat", _LLM_FAMILIES, llm=True,
+           batch=True),
     OpSpec("complete", CompletionJob, ENGINE_COMPLETE, "POST /v1/completions", "completion", _LLM_FAMILIES, llm=True),
-    OpSpec("embed", EmbedJob, ENGINE_EMBED, "POST /v1/embeddings", "embedding", ("embed",), fanout=True),
+    OpSpec("embed", EmbedJob, ENGINE_EMBED, "POST /v1/embeddings", "embedding", ("embed",), fanout=True,
+           batch=True),
     OpSpec("rerank", RerankJob, ENGINE_RERANK, "POST /v1/rerank", "rerank", ("embed",), fanout=True),
     OpSpec("image", ImageJob, ENGINE_IMAGE, "POST /v1/images", "image", ("diffusers",), fanout=True, blobs=True),
     OpSpec("speech", SpeechJob, ENGINE_SPEECH, "POST /v1/audio/speech", "speech", ("tts",), fanout=True),
@@ -61,6 +65,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
 ENGINE_OPS: dict[str, Subject] = {name: s.subject for name, s in OPS.items()}
 LLM_OPS = frozenset(name for name, s in OPS.items() if s.llm)
 FANOUT_OPS = frozenset(name for name, s in OPS.items() if s.fanout)
+BATCH_OPS = frozenset(name for name, s in OPS.items() if s.batch)
 SPAN_NAMES = {name: s.span for name, s in OPS.items()}
 KINDS = {name: s.kind for name, s in OPS.items()}
 DEFAULT_OPS: dict[str, list[Op]] = {}

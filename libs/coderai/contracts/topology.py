@@ -40,7 +40,11 @@ RESPONSES = BucketSpec("coderai_responses", ttl_s=30 * 24 * 3600,
                        description="stored Responses API responses (resp_*): owner, response, conversation")
 """Written and read by the gateway only: no node's rights name it."""
 
-BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS, FINETUNE, RESPONSES)
+BATCHES = BucketSpec("coderai_batches", description="batches (POST /v1/batches): state, counts, file ids")
+BATCH_LINES = BucketSpec("coderai_batch_lines", ttl_s=7 * 24 * 3600,
+                         description="each answered batch line's result, <batch id>.<line index>, written once")
+
+BUCKETS = (AFFINITY, NODES, ASSIGNMENTS, MODELS, PODS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES)
 
 BLOBS = BucketSpec("coderai_blobs", ttl_s=3600, description="large payloads: uploads, images, audio, video")
 """An object store, not a KV bucket: messages carry a `Blob` naming an object here instead of the bytes."""

@@ -30,8 +30,10 @@ def work_consumer(model: str, op: str) -> str:
 
 
 def work_consumers(models: list) -> list[str]:
-    """The `WORK` consumers a node holding `models` (ModelConfigs) pulls from: the only ones its rights name."""
-    from coderai.contracts.ops import FANOUT_OPS  # ops.py imports the subjects, which import this module
+    """The `WORK` consumers a node holding `models` (ModelConfigs) pulls from: the only ones its rights name.
+    Fan-out parts and batch lines of one (model, op) share a consumer."""
+    from coderai.contracts.ops import BATCH_OPS, FANOUT_OPS  # ops.py imports the subjects, which import this module
 
-    return sorted({work_consumer(m.name, op) for m in models for op in m.serves() if op in FANOUT_OPS})
+    queued = FANOUT_OPS | BATCH_OPS
+    return sorted({work_consumer(m.name, op) for m in models for op in m.serves() if op in queued})
 

@@ -1,0 +1,284 @@
+"""The batches one gateway runs, and its sweeper: the replica that takes over batches whose gateway stopped.
+
+A batch runs its lines in input order, each one a `Call` run as one part on the `WORK` queue (`queue.py`), so a
+line is admitted and accounted for its key exactly like a request (usage, budget, `request.completed`). Each
+answer is stored once (`records.py`), then the record's `request_counts` follow. At the end (every line answered,
+a cancel, or the completion window passed) the output and error files are written (`output.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
+
+from coderai.contracts import encode
+from coderai.contracts.topology import BATCH_LINES, BATCHES
+from coderai.gateway.auth import Caller
+from coderai.gateway.batches import output, queue, validation
+from coderai.gateway.batches.records import (
+    RUNNING, BatchRecord, LineError, LineResult, Superseded, Tenure, claim, due, read_lines, store_line,
+)
+from coderai.gateway.errors import ApiError
+from coderai.gateway.http import new_request_id
+from coderai.gateway.pipeline import Call
+from coderai.gateway.state import Gateway
+from coderai.gateway.video.records import caller_for
+from coderai.runtime.mirror import KVMirror
+
+log = logging.getLogger("coderai.gateway")
+
+ATTEMPTS = 3  # a line refused as unavailable (503: no engine, a lost bus) is tried this many times
+
+
+class BatchRunner:
+    """Enter `lifespan` after the gateway's own (the bus must be up); leaving it stops the batches running here,
+    which another replica (or this gateway, restarted) then takes over."""
+
+    def __init__(self, gw: Gateway, records: Any) -> None:
+        self.gw, self.records = gw, records  # records: the files' (openai/files.py), for the input and output files
+        self.me = f"{gw.settings.node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.after_s = max(1.0, gw.settings.video_takeover_s)  # the background jobs' takeover threshold
+        self.touch_every_s = min(5.0, self.after_s / 4)
+        self.running: dict[str, asyncio.Task] = {}
+        self.mirror: KVMirror[BatchRecord] | None = None
+        self.seen: dict[str, float] = {}
+        self.lanes = queue.Lanes()
+        self._kv: dict[str, Any] = {}
+
+    async def kv(self, spec: Any = BATCHES) -> Any:
+        if spec.name not in self._kv:
+            self._kv[spec.name] = await self.gw.bus.kv(spec)
+        return self._kv[spec.name]
+
+    def parse(self, data: bytes, endpoint: str) -> tuple[list[validation.Line], list[LineError]]:
+        return validation.parse(data, endpoint, self.gw.model)
+
+    async def start(self, rec: BatchRecord, lines: list[validation.Line], who: Caller) -> BatchRecord:
+        """Keep a new batch's record and run it here."""
+        rec = msgspec.structs.replace(rec, runner=self.me)
+        revision = await (await self.kv()).create(rec.id, msgspec.json.encode(rec))
+        if rec.status == "in_progress":
+            self.spawn(Tenure(await self.kv(), rec, revision), lines, who)
+        return rec
+
+    async def cancel(self, rec: BatchRecord) -> BatchRecord:
+        """Mark a running batch cancelling (its runner, here or on another replica, sees it and stops)."""
+        kv = await self.kv()
+        for _ in range(10):
+            entry = await kv.get(rec.id)
+            rec = msgspec.json.decode(entry.value, type=BatchRecord)
+            if rec.status not in ("validating", "in_progress"):
+                return rec
+            now = time.time()
+            new = msgspec.structs.replace(rec, status="cancelling", cancelling_at=int(now), updated_at=now)
+            try:
+                await kv.update(rec.id, msgspec.json.encode(new), last=entry.revision)
+                return new
+            except KeyWrongLastSequenceError:
+                continue  # its runner wrote a count: read it again
+        raise ApiError(503, "The batch is busy; try the cancel again.", type="service_unavailable", code="busy")
+
+    def spawn(self, tenure: Tenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
+        task = asyncio.create_task(self.work(tenure, lines, who))
+        self.running[tenure.rec.id] = task
+        task.add_done_callback(lambda _: self.running.pop(tenure.rec.id, None))
+
+    async def keepalive(self, tenure: Tenure, work: asyncio.Task) -> None:
+        """Touch the record while the batch runs (so no replica takes it for abandoned), and notice a cancel."""
+        while True:
+            await asyncio.sleep(self.touch_every_s)
+            try:
+                if time.time() - tenure.rec.updated_at >= self.touch_every_s:
+                    await tenure.save()
+                seen = self.mirror.values.get(tenure.rec.id) if self.mirror else None
+                if seen is not None and seen.status == "cancelling" and not tenure.cancelling:
+                    await tenure.refresh()
+            except Superseded as exc:
+                log.warning("batch %s: %s; stopping here", tenure.rec.id, exc)
+                work.cancel()
+                return
+            except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
+                log.warning("batch %s: could not touch its record (%s)", tenure.rec.id, exc)
+
+    async def work(self, tenure: Tenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
+        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task()))  # type: ignore[arg-type]
+        try:
+            if lines is None or who is None:  # taken over: the lines and the caller again, from the record
+                lines, who = await self.reload(tenure)
+                if lines is None or who is None:
+                    return
+            results = await read_lines(await self.kv(BATCH_LINES), tenure.rec.id)
+            await self.count(tenure, results)
+            if tenure.rec.status in ("in_progress", "cancelling"):
+                await self.run_lines(tenure, [ln for ln in lines if ln.index not in results], who, results)
+            await self.finalize(tenure, lines)
+        except Superseded as exc:
+            log.warning("batch %s: %s; stopping here", tenure.rec.id, exc)
+        except Exception:  # the outermost edge of a background job: logged; the sweeper takes it over later
+            log.exception("batch %s stopped", tenure.rec.id)
+        finally:
+            keep.cancel()
+
+    async def reload(self, tenure: Tenure) -> tuple[list[validation.Line] | None, Caller | None]:
+        rec = tenure.rec
+        try:
+            who = await caller_for(self.gw.auth, rec.key_name)
+            data = (await (await self.records.files()).get(rec.input_file_id)).data or b""
+            with contextlib.suppress(asyncio.TimeoutError):  # a gateway just started: its catalogue fills first
+                await asyncio.wait_for(self.gw.catalog.mirror.synced.wait(), 10)
+            lines, errors = self.parse(data, rec.endpoint)
+        except Exception as exc:  # noqa: BLE001 - the input file was deleted, or the key store is down
+            errors, lines, who = [LineError(code="input_unavailable", message=f"The batch could not be resumed: "
+                                                                              f"its input file could not be read ({exc}).")], [], None
+        if errors:
+            await tenure.save(status="failed", failed_at=int(time.time()), errors=[*rec.errors, *errors[:100]])
+            return None, None
+        return lines, who
+
+    def stopping(self, tenure: Tenure) -> bool:
+        return tenure.cancelling or time.time() >= tenure.rec.expires_at
+
+    async def run_lines(self, tenure: Tenure, todo: list[validation.Line], who: Caller,
+                        results: dict[int, LineResult]) -> None:
+        """Every line not answered yet, in order, a bounded number on the queue at a time."""
+        tasks: set[asyncio.Task] = set()
+        try:
+            for line in todo:
+                lane = self.lanes(line.job.model, line.op)
+                await lane.slots.acquire()
+                if self.stopping(tenure):
+                    lane.slots.release()
+                    break
+                task = asyncio.create_task(self.one(tenure, line, who, lane, results))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def one(self, tenure: Tenure, line: validation.Line, who: Caller, lane: queue.Lane,
+                  results: dict[int, LineResult]) -> None:
+        try:
+            res = await self.answer(line, who, lane)
+        finally:
+            lane.slots.release()
+        if await store_line(await self.kv(BATCH_LINES), tenure.rec.id, res):
+            results[line.index] = res
+            await self.count(tenure, results)
+
+    async def answer(self, line: validation.Line, who: Caller, lane: queue.Lane) -> LineResult:
+        """The line run as a request of `who`'s: its answer, or the error a request would have got."""
+        line_id = "batch_req_" + secrets.token_hex(16)
+        attempt = 0
+        while True:
+            rid = new_request_id()
+            call = Call(self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid))
+            try:
+                final = await call.queued(partial(queue.send, self.gw, lane, line.op))
+                body = line.render(final, rid, call.created)
+            except ApiError as err:
+                attempt += err.status == 503
+                if err.code == "rate_limit_exceeded" or (err.status == 503 and attempt < ATTEMPTS):
+                    await asyncio.sleep(float(err.headers.get("Retry-After", 1)))  # the key's rate, or a blink
+                    continue
+                return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid,
+                                  status_code=err.status, body=msgspec.Raw(err.encode()))
+            except Exception as exc:  # noqa: BLE001 - one line's bug fails that line, not the batch
+                log.exception("batch line %s failed", line.custom_id)
+                err = ApiError(500, f"Internal error: {type(exc).__name__}", type="server_error", code="internal")
+                return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid,
+                                  status_code=500, body=msgspec.Raw(err.encode()))
+            return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid, status_code=200,
+                              body=msgspec.Raw(encode(body)), prompt_tokens=final.usage.prompt_tokens,
+                              completion_tokens=final.usage.completion_tokens)
+
+    async def count(self, tenure: Tenure, results: dict[int, LineResult]) -> None:
+        ok = sum(1 for r in results.values() if r.ok)
+        counts = dict(completed=ok, failed=len(results) - ok,
+                      prompt_tokens=sum(r.prompt_tokens for r in results.values()),
+                      completion_tokens=sum(r.completion_tokens for r in results.values()))
+        if any(getattr(tenure.rec, k) != v for k, v in counts.items()):
+            await tenure.save(**counts)
+
+    async def finalize(self, tenure: Tenure, lines: list[validation.Line]) -> None:
+        """Write the files from every stored line (plus, past the window, the lines it left unanswered)."""
+        now = time.time()
+        if tenure.rec.status != "finalizing":
+            end = "cancelled" if tenure.cancelling else "expired" if now >= tenure.rec.expires_at else "completed"
+            await tenure.save(status="finalizing", finalizing_at=int(now), ending=end)
+        end = tenure.rec.ending or "completed"
+        results = await read_lines(await self.kv(BATCH_LINES), tenure.rec.id)
+        if end == "expired":
+            for ln in lines:
+                if ln.index not in results:
+                    results[ln.index] = LineResult(
+                        index=ln.index, custom_id=ln.custom_id, id="batch_req_" + secrets.token_hex(16),
+                        error_code="batch_expired",
+                        error_message="This request could not be executed before the completion window expired.")
+        out_id, err_id = await output.write(self.records, tenure.rec, results)
+        ok = sum(1 for r in results.values() if r.ok)
+        await tenure.save(status=end, **{f"{end}_at": int(time.time())}, output_file_id=out_id, error_file_id=err_id,
+                          completed=ok, failed=len(results) - ok)
+
+    async def sweep(self) -> None:
+        """Claim every running batch whose gateway stopped (one revision-checked write each: one replica wins)."""
+        assert self.mirror is not None
+        kv = await self.kv()
+        for key, rec in list(self.mirror.values.items()):
+            if key in self.running or not due(rec, time.monotonic() - self.seen.get(key, time.monotonic()), self.after_s):
+                continue
+            taken = claim(rec, self.me, time.time())
+            try:
+                revision = await kv.update(key, msgspec.json.encode(taken), last=self.mirror.revisions[key])
+            except KeyWrongLastSequenceError:
+                continue  # its runner wrote, or another replica claimed it first
+            self.mirror.remember(key, taken, revision)
+            self.seen[key] = time.monotonic()
+            if taken.status != "failed":
+                log.warning("batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
+                            key, rec.runner or "?", taken.takeovers, rec.completed + rec.failed, rec.total)
+                self.spawn(Tenure(kv, taken, revision), None, None)
+
+    async def sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.touch_every_s)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bus blinked: sweep again at the next tick
+                log.warning("batch sweep failed: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        def changed(key: str, rec: BatchRecord | None) -> None:
+            if rec is None or rec.status not in RUNNING:
+                self.seen.pop(key, None)
+            else:
+                self.seen[key] = time.monotonic()
+
+        self.mirror = KVMirror(self.gw.bus, BATCHES, BatchRecord, on_change=changed)
+        self.mirror.start()
+        self.gw.reconnect_hooks.append(self.mirror.start)  # a restarted server may have dropped the watch
+        sweeper = asyncio.create_task(self.sweeper())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            self.mirror.stop()
+            tasks = list(self.running.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(sweeper, *tasks, return_exceptions=True)
