@@ -115,3 +115,16 @@ def test_the_batch_object_and_takeover():
     assert (taken.runner, taken.takeovers, taken.status) == ("me", 1, "in_progress")
     dead = claim(msgspec.structs.replace(rec, takeovers=5), "me", 9.0)
     assert dead.status == "failed" and dead.errors[-1].code == "runner_lost"
+
+
+def test_a_node_holding_a_chat_model_may_pull_its_batch_lines():
+    from coderai.contracts import ModelConfig
+    from coderai.contracts.work import work_consumer, work_consumers
+    from coderai.runtime import members
+
+    held = [ModelConfig(name="tiny", engine="llama", path="/m.gguf", ops=["chat"]),
+            ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"], distribute={"enabled": False})]
+    assert work_consumers(held) == sorted([work_consumer("tiny", "chat"), work_consumer("minilm", "embed")])
+    pub = members.node_permissions("n1", work_consumers(held))["publish"]["allow"]
+    assert f"$JS.API.CONSUMER.CREATE.WORK.{work_consumer('tiny', 'chat')}.coderai.work.tiny.chat" in pub
+    assert not any("coderai_batch" in p for p in pub)  # the batches' buckets are the gateway's alone
