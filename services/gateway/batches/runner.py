@@ -30,7 +30,7 @@ from coderai.gateway.batches.records import (
 )
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import new_request_id
-from coderai.gateway.pipeline import Call
+from coderai.gateway.pipeline import HEADROOM, Call
 from coderai.gateway.state import Gateway
 from coderai.gateway.video.records import caller_for
 from coderai.runtime.mirror import KVMirror
@@ -174,6 +174,11 @@ class BatchRunner:
             res = await self.answer(line, who, lane)
         finally:
             lane.slots.release()
+        limit = self.gw.bus.nc.max_payload - HEADROOM
+        if len(msgspec.json.encode(res)) > limit:  # a KV value is one bus message
+            err = ApiError(500, f"The answer is over the {limit} bytes one kept line holds; send fewer inputs per "
+                                "line.", type="server_error", code="response_too_large")
+            res = msgspec.structs.replace(res, status_code=500, body=msgspec.Raw(err.encode()))
         if await store_line(await self.kv(BATCH_LINES), tenure.rec.id, res):
             results[line.index] = res
             await self.count(tenure, results)
