@@ -91,19 +91,40 @@ def response_format(fmt: Any) -> dict[str, Any] | None:
 def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ollama messages as OpenAI's: `images` (base64) become image parts, tool calls' arguments JSON text."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, "Each message is an object.", param=f"messages[{i}]", code="invalid_request")
         msg: dict[str, Any] = {"role": m.get("role", "user"), "content": m.get("content") or ""}
         if m.get("images"):
+            images = m["images"]
+            if not isinstance(images, list) or not all(isinstance(img, str) for img in images):
+                raise ApiError(400, "images is a list of base64 strings.", param=f"messages[{i}].images",
+                               code="invalid_request")
             msg["content"] = [{"type": "text", "text": msg["content"]}] + [
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in m["images"]]
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in images]
         if m.get("tool_calls"):
-            msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": json.dumps(c["function"].get("arguments") or {})}}
-                for i, c in enumerate(m["tool_calls"])]
+            msg["tool_calls"] = [_openai_call(c, j, f"messages[{i}].tool_calls[{j}]")
+                                 for j, c in enumerate(_listed(m["tool_calls"], f"messages[{i}].tool_calls"))]
         if m.get("role") == "tool" and m.get("tool_name"):
             msg["name"] = m["tool_name"]
         out.append(msg)
     return out
+
+
+def _listed(value: Any, param: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ApiError(400, f"{param} is a list.", param=param, code="invalid_request")
+    return value
+
+
+def _openai_call(call: Any, index: int, param: str) -> dict[str, Any]:
+    """One Ollama tool call (`{"function": {"name", "arguments": {...}}}`) as OpenAI's, checked like any input."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, "A tool call is {\"function\": {\"name\": ..., \"arguments\": {...}}}.",
+                       param=f"{param}.function", code="invalid_request")
+    return {"id": f"call_{index}", "type": "function",
+            "function": {"name": fn["name"], "arguments": json.dumps(fn.get("arguments") or {})}}
 
 
 def ollama_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

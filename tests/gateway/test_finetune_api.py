@@ -75,6 +75,8 @@ def test_coderai_extensions_and_openai_method_object():
     ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
     ({"lora_rank": 0}, "lora_rank"),
     ({"nodes": -1}, "nodes"),
+    ({"method": {"type": "supervised", "supervised": "x"}}, "method.supervised"),
+    ({"method": {"type": "lora", "lora": {"hyperparameters": [1]}}}, "method.lora.hyperparameters"),
 ])
 def test_bad_requests_are_400_naming_the_field(kw, param):
     with pytest.raises(ApiError) as exc:

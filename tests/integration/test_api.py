@@ -287,6 +287,11 @@ def test_files_upload_list_content_and_delete_through_the_sdk(client):
     assert up.id in listed and other.id in listed
     assert [f.id for f in client.files.list(purpose="fine-tune")] == [f.id for f in client.files.list() if f.purpose == "fine-tune"]
     assert client.files.content(up.id).read() == data
+    named = client.files.create(file=("données.txt", b"x"), purpose="user_data")  # a name that is not ASCII
+    got = client.files.with_raw_response.content(named.id)
+    assert got.read() == b"x" and got.headers["content-disposition"] == (
+        "attachment; filename=\"donn_es.txt\"; filename*=UTF-8''donn%C3%A9es.txt")
+    client.files.delete(named.id)
     gone = client.files.delete(other.id)
     assert gone.deleted and gone.id == other.id
     with pytest.raises(openai.NotFoundError):

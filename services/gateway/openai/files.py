@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 import time
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -98,6 +99,15 @@ class Records:
         return job
 
 
+def attachment(filename: str) -> str:
+    """A `Content-Disposition` for `filename`, whatever it holds: an ASCII fallback (quotes, backslashes and
+    control characters replaced) and, for any other name, RFC 6266's `filename*` in UTF-8."""
+    plain = "".join(c if " " <= c < "\x7f" and c not in '"\\' else "_" for c in filename) or "file"
+    if plain == filename or not filename:
+        return f'attachment; filename="{plain}"'
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
 class FilesController(InferenceController):
     path = "/v1/files"
     records: Records
@@ -161,7 +171,7 @@ class FilesController(InferenceController):
         rec = await self.records.own_file(who, file_id)
         data = (await (await self.records.files()).get(rec.id)).data or b""
         return Response(content=data, media_type="application/octet-stream",
-                        headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
+                        headers={"Content-Disposition": attachment(rec.filename)})
 
     @delete("/{file_id:str}", status_code=200)
     async def remove(self, request: Request, file_id: FromPath[str]) -> Response:

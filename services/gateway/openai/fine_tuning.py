@@ -68,7 +68,13 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         elif kind != "supervised":
             raise _bad(f"method type {kind!r} is not supported; use \"supervised\" (or coderai's \"lora\", \"qlora\").",
                        "method", "unsupported_method")
-        hp = {**hp, **((req.method.get(kind) or {}).get("hyperparameters") or {})}
+        inner = req.method.get(kind) or {}
+        if not isinstance(inner, dict):
+            raise _bad(f"method.{kind} must be an object.", f"method.{kind}")
+        extra = inner.get("hyperparameters") or {}
+        if not isinstance(extra, dict):
+            raise _bad(f"method.{kind}.hyperparameters must be an object.", f"method.{kind}.hyperparameters")
+        hp = {**hp, **extra}
     if method not in ("lora", "qlora"):
         raise _bad(f"method must be \"lora\" or \"qlora\", not {method!r}.", "method", "unsupported_method")
     unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier"}
