@@ -14,6 +14,7 @@ from coderai.gateway.admin.keys import KeysController
 from coderai.gateway.admin.metrics import MetricsController
 from coderai.gateway.admin.nodes import NodesController
 from coderai.gateway.admin.pods import PodsController
+from coderai.gateway.contract import ContractController
 from coderai.gateway.errors import ApiError, from_http
 from coderai.gateway.http import error_response, json_response
 from coderai.gateway.batches.runner import BatchRunner
@@ -45,7 +46,7 @@ CONTROLLERS: list[type[GatewayController]] = [
     ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
     ResponsesController, OcrController, VideosController, FilesController, FineTuningController, AnthropicController,
     BatchesController,
-    OllamaController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
+    OllamaController, ContractController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
 ]
 
 

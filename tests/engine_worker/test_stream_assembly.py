@@ -53,3 +53,16 @@ def test_an_engine_refuses_what_it_cannot_honour_by_name():
     assert unhonoured(engine, job) is None
     biased = ChatJob(request_id="r", model="m", messages=[], params=SamplingParams(logit_bias={"1": 2.0}))
     assert unhonoured(engine, biased).param == "logit_bias"  # type: ignore[union-attr]
+
+
+def test_a_conversation_llama_server_cannot_parse_is_the_clients_mistake():
+    import pytest
+
+    from coderai.engine_worker.engines.openai_server import raise_error
+    from coderai.engine_worker.engines.base import BadInput
+
+    with pytest.raises(BadInput) as bad:  # llama-server says 500, but the messages were the client's
+        raise_error({"error": {"code": 500, "message": "Failed to parse messages: Unsupported tool call type"}}, 500)
+    assert bad.value.param == "messages"
+    with pytest.raises(RuntimeError):  # a real failure stays one
+        raise_error({"error": {"code": 500, "message": "out of memory"}}, 500)

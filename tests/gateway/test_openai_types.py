@@ -150,6 +150,28 @@ def test_an_unhashable_role_is_a_400():
     assert (err.status, err.param) == (400, "messages[0].role")
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("calls, param, code", [
+    ([{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}], "messages[0].tool_calls[0]",
+     "unsupported_tool_call"),
+    ([CALL, "f"], "messages[0].tool_calls[1]", "unsupported_tool_call"),
+    ([{"id": "c1", "type": "function"}], "messages[0].tool_calls[0].function", "invalid_request"),
+    ([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}],
+     "messages[0].tool_calls[0].function", "invalid_request"),
+    ({"id": "c1"}, "messages[0].tool_calls", "invalid_request"),
+])
+def test_an_earlier_tool_call_that_is_not_a_function_call_is_a_400(calls, param, code):
+    err = api_error(chat_job, chat(messages=[{"role": "assistant", "content": None, "tool_calls": calls}]), "r")
+    assert (err.status, err.param, err.code) == (400, param, code)
+
+
+def test_an_earlier_function_call_passes_as_it_came():
+    msg = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    assert chat_job(chat(messages=[msg, {"role": "tool", "tool_call_id": "c1", "content": "1"}]), "r").messages[0] == msg
+
+
 def test_text_parts_are_flattened_to_a_string_and_other_keys_kept():
     msg = {"role": "user", "name": "bob", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}
     job = chat_job(chat(messages=[msg]), "r")

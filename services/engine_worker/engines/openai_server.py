@@ -111,8 +111,11 @@ def raise_error(body: Any, status: int, label: str = "the server") -> None:
     err = err if isinstance(err, dict) else (body if isinstance(body, dict) else {})
     message = str(err.get("message") or body)
     code = err.get("code") or status
-    if code == 400 or status == 400:
-        raise BadInput(f"{label}: {message}", err.get("param"))
+    # llama-server answers a conversation its chat template cannot take (a message, a tool call) with a 500
+    # "Failed to parse messages": the client's input, not the server's failure
+    unparsed = message.startswith("Failed to parse messages")
+    if code == 400 or status == 400 or unparsed:
+        raise BadInput(f"{label}: {message}", err.get("param") or ("messages" if unparsed else None))
     raise RuntimeError(f"{label} answered {code}: {message}")
 
 

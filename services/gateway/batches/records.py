@@ -95,9 +95,10 @@ def line_key(batch_id: str, index: int) -> str:
 
 
 def batch_json(rec: BatchRecord) -> dict[str, Any]:
-    """The batch object, in OpenAI's shape."""
+    """The batch object, in OpenAI's shape; a field not set yet (a timestamp, a file, `errors`) is left out, as
+    OpenAI's schema has no null for them (the SDK reads a missing one as None)."""
     errors = {"object": "list", "data": [msgspec.to_builtins(e) for e in rec.errors]} if rec.errors else None
-    return {
+    body = {
         "id": rec.id, "object": "batch", "endpoint": rec.endpoint, "errors": errors,
         "input_file_id": rec.input_file_id, "completion_window": rec.completion_window, "status": rec.status,
         "output_file_id": rec.output_file_id, "error_file_id": rec.error_file_id, "created_at": rec.created_at,
@@ -110,6 +111,7 @@ def batch_json(rec: BatchRecord) -> dict[str, Any]:
                   "output_tokens": rec.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": rec.prompt_tokens + rec.completion_tokens},
     }
+    return {k: v for k, v in body.items() if v is not None or k == "metadata"}
 
 
 def due(rec: BatchRecord, quiet_s: float, after_s: float) -> bool:

@@ -83,8 +83,8 @@ class BatchesController(InferenceController):
         recs = [r for r in (await read_all(await self.batches.kv(), BatchRecord)).values() if mine(who, r.key_name)]
         recs.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         data, more = page(recs, request.query_params.get("after"), limit)
-        return json_response({"object": "list", "data": [batch_json(r) for r in data], "has_more": more,
-                              "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
+        ends = {"first_id": data[0].id, "last_id": data[-1].id} if data else {}  # none on an empty page
+        return json_response({"object": "list", "data": [batch_json(r) for r in data], "has_more": more, **ends})
 
     @get("/{batch_id:str}")
     async def retrieve(self, request: Request, batch_id: FromPath[str]) -> Response:

@@ -101,8 +101,27 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.", param=f"messages[{i}].content", code="invalid_request")
         elif content is None and role != "assistant":
             raise ApiError(400, f"messages[{i}].content is required for role '{role}'.", param=f"messages[{i}].content", code="invalid_request")
+        if m.get("tool_calls") is not None:
+            _check_calls(m["tool_calls"], i)
         out.append(m)
     return out
+
+
+def _check_calls(calls: Any, i: int) -> None:
+    """An assistant message's earlier tool calls: function calls (`custom` ones have no chat template)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list.", param=f"messages[{i}].tool_calls",
+                       code="invalid_request")
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        kind = c.get("type", "function") if isinstance(c, dict) else None
+        if kind != "function":
+            raise ApiError(400, f"{where} must be a function call ({{\"type\": \"function\", \"function\": ...}}); "
+                                f"{kind!r} calls are not supported.", param=where, code="unsupported_tool_call")
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+            raise ApiError(400, f"{where}.function needs a name and arguments (a JSON string).", param=f"{where}.function",
+                           code="invalid_request")
 
 
 def _check_parts(parts: list[Any], i: int) -> None:

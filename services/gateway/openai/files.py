@@ -31,7 +31,7 @@ PURPOSES = ("fine-tune", "assistants", "batch", "user_data", "vision", "evals")
 
 def file_json(rec: FileRecord) -> dict[str, Any]:
     return {"object": "file", "id": rec.id, "bytes": rec.bytes, "created_at": rec.created_at, "filename": rec.filename,
-            "purpose": rec.purpose, "status": "processed", "status_details": None, "expires_at": None}
+            "purpose": rec.purpose, "status": "processed"}  # no expiry: OpenAI leaves `expires_at` out then
 
 
 def mine(who: Caller, owner: str) -> bool:

@@ -30,7 +30,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True):
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    background: bool = False
+    background: bool | None = False
     conversation: Any = None
     include: list[str] | None = None
     max_output_tokens: PositiveInt | None = None
@@ -38,8 +38,8 @@ class ResponseRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
-    store: bool = True
-    stream: bool = False
+    store: bool | None = True
+    stream: bool | None = False
     temperature: Temperature | None = None
     text: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -47,6 +47,11 @@ class ResponseRequest(msgspec.Struct, kw_only=True):
     top_p: Prob | None = None
     truncation: str | None = None
     user: str | None = None
+
+    def __post_init__(self) -> None:  # OpenAI's schema lets these three be null: null is their default
+        self.background = bool(self.background)
+        self.store = True if self.store is None else self.store
+        self.stream = bool(self.stream)
 
 
 def new_id(prefix: str) -> str:
@@ -305,8 +310,9 @@ def response_body(resp_id: str, created: float, req: ResponseRequest, output: li
         "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
         "store": req.store, "temperature": req.temperature, "text": {"format": fmt, "verbosity": "medium"},
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
-        "truncation": req.truncation or "disabled", "usage": usage_json(usage) if usage is not None else None,
-        "user": req.user,
+        "truncation": req.truncation or "disabled",
+        **({"usage": usage_json(usage)} if usage is not None else {}),  # none yet: left out (no null in the schema)
+        **({"user": req.user} if req.user is not None else {}),  # OpenAI's schema has no null `user`
     }
 
 

@@ -21,13 +21,14 @@ def usage_json(u: Usage) -> dict[str, int]:
 
 
 def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any) -> dict[str, Any]:
-    """The envelope every OpenAI chat/completion object and chunk shares, key order as OpenAI sends it."""
-    return {"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": model, "system_fingerprint": None, **rest}
+    """The envelope every OpenAI chat/completion object and chunk shares, key order as OpenAI sends it (no
+    `system_fingerprint`: OpenAI's schema has no null for it, and an engine has none to give)."""
+    return {"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": model, **rest}
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
     return _body("chatcmpl", "chat.completion", rid, created, model, choices=[
-        {"index": c.index, "message": {"role": "assistant", "content": None, **(c.message or {})},
+        {"index": c.index, "message": {"role": "assistant", "content": None, "refusal": None, **(c.message or {})},
          "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         for c in choices
     ], usage=usage_json(usage))
