@@ -1,5 +1,6 @@
 """Every route of the gateway is guarded: without a key it is a 401, an admin route with an inference key a 403.
-Only the health check, the cluster page and blob URLs (whose random names are the credential) are open."""
+Only the health check, the cluster page, the published contract (OpenAI's own spec, cut to what coderai serves) and
+blob URLs (whose random names are the credential) are open."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
 from coderai.gateway.app import create_app
 from coderai.gateway.settings import GatewaySettings
 
-OPEN = {"/healthz", "/ui", "/v1/blobs/{name:str}"}
+OPEN = {"/healthz", "/ui", "/v1/blobs/{name:str}", "/openapi.json"}
 USER, ADMIN = "sk-user-guards", "sk-admin-guards"
 
 
