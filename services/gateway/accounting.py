@@ -86,6 +86,13 @@ class Admission:
     held: Reservation | None = None
 
 
+def allowed(who: Caller, model: str) -> None:
+    """A key with a model allow-list uses only those models: anything else is a 403 before any work."""
+    key = who.key
+    if key is not None and key.models and model not in key.models:
+        raise ApiError(403, f"This key may not use the model '{model}'.", param="model", code="model_not_allowed")
+
+
 class Accounts:
     """Limits in Redis (none without it) and the `request.completed` events on the bus."""
 
@@ -99,8 +106,8 @@ class Accounts:
         key = who.key
         if key is None:
             return Admission(cfg)
-        if cfg is not None and key.models and cfg.name not in key.models:
-            raise ApiError(403, f"This key may not use the model '{cfg.name}'.", param="model", code="model_not_allowed")
+        if cfg is not None:
+            allowed(who, cfg.name)
         estimate = estimate_cost(cfg, job) if key.budget_usd and cfg is not None and job is not None else 0.0
         if self.limiter is None or not (key.rpm or key.tpm or key.budget_usd):
             return Admission(cfg)

@@ -195,20 +195,19 @@ class OllamaController(InferenceController):
         return json_response({"version": VERSION})
 
     @get("/tags")
-    async def list_tags(self) -> Response:  # not `tags`: that is a litestar Controller setting
-        return json_response({"models": [model_json(m) for m in sorted(self.gw.catalog.models.values(),
-                                                                        key=lambda m: m.name)]})
+    async def list_tags(self, request: Request) -> Response:  # not `tags`: that is a litestar Controller setting
+        return json_response({"models": [model_json(m) for m in self.gw.visible_models(self.caller(request))]})
 
     @get("/ps")
-    async def ps(self) -> Response:
+    async def ps(self, request: Request) -> Response:
         models = [{**model_json(m), "expires_at": None, "size_vram": 0}
-                  for m in sorted(self.gw.catalog.models.values(), key=lambda m: m.name)]
+                  for m in self.gw.visible_models(self.caller(request))]
         return json_response({"models": models})
 
     @post("/show", status_code=200)
     async def show(self, request: Request) -> Response:
         req = await read_json(request, ShowRequest)
-        cfg = self.gw.model(req.model or req.name)
+        cfg = self.gw.visible_model(self.caller(request), req.model or req.name)
         caps = sorted({"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in cfg.serves()})
         info = model_json(cfg)
         return json_response({"modelfile": "", "parameters": "", "template": "", "details": info["details"],

@@ -93,6 +93,19 @@ class Gateway:
                            param="model", code="unsupported_operation")
         return cfg
 
+    def visible_models(self, who: Caller) -> list[ModelConfig]:
+        """The served models a key may use, by name: all of them, or those of its allow-list."""
+        allowed = who.key.models if who.key is not None and who.key.models else None
+        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name)
+                if allowed is None or m.name in allowed]
+
+    def visible_model(self, who: Caller, name: str) -> ModelConfig:
+        """`model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing one."""
+        key = who.key
+        if key is not None and key.models and name not in key.models:
+            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        return self.model(name)
+
     def first_model(self, op: str) -> ModelConfig | None:
         """The first served model (by name) that serves `op`."""
         return next((m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if op in m.serves()), None)

@@ -30,6 +30,7 @@ def duo(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
          "price_prompt_per_mtok": 1000.0, "price_completion_per_mtok": 2000.0},
         {"name": "other", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+        {"name": "clip", "engine": "video", "path": str(tiny_gguf), "nodes": ["nowhere"]},  # placed nowhere: never loads
     ])
     stack = Stack(root, nats.url, redis_server.url, extra_env={
         "CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_GATEWAY_SCRAPE_TOKEN": SCRAPE,
@@ -88,6 +89,17 @@ def test_model_allow_list(duo, admin_key):
     key = new_key(duo, admin_key, "erin", models=["tiny"])
     assert chat(duo.urls[0], key).status_code == 200
     r = chat(duo.urls[1], key, model="other")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    auth = {"Authorization": f"Bearer {key}"}
+    listed = httpx.get(f"{duo.urls[0]}/v1/models", headers=auth, timeout=30).json()["data"]
+    assert [m["id"] for m in listed] == ["tiny"]  # what it may use, no more
+    assert httpx.get(f"{duo.urls[0]}/v1/models/other", headers=auth, timeout=30).status_code == 404
+    assert [m["name"] for m in httpx.get(f"{duo.urls[1]}/api/tags", headers=auth, timeout=30).json()["models"]] == ["tiny"]
+    with admin(duo, admin_key) as c:  # a key without an allow-list sees them all
+        assert {m["id"] for m in c.get("/v1/models").json()["data"]} == {"tiny", "other", "clip"}
+    # a background job is refused at once too, not answered 200 and failed later
+    r = httpx.post(f"{duo.urls[0]}/v1/videos", json={"model": "clip", "prompt": "a cat"},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
 
 

@@ -18,6 +18,7 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
 from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, Hyperparameters
+from coderai.gateway.accounting import allowed
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
 from coderai.gateway.openai.files import Records, mine, page
@@ -136,9 +137,7 @@ class FineTuningController(InferenceController):
     async def create(self, request: Request) -> Response:
         who = self.caller(request)
         req = await read_json(request, JobRequest)
-        key = who.key  # the key's model allow-list, rates and budget, as on every call
-        if key is not None and key.models and req.model not in key.models:
-            raise ApiError(403, f"This key may not use the model '{req.model}'.", param="model", code="model_not_allowed")
+        allowed(who, req.model)  # the key's model allow-list, rates and budget, as on every call
         await self.gw.accounts.admit(who, None)
         for param, file_id in (("training_file", req.training_file), ("validation_file", req.validation_file)):
             if file_id:  # a key trains only on its own files; another key's is as unknown as one that never was

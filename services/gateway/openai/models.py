@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Response, get
+from litestar import Request, Response, get
 from litestar.params import FromPath
 
 from coderai.contracts import ModelConfig
@@ -25,10 +25,11 @@ class ModelsController(InferenceController):
     path = "/v1/models"
 
     @get("/")
-    async def list_models(self) -> Response:
-        data = [model_json(m) for m in sorted(self.gw.catalog.models.values(), key=lambda m: m.name)]
+    async def list_models(self, request: Request) -> Response:
+        """The models this key may use (all of them for a key without an allow-list)."""
+        data = [model_json(m) for m in self.gw.visible_models(self.caller(request))]
         return json_response({"object": "list", "data": data})
 
     @get("/{model_id:path}")
-    async def get_model(self, model_id: FromPath[str]) -> Response:
-        return json_response(model_json(self.gw.model(model_id.lstrip("/"))))
+    async def get_model(self, request: Request, model_id: FromPath[str]) -> Response:
+        return json_response(model_json(self.gw.visible_model(self.caller(request), model_id.lstrip("/"))))

@@ -20,6 +20,7 @@ from msgspec import Meta
 
 from coderai.contracts import Blob, RequestId, VideoJob
 from coderai.contracts.topology import BLOBS
+from coderai.gateway.accounting import allowed
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
@@ -106,6 +107,7 @@ class VideosController(InferenceController):
             req = await read_json(request, VideoRequest)
         w, h, frames, seconds = plan(req)
         self.gw.model(req.model, "video")
+        allowed(who, req.model)  # refused now, not as a failed job (rates and budget count when the job runs)
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
