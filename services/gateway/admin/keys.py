@@ -88,8 +88,8 @@ class KeysController(AdminController):
         q = request.query_params
         try:
             days = day_range(q.get("from"), q.get("to"))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="from") from None
+        except DayError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         rows = await read_usage(_store(self.gw).redis, days, key=q.get("key", ""), model=q.get("model", ""))
         if q.get("format") == "csv":
             out = io.StringIO()
@@ -101,14 +101,29 @@ class KeysController(AdminController):
         return json_response({"rows": rows})
 
 
+class DayError(ValueError):
+    """A bad `from`/`to`, naming which (`param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _day(value: str, param: str) -> datetime.date:
+    try:
+        return datetime.date.fromisoformat(value)
+    except ValueError:
+        raise DayError(f"`{param}` is not a date (YYYY-MM-DD): {value!r}", param) from None
+
+
 def day_range(start: str | None, end: str | None, max_days: int = 366) -> list[str]:
     """Every UTC day from `start` to `end` inclusive (YYYY-MM-DD; default today)."""
     today = datetime.datetime.now(datetime.timezone.utc).date()
-    a = datetime.date.fromisoformat(start) if start else today
-    b = datetime.date.fromisoformat(end) if end else (a if start else today)
+    a = _day(start, "from") if start else today
+    b = _day(end, "to") if end else (a if start else today)
     if b < a:
-        raise ValueError("`to` is before `from`")
+        raise DayError("`to` is before `from`", "to")
     n = (b - a).days + 1
     if n > max_days:
-        raise ValueError(f"at most {max_days} days at once")
+        raise DayError(f"at most {max_days} days at once", "to")
     return [(a + datetime.timedelta(days=i)).isoformat() for i in range(n)]
