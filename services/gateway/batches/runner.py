@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -32,28 +30,40 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.http import new_request_id
 from coderai.gateway.pipeline import HEADROOM, Call
 from coderai.gateway.state import Gateway
+from coderai.gateway.takeover import Takeovers
 from coderai.gateway.video.records import caller_for
-from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.gateway")
 
 ATTEMPTS = 3  # a line refused as unavailable (503: no engine, a lost bus) is tried this many times
 
 
-class BatchRunner:
-    """Enter `lifespan` after the gateway's own (the bus must be up); leaving it stops the batches running here,
-    which another replica (or this gateway, restarted) then takes over."""
+class BatchRunner(Takeovers[BatchRecord]):
+    """The batches this gateway runs, and its sweeper (`coderai.gateway.takeover`): a batch whose gateway stopped
+    is taken over by another replica, or by this gateway restarted."""
+
+    bucket, record, what = BATCHES, BatchRecord, "batch"
 
     def __init__(self, gw: Gateway, records: Any) -> None:
-        self.gw, self.records = gw, records  # records: the files' (openai/files.py), for the input and output files
-        self.me = f"{gw.settings.node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.after_s = max(1.0, gw.settings.video_takeover_s)  # the background jobs' takeover threshold
-        self.touch_every_s = min(5.0, self.after_s / 4)
-        self.running: dict[str, asyncio.Task] = {}
-        self.mirror: KVMirror[BatchRecord] | None = None
-        self.seen: dict[str, float] = {}
+        super().__init__(gw, max(1.0, gw.settings.video_takeover_s))  # the background jobs' takeover threshold
+        self.records = records  # the files' (openai/files.py), for the input and output files
         self.lanes = queue.Lanes()
         self._kv: dict[str, Any] = {}
+
+    def live(self, rec: BatchRecord) -> bool:
+        return rec.status in RUNNING
+
+    def due(self, rec: BatchRecord, quiet_s: float) -> bool:
+        return due(rec, quiet_s, self.after_s)
+
+    def claim(self, rec: BatchRecord) -> BatchRecord:
+        return claim(rec, self.me, time.time())
+
+    async def resume(self, kv: Any, was: BatchRecord, taken: BatchRecord, revision: int) -> None:
+        if taken.status != "failed":
+            log.warning("batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
+                        taken.id, was.runner or "?", taken.takeovers, was.completed + was.failed, was.total)
+            self.spawn(Tenure(kv, taken, revision), None, None)
 
     async def kv(self, spec: Any = BATCHES) -> Any:
         if spec.name not in self._kv:
@@ -89,9 +99,7 @@ class BatchRunner:
         raise ApiError(503, "The batch is busy; try the cancel again.", type="service_unavailable", code="busy")
 
     def spawn(self, tenure: Tenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
-        task = asyncio.create_task(self.work(tenure, lines, who))
-        self.running[tenure.rec.id] = task
-        task.add_done_callback(lambda _: self.running.pop(tenure.rec.id, None))
+        self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, lines, who)))
 
     async def keepalive(self, tenure: Tenure, work: asyncio.Task) -> None:
         """Touch the record while the batch runs (so no replica takes it for abandoned), and notice a cancel."""
@@ -237,53 +245,3 @@ class BatchRunner:
         await tenure.save(status=end, **{f"{end}_at": int(time.time())}, output_file_id=out_id, error_file_id=err_id,
                           completed=ok, failed=len(results) - ok)
 
-    async def sweep(self) -> None:
-        """Claim every running batch whose gateway stopped (one revision-checked write each: one replica wins)."""
-        assert self.mirror is not None
-        kv = await self.kv()
-        for key, rec in list(self.mirror.values.items()):
-            if key in self.running or not due(rec, time.monotonic() - self.seen.get(key, time.monotonic()), self.after_s):
-                continue
-            taken = claim(rec, self.me, time.time())
-            try:
-                revision = await kv.update(key, msgspec.json.encode(taken), last=self.mirror.revisions[key])
-            except KeyWrongLastSequenceError:
-                continue  # its runner wrote, or another replica claimed it first
-            self.mirror.remember(key, taken, revision)
-            self.seen[key] = time.monotonic()
-            if taken.status != "failed":
-                log.warning("batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
-                            key, rec.runner or "?", taken.takeovers, rec.completed + rec.failed, rec.total)
-                self.spawn(Tenure(kv, taken, revision), None, None)
-
-    async def sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(self.touch_every_s)
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the bus blinked: sweep again at the next tick
-                log.warning("batch sweep failed: %s", exc)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
-        def changed(key: str, rec: BatchRecord | None) -> None:
-            if rec is None or rec.status not in RUNNING:
-                self.seen.pop(key, None)
-            else:
-                self.seen[key] = time.monotonic()
-
-        self.mirror = KVMirror(self.gw.bus, BATCHES, BatchRecord, on_change=changed)
-        self.mirror.start()
-        self.gw.reconnect_hooks.append(self.mirror.start)  # a restarted server may have dropped the watch
-        sweeper = asyncio.create_task(self.sweeper())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            self.mirror.stop()
-            tasks = list(self.running.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(sweeper, *tasks, return_exceptions=True)

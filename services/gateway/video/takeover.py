@@ -5,16 +5,11 @@ runs whole on one engine, through the pipeline."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import secrets
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError
 
 from coderai.contracts import Chunk, VideoJob
 from coderai.contracts.topology import VIDEOS
@@ -24,35 +19,36 @@ from coderai.gateway.pipeline import Call, answer
 from coderai.gateway.video import records, relay
 from coderai.gateway.video.records import STALE_S, Superseded, Tenure, VideoRecord, claim, due
 from coderai.gateway.state import Gateway
-from coderai.runtime.mirror import KVMirror
+from coderai.gateway.takeover import Takeovers
 
 log = logging.getLogger("coderai.gateway")
 
 PROGRESS_EVERY_S = 0.5  # KV writes of progress are throttled to this
 
 
-class VideoJobs:
-    """The video jobs this gateway runs, and its sweeper: the replica that takes over jobs whose gateway stopped.
+class VideoJobs(Takeovers[VideoRecord]):
+    """The video jobs this gateway runs, and its sweeper: the replica that takes over jobs whose gateway stopped
+    (`coderai.gateway.takeover`)."""
 
-    Enter `lifespan` after the gateway's own (the bus must be up); leaving it stops the sweeper and the jobs
-    running here, which other replicas then take over.
-    """
+    bucket, record, what = VIDEOS, VideoRecord, "video job"
 
     def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.me = f"{gw.settings.node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.after_s = min(max(1.0, gw.settings.video_takeover_s), STALE_S / 2)
-        self.touch_every_s = min(5.0, self.after_s / 4)  # a live runner is never mistaken for a dead one
-        self.sweep_every_s = min(5.0, self.after_s / 4)
-        self.running: set[asyncio.Task] = set()
-        self.bucket: list[Any] = []  # bound once: every progress write and GET would otherwise ask JetStream for it
-        self.mirror: KVMirror | None = None
-        self.seen: dict[str, float] = {}  # record id -> when this gateway last saw it change (monotonic)
+        super().__init__(gw, min(max(1.0, gw.settings.video_takeover_s), STALE_S / 2))
+        self.bucket_kv: list[Any] = []  # bound once: every progress write and GET would otherwise ask JetStream for it
+
+    def live(self, rec: VideoRecord) -> bool:
+        return records.running(rec)
+
+    def due(self, rec: VideoRecord, quiet_s: float) -> bool:
+        return due(rec, quiet_s, self.after_s)
+
+    def claim(self, rec: VideoRecord) -> VideoRecord:
+        return claim(rec, self.me, time.time())
 
     async def kv(self) -> Any:
-        if not self.bucket:
-            self.bucket.append(await self.gw.bus.kv(VIDEOS))
-        return self.bucket[0]
+        if not self.bucket_kv:
+            self.bucket_kv.append(await self.gw.bus.kv(VIDEOS))
+        return self.bucket_kv[0]
 
     async def create(self, rec: VideoRecord, job: VideoJob, who: Caller) -> None:
         rec = msgspec.structs.replace(rec, job=job, runner=self.me)
@@ -60,9 +56,7 @@ class VideoJobs:
         self.spawn(Tenure(await self.kv(), rec, revision), job, who)
 
     def spawn(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
-        task = asyncio.create_task(self.work(tenure, job, who))
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, job, who)))
 
     async def keepalive(self, tenure: Tenure, job_task: asyncio.Task) -> None:
         """Touch the record while the job runs, so that no replica takes a live job for abandoned."""
@@ -115,62 +109,18 @@ class VideoJobs:
         finally:
             keep.cancel()
 
-    async def sweep(self) -> None:
-        """Claim every record due for takeover (one revision-checked write each: one replica wins) and run it."""
-        assert self.mirror is not None
-        kv = await self.kv()
-        for key, rec in list(self.mirror.values.items()):
-            if not due(rec, time.monotonic() - self.seen.get(key, time.monotonic()), self.after_s):
-                continue
-            taken = claim(rec, self.me, time.time())
-            try:
-                revision = await kv.update(key, msgspec.json.encode(taken), last=self.mirror.revisions[key])
-            except KeyWrongLastSequenceError:
-                continue  # its runner wrote, or another replica claimed it first
-            self.mirror.remember(key, taken, revision)
-            self.seen[key] = time.monotonic()
-            if taken.status == "failed":
-                log.warning("video job %s lost its gateway again; failed after %d takeovers", key, rec.takeovers)
-                continue
-            log.warning("video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
-                        key, rec.runner or "?", taken.takeovers, len(taken.stages))
-            tenure = Tenure(kv, taken, revision)
-            try:
-                who = await records.caller_for(self.gw.auth, taken.key_name)
-            except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
-                await tenure.save(status="failed", error=f"Could not look up key {taken.key_name}: {exc}",
-                                  error_code="key_store_unavailable")
-                continue
-            assert taken.job is not None
-            self.spawn(tenure, taken.job, who)
-
-    async def sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(self.sweep_every_s)
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the bus blinked: sweep again at the next tick
-                log.warning("video sweep failed: %s", exc)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
-        def changed(key: str, rec: VideoRecord | None) -> None:
-            if rec is None or not records.running(rec):
-                self.seen.pop(key, None)
-            else:
-                self.seen[key] = time.monotonic()
-
-        self.mirror = KVMirror(self.gw.bus, VIDEOS, VideoRecord, on_change=changed)
-        self.mirror.start()
-        self.gw.reconnect_hooks.append(self.mirror.start)  # a restarted server may have dropped the watch
-        sweeper = asyncio.create_task(self.sweeper())
+    async def resume(self, kv: Any, was: VideoRecord, taken: VideoRecord, revision: int) -> None:
+        if taken.status == "failed":
+            log.warning("video job %s lost its gateway again; failed after %d takeovers", taken.id, was.takeovers)
+            return
+        log.warning("video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
+                    taken.id, was.runner or "?", taken.takeovers, len(taken.stages))
+        tenure = Tenure(kv, taken, revision)
         try:
-            yield
-        finally:
-            sweeper.cancel()
-            self.mirror.stop()
-            for task in list(self.running):
-                task.cancel()
-            await asyncio.gather(sweeper, *self.running, return_exceptions=True)
+            who = await records.caller_for(self.gw.auth, taken.key_name)
+        except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
+            await tenure.save(status="failed", error=f"Could not look up key {taken.key_name}: {exc}",
+                              error_code="key_store_unavailable")
+            return
+        assert taken.job is not None
+        self.spawn(tenure, taken.job, who)
