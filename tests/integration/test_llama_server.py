@@ -254,6 +254,19 @@ def test_a_list_of_prompts_is_answered_choice_by_choice(stack):
     assert [streamed[0], streamed[1]] == [c.text for c in both.choices]
 
 
+def test_a_conversation_said_again_reads_its_prompt_from_the_cache(stack):
+    client = _client(stack)
+    talk = [{"role": "user", "content": "a long first turn that the engine keeps in its slot " * 4}]
+    first = client.chat.completions.create(model="tiny-ls", messages=talk, max_tokens=2, temperature=0, user="cache-me")
+    again = client.chat.completions.create(model="tiny-ls", messages=talk, max_tokens=2, temperature=0, user="cache-me")
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 0
+    cached = again.usage.prompt_tokens_details.cached_tokens  # the same engine (user affinity), the same slot
+    assert 0 < cached < again.usage.prompt_tokens  # llama-server evaluates at least the last prompt token again
+    r = client.responses.create(model="tiny-ls", input=talk, max_output_tokens=2, temperature=0, user="cache-me",
+                                store=False)
+    assert r.usage.input_tokens_details.cached_tokens > 0
+
+
 def test_logit_bias_steers_the_tokens(stack):
     client = _client(stack)
     plain = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True)

@@ -69,6 +69,7 @@ class Usage(Message, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those the engine found in its cache (llama-server says)
 
 
 class Choice(Message, frozen=True, kw_only=True):

@@ -190,7 +190,9 @@ def _usage(u: dict[str, Any] | None) -> Usage:
     if not u:
         return Usage()
     p, c = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    details = u.get("prompt_tokens_details")
+    cached = int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=min(max(cached, 0), p))
 
 
 _enc = msgspec.json.Encoder()

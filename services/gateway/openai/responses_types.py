@@ -251,7 +251,7 @@ def response_job(body: dict[str, Any] | ResponseRequest, request_id: str,
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens or u.prompt_tokens + u.completion_tokens}
 

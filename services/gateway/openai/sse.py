@@ -16,8 +16,10 @@ def sse(obj: Any) -> bytes:
     return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
-def usage_json(u: Usage) -> dict[str, int]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+def usage_json(u: Usage) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens` is what the engine reused from its prompt cache."""
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any) -> dict[str, Any]:
