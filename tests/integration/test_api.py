@@ -289,7 +289,7 @@ def test_files_upload_list_content_and_delete_through_the_sdk(client):
     assert client.files.content(up.id).read() == data
     named = client.files.create(file=("données.txt", b"x"), purpose="user_data")  # a name that is not ASCII
     got = client.files.with_raw_response.content(named.id)
-    assert got.read() == b"x" and got.headers["content-disposition"] == (
+    assert got.content == b"x" and got.headers["content-disposition"] == (
         "attachment; filename=\"donn_es.txt\"; filename*=UTF-8''donn%C3%A9es.txt")
     client.files.delete(named.id)
     gone = client.files.delete(other.id)
