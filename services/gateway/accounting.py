@@ -86,10 +86,15 @@ class Admission:
     held: Reservation | None = None
 
 
+def may_use(who: Caller, model: str) -> bool:
+    """Whether the key's model allow-list (none: every model) has `model`."""
+    key = who.key
+    return key is None or not key.models or model in key.models
+
+
 def allowed(who: Caller, model: str) -> None:
     """A key with a model allow-list uses only those models: anything else is a 403 before any work."""
-    key = who.key
-    if key is not None and key.models and model not in key.models:
+    if not may_use(who, model):
         raise ApiError(403, f"This key may not use the model '{model}'.", param="model", code="model_not_allowed")
 
 

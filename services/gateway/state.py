@@ -12,7 +12,7 @@ from litestar import Controller, Litestar, Request
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import Limiter
 from coderai.contracts import ModelConfig
-from coderai.gateway.accounting import Accounts
+from coderai.gateway.accounting import Accounts, may_use
 from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
 from coderai.gateway.catalog import Catalog
@@ -95,14 +95,11 @@ class Gateway:
 
     def visible_models(self, who: Caller) -> list[ModelConfig]:
         """The served models a key may use, by name: all of them, or those of its allow-list."""
-        allowed = who.key.models if who.key is not None and who.key.models else None
-        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name)
-                if allowed is None or m.name in allowed]
+        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if may_use(who, m.name)]
 
     def visible_model(self, who: Caller, name: str) -> ModelConfig:
         """`model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing one."""
-        key = who.key
-        if key is not None and key.models and name not in key.models:
+        if not may_use(who, name):
             raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
         return self.model(name)
 
