@@ -54,9 +54,11 @@ def plan(
     current: dict[str, Assignment] | None = None,
     sizes: dict[str, int] | None = None,
     layers: dict[str, int] | None = None,
+    exclude: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
 ) -> Plan:
     """Assignments for live `nodes` (plus, for nodes in `current` that are gone, what they keep for their return).
-    `layers`: blocks per model, where the scheduler could read them (for the layer map of a split)."""
+    `layers`: blocks per model, where the scheduler could read them (for the layer map of a split); `exclude`:
+    (model, node) pairs not to place (a copy being evicted or unloaded for idleness: `residency`)."""
     current = current or {}
     sizes = sizes or {}
     layers = layers or {}
@@ -83,7 +85,7 @@ def plan(
     unplaced: dict[str, str] = {}
 
     def eligible(m: ModelConfig, n: str) -> bool:
-        return m.engine in nodes[n].capabilities and (not m.nodes or n in m.nodes)
+        return m.engine in nodes[n].capabilities and (not m.nodes or n in m.nodes) and (m.name, n) not in exclude
 
     def put(m: ModelConfig, n: str) -> None:
         placed[n].append(m)
@@ -91,6 +93,7 @@ def plan(
 
     candidates = {m.name: sorted(n for n in nodes if eligible(m, n)) for m in models}
     wants = {m.name: len(candidates[m.name]) if m.replicas == 0 else m.replicas for m in models}
+    wants = {m.name: min(wants[m.name], m.max_replicas) if m.max_replicas else wants[m.name] for m in models}
     splits: dict[str, tuple[str, SplitPlan]] = {}
     peers: dict[str, set[str]] = {n: set() for n in nodes}
     rpc_used: set[str] = set()

@@ -38,6 +38,16 @@ class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_fi
     ts: float
 
 
+class ModelUnloaded(Message, frozen=True, kw_only=True, tag="model.unloaded", tag_field="t"):
+    """The scheduler took a model off a node: `idle` (its keep_alive ran out), `evicted` (room for another),
+    `removed` (the operator removed or changed it), `moved` (placement changed)."""
+
+    node_id: str
+    model: str
+    reason: Literal["idle", "evicted", "removed", "moved"]
+    ts: float
+
+
 class PartDone(Message, frozen=True, kw_only=True, tag="work.part", tag_field="t"):
     """A worker finished a fan-out part (`ok`), gave it back for another worker (`retry`), or answered it with
     an error once its deliveries ran out (`failed`); for the fan-out metrics (parts per worker, redeliveries)."""
@@ -69,4 +79,4 @@ class PodEvent(Message, frozen=True, kw_only=True, tag="pod", tag_field="t"):
     ts: float = 0.0
 
 
-Event = Union[RequestCompleted, ModelLoaded, PartDone, PodEvent]
+Event = Union[RequestCompleted, ModelLoaded, ModelUnloaded, PartDone, PodEvent]

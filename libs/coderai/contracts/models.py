@@ -79,6 +79,14 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     rpc_nodes: list[str] = []
     link_gbps: float = 0.0
     shards: SplitPlan | None = None  # set by the scheduler in an assignment only: the devices holding this copy
+    # residency (docs/models.md): "always" stays loaded and is never evicted; "on_demand" loads on the first request
+    # for it and unloads after `keep_alive_s` idle; "" (auto): loaded while it fits, else loaded on demand and
+    # evicted (least recently used first) to make room for another
+    resident: Literal["", "always", "on_demand"] = ""
+    keep_alive_s: float | None = None  # idle seconds before unloading; None: 300 for on_demand, never otherwise; < 0 never
+    min_replicas: int = 0  # copies kept loaded across the cluster whatever the demand (never evicted, never idle-unloaded)
+    max_replicas: int = 0  # at most this many copies across the cluster (0: no cap beyond `replicas`)
+    devices: list[int] = []  # set by the scheduler in an assignment only: the GPUs (indices on the node) of this copy
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

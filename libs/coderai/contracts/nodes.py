@@ -33,6 +33,10 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     queued: int = 0  # requests the engine holds waiting for a slot
     backend: str = ""  # where its layers run: "cpu", "cuda", ... ("" not reported)
     gpu_layers: int = 0  # layers offloaded to the GPU
+    idle_s: float = 0.0  # seconds since its last job ended (or since it loaded); 0 while a job runs
+    keep_alive_s: float | None = None  # idle seconds before it may be unloaded, as the last request set it (None: the model's)
+    memory: int = 0  # bytes this copy was placed for (the scheduler's estimate)
+    devices: list[int] = []  # the GPUs it was started on (indices on the node); [] the engine's default or the CPU
 
 
 class GpuMemory(Message, frozen=True, kw_only=True):
@@ -62,6 +66,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     rpc: RpcServer | None = None  # a ggml RPC server this node offers to hold layers of others' models
     gpus: int = 0  # GPUs this node has (vLLM runs one rank on each; a CPU-only node runs one rank)
     gpu_memory: list[GpuMemory] = []  # per GPU, in device order (vram_total/vram_free are their sums)
+    mem_budget: int = 0  # bytes of RAM the operator lets models use here (CODERAI_WORKER_MEMORY_BUDGET_MB); 0: 90 %
 
 
 class Assignment(Message, frozen=True, kw_only=True):

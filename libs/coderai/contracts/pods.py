@@ -46,13 +46,14 @@ class EscalateRequest(Message, frozen=True, kw_only=True):
 
     model: str
     reason: Literal["no_engine", "busy"]
+    keep_alive_s: float | None = None  # the request's keep_alive, for a model loaded on demand
 
 
 class EscalateReply(Message, frozen=True, kw_only=True, tag="escalate", tag_field="t"):
-    """`acquiring`: a pod is on its way (wait and route again); `ready`: one serves it now; `refused`: not
+    """`acquiring`: a pod is on its way, `loading`: a node loads it on demand (wait and route again); `ready`: one serves it now; `refused`: not
     allowed (`why`), with `code` `no_engine` or `over_budget`."""
 
-    action: Literal["acquiring", "ready", "refused"]
+    action: Literal["acquiring", "loading", "ready", "refused"]
     why: str = ""
     code: str = ""
     pod: str = ""
