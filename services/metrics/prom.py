@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from coderai.contracts import Heartbeat, PartDone, RequestCompleted
+from coderai.contracts import Heartbeat, ModelLoaded, ModelUnloaded, PartDone, RequestCompleted
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)  # a tiny GGUF to a large model over a slow disk
 
 
 class Series:
@@ -21,7 +22,7 @@ class Series:
         self.served = Gauge("coderai_engine_served", "jobs an engine has finished since it loaded", ["node", "engine", "model"], registry=r)
         self.spend = Counter("coderai_spend_usd", "what requests cost at the models' prices", ["key", "model"], registry=r)
         self.nodes_up = Gauge("coderai_nodes_up", "nodes heard from within the heartbeat TTL", registry=r)
-        self.engines_up = Gauge("coderai_engines_up", "engines ready to serve, by model", ["model"], registry=r)
+        self.engines_up = Gauge("coderai_engines_up", "engines ready to serve (loaded copies), by model", ["model"], registry=r)
         self.budget_left = Gauge("coderai_key_budget_remaining_usd", "what a key may still spend this period", ["key", "period"], registry=r)
         self.route = Counter("coderai_route_decisions", "router decisions by reason", ["reason"], registry=r)
         self.prompt_tokens = Gauge("coderai_engine_prompt_tokens", "prompt tokens an engine received since it loaded", ["node", "engine", "model"], registry=r)
@@ -40,6 +41,16 @@ class Series:
                                      ["model", "period"], registry=r)
         self._pod_labels: set[tuple[str, str]] = set()
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
+        self.gpu_free = Gauge("coderai_node_gpu_memory_free_bytes", "free memory per GPU of a node", ["node", "gpu"], registry=r)
+        self.loads = Counter("coderai_model_loads", "copies of a model a node finished loading", ["model", "node"], registry=r)
+        self.load_seconds = Histogram("coderai_model_load_seconds", "how long a copy took to load", ["model"],
+                                      buckets=LOAD_BUCKETS, registry=r)
+        self.unloads = Counter("coderai_model_unloads", "copies the scheduler took off a node, by why (evicted: room for another)",
+                               ["model", "node", "reason"], registry=r)
+        self.idle = Gauge("coderai_engine_idle_seconds", "seconds since an engine's last job ended (0 while one runs)",
+                          ["node", "engine", "model"], registry=r)
+        self.engine_memory = Gauge("coderai_engine_memory_bytes", "memory an engine's copy was placed for (the scheduler's estimate)",
+                                   ["node", "engine", "model"], registry=r)
         self._engines: dict[str, set[tuple[str, str, str]]] = {}
         self._models_seen: set[str] = set()
 
@@ -65,6 +76,13 @@ class Series:
         if e.deliveries > 1 and e.status != "retry":
             self.redelivered.labels(e.model, e.op).inc()
 
+    def on_loaded(self, e: ModelLoaded) -> None:
+        self.loads.labels(e.model, e.node_id).inc()
+        self.load_seconds.labels(e.model).observe(e.load_s)
+
+    def on_unloaded(self, e: ModelUnloaded) -> None:
+        self.unloads.labels(e.model, e.node_id, e.reason).inc()
+
     def on_pods(self, counts: dict[tuple[str, str], int]) -> None:
         """Pods per (model, state) from `coderai_pods`; states no pod is in any more drop to 0."""
         for labels in self._pod_labels - set(counts):
@@ -89,13 +107,17 @@ class Series:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         self.mem_free.labels(hb.node_id).set(hb.mem_free)
+        for i, gpu in enumerate(hb.gpu_memory):
+            self.gpu_free.labels(hb.node_id, str(i)).set(gpu.free)
         now = {(hb.node_id, e.engine_id, e.model) for e in hb.engines}
-        per_engine = (self.in_flight, self.served, self.prompt_tokens, self.cached_tokens, self.prefix_hits, self.cache_bytes)
+        per_engine = (self.in_flight, self.served, self.prompt_tokens, self.cached_tokens, self.prefix_hits, self.cache_bytes,
+                      self.idle, self.engine_memory)
         for gone in self._engines.get(hb.node_id, set()) - now:
             for g in per_engine:
                 g.remove(*gone)
         self._engines[hb.node_id] = now
         for e in hb.engines:
             labels = (hb.node_id, e.engine_id, e.model)
-            for g, v in zip(per_engine, (e.in_flight, e.served, e.prompt_tokens, e.cached_tokens, e.prefix_hits, e.cache_bytes)):
+            for g, v in zip(per_engine, (e.in_flight, e.served, e.prompt_tokens, e.cached_tokens, e.prefix_hits, e.cache_bytes,
+                                         e.idle_s, e.memory)):
                 g.labels(*labels).set(v)

@@ -1,4 +1,5 @@
-"""Metrics lifecycle: consume `request.completed` from EVENTS (durable), follow heartbeats, serve /metrics."""
+"""Metrics lifecycle: consume `request.completed` from EVENTS (durable), follow heartbeats, fan-out parts and model
+loads and unloads, serve /metrics."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode
-from coderai.contracts.subjects import EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
+from coderai.contracts.subjects import EVT_MODEL_LOADED, EVT_MODEL_UNLOADED, EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
 from coderai.contracts.topology import EVENTS, MODELS, NODE_TTL_S, PODS
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
@@ -54,8 +55,10 @@ class Metrics:
         await self.bus.ensure_stream(EVENTS)
         hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb.unsubscribe)
-        parts = await self.bus.listen(EVT_PART_DONE, self._on_part)  # best effort, like heartbeats: no usage rides on it
-        stack.push_async_callback(parts.unsubscribe)
+        for subject, handler in ((EVT_PART_DONE, self._on_part), (EVT_MODEL_LOADED, self._on_loaded),
+                                 (EVT_MODEL_UNLOADED, self._on_unloaded)):
+            sub = await self.bus.listen(subject, handler)  # best effort, like heartbeats: no usage rides on them
+            stack.push_async_callback(sub.unsubscribe)
         task = asyncio.create_task(self._consume())
         stack.callback(task.cancel)
         census = asyncio.create_task(self._census_loop())
@@ -67,6 +70,12 @@ class Metrics:
 
     async def _on_part(self, e, _m) -> None:
         self.series.on_part(e)
+
+    async def _on_loaded(self, e, _m) -> None:
+        self.series.on_loaded(e)
+
+    async def _on_unloaded(self, e, _m) -> None:
+        self.series.on_unloaded(e)
 
     async def _census_loop(self) -> None:
         """Every few seconds: nodes and engines up (from heartbeats), and each Redis key's remaining budget."""
