@@ -24,7 +24,7 @@ from coderai.contracts import (
 )
 from coderai.contracts.ops import BATCH_OPS, ENGINE_OPS, FANOUT_OPS, LLM_OPS
 from coderai.contracts.subjects import ENGINE_CANCEL
-from coderai.contracts.topology import HDR_REQUEST_ID
+from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
 from coderai.engine_worker.engines.base import EngineLost, unhonoured
@@ -44,6 +44,16 @@ def engine_id_for(node_id: str, model: str) -> str:
     return f"{node_id}-{model_key(model)}"
 
 
+def keep_alive_header(value: str, old: float | None) -> float | None:
+    """A job's keep_alive header in seconds (< 0: forever); a malformed one (from a node's peer, never the gateway)
+    leaves the old value."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        return old
+    return seconds if seconds == seconds else old  # NaN is no duration
+
+
 class EngineHost:
     """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
 
@@ -60,6 +70,8 @@ class EngineHost:
         self.in_flight = 0
         self.served = 0
         self.load_s = 0.0
+        self.used_at = time.monotonic()  # when its last job ended (or it loaded): the scheduler's idle clock
+        self.keep_alive_s: float | None = None  # the last request's keep_alive, None: the model's own
         self.engine: Engine | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.name}")
         self._cancels: dict[str, CancelFlag] = {}
@@ -85,6 +97,8 @@ class EngineHost:
             served=self.served,
             error=self.error,
             warning=self.engine.warning if self.engine is not None else "",
+            idle_s=0.0 if self.in_flight else round(time.monotonic() - self.used_at, 3),
+            keep_alive_s=self.keep_alive_s,
             **stats,
         )
 
@@ -119,6 +133,7 @@ class EngineHost:
             log.error("load of %s failed: %s", self.config.name, exc)
             return False
         self.load_s = time.monotonic() - t0
+        self.used_at = time.monotonic()
         await self.subscribe()
         self.state = "ready"
         log.info("loaded %s as %s in %.2fs", self.config.name, self.engine_id, self.load_s)
@@ -244,6 +259,8 @@ class EngineHost:
         request id is the one in `headers` (HDR_REQUEST_ID), else the job's."""
         request_id = headers.get(HDR_REQUEST_ID, job.request_id)
         request_id_var.set(request_id)
+        if HDR_KEEP_ALIVE in headers:  # as Ollama: the latest request says how long its model stays loaded idle
+            self.keep_alive_s = keep_alive_header(headers[HDR_KEEP_ALIVE], self.keep_alive_s)
         if op in LLM_OPS and (refused := unhonoured(self.engine, job)) is not None:
             await writer.send(ErrorReply(code="bad_request", message=str(refused), param=refused.param,
                                          seq=writer.next_seq()))
@@ -360,5 +377,6 @@ class EngineHost:
 
     def _finish_job(self, job: Any, span: Any) -> None:
         self.in_flight -= 1
+        self.used_at = time.monotonic()
         self._cancels.pop(job.request_id, None)
         span.end()

@@ -48,8 +48,9 @@ class Relay:
         return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
 
     async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str]) -> RouteDecision:
-        """The router's pick; with no engine, or only busy ones, for a model that may burst, the scheduler is
-        asked to escalate to a rented pod and the request waits (bounded) for the pod's engine."""
+        """The router's pick; with no engine, or only busy ones, the scheduler is asked to escalate: it loads a
+        model that is not loaded on demand, or rents a pod for one that may burst, and the request waits (bounded)
+        for that engine."""
         try:
             decision = await self.route(req, tried, headers)
         except BusError as exc:
@@ -76,8 +77,13 @@ class Relay:
             if reply.code == "over_budget":
                 raise BusError("over_budget", reply.why)
             raise BusError("no_engine", f"{fallback.message}; {reply.why}" if reply.why else fallback.message, True)
-        log.info("escalated %s (%s): pod %s is %s", req.model, reason, reply.pod, reply.action)
-        deadline = time.monotonic() + self.settings.escalate_wait_s
+        if reply.action == "loading":
+            log.info("%s is not loaded: a node loads it on demand", req.model)
+            wait_s = self.settings.load_wait_s
+        else:
+            log.info("escalated %s (%s): pod %s is %s", req.model, reason, reply.pod, reply.action)
+            wait_s = self.settings.escalate_wait_s
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
                 decision = await self.route(req, [], headers)
@@ -89,7 +95,8 @@ class Relay:
             await asyncio.sleep(0.25)  # a poll with a deadline: the pod's engine shows up in the router's table
         if isinstance(fallback, RouteDecision):
             return fallback
-        raise BusError("no_engine", f"a pod for {req.model!r} is starting; try again shortly", True)
+        what = "is still loading" if reply.action == "loading" else "has a pod starting"
+        raise BusError("no_engine", f"model {req.model!r} {what}; try again shortly", True)
 
     async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str],
                     encoded: bytes | None) -> FrameStream:

@@ -20,6 +20,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
     part_timeout_s: float = 60.0  # a fan-out part silent this long (queued or its workers dead) fails the request
     escalate_wait_s: float = 120.0  # how long a request waits for a rented pod's engine after escalating
+    load_wait_s: float = 300.0  # how long a request waits for its model to load on demand (docs/models.md)
     max_attempts: int = 3  # engines tried for one request before the first token
     queue_timeout_s: float = 300.0  # a request still waiting for an engine's slot after this long gets a 503
     retry_after_s: int = 5

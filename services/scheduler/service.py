@@ -11,20 +11,20 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, encode, model_key
-from coderai.contracts.admin import AddModelRequest, NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
+from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, ModelUnloaded, encode, model_key
+from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
 from coderai.contracts.stages import StagePlan, StagePlanRequest
 from coderai.contracts.store import StoreChunk, StoreFetch, StoreList, StoreListing
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
-    CMD_SCHEDULER_ADD,
     CMD_SCHEDULER_ESCALATE,
     CMD_SCHEDULER_NODES,
     CMD_SCHEDULER_PLACE,
     CMD_SCHEDULER_STAGES,
     CMD_STORE_FETCH,
     CMD_STORE_LIST,
+    EVT_MODEL_UNLOADED,
     HEARTBEAT,
 )
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
@@ -34,7 +34,9 @@ from coderai.runtime.mirror import KVMirror
 from coderai.scheduler import stages
 from coderai.models_file import load_models
 from coderai.runtime.gguf_meta import block_count
-from coderai.scheduler.placement import plan
+from coderai.scheduler.placement import Plan
+from coderai.scheduler.residency import Residency, engines, placed
+from coderai.scheduler.live_models import LiveModels
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
 from coderai.runtime.tls import ca_text
@@ -54,6 +56,10 @@ class Scheduler:
         self.splits: dict[str, Any] = {}  # model -> SplitPlan of the copy split over several nodes
         self.restaged: dict[str, ModelConfig] = {}  # video models published with stage relay on, to fit
         self._layers: dict[str, int] = {}
+        self.residency = Residency()  # on-demand loads, idle unloads, evictions
+        self.last_plan = Plan({})
+        self._passes = (0, 0)  # assignment passes (started, finished): a demand waits for the pass after it
+        self._passed = asyncio.Event()
         self.bus: Bus | None = None
         self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
         self._dirty = asyncio.Event()
@@ -84,10 +90,10 @@ class Scheduler:
         stack.push_async_callback(sub.unsubscribe)
         for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
                                  (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch),
-                                 (CMD_STORE_LIST, self._store_list),
-                                 (CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_STAGES, self._stages)):
+                                 (CMD_STORE_LIST, self._store_list), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
+        await LiveModels(self).start(stack)  # models added, changed or removed while it runs (bus, models file)
         s = self.settings
         if s.members_file:
             self.membership = Membership(self.bus, s.cluster_token, s.members_file, s.nats_users_file, s.nats_pid_file,
@@ -161,17 +167,6 @@ class Scheduler:
         """A node lacks a model folder: the files in it, which it then fetches one by one."""
         return await asyncio.to_thread(self.store.listing, req)
 
-    async def _add(self, req: AddModelRequest, _m: Any) -> PlaceReply:
-        """Serve a model now (e.g. one just pulled); lasts until a restart re-reads the models file, which
-        `coderai models pull --place` has written it into as well."""
-        new = req.model
-        self.models = [m for m in self.models if m.name != new.name] + [new]
-        await put_if_changed(self.kv_models, model_key(new.name), encode(new))
-        log.info("added model %s (%s)", new.name, new.engine)
-        self.restaged.pop(new.name, None)  # the plain config was just published: the next plan says again
-        self._dirty.set()
-        return PlaceReply(model=new)
-
     async def _stages(self, req: StagePlanRequest, _m: Any) -> StagePlan:
         """Where each stage of one relayed video runs (coderai.scheduler.stages), from live heartbeats."""
         m = next((x for x in self.models if x.name == req.model), None)
@@ -187,12 +182,18 @@ class Scheduler:
         return out
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
-        """The gateway found no engine, or only busy ones: rent a pod if the model's policy allows it now."""
+        """The gateway found no engine, or only busy ones: load the model on demand (evicting idle ones for it) or,
+        when no node can make room, rent a pod if the model's policy allows it now."""
         m = next((x for x in self.models if x.name == req.model), None)
         if m is None:
             raise BusError("not_found", f"no model {req.model!r}")
-        why = escalation_refused(m, req.reason, m.name in self.unplaced)
+        if req.reason == "no_engine" and await self._load_on_demand(m):
+            return EscalateReply(action="loading")
+        room = self.residency.no_room.get(m.name)
+        why = escalation_refused(m, req.reason, m.name in self.unplaced or room is not None)
         if why:
+            if room:
+                why = f"no node has room for {m.name!r} ({room}) and no idle model can be unloaded for it; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
             reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason), timeout=15.0)
@@ -201,6 +202,37 @@ class Scheduler:
             return EscalateReply(action="refused", code=code, why=exc.message)
         pod = reply.pod
         return EscalateReply(action="ready" if pod.state == "ready" else "acquiring", pod=pod.name)
+
+    def _live(self) -> dict[str, Heartbeat]:
+        """The owned nodes heard from within the TTL (a pod brings its own models)."""
+        now = time.monotonic()
+        return {n: hb for n, hb in self.nodes.items() if not hb.pod and now - self.seen.get(n, 0) <= NODE_TTL_S}
+
+    async def _load_on_demand(self, m: ModelConfig) -> bool:
+        """Whether a copy of `m` is on its way to an engine: already assigned and loading, or placed now by the
+        pass after this demand (which may evict idle models for it)."""
+        if not self._coming(m.name):
+            self.residency.ask(m.name)
+            await self._replan()
+        return self._coming(m.name)
+
+    def _coming(self, name: str) -> bool:
+        """A live node is assigned `name` and its engine is loading, ready, or not reported yet."""
+        live = self._live()
+        if not placed(self.last_plan, name, live):
+            return False
+        status = engines(live)
+        holders = [n for n, a in self.last_plan.assignments.items() if n in live and any(x.name == name for x in a.models)]
+        return any((s := status.get((name, n))) is None or s.state in ("loading", "ready") for n in holders)
+
+    async def _replan(self, timeout_s: float = 10.0) -> None:
+        """Wait for an assignment pass that starts after now (bounded)."""
+        target = self._passes[0] + 1
+        self._dirty.set()
+        deadline = time.monotonic() + timeout_s
+        while self._passes[1] < target and time.monotonic() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._passed.wait(), max(0.01, deadline - time.monotonic()))
 
     async def _publish_models(self) -> None:
         want = {model_key(m.name): m for m in self.models}
@@ -222,6 +254,9 @@ class Scheduler:
         if new:
             log.info("node %s joined (%s)", hb.node_id, hb.host)
             self._dirty.set()
+        elif hb.node_id in self.assignments.values and self.residency.expired(
+                self.models, {hb.node_id: hb}, {hb.node_id: self.assignments.values[hb.node_id]}):
+            self._dirty.set()  # a copy here went idle past its keep-alive: unloaded within a heartbeat
         try:
             await self.node_records.put(hb.node_id, m.data)
         except Exception as exc:  # noqa: BLE001 - refreshed on the next heartbeat
@@ -243,9 +278,12 @@ class Scheduler:
             if not self._dirty.is_set():
                 continue
             self._dirty.clear()
+            self._passes = (self._passes[0] + 1, self._passes[1])
             try:
                 owned = {n: hb for n, hb in self.nodes.items() if not hb.pod}  # a pod brings its own models
-                result = plan(self.models, owned, dict(self.assignments.values), layers=self._block_counts())
+                before = dict(self.assignments.values)
+                result = self.residency.plan(self.models, owned, before, layers=self._block_counts())
+                self.last_plan = result
                 for name, why in result.unplaced.items():
                     if self.unplaced.get(name) != why:
                         log.warning("model %s: %s", name, why)
@@ -266,6 +304,7 @@ class Scheduler:
                         log.info("model %s %s", m.name, "fits no node whole: relayed stage by stage over several"
                                  if want is not m else "fits a node whole again: no stage relay")
                 self.restaged = result.restaged
+                await self._unloaded(before, result, owned)
                 for node_id, assignment in result.assignments.items():
                     if self.membership is not None:  # its rights follow what it holds, before it is told
                         await self.membership.grant_work(node_id, assignment.models)
@@ -275,6 +314,25 @@ class Scheduler:
                 log.warning("writing assignments failed (%s); retrying", exc)
                 self._dirty.set()
                 await asyncio.sleep(0.5)
+            self._passes = (self._passes[0], self._passes[0])
+            passed, self._passed = self._passed, asyncio.Event()
+            passed.set()
+
+    async def _unloaded(self, before: dict[str, Assignment], result: Plan, live: dict[str, Heartbeat]) -> None:
+        """`ModelUnloaded` for each copy a live node loses in this pass, with why (idle, evicted, removed, moved)."""
+        served = {m.name for m in self.models}
+        for node_id, old in before.items():
+            if node_id not in live:
+                continue
+            now = {x.name for x in result.assignments.get(node_id, Assignment(node_id=node_id)).models}
+            for x in old.models:
+                if x.name in now:
+                    continue
+                reason = self.residency.gone.pop((x.name, node_id), None) or ("moved" if x.name in served else "removed")
+                log.info("unloading %s from %s (%s)", x.name, node_id, reason)
+                with contextlib.suppress(BusError):
+                    await self.bus.publish(EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node_id, model=x.name,
+                                                                             reason=reason, ts=time.time()))  # type: ignore[arg-type]
 
 
 def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:

@@ -60,3 +60,4 @@ STREAMS = (EVENTS, WORK)
 HDR_REQUEST_ID = "Coderai-Request-Id"
 HDR_KEY_NAME = "Coderai-Key-Name"
 HDR_TRACEPARENT = "traceparent"
+HDR_KEEP_ALIVE = "Coderai-Keep-Alive"  # a request's keep_alive, in seconds (< 0: forever): how long its model stays idle

@@ -1,0 +1,165 @@
+"""Residency: which models are loaded now, when the cluster holds more models than memory (docs/models.md).
+
+A model's `resident` says how it is held: `always` (placed whenever it fits, never unloaded for idleness or
+evicted), `on_demand` (placed only once a request asks for it, unloaded after `keep_alive_s` idle) or auto (`""`:
+placed while it fits, like `always`, but evicted for another and unloaded when its `keep_alive_s` runs out; once off
+a node it comes back on demand). `min_replicas` copies are held whatever the demand.
+
+`Residency.plan` wraps the pure placement (`placement.plan`): it leaves out on-demand models nobody asked for and
+the copies that went idle past their keep-alive, then, for a model asked for that fits nowhere, unloads the least
+recently used idle copies (never one with a job in flight, never an `always` one) on the node that needs the fewest.
+A copy taken off a node for idleness or eviction is parked there: not placed again until its model is asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from coderai.contracts import Assignment, EngineStatus, Heartbeat, ModelConfig
+from coderai.scheduler.placement import Plan, plan
+
+ON_DEMAND_KEEP_S = 300.0  # Ollama's default keep_alive
+DEMAND_WINDOW_S = 120.0  # a request's demand for a model that could not be placed is forgotten after this
+
+Pair = tuple[str, str]  # (model, node)
+
+
+def mode(m: ModelConfig) -> str:
+    return m.resident or "auto"
+
+
+def keep_alive(m: ModelConfig, status: EngineStatus | None) -> float | None:
+    """Seconds a copy of `m` may stay idle, as its last request or else its config says; None: forever."""
+    k = status.keep_alive_s if status is not None and status.keep_alive_s is not None else m.keep_alive_s
+    if k is None and mode(m) == "on_demand":
+        k = ON_DEMAND_KEEP_S
+    return None if k is None or k < 0 or mode(m) == "always" else k
+
+
+def engines(nodes: dict[str, Heartbeat]) -> dict[Pair, EngineStatus]:
+    """Each node's engines by (model, node), as its last heartbeat reports them."""
+    return {(e.model, n): e for n, hb in nodes.items() for e in hb.engines}
+
+
+def idle(status: EngineStatus | None) -> bool:
+    """A copy that may be taken off its node: loaded, and no job running or queued (per its last heartbeat)."""
+    return status is not None and status.state == "ready" and not status.in_flight and not status.queued
+
+
+@dataclass
+class Residency:
+    demand: dict[str, float] = field(default_factory=dict)  # model -> when a request last asked for it unloaded
+    parked: set[Pair] = field(default_factory=set)  # copies unloaded for idleness or eviction, until asked for
+    gone: dict[Pair, str] = field(default_factory=dict)  # why a copy left its node: idle, evicted (for ModelUnloaded)
+    no_room: dict[str, str] = field(default_factory=dict)  # model asked for -> why it could not be placed
+
+    def ask(self, name: str, now: float | None = None) -> None:
+        """A request wants `name` and no engine serves it: place it (evicting for it if need be) on the next plan."""
+        self.demand[name] = time.monotonic() if now is None else now
+        self.parked = {p for p in self.parked if p[0] != name}
+        self.no_room.pop(name, None)
+
+    def expired(self, models: list[ModelConfig], nodes: dict[str, Heartbeat],
+                current: dict[str, Assignment]) -> list[Pair]:
+        """Copies idle past their keep-alive, oldest first, keeping each model's `min_replicas` copies."""
+        by_name = {m.name: m for m in models}
+        status = engines(nodes)
+        copies: dict[str, int] = {}
+        for n, a in current.items():
+            for x in a.models:
+                if n in nodes and (x.name, n) not in self.parked:
+                    copies[x.name] = copies.get(x.name, 0) + 1
+        out: list[tuple[float, Pair]] = []
+        for n, a in current.items():
+            for x in a.models:
+                m, s = by_name.get(x.name), status.get((x.name, n))
+                if m is None or n not in nodes or (x.name, n) in self.parked or not idle(s):
+                    continue
+                k = keep_alive(m, s)
+                if k is not None and s.idle_s > k:  # type: ignore[union-attr]
+                    out.append((-s.idle_s, (x.name, n)))  # type: ignore[union-attr]
+        gone: list[Pair] = []
+        for _, (name, n) in sorted(out):
+            if copies.get(name, 0) > by_name[name].min_replicas:
+                copies[name] -= 1
+                gone.append((name, n))
+        return gone
+
+    def wanted(self, models: list[ModelConfig], current: dict[str, Assignment], now: float) -> list[ModelConfig]:
+        """The models to place: all but the on-demand ones nobody asked for and none holds (past their
+        `min_replicas`), an on-demand one as `replicas` copies (1 unless it says)."""
+        held = {x.name for n, a in current.items() for x in a.models if (x.name, n) not in self.parked}
+        out = []
+        for m in models:
+            if mode(m) == "on_demand":
+                asked = now - self.demand.get(m.name, -1e18) <= DEMAND_WINDOW_S
+                if not (asked or m.name in held or m.min_replicas):
+                    continue
+                m = msgspec.structs.replace(m, replicas=m.replicas or max(1, m.min_replicas))
+            out.append(m)
+        return out
+
+    def plan(self, models: list[ModelConfig], nodes: dict[str, Heartbeat], current: dict[str, Assignment],
+             layers: dict[str, int] | None = None, now: float | None = None) -> Plan:
+        """`placement.plan` of what should be loaded now (see the module's doc); records why copies leave."""
+        now = time.monotonic() if now is None else now
+        for pair in self.expired(models, nodes, current):
+            self.parked.add(pair)
+            self.gone[pair] = "idle"
+        self.demand = {k: t for k, t in self.demand.items() if now - t <= DEMAND_WINDOW_S}
+        want = self.wanted(models, current, now)
+        result = plan(want, nodes, current, layers=layers, exclude=self.parked)
+        for name in sorted(self.demand, key=self.demand.__getitem__):
+            m = next((x for x in want if x.name == name), None)
+            if m is None or placed(result, name, nodes):
+                self.demand.pop(name, None)
+                continue
+            evict = self._room_for(m, want, nodes, current, result, layers)
+            if evict is None:
+                self.no_room[name] = result.unplaced.get(name) or "it fits no live node"
+                continue
+            for pair in evict:
+                self.parked.add(pair)
+                self.gone[pair] = "evicted"
+            result = plan(want, nodes, current, layers=layers, exclude=self.parked)
+            self.demand.pop(name, None)
+        return result
+
+    def _room_for(self, m: ModelConfig, want: list[ModelConfig], nodes: dict[str, Heartbeat],
+                  current: dict[str, Assignment], result: Plan, layers: dict[str, int] | None) -> list[Pair] | None:
+        """The fewest least-recently-used idle copies to unload so that `m` is placed, on one node; None when no
+        node can make room."""
+        status = engines(nodes)
+        by_name = {x.name: x for x in want}
+        copies: dict[str, int] = {}
+        for n, a in result.assignments.items():
+            for x in a.models:
+                if n in nodes:
+                    copies[x.name] = copies.get(x.name, 0) + 1
+        best: list[Pair] | None = None
+        for n in sorted(nodes):
+            if m.engine not in nodes[n].capabilities or (m.nodes and n not in m.nodes):
+                continue
+            victims = sorted(
+                ((x.name, n) for x in result.assignments.get(n, Assignment(node_id=n)).models
+                 if x.name != m.name and mode(by_name[x.name]) != "always" and idle(status.get((x.name, n)))
+                 and copies.get(x.name, 0) > by_name[x.name].min_replicas),
+                key=lambda p: (-status[p].idle_s, p[0]))
+            taken: list[Pair] = []
+            for pair in victims:
+                if best is not None and len(taken) + 1 >= len(best):
+                    break
+                taken.append(pair)
+                trial = plan(want, nodes, current, layers=layers, exclude=self.parked | set(taken))
+                if placed(trial, m.name, nodes):
+                    best = list(taken)
+                    break
+        return best
+
+
+def placed(result: Plan, name: str, nodes: dict[str, Heartbeat]) -> bool:
+    """Whether the plan gives `name` a copy on a live node."""
+    return any(x.name == name for n, a in result.assignments.items() if n in nodes for x in a.models)
