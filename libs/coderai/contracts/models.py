@@ -11,6 +11,7 @@ from coderai.contracts.split import SplitMode, SplitPlan
 EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
                        "echo"]
 GGUF_FAMILIES = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
+ON_DEMAND_KEEP_ALIVE_S = 300.0  # an on_demand model's keep_alive when neither it nor a request says (Ollama's default)
 
 
 class Distribute(Message, frozen=True, kw_only=True):
@@ -93,6 +94,14 @@ class ModelConfig(Message, frozen=True, kw_only=True):
         if self.ops:
             return list(self.ops)
         return list((_DEFAULT_OPS or _default_ops()).get(self.engine, ()))
+
+    def keep_alive(self, asked: float | None = None) -> float | None:
+        """Idle seconds before a copy may be unloaded: `asked` (its last request's keep_alive), else the model's,
+        else ON_DEMAND_KEEP_ALIVE_S for an on_demand model; None: never (an `always` model, or one below 0)."""
+        k = asked if asked is not None else self.keep_alive_s
+        if k is None and self.resident == "on_demand":
+            k = ON_DEMAND_KEEP_ALIVE_S
+        return None if k is None or k < 0 or self.resident == "always" else k
 
 
 _DEFAULT_OPS: dict[str, list[Op]] = {}
