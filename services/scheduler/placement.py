@@ -7,6 +7,13 @@ A llama model that fits no node is split over a serving node and other nodes' RP
 whose config names `rpc_nodes` is split over those first, and placed whole only when none of them is live.
 A video model relayed by stages (`params.stages`) needs only its biggest part on a node; one that fits no node
 whole but whose biggest part fits is relayed by stages automatically. A folder model counts every file in it.
+
+Memory is counted per pool (`sizing.pools`): a copy that runs on the CPU (`sizing.runs_on_cpu`, or a node without
+GPUs) takes RAM only; one that runs on a GPU takes one card of its node, the smallest card that holds it (ties: the
+roomiest under `spread`, the fullest under `binpack`), so the big cards stay free for the big models. A llama.cpp
+model that fits no single card but several together takes the fewest roomiest cards that hold it, shared by their
+room (its tensor split); a vLLM model takes one card per rank. The cards go into the copy's `devices`, and a copy
+in place keeps its cards while they hold it. A split over RPC servers runs on the serving node's CPU: RAM.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from coderai.contracts import Assignment, Heartbeat, ModelConfig
+from coderai.contracts import GGUF_FAMILIES, Assignment, Heartbeat, ModelConfig
 from coderai.contracts.split import SplitPlan
-from coderai.sizing import MB, capacity, estimate_bytes
+from coderai.sizing import MB, Pools, estimate_bytes, pools, runs_on_cpu
 from coderai.scheduler.splitting import (
     Split,
     can_split,
@@ -26,7 +33,11 @@ from coderai.scheduler.splitting import (
     place_ray,
     place_split,
     wants_pinned_split,
+    world_size,
 )
+
+RAM = -1  # the pool key of a node's RAM in a `Take`; GPUs are keyed by their index
+Take = dict[int, int]  # pool -> bytes one copy takes of it
 
 def staged(m: ModelConfig) -> bool:
     """A video model relayed stage by stage (`params.stages`): a node holds only the parts its stages need."""
@@ -62,9 +73,18 @@ def plan(
     current = current or {}
     sizes = sizes or {}
     layers = layers or {}
+    room: dict[str, Pools] = {n: pools(hb) for n, hb in nodes.items()}
+    cards = {n: list(r.gpus) for n, r in room.items()}  # each card's full room, to prefer the smallest that holds
+
+    def on_gpu(m: ModelConfig, n: str) -> bool:
+        return bool(room[n].gpus) and not runs_on_cpu(m)
+
+    def biggest(m: ModelConfig, n: str) -> int:
+        """The most one pool of `n` offers `m` (a video cannot be cut over cards)."""
+        return max(room[n].gpus) if on_gpu(m, n) else room[n].ram
+
     # a video model that fits no node whole is relayed by stages when its biggest part fits one (the gateway
     # learns it from the config the scheduler publishes: `restaged`)
-    roomiest = max((capacity(hb) for hb in nodes.values()), default=0)
     need: dict[str, int] = {}
     restaged: dict[str, ModelConfig] = {}
     sized: list[ModelConfig] = []
@@ -73,6 +93,7 @@ def plan(
             need[m.name] = largest_part(m)
         else:
             need[m.name] = estimate_bytes(m, sizes.get(m.name))
+            roomiest = max((biggest(m, n) for n in nodes), default=0)
             if m.engine == "video" and not m.memory_mb and nodes and need[m.name] > roomiest:
                 part = largest_part(m)
                 if part <= roomiest:
@@ -80,16 +101,68 @@ def plan(
                     need[m.name] = part
         sized.append(m)
     models = sized
-    free = {n: capacity(hb) for n, hb in nodes.items()}
     placed: dict[str, list[ModelConfig]] = {n: [] for n in nodes}
     unplaced: dict[str, str] = {}
 
     def eligible(m: ModelConfig, n: str) -> bool:
         return m.engine in nodes[n].capabilities and (not m.nodes or n in m.nodes) and (m.name, n) not in exclude
 
-    def put(m: ModelConfig, n: str) -> None:
-        placed[n].append(m)
-        free[n] -= need[m.name]
+    def shared(b: int, n: str, devs: list[int]) -> Take | None:
+        """`b` bytes over the cards `devs` of `n` by their room (llama.cpp's tensor split), if they hold it."""
+        free = room[n].gpus
+        total = sum(max(0, free[i]) for i in devs)
+        if total < b or any(i >= len(free) for i in devs):
+            return None
+        return {i: b * max(0, free[i]) // total for i in devs} if len(devs) > 1 else {devs[0]: b}
+
+    def take(m: ModelConfig, n: str, keep: list[int] | None = None) -> Take | None:
+        """The pools one copy of `m` takes on `n` (`keep`: the cards it holds now, kept while they hold it)."""
+        r, b = room[n], need[m.name]
+        if not on_gpu(m, n):
+            return {RAM: b} if r.ram >= b else None
+        if not r.indexed:  # a node that reported only its total: one pool, no card to pin
+            return {0: b} if r.gpus[0] >= b else None
+        ranks = world_size(m) if m.engine == "vllm" else 1
+        if keep and len(keep) >= ranks and (got := shared(b, n, keep) if ranks == 1 else
+                                            {i: b // ranks for i in keep if r.gpus[i] >= b // ranks}) \
+                and len(got) == len(keep):
+            return got
+        if ranks > 1:  # vLLM: one card per rank, an equal share on each
+            ok = sorted((i for i, f in enumerate(r.gpus) if f >= b // ranks), key=lambda i: (-r.gpus[i], i))
+            return {i: b // ranks for i in sorted(ok[:ranks])} if len(ok) >= ranks else None
+        whole = [i for i, f in enumerate(r.gpus) if f >= b]
+        if whole:
+            sign = 1 if m.placement == "binpack" else -1
+            return {min(whole, key=lambda i: (cards[n][i], sign * r.gpus[i], i)): b}
+        if m.engine not in GGUF_FAMILIES:
+            return None
+        chosen: list[int] = []
+        for i in sorted(range(len(r.gpus)), key=lambda i: (-r.gpus[i], i)):
+            if r.gpus[i] <= 0:
+                break
+            chosen.append(i)
+            if (got := shared(b, n, sorted(chosen))) is not None:
+                return got
+        return None
+
+    def use(n: str, t: Take) -> None:
+        for pool, b in t.items():
+            if pool == RAM:
+                room[n].ram -= b
+            else:
+                room[n].gpus[pool] -= b
+
+    def put(m: ModelConfig, n: str, t: Take) -> None:
+        devices = sorted(t) if room[n].indexed and RAM not in t else []
+        placed[n].append(m if devices == m.devices else msgspec.structs.replace(m, devices=devices))
+        use(n, t)
+
+    def has(n: str, name: str) -> bool:
+        return any(x.name == name for x in placed[n])
+
+    def free_for(m: ModelConfig, n: str) -> int:
+        """The room `m` could use on `n` in all (its pool kind), to rank nodes by."""
+        return sum(room[n].gpus) if on_gpu(m, n) else room[n].ram
 
     candidates = {m.name: sorted(n for n in nodes if eligible(m, n)) for m in models}
     wants = {m.name: len(candidates[m.name]) if m.replicas == 0 else m.replicas for m in models}
@@ -99,14 +172,16 @@ def plan(
     rpc_used: set[str] = set()
 
     def split(m: ModelConfig) -> str:
-        """Place `m` as one split copy; "" on success, else why not."""
+        """Place `m` as one split copy (on the serving node's CPU and the RPC servers: RAM); "" on success, else
+        why not."""
         now = next(((n, x.shards) for n, a in current.items() for x in a.models if x.name == m.name and x.shards), ("", None))
-        got = place_split(m, need[m.name], candidates[m.name], nodes, free, now[1], now[0], layers.get(m.name, 0), rpc_used)
+        ram = {n: r.ram for n, r in room.items()}
+        got = place_split(m, need[m.name], candidates[m.name], nodes, ram, now[1], now[0], layers.get(m.name, 0), rpc_used)
         if not isinstance(got, Split):
             return got
         placed[got.serving].append(msgspec.structs.replace(m, shards=got.plan))
         for n, b in got.takes.items():
-            free[n] -= b
+            use(n, {RAM: b})
         for d in got.plan.remote():
             peers[d.node_id].update(gate_peers(nodes[got.serving], d.endpoint))
             rpc_used.add(d.node_id)
@@ -115,12 +190,15 @@ def plan(
 
     def over_ray(m: ModelConfig) -> str:
         """Place `m` over several nodes' vLLM ranks; "" on success, else why not."""
-        got = place_ray(m, need[m.name], candidates[m.name], nodes, free)
+        got = place_ray(m, need[m.name], candidates[m.name], nodes, {n: free_for(m, n) for n in nodes})
         if not isinstance(got, Split):
             return got
         for d in got.plan.devices:  # every node of the plan runs a part: the serving one, the others join its Ray
             placed[d.node_id].append(msgspec.structs.replace(m, shards=got.plan))
-            free[d.node_id] -= got.takes[d.node_id]
+            gpus = room[d.node_id].gpus
+            ranks = sorted(range(len(gpus)), key=lambda i: (-gpus[i], i))[: max(1, d.ranks)]
+            use(d.node_id, {i: got.takes[d.node_id] // len(ranks) for i in ranks} if on_gpu(m, d.node_id)
+                else {RAM: got.takes[d.node_id]})
         splits[m.name] = (got.serving, got.plan)
         return ""
 
@@ -133,23 +211,23 @@ def plan(
     for m in models:  # first every copy already in place that still fits, so no new copy can push one out
         if m.name in pinned:
             continue
-        holders = [n for n in candidates[m.name] if any(x.name == m.name for x in current.get(n, Assignment(node_id=n)).models)]
-        for n in holders[: wants[m.name]]:
-            if free[n] >= need[m.name]:
-                put(m, n)
+        held = {n: x for n in candidates[m.name] for x in current.get(n, Assignment(node_id=n)).models if x.name == m.name}
+        for n in list(held)[: wants[m.name]]:
+            if (t := take(m, n, held[n].devices)) is not None:
+                put(m, n, t)
     for m in models:  # then the missing copies
         if m.name in pinned:
             continue
         want = wants[m.name]
-        have = [n for n in candidates[m.name] if m in placed[n]]
-        rest = [n for n in candidates[m.name] if n not in have and free[n] >= need[m.name]]
+        have = [n for n in candidates[m.name] if has(n, m.name)]
+        rest = [n for n in candidates[m.name] if n not in have and take(m, n) is not None]
         if m.placement == "binpack":
-            rest.sort(key=lambda n: (free[n], n))
+            rest.sort(key=lambda n: (free_for(m, n), n))
         else:
-            rest.sort(key=lambda n: (len(placed[n]), -free[n], n))
+            rest.sort(key=lambda n: (len(placed[n]), -free_for(m, n), n))
         for n in rest[: max(0, want - len(have))]:
-            put(m, n)
-        got = sum(m in placed[n] for n in candidates[m.name])
+            put(m, n, take(m, n))  # type: ignore[arg-type]
+        got = sum(has(n, m.name) for n in candidates[m.name])
         if got == 0 and want > 0 and can_split(m) and candidates[m.name]:
             why = split(m)  # fits no single node: over several, if RPC servers together have the room
             if not why:
@@ -164,8 +242,9 @@ def plan(
 
     out = {n: Assignment(node_id=n, models=ms, rpc_peers=sorted(peers[n])) for n, ms in sorted(placed.items())}
     by_name = {m.name: m for m in models}
-    for n, a in current.items():  # gone nodes: keep the everywhere-models for when they come back
+    for n, a in current.items():  # gone nodes: keep the everywhere-models (on their cards) for when they come back
         if n not in nodes:
-            keep = [by_name[x.name] for x in a.models if x.name in by_name and by_name[x.name].replicas == 0]
+            keep = [msgspec.structs.replace(by_name[x.name], devices=x.devices) for x in a.models
+                    if x.name in by_name and by_name[x.name].replicas == 0]
             out[n] = Assignment(node_id=n, models=keep)
     return Plan(out, unplaced, splits, restaged)

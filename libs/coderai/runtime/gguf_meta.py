@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -22,6 +23,21 @@ def _string(f: BinaryIO) -> str:
     return f.read(_read(f, "<Q")).decode("utf-8", "replace")
 
 
+def _skip(f: BinaryIO, item: int, n: int) -> None:
+    """Step over `n` values of type `item` without decoding them (token lists and scores are most of a header)."""
+    if item in _SCALARS:
+        f.seek(n * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+    elif item == _STRING:
+        for _ in range(n):
+            f.seek(_read(f, "<Q"), os.SEEK_CUR)
+    elif item == _ARRAY:
+        for _ in range(n):
+            inner, count = _read(f, "<I"), _read(f, "<Q")
+            _skip(f, inner, count)
+    else:
+        raise ValueError(f"unknown GGUF value type {item}")
+
+
 def _value(f: BinaryIO, kind: int, keep: bool) -> Any:
     if kind in _SCALARS:
         return _read(f, _SCALARS[kind])
@@ -29,11 +45,10 @@ def _value(f: BinaryIO, kind: int, keep: bool) -> Any:
         return _string(f)
     if kind == _ARRAY:
         item, n = _read(f, "<I"), _read(f, "<Q")
-        if item in _SCALARS and not keep:  # skip big arrays (token scores) without decoding them
-            f.seek(n * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+        if not keep:  # arrays only when asked for by name
+            _skip(f, item, n)
             return None
-        values = [_value(f, item, keep) for _ in range(n)]
-        return values if keep else None  # arrays only when asked for by name
+        return [_value(f, item, keep) for _ in range(n)]
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
@@ -54,6 +69,48 @@ def metadata(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str,
             if keys is not None and keys <= out.keys():
                 break
     return out
+
+
+SMALL_ARRAY = 4096  # number arrays up to this long are kept by `layout`: per-layer values (head_count_kv), not vocabularies
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What sizing needs of a GGUF: its scalars (and per-layer number arrays), every array's length (the token
+    list's is the vocabulary), and where the tensor data starts (the file's size less that is the weights)."""
+
+    meta: dict[str, Any]
+    lengths: dict[str, int]
+    data_offset: int
+
+
+def layout(path: str | os.PathLike) -> Layout:
+    """The header read to its end (key/values, then the tensor infos), never the tensor data."""
+    meta: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _read(f, "<I")  # version
+        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        for _ in range(n_kv):
+            key, kind = _string(f), _read(f, "<I")
+            if kind != _ARRAY:
+                meta[key] = _value(f, kind, keep=False)
+                continue
+            item, n = _read(f, "<I"), _read(f, "<Q")
+            lengths[key] = n
+            if item in _SCALARS and n <= SMALL_ARRAY:
+                fmt = _SCALARS[item]
+                meta[key] = list(struct.unpack("<" + fmt[1] * n, f.read(n * struct.calcsize(fmt))))
+            else:
+                _skip(f, item, n)
+        for _ in range(n_tensors):  # name, dims, type, offset
+            f.seek(_read(f, "<Q"), os.SEEK_CUR)
+            f.seek(8 * _read(f, "<I") + 4 + 8, os.SEEK_CUR)
+        align = int(meta.get("general.alignment") or 32)
+        end = f.tell()
+    return Layout(meta=meta, lengths=lengths, data_offset=(end + align - 1) // align * align)
 
 
 def block_count(path: str | os.PathLike) -> int:
