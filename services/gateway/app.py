@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException
 from coderai.gateway.admin.catalog import CatalogController, Pulls
 from coderai.gateway.admin.keys import KeysController
 from coderai.gateway.admin.metrics import MetricsController
+from coderai.gateway.admin.models import LiveModelsController
 from coderai.gateway.admin.nodes import NodesController
 from coderai.gateway.admin.pods import PodsController
 from coderai.gateway.contract import ContractController
@@ -47,6 +48,7 @@ CONTROLLERS: list[type[GatewayController]] = [
     ResponsesController, OcrController, VideosController, FilesController, FineTuningController, AnthropicController,
     BatchesController,
     OllamaController, ContractController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
+    LiveModelsController,
 ]
 
 

@@ -40,6 +40,7 @@ BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "busy": (429, "rate_limit_error"),
     "over_budget": (429, "insufficient_quota"),
     "forbidden": (403, "permission_error"),
+    "conflict": (409, "invalid_request_error"),
     "unavailable": (502, "engine_error"),  # a head that cannot change its members: not the client's to retry
     "timeout": (504, "timeout"),
     "engine_failed": (502, "engine_error"),

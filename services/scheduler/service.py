@@ -93,7 +93,8 @@ class Scheduler:
                                  (CMD_STORE_LIST, self._store_list), (CMD_SCHEDULER_STAGES, self._stages)):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
-        await LiveModels(self).start(stack)  # models added, changed or removed while it runs (bus, models file)
+        self.live_models = LiveModels(self)  # models added, changed or removed while it runs (bus, models file)
+        await self.live_models.start(stack)
         s = self.settings
         if s.members_file:
             self.membership = Membership(self.bus, s.cluster_token, s.members_file, s.nats_users_file, s.nats_pid_file,

@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from coderai.catalog.errors import CatalogError
-from coderai.catalog.place import append_model
 from coderai.contracts import BusError, ModelConfig, decode, encode
 from coderai.contracts.admin import AddModelRequest
 from coderai.contracts.subjects import (
@@ -409,31 +407,19 @@ class Training:
             return
         base, name = live.base, live.name
         store_path = f"finetune/{job_id}/adapter.tar"
-        # a scheduler that died between adding the model and saving the job already kept it in the models file
-        kept = any(m.name == name and m.store_path == store_path for m in self.sched.models)
         base_bytes = _folder_bytes(Path(os.path.expanduser(base.path)))
         cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes)
-        await self.sched._add(AddModelRequest(model=cfg), None)  # the one add-model path, as `models pull` uses
-        if not kept:
-            job = await self._keep(job, cfg)
+        try:  # the one add-model path, as `models add` uses: served now, and in the models file for a restart
+            await self.sched.live_models._add(AddModelRequest(model=cfg), None)
+        except BusError as exc:  # the models file cannot take it: served until the scheduler restarts
+            await self.sched.live_models.publish({cfg.name: cfg})
+            log.warning("fine-tuning job %s: could not add %s to the models file: %s", job.id, cfg.name, exc.message)
+            job = tp.add_event(job, f"Serving {cfg.name} until the scheduler restarts: the models file could not "
+                                    f"be updated ({exc.message})", level="warn")
         now = time.time()
         job = msgspec.structs.replace(job, status="succeeded", fine_tuned_model=name, finished_at=int(now))
         await self._save(tp.add_event(job, f"New fine-tuned model created: {name}", now=now))
         log.info("fine-tuning job %s succeeded: serving %s", job_id, name)
-
-    async def _keep(self, job: FineTuneJob, cfg: ModelConfig) -> FineTuneJob:
-        """Append the new model to the scheduler's models file, so it is still served after a restart (the
-        file is what a restart reads; `coderai models pull --place` does the same)."""
-        if not self.sched.settings.models_file:
-            return job
-        try:
-            entry = msgspec.to_builtins(cfg)
-            await asyncio.to_thread(append_model, self.sched.settings.models_file, entry)
-        except (CatalogError, OSError) as exc:
-            log.warning("fine-tuning job %s: could not add %s to the models file: %s", job.id, cfg.name, exc)
-            return tp.add_event(job, f"Serving {cfg.name} until the scheduler restarts: the models file could not "
-                                     f"be updated ({exc})", level="warn")
-        return job
 
     # --- the adapter upload -----------------------------------------------------------------------
 

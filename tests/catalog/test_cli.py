@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -11,7 +12,8 @@ import tomllib
 from coderai.catalog import fits
 from coderai.catalog.cli import Bar
 from coderai.catalog.pull import Progress
-from coderai.contracts import Heartbeat
+from coderai.contracts import Heartbeat, ModelConfig
+from coderai.models_file import load_models
 
 GB = 1 << 30
 
@@ -52,12 +54,38 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
     assert r.returncode == 1 and "already serves a model named 'cli'" in r.stderr
     assert len(fake_hub.ranges("cli-q4.gguf")) == 1  # the second pull found the file verified in place
 
-    r = models(hf_env, home, "rm", "cli")
-    assert r.returncode == 0 and "removed cli" in r.stdout
+    r = models(hf_env, home, "rm", "cli", "--files")  # no stack: out of the models file, and the files deleted
+    assert r.returncode == 0 and "removed cli from" in r.stdout and "removed cli (12.0 MB)" in r.stdout
+    assert tomllib.loads((home / "models.toml").read_text()) == {}
     assert not (home / "models" / "acme").exists()
     assert models(hf_env, home, "list").stdout == ""
-    r = models(hf_env, home, "rm", "cli")
+    r = models(hf_env, home, "rm", "cli", "--files")
     assert r.returncode == 1 and "no pulled model 'cli'" in r.stderr
+
+
+def test_cli_add_set_rm_edit_the_models_file_when_no_stack_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CODERAI_NATS_URL"}
+    home = tmp_path / "home"
+    r = models(env, home, "add", "m", "--engine", "llama", "--path", "/m.gguf", "--param", "n_ctx=2048",
+               "--resident", "on_demand", "--keep-alive", "60", "--set", 'nodes=["w1"]')
+    assert r.returncode == 0 and "no running stack reached" in r.stdout, r.stderr
+    assert load_models(str(home / "models.toml")) == [ModelConfig(
+        name="m", engine="llama", path="/m.gguf", params={"n_ctx": 2048}, resident="on_demand", keep_alive_s=60.0,
+        nodes=["w1"])]
+    r = models(env, home, "add", "m", "--engine", "llama", "--path", "/m.gguf")
+    assert r.returncode == 1 and "has a model named 'm' already" in r.stderr
+    r = models(env, home, "set", "m", "params.n_ctx=4096", "params.seed=7", "keep_alive_s=", "replicas=2")
+    assert r.returncode == 0, r.stderr
+    [m] = load_models(str(home / "models.toml"))
+    assert (m.params, m.keep_alive_s, m.replicas, m.resident) == ({"n_ctx": 4096, "seed": 7}, None, 2, "on_demand")
+    r = models(env, home, "set", "m", "engine=nope")
+    assert r.returncode == 1 and "not a valid model" in r.stderr and "$.engine" in r.stderr
+    assert models(env, home, "set", "m", "name=x").returncode == 1
+    r = models(env, home, "rm", "m")
+    assert r.returncode == 0 and "removed m from" in r.stdout
+    assert load_models(str(home / "models.toml")) == []
+    r = models(env, home, "rm", "m")
+    assert r.returncode == 1 and "no model 'm'" in r.stderr
 
 
 def test_cli_unknown_repo_fails_clearly(fake_hub, hf_env, tmp_path):

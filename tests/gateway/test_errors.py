@@ -30,6 +30,7 @@ def test_the_statuses_clients_rely_on():
     assert {c: s for c, (s, _) in BUS_TO_HTTP.items()} == {
         "bad_request": 400, "not_found": 404, "no_engine": 503, "overloaded": 503, "busy": 429, "over_budget": 429, "timeout": 504,
         "engine_failed": 502, "cancelled": 499, "internal": 502, "forbidden": 403, "unavailable": 502,
+        "conflict": 409,
     }
 
 

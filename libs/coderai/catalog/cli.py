@@ -1,5 +1,5 @@
 """`coderai models`: pull a model by name (with progress), list, remove, and see what a model needs and where it
-fits."""
+fits; add, change and stop serving models on the running stack (or in the models file when none runs)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,22 +59,35 @@ def _data_dir(args: argparse.Namespace) -> Path:
 def _ask_scheduler(args: argparse.Namespace, subject: Any, msg: Any) -> Any:
     """One request to the running stack's scheduler (its NATS URL from --nats-url or <data>/run/up.json);
     a string saying why when there is no answer."""
+    reply = _on_head(args, lambda bus: bus.request(subject, msg, timeout=5.0))
+    if isinstance(reply, Exception):
+        return f"the scheduler did not answer ({type(reply).__name__}: {reply})"
+    return reply
+
+
+def _on_head(args: argparse.Namespace, work: Callable[[Any], Awaitable[Any]]) -> Any:
+    """`work(bus)` on the running stack's bus: its result, the BusError the stack answered with, or a string saying
+    why no stack answered (no NATS URL, no connection, nobody serving the subject)."""
+    from coderai.contracts import BusError
+
     url = getattr(args, "nats_url", "") or os.environ.get("CODERAI_NATS_URL", "")
     up = (_data_dir(args) / "run" / "up.json").exists()
     if not url and not up:
         return "no NATS URL (pass --nats-url, or run `coderai up`)"
 
-    async def ask() -> Any:
+    async def run() -> Any:
         from coderai.up import head_bus
 
         bus = await head_bus("coderai-models", url, _data_dir(args))
         try:
-            return await bus.request(subject, msg, timeout=5.0)
+            return await work(bus)
         finally:
             await bus.close()
 
     try:
-        return asyncio.run(ask())
+        return asyncio.run(run())
+    except BusError as exc:
+        return f"the scheduler did not answer (BusError: {exc})" if exc.code in ("no_engine", "timeout") else exc
     except Exception as exc:  # noqa: BLE001 - the caller still has its answer without the cluster
         return f"the scheduler did not answer ({type(exc).__name__}: {exc})"
 
@@ -124,8 +138,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default="", help="a Hub mirror (default HF_ENDPOINT, else huggingface.co)")
     sub.add_parser("list", help="what was pulled").add_argument("--json", action="store_true")
     sub.add_parser("catalog", help="the built-in catalogue").add_argument("--json", action="store_true")
-    r = sub.add_parser("rm", help="delete a pulled model")
+    stack = argparse.ArgumentParser(add_help=False)
+    stack.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""), help="the running stack's NATS")
+    stack.add_argument("--models-file", default="",
+                       help="the models file edited when no stack runs (default <data-dir>/models.toml)")
+    a = sub.add_parser("add", parents=[stack], help="serve a new model: on the running stack at once (its scheduler "
+                       "writes it to its models file), else into the models file, served when the stack starts")
+    a.add_argument("name")
+    a.add_argument("--engine", required=True, help="llama, llama-server, embed, whisper, tts, diffusers, ...")
+    a.add_argument("--path", required=True, help="the model's file or folder")
+    a.add_argument("--param", action="append", default=[], metavar="K=V", help="an engine parameter (repeat it)")
+    a.add_argument("--resident", choices=["always", "on_demand"], help="default: loaded while it fits")
+    a.add_argument("--keep-alive", type=float, metavar="S", help="idle seconds before it is unloaded")
+    a.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other field (repeat it); " + _FIELDS_HELP)
+    s = sub.add_parser("set", parents=[stack], help="change fields of a served model (it reloads with them)")
+    s.add_argument("name")
+    s.add_argument("fields", nargs="+", metavar="FIELD=VALUE", help=_FIELDS_HELP)
+    r = sub.add_parser("rm", parents=[stack], help="stop serving a model: new requests get a 404 at once, requests "
+                       "in flight finish first; --files also deletes its pulled files")
     r.add_argument("name")
+    r.add_argument("--files", action="store_true",
+                   help="also delete the model's files from <data-dir>/models (a model only pulled, never served: "
+                        "just that)")
     i = sub.add_parser("info", help="size, engine, memory, and the live nodes it fits on")
     i.add_argument("name")
     i.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""))
@@ -149,6 +184,152 @@ def _place_now(args: argparse.Namespace, entry: dict[str, Any]) -> str:
     if isinstance(reply, str):
         return f"no running stack reached ({reply}); it is served when the scheduler (or `coderai up`) starts"
     return f"placed: the running stack serves {cfg.name} as soon as a node has loaded it"
+
+
+_FIELDS_HELP = ("any field of a models-file entry (docs/models.md): the value is JSON when it parses as JSON (2, true, "
+                "[\"a\"]), else a string; params.K=V sets one engine parameter; FIELD= resets a field to its default")
+
+
+def _fields(table: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
+    """`table` with FIELD=VALUE `pairs` applied (see _FIELDS_HELP)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in table.items()}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CatalogError(f"{pair!r} is not FIELD=VALUE")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        field, _, inner = key.partition(".")
+        where, name = (out.setdefault(field, {}), inner) if inner else (out, field)
+        if not isinstance(where, dict):
+            raise CatalogError(f"{field} is not a table, so {key} cannot be set")
+        if raw == "":
+            where.pop(name, None)
+        else:
+            where[name] = value
+    return out
+
+
+def _config(table: dict[str, Any]) -> Any:
+    import msgspec
+
+    from coderai.contracts import ModelConfig
+
+    try:
+        return msgspec.convert(table, ModelConfig)
+    except msgspec.ValidationError as exc:
+        raise CatalogError(f"not a valid model: {exc}") from None
+
+
+def _models_file(args: argparse.Namespace) -> str:
+    return args.models_file or str(_data_dir(args) / "models.toml")
+
+
+def _in_file(args: argparse.Namespace, name: str) -> Any:
+    """Model `name` of the models file, or None."""
+    from coderai.models_file import ModelsFileError, load_models
+
+    path = _models_file(args)
+    if not os.path.exists(path):
+        return None
+    try:
+        return next((m for m in load_models(path) if m.name == name), None)
+    except ModelsFileError as exc:
+        raise CatalogError(str(exc)) from None
+
+
+def _write_file(args: argparse.Namespace, name: str, cfg: Any) -> str:
+    from coderai.models_file import ModelsFileError, entry, set_entry
+
+    try:
+        set_entry(_models_file(args), name, None if cfg is None else entry(cfg))
+    except (ModelsFileError, ValueError) as exc:
+        raise CatalogError(str(exc)) from None
+    return _models_file(args)
+
+
+def _add(args: argparse.Namespace) -> str:
+    """`coderai models add`: a running stack serves it at once (a taken name is refused), else the models file has it."""
+    from coderai.contracts import BusError
+    from coderai.contracts.admin import AddModelRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_ADD
+
+    table: dict[str, Any] = {"name": args.name, "engine": args.engine, "path": args.path}
+    table = _fields(table, [f"params.{p}" for p in args.param])
+    table |= {k: v for k, v in (("resident", args.resident), ("keep_alive_s", args.keep_alive)) if v is not None}
+    cfg = _config(_fields(table, args.fields))
+    reply = _on_head(args, lambda bus: bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), timeout=5.0))
+    if isinstance(reply, BusError):
+        hint = "; `coderai models set` changes it" if reply.code == "conflict" else ""
+        raise CatalogError(f"{reply.message}{hint}")
+    if not isinstance(reply, str):
+        return f"added {cfg.name}: the running stack serves it as soon as a node has loaded it"
+    if _in_file(args, cfg.name) is not None:
+        raise CatalogError(f"{_models_file(args)} has a model named {cfg.name!r} already; `coderai models set` changes it")
+    return f"no running stack reached ({reply}); added {cfg.name} to {_write_file(args, cfg.name, cfg)}: served when the stack starts"
+
+
+def _set(args: argparse.Namespace) -> str:
+    """`coderai models set`: the served config (the stack's, else the models file's) with the fields changed."""
+    from coderai.contracts import BusError, ModelConfig, decode, model_key
+    from coderai.contracts.admin import AddModelRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_ADD
+    from coderai.contracts.topology import MODELS
+    from coderai.models_file import entry
+
+    if any(f.partition("=")[0] == "name" for f in args.fields):
+        raise CatalogError("set does not rename a model: add it under the new name, then rm the old one")
+
+    async def served(bus: Any) -> Any:
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            got = await (await bus.kv(MODELS)).get(model_key(args.name))
+        except KeyNotFoundError:
+            return None
+        return decode(got.value, ModelConfig) if got.value else None
+
+    old = _on_head(args, served)
+    if isinstance(old, (str, BusError)):
+        cfg = _in_file(args, args.name)
+        if cfg is None:
+            raise CatalogError(f"no model {args.name!r} in {_models_file(args)}, and no running stack reached ({old})")
+        new = _config(_fields(entry(cfg), args.fields))
+        return f"no running stack reached ({old}); changed {args.name} in {_write_file(args, args.name, new)}"
+    if old is None:
+        raise CatalogError(f"the running stack serves no model {args.name!r}; `coderai models add` adds one")
+    new = _config(_fields(entry(old), args.fields))
+    reply = _on_head(args, lambda bus: bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=new), timeout=5.0))
+    if isinstance(reply, (str, BusError)):
+        raise CatalogError(f"not changed: {reply if isinstance(reply, str) else reply.message}")
+    return f"changed {args.name}: its copies reload with the new config"
+
+
+def _rm(args: argparse.Namespace, store: ModelStore) -> list[str]:
+    """`coderai models rm`: stop serving it (the running stack, else the models file); `--files`: delete the pulled
+    files too. Refused when neither happened."""
+    from coderai.contracts import BusError
+    from coderai.contracts.admin import RemoveModelRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_REMOVE
+
+    said: list[str] = []
+    reply = _on_head(args, lambda bus: bus.request(CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=args.name), timeout=5.0))
+    if isinstance(reply, str):
+        if _in_file(args, args.name) is not None:
+            said.append(f"no running stack reached ({reply}); removed {args.name} from {_write_file(args, args.name, None)}")
+        elif not args.files:
+            raise CatalogError(f"no model {args.name!r} in {_models_file(args)}, and no running stack reached ({reply})")
+    elif isinstance(reply, BusError):
+        if reply.code != "not_found" or not args.files:
+            raise CatalogError(reply.message)
+    else:
+        said.append(f"stopped serving {args.name}: requests in flight finish, new ones get a 404")
+    if args.files:
+        rec = store.remove(args.name)
+        said.append(f"removed {rec.name} ({_size(rec.size)})")
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "size_mb": e.size_mb, "memory_mb": e.memory_mb}) if args.json else
                       f"{e.name:<28} {e.engine:<10} {e.kind:<11} ~{e.size_mb:>5} MB  {e.repo}")
         elif args.cmd == "rm":
-            rec = store.remove(args.name)
-            print(f"removed {rec.name} ({_size(rec.size)})")
+            print("\n".join(_rm(args, store)))
+        elif args.cmd in ("add", "set"):
+            print(_add(args) if args.cmd == "add" else _set(args))
         else:
             print(json.dumps(_info(args, store), indent=2))
     except CatalogError as exc:

@@ -58,9 +58,18 @@ class PlaceRequest(Message, frozen=True, kw_only=True):
 
 
 class AddModelRequest(Message, frozen=True, kw_only=True):
-    """Serve `model` now (a pulled model placed at once); a model of the same name is replaced."""
+    """Serve `model` now (a pulled model placed at once, or one sent over the admin API); a model of the same name
+    is replaced, unless `replace` is false: then it is a `conflict`."""
 
     model: ModelConfig
+    replace: bool = True
+
+
+class RemoveModelRequest(Message, frozen=True, kw_only=True):
+    """Stop serving model `name`; the reply carries the config it had. Its copies unload once their in-flight
+    requests are done."""
+
+    name: str
 
 
 class PlaceReply(Message, frozen=True, kw_only=True, tag="placed", tag_field="t"):

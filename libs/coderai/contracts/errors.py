@@ -16,6 +16,7 @@ ErrorCode = Literal[
     "over_budget",  # a spend cap (a model's pod budget, a global cap) would be exceeded
     "forbidden",  # the caller may not do this (a join without the token, a node speaking for another)
     "unavailable",  # the callee cannot do this here (e.g. a head without a member registry)
+    "conflict",  # it exists already (a model added under a name that is taken)
     "cancelled",  # the caller went away
     "timeout",
     "internal",

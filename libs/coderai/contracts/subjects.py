@@ -29,6 +29,7 @@ from coderai.contracts.admin import (
     NodeState,
     PlaceReply,
     PlaceRequest,
+    RemoveModelRequest,
 )
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
@@ -192,6 +193,7 @@ CMD_NODE_DRAIN = Subject("coderai.cmd.node.{node_id}.drain", DrainRequest, NodeS
 CMD_SCHEDULER_NODES = Subject("coderai.cmd.scheduler.nodes", NodesRequest, NodesReply)
 CMD_SCHEDULER_PLACE = Subject("coderai.cmd.scheduler.place", PlaceRequest, PlaceReply)
 CMD_SCHEDULER_ADD = Subject("coderai.cmd.scheduler.add", AddModelRequest, PlaceReply)
+CMD_SCHEDULER_REMOVE = Subject("coderai.cmd.scheduler.remove", RemoveModelRequest, PlaceReply)
 JOIN_HELLO = Subject("coderai.join.hello", JoinHello, JoinChallenge)  # the only subjects user `join` may use
 JOIN_PROVE = Subject("coderai.join.prove", JoinProof, JoinWelcome)
 CMD_SCHEDULER_MEMBERS = Subject("coderai.cmd.scheduler.members", MembersRequest, MembersReply)
