@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import re
 import time
 from functools import partial
 from typing import Any
@@ -18,6 +19,7 @@ from litestar.response import Stream
 
 from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, ModelConfig, RequestId, SamplingParams
 from coderai.contracts.ops import kind_of
+from coderai.gateway.copies import Copy
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
 from coderai.gateway.openai import formats
@@ -26,6 +28,7 @@ from coderai.gateway.state import InferenceController
 
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate features on it)
 NDJSON = "application/x-ndjson"
+FOREVER = datetime.timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's "never" (its longest duration): `ollama ps` says Forever
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -76,6 +79,30 @@ def params(options: dict[str, Any] | None) -> SamplingParams:
             presence_penalty=o.get("presence_penalty"), frequency_penalty=o.get("frequency_penalty"))
     except (TypeError, msgspec.ValidationError) as exc:
         raise ApiError(400, f"Invalid options: {exc}", param="options", code="invalid_request") from None
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def keep_alive(value: Any) -> float | None:
+    """Ollama's `keep_alive` in seconds: a number of seconds or a Go duration ("5m", "1h30m", "-1s"); negative
+    keeps the model loaded for good, 0 unloads it once idle. None when the request sets none."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = value.strip() if isinstance(value, str) else ""
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+    try:
+        return sign * float(body)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise ApiError(400, f"keep_alive must be seconds or a duration such as \"5m\", not {value!r}.",
+                       param="keep_alive", code="invalid_value")
+    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
 def response_format(fmt: Any) -> dict[str, Any] | None:
@@ -180,6 +207,20 @@ def model_json(m: ModelConfig) -> dict[str, Any]:
                         "families": [m.engine], "parameter_size": "", "quantization_level": ""}}
 
 
+def running_json(m: ModelConfig, ready: list[Copy], now: datetime.datetime) -> dict[str, Any]:
+    """One model in `/api/ps`: the memory one copy was placed for (`size`; `size_vram` when it is on a GPU) and when
+    the last of its copies may be unloaded, from its keep-alive and how long it has been idle."""
+
+    def expires(c: Copy) -> datetime.datetime:
+        keep = m.keep_alive(c.status.keep_alive_s)
+        return now + (FOREVER if keep is None else datetime.timedelta(seconds=max(0.0, keep - c.status.idle_s)))
+
+    until = max(expires(c) for c in ready)
+    return {**model_json(m), "size": max(c.status.memory for c in ready),
+            "size_vram": max((c.status.memory for c in ready if c.on_gpu), default=0),
+            "expires_at": until.isoformat().replace("+00:00", "Z")}
+
+
 def _ollama_error(_: Request, exc: ApiError) -> Response:
     """Ollama's error shape, `{"error": "<message>"}`, with the same status (and Retry-After) as the OpenAI routes."""
     return Response(content=msgspec.json.encode({"error": exc.message}), status_code=exc.status,
@@ -200,9 +241,13 @@ class OllamaController(InferenceController):
 
     @get("/ps")
     async def ps(self, request: Request) -> Response:
-        models = [{**model_json(m), "expires_at": None, "size_vram": 0}
-                  for m in self.gw.visible_models(self.caller(request))]
-        return json_response({"models": models})
+        """Only the models loaded now (a ready copy on a live node), as Ollama lists its running models."""
+        copies, now = self.gw.copies.by_model(), datetime.datetime.now(datetime.timezone.utc)
+        running = []
+        for m in self.gw.visible_models(self.caller(request)):
+            if ready := [c for c in copies.get(m.name, []) if c.status.state == "ready"]:
+                running.append(running_json(m, ready, now))
+        return json_response({"models": running})
 
     @post("/show", status_code=200)
     async def show(self, request: Request) -> Response:
@@ -220,7 +265,7 @@ class OllamaController(InferenceController):
         job = ChatJob(request_id=RequestId(new_request_id()), model=req.model, messages=openai_messages(req.messages),
                       params=params(req.options), tools=req.tools or None, stream=req.stream and not req.tools,
                       response_format=response_format(req.format))
-        call = Call(self.gw, self.caller(request), "chat", job)
+        call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_alive(req.keep_alive))
         if not job.stream:  # tool calls come whole in Ollama's answer: a streamed one asks for them at the end
             final = await answer(call, request)
             choice = final.choices[0] if final.choices else None
@@ -250,7 +295,7 @@ class OllamaController(InferenceController):
             job = ChatJob(request_id=rid, model=req.model, messages=messages, params=params(req.options),
                           stream=req.stream, response_format=response_format(req.format))
             op = "chat"
-        call = Call(self.gw, self.caller(request), op, job)
+        call = Call(self.gw, self.caller(request), op, job, keep_alive_s=keep_alive(req.keep_alive))
         if not req.stream:
             final = await answer(call, request)
             choice = final.choices[0] if final.choices else None
@@ -269,7 +314,7 @@ class OllamaController(InferenceController):
             raise ApiError(400, "'input' must be text, or a list of texts, none of them empty.", param="input",
                            code="invalid_value")
         job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=texts, dimensions=req.dimensions)
-        call = Call(self.gw, self.caller(request), "embed", job)
+        call = Call(self.gw, self.caller(request), "embed", job, keep_alive_s=keep_alive(req.keep_alive))
         final = await answer(call, request)
         return json_response({"model": req.model, "embeddings": formats.vectors(final.output),
                               "total_duration": int((time.monotonic() - call.started) * 1e9), "load_duration": 0,

@@ -16,6 +16,7 @@ from coderai.gateway.accounting import Accounts, may_use
 from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
 from coderai.gateway.catalog import Catalog
+from coderai.gateway.copies import Copies
 from coderai.gateway.errors import ApiError
 from coderai.gateway.relay import Relay
 from coderai.gateway.settings import GatewaySettings
@@ -26,10 +27,11 @@ log = logging.getLogger("coderai.gateway")
 
 
 class Gateway:
-    """Bus, Redis, limits, catalogue, relay and blobs of one gateway process; set up by `lifespan`."""
+    """Bus, Redis, limits, catalogue, loaded copies, relay and blobs of one gateway process; set up by `lifespan`."""
 
     bus: Bus
     catalog: Catalog
+    copies: Copies
     relay: Relay
     blobs: BlobStore
     accounts: Accounts
@@ -54,6 +56,8 @@ class Gateway:
         self.accounts = Accounts(self.bus, limiter)
         self.catalog = Catalog(self.bus)
         self.catalog.start()
+        self.copies = Copies(self.bus)
+        self.copies.start()
         self.relay = Relay(self.bus, self.settings)
         self.blobs = BlobStore(self.bus, create=True, max_bytes=self.settings.blobs_max_bytes)
         # workers store large outputs there but may not create it: it must exist before the first one answers
@@ -67,12 +71,14 @@ class Gateway:
             yield
         finally:
             self.catalog.stop()
+            self.copies.stop()
             await self.bus.close()
             if self.redis is not None:
                 await self.redis.aclose()
 
     async def _on_reconnect(self) -> None:
         self.catalog.start()
+        self.copies.start()
         for hook in self.reconnect_hooks:
             hook()
 

@@ -1,4 +1,5 @@
-"""`GET /v1/models` and `GET /v1/models/{id}`: OpenAI's model objects, plus what each model is for."""
+"""`GET /v1/models` and `GET /v1/models/{id}`: OpenAI's model objects, plus what each model is for and whether it is
+loaded now."""
 
 from __future__ import annotations
 
@@ -9,16 +10,30 @@ from litestar.params import FromPath
 
 from coderai.contracts import ModelConfig
 from coderai.contracts.ops import kind_of
+from coderai.gateway.copies import Copy
 from coderai.gateway.http import json_response
 from coderai.gateway.state import InferenceController
 
 
-def model_json(m: ModelConfig) -> dict[str, Any]:
-    """OpenAI's model object, plus `kind` (its first op's kind), `capabilities` (every op's) and `engine`."""
+def model_json(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any]:
+    """OpenAI's model object, plus `kind` (its first op's kind), `capabilities` (every op's), `engine` and `coderai`
+    (`residency`)."""
     ops = m.serves()
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
             "kind": kind_of(ops[0]) if ops else "unknown", "capabilities": [kind_of(o) for o in ops],
-            "engine": m.engine}
+            "engine": m.engine, "coderai": residency(m, copies, admin)}
+
+
+def residency(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any]:
+    """Whether a request would find `m` loaded: `loaded` (a ready copy on a live node), `copies` (how many are
+    ready), `loading` (one is being loaded now), `resident` (how it is held: always, on_demand or auto) and, for an
+    admin key only (a tenant need not learn the cluster's machines), the `nodes` holding a ready copy."""
+    ready = [c for c in copies if c.status.state == "ready"]
+    out: dict[str, Any] = {"loaded": bool(ready), "copies": len(ready),
+                           "loading": any(c.status.state == "loading" for c in copies), "resident": m.resident or "auto"}
+    if admin:
+        out["nodes"] = sorted({c.node_id for c in ready})
+    return out
 
 
 class ModelsController(InferenceController):
@@ -27,9 +42,13 @@ class ModelsController(InferenceController):
     @get("/")
     async def list_models(self, request: Request) -> Response:
         """The models this key may use (all of them for a key without an allow-list)."""
-        data = [model_json(m) for m in self.gw.visible_models(self.caller(request))]
+        who = self.caller(request)
+        copies, admin = self.gw.copies.by_model(), "admin" in who.scopes
+        data = [model_json(m, copies.get(m.name, []), admin) for m in self.gw.visible_models(who)]
         return json_response({"object": "list", "data": data})
 
     @get("/{model_id:path}")
     async def get_model(self, request: Request, model_id: FromPath[str]) -> Response:
-        return json_response(model_json(self.gw.visible_model(self.caller(request), model_id.lstrip("/"))))
+        who = self.caller(request)
+        m = self.gw.visible_model(who, model_id.lstrip("/"))
+        return json_response(model_json(m, self.gw.copies.by_model().get(m.name, []), "admin" in who.scopes))
