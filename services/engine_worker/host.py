@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobProxy
 from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
 from coderai.runtime.logging import request_id_var
+from coderai.sizing import estimate_bytes
 
 log = logging.getLogger("coderai.engine_worker")
 EARLY_CANCELS = 1024  # cancels kept for jobs not arrived yet
@@ -99,8 +101,15 @@ class EngineHost:
             warning=self.engine.warning if self.engine is not None else "",
             idle_s=0.0 if self.in_flight else round(time.monotonic() - self.used_at, 3),
             keep_alive_s=self.keep_alive_s,
+            memory=self.placed_bytes,
+            devices=list(self.config.devices),
             **stats,
         )
+
+    @functools.cached_property
+    def placed_bytes(self) -> int:
+        """What the scheduler placed this copy for (sizing's estimate of its config), worked out once."""
+        return estimate_bytes(self.config)
 
     async def load(self) -> bool:
         """Load the model in the engine thread, then subscribe to its ops. False if loading failed."""

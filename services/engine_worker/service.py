@@ -55,6 +55,9 @@ class Worker:
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
         self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
         self.gpu = GpuProbe()  # NVIDIA GPUs and their memory, for placement
+        # the scheduler pins copies to GPUs by NVML's index, which counts in PCI bus order; CUDA's own default
+        # (fastest first) may not, so engines in this process and its children count as NVML does
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         self.rpc: RpcService | None = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
@@ -154,7 +157,8 @@ class Worker:
         hb = build_heartbeat(self.node_id, self._seq, self.families + self.train_caps,
                              [h.status() for h in self.hosts.values()],
                              pod=self.settings.pod, addrs=self.addrs,
-                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpu=self.gpu)
+                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpu=self.gpu,
+                             mem_budget=self.settings.memory_budget_mb << 20)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:

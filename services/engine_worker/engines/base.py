@@ -98,6 +98,20 @@ class Engine:
         return {}
 
 
+def visible_devices(config: ModelConfig) -> dict[str, str]:
+    """The environment that pins a child server to the GPUs the scheduler gave this copy (`devices`): CUDA then
+    numbers them 0.. among themselves, counted in PCI bus order as the heartbeat's NVML does; {} for none."""
+    if not config.devices:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in config.devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def torch_device(config: ModelConfig, default: str) -> str:
+    """The device an in-process engine loads on: the first GPU the scheduler gave this copy, else `default` (the
+    engine's `device` param or its own choice); the worker counts GPUs in PCI bus order, as placement does."""
+    return f"cuda:{config.devices[0]}" if config.devices else default
+
+
 class CancelFlag:
     """A per-request flag the engine checks between tokens."""
 

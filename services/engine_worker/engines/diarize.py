@@ -25,7 +25,7 @@ import numpy as np
 from coderai.contracts import ModelConfig, Usage
 from coderai.contracts.media import DiarizeJob, DiarizeResult, Turn
 from coderai.engine_worker.engines import audio
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, torch_device
 
 RATE = 16000
 DEFAULT_MAX_AUDIO_S = 4 * 3600.0
@@ -86,7 +86,8 @@ class DiarizeEngine(Engine):
             raise EngineLoadError(f"speaker-embedding weights not found: {weights}")
         try:
             with _torch_threads(self.threads):
-                self.encoder = VoiceEncoder(params.get("device", "cpu"), verbose=False, weights_fpath=weights)
+                self.encoder = VoiceEncoder(torch_device(self.config, params.get("device", "cpu")), verbose=False,
+                                            weights_fpath=weights)
         except Exception as exc:  # noqa: BLE001 - torch.load and Resemblyzer raise bare Exception and kin
             raise EngineLoadError(f"could not load the speaker-embedding model: {exc}") from exc
 

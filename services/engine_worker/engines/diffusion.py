@@ -28,7 +28,7 @@ import msgspec
 
 from coderai.contracts import ModelConfig, Usage
 from coderai.contracts.media import Blob, ImageJob, ImageResult, VideoJob, VideoResult
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, torch_device
 
 Emit = Callable[..., None]
 """emit(progress=0..1)"""
@@ -88,7 +88,7 @@ class _DiffusionEngine(Engine):
         params = self.config.params
         if params.get("threads"):
             torch.set_num_threads(int(params["threads"]))
-        device = params.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch_device(self.config, params.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = params.get("dtype") or ("float16" if device.startswith("cuda") else "float32")
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype):

@@ -27,7 +27,7 @@ import numpy as np
 
 from coderai.contracts import ModelConfig, Usage
 from coderai.contracts.media import EmbedJob, EmbedResult, RerankJob, RerankResult
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, torch_device
 
 PACKAGE_PREFIX = "package:"
 # What model-shipping packages call the function or constant that gives their model folder, most specific first
@@ -135,7 +135,7 @@ class EmbedEngine(Engine):
         params = self.config.params
         torch.set_num_threads(max(1, int(params.get("threads") or os.cpu_count() or 1)))
         self.batch_size = max(1, int(params.get("batch_size", 32)))
-        device = str(params.get("device", "cpu"))
+        device = torch_device(self.config, str(params.get("device", "cpu")))
         path = resolve_model_path(self.config.path)
         if not os.path.isdir(path):
             raise EngineLoadError(f"model folder not found: {path}")

@@ -102,7 +102,7 @@ class TransformersEngine(Engine):
                 model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()  # merged: plain speed
             except (OSError, ValueError, tarfile.TarError) as exc:
                 raise EngineLoadError(f"could not load the adapter {adapter}: {exc}") from None
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        self.device = torch.device("cuda", (self.config.devices or [0])[0]) if cuda else torch.device("cpu")
         self.model = model.to(self.device).eval()
         # transformers 5 renamed the KV cache argument (`past_key_values` -> `cache`)
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"

@@ -14,6 +14,9 @@ Embedding models (params `embedding = true`, or a model whose ops include `embed
 and a pooling that gives one vector per text: params `pooling` (mean, cls, last), else the GGUF's own, else mean
 (a llama-type GGUF declares none, and llama.cpp would answer one vector per token). They answer `embed` like the
 sentence-transformers engine: normalised float32 vectors, `dimensions` truncating and re-normalising.
+
+A copy the scheduler pinned to GPUs (`devices`) offloads every layer there (`gpu_params`); without devices it runs
+as its params say (llama-cpp-python's default: the CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Sampl
 from coderai.contracts.media import EmbedJob, EmbedResult
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, refuse_media
 from coderai.engine_worker.engines.embed import check_dimensions, check_texts, embed_result
+from coderai.engine_worker.node import GpuProbe
 
 Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
 """emit(chat_delta, text_piece, finish_reason)"""
@@ -34,6 +38,21 @@ DEFAULTS: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "verbose": False}
 DEFAULT_PROMPT_CACHE_MB = 256
 EMBED_CHUNK = 16  # texts per llama.cpp call: the cancel flag is checked between chunks
 POOLINGS = ("mean", "cls", "last")
+LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_LAYER = 0, 1
+
+
+def gpu_params(devices: list[int], params: dict[str, Any], free: list[int]) -> dict[str, Any]:
+    """llama.cpp's placement on the GPUs the scheduler gave this copy: every layer offloaded (unless the params say
+    how many); one card alone, or several sharing the layers by their `free` memory (llama.cpp's own rule, kept
+    to these cards). What the params set themselves wins; no devices: nothing, so a CPU run is unchanged."""
+    if not devices:
+        return {}
+    out: dict[str, Any] = {"n_gpu_layers": -1, "main_gpu": devices[0], "split_mode": LLAMA_SPLIT_MODE_NONE}
+    if len(devices) > 1:
+        out["split_mode"] = LLAMA_SPLIT_MODE_LAYER
+        out["tensor_split"] = [float(free[i] if i < len(free) else 1) if i in devices else 0.0
+                               for i in range(max(devices) + 1)]
+    return {k: v for k, v in out.items() if k not in params}
 
 
 class _Meter:
@@ -125,6 +144,8 @@ class LlamaEngine(Engine):
         self.embedding = bool(embedding) if embedding is not None else "embed" in self.config.serves()
         pooling = params.pop("pooling", params.pop("pooling_type", None))
         kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **params}
+        free = [f for _, f in GpuProbe().devices()] if len(self.config.devices) > 1 else []
+        kwargs.update(gpu_params(self.config.devices, params, free))
         if self.embedding:
             kwargs.update(embedding=True, pooling_type=_pooling(Llama, path, pooling))
             # llama-cpp-python cuts a text at n_batch tokens, and encoder models need a whole text in one

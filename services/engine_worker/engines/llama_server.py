@@ -11,7 +11,8 @@ n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backe
 image input), `cache_ram_mb` (the server's host prompt cache, default 256 MiB), `n_threads`, `n_threads_batch`,
 `n_batch`, `chat_template`, `queue` (jobs the worker takes beyond the slots, default 3 x parallel). Every other
 key becomes a `--kebab-case value` flag (`True` a bare flag); `extra_args` is appended as is; `env` is added to
-the server's environment. The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter (what
+the server's environment. A copy the scheduler pinned to GPUs (`devices`) sees only those (CUDA_VISIBLE_DEVICES).
+The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter (what
 `scripts/setup` builds into `.venv/bin`), else on `PATH`.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 import httpx
 
 from coderai.contracts import ChatJob, EmbedJob, EmbedResult, ModelConfig, Usage
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media, visible_devices
 from coderai.engine_worker.engines.embed import check_texts, embed_result
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import find_llama_server, free_port
@@ -106,6 +107,13 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
     return args + param_flags(p, OWN_PARAMS)
 
 
+def server_env(config: ModelConfig, base: dict[str, str]) -> dict[str, str]:
+    """The child's environment: `base` (the worker's), pinned to the copy's GPUs when the scheduler gave it some
+    (the server's main GPU is then the first, and it splits a model over the rest by itself), then the model's
+    own `env`, which an operator may use to pin it otherwise."""
+    return {**base, **visible_devices(config), **{k: str(v) for k, v in (config.params.get("env") or {}).items()}}
+
+
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum; 0 (none) and 4 (rank) give no vector a text
 
 
@@ -162,8 +170,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         if not binary:
             raise EngineLoadError("llama-server not found: run scripts/setup (it builds .venv/bin/llama-server), "
                                   "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path")
-        env = {**os.environ, **{k: str(v) for k, v in (self.config.params.get("env") or {}).items()}}
-        return [binary, *server_args(self.config, port)], env
+        return [binary, *server_args(self.config, port)], server_env(self.config, dict(os.environ))
 
     def load(self) -> None:
         if not os.path.exists(os.path.expanduser(self.config.path)):

@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
 
@@ -43,7 +44,7 @@ class VllmEngine(OpenAIServerEngine):
         params = dict(self.config.params)
         python = params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
-        return cmd, {**os.environ, **{k: str(v) for k, v in (params.get("env") or {}).items()}}
+        return cmd, {**os.environ, **visible_devices(self.config), **{k: str(v) for k, v in (params.get("env") or {}).items()}}
 
     def load(self) -> None:
         """Start the server and wait for `/health`; fail with the server's log tail if it exits or times out."""

@@ -76,7 +76,9 @@ class WhisperEngine(Engine):
         self.max_audio_s = _param(params, "max_audio_s", DEFAULT_MAX_AUDIO_S, float)
         self.options = {k: params[k] for k in DECODE_PARAMS if k in params}
         try:
-            self.model = WhisperModel(path, device=params.get("device", "cpu"),
+            pinned = {"device": "cuda", "device_index": self.config.devices[0]} if self.config.devices else \
+                {"device": params.get("device", "cpu")}
+            self.model = WhisperModel(path, **pinned,
                                       compute_type=params.get("compute_type", "int8"), cpu_threads=threads,
                                       num_workers=self.max_concurrency, local_files_only=True)
         except (RuntimeError, ValueError, OSError) as exc:
