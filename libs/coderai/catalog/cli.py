@@ -17,7 +17,7 @@ from coderai.catalog.entries import BUILTIN
 from coderai.catalog.errors import CatalogError
 from coderai.catalog.place import append_model, model_entry
 from coderai.catalog.pull import Progress, pull
-from coderai.catalog.store import MB, ModelStore, estimate_bytes, fits
+from coderai.catalog.store import MB, ModelStore, fits
 
 
 def _size(n: float) -> str:
@@ -102,19 +102,29 @@ def _nodes(args: argparse.Namespace) -> list[Any] | str:
 
 
 def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
+    """`info` (or `show`): what a model is, what one copy needs (as the scheduler estimates it: a pulled GGUF from
+    its header, with the params it was pulled with), and where it fits."""
+    from coderai.contracts import ModelConfig
+    from coderai.sizing import estimate
+
     try:
         rec = store.get(args.name)
-        need = estimate_bytes(rec)
+        est = estimate(ModelConfig(name=rec.name, engine=rec.engine, path=str(store.model_path(rec)),  # type: ignore[arg-type]
+                                   params=rec.params, memory_mb=rec.memory_mb))
         out: dict[str, Any] = {"name": rec.name, "repo": rec.repo, "revision": rec.revision, "commit": rec.commit,
                                "engine": rec.engine, "kind": rec.kind, "path": str(store.model_path(rec)),
-                               "size": rec.size, "files": len(rec.files), "memory_mb": need // MB, "pulled": True}
+                               "size": rec.size, "files": len(rec.files), "pulled": True}
     except CatalogError:
         if args.name not in BUILTIN:
             raise
         e = BUILTIN[args.name]
-        need = (e.memory_mb or int(e.size_mb * 1.2) + 256) * MB
+        est = estimate(ModelConfig(name=e.name, engine=e.engine, path="", memory_mb=e.memory_mb), e.size_mb * MB)  # type: ignore[arg-type]
         out = {"name": e.name, "repo": e.repo, "engine": e.engine, "kind": e.kind, "size": e.size_mb * MB,
-               "memory_mb": need // MB, "pulled": False}
+               "pulled": False}
+    need = est.total
+    out["memory_mb"] = need // MB
+    out["memory"] = {"weights_mb": est.weights // MB, "kv_cache_mb": est.kv_cache // MB,
+                     "overhead_mb": est.overhead // MB, "from": est.source}
     nodes = _nodes(args) if not args.no_nodes else "not asked (--no-nodes)"
     if isinstance(nodes, str):
         out["nodes"], out["nodes_note"] = [], nodes
@@ -161,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--files", action="store_true",
                    help="also delete the model's files from <data-dir>/models (a model only pulled, never served: "
                         "just that)")
-    i = sub.add_parser("info", help="size, engine, memory, and the live nodes it fits on")
+    i = sub.add_parser("info", aliases=["show"], help="size, engine, memory (weights, KV cache, overhead), and the "
+                       "live nodes it fits on")
     i.add_argument("name")
     i.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""))
     i.add_argument("--no-nodes", action="store_true", help="do not ask the scheduler")
