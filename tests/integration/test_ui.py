@@ -1,7 +1,10 @@
 """The cluster page (`/ui`) in Debian's headless Chromium against a live stack with two workers: sign in with an
-admin key, see both nodes, open a node's log tail, watch it refresh by itself; a wrong key stays on the form."""
+admin key, see both nodes and where each copy runs (device, memory, idle time), open a node's log tail, watch it
+refresh by itself; a wrong key stays on the form."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -49,6 +52,16 @@ def _served(driver) -> int:
     return int(shown) if shown.isdigit() else -1
 
 
+def _engine_cells(driver, node_id: str, model: str) -> dict[str, str]:
+    """The node card's row for `model`, by column heading."""
+    return js(driver, f"""
+        const table = document.querySelector('#nodes .node[data-node="{node_id}"] table');
+        if (!table) return {{}};
+        const heads = [...table.querySelectorAll('thead th')].map(th => th.textContent);
+        const row = [...table.querySelectorAll('tbody tr')].find(tr => tr.cells[0].textContent === '{model}');
+        return row ? Object.fromEntries(heads.map((h, i) => [h, row.cells[i].textContent])) : {{}};""")
+
+
 def _click_node(driver, node_id: str) -> bool:
     driver.find_element(By.CSS_SELECTOR, f'#nodes .node[data-node="{node_id}"]').click()
     return True
@@ -61,6 +74,11 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
 
     wait(browser, "nodes w1 and w2", lambda d: _node_ids(d) >= {"w1", "w2"})
     wait(browser, "tiny ready on w1", lambda d: "ready" in text(d, '#nodes .node[data-node="w1"] table'))
+    # where the copy is (a node without GPUs: the CPU), what it was placed for, and how long it has been idle
+    wait(browser, "tiny's device, memory and idle time", lambda d: re.fullmatch(
+        r"cpu \| [\d.]+ (KiB|MiB|GiB) \| (\d+ s|\d+ min|busy)",
+        " | ".join(_engine_cells(d, "w1", "tiny").get(k, "") for k in ("Device", "Memory", "Idle"))))
+    assert "w1 · ready · cpu" in text(browser, '#models tr[data-model="tiny"]')
     wait(browser, "ghost listed as unplaced", lambda d: "unplaced" in text(d, '#models tr[data-model="ghost"]'))
     wait(browser, "the pods panel", lambda d: "No RunPod API key" in text(d, "#pods") and "No pods rented" in text(d, "#pods"))
     wait(browser, "ghost's pod spend and budget", lambda d: "$20.00 / day" in text(d, '#spend tr[data-model="ghost"]'))
