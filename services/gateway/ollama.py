@@ -21,9 +21,9 @@ from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, Mo
 from coderai.contracts.ops import kind_of
 from coderai.gateway.copies import Copy
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
+from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
-from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.pipeline import Call, answer, open_stream
 from coderai.gateway.state import InferenceController
 
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate features on it)
@@ -324,8 +324,6 @@ class OllamaController(InferenceController):
 async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream:
     """NDJSON: an object per piece, then one with `done` and the counts; an engine failure mid-stream is a last
     `{"error": ...}` line, as Ollama writes it."""
-    await call.admit()
-    first = await until_disconnect(request, call.open())
     reason: list[str | None] = [None]  # a streamed answer's finish reason rides on its last chunk
 
     def piece(frame: Chunk) -> bytes:
@@ -336,5 +334,6 @@ async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream
     async def final(frame: Final) -> bytes:
         return _line({**head(frame), **_done(call, frame, reason[0])})
 
-    pieces = relay_stream(call, first, piece, final, error=lambda err: _line({"error": err.message}))
+    # no keep-alive while a model loads: Ollama's clients read every line as JSON (and Ollama sends none either)
+    pieces = await open_stream(call, request, piece, final, lambda err: _line({"error": err.message}), None)
     return Stream(pieces, media_type=NDJSON, headers=call.response_headers())

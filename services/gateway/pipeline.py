@@ -24,7 +24,7 @@ from coderai.contracts import (
     BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage,
 )
 from coderai.contracts.ops import OPS
-from coderai.contracts.topology import HDR_KEY_NAME, HDR_REQUEST_ID
+from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, price
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, from_bus
@@ -48,11 +48,16 @@ class Call:
 
     __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
                  "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
-                 "encoded", "_refresher", "admitted", "_finished")
+                 "encoded", "_refresher", "admitted", "_finished", "keep_alive_s",
+                 "on_loading")
 
-    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None) -> None:
-        """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin)."""
+    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None,
+                 keep_alive_s: float | None = None) -> None:
+        """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin);
+        `keep_alive_s`: how long the model should then stay loaded idle (Ollama's keep_alive), None: its own."""
         self.gw, self.who, self.op, self.job = gw, who, op, job
+        self.keep_alive_s = keep_alive_s
+        self.on_loading: Callable[[], None] | None = None  # called if the model must first be loaded on demand
         self.route = route or RouteRequest(request_id=job.request_id, model=job.model, op=op)  # type: ignore[arg-type]
         self.spec = OPS[op]
         self.started = time.monotonic()
@@ -81,7 +86,10 @@ class Call:
         return self.job.request_id
 
     def bus_headers(self) -> dict[str, str]:
-        return {HDR_REQUEST_ID: self.job.request_id, HDR_KEY_NAME: self.who.key_name}
+        headers = {HDR_REQUEST_ID: self.job.request_id, HDR_KEY_NAME: self.who.key_name}
+        if self.keep_alive_s is not None:
+            headers[HDR_KEEP_ALIVE] = repr(self.keep_alive_s)
+        return headers
 
     def response_headers(self) -> dict[str, str]:
         return {HDR_REQUEST_ID: self.job.request_id, ENGINE_HEADER: self.engine_id, ROUTE_HEADER: self.route_reason}
@@ -134,7 +142,7 @@ class Call:
                 elif job is not self.job:
                     self.encoded = None
             self.stream, first, decision = await self.gw.relay.first_frame(
-                self.op, job, self.route, self.trace, self.bus_headers(), decision, self.encoded)
+                self.op, job, self.route, self.trace, self.bus_headers(), decision, self.encoded, self.on_loading)
         except BaseException as exc:
             raise await self.fail(exc) from None
         self.engine_id, self.node_id, self.route_reason = decision.engine_id, decision.node_id, decision.reason
@@ -300,5 +308,50 @@ def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], byte
                 call.abandon()
             else:  # may run while the stream's task is being cancelled: detached
                 call.finish_detached(last)
+
+    return pieces()
+
+
+LOADING_KEEPALIVE_S = 5.0  # between the comments of a stream that waits for its model to load
+
+
+async def open_stream(call: Call, request: Request, chunk: Callable[[Chunk], bytes],
+                      final: Callable[[Final], Awaitable[bytes]], error: Callable[[ApiError], bytes],
+                      comment: bytes | None) -> AsyncIterator[bytes]:
+    """Admit, open and `relay_stream`. Errors before the first frame are the client's status code, except while
+    the model loads on demand with a `comment` (an SSE comment): then the stream starts at once with it, repeated
+    every `LOADING_KEEPALIVE_S` so clients and proxies do not time out, and a failure comes as `error`."""
+    await call.admit()
+    if comment is None:
+        return relay_stream(call, await until_disconnect(request, call.open()), chunk, final, error)
+    loading = asyncio.Event()
+    call.on_loading = loading.set
+    opening = asyncio.ensure_future(call.open())
+    told = asyncio.ensure_future(loading.wait())
+    try:
+        await until_disconnect(request, asyncio.wait({opening, told}, return_when=asyncio.FIRST_COMPLETED))
+    except asyncio.CancelledError:
+        opening.cancel()
+        raise
+    finally:
+        told.cancel()
+    if opening.done():
+        return relay_stream(call, opening.result(), chunk, final, error)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            yield comment  # the response starts now, while the model loads
+            while not (await asyncio.wait({opening}, timeout=LOADING_KEEPALIVE_S))[0]:
+                yield comment
+            try:
+                first = opening.result()
+            except ApiError as err:
+                yield error(err)
+                return
+            async for piece in relay_stream(call, first, chunk, final, error):
+                yield piece
+        finally:
+            if not opening.done():
+                opening.cancel()
 
     return pieces()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -47,7 +48,8 @@ class Relay:
             req = msgspec.structs.replace(req, exclude=tried)
         return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
 
-    async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str]) -> RouteDecision:
+    async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str],
+                    on_loading: Callable[[], None] | None = None) -> RouteDecision:
         """The router's pick; with no engine, or only busy ones, the scheduler is asked to escalate: it loads a
         model that is not loaded on demand, or rents a pod for one that may burst, and the request waits (bounded)
         for that engine."""
@@ -56,15 +58,16 @@ class Relay:
         except BusError as exc:
             if exc.code != "no_engine" or tried:
                 raise
-            return await self._escalate(req, headers, "no_engine", exc)
+            return await self._escalate(req, headers, "no_engine", exc, on_loading)
         if decision.busy and not tried and not req.pin:
             return await self._escalate(req, headers, "busy", decision)
         return decision
 
     async def _escalate(self, req: RouteRequest, headers: dict[str, str], reason: str,
-                        fallback: RouteDecision | BusError) -> RouteDecision:
-        """Ask for a pod; then poll the router until an engine (a non-busy one, for `busy`) can take the job.
-        Without a pod in time: the busy engine after all, or the original `no_engine`."""
+                        fallback: RouteDecision | BusError, on_loading: Callable[[], None] | None = None) -> RouteDecision:
+        """Ask for a pod or a load; then poll the router until an engine (a non-busy one, for `busy`) can take the
+        job. Without one in time: the busy engine after all, or the original `no_engine`. `on_loading` is called
+        when the model is being loaded on demand (a streamed answer starts its keep-alives then)."""
         try:
             reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
                                            timeout=self.settings.route_timeout_s + 15.0, headers=headers)
@@ -80,6 +83,8 @@ class Relay:
         if reply.action == "loading":
             log.info("%s is not loaded: a node loads it on demand", req.model)
             wait_s = self.settings.load_wait_s
+            if on_loading is not None:
+                on_loading()
         else:
             log.info("escalated %s (%s): pod %s is %s", req.model, reason, reply.pod, reply.action)
             wait_s = self.settings.escalate_wait_s
@@ -111,6 +116,7 @@ class Relay:
 
     async def first_frame(self, op: str, job: Any, route: RouteRequest, trace: Trace, headers: dict[str, str],
                           first: RouteDecision | None = None, encoded: bytes | None = None,
+                          on_loading: Callable[[], None] | None = None,
                           ) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
@@ -126,10 +132,10 @@ class Relay:
                 elif traced:
                     with tracing.start_span("route.pick", parent=trace.span, kind="client",
                                             attributes={"coderai.attempt": attempt}) as span:
-                        decision = await self._pick(route, tried, tracing.inject(span, headers))
+                        decision = await self._pick(route, tried, tracing.inject(span, headers), on_loading)
                         span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
                 else:
-                    decision = await self._pick(route, tried, headers)
+                    decision = await self._pick(route, tried, headers, on_loading)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             if traced:

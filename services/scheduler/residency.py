@@ -21,7 +21,6 @@ import msgspec
 from coderai.contracts import Assignment, EngineStatus, Heartbeat, ModelConfig
 from coderai.scheduler.placement import Plan, plan
 
-ON_DEMAND_KEEP_S = 300.0  # Ollama's default keep_alive
 DEMAND_WINDOW_S = 120.0  # a request's demand for a model that could not be placed is forgotten after this
 
 Pair = tuple[str, str]  # (model, node)
@@ -33,10 +32,7 @@ def mode(m: ModelConfig) -> str:
 
 def keep_alive(m: ModelConfig, status: EngineStatus | None) -> float | None:
     """Seconds a copy of `m` may stay idle, as its last request or else its config says; None: forever."""
-    k = status.keep_alive_s if status is not None and status.keep_alive_s is not None else m.keep_alive_s
-    if k is None and mode(m) == "on_demand":
-        k = ON_DEMAND_KEEP_S
-    return None if k is None or k < 0 or mode(m) == "always" else k
+    return m.keep_alive(status.keep_alive_s if status is not None else None)
 
 
 def engines(nodes: dict[str, Heartbeat]) -> dict[Pair, EngineStatus]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from coderai.contracts import Assignment, EngineStatus, Heartbeat, ModelConfig
-from coderai.scheduler.residency import ON_DEMAND_KEEP_S, Residency, keep_alive
+from coderai.contracts.models import ON_DEMAND_KEEP_ALIVE_S
+from coderai.scheduler.residency import Residency, keep_alive
 
 GB = 1 << 30
 
@@ -94,7 +95,7 @@ def test_keep_alive_unloads_an_idle_copy_and_the_next_request_loads_it_again():
 
 
 def test_keep_alive_comes_from_the_last_request_then_the_config_then_the_residency():
-    assert keep_alive(model("x", resident="on_demand"), None) == ON_DEMAND_KEEP_S
+    assert keep_alive(model("x", resident="on_demand"), None) == ON_DEMAND_KEEP_ALIVE_S
     assert keep_alive(model("x"), None) is None  # auto: held until evicted
     assert keep_alive(model("x", keep_alive_s=30), None) == 30
     assert keep_alive(model("x", keep_alive_s=30), engine("x", keep_alive_s=0)) == 0  # Ollama's keep_alive=0

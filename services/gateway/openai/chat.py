@@ -14,7 +14,7 @@ from coderai.gateway import affinity
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import (
-    PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json, until_disconnect,
+    PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json,
 )
 from coderai.gateway.openai import sse
 from coderai.gateway.openai.chat_types import (
@@ -24,7 +24,7 @@ from coderai.gateway.openai.chat_types import (
     completion_job,
     include_usage,
 )
-from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.pipeline import Call, answer, open_stream
 from coderai.gateway.state import InferenceController
 
 
@@ -72,13 +72,11 @@ async def _serve(call: Call, request: Request, want_usage: bool) -> Response | S
         build = sse.chat_response if chat else sse.completion_response
         return json_response(build(job.request_id, call.created, job.model, final.choices, final.usage),
                              headers=call.response_headers())
-    await call.admit()
-    first = await until_disconnect(request, call.open())
     chunk = partial(sse.chat_chunk if chat else sse.completion_chunk, job.request_id, call.created, job.model)
 
     async def final(frame: Final) -> bytes:
         usage = sse.usage_chunk(call.op, job.request_id, call.created, job.model, frame.usage) if want_usage else b""
         return usage + sse.DONE
 
-    events = relay_stream(call, first, chunk, final, error=lambda err: sse.sse(err.body()))
+    events = await open_stream(call, request, chunk, final, lambda err: sse.sse(err.body()), sse.LOADING)
     return Stream(events, media_type="text/event-stream", headers={**call.response_headers(), **STREAM_HEADERS})

@@ -9,6 +9,7 @@ import msgspec
 from coderai.contracts import Chunk, Choice, Usage
 
 DONE = b"data: [DONE]\n\n"
+LOADING = b": loading the model\n\n"  # an SSE comment: clients skip it; it keeps the stream alive during a load
 _enc = msgspec.json.Encoder()
 
 

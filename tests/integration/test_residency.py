@@ -1,0 +1,145 @@
+"""More models than memory on a real stack: one worker whose memory budget holds two of its four models. Each is
+served in turn with the `openai` SDK, the least recently used idle one evicted for it, while requests to a loaded
+model keep answering; a streamed request to an unloaded model gets SSE comments while it loads; keep-alive (the
+model's, and Ollama's per request) unloads an idle model. Nothing is restarted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import running_stack
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_S = 0.5
+BUDGET_MB = 250  # each model is placed for 100 MB: two fit, three do not
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
+    def tiny(name: str, **kw) -> dict:
+        return {"name": name, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "memory_mb": 100,
+                "replicas": 1, **kw}
+
+    models = [tiny("busy"), tiny("b"), tiny("c", resident="on_demand"), tiny("brief", resident="on_demand",
+                                                                             keep_alive_s=2)]
+    with running_stack(tmp_path_factory.mktemp("residency"), models,
+                       gateway_args=("--api-keys-file", str(keys_file)), ready_model="busy",
+                       extra_env={"CODERAI_WORKER_MEMORY_BUDGET_MB": str(BUDGET_MB),
+                                  "CODERAI_WORKER_HEARTBEAT_S": str(HEARTBEAT_S)},
+                       headers={"Authorization": f"Bearer {admin_key}"}) as s:
+        yield s
+
+
+@pytest.fixture
+def admin(stack, admin_key):
+    with httpx.Client(base_url=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def client(stack, admin_key):
+    return openai.OpenAI(base_url=stack.base_url, api_key=admin_key, max_retries=0, timeout=120)
+
+
+def loaded(admin: httpx.Client) -> set[str]:
+    """The models with an engine on the worker now (any state: a copy being unloaded has left its heartbeat)."""
+    nodes = admin.get("/admin/nodes").json()["nodes"]
+    return {e["model"] for n in nodes for e in n["heartbeat"].get("engines", [])}
+
+
+def ask(client: openai.OpenAI, model: str) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    return r.choices[0].message.content or ""
+
+
+class Traffic:
+    """Requests to one loaded model, back to back on a thread, until stopped: every status they got."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.client, self.model = client, model
+        self.ok = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ask(self.client, self.model)
+                self.ok += 1
+            except openai.APIError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def test_each_model_is_served_in_turn_evicting_the_least_recently_used_idle_one(stack, admin, client):
+    wait_until(lambda: loaded(admin) == {"busy", "b"}, 60, "the two models that fit to load")
+    listed = {m.id: m.model_extra["coderai"] for m in client.models.list().data}
+    assert listed["busy"]["loaded"] and not listed["c"]["loaded"] and listed["c"]["resident"] == "on_demand"
+    with Traffic(client, "busy") as traffic:
+        ask(client, "c")  # not loaded: placed now, b (idle) evicted for it, busy kept (it has requests in flight)
+        assert loaded(admin) >= {"busy", "c"}
+        wait_until(lambda: loaded(admin) == {"busy", "c"}, 30, "b to be unloaded")
+        ask(client, "b")  # back, in place of c, the idle one
+        wait_until(lambda: loaded(admin) == {"busy", "b"}, 30, "c to be unloaded")
+        ask(client, "c")
+        wait_until(lambda: traffic.ok >= 3, 60, "requests to the busy model")
+    assert traffic.errors == [], "a request to a loaded model failed while others loaded"
+    assert loaded(admin) == {"busy", "c"}
+    scrape = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
+    evictions = [line for line in scrape.splitlines()
+                 if line.startswith("coderai_model_unloads_total{") and 'reason="evicted"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in evictions) >= 2, scrape
+
+
+def test_a_streamed_request_gets_comments_while_its_model_loads(stack, admin, client, admin_key):
+    wait_until(lambda: "c" in loaded(admin) or "b" in loaded(admin), 30, "a model to evict")
+    target = "b" if "b" not in loaded(admin) else "c"
+    body = {"model": target, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {admin_key}"}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == ": loading the model", lines[:3]
+    data = [line for line in lines if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and len(data) >= 2
+    # the SDK reads the same stream (the comments are not events to it)
+    target = "b" if target == "c" else "c"
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=target, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True) if c.choices)
+    assert isinstance(text, str) and target in loaded(admin)
+
+
+def test_keep_alive_unloads_an_idle_model(stack, admin, client):
+    ask(client, "brief")  # keep_alive_s = 2
+    done = time.monotonic()
+    assert "brief" in loaded(admin)
+    # its keep-alive plus a heartbeat for the scheduler to see it idle, plus the unload itself
+    wait_until(lambda: "brief" not in loaded(admin), 2 + HEARTBEAT_S + 15, "brief to be unloaded when idle")
+    assert time.monotonic() - done >= 2, "unloaded before its keep-alive ran out"
+
+
+def test_ollama_keep_alive_zero_unloads_right_after_the_answer(stack, admin, admin_key):
+    import ollama
+
+    o = ollama.Client(host=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=120)
+    r = o.chat(model="b", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}, keep_alive=0)
+    assert r.done
+    wait_until(lambda: "b" not in loaded(admin), HEARTBEAT_S + 15, "b to be unloaded (keep_alive=0)")
+    with pytest.raises(ollama.ResponseError) as exc:
+        o.chat(model="b", messages=[{"role": "user", "content": "hi"}], keep_alive="soon")
+    assert exc.value.status_code == 400 and "keep_alive" in str(exc.value)
