@@ -111,7 +111,7 @@ def plan(
         """`b` bytes over the cards `devs` of `n` by their room (llama.cpp's tensor split), if they hold it."""
         free = room[n].gpus
         total = sum(max(0, free[i]) for i in devs)
-        if total < b or any(i >= len(free) for i in devs):
+        if total < b:
             return None
         return {i: b * max(0, free[i]) // total for i in devs} if len(devs) > 1 else {devs[0]: b}
 
@@ -123,10 +123,11 @@ def plan(
         if not r.indexed:  # a node that reported only its total: one pool, no card to pin
             return {0: b} if r.gpus[0] >= b else None
         ranks = world_size(m) if m.engine == "vllm" else 1
-        if keep and len(keep) >= ranks and (got := shared(b, n, keep) if ranks == 1 else
-                                            {i: b // ranks for i in keep if r.gpus[i] >= b // ranks}) \
-                and len(got) == len(keep):
-            return got
+        if keep and all(0 <= i < len(r.gpus) for i in keep):
+            if ranks == 1 and (got := shared(b, n, keep)) is not None:
+                return got
+            if ranks > 1 and len(keep) == ranks and all(r.gpus[i] >= b // ranks for i in keep):
+                return {i: b // ranks for i in keep}
         if ranks > 1:  # vLLM: one card per rank, an equal share on each
             ok = sorted((i for i, f in enumerate(r.gpus) if f >= b // ranks), key=lambda i: (-r.gpus[i], i))
             return {i: b // ranks for i in sorted(ok[:ranks])} if len(ok) >= ranks else None

@@ -129,3 +129,9 @@ def test_an_rpc_split_counts_against_ram_not_the_cards():
     p = plan([model("big", 30, engine="llama", nodes=["a"])], nodes)
     assert p.splits["big"][0] == "a" and sum(d.share for d in p.splits["big"][1].devices) > 0.99
     assert p.assignments["a"].models[0].devices == []  # on the CPU and the RPC servers: no card
+
+
+def test_cards_that_are_gone_from_the_node_are_not_kept():
+    a = model("a", 4)
+    held = {"n": Assignment(node_id="n", models=[msgspec.structs.replace(a, devices=[3])])}
+    assert copies(plan([a], {"n": hb(gpus_gb=(24, 24))}, held)) == {"a": [0]}
