@@ -14,6 +14,7 @@ A copy taken off a node for idleness or eviction is parked there: not placed aga
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -21,7 +22,8 @@ import msgspec
 from coderai.contracts import Assignment, EngineStatus, Heartbeat, ModelConfig
 from coderai.scheduler.placement import Plan, plan
 
-DEMAND_WINDOW_S = 120.0  # a request's demand for a model that could not be placed is forgotten after this
+DEMAND_WINDOW_S = 300.0  # a request's demand for a model not placed yet is forgotten after this (the gateway's wait)
+EVICT_IDLE_S = 3.0  # a copy idle for less may have taken a request since its heartbeat: not evicted yet
 
 Pair = tuple[str, str]  # (model, node)
 
@@ -40,9 +42,21 @@ def engines(nodes: dict[str, Heartbeat]) -> dict[Pair, EngineStatus]:
     return {(e.model, n): e for n, hb in nodes.items() for e in hb.engines}
 
 
-def idle(status: EngineStatus | None) -> bool:
-    """A copy that may be taken off its node: loaded, and no job running or queued (per its last heartbeat)."""
-    return status is not None and status.state == "ready" and not status.in_flight and not status.queued
+def idle(status: EngineStatus | None, for_s: float = 0.0) -> bool:
+    """A copy that may be taken off its node: loaded, and no job running or queued for `for_s` (per its last
+    heartbeat)."""
+    return status is not None and status.state == "ready" and not status.in_flight and not status.queued \
+        and status.idle_s >= for_s
+
+
+def evictable(status: EngineStatus | None) -> bool:
+    """Unloaded for another model: idle for a while (a heartbeat is a moment old: one idle just now may be busy)."""
+    return idle(status, EVICT_IDLE_S)
+
+
+def in_use(status: EngineStatus | None) -> bool:
+    """Busy or loading now, so maybe evictable later (when a request for another model may wait for it)."""
+    return status is None or status.state in ("ready", "loading")
 
 
 @dataclass
@@ -51,6 +65,7 @@ class Residency:
     parked: set[Pair] = field(default_factory=set)  # copies unloaded for idleness or eviction, until asked for
     gone: dict[Pair, str] = field(default_factory=dict)  # why a copy left its node: idle, evicted (for ModelUnloaded)
     no_room: dict[str, str] = field(default_factory=dict)  # model asked for -> why it could not be placed
+    waiting: set[str] = field(default_factory=set)  # models asked for that fit once copies in use go idle
 
     def ask(self, name: str, now: float | None = None) -> None:
         """A request wants `name` and no engine serves it: place it (evicting for it if need be) on the next plan."""
@@ -113,21 +128,30 @@ class Residency:
             if m is None or placed(result, name, nodes):
                 self.demand.pop(name, None)
                 continue
-            evict = self._room_for(m, want, nodes, current, result, layers)
+            evict = self._room_for(m, want, nodes, current, result, layers, evictable)
             if evict is None:
-                self.no_room[name] = result.unplaced.get(name) or "it fits no live node"
+                if self._room_for(m, want, nodes, current, result, layers, in_use) is not None:
+                    self.waiting.add(name)  # room once copies in use now go idle: the request waits for them
+                else:
+                    self.waiting.discard(name)
+                    self.no_room[name] = result.unplaced.get(name) or "it fits no live node"
                 continue
+            self.waiting.discard(name)
             for pair in evict:
                 self.parked.add(pair)
                 self.gone[pair] = "evicted"
             result = plan(want, nodes, current, layers=layers, exclude=self.parked)
             self.demand.pop(name, None)
+        self.waiting &= set(self.demand)
+        parked = {name for name, _ in self.parked}  # not loaded until asked for: not "unplaced"
+        result.unplaced = {k: v for k, v in result.unplaced.items() if k not in parked or k in self.demand}
         return result
 
     def _room_for(self, m: ModelConfig, want: list[ModelConfig], nodes: dict[str, Heartbeat],
-                  current: dict[str, Assignment], result: Plan, layers: dict[str, int] | None) -> list[Pair] | None:
-        """The fewest least-recently-used idle copies to unload so that `m` is placed, on one node; None when no
-        node can make room."""
+                  current: dict[str, Assignment], result: Plan, layers: dict[str, int] | None,
+                  may_go: Callable[[EngineStatus | None], bool]) -> list[Pair] | None:
+        """The fewest least-recently-used copies that `may_go` to unload so that `m` is placed, on one node; None
+        when no node can make room."""
         status = engines(nodes)
         by_name = {x.name: x for x in want}
         copies: dict[str, int] = {}
@@ -141,9 +165,9 @@ class Residency:
                 continue
             victims = sorted(
                 ((x.name, n) for x in result.assignments.get(n, Assignment(node_id=n)).models
-                 if x.name != m.name and mode(by_name[x.name]) != "always" and idle(status.get((x.name, n)))
+                 if x.name != m.name and mode(by_name[x.name]) != "always" and may_go(status.get((x.name, n)))
                  and copies.get(x.name, 0) > by_name[x.name].min_replicas),
-                key=lambda p: (-status[p].idle_s, p[0]))
+                key=lambda p: (-status[p].idle_s if p in status else 0.0, p[0]))
             taken: list[Pair] = []
             for pair in victims:
                 if best is not None and len(taken) + 1 >= len(best):

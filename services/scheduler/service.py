@@ -210,12 +210,12 @@ class Scheduler:
         return {n: hb for n, hb in self.nodes.items() if not hb.pod and now - self.seen.get(n, 0) <= NODE_TTL_S}
 
     async def _load_on_demand(self, m: ModelConfig) -> bool:
-        """Whether a copy of `m` is on its way to an engine: already assigned and loading, or placed now by the
-        pass after this demand (which may evict idle models for it)."""
+        """Whether a copy of `m` is on its way to an engine: already assigned and loading, placed now by the pass
+        after this demand (which may evict idle models for it), or to be placed once copies in use go idle."""
         if not self._coming(m.name):
             self.residency.ask(m.name)
             await self._replan()
-        return self._coming(m.name)
+        return self._coming(m.name) or m.name in self.residency.waiting
 
     def _coming(self, name: str) -> bool:
         """A live node is assigned `name` and its engine is loading, ready, or not reported yet."""
@@ -255,6 +255,8 @@ class Scheduler:
         if new:
             log.info("node %s joined (%s)", hb.node_id, hb.host)
             self._dirty.set()
+        elif self.residency.waiting:
+            self._dirty.set()  # a model asked for waits for room: this node's copies may be idle now
         elif hb.node_id in self.assignments.values and self.residency.expired(
                 self.models, {hb.node_id: hb}, {hb.node_id: self.assignments.values[hb.node_id]}):
             self._dirty.set()  # a copy here went idle past its keep-alive: unloaded within a heartbeat

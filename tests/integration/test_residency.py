@@ -27,8 +27,8 @@ def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
         return {"name": name, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "memory_mb": 100,
                 "replicas": 1, **kw}
 
-    models = [tiny("busy"), tiny("b"), tiny("c", resident="on_demand"), tiny("brief", resident="on_demand",
-                                                                             keep_alive_s=2)]
+    models = [tiny("busy"), tiny("b"), tiny("c", resident="on_demand"),
+              tiny("brief", resident="on_demand", keep_alive_s=2), tiny("huge", memory_mb=BUDGET_MB + 50)]
     with running_stack(tmp_path_factory.mktemp("residency"), models,
                        gateway_args=("--api-keys-file", str(keys_file)), ready_model="busy",
                        extra_env={"CODERAI_WORKER_MEMORY_BUDGET_MB": str(BUDGET_MB),
@@ -104,6 +104,7 @@ def test_each_model_is_served_in_turn_evicting_the_least_recently_used_idle_one(
     evictions = [line for line in scrape.splitlines()
                  if line.startswith("coderai_model_unloads_total{") and 'reason="evicted"' in line]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in evictions) >= 2, scrape
+    assert not any('model="busy"' in line for line in evictions), "the model in use was evicted"
 
 
 def test_a_streamed_request_gets_comments_while_its_model_loads(stack, admin, client, admin_key):
@@ -143,3 +144,10 @@ def test_ollama_keep_alive_zero_unloads_right_after_the_answer(stack, admin, adm
     with pytest.raises(ollama.ResponseError) as exc:
         o.chat(model="b", messages=[{"role": "user", "content": "hi"}], keep_alive="soon")
     assert exc.value.status_code == 400 and "keep_alive" in str(exc.value)
+
+
+def test_a_model_no_eviction_makes_room_for_is_a_clear_503(stack, client):
+    with pytest.raises(openai.APIStatusError) as exc:
+        ask(client, "huge")  # 300 MB on a 250 MB budget; it may not burst to pods (the default)
+    assert exc.value.status_code == 503 and exc.value.response.headers.get("retry-after")
+    assert "no node has room for 'huge'" in exc.value.message and "unloaded" in exc.value.message

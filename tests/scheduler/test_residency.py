@@ -62,16 +62,29 @@ def test_a_model_asked_for_evicts_the_least_recently_used_idle_one():
     assert names(r.plan([a, b, c], nodes, holding(a, c), now=5)) == ["b", "c"]
 
 
-def test_never_evicted_busy_always_or_loading_copies():
+def test_never_evicted_busy_always_loading_or_just_used_copies_a_request_waits_for_them():
     a, b, c = model("a", resident="always"), model("b"), model("c")
     for status in ([engine("a", idle_s=99), engine("b", idle_s=50, in_flight=1)],
                    [engine("a", idle_s=99), engine("b", state="loading")],
+                   [engine("a", idle_s=99), engine("b", idle_s=0.5)],  # may have taken a request since
                    [engine("a", idle_s=99)]):  # b not reported yet: it is still loading
         r = Residency()
         r.ask("c", now=1)
         got = r.plan([a, b, c], {"n1": node(engines=status)}, holding(a, b), now=2)
         assert names(got) == ["a", "b"], status
-        assert "c" in r.no_room and r.gone == {}
+        assert r.waiting == {"c"} and r.no_room == {} and r.gone == {}
+        # once b is idle, the next pass (on a heartbeat) evicts it for c
+        got = r.plan([a, b, c], {"n1": node(engines=[engine("a", idle_s=99), engine("b", idle_s=4)])},
+                     holding(a, b), now=3)
+        assert names(got) == ["a", "c"] and r.waiting == set() and r.gone == {("b", "n1"): "evicted"}
+
+
+def test_no_room_when_only_always_copies_or_nothing_could_make_it():
+    a, big = model("a", resident="always"), model("big", 2000)
+    r = Residency()
+    r.ask("big", now=1)
+    r.plan([a, big], {"n1": node(engines=[engine("a", idle_s=99)])}, holding(a), now=2)
+    assert r.waiting == set() and "big" in r.no_room
 
 
 def test_min_replicas_copies_are_neither_evicted_nor_unloaded_when_idle():
