@@ -3,8 +3,9 @@ and completions. It serves fine-tuned models (`<base>:<suffix>`, see docs/finetu
 that have no GGUF; llama.cpp and vLLM stay the fast paths.
 
 Config: `path` is the model folder, or, with `params.base` naming the base folder, the adapter (a tar of the peft
-folder as the fine-tuning job stores it, or a folder). `params.dtype` (float32 default on CPU, bfloat16 on a GPU)
-and `params.max_tokens` (the default answer length, 256) are optional.
+folder as the fine-tuning job stores it, or a folder). `params.dtype` (float32 default on CPU, bfloat16 on a GPU),
+`params.device` (`cpu` keeps it off a GPU it would take otherwise) and `params.max_tokens` (the default answer
+length, 256) are optional.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class TransformersEngine(Engine):
         p = self.config.params
         base = os.path.expanduser(str(p.get("base") or self.config.path))
         adapter = os.path.expanduser(self.config.path) if p.get("base") else ""
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() and not str(p.get("device") or "").lower().startswith("cpu")
         dtype = getattr(torch, str(p.get("dtype") or ("bfloat16" if cuda else "float32")))
         try:
             self.tok = AutoTokenizer.from_pretrained(base)
