@@ -1,7 +1,7 @@
 """Turning a pulled model into a models-file entry, and appending it to the file the scheduler reads.
 
-The scheduler reads its models file at start only, so an appended model is served after the scheduler (or
-`coderai up`) restarts; `coderai models pull --place` says so.
+A running scheduler notices the appended entry within a second (`scheduler/live_models.py`), and `coderai models
+pull --place` also asks it to serve the model at once; with no stack running, it is served when the stack starts.
 """
 
 from __future__ import annotations
