@@ -70,6 +70,24 @@ def local_path(models_dir: Path, store_path: str) -> Path:
     return models_dir / store_path
 
 
+MAX_STORED = 256  # store paths a heartbeat lists at most
+
+
+def stored_files(models_dir: Path) -> list[str]:
+    """The store paths this node holds, fetched and verified (each has its sha256 note), sorted; at most
+    MAX_STORED. Placement prefers a node that has a model's files: it loads without fetching them."""
+    out: list[str] = []
+    if not models_dir.is_dir():
+        return out
+    for note in sorted(models_dir.rglob(".*.sha256")):
+        target = note.with_name(note.name[1:-len(".sha256")])
+        if target.is_file():
+            out.append(target.relative_to(models_dir).as_posix())
+            if len(out) >= MAX_STORED:
+                break
+    return sorted(out)
+
+
 def _sidecar(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.sha256")
 

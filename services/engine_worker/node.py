@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import socket
 import subprocess
@@ -114,7 +113,7 @@ def addresses(first: str = "") -> list[str]:
 
 def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "",
                     addrs: list[str] | None = None, rpc: RpcServer | None = None,
-                    gpu: GpuProbe | None = None, mem_budget: int = 0) -> Heartbeat:
+                    gpu: GpuProbe | None = None, mem_budget: int = 0, stored: list[str] | None = None) -> Heartbeat:
     """This node's heartbeat; `mem_budget`: bytes of RAM the operator lets models use here (0: the default)."""
     total, free = memory()
     devices = gpu.devices() if gpu is not None else []
@@ -138,4 +137,5 @@ def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[E
         vram_free=vram_free,
         gpu_memory=[GpuMemory(total=t, free=f) for t, f in devices],
         mem_budget=mem_budget,
+        stored=stored or [],
     )

@@ -17,6 +17,7 @@ from coderai.contracts.admin import DrainRequest, NodeLogs, NodeLogsRequest, Nod
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_LOADED, HEARTBEAT
 from coderai.contracts.topology import ASSIGNMENTS
 from coderai.engine_worker.engines import available_families
+from coderai.engine_worker.fetch import stored_files
 from coderai.engine_worker.host import EngineHost
 from coderai.engine_worker.node import GpuProbe, addresses, build_heartbeat, memory
 from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
@@ -59,6 +60,7 @@ class Worker:
         # (fastest first) may not, so engines in this process and its children count as NVML does
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         self.rpc: RpcService | None = None
+        self.stored: list[str] = []  # model files fetched from the head's store (fetch.stored_files), for placement
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -83,6 +85,7 @@ class Worker:
         if self.train_caps:  # fine-tuning ranks run as child processes (engine_worker/training.py)
             await TrainingHost(self.bus, self.node_id, Path(os.path.expanduser(s.data_dir)), train_addr=s.train_addr,
                                mdns_interfaces=s.mdns_interfaces).start(stack)
+        self.stored = await asyncio.to_thread(stored_files, self.models_dir)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
         if s.models_json:  # a rented pod: its models came with it, nobody reassigns them
@@ -158,7 +161,7 @@ class Worker:
                              [h.status() for h in self.hosts.values()],
                              pod=self.settings.pod, addrs=self.addrs,
                              rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpu=self.gpu,
-                             mem_budget=self.settings.memory_budget_mb << 20)
+                             mem_budget=self.settings.memory_budget_mb << 20, stored=self.stored)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
@@ -238,7 +241,10 @@ class Worker:
                     host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
                                                          models_dir=self.models_dir)
                     await self.publish_heartbeat()
-                    if await host.load():
+                    loaded = await host.load()
+                    if cfg.store_path:  # it may have fetched files
+                        self.stored = await asyncio.to_thread(stored_files, self.models_dir)
+                    if loaded:
                         if self.draining:
                             await host.pause()
                         evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())

@@ -51,6 +51,15 @@ def largest_part(m: ModelConfig) -> int:
     return max(model_parts(m.path).need.values())
 
 
+def fetch_first(m: ModelConfig, hb: Heartbeat) -> int:
+    """0 when the node already holds the model's files from the store (it loads without fetching), else 1."""
+    if not m.store_path:
+        return 1
+    if m.store_path.endswith("/"):
+        return 0 if any(p.startswith(m.store_path) for p in hb.stored) else 1
+    return 0 if m.store_path in hb.stored else 1
+
+
 @dataclass
 class Plan:
     assignments: dict[str, Assignment]
@@ -223,9 +232,9 @@ def plan(
         have = [n for n in candidates[m.name] if has(n, m.name)]
         rest = [n for n in candidates[m.name] if n not in have and take(m, n) is not None]
         if m.placement == "binpack":
-            rest.sort(key=lambda n: (free_for(m, n), n))
+            rest.sort(key=lambda n: (fetch_first(m, nodes[n]), free_for(m, n), n))
         else:
-            rest.sort(key=lambda n: (len(placed[n]), -free_for(m, n), n))
+            rest.sort(key=lambda n: (fetch_first(m, nodes[n]), len(placed[n]), -free_for(m, n), n))
         for n in rest[: max(0, want - len(have))]:
             put(m, n, take(m, n))  # type: ignore[arg-type]
         got = sum(has(n, m.name) for n in candidates[m.name])

@@ -60,3 +60,17 @@ def test_the_memory_budget_setting_becomes_the_heartbeats_mem_budget_in_bytes():
     hb = build_heartbeat("n1", 1, ["llama"], [], mem_budget=settings.memory_budget_mb << 20)
     assert hb.mem_budget == 3000 << 20
     assert build_heartbeat("n1", 1, ["llama"], []).mem_budget == 0
+
+
+def test_stored_files_are_the_fetched_and_verified_ones(tmp_path):
+    from coderai.engine_worker.fetch import stored_files
+
+    (tmp_path / "org" / "f").mkdir(parents=True)
+    for rel in ("org/m.gguf", "org/f/f.gguf", "org/half.gguf"):
+        (tmp_path / rel).write_bytes(b"x")
+    for rel in ("org/m.gguf", "org/f/f.gguf"):  # the notes a verified fetch leaves beside the file
+        p = tmp_path / rel
+        p.with_name(f".{p.name}.sha256").write_text("0" * 64)
+    (tmp_path / "org" / ".gone.gguf.sha256").write_text("0" * 64)  # a note whose file was deleted
+    assert stored_files(tmp_path) == ["org/f/f.gguf", "org/m.gguf"]
+    assert stored_files(tmp_path / "missing") == []

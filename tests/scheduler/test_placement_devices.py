@@ -135,3 +135,21 @@ def test_cards_that_are_gone_from_the_node_are_not_kept():
     a = model("a", 4)
     held = {"n": Assignment(node_id="n", models=[msgspec.structs.replace(a, devices=[3])])}
     assert copies(plan([a], {"n": hb(gpus_gb=(24, 24))}, held)) == {"a": [0]}
+
+
+def test_a_copy_goes_to_a_node_that_already_has_its_files():
+    from coderai.contracts import Heartbeat, ModelConfig
+    from coderai.scheduler.placement import plan
+
+    def hb(node_id: str, stored: list[str]) -> Heartbeat:
+        return Heartbeat(node_id=node_id, version="t", seq=1, ts=0.0, host=node_id, capabilities=["llama"],
+                         mem_total=8 << 30, mem_free=8 << 30, stored=stored)
+
+    m = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/m.gguf", memory_mb=100, replicas=1)
+    folder = ModelConfig(name="f", engine="llama", path="/nowhere/f", store_path="org/f/", store_file="f.gguf",
+                         memory_mb=100, replicas=1)
+    # by name n1 would come first, and n2 holds fewer models after m: the files decide
+    nodes = {"n1": hb("n1", []), "n2": hb("n2", ["org/m.gguf"]), "n3": hb("n3", ["org/f/f.gguf", "org/f/tok.json"])}
+    got = plan([m, folder], nodes)
+    assert [x.name for x in got.assignments["n2"].models] == ["m"]
+    assert [x.name for x in got.assignments["n3"].models] == ["f"]
