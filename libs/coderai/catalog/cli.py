@@ -134,7 +134,8 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="coderai models", description="Pull models from the Hugging Face Hub by name.")
+    ap = argparse.ArgumentParser(prog="coderai models", description="Pull models from the Hugging Face Hub by name, "
+                                 "and add, change or stop serving models on the running stack.")
     ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
                     help="state directory; models go to <data-dir>/models (default ~/.coderai)")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -25,6 +25,8 @@ RESERVED = frozenset({"pull", "pulled"})  # path segments of the catalogue's rou
 
 
 def _name(name: str) -> str:
+    """A new model's name; `pull` and `pulled` are refused, as their paths are the catalogue's routes (a PUT or
+    DELETE there is a 405) and the model could not be shown, replaced or removed over HTTP."""
     if not name:
         raise ApiError(400, "A model needs a non-empty 'name'.", param="name", code="invalid_value")
     if name in RESERVED:
@@ -69,21 +71,20 @@ class LiveModelsController(AdminController):
             raise ApiError(400, f"The body names model {doc['name']!r}, the path {name!r}.", param="name",
                            code="invalid_value")
         cfg = parse(msgspec.json.encode(doc), ModelConfig)
-        _name(name)
         return json_response({"model": await _change(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg), name)})
 
     @delete("/{name:str}", status_code=200)
     async def remove(self, name: FromPath[str]) -> Response:
         """Stop serving `name`: new requests get a 404 at once, in-flight ones finish first (the worker unloads it
         after them, within its drain timeout)."""
-        cfg = await _change(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=_name(name)), name)
+        cfg = await _change(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=name), name)
         return json_response({"model": cfg, "deleted": True})
 
     @get("/{name:str}")
     async def show(self, name: FromPath[str]) -> Response:
         """The served config of `name`, the nodes it is assigned to with its engine's state on each, and why it is
         unplaced (if it is)."""
-        cfg = self.gw.catalog.models.get(_name(name))
+        cfg = self.gw.catalog.models.get(name)
         if cfg is None:
             raise _not_found(name)
         reply = await ask(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
