@@ -134,7 +134,10 @@ class Residency:
                     self.waiting.add(name)  # room once copies in use now go idle: the request waits for them
                 else:
                     self.waiting.discard(name)
-                    self.no_room[name] = result.unplaced.get(name) or "it fits no live node"
+                    why = result.unplaced.get(name) or "it fits no live node"
+                    if any(m.engine in hb.capabilities and (not m.nodes or n in m.nodes) for n, hb in nodes.items()):
+                        why += ", and no idle model can be unloaded to make room"
+                    self.no_room[name] = why
                 continue
             self.waiting.discard(name)
             for pair in evict:

@@ -194,7 +194,7 @@ class Scheduler:
         why = escalation_refused(m, req.reason, m.name in self.unplaced or room is not None)
         if why:
             if room:
-                why = f"no node has room for {m.name!r} ({room}) and no idle model can be unloaded for it; {why}"
+                why = f"{m.name!r} cannot be loaded now: {room}; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
             reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason), timeout=15.0)

@@ -73,8 +73,11 @@ def test_errors_reach_the_client(client, stack):
     import ollama
 
     with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model="missing", messages=[{"role": "user", "content": "x"}], stream=False)
+    assert exc.value.status_code == 404 and exc.value.error == "The model 'missing' does not exist."  # Ollama's shape
+    with pytest.raises(ollama.ResponseError) as exc:  # known, but no node may load it
         client.chat(model="ghost", messages=[{"role": "user", "content": "x"}], stream=False)
-    assert exc.value.status_code == 404 and exc.value.error == "The model 'ghost' does not exist."  # Ollama's shape
+    assert exc.value.status_code == 503 and "'ghost' cannot be loaded now: none of its nodes" in exc.value.error
     bad = ollama.Client(host=stack.http_url, headers={"Authorization": "Bearer sk-wrong"})
     with pytest.raises(ollama.ResponseError) as exc:
         bad.list()

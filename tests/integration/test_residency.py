@@ -157,4 +157,5 @@ def test_a_model_no_eviction_makes_room_for_is_a_clear_503(stack, client):
     with pytest.raises(openai.APIStatusError) as exc:
         ask(client, "huge")  # 300 MB on a 250 MB budget; it may not burst to pods (the default)
     assert exc.value.status_code == 503 and exc.value.response.headers.get("retry-after")
-    assert "no node has room for 'huge'" in exc.value.message and "unloaded" in exc.value.message
+    assert "'huge' cannot be loaded now: 0 of 1 copies fit" in exc.value.message
+    assert "no idle model can be unloaded to make room" in exc.value.message
