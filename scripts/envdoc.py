@@ -70,7 +70,7 @@ FALLBACK_DESCRIPTIONS: dict[str, str] = {
     "guard_slack": "requests of headroom before the load guard overrides affinity (see picking.LoadGuard)",
     "runpod_api_key": "RunPod API key; empty: never rents",
     "heartbeat_s": "seconds between heartbeats",
-    "drain_timeout_s": "on SIGTERM, how long in-flight jobs may take to finish",
+    "drain_timeout_s": "how long in-flight jobs may take to finish when their model is unloaded (evicted, removed, moved) or on SIGTERM",
     "discover_timeout_s": "one mDNS search for the head lasts this long before it is logged and retried",
 }
 
