@@ -56,7 +56,7 @@ class Relay:
         try:
             decision = await self.route(req, tried, headers)
         except BusError as exc:
-            if exc.code != "no_engine" or tried:
+            if exc.code != "no_engine" or tried or req.pin:  # a pinned engine that is not there is final
                 raise
             return await self._escalate(req, headers, "no_engine", exc, on_loading)
         if decision.busy and not tried and not req.pin:
