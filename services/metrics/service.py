@@ -27,6 +27,7 @@ from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
+from coderai.runtime.lifecycle import stop_task
 
 log = logging.getLogger("coderai.metrics")
 BATCH = 1000  # events per fetch
@@ -60,7 +61,7 @@ class Metrics:
             sub = await self.bus.listen(subject, handler)  # best effort, like heartbeats: no usage rides on them
             stack.push_async_callback(sub.unsubscribe)
         task = asyncio.create_task(self._consume())
-        stack.callback(task.cancel)
+        stack.push_async_callback(stop_task, task)  # its pull subscription gone before the bus drains
         census = asyncio.create_task(self._census_loop())
         stack.callback(census.cancel)
 

@@ -14,6 +14,14 @@ log = logging.getLogger("coderai.lifecycle")
 Starter = Callable[[contextlib.AsyncExitStack, asyncio.Event], Awaitable[None]]
 
 
+async def stop_task(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it has ended (its `finally` run), for an exit stack's async callback: a task
+    only told to stop may still hold a subscription when the connection drains, which then waits for it."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
 async def serve_until_stopped(start: Starter, *, drain_timeout_s: float = 10.0, stop: asyncio.Event | None = None) -> None:
     """Run `start(stack, stop)`, which opens resources onto `stack`, then wait for a signal (or `stop`).
 

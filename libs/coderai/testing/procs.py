@@ -81,9 +81,18 @@ class ServiceProcess:
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM and wait for a graceful exit; SIGKILL the group after the deadline."""
+        self.terminate()
+        return self.reap(timeout_s)
+
+    def terminate(self) -> None:
+        """SIGTERM: the process starts its graceful exit (`reap` waits for it)."""
+        if self.proc is not None:
+            self._signal(signal.SIGTERM)
+
+    def reap(self, timeout_s: float = 15.0) -> int | None:
+        """Wait for the exit `terminate` asked for; SIGKILL the group after the deadline (its children too)."""
         if self.proc is None:
             return None
-        self._signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
