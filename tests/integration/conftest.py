@@ -59,6 +59,15 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
         yield stack
 
 
+@pytest.fixture
+def admin(stack, admin_key):
+    """An httpx client with the admin key on the module's `stack` (a module with another stack has its own)."""
+    import httpx
+
+    with httpx.Client(base_url=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as c:
+        yield c
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """Debian's headless Chromium, one per test module (see coderai.testing.browser)."""

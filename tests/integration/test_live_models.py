@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 
-import httpx
 import openai
 import pytest
 
@@ -30,12 +29,6 @@ def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
                        extra_env={"CODERAI_WORKER_DRAIN_TIMEOUT_S": "300", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
                        headers={"Authorization": f"Bearer {admin_key}"}) as s:
         yield s
-
-
-@pytest.fixture
-def admin(stack, admin_key):
-    with httpx.Client(base_url=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as c:
-        yield c
 
 
 @pytest.fixture

@@ -38,12 +38,6 @@ def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
 
 
 @pytest.fixture
-def admin(stack, admin_key):
-    with httpx.Client(base_url=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture
 def client(stack, admin_key):
     return openai.OpenAI(base_url=stack.base_url, api_key=admin_key, max_retries=0, timeout=120)
 

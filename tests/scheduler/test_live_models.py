@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import tomllib
 
 import pytest
@@ -18,6 +17,7 @@ from coderai.models_file import entry, load_models, set_entry, write_models_file
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer
 from coderai.runtime.kv import read_all
+from coderai.runtime.lifecycle import wait_for
 from coderai.scheduler.service import Scheduler
 from coderai.scheduler.settings import SchedulerSettings
 
@@ -113,14 +113,6 @@ async def published(bus: Bus) -> dict[str, ModelConfig]:
     return {m.name: m for m in (await read_all(await bus.kv(MODELS), ModelConfig)).values()}
 
 
-async def eventually(check, what: str, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while not (got := await check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return got
-
-
 async def test_add_and_remove_change_the_bucket_and_the_file_at_once(live):
     sched, bus, path = live
     c = ModelConfig(name="c", engine="llama", path="/m/c.gguf", resident="on_demand", keep_alive_s=20.0)
@@ -147,15 +139,15 @@ async def test_an_edited_models_file_is_published_and_an_invalid_one_ignored(liv
     sched, bus, path = live
     path.write_text(FILE.replace('path = "/m/a.gguf"', 'path = "/m/a-v2.gguf"') +
                     '\n[[models]]\nname = "d"\nengine = "echo"\npath = ""\n')
-    got = await eventually(lambda: _when(bus, lambda m: m.get("d") and m["a"].path == "/m/a-v2.gguf"), "the edit")
-    assert set(got) == {"a", "b", "d"} and [m.name for m in sched.models] == ["a", "b", "d"]
+    await wait_for(lambda: _when(bus, lambda m: m.get("d") and m["a"].path == "/m/a-v2.gguf"), 10, what="the edit")
+    assert set(await published(bus)) == {"a", "b", "d"} and [m.name for m in sched.models] == ["a", "b", "d"]
 
     path.write_text(FILE + "\n[[models]]\nname = \"oops\"\nengine = \"no-such-engine\"\npath = \"\"\n")
-    await eventually(lambda: _said(caplog, "is invalid"), "the scheduler to read the invalid file")
+    await wait_for(lambda: _said(caplog, "is invalid"), 10, what="the scheduler to read the invalid file")
     assert set(await published(bus)) == {"a", "b", "d"}  # served as before
 
     path.write_text(FILE.replace('[[models]]\nname = "a"  # the small one\nengine = "llama"\npath = "/m/a.gguf"\n', ""))
-    await eventually(lambda: _when(bus, lambda m: set(m) == {"b"}), "a and d to be removed")
+    await wait_for(lambda: _when(bus, lambda m: set(m) == {"b"}), 10, what="a and d to be removed")
     assert [m.name for m in sched.models] == ["b"]
     assert model_key("b") in await (await bus.kv(MODELS)).keys()
 
@@ -164,6 +156,5 @@ async def _said(caplog, text: str) -> bool:
     return any(text in r.getMessage() for r in caplog.records)
 
 
-async def _when(bus: Bus, ok) -> dict[str, ModelConfig] | None:
-    got = await published(bus)
-    return got if ok(got) else None
+async def _when(bus: Bus, ok) -> bool:
+    return bool(ok(await published(bus)))
