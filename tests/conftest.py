@@ -70,6 +70,16 @@ def nats_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+async def bus(nats_server):
+    """A bus connection on the session's nats-server."""
+    from coderai.runtime.bus import Bus
+
+    b = await Bus.connect(nats_server.url, "test")
+    yield b
+    await b.close()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

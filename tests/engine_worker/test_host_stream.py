@@ -21,13 +21,6 @@ from coderai.runtime.lifecycle import wait_for
 
 
 @pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
-
-
-@pytest.fixture
 async def host(bus, unique):
     h = EngineHost(bus, f"n{unique}", ModelConfig(name="echo", engine="echo", path="-"), keepalive_s=5)
     assert await h.load()

@@ -6,14 +6,11 @@ from __future__ import annotations
 import datetime
 import time
 
-import pytest
-
 from coderai.contracts import EngineStatus, Heartbeat, ModelConfig, encode
 from coderai.contracts.topology import NODE_TTL_S, NODES
 from coderai.gateway.copies import Copies, Copy
 from coderai.gateway.ollama import FOREVER, running_json
 from coderai.gateway.openai.models import model_json
-from coderai.runtime.bus import Bus
 from coderai.runtime.lifecycle import wait_for
 
 GiB = 1024**3
@@ -25,13 +22,6 @@ def engine(model: str, state: str = "ready", **kw) -> EngineStatus:
 
 def cfg(**kw) -> ModelConfig:
     return ModelConfig(name="m", engine="llama", path="/m.gguf", **kw)
-
-
-@pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
 
 
 async def test_the_mirror_lists_copies_of_live_nodes_only(bus, unique):

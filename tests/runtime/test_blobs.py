@@ -11,13 +11,6 @@ from coderai.runtime.blobs import BlobMissing, BlobStore
 from coderai.runtime.bus import Bus
 
 
-@pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
-
-
 async def test_small_blobs_stay_inline_and_big_ones_are_stored(bus):
     store = BlobStore(bus, create=True, inline_max=1000)
     small, big = os.urandom(600), os.urandom(300_000)

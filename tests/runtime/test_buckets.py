@@ -19,13 +19,6 @@ class Rec(msgspec.Struct, frozen=True):
     n: int
 
 
-@pytest.fixture
-async def bus(nats_server):
-    b = await Bus.connect(nats_server.url, "test")
-    yield b
-    await b.close()
-
-
 async def test_an_empty_bucket_reads_as_nothing(bus, unique):
     kv = await bus.kv(BucketSpec(f"test_{unique}"))
     assert await read_all(kv, Rec) == {}
