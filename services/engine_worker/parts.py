@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import PartDone, WorkPart, decode, model_key
+from coderai.contracts import PartDone, WorkPart, decode, model_key, why_malformed
 from coderai.contracts.ops import ENGINE_OPS
 from coderai.contracts.subjects import EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
@@ -104,7 +104,7 @@ class PartPuller:
             part = decode(msg.data, WorkPart)
             job = ENGINE_OPS[self.op].decode(bytes(part.job))
         except (msgspec.ValidationError, msgspec.DecodeError, KeyError) as exc:
-            log.error("dropping a malformed part: %s", exc)
+            log.error("dropping a malformed part: %s", why_malformed(exc))
             await msg.term()
             return
         deliveries = msg.metadata.num_delivered if msg.metadata else 1

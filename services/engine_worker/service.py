@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode
+from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode, why_malformed
 from coderai.contracts.admin import DrainRequest, NodeLogs, NodeLogsRequest, NodeState
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_LOADED, HEARTBEAT
 from coderai.contracts.topology import ASSIGNMENTS
@@ -202,7 +202,7 @@ class Worker:
                     try:
                         await self.converge(decode(value, Assignment))
                     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                        log.error("ignoring malformed assignment: %s", exc)
+                        log.error("ignoring malformed assignment: %s", why_malformed(exc))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting

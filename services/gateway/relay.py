@@ -20,7 +20,6 @@ from coderai.contracts import (
     KeepAlive,
     RouteDecision,
     RouteRequest,
-    decode,
 )
 from coderai.contracts.ops import ENGINE_OPS
 from coderai.contracts.pods import EscalateReply, EscalateRequest
@@ -179,7 +178,7 @@ async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: s
     BusError (a 503 with Retry-After): the client is told, never left hanging on a queue."""
     start = time.monotonic()
     while True:
-        frame = decode(await stream.next_raw(), Frame)
+        frame = await stream.next(Frame)
         if not isinstance(frame, KeepAlive):
             return frame
         if frame.queued and queue_timeout_s and time.monotonic() - start > queue_timeout_s:

@@ -19,7 +19,7 @@ import time
 
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
-from coderai.contracts import Heartbeat, RequestCompleted, decode
+from coderai.contracts import Heartbeat, RequestCompleted, decode, why_malformed
 from coderai.contracts.subjects import EVT_MODEL_LOADED, EVT_MODEL_UNLOADED, EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
 from coderai.contracts.topology import EVENTS, MODELS, NODE_TTL_S, PODS
 from coderai.accounts import usage
@@ -154,7 +154,7 @@ class Metrics:
                         try:
                             events.append(decode(m.data, RequestCompleted))
                         except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
-                            log.warning("dropping malformed event: %s", exc)
+                            log.warning("dropping malformed event: %s", why_malformed(exc))
                     if self.redis is not None and events:
                         try:
                             await usage.record_many(self.redis, events)

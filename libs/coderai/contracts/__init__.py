@@ -1,6 +1,6 @@
 """The bus contract: msgspec messages, typed subjects, stream and bucket shapes. No I/O here."""
 
-from coderai.contracts.base import Message, decode, encode
+from coderai.contracts.base import Message, decode, encode, why_malformed
 from coderai.contracts.errors import BusError, ErrorCode, ErrorReply
 from coderai.contracts.events import Event, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import (
@@ -60,5 +60,5 @@ __all__ = [
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "GpuMemory", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
     "ModelLoaded", "ModelUnloaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",
-    "Usage", "decode", "encode", "model_key", "model_name",
+    "Usage", "decode", "encode", "model_key", "model_name", "why_malformed",
 ]

@@ -30,9 +30,21 @@ def encode(msg: Any) -> bytes:
 def decode(data: bytes | str, type_: type[T] | Any) -> T:
     """Decode JSON bytes into `type_`, raising msgspec.ValidationError / DecodeError on bad input.
 
-    Decoders are cached per type: building one costs more than decoding a small message.
+    Decoders are cached per type: building one costs more than decoding a small message. JSON nested deeper
+    than msgspec recurses (a `[[[[...` in a field of any JSON) is a DecodeError too, not a RecursionError that
+    every caller's `except (ValidationError, DecodeError)` would miss.
     """
     dec = _decoders.get(type_)
     if dec is None:
         dec = _decoders[type_] = msgspec.json.Decoder(type_)
-    return dec.decode(data)
+    try:
+        return dec.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
+
+
+def why_malformed(exc: BaseException, limit: int = 200) -> str:
+    """The text of a decode error for a log line or an error reply, at most `limit` characters: msgspec names the
+    field at fault, and a hostile message can make that name as long as the message."""
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
 from nats.errors import Error as NatsError
 
-from coderai.contracts import BusError, ErrorReply, KeepAlive, encode
+from coderai.contracts import BusError, ErrorReply, KeepAlive, decode, encode, why_malformed
 from coderai.contracts.subjects import Subject
 from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
 
@@ -221,6 +221,17 @@ class FrameStream:
             raise _refused(self.subject)
         return data
 
+    async def next(self, type_: Any) -> Any:
+        """The next frame, decoded as `type_`. One that does not decode ends the stream as an `engine_failed`
+        BusError, logged in one line: a broken or hostile engine fails its own request, never its caller."""
+        data = await self.next_raw()
+        try:
+            return decode(data, type_)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            why = why_malformed(exc)
+            log.warning("malformed frame from %s: %s", self.subject or "a part's engine", why)
+            raise BusError("engine_failed", f"the engine answered with a malformed frame ({why})") from None
+
     async def cancel(self) -> None:
         """Tell the callee to stop, once."""
         if not self.done and self.on_cancel is not None:
@@ -332,7 +343,12 @@ class Bus:
             raise BusError("no_engine", f"nobody serves {subject.pattern}", retryable=True)
         if data is _REFUSED:
             raise _refused(where)
-        out = subject.decode_reply(data)
+        try:
+            out = subject.decode_reply(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            why = why_malformed(exc)
+            log.warning("malformed reply on %s: %s", where, why)
+            raise BusError("internal", f"the reply on {subject.pattern} is malformed ({why})") from None
         if isinstance(out, ErrorReply):
             raise BusError.from_reply(out)
         return out
@@ -349,8 +365,10 @@ class Bus:
             try:
                 req = subject.decode(m.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                if m.reply:
-                    await m.respond(encode(ErrorReply(code="bad_request", message=str(exc))))
+                if m.reply:  # the caller hears why; nothing is logged (a flood of bad requests floods no log)
+                    await m.respond(encode(ErrorReply(code="bad_request", message=why_malformed(exc))))
+                else:
+                    log.warning("dropping a malformed message on %s: %s", m.subject, why_malformed(exc))
                 return
             if not subject.bound_to(m.subject, req):
                 log.warning("dropping a message on %s that speaks for another sender", m.subject)
@@ -408,7 +426,7 @@ class Bus:
             try:
                 job = subject.decode(m.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                await writer.answer(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq()))
+                await writer.answer(ErrorReply(code="bad_request", message=why_malformed(exc), seq=writer.next_seq()))
                 return
             if not subject.bound_to(m.subject, job):
                 log.warning("dropping a message on %s that speaks for another sender", m.subject)
@@ -438,7 +456,7 @@ class Bus:
             try:
                 obj = subject.decode(m.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.warning("dropping a malformed message on %s: %s", m.subject, exc)
+                log.warning("dropping a malformed message on %s: %s", m.subject, why_malformed(exc))
                 return
             if not subject.bound_to(m.subject, obj):
                 log.warning("dropping a message on %s that speaks for another sender", m.subject)

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from coderai.contracts import decode
+from coderai.contracts import decode, why_malformed
 from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus
 
@@ -92,7 +92,7 @@ class KVMirror(Generic[T]):
             try:
                 value = decode(entry.value, self.type)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.error("bad value under %s/%s: %s", self.spec.name, entry.key, exc)
+                log.error("bad value under %s/%s: %s", self.spec.name, entry.key, why_malformed(exc))
                 return
             self.values[entry.key] = value
             self.revisions[entry.key] = entry.revision

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, decode, encode, model_key
+from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, encode, model_key
 from coderai.contracts.subjects import WORK_PART
 from coderai.runtime.bus import Silence
 
@@ -54,7 +54,7 @@ async def send(gw: Gateway, lane: Lane, op: str, job: Any, headers: dict[str, st
         lane.heard = max(lane.heard, mine)  # a lane idle for long is not taken for a dead one
         while True:
             try:
-                frame = decode(await stream.next_raw(), Frame)
+                frame = await stream.next(Frame)
             except BusError as exc:
                 now = time.monotonic()
                 if isinstance(exc, Silence) and now - lane.heard < timeout_s and now - mine < QUIET_LINES * timeout_s:

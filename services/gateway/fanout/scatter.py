@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, decode, encode, model_key
+from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, encode, model_key
 from coderai.contracts.subjects import WORK_PART
 from coderai.gateway.fanout import plans
 from coderai.runtime.bus import FrameStream, Silence
@@ -57,7 +57,7 @@ async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity
     other parts run, so it is given up on only when no part of the request has been heard for `timeout_s`."""
     while True:
         try:
-            frame = decode(await stream.next_raw(), Frame)
+            frame = await stream.next(Frame)
         except BusError as exc:
             if not exc.retryable:
                 raise

@@ -22,7 +22,6 @@ from coderai.contracts import (
     ErrorReply,
     KeepAlive,
     Usage,
-    decode,
 )
 from coderai.contracts.media import VideoJob
 from coderai.contracts.models import ModelConfig
@@ -77,7 +76,7 @@ async def _run_stage(gw: Gateway, sj: StageJob, headers: dict[str, str],
                                       node_id=sj.stage.node, engine_id=sj.stage.engine_id)
     try:
         while True:
-            frame = decode(await stream.next_raw(), StageFrame)
+            frame = await stream.next(StageFrame)
             if isinstance(frame, StageDone):
                 return frame
             if isinstance(frame, ErrorReply):
