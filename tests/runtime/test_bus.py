@@ -56,6 +56,25 @@ async def test_malformed_request_gets_bad_request(bus, unique):
     assert err.code == "bad_request"
 
 
+async def test_bad_bytes_deep_or_huge_get_a_short_bad_request(bus, unique):
+    """JSON nested past the decoder's recursion limit is a decode error like any other (it used to escape the
+    handler unanswered), and an error's text stays short however long the field it names."""
+    subj = Subject(f"test.{unique}.chat", ChatJob, Frame)
+    await bus.serve(subj, lambda req, m: None)
+    for payload in (b'{"messages":[{"content":' + b"[" * 200_000, b'{"' + b"k" * 500_000 + b'":1}'):
+        err = decode((await bus.nc.request(subj(), payload, timeout=2)).data, ErrorReply)
+        assert err.code == "bad_request" and len(err.message) < 300, err.message[:300]
+
+
+async def test_a_frame_that_does_not_decode_is_an_engine_failure(bus, unique):
+    """A broken or hostile engine's bad bytes end its stream as a typed error (a 502 at the gateway)."""
+    stream, reply = await bus.expect_stream(idle_timeout_s=2)
+    await bus.nc.publish(reply, b'{"t": "final", "seq": "one"}')
+    with pytest.raises(BusError) as exc:
+        await stream.next(Frame)
+    assert exc.value.code == "engine_failed" and "malformed" in exc.value.message
+
+
 async def test_no_responders_is_a_retryable_no_engine(bus, unique):
     with pytest.raises(BusError) as exc:
         await bus.request(_subject(unique), RouteRequest(request_id="r", model="m", op="chat"), timeout=2)
