@@ -14,9 +14,9 @@ from redis.exceptions import RedisError
 
 from coderai.accounts.limits import Limited, Limiter, Reservation
 from coderai.contracts import ModelConfig, RequestCompleted, Usage
-from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
+from coderai.gateway.outbox import Outbox
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
 from coderai.runtime.tracing import NO_SPAN
@@ -99,11 +99,19 @@ def allowed(who: Caller, model: str) -> None:
 
 
 class Accounts:
-    """Limits in Redis (none without it) and the `request.completed` events on the bus."""
+    """Limits in Redis (none without it) and the `request.completed` events on the bus (through an outbox that
+    keeps them across a NATS outage: `start` it, `close` it)."""
 
     def __init__(self, bus: Bus, limiter: Limiter | None) -> None:
         self.bus = bus
         self.limiter = limiter
+        self.outbox = Outbox(bus)
+
+    def start(self) -> None:
+        self.outbox.start()
+
+    async def close(self) -> None:
+        await self.outbox.close()
 
     async def admit(self, who: Caller, cfg: ModelConfig | None, job: Any = None) -> Admission:
         """Check a Redis key's model allow-list, rates and budget; reserve the cost estimate against the budget.
@@ -132,9 +140,9 @@ class Accounts:
             await self.limiter.refresh(held)
 
     async def finish(self, who: Caller, admission: Admission, done: RequestCompleted, trace: Trace) -> None:
-        """Charge a Redis key's token rate and budget (releasing its reservation) and publish `request.completed`:
-        a core publish (the EVENTS stream stores it) that only appends to the connection's write buffer, so it
-        is awaited inline rather than given a task of its own. The request's spans end here too."""
+        """Charge a Redis key's token rate and budget (releasing its reservation) and hand `request.completed` to
+        the outbox, which publishes it with a JetStream ack (and again after a NATS outage) while the answer
+        goes on. The request's spans end here too."""
         key = who.key
         if key is not None and self.limiter is not None and (key.tpm or admission.held is not None):
             try:
@@ -143,9 +151,4 @@ class Accounts:
             except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
                 log.warning("could not charge key %s: %s", key.name, exc)
         trace.end(done)
-        if not self.bus.connected:
-            return
-        try:
-            await self.bus.publish(EVT_REQUEST_COMPLETED, done)
-        except Exception as exc:  # noqa: BLE001 - metrics must never break a request
-            log.debug("request.completed not published: %s", exc)
+        self.outbox.put(done)

@@ -12,6 +12,7 @@ from litestar import Controller, Litestar, Request
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import Limiter
 from coderai.contracts import ModelConfig
+from coderai.contracts.topology import EVENTS
 from coderai.gateway.accounting import Accounts, may_use
 from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
@@ -54,6 +55,13 @@ class Gateway:
         self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
                                         on_disconnect=self._on_disconnect)
         self.accounts = Accounts(self.bus, limiter)
+        # the gateway makes the events usage is built from, so it makes their stream too: they are kept while the
+        # metrics service (which made it before) is down, and a publish always has a stream to ack it
+        try:
+            await self.bus.ensure_stream(EVENTS)
+        except Exception as exc:  # noqa: BLE001 - JetStream not ready: the outbox keeps the events until it is
+            log.warning("could not create the EVENTS stream yet (%s)", exc)
+        self.accounts.start()
         self.catalog = Catalog(self.bus)
         self.catalog.start()
         self.copies = Copies(self.bus)
@@ -72,6 +80,7 @@ class Gateway:
         finally:
             self.catalog.stop()
             self.copies.stop()
+            await self.accounts.close()  # the last request.completed events sent before the bus drains
             await self.bus.close()
             if self.redis is not None:
                 await self.redis.aclose()

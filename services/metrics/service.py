@@ -38,6 +38,7 @@ class Metrics:
         self.settings = settings
         self.series = Series()
         self.redis: Any = None
+        self.applied = 0  # the last EVENTS sequence counted (Redis keeps it across restarts: usage.record_new)
         self._live: dict[str, tuple[float, Heartbeat]] = {}
         self._pod_kvs: tuple[Any, Any] | None = None
 
@@ -135,13 +136,22 @@ class Metrics:
             await js.delete_consumer(EVENTS.name, name)
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
 
+    async def _mark(self) -> str:
+        """The Redis key holding the last EVENTS sequence whose usage is recorded; named after the stream's
+        creation time, so a stream made again (its sequences starting over) starts a new mark."""
+        info = await self.bus.js.stream_info(EVENTS.name)
+        made = int(info.created.timestamp()) if info.created else 0
+        return f"coderai:usage:applied:{self.settings.consumer}:{made}"
+
     async def _consume(self) -> None:
         """Pull events in batches: usage to Redis first, then Prometheus, then one ack for the batch. If Redis
-        fails nothing is acked and the batch comes again, so neither store counts an event twice."""
+        fails nothing is acked and the batch comes again; if the ack is lost (NATS restarting) the batch comes
+        again too, and the stream sequence Redis records with the usage keeps it from being counted twice."""
         while True:
             sub = None
             try:
                 sub = await self._subscribe()
+                mark = await self._mark()
                 while True:
                     try:
                         msgs = await sub.fetch(batch=BATCH, timeout=1.0)
@@ -152,17 +162,19 @@ class Metrics:
                     events = []
                     for m in msgs:
                         try:
-                            events.append(decode(m.data, RequestCompleted))
+                            events.append((m.metadata.sequence.stream, decode(m.data, RequestCompleted)))
                         except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
                             log.warning("dropping malformed event: %s", why_malformed(exc))
+                    fresh = [e for seq, e in events if seq > self.applied]  # a batch delivered again: not twice
                     if self.redis is not None and events:
                         try:
-                            await usage.record_many(self.redis, events)
+                            fresh = await usage.record_new(self.redis, events, mark)
                         except Exception as exc:  # noqa: BLE001 - unacked: redelivered after ack_wait
                             log.warning("usage not recorded (%s); the batch will come again", exc)
                             continue
-                    for e in events:
+                    for e in fresh:
                         self.series.on_request(e)
+                    self.applied = max([self.applied, *(seq for seq, _e in events)])
                     await msgs[-1].ack()
                     if len(msgs) < BATCH:  # caught up: a fetch, a pipeline and an ack per event would cost the
                         await asyncio.sleep(self.settings.batch_linger_s)  # hot path CPU on a small box

@@ -44,3 +44,20 @@ async def test_record_and_read_back(r, unique):
     assert rows[1]["cost_usd"] == pytest.approx(0.001)
     assert await read(r, [day], key=key, model="other") == rows[1:]
     assert await read(r, ["1999-01-01"], key=key) == []
+
+
+async def test_a_batch_delivered_again_is_not_counted_twice(r, unique):
+    """The metrics service records a batch, then its ack is lost (NATS restarting): the same events come again,
+    with the same stream sequences, and only those past the mark count."""
+    from coderai.accounts.usage import record_new
+
+    key, mark = f"k{unique}", f"coderai:usage:applied:test:{unique}"
+    first = [(1, ev(key)), (2, ev(key, p=1, c=1))]
+    assert len(await record_new(r, first, mark)) == 2
+    again = [*first, (3, ev(key, status="timeout"))]  # redelivered, with one new event behind it
+    fresh = await record_new(r, again, mark)
+    assert [e.status for e in fresh] == ["timeout"]
+    assert await record_new(r, again, mark) == []
+    row = (await read(r, [day_of(time.time())], key=key))[0]
+    assert (row["requests"], row["errors"], row["prompt_tokens"], row["completion_tokens"]) == (3, 1, 21, 11)
+    assert int(await r.get(mark)) == 3

@@ -51,6 +51,34 @@ async def record_many(redis, events: list[RequestCompleted]) -> None:
     await pipe.execute()
 
 
+async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: str) -> list[RequestCompleted]:
+    """Record the events (each with its EVENTS stream sequence) past the sequence stored at `mark`, and move the
+    mark, in one transaction: a batch delivered again (its ack lost to a NATS restart after Redis took it) is not
+    counted twice. The events recorded, which Prometheus then counts too."""
+    from redis.exceptions import WatchError
+
+    while True:
+        async with redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(mark)  # another consumer moving the mark meanwhile makes this try again
+                done = int(await pipe.get(mark) or 0)
+                fresh = [e for seq, e in events if seq > done]
+                top = max((seq for seq, _e in events), default=0)
+                pipe.multi()
+                for (day, key, model), row in increments(fresh).items():
+                    hkey = usage_key(day, key, model)
+                    for field, n in row.items():
+                        if n:
+                            pipe.hincrby(hkey, field, n)
+                    pipe.sadd(f"coderai:usage:index:{day}", f"{key}\t{model}")
+                if top > done:
+                    pipe.set(mark, top)
+                await pipe.execute()
+                return fresh
+            except WatchError:
+                continue
+
+
 async def record(redis, e: RequestCompleted) -> None:
     """One event's usage (see `record_many`)."""
     await record_many(redis, [e])

