@@ -19,7 +19,9 @@ The faults, one at a time in a seeded order, each kind at least once, then at ra
   nats          SIGKILL nats-server, start it again on its port 2 s later
   redis         SIGKILL redis-server, start it again 2 s later (its append-only file is on the data dir)
   gateway       SIGKILL the gateway, start it again on its port
-  netem         200 ms +-50 ms of latency and 5 % loss on w2's link for 15 s
+  slow-link     200 ms +-50 ms of latency and 5 % loss on w2's link for 15 s (`tc netem` where the kernel has
+                it; else nftables drops packets in w2's namespace and w2's NATS traffic passes a relay that
+                delays it: some VM kernels are built without sch_netem)
   disk-full     fill the data dir's filesystem until writes fail, hold 10 s, free it
 
 Outcomes: ok; clean (a 4xx, a 429/503 with Retry-After, an SSE error event, or, inside a fault's window, a
@@ -63,7 +65,7 @@ from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
 ROOT = Path(__file__).resolve().parents[1]
-FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "netem", "disk-full")
+FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link", "disk-full")
 BACKOFF_S = 0.5  # a client's pause after an answer that was not ok
 WINDOW_TAIL_S = 5.0  # a fault's window ends this long after the fault does: the recovery target
 KEYS = ("soak-a", "soak-b", "soak-rude", "soak-probe")
@@ -355,6 +357,10 @@ class Soak:
         self.nats = NatsServer.secured(data / "nats", port=free_port(self.link.host_ip), host=self.link.host_ip)
         self.nats.start(log_file=self.root / "logs" / "nats.log")
         self._closers.append(self.nats.stop)
+        # w2 reaches NATS through a relay that can delay its traffic (link latency where there is no netem)
+        self.netem = fx.has_netem()
+        self.relay = fx.DelayRelay((self.link.host_ip, free_port(self.link.host_ip)), (self.link.host_ip, self.nats.port)).start()
+        self._closers.append(self.relay.close)
         self.redis = RedisServer(data / "redis", port=free_port(), durable=True)
         self.redis.start(log_file=self.root / "logs" / "redis.log")
         self._closers.append(self.redis.stop)
@@ -367,7 +373,8 @@ class Soak:
         self.models = models(self.root)
         self.stack.start_core(write_models_file(self.root / "models.toml", self.models))
         self.stack.start_worker("w1")
-        w2_env = {**self.stack.env, "CODERAI_DATA_DIR": str(self.root / "w2"), "CODERAI_NATS_URL": self.nats.add_node("w2")}
+        w2_url = self.nats.add_node("w2").replace(f":{self.nats.port}", f":{self.relay.listen[1]}")
+        w2_env = {**self.stack.env, "CODERAI_DATA_DIR": str(self.root / "w2"), "CODERAI_NATS_URL": w2_url}
         w2 = ServiceProcess("worker-w2", "coderai.engine_worker", ["--node-id", "w2"], w2_env, self.root / "logs",
                             prefix=self.link.prefix()).start()
         self.stack.procs["worker-w2"] = w2
@@ -458,12 +465,12 @@ class Soak:
                 return
 
     def hold(self, kind: str) -> float:
-        return {"stop-worker": self.a.stop_s, "netem": 15.0, "disk-full": 10.0}.get(kind, 2.0)
+        return {"stop-worker": self.a.stop_s, "slow-link": 15.0, "disk-full": 10.0}.get(kind, 2.0)
 
     def inject(self, kind: str) -> None:
         worker = self.rng.choice(["w1", "w2"])
         f = Fault(kind, worker if kind in ("kill-worker", "stop-worker") else
-                  {"nats": "nats-server", "redis": "redis-server", "gateway": "gateway", "netem": "w2 link",
+                  {"nats": "nats-server", "redis": "redis-server", "gateway": "gateway", "slow-link": "w2 link",
                    "disk-full": "data dir"}[kind], time.monotonic())
         print(f"[soak] {time.strftime('%H:%M:%S')} fault {kind} on {f.target}", file=sys.stderr, flush=True)
         hold = self.hold(kind)
@@ -494,12 +501,18 @@ class Soak:
             self.stack.procs["gateway"].kill()
             self.start_gateway()
             self.restarted.add("gateway")
-        elif kind == "netem":
-            self.link.impair(200, 50, 5.0)
+        elif kind == "slow-link":
+            if self.netem:
+                self.link.netem(200, 50, 5.0)
+            else:
+                self.link.drop(5.0)
+                self.relay.set_delay(0.2, 0.05)
+            f.detail = "netem" if self.netem else "nftables loss + delaying relay"
             try:
                 self.stop.wait(hold)
             finally:
                 self.link.heal()
+                self.relay.set_delay(0.0)
         elif kind == "disk-full":
             f.detail = f"{self.disk.fill() >> 20} MiB written"
             try:
