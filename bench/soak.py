@@ -59,6 +59,7 @@ from pathlib import Path
 
 import httpx
 from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
+from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.runtime.embedded import NatsServer, RedisServer, free_port
 from coderai.testing import faults as fx
 from coderai.testing.procs import ServiceProcess, wait_until
@@ -115,6 +116,7 @@ class Outcome:
     status: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    request_id: str = ""
 
 
 @dataclass
@@ -195,8 +197,18 @@ class Client:
 
     def __init__(self, soak: "Soak", key: str, rng: random.Random) -> None:
         self.soak, self.key, self.rng = soak, key, rng
+        self._local = threading.local()  # the probe's requests share this client from several threads
         self.http = httpx.Client(base_url=soak.base_url, headers={"Authorization": f"Bearer {soak.secrets[key]}"},
                                  timeout=httpx.Timeout(soak.a.deadline_s + 10, connect=5))
+
+    @property
+    def last_id(self) -> str:
+        """The request id the gateway gave the calling thread's last request (its Coderai-Request-Id)."""
+        return getattr(self._local, "last_id", "")
+
+    @last_id.setter
+    def last_id(self, value: str) -> None:
+        self._local.last_id = value
 
     def close(self) -> None:
         self.http.close()
@@ -216,6 +228,7 @@ class Client:
         """Run `send()` -> (result, why, status, usage, value) and record it; the value when ok."""
         t0 = time.monotonic()
         value = None
+        self.last_id = ""
         try:
             result, why, status, usage, value = send()
         except httpx.TimeoutException as exc:
@@ -228,7 +241,8 @@ class Client:
         if result != "hang" and t1 - t0 > self.soak.a.deadline_s:
             result, why = "hang", f"answered after {t1 - t0:.1f}s"
         self.soak.ledger.add(Outcome(kind, self.key, MODEL_OF[kind], t0, t1, result, why, status,
-                                     int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)))
+                                     int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                                     self.last_id))
         if result != "ok" and kind != "probe":
             self.soak.stop.wait(BACKOFF_S)  # as a real client does (the SDKs back off): no error storm
         return value if result == "ok" else None
@@ -240,6 +254,7 @@ class Client:
 
     def _whole(self, path: str, body: dict, check) -> tuple:
         r = self.http.post(path, json=body)
+        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
         try:
@@ -265,6 +280,7 @@ class Client:
         body = {"model": "tiny", "messages": [{"role": "user", "content": self.text(10)}], "max_tokens": max_tokens,
                 "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
         with self.http.stream("POST", "/chat/completions", json=body) as r:
+            self.last_id = r.headers.get(HDR_REQUEST_ID, "")
             if r.status_code != 200:
                 r.read()
                 return (*classify_status(r), r.status_code, {}, None)
@@ -295,6 +311,7 @@ class Client:
     def speech(self) -> tuple:
         r = self.http.post("/audio/speech", json={"model": "piper", "voice": "alloy", "input": self.text(6),
                                                   "response_format": "wav"})
+        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
         return ("ok", "", 200, {}, r.content) if r.content[:4] == b"RIFF" else ("bad", "not a WAV", 200, {}, None)
@@ -302,6 +319,7 @@ class Client:
     def transcription(self) -> tuple:
         r = self.http.post("/audio/transcriptions", files={"file": ("s.wav", self.soak.wav, "audio/wav")},
                            data={"model": "whisper", "temperature": "0"})
+        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
         try:
@@ -398,12 +416,10 @@ class Soak:
         write_keys(str(self.keys_file), records)
 
     def start_gateway(self) -> None:
-        p = self.stack.procs.get("gateway")
-        if p is None:
-            p = self.stack.start("gateway", "coderai.gateway", ["--port", str(self.gateway_port), "--api-keys-file",
-                                                                 str(self.keys_file)], ready=None)
-        else:
-            p.start()
+        """Start the gateway (or wait for a restarted one) until /healthz answers."""
+        if "gateway" not in self.stack.procs:
+            self.stack.start("gateway", "coderai.gateway", ["--port", str(self.gateway_port), "--api-keys-file",
+                                                            str(self.keys_file)], ready=None)
         self.stack.gateway_port = self.gateway_port
         wait_until(lambda: httpx.get(f"{self.stack.http_url}/healthz", timeout=1).status_code == 200, 60, "gateway")
 
@@ -441,8 +457,19 @@ class Soak:
                 out[name] = srv.proc.pid
         return out
 
-    def read(self, when: str) -> None:
-        self.readings[when] = {name: (fx.rss_bytes(pid), fx.open_fds(pid)) for name, pid in self.services().items()}
+    def read(self, when: str, over_s: float = 0.0) -> None:
+        """Each service's RSS and open fds; with `over_s`, the highest of readings every 0.5 s for that long (the
+        warm-up's: a connection pool at its size under load is not growth)."""
+        end = time.monotonic() + over_s
+        top: dict[str, tuple[int, int]] = {}
+        while True:
+            for name, pid in self.services().items():
+                rss, fds = fx.rss_bytes(pid), fx.open_fds(pid)
+                old = top.get(name, (0, 0))
+                top[name] = (max(rss, old[0]), max(fds, old[1]))
+            if time.monotonic() >= end or self.stop.wait(0.5):
+                break
+        self.readings[when] = top
 
     # --- faults -------------------------------------------------------------------------------------------------
 
@@ -499,8 +526,10 @@ class Soak:
             self.restarted.add("redis-server")
         elif kind == "gateway":
             self.stack.procs["gateway"].kill()
-            self.start_gateway()
+            self.stack.procs["gateway"].start()
+            f.t1 = time.monotonic()  # the restart is the fault's end: its boot time counts as recovery
             self.restarted.add("gateway")
+            self.start_gateway()
         elif kind == "slow-link":
             if self.netem:
                 self.link.netem(200, 50, 5.0)
@@ -519,7 +548,7 @@ class Soak:
                 self.stop.wait(hold)
             finally:
                 self.disk.free()
-        f.t1 = time.monotonic()
+        f.t1 = f.t1 or time.monotonic()
         self.faults.append(f)
 
     # --- load ---------------------------------------------------------------------------------------------------
@@ -566,8 +595,8 @@ class Soak:
         for t in threads:
             t.start()
         t_load = time.monotonic()
-        self.stop.wait(self.a.warmup)
-        self.read("warm")
+        self.stop.wait(max(0.0, self.a.warmup - 5))
+        self.read("warm", over_s=min(5.0, self.a.warmup))
         end = t_load + self.a.warmup + self.a.duration
         # faults from this thread: nats-server and redis-server die with the thread that started them (their
         # parent-death signal), so a restart made by a thread that then ends would kill them again
@@ -625,6 +654,37 @@ class Soak:
 
         wait_until(lambda: asyncio.run(pending()) == 0, 120, "the metrics service to read every event", interval_s=0.5)
 
+    def stored_events(self) -> list[dict]:
+        """Every request.completed the EVENTS stream holds: what usage and Prometheus were built from."""
+        async def read() -> list[dict]:
+            import nats
+            from coderai.contracts import RequestCompleted
+            from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+            from coderai.contracts.base import decode
+
+            nc = await nats.connect(self.nats.service_url, connect_timeout=5, allow_reconnect=False)
+            try:
+                js = nc.jetstream()
+                total = (await js.stream_info("EVENTS")).state.messages
+                sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS")  # ephemeral, from the start
+                out: list[dict] = []
+                seen = 0
+                while seen < total:
+                    try:
+                        msgs = await sub.fetch(batch=1000, timeout=5)
+                    except asyncio.TimeoutError:
+                        break
+                    for m in msgs:
+                        seen += 1
+                        e = decode(m.data, RequestCompleted)
+                        out.append({"id": e.request_id, "key": e.key_name, "model": e.model, "status": e.status})
+                await sub.unsubscribe()
+                return out
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
     def figures(self) -> dict:
         outcomes = self.ledger.snapshot()
         by_kind: dict[str, Counter] = defaultdict(Counter)
@@ -655,6 +715,11 @@ class Soak:
                               "prom_all": prom_all, "redis_ok": redis_ok, "redis_all": row.get("requests", 0),
                               "client_tokens": client_tokens[(key, model)], "prom_tokens": prom_tok,
                               "redis_tokens": redis_tok, "exact": key in EXACT_KEYS})
+        events = self.stored_events()
+        ids = Counter(e["id"] for e in events)
+        ok_ids = {e["id"] for e in events if e["status"] == "ok"}
+        lost = [asdict(o) for o in outcomes if o.result == "ok" and o.key in EXACT_KEYS and o.request_id not in ok_ids]
+        twice = {i: n for i, n in ids.items() if n > 1}
         mismatched = [u for u in usage if (u["exact"] and not u["client_ok"] == u["prom_ok"] == u["redis_ok"])
                       or u["prom_all"] != u["redis_all"] or u["prom_tokens"] != u["redis_tokens"]]
         missing_items = sum(1 for o in outcomes if o.result == "bad" and ("of 16" in o.why or "of 2 images" in o.why))
@@ -676,6 +741,8 @@ class Soak:
             "bad_inside_windows": sum(1 for o in outcomes if o.result in ("bad", "refused") and self.in_window(o)),
             "usage": usage,
             "usage_mismatches": mismatched,
+            "events": {"stored": len(events), "lost": lost[:50], "lost_count": len(lost), "twice": len(twice),
+                       "ok_without_id": sum(1 for o in outcomes if o.result == "ok" and not o.request_id)},
             "fanout": {"parts_sent": server["parts_sent"], "parts": server["parts"], "answers_missing_items": missing_items},
             "recovery": {"p50": statistics.median(recov) if recov else None, "max": max(recov) if recov else None,
                          "unrecovered": sum(1 for f in self.faults if f.recovery_s is None)},
@@ -702,7 +769,10 @@ def targets(fig: dict) -> list[tuple[str, bool, str]]:
         ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
         ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
         ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
-        ("0 lost or double-counted usage records", not fig["usage_mismatches"], str(len(fig["usage_mismatches"]))),
+        ("0 lost or double-counted usage records",
+         not fig["usage_mismatches"] and not fig["events"]["lost_count"] and not fig["events"]["twice"],
+         f"{fig['events']['lost_count']} answered requests without an ok event, {fig['events']['twice']} events "
+         f"stored twice, {len(fig['usage_mismatches'])} (key, model) rows where the counts differ"),
         ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
         ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
         ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
+from nats.errors import Error as NatsError
 
 from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
 from coderai.contracts import (
@@ -229,7 +230,15 @@ class Call:
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             self.abandon()
             return exc
-        err = from_bus(exc, self.gw.settings.retry_after_s) if isinstance(exc, BusError) else exc
+        if isinstance(exc, BusError):
+            err = from_bus(exc, self.gw.settings.retry_after_s)
+        elif isinstance(exc, NatsError):  # a publish not acked (NATS restarting, JetStream out of disk)
+            log.warning("request %s: the message bus did not take it: %s", self.job.request_id, exc)
+            err = ApiError(503, "The cluster could not take the request just now; try again shortly.",
+                           type="service_unavailable", code="bus_unavailable",
+                           headers={"Retry-After": str(self.gw.settings.retry_after_s)})
+        else:
+            err = exc
         if isinstance(err, ApiError):
             self.status, self.http_status = err.code or "error", err.status
         else:

@@ -261,3 +261,19 @@ async def test_every_path_accounts_exactly_once(rig, unique):
     for call in calls:
         await rig.one_event(call.request_id)
     assert all(rig.count(c.request_id) == 1 for c in calls)
+
+
+async def test_a_publish_the_bus_does_not_ack_is_a_503_with_retry_after(rig, unique):
+    """A fan-out part's publish times out while NATS restarts or its disk is full: a 503 the client may retry,
+    accounted once, its reservation released; not a 500."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    who = budgeted(unique)
+    call = rig.call(who)
+    await call.admit()
+    err = await call.fail(NatsTimeout())
+    assert isinstance(err, ApiError) and (err.status, err.code) == (503, "bus_unavailable")
+    assert int(err.headers["Retry-After"]) > 0
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.http_status) == ("bus_unavailable", 503)
+    assert await rig.reserved(who) == 0.0
