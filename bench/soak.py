@@ -61,6 +61,7 @@ import httpx
 from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+from coderai.runtime.store_watch import StoreWatch
 from coderai.testing import faults as fx
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
@@ -362,6 +363,8 @@ class Soak:
         self.wav = b""
         self.readings: dict[str, dict[str, tuple[int, int]]] = {}
         self.restarted: set[str] = set()
+        self.done = threading.Event()  # set when the figures are read: the store watch stops
+        self.store_restarts: list[float] = []
         self._closers: list = []
 
     # --- up ---------------------------------------------------------------------------------------------------
@@ -375,6 +378,8 @@ class Soak:
         self.nats = NatsServer.secured(data / "nats", port=free_port(self.link.host_ip), host=self.link.host_ip)
         self.nats.start(log_file=self.root / "logs" / "nats.log")
         self._closers.append(self.nats.stop)
+        self.nats_lock = threading.Lock()  # the nats fault and the store watch both restart it
+        self.store = StoreWatch(self.root / "logs" / "nats.log", data / "nats")
         # w2 reaches NATS through a relay that can delay its traffic (link latency where there is no netem)
         self.netem = fx.has_netem()
         self.relay = fx.DelayRelay((self.link.host_ip, free_port(self.link.host_ip)), (self.link.host_ip, self.nats.port)).start()
@@ -515,9 +520,10 @@ class Soak:
             finally:
                 os.killpg(pid, signal.SIGCONT)
         elif kind == "nats":
-            self.nats.kill()
-            self.stop.wait(hold)
-            self.nats.start(log_file=self.root / "logs" / "nats.log")
+            with self.nats_lock:
+                self.nats.kill()
+                self.stop.wait(hold)
+                self.nats.start(log_file=self.root / "logs" / "nats.log")
             self.restarted.add("nats-server")
         elif kind == "redis":
             self.redis.kill()
@@ -550,6 +556,19 @@ class Soak:
                 self.disk.free()
         f.t1 = f.t1 or time.monotonic()
         self.faults.append(f)
+
+    def keep_store(self) -> None:
+        """What `coderai up` does for its nats-server (`up.keep_up`): restart it once its JetStream store failed
+        on the full disk and there is room again. Runs for the whole soak (the server dies with the thread that
+        started it)."""
+        while not self.done.wait(0.5):
+            with self.nats_lock:
+                if self.store.due():
+                    self.nats.stop()
+                    self.nats.start(log_file=self.root / "logs" / "nats.log")
+                    self.store.restarted()
+                    self.store_restarts.append(time.monotonic())
+                    self.restarted.add("nats-server")
 
     # --- load ---------------------------------------------------------------------------------------------------
 
@@ -589,6 +608,9 @@ class Soak:
         client.close()
 
     def run(self) -> None:
+        keeper = threading.Thread(target=self.keep_store, daemon=True)
+        keeper.start()
+        self._closers.append(lambda: (self.done.set(), keeper.join(15)))
         self.read("start")
         threads = [threading.Thread(target=self.client_loop, args=(i,), daemon=True) for i in range(self.a.clients)]
         threads.append(threading.Thread(target=self.probe_loop, daemon=True))
@@ -695,6 +717,19 @@ class Soak:
             inside = self.in_window(o)
             if o.result == "hang" or (o.result in ("bad", "refused") and not inside):
                 bad_outside.append(asdict(o) | {"in_window": inside})
+        answered = [o for o in outcomes if o.result == "ok" and o.key in EXACT_KEYS]
+        events: list[dict] = []
+
+        def all_stored() -> bool:  # the gateway's outbox may still be sending what it kept through a fault
+            events[:] = self.stored_events()
+            have = {e["id"] for e in events if e["status"] == "ok"}
+            return all(o.request_id in have for o in answered)
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(all_stored, 20, "every answered request's event in the stream", interval_s=2)
+        ids = Counter(e["id"] for e in events)
+        ok_ids = {e["id"] for e in events if e["status"] == "ok"}
+        lost = [asdict(o) for o in answered if o.request_id not in ok_ids]
         server = self.server_counts()
         usage = []
         client_ok: Counter = Counter()
@@ -715,10 +750,6 @@ class Soak:
                               "prom_all": prom_all, "redis_ok": redis_ok, "redis_all": row.get("requests", 0),
                               "client_tokens": client_tokens[(key, model)], "prom_tokens": prom_tok,
                               "redis_tokens": redis_tok, "exact": key in EXACT_KEYS})
-        events = self.stored_events()
-        ids = Counter(e["id"] for e in events)
-        ok_ids = {e["id"] for e in events if e["status"] == "ok"}
-        lost = [asdict(o) for o in outcomes if o.result == "ok" and o.key in EXACT_KEYS and o.request_id not in ok_ids]
         twice = {i: n for i, n in ids.items() if n > 1}
         mismatched = [u for u in usage if (u["exact"] and not u["client_ok"] == u["prom_ok"] == u["redis_ok"])
                       or u["prom_all"] != u["redis_all"] or u["prom_tokens"] != u["redis_tokens"]]
@@ -736,6 +767,7 @@ class Soak:
             "total": len(outcomes),
             "reasons": dict(reasons.most_common(20)),
             "faults": [asdict(f) for f in self.faults],
+            "store_restarts": len(self.store_restarts),
             "hangs": sum(1 for o in outcomes if o.result == "hang"),
             "bad_outside_windows": bad_outside,
             "bad_inside_windows": sum(1 for o in outcomes if o.result in ("bad", "refused") and self.in_window(o)),

@@ -22,6 +22,7 @@ from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token, fingerprint, with_user
 from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
 from coderai.runtime.logging import setup_logging
+from coderai.runtime.store_watch import StoreWatch
 from coderai.runtime.supervisor import Child, Supervisor
 from coderai.runtime.tls import ensure_certs
 
@@ -281,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             if token:
                 print(f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
                       f" (found by mDNS), or add --nats-url nats://<this host>:{nats.port}", flush=True)
+        store = StoreWatch(data / "logs" / "nats.log", data / "nats")
         while not stopping:
             sup.tick()
+            keep_up(nats, redis, store, data / "logs")
             time.sleep(0.25)
         return 0
     finally:
@@ -292,6 +295,22 @@ def main(argv: list[str] | None = None) -> int:
         if nats:
             nats.stop()
         print("stopped", flush=True)
+
+
+def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path) -> None:
+    """Start nats-server or redis-server again on its port if it died, and nats-server once its JetStream store
+    failed on a full disk that has room again (`StoreWatch`): the services reconnect by themselves."""
+    for name, server in (("nats-server", nats), ("redis-server", redis)):
+        if server.proc is not None and server.proc.poll() is not None:
+            print(f"{name} exited with {server.proc.returncode}; starting it again", file=sys.stderr, flush=True)
+            try:
+                server.start(log_file=logs / f"{name.split('-')[0]}.log")
+            except EmbeddedServerError as exc:
+                print(f"{name} did not start again: {exc}", file=sys.stderr, flush=True)
+    if store.due():
+        nats.stop()
+        nats.start(log_file=logs / "nats.log")
+        store.restarted()
 
 
 def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path,
