@@ -136,6 +136,18 @@ class Metrics:
             await js.delete_consumer(EVENTS.name, name)
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
 
+    async def _record(self, events: list, mark: str) -> list[RequestCompleted]:
+        """Usage of this batch to Redis, tried again until Redis takes it. Not moving on matters: the consumer
+        acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost."""
+        wait = 0.25
+        while True:
+            try:
+                return await usage.record_new(self.redis, events, mark)
+            except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
+                log.warning("usage not recorded (%s); trying again in %.1fs", exc, wait)
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 5.0)
+
     async def _mark(self) -> str:
         """The Redis key holding the last EVENTS sequence whose usage is recorded; named after the stream's
         creation time, so a stream made again (its sequences starting over) starts a new mark."""
@@ -145,8 +157,9 @@ class Metrics:
 
     async def _consume(self) -> None:
         """Pull events in batches: usage to Redis first, then Prometheus, then one ack for the batch. If Redis
-        fails nothing is acked and the batch comes again; if the ack is lost (NATS restarting) the batch comes
-        again too, and the stream sequence Redis records with the usage keeps it from being counted twice."""
+        fails the batch is held and tried again until it is taken (nothing later is acked meanwhile); if the ack
+        is lost (NATS restarting) the batch comes again, and the stream sequence Redis records with the usage
+        keeps it from being counted twice."""
         while True:
             sub = None
             try:
@@ -167,11 +180,7 @@ class Metrics:
                             log.warning("dropping malformed event: %s", why_malformed(exc))
                     fresh = [e for seq, e in events if seq > self.applied]  # a batch delivered again: not twice
                     if self.redis is not None and events:
-                        try:
-                            fresh = await usage.record_new(self.redis, events, mark)
-                        except Exception as exc:  # noqa: BLE001 - unacked: redelivered after ack_wait
-                            log.warning("usage not recorded (%s); the batch will come again", exc)
-                            continue
+                        fresh = await self._record(events, mark)
                     for e in fresh:
                         self.series.on_request(e)
                     self.applied = max([self.applied, *(seq for seq, _e in events)])
