@@ -389,6 +389,9 @@ class Soak:
         self._closers.append(self.redis.stop)
         self.make_keys()
         env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
+               # nats-server refuses a stream cap over its store limit (75 % of the free disk): the 4 GiB default
+               # does not fit this data dir
+               "CODERAI_GATEWAY_BLOBS_MAX_BYTES": str(256 << 20),
                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
         self.stack.nats = self.nats
@@ -462,19 +465,20 @@ class Soak:
                 out[name] = srv.proc.pid
         return out
 
-    def read(self, when: str, over_s: float = 0.0) -> None:
-        """Each service's RSS and open fds; with `over_s`, the highest of readings every 0.5 s for that long (the
-        warm-up's: a connection pool at its size under load is not growth)."""
+    def read(self, when: str, over_s: float = 0.0, pick=max) -> None:
+        """Each service's RSS and open fds; with `over_s`, the `pick` (max or min) of readings every 0.5 s for that
+        long. The warm-up's is the highest under load (a connection pool at its size is not growth); the end's is
+        the lowest once the load has stopped (a scrape's socket open at that instant is not a leak; a leak stays)."""
         end = time.monotonic() + over_s
-        top: dict[str, tuple[int, int]] = {}
+        seen: dict[str, tuple[int, int]] = {}
         while True:
             for name, pid in self.services().items():
-                rss, fds = fx.rss_bytes(pid), fx.open_fds(pid)
-                old = top.get(name, (0, 0))
-                top[name] = (max(rss, old[0]), max(fds, old[1]))
-            if time.monotonic() >= end or self.stop.wait(0.5):
+                now = (fx.rss_bytes(pid), fx.open_fds(pid))
+                old = seen.get(name, now)
+                seen[name] = (pick(now[0], old[0]), pick(now[1], old[1]))
+            if time.monotonic() >= end or self.done.wait(0.5):
                 break
-        self.readings[when] = top
+        self.readings[when] = seen
 
     # --- faults -------------------------------------------------------------------------------------------------
 
@@ -618,6 +622,7 @@ class Soak:
             t.start()
         t_load = time.monotonic()
         self.stop.wait(max(0.0, self.a.warmup - 5))
+        self.burst()
         self.read("warm", over_s=min(5.0, self.a.warmup))
         end = t_load + self.a.warmup + self.a.duration
         # faults from this thread: nats-server and redis-server die with the thread that started them (their
@@ -630,8 +635,21 @@ class Soak:
         stuck = [t.name for t in threads if t.is_alive()]
         if stuck:
             print(f"[soak] {len(stuck)} client threads still running after their deadline", file=sys.stderr)
-        self.read("end")
+        self.read("end", over_s=3.0, pick=min)
         self.recoveries()
+
+    def burst(self, n: int = 24) -> None:
+        """`n` streamed chats at once, beside the clients: every worker's engine threads and their connections
+        to its engines, and the gateway's, grow to what a backlog makes them (as after a stopped worker comes
+        back), so the warm-up's reading is of full pools and growth after it is a leak, not a pool filling."""
+        client = Client(self, "soak-probe", random.Random(self.a.seed))
+        threads = [threading.Thread(target=client.timed, args=("probe", lambda: client._stream(64)), daemon=True)
+                   for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.a.deadline_s + 15)
+        client.close()
 
     def recoveries(self) -> None:
         """Each fault's recovery: from its end to the first probe answered ok that started after it."""
@@ -688,7 +706,11 @@ class Soak:
             try:
                 js = nc.jetstream()
                 total = (await js.stream_info("EVENTS")).state.messages
-                sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS")  # ephemeral, from the start
+                from nats.js.api import AckPolicy, ConsumerConfig
+
+                # ephemeral, from the start, no acks (so no limit on unacked messages)
+                sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS",
+                                              config=ConsumerConfig(ack_policy=AckPolicy.NONE))
                 out: list[dict] = []
                 seen = 0
                 while seen < total:
