@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[f"CODERAI_GATEWAY_{name.upper()}"] = str(value)
 
     from granian import Granian
-    from granian.constants import Interfaces
+    from granian.constants import HTTPModes, Interfaces
+    from granian.http import HTTP1Settings
 
     Granian(
         "coderai.gateway.app:create_app",
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         address=settings.host,
         port=settings.port,
         interface=Interfaces.ASGI,
+        # HTTP/1.1 only: the header timer then runs from the accept; in `auto` mode nothing times out a socket
+        # that never sends a byte, while granian sniffs for an HTTP/2 preface (tests/integration/test_http_abuse)
+        http=HTTPModes.http1,
+        http1_settings=HTTP1Settings(header_read_timeout=max(1, round(settings.header_timeout_s * 1000))),
         workers=settings.workers,
         log_level="warning",
         backlog=2048,

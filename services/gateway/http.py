@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response
+from litestar.exceptions import InternalServerException
 from litestar.types import Receive, Scope, Send
 
 from coderai.contracts.topology import HDR_REQUEST_ID
@@ -81,7 +82,11 @@ async def read_json(request: Request, type_: type[T], *, empty: bytes | None = N
     headers = request.headers  # built anew from the scope at every access
     if int(headers.get("content-length") or 0) > limit:
         raise _too_large(limit)
-    body = await request.body()
+    try:
+        body = await request.body()
+    except InternalServerException:  # litestar's "client disconnected prematurely": granian ended the body
+        raise ApiError(400, "The request body ended before it was whole (a broken chunked encoding, or the client "
+                            "left).", code="incomplete_body") from None
     if len(body) > limit:
         raise _too_large(limit)
     if not body and empty is not None:

@@ -23,6 +23,7 @@ from coderai.gateway.copies import Copy
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
+from coderai.gateway.openai.chat_types import ROLES
 from coderai.gateway.pipeline import Call, answer, open_stream
 from coderai.gateway.state import InferenceController
 
@@ -121,7 +122,14 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, "Each message is an object.", param=f"messages[{i}]", code="invalid_request")
-        msg: dict[str, Any] = {"role": m.get("role", "user"), "content": m.get("content") or ""}
+        role, content = m.get("role", "user"), m.get("content") or ""
+        if not isinstance(role, str) or role not in ROLES:  # the chat template would fail on it: a 502
+            raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role",
+                           code="invalid_request")
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string.", param=f"messages[{i}].content",
+                           code="invalid_request")
+        msg: dict[str, Any] = {"role": role, "content": content}
         if m.get("images"):
             images = m["images"]
             if not isinstance(images, list) or not all(isinstance(img, str) for img in images):
