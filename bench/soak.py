@@ -365,6 +365,7 @@ class Soak:
         self.restarted: set[str] = set()
         self.done = threading.Event()  # set when the figures are read: the store watch stops
         self.store_restarts: list[float] = []
+        self.fd_lists: dict[str, dict[str, list[str]]] = {}
         self._closers: list = []
 
     # --- up ---------------------------------------------------------------------------------------------------
@@ -479,6 +480,7 @@ class Soak:
             if time.monotonic() >= end or self.done.wait(0.5):
                 break
         self.readings[when] = seen
+        self.fd_lists[when] = {name: fx.fd_targets(pid) for name, pid in self.services().items()}
 
     # --- faults -------------------------------------------------------------------------------------------------
 
@@ -801,6 +803,9 @@ class Soak:
             "recovery": {"p50": statistics.median(recov) if recov else None, "max": max(recov) if recov else None,
                          "unrecovered": sum(1 for f in self.faults if f.recovery_s is None)},
             "processes": growth,
+            "fd_changes": {name: {"gone": sorted(set(self.fd_lists.get("warm", {}).get(name, [])) - set(fds)),
+                                  "new": sorted(set(fds) - set(self.fd_lists.get("warm", {}).get(name, [])))}
+                           for name, fds in self.fd_lists.get("end", {}).items()},
             "readings": self.readings,
         }
 

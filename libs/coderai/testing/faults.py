@@ -270,3 +270,31 @@ def open_fds(pid: int) -> int:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             n += len(os.listdir(f"/proc/{p}/fd"))
     return n
+
+
+def fd_targets(pid: int) -> list[str]:
+    """What each open fd of `pid`'s process tree is: a path, a pipe, or a TCP socket as its local and remote
+    address (to tell a connection that stayed open from a pool's or a leak's)."""
+    sockets: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                sockets[f[9]] = f"tcp {_addr(f[1])} -> {_addr(f[2])}"
+    out = []
+    for p in tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(FileNotFoundError):
+                    target = os.readlink(f"/proc/{p}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        target = sockets.get(target[8:-1], target)
+                    out.append(target)
+    return sorted(out)
+
+
+def _addr(hexaddr: str) -> str:
+    ip, port = hexaddr.split(":")
+    if len(ip) == 8:
+        ip = ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    return f"{ip}:{int(port, 16)}"
