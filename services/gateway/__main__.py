@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import sys
 
 from coderai.gateway.settings import GatewaySettings
@@ -50,10 +51,31 @@ def main(argv: list[str] | None = None) -> int:
         http=HTTPModes.http1,
         http1_settings=HTTP1Settings(header_read_timeout=max(1, round(settings.header_timeout_s * 1000))),
         workers=settings.workers,
+        backpressure=connection_limit(settings.max_connections),
         log_level="warning",
         backlog=2048,
     ).serve()
     return 0
+
+
+def connection_limit(configured: int) -> int:
+    """Connections one granian worker may hold. Granian's own default (backlog / workers: 2048) let 2048 idle
+    sockets stop the gateway answering anyone; the true bound is open files, so the soft limit is raised to the hard
+    one (as Go's runtime does) and all of it but 256 files (NATS, Redis, logs) may be connections."""
+    if configured > 0:
+        return configured
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = 1 << 20  # files enough for any gateway; an unlimited or huge hard limit is not taken whole
+    want = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft == resource.RLIM_INFINITY or soft > most:
+        soft = most
+    elif soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))  # granian's workers inherit it
+            soft = want
+        except (ValueError, OSError):  # above the system's cap (fs.nr_open, macOS' OPEN_MAX): keep the one there is
+            pass
+    return max(256, soft - 256)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1
+    max_connections: int = 0  # connections one HTTP worker holds at once; 0: its open-file limit less 256
     header_timeout_s: float = 30.0  # a connection without a whole request head this long (idle, slowloris) is closed
     no_auth: bool = False  # only allowed on a loopback host
     api_keys_file: str = ""  # TOML [[keys]] with name, sha256, scopes
