@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         settings = settings_from_args(GatewaySettings, "gateway", args)
-        from coderai.gateway.app import check_auth_settings
+        from coderai.gateway.settings import check_auth_settings  # not app: its imports cost a second
         from coderai.accounts.keyfile import load_keys
 
         check_auth_settings(settings)

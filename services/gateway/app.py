@@ -3,7 +3,6 @@ that turns every exception into OpenAI-style error JSON."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 from litestar import Litestar, Request, Response, get
@@ -33,12 +32,12 @@ from coderai.gateway.openai.responses_store import Responses
 from coderai.gateway.ollama import OllamaController
 from coderai.gateway.anthropic import AnthropicController
 from coderai.gateway.openai.videos import VideosController
-from coderai.gateway.settings import GatewaySettings
+from coderai.gateway.settings import GatewaySettings, check_auth_settings
 from coderai.gateway.state import Gateway, GatewayController
 from coderai.gateway.ui import ui_routes
 from coderai.gateway.video.takeover import VideoJobs
 from coderai.runtime.logging import setup_logging
-from coderai.runtime.settings import SettingsError, load_settings
+from coderai.runtime.settings import load_settings
 from coderai.runtime.tracing import setup_tracing
 
 log = logging.getLogger("coderai.gateway")
@@ -102,18 +101,3 @@ def bound(controller: type[GatewayController], state: dict[str, object]) -> type
     return type(controller.__name__, (controller,), {k: v for k, v in state.items() if k in declared})
 
 
-def check_auth_settings(settings: GatewaySettings) -> None:
-    """No auth is a deliberate choice for one machine only; any other host needs a keys file."""
-    if settings.no_auth and not is_loopback(settings.host):
-        raise SettingsError(f"--no-auth is only allowed on a loopback host, not {settings.host}")
-    if not settings.no_auth and not settings.api_keys_file:
-        raise SettingsError("CODERAI_GATEWAY_API_KEYS_FILE is not set: give a keys file, or --no-auth on loopback")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from coderai.runtime.settings import CommonSettings
+import ipaddress
+
+from coderai.runtime.settings import CommonSettings, SettingsError
 
 
 class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
@@ -30,3 +32,20 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers
     scrape_token: str = ""  # lets Prometheus read /metrics without an admin key
     video_takeover_s: float = 20.0  # a running video job whose gateway wrote nothing this long is taken over by another replica
+
+
+def check_auth_settings(settings: GatewaySettings) -> None:
+    """No auth is a deliberate choice for one machine only; any other host needs a keys file."""
+    if settings.no_auth and not is_loopback(settings.host):
+        raise SettingsError(f"--no-auth is only allowed on a loopback host, not {settings.host}")
+    if not settings.no_auth and not settings.api_keys_file:
+        raise SettingsError("CODERAI_GATEWAY_API_KEYS_FILE is not set: give a keys file, or --no-auth on loopback")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
