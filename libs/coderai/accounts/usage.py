@@ -39,15 +39,20 @@ def increments(events: list[RequestCompleted]) -> dict[tuple[str, str, str], dic
     return out
 
 
-async def record_many(redis, events: list[RequestCompleted]) -> None:
-    """HINCRBY every summed field of the batch, and index the rows, in one pipeline."""
-    pipe = redis.pipeline(transaction=False)
+def _queue(pipe, events: list[RequestCompleted]) -> None:
+    """HINCRBY every summed field of the batch, and index the rows, on `pipe`."""
     for (day, key, model), row in increments(events).items():
         hkey = usage_key(day, key, model)
         for field, n in row.items():
             if n:
                 pipe.hincrby(hkey, field, n)
         pipe.sadd(f"coderai:usage:index:{day}", f"{key}\t{model}")
+
+
+async def record_many(redis, events: list[RequestCompleted]) -> None:
+    """The batch's usage in one pipeline."""
+    pipe = redis.pipeline(transaction=False)
+    _queue(pipe, events)
     await pipe.execute()
 
 
@@ -65,12 +70,7 @@ async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: st
                 fresh = [e for seq, e in events if seq > done]
                 top = max((seq for seq, _e in events), default=0)
                 pipe.multi()
-                for (day, key, model), row in increments(fresh).items():
-                    hkey = usage_key(day, key, model)
-                    for field, n in row.items():
-                        if n:
-                            pipe.hincrby(hkey, field, n)
-                    pipe.sadd(f"coderai:usage:index:{day}", f"{key}\t{model}")
+                _queue(pipe, fresh)
                 if top > done:
                     pipe.set(mark, top)
                 await pipe.execute()
