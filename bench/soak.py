@@ -390,9 +390,6 @@ class Soak:
         self._closers.append(self.redis.stop)
         self.make_keys()
         env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
-               # nats-server refuses a stream cap over its store limit (75 % of the free disk): the 4 GiB default
-               # does not fit this data dir
-               "CODERAI_GATEWAY_BLOBS_MAX_BYTES": str(256 << 20),
                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
         self.stack.nats = self.nats

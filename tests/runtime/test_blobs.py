@@ -41,3 +41,36 @@ async def test_a_missing_blob_is_a_clear_error(bus):
     store = BlobStore(bus, create=True)
     with pytest.raises(BlobMissing):
         await store.get(Blob(name="no-such-object"))
+
+
+async def test_a_cap_the_disk_cannot_hold_is_halved_until_it_fits(tmp_path):
+    """On a small disk nats-server refuses the blob store's 4 GiB default (over 75 % of the free space): the store
+    is made with a cap that fits instead of not at all."""
+    import os
+
+    from coderai.contracts.topology import BLOBS
+    from coderai.runtime.bus import Bus
+    from coderai.runtime.embedded import NatsServer
+    from coderai.testing.faults import Tmpfs
+    from coderai.testing.netns import NetnsUnavailable
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small disk needs root")
+    try:
+        disk = Tmpfs(tmp_path / "disk", size_mb=512)
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+    server = NatsServer(disk.path / "nats").start()
+    try:
+        bus = await Bus.connect(server.url, "test")
+        try:
+            store = await bus.object_store(BLOBS, create=True, max_bytes=4 << 30)
+            cap = (await store.status()).stream_info.config.max_bytes
+            assert 64 << 20 <= cap <= 384 << 20  # halved from 4 GiB until under the server's limit
+            await store.put("x", b"hello")
+            assert (await store.get("x")).data == b"hello"
+        finally:
+            await bus.close()
+    finally:
+        server.stop()
+        disk.close()
