@@ -47,38 +47,28 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import wave
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
-from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.runtime.embedded import NatsServer, RedisServer, free_port
 from coderai.runtime.store_watch import StoreWatch
 from coderai.testing import faults as fx
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
+from _soak_clients import EXACT_KEYS, KEYS, MIX, RUDE, Client, Fault, Ledger, Outcome
+from _soak_report import WINDOW_TAIL_S, Prometheus, prom_text_sum, read_usage, stored_events, table, targets
+
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link", "disk-full")
-BACKOFF_S = 0.5  # a client's pause after an answer that was not ok
-WINDOW_TAIL_S = 5.0  # a fault's window ends this long after the fault does: the recovery target
-KEYS = ("soak-a", "soak-b", "soak-rude", "soak-probe")
-EXACT_KEYS = ("soak-a", "soak-b", "soak-probe")  # whole answers: their ok counts must match the server's
-MIX = {"chat": 20, "stream": 20, "conversation": 10, "embeddings": 12, "images": 6, "speech": 6,
-       "transcription": 6, "disconnect": 5, "slow-reader": 5}
-RUDE = ("disconnect", "slow-reader")
-MODEL_OF = {"chat": "tiny", "stream": "tiny", "conversation": "tiny", "disconnect": "tiny", "slow-reader": "tiny",
-            "probe": "tiny", "embeddings": "minilm", "images": "sd", "speech": "piper", "transcription": "whisper"}
-WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
-         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,234 +90,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown := set(a.faults) - set(FAULT_KINDS):
         ap.error(f"unknown faults {sorted(unknown)}; choose from {FAULT_KINDS}")
     return a
-
-
-# --- what the clients saw ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    kind: str
-    key: str
-    model: str
-    t0: float
-    t1: float
-    result: str  # ok | clean | bad | hang | refused
-    why: str = ""
-    status: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    request_id: str = ""
-
-
-@dataclass
-class Fault:
-    kind: str
-    target: str
-    t0: float
-    t1: float = 0.0
-    recovery_s: float | None = None
-    detail: str = ""
-
-
-class Ledger:
-    """Every outcome, appended from many threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.outcomes: list[Outcome] = []
-
-    def add(self, o: Outcome) -> None:
-        with self.lock:
-            self.outcomes.append(o)
-
-    def snapshot(self) -> list[Outcome]:
-        with self.lock:
-            return list(self.outcomes)
-
-
-def _retry_after(r: httpx.Response) -> bool:
-    with contextlib.suppress(ValueError):
-        return int(r.headers.get("retry-after", "")) > 0
-    return False
-
-
-def classify_status(r: httpx.Response) -> tuple[str, str]:
-    """A non-200 answer: clean or bad, and why."""
-    try:
-        err = r.json().get("error") or {}
-        code = err.get("code") or err.get("type") or ""
-    except Exception:  # noqa: BLE001 - a body that is not our error JSON is itself bad
-        return "bad", f"{r.status_code} without error JSON"
-    if r.status_code in (429, 503):
-        return ("clean", f"{r.status_code} {code}") if _retry_after(r) else ("bad", f"{r.status_code} {code} no Retry-After")
-    if 400 <= r.status_code < 500:
-        return "clean", f"{r.status_code} {code}"
-    return "bad", f"{r.status_code} {code}"
-
-
-def read_sse(r: httpx.Response, stop_after: int = 0, pause_s: float = 0.0) -> tuple[str, str, dict]:
-    """Read an SSE chat stream: (result, why, usage). `stop_after` > 0 leaves after that many data events;
-    `pause_s` reads slowly."""
-    events, usage = 0, {}
-    for line in r.iter_lines():
-        if not line or line.startswith(":"):
-            continue
-        if not line.startswith("data: "):
-            return "bad", f"not SSE: {line[:60]!r}", usage
-        data = line[6:]
-        if data == "[DONE]":
-            return ("ok", "", usage) if events else ("bad", "[DONE] before any event", usage)
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return "bad", f"malformed event {data[:60]!r}", usage
-        if "error" in obj:
-            return "clean", f"stream error {obj['error'].get('code')}", usage
-        events += 1
-        usage = obj.get("usage") or usage
-        if stop_after and events >= stop_after:
-            return "ok", "left the stream", usage
-        if pause_s:
-            time.sleep(pause_s)  # the slow reader: the pause is the load itself, not a wait for anything
-    return "bad", f"stream ended without [DONE] after {events} events", usage
-
-
-class Client:
-    """One client thread's requests, each timed and classified into the ledger."""
-
-    def __init__(self, soak: "Soak", key: str, rng: random.Random) -> None:
-        self.soak, self.key, self.rng = soak, key, rng
-        self._local = threading.local()  # the probe's requests share this client from several threads
-        self.http = httpx.Client(base_url=soak.base_url, headers={"Authorization": f"Bearer {soak.secrets[key]}"},
-                                 timeout=httpx.Timeout(soak.a.deadline_s + 10, connect=5))
-
-    @property
-    def last_id(self) -> str:
-        """The request id the gateway gave the calling thread's last request (its Coderai-Request-Id)."""
-        return getattr(self._local, "last_id", "")
-
-    @last_id.setter
-    def last_id(self, value: str) -> None:
-        self._local.last_id = value
-
-    def close(self) -> None:
-        self.http.close()
-
-    def one(self, kind: str) -> None:
-        if kind == "conversation":
-            history = [{"role": "user", "content": self.text(8)}]
-            for _turn in range(3):
-                answer = self.timed("conversation", lambda h=list(history): self.chat(h))
-                if answer is None:
-                    return
-                history += [{"role": "assistant", "content": answer}, {"role": "user", "content": self.text(6)}]
-            return
-        self.timed(kind, getattr(self, kind.replace("-", "_")))
-
-    def timed(self, kind: str, send) -> str | None:
-        """Run `send()` -> (result, why, status, usage, value) and record it; the value when ok."""
-        t0 = time.monotonic()
-        value = None
-        self.last_id = ""
-        try:
-            result, why, status, usage, value = send()
-        except httpx.TimeoutException as exc:
-            result, why, status, usage = "hang", f"client timeout ({type(exc).__name__})", 0, {}
-        except httpx.ConnectError as exc:
-            result, why, status, usage = "refused", f"connect: {exc}"[:120], 0, {}
-        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            result, why, status, usage = "bad", f"connection broke: {type(exc).__name__}", 0, {}
-        t1 = time.monotonic()
-        if result != "hang" and t1 - t0 > self.soak.a.deadline_s:
-            result, why = "hang", f"answered after {t1 - t0:.1f}s"
-        self.soak.ledger.add(Outcome(kind, self.key, MODEL_OF[kind], t0, t1, result, why, status,
-                                     int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                                     self.last_id))
-        if result != "ok" and kind != "probe":
-            self.soak.stop.wait(BACKOFF_S)  # as a real client does (the SDKs back off): no error storm
-        return value if result == "ok" else None
-
-    def text(self, n: int) -> str:
-        return " ".join(self.rng.choice(WORDS) for _ in range(n))
-
-    # --- one request of each kind: (result, why, http status, usage, value) ------------------------------------
-
-    def _whole(self, path: str, body: dict, check) -> tuple:
-        r = self.http.post(path, json=body)
-        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
-        if r.status_code != 200:
-            return (*classify_status(r), r.status_code, {}, None)
-        try:
-            obj = r.json()
-        except ValueError:
-            return "bad", "malformed JSON", 200, {}, None
-        why = check(obj)
-        return ("bad" if why else "ok"), why, 200, obj.get("usage") or {}, obj
-
-    def chat(self, messages: list[dict] | None = None) -> tuple:
-        body = {"model": "tiny", "messages": messages or [{"role": "user", "content": self.text(10)}],
-                "max_tokens": self.rng.randint(4, 24), "temperature": 0.8}
-        res = self._whole("/chat/completions", body,
-                          lambda o: "" if o.get("choices") and "message" in o["choices"][0] else "no choices")
-        content = (res[4]["choices"][0]["message"].get("content") or "") if res[0] == "ok" else None
-        return (*res[:4], content)
-
-    def probe(self) -> tuple:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-        return self._whole("/chat/completions", body, lambda o: "" if o.get("choices") else "no choices")
-
-    def _stream(self, max_tokens: int, stop_after: int = 0, pause_s: float = 0.0) -> tuple:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": self.text(10)}], "max_tokens": max_tokens,
-                "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
-        with self.http.stream("POST", "/chat/completions", json=body) as r:
-            self.last_id = r.headers.get(HDR_REQUEST_ID, "")
-            if r.status_code != 200:
-                r.read()
-                return (*classify_status(r), r.status_code, {}, None)
-            result, why, usage = read_sse(r, stop_after, pause_s)
-            return result, why, 200, usage, None
-
-    def stream(self) -> tuple:
-        return self._stream(self.rng.randint(8, 48))
-
-    def disconnect(self) -> tuple:
-        return self._stream(400, stop_after=2)
-
-    def slow_reader(self) -> tuple:
-        return self._stream(16, pause_s=0.1)
-
-    def embeddings(self) -> tuple:
-        n = 16
-        inputs = [self.text(12) for _ in range(n)]
-        return self._whole("/embeddings", {"model": "minilm", "input": inputs, "encoding_format": "float"},
-                           lambda o: "" if [d["index"] for d in o.get("data", [])] == list(range(n))
-                           else f"{len(o.get('data', []))} of {n} embeddings")
-
-    def images(self) -> tuple:
-        return self._whole("/images/generations", {"model": "sd", "prompt": self.text(5), "n": 2, "size": "64x64",
-                                                    "response_format": "b64_json"},
-                           lambda o: "" if len(o.get("data", [])) == 2 else f"{len(o.get('data', []))} of 2 images")
-
-    def speech(self) -> tuple:
-        r = self.http.post("/audio/speech", json={"model": "piper", "voice": "alloy", "input": self.text(6),
-                                                  "response_format": "wav"})
-        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
-        if r.status_code != 200:
-            return (*classify_status(r), r.status_code, {}, None)
-        return ("ok", "", 200, {}, r.content) if r.content[:4] == b"RIFF" else ("bad", "not a WAV", 200, {}, None)
-
-    def transcription(self) -> tuple:
-        r = self.http.post("/audio/transcriptions", files={"file": ("s.wav", self.soak.wav, "audio/wav")},
-                           data={"model": "whisper", "temperature": "0"})
-        self.last_id = r.headers.get(HDR_REQUEST_ID, "")
-        if r.status_code != 200:
-            return (*classify_status(r), r.status_code, {}, None)
-        try:
-            ok = isinstance(r.json().get("text"), str)
-        except ValueError:
-            ok = False
-        return ("ok", "", 200, {}, None) if ok else ("bad", "no text", 200, {}, None)
 
 
 # --- the stack --------------------------------------------------------------------------------------------------
@@ -694,39 +456,7 @@ class Soak:
         wait_until(lambda: asyncio.run(pending()) == 0, 120, "the metrics service to read every event", interval_s=0.5)
 
     def stored_events(self) -> list[dict]:
-        """Every request.completed the EVENTS stream holds: what usage and Prometheus were built from."""
-        async def read() -> list[dict]:
-            import nats
-            from coderai.contracts import RequestCompleted
-            from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
-            from coderai.contracts.base import decode
-
-            nc = await nats.connect(self.nats.service_url, connect_timeout=5, allow_reconnect=False)
-            try:
-                js = nc.jetstream()
-                total = (await js.stream_info("EVENTS")).state.messages
-                from nats.js.api import AckPolicy, ConsumerConfig
-
-                # ephemeral, from the start, no acks (so no limit on unacked messages)
-                sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS",
-                                              config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-                out: list[dict] = []
-                seen = 0
-                while seen < total:
-                    try:
-                        msgs = await sub.fetch(batch=1000, timeout=5)
-                    except asyncio.TimeoutError:
-                        break
-                    for m in msgs:
-                        seen += 1
-                        e = decode(m.data, RequestCompleted)
-                        out.append({"id": e.request_id, "key": e.key_name, "model": e.model, "status": e.status})
-                await sub.unsubscribe()
-                return out
-            finally:
-                await nc.close()
-
-        return asyncio.run(read())
+        return stored_events(self.nats.service_url)
 
     def figures(self) -> dict:
         outcomes = self.ledger.snapshot()
@@ -810,148 +540,6 @@ class Soak:
         for close in reversed(self._closers):
             with contextlib.suppress(Exception):
                 close()
-
-
-def targets(fig: dict) -> list[tuple[str, bool, str]]:
-    """(target, met, what was measured)."""
-    kinds = {f["kind"] for f in fig["faults"]}
-    want = set(fig["args"]["faults"])
-    grown = {n: g for n, g in fig["processes"].items() if not g["restarted"]}
-    rss_bad = {n: f"{g['rss_growth']:+.1%}" for n, g in grown.items() if g["rss_growth"] >= 0.10}
-    fd_bad = {n: g["fd_growth"] for n, g in grown.items() if g["fd_growth"] > 0}
-    slow = [f"{f['kind']} {f['recovery_s']:.1f}s" if f["recovery_s"] is not None else f"{f['kind']} never"
-            for f in fig["faults"] if f["recovery_s"] is None or f["recovery_s"] > WINDOW_TAIL_S]
-    return [
-        ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
-        ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
-        ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
-        ("0 lost or double-counted usage records",
-         not fig["usage_mismatches"] and not fig["events"]["lost_count"] and not fig["events"]["twice"],
-         f"{fig['events']['lost_count']} answered requests without an ok event, {fig['events']['twice']} events "
-         f"stored twice, {len(fig['usage_mismatches'])} (key, model) rows where the counts differ"),
-        ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
-        ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
-        ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),
-        ("fd growth 0 after warm-up", not fd_bad, ", ".join(f"{n} +{v}" for n, v in fd_bad.items()) or "none"),
-    ]
-
-
-def table(fig: dict, command: str, seconds: float) -> str:
-    out = [f"Command: `{command}` ({seconds / 60:.1f} min in all, {os.cpu_count()} CPUs).", ""]
-    results = ("ok", "clean", "bad", "refused", "hang")
-    out += ["| requests | " + " | ".join(results) + " | total |", "|---|" + "---:|" * (len(results) + 1)]
-    for kind, c in fig["requests"].items():
-        out.append(f"| {kind} | " + " | ".join(str(c.get(r, 0)) for r in results) + f" | {sum(c.values())} |")
-    out += ["", "| fault | target | times | recovery p50 | recovery max |", "|---|---|---:|---:|---:|"]
-    per: dict[tuple[str, str], list] = defaultdict(list)
-    for f in fig["faults"]:
-        per[(f["kind"], f["target"])].append(f["recovery_s"])
-    for (kind, target), rs in sorted(per.items()):
-        ok = [r for r in rs if r is not None]
-        p50 = f"{statistics.median(ok):.2f} s" if ok else "never"
-        mx = f"{max(ok):.2f} s" if ok else "never"
-        out.append(f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |")
-    out += ["", "| usage (key, model) | client ok | Prometheus ok | Redis ok | Prometheus all | Redis all | "
-                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 8]
-    for u in fig["usage"]:
-        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | {u['prom_ok']:g} | "
-                   f"{u['redis_ok']} | {u['prom_all']:g} | {u['redis_all']} | {u['client_tokens']} | "
-                   f"{u['prom_tokens']:g} | {u['redis_tokens']} |")
-    if fig["reasons"]:
-        out += ["", "Why requests were not ok (most common first): " + "; ".join(
-            f"{why} x{n}" for why, n in fig["reasons"].items()) + "."]
-    fan = fig["fanout"]
-    out += ["", f"Fan-out: {fan['parts_sent']:g} parts sent; finished by status {fan['parts']}; "
-                f"{fan['answers_missing_items']} answers missing items.", ""]
-    out += ["| process | RSS after warm-up | RSS at end | growth | fds after warm-up | fds at end |",
-            "|---|---:|---:|---:|---:|---:|"]
-    for name, g in sorted(fig["processes"].items()):
-        note = " (restarted)" if g["restarted"] else ""
-        out.append(f"| {name}{note} | {g['rss_warm'] / 2**20:.0f} MiB | {g['rss_end'] / 2**20:.0f} MiB | "
-                   f"{g['rss_growth']:+.1%} | {g['fd_warm']} | {g['fd_end']} |")
-    out += ["", "| target | met | measured |", "|---|---|---|"]
-    for name, met, what in targets(fig):
-        out.append(f"| {name} | {'yes' if met else '**no**'} | {what} |")
-    if fig["bad_outside_windows"]:
-        out += ["", "Bad outcomes outside a fault's window (first 10):", ""]
-        out += [f"- {b['kind']} {b['result']}: {b['why']}" for b in fig["bad_outside_windows"][:10]]
-    return "\n".join(out) + "\n"
-
-
-# --- Prometheus and Redis ---------------------------------------------------------------------------------------
-
-
-class Prometheus:
-    """Debian's `prometheus`, scraping the metrics service every second, on a loopback port of its own."""
-
-    def __init__(self, root: Path, metrics_port: int, logs: Path) -> None:
-        self.root, self.metrics_port, self.logs = root, metrics_port, logs
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Prometheus":
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise SystemExit("needs Debian's prometheus (apt-get install prometheus)")
-        self.root.mkdir(parents=True, exist_ok=True)
-        conf = self.root / "prometheus.yml"
-        conf.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
-                        f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n")
-        log = open(self.logs / "prometheus.log", "ab")
-        self.proc = subprocess.Popen([binary, f"--config.file={conf}", f"--storage.tsdb.path={self.root / 'data'}",
-                                      f"--web.listen-address=127.0.0.1:{self.port}"],
-                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200, 60,
-                   "prometheus to be ready")
-        return self
-
-    def query(self, q: str) -> list[dict]:
-        r = httpx.get(f"http://127.0.0.1:{self.port}/api/v1/query", params={"query": q}, timeout=10)
-        r.raise_for_status()
-        return r.json()["data"]["result"]
-
-    def scalar(self, q: str) -> float:
-        res = self.query(q)
-        return float(res[0]["value"][1]) if res else 0.0
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def prom_text_sum(text: str, name: str) -> float:
-    """The sum of every sample of `name` in a Prometheus text exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def read_usage(url: str) -> dict[tuple[str, str], dict[str, int]]:
-    """Today's (and yesterday's, for a run across midnight) usage hashes: (key, model) -> field -> sum."""
-    import redis
-
-    from coderai.accounts.usage import day_of, usage_key
-
-    r = redis.Redis.from_url(url)
-    out: dict[tuple[str, str], dict[str, int]] = defaultdict(Counter)
-    try:
-        now = time.time()
-        for day in sorted({day_of(now - 86400), day_of(now)}):
-            for member in r.smembers(f"coderai:usage:index:{day}"):
-                key, model = member.decode().split("\t", 1)
-                for f, v in r.hgetall(usage_key(day, key, model)).items():
-                    out[(key, model)][f.decode()] += int(v)
-    finally:
-        r.close()
-    return out
 
 
 # --- run --------------------------------------------------------------------------------------------------------

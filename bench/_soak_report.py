@@ -1,0 +1,197 @@
+"""The soak's figures read back and printed (bench/soak.py): its targets, its markdown table, a real Prometheus
+queried through its HTTP API, and Redis usage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+from coderai.runtime.embedded import free_port
+from coderai.testing.procs import wait_until
+
+WINDOW_TAIL_S = 5.0  # a fault's window ends this long after the fault does: the recovery target
+
+
+def targets(fig: dict) -> list[tuple[str, bool, str]]:
+    """(target, met, what was measured)."""
+    kinds = {f["kind"] for f in fig["faults"]}
+    want = set(fig["args"]["faults"])
+    grown = {n: g for n, g in fig["processes"].items() if not g["restarted"]}
+    rss_bad = {n: f"{g['rss_growth']:+.1%}" for n, g in grown.items() if g["rss_growth"] >= 0.10}
+    fd_bad = {n: g["fd_growth"] for n, g in grown.items() if g["fd_growth"] > 0}
+    slow = [f"{f['kind']} {f['recovery_s']:.1f}s" if f["recovery_s"] is not None else f"{f['kind']} never"
+            for f in fig["faults"] if f["recovery_s"] is None or f["recovery_s"] > WINDOW_TAIL_S]
+    return [
+        ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
+        ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
+        ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
+        ("0 lost or double-counted usage records",
+         not fig["usage_mismatches"] and not fig["events"]["lost_count"] and not fig["events"]["twice"],
+         f"{fig['events']['lost_count']} answered requests without an ok event, {fig['events']['twice']} events "
+         f"stored twice, {len(fig['usage_mismatches'])} (key, model) rows where the counts differ"),
+        ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
+        ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
+        ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),
+        ("fd growth 0 after warm-up", not fd_bad, ", ".join(f"{n} +{v}" for n, v in fd_bad.items()) or "none"),
+    ]
+
+
+def table(fig: dict, command: str, seconds: float) -> str:
+    out = [f"Command: `{command}` ({seconds / 60:.1f} min in all, {os.cpu_count()} CPUs).", ""]
+    results = ("ok", "clean", "bad", "refused", "hang")
+    out += ["| requests | " + " | ".join(results) + " | total |", "|---|" + "---:|" * (len(results) + 1)]
+    for kind, c in fig["requests"].items():
+        out.append(f"| {kind} | " + " | ".join(str(c.get(r, 0)) for r in results) + f" | {sum(c.values())} |")
+    out += ["", "| fault | target | times | recovery p50 | recovery max |", "|---|---|---:|---:|---:|"]
+    per: dict[tuple[str, str], list] = defaultdict(list)
+    for f in fig["faults"]:
+        per[(f["kind"], f["target"])].append(f["recovery_s"])
+    for (kind, target), rs in sorted(per.items()):
+        ok = [r for r in rs if r is not None]
+        p50 = f"{statistics.median(ok):.2f} s" if ok else "never"
+        mx = f"{max(ok):.2f} s" if ok else "never"
+        out.append(f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |")
+    out += ["", "| usage (key, model) | client ok | Prometheus ok | Redis ok | Prometheus all | Redis all | "
+                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 8]
+    for u in fig["usage"]:
+        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | {u['prom_ok']:g} | "
+                   f"{u['redis_ok']} | {u['prom_all']:g} | {u['redis_all']} | {u['client_tokens']} | "
+                   f"{u['prom_tokens']:g} | {u['redis_tokens']} |")
+    if fig["reasons"]:
+        out += ["", "Why requests were not ok (most common first): " + "; ".join(
+            f"{why} x{n}" for why, n in fig["reasons"].items()) + "."]
+    fan = fig["fanout"]
+    out += ["", f"Fan-out: {fan['parts_sent']:g} parts sent; finished by status {fan['parts']}; "
+                f"{fan['answers_missing_items']} answers missing items.", ""]
+    out += ["| process | RSS after warm-up | RSS at end | growth | fds after warm-up | fds at end |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name, g in sorted(fig["processes"].items()):
+        note = " (restarted)" if g["restarted"] else ""
+        out.append(f"| {name}{note} | {g['rss_warm'] / 2**20:.0f} MiB | {g['rss_end'] / 2**20:.0f} MiB | "
+                   f"{g['rss_growth']:+.1%} | {g['fd_warm']} | {g['fd_end']} |")
+    out += ["", "| target | met | measured |", "|---|---|---|"]
+    for name, met, what in targets(fig):
+        out.append(f"| {name} | {'yes' if met else '**no**'} | {what} |")
+    if fig["bad_outside_windows"]:
+        out += ["", "Bad outcomes outside a fault's window (first 10):", ""]
+        out += [f"- {b['kind']} {b['result']}: {b['why']}" for b in fig["bad_outside_windows"][:10]]
+    return "\n".join(out) + "\n"
+
+
+# --- Prometheus and Redis ---------------------------------------------------------------------------------------
+
+
+class Prometheus:
+    """Debian's `prometheus`, scraping the metrics service every second, on a loopback port of its own."""
+
+    def __init__(self, root: Path, metrics_port: int, logs: Path) -> None:
+        self.root, self.metrics_port, self.logs = root, metrics_port, logs
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Prometheus":
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise SystemExit("needs Debian's prometheus (apt-get install prometheus)")
+        self.root.mkdir(parents=True, exist_ok=True)
+        conf = self.root / "prometheus.yml"
+        conf.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+                        f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n")
+        log = open(self.logs / "prometheus.log", "ab")
+        self.proc = subprocess.Popen([binary, f"--config.file={conf}", f"--storage.tsdb.path={self.root / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200, 60,
+                   "prometheus to be ready")
+        return self
+
+    def query(self, q: str) -> list[dict]:
+        r = httpx.get(f"http://127.0.0.1:{self.port}/api/v1/query", params={"query": q}, timeout=10)
+        r.raise_for_status()
+        return r.json()["data"]["result"]
+
+    def scalar(self, q: str) -> float:
+        res = self.query(q)
+        return float(res[0]["value"][1]) if res else 0.0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def prom_text_sum(text: str, name: str) -> float:
+    """The sum of every sample of `name` in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def read_usage(url: str) -> dict[tuple[str, str], dict[str, int]]:
+    """Today's (and yesterday's, for a run across midnight) usage hashes: (key, model) -> field -> sum."""
+    import redis
+
+    from coderai.accounts.usage import day_of, usage_key
+
+    r = redis.Redis.from_url(url)
+    out: dict[tuple[str, str], dict[str, int]] = defaultdict(Counter)
+    try:
+        now = time.time()
+        for day in sorted({day_of(now - 86400), day_of(now)}):
+            for member in r.smembers(f"coderai:usage:index:{day}"):
+                key, model = member.decode().split("\t", 1)
+                for f, v in r.hgetall(usage_key(day, key, model)).items():
+                    out[(key, model)][f.decode()] += int(v)
+    finally:
+        r.close()
+    return out
+
+
+def stored_events(nats_url: str) -> list[dict]:
+    """Every request.completed the EVENTS stream holds: what usage and Prometheus were built from."""
+    async def read() -> list[dict]:
+        import nats
+        from coderai.contracts import RequestCompleted
+        from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+        from coderai.contracts.base import decode
+
+        nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
+        try:
+            js = nc.jetstream()
+            total = (await js.stream_info("EVENTS")).state.messages
+            from nats.js.api import AckPolicy, ConsumerConfig
+
+            # ephemeral, from the start, no acks (so no limit on unacked messages)
+            sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS",
+                                          config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+            out: list[dict] = []
+            seen = 0
+            while seen < total:
+                try:
+                    msgs = await sub.fetch(batch=1000, timeout=5)
+                except asyncio.TimeoutError:
+                    break
+                for m in msgs:
+                    seen += 1
+                    e = decode(m.data, RequestCompleted)
+                    out.append({"id": e.request_id, "key": e.key_name, "model": e.model, "status": e.status})
+            await sub.unsubscribe()
+            return out
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
