@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=90.0, help="an answer later than this is a hang")
     ap.add_argument("--stop-s", type=float, default=30.0, help="how long stop-worker holds a worker stopped")
     ap.add_argument("--gap-s", type=float, default=6.0, help="quiet seconds between two faults")
+    ap.add_argument("--affinity-max-entries", type=int, default=4000,
+                    help="the router's bound on affinity keys in memory (default 4000, which this load reaches in "
+                         "minutes: the RSS target then checks that the bound holds; the product's default is 100,000)")
     ap.add_argument("--faults", default=",".join(FAULT_KINDS), help="the fault kinds to inject")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--write-doc", action="store_true", help="write the table to docs/reliability.md")
@@ -152,7 +155,8 @@ class Soak:
         self._closers.append(self.redis.stop)
         self.make_keys()
         env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "CODERAI_ROUTER_AFFINITY_MAX_ENTRIES": str(a.affinity_max_entries)}
         self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
         self.stack.nats = self.nats
         self._closers.append(self.stack.stop)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from typing import Any
 
@@ -39,7 +40,7 @@ class Router:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
         self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
-        self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry)
+        self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry, max_entries=self.settings.affinity_max_entries, shrink=_shared_ids)
         for mirror in (self.models, self.affinity):
             await mirror.bind()
             mirror.start()
@@ -124,7 +125,7 @@ class Router:
             if cur is not None and cur.engine_id == d.engine_id and now - cur.ts < self.settings.affinity_refresh_s:
                 continue
             entry = AffinityEntry(engine_id=d.engine_id, node_id=d.node_id, ts=now)
-            self.affinity.values[key] = entry  # this router's next pick sees it before the watch echoes it
+            self.affinity.put(key, entry)  # this router's next pick sees it before the watch echoes it
             self._latest[key] = entry
             if key not in self._writing:  # one writer per key, so this router's own decisions land in order
                 self._writing.add(key)
@@ -159,11 +160,21 @@ class Router:
 
     async def _prune_loop(self) -> None:
         """Drop expired entries from memory (the bucket's TTL drops them from the server)."""
+        evicted = 0
         while True:
             await asyncio.sleep(60)
             now = time.time()
             for key in [k for k, e in self.affinity.values.items() if now - e.ts > AFFINITY_TTL_S]:
                 self.affinity.forget(key)
+            if self.affinity.evicted != evicted:
+                log.info("affinity: %d entries in memory, %d oldest dropped for the bound (%d) in the last minute",
+                         len(self.affinity.values), self.affinity.evicted - evicted, self.affinity.max_entries)
+                evicted = self.affinity.evicted
+
+
+def _shared_ids(e: AffinityEntry) -> AffinityEntry:
+    """An entry whose engine and node ids are the one copy of each string (a third of an entry's bytes)."""
+    return AffinityEntry(engine_id=sys.intern(e.engine_id), node_id=sys.intern(e.node_id), ts=e.ts)
 
 
 def make(settings: RouterSettings):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -24,14 +25,23 @@ class KVMirror(Generic[T]):
 
     The watch replays the bucket first (so a restarted service starts with the shared state), then follows
     changes. Call `start()` again after a reconnect: a restarted server may have dropped the watch's consumer.
+
+    `max_entries` bounds a bucket that is a cache (affinity): past it, the keys written longest ago are dropped
+    from memory (not from the bucket), a sixteenth at a time. `values` is kept in write order for that: a key
+    written again moves to the end. `shrink` maps each decoded value before it is kept (to share repeated
+    strings, say).
     """
 
-    def __init__(self, bus: Bus, spec: BucketSpec, type_: type[T], on_change: Callable[[str, T | None], None] | None = None) -> None:
+    def __init__(self, bus: Bus, spec: BucketSpec, type_: type[T], on_change: Callable[[str, T | None], None] | None = None,
+                 *, max_entries: int = 0, shrink: Callable[[T], T] | None = None) -> None:
         self.bus = bus
         self.spec = spec
         self.type = type_
         self.values: dict[str, T] = {}
         self.revisions: dict[str, int] = {}
+        self.max_entries = max_entries
+        self.evicted = 0  # keys dropped for the bound, since start
+        self._shrink = shrink
         self.synced = asyncio.Event()
         self.kv: Any = None
         self._on_change = on_change
@@ -50,10 +60,20 @@ class KVMirror(Generic[T]):
         if self._task is not None:
             self._task.cancel()
 
+    def put(self, key: str, value: T) -> None:
+        """Keep `value` under `key` (newest in write order), dropping the oldest keys past `max_entries`."""
+        self.values.pop(key, None)
+        self.values[key] = value
+        if self.max_entries and len(self.values) > self.max_entries + max(1, self.max_entries // 16):
+            extra = len(self.values) - self.max_entries
+            for old in list(itertools.islice(self.values, extra)):
+                self.forget(old)
+            self.evicted += extra
+
     def remember(self, key: str, value: T, revision: int) -> None:
         """Record our own write at once, before the watch echoes it back."""
         if revision >= self.revisions.get(key, 0):
-            self.values[key] = value
+            self.put(key, value)
             self.revisions[key] = revision
 
     def forget(self, key: str) -> None:
@@ -94,7 +114,9 @@ class KVMirror(Generic[T]):
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.error("bad value under %s/%s: %s", self.spec.name, entry.key, why_malformed(exc))
                 return
-            self.values[entry.key] = value
+            if self._shrink is not None:
+                value = self._shrink(value)
+            self.put(entry.key, value)
             self.revisions[entry.key] = entry.revision
         if self._on_change:
             self._on_change(entry.key, value)

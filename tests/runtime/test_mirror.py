@@ -1,0 +1,70 @@
+"""`KVMirror` on a real bucket: a bounded mirror keeps the keys written last, and `shrink` maps what it keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import msgspec
+
+from coderai.contracts import encode
+from coderai.contracts.topology import BucketSpec
+from coderai.runtime.mirror import KVMirror
+
+
+class Rec(msgspec.Struct, frozen=True):
+    owner: str
+    n: int
+
+
+async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_bounded_mirror_keeps_the_keys_written_last(bus, unique):
+    mirror = KVMirror(bus, BucketSpec(f"test_{unique}"), Rec, max_entries=16)
+    kv = await mirror.bind()
+    mirror.start()
+    try:
+        for i in range(40):
+            await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+        await _until(lambda: "k39" in mirror.values, "the last write")
+        kept = list(mirror.values)
+        # the bound is let past by a sixteenth before the oldest are dropped, then cut back to it
+        assert 16 <= len(kept) <= 17 and kept[-1] == "k39"
+        assert kept == [f"k{i}" for i in range(40 - len(kept), 40)], "the oldest were dropped first"
+        assert mirror.evicted == 40 - len(kept)
+        assert set(mirror.revisions) == set(kept), "a dropped key's revision goes with it"
+        assert len(await kv.keys()) == 40, "dropped from memory, not from the bucket"
+
+        oldest = kept[0]  # written again, it is the newest and outlives keys written after it first
+        await kv.put(oldest, encode(Rec(owner="a", n=100)))
+        for i in range(40, 50):
+            await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+        await _until(lambda: "k49" in mirror.values, "the last write")
+        assert mirror.values[oldest] == Rec(owner="a", n=100)
+        assert kept[1] not in mirror.values
+    finally:
+        mirror.stop()
+
+
+async def test_an_unbounded_mirror_keeps_everything_and_shrink_maps_each_value(bus, unique):
+    def shared(r: Rec) -> Rec:
+        return Rec(owner=sys.intern(r.owner), n=r.n)
+
+    mirror = KVMirror(bus, BucketSpec(f"test_{unique}"), Rec, shrink=shared)
+    kv = await mirror.bind()
+    mirror.start()
+    try:
+        owner = "".join(["node-", unique])  # made at run time, so only shrink can make the copies one
+        for i in range(300):
+            await kv.put(f"k{i}", encode(Rec(owner=owner, n=i)))
+        await _until(lambda: len(mirror.values) == 300, "every key")
+        assert mirror.evicted == 0
+        owners = {id(r.owner) for r in mirror.values.values()}
+        assert len(owners) == 1, "every value holds the one copy of its owner"
+    finally:
+        mirror.stop()
