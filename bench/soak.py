@@ -156,7 +156,7 @@ class Soak:
         self.make_keys()
         env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "CODERAI_ROUTER_AFFINITY_MAX_ENTRIES": str(a.affinity_max_entries)}
+               "CODERAI_ROUTER_AFFINITY_MAX_ENTRIES": str(self.a.affinity_max_entries)}
         self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
         self.stack.nats = self.nats
         self._closers.append(self.stack.stop)

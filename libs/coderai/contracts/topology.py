@@ -23,9 +23,13 @@ class StreamSpec:
     description: str = ""
 
 
+LEADER_TTL_S = 6.0
+"""A singleton's lease lapses this long after its holder's last renewal (renewed every `LEADER_TTL_S / 4`)."""
+
 NODE_TTL_S = 8.0
 """A node whose heartbeats stop is gone from `coderai_nodes` after this long (heartbeats are every ~2 s)."""
 
+LEADERS = BucketSpec("coderai_leaders", ttl_s=LEADER_TTL_S, description="role -> the singleton's leader, with its fencing token")
 AFFINITY = BucketSpec("coderai_affinity", ttl_s=1800, description="conversation or prefix -> engine")
 NODES = BucketSpec("coderai_nodes", ttl_s=NODE_TTL_S, description="live nodes, last heartbeat")
 ASSIGNMENTS = BucketSpec("coderai_assignments", description="desired models per node")

@@ -1,0 +1,184 @@
+"""One leader per singleton: a lease in the `coderai_leaders` bucket, won by create-if-absent, kept by
+revision-checked renewals, lost when they stop (the bucket's TTL drops the record).
+
+Every head runs the scheduler, the pod broker, ...; each asks for its role's lease and acts only while `held`.
+The lease's fencing token (the revision of the write that won it) goes with what the leader writes, and the
+reader refuses a token older than the newest it has seen: a leader that stalled (a pause, a partition) and wakes
+up after another took over cannot undo the new leader's work.
+
+A holder stops acting before its lease can lapse at the server: `held` turns false `TTL * 3/4` after the last
+renewal that was *sent*, and the server only drops the record a whole TTL after it *stored* it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from coderai.contracts import decode, encode
+from coderai.contracts.leaders import LeaderInfo, LeaderRecord
+from coderai.contracts.topology import LEADER_TTL_S, LEADERS, BucketSpec
+from coderai.runtime.bus import Bus
+
+log = logging.getLogger("coderai.leader")
+
+
+class Leader:
+    """The lease of `role` for `holder` (a head's id). Run `run()` as a task; read `held` and `token` before
+    acting; `on_change(held)` (a function or a coroutine function) is called when leadership is won or lost."""
+
+    def __init__(self, bus: Bus, role: str, holder: str, *, spec: BucketSpec = LEADERS,
+                 on_change: Callable[[bool], Any] | None = None) -> None:
+        self.bus = bus
+        self.role = role
+        self.holder = holder
+        self.spec = spec
+        self.ttl_s = spec.ttl_s or LEADER_TTL_S
+        self.renew_s = self.ttl_s / 4
+        self.token = 0  # while held: the fencing token
+        self.leader = ""  # who holds it, as last read ("" unknown or nobody)
+        self.won = 0  # times this process won it
+        self.on_change = on_change
+        self._rev = 0
+        self._since = 0.0
+        self._valid_until = 0.0  # monotonic
+        self._notified = False
+        self._task: asyncio.Task | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.token > 0 and time.monotonic() < self._valid_until
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"leader:{self.role}")
+
+    async def stop(self) -> None:
+        """Step down: the record is deleted (revision-checked), so another head takes over at once, not a TTL on."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.held:
+            with contextlib.suppress(Exception):
+                kv = await self.bus.kv(self.spec)
+                await asyncio.wait_for(kv.delete(self.role, last=self._rev), 2)
+                log.info("%s: %s stepped down", self.role, self.holder)
+        self.token = 0
+        await self._notify()
+
+    async def run(self) -> None:
+        while True:
+            sent = time.monotonic()
+            try:
+                kv = await self.bus.kv(self.spec)
+                await (self._renew(kv, sent) if self.token else self._try_win(kv, sent))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bus is down or slow: `held` lapses by itself if it lasts
+                log.debug("%s lease: %s", self.role, exc)
+            if self.token and not self.held:
+                log.warning("%s: %s lost the lease (no renewal for %.1f s)", self.role, self.holder, self.ttl_s * 0.75)
+                self.token = 0
+            await self._notify()
+            wait = self.renew_s
+            if self.held:
+                wait = min(wait, max(0.0, self._valid_until - time.monotonic()))
+            await asyncio.sleep(wait)
+
+    async def _try_win(self, kv: Any, sent: float) -> None:
+        now = time.time()
+        try:
+            rev = await kv.create(self.role, encode(LeaderRecord(holder=self.holder, since=now, renewed=now)))
+        except KeyWrongLastSequenceError:
+            entry = await kv.get(self.role)
+            theirs = _record(entry)
+            self.leader = theirs.holder if theirs else ""
+            if theirs is None or theirs.holder != self.holder:
+                return
+            # our own record, from before this process restarted on this head: take it over with a new token
+            rev = await kv.update(self.role, encode(LeaderRecord(holder=self.holder, since=now, renewed=now)),
+                                  last=entry.revision)
+        self.token = self._rev = rev
+        self._since = now
+        self._valid_until = sent + self.ttl_s * 0.75
+        self.leader = self.holder
+        self.won += 1
+        log.info("%s: %s is the leader (token %d)", self.role, self.holder, rev)
+
+    async def _renew(self, kv: Any, sent: float) -> None:
+        record = LeaderRecord(holder=self.holder, token=self.token, since=self._since, renewed=time.time())
+        try:
+            self._rev = await kv.update(self.role, encode(record), last=self._rev)
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            entry = None
+            with contextlib.suppress(KeyNotFoundError):
+                entry = await kv.get(self.role)
+            mine = _record(entry)
+            if mine is None or mine.holder != self.holder or (mine.token or entry.revision) != self.token:
+                self.leader = mine.holder if mine else ""
+                log.warning("%s: %s lost the lease (%s)", self.role, self.holder,
+                            f"{self.leader} took it" if self.leader else "it lapsed")
+                self.token = 0
+                return
+            # our last renewal was stored but its reply was lost: renew on top of it
+            self._rev = await kv.update(self.role, encode(record), last=entry.revision)
+        self._valid_until = sent + self.ttl_s * 0.75
+
+    async def _notify(self) -> None:
+        held = self.held
+        if held == self._notified:
+            return
+        self._notified = held
+        if self.on_change is not None:
+            result = self.on_change(held)
+            if inspect.isawaitable(result):
+                await result
+
+
+def _record(entry: Any) -> LeaderRecord | None:
+    if entry is None or not entry.value or entry.operation in ("DEL", "PURGE"):
+        return None
+    try:
+        return decode(entry.value, LeaderRecord)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+async def leaders(bus: Bus, roles: tuple[str, ...], spec: BucketSpec = LEADERS) -> list[LeaderInfo]:
+    """Who holds each of `roles` now, read from the bucket (for `/admin/cluster` and `coderai status`)."""
+    kv = await bus.kv(spec)
+    out = []
+    for role in roles:
+        try:
+            entry = await kv.get(role)
+        except KeyNotFoundError:
+            entry = None
+        rec = _record(entry)
+        if rec is None:
+            out.append(LeaderInfo(role=role))
+            continue
+        out.append(LeaderInfo(role=role, holder=rec.holder, token=rec.token or entry.revision, since=rec.since,
+                              age_s=round(max(0.0, time.time() - rec.renewed), 3)))
+    return out
+
+
+class Fence:
+    """The reader's side: the newest token seen; a command with an older one is refused. Token 0 means a writer
+    outside any lease (a test, a tool) and is let through."""
+
+    def __init__(self) -> None:
+        self.newest = 0
+
+    def admits(self, token: int) -> bool:
+        if token and token < self.newest:
+            return False
+        self.newest = max(self.newest, token)
+        return True

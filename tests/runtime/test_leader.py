@@ -1,0 +1,102 @@
+"""One leader per singleton (`runtime/leader.py`) on a real nats-server: one holder at a time, a dead holder's lease
+lapses and another wins it with a larger fencing token, a holder that steps down hands over at once, and one that
+cannot reach the bus stops acting before its lease can lapse at the server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from coderai.contracts.topology import BucketSpec
+from coderai.runtime.bus import Bus
+from coderai.runtime.leader import Fence, Leader, leaders
+
+TTL_S = 1.2
+
+
+async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _pair(bus, unique, **kw):
+    spec = BucketSpec(f"test_leaders_{unique}", ttl_s=TTL_S)
+    return spec, Leader(bus, "placement", "head-a", spec=spec, **kw), Leader(bus, "placement", "head-b", spec=spec)
+
+
+async def test_one_holder_at_a_time_and_a_dead_one_is_replaced_with_a_larger_token(bus, unique):
+    changes: list[bool] = []
+    spec, a, b = _pair(bus, unique, on_change=changes.append)
+    a.start()
+    await _until(lambda: a.held, "head-a to win")
+    b.start()
+    for _ in range(int(TTL_S / 0.05) * 2):  # two TTLs of renewals: b never wins while a renews
+        assert not (a.held and b.held)
+        assert not b.held
+        await asyncio.sleep(0.05)
+    assert b.leader == "head-a"
+    [info] = await leaders(bus, ("placement",), spec)
+    assert (info.holder, info.token) == ("head-a", a.token) and info.age_s < TTL_S
+
+    first = a.token
+    a._task.cancel()  # a head SIGKILLed: no step-down, its record lapses by the bucket's TTL
+    killed = time.monotonic()
+    await _until(lambda: not a.held, "head-a to stop acting")
+    await _until(lambda: b.held, "head-b to win the lapsed lease", timeout_s=TTL_S * 4)
+    assert time.monotonic() - killed < TTL_S + b.renew_s + 1.0
+    assert b.token > first, "a later leader's token is larger"
+    fence = Fence()
+    assert fence.admits(b.token) and not fence.admits(first), "the old leader's commands are refused"
+    assert fence.admits(0), "a writer outside any lease is let through"
+    assert changes == [True], "a killed process is told nothing"
+    await b.stop()
+
+
+async def test_stepping_down_hands_over_at_once(bus, unique):
+    spec, a, b = _pair(bus, unique)
+    a.start()
+    await _until(lambda: a.held, "head-a to win")
+    b.start()
+    await asyncio.sleep(b.renew_s)
+    await a.stop()
+    assert not a.held
+    await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S)  # a renewal period, not the TTL
+    [info] = await leaders(bus, ("placement",), spec)
+    assert info.holder == "head-b"
+    await b.stop()
+    [info] = await leaders(bus, ("placement",), spec)
+    assert info.holder == "", "nobody holds a lease its holder gave up"
+
+
+async def test_a_restarted_process_on_the_same_head_takes_its_own_lease_back(bus, unique):
+    spec, a, _ = _pair(bus, unique)
+    a.start()
+    await _until(lambda: a.held, "head-a to win")
+    a._task.cancel()
+    again = Leader(bus, "placement", "head-a", spec=spec)
+    again.start()
+    await _until(lambda: again.held, "the restarted head-a to win", timeout_s=TTL_S / 2)
+    assert again.token > a.token
+    await again.stop()
+
+
+async def test_a_holder_cut_off_from_the_bus_stops_acting_before_its_lease_lapses(nats_server, bus, unique):
+    spec = BucketSpec(f"test_leaders_{unique}", ttl_s=TTL_S)
+    cut = await Bus.connect(nats_server.url, "cut-off")
+    changes: list[bool] = []
+    a = Leader(cut, "placement", "head-a", spec=spec, on_change=changes.append)
+    b = Leader(bus, "placement", "head-b", spec=spec)
+    a.start()
+    await _until(lambda: a.held, "head-a to win")
+    b.start()
+    await cut.nc.close()  # its renewals fail from now on
+    closed = time.monotonic()
+    await _until(lambda: not a.held, "head-a to stop acting")
+    stopped = time.monotonic()
+    await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S * 4)
+    assert stopped - closed <= TTL_S * 0.75 + 0.1
+    assert not a.held and a.token == 0 and changes == [True, False], "a live process is told it lost the lease"
+    await a.stop()
+    await b.stop()
