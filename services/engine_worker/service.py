@@ -32,6 +32,7 @@ from coderai.runtime.cluster import check_token as check_cluster_token
 from coderai.runtime.cluster import fingerprint, user_of
 from coderai.runtime.discovery import Announcement, Announcer, find_head
 from coderai.runtime.kv import KeyWatch
+from coderai.runtime.leader import Fence
 from coderai.runtime.logging import ring
 
 log = logging.getLogger("coderai.engine_worker")
@@ -44,6 +45,7 @@ class Worker:
     def __init__(self, settings: WorkerSettings, node_id: str) -> None:
         self.settings = settings
         self.node_id = node_id
+        self.fence = Fence()  # the newest scheduler token seen on this node's assignments
         # `train` in an explicit family list offers fine-tuning; it is a capability, not an engine family
         self.families = [f for f in settings.families or available_families() if f not in ("train", "qlora")]
         self.train_caps = training_capabilities() if not settings.families or "train" in settings.families else []
@@ -200,9 +202,15 @@ class Worker:
                         await self.converge(Assignment(node_id=self.node_id))
                         continue
                     try:
-                        await self.converge(decode(value, Assignment))
+                        assignment = decode(value, Assignment)
                     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                         log.error("ignoring malformed assignment: %s", why_malformed(exc))
+                        continue
+                    if not self.fence.admits(assignment.fence):  # a scheduler that led once and woke up late
+                        log.warning("ignoring an assignment from a former leader (token %d, newest %d)",
+                                    assignment.fence, self.fence.newest)
+                        continue
+                    await self.converge(assignment)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting

@@ -40,13 +40,16 @@ class Copies:
         else:
             self._heard[key] = time.monotonic()
 
+    def live(self, now: float | None = None) -> list[Heartbeat]:
+        """The last heartbeat of each node heard from within NODE_TTL_S."""
+        now = time.monotonic() if now is None else now
+        return [hb for key, hb in self.mirror.values.items() if now - self._heard.get(key, float("-inf")) <= NODE_TTL_S]
+
     def by_model(self, now: float | None = None) -> dict[str, list[Copy]]:
         """Each model's engines on live nodes, in any state. The bucket's TTL drops a silent node's record without
         a word to watchers, so a record not written again within NODE_TTL_S is taken for gone here."""
-        now = time.monotonic() if now is None else now
         out: dict[str, list[Copy]] = {}
-        for key, hb in self.mirror.values.items():
-            if now - self._heard.get(key, float("-inf")) <= NODE_TTL_S:
-                for e in hb.engines:
-                    out.setdefault(e.model, []).append(Copy(hb.node_id, e))
+        for hb in self.live(now):
+            for e in hb.engines:
+                out.setdefault(e.model, []).append(Copy(hb.node_id, e))
         return out

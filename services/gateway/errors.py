@@ -41,6 +41,7 @@ BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "over_budget": (429, "insufficient_quota"),
     "forbidden": (403, "permission_error"),
     "conflict": (409, "invalid_request_error"),
+    "stale_leader": (503, "service_unavailable"),
     "unavailable": (502, "engine_error"),  # a head that cannot change its members: not the client's to retry
     "timeout": (504, "timeout"),
     "engine_failed": (502, "engine_error"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coderai.contracts import Heartbeat, ModelLoaded, ModelUnloaded, PartDone, RequestCompleted
+from coderai.contracts.leaders import LeaderInfo
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)  # a tiny GGUF to a large model over a slow disk
@@ -40,6 +41,11 @@ class Series:
         self.pod_budget_left = Gauge("coderai_budget_remaining_usd", "a model's pod budget left this period (spent and reserved taken off)",
                                      ["model", "period"], registry=r)
         self._pod_labels: set[tuple[str, str]] = set()
+        self.leader = Gauge("coderai_leader", "1 for the head that holds a singleton's lease (0 for one that held it before)",
+                            ["role", "holder"], registry=r)
+        self.leader_token = Gauge("coderai_leader_token", "the fencing token of a singleton's lease (0: nobody holds it)",
+                                  ["role"], registry=r)
+        self._leader_labels: set[tuple[str, str]] = set()
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
         self.gpu_free = Gauge("coderai_node_gpu_memory_free_bytes", "free memory per GPU of a node", ["node", "gpu"], registry=r)
         self.loads = Counter("coderai_model_loads", "copies of a model a node finished loading", ["model", "node"], registry=r)
@@ -90,6 +96,17 @@ class Series:
         for labels, n in counts.items():
             self.pods.labels(*labels).set(n)
         self._pod_labels |= set(counts)
+
+    def on_leaders(self, infos: list[LeaderInfo]) -> None:
+        """Who holds each singleton's lease; a former holder drops to 0."""
+        now = {(i.role, i.holder) for i in infos if i.holder}
+        for labels in self._leader_labels - now:
+            self.leader.labels(*labels).set(0)
+        for labels in now:
+            self.leader.labels(*labels).set(1)
+        for i in infos:
+            self.leader_token.labels(i.role).set(i.token if i.holder else 0)
+        self._leader_labels |= now
 
     def census(self, heartbeats: dict[str, Heartbeat]) -> None:
         """Nodes and ready engines per model, from the live nodes' last heartbeats."""

@@ -21,12 +21,13 @@ from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode, why_malformed
 from coderai.contracts.subjects import EVT_MODEL_LOADED, EVT_MODEL_UNLOADED, EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
-from coderai.contracts.topology import EVENTS, MODELS, NODE_TTL_S, PODS
+from coderai.contracts.topology import EVENTS, LEADERS, MODELS, NODE_TTL_S, PODS
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
+from coderai.runtime.leader import leaders
 from coderai.runtime.lifecycle import stop_task
 
 log = logging.getLogger("coderai.metrics")
@@ -41,6 +42,7 @@ class Metrics:
         self.applied = 0  # the last EVENTS sequence counted (Redis keeps it across restarts: usage.record_new)
         self._live: dict[str, tuple[float, Heartbeat]] = {}
         self._pod_kvs: tuple[Any, Any] | None = None
+        self._leaders_kv: Any = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -88,6 +90,11 @@ class Metrics:
             now = time.monotonic()
             self._live = {n: v for n, v in self._live.items() if now - v[0] <= NODE_TTL_S}
             self.series.census({n: v[1] for n, v in self._live.items()})
+            try:
+                self._leaders_kv = self._leaders_kv or await self.bus.kv(LEADERS)
+                self.series.on_leaders(await leaders(self._leaders_kv))
+            except Exception as exc:  # noqa: BLE001 - retried on the next round
+                log.debug("leaders not read: %s", exc)
             if self.redis is not None:
                 try:
                     await self._budgets()

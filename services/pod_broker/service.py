@@ -49,6 +49,7 @@ from coderai.pod_broker import choosing
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
+from coderai.runtime.leader import Fence, singleton
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.pod_broker")
@@ -58,8 +59,10 @@ MB = 1024 * 1024
 
 
 class Broker:
-    def __init__(self, settings: BrokerSettings, api: Any = None, money: Any = None) -> None:
+    def __init__(self, settings: BrokerSettings, leader: Any = None, api: Any = None, money: Any = None) -> None:
         self.settings = settings
+        self.leader = leader  # the lease it runs under (runtime/leader.singleton); None: unfenced
+        self.fence = Fence()  # the newest scheduler token seen on acquire requests
         self.api = api
         self.money = money
         self.pods: dict[str, PodInfo] = {}
@@ -165,6 +168,9 @@ class Broker:
         return LeaseReply(model=req.model, pods=req.pods, until=until)
 
     async def _acquire(self, req: AcquireRequest, _m: Any) -> AcquireReply:
+        if not self.fence.admits(req.fence):
+            raise BusError("stale_leader", f"refused: from a former scheduler leader (token {req.fence}, "
+                                           f"newest {self.fence.newest})")
         return AcquireReply(pod=await self.acquire(req.model, req.reason))
 
     async def acquire(self, model: str, reason: str = "") -> PodInfo:
@@ -419,4 +425,6 @@ class Broker:
 
 
 def make(settings: BrokerSettings):
-    return Broker(settings).start
+    """The broker runs on every head and acts on one: the holder of the `pod-broker` lease (acquire, reap,
+    reconcile: renting twice what one head rents is money)."""
+    return singleton("pod-broker", settings, lambda leader: Broker(settings, leader).start)

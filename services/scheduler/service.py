@@ -30,6 +30,7 @@ from coderai.contracts.subjects import (
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import RevisionCache, list_keys, put_if_changed, read_all
+from coderai.runtime.leader import Leader, singleton
 from coderai.runtime.mirror import KVMirror
 from coderai.scheduler import stages
 from coderai.models_file import load_models
@@ -47,8 +48,9 @@ log = logging.getLogger("coderai.scheduler")
 
 
 class Scheduler:
-    def __init__(self, settings: SchedulerSettings) -> None:
+    def __init__(self, settings: SchedulerSettings, leader: Leader | None = None) -> None:
         self.settings = settings
+        self.leader = leader  # the lease this scheduler runs under (runtime/leader.singleton); None: unfenced
         self.models: list[ModelConfig] = load_models(settings.models_file) if settings.models_file else []
         self.nodes: dict[str, Heartbeat] = {}
         self.seen: dict[str, float] = {}
@@ -197,7 +199,8 @@ class Scheduler:
                 why = f"{m.name!r} cannot be loaded now: {room}; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
-            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason), timeout=15.0)
+            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason,
+                                                                                fence=self.leader.token if self.leader else 0), timeout=15.0)
         except BusError as exc:
             code = "over_budget" if exc.code == "over_budget" else "no_engine"
             return EscalateReply(action="refused", code=code, why=exc.message)
@@ -283,6 +286,8 @@ class Scheduler:
             self._dirty.clear()
             self._passes = (self._passes[0] + 1, self._passes[1])
             try:
+                if self.leader is not None and not self.leader.held:  # stopped soon (singleton); write nothing now
+                    raise BusError("unavailable", "the scheduler's lease lapsed")
                 owned = {n: hb for n, hb in self.nodes.items() if not hb.pod}  # a pod brings its own models
                 before = dict(self.assignments.values)
                 result = self.residency.plan(self.models, owned, before, layers=self._block_counts())
@@ -308,7 +313,9 @@ class Scheduler:
                                  if want is not m else "fits a node whole again: no stage relay")
                 self.restaged = result.restaged
                 await self._unloaded(before, result, owned)
+                fence = self.leader.token if self.leader else 0
                 for node_id, assignment in result.assignments.items():
+                    assignment = msgspec.structs.replace(assignment, fence=fence)
                     if self.membership is not None:  # its rights follow what it holds, before it is told
                         await self.membership.grant_work(node_id, assignment.models)
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
@@ -349,4 +356,5 @@ def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:
 
 
 def make(settings: SchedulerSettings):
-    return Scheduler(settings).start
+    """The scheduler runs on every head and acts on one: the holder of the `scheduler` lease."""
+    return singleton("scheduler", settings, lambda leader: Scheduler(settings, leader).start)

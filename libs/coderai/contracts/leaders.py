@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from coderai.contracts.base import Message
 
+SINGLETONS = ("scheduler", "pod-broker")
+"""The roles that run on every head and act on one (the lease's key in `coderai_leaders`)."""
+
 
 class LeaderRecord(Message, frozen=True, kw_only=True):
     """The value under a role's key. `token` is the fencing token: the revision of the write that won the lease,

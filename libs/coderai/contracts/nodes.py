@@ -76,3 +76,4 @@ class Assignment(Message, frozen=True, kw_only=True):
     node_id: str
     models: list[ModelConfig] = []
     rpc_peers: list[str] = []  # addresses allowed through this node's RPC gate: the nodes serving split models
+    fence: int = 0  # the writing scheduler's fencing token (runtime/leader.py); the worker refuses an older one

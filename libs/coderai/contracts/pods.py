@@ -62,6 +62,7 @@ class EscalateReply(Message, frozen=True, kw_only=True, tag="escalate", tag_fiel
 class AcquireRequest(Message, frozen=True, kw_only=True):
     model: str
     reason: str = ""
+    fence: int = 0  # the asking scheduler's fencing token (runtime/leader.py); the broker refuses an older one
 
 
 class AcquireReply(Message, frozen=True, kw_only=True, tag="acquire", tag_field="t"):

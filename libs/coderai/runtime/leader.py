@@ -24,9 +24,11 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from coderai.contracts import decode, encode
-from coderai.contracts.leaders import LeaderInfo, LeaderRecord
+from coderai.contracts.leaders import SINGLETONS, LeaderInfo, LeaderRecord
 from coderai.contracts.topology import LEADER_TTL_S, LEADERS, BucketSpec
 from coderai.runtime.bus import Bus
+from coderai.runtime.lifecycle import Starter, stop_task
+from coderai.runtime.node_id import stable_node_id
 
 log = logging.getLogger("coderai.leader")
 
@@ -60,6 +62,12 @@ class Leader:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"leader:{self.role}")
 
+    async def try_once(self) -> bool:
+        """One attempt to win, now (before `start`): a lone head leads from its first second."""
+        with contextlib.suppress(Exception):
+            await self._try_win(await self.bus.kv(self.spec), time.monotonic())
+        return self.held
+
     async def stop(self) -> None:
         """Step down: the record is deleted (revision-checked), so another head takes over at once, not a TTL on."""
         if self._task is not None:
@@ -75,6 +83,7 @@ class Leader:
         await self._notify()
 
     async def run(self) -> None:
+        await self._notify()
         while True:
             sent = time.monotonic()
             try:
@@ -152,9 +161,9 @@ def _record(entry: Any) -> LeaderRecord | None:
         return None
 
 
-async def leaders(bus: Bus, roles: tuple[str, ...], spec: BucketSpec = LEADERS) -> list[LeaderInfo]:
-    """Who holds each of `roles` now, read from the bucket (for `/admin/cluster` and `coderai status`)."""
-    kv = await bus.kv(spec)
+async def leaders(kv: Any, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderInfo]:
+    """Who holds each of `roles` now, read from the `coderai_leaders` bucket `kv` (for `/admin/cluster`,
+    `coderai status` and the metric)."""
     out = []
     for role in roles:
         try:
@@ -182,3 +191,67 @@ class Fence:
             return False
         self.newest = max(self.newest, token)
         return True
+
+
+def singleton(role: str, settings: Any, make_start: Callable[[Leader], Starter], holder: str = "") -> Starter:
+    """A service `make_start(leader)` makes, run only while this process holds `role`'s lease.
+
+    Every head runs it; one leads. The others wait as standbys. A leader that loses the lease stops the service
+    (its subscriptions, loops and connections, as on a signal) and waits as a standby again. Once it wins again, it
+    starts a fresh one, so nothing half-led stays behind. `holder` defaults to this head's node id: a process
+    restarted on the same head takes its own lease back at once, without waiting out the TTL.
+    """
+
+    async def start(stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+        bus = await Bus.connect_as(settings, f"{role}-lease")
+        stack.push_async_callback(bus.close)
+        changed = asyncio.Event()
+        leader = Leader(bus, role, holder or stable_node_id(settings.data_dir, settings.node_id),
+                        on_change=lambda _held: changed.set())
+        inner: list[contextlib.AsyncExitStack] = []
+
+        async def lead() -> None:
+            inner.append(contextlib.AsyncExitStack())
+            try:
+                await make_start(leader)(inner[0], stop)
+            except BaseException:
+                await _close(inner)
+                raise
+            log.info("%s: leading on %s (token %d)", role, leader.holder, leader.token)
+
+        async def follow() -> None:
+            try:
+                while True:
+                    await changed.wait()
+                    changed.clear()
+                    if leader.held and not inner:
+                        try:
+                            await lead()
+                        except Exception as exc:  # noqa: BLE001 - tried again on the next change (or renewal)
+                            log.warning("%s: starting as the leader failed (%s); trying again", role, exc)
+                            await asyncio.sleep(1.0)
+                            changed.set()
+                    elif not leader.held and inner:
+                        log.warning("%s: lost the lease; stopped until this head leads again", role)
+                        await _close(inner)
+            finally:
+                await _close(inner)
+
+        if await leader.try_once():
+            await lead()
+        else:
+            log.info("%s: standby (%s leads)", role, leader.leader or "nobody yet")
+        leader.start()
+        stack.push_async_callback(leader.stop)  # after the service below has stopped: a step-down hands over
+        task = asyncio.create_task(follow(), name=f"follow:{role}")
+        stack.push_async_callback(stop_task, task)
+
+    return start
+
+
+async def _close(inner: list[contextlib.AsyncExitStack]) -> None:
+    while inner:
+        try:
+            await asyncio.wait_for(inner.pop().aclose(), 15)
+        except asyncio.TimeoutError:
+            log.warning("stopping the service took longer than 15 s; going on")

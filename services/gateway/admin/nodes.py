@@ -12,9 +12,11 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, Subject, check_token
+from coderai.contracts.topology import LEADERS
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, read_json
 from coderai.gateway.state import AdminController, Gateway
+from coderai.runtime.leader import leaders
 
 
 async def ask(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Any:
@@ -48,6 +50,22 @@ class NodesController(AdminController):
     @get("/nodes")
     async def nodes(self) -> Response:
         return await relay(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
+
+    @get("/cluster")
+    async def cluster(self) -> Response:
+        """Who leads each singleton (scheduler, pod broker) and the nodes heard from: `coderai status` shows it."""
+        try:
+            kv = await self.gw.bus.kv(LEADERS)
+            held = await leaders(kv)
+        except BusError as exc:
+            raise from_bus(exc, self.gw.settings.retry_after_s) from None
+        except Exception as exc:  # noqa: BLE001 - the bus is down or its JetStream not ready
+            raise ApiError(503, f"the bus did not answer: {type(exc).__name__}", type="service_unavailable",
+                           code="bus_unavailable", headers={"Retry-After": str(self.gw.settings.retry_after_s)}) from None
+        nodes = [{"node_id": hb.node_id, "pod": hb.pod, "models": sorted({e.model for e in hb.engines}),
+                  "in_flight": sum(e.in_flight for e in hb.engines)} for hb in self.gw.copies.live()]
+        return json_response({"object": "cluster", "leaders": [msgspec.to_builtins(i) for i in held],
+                              "nodes": sorted(nodes, key=lambda n: n["node_id"])})
 
     @get("/splits")
     async def splits(self) -> Response:
