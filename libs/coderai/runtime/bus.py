@@ -100,7 +100,7 @@ async def connect(
         try:
             # nats-py retries a refused login forever inside connect(); the deadline bounds that too
             return await asyncio.wait_for(nats.connect(
-                url,
+                [u.strip() for u in url.split(",") if u.strip()] if "," in url else url,  # several heads' URLs
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
@@ -131,9 +131,11 @@ def _refused(subject: str) -> BusError:
 
 
 def _without_credentials(url: str) -> str:
-    """The URL for logs: never the derived password."""
+    """The URL (or comma-separated URLs) for logs: never the derived password."""
     from urllib.parse import urlsplit, urlunsplit
 
+    if "," in url:
+        return ",".join(_without_credentials(u.strip()) for u in url.split(","))
     parts = urlsplit(url)
     if not parts.password and not parts.username:
         return url
@@ -260,6 +262,8 @@ class Bus:
         self._streams: dict[str, FrameStream] = {}
         self._mux_sub: Any = None
         self._handout_sub: Any = None
+        self.replicas = 1  # streams and buckets made (or found with fewer) get this many (CODERAI_NATS_REPLICAS)
+        self.fitted: set[str] = set()  # streams whose replica count this connection has checked
 
     @classmethod
     async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
@@ -284,13 +288,16 @@ class Bus:
             from coderai.runtime.cluster import with_user
             from coderai.runtime.members import SERVICE_USER, read_secret
 
-            url = with_user(url, SERVICE_USER, read_secret(Path(os.path.expanduser(password_file))))
+            password = read_secret(Path(os.path.expanduser(password_file)))
+            url = ",".join(with_user(u.strip(), SERVICE_USER, password) for u in url.split(","))
         ca = getattr(settings, "nats_ca", "")
         if ca and "tls" not in kw:
             from coderai.runtime.tls import ca_text, client_context
 
             kw["tls"] = client_context(ca_text(ca))
-        return await cls.connect(url, name, **kw)
+        bus = await cls.connect(url, name, **kw)
+        bus.replicas = max(1, int(getattr(settings, "nats_replicas", 1) or 1))
+        return bus
 
     @property
     def connected(self) -> bool:
@@ -521,46 +528,22 @@ class Bus:
     # --- JetStream topology ----------------------------------------------------------------------
 
     async def kv(self, spec: BucketSpec) -> Any:
-        """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history, on disk (file storage, in
-        the server's store dir), so what it holds survives a restart of the server."""
-        from nats.js.api import KeyValueConfig, StorageType
-        from nats.js.errors import BucketNotFoundError
+        """Bind a KV bucket, creating it when missing; see `stores.key_value`."""
+        from coderai.runtime.stores import key_value
 
-        try:
-            return await self.js.key_value(spec.name)
-        except BucketNotFoundError:
-            cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description,
-                                 storage=StorageType.FILE, direct=True)  # direct: a node reads its own key by name
-            return await self.js.create_key_value(cfg)
+        return await key_value(self, spec)
 
     async def object_store(self, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> Any:
         """Bind the object store `spec` names (`BLOBS`, `FILES`); see `stores.object_store`."""
         from coderai.runtime.stores import object_store
 
-        return await object_store(self.js, spec, create=create, max_bytes=max_bytes)
+        return await object_store(self, spec, create=create, max_bytes=max_bytes)
 
     async def ensure_stream(self, spec: StreamSpec) -> None:
-        """Create a stream if missing (an existing one is left as it is), on disk like every bucket."""
-        from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-        from nats.js.errors import NotFoundError
+        """Create a stream if missing; see `stores.ensure_stream`."""
+        from coderai.runtime.stores import ensure_stream
 
-        try:
-            await self.js.stream_info(spec.name)
-        except NotFoundError:
-            retention = RetentionPolicy.WORK_QUEUE if spec.name == "WORK" else RetentionPolicy.LIMITS
-            cfg = StreamConfig(
-                name=spec.name,
-                subjects=list(spec.subjects),
-                max_age=spec.max_age_s or None,
-                retention=retention,
-                description=spec.description,
-                storage=StorageType.FILE,
-            )
-            try:
-                await self.js.add_stream(cfg)
-            except Exception as exc:  # noqa: BLE001 - another service may have created it a moment ago
-                log.debug("add_stream %s: %s", spec.name, exc)
-                await self.js.stream_info(spec.name)
+        await ensure_stream(self, spec)
 
 
 class FrameWriter:

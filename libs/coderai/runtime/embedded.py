@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 _PR_SET_PDEATHSIG = 1
@@ -107,6 +109,33 @@ class _Server:
         self.stop()
 
 
+@dataclass(frozen=True)
+class Routes:
+    """One head's place in a NATS cluster: its server name, where it listens for the other heads' routes, and
+    their route URLs (`host:port`). Routes log in with one route user whose password the heads share (made by the
+    first head, handed to the others with their join); with `tls` (a TlsFiles whose CA signed every head's
+    certificate) routes are TLS both ways and each side checks the other's certificate."""
+
+    name: str
+    listen: str  # host:port
+    peers: tuple[str, ...] = ()
+    password: str = ""
+    cluster: str = "coderai"
+    tls: Any = None
+
+    def conf(self) -> str:
+        auth = f"  authorization {{ user: route, password: {json.dumps(self.password)}, timeout: 2 }}\n" if self.password else ""
+        cred = f"route:{self.password}@" if self.password else ""
+        routes = ", ".join(json.dumps(f"nats-route://{cred}{p}") for p in self.peers)
+        tls = ""
+        if self.tls is not None:
+            tls = (f"  tls {{ cert_file: {json.dumps(str(self.tls.cert))}, key_file: {json.dumps(str(self.tls.key))}, "
+                   f"ca_file: {json.dumps(str(self.tls.ca))}, verify: true, timeout: 2 }}\n")
+        return (f"server_name: {json.dumps(self.name)}\n"
+                f"cluster {{\n  name: {json.dumps(self.cluster)}\n  listen: {json.dumps(self.listen)}\n{auth}{tls}"
+                f"  routes: [{routes}]\n}}\n")
+
+
 class NatsServer(_Server):
     """A `nats-server -js`, on loopback unless told otherwise. `port=None` lets the server pick one; the URL is
     read from its ports file. `users_file` is a config file with an `authorization {...}` block
@@ -114,9 +143,10 @@ class NatsServer(_Server):
     in `pid_file`); `auth` is such a block as text, written to `<data_dir>/auth.conf`."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "",
-                 users_file: str | os.PathLike | None = None, tls=None) -> None:
+                 users_file: str | os.PathLike | None = None, tls=None, cluster: "Routes | None" = None) -> None:
         self.data_dir = Path(data_dir)
         self.tls = tls  # runtime/tls.TlsFiles: every client must then speak TLS
+        self.cluster = cluster  # one head of several: routes to the others, JetStream replicated over them
         self.port = port
         self.host = host
         self.auth = auth
@@ -185,13 +215,17 @@ class NatsServer(_Server):
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds password hashes
             with os.fdopen(fd, "w") as fh:
                 fh.write(self.auth)
-        if self.tls is not None:  # in the config file, not flags: a reload must see the same TLS settings
+        if self.tls is not None or self.cluster is not None:  # a file, not flags: a reload must see the same
             main = self.data_dir / "nats.conf"
-            users = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
-            fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            text = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
+            if self.tls is not None:
+                text += (f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
+                         "  handshake_first: true\n}\n")
+            if self.cluster is not None:
+                text += self.cluster.conf()
+            fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the route password
             with os.fdopen(fd, "w") as fh:
-                fh.write(f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
-                         "  handshake_first: true\n}\n" + users)
+                fh.write(text)
             conf = main
         if conf is not None:
             cmd += ["-c", str(conf)]

@@ -31,6 +31,7 @@ class CommonSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     nats_password_file: str = ""  # a file holding the `service` user's NATS password (the head makes it)
     nats_ca: str = ""  # the CA (PEM text, or a file) NATS' certificate must be signed by; set: connect with TLS
     cluster_token: str = ""  # the shared secret a worker joins with (runtime/cluster.py); no credential comes from it
+    nats_replicas: int = 1  # JetStream copies of every stream and bucket made or found with fewer: min(3, heads)
     node_id: str = ""
     log_level: str = "INFO"
     log_format: str = "auto"  # auto: JSON off a terminal, text on one

@@ -1,31 +1,93 @@
-"""JetStream object stores: bound, or made when missing, with a cap the server's disk can hold."""
+"""JetStream topology: KV buckets, streams and object stores, bound, or made when missing (on disk, with the
+bus's replica count; one found with fewer replicas is raised to it, as when a head joins), and an object store's
+cap fitted to what the server's disk can hold."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from coderai.contracts.topology import BucketSpec
+from coderai.contracts.topology import BucketSpec, StreamSpec
 
 log = logging.getLogger("coderai.bus")
 
 INSUFFICIENT_STORAGE = 10047  # JetStream's error code: a stream or store asks for more than the server may keep
 
 
-async def object_store(js: Any, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> Any:
+async def fit_replicas(bus: Any, stream: str) -> None:
+    """Raise `stream` to the bus's replica count, once per connection; nats-server moves its data online. Left as
+    it is where the caller may not (a node's rights name no stream API) or the cluster has too few servers."""
+    if bus.replicas <= 1 or stream in bus.fitted:
+        return
+    bus.fitted.add(stream)
+    try:
+        info = await bus.js.stream_info(stream)
+        if (info.config.num_replicas or 1) < bus.replicas:
+            cfg = info.config
+            cfg.num_replicas = bus.replicas
+            await bus.js.update_stream(cfg)
+            log.info("stream %s raised to %d replicas", stream, bus.replicas)
+    except Exception as exc:  # noqa: BLE001 - tried again by the next connection (a restart, another head)
+        bus.fitted.discard(stream)
+        log.warning("stream %s not raised to %d replicas: %s", stream, bus.replicas, exc)
+
+
+async def key_value(bus: Any, spec: BucketSpec) -> Any:
+    """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history, on disk (file storage, in
+    the server's store dir), so what it holds survives a restart of the server."""
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    try:
+        kv = await bus.js.key_value(spec.name)
+    except BucketNotFoundError:
+        cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description,
+                             storage=StorageType.FILE, direct=True,  # direct: a node reads its own key by name
+                             replicas=bus.replicas)
+        return await bus.js.create_key_value(cfg)
+    await fit_replicas(bus, f"KV_{spec.name}")
+    return kv
+
+
+async def ensure_stream(bus: Any, spec: StreamSpec) -> None:
+    """Create a stream if missing (an existing one keeps its limits), on disk like every bucket."""
+    from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+    from nats.js.errors import NotFoundError
+
+    try:
+        await bus.js.stream_info(spec.name)
+    except NotFoundError:
+        retention = RetentionPolicy.WORK_QUEUE if spec.name == "WORK" else RetentionPolicy.LIMITS
+        cfg = StreamConfig(name=spec.name, subjects=list(spec.subjects), max_age=spec.max_age_s or None,
+                           retention=retention, description=spec.description, storage=StorageType.FILE,
+                           num_replicas=bus.replicas)
+        try:
+            await bus.js.add_stream(cfg)
+        except Exception as exc:  # noqa: BLE001 - another service may have created it a moment ago
+            log.debug("add_stream %s: %s", spec.name, exc)
+            await bus.js.stream_info(spec.name)
+        return
+    await fit_replicas(bus, spec.name)
+
+
+async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> Any:
     """Bind the object store `spec` names (`BLOBS`, `FILES`). Missing: created with its spec's TTL and
     description and at most `max_bytes` (0: no cap) when `create`, else nats-py's BucketNotFoundError."""
     from nats.js.api import ObjectStoreConfig
     from nats.js.errors import BadRequestError, BucketNotFoundError, ServerError
 
+    js = bus.js
     try:
-        return await js.object_store(spec.name)
+        store = await js.object_store(spec.name)
     except BucketNotFoundError:
         if not create:
             raise
+    else:
+        await fit_replicas(bus, f"OBJ_{spec.name}")
+        return store
     while True:
         cfg = ObjectStoreConfig(bucket=spec.name, ttl=spec.ttl_s or None, description=spec.description,
-                                max_bytes=max_bytes or None)
+                                max_bytes=max_bytes or None, replicas=bus.replicas)
         try:
             return await js.create_object_store(spec.name, config=cfg)
         except ServerError as exc:
