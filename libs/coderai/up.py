@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {k: v for k, v in os.environ.items() if k != "CODERAI_CLUSTER_TOKEN"} | {
             "CODERAI_NATS_URL": service_url,
             "CODERAI_DATA_DIR": str(data),
+            "CODERAI_NODE_ID": worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
             "CODERAI_LOG_FORMAT": "json",
             "CODERAI_METRICS_REDIS_URL": redis_url,
             "CODERAI_METRICS_PORT": str(metrics_port),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -189,6 +190,24 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
             r.close()
         return keys, spent
 
+    def bus_state() -> tuple[dict, set]:
+        """Each node's assigned models and the affinity keys, read from the bus's buckets on disk."""
+        from coderai.contracts import Assignment
+        from coderai.contracts.topology import AFFINITY, ASSIGNMENTS
+        from coderai.runtime.bus import Bus
+        from coderai.runtime.kv import list_keys, read_all
+        from coderai.up import service_urls
+
+        async def read() -> tuple[dict, set]:
+            bus = await Bus.connect(service_urls(data)[0], "test")
+            try:
+                assigned = await read_all(await bus.kv(ASSIGNMENTS), Assignment)
+                return {k: [m.name for m in a.models] for k, a in assigned.items()}, set(await list_keys(await bus.kv(AFFINITY)))
+            finally:
+                await bus.close()
+
+        return asyncio.run(read())
+
     proc, base = start(1)
     try:
         admin = (data / "admin.key").read_text().strip()
@@ -209,6 +228,13 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
         sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=admin, max_retries=0, timeout=30)
         lines = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
         uploaded = sdk.files.create(file=("train.jsonl", lines), purpose="fine-tune")
+        wait_until(lambda: bus_state()[1], 30, "the router to record the chat's affinity")
+        assigned, affinity = bus_state()
+        assert list(assigned.values()) == [["coderai-tiny"]], assigned
+        status = subprocess.run([sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(data)],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "nobody" not in status.stdout, status.stdout + status.stderr
+        assert f"scheduler   {next(iter(assigned))}" in status.stdout, status.stdout  # this box's head leads
         _ctrl_c(proc)
 
         for how in ("ctrl-c", "sigkill"):
@@ -221,6 +247,8 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
             assert httpx.get(f"{base}/v1/models", headers=alice, timeout=30).status_code == 200  # the key still works
             sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=admin, max_retries=0, timeout=30)
             assert sdk.files.content(uploaded.id).read() == lines, f"after {how}"
+            after_assigned, after_affinity = bus_state()
+            assert after_assigned == assigned and affinity <= after_affinity, f"after {how}: assignments or affinity lost"
             if how == "ctrl-c":
                 _sigkill(proc, data)
         _ctrl_c(proc)
