@@ -30,6 +30,7 @@ log = logging.getLogger("coderai.engine_worker")
 
 ACK_WAIT_S = 10.0
 MAX_DELIVER = 3
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 4.0  # a puller whose engine failed a part waits this long before the next
 
 
 consumer_name = work_consumer
@@ -46,6 +47,7 @@ class PartPuller:
         self._sub: Any = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._backoff_s = MIN_BACKOFF_S
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -96,9 +98,16 @@ class PartPuller:
                 await asyncio.sleep(1.0)
                 continue
             for msg in msgs:
-                await self._one(msg)
+                if await self._one(msg) == "retry":
+                    # this engine just failed a part and handed it back: step aside for a moment, so the
+                    # redelivery goes to another holder instead of coming straight back here (three quick
+                    # failures here would use up the part's deliveries while a healthy worker waits)
+                    await asyncio.sleep(self._backoff_s)
+                    self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+                else:
+                    self._backoff_s = MIN_BACKOFF_S
 
-    async def _one(self, msg: Any) -> None:
+    async def _one(self, msg: Any) -> str:
         host = self.host
         try:
             part = decode(msg.data, WorkPart)
@@ -106,7 +115,7 @@ class PartPuller:
         except (msgspec.ValidationError, msgspec.DecodeError, KeyError) as exc:
             log.error("dropping a malformed part: %s", why_malformed(exc))
             await msg.term()
-            return
+            return "dropped"
         deliveries = msg.metadata.num_delivered if msg.metadata else 1
         last = deliveries >= self.max_deliver
         t0 = time.monotonic()
@@ -127,6 +136,7 @@ class PartPuller:
                        duration_s=time.monotonic() - t0, ts=time.time())
         with contextlib.suppress(Exception):
             await host.bus.publish(EVT_PART_DONE, evt, node_id=host.node_id)
+        return status
 
     async def _in_progress(self, msg: Any) -> None:
         """Keep the part ours while it runs (a long image or transcription outlasts `ack_wait_s`)."""

@@ -68,3 +68,36 @@ async def test_an_unbounded_mirror_keeps_everything_and_shrink_maps_each_value(b
         assert len(owners) == 1, "every value holds the one copy of its owner"
     finally:
         mirror.stop()
+
+
+async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_wiped_store(bus, unique):
+    spec = BucketSpec(f"test_{unique}")
+    mirror = KVMirror(bus, spec, Rec)
+    kv = await mirror.bind()
+    applied: list[str] = []
+    apply = mirror._apply
+    mirror._apply = lambda e: (applied.append(e.key), apply(e))  # type: ignore[method-assign]
+    mirror.start()
+    try:
+        for i in range(50):
+            await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+        await _until(lambda: len(mirror.values) == 50, "every key")
+        await kv.put("k3", encode(Rec(owner="b", n=3)))
+        await kv.delete("k4")
+        applied.clear()
+        mirror.start()  # what a service does after a reconnect
+        await kv.put("k5", encode(Rec(owner="c", n=5)))
+        await _until(lambda: mirror.values.get("k5") == Rec(owner="c", n=5), "the change after the restart")
+        assert mirror.values["k3"] == Rec(owner="b", n=3) and "k4" not in mirror.values
+        assert len(applied) <= 3, f"the restarted watch read the bucket again: {len(applied)} entries"
+
+        await bus.js.delete_key_value(spec.name)  # the server's store is wiped: its sequences start again
+        kv = await bus.kv(spec)
+        mirror.kv = kv
+        for i in range(60):  # past the old revisions: only the stream's creation time tells it is another
+            await kv.put("fresh", encode(Rec(owner="d", n=i)))
+        mirror.start()
+        await _until(lambda: list(mirror.values) == ["fresh"] and mirror.values["fresh"].n == 59,
+                     "the whole (new) bucket, and nothing from before")
+    finally:
+        mirror.stop()

@@ -37,6 +37,34 @@ def settings_from_args(settings_cls: type[S], service: str, args: argparse.Names
     return load_settings(settings_cls, service, **overrides)
 
 
+def memory_report_on_signal(service: str) -> None:
+    """With `CODERAI_MEMORY_REPORT=<dir>` (or `CODERAI_<SERVICE>_MEMORY_REPORT`): trace allocations from now on, and on SIGUSR2 write the 40 source lines
+    that hold the most memory, and what changed since the first report, to `<dir>/<service>-<pid>.txt`. For finding
+    what grows (bench/soak.py's RSS target); it costs memory and speed, so it is off unless asked for."""
+    import os
+
+    svc = service.upper().replace("-", "_")
+    folder = os.environ.get(f"CODERAI_{svc}_MEMORY_REPORT", "") or os.environ.get("CODERAI_MEMORY_REPORT", "")
+    if not folder:
+        return
+    import signal
+    import tracemalloc
+
+    tracemalloc.start(8)
+    first: list = []
+
+    def report(_sig: int, _frame: object) -> None:
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        first[:] = first or [snap]
+        lines = [f"{service} pid {os.getpid()}: traced {tracemalloc.get_traced_memory()[0] >> 10} KiB", "", "top:"]
+        lines += [str(s) for s in snap.statistics("lineno")[:40]]
+        lines += ["", "growth since the first report:"] + [str(s) for s in snap.compare_to(first[0], "lineno")[:40]]
+        with open(os.path.join(folder, f"{service}-{os.getpid()}.txt"), "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    signal.signal(signal.SIGUSR2, report)
+
+
 def run(coro) -> None:
     """asyncio.run on uvloop where it is installed: every bus message costs fewer event-loop cycles there."""
     try:
@@ -67,6 +95,7 @@ def run_service(
         setup_logging(service, getattr(settings, "node_id", ""), settings.log_level, settings.log_format)
         logging.getLogger(f"coderai.{service}").info("starting", extra=log_fields(settings=describe(settings)))
         setup_tracing(service, getattr(settings, "node_id", ""))
+        memory_report_on_signal(service)
         starter = make(settings)
     except SettingsError as exc:
         print(f"coderai {service}: {exc}", file=sys.stderr)
