@@ -19,7 +19,6 @@ from coderai.router.settings import RouterSettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
-from coderai.runtime.memory import trim_heap
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
@@ -167,7 +166,6 @@ class Router:
             now = time.time()
             for key in [k for k, e in self.affinity.values.items() if now - e.ts > AFFINITY_TTL_S]:
                 self.affinity.forget(key)
-            trim_heap()  # the entries dropped (expired, evicted, rewritten) leave holes in the C heap: give them back
             if self.affinity.evicted != evicted:
                 log.info("affinity: %d entries in memory, %d oldest dropped for the bound (%d) in the last minute",
                          len(self.affinity.values), self.affinity.evicted - evicted, self.affinity.max_entries)
