@@ -30,13 +30,13 @@ def test_the_statuses_clients_rely_on():
     assert {c: s for c, (s, _) in BUS_TO_HTTP.items()} == {
         "bad_request": 400, "not_found": 404, "no_engine": 503, "overloaded": 503, "busy": 429, "over_budget": 429, "timeout": 504,
         "engine_failed": 502, "cancelled": 499, "internal": 502, "forbidden": 403, "unavailable": 502,
-        "conflict": 409,
+        "conflict": 409, "stale_leader": 503,  # a former leader's command: a later try reaches the new one
     }
 
 
 def test_only_unavailable_and_busy_codes_carry_retry_after():
     with_header = {c for c in BUS_TO_HTTP if "Retry-After" in from_bus(BusError(c, "m"), 3).headers}
-    assert with_header == {"no_engine", "overloaded", "busy"}  # a full engine queue: come back in a moment
+    assert with_header == {"no_engine", "overloaded", "busy", "stale_leader"}  # a full engine queue: come back in a moment
 
 
 def test_an_unknown_bus_code_is_a_502():
