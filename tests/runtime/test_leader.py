@@ -56,7 +56,6 @@ async def test_stepping_down_hands_over_at_once(bus, unique):
     a.start()
     await _until(lambda: a.held, "head-a to win")
     b.start()
-    await asyncio.sleep(b.renew_s)
     await a.stop()
     assert not a.held
     await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S)  # a renewal period, not the TTL
