@@ -4,21 +4,12 @@ cannot reach the bus stops acting before its lease can lapse at the server."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus
 from coderai.runtime.leader import Fence, Leader, leaders
+from coderai.runtime.lifecycle import wait_for
 
 TTL_S = 2.0
-
-
-async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def _pair(bus, unique, **kw):
@@ -30,19 +21,23 @@ async def test_one_holder_at_a_time_and_a_dead_one_is_replaced_with_a_larger_tok
     changes: list[bool] = []
     spec, a, b = _pair(bus, unique, on_change=changes.append)
     a.start()
-    await _until(lambda: a.held, "head-a to win")
+    await wait_for(lambda: a.held, 10, what="head-a to win")
     b.start()
-    for _ in range(int(TTL_S / 0.05) * 2):  # two TTLs of renewals: b never wins while a renews
+    first_rev = a._rev
+
+    def renewed_for_two_ttls() -> bool:  # eight renewals of a's: b never wins while a renews
         assert not b.held
-        await asyncio.sleep(0.05)
+        return a._rev >= first_rev + 8
+
+    await wait_for(renewed_for_two_ttls, TTL_S * 6, what="head-a to renew for two TTLs")
     assert b.leader == "head-a"
     [info] = await leaders(await bus.kv(spec), ("placement",))
     assert (info.holder, info.token) == ("head-a", a.token) and info.age_s < TTL_S
 
     first = a.token
     a._task.cancel()  # a head SIGKILLed: no step-down, its record lapses by the bucket's TTL
-    await _until(lambda: not a.held, "head-a to stop acting")
-    await _until(lambda: b.held, "head-b to win the lapsed lease", timeout_s=TTL_S * 4)
+    await wait_for(lambda: not a.held, 10, what="head-a to stop acting")
+    await wait_for(lambda: b.held, TTL_S * 4, what="head-b to win the lapsed lease")
     assert b.token > first, "a later leader's token is larger"
     fence = Fence()
     assert fence.admits(b.token) and not fence.admits(first), "the old leader's commands are refused"
@@ -54,11 +49,11 @@ async def test_one_holder_at_a_time_and_a_dead_one_is_replaced_with_a_larger_tok
 async def test_stepping_down_hands_over_at_once(bus, unique):
     spec, a, b = _pair(bus, unique)
     a.start()
-    await _until(lambda: a.held, "head-a to win")
+    await wait_for(lambda: a.held, 10, what="head-a to win")
     b.start()
     await a.stop()
     assert not a.held
-    await _until(lambda: b.held, "head-b to win", timeout_s=TTL_S)  # a renewal period, not the TTL
+    await wait_for(lambda: b.held, TTL_S, what="head-b to win")  # a renewal period, not the TTL
     [info] = await leaders(await bus.kv(spec), ("placement",))
     assert info.holder == "head-b"
     await b.stop()
@@ -69,11 +64,11 @@ async def test_stepping_down_hands_over_at_once(bus, unique):
 async def test_a_restarted_process_on_the_same_head_takes_its_own_lease_back(bus, unique):
     spec, a, _ = _pair(bus, unique)
     a.start()
-    await _until(lambda: a.held, "head-a to win")
+    await wait_for(lambda: a.held, 10, what="head-a to win")
     a._task.cancel()
     again = Leader(bus, "placement", "head-a", spec=spec)
     again.start()
-    await _until(lambda: again.held, "the restarted head-a to win", timeout_s=TTL_S / 2)
+    await wait_for(lambda: again.held, TTL_S / 2, what="the restarted head-a to win")
     assert again.token > a.token
     await again.stop()
 
@@ -85,7 +80,7 @@ async def test_a_holder_cut_off_from_the_bus_stops_acting_before_its_lease_lapse
     a = Leader(cut, "placement", "head-a", spec=spec, on_change=changes.append)
     b = Leader(bus, "placement", "head-b", spec=spec)
     a.start()
-    await _until(lambda: a.held, "head-a to win")
+    await wait_for(lambda: a.held, 10, what="head-a to win")
     b.start()
     await cut.nc.close()  # its renewals fail from now on
     overlap = []
@@ -94,7 +89,7 @@ async def test_a_holder_cut_off_from_the_bus_stops_acting_before_its_lease_lapse
         overlap.append(a.held and b.held)
         return b.held
 
-    await _until(watch, "head-b to win", timeout_s=TTL_S * 4)
+    await wait_for(watch, TTL_S * 4, what="head-b to win")
     assert not any(overlap), "head-a stopped acting before head-b could win"
     assert not a.held and a.token == 0 and changes == [True, False], "a live process is told it lost the lease"
     await a.stop()

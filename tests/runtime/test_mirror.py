@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import msgspec
 
 from coderai.contracts import encode
 from coderai.contracts.topology import BucketSpec
+from coderai.runtime.lifecycle import wait_for
 from coderai.runtime.mirror import KVMirror
 
 
 class Rec(msgspec.Struct, frozen=True):
     owner: str
     n: int
-
-
-async def _until(cond, what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_bounded_mirror_keeps_the_keys_written_last(bus, unique):
@@ -31,7 +24,7 @@ async def test_a_bounded_mirror_keeps_the_keys_written_last(bus, unique):
     try:
         for i in range(40):
             await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
-        await _until(lambda: "k39" in mirror.values, "the last write")
+        await wait_for(lambda: "k39" in mirror.values, 10, what="the last write")
         kept = list(mirror.values)
         # the bound is let past by a sixteenth before the oldest are dropped, then cut back to it
         assert 16 <= len(kept) <= 17 and kept[-1] == "k39"
@@ -44,7 +37,7 @@ async def test_a_bounded_mirror_keeps_the_keys_written_last(bus, unique):
         await kv.put(oldest, encode(Rec(owner="a", n=100)))
         for i in range(40, 50):
             await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
-        await _until(lambda: "k49" in mirror.values, "the last write")
+        await wait_for(lambda: "k49" in mirror.values, 10, what="the last write")
         assert mirror.values[oldest] == Rec(owner="a", n=100)
         assert kept[1] not in mirror.values
     finally:
@@ -62,7 +55,7 @@ async def test_an_unbounded_mirror_keeps_everything_and_shrink_maps_each_value(b
         owner = "".join(["node-", unique])  # made at run time, so only shrink can make the copies one
         for i in range(300):
             await kv.put(f"k{i}", encode(Rec(owner=owner, n=i)))
-        await _until(lambda: len(mirror.values) == 300, "every key")
+        await wait_for(lambda: len(mirror.values) == 300, 10, what="every key")
         assert mirror.evicted == 0
         owners = {id(r.owner) for r in mirror.values.values()}
         assert len(owners) == 1, "every value holds the one copy of its owner"
@@ -81,13 +74,13 @@ async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_w
     try:
         for i in range(50):
             await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
-        await _until(lambda: len(mirror.values) == 50, "every key")
+        await wait_for(lambda: len(mirror.values) == 50, 10, what="every key")
         await kv.put("k3", encode(Rec(owner="b", n=3)))
         await kv.delete("k4")
         applied.clear()
         mirror.start()  # what a service does after a reconnect
         await kv.put("k5", encode(Rec(owner="c", n=5)))
-        await _until(lambda: mirror.values.get("k5") == Rec(owner="c", n=5), "the change after the restart")
+        await wait_for(lambda: mirror.values.get("k5") == Rec(owner="c", n=5), 10, what="the change after the restart")
         assert mirror.values["k3"] == Rec(owner="b", n=3) and "k4" not in mirror.values
         assert len(applied) <= 3, f"the restarted watch read the bucket again: {len(applied)} entries"
 
@@ -97,7 +90,7 @@ async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_w
         for i in range(60):  # past the old revisions: only the stream's creation time tells it is another
             await kv.put("fresh", encode(Rec(owner="d", n=i)))
         mirror.start()
-        await _until(lambda: list(mirror.values) == ["fresh"] and mirror.values["fresh"].n == 59,
-                     "the whole (new) bucket, and nothing from before")
+        await wait_for(lambda: list(mirror.values) == ["fresh"] and mirror.values["fresh"].n == 59, 10,
+                       what="the whole (new) bucket, and nothing from before")
     finally:
         mirror.stop()

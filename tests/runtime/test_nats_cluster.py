@@ -5,11 +5,9 @@ started again catching up."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import socket
 import ssl
-import time
 
 import pytest
 
@@ -17,24 +15,23 @@ from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer, Routes, free_port
 from coderai.runtime.leader import Leader
+from coderai.runtime.lifecycle import wait_for
 from coderai.runtime.tls import client_context, ensure_certs
 
 pytestmark = pytest.mark.slow
 
 
-async def _until(cond, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
+def _once_it_answers(check):
+    """`check` as a predicate for `wait_for` that is false, not an error, while the cluster is still forming or
+    electing its leaders."""
+
+    async def predicate() -> bool:
         try:
-            got = await cond()
-        except Exception as exc:  # noqa: BLE001 - the cluster is still forming or electing
-            got, why = None, exc
-        else:
-            why = None
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what} ({why})"
-        await asyncio.sleep(0.1)
+            return bool(await check())
+        except Exception:  # noqa: BLE001 - no meta leader yet, or a stream's leader moving
+            return False
+
+    return predicate
 
 
 @pytest.fixture
@@ -96,7 +93,8 @@ async def test_three_heads_replicate_and_survive_one(heads):
         async def kv_ready():  # JetStream needs its meta leader elected over the routes first
             return await ab.kv(BucketSpec("coderai_test_r3"))
 
-        kv = await _until(kv_ready, "the cluster to form and make an R3 bucket")
+        await wait_for(_once_it_answers(kv_ready), 60, what="the cluster to form and make an R3 bucket")
+        kv = await ab.kv(BucketSpec("coderai_test_r3"))
         info = await ab.js.stream_info("KV_coderai_test_r3")
         assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, "a leader and two followers"
         for i in range(20):
@@ -121,8 +119,8 @@ async def test_three_heads_replicate_and_survive_one(heads):
 
         servers["a"].kill()  # head a dies with its scheduler: no step-down
         on_a._task.cancel()
-        won = await _until(lambda: _true(on_c.held), "head-c to lead", timeout_s=60)
-        assert won and on_c.token > on_a.token
+        await wait_for(lambda: on_c.held, 60, what="head-c to lead")
+        assert on_c.token > on_a.token
 
         kv_c = await bc.kv(BucketSpec("coderai_test_r3"))
         got = {k: (await kv_c.get(k)).value for k in (f"k{i}" for i in range(20))}
@@ -136,14 +134,10 @@ async def test_three_heads_replicate_and_survive_one(heads):
                 entry = await (await only_a.kv(BucketSpec("coderai_test_r3"))).get("after")
                 return entry.value == b"a is down"
 
-            assert await _until(caught_up, "head a to catch up")
+            await wait_for(_once_it_answers(caught_up), 60, what="head a to catch up")
         finally:
             await only_a.close()
         await on_c.stop()
     finally:
         await ab.close()
         await bc.close()
-
-
-async def _true(value: bool) -> bool:
-    return value
