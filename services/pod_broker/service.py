@@ -59,9 +59,8 @@ MB = 1024 * 1024
 
 
 class Broker:
-    def __init__(self, settings: BrokerSettings, leader: Any = None, api: Any = None, money: Any = None) -> None:
+    def __init__(self, settings: BrokerSettings, api: Any = None, money: Any = None) -> None:
         self.settings = settings
-        self.leader = leader  # the lease it runs under (runtime/leader.singleton); None: unfenced
         self.fence = Fence()  # the newest scheduler token seen on acquire requests
         self.api = api
         self.money = money
@@ -427,4 +426,4 @@ class Broker:
 def make(settings: BrokerSettings):
     """The broker runs on every head and acts on one: the holder of the `pod-broker` lease (acquire, reap,
     reconcile: renting twice what one head rents is money)."""
-    return singleton("pod-broker", settings, lambda leader: Broker(settings, leader).start)
+    return singleton("pod-broker", settings, lambda _leader: Broker(settings).start)

@@ -106,6 +106,11 @@ class Scheduler:
         await self.training.start(stack)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
 
+    @property
+    def fence(self) -> int:
+        """The token that goes with what this scheduler writes and asks: its lease's, 0 when it runs without one."""
+        return self.leader.token if self.leader else 0
+
     def _forget_node(self, node_id: str) -> None:
         """A revoked node is gone now, not when its heartbeats would have timed out."""
         self.nodes.pop(node_id, None)
@@ -199,8 +204,7 @@ class Scheduler:
                 why = f"{m.name!r} cannot be loaded now: {room}; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
-            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason,
-                                                                                fence=self.leader.token if self.leader else 0), timeout=15.0)
+            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason, fence=self.fence), timeout=15.0)
         except BusError as exc:
             code = "over_budget" if exc.code == "over_budget" else "no_engine"
             return EscalateReply(action="refused", code=code, why=exc.message)
@@ -313,7 +317,7 @@ class Scheduler:
                                  if want is not m else "fits a node whole again: no stage relay")
                 self.restaged = result.restaged
                 await self._unloaded(before, result, owned)
-                fence = self.leader.token if self.leader else 0
+                fence = self.fence
                 for node_id, assignment in result.assignments.items():
                     assignment = msgspec.structs.replace(assignment, fence=fence)
                     if self.membership is not None:  # its rights follow what it holds, before it is told

@@ -100,7 +100,7 @@ async def connect(
         try:
             # nats-py retries a refused login forever inside connect(); the deadline bounds that too
             return await asyncio.wait_for(nats.connect(
-                [u.strip() for u in url.split(",") if u.strip()] if "," in url else url,  # several heads' URLs
+                split_urls(url) if "," in url else url,  # several heads' URLs
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
@@ -130,12 +130,17 @@ def _refused(subject: str) -> BusError:
                                 "(its cluster role) may not publish there", retryable=False)
 
 
+def split_urls(url: str) -> list[str]:
+    """The servers of a NATS URL that lists several heads, comma-separated."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 def _without_credentials(url: str) -> str:
     """The URL (or comma-separated URLs) for logs: never the derived password."""
     from urllib.parse import urlsplit, urlunsplit
 
     if "," in url:
-        return ",".join(_without_credentials(u.strip()) for u in url.split(","))
+        return ",".join(_without_credentials(u) for u in split_urls(url))
     parts = urlsplit(url)
     if not parts.password and not parts.username:
         return url
@@ -289,7 +294,7 @@ class Bus:
             from coderai.runtime.members import SERVICE_USER, read_secret
 
             password = read_secret(Path(os.path.expanduser(password_file)))
-            url = ",".join(with_user(u.strip(), SERVICE_USER, password) for u in url.split(","))
+            url = ",".join(with_user(u, SERVICE_USER, password) for u in split_urls(url))
         ca = getattr(settings, "nats_ca", "")
         if ca and "tls" not in kw:
             from coderai.runtime.tls import ca_text, client_context
