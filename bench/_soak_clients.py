@@ -4,6 +4,7 @@ hang) into a ledger shared by every client thread."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import random
 import threading
@@ -25,6 +26,8 @@ MIX = {"chat": 20, "stream": 20, "conversation": 10, "embeddings": 12, "images":
 RUDE = ("disconnect", "slow-reader")
 MODEL_OF = {"chat": "tiny", "stream": "tiny", "conversation": "tiny", "disconnect": "tiny", "slow-reader": "tiny",
             "probe": "tiny", "embeddings": "minilm", "images": "sd", "speech": "piper", "transcription": "whisper"}
+CLIENT_ID = "X-Client-Request-Id"  # each request's own id, which the server keeps with its usage event
+_ids = itertools.count(1)  # next() on it is atomic under the GIL: an id per request across every client thread
 WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
          "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
 
@@ -44,7 +47,8 @@ class Outcome:
     status: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    request_id: str = ""
+    request_id: str = ""  # the gateway's id for it (Coderai-Request-Id), where an answer's headers came
+    client_id: str = ""  # the client's own (X-Client-Request-Id): known even when no answer came
 
 
 @dataclass
@@ -138,6 +142,11 @@ class Client:
     def last_id(self, value: str) -> None:
         self._local.last_id = value
 
+    @property
+    def ids(self) -> dict[str, str]:
+        """The headers that name the calling thread's current request (its X-Client-Request-Id)."""
+        return {CLIENT_ID: self._local.client_id}
+
     def close(self) -> None:
         self.http.close()
 
@@ -157,6 +166,7 @@ class Client:
         t0 = time.monotonic()
         value = None
         self.last_id = ""
+        self._local.client_id = cid = f"soak-{next(_ids)}"
         try:
             result, why, status, usage, value = send()
         except httpx.TimeoutException as exc:
@@ -170,7 +180,7 @@ class Client:
             result, why = "hang", f"answered after {t1 - t0:.1f}s"
         self.soak.ledger.add(Outcome(kind, self.key, MODEL_OF[kind], t0, t1, result, why, status,
                                      int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                                     self.last_id))
+                                     self.last_id, cid))
         if result != "ok" and kind != "probe":
             self.soak.stop.wait(BACKOFF_S)  # as a real client does (the SDKs back off): no error storm
         return value if result == "ok" else None
@@ -181,7 +191,7 @@ class Client:
     # --- one request of each kind: (result, why, http status, usage, value) ------------------------------------
 
     def _whole(self, path: str, body: dict, check) -> tuple:
-        r = self.http.post(path, json=body)
+        r = self.http.post(path, json=body, headers=self.ids)
         self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
@@ -207,7 +217,7 @@ class Client:
     def _stream(self, max_tokens: int, stop_after: int = 0, pause_s: float = 0.0) -> tuple:
         body = {"model": "tiny", "messages": [{"role": "user", "content": self.text(10)}], "max_tokens": max_tokens,
                 "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
-        with self.http.stream("POST", "/chat/completions", json=body) as r:
+        with self.http.stream("POST", "/chat/completions", json=body, headers=self.ids) as r:
             self.last_id = r.headers.get(HDR_REQUEST_ID, "")
             if r.status_code != 200:
                 r.read()
@@ -238,7 +248,7 @@ class Client:
 
     def speech(self) -> tuple:
         r = self.http.post("/audio/speech", json={"model": "piper", "voice": "alloy", "input": self.text(6),
-                                                  "response_format": "wav"})
+                                                  "response_format": "wav"}, headers=self.ids)
         self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
@@ -246,7 +256,7 @@ class Client:
 
     def transcription(self) -> tuple:
         r = self.http.post("/audio/transcriptions", files={"file": ("s.wav", self.soak.wav, "audio/wav")},
-                           data={"model": "whisper", "temperature": "0"})
+                           data={"model": "whisper", "temperature": "0"}, headers=self.ids)
         self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)

@@ -10,7 +10,10 @@ import statistics
 import subprocess
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import httpx
 from coderai.runtime.embedded import free_port
@@ -32,15 +35,53 @@ def targets(fig: dict) -> list[tuple[str, bool, str]]:
         ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
         ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
         ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
-        ("0 lost or double-counted usage records",
-         not fig["usage_mismatches"] and not fig["events"]["lost_count"] and not fig["events"]["twice"],
-         f"{fig['events']['lost_count']} answered requests without an ok event, {fig['events']['twice']} events "
-         f"stored twice, {len(fig['usage_mismatches'])} (key, model) rows where the counts differ"),
+        ("0 lost or double-counted usage records", usage_exact(fig), usage_measured(fig)),
         ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
         ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
         ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),
         ("fd growth 0 after warm-up", not fd_bad, ", ".join(f"{n} +{v}" for n, v in fd_bad.items()) or "none"),
     ]
+
+
+def match_events(outcomes: list, events: list[dict], in_window: Callable[[Any], bool]) -> dict:
+    """Every usage event matched to the client request it bills, by the client's own id (X-Client-Request-Id),
+    which the client knows even when no answer came. For the keys whose answers are whole (EXACT_KEYS):
+
+    - lost: a request the client saw answered ok, with no ok event;
+    - twice: an event stored twice, or two ok events for one client request;
+    - unknown: an ok event for a request no client sent;
+    - cut off: an ok event for a request whose answer broke on its way to the client (the server finished and
+      billed it, as OpenAI bills a response its client never read). Allowed only inside a fault's window and where
+      the client saw the connection break; an error answer (4xx, 503) that was billed as ok is a miscount."""
+    from _soak_clients import EXACT_KEYS
+
+    exact = [o for o in outcomes if o.key in EXACT_KEYS]
+    sent = {o.client_id: o for o in exact}
+    ok_events = [e for e in events if e["status"] == "ok" and e["key"] in EXACT_KEYS]
+    ok_cids = Counter(e["cid"] for e in ok_events)
+    lost = [asdict(o) for o in exact if o.result == "ok" and o.client_id not in ok_cids]
+    stored_twice = sum(1 for n in Counter(e["id"] for e in events).values() if n > 1)
+    billed_twice = sum(1 for cid, n in ok_cids.items() if cid and n > 1)
+    cut_off = [o for o in exact if o.result != "ok" and o.client_id in ok_cids]
+    miscounted = [asdict(o) for o in cut_off if o.result == "clean" or not in_window(o)]
+    return {"lost": lost[:50], "lost_count": len(lost), "twice": stored_twice + billed_twice,
+            "unknown": sum(1 for e in ok_events if e["cid"] not in sent),
+            "cut_off": len(cut_off), "cut_off_by_row": Counter((o.key, o.model) for o in cut_off),
+            "cut_off_why": dict(Counter(f"{o.result}: {o.why}" for o in cut_off).most_common(5)),
+            "miscounted": miscounted[:20], "miscounted_count": len(miscounted)}
+
+
+def usage_exact(fig: dict) -> bool:
+    ev = fig["events"]
+    return not (fig["usage_mismatches"] or ev["lost_count"] or ev["twice"] or ev["unknown"] or ev["miscounted_count"])
+
+
+def usage_measured(fig: dict) -> str:
+    ev = fig["events"]
+    return (f"{ev['lost_count']} answered requests without an ok event, {ev['twice']} events stored or billed twice, "
+            f"{ev['unknown']} ok events no client sent, {ev['miscounted_count']} error answers billed as ok, "
+            f"{len(fig['usage_mismatches'])} (key, model) rows where the counts differ; {ev['cut_off']} finished "
+            "and billed, then cut off in transit inside a fault's window")
 
 
 def table(fig: dict, command: str, seconds: float) -> str:
@@ -58,10 +99,11 @@ def table(fig: dict, command: str, seconds: float) -> str:
         p50 = f"{statistics.median(ok):.2f} s" if ok else "never"
         mx = f"{max(ok):.2f} s" if ok else "never"
         out.append(f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |")
-    out += ["", "| usage (key, model) | client ok | Prometheus ok | Redis ok | Prometheus all | Redis all | "
-                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 8]
+    out += ["", "| usage (key, model) | client ok | cut off | Prometheus ok | Redis ok | Prometheus all | Redis all | "
+                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 9]
     for u in fig["usage"]:
-        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | {u['prom_ok']:g} | "
+        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | "
+                   f"{u['cut_off']} | {u['prom_ok']:g} | "
                    f"{u['redis_ok']} | {u['prom_all']:g} | {u['redis_all']} | {u['client_tokens']} | "
                    f"{u['prom_tokens']:g} | {u['redis_tokens']} |")
     if fig["reasons"]:
@@ -163,35 +205,7 @@ def read_usage(url: str) -> dict[tuple[str, str], dict[str, int]]:
 
 def stored_events(nats_url: str) -> list[dict]:
     """Every request.completed the EVENTS stream holds: what usage and Prometheus were built from."""
-    async def read() -> list[dict]:
-        import nats
-        from coderai.contracts import RequestCompleted
-        from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
-        from coderai.contracts.base import decode
+    from coderai.testing.events import read_completed
 
-        nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
-        try:
-            js = nc.jetstream()
-            total = (await js.stream_info("EVENTS")).state.messages
-            from nats.js.api import AckPolicy, ConsumerConfig
-
-            # ephemeral, from the start, no acks (so no limit on unacked messages)
-            sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream="EVENTS",
-                                          config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-            out: list[dict] = []
-            seen = 0
-            while seen < total:
-                try:
-                    msgs = await sub.fetch(batch=1000, timeout=5)
-                except asyncio.TimeoutError:
-                    break
-                for m in msgs:
-                    seen += 1
-                    e = decode(m.data, RequestCompleted)
-                    out.append({"id": e.request_id, "key": e.key_name, "model": e.model, "status": e.status})
-            await sub.unsubscribe()
-            return out
-        finally:
-            await nc.close()
-
-    return asyncio.run(read())
+    return [{"id": e.request_id, "cid": e.client_request_id, "key": e.key_name, "model": e.model, "status": e.status}
+            for e in asyncio.run(read_completed(nats_url))]

@@ -65,7 +65,8 @@ from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
 from _soak_clients import EXACT_KEYS, KEYS, MIX, RUDE, Client, Fault, Ledger, Outcome
-from _soak_report import WINDOW_TAIL_S, Prometheus, prom_text_sum, read_usage, stored_events, table, targets
+from _soak_report import (WINDOW_TAIL_S, Prometheus, match_events, prom_text_sum, read_usage, stored_events, table,
+                          targets)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link", "disk-full")
@@ -477,14 +478,12 @@ class Soak:
 
         def all_stored() -> bool:  # the gateway's outbox may still be sending what it kept through a fault
             events[:] = self.stored_events()
-            have = {e["id"] for e in events if e["status"] == "ok"}
-            return all(o.request_id in have for o in answered)
+            have = {e["cid"] for e in events if e["status"] == "ok"}
+            return all(o.client_id in have for o in answered)
 
         with contextlib.suppress(TimeoutError):
             wait_until(all_stored, 20, "every answered request's event in the stream", interval_s=2)
-        ids = Counter(e["id"] for e in events)
-        ok_ids = {e["id"] for e in events if e["status"] == "ok"}
-        lost = [asdict(o) for o in answered if o.request_id not in ok_ids]
+        match = match_events(outcomes, events, self.in_window)
         server = self.server_counts()
         usage = []
         client_ok: Counter = Counter()
@@ -501,12 +500,13 @@ class Soak:
                 redis_ok = row.get("requests", 0) - row.get("errors", 0)
                 prom_tok = sum(v for (k, m, _t), v in server["tokens"].items() if k == key and m == model)
                 redis_tok = row.get("prompt_tokens", 0) + row.get("completion_tokens", 0)
-                usage.append({"key": key, "model": model, "client_ok": client_ok[(key, model)], "prom_ok": prom_ok,
+                usage.append({"key": key, "model": model, "client_ok": client_ok[(key, model)],
+                              "cut_off": match["cut_off_by_row"][(key, model)], "prom_ok": prom_ok,
                               "prom_all": prom_all, "redis_ok": redis_ok, "redis_all": row.get("requests", 0),
                               "client_tokens": client_tokens[(key, model)], "prom_tokens": prom_tok,
                               "redis_tokens": redis_tok, "exact": key in EXACT_KEYS})
-        twice = {i: n for i, n in ids.items() if n > 1}
-        mismatched = [u for u in usage if (u["exact"] and not u["client_ok"] == u["prom_ok"] == u["redis_ok"])
+        mismatched = [u for u in usage
+                      if (u["exact"] and not u["client_ok"] + u["cut_off"] == u["prom_ok"] == u["redis_ok"])
                       or u["prom_all"] != u["redis_all"] or u["prom_tokens"] != u["redis_tokens"]]
         missing_items = sum(1 for o in outcomes if o.result == "bad" and ("of 16" in o.why or "of 2 images" in o.why))
         recov = [f.recovery_s for f in self.faults if f.recovery_s is not None]
@@ -528,8 +528,8 @@ class Soak:
             "bad_inside_windows": sum(1 for o in outcomes if o.result in ("bad", "refused") and self.in_window(o)),
             "usage": usage,
             "usage_mismatches": mismatched,
-            "events": {"stored": len(events), "lost": lost[:50], "lost_count": len(lost), "twice": len(twice),
-                       "ok_without_id": sum(1 for o in outcomes if o.result == "ok" and not o.request_id)},
+            "events": {"stored": len(events), "ok_without_id": sum(1 for o in outcomes if o.result == "ok" and not o.request_id),
+                       **{k: v for k, v in match.items() if k != "cut_off_by_row"}},
             "fanout": {"parts_sent": server["parts_sent"], "parts": server["parts"], "answers_missing_items": missing_items},
             "recovery": {"p50": statistics.median(recov) if recov else None, "max": max(recov) if recov else None,
                          "unrecovered": sum(1 for f in self.faults if f.recovery_s is None)},

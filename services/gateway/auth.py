@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from coderai.accounts.keyfile import KeyRecord, hash_key
 from coderai.accounts.keys import ApiKey, KeyStore
 from coderai.gateway.errors import ApiError
+from coderai.gateway.http import client_request_id, client_request_id_var
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def _guard(needed: str) -> Callable[[Request], Awaitable[None]]:
         scope = request.scope
         auth: Authenticator = scope["litestar_app"].state.gateway.auth
         scope["state"][CALLER] = await auth.check(_authorization(scope), needed)
+        client_request_id_var.set(client_request_id(scope))  # set on every request: a kept-alive task may serve many
 
     guard.__name__ = f"{needed}_guard"
     return guard

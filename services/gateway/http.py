@@ -4,6 +4,7 @@ JSON answers out, request ids and the response headers coderai adds."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -26,10 +27,14 @@ PIN_HEADER = "X-Coderai-Pin"  # admin only: route to this engine or node id
 ENGINE_HEADER = "Coderai-Engine"
 ROUTE_HEADER = "Coderai-Route"
 REQUEST_ID_HEADER = HDR_REQUEST_ID
+CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"  # OpenAI's: the client's own id for a request, kept with its usage
+CLIENT_REQUEST_ID_MAX = 512  # OpenAI's bound: ASCII, at most 512 characters, else a 400
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 WATCH_AFTER_S = 0.2  # an answer still running this long starts watching for its client leaving
 
 _enc = msgspec.json.Encoder()
+# the HTTP request's X-Client-Request-Id, set by its controller's guard: every Call made while serving it takes it
+client_request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("coderai_client_request_id", default="")
 
 
 class JSONAnswer:
@@ -69,6 +74,20 @@ def new_request_id() -> str:
     rid = secrets.token_hex(12)
     request_id_var.set(rid)
     return rid
+
+
+def client_request_id(scope: Scope) -> str:
+    """The request's `X-Client-Request-Id` ("" without one), which goes with its `request.completed` so that a
+    client can match its own records against usage. Printable ASCII of at most 512 characters, as OpenAI takes it:
+    anything else is a 400 (an id altered to fit would no longer match what the client logged)."""
+    for name, value in scope["headers"]:
+        if name == b"x-client-request-id":
+            if len(value) > CLIENT_REQUEST_ID_MAX or not all(0x20 <= c < 0x7F for c in value):
+                raise ApiError(400, f"{CLIENT_REQUEST_ID_HEADER} must be printable ASCII of at most "
+                                    f"{CLIENT_REQUEST_ID_MAX} characters.", code="invalid_request",
+                               param=CLIENT_REQUEST_ID_HEADER)
+            return value.decode("ascii")
+    return ""
 
 
 def is_json(content_type: str) -> bool:

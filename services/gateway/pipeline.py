@@ -31,7 +31,7 @@ from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
-from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, until_disconnect
+from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, until_disconnect
 from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
 from coderai.runtime import tracing
@@ -50,13 +50,16 @@ class Call:
     __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
                  "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
                  "encoded", "_refresher", "admitted", "_finished", "keep_alive_s",
-                 "on_loading")
+                 "on_loading", "client_id")
 
     def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None,
-                 keep_alive_s: float | None = None) -> None:
+                 keep_alive_s: float | None = None, client_id: str | None = None) -> None:
         """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin);
-        `keep_alive_s`: how long the model should then stay loaded idle (Ollama's keep_alive), None: its own."""
+        `keep_alive_s`: how long the model should then stay loaded idle (Ollama's keep_alive), None: its own;
+        `client_id`: the client's own id for it, kept with its usage (None: the HTTP request's
+        X-Client-Request-Id)."""
         self.gw, self.who, self.op, self.job = gw, who, op, job
+        self.client_id = client_request_id_var.get() if client_id is None else client_id
         self.keep_alive_s = keep_alive_s
         self.on_loading: Callable[[], None] | None = None  # called if the model must first be loaded on demand
         self.route = route or RouteRequest(request_id=job.request_id, model=job.model, op=op)  # type: ignore[arg-type]
@@ -211,7 +214,8 @@ class Call:
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
             node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
             prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
-            stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts)
+            stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts,
+            client_request_id=self.client_id)
         await self.gw.accounts.finish(self.who, self.admission, done, self.trace)
 
     def finish_detached(self, final: Final | None = None) -> None:

@@ -67,3 +67,19 @@ def test_malformed_json_and_a_wrong_shape_are_400s_naming_the_field(client):
     assert r.status_code == 400 and error(r)["code"] == "invalid_json"
     r = client.post("/echo", json={"messages": 3})
     assert r.status_code == 400 and error(r)["param"] == "messages"
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (None, ""), (b"run-7/req-42", "run-7/req-42"), (b"x" * 512, "x" * 512),
+    (b"x" * 513, ApiError), (b"caf\xc3\xa9", ApiError), (b"a\tb", ApiError),
+])
+def test_a_client_request_id_is_printable_ascii_of_at_most_512_characters(raw, expected):
+    from coderai.gateway.http import client_request_id
+
+    headers = [(b"content-type", b"application/json")] + ([(b"x-client-request-id", raw)] if raw is not None else [])
+    if expected is ApiError:
+        with pytest.raises(ApiError) as err:
+            client_request_id({"headers": headers})
+        assert (err.value.status, err.value.param) == (400, "X-Client-Request-Id")
+    else:
+        assert client_request_id({"headers": headers}) == expected

@@ -232,3 +232,35 @@ def test_requests_served_while_metrics_is_down_are_counted_when_it_comes_back(du
                                                  "CODERAI_METRICS_REDIS_URL": duo.redis_url})
     row = _spent(duo, admin_key, "olga", 4)
     assert row["model"] == "tiny" and row["completion_tokens"] > 0
+
+
+def test_a_client_request_id_goes_with_the_usage_it_made(duo, admin_key):
+    """OpenAI's X-Client-Request-Id: the client's own id for a request, kept in its `request.completed`, so that a
+    client can match its records against usage (the soak does) even for an answer that never reached it."""
+    import secrets
+
+    import openai
+
+    from coderai.testing.events import read_completed
+
+    sdk = openai.OpenAI(base_url=f"{duo.urls[0]}/v1", api_key=admin_key, max_retries=0)
+    whole, streamed = f"whole-{secrets.token_hex(4)}", f"stream-{secrets.token_hex(4)}"
+    sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                extra_headers={"X-Client-Request-Id": whole})
+    for _ in sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         stream=True, extra_headers={"X-Client-Request-Id": streamed}):
+        pass
+    sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:  # OpenAI's bound: at most 512 characters
+        sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_headers={"X-Client-Request-Id": "x" * 513})
+    assert err.value.body["param"] == "X-Client-Request-Id"
+
+    def events():
+        got = {e.client_request_id: e for e in asyncio.run(read_completed(duo.nats_url))}
+        return got if {whole, streamed} <= got.keys() else None
+
+    got = wait_until(events, 30, "the requests' events", interval_s=0.5)
+    assert (got[whole].status, got[whole].stream, got[streamed].stream) == ("ok", False, True)
+    assert got[whole].request_id != got[streamed].request_id
+    assert not any(len(cid) > 512 or not cid.isascii() for cid in got)  # the refused ones made no usage

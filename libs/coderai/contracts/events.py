@@ -28,6 +28,7 @@ class RequestCompleted(Message, frozen=True, kw_only=True, tag="request.complete
     route_reason: str = ""
     cost_usd: float = 0.0
     parts: int = 0  # fan-out: how many parts the request was split into (0: not split)
+    client_request_id: str = ""  # the client's own id for the request (X-Client-Request-Id, a batch line's custom_id)
 
 
 class ModelLoaded(Message, frozen=True, kw_only=True, tag="model.loaded", tag_field="t"):

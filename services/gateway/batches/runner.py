@@ -197,7 +197,8 @@ class BatchRunner(Takeovers[BatchRecord]):
         attempt = 0
         while True:
             rid = new_request_id()
-            call = Call(self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid))
+            call = Call(self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid),
+                        client_id=line.custom_id)
             try:
                 final = await call.queued(partial(queue.send, self.gw, lane, line.op))
                 body = line.render(final, rid, call.created)
