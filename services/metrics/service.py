@@ -27,8 +27,9 @@ from coderai.metrics.prom import Series
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
-from coderai.runtime.leader import leaders
+from coderai.runtime.leader import Leader, leaders
 from coderai.runtime.lifecycle import stop_task
+from coderai.runtime.node_id import stable_node_id
 
 log = logging.getLogger("coderai.metrics")
 BATCH = 1000  # events per fetch
@@ -43,6 +44,8 @@ class Metrics:
         self._live: dict[str, tuple[float, Heartbeat]] = {}
         self._pod_kvs: tuple[Any, Any] | None = None
         self._leaders_kv: Any = None
+        self.leader: Leader | None = None
+        self._consumer: asyncio.Task | None = None
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -66,10 +69,25 @@ class Metrics:
                                  (EVT_MODEL_UNLOADED, self._on_unloaded)):
             sub = await self.bus.listen(subject, handler)  # best effort, like heartbeats: no usage rides on them
             stack.push_async_callback(sub.unsubscribe)
-        task = asyncio.create_task(self._consume())
-        stack.push_async_callback(stop_task, task)  # its pull subscription gone before the bus drains
+        # one head counts usage, under the lease named after its consumer ("metrics"): consumers sharing the durable
+        # consumer would each ack past the others' unrecorded batches (it acks cumulatively) and move Redis' mark
+        # past them, losing their usage. Every head serves /metrics, heartbeats and the census.
+        self.leader = Leader(self.bus, s.consumer, stable_node_id(s.data_dir, s.node_id), on_change=self._on_lease)
+        await self.leader.try_once()
+        self.leader.start()
+        stack.push_async_callback(self.leader.stop)  # after the consumer has stopped: a step-down hands over
+        stack.push_async_callback(self._on_lease, False)  # its pull subscription gone before the bus drains
         census = asyncio.create_task(self._census_loop())
         stack.callback(census.cancel)
+
+    async def _on_lease(self, held: bool) -> None:
+        """Count usage while this head holds the lease; stop at once when it is lost or the service stops."""
+        if held and self._consumer is None:
+            self._consumer = asyncio.create_task(self._consume(), name="usage-consumer")
+        elif not held and self._consumer is not None:
+            task, self._consumer = self._consumer, None
+            await stop_task(task)
+            log.info("usage counting stopped on this head")
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
         self.series.on_heartbeat(hb)
@@ -133,12 +151,18 @@ class Metrics:
                 spent = float(await self.redis.get(f"coderai:spend:{key.name}:{pid}") or 0)
                 self.series.budget_left.labels(key.name, key.budget_period).set(max(0.0, key.budget_usd - spent))
 
-    async def _subscribe(self) -> Any:
-        """A durable pull consumer acking cumulatively: one ack per batch, not per event."""
-        from nats.js.api import AckPolicy, ConsumerConfig
+    async def _subscribe(self, start_seq: int = 0) -> Any:
+        """A durable pull consumer acking cumulatively: one ack per batch, not per event. `start_seq` > 0: made
+        anew from that stream sequence (what Redis has counted, plus one), whatever the old one had acked."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
 
         cfg = ConsumerConfig(ack_policy=AckPolicy.ALL, max_ack_pending=20_000, ack_wait=30)
         js, name = self.bus.js, self.settings.consumer
+        if start_seq:
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(EVENTS.name, name)
+            cfg.deliver_policy, cfg.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_seq
         try:
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
         except Exception as exc:  # noqa: BLE001 - a consumer made by an older release with per-message acks
@@ -146,14 +170,28 @@ class Metrics:
             await js.delete_consumer(EVENTS.name, name)
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
 
+    async def _take(self, events: list[tuple[int, RequestCompleted]], mark: str) -> None:
+        """A batch's usage to Redis, then what Redis took to Prometheus (without Redis: what this process has not
+        counted yet)."""
+        fresh = [e for seq, e in events if seq > self.applied]  # a batch delivered again: not twice
+        if self.redis is not None and events:
+            fresh = await self._record(events, mark)
+        for e in fresh:
+            self.series.on_request(e)
+
     async def _record(self, events: list, mark: str) -> list[RequestCompleted]:
         """Usage of this batch to Redis, tried again until Redis takes it. Not moving on matters: the consumer
-        acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost."""
+        acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost. A head
+        that lost the lease gives the batch up: the next leader reads it again from Redis' mark."""
         wait = 0.25
         while True:
             try:
                 return await usage.record_new(self.redis, events, mark)
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
+                if self.leader is not None and not self.leader.held:
+                    log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
+                                "leader counts it", exc)
+                    return []
                 log.warning("usage not recorded (%s); trying again in %.1fs", exc, wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
@@ -169,12 +207,21 @@ class Metrics:
         """Pull events in batches: usage to Redis first, then Prometheus, then one ack for the batch. If Redis
         fails the batch is held and tried again until it is taken (nothing later is acked meanwhile); if the ack
         is lost (NATS restarting) the batch comes again, and the stream sequence Redis records with the usage
-        keeps it from being counted twice."""
+        keeps it from being counted twice.
+
+        The lease's first subscription starts where Redis' mark says usage was counted up to, not where the
+        consumer's acks stand: a former leader may have fetched a batch it never recorded, and a cumulative ack
+        of a later batch would otherwise ack it too, unrecorded."""
+        resume = self.redis is not None
         while True:
             sub = None
             try:
-                sub = await self._subscribe()
                 mark = await self._mark()
+                start = int(await self.redis.get(mark) or 0) + 1 if resume else 0
+                sub = await self._subscribe(start)
+                if resume:
+                    self.applied, resume = start - 1, False
+                    log.info("counting usage from EVENTS sequence %d", start)
                 while True:
                     try:
                         msgs = await sub.fetch(batch=BATCH, timeout=1.0)
@@ -188,11 +235,9 @@ class Metrics:
                             events.append((m.metadata.sequence.stream, decode(m.data, RequestCompleted)))
                         except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
                             log.warning("dropping malformed event: %s", why_malformed(exc))
-                    fresh = [e for seq, e in events if seq > self.applied]  # a batch delivered again: not twice
-                    if self.redis is not None and events:
-                        fresh = await self._record(events, mark)
-                    for e in fresh:
-                        self.series.on_request(e)
+                    # a lost lease or a stop cancels this task: the batch's usage and its Prometheus counts are
+                    # taken whole or not at all, so Redis and Prometheus keep agreeing
+                    await asyncio.shield(self._take(events, mark))
                     self.applied = max([self.applied, *(seq for seq, _e in events)])
                     await msgs[-1].ack()
                     if len(msgs) < BATCH:  # caught up: a fetch, a pipeline and an ack per event would cost the

@@ -68,3 +68,61 @@ async def test_events_during_a_redis_outage_are_recorded_once_it_is_back(nats_se
 def requests_seen(metrics: Metrics, key: str) -> float:
     return metrics.series.registry.get_sample_value("coderai_requests_total", {
         "key": key, "model": "m", "kind": "chat", "status": "ok", "engine": ""}) or 0.0
+
+
+async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one_held(nats_server, tmp_path, unique):
+    """Two heads' metrics services on one EVENTS stream: only the lease holder counts. The first leader fetches a
+    batch it cannot record (its Redis died) and steps down holding it; the new leader starts from what its Redis
+    counted, not from the consumer's acks, so its cumulative acks of later batches do not ack that batch away
+    unrecorded: every event is counted, once."""
+    key, consumer = f"k{unique}", f"metrics-{unique}"
+    redis_a = RedisServer(tmp_path / "redis-a", port=free_port()).start()
+    redis_b = RedisServer(tmp_path / "redis-b", port=free_port()).start()
+
+    def head(name: str, redis_url: str) -> MetricsSettings:
+        return load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
+                             consumer=consumer, redis_url=redis_url, batch_linger_s=0.01, node_id=name)
+
+    r = aioredis.from_url(redis_b.url)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            bus = await Bus.connect(nats_server.url, "test-gateway")
+            stack.push_async_callback(bus.close)
+            info = await bus.js.stream_info("EVENTS")  # both Redises have counted what the stream held so far
+            mark = f"coderai:usage:applied:{consumer}:{int(info.created.timestamp())}"
+            for url in (redis_a.url, redis_b.url):
+                async with aioredis.from_url(url) as c:
+                    await c.set(mark, info.state.last_seq)
+            a, b = Metrics(head("head-a", redis_a.url)), Metrics(head("head-b", redis_b.url))
+            a_stack = await stack.enter_async_context(contextlib.AsyncExitStack())
+            await a.start(a_stack, asyncio.Event())
+            await b.start(stack, asyncio.Event())
+            assert a.leader.held and not b.leader.held
+
+            async def send(n: int) -> None:
+                for _ in range(n):
+                    e = done(key)
+                    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
+                                         headers={"Nats-Msg-Id": e.request_id})
+
+            async def held_by_a() -> bool:
+                return (await bus.js.consumer_info("EVENTS", consumer)).num_ack_pending > 0
+
+            async def counted() -> int:
+                rows = await read(r, [day_of(time.time())], key=key)
+                return rows[0]["requests"] if rows else 0
+
+            await wait_for(lambda: a.applied == info.state.last_seq, 20, what="head A counting from Redis' mark")
+            redis_a.kill()
+            await send(10)
+            await wait_for(held_by_a, 20, what="head A holding the batch it cannot record")
+            await a.leader.stop()  # steps down, its batch fetched and never acked
+            await wait_for(lambda: b.leader.held, 20, what="head B leading")
+            await send(10)  # head B acks these cumulatively
+            await wait_for(lambda: requests_seen(b, key) >= 20, 30, what="every event counted by head B")
+            assert await counted() == 20 and requests_seen(b, key) == 20
+            assert requests_seen(a, key) == 0  # Prometheus counts only what Redis took
+    finally:
+        await r.aclose()
+        redis_a.stop()
+        redis_b.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from coderai.contracts.base import Message
 
-SINGLETONS = ("scheduler", "pod-broker")
+SINGLETONS = ("scheduler", "pod-broker", "metrics")
 """The roles that run on every head and act on one (the lease's key in `coderai_leaders`)."""
 
 
