@@ -40,6 +40,7 @@ from coderai.contracts.work import work_consumers
 from coderai.runtime import members
 from coderai.runtime.cluster import head_proof, node_proof, nonce, same, welcome_proof
 from coderai.runtime.tls import fingerprint
+from coderai.scheduler.registry_sync import HeadFiles, Publisher
 
 log = logging.getLogger("coderai.scheduler.membership")
 
@@ -63,6 +64,8 @@ class Membership:
         self.on_revoke = on_revoke
         self.pending: dict[str, tuple[str, str, float]] = {}  # head nonce -> (node id, worker nonce, deadline)
         self._lock = asyncio.Lock()
+        self.files = HeadFiles(self.members_file, self.auth_file, self.pid_file)
+        self.publisher = Publisher(bus)  # every change also to the other heads (registry_sync.py)
 
     def registry(self) -> members.Registry:
         reg = members.load(self.members_file)
@@ -71,7 +74,11 @@ class Membership:
         return reg
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
+        async with self._lock:
+            await self.publisher.adopt(self.files)  # the cluster's registry, which may be newer than this head's
         self.registry()  # fail at start, not at the first join, when the head was not set up for members
+        publish = asyncio.create_task(self.publisher.run(), name="registry-publisher")
+        stack.callback(publish.cancel)
         handlers = [(CMD_SCHEDULER_MEMBERS, self._list), (CMD_SCHEDULER_REVOKE, self._revoke),
                     (CMD_SCHEDULER_POD_USER, self._pod_user)]
         if self.token:
@@ -196,10 +203,11 @@ class Membership:
     # --- nats-server -----------------------------------------------------------------------------
 
     def _apply(self, reg: members.Registry) -> None:
-        """Save the registry, rewrite the users and have nats-server reload them."""
+        """Save the registry, rewrite the users and have nats-server reload them; then every other head's."""
         members.save(self.members_file, reg)
         members.write_users(self.auth_file, reg)
         reload_nats(self.pid_file)
+        self.publisher.publish(reg)
 
 
 def reload_nats(pid_file: Path | None) -> None:

@@ -41,6 +41,7 @@ from coderai.scheduler.live_models import LiveModels
 from coderai.scheduler.settings import SchedulerSettings
 from coderai.scheduler.store import StoreFiles
 from coderai.runtime.tls import ca_text
+from coderai.scheduler import registry_sync
 from coderai.scheduler.membership import Membership
 from coderai.scheduler.training import Training
 
@@ -360,5 +361,14 @@ def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:
 
 
 def make(settings: SchedulerSettings):
-    """The scheduler runs on every head and acts on one: the holder of the `scheduler` lease."""
-    return singleton("scheduler", settings, lambda leader: Scheduler(settings, leader).start)
+    """The scheduler runs on every head and acts on one: the holder of the `scheduler` lease. On every head, with
+    a member registry, its nats-server's users follow the cluster's registry (standbys included)."""
+    lead = singleton("scheduler", settings, lambda leader: Scheduler(settings, leader).start)
+    if not settings.members_file:
+        return lead
+
+    async def start(stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
+        await registry_sync.follow(settings, stack)
+        await lead(stack, stop)
+
+    return start
