@@ -47,9 +47,9 @@ class Gateway:
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         limiter = None
         if self.settings.redis_url:
-            import redis.asyncio as aioredis
+            from coderai.runtime import redis_client
 
-            self.redis = aioredis.from_url(self.settings.redis_url)
+            self.redis = redis_client.connect(self.settings.redis_url)  # redis:// or redis+sentinel://
             self.auth.store = KeyStore(self.redis)
             limiter = Limiter(self.redis)
         self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,

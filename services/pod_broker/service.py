@@ -82,11 +82,10 @@ class Broker:
         stack.callback(self.models.stop)
         await self._load_pods()
         if self.money is None and s.redis_url:
-            import redis.asyncio as aioredis
-
             from coderai.accounts.pod_money import PodMoney
+            from coderai.runtime import redis_client
 
-            self.redis = aioredis.from_url(s.redis_url)
+            self.redis = redis_client.connect(s.redis_url)
             stack.push_async_callback(self.redis.aclose)
             self.money = PodMoney(self.redis, prefix=s.pod_ledger_prefix)
         if self.api is None and s.runpod_api_key:

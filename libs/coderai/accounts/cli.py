@@ -24,9 +24,9 @@ def _redis_url(args: argparse.Namespace) -> str:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
+    from coderai.runtime import redis_client
 
-    r = aioredis.from_url(_redis_url(args))
+    r = redis_client.connect(_redis_url(args))
     store = KeyStore(r)
     try:
         if args.cmd == "create":

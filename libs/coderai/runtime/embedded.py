@@ -279,15 +279,17 @@ def _login_ok(url: str, user: str, password: str) -> bool:
 class RedisServer(_Server):
     """A private `redis-server` on loopback. `durable=True` (what `coderai up` runs) keeps an append-only file
     in `data_dir`, fsynced every second, so keys, budgets and spend survive a restart or a crash of the process;
-    without it (tests, benchmarks) nothing is written to disk."""
+    without it (tests, benchmarks) nothing is written to disk. `replicaof` ("host:port") starts it as a replica of
+    that master (with `password` also the master's: a replica may be promoted, and a master demoted, by Sentinel)."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1",
-                 durable: bool = False, password: str = "") -> None:
+                 durable: bool = False, password: str = "", replicaof: str = "") -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
         self.durable = durable
         self.password = password  # required of every client (`requirepass`, from a 0600 config file: not in argv)
+        self.replicaof = replicaof
         self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisServer":
@@ -301,9 +303,13 @@ class RedisServer(_Server):
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(f'requirepass "{self.password}"\n')
+                fh.write(f'masterauth "{self.password}"\n')  # as a replica, now or after a failover
             cmd.append(str(conf))
         cmd += ["--port", str(self.port), "--bind", self.host, "--save", "", *persistence,
                 "--dir", str(self.data_dir), "--protected-mode", "yes"]
+        if self.replicaof:
+            master_host, _, master_port = self.replicaof.rpartition(":")
+            cmd += ["--replicaof", master_host, master_port]
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
@@ -325,3 +331,87 @@ class RedisServer(_Server):
             time.sleep(0.02)
         self.stop()
         raise EmbeddedServerError(f"redis-server did not answer PING within {timeout_s}s")
+
+
+class RedisSentinel(_Server):
+    """A private `redis-server --sentinel` on loopback watching one master (`master`, "host:port") under `name`:
+    with `quorum` 1 one sentinel alone may declare it down (after `down_after_ms` without an answer) and promote
+    one of its replicas. `password` is the master's (and its replicas'), for the sentinel to log in to them; the
+    sentinel itself asks none. Sentinel rewrites its own config file (in `data_dir`, 0600) as it learns the
+    replicas and the current master. `url` is the Sentinel URL a client connects with (runtime/redis_client)."""
+
+    def __init__(self, data_dir: str | os.PathLike, master: str, name: str = "coderai", port: int | None = None,
+                 host: str = "127.0.0.1", password: str = "", quorum: int = 1, down_after_ms: int = 300,
+                 failover_timeout_ms: int = 2000) -> None:
+        self.data_dir = Path(data_dir)
+        self.master = master
+        self.name = name
+        self.port = port
+        self.host = host
+        self.password = password
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
+
+    def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisSentinel":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        master_host, _, master_port = self.master.rpartition(":")
+        lines = [f"port {self.port}", f"bind {self.host}", f"dir {json.dumps(str(self.data_dir))}",
+                 f"sentinel monitor {self.name} {master_host} {master_port} {self.quorum}",
+                 f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}",
+                 f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}",
+                 f"sentinel parallel-syncs {self.name} 1"]
+        if self.password:
+            lines.append(f'sentinel auth-pass {self.name} "{self.password}"')
+        conf = self.data_dir / "sentinel.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the master's password
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        out = open_log(log_file)
+        self.proc = subprocess.Popen([self.binary, str(conf), "--sentinel"], stdout=out, stderr=out,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child has its own copy
+        self.url = f"redis+sentinel://{self.host}:{self.port}/{self.name}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EmbeddedServerError(f"redis sentinel exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        raise EmbeddedServerError(f"redis sentinel did not answer PING within {timeout_s}s")
+
+    def _client(self):
+        import redis
+
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=2, decode_responses=True)
+
+    def master_address(self) -> str | None:
+        """Where the sentinel says the master is now ("host:port"), or None when it knows none."""
+        with self._client() as r:
+            addr = r.sentinel_get_master_addr_by_name(self.name)
+        return f"{addr[0]}:{addr[1]}" if addr else None
+
+    def wait_replicas(self, count: int, timeout_s: float = 15.0) -> None:
+        """Wait until the sentinel has found `count` replicas of the master that are up (it asks the master for
+        them every 10 s, and at once when it starts: start it after the replicas have connected)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._client() as r:
+                replicas = r.sentinel_slaves(self.name)
+            up = [x for x in replicas if not (x.get("is_sdown") or x.get("is_odown") or x.get("is_disconnected"))]
+            if len(up) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise EmbeddedServerError(f"sentinel found {len(up)} of {count} replicas within {timeout_s}s")
+            time.sleep(0.05)
