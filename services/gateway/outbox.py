@@ -35,6 +35,8 @@ class Outbox:
         self.dropped = 0
         self.no_stream = 0
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # nothing waiting and nothing being sent
+        self._idle.set()
         self._task: asyncio.Task | None = None
 
     def put(self, done: RequestCompleted) -> None:
@@ -45,6 +47,7 @@ class Outbox:
                 log.warning("request.completed outbox full (%d waiting): %d events dropped so far", self.limit,
                             self.dropped)
         self.queue.append(done)
+        self._idle.clear()
         self._wake.set()
 
     def start(self) -> None:
@@ -52,8 +55,9 @@ class Outbox:
 
     async def close(self, deadline_s: float = 3.0) -> None:
         """Send what is waiting (for at most `deadline_s`), then stop."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._drained(), deadline_s)
+        if self._task is not None:  # without the sender (never started) nothing would drain the queue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), deadline_s)
         if self.queue:
             log.warning("%d request.completed events not sent at shutdown", len(self.queue))
         if self._task is not None:
@@ -61,15 +65,12 @@ class Outbox:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _drained(self) -> None:
-        while self.queue:
-            await asyncio.sleep(0.05)
-
     async def _run(self) -> None:
         wait = RETRY_S[0]
         while True:
             if not self.queue:
                 self._wake.clear()
+                self._idle.set()
                 await self._wake.wait()
                 continue
             batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
