@@ -41,6 +41,8 @@ class Metrics:
         self.series = Series()
         self.redis: Any = None
         self.applied = 0  # the last EVENTS sequence counted (Redis keeps it across restarts: usage.record_new)
+        self._marked = False  # this process has written the usage mark in this Redis
+        self._mark_name = ""
         self._live: dict[str, tuple[float, Heartbeat]] = {}
         self._pod_kvs: tuple[Any, Any] | None = None
         self._leaders_kv: Any = None
@@ -171,11 +173,13 @@ class Metrics:
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
 
     async def _take(self, events: list[tuple[int, RequestCompleted]], mark: str) -> None:
-        """A batch's usage to Redis, then what Redis took to Prometheus (without Redis: what this process has not
-        counted yet)."""
-        fresh = [e for seq, e in events if seq > self.applied]  # a batch delivered again: not twice
+        """A batch's usage to Redis, then to Prometheus what Redis took and this process had not counted yet (a
+        batch delivered again is counted by neither; usage counted again into an emptied Redis is not counted
+        again by Prometheus, whose counters never lost it)."""
+        fresh = [e for seq, e in events if seq > self.applied]
         if self.redis is not None and events:
-            fresh = await self._record(events, mark)
+            taken = {id(e) for e in await self._record(events, mark)}
+            fresh = [e for e in fresh if id(e) in taken]
         for e in fresh:
             self.series.on_request(e)
 
@@ -186,7 +190,11 @@ class Metrics:
         wait = 0.25
         while True:
             try:
-                return await usage.record_new(self.redis, events, mark)
+                fresh = await usage.record_new(self.redis, events, mark, must_exist=self._marked)
+                self._marked = True
+                return fresh
+            except usage.MarkLost:
+                raise
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
                 if self.leader is not None and not self.leader.held:
                     log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
@@ -211,16 +219,20 @@ class Metrics:
 
         The lease's first subscription starts where Redis' mark says usage was counted up to, not where the
         consumer's acks stand: a former leader may have fetched a batch it never recorded, and a cumulative ack
-        of a later batch would otherwise ack it too, unrecorded."""
+        of a later batch would otherwise ack it too, unrecorded. A Redis that lost the mark (replaced, or emptied)
+        lost the usage with it: the consumer then starts again from the stream's first event, and usage is
+        counted again from what EVENTS still holds (7 days)."""
         resume = self.redis is not None
         while True:
             sub = None
             try:
                 mark = await self._mark()
+                if mark != self._mark_name:  # another EVENTS stream (made anew): its sequences start over
+                    self._mark_name, self._marked, self.applied = mark, False, 0
                 start = int(await self.redis.get(mark) or 0) + 1 if resume else 0
                 sub = await self._subscribe(start)
                 if resume:
-                    self.applied, resume = start - 1, False
+                    self.applied, resume = max(self.applied, start - 1), False
                     log.info("counting usage from EVENTS sequence %d", start)
                 while True:
                     try:
@@ -244,6 +256,10 @@ class Metrics:
                         await asyncio.sleep(self.settings.batch_linger_s)  # hot path CPU on a small box
             except asyncio.CancelledError:
                 raise
+            except usage.MarkLost:
+                log.warning("Redis has lost the usage it had counted (a new or emptied Redis): counting it again "
+                            "from the start of the EVENTS stream")
+                resume, self._marked = True, False
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)

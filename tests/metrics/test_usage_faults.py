@@ -126,3 +126,45 @@ async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one
         await r.aclose()
         redis_a.stop()
         redis_b.stop()
+
+
+async def test_a_redis_that_lost_the_usage_gets_it_counted_again_from_events(nats_server, tmp_path, unique):
+    """Redis replaced by an empty one (its data lost): the metrics service sees its mark gone and counts the EVENTS
+    stream again from the start, so usage is whole again; Prometheus, which never lost its counts, does not
+    count them twice."""
+    redis_server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    key = f"k{unique}"
+    settings = load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
+                             consumer=f"metrics-{unique}", redis_url=redis_server.url, batch_linger_s=0.01)
+    r = aioredis.from_url(redis_server.url)
+
+    async def requests() -> int:
+        rows = await read(r, [day_of(time.time())], key=key)
+        return rows[0]["requests"] if rows else 0
+
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            metrics = Metrics(settings)
+            await metrics.start(stack, asyncio.Event())
+            bus = await Bus.connect(nats_server.url, "test-gateway")
+            stack.push_async_callback(bus.close)
+
+            async def send(n: int) -> None:
+                for _ in range(n):
+                    e = done(key)
+                    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
+                                         headers={"Nats-Msg-Id": e.request_id})
+
+            await send(10)
+            await wait_for(lambda: requests_seen(metrics, key) >= 10, 20, what="the first events counted")
+            await r.flushall()  # every usage row and the mark gone, as with a new Redis
+            await send(5)
+            await wait_for(lambda: _eq(requests(), 15), 30, what="usage counted again, whole")
+            assert requests_seen(metrics, key) == 15  # Prometheus counted each event once
+    finally:
+        await r.aclose()
+        redis_server.stop()
+
+
+async def _eq(value, want: int) -> bool:
+    return await value == want

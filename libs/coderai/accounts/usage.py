@@ -56,17 +56,26 @@ async def record_many(redis, events: list[RequestCompleted]) -> None:
     await pipe.execute()
 
 
-async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: str) -> list[RequestCompleted]:
+class MarkLost(Exception):
+    """The mark a consumer wrote is gone: Redis was replaced or emptied, and the usage counted before with it."""
+
+
+async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: str,
+                     must_exist: bool = False) -> list[RequestCompleted]:
     """Record the events (each with its EVENTS stream sequence) past the sequence stored at `mark`, and move the
     mark, in one transaction: a batch delivered again (its ack lost to a NATS restart after Redis took it) is not
-    counted twice. The events recorded, which Prometheus then counts too."""
+    counted twice. The events recorded, which Prometheus then counts too. `must_exist`: the caller wrote the mark
+    before, so its absence is MarkLost (nothing recorded), not a first batch."""
     from redis.exceptions import WatchError
 
     while True:
         async with redis.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(mark)  # another consumer moving the mark meanwhile makes this try again
-                done = int(await pipe.get(mark) or 0)
+                stored = await pipe.get(mark)
+                if stored is None and must_exist:
+                    raise MarkLost(mark)
+                done = int(stored or 0)
                 fresh = [e for seq, e in events if seq > done]
                 top = max((seq for seq, _e in events), default=0)
                 pipe.multi()
