@@ -9,7 +9,7 @@ from typing import Any
 
 from litestar import Controller, Litestar, Request
 
-from coderai.accounts.keys import KeyStore
+from coderai.accounts.keys import KeyJournal, KeyStore
 from coderai.accounts.limits import Limiter
 from coderai.contracts import ModelConfig
 from coderai.contracts.topology import EVENTS
@@ -54,6 +54,8 @@ class Gateway:
             limiter = Limiter(self.redis)
         self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
                                         on_disconnect=self._on_disconnect)
+        if self.auth.store is not None:  # keys and revocations journalled beyond Redis (coderai_keys)
+            self.auth.store.journal = KeyJournal(self.bus)
         self.accounts = Accounts(self.bus, limiter)
         # the gateway makes the events usage is built from, so it makes their stream too: they are kept while the
         # metrics service (which made it before) is down, and a publish always has a stream to ack it

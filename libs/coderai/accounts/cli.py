@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from coderai.accounts.keys import KeyError_, KeyStore, public
+from coderai.accounts.keys import KeyError_, KeyJournal, KeyStore, public
 
 
 def _redis_url(args: argparse.Namespace) -> str:
@@ -27,7 +27,8 @@ async def _run(args: argparse.Namespace) -> int:
     from coderai.runtime import redis_client
 
     r = redis_client.connect(_redis_url(args))
-    store = KeyStore(r)
+    bus = await _journal_bus(args)
+    store = KeyStore(r, KeyJournal(bus) if bus is not None else None)
     try:
         if args.cmd == "create":
             secret, rec = await store.create(args.name, args.scope or ["inference"], models=args.models or [],
@@ -46,6 +47,18 @@ async def _run(args: argparse.Namespace) -> int:
         return 1
     finally:
         await r.aclose()
+        if bus is not None:
+            await bus.close()
+
+
+async def _journal_bus(args: argparse.Namespace):
+    """The bus of the `coderai up` on this machine, for the key journal (keys then outlive its Redis); None with
+    an explicit --redis-url (a cluster's Redis: its gateways journal the keys they change, the CLI does not)."""
+    if args.redis_url:
+        return None
+    from coderai.up import service_bus
+
+    return await service_bus(Path(os.path.expanduser(args.data_dir)), "keys-cli")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,16 @@
 
 Gateways read the record on every request that presents such a key (one round trip on loopback, ~0.1 ms) and
 cache nothing, so a revocation is refused by every replica from the next request on.
+
+With a journal (`KeyJournal`: the replicated `coderai_keys` bucket), every change is written there first, then
+to Redis; a key Redis does not hold (it was replaced or emptied) is looked up in the journal and put back, so
+keys and their revocations outlive Redis.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
 from typing import Any, Literal
@@ -17,6 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 Period = Literal["hour", "day", "week", "month"]
+log = logging.getLogger("coderai.accounts")
 
 
 class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,11 +69,55 @@ def _from_hash(h: dict[Any, Any]) -> ApiKey:
     )
 
 
-class KeyStore:
-    """CRUD over the Redis layout above; `redis` is a redis.asyncio client."""
+class KeyJournal:
+    """Every key record in the `coderai_keys` bucket (by SHA-256, like Redis: never the key), on `bus`."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def _kv(self) -> Any:
+        from coderai.contracts.topology import KEYS
+
+        return await self.bus.kv(KEYS)
+
+    async def put(self, rec: ApiKey) -> None:
+        await (await self._kv()).put(rec.sha256, msgspec.json.encode(rec))
+
+    async def get(self, sha256: str) -> ApiKey | None:
+        from nats.js.errors import KeyNotFoundError
+
+        if not sha256 or any(c not in "0123456789abcdef" for c in sha256):  # not a digest: no KV key to look up
+            return None
+        try:
+            entry = await (await self._kv()).get(sha256)
+        except KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value, type=ApiKey) if entry.value else None
+
+    async def all(self) -> list[ApiKey]:
+        from nats.js.errors import NoKeysError
+
+        try:
+            names = await (await self._kv()).keys()
+        except NoKeysError:
+            return []
+        return [rec for sha in names if (rec := await self.get(sha)) is not None]
+
+
+class KeyStore:
+    """CRUD over the Redis layout above; `redis` is a redis.asyncio client; `journal` (optional) keeps every
+    record beyond Redis."""
+
+    def __init__(self, redis: Any, journal: KeyJournal | None = None) -> None:
         self.redis = redis
+        self.journal = journal
+
+    async def _keep(self, rec: ApiKey) -> None:
+        """`rec` to the journal, then to Redis: a change acknowledged is one a lost Redis gets back."""
+        if self.journal is not None:
+            await self.journal.put(rec)
+        await self.redis.set(f"coderai:keyname:{rec.name}", rec.sha256)
+        await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(rec))
 
     async def create(self, name: str, scopes: list[str], **limits: Any) -> tuple[str, ApiKey]:
         """A new key: returns (the secret, shown once; the stored record)."""
@@ -78,40 +128,67 @@ class KeyStore:
             raise KeyError_(f"scopes must be inference and/or admin, not {sorted(bad) or scopes}")
         secret = new_secret()
         rec = ApiKey(name=name, sha256=digest(secret), scopes=scopes, created=time.time(), **limits)
-        if not await self.redis.set(f"coderai:keyname:{name}", rec.sha256, nx=True):
+        if await self.by_name(name) is not None or not await self.redis.set(f"coderai:keyname:{name}", rec.sha256,
+                                                                             nx=True):
             raise KeyError_(f"a key named {name!r} exists")
-        await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(rec))
+        try:
+            await self._keep(rec)
+        except BaseException:  # not kept (the journal unreachable): the name is free again
+            await self.redis.delete(f"coderai:keyname:{name}")
+            raise
         return secret, rec
 
     async def get(self, sha256: str) -> ApiKey | None:
         h = await self.redis.hgetall(f"coderai:key:{sha256}")
-        return _from_hash(h) if h else None
+        if h:
+            return _from_hash(h)
+        rec = None
+        if self.journal is not None:
+            try:
+                rec = await self.journal.get(sha256)
+            except Exception as exc:  # noqa: BLE001 - the bus away: an unknown key stays unknown (a 401, not a 503)
+                log.debug("key journal not read: %s", exc)
+        if rec is not None:  # Redis lost it: put it back for every gateway
+            await self.redis.set(f"coderai:keyname:{rec.name}", rec.sha256)
+            await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(rec))
+        return rec
 
     async def by_name(self, name: str) -> ApiKey | None:
         sha = await self.redis.get(f"coderai:keyname:{name}")
-        return await self.get(sha.decode() if isinstance(sha, bytes) else sha) if sha else None
+        if sha:
+            return await self.get(sha.decode() if isinstance(sha, bytes) else sha)
+        if self.journal is not None:
+            for rec in await self.journal.all():
+                if rec.name == name:
+                    return await self.get(rec.sha256)
+        return None
 
     async def list(self) -> list[ApiKey]:
-        out = []
+        out: dict[str, ApiKey] = {}
         async for k in self.redis.scan_iter(match="coderai:key:*", count=500):
             rec = await self.get((k.decode() if isinstance(k, bytes) else k).rsplit(":", 1)[1])
             if rec is not None:
-                out.append(rec)
-        return sorted(out, key=lambda r: r.name)
+                out[rec.sha256] = rec
+        if self.journal is not None:
+            for rec in await self.journal.all():
+                if rec.sha256 not in out:
+                    out[rec.sha256] = await self.get(rec.sha256) or rec
+        return sorted(out.values(), key=lambda r: r.name)
 
     async def revoke(self, name: str) -> ApiKey:
         rec = await self.by_name(name)
         if rec is None:
             raise KeyError_(f"no key named {name!r}")
-        await self.redis.hset(f"coderai:key:{rec.sha256}", "revoked", "1")
-        return msgspec.structs.replace(rec, revoked=True)
+        new = msgspec.structs.replace(rec, revoked=True)
+        await self._keep(new)
+        return new
 
     async def update(self, name: str, **changes: Any) -> ApiKey:
         rec = await self.by_name(name)
         if rec is None:
             raise KeyError_(f"no key named {name!r}")
         new = msgspec.structs.replace(rec, **changes)
-        await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(new))
+        await self._keep(new)
         return new
 
 

@@ -35,6 +35,7 @@ NODES = BucketSpec("coderai_nodes", ttl_s=NODE_TTL_S, description="live nodes, l
 ASSIGNMENTS = BucketSpec("coderai_assignments", description="desired models per node")
 MODELS = BucketSpec("coderai_models", description="model configs by model key")
 PODS = BucketSpec("coderai_pods", description="rented pods")
+KEYS = BucketSpec("coderai_keys", description="API keys by SHA-256 (never the key): the journal a lost Redis is refilled from")
 MEMBERS = BucketSpec("coderai_members", description="the member registry every head's nats-server takes its users from")
 
 VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: state, progress, result blob")

@@ -13,7 +13,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
-from coderai.accounts.keys import ApiKey, KeyError_, KeyStore, public
+from coderai.accounts.keys import ApiKey, KeyError_, KeyJournal, KeyStore, public
 from coderai.accounts.usage import FIELDS as USAGE_FIELDS
 from coderai.accounts.usage import read as read_usage
 from coderai.gateway.errors import ApiError
@@ -45,7 +45,7 @@ def _store(gw: Gateway) -> KeyStore:
     if gw.redis is None:
         raise ApiError(503, "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.", type="service_unavailable",
                        code="no_redis")
-    return KeyStore(gw.redis)
+    return KeyStore(gw.redis, KeyJournal(gw.bus))
 
 
 async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response:
