@@ -27,38 +27,49 @@ def done(key: str) -> RequestCompleted:
                             status="ok", http_status=200, prompt_tokens=3, completion_tokens=2)
 
 
+async def send(bus: Bus, key: str, n: int) -> None:
+    """`n` request.completed events of `key`, as a gateway's outbox publishes them."""
+    for _ in range(n):
+        e = done(key)
+        await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e), headers={"Nats-Msg-Id": e.request_id})
+
+
+async def requests_of(r, key: str) -> int:
+    """Today's requests of `key` in Redis' usage."""
+    rows = await read(r, [day_of(time.time())], key=key)
+    return rows[0]["requests"] if rows else 0
+
+
+@contextlib.asynccontextmanager
+async def running(nats_server, settings: MetricsSettings):
+    """A metrics service, and a bus to publish its events on, for the block."""
+    async with contextlib.AsyncExitStack() as stack:
+        metrics = Metrics(settings)
+        await metrics.start(stack, asyncio.Event())
+        bus = await Bus.connect(nats_server.url, "test-gateway")
+        stack.push_async_callback(bus.close)
+        yield metrics, bus
+
+
+def settings_for(nats_server, unique: str, redis_url: str, **kw) -> MetricsSettings:
+    return load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
+                         consumer=f"metrics-{unique}", redis_url=redis_url, batch_linger_s=0.01, **kw)
+
+
 async def test_events_during_a_redis_outage_are_recorded_once_it_is_back(nats_server, tmp_path, unique):
     redis_server = RedisServer(tmp_path / "redis", port=free_port(), durable=True).start()
     key = f"k{unique}"
-    settings = load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
-                             consumer=f"metrics-{unique}", redis_url=redis_server.url, batch_linger_s=0.01)
     r = aioredis.from_url(redis_server.url)
-
-    async def requests() -> int:
-        rows = await read(r, [day_of(time.time())], key=key)
-        return rows[0]["requests"] if rows else 0
-
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            metrics = Metrics(settings)
-            await metrics.start(stack, asyncio.Event())
-            bus = await Bus.connect(nats_server.url, "test-gateway")
-            stack.push_async_callback(bus.close)
-
-            async def send(n: int) -> None:
-                for _ in range(n):
-                    e = done(key)
-                    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
-                                         headers={"Nats-Msg-Id": e.request_id})
-
-            await send(10)
+        async with running(nats_server, settings_for(nats_server, unique, redis_server.url)) as (metrics, bus):
+            await send(bus, key, 10)
             await wait_for(lambda: requests_seen(metrics, key) >= 10, 20, what="the first batch counted")
             redis_server.kill()
-            await send(10)  # the batch that fails to reach Redis
-            await send(10)  # later batches must not ack it away
+            await send(bus, key, 10)  # the batch that fails to reach Redis
+            await send(bus, key, 10)  # later batches must not ack it away
             redis_server.start()
             await wait_for(lambda: requests_seen(metrics, key) >= 30, 30, what="every event counted once Redis is back")
-            assert await requests() == 30
+            assert await requests_of(r, key) == 30
             assert requests_seen(metrics, key) == 30  # Prometheus counted what Redis took, once
     finally:
         await r.aclose()
@@ -80,8 +91,7 @@ async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one
     redis_b = RedisServer(tmp_path / "redis-b", port=free_port()).start()
 
     def head(name: str, redis_url: str) -> MetricsSettings:
-        return load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
-                             consumer=consumer, redis_url=redis_url, batch_linger_s=0.01, node_id=name)
+        return settings_for(nats_server, unique, redis_url, node_id=name)
 
     r = aioredis.from_url(redis_b.url)
     try:
@@ -99,28 +109,18 @@ async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one
             await b.start(stack, asyncio.Event())
             assert a.leader.held and not b.leader.held
 
-            async def send(n: int) -> None:
-                for _ in range(n):
-                    e = done(key)
-                    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
-                                         headers={"Nats-Msg-Id": e.request_id})
-
             async def held_by_a() -> bool:
                 return (await bus.js.consumer_info("EVENTS", consumer)).num_ack_pending > 0
 
-            async def counted() -> int:
-                rows = await read(r, [day_of(time.time())], key=key)
-                return rows[0]["requests"] if rows else 0
-
             await wait_for(lambda: a.applied == info.state.last_seq, 20, what="head A counting from Redis' mark")
             redis_a.kill()
-            await send(10)
+            await send(bus, key, 10)
             await wait_for(held_by_a, 20, what="head A holding the batch it cannot record")
             await a.leader.stop()  # steps down, its batch fetched and never acked
             await wait_for(lambda: b.leader.held, 20, what="head B leading")
-            await send(10)  # head B acks these cumulatively
+            await send(bus, key, 10)  # head B acks these cumulatively
             await wait_for(lambda: requests_seen(b, key) >= 20, 30, what="every event counted by head B")
-            assert await counted() == 20 and requests_seen(b, key) == 20
+            assert await requests_of(r, key) == 20 and requests_seen(b, key) == 20
             assert requests_seen(a, key) == 0  # Prometheus counts only what Redis took
     finally:
         await r.aclose()
@@ -134,37 +134,19 @@ async def test_a_redis_that_lost_the_usage_gets_it_counted_again_from_events(nat
     count them twice."""
     redis_server = RedisServer(tmp_path / "redis", port=free_port()).start()
     key = f"k{unique}"
-    settings = load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
-                             consumer=f"metrics-{unique}", redis_url=redis_server.url, batch_linger_s=0.01)
     r = aioredis.from_url(redis_server.url)
-
-    async def requests() -> int:
-        rows = await read(r, [day_of(time.time())], key=key)
-        return rows[0]["requests"] if rows else 0
-
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            metrics = Metrics(settings)
-            await metrics.start(stack, asyncio.Event())
-            bus = await Bus.connect(nats_server.url, "test-gateway")
-            stack.push_async_callback(bus.close)
-
-            async def send(n: int) -> None:
-                for _ in range(n):
-                    e = done(key)
-                    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
-                                         headers={"Nats-Msg-Id": e.request_id})
-
-            await send(10)
+        async with running(nats_server, settings_for(nats_server, unique, redis_server.url)) as (metrics, bus):
+            await send(bus, key, 10)
             await wait_for(lambda: requests_seen(metrics, key) >= 10, 20, what="the first events counted")
             await r.flushall()  # every usage row and the mark gone, as with a new Redis
-            await send(5)
-            await wait_for(lambda: _eq(requests(), 15), 30, what="usage counted again, whole")
+            await send(bus, key, 5)
+
+            async def whole() -> bool:
+                return await requests_of(r, key) == 15
+
+            await wait_for(whole, 30, what="usage counted again, whole")
             assert requests_seen(metrics, key) == 15  # Prometheus counted each event once
     finally:
         await r.aclose()
         redis_server.stop()
-
-
-async def _eq(value, want: int) -> bool:
-    return await value == want
