@@ -19,7 +19,8 @@ COMMANDS = {
     "models": ("coderai.catalog.cli", "pull models from the Hugging Face Hub by name; list, rm, info"),
     "nodes": ("coderai.nodes_cli:nodes_main", "the cluster's members; revoke a node's credentials"),
     "token": ("coderai.nodes_cli:token_main", "`coderai token new`: make a cluster token"),
-    "status": ("coderai.status_cli", "who leads the scheduler and pod broker; the nodes that are up"),
+    "status": ("coderai.status_cli", "who leads the scheduler, pod broker and usage counting; the nodes that are up"),
+    "pods": ("coderai.pods_cli", "`coderai pods check`: does the image a rented pod runs exist in its registry?"),
 }
 
 

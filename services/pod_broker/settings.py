@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from coderai.oci import DEFAULT_POD_IMAGE
 from coderai.runtime.settings import CommonSettings
 
 
@@ -12,7 +13,7 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     pod_credentials_ttl_s: float = 7 * 24 * 3600  # a pod's NATS user ends with the pod, or after this long
     pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it
     deployment: str = "default"  # pods are named coderai-<deployment>-...; the orphan reaper owns that prefix
-    pod_image: str = "coderai-llama-cuda:latest"  # docker/build.sh names; push it where RunPod can pull it. A model's pod.image overrides it
+    pod_image: str = DEFAULT_POD_IMAGE  # the release's CUDA worker for this version (coderai.oci); `coderai pods check` looks it up. A model's pod.image overrides it
     max_hourly_usd: float = 0.0  # global cap: the hourly rates of every pod together; 0 forbids renting
     global_budget_usd: float = 0.0  # global spend cap per global_period; 0: none
     global_period: str = "month"
