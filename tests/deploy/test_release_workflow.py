@@ -220,6 +220,18 @@ def test_each_dockerfile_exists_and_pins_its_base_images(job):
             f"{dockerfile} takes the build args the workflow passes"
 
 
+def test_the_cuda_image_carries_llama_server_built_for_cuda():
+    """A GGUF model runs on llama.cpp's own server by default: the image a pod pulls builds it, with CUDA, from the
+    source of the llama-cpp-python it installs, into the venv on PATH (where the worker looks for it)."""
+    text = (ROOT / "docker" / "Dockerfile.llama-cuda").read_text()
+    build = re.search(r"^RUN ver=.*?(?=^\S)", text, re.M | re.S)
+    assert build, "no llama-server build step"
+    step = build.group(0)
+    assert "--target llama-server" in step and "-DGGML_CUDA=ON" in step and "-DGGML_NATIVE=OFF" in step
+    assert 'llama-cpp-python==${ver}' in step and "cp build/bin/llama-server /opt/coderai/venv/bin/" in step
+    assert "ENV PATH=/opt/coderai/venv/bin" in text
+
+
 def test_base_image_resolution_sees_unpinned_ones(tmp_path):
     bad = tmp_path / "Dockerfile"
     bad.write_text("ARG BASE=ubuntu\nFROM ${BASE} AS build\nFROM build\nFROM nvidia/cuda:12.8.1-runtime-ubuntu24.04\n")
