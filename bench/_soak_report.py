@@ -103,9 +103,9 @@ def table(fig: dict, command: str, seconds: float) -> str:
                 "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 9]
     for u in fig["usage"]:
         out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | "
-                   f"{u['cut_off']} | {u['prom_ok']:g} | "
-                   f"{u['redis_ok']} | {u['prom_all']:g} | {u['redis_all']} | {u['client_tokens']} | "
-                   f"{u['prom_tokens']:g} | {u['redis_tokens']} |")
+                   f"{u['cut_off']} | {u['prom_ok']:.0f} | "
+                   f"{u['redis_ok']} | {u['prom_all']:.0f} | {u['redis_all']} | {u['client_tokens']} | "
+                   f"{u['prom_tokens']:.0f} | {u['redis_tokens']} |")
     if fig["reasons"]:
         out += ["", "Why requests were not ok (most common first): " + "; ".join(
             f"{why} x{n}" for why, n in fig["reasons"].items()) + "."]
