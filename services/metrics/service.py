@@ -57,9 +57,11 @@ class Metrics:
         if s.redis_url:
             import redis.asyncio as aioredis
 
+            from coderai.runtime import redis_client
+
             # one connection, not a pool that grows with chance overlaps of the census and the consumer: the
             # service's open files stay what they were after start (the soak's fd target, docs/reliability.md)
-            pool = aioredis.BlockingConnectionPool.from_url(s.redis_url, max_connections=1, timeout=None)
+            pool = redis_client.connection_pool(s.redis_url, blocking=True, max_connections=1, timeout=None)
             self.redis = aioredis.Redis.from_pool(pool)
             stack.push_async_callback(self.redis.aclose)
         self.bus = await Bus.connect_as(s, "metrics")

@@ -240,3 +240,20 @@ def test_describe_works_on_plain_structs():
         name: str = "n"
 
     assert describe(Other()) == {"password": "***", "name": "n"}
+
+
+def test_describe_masks_every_password_of_a_url_over_several_hosts():
+    """A Sentinel URL (one password over several hosts) and a NATS URL listing every head (a password on each):
+    the start-up line shows none of them, and a service does not crash building it."""
+    from coderai.runtime.logging import redact
+
+    class S(CommonSettings, frozen=True, kw_only=True):
+        redis_url: str = ""
+
+    secrets = ("pass-one", "pass-two", "redis-pass", "sentinel-pass")  # redact() takes secrets of 6 or more
+    s = S(nats_url=f"nats://service:{secrets[0]}@h1:4222,nats://service:{secrets[1]}@h2:4222",
+          redis_url=f"redis+sentinel://:{secrets[2]}@a:26379,b:26379/coderai?sentinel_password={secrets[3]}")
+    d = describe(s)
+    assert d["nats_url"] == "nats://service:***@h1:4222,nats://service:***@h2:4222"
+    assert d["redis_url"] == "redis+sentinel://:***@a:26379,b:26379/coderai?sentinel_password=***"
+    assert all(redact(f"x {secret} y") == "x *** y" for secret in secrets)

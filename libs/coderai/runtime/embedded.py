@@ -355,6 +355,7 @@ class RedisSentinel(_Server):
         self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisSentinel":
+        """Write its config and start it; returns once it answers PING (it knows the master from its config)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         master_host, _, master_port = self.master.rpartition(":")
@@ -379,7 +380,8 @@ class RedisSentinel(_Server):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise EmbeddedServerError(f"redis sentinel exited with {self.proc.returncode} (port {self.port} taken?)")
+                raise EmbeddedServerError(
+                    f"redis sentinel exited with {self.proc.returncode} (port {self.port} taken?)")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")

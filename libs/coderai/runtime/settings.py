@@ -103,23 +103,34 @@ SECRET_WORDS = ("token", "secret", "password", "key_hash", "api_key", "apikey", 
 
 
 def _mask_url(value: str) -> str:
-    from urllib.parse import urlsplit, urlunsplit
+    """`value` with the password of each URL in it masked: one URL, several comma-separated ones (a NATS URL listing
+    every head, each with its credentials), or one URL over several hosts (`redis+sentinel://:pw@a:1,b:2/m`)."""
+    from coderai.runtime.redis_client import mask
 
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        return value
-    if not parts.scheme or not parts.password:
-        return value
-    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query, parts.fragment))
+    return ",".join(mask(part) for part in _urls(value))
+
+
+def _urls(value: str) -> list[str]:
+    return value.split(",") if value.count("://") > 1 else [value]
+
+
+def _url_secrets(value: str) -> list[str]:
+    """The passwords in `value`'s URLs (user info, and query parameters named like a password), as given and
+    unquoted."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    found = []
+    for part in _urls(value):
+        with contextlib.suppress(ValueError):
+            split = urlsplit(part)
+            found += [split.password] if split.password else []
+            found += [v for k, v in parse_qsl(split.query) if "password" in k.lower() and v]
+    return [x for p in found for x in (p, unquote(p))]
 
 
 def describe(settings: msgspec.Struct) -> dict[str, Any]:
     """Settings as a dict for the start-up log line, secrets masked: secret-named fields and the passwords in
     URLs. Each masked value is also registered with the log formatter, so no later line prints it either."""
-    from urllib.parse import unquote, urlsplit
-
     from coderai.runtime.logging import add_secret
 
     out = msgspec.structs.asdict(settings)
@@ -128,9 +139,7 @@ def describe(settings: msgspec.Struct) -> dict[str, Any]:
             add_secret(v)
             out[k] = "***"
         elif isinstance(v, str) and "://" in v:
-            with contextlib.suppress(ValueError):
-                if (password := urlsplit(v).password):
-                    add_secret(password)
-                    add_secret(unquote(password))
+            for secret in _url_secrets(v):
+                add_secret(secret)
             out[k] = _mask_url(v)
     return out

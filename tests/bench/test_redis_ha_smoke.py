@@ -1,0 +1,41 @@
+"""bench/redis_ha.py --smoke runs end to end (so the bench cannot rot): every path measured, its table printed,
+its servers gone afterwards. The numbers are not checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of live processes that mention `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_redis_ha_smoke_prints_its_table(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's servers keep their files (and argv) under here
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "redis_ha.py"), "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
+    assert "## Limits check across heads" in r.stdout
+    assert "| path | checks | achieved/s | p50 ms | p99 ms |" in r.stdout
+    for path in ("redis", "sentinel", "kv-cas", "kv-counter"):
+        assert f"| {path} | " in r.stdout, f"no row for {path}:\n{r.stdout}"
+    assert "| redis | 200 |" in r.stdout  # 2 s at 100 checks/s, every check answered
+    assert not _processes_naming(str(tmp_path)), "the bench left servers running"
