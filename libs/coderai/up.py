@@ -28,6 +28,22 @@ from coderai.runtime.tls import ensure_certs
 
 
 
+SECRET_ENV = ("CODERAI_CLUSTER_TOKEN", "RUNPOD_API_KEY", "CODERAI_POD_BROKER_RUNPOD_API_KEY")
+"""Secrets in `coderai up`'s environment that only the child that needs them is given (the scheduler the cluster
+token, the pod broker the RunPod key), never every service."""
+
+
+def runpod_api_key(key_file: str) -> str:
+    """The RunPod API key: the first line of `key_file`, else RUNPOD_API_KEY (the `runpod` SDK's variable), else
+    CODERAI_POD_BROKER_RUNPOD_API_KEY; "" with none."""
+    if key_file:
+        try:
+            return Path(os.path.expanduser(key_file)).read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise SystemExit(f"coderai up: cannot read the RunPod API key from {key_file}: {exc}") from None
+    return os.environ.get("RUNPOD_API_KEY") or os.environ.get("CODERAI_POD_BROKER_RUNPOD_API_KEY", "")
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -85,10 +101,20 @@ def ensure_scrape_token(data: Path) -> str:
 
 def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
     """NATS' users for this head: the registry (kept across restarts, so joined nodes stay members), the service
-    password (made once, in secrets/nats-service.password) and a new password for this box's own worker, which
-    is a node like any other. Writes the users file nats-server reads; returns (service, worker) passwords."""
+    password (made once, in secrets/nats-service.password) and a password for this box's own worker, which is a
+    node like any other (made once, in secrets/worker.password: a restart changes no member, so the registry the
+    other heads share stays what it was). Writes the users file nats-server reads; returns (service, worker)
+    passwords."""
+    import bcrypt
+
     reg, password = members.ensure_registry(data / "nats", data / "secrets" / "nats-service.password", token)
-    worker_password = members.add_node(reg, worker_id)
+    secret = data / "secrets" / "worker.password"
+    mine = reg.members.get(worker_id)
+    worker_password = members.read_secret(secret) if secret.exists() else ""
+    if (mine is None or mine.kind != "node" or not worker_password
+            or not bcrypt.checkpw(worker_password.encode(), mine.password_hash.encode())):
+        worker_password = members.add_node(reg, worker_id)
+        members.write_secret(secret, worker_password)
     members.save(data / "nats" / "members.json", reg)
     members.write_users(data / "nats" / "users.conf", reg)
     return password, worker_password
@@ -163,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mdns-interface", action="append", default=[], help="address to announce mDNS on (repeat)")
     ap.add_argument("--node-id", default="", help="this machine's node id (default: made once, kept in the data dir)")
     ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the first answer")
+    ap.add_argument("--runpod-key-file", default=os.environ.get("CODERAI_RUNPOD_KEY_FILE", ""),
+                    help="a file holding a RunPod API key (else RUNPOD_API_KEY): with one, the pod broker runs, with "
+                         "this box's Redis for its ledger and budgets; without one, it is not started")
+    ap.add_argument("--pod-nats-url", default=os.environ.get("CODERAI_POD_BROKER_POD_NATS_URL", ""),
+                    help="how a rented pod reaches this head's NATS (a public address); pods stay off without it")
     args = ap.parse_args(argv)
 
     data = Path(os.path.expanduser(args.data_dir)).resolve()
@@ -196,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             except WeakToken as exc:
                 print(f"coderai up: {exc}", file=sys.stderr)
                 return 2
+        runpod_key = runpod_api_key(args.runpod_key_file)
         nats_host = args.nats_host or ("0.0.0.0" if token else "127.0.0.1")
         nats_port = args.nats_port or (4222 if token else None)
         from coderai.runtime.node_id import stable_node_id
@@ -224,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             keys_file, key = ensure_api_key(data)
             gateway_args += ["--api-keys-file", str(keys_file)]
-        env = {k: v for k, v in os.environ.items() if k != "CODERAI_CLUSTER_TOKEN"} | {
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | {
             "CODERAI_NATS_URL": service_url,
             "CODERAI_DATA_DIR": str(data),
             "CODERAI_NODE_ID": worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
@@ -249,16 +281,22 @@ def main(argv: list[str] | None = None) -> int:
             worker_env["CODERAI_WORKER_ANNOUNCE_FINGERPRINT"] = fingerprint(token)
             if args.mdns_interface:
                 worker_env["CODERAI_WORKER_MDNS_INTERFACES"] = ",".join(args.mdns_interface)
+        # the broker alone holds the RunPod key, and runs only with one: its ledger, reservations and budgets are
+        # in this box's Redis (without a key, /admin/pods says why no pods are rented)
+        broker_env = env | {"CODERAI_POD_BROKER_RUNPOD_API_KEY": runpod_key, "CODERAI_POD_BROKER_REDIS_URL": redis_url}
+        if args.pod_nats_url:
+            broker_env["CODERAI_POD_BROKER_POD_NATS_URL"] = args.pod_nats_url
         py = [sys.executable, "-m"]
         for name, module, extra, child_env in [
             ("router", "coderai.router", [], env),
             ("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], scheduler_env),
-            ("pod-broker", "coderai.pod_broker", [], env),
+            ("pod-broker", "coderai.pod_broker", [], broker_env if runpod_key else None),
             ("metrics", "coderai.metrics", [], env),
             ("worker", "coderai.engine_worker", [], worker_env),
             ("gateway", "coderai.gateway", gateway_args, env),
         ]:
-            sup.add(Child(name, py + [module, *extra], child_env, data / "logs" / f"{name}.log"))
+            if child_env is not None:
+                sup.add(Child(name, py + [module, *extra], child_env, data / "logs" / f"{name}.log"))
         run = data / "run"
         run.mkdir(exist_ok=True)
         base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
@@ -279,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"coderai up: {exc}; see the logs in {data / 'logs'}", file=sys.stderr)
                 return 1
         if not stopping:
-            print(banner(base, key, first, nats.url, metrics_port, data, tuple(served[1:])), flush=True)
+            print(banner(base, key, first, nats.url, metrics_port, data, tuple(served[1:]), pods=bool(runpod_key)),
+                  flush=True)
             if token:
                 print(f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
                       f" (found by mDNS), or add --nats-url nats://<this host>:{nats.port}", flush=True)
@@ -315,7 +354,7 @@ def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path)
 
 
 def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path,
-           others: tuple[str, ...] = ()) -> str:
+           others: tuple[str, ...] = (), pods: bool = False) -> str:
     # the key itself is not printed (terminals and their scrollback, CI logs and screen shares keep what is)
     shown_key = f"in {data / 'admin.key'}" if key else "anything (auth is off)"
     sdk_key = f'open("{data / "admin.key"}").read().strip()' if key else '"none"'
@@ -328,6 +367,7 @@ coderai is up.
   model      {model}{also}
   NATS       {nats_url}
   metrics    {base[:-3]}/metrics (admin key, or the token in {data / 'scrape.token'})
+  pods       {"RunPod, through the pod broker (GET /admin/pods)" if pods else "off: no RunPod API key (--runpod-key-file)"}
   logs       {data / 'logs'}
 
 Try it with the official SDK:

@@ -67,6 +67,7 @@ class Broker:
         self.pods: dict[str, PodInfo] = {}
         self.hbs: dict[str, tuple[float, Heartbeat]] = {}
         self.leases: dict[str, tuple[int, float]] = {}
+        self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_orphan_scan = 0.0
         self.redis: Any = None
@@ -150,7 +151,8 @@ class Broker:
         now = time.time()
         pods = [self._with_live_cost(p, now) for p in sorted(self.pods.values(), key=lambda p: p.created_at)]
         spent = await self.money.ledger_total_usd() if self.money is not None else 0.0
-        return BrokerStatus(configured=self.configured, pods=pods, spent_usd=spent)
+        return BrokerStatus(configured=self.configured, pods=pods, spent_usd=spent,
+                            why="" if self.configured else self._why_off())
 
     @staticmethod
     def _with_live_cost(p: PodInfo, now: float) -> PodInfo:
@@ -365,10 +367,15 @@ class Broker:
         for m in list(self.models.values.values()):
             want = self._floor(m, now)
             if want and len(self._live(m.name)) < want and self.configured:
-                with contextlib.suppress(BusError):
+                try:
                     async with self._locks.setdefault(m.name, asyncio.Lock()):
                         if len(self._live(m.name)) < want:
                             await self._create(m)
+                    self._unfilled.pop(m.name, None)
+                except BusError as exc:  # tried again next round; said once per reason, not every round
+                    if self._unfilled.get(m.name) != exc.message:
+                        self._unfilled[m.name] = exc.message
+                        log.warning("warm floor for %s not filled: %s", m.name, exc.message)
 
     async def end(self, p: PodInfo, state: str, reason: str) -> PodInfo:
         """Terminate the pod (retried) and bill it from creation to now, boot included."""

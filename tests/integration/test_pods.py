@@ -23,7 +23,7 @@ pytest.importorskip("graphql")
 pytest.importorskip("llama_cpp")
 
 from coderai.testing.browser import full_page_png, open_signed_out, sign_in, text, wait  # noqa: E402
-from coderai.testing.fake_runpod import FakeRunPod, python_launcher  # noqa: E402
+from coderai.testing.fake_runpod import FakeRunPod, worker_pods  # noqa: E402
 
 ADMIN = "sk-pods-admin-0123456789"
 
@@ -47,14 +47,7 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
          "pod": {"burst": "when_no_fit", "budget_usd": 0.0001, "period": "day"}},
     ]
     deployment = "t" + uuid.uuid4().hex[:6]
-    pod_dir = root / "pods"
-    pod_dir.mkdir()
-    def launch(e: dict[str, str]):
-        name = e.get("CODERAI_NODE_ID") or e["RUNPOD_POD_ID"]
-        return python_launcher(["-m", "coderai.engine_worker"], str(pod_dir / f"{name}.log"))(
-            {**e, "CODERAI_DATA_DIR": str(pod_dir / name)})
-
-    fake = FakeRunPod(launch=launch).start()
+    fake = FakeRunPod(launch=worker_pods(root / "pods")).start()
     nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
     prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
     stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",

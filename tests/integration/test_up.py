@@ -47,6 +47,13 @@ def _argv0(pid: int) -> str:
         return ""
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -55,17 +62,27 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _run_up(data: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+def _run_up(data: Path, port: int, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(data), "--port", str(port),
          "--metrics-port", str(free_port()), *extra],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=None if env is None else os.environ | env,
     )
+
+
+def _start_up(tmp_path: Path, data: Path, n: int, *extra: str) -> tuple[subprocess.Popen, str]:
+    """The `n`th start of `coderai up` on `data`, ready (a chat answered through the stack); (process, base URL)."""
+    port, log = free_port(), tmp_path / f"up{n}.log"
+    proc = _run_up(data, port, log, *extra)
+    wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 180, f"start {n} to print ready")
+    assert proc.poll() is None, log.read_text()
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:
     tree = _descendants(proc.pid)
-    assert len(tree) >= 8  # nats, redis, six services (and granian's worker)
+    assert len(tree) >= 7  # nats, redis, five services (six with the pod broker), granian's worker
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0
     wait_until(lambda: not any(_alive(p) for p in tree), 10, "every process of the stack to be gone")
@@ -95,6 +112,14 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
                                                      max_tokens=8, stream=True))
         assert pieces[-1].choices[0].finish_reason in ("stop", "length")
         assert json.loads((data / "run" / "up.json").read_text())["base_url"] == base
+        # no RunPod key: no pod broker, and /admin/pods says why
+        assert "pods       off: no RunPod API key" in out
+        assert not [p for p in _descendants(proc.pid) if "coderai.pod_broker" in _cmdline(p)]
+        import httpx
+
+        pods = httpx.get(f"http://127.0.0.1:{port}/admin/pods", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert pods.status_code == 200 and pods.json()["configured"] is False and not pods.json()["broker"]
+        assert "RunPod API key" in pods.json()["why"], pods.text
         if find_llama_server():  # the default chat model runs on llama.cpp's own server, a child of the worker
             servers = [p for p in _descendants(proc.pid) if _argv0(p).endswith("llama-server")]
             assert servers, "no llama-server child serves the default model"
@@ -168,11 +193,7 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
     chat = {"model": "coderai-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 
     def start(n: int) -> tuple[subprocess.Popen, str]:
-        port, log = free_port(), tmp_path / f"up{n}.log"
-        proc = _run_up(data, port, log, "--models-file", str(models))
-        wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 180, f"start {n} to print ready")
-        assert proc.poll() is None, log.read_text()
-        return proc, f"http://127.0.0.1:{port}"
+        return _start_up(tmp_path, data, n, "--models-file", str(models))
 
     def state(base: str, admin: str) -> tuple[dict, float]:
         keys = {k["name"]: k for k in httpx.get(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"},
@@ -233,8 +254,10 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
         assert list(assigned.values()) == [["coderai-tiny"]], assigned
         status = subprocess.run([sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(data)],
                                 capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and "nobody" not in status.stdout, status.stdout + status.stderr
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "pod-broker  nobody" in status.stdout  # no RunPod key: coderai up runs no pod broker
         assert f"scheduler   {next(iter(assigned))}" in status.stdout, status.stdout  # this box's head leads
+        assert f"metrics     {next(iter(assigned))}" in status.stdout, status.stdout  # and counts usage
         _ctrl_c(proc)
 
         for how in ("ctrl-c", "sigkill"):
@@ -255,3 +278,154 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_sigkill_under_load_keeps_usage_and_the_pod_ledger(tmp_path, tiny_gguf):
+    """`coderai up` killed with SIGKILL while four clients chat: after the restart the key works, its usage is the
+    clients' own count of answered requests (give or take the four in flight at the kill), and the pod ledger (a
+    booked pod, and one still running, as the broker leaves them) is what it was."""
+    import threading
+
+    import httpx
+    import redis.asyncio as aioredis
+
+    from coderai.accounts.pod_money import Caps, PodMoney
+    from coderai.testing.stack import write_models_file
+    from coderai.up import service_urls
+
+    data, clients = tmp_path / "data", 4
+    models = write_models_file(tmp_path / "models.toml", [{
+        "name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}}])
+
+    def start(n: int) -> tuple[subprocess.Popen, str]:
+        return _start_up(tmp_path, data, n, "--models-file", str(models))
+
+    async def ledger(write: bool = False) -> tuple[list, list, float]:
+        r = aioredis.from_url(service_urls(data)[1])
+        try:
+            money = PodMoney(r)
+            if write:  # what the broker leaves: one pod booked, one running with its reservation
+                now = time.time()
+                for pod in ("pod-booked", "pod-running"):
+                    await money.reserve("big", pod, 1.2, 0.5, Caps(), now - 600)
+                    await money.open_pod(pod, "H100", now - 600)
+                await money.book("pod-booked", "big", "H100", 1.2, now - 600, now - 300, now)
+            entries = [(e.pod_id, e.usd_micro) for e in await money.ledger()]
+            return entries, [(p.pod_id, p.rate_hr, p.start) for p in await money.pods()], await money.spend("big")
+        finally:
+            await r.aclose()
+
+    def usage_ok(base: str, admin: str) -> int:
+        rows = httpx.get(f"{base}/admin/usage", params={"key": "loader"}, timeout=30,
+                         headers={"Authorization": f"Bearer {admin}"}).json()["rows"]
+        return sum(row["requests"] - row["errors"] for row in rows)
+
+    proc, base = start(1)
+    try:
+        admin = (data / "admin.key").read_text().strip()
+        made = httpx.post(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30,
+                          json={"name": "loader"})
+        assert made.status_code == 201, made.text
+        headers = {"Authorization": f"Bearer {made.json()['key']}"}
+        before = asyncio.run(ledger(write=True))
+        assert len(before[0]) == 1 and len(before[1]) == 1 and before[2] > 0
+
+        answered, killed = [0] * clients, threading.Event()
+
+        def load(i: int) -> None:
+            with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
+                while not killed.is_set():
+                    try:
+                        r = c.post("/v1/chat/completions", json={
+                            "model": "coderai-tiny", "messages": [{"role": "user", "content": f"hello {i}"}],
+                            "max_tokens": 4})
+                    except httpx.HTTPError:
+                        return  # the stack is gone
+                    if r.status_code == 200:
+                        answered[i] += 1
+
+        threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(clients)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: sum(answered) >= 40, 120, "forty answered requests under load")
+        _sigkill(proc, data)  # mid-load: every client has a request in flight
+        killed.set()
+        for t in threads:
+            t.join(60)
+        seen = sum(answered)
+
+        proc, base = start(2)
+        assert httpx.get(f"{base}/v1/models", headers=headers, timeout=30).status_code == 200  # the key works
+        # an answered request's event is in the gateway's outbox for milliseconds before JetStream stores it: at
+        # most those of the requests in flight at the kill are lost (or billed and never seen by their client);
+        # the restarted metrics service counts what it had not yet counted, from its mark in Redis
+        wait_until(lambda: usage_ok(base, admin) >= seen - clients, 60, "usage to reach the clients' count")
+        counted = usage_ok(base, admin)
+        assert seen - clients <= counted <= seen + clients, (seen, counted)
+        assert asyncio.run(ledger()) == before, "the pod ledger, a running pod or the pod spend changed"
+        _ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_with_a_runpod_key_runs_the_broker_with_redis_and_bills_a_leased_pod(tmp_path, tiny_gguf):
+    """`coderai up --runpod-key-file` starts the pod broker with this box's Redis: against the fake RunPod API
+    (pods are real worker processes that join this box's NATS), a warm-floor lease rents a pod, which serves, and
+    once the lease ends the pod is reaped and billed in the ledger, to the cent of what RunPod billed."""
+    pytest.importorskip("graphql")
+    import httpx
+
+    from coderai.testing.fake_runpod import FakeRunPod, worker_pods
+    from coderai.testing.stack import write_models_file
+
+    models = write_models_file(tmp_path / "models.toml", [
+        {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+        {"name": "big", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "memory_mb": 100_000,
+         "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 2, "budget_usd": 50}}])
+    fake = FakeRunPod(launch=worker_pods(tmp_path / "pods")).start()
+    key_file = tmp_path / "runpod.key"
+    key_file.write_text(fake.api_key + "\n")
+    data, port, nats_port, log = tmp_path / "data", free_port(), free_port(), tmp_path / "up.log"
+    proc = _run_up(data, port, log, "--models-file", str(models), "--runpod-key-file", str(key_file),
+                   "--nats-port", str(nats_port), "--pod-nats-url", f"nats://127.0.0.1:{nats_port}", env={
+                       "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
+                       "CODERAI_POD_BROKER_RECONCILE_S": "0.5", "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "60"})
+    try:
+        wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 180, "coderai up to print ready")
+        out = log.read_text()
+        assert proc.poll() is None, out
+        assert fake.api_key not in out and "pods       RunPod" in out
+        broker = [p for p in _descendants(proc.pid) if "coderai.pod_broker" in _cmdline(p)]
+        assert broker and fake.api_key.encode() not in Path(f"/proc/{broker[0]}/cmdline").read_bytes()
+        admin = {"Authorization": f"Bearer {(data / 'admin.key').read_text().strip()}"}
+        base = f"http://127.0.0.1:{port}"
+
+        def pods() -> list[dict]:
+            r = httpx.get(f"{base}/admin/pods", headers=admin, timeout=30)
+            assert r.status_code == 200 and r.json()["broker"], r.text
+            return r.json()["pods"]
+
+        status = httpx.get(f"{base}/admin/pods", headers=admin, timeout=30).json()
+        assert status["configured"] is True and status["why"] == "", status
+        lease = httpx.post(f"{base}/admin/pods/lease", headers=admin, timeout=30,
+                           json={"model": "big", "pods": 1, "ttl": 20})
+        assert lease.status_code == 200, lease.text
+        pod = wait_until(lambda: [p for p in pods() if p["model"] == "big" and p["state"] == "ready"], 120,
+                         "the leased pod to be ready")[0]
+        r = httpx.post(f"{base}/v1/chat/completions", headers=admin, timeout=90, json={
+            "model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["coderai-engine"].startswith("coderai-"), r.text
+        # the lease ends, the pods go idle and are reaped, terminated at RunPod, and billed
+        wait_until(lambda: all(p["state"] in ("terminated", "failed") for p in pods())
+                   and all(fake.pod(p["pod_id"]).status == "TERMINATED" for p in pods()), 120,
+                   "the pods to be reaped and terminated once the lease ended")
+        assert any(p["name"] == pod["name"] and p["state"] == "terminated" for p in pods())
+        spend = httpx.get(f"{base}/admin/spend", headers=admin, timeout=30).json()
+        billed = sum(fake.billed_usd(p["pod_id"]) for p in pods())
+        assert spend["ledger_total_usd"] > 0 and abs(spend["ledger_total_usd"] - billed) < 0.005  # to the cent
+        _ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fake.close()

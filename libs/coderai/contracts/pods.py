@@ -34,11 +34,13 @@ class PodInfo(Message, frozen=True, kw_only=True):
 
 
 class BrokerStatus(Message, frozen=True, kw_only=True, tag="broker.status", tag_field="t"):
-    """`configured`: a RunPod API key is set, so escalation to pods is possible."""
+    """`configured`: the broker has all it needs (a RunPod API key, Redis for the ledger, a NATS URL for pods, a
+    global hourly cap), so escalation to pods is possible; else `why` says what is missing."""
 
     configured: bool
     pods: list[PodInfo] = []
     spent_usd: float = 0.0
+    why: str = ""
 
 
 class EscalateRequest(Message, frozen=True, kw_only=True):

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from collections.abc import Callable, Iterable
 from urllib.parse import parse_qs, urlsplit
 
@@ -142,6 +143,19 @@ def python_launcher(args: list[str], log_path: str | None = None) -> Launch:
         finally:
             if log_path:
                 out.close()
+    return launch
+
+
+def worker_pods(pod_dir: str | os.PathLike) -> Launch:
+    """A `launch` that runs each pod as a real engine worker (`python -m coderai.engine_worker`) with the pod's
+    env, its data dir and log under `pod_dir` (named after the pod)."""
+    root = Path(pod_dir)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def launch(env: dict[str, str]) -> subprocess.Popen:
+        name = env.get("CODERAI_NODE_ID") or env["RUNPOD_POD_ID"]
+        return python_launcher(["-m", "coderai.engine_worker"], str(root / f"{name}.log"))(
+            {**env, "CODERAI_DATA_DIR": str(root / name)})
     return launch
 
 

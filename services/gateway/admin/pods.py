@@ -9,12 +9,15 @@ from litestar import Request, Response, get, post
 from coderai.accounts.pod_money import PodMoney
 from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
 from coderai.contracts.subjects import CMD_BROKER_LEASE, CMD_BROKER_STATUS
-from coderai.gateway.admin.nodes import ask, relay
-from coderai.gateway.errors import ApiError
+from coderai.contracts import BusError
+from coderai.gateway.admin.nodes import relay
+from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, read_json
 from coderai.gateway.state import AdminController
 
 PERIODS = ("hour", "day", "week", "month")
+NO_BROKER = ("no pod broker is running: `coderai up` starts one only when given a RunPod API key (--runpod-key-file, "
+             "or RUNPOD_API_KEY); on a cluster run `coderai pod-broker` on the head")
 
 
 class _Lease(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,10 +30,17 @@ class PodsController(AdminController):
 
     @get("/pods")
     async def pods(self) -> Response:
-        """Rented pods with their state and live cost, and what the ledger holds in all."""
-        status = await ask(self.gw, CMD_BROKER_STATUS, BrokerStatusRequest())
+        """Rented pods with their state and live cost, and what the ledger holds in all; with pods off, why."""
+        try:
+            status = await self.gw.bus.request(CMD_BROKER_STATUS, BrokerStatusRequest(), timeout=5.0)
+        except BusError as exc:
+            if exc.code == "no_engine" and self.gw.bus.connected:  # connected, and nobody serves the subject
+                return json_response({"configured": False, "broker": False, "why": NO_BROKER, "pods": [],
+                                      "spent_usd": 0.0})
+            raise from_bus(exc, self.gw.settings.retry_after_s) from None
         pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
-        return json_response({"configured": status.configured, "pods": pods, "spent_usd": status.spent_usd})
+        return json_response({"configured": status.configured, "broker": True, "why": status.why, "pods": pods,
+                              "spent_usd": status.spent_usd})
 
     @post("/pods/lease", status_code=200)
     async def lease(self, request: Request) -> Response:
