@@ -3,9 +3,11 @@ bucket besides writing its own head's files, and every head's scheduler process 
 writing its head's `members.json` and `users.conf` and reloading its nats-server when they differ. So a node that
 joined through one head logs in at any head, and a revocation or a pod's expiry at one cuts it off at all.
 
-The bucket is the registry's truth once it holds one: a scheduler that starts leading takes the bucket's registry
-over its own files (which may be stale: a head that was partitioned), and publishes its files only into an empty
-bucket (the first head, or one upgraded from a single head)."""
+The bucket is the truth of membership (nodes, pods, revocations) once it holds one: a scheduler that starts leading
+takes the bucket's members over its own files (which may be stale: a head that was partitioned), and publishes its
+files only into an empty bucket (the first head, or one upgraded from a single head). The service and join logins
+are each head's own configuration and are never taken from the bucket: a head started without a cluster token
+lets nobody join, whatever another head's registry says."""
 
 from __future__ import annotations
 
@@ -37,11 +39,16 @@ class HeadFiles:
         self.pid_file = Path(pid_file).expanduser() if pid_file else None
 
     def write(self, reg: members.Registry) -> bool:
-        """Make this head's files say `reg`, and reload nats-server; False when they already did."""
+        """Make this head's files hold `reg`'s members and revocations, and reload nats-server; False when they
+        already did. The service and join logins stay this head's own: they are its configuration (the join user
+        follows the cluster token it was started with), not membership."""
         from coderai.scheduler.membership import reload_nats
 
         with members.file_lock(self.members_file):
-            if members.load(self.members_file) == reg:
+            local = members.load(self.members_file)
+            if local is not None:
+                reg = msgspec.structs.replace(reg, service_hash=local.service_hash, join_hash=local.join_hash)
+            if local == reg:
                 return False
             members.save(self.members_file, reg)
             members.write_users(self.users_file, reg)

@@ -42,6 +42,10 @@ def heads(tmp_path):
         shutil.copy(first.members_file, s.members_file)
         shutil.copy(first.users_file, s.users_file)
         s.service_password = first.service_password
+    no_joins = members.load(servers["c"].members_file)  # head c was started without the cluster token
+    no_joins.join_hash = ""
+    members.save(servers["c"].members_file, no_joins)
+    members.write_users(servers["c"].users_file, no_joins)
     for s in servers.values():
         s.start(log_file=s.data_dir / "nats.log")
     yield servers
@@ -88,6 +92,7 @@ async def test_a_change_on_the_leaders_head_reaches_every_heads_nats_server(head
         for server in (a, b, c):
             await _login(server, pod.user, pod.password)
         assert members.load(c.members_file).members["pod-1"].kind == "pod"
+        assert members.load(c.members_file).join_hash == ""  # its own logins stay its own: nobody joins through c
 
         await bus_a.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="pod-1"))
         for server in (a, b, c):

@@ -202,6 +202,11 @@ def read_secret(path: Path) -> str:
     return path.read_text().strip()
 
 
+def write_secret(path: Path, value: str) -> None:
+    """`value` in `path`, mode 0600 (its folder 0700)."""
+    _write_private(path, value + "\n")
+
+
 def ensure_secret(path: Path) -> str:
     """A random secret kept in `path` (mode 0600), made on first use."""
     if path.exists():
