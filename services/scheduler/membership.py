@@ -204,6 +204,7 @@ class Membership:
 
     def _apply(self, reg: members.Registry) -> None:
         """Save the registry, rewrite the users and have nats-server reload them; then every other head's."""
+        reg.version += 1  # newer than every registry any head holds: the others take it, none undoes it
         members.save(self.members_file, reg)
         members.write_users(self.auth_file, reg)
         reload_nats(self.pid_file)

@@ -38,15 +38,18 @@ class HeadFiles:
         self.users_file = Path(users_file).expanduser()
         self.pid_file = Path(pid_file).expanduser() if pid_file else None
 
-    def write(self, reg: members.Registry) -> bool:
+    def write(self, reg: members.Registry, newer_only: bool = True) -> bool:
         """Make this head's files hold `reg`'s members and revocations, and reload nats-server; False when they
-        already did. The service and join logins stay this head's own: they are its configuration (the join user
-        follows the cluster token it was started with), not membership."""
+        already did, or (`newer_only`) when this head's registry is as new or newer: the echo of a change this head
+        made itself must not undo the one it made next. The service and join logins stay this head's own: they are
+        its configuration (the join user follows the cluster token it was started with), not membership."""
         from coderai.scheduler.membership import reload_nats
 
         with members.file_lock(self.members_file):
             local = members.load(self.members_file)
             if local is not None:
+                if newer_only and reg.version <= local.version:
+                    return False
                 reg = msgspec.structs.replace(reg, service_hash=local.service_hash, join_hash=local.join_hash)
             if local == reg:
                 return False
@@ -67,19 +70,24 @@ class Publisher:
         self.published = 0  # the bucket's revision of the last put
 
     async def adopt(self, files: HeadFiles) -> members.Registry | None:
-        """At the start of a term: the bucket's registry written to this head's files (returned), or, into an
-        empty bucket, this head's registry published."""
+        """At the start of a term: the bucket's registry written to this head's files when it is newer, else this
+        head's registry published (into an empty bucket, or over an older one); the registry now in force."""
         kv = await self.bus.kv(MEMBERS)
         entry = None
         with contextlib.suppress(KeyNotFoundError):
             entry = await kv.get(REGISTRY_KEY)
-        if entry is not None and entry.value:
-            reg = msgspec.json.decode(entry.value, type=members.Registry)
-            if files.write(reg):
-                log.info("took the cluster's member registry (%d members) over this head's", len(reg.members))
-            return reg
+        theirs = msgspec.json.decode(entry.value, type=members.Registry) if entry is not None and entry.value else None
         local = members.load(files.members_file)
-        if local is not None:
+        if theirs is not None and (local is None or theirs.version > local.version):
+            if files.write(theirs):
+                log.info("took the cluster's member registry (%d members) over this head's", len(theirs.members))
+            return members.load(files.members_file)
+        if local is not None and (theirs is None or _membership(local) != _membership(theirs)):
+            if theirs is not None and local.version <= theirs.version:  # changed here, outside any term: newer now
+                with members.file_lock(files.members_file):
+                    local = members.load(files.members_file)
+                    local.version = theirs.version + 1
+                    members.save(files.members_file, local)
             self.published = await kv.put(REGISTRY_KEY, msgspec.json.encode(local))
         return local
 
@@ -106,6 +114,10 @@ class Publisher:
                     self._wake.set()
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
+
+
+def _membership(reg: members.Registry) -> tuple:
+    return reg.members, reg.revoked
 
 
 class Follower:

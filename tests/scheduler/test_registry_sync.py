@@ -9,6 +9,8 @@ import contextlib
 import secrets
 import shutil
 
+import msgspec
+
 import pytest
 
 from coderai.contracts.admin import PodUserRequest, RevokeRequest
@@ -124,3 +126,16 @@ async def _in_bucket(bus: Bus, node_id: str) -> bool:
 
     entry = await (await bus.kv(MEMBERS)).get(REGISTRY_KEY)
     return node_id in msgspec.json.decode(entry.value, type=members.Registry).members
+
+
+def test_the_echo_of_an_older_registry_does_not_undo_a_newer_one(tmp_path):
+    """A head's follower sees its own leader's changes come back from the bucket, possibly after it has made the
+    next one: a registry no newer than the head's own is left alone (its files, its nats-server untouched)."""
+    reg, _ = members.new_registry(TOKEN)
+    members.add_node(reg, "n1")
+    reg.version = 5
+    head = HeadFiles(tmp_path / "members.json", tmp_path / "users.conf", None)  # no nats-server: none to reload
+    members.save(head.members_file, reg)
+    older = msgspec.structs.replace(reg, members={}, version=4)
+    assert head.write(older) is False and head.write(msgspec.structs.replace(older, version=5)) is False
+    assert "n1" in members.load(head.members_file).members

@@ -50,6 +50,7 @@ class Registry(msgspec.Struct, kw_only=True):
     join_hash: str = ""  # empty: no cluster token, nobody can join
     members: dict[str, Member] = {}
     revoked: list[str] = []  # node ids refused if they ask to join again
+    version: int = 0  # raised by the leading scheduler at each change: heads take a registry only if it is newer
 
 
 def node_user(node_id: str, kind: str = "node") -> str:
