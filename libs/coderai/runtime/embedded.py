@@ -316,21 +316,28 @@ class RedisServer(_Server):
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own copy
         self.url = f"redis://{self.host}:{self.port}/0"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EmbeddedServerError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    answer = s.recv(64)
-                    if answer.startswith(b"+PONG") or b"NOAUTH" in answer:  # up (and asking for the password)
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.02)
-        self.stop()
-        raise EmbeddedServerError(f"redis-server did not answer PING within {timeout_s}s")
+        _await_pong(self, "redis-server", timeout_s)
+        return self
+
+
+def _await_pong(server: "_Server", what: str, timeout_s: float) -> None:
+    """Poll `server` (a started redis-server or sentinel) until it answers PING (a NOAUTH asking for the password
+    counts: it is up); stopped and EmbeddedServerError if it exits or does not answer within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise EmbeddedServerError(f"{what} exited with {server.proc.returncode} (port {server.port} taken?)")
+        try:
+            with socket.create_connection((server.host, server.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                answer = s.recv(64)
+                if answer.startswith(b"+PONG") or b"NOAUTH" in answer:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    server.stop()
+    raise EmbeddedServerError(f"{what} did not answer PING within {timeout_s}s")
 
 
 class RedisSentinel(_Server):
@@ -377,21 +384,8 @@ class RedisSentinel(_Server):
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own copy
         self.url = f"redis+sentinel://{self.host}:{self.port}/{self.name}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EmbeddedServerError(
-                    f"redis sentinel exited with {self.proc.returncode} (port {self.port} taken?)")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.02)
-        self.stop()
-        raise EmbeddedServerError(f"redis sentinel did not answer PING within {timeout_s}s")
+        _await_pong(self, "redis sentinel", timeout_s)
+        return self
 
     def _client(self):
         import redis
