@@ -81,7 +81,18 @@ class KeyJournal:
         return await self.bus.kv(KEYS)
 
     async def put(self, rec: ApiKey) -> None:
-        await (await self._kv()).put(rec.sha256, msgspec.json.encode(rec))
+        kv = await self._kv()
+        await kv.put(rec.sha256, msgspec.json.encode(rec))
+        await kv.put(_name_key(rec.name), rec.sha256.encode())  # by name too: one lookup, not a scan of every key
+
+    async def by_name(self, name: str) -> ApiKey | None:
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await (await self._kv()).get(_name_key(name))
+        except KeyNotFoundError:
+            return None
+        return await self.get(entry.value.decode()) if entry.value else None
 
     async def get(self, sha256: str) -> ApiKey | None:
         from nats.js.errors import KeyNotFoundError
@@ -101,7 +112,15 @@ class KeyJournal:
             names = await (await self._kv()).keys()
         except NoKeysError:
             return []
-        return [rec for sha in names if (rec := await self.get(sha)) is not None]
+        return [rec for sha in names if not sha.startswith(NAME_PREFIX) and (rec := await self.get(sha)) is not None]
+
+
+NAME_PREFIX = "name."
+
+
+def _name_key(name: str) -> str:
+    """A key name as a KV key (hex: a name may hold characters a KV key may not)."""
+    return NAME_PREFIX + name.encode().hex()
 
 
 class KeyStore:
@@ -116,6 +135,9 @@ class KeyStore:
         """`rec` to the journal, then to Redis: a change acknowledged is one a lost Redis gets back."""
         if self.journal is not None:
             await self.journal.put(rec)
+        await self._to_redis(rec)
+
+    async def _to_redis(self, rec: ApiKey) -> None:
         await self.redis.set(f"coderai:keyname:{rec.name}", rec.sha256)
         await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(rec))
 
@@ -149,19 +171,15 @@ class KeyStore:
             except Exception as exc:  # noqa: BLE001 - the bus away: an unknown key stays unknown (a 401, not a 503)
                 log.debug("key journal not read: %s", exc)
         if rec is not None:  # Redis lost it: put it back for every gateway
-            await self.redis.set(f"coderai:keyname:{rec.name}", rec.sha256)
-            await self.redis.hset(f"coderai:key:{rec.sha256}", mapping=_to_hash(rec))
+            await self._to_redis(rec)
         return rec
 
     async def by_name(self, name: str) -> ApiKey | None:
         sha = await self.redis.get(f"coderai:keyname:{name}")
         if sha:
             return await self.get(sha.decode() if isinstance(sha, bytes) else sha)
-        if self.journal is not None:
-            for rec in await self.journal.all():
-                if rec.name == name:
-                    return await self.get(rec.sha256)
-        return None
+        rec = await self.journal.by_name(name) if self.journal is not None else None
+        return await self.get(rec.sha256) if rec is not None else None
 
     async def list(self) -> list[ApiKey]:
         out: dict[str, ApiKey] = {}

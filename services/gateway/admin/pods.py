@@ -9,9 +9,8 @@ from litestar import Request, Response, get, post
 from coderai.accounts.pod_money import PodMoney
 from coderai.contracts.pods import BrokerStatusRequest, LeaseRequest
 from coderai.contracts.subjects import CMD_BROKER_LEASE, CMD_BROKER_STATUS
-from coderai.contracts import BusError
-from coderai.gateway.admin.nodes import relay
-from coderai.gateway.errors import ApiError, from_bus
+from coderai.gateway.admin.nodes import ask, relay
+from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, read_json
 from coderai.gateway.state import AdminController
 
@@ -32,12 +31,12 @@ class PodsController(AdminController):
     async def pods(self) -> Response:
         """Rented pods with their state and live cost, and what the ledger holds in all; with pods off, why."""
         try:
-            status = await self.gw.bus.request(CMD_BROKER_STATUS, BrokerStatusRequest(), timeout=5.0)
-        except BusError as exc:
-            if exc.code == "no_engine" and self.gw.bus.connected:  # connected, and nobody serves the subject
+            status = await ask(self.gw, CMD_BROKER_STATUS, BrokerStatusRequest())
+        except ApiError as err:
+            if err.code == "no_engine" and self.gw.bus.connected:  # connected, and nobody serves the subject
                 return json_response({"configured": False, "broker": False, "why": NO_BROKER, "pods": [],
                                       "spent_usd": 0.0})
-            raise from_bus(exc, self.gw.settings.retry_after_s) from None
+            raise
         pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
         return json_response({"configured": status.configured, "broker": True, "why": status.why, "pods": pods,
                               "spent_usd": status.spent_usd})
