@@ -67,11 +67,10 @@ class Publisher:
         self.bus = bus
         self._latest: members.Registry | None = None
         self._wake = asyncio.Event()
-        self.published = 0  # the bucket's revision of the last put
 
-    async def adopt(self, files: HeadFiles) -> members.Registry | None:
+    async def adopt(self, files: HeadFiles) -> None:
         """At the start of a term: the bucket's registry written to this head's files when it is newer, else this
-        head's registry published (into an empty bucket, or over an older one); the registry now in force."""
+        head's registry published (into an empty bucket, or over an older one)."""
         kv = await self.bus.kv(MEMBERS)
         entry = None
         with contextlib.suppress(KeyNotFoundError):
@@ -81,15 +80,14 @@ class Publisher:
         if theirs is not None and (local is None or theirs.version > local.version):
             if files.write(theirs):
                 log.info("took the cluster's member registry (%d members) over this head's", len(theirs.members))
-            return members.load(files.members_file)
+            return
         if local is not None and (theirs is None or _membership(local) != _membership(theirs)):
             if theirs is not None and local.version <= theirs.version:  # changed here, outside any term: newer now
                 with members.file_lock(files.members_file):
                     local = members.load(files.members_file)
                     local.version = theirs.version + 1
                     members.save(files.members_file, local)
-            self.published = await kv.put(REGISTRY_KEY, msgspec.json.encode(local))
-        return local
+            await kv.put(REGISTRY_KEY, msgspec.json.encode(local))
 
     def publish(self, reg: members.Registry) -> None:
         self._latest = reg
@@ -104,7 +102,7 @@ class Publisher:
             if reg is None:
                 continue
             try:
-                self.published = await (await self.bus.kv(MEMBERS)).put(REGISTRY_KEY, msgspec.json.encode(reg))
+                await (await self.bus.kv(MEMBERS)).put(REGISTRY_KEY, msgspec.json.encode(reg))
                 wait = 0.25
             except asyncio.CancelledError:
                 raise
