@@ -55,14 +55,11 @@ class Metrics:
         stack.callback(server.shutdown)
         log.info("serving Prometheus metrics on http://%s:%d/metrics", s.host, s.port)
         if s.redis_url:
-            import redis.asyncio as aioredis
-
             from coderai.runtime import redis_client
 
             # one connection, not a pool that grows with chance overlaps of the census and the consumer: the
             # service's open files stay what they were after start (the soak's fd target, docs/reliability.md)
-            pool = redis_client.connection_pool(s.redis_url, blocking=True, max_connections=1, timeout=None)
-            self.redis = aioredis.Redis.from_pool(pool)
+            self.redis = redis_client.connect(s.redis_url, blocking=True, max_connections=1, timeout=None)
             stack.push_async_callback(self.redis.aclose)
         self.bus = await Bus.connect_as(s, "metrics")
         stack.push_async_callback(self.bus.close)
