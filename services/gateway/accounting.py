@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from nats.errors import Error as NatsError
 from redis.exceptions import RedisError
 
 from coderai.accounts.limits import Limited, Limiter, Reservation
@@ -130,7 +131,7 @@ class Accounts:
             code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
             raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
                            headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
-        except (OSError, RedisError) as exc:
+        except (OSError, RedisError, NatsError) as exc:  # NATS: an emptied Redis's spend not read back from EVENTS
             raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
                            code="key_store_unavailable", headers={"Retry-After": "5"}) from None
         return Admission(cfg, held)

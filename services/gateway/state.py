@@ -10,7 +10,7 @@ from typing import Any
 from litestar import Controller, Litestar, Request
 
 from coderai.accounts.keys import KeyJournal, KeyStore
-from coderai.accounts.limits import Limiter
+from coderai.accounts.limits import Limiter, SpendHistory
 from coderai.contracts import ModelConfig
 from coderai.contracts.topology import EVENTS
 from coderai.gateway.accounting import Accounts, may_use
@@ -56,6 +56,8 @@ class Gateway:
                                         on_disconnect=self._on_disconnect)
         if self.auth.store is not None:  # keys and revocations journalled beyond Redis (coderai_keys)
             self.auth.store.journal = KeyJournal(self.bus)
+        if limiter is not None:  # budgets' spend summed again from EVENTS when Redis lost it
+            limiter.history = SpendHistory(self.bus)
         self.accounts = Accounts(self.bus, limiter)
         # the gateway makes the events usage is built from, so it makes their stream too: they are kept while the
         # metrics service (which made it before) is down, and a publish always has a stream to ack it

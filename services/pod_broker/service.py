@@ -6,7 +6,9 @@ cap), creates the pod with an environment that makes its worker join this bus as
 and waits for its heartbeat. A reconcile loop marks pods ready, extends their reservations as they run (a cap
 that says no stops the pod), reaps idle and crashed ones, terminates pods that never boot, keeps warm floors,
 and terminates orphans: pods named for this deployment that nothing tracks. A terminated pod is billed from
-creation to termination into the ledger (`accounts/pod_money.py`).
+creation to termination into the ledger (`accounts/pod_money.py`), journalled first to `coderai_pod_ledger`: each
+round first books back what Redis lacks of it (all of it, if Redis was emptied or replaced), and a running pod
+whose reservation Redis lost is reserved again from its creation, under the same caps.
 
 Run one broker per cluster: the reconcile loop is not shared between replicas.
 """
@@ -83,12 +85,12 @@ class Broker:
         stack.callback(self.models.stop)
         await self._load_pods()
         if self.money is None and s.redis_url:
-            from coderai.accounts.pod_money import PodMoney
+            from coderai.accounts.pod_money import PodJournal, PodMoney
             from coderai.runtime import redis_client
 
             self.redis = redis_client.connect(s.redis_url)
             stack.push_async_callback(self.redis.aclose)
-            self.money = PodMoney(self.redis, prefix=s.pod_ledger_prefix)
+            self.money = PodMoney(self.redis, prefix=s.pod_ledger_prefix, journal=PodJournal(self.bus))
         if self.api is None and s.runpod_api_key:
             from coderai.pod_broker.runpod_api import RunPodClient
 
@@ -299,7 +301,10 @@ class Broker:
             await asyncio.sleep(self.settings.reconcile_s)
 
     async def reconcile(self) -> None:
-        """One round: readiness, boot timeouts, crashes, idle reaping, reservations, floors, orphans."""
+        """One round: the ledger restored where Redis lacks it, readiness, boot timeouts, crashes, idle reaping,
+        reservations, floors, orphans."""
+        if self.money is not None:
+            await self.money.restore()
         now, mono = time.time(), time.monotonic()
         for p in list(self.pods.values()):
             if p.state not in LIVE or not p.pod_id:
@@ -344,19 +349,24 @@ class Broker:
         return max(m.pod.min_pods, lease[0] if lease and lease[1] > now else 0)
 
     async def _keep_reserved(self, p: PodInfo, now: float) -> None:
-        """Keep the pod's reservation ahead of its cost; a cap that refuses more stops the pod."""
+        """Keep the pod's reservation ahead of its cost; a cap that refuses more stops the pod. A reservation Redis
+        lost (emptied or replaced) is made again at once, from the pod's creation to `reserve_ahead_s` from now, so
+        its rate and what it will cost count against the caps again."""
         from coderai.accounts.pod_money import OverBudget
 
         cost = p.hourly_usd * (now - p.created_at) / 3600
         ahead = p.hourly_usd * self.settings.reserve_ahead_s / 3600
-        if cost + ahead / 2 <= p.reserved_usd:
-            return
         try:
-            m = self._model(p.model)
             held = await self.money.reservation(p.name)
-            if held is None:
+            if held is not None and cost + ahead / 2 <= p.reserved_usd:
                 return
-            held = await self.money.extend(held, ahead, now, self._caps(m))
+            m = self._model(p.model)
+            if held is None:
+                held = await self.money.reserve(p.model, p.name, p.hourly_usd, cost + ahead, self._caps(m),
+                                                p.created_at)
+                await self.money.open_pod(p.name, p.gpu_type, p.created_at)
+            else:
+                held = await self.money.extend(held, ahead, now, self._caps(m))
         except (OverBudget, BusError) as exc:
             await self.end(p, "terminated", f"budget: {exc}")
             return

@@ -9,20 +9,7 @@ import redis.asyncio as aioredis
 
 from coderai.accounts.keys import KeyError_, KeyJournal, KeyStore, digest
 from coderai.contracts.topology import KEYS
-from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import RedisServer, free_port
-
-
-@pytest.fixture
-async def own_bus(tmp_path):
-    """A nats-server of the test's own: the `coderai_keys` bucket holds only its keys."""
-    from coderai.runtime.embedded import NatsServer
-
-    server = NatsServer(tmp_path / "nats").start()
-    bus = await Bus.connect(server.url, "test-keys")
-    yield bus
-    await bus.close()
-    server.stop()
 
 
 async def test_keys_and_revocations_come_back_to_an_emptied_redis(own_bus, tmp_path):

@@ -7,12 +7,20 @@ the current period (hour, day, week or month, UTC): a request reserves its estim
 starts (refused if spent + reserved + estimate would pass the budget), and settles at its real cost when it
 ends, so concurrent requests on any replica cannot together overshoot, as long as estimates are not below real
 costs (the gateway estimates generously: see `gateway/accounting.py:estimate_cost`).
+
+Spend outlives Redis through the EVENTS stream: every charge is a `request.completed` event (key name, cost, time).
+A Redis without the `SPEND_MARK` (emptied, or replaced by an empty one) refuses to reserve or settle until the
+spend of the current hour, day, week and month of every key is summed from EVENTS and written back, once
+(`Limiter.restore`). EVENTS keeps 7 days, so a week's or month's spend older than that is not rebuilt. Rate
+windows are not: they are a minute long.
 """
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +45,13 @@ return 0
 """
 
 
+PERIODS = ("hour", "day", "week", "month")
+
+SPEND_MARK = "coderai:spend_kept"
+"""Set once this Redis holds every key's spend (restored, or never lost); a Redis without it lost the spend."""
+
 RESERVE = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'lost' end
 local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
 local reserved = tonumber(redis.call('GET', KEYS[2]) or '0')
 local budget, estimate = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -51,12 +65,28 @@ RESERVED_TTL_S = 600  # a reservation nobody refreshes (its gateway died) is for
 REFRESH_EVERY_S = RESERVED_TTL_S / 4  # how often a running request refreshes its reservation
 
 SETTLE = """
-redis.call('INCRBYFLOAT', KEYS[2], -tonumber(ARGV[1]))
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'lost' end
+-- a reservation this Redis does not hold (made in a lost one) is not released from others' reservations
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('INCRBYFLOAT', KEYS[2], -tonumber(ARGV[1])) end
 if tonumber(ARGV[2]) > 0 then
   redis.call('INCRBYFLOAT', KEYS[1], ARGV[2])
   redis.call('EXPIREAT', KEYS[1], ARGV[3])
 end
 return 'ok'
+"""
+
+
+# KEYS: the mark, then spend counters; ARGV: each counter's amount and when it expires. A counter already higher
+# (a Redis that kept its spend but predates the mark) is left as it is.
+RESTORE = """
+if not redis.call('SET', KEYS[1], '1', 'NX') then return 0 end
+for i = 2, #KEYS do
+  if tonumber(ARGV[2 * i - 3]) > tonumber(redis.call('GET', KEYS[i]) or '0') then
+    redis.call('SET', KEYS[i], ARGV[2 * i - 3])
+    redis.call('EXPIREAT', KEYS[i], ARGV[2 * i - 2])
+  end
+end
+return #KEYS - 1
 """
 
 
@@ -100,12 +130,85 @@ def period_id(period: str, now: float) -> tuple[str, float]:
     raise ValueError(f"unknown budget period {period!r}")
 
 
+class SpendHistory:
+    """The `request.completed` events of the EVENTS stream, on `bus`: what every charge was."""
+
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def since(self, t: float, batch: int = 1000) -> AsyncIterator[Any]:
+        """Every `request.completed` stored from `t` (unix seconds) up to the last one stored when asked, oldest
+        first, through an ephemeral consumer without acks; none if there is no EVENTS stream."""
+        from datetime import datetime, timezone
+
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
+
+        from coderai.contracts import RequestCompleted
+        from coderai.contracts.base import decode
+        from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+        from coderai.contracts.topology import EVENTS
+
+        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
+                             opt_start_time=datetime.fromtimestamp(t, timezone.utc))
+        try:
+            sub = await self.bus.js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream=EVENTS.name, config=cfg)
+        except NotFoundError:
+            return
+        try:
+            left = (await sub.consumer_info()).num_pending
+            while left > 0:
+                msgs = await sub.fetch(batch=min(batch, left), timeout=5)
+                left -= len(msgs)
+                for m in msgs:
+                    yield decode(m.data, RequestCompleted)
+        finally:
+            await sub.unsubscribe()
+
+
 class Limiter:
-    def __init__(self, redis: Any) -> None:
+    """Rates and budgets over one Redis; `history` (optional) is where a lost Redis's spend is summed from."""
+
+    def __init__(self, redis: Any, history: SpendHistory | None = None) -> None:
         self.redis = redis
+        self.history = history
         self.gcra = redis.register_script(GCRA)
         self.reserve = redis.register_script(RESERVE)
         self.settle = redis.register_script(SETTLE)
+        self._restore = redis.register_script(RESTORE)
+        self._restoring = asyncio.Lock()
+
+    async def restore(self) -> int:
+        """Unless Redis holds `SPEND_MARK`: every key's spend in the current hour, day, week and month (each
+        period kind, since a key's period is its record's to say), summed from `history`, written with the mark
+        in one script, which only the first of several gateways gets to run. The counters written."""
+        async with self._restoring:
+            if await self.redis.exists(SPEND_MARK):
+                return 0
+            now = time.time()
+            current = {period: period_id(period, now) for period in PERIODS}
+            spent: dict[str, float] = {}
+            ends: dict[str, float] = {}
+            if self.history is not None:
+                async for e in self.history.since(now - 31 * 86400):  # no current period started before
+                    if e.cost_usd <= 0 or not e.key_name:
+                        continue
+                    for period, (pid, end) in current.items():
+                        if period_id(period, e.ts)[0] == pid:
+                            key = f"coderai:spend:{e.key_name}:{pid}"
+                            spent[key] = spent.get(key, 0.0) + e.cost_usd
+                            ends[key] = end
+            args = [x for key in spent for x in (repr(spent[key]), int(ends[key]) + 86400)]
+            return int(await self._restore(keys=[SPEND_MARK, *spent], args=args))
+
+    async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run a reserving or settling script, after restoring the spend if it finds Redis lost it."""
+        keys = [*keys, SPEND_MARK]
+        got = await script(keys=keys, args=args)
+        if got in (b"lost", "lost"):
+            await self.restore()
+            got = await script(keys=keys, args=args)
+        return got
 
     async def _gcra(self, key: str, per_minute: int, cost: float, mode: str) -> float:
         # the clock is Redis's own (TIME inside the script): every replica measures against the same one
@@ -128,8 +231,8 @@ class Limiter:
         if budget_usd:
             pid, end = period_id(period, time.time())
             held = Reservation(name, pid, estimate_usd)
-            got = await self.reserve(keys=[f"coderai:spend:{name}:{pid}", held.key],
-                                     args=[budget_usd, estimate_usd, RESERVED_TTL_S])
+            got = await self._script(self.reserve, [f"coderai:spend:{name}:{pid}", held.key],
+                                     [budget_usd, estimate_usd, RESERVED_TTL_S])
             if got != b"ok" and got != "ok":
                 raise Limited(f"{period}ly budget of ${budget_usd:g} (spent and reserved ${float(got):.4f})", end - time.time())
             return held
@@ -147,5 +250,6 @@ class Limiter:
             await self._gcra(f"coderai:rl:{name}:tpm", tpm, tokens, "add")
         if held is not None or cost_usd > 0:
             pid, end = period_id(period, time.time())
-            await self.settle(keys=[f"coderai:spend:{name}:{pid}", held.key if held else f"coderai:reserved:{name}:{pid}"],
-                              args=[held.estimate_usd if held else 0, cost_usd, int(end) + 86400])
+            reserved = held.key if held else f"coderai:reserved:{name}:{pid}"
+            await self._script(self.settle, [f"coderai:spend:{name}:{pid}", reserved],
+                               [held.estimate_usd if held else 0, cost_usd, int(end) + 86400])

@@ -12,27 +12,37 @@ metrics only read it. All of them find it under one prefix, CommonSettings' `pod
     <p>:rates, <p>:rate_total    running or reserved pods' hourly rates, and their sum
     <p>:booked                   set of booked pod ids (booking twice books once)
     <p>:ledger                   stream, one entry per terminated pod
+    <p>:kept                     set once the journal's bookings are in this Redis (gone with an emptied Redis)
 
 A reservation of `amount` at `rate` covers the time window [now, now + amount / rate] (an extension continues
 from where the last one ended), and is cut at period boundaries: each period's share is checked against, and held
 in, that period. Booking cuts the pod's [start, end] the same way for every period kind, so a pod that runs past
 midnight is charged to both days in proportion, and while actual run time stays inside the reserved window no
 period's spend can pass what was reserved in it. Nothing expires: counters are one hash per period id.
+
+With a journal (`PodJournal`: the replicated `coderai_pod_ledger` bucket), each booking is written there first,
+then to Redis. A Redis without the `kept` mark (emptied, or replaced by an empty one) gets every journalled booking
+back (its ledger entry and its share of every period's spend) before it reserves anything, so no cap is checked
+against a spend that forgot them. Reservations are not journalled: the broker reserves a running pod again when
+Redis has lost its reservation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from coderai.accounts.limits import period_id
+import msgspec
 
-PERIODS = ("hour", "day", "week", "month")
+from coderai.accounts.limits import PERIODS, period_id
 
+# KEYS: rec, rates, rate_total, booked, (spent, reserved) pairs..., kept
 RESERVE = """
+if redis.call('EXISTS', KEYS[#KEYS]) == 0 then return {'lost'} end
 local rec, pod = KEYS[1], ARGV[2]
 if redis.call('SISMEMBER', KEYS[4], pod) == 1 then return {'booked'} end
 if ARGV[1] == 'new' then
@@ -156,6 +166,54 @@ class Pod:
     start: float
 
 
+class Booking(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A terminated pod's bill as journalled: all that `book` writes to Redis follows from it."""
+
+    pod_id: str
+    model: str
+    gpu: str
+    rate_micro: int  # micro-dollars per hour
+    start: float
+    end: float
+    booked_at: float
+
+
+class PodJournal:
+    """Every booking in the replicated `coderai_pod_ledger` bucket, by pod id, on `bus`."""
+
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def _kv(self) -> Any:
+        from coderai.contracts.topology import POD_LEDGER
+
+        return await self.bus.kv(POD_LEDGER)
+
+    async def keep(self, b: Booking) -> Booking:
+        """Journal `b`; a pod journalled before keeps its first booking, which is returned to be booked in its
+        place (an end retried after a crash bills what the first one journalled, not a later end)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = await self._kv()
+        try:
+            await kv.create(_pod_key(b.pod_id), msgspec.json.encode(b))
+        except KeyWrongLastSequenceError:
+            return msgspec.json.decode((await kv.get(_pod_key(b.pod_id))).value, type=Booking)
+        return b
+
+    async def all(self) -> list[Booking]:
+        """Every booking, in the order they were booked."""
+        from coderai.runtime.kv import read_all
+
+        got = await read_all(await self._kv(), Booking)
+        return sorted(got.values(), key=lambda b: (b.booked_at, b.pod_id))
+
+
+def _pod_key(pod_id: str) -> str:
+    """A pod id as a KV key (hex: an id may hold characters a KV key may not)."""
+    return pod_id.encode().hex()
+
+
 @dataclass(frozen=True)
 class LedgerEntry:
     """One booked pod: `id` is its stream id (empty as `book` returns it); `usd_micro` is the exact charge."""
@@ -222,12 +280,16 @@ def _pieces(kind: str, a: Fraction, b: Fraction, total: int) -> list[tuple[str, 
 
 
 class PodMoney:
-    """Pod caps, reservations and billing over one Redis; a new instance over the same Redis sees the same state."""
+    """Pod caps, reservations and billing over one Redis; a new instance over the same Redis sees the same state.
+    `journal` (optional) keeps every booking beyond Redis."""
 
-    def __init__(self, redis: Any, prefix: str = "coderai:pods") -> None:
+    def __init__(self, redis: Any, prefix: str = "coderai:pods", journal: PodJournal | None = None) -> None:
         if "|" in prefix:
             raise ValueError("the prefix may not contain '|'")
-        self.redis, self.p = redis, prefix
+        self.redis, self.p, self.journal = redis, prefix, journal
+        self._kept = f"{prefix}:kept"
+        self._restoring = asyncio.Lock()
+        self._synced = False  # this object has booked every journalled booking Redis lacked
         self._reserve = redis.register_script(RESERVE)
         self._settle = redis.register_script(SETTLE)
         self._open = redis.register_script(OPEN)
@@ -272,7 +334,11 @@ class PodMoney:
         for period, pid, _, field, limit, m in checks:
             keys += [f"{self.p}:spent:{period}:{pid}", f"{self.p}:reserved:{period}:{pid}"]
             args += [field, -1 if limit is None else to_micro(limit), m]
+        keys.append(self._kept)
         got = [_s(x) for x in await self._reserve(keys=keys, args=args)]
+        if got[0] == "lost":  # an emptied Redis: the journalled spend back before any cap is checked against it
+            await self.restore()
+            got = [_s(x) for x in await self._reserve(keys=keys, args=args)]
         if got[0] == "rate":
             cap = to_micro(caps.global_max_hourly_usd or 0)
             raise OverBudget("global_hourly", model, caps.global_max_hourly_usd or 0.0, None,
@@ -323,24 +389,48 @@ class PodMoney:
                    now: float) -> LedgerEntry | None:
         """Bill a terminated pod from `start` (creation, boot included) to `end`, atomically: one ledger entry,
         spend added to every period kind (cut at boundaries) for the model and globally, its reservation and rate
-        released. Booking the same pod again does nothing and returns None."""
+        released. Booking the same pod again does nothing and returns None. With a journal, the booking is
+        journalled first (a pod journalled before is booked as it was journalled)."""
         if end < start:
             raise ValueError(f"pod {pod_id!r} ends ({end}) before it starts ({start})")
-        rate = to_micro(rate_hr)
-        usd = _cost_micro(rate, start, end)
-        a, b = Fraction(_dec(start)), Fraction(_dec(end))
-        keys, amounts = self._base(pod_id) + [f"{self.p}:ledger"], []
+        booking = Booking(pod_id=pod_id, model=model, gpu=gpu, rate_micro=to_micro(rate_hr), start=start, end=end,
+                          booked_at=now)
+        if self.journal is not None:
+            booking = await self.journal.keep(booking)
+        return await self._book(booking)
+
+    async def _book(self, bk: Booking) -> LedgerEntry | None:
+        rate, usd = bk.rate_micro, _cost_micro(bk.rate_micro, bk.start, bk.end)
+        a, b = Fraction(_dec(bk.start)), Fraction(_dec(bk.end))
+        keys, amounts = self._base(bk.pod_id) + [f"{self.p}:ledger"], []
         for period in PERIODS:
             for pid, _, m in _pieces(period, a, b, usd):
                 keys.append(f"{self.p}:spent:{period}:{pid}")
                 amounts.append(m)
-        seconds = _dec(end) - _dec(start)
-        fields = {"pod_id": pod_id, "model": model, "gpu": gpu, "rate": usd_str(rate), "start": repr(float(start)),
-                  "end": repr(float(end)), "seconds": f"{seconds:f}", "usd": usd_str(usd), "booked_at": repr(now)}
+        seconds = _dec(bk.end) - _dec(bk.start)
+        fields = {"pod_id": bk.pod_id, "model": bk.model, "gpu": bk.gpu, "rate": usd_str(rate),
+                  "start": repr(float(bk.start)), "end": repr(float(bk.end)), "seconds": f"{seconds:f}",
+                  "usd": usd_str(usd), "booked_at": repr(bk.booked_at)}
         flat = [x for kv in fields.items() for x in kv]
-        if not await self._settle(keys=keys, args=[pod_id, "book", model, *amounts, *flat]):
+        if not await self._settle(keys=keys, args=[bk.pod_id, "book", bk.model, *amounts, *flat]):
             return None
-        return LedgerEntry("", pod_id, model, gpu, rate / 1e6, start, end, float(seconds), usd / 1e6, usd)
+        return LedgerEntry("", bk.pod_id, bk.model, bk.gpu, rate / 1e6, bk.start, bk.end, float(seconds), usd / 1e6,
+                           usd)
+
+    async def restore(self) -> int:
+        """Book into Redis every journalled booking it lacks, then mark it as holding them: on this object's first
+        call (a broker that died between the journal and Redis books the rest now) and whenever the mark is gone
+        (Redis emptied or replaced); otherwise one EXISTS. Booking is by pod id, so none is booked twice. Returns
+        how many were booked."""
+        async with self._restoring:
+            if self._synced and await self.redis.exists(self._kept):
+                return 0
+            booked = 0
+            for bk in await self.journal.all() if self.journal is not None else []:
+                booked += await self._book(bk) is not None
+            await self.redis.set(self._kept, "1")
+            self._synced = True
+            return booked
 
     async def _read(self, kind: str, model: str | None, period: str, now: float) -> float:
         pid, _ = period_id(period, now)

@@ -36,6 +36,8 @@ ASSIGNMENTS = BucketSpec("coderai_assignments", description="desired models per 
 MODELS = BucketSpec("coderai_models", description="model configs by model key")
 PODS = BucketSpec("coderai_pods", description="rented pods")
 KEYS = BucketSpec("coderai_keys", description="API keys by SHA-256 (never the key): the journal a lost Redis is refilled from")
+POD_LEDGER = BucketSpec("coderai_pod_ledger",
+                        description="terminated pods' bills by pod id: the journal a lost Redis's pod ledger is refilled from")
 MEMBERS = BucketSpec("coderai_members", description="the member registry every head's nats-server takes its users from")
 
 VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: state, progress, result blob")

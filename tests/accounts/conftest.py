@@ -1,0 +1,29 @@
+"""What the accounts tests share: a nats-server and a redis-server of the test's own, so a journal, the EVENTS
+stream and an emptied Redis hold only what the test put there."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from coderai.runtime.bus import Bus
+from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+
+
+@pytest.fixture
+async def own_bus(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    bus = await Bus.connect(server.url, "test-accounts")
+    yield bus
+    await bus.close()
+    server.stop()
+
+
+@pytest.fixture
+async def own_redis(tmp_path):
+    """A client of a redis-server of the test's own (FLUSHALL it to lose Redis)."""
+    server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    r = aioredis.from_url(server.url)
+    yield r
+    await r.aclose()
+    server.stop()
