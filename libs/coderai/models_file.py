@@ -26,7 +26,7 @@ import msgspec
 from coderai.contracts import ModelConfig
 from coderai.runtime.settings import SettingsError
 
-__all__ = ["ModelsFileError", "entry", "load_models", "set_entry", "write_models_file"]
+__all__ = ["ModelsFileError", "entry", "load_models", "set_entry", "weights_problem", "write_models_file"]
 
 
 class ModelsFileError(SettingsError):
@@ -51,7 +51,26 @@ def load_models(path: str) -> list[ModelConfig]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ModelsFileError(f"{path}: model names appear twice: {', '.join(dupes)}")
+    for m in models:
+        why = weights_problem(m)
+        if why:
+            raise ModelsFileError(f"{path}: model {m.name!r}: {why}")
     return models
+
+
+def weights_problem(m: ModelConfig) -> str:
+    """What is wrong with where `m`'s weights come from (its `source`, `store_path`, `pod.volume`), or ""."""
+    from coderai.catalog.source import SourceError, parse_source
+
+    if not m.source:
+        return "pod.volume keeps weights fetched by `source`, and it has none" if m.pod.volume else ""
+    try:
+        src = parse_source(m.source)
+    except SourceError as exc:
+        return f"source: {exc}"
+    if src.kind == "store" and m.store_path:
+        return "both source = \"store://...\" and store_path name the head's store file: keep one"
+    return ""
 
 
 def write_models_file(path: Path, models: list[dict]) -> Path:

@@ -20,18 +20,21 @@ from coderai.contracts import (
     ErrorReply,
     Final,
     ModelConfig,
+    ModelFetch,
     Usage,
     model_key,
 )
 from coderai.contracts.ops import BATCH_OPS, ENGINE_OPS, FANOUT_OPS, LLM_OPS
-from coderai.contracts.subjects import ENGINE_CANCEL
+from coderai.contracts.subjects import ENGINE_CANCEL, EVT_MODEL_FETCH
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
 from coderai.engine_worker.engines.base import EngineLost, unhonoured
 from coderai.engine_worker.engines.base import CancelFlag
-from coderai.engine_worker.fetch import bus_request, ensure_local
+from coderai.engine_worker.fetch import bus_request
+from coderai.engine_worker.weights import ensure_weights
 from coderai.engine_worker.parts import PartPuller
+from coderai.catalog import ModelStore
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobProxy
 from coderai.runtime.bus import DONE, Bus, FrameWriter, pump
@@ -60,9 +63,11 @@ class EngineHost:
     """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
 
     def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float,
-                 models_dir: Path | None = None) -> None:
+                 models_dir: Path | None = None, weights: ModelStore | None = None) -> None:
         self.bus = bus
         self.models_dir = models_dir  # where files fetched from the head's store go; None: never fetch
+        # where weights fetched by the model's `source` go (a pod's network volume): by default beside the others
+        self.weights = weights or (ModelStore(models_dir.parent, root=models_dir) if models_dir is not None else None)
         self.node_id = node_id
         self.config = config
         self.engine_id = engine_id_for(node_id, config.name)
@@ -117,8 +122,9 @@ class EngineHost:
         t0 = time.monotonic()
         try:
             cfg = self.config  # kept as assigned: the worker compares it with the next assignment
-            if self.models_dir is not None:
-                cfg = await ensure_local(cfg, bus_request(self.bus), self.models_dir)
+            if self.models_dir is not None and self.weights is not None:
+                cfg = await ensure_weights(cfg, bus_request(self.bus), self.models_dir, self.weights,
+                                           self._fetch_event, self.node_id)
                 t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
             if cfg.shards is not None and cfg.engine in GGUF_FAMILIES:  # split over other nodes' RPC servers (in process)
                 from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
@@ -147,6 +153,9 @@ class EngineHost:
         self.state = "ready"
         log.info("loaded %s as %s in %.2fs", self.config.name, self.engine_id, self.load_s)
         return True
+
+    async def _fetch_event(self, evt: ModelFetch) -> None:
+        await self.bus.publish(EVT_MODEL_FETCH, evt, node_id=self.node_id)
 
     @property
     def member(self) -> bool:

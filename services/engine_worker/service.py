@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 
+from coderai.catalog import ModelStore
 from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode, why_malformed
 from coderai.contracts.admin import DrainRequest, NodeLogs, NodeLogsRequest, NodeState
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, EVT_MODEL_LOADED, HEARTBEAT
@@ -33,12 +34,29 @@ from coderai.runtime.cluster import fingerprint, user_of
 from coderai.runtime.discovery import Announcement, Announcer, find_head
 from coderai.runtime.kv import KeyWatch
 from coderai.runtime.leader import Fence
-from coderai.runtime.logging import ring
+from coderai.runtime.logging import add_secret, ring
 
 log = logging.getLogger("coderai.engine_worker")
 
 EXEC_PARAMS = frozenset({"python", "env", "extra_args"})
 """Model params that choose a program, its arguments or its environment (engines/vllm.py, llama_server.py)."""
+
+
+def weights_store(s: WorkerSettings) -> ModelStore:
+    """Where weights fetched by a model's source go: `weights_dir` (a pod's network volume) when this node can
+    write there, else its data dir, saying why (a volume RunPod did not attach, or one this user may not write):
+    the pod still serves, and the next one fetches again."""
+    if s.weights_dir:
+        root = Path(os.path.expanduser(s.weights_dir))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("cannot keep weights in %s (%s); keeping them in the data dir", root, exc)
+        else:
+            if os.access(root, os.W_OK | os.X_OK):
+                return ModelStore(s.data_dir, root=root)
+            log.warning("cannot keep weights in %s (not writable by this user); keeping them in the data dir", root)
+    return ModelStore(s.data_dir)
 
 
 class Worker:
@@ -63,6 +81,8 @@ class Worker:
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         self.rpc: RpcService | None = None
         self.stored: list[str] = []  # model files fetched from the head's store (fetch.stored_files), for placement
+        self.weights = weights_store(settings)
+        add_secret(os.environ.get("HF_TOKEN", ""))  # the pull reads it from the environment; no log line shows it
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -247,10 +267,10 @@ class Worker:
             for name, cfg in wanted.items():
                 if name not in self.hosts:
                     host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
-                                                         models_dir=self.models_dir)
+                                                         models_dir=self.models_dir, weights=self.weights)
                     await self.publish_heartbeat()
                     loaded = await host.load()
-                    if cfg.store_path:  # it may have fetched files
+                    if cfg.store_path or cfg.source:  # it may have fetched files
                         self.stored = await asyncio.to_thread(stored_files, self.models_dir)
                     if loaded:
                         if self.draining:

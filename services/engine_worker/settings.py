@@ -21,6 +21,9 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     discover_timeout_s: float = 60.0
     pod: str = ""  # set by the pod-broker on a rented pod: its name (the node id it heartbeats under)
     models_json: str = ""  # a fixed assignment (JSON list of model configs) instead of watching coderai_assignments
+    # where weights fetched by a model's `source` are kept (its pulled-files index too); the broker sets it to a
+    # pod's RunPod network volume, so the next pod finds them; empty: <data_dir>/models
+    weights_dir: str = ""
     train_addr: str = ""  # fine-tuning: the address other ranks reach this node at; empty: picked (docs/finetuning.md)
     # offer this machine's CPU as a ggml RPC server, to hold layers of models split over several nodes. ggml RPC
     # has no authentication: it is bound to the cluster interface (the address this node reaches the bus from,

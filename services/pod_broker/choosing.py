@@ -53,9 +53,14 @@ def name_prefix(deployment: str) -> str:
     return f"coderai-{deployment}-"
 
 
-def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str, ca_pem: str = "") -> dict[str, str]:
+VOLUME_MOUNT = "/workspace"  # where RunPod mounts a pod's network volume (in place of its volume disk)
+
+
+def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str, ca_pem: str = "",
+            hf_token: str = "") -> dict[str, str]:
     """The pod's worker joins this cluster's bus as a pod (credentials of its own, made by the head's membership
-    for this pod alone and ended with it: never the cluster token) and loads just `model`, under node id `name`."""
+    for this pod alone and ended with it: never the cluster token) and loads just `model`, under node id `name`;
+    it fetches the model's weights by its `source` with `hf_token`, onto the model's network volume if it names one."""
     cfg = json.dumps([_builtins(model)])
     return {
         "CODERAI_NATS_URL": with_user(nats_url, user, password),
@@ -64,7 +69,9 @@ def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: s
         "CODERAI_WORKER_MODELS_JSON": cfg,
         "CODERAI_WORKER_MDNS": "false",
         "CODERAI_LOG_FORMAT": "json",
-    } | ({"CODERAI_NATS_CA": ca_pem} if ca_pem else {})  # the pod trusts this cluster's CA alone
+    } | ({"CODERAI_NATS_CA": ca_pem} if ca_pem else {}) | (  # the pod trusts this cluster's CA alone
+        {"CODERAI_WORKER_WEIGHTS_DIR": f"{VOLUME_MOUNT}/models"} if model.pod.volume else {}) | (
+        {"HF_TOKEN": hf_token} if hf_token else {})
 
 
 def _builtins(model: ModelConfig) -> dict:

@@ -220,9 +220,11 @@ class RunPodClient:
                          cloud_type: str = "ALL", volume_gb: int = 0, container_disk_gb: int = 20,
                          volume_mount_path: str = "/workspace", ports: str = "", docker_args: str = "",
                          min_vcpu_count: int = 1, min_memory_gb: int = 1, start_ssh: bool = False,
-                         support_public_ip: bool = True) -> PodRecord:
-        """Rent a pod: on-demand, or spot (`bid_per_gpu` defaults to the current minimum bid). Retried only while
-        RunPod surely did not act on it; raises `NoCapacity`, or `CreateUncertain` when the pod may exist."""
+                         support_public_ip: bool = True, network_volume_id: str = "") -> PodRecord:
+        """Rent a pod: on-demand, or spot (`bid_per_gpu` defaults to the current minimum bid); with
+        `network_volume_id`, that network volume mounted at `volume_mount_path` (the pod then runs in its data
+        center). Retried only while RunPod surely did not act on it; raises `NoCapacity`, or `CreateUncertain` when
+        the pod may exist."""
         if spot and bid_per_gpu is None:
             offers = [g for g in await self.gpu_types(gpu_count, gpu_type_id) if g.id == gpu_type_id]
             if not offers or offers[0].spot_price_hr is None:
@@ -237,6 +239,8 @@ class RunPodClient:
             "env": [{"key": k, "value": v} for k, v in (env or {}).items()]}
         if spot:
             spec["bidPerGpu"] = bid_per_gpu
+        if network_volume_id:
+            spec["networkVolumeId"] = network_volume_id
         query, field = (_M_SPOT, "podRentInterruptable") if spot else (_M_ON_DEMAND, "podFindAndDeployOnDemand")
         try:
             data = await self._call(query, {"input": spec}, retry_if=lambda e: e.retryable and not e.maybe_applied)

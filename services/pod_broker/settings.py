@@ -8,6 +8,7 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     """`CODERAI_POD_BROKER_*`."""
 
     runpod_api_key: str = ""
+    hf_token: str = ""  # given to each pod as HF_TOKEN, for the gated or private weights of a model's source
     runpod_api_base: str = "https://api.runpod.io"  # POST <base>/graphql
     redis_url: str = ""  # the spend ledger, reservations and caps; pods are off without it
     pod_credentials_ttl_s: float = 7 * 24 * 3600  # a pod's NATS user ends with the pod, or after this long

@@ -7,7 +7,7 @@ import pytest
 
 from coderai.contracts import (
     Assignment, CancelJob, ChatJob, Choice, Chunk, CompletionJob, EngineStatus, ErrorReply, Final, Frame,
-    Heartbeat, KeepAlive, ModelConfig, ModelLoaded, RequestCompleted, RouteDecision, RouteRequest,
+    Heartbeat, KeepAlive, ModelConfig, ModelFetch, ModelLoaded, PodPolicy, RequestCompleted, RouteDecision, RouteRequest,
     SamplingParams, Usage, decode, encode,
 )
 from coderai.contracts.events import Event
@@ -43,6 +43,10 @@ SAMPLES = [
     StoreList(path="org/voices/en"),
     StoreListing(files=[StoreEntry(path="v.onnx", size=3, sha256="a" * 64), StoreEntry(path="sub/x.json", size=0, sha256="b" * 64)]),
     ModelConfig(name="piper", engine="tts", path="/m/en/v.onnx", store_path="org/voices/en/", store_file="v.onnx"),
+    ModelConfig(name="q", engine="llama-server", path="/m/q.gguf", source="hf://org/q-GGUF/q.gguf@main",
+                pod=PodPolicy(burst="when_busy", volume="vol-1")),
+    ModelFetch(node_id="n", model="q", source="hf://org/q-GGUF/q.gguf", state="downloading", file="q.gguf",
+               bytes_done=10, bytes_total=20, rate_bps=5.0, ts=3.0),
 ]
 
 
@@ -62,6 +66,8 @@ def test_frames_decode_as_the_tagged_union(frame):
 def test_events_decode_as_the_tagged_union():
     e = RequestCompleted(request_id="r", ts=1.0, key_name="k", model="m", op="chat", status="ok", http_status=200)
     assert decode(encode(e), Event) == e
+    f = ModelFetch(node_id="n", model="m", source="qwen2.5-7b-instruct", state="failed", error="checksum mismatch")
+    assert decode(encode(f), Event) == f
 
 
 def test_unknown_fields_are_rejected():

@@ -115,3 +115,9 @@ def test_build_sh_knows_every_flavor_compose_asks_for(env_example):
                    if ln.startswith("# The worker's image:"))
     named = set(re.split(r",\s*|\s+or\s+", comment.split(":", 1)[1].split("(")[0].strip()))
     assert named == set(flavors), "the .env.example comment lists the flavors build.sh builds"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.llama-cuda", "Dockerfile.vllm"])
+def test_a_pod_image_can_fetch_weights_by_source(name):
+    """A rented pod fetches its model's weights with the catalogue's pull (docs/pods.md): huggingface_hub is in."""
+    assert "catalog" in _extras_in((DOCKER / name).read_text())

@@ -48,3 +48,12 @@ def test_names_are_ours_and_the_env_carries_the_pods_own_credentials():
     assert env["CODERAI_NODE_ID"] == env["CODERAI_WORKER_POD"] == name
     [cfg] = json.loads(env["CODERAI_WORKER_MODELS_JSON"])
     assert cfg["name"] == "big" and cfg["engine"] == "llama"
+
+
+def test_a_pod_gets_the_hf_token_and_keeps_weights_on_its_volume_only_when_there_are_some():
+    env = pod_env("p", model(burst="always"), "nats://h:4222", "pod-p", "pw")
+    assert "HF_TOKEN" not in env and "CODERAI_WORKER_WEIGHTS_DIR" not in env
+    env = pod_env("p", model(burst="always", volume="vol-1"), "nats://h:4222", "pod-p", "pw", hf_token="hf_x")
+    assert env["HF_TOKEN"] == "hf_x" and env["CODERAI_WORKER_WEIGHTS_DIR"] == "/workspace/models"
+    [cfg] = json.loads(env["CODERAI_WORKER_MODELS_JSON"])
+    assert cfg["pod"]["volume"] == "vol-1"

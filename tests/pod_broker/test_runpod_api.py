@@ -190,3 +190,11 @@ async def test_with_retry_backoff_is_exponential_jittered_and_capped():
             await with_retry(flaky, attempts=6, base_delay_s=1.0, max_delay_s=5.0, sleep=sleeps, rand=rand)
         assert sleeps == expected
     assert len(calls) == 12
+
+
+async def test_a_network_volume_is_attached_only_when_named(fake, sleeps):
+    async with client(fake, sleeps) as rp:
+        with_volume = await rp.create_pod("v-1", "img", A6000, network_volume_id="vol-weights")
+        plain = await rp.create_pod("v-2", "img", A6000)
+    assert fake.pod(with_volume.id).spec["networkVolumeId"] == "vol-weights"
+    assert "networkVolumeId" not in fake.pod(plain.id).spec

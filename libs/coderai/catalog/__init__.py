@@ -8,9 +8,10 @@ from coderai.catalog.errors import (
            ChecksumError,
            MissingExtra,
            NotFound,
+           Unreachable,
 )
 from coderai.catalog.pull import Progress, pull
 from coderai.catalog.store import ModelStore, Pulled, estimate_bytes, fits
 
 __all__ = ["BUILTIN", "Cancelled", "CatalogError", "ChecksumError", "Entry", "MissingExtra", "ModelStore", "NotFound",
-           "Progress", "Pulled", "estimate_bytes", "fits", "pull", "resolve"]
+           "Progress", "Pulled", "Unreachable", "estimate_bytes", "fits", "pull", "resolve"]

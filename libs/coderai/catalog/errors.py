@@ -11,6 +11,10 @@ class NotFound(CatalogError):
     """The repo, revision, file or stored model does not exist."""
 
 
+class Unreachable(CatalogError):
+    """The Hub (or its mirror) could not be reached at all: offline, refused, no route, DNS."""
+
+
 class ChecksumError(CatalogError):
     """A downloaded file's hash is not the one the Hub announced; the file was deleted."""
 

@@ -32,6 +32,7 @@ from coderai.catalog.errors import (
     ChecksumError,
     MissingExtra,
     NotFound,
+    Unreachable,
 )
 from coderai.catalog.store import FileRecord, ModelStore, Pulled
 
@@ -123,12 +124,13 @@ class _Bar:
         pass
 
 
-def pull(spec: str, store: ModelStore, progress_cb: ProgressCb | None = None, *, name: str = "",
+def pull(spec: str | Entry, store: ModelStore, progress_cb: ProgressCb | None = None, *, name: str = "",
          endpoint: str | None = None, token: str | None = None, cancel: threading.Event | None = None) -> Pulled:
-    """Download `spec` (a catalogue name, `<repo>` or `<repo>:<file>`) into `store` and record it; returns the
-    record. Raises NotFound (unknown repo, revision or file), ChecksumError, Cancelled, MissingExtra, or
-    CatalogError (network and other Hub errors). `endpoint` defaults to `HF_ENDPOINT`, `token` to `HF_TOKEN`."""
-    entry = resolve(spec, name)
+    """Download `spec` (a catalogue name, `<repo>` or `<repo>:<file>`, or an Entry: a model's `source`) into
+    `store` and record it; returns the record. Raises NotFound (unknown repo, revision or file), ChecksumError,
+    Cancelled, MissingExtra, Unreachable, or CatalogError (other network and Hub errors). `endpoint` defaults to
+    `HF_ENDPOINT`, `token` to `HF_TOKEN`."""
+    entry = spec if isinstance(spec, Entry) else resolve(spec, name)
     tracker = _Tracker(Progress(name=entry.name), progress_cb, cancel)
     try:
         rec = _pull(entry, store, tracker, endpoint or os.environ.get("HF_ENDPOINT") or None,
@@ -140,7 +142,9 @@ def pull(spec: str, store: ModelStore, progress_cb: ProgressCb | None = None, *,
     return rec
 
 
-def _pull(entry: Entry, store: ModelStore, t: _Tracker, endpoint: str | None, token: str | None) -> Pulled:
+def plan(entry: Entry, endpoint: str | None, token: str | None) -> dict[str, tuple[str, Any]]:
+    """The files a pull of `entry` takes, each with its URL and the Hub's metadata for it (a HEAD: `size`, `etag`
+    (the sha256 of an LFS file), `commit_hash`, `location`); nothing is downloaded. Raises as `pull` does."""
     hf = hub()
     with _hub_errors(entry, endpoint):
         files = list(entry.files)
@@ -154,6 +158,12 @@ def _pull(entry: Entry, store: ModelStore, t: _Tracker, endpoint: str | None, to
         for f in files:
             url = hf.hf_hub_url(entry.repo, f, revision=entry.revision, endpoint=endpoint)
             metas[f] = (url, hf.get_hf_file_metadata(url, token=token))
+    return metas
+
+
+def _pull(entry: Entry, store: ModelStore, t: _Tracker, endpoint: str | None, token: str | None) -> Pulled:
+    metas = plan(entry, endpoint, token)
+    files = list(metas)
     t.emit(force=True, state="downloading", files_total=len(files),
            bytes_total=sum(m.size or 0 for _, m in metas.values()))
     known = {(r.repo, f): fr.etag for r in store.list() for f, fr in r.files.items()}
@@ -268,9 +278,20 @@ def _hub_errors(entry: Entry, endpoint: str | None):
     except CatalogError:
         raise
     except Exception as exc:
+        if _unreachable(exc):
+            raise Unreachable(f"{where} unreachable (offline?): {type(exc).__name__}: {_first_line(exc)}") from None
         if isinstance(exc, OSError) or type(exc).__module__.split(".")[0].startswith("httpx"):
             raise CatalogError(f"download of {entry.repo} failed: {type(exc).__name__}: {exc}") from None
         raise
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says the Hub could not be reached at all (refused, no route, DNS, a connect timeout), as
+    opposed to an answer that was an error: the one a check may skip, saying so."""
+    if isinstance(exc, ConnectionError):
+        return True
+    name = type(exc).__name__
+    return name in ("ConnectError", "ConnectTimeout") or (name == "ConnectionError" and "requests" in type(exc).__module__)
 
 
 def _first_line(exc: BaseException) -> str:

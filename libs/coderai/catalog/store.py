@@ -50,11 +50,11 @@ class Pulled(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelStore:
-    """Pulled models under `<data_dir>/models`."""
+    """Pulled models under `<data_dir>/models`, or under `root` (a pod's network volume, shared by its pods)."""
 
-    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], root: str | os.PathLike[str] = "") -> None:
         self.data = Path(os.path.expanduser(str(data_dir))).resolve()
-        self.root = self.data / "models"
+        self.root = Path(os.path.expanduser(str(root))).resolve() if root else self.data / "models"
 
     def repo_dir(self, repo: str) -> Path:
         return self.root / repo

@@ -49,6 +49,24 @@ class ModelUnloaded(Message, frozen=True, kw_only=True, tag="model.unloaded", ta
     ts: float
 
 
+class ModelFetch(Message, frozen=True, kw_only=True, tag="model.fetch", tag_field="t"):
+    """A node fetching a model's weights by its `source` (`coderai.evt.model.fetch.<node_id>`): `state` resolving,
+    downloading, verifying (each file's sha256 against the Hub's), done, or failed with `error` (a checksum
+    mismatch, a missing file, the Hub unreachable). Sent on each state or file change, each 10 %, and every few
+    seconds between, so a pod's cold start can be watched and timed."""
+
+    node_id: str
+    model: str
+    source: str
+    state: Literal["resolving", "downloading", "verifying", "done", "failed"]
+    file: str = ""
+    bytes_done: int = 0
+    bytes_total: int = 0
+    rate_bps: float = 0.0
+    error: str = ""
+    ts: float = 0.0
+
+
 class PartDone(Message, frozen=True, kw_only=True, tag="work.part", tag_field="t"):
     """A worker finished a fan-out part (`ok`), gave it back for another worker (`retry`), or answered it with
     an error once its deliveries ran out (`failed`); for the fan-out metrics (parts per worker, redeliveries)."""
@@ -80,4 +98,4 @@ class PodEvent(Message, frozen=True, kw_only=True, tag="pod", tag_field="t"):
     ts: float = 0.0
 
 
-Event = Union[RequestCompleted, ModelLoaded, ModelUnloaded, PartDone, PodEvent]
+Event = Union[RequestCompleted, ModelLoaded, ModelUnloaded, ModelFetch, PartDone, PodEvent]

@@ -43,6 +43,9 @@ class PodPolicy(Message, frozen=True, kw_only=True):
     spot: bool = False
     busy_in_flight: int = 4
     image: str = ""  # the pod's container image (a coderai worker image); empty: the broker's default
+    # a RunPod network volume id: attached to each pod (at /workspace), where its worker keeps the weights it
+    # fetches by the model's `source`, so the next pod finds them there and starts warm
+    volume: str = ""
 
 
 class ModelConfig(Message, frozen=True, kw_only=True):
@@ -59,6 +62,9 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # (piper's .onnx beside its .onnx.json), empty when `path` is the folder itself
     store_path: str = ""
     store_file: str = ""
+    # where a node without `path` (a rented pod) fetches the weights: hf://org/repo[/file][@revision], a catalogue
+    # id, or store://<path in the head's model store> (coderai.catalog.source)
+    source: str = ""
     params: dict[str, Any] = {}
     ops: list[Op] = []
     nodes: list[str] = []

@@ -33,7 +33,7 @@ from coderai.contracts.admin import (
 )
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
-from coderai.contracts.events import Event, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
+from coderai.contracts.events import Event, ModelFetch, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import CancelJob, ChatJob, CompletionJob, Frame
 from coderai.contracts.media import (
     BlobPiece,
@@ -178,6 +178,7 @@ HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat, bind=("node_id",))
 EVENTS_ALL = Subject("coderai.evt.>", Event)
 EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded.{node_id}", ModelLoaded, bind=("node_id",))
+EVT_MODEL_FETCH = Subject("coderai.evt.model.fetch.{node_id}", ModelFetch, bind=("node_id",))
 EVT_MODEL_UNLOADED = Subject("coderai.evt.model.unloaded", ModelUnloaded)  # published by the scheduler
 EVT_PART_DONE = Subject("coderai.evt.work.part.{node_id}", PartDone, bind=("node_id",))
 WORK_PART = Subject("coderai.work.{model_key}.{op}", WorkPart)

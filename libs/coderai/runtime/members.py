@@ -79,6 +79,7 @@ def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> di
     publish = [
         f"coderai.hb.{node_id}",
         f"coderai.evt.model.loaded.{node_id}",
+        f"coderai.evt.model.fetch.{node_id}",  # progress of weights fetched by a model's source
         f"coderai.evt.work.part.{node_id}",
         f"coderai.train.report.*.{node_id}",
         f"coderai.train.upload.*.{node_id}",

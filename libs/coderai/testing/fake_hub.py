@@ -33,6 +33,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.plain: set[tuple[str, str]] = set()  # files served as non-LFS (git sha1 etag)
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
+        self.tokens: set[str] = set()  # the bearer tokens requests came with (HF_TOKEN)
         self.drop_at: dict[str, int] = {}  # file -> byte offset where the connection is cut, once
         self.corrupt: set[str] = set()  # files whose bytes are served wrong (headers right)
         self.delay_s = 0.0  # per chunk, to make progress visible
@@ -83,6 +84,9 @@ def _handler(hub: FakeHub):
         def _serve(self) -> None:
             path = unquote(urlsplit(self.path).path)
             hub.requests.append((self.command, path, self.headers.get("Range", "")))
+            auth = self.headers.get("Authorization", "")
+            if auth.startswith("Bearer "):
+                hub.tokens.add(auth.removeprefix("Bearer "))
             m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
             if m:
                 return self._info(m.group(1))
@@ -156,9 +160,9 @@ def _handler(hub: FakeHub):
 
 
 def hub_env(hub: FakeHub, hf_home: str) -> dict[str, str]:
-    """The environment that points huggingface_hub (in this process or a child) at `hub`, with no telemetry, no
-    Xet transfers and no progress bars; HF_HOME under `hf_home`."""
-    return {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
+    """The environment that points huggingface_hub (in this process or a child) at `hub`, online (the engines'
+    tests set HF_HUB_OFFLINE), with no telemetry, no Xet transfers and no progress bars; HF_HOME under `hf_home`."""
+    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": hf_home}
 
 

@@ -126,7 +126,8 @@ class EmbedEngine(Engine):
         self.batch_size = 32
 
     def load(self) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces with local_files_only below
+        # local_files_only (below) keeps these loads off the network; no process-wide HF_HUB_OFFLINE, which would
+        # also stop this worker fetching another model's weights by its source (engine_worker/weights.py)
         try:
             import torch
             from sentence_transformers import CrossEncoder, SentenceTransformer
