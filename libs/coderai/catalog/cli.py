@@ -177,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("name")
     i.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""))
     i.add_argument("--no-nodes", action="store_true", help="do not ask the scheduler")
+    c = sub.add_parser("check", parents=[stack], help="can the model burst to a rented pod, and if not, why not: its "
+                       "policy, where a pod gets its weights (asks the Hub), and whether a RunPod GPU type holds it")
+    c.add_argument("name")
+    c.add_argument("--endpoint", default="", help="a Hub mirror (default HF_ENDPOINT, else huggingface.co)")
     return ap
 
 
@@ -283,27 +287,66 @@ def _add(args: argparse.Namespace) -> str:
     return f"no running stack reached ({reply}); added {cfg.name} to {_write_file(args, cfg.name, cfg)}: served when the stack starts"
 
 
-def _set(args: argparse.Namespace) -> str:
-    """`coderai models set`: the served config (the stack's, else the models file's) with the fields changed."""
-    from coderai.contracts import BusError, ModelConfig, decode, model_key
-    from coderai.contracts.admin import AddModelRequest
-    from coderai.contracts.subjects import CMD_SCHEDULER_ADD
+def _served(args: argparse.Namespace, name: str) -> Any:
+    """Model `name` as the running stack serves it, None when it serves no such model, or why no stack answered
+    (a string, or the BusError it answered with)."""
+    from coderai.contracts import ModelConfig, decode, model_key
     from coderai.contracts.topology import MODELS
-    from coderai.models_file import entry
-
-    if any(f.partition("=")[0] == "name" for f in args.fields):
-        raise CatalogError("set does not rename a model: add it under the new name, then rm the old one")
 
     async def served(bus: Any) -> Any:
         from nats.js.errors import KeyNotFoundError
 
         try:
-            got = await (await bus.kv(MODELS)).get(model_key(args.name))
+            got = await (await bus.kv(MODELS)).get(model_key(name))
         except KeyNotFoundError:
             return None
         return decode(got.value, ModelConfig) if got.value else None
 
-    old = _on_head(args, served)
+    return _on_head(args, served)
+
+
+def _check(args: argparse.Namespace, store: ModelStore) -> bool:
+    """`coderai models check`: the model as the running stack serves it (else as the models file has it), checked
+    by catalog/burst.py; prints a line per finding and returns whether it can burst."""
+    import msgspec
+
+    from coderai.catalog.burst import BrokerView, check_model, runpod_gpus
+    from coderai.contracts import ModelConfig
+    from coderai.runtime.settings import SettingsError, load_settings
+
+    cfg = _served(args, args.name)
+    if not isinstance(cfg, ModelConfig):
+        cfg = _in_file(args, args.name)
+    if cfg is None:
+        raise CatalogError(f"no model {args.name!r} on the running stack or in {_models_file(args)}")
+    try:
+        view = load_settings(BrokerView, "pod-broker")
+    except SettingsError as exc:
+        raise CatalogError(str(exc)) from None
+    if not view.runpod_api_key and os.environ.get("RUNPOD_API_KEY"):  # as `coderai up` takes it
+        view = msgspec.structs.replace(view, runpod_api_key=os.environ["RUNPOD_API_KEY"])
+    findings = check_model(cfg, store_root=store.root, endpoint=args.endpoint or os.environ.get("HF_ENDPOINT") or None,
+                           token=os.environ.get("HF_TOKEN") or view.hf_token or None, gpus=runpod_gpus(view))
+    ok = all(f.status != "no" for f in findings)
+    skipped = sum(f.status == "skipped" for f in findings)
+    said = "cannot burst" if not ok else f"can burst, as far as was checked ({skipped} skipped)" if skipped else "can burst"
+    print(f"{cfg.name}: {said}")
+    for f in findings:
+        print(f"  {f.topic:<8} {f.status:<8} {f.text}")
+    return ok
+
+
+def _set(args: argparse.Namespace) -> str:
+    """`coderai models set`: the served config (the stack's, else the models file's) with the fields changed."""
+    from coderai.contracts import BusError
+    from coderai.contracts.admin import AddModelRequest
+    from coderai.contracts.subjects import CMD_SCHEDULER_ADD
+    from coderai.models_file import entry
+
+    if any(f.partition("=")[0] == "name" for f in args.fields):
+        raise CatalogError("set does not rename a model: add it under the new name, then rm the old one")
+
+    old = _served(args, args.name)
     if isinstance(old, (str, BusError)):
         cfg = _in_file(args, args.name)
         if cfg is None:
@@ -375,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(_rm(args, store)))
         elif args.cmd in ("add", "set"):
             print(_add(args) if args.cmd == "add" else _set(args))
+        elif args.cmd == "check":
+            return 0 if _check(args, store) else 1
         else:
             print(json.dumps(_info(args, store), indent=2))
     except CatalogError as exc:
