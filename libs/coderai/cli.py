@@ -20,6 +20,7 @@ COMMANDS = {
     "nodes": ("coderai.nodes_cli:nodes_main", "the cluster's members; revoke a node's credentials"),
     "token": ("coderai.nodes_cli:token_main", "`coderai token new`: make a cluster token"),
     "status": ("coderai.status_cli", "who leads the scheduler, pod broker and usage counting; the nodes that are up"),
+    "heads": ("coderai.heads", "`coderai heads invite`: a one-time invite that makes another machine a head (HA)"),
     "pods": ("coderai.pods_cli", "`coderai pods check`: does the image a rented pod runs exist in its registry?"),
 }
 

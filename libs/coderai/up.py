@@ -8,8 +8,10 @@ API key; it prints the base URL, the key and an SDK example. Ctrl-C stops everyt
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -18,9 +20,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
+from coderai import heads
 from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token, fingerprint, with_user
-from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, free_port
+from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, Routes, free_port
 from coderai.runtime.logging import setup_logging
 from coderai.runtime.store_watch import StoreWatch
 from coderai.runtime.supervisor import Child, Supervisor
@@ -46,6 +51,7 @@ def runpod_api_key(key_file: str) -> str:
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed socket's TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError:
@@ -71,14 +77,18 @@ def ensure_default_model(data: Path) -> Path:
 
 
 def ensure_api_key(data: Path) -> tuple[Path, str]:
-    """Create an admin key on first run: its hash in keys.toml, the key itself in admin.key (mode 0600)."""
-    from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
+    """Create an admin key on first run: its hash in keys.toml, the key itself in admin.key (mode 0600). A head that
+    joined by invite has the first head's keys.toml already: its own admin key is added beside that head's, so the
+    first head's admin key works at every gateway."""
+    from coderai.accounts.keyfile import KeyRecord, hash_key, load_keys, new_key, write_keys
 
     keys_file, key_file = data / "keys.toml", data / "admin.key"
     if keys_file.exists() and key_file.exists():
         return keys_file, key_file.read_text().strip()
     key = new_key()
-    write_keys(str(keys_file), [KeyRecord(name="admin", sha256=hash_key(key), scopes=["inference", "admin"])])
+    others = list(load_keys(str(keys_file)).values()) if keys_file.exists() else []
+    name = f"admin-{secrets.token_hex(3)}" if any(r.name == "admin" for r in others) else "admin"
+    write_keys(str(keys_file), [*others, KeyRecord(name=name, sha256=hash_key(key), scopes=["inference", "admin"])])
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(key + "\n")
@@ -90,8 +100,6 @@ def ensure_scrape_token(data: Path) -> str:
     path = data / "scrape.token"
     if path.exists():
         return path.read_text().strip()
-    import secrets
-
     token = secrets.token_urlsafe(24)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -99,7 +107,7 @@ def ensure_scrape_token(data: Path) -> str:
     return token
 
 
-def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
+def ensure_members(data: Path, token: str, worker_id: str, own_worker: bool = True) -> tuple[str, str]:
     """NATS' users for this head: the registry (kept across restarts, so joined nodes stay members), the service
     password (made once, in secrets/nats-service.password) and a password for this box's own worker, which is a
     node like any other (made once, in secrets/worker.password: a restart changes no member, so the registry the
@@ -108,6 +116,10 @@ def ensure_members(data: Path, token: str, worker_id: str) -> tuple[str, str]:
     import bcrypt
 
     reg, password = members.ensure_registry(data / "nats", data / "secrets" / "nats-service.password", token)
+    if not own_worker:  # a head that joined: its worker (if any) joins like any node, through the leader
+        members.save(data / "nats" / "members.json", reg)
+        members.write_users(data / "nats" / "users.conf", reg)
+        return password, ""
     secret = data / "secrets" / "worker.password"
     mine = reg.members.get(worker_id)
     worker_password = members.read_secret(secret) if secret.exists() else ""
@@ -148,11 +160,24 @@ def service_urls(data: Path) -> tuple[str, str]:
     up = json.loads((data / "run" / "up.json").read_text())
     nats_url = with_user(up["nats_url"], members.SERVICE_USER, members.read_secret(data / "secrets" / "nats-service.password"))
     redis_password = members.read_secret(data / "secrets" / "redis.password")
-    return nats_url, up["redis_url"].replace("redis://", f"redis://:{redis_password}@", 1)
+    return nats_url, up["redis_url"].replace("://", f"://:{redis_password}@", 1)
 
 
-def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: float) -> None:
-    """Ready means a real one-token chat answer came back through the whole stack."""
+def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: float, chat: bool = True) -> None:
+    """Ready means a real one-token chat answer came back through the whole stack; without a worker on this
+    machine (`chat=False`: a head of the control plane only), that the gateway answers."""
+    if not chat:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sup.tick()
+            try:
+                with urllib.request.urlopen(f"{base[:-3]}/healthz", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the gateway did not answer within {timeout_s:.0f}s")
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).encode()
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -194,7 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                          "this box's Redis for its ledger and budgets; without one, it is not started")
     ap.add_argument("--pod-nats-url", default=os.environ.get("CODERAI_POD_BROKER_POD_NATS_URL", ""),
                     help="how a rented pod reaches this head's NATS (a public address); pods stay off without it")
+    ap.add_argument("--head", action="store_true",
+                    help="be one head of several (docs/ha.md): NATS routed to the other heads, Redis with a replica and "
+                         "a sentinel on each; needs --address")
+    ap.add_argument("--address", default="", help="with --head: this head's address, as the other heads and workers reach it")
+    ap.add_argument("--join", default="", help="with --head: the invite `coderai heads invite` made on a running head")
+    ap.add_argument("--route-port", type=int, default=heads.ROUTE_PORT, help="with --head: NATS route port (default 6222)")
+    ap.add_argument("--sentinel-port", type=int, default=heads.SENTINEL_PORT, help="with --head: Redis Sentinel port (default 26379)")
+    ap.add_argument("--no-worker", action="store_true", help="run no worker on this machine (a head of the control plane only)")
     args = ap.parse_args(argv)
+    if (args.join or args.address) and not args.head:
+        ap.error("--join and --address are for a head: add --head")
+    if args.head and not (args.address or args.join):
+        ap.error("--head needs --address (this head's address, as the other heads reach it)")
 
     data = Path(os.path.expanduser(args.data_dir)).resolve()
     (data / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -217,44 +254,98 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
 
-    nats = redis = None
+    nats = redis = sentinel = keeper = None
     sup = Supervisor()
     try:
+        invite = None
+        if args.join:
+            try:
+                invite = msgspec.json.decode(Path(os.path.expanduser(args.join)).read_bytes(), type=heads.Invite)
+            except (OSError, msgspec.DecodeError) as exc:
+                print(f"coderai up: cannot read the invite {args.join}: {exc}", file=sys.stderr)
+                return 2
+            if invite.expires_at < time.time():
+                print(f"coderai up: the invite {args.join} is past its time: make a new one (coderai heads invite)",
+                      file=sys.stderr)
+                return 2
+            if args.address and args.address != invite.address:
+                print(f"coderai up: the invite is for a head at {invite.address}, not {args.address}", file=sys.stderr)
+                return 2
+            heads.install(data, invite)
+        joined = (data / "secrets" / "joined").exists() or invite is not None  # a head that came in by an invite
         token = args.cluster_token
+        if not token and args.head and (data / "secrets" / "cluster.token").exists():
+            token = members.read_secret(data / "secrets" / "cluster.token")
         if token:
             try:
                 check_token(token)
             except WeakToken as exc:
                 print(f"coderai up: {exc}", file=sys.stderr)
                 return 2
+            if args.head:  # an invite made here hands it on, so every head answers joins
+                members.write_secret(data / "secrets" / "cluster.token", token)
         runpod_key = runpod_api_key(args.runpod_key_file)
-        nats_host = args.nats_host or ("0.0.0.0" if token else "127.0.0.1")
-        nats_port = args.nats_port or (4222 if token else None)
+        nats_host = args.nats_host or ("0.0.0.0" if token or args.head else "127.0.0.1")
+        nats_port = args.nats_port or (heads.NATS_PORT if token or args.head else None)
         from coderai.runtime.node_id import stable_node_id
 
         worker_id = stable_node_id(data, args.node_id)
-        service_password, worker_password = ensure_members(data, token, worker_id)
+        own_worker = not args.no_worker and not joined
+        service_password, worker_password = ensure_members(data, token, worker_id, own_worker)
         redis_password = members.ensure_secret(data / "secrets" / "redis.password")
+        keys_file, key = ensure_api_key(data) if not args.no_auth else (None, "")  # before an invite can be made
+        address = invite.address if invite else args.address
         # beyond loopback NATS speaks TLS only, with a certificate of this head's own CA (joining workers pin it)
-        tls = ensure_certs(data / "nats" / "tls") if nats_host not in ("127.0.0.1", "localhost", "::1") else None
+        tls = (ensure_certs(data / "nats" / "tls", names=[address] if address else None)
+               if nats_host not in ("127.0.0.1", "localhost", "::1") else None)
+        me = cluster = None
+        known: list[heads.Head] = []
+        if args.head:
+            me = heads.Head(worker_id, address, nats_port=nats_port, route_port=args.route_port,
+                            redis_port=args.redis_port or heads.REDIS_PORT, sentinel_port=args.sentinel_port)
+            known = heads.merge(heads.load(data), [me])
+            heads.save(data, known)  # what an invite made here names, before this head's JetStream answers
+            # its own route too: nats-server skips a route to itself, and JetStream's cluster mode wants one even
+            # on the first head, whose peers connect to it later
+            cluster = Routes(worker_id, me.route, tuple(h.route for h in known),
+                             members.ensure_secret(data / "secrets" / "route.password"), tls=tls)
         try:
             nats = NatsServer(data / "nats", port=nats_port, host=nats_host, users_file=data / "nats" / "users.conf",
-                              tls=tls).start(log_file=data / "logs" / "nats.log")
-            redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True,
-                                password=redis_password).start(log_file=data / "logs" / "redis.log")
+                              tls=tls, cluster=cluster).start(log_file=data / "logs" / "nats.log")
         except EmbeddedServerError as exc:
             print(f"coderai up: {exc}", file=sys.stderr)
             return 2
         service_url = with_user(nats.url, members.SERVICE_USER, service_password)
-        redis_url = redis.url.replace("redis://", f"redis://:{redis_password}@", 1)
+        if args.head:
+            known = asyncio.run(heads.take_place(service_url, tls, me, data))
+            if invite is not None:
+                members.write_secret(data / "secrets" / "joined", args.join)
+            master = heads.sentinel_master(known, exclude=worker_id)
+            if master is None and joined:  # no sentinel answers: the heads the invite named have the master
+                master = next((h.redis for h in known if h.node_id != worker_id), None)
+            redis = RedisServer(data / "redis", port=me.redis_port, host=address, durable=True, password=redis_password,
+                                replicaof=master if master and master != me.redis else "")
+            sentinel = heads.sentinel_for(data, known, master or me.redis, me, redis_password)
+        else:
+            redis = RedisServer(data / "redis", port=args.redis_port or None, durable=True, password=redis_password)
+        try:
+            redis.start(log_file=data / "logs" / "redis.log")
+            if redis.replicaof:  # its services start once it holds the master's data, so a failover finds it current
+                redis.wait_synced()
+            if sentinel is not None:
+                sentinel.start(log_file=data / "logs" / "sentinel.log")
+                heads.set_quorum(known, worker_id)
+        except EmbeddedServerError as exc:
+            print(f"coderai up: {exc}", file=sys.stderr)
+            return 2
+        redis_url = (heads.sentinel_url(known, redis_password) if args.head
+                     else redis.url.replace("redis://", f"redis://:{redis_password}@", 1))
         models_file = Path(args.models_file).resolve() if args.models_file else ensure_default_model(data)
-        key = ""
         scrape_token = ensure_scrape_token(data)
         gateway_args = ["--host", args.host, "--port", str(args.port)]
         if args.no_auth:
             gateway_args.append("--no-auth")
         else:
-            keys_file, key = ensure_api_key(data)
             gateway_args += ["--api-keys-file", str(keys_file)]
         env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | {
             "CODERAI_NATS_URL": service_url,
@@ -267,16 +358,23 @@ def main(argv: list[str] | None = None) -> int:
             "CODERAI_GATEWAY_REDIS_URL": redis_url,
             "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
             "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
-        } | ({"CODERAI_NATS_CA": str(tls.ca)} if tls else {})
+        } | ({"CODERAI_NATS_CA": str(tls.ca)} if tls else {}) | (
+            {"CODERAI_NATS_REPLICAS": str(heads.replicas(known))} if args.head else {})
         # the scheduler keeps the member registry: joins (it alone holds the token), revocations, pods' users
         scheduler_env = env | {"CODERAI_CLUSTER_TOKEN": token, "CODERAI_SCHEDULER_MEMBERS_FILE": str(data / "nats" / "members.json"),
                                "CODERAI_SCHEDULER_NATS_USERS_FILE": str(data / "nats" / "users.conf"),
                                "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)}
-        # this box's worker is a node like any other: its own user, no token, no service rights
+        # this box's worker is a node like any other: its own user, no token, no service rights; on a head that
+        # joined by invite it joins with the cluster token like any node (the leader, on whichever head, makes its
+        # user), and without a token that head runs none
         worker_env = env | {"CODERAI_NATS_URL": with_user(nats.url, members.node_user(worker_id), worker_password),
                             "CODERAI_WORKER_NODE_ID": worker_id,
                             "CODERAI_WORKER_BUS_EXEC": "true"}  # its models come from this box's own models file
-        if token:  # this box's worker tells the LAN where to join (the fingerprint names the cluster)
+        if not own_worker:
+            worker_env = (env | {"CODERAI_NATS_URL": nats.url, "CODERAI_CLUSTER_TOKEN": token, "CODERAI_WORKER_NODE_ID": worker_id,
+                                 "CODERAI_WORKER_MDNS": "false"}
+                          if token and not args.no_worker else None)
+        if token and own_worker:  # this box's worker tells the LAN where to join (the fingerprint names the cluster)
             worker_env["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
             worker_env["CODERAI_WORKER_ANNOUNCE_FINGERPRINT"] = fingerprint(token)
             if args.mdns_interface:
@@ -301,9 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         run.mkdir(exist_ok=True)
         base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
         (run / "up.json").write_text(json.dumps({
-            "pid": os.getpid(), "base_url": base, "nats_url": nats.url, "redis_url": redis.url,  # no secrets: see secrets/
+            "pid": os.getpid(), "base_url": base, "nats_url": nats.url,  # no secrets: see secrets/
+            "redis_url": heads.sentinel_url(known, "").replace(":@", "", 1) if args.head else redis.url,
             "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
-            "pids": {c.name: c.proc.pid for c in sup.children} | {"nats": nats.proc.pid, "redis": redis.proc.pid},
+            "pids": {c.name: c.proc.pid for c in sup.children} | {"nats": nats.proc.pid, "redis": redis.proc.pid}
+                    | ({"sentinel": sentinel.proc.pid} if sentinel else {}),
+            "heads": [msgspec.to_builtins(h) for h in known] if args.head else [],
         }, indent=2))
 
         from coderai.models_file import load_models
@@ -311,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         served = [m.name for m in load_models(str(models_file))]
         first = served[0]
         try:
-            wait_ready(base, key, first, sup, args.ready_timeout)
+            wait_ready(base, key, first, sup, args.ready_timeout, chat=worker_env is not None)
         except TimeoutError as exc:
             if not stopping:
                 print(f"coderai up: {exc}; see the logs in {data / 'logs'}", file=sys.stderr)
@@ -323,13 +424,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
                       f" (found by mDNS), or add --nats-url nats://<this host>:{nats.port}", flush=True)
         store = StoreWatch(data / "logs" / "nats.log", data / "nats")
+        if args.head:
+            keeper = heads.Keeper(service_url, tls, me, data)
+            keeper.start()
         while not stopping:
             sup.tick()
-            keep_up(nats, redis, store, data / "logs")
+            keep_up(nats, redis, store, data / "logs", sentinel)
             time.sleep(0.25)
         return 0
     finally:
+        if keeper:
+            keeper.stop.set()
         sup.stop()
+        if sentinel:
+            sentinel.stop()
         if redis:
             redis.stop()
         if nats:
@@ -337,14 +445,19 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped", flush=True)
 
 
-def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path) -> None:
-    """Start nats-server or redis-server again on its port if it died, and nats-server once its JetStream store
-    failed on a full disk that has room again (`StoreWatch`): the services reconnect by themselves."""
-    for name, server in (("nats-server", nats), ("redis-server", redis)):
+def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path, sentinel=None) -> None:
+    """Start nats-server, redis-server or a head's sentinel again on its port if it died, and nats-server once its
+    JetStream store failed on a full disk that has room again (`StoreWatch`): the services reconnect by themselves.
+    A head's Redis comes back as it was configured; if another head's was promoted meanwhile, the sentinels make
+    this one its replica."""
+    for name, server, log in (("nats-server", nats, "nats"), ("redis-server", redis, "redis"),
+                              ("redis-sentinel", sentinel, "sentinel")):
+        if server is None:
+            continue
         if server.proc is not None and server.proc.poll() is not None:
             print(f"{name} exited with {server.proc.returncode}; starting it again", file=sys.stderr, flush=True)
             try:
-                server.start(log_file=logs / f"{name.split('-')[0]}.log")
+                server.start(log_file=logs / f"{log}.log")
             except EmbeddedServerError as exc:
                 print(f"{name} did not start again: {exc}", file=sys.stderr, flush=True)
     if store.due():

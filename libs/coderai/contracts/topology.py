@@ -39,6 +39,7 @@ KEYS = BucketSpec("coderai_keys", description="API keys by SHA-256 (never the ke
 POD_LEDGER = BucketSpec("coderai_pod_ledger",
                         description="terminated pods' bills by pod id: the journal a lost Redis's pod ledger is refilled from")
 MEMBERS = BucketSpec("coderai_members", description="the member registry every head's nats-server takes its users from")
+HEADS = BucketSpec("coderai_heads", description="the heads of an HA cluster (head.<node id>) and unused head invites (invite.<id>)")
 
 VIDEOS = BucketSpec("coderai_videos", ttl_s=24 * 3600, description="video jobs: state, progress, result blob")
 

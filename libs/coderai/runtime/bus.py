@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats
@@ -95,6 +96,10 @@ async def connect(
         else:
             log.debug("nats error: %s", exc)
 
+    # the login as options too: nats-py sends a URL's credentials only to that URL's server, and none to the servers
+    # it learns from the cluster (every other head), which a reconnect after a head's death must reach
+    login = next(((unquote(p.username), unquote(p.password)) for p in map(urlsplit, split_urls(url))
+                  if p.username and p.password), None)
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
@@ -113,6 +118,7 @@ async def connect(
                 disconnected_cb=_disconnected,
                 error_cb=_error,
                 **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
+                **({"user": login[0], "password": login[1]} if login else {}),
                 # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
                 **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
             ), max(1.0, deadline - time.monotonic()))
@@ -137,7 +143,7 @@ def split_urls(url: str) -> list[str]:
 
 def _without_credentials(url: str) -> str:
     """The URL (or comma-separated URLs) for logs: never the derived password."""
-    from urllib.parse import urlsplit, urlunsplit
+    from urllib.parse import urlunsplit
 
     if "," in url:
         return ",".join(_without_credentials(u) for u in split_urls(url))

@@ -305,7 +305,8 @@ class RedisServer(_Server):
                 fh.write(f'requirepass "{self.password}"\n')
                 fh.write(f'masterauth "{self.password}"\n')  # as a replica, now or after a failover
             cmd.append(str(conf))
-        cmd += ["--port", str(self.port), "--bind", self.host, "--save", "", *persistence,
+        # a replica gets its first copy at once (a master waits 5 s by default, for more replicas to share one)
+        cmd += ["--port", str(self.port), "--bind", self.host, "--save", "", *persistence, "--repl-diskless-sync-delay", "0",
                 "--dir", str(self.data_dir), "--protected-mode", "yes"]
         if self.replicaof:
             master_host, _, master_port = self.replicaof.rpartition(":")
@@ -318,6 +319,19 @@ class RedisServer(_Server):
         self.url = f"redis://{self.host}:{self.port}/0"
         _await_pong(self, "redis-server", timeout_s)
         return self
+
+
+    def wait_synced(self, timeout_s: float = 60.0) -> None:
+        """As a replica: return once it holds the master's data and follows it (`master_link_status:up`)."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        with redis.Redis(host=self.host, port=self.port, password=self.password or None, socket_timeout=2,
+                         decode_responses=True) as r:
+            while r.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise EmbeddedServerError(f"redis-server did not copy its master {self.replicaof} within {timeout_s}s")
+                time.sleep(0.05)
 
 
 def _await_pong(server: "_Server", what: str, timeout_s: float) -> None:

@@ -1,13 +1,13 @@
 """Redis connections for the services, from one URL: a plain `redis://` (or `rediss://`, `unix://`) URL, or a
-Sentinel URL that follows the master through failovers:
+Sentinel URL that follows the master through failovers, waiting one out:
 
     redis+sentinel://[[user]:password@]host1:port1[,host2:port2...]/<master-name>[/<db>][?sentinel_password=...]
 
 The password (and user) is the one the master and its replicas require; the sentinels are asked without one unless
 `sentinel_password` is given. A host without a port means Sentinel's own default, 26379. Each new connection asks a
-sentinel where the master is now, so a client keeps working once the sentinels have promoted a replica: commands
-in flight when the master dies fail with a ConnectionError (the limits store reads that as "unavailable", a 503),
-and the next ones reach the new master.
+sentinel where the master is now, so a client keeps working once the sentinels have promoted a replica: a command
+that finds the master dead is tried again on a new connection until a new master answers (`FAILOVER_RETRIES`), and
+fails with a ConnectionError (the limits store reads that as "unavailable", a 503) only if none does in time.
 """
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ SENTINEL_PORT = 26379
 # asked instead. Data connections get a connect timeout too (a dead master's host may drop packets, not refuse).
 SENTINEL_TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
+# A command that finds the master gone is tried again, each time on a new connection that asks the sentinels where
+# the master is now, for about as long as a failover takes (Sentinel's down-after plus an election: seconds). A
+# request in flight then waits out the failover instead of failing. A script the dead master ran without
+# answering may run twice: a rate-limit count or a reservation taken twice, never money booked twice (booking is
+# idempotent by pod id).
+FAILOVER_RETRIES = 14  # about 10 s of waits: Sentinel's down-after (2 s on a head) and an election, with room
+FAILOVER_BACKOFF_S = {"base": 0.1, "cap": 1.0}  # jittered exponential
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,11 @@ def connection_pool(url: str, *, blocking: bool = False, **pool_opts: Any) -> An
                                        "socket_connect_timeout": SENTINEL_TIMEOUT_S}
     if parsed.sentinel_password:
         sentinel_kwargs["password"] = parsed.sentinel_password
-    conn: dict[str, Any] = {"db": parsed.db, "socket_connect_timeout": CONNECT_TIMEOUT_S}
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    conn: dict[str, Any] = {"db": parsed.db, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+                            "retry": Retry(ExponentialWithJitterBackoff(**FAILOVER_BACKOFF_S), FAILOVER_RETRIES)}
     if parsed.username:
         conn["username"] = parsed.username
     if parsed.password is not None:

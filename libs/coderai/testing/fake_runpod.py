@@ -182,8 +182,10 @@ class FakeRunPod:
     """RunPod's GraphQL API on http://127.0.0.1:<random port>/graphql; use as a context manager or start()/close()."""
 
     def __init__(self, *, api_key: str = "fake-runpod-key", gpu_types: Iterable[FakeGpuType] = DEFAULT_GPU_TYPES,
-                 launch: Launch | None = None, boot_delay_s: float = 0.0, now: Callable[[], float] = time.time):
+                 launch: Launch | None = None, boot_delay_s: float = 0.0, now: Callable[[], float] = time.time,
+                 host: str = "127.0.0.1"):
         self.api_key = api_key
+        self.host = host  # another address of this machine's: one a test's network namespaces reach
         self.gpu_types = {g.id: FakeGpuType(**vars(g)) for g in gpu_types}
         self.launch = launch
         self.boot_delay_s = boot_delay_s
@@ -201,7 +203,7 @@ class FakeRunPod:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> FakeRunPod:
-        """Bind a random loopback port and serve, and start the thread that boots pods."""
+        """Bind a random port on `host` and serve, and start the thread that boots pods."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -211,7 +213,7 @@ class FakeRunPod:
             def log_message(self, *_args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
         serve = lambda: self._server.serve_forever(poll_interval=0.02)  # shutdown() waits one poll
         for name, target in (("http", serve), ("boot", self._boot_loop)):
@@ -223,7 +225,7 @@ class FakeRunPod:
     @property
     def base_url(self) -> str:
         """What RUNPOD_API_BASE_URL (or the client's base_url) should be; the API is at `{base_url}/graphql`."""
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"http://{self.host}:{self._server.server_address[1]}"
 
     def close(self) -> None:
         """Stop serving and kill every pod's process; billing stops as if each pod were terminated now."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -33,7 +34,9 @@ class Host:
 class Lab:
     """`hosts` namespaces with one veth each into a bridge that lives in a hub namespace."""
 
-    def __init__(self, hosts: list[str], subnet: int | None = None) -> None:
+    def __init__(self, hosts: list[str], subnet: int | None = None, reach: bool = False) -> None:
+        """`reach`: the test's own process (the root namespace) gets an address on the bridge too, `root_ip`,
+        so clients in the test talk to the hosts directly."""
         if os.geteuid() != 0 or not shutil.which("ip"):
             raise NetnsUnavailable("network namespaces need root and iproute2")
         tag = f"{os.getpid() % 10000}"
@@ -41,6 +44,7 @@ class Lab:
         self.hub = f"crhub{tag}"
         self.hosts: dict[str, Host] = {}
         self._made: list[str] = []
+        self._links: list[str] = []  # in the root namespace: gone with `close`
         try:
             self._ns(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
@@ -61,6 +65,16 @@ class Lab:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", dev)  # mDNS multicast leaves by this link
                 self.hosts[name] = Host(ns, ip, dev)
+            self.root_ip = ""
+            if reach:
+                self.root_ip, outside, inside = f"10.231.{self.subnet}.254", f"crr{tag}", f"crq{tag}"
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                self._links.append(outside)
+                _ip("link", "set", inside, "netns", self.hub)
+                _ip("-n", self.hub, "link", "set", inside, "master", "br0")
+                _ip("-n", self.hub, "link", "set", inside, "up")
+                _ip("addr", "add", f"{self.root_ip}/24", "dev", outside)
+                _ip("link", "set", outside, "up")
         except Exception:
             self.close()
             raise
@@ -76,7 +90,38 @@ class Lab:
     def run(self, host: str, argv: list[str], timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(self.hosts[host].prefix() + argv, capture_output=True, text=True, timeout=timeout_s, env=env)
 
+    def popen(self, host: str, argv: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `argv` on `host` in the background, its output appended to the file `log`."""
+        return subprocess.Popen(self.hosts[host].prefix() + argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def pids(self, host: str) -> list[int]:
+        r = subprocess.run(["ip", "netns", "pids", self.hosts[host].name], capture_output=True, text=True)
+        return [int(p) for p in r.stdout.split()]
+
+    def kill_all(self, host: str) -> int:
+        """SIGKILL every process on `host`, as a machine losing its power would; how many there were."""
+        pids = self.pids(host)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def cut(self, host: str) -> None:
+        """Take `host`'s link down: it reaches nobody and nobody reaches it, while its processes run on."""
+        _ip("-n", self.hosts[host].name, "link", "set", self.hosts[host].dev, "down")
+
+    def heal(self, host: str) -> None:
+        _ip("-n", self.hosts[host].name, "link", "set", self.hosts[host].dev, "up")
+
     def close(self) -> None:
+        for name in self.hosts:
+            self.kill_all(name)
+        for link in self._links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self._links.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
