@@ -249,8 +249,9 @@ class Broker:
             try:
                 return await self.api.create_pod(
                     name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
-                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password, ca_text(s.nats_ca)),
-                    spot=m.pod.spot)
+                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password, ca_text(s.nats_ca),
+                                         hf_token=s.hf_token),
+                    spot=m.pod.spot, network_volume_id=m.pod.volume)
             except NoCapacity:
                 raise
             except RunPodError as exc:

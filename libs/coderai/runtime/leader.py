@@ -88,7 +88,9 @@ class Leader:
             sent = time.monotonic()
             try:
                 kv = await self.bus.kv(self.spec)
-                await (self._renew(kv, sent) if self.token else self._try_win(kv, sent))
+                # bounded by one round: a write sent while the bucket's stream elects a new leader (its last one on a
+                # dead head) gets no answer, and waiting out the client's 5 s would push the next try that far
+                await asyncio.wait_for(self._renew(kv, sent) if self.token else self._try_win(kv, sent), self.renew_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the bus is down or slow: `held` lapses by itself if it lasts
