@@ -204,6 +204,18 @@ async def known(bus: Any) -> list[Head]:
     return sorted(out, key=lambda h: h.node_id)
 
 
+async def client_urls(bus: Any) -> list[str]:
+    """Every head's NATS URL, for a joining worker; none with a single head (no `coderai_heads` bucket, and none
+    made here)."""
+    from nats.js.errors import BucketNotFoundError
+
+    try:
+        await bus.js.key_value(HEADS.name)
+    except BucketNotFoundError:
+        return []
+    return [f"nats://{_host(h.address)}:{h.nats_port}" for h in await known(bus)]
+
+
 async def _keys(kv: Any, prefix: str) -> list[str]:
     from nats.js.errors import NoKeysError
 

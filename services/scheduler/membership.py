@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coderai import heads
 from coderai.contracts import BusError
 from coderai.contracts.admin import (
     JoinChallenge,
@@ -128,7 +129,12 @@ class Membership:
                 self._apply(reg)
         log.info("node %s joined", node_id)
         user = members.node_user(node_id)
-        return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem,
+        try:
+            urls = await asyncio.wait_for(heads.client_urls(self.bus), 2)
+        except Exception as exc:  # noqa: BLE001 - the worker still reaches the others through the one it joined
+            log.debug("heads not read for %s's welcome: %s", node_id, exc)
+            urls = []
+        return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem, heads=urls,
                            proof=welcome_proof(self.token, node_id, req.head_nonce, user, self.tls_fingerprint))
 
     # --- operator commands and the pod-broker ----------------------------------------------------

@@ -263,6 +263,13 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
           f"started after it took {slowest:.2f} s (Redis' failover: Sentinel's down-after and an election)")
     assert sched_s <= 10 and broker_s <= 10, (sched_s, broker_s)
 
+    # a worker started again while the head it joined is dead reaches another: its join gave it every head's URL
+    c.procs["w1"].kill()
+    c.procs["w1"] = node_up(lab["w1"], "w1", lab["h1"].ip, c.root, TOKEN, c.env).start()
+    c.procs["w1"].wait_log("up with engine families", 60)  # on the bus again, with its saved login
+    saved = json.loads((c.root / "w1" / "node-credentials.json").read_text())
+    assert sorted(saved["heads"]) == sorted(f"nats://{lab[h].ip}:4222" for h in HEADS)
+
     # the key, usage, the budget's spend, affinity and the pod ledger: what they were
     answered = load.ok()
     slack = sum(1 for o in in_flight_dead if o[2] >= killed_at)  # in flight on the dead head at the kill

@@ -110,6 +110,9 @@ class JoinWelcome(Message, frozen=True, kw_only=True, tag="join.welcome", tag_fi
     tls_fingerprint: str = ""
     ca_pem: str = ""
     proof: str
+    # every head's NATS URL (several heads: docs/ha.md), for the worker's next start when the head it joined is
+    # down; not sealed: a server there must still show a certificate of the pinned CA
+    heads: list[str] = []
 
 
 class RevokeRequest(Message, frozen=True, kw_only=True):

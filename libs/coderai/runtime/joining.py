@@ -42,14 +42,16 @@ def creds_path(data_dir: str) -> Path:
 
 def saved_url(data_dir: str, url: str, node_id: str) -> tuple[str, str]:
     """(the URL with this node's saved credentials, the CA it pinned) for the head at `url` (by host and port),
-    else ("", "")."""
+    else ("", ""). With several heads, the URL lists the others too (comma-separated, `url` first): the
+    connection then reaches a live one when the head it joined is down."""
     try:
         saved = json.loads(creds_path(data_dir).read_text())
     except (OSError, ValueError):
         return "", ""
     if saved.get("head") != without_user(url) or saved.get("node_id") != node_id:
         return "", ""
-    return with_user(url, saved["user"], saved["password"]), saved.get("ca_pem", "")
+    others = [h for h in saved.get("heads", []) if h != without_user(url)]
+    return ",".join([with_user(url, saved["user"], saved["password"]), *others]), saved.get("ca_pem", "")
 
 
 def forget(data_dir: str) -> None:
@@ -109,7 +111,7 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump({"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
-                   "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem}, fh)
+                   "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem, "heads": welcome.heads}, fh)
     log.info("joined the cluster at %s as %s%s", without_user(url), welcome.user,
              f"; pinned its CA {welcome.tls_fingerprint[:16]}" if welcome.tls_fingerprint else "")
     return with_user(url, welcome.user, password), welcome.ca_pem

@@ -28,7 +28,7 @@ CONNECT_TIMEOUT_S = 2.0
 # request in flight then waits out the failover instead of failing. A script the dead master ran without
 # answering may run twice: a rate-limit count or a reservation taken twice, never money booked twice (booking is
 # idempotent by pod id).
-FAILOVER_RETRIES = 14  # about 10 s of waits: Sentinel's down-after (2 s on a head) and an election, with room
+FAILOVER_RETRIES = 20  # about 15 s of waits: Sentinel's down-after (2 s on a head) and an election, with room
 FAILOVER_BACKOFF_S = {"base": 0.1, "cap": 1.0}  # jittered exponential
 
 
