@@ -146,6 +146,7 @@ def cluster(tmp_path_factory, tiny_gguf):
     (root / "runpod.key").write_text(fake.api_key + "\n")
     env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
     c = Cluster(lab, root, env, models)
+    c.fake = fake
     try:
         first = c.head("h1", ready=False)  # its JetStream answers once a second head is in
         c.head("h2", "--join", str(c.invite("h2")))
@@ -333,6 +334,7 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
         assert stopped_at < new["since"], "the old leader was still acting when the new one started"
         placed = wait_until(lambda: asyncio.run(c.buckets(others[1]))[0], 30, "the assignments, read on a survivor")
         assert placed == {"w1": [MODEL], "w2": [MODEL]}, placed  # nothing placed twice
+        assert c.fake.pods() == []  # no demand for a pod: neither broker, the cut-off one or the new, rented one
     finally:
         lab.heal(holder)
     # healed: the head that was cut off follows; every gateway names the same, single leader

@@ -421,6 +421,15 @@ def test_up_with_a_runpod_key_runs_the_broker_with_redis_and_bills_a_leased_pod(
                    and all(fake.pod(p["pod_id"]).status == "TERMINATED" for p in pods()), 120,
                    "the pods to be reaped and terminated once the lease ended")
         assert any(p["name"] == pod["name"] and p["state"] == "terminated" for p in pods())
+        # a pod's own NATS login (handed to it in its environment) ends with it
+        from urllib.parse import unquote, urlsplit
+
+        from coderai.runtime.embedded import _login_ok
+
+        for p in pods():
+            login = urlsplit(fake.pod(p["pod_id"]).env["CODERAI_NATS_URL"])
+            wait_until(lambda: not _login_ok(f"nats://127.0.0.1:{nats_port}", unquote(login.username),
+                                             unquote(login.password)), 30, "the terminated pod's login to be refused")
         spend = httpx.get(f"{base}/admin/spend", headers=admin, timeout=30).json()
         billed = sum(fake.billed_usd(p["pod_id"]) for p in pods())
         assert spend["ledger_total_usd"] > 0 and abs(spend["ledger_total_usd"] - billed) < 0.005  # to the cent
