@@ -1,4 +1,5 @@
-"""`coderai pods check`: does the image a rented pod would run exist in its registry?
+"""`coderai pods check`: does the image a rented pod would run exist in its registry, and can a pod reach this
+cluster's NATS over TLS?
 
 RunPod pulls the pod image anonymously when the broker creates a pod; an image that is not there (a typo, a
 version never released, a private package) costs a boot timeout of billed GPU time before the broker gives up.
@@ -8,14 +9,20 @@ images). The images are the broker's `pod_image`, read as the broker reads it (`
 `CODERAI_POD_IMAGE`, the `[pod_broker]` table of `CODERAI_CONFIG`, else the release image of this version), and
 with `--models-file` every model's own `pod.image`.
 
-Exit status: 0 when every image was found, or could not be asked because its registry is unreachable (each
-such line says `skipped`); 1 when one is missing, denied to an anonymous pull, or the registry answered an
-error; 2 on bad settings, a bad reference or a bad models file.
+With the broker's `pod_nats_url` set (or `--pod-nats-url`), each server there is asked for a TLS handshake and
+checked to show a certificate of the cluster's CA (`--ca`, else CODERAI_NATS_CA: the CA a pod pins), without
+renting anything or logging in.
+
+Exit status: 0 when every image was found (or could not be asked because its registry is unreachable: such a
+line says `skipped`) and every pods' NATS server answered TLS; 1 when an image is missing, denied to an anonymous
+pull or its registry answered an error, or when a pods' NATS server is unreachable from here, speaks plain text
+beyond loopback or shows a certificate of another CA; 2 on bad settings, a bad reference or a bad models file.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -37,14 +44,16 @@ from coderai.oci import (
     token_request,
 )
 from coderai.runtime.settings import SettingsError, load_settings
+from coderai.runtime.tls import ca_text
 
 
 class _BrokerImage(msgspec.Struct, frozen=True, kw_only=True):
-    """The one field of the pod-broker's settings this command needs. load_settings reads a struct's own fields
-    only, so this reads `pod_image` from the same variables and TOML keys as the broker's BrokerSettings
+    """The fields of the pod-broker's settings this command needs. load_settings reads a struct's own fields
+    only, so this reads them from the same variables and TOML keys as the broker's BrokerSettings
     (which a library may not import: services import libs, never the other way round)."""
 
     pod_image: str = DEFAULT_POD_IMAGE
+    pod_nats_url: str = ""  # where a pod reaches this cluster's NATS: checked for reachability over TLS when set
 
 
 @dataclass(frozen=True)
@@ -155,10 +164,71 @@ def _is_release(image: str, name: str) -> bool:
         return False
 
 
-def check(args: argparse.Namespace) -> int:
-    """Run `coderai pods check`: one line per image, the exit status of the module's docstring."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_endpoint(url: str, ca_pem: str, timeout: float) -> list[tuple[str, bool, str]]:
+    """Whether a pod can reach the cluster's NATS at `url` (each server of a comma-separated list) the way a pod's
+    worker connects: TLS first (nats-server's handshake_first), the server's certificate signed by `ca_pem` (the CA a
+    pod is handed and pins), then the server's INFO. Nothing is rented and nothing logs in: a TCP connection and a
+    TLS handshake, from this machine. (server, ok, what) per server; plain text is ok only on loopback (a test or
+    one box), since a pod would send its login in clear."""
+    import socket
+    import ssl
+
+    from coderai.runtime.tls import client_context
+
+    out = []
+    for server in [u.strip() for u in url.split(",") if u.strip()]:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        host, port = parts.hostname or "", parts.port or 4222
+        name = f"{host}:{port}"
+        try:
+            raw = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            out.append((name, False, f"unreachable from here: {type(exc).__name__}: {exc}"))
+            continue
+        with raw:
+            raw.settimeout(timeout)
+            try:
+                with client_context(ca_pem).wrap_socket(raw, server_hostname=host or None) as tls:
+                    info = tls.recv(4096)
+            except ssl.SSLCertVerificationError as exc:
+                out.append((name, False, f"TLS, but its certificate is not signed by this cluster's CA ({exc.verify_message})"))
+                continue
+            except (ssl.SSLError, OSError):
+                info = b""
+            if info.startswith(b"INFO "):
+                out.append((name, True, "TLS, certificate of this cluster's CA" if ca_pem else
+                            "TLS (its certificate not checked: give --ca, the CA pods pin)"))
+                continue
+        plain = _plain_info(host, port, timeout)
+        if plain and host in LOOPBACK:
+            out.append((name, True, "plain text on loopback (a pod elsewhere needs TLS: docs/pods.md)"))
+        elif plain:
+            out.append((name, False, "plain text: a pod would send its login in clear (start NATS with TLS: docs/pods.md)"))
+        else:
+            out.append((name, False, "answers, but not as NATS"))
+    return out
+
+
+def _plain_info(host: str, port: int, timeout: float) -> bool:
+    import socket
+
     try:
-        pod_image = load_settings(_BrokerImage, "pod-broker").pod_image
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            return s.recv(4096).startswith(b"INFO ")
+    except OSError:
+        return False
+
+
+def check(args: argparse.Namespace) -> int:
+    """Run `coderai pods check`: one line per image, one per NATS server pods connect to (when set), the exit status
+    of the module's docstring."""
+    try:
+        broker = load_settings(_BrokerImage, "pod-broker")
+        pod_image = broker.pod_image
         wanted, problems = images_to_check(pod_image, args.models_file or "")
         refs = [(w, parse_image_ref(w.image)) for w in wanted]
     except (SettingsError, ImageRefError) as exc:
@@ -175,6 +245,16 @@ def check(args: argparse.Namespace) -> int:
             said = {"found": f"found {out.digest or '(the registry gave no digest)'}",
                     "skipped": f"skipped: {out.detail}"}.get(out.status, f"{out.status}: {out.detail}")
             print(f"{w.image} ({', '.join(w.sources)}): {said}")
+    endpoint = args.pod_nats_url or broker.pod_nats_url
+    if endpoint:
+        try:
+            ca = ca_text(args.ca or os.environ.get("CODERAI_NATS_CA", ""))
+        except OSError as exc:
+            print(f"coderai pods check: cannot read the CA: {exc}", file=sys.stderr)
+            return 2
+        for server, ok, what in check_endpoint(endpoint, ca, args.timeout):
+            failed |= not ok
+            print(f"pods' NATS {server}: {what}")
     return 1 if failed else 0
 
 
@@ -188,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--registry-url", help="ask this registry base URL (http://host:port) for every image, "
                                           "instead of each image's own registry (a mirror, or a test server)")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
+    c.add_argument("--pod-nats-url", default="", help="where pods reach this cluster's NATS (default: the broker's "
+                                                      "pod_nats_url): checked to answer TLS with a certificate of --ca")
+    c.add_argument("--ca", default="", help="the cluster's CA, PEM or a file (default CODERAI_NATS_CA): the one pods pin")
     args = ap.parse_args(argv)
     if args.cmd != "check":
         ap.print_help(sys.stderr)

@@ -260,3 +260,33 @@ def test_coderai_pods_check_is_a_command(registry, capsys, monkeypatch):
     assert coderai_main(["pods", "check", "--registry-url", registry.url]) == 0
     assert "found" in capsys.readouterr().out
     assert coderai_main(["pods"]) == 2, "no subcommand: usage"
+
+
+def test_the_pods_nats_endpoint_is_checked_for_tls_with_the_clusters_ca(registry, capsys, monkeypatch, tmp_path):
+    """The endpoint pods connect to answers TLS with a certificate of the CA pods pin; another CA, a closed port or
+    plain text beyond loopback fail (exit 1). Nothing logs in."""
+    from coderai.runtime.embedded import NatsServer, free_port
+    from coderai.runtime.tls import ensure_certs
+
+    monkeypatch.setenv("CODERAI_POD_BROKER_POD_IMAGE", FOUND)
+    certs, stranger = ensure_certs(tmp_path / "certs"), ensure_certs(tmp_path / "other")
+    with NatsServer(tmp_path / "tls", port=free_port(), tls=certs).start() as nats, \
+            NatsServer(tmp_path / "plain", port=free_port()).start() as plain:
+        tls_url = f"tls://127.0.0.1:{nats.port}"
+        monkeypatch.setenv("CODERAI_POD_BROKER_POD_NATS_URL", tls_url)
+        rc, out, _ = _check(capsys, "--registry-url", registry.url, "--ca", str(certs.ca))
+        assert rc == 0, out
+        assert f"pods' NATS 127.0.0.1:{nats.port}: TLS, certificate of this cluster's CA" in out
+
+        rc, out, _ = _check(capsys, "--registry-url", registry.url, "--ca", str(stranger.ca))
+        assert rc == 1 and "not signed by this cluster's CA" in out
+
+        closed = _closed_port()
+        rc, out, _ = _check(capsys, "--registry-url", registry.url, "--ca", str(certs.ca), "--timeout", "5",
+                            "--pod-nats-url", f"{tls_url},nats://127.0.0.1:{closed}")
+        assert rc == 1 and f"pods' NATS 127.0.0.1:{closed}: unreachable from here" in out
+        assert f"pods' NATS 127.0.0.1:{nats.port}: TLS" in out  # every server of the list is asked
+
+        rc, out, _ = _check(capsys, "--registry-url", registry.url, "--pod-nats-url", f"nats://127.0.0.1:{plain.port}")
+        assert rc == 0 and "plain text on loopback" in out
+    assert pods_cli.check_endpoint(f"nats://127.0.0.1:{closed}", "", 2)[0][1] is False
