@@ -36,6 +36,8 @@ def render(cluster: dict) -> str:
                          f"renewed {lead.get('age_s', 0):.1f} s ago)")
         else:
             lines.append(f"  {lead['role']:<11} nobody: no head holds the lease")
+    if cluster.get("heads"):
+        lines.append(f"heads: {', '.join(cluster['heads'])}")
     nodes = cluster.get("nodes", [])
     lines.append(f"nodes: {len(nodes)}")
     for n in nodes:

@@ -222,6 +222,9 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     c, lab = cluster, cluster.lab
     leaders = c.leaders("h2")
     assert leaders["scheduler"]["holder"] == "h1" and leaders["pod-broker"]["holder"] == "h1", leaders
+    assert sorted(c.get("h3", "/admin/cluster")["heads"]) == sorted(f"nats://{lab[h].ip}:4222" for h in HEADS)
+    status = lab.run("h1", [sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(c.root / "h1")], env=c.env)
+    assert status.returncode == 0 and f"heads: nats://{lab['h1'].ip}:4222" in status.stdout, status.stdout + status.stderr
     made = httpx.post(f"{c.base('h2')}/admin/keys", headers={"Authorization": f"Bearer {c.admin}"}, timeout=30,
                       json={"name": "loader", "budget_usd": 100.0, "budget_period": "day"})
     assert made.status_code == 201, made.text

@@ -9,6 +9,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
+from coderai import heads
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
 from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, Subject, check_token
@@ -64,8 +65,12 @@ class NodesController(AdminController):
                            code="bus_unavailable", headers={"Retry-After": str(self.gw.settings.retry_after_s)}) from None
         nodes = [{"node_id": hb.node_id, "pod": hb.pod, "models": sorted({e.model for e in hb.engines}),
                   "in_flight": sum(e.in_flight for e in hb.engines)} for hb in self.gw.copies.live()]
+        try:  # several heads (docs/ha.md): each as it recorded itself; none with one head
+            urls = await heads.client_urls(self.gw.bus)
+        except Exception:  # noqa: BLE001 - the heads' bucket not answering leaves the rest of the answer useful
+            urls = []
         return json_response({"object": "cluster", "leaders": [msgspec.to_builtins(i) for i in held],
-                              "nodes": sorted(nodes, key=lambda n: n["node_id"])})
+                              "nodes": sorted(nodes, key=lambda n: n["node_id"]), "heads": urls})
 
     @get("/splits")
     async def splits(self) -> Response:
