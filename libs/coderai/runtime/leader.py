@@ -87,10 +87,17 @@ class Leader:
         while True:
             sent = time.monotonic()
             try:
-                kv = await self.bus.kv(self.spec)
                 # bounded by one round: a write sent while the bucket's stream elects a new leader (its last one on a
-                # dead head) gets no answer, and waiting out the client's 5 s would push the next try that far
-                await asyncio.wait_for(self._renew(kv, sent) if self.token else self._try_win(kv, sent), self.renew_s)
+                # dead head) gets no answer, and waiting out the client's 5 s would push the next try that far; and a
+                # holder's by what is left of its lease, so a renewal that hangs (cut off) never keeps it acting
+                # past the moment it must stop
+                limit = self.renew_s
+                if self.held:
+                    limit = max(0.01, min(limit, self._valid_until - time.monotonic()))
+                deadline = time.monotonic() + limit
+                kv = await asyncio.wait_for(self.bus.kv(self.spec), limit)
+                await asyncio.wait_for(self._renew(kv, sent) if self.token else self._try_win(kv, sent),
+                                       max(0.01, deadline - time.monotonic()))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the bus is down or slow: `held` lapses by itself if it lasts
