@@ -63,15 +63,19 @@ input EnvironmentVariableInput {{ key: String! value: String! }}
 input PodFindAndDeployOnDemandInput {{ {_DEPLOY_FIELDS} }}
 input PodRentInterruptableInput {{ bidPerGpu: Float! {_DEPLOY_FIELDS} }}
 input PodStopInput {{ podId: String! incrementVersion: Boolean }}
-input PodResumeInput {{ podId: String! gpuCount: Int }}
+input PodResumeInput {{ podId: String! gpuCount: Int allowedCudaVersions: [String] }}
 input PodTerminateInput {{ podId: String! }}
-type LowestPrice {{ minimumBidPrice: Float uninterruptablePrice: Float stockStatus: String gpuTypeId: String }}
+type LowestPrice {{ minimumBidPrice: Float uninterruptablePrice: Float stockStatus: String gpuTypeId: String
+  availableGpuCounts: [Int] }}
 type GpuType {{ id: String! displayName: String memoryInGb: Int maxGpuCount: Int manufacturer: String
   cudaCores: Int secureCloud: Boolean communityCloud: Boolean securePrice: Float communityPrice: Float
   oneWeekPrice: Float oneMonthPrice: Float threeMonthPrice: Float secureSpotPrice: Float communitySpotPrice: Float
   lowestPrice(input: GpuLowestPriceInput): LowestPrice }}
 type PodRuntimePorts {{ ip: String isIpPublic: Boolean privatePort: Int publicPort: Int type: String }}
-type PodRuntime {{ uptimeInSeconds: Int ports: [PodRuntimePorts] }}
+type PodRuntimeGpus {{ id: String gpuUtilPercent: Int memoryUtilPercent: Int }}
+type PodRuntimeContainer {{ cpuPercent: Int memoryPercent: Int }}
+type PodRuntime {{ uptimeInSeconds: Int ports: [PodRuntimePorts] gpus: [PodRuntimeGpus]
+  container: PodRuntimeContainer }}
 type PodMachineInfo {{ podHostId: String gpuDisplayName: String gpuTypeId: String }}
 type Pod {{ id: String! name: String desiredStatus: PodStatus imageName: String env: [String] machineId: String
   costPerHr: Float gpuCount: Int podType: PodType containerDiskInGb: Int volumeInGb: Int volumeMountPath: String
@@ -356,7 +360,8 @@ class FakeRunPod:
 
         def lowest(_info, input=None):  # prices stay per GPU-hour whatever gpuCount asks
             return {"minimumBidPrice": g.spot_price_hr, "uninterruptablePrice": g.price_hr,
-                    "stockStatus": stock, "gpuTypeId": g.id}
+                    "stockStatus": stock, "gpuTypeId": g.id,
+                    "availableGpuCounts": list(range(1, g.max_gpu_count + 1)) if g.capacity > 0 else []}
         return {"id": g.id, "displayName": g.display_name, "memoryInGb": g.memory_gb, "maxGpuCount": g.max_gpu_count,
                 "manufacturer": "Nvidia", "cudaCores": 0, "secureCloud": True, "communityCloud": True,
                 "securePrice": g.price_hr, "communityPrice": g.price_hr, "secureSpotPrice": g.spot_price_hr,
@@ -379,7 +384,10 @@ class FakeRunPod:
                 "env": [f"{k}={v}" for k, v in pod.env.items()], "machineId": f"m-{pod.id}",
                 "costPerHr": pod.rate_hr, "gpuCount": pod.gpu_count,
                 "podType": "INTERRUPTABLE" if pod.spot else "RESERVED", "uptimeSeconds": up or 0,
-                "runtime": None if up is None else {"uptimeInSeconds": up, "ports": []},
+                "runtime": None if up is None else {
+                    "uptimeInSeconds": up, "ports": [], "container": {"cpuPercent": 0, "memoryPercent": 0},
+                    "gpus": [{"id": f"GPU-{pod.id}-{i}", "gpuUtilPercent": 0, "memoryUtilPercent": 0}
+                             for i in range(pod.gpu_count)]},
                 "machine": {"podHostId": f"{pod.id}-fake", "gpuTypeId": pod.gpu_type_id,
                             "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name},
                 **{k: pod.spec.get(k) for k in _ECHOED}}
