@@ -12,7 +12,10 @@ The failover times are printed (`-s`): they are the figures in docs/ha.md."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -79,6 +82,25 @@ class Cluster:
 
     def leaders(self, name: str) -> dict[str, dict]:
         return {x["role"]: x for x in self.get(name, "/admin/cluster")["leaders"]}
+
+    def lead_from(self, target: str, roles: tuple[str, ...] = ("scheduler", "pod-broker")) -> None:
+        """Have `target` hold `roles`' leases: SIGTERM the process that holds one elsewhere (it steps down, its
+        supervisor starts it again as a standby) until `target`'s candidate wins. Which head wins first is a race
+        between heads that start together; the test wants the one with the Redis master and the workers' joins."""
+        modules = {"scheduler": "coderai.scheduler", "pod-broker": "coderai.pod_broker"}
+        for _ in range(20):
+            held = self.leaders(target)
+            elsewhere = {r: held[r].get("holder", "") for r in roles if held[r].get("holder") != target}
+            if not elsewhere:
+                return
+            for role, holder in elsewhere.items():
+                for pid in self.lab.pids(holder) if holder else []:
+                    with contextlib.suppress(OSError):
+                        if modules[role].encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: all(self.leaders(target)[r].get("holder") not in ("", h) for r, h in elsewhere.items()),
+                       30, f"{', '.join(elsewhere)} led again after a step-down")
+        raise AssertionError(f"{target} did not come to lead {roles}")
 
     def nats_url(self, name: str) -> str:
         from coderai.runtime.cluster import with_user
@@ -220,6 +242,7 @@ def _usage(cluster: Cluster, via: str) -> int:
 
 def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     c, lab = cluster, cluster.lab
+    c.lead_from("h1")  # the first head: its Redis is the master, and the workers joined through it
     leaders = c.leaders("h2")
     assert leaders["scheduler"]["holder"] == "h1" and leaders["pod-broker"]["holder"] == "h1", leaders
     assert sorted(c.get("h3", "/admin/cluster")["heads"]) == sorted(f"nats://{lab[h].ip}:4222" for h in HEADS)
@@ -336,7 +359,10 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
         assert stopped_at - cut_wall < LEADER_TTL_S * 1.25, "it led on past the lease's TTL"
         assert stopped_at < new["since"], "the old leader was still acting when the new one started"
         placed = wait_until(lambda: asyncio.run(c.buckets(others[1]))[0], 30, "the assignments, read on a survivor")
-        assert placed == {"w1": [MODEL], "w2": [MODEL]}, placed  # nothing placed twice
+        # nothing placed twice: a worker whose connection went through the cut-off head is silent until its client
+        # notices (pings) and reconnects elsewhere, and may lose its copy meanwhile, but no node gets a second one
+        assert all(len(models) == len(set(models)) for models in placed.values()), placed
+        assert sum(MODEL in models for models in placed.values()) <= 2, placed
         assert c.fake.pods() == []  # no demand for a pod: neither broker, the cut-off one or the new, rented one
     finally:
         lab.heal(holder)
@@ -345,5 +371,5 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
                60, "every head to agree on one leader")
     after = c.leaders(holder)["scheduler"]
     assert after["token"] >= new["token"]  # the one elected in the partition, or one after it: never the cut-off one's
-    assert wait_until(lambda: asyncio.run(c.buckets(holder))[0], 30, "the assignments, read on the healed head") == {
-        "w1": [MODEL], "w2": [MODEL]}
+    wait_until(lambda: asyncio.run(c.buckets(holder))[0] == {"w1": [MODEL], "w2": [MODEL]}, 60,
+               "both workers to hold the model again, read on the healed head")
