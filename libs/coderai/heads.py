@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
 import json
 import os
 import sys
@@ -137,30 +135,9 @@ def _private(path: Path, data: bytes) -> None:
 def head_certificate(ca_pem: str, ca_key_pem: str, address: str) -> tuple[str, str]:
     """(certificate, key) PEM for a head at `address`, signed by the heads' CA: for its clients (TLS beyond loopback)
     and for its routes to the other heads (client auth both ways)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from coderai.runtime.tls import issue
 
-    ca = x509.load_pem_x509_certificate(ca_pem.encode())
-    ca_key = serialization.load_pem_private_key(ca_key_pem.encode(), password=None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    alt: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    try:
-        alt.append(x509.IPAddress(ipaddress.ip_address(address)))
-    except ValueError:
-        alt.append(x509.DNSName(address))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "coderai-nats")]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return cert.public_bytes(pem).decode(), key_pem.decode()
+    return issue(ca_pem, ca_key_pem, [address])
 
 
 def install(data: Path, invite: Invite) -> None:

@@ -49,7 +49,7 @@ def ensure_certs(folder: Path, names: list[str] | None = None) -> TlsFiles:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -63,21 +63,7 @@ def ensure_certs(folder: Path, names: list[str] | None = None) -> TlsFiles:
                                        key_encipherment=False, data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    alt: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    for n in [socket.gethostname(), *(names or [])]:
-        try:
-            alt.append(x509.IPAddress(ipaddress.ip_address(n)))
-        except ValueError:
-            alt.append(x509.DNSName(n))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "coderai-nats")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            # client auth too: a head's route to another head presents this certificate (runtime/embedded.Routes)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert, key = _leaf(ca, ca_key, [socket.gethostname(), *(names or [])])
     pem = serialization.Encoding.PEM
     private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8, encryption_algorithm=serialization.NoEncryption())
     _write(folder / "ca-key.pem", ca_key.private_bytes(**private), 0o600)
@@ -85,6 +71,44 @@ def ensure_certs(folder: Path, names: list[str] | None = None) -> TlsFiles:
     _write(files.cert, cert.public_bytes(pem), 0o644)
     _write(files.ca, ca.public_bytes(pem), 0o644)
     return files
+
+
+def _leaf(ca, ca_key, names: list[str]):
+    """(certificate, key) of a server signed by `ca`: for localhost, 127.0.0.1 and `names` (addresses or DNS
+    names), for server and client use (a head's route to another head presents it: runtime/embedded.Routes)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = ec.generate_private_key(ec.SECP256R1())
+    alt: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    for n in names:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            alt.append(x509.DNSName(n))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "coderai-nats")]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return cert, key
+
+
+def issue(ca_pem: str, ca_key_pem: str, names: list[str]) -> tuple[str, str]:
+    """(certificate, key) PEM for another head at `names`, signed by the heads' CA (its PEM and key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = _leaf(x509.load_pem_x509_certificate(ca_pem.encode()),
+                      serialization.load_pem_private_key(ca_key_pem.encode(), password=None), names)
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert.public_bytes(pem).decode(), key_pem.decode()
 
 
 def client_context(ca_pem: str = "") -> ssl.SSLContext:
