@@ -13,12 +13,19 @@ jitter. A create is different: once the request may have reached RunPod (a read 
 connection) the pod may exist and be billing, so `create_pod` never retries past that point and raises
 `CreateUncertain` instead. The caller then looks for the pod with `find_by_name(name)` (use unique names) and
 either adopts it or creates again.
+
+A call that still fails retryably after its retries means RunPod's API is down for us: the client keeps that as
+`outage` (since when, the last failure, the first error), logged once when it starts and once when RunPod answers
+again, so its user can stop asking and say why (the broker refuses to rent at once while it lasts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import random
+import time
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -26,6 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 DEFAULT_BASE_URL = "https://api.runpod.io"
+log = logging.getLogger("coderai.pod_broker.runpod")
 T = TypeVar("T")
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -75,6 +83,16 @@ class CreateUncertain(RunPodError):
     def __init__(self, message: str, *, name: str) -> None:
         super().__init__(message, retryable=False, maybe_applied=True)
         self.name = name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outage:
+    """RunPod's API failing every call (unreachable, timing out, 5xx, rate limiting) after its retries: `since` the
+    first such call, `last` the latest, `error` the first one's message."""
+
+    since: float
+    last: float
+    error: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +173,7 @@ class RunPodClient:
         self.attempts = attempts
         self.base_delay_s = base_delay_s
         self.sleep = sleep
+        self.outage: Outage | None = None  # RunPod failing for us now; None while it answers
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s), transport=transport,
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "coderai-pod-broker"})
@@ -197,8 +216,30 @@ class RunPodClient:
         return body["data"]
 
     async def _call(self, query: str, variables: dict[str, Any] | None = None, **retry: Any) -> dict[str, Any]:
-        return await with_retry(lambda: self.execute(query, variables), attempts=self.attempts,
-                                base_delay_s=self.base_delay_s, sleep=self.sleep, **retry)
+        try:
+            data = await with_retry(lambda: self.execute(query, variables), attempts=self.attempts,
+                                    base_delay_s=self.base_delay_s, sleep=self.sleep, **retry)
+        except RunPodError as exc:
+            if exc.retryable:
+                self._failing(exc)
+            else:  # RunPod answered (a GraphQL error, a refused key): it is up
+                self._answered()
+            raise
+        self._answered()
+        return data
+
+    def _failing(self, exc: RunPodError) -> None:
+        now = time.time()
+        if self.outage is None:
+            log.warning("RunPod's API is failing: %s; said once, until it answers again", exc.message)
+            self.outage = Outage(since=now, last=now, error=exc.message)
+        else:
+            self.outage = dataclasses.replace(self.outage, last=now)
+
+    def _answered(self) -> None:
+        if self.outage is not None:
+            log.warning("RunPod's API answers again, after %.0f s of failures", time.time() - self.outage.since)
+            self.outage = None
 
     async def gpu_types(self, gpu_count: int = 1, gpu_type_id: str | None = None) -> list[GpuType]:
         """Card types (or the one named) with their lowest on-demand and spot prices per GPU-hour, and whether

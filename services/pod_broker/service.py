@@ -10,6 +10,11 @@ creation to termination into the ledger (`accounts/pod_money.py`), journalled fi
 round first books back what Redis lacks of it (all of it, if Redis was emptied or replaced), and a running pod
 whose reservation Redis lost is reserved again from its creation, under the same caps.
 
+A spot pod RunPod takes back (it stops it: EXITED) is `preempted`, not crashed: booked to its last heartbeat, since
+RunPod stopped billing it then, and replaced only as any ended pod is, by a warm floor or the next request. While
+RunPod's API fails (the client's `outage`), renting is refused at once, so a request falls back to a busy engine or
+gets its 503 without waiting out RunPod's retries; local serving never waits on RunPod.
+
 Run one broker per cluster: the reconcile loop is not shared between replicas.
 """
 
@@ -58,6 +63,7 @@ log = logging.getLogger("coderai.pod_broker")
 
 LIVE = ("creating", "booting", "ready")
 MB = 1024 * 1024
+DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
 
 
 class Broker:
@@ -154,7 +160,14 @@ class Broker:
         pods = [self._with_live_cost(p, now) for p in sorted(self.pods.values(), key=lambda p: p.created_at)]
         spent = await self.money.ledger_total_usd() if self.money is not None else 0.0
         return BrokerStatus(configured=self.configured, pods=pods, spent_usd=spent,
-                            why="" if self.configured else self._why_off())
+                            why="" if self.configured else self._why_off(), outage=self._outage())
+
+    def _outage(self) -> str:
+        down = self.api.outage if self.api is not None else None
+        if down is None:
+            return ""
+        since = time.strftime("%H:%M:%S UTC", time.gmtime(down.since))
+        return f"RunPod's API has been failing since {since} ({down.error}); no pod is rented until it answers"
 
     @staticmethod
     def _with_live_cost(p: PodInfo, now: float) -> PodInfo:
@@ -195,6 +208,9 @@ class Broker:
 
         if not self.configured:
             raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._why_off()}")
+        down = self.api.outage
+        if down is not None and time.time() - down.last < DOWN_RETRY_S:
+            raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._outage()}", retryable=True)
         s = self.settings
         try:
             offers = [choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr, g.spot_price_hr)
@@ -215,8 +231,8 @@ class Broker:
             except OverBudget as exc:
                 raise BusError("over_budget", str(exc)) from None
             info = await self._save(PodInfo(name=name, model=m.name, state="creating", gpu_type=offer.id,
-                                            gpu_count=m.pod.gpu_count, hourly_usd=rate, created_at=now,
-                                            reserved_usd=reservation.amount_usd))
+                                            gpu_count=m.pod.gpu_count, spot=m.pod.spot, hourly_usd=rate,
+                                            created_at=now, reserved_usd=reservation.amount_usd))
             t0 = time.time()
             try:
                 rec = await self._create_once(m, name, offer)
@@ -322,7 +338,7 @@ class Broker:
                     continue
             elif p.state == "ready":
                 if hb is None:
-                    await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
+                    await self._lost(p, seen[0] if seen else None)
                     continue
                 if hb.in_flight > 0:
                     p = await self._save(msgspec.structs.replace(p, last_busy_at=now))
@@ -334,6 +350,30 @@ class Broker:
         if now - self._last_orphan_scan >= self.settings.orphan_scan_s:
             self._last_orphan_scan = now
             await self.reap_orphans()
+
+    async def _lost(self, p: PodInfo, last_seen: float | None) -> None:
+        """A ready pod's worker stopped heartbeating (`last_seen`: the monotonic time of its last heartbeat). A spot
+        pod RunPod shows stopped was preempted: RunPod took its GPU back and stopped billing it, so it is booked to
+        its last heartbeat, not to now. Anything else crashed. Either way it is terminated (a stopped pod would keep
+        billing its volume) and nothing replaces it here: this round's floors, or the next request's escalation,
+        rent another if the policy still asks for one."""
+        if p.spot and await self._stopped_at_runpod(p):
+            last = time.time() - (time.monotonic() - last_seen) if last_seen is not None else None
+            log.warning("spot pod %s of %s was preempted by RunPod; another is rented only for a warm floor or a "
+                        "request", p.name, p.model)
+            await self.end(p, "preempted", "preempted: RunPod took the spot pod's GPU back", billed_until=last)
+        else:
+            await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
+
+    async def _stopped_at_runpod(self, p: PodInfo) -> bool:
+        """RunPod stopped the pod (desiredStatus EXITED): only RunPod or its user stop one, a dead container does not
+        (RunPod restarts it). Unknown while RunPod's API fails: then it counts as a crash."""
+        from coderai.pod_broker.runpod_api import RunPodError
+
+        with contextlib.suppress(RunPodError):
+            rec = await self.api.get_pod(p.pod_id)
+            return rec is not None and rec.status == "EXITED"
+        return False
 
     async def _idle(self, p: PodInfo, now: float) -> bool:
         try:
@@ -388,8 +428,9 @@ class Broker:
                         self._unfilled[m.name] = exc.message
                         log.warning("warm floor for %s not filled: %s", m.name, exc.message)
 
-    async def end(self, p: PodInfo, state: str, reason: str) -> PodInfo:
-        """Terminate the pod (retried) and bill it from creation to now, boot included."""
+    async def end(self, p: PodInfo, state: str, reason: str, billed_until: float | None = None) -> PodInfo:
+        """Terminate the pod (retried) and bill it from creation to now, boot included, or to `billed_until` when
+        RunPod stopped billing it before (a preempted spot pod)."""
         from coderai.pod_broker.runpod_api import RunPodError
 
         p = await self._save(msgspec.structs.replace(p, state="stopping"))
@@ -399,19 +440,22 @@ class Broker:
         except RunPodError as exc:
             log.warning("terminating %s failed (%s); the orphan reaper retries", p.name, exc)
         end = (t0 + time.time()) / 2  # billing stops somewhere inside the call, as it started inside the create
+        if billed_until is not None:
+            end = max(p.created_at, min(end, billed_until))
         with contextlib.suppress(BusError):  # its credentials end with it (else with their ttl)
             await self.bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id=p.name, forget=True), timeout=5.0)
         entry = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end, end)
         usd = entry.usd if entry is not None else p.cost_usd  # None: booked already (a retried end)
         p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]
-                                                     error=reason if state == "failed" else ""))
+                                                     error="" if state == "terminated" else reason))
         log.info("pod %s %s (%s): %.0fs, $%.6f", p.name, state, reason, end - p.created_at, usd)
         await self._event("stopped", p, reason=reason)
         await self._event("billed", p, seconds=end - p.created_at, usd=usd)
         return p
 
     async def reap_orphans(self) -> list[str]:
-        """Terminate (and bill) pods named for this deployment that no live record tracks."""
+        """Terminate (and bill) pods named for this deployment that no live record tracks. A tracked spot pod RunPod
+        stopped while it booted (it never heartbeated) was preempted: ended here, billed until now."""
         prefix = choosing.name_prefix(self.settings.deployment)
         if self.api is None:
             return []
@@ -423,7 +467,10 @@ class Broker:
         reaped = []
         for rec in listed:
             tracked = self.pods.get(rec.name)
-            if not rec.name.startswith(prefix) or getattr(rec, "desired_status", "") == "TERMINATED":
+            if tracked is not None and tracked.state == "booting" and tracked.spot and rec.status == "EXITED":
+                await self.end(tracked, "preempted", "preempted while booting: RunPod took the spot pod's GPU back")
+                continue
+            if not rec.name.startswith(prefix) or rec.status == "TERMINATED":
                 continue
             if tracked is not None and tracked.state in LIVE + ("stopping",):
                 continue
@@ -431,11 +478,11 @@ class Broker:
             if tracked is not None:  # billed already; its terminate had failed
                 with contextlib.suppress(Exception):
                     await self.api.terminate_pod(rec.id)
-            else:  # nobody knew of it: bill what it ran, as far as RunPod says
+            else:  # nobody knew of it: bill what it ran, as far as RunPod says (no runtime: stopped, or booting)
                 now = time.time()
-                await self.end(PodInfo(name=rec.name, model="", state="ready", pod_id=rec.id,
-                                       gpu_type=getattr(rec, "gpu_type", ""), hourly_usd=getattr(rec, "cost_per_hr", 0.0),
-                                       created_at=now - getattr(rec, "uptime_s", 0.0)), "terminated", "orphan")
+                await self.end(PodInfo(name=rec.name, model="", state="ready", pod_id=rec.id, spot=rec.spot,
+                                       gpu_type=rec.gpu_type_id or "", hourly_usd=rec.cost_per_hr,
+                                       created_at=now - (rec.uptime_s or 0)), "terminated", "orphan")
             reaped.append(rec.name)
         return reaped
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines import available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
@@ -86,3 +88,12 @@ def test_has_everything_the_worker_asks_of_an_engine():
     eng = _engine()
     assert eng.stats() == {}
     eng.close()
+
+
+def test_token_delay_paces_each_token_in_threads_side_by_side():
+    eng = _engine(reply="w", token_delay_s=0.01)
+    assert (eng.blocking, eng.max_concurrency) == (True, 8)
+    assert (_engine().blocking, _engine().max_concurrency) == (False, 1)
+    times: list[float] = []
+    eng.chat(_chat(max_tokens=5, stream=True), CancelFlag(), lambda *_: times.append(time.monotonic()))
+    assert len(times) == 7 and times[-1] - times[0] >= 0.05  # the role, 5 tokens 10 ms apart, the finish

@@ -2,13 +2,17 @@
 this stack's NATS (auth on, each pod with a user of its own that ends with it) with their model.
 
 One stack: `home` lives on node w1 and bursts when busy; `big` fits no node and bursts when it does not fit;
-`stay` never bursts; `capped` has a budget too small for any pod. The pod-broker reconciles every half second,
-reaps idle pods after 3 s and scans for orphans every 2 s."""
+`stay` never bursts; `capped` has a budget too small for any pod; `spot` (the echo engine, paced like a model)
+fits no node and bursts to spot pods; `quick` (echo, paced) lives on w1 and bursts when busy. The pod-broker
+reconciles every half second, reaps idle pods after 3 s and scans for orphans every 2 s; pods heartbeat every
+half second."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 import uuid
 
 import httpx
@@ -45,12 +49,19 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
         {"name": "stay", "engine": "llama", "path": gguf, "nodes": ["nowhere"]},
         {"name": "capped", "engine": "llama", "path": gguf, "nodes": ["nowhere"],
          "pod": {"burst": "when_no_fit", "budget_usd": 0.0001, "period": "day"}},
+        {"name": "spot", "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}, "nodes": ["nowhere"],
+         "pod": {"burst": "when_no_fit", "spot": True, "idle_timeout_s": 600, "max_hourly_usd": 1.0}},
+        {"name": "quick", "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}, "nodes": ["w1"],
+         "pod": {"burst": "when_busy", "busy_in_flight": 1, "max_hourly_usd": 1.0}},
     ]
     deployment = "t" + uuid.uuid4().hex[:6]
-    fake = FakeRunPod(launch=worker_pods(root / "pods")).start()
+    pod = worker_pods(root / "pods")
+    fake = FakeRunPod(launch=lambda env: pod({**env, "CODERAI_WORKER_FAMILIES": "llama,echo",
+                                              "CODERAI_WORKER_HEARTBEAT_S": "0.5"})).start()
     nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
     prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
     stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",
+                                                             "CODERAI_WORKER_FAMILIES": "llama,echo",
                                                              "CODERAI_POD_LEDGER_PREFIX": prefix})
     stack.nats = nats
     try:
@@ -92,11 +103,11 @@ def live(stack, model: str) -> list[dict]:
 
 
 def over(stack, fake, pod: dict) -> dict | None:
-    """The broker's record of `pod` once it is over: billed (terminated or failed) and terminated at RunPod; None
-    before. Out of `live` is not over: a `stopping` pod holds its GPU until the broker's terminate lands, and that
-    gives the GPU back to RunPod's stock (undoing a capacity set in between)."""
+    """The broker's record of `pod` once it is over: billed (terminated, failed or preempted) and terminated at
+    RunPod; None before. Out of `live` is not over: a `stopping` pod holds its GPU until the broker's terminate
+    lands, and that gives the GPU back to RunPod's stock (undoing a capacity set in between)."""
     rec = next((p for p in pods(stack) if p["name"] == pod["name"]), None)
-    done = rec is not None and rec["state"] in ("terminated", "failed")
+    done = rec is not None and rec["state"] in ("terminated", "failed", "preempted")
     return rec if done and fake.pod(pod["pod_id"]).status == "TERMINATED" else None
 
 
@@ -259,11 +270,94 @@ def test_an_orphan_named_for_this_deployment_is_terminated(env):
     assert fake.pod(theirs).status != "TERMINATED"
 
 
+def test_a_spot_pod_preempted_mid_stream_ends_the_stream_with_an_error_and_both_pods_are_billed_exactly(env):
+    stack, fake, deployment = env
+    body = {"model": "spot", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, headers=auth(), timeout=90) as r:
+        assert r.status_code == 200
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+        next(e for e in events if e["choices"] and e["choices"][0]["delta"].get("content"))  # the stream is on
+        [first] = live(stack, "spot")
+        assert first["spot"] and first["hourly_usd"] == 0.35 and fake.pod(first["pod_id"]).spot  # the 4090's bid
+        fake.preempt(first["pod_id"])  # RunPod's 5 s warning (SIGTERM), then SIGKILL
+        rest = list(events)  # a read timeout here would be a hang
+    assert "error" in rest[-1] and rest[-1]["error"]["message"], rest[-1]
+    assert sum(1 for e in rest if "choices" in e) < 1000  # cut mid-way, not finished
+    preempted = wait_until(lambda: over(stack, fake, first), 60, "the preemption to be noticed and billed")
+    assert preempted["state"] == "preempted" and "preempted" in preempted["error"]
+
+    # nothing rented a replacement in between: this request does (the router dropped the silent pod's engine
+    # before the broker noticed it: 6 s against 8 s without a heartbeat)
+    r = chat(stack, "spot")
+    assert r.status_code == 200, r.text
+    [second] = live(stack, "spot")
+    assert second["name"] != first["name"] and r.headers["coderai-engine"].startswith(second["name"])
+    end_pods(stack, fake, "spot")  # a crash this time: billed to its termination
+    names = (first["name"], second["name"])
+    booked = {e.pod_id: e for e in asyncio.run(_ledger(stack, deployment)) if e.pod_id in names}
+    assert len(booked) == 2  # each booked, once (the ledger has one entry per pod)
+    for p in (first, second):
+        # RunPod stopped billing the preempted pod when it took it back, a heartbeat (0.5 s) at most after its
+        # last one, to which it is booked; the crashed one is billed to the middle of its terminate call
+        assert booked[p["name"]].usd == pytest.approx(fake.billed_usd(p["pod_id"]), abs=p["hourly_usd"] / 3600)
+
+
+async def _ledger(stack, deployment: str) -> list:
+    import redis.asyncio as aioredis
+
+    from coderai.accounts.pod_money import PodMoney
+
+    r = aioredis.from_url(stack.redis_url)
+    try:
+        return await PodMoney(r, prefix=f"coderai:pods:{deployment}").ledger()
+    finally:
+        await r.aclose()
+
+
+def test_a_runpod_outage_never_slows_local_serving_and_is_said_once(env):
+    stack, fake, _ = env
+    stack.wait_model_ready("quick", headers=auth())
+    pinned = {**auth(), "X-Coderai-Pin": "w1"}  # a pinned request never escalates
+    body = {"model": "quick", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url, log = f"{stack.base_url}/chat/completions", stack.procs["pod-broker"]
+    offset = len(log.log_text())
+    holder = threading.Thread(target=lambda: httpx.post(url, json={**body, "max_tokens": 600}, headers=pinned,
+                                                        timeout=90))
+    holder.start()  # keeps quick busy for 30 s: an unpinned request escalates, and would rent a pod
+    try:
+        wait_until(lambda: any(e["model"] == "quick" and e["in_flight"] for n in _nodes(stack)
+                               for e in n["heartbeat"].get("engines", [])), 30, "quick to be busy")
+        fake.outage(503)
+        wait_until(lambda: httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"], 30,
+                   "the broker to notice RunPod is down")
+        status = httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()
+        assert "RunPod's API has been failing since" in status["outage"] and "503" in status["outage"]
+
+        def took(headers: dict[str, str]) -> float:
+            started = time.monotonic()
+            r = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert r.status_code == 200 and r.headers["coderai-engine"].startswith("w1"), r.text
+            return time.monotonic() - started
+
+        for _ in range(3):  # escalated, refused at once (RunPod is down), served by the busy engine: as fast as pinned
+            assert took(auth()) < took(pinned) + 1.0
+        assert not live(stack, "quick")
+        said = log.log_text()[offset:]
+        assert said.count("RunPod's API is failing") == 1, said[-3000:]  # once, for every request and scan
+    finally:
+        fake.outage(None)
+        holder.join(90)
+    wait_until(lambda: not httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"], 30,
+               "the broker to notice RunPod answers again")
+    assert "RunPod's API answers again" in log.log_text()[offset:]
+
+
 def test_the_ledger_equals_what_runpod_billed_to_the_cent(env):
     stack, fake, _ = env
     for p in live(stack, "big"):
         fake.crash(p["pod_id"])
-    wait_until(lambda: all(p["state"] in ("terminated", "failed") for p in pods(stack)), 60, "every pod to be billed")
+    wait_until(lambda: all(p["state"] in ("terminated", "failed", "preempted") for p in pods(stack)), 60,
+               "every pod to be billed")
     ours = [p for p in fake.pods() if not p.name.startswith("someone")]
     wait_until(lambda: all(p.status == "TERMINATED" for p in ours), 30, "RunPod to have terminated them")
     spend = httpx.get(f"{stack.http_url}/admin/spend", headers=auth(), timeout=10).json()

@@ -192,18 +192,55 @@ def test_a_pods_process_runs_until_terminated(clock):
             os.killpg(proc.pid, 0)
 
 
+def runtime(fake: FakeRunPod, pod_id: str) -> dict:
+    q = f'{{ pod(input: {{podId: "{pod_id}"}}) {{ desiredStatus podType runtime {{ uptimeInSeconds }} }} }}'
+    return post(fake, q).json()["data"]["pod"]
+
+
 @pytest.mark.slow
-def test_crash_and_a_dying_process_show_exited_and_keep_billing(clock):
+def test_crash_and_a_dying_process_lose_the_runtime_stay_desired_running_and_keep_billing(clock):
     with FakeRunPod(now=clock, launch=SLEEPER) as fake:
         pod_id = create(fake, "p")
         proc = fake.wait_booted(pod_id).process
         fake.crash(pod_id)
-        assert proc.poll() is not None and fake.pod(pod_id).status == "EXITED"
+        assert proc.poll() is not None and runtime(fake, pod_id) == {
+            "desiredStatus": "RUNNING", "podType": "RESERVED", "runtime": None}  # nobody stopped it
         clock.t += 5
         assert fake.billed_seconds(pod_id) == 5
     with FakeRunPod(now=clock, launch=python_launcher(["-c", "pass"])) as fake:
         pod_id = create(fake, "q")
-        wait_until(lambda: fake.pod(pod_id).status == "EXITED", 10, "the pod to exit")
+        fake.wait_booted(pod_id)
+        wait_until(lambda: runtime(fake, pod_id)["runtime"] is None, 10, "the pod's process to exit")
+
+
+@pytest.mark.slow
+def test_a_preempted_spot_pod_is_stopped_after_sigterm_and_billed_until_then(clock, tmp_path):
+    ready, got = tmp_path / "ready", tmp_path / "got-sigterm"
+    trap = python_launcher(["-c", f"import pathlib, signal; signal.signal(signal.SIGTERM, lambda *_: "
+                            f"pathlib.Path({str(got)!r}).touch()); pathlib.Path({str(ready)!r}).touch(); "
+                            "signal.pause(); signal.pause()"])
+    with FakeRunPod(now=clock, launch=trap) as fake:
+        q = ('mutation { podRentInterruptable(input: {bidPerGpu: 0.39, name: "s", imageName: "i", '
+             'gpuTypeId: "NVIDIA RTX A6000"}) { id costPerHr podType } }')
+        pod = post(fake, q).json()["data"]["podRentInterruptable"]
+        assert (pod["costPerHr"], pod["podType"]) == (0.39, "INTERRUPTABLE")
+        proc = fake.wait_booted(pod["id"]).process
+        wait_until(ready.exists, 10, "the pod's process to trap SIGTERM")
+        clock.t += 60
+        fake.preempt(pod["id"], warning_s=0.5)
+        assert got.exists() and proc.poll() == -9  # warned with SIGTERM, then killed
+        clock.t += 600
+        assert runtime(fake, pod["id"]) == {"desiredStatus": "EXITED", "podType": "INTERRUPTABLE", "runtime": None}
+        assert fake.billed_seconds(pod["id"]) == 60  # stopped: its GPU is no longer billed
+        with pytest.raises(ValueError, match="on demand"):
+            fake.preempt(create(fake, "on-demand"))
+
+
+def test_an_outage_fails_every_call_until_it_is_lifted(fake):
+    fake.outage(503)
+    assert [post(fake, "{ myself { id } }").status_code for _ in range(3)] == [503] * 3
+    fake.outage(None)
+    assert post(fake, "{ myself { id } }").status_code == 200
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from typing import Literal
 
 from coderai.contracts.base import Message
 
-PodState = Literal["creating", "booting", "ready", "stopping", "terminated", "failed"]
+PodState = Literal["creating", "booting", "ready", "stopping", "terminated", "failed", "preempted"]
 
 
 class BrokerStatusRequest(Message, frozen=True, kw_only=True):
@@ -15,7 +15,7 @@ class BrokerStatusRequest(Message, frozen=True, kw_only=True):
 
 class PodInfo(Message, frozen=True, kw_only=True):
     """A pod the broker rents, as kept in `coderai_pods` (by name). `node_id` is the name: the pod's worker
-    heartbeats under it."""
+    heartbeats under it. `spot`: rented interruptible at the spot bid; `preempted`: RunPod took such a pod back."""
 
     name: str
     model: str
@@ -23,6 +23,7 @@ class PodInfo(Message, frozen=True, kw_only=True):
     pod_id: str = ""
     gpu_type: str = ""
     gpu_count: int = 1
+    spot: bool = False
     hourly_usd: float = 0.0
     created_at: float = 0.0
     ready_at: float = 0.0
@@ -35,12 +36,14 @@ class PodInfo(Message, frozen=True, kw_only=True):
 
 class BrokerStatus(Message, frozen=True, kw_only=True, tag="broker.status", tag_field="t"):
     """`configured`: the broker has all it needs (a RunPod API key, Redis for the ledger, a NATS URL for pods, a
-    global hourly cap), so escalation to pods is possible; else `why` says what is missing."""
+    global hourly cap), so escalation to pods is possible; else `why` says what is missing. `outage`: RunPod's API
+    is failing (since when, and how), so nothing is rented until it answers again; empty while it answers."""
 
     configured: bool
     pods: list[PodInfo] = []
     spent_usd: float = 0.0
     why: str = ""
+    outage: str = ""
 
 
 class EscalateRequest(Message, frozen=True, kw_only=True):

@@ -6,7 +6,12 @@ record that is billed by the second from creation (boot included) to termination
 process started by the `launch(env)` callable the test gives (e.g. an engine worker). What is simplified:
 
 - A stopped pod bills 0 (RunPod bills its volume storage while stopped; we do not model storage).
-- A crashed pod (`crash()`, or its process exiting) shows `EXITED` and keeps billing until stopped or terminated.
+- A crashed pod (`crash()`, or its process exiting) keeps `desiredStatus` RUNNING with a null runtime, and keeps
+  billing until stopped or terminated: `desiredStatus` is what the user (or RunPod) wants, and a dead container does
+  not change it (RunPod restarts it; the fake does not).
+- A spot pod can be preempted (`preempt()`), as RunPod takes the GPU back: stopped (`EXITED`, GPU billing ends), its
+  process SIGTERMed, then SIGKILLed after the warning.
+- `outage()` answers every call with a server error until it is lifted: RunPod's API down.
 - A terminated pod vanishes from `pod` and `myself.pods`, as on RunPod; the fake keeps it for billing.
 - Spot pods are charged the type's spot price; a bid below it is refused.
 - A wrong API key gets HTTP 401 with a GraphQL error body `Unauthorized`.
@@ -200,6 +205,7 @@ class FakeRunPod:
         self._wake = threading.Condition(self._lock)
         self._boots: list[tuple[float, str]] = []
         self._failures: list[int] = []
+        self._outage: int | None = None
         self._never_prefixes: list[str] = []
         self._never_count = 0
         self._closed = False
@@ -257,6 +263,12 @@ class FakeRunPod:
         with self._lock:
             self._failures.extend([status] * n)
 
+    def outage(self, status: int | None = 503) -> None:
+        """Answer every HTTP call with `status` from now on, as RunPod's API does while it is down; None: answer
+        again."""
+        with self._lock:
+            self._outage = status
+
     def never_boot(self, prefix: str | None = None, count: int = 0) -> None:
         """Pods named with `prefix`, and the next `count` pods created, never start (no process, runtime null)."""
         with self._lock:
@@ -270,8 +282,23 @@ class FakeRunPod:
             self.gpu_types[gpu_type_id].capacity = capacity
 
     def crash(self, pod_id: str) -> None:
-        """Kill a running pod's process as a crash would: it shows EXITED and keeps billing."""
-        self._halt(pod_id, "EXITED", keep_billing=True)
+        """Kill a running pod's process as a crash would: it stays desired RUNNING, without a runtime, and keeps
+        billing."""
+        self._halt(pod_id, "RUNNING", keep_billing=True)
+
+    def preempt(self, pod_id: str, warning_s: float = 5.0) -> None:
+        """Interrupt a spot pod as RunPod does when it wants the GPU back, and return once its process is gone.
+
+        RunPod's Pods pricing page ("Spot instances", docs.runpod.io/pods/pricing, runpod/docs pods/pricing.mdx): a
+        spot instance "can be stopped if a higher bid is placed or an on-demand deployment requires the resources",
+        "with only a 5-second warning (SIGTERM signal, followed by SIGKILL)", and "your volume disk is retained".
+        So the pod is stopped, not deleted: `desiredStatus` EXITED, a null runtime, still listed until terminated,
+        and its GPU billing ends now (a stopped pod bills only its volume, which the fake does not model).
+        On-demand pods are never interrupted: preempting one is a test's mistake."""
+        with self._lock:
+            if not self._pods[pod_id].spot:
+                raise ValueError(f"pod {pod_id} is on demand: RunPod interrupts spot pods only")
+        self._halt(pod_id, "EXITED", grace_s=warning_s)
 
     def pod(self, pod_id: str) -> FakePod:
         """The fake's own record of a pod, terminated ones included."""
@@ -312,7 +339,7 @@ class FakeRunPod:
         body = req.rfile.read(int(req.headers.get("Content-Length") or 0))
         with self._lock:
             self.request_count += 1
-            injected = self._failures.pop(0) if self._failures else None
+            injected = self._failures.pop(0) if self._failures else self._outage
         if url.path != "/graphql":
             return self._reply(req, 404, {"errors": [{"message": "Not Found"}]})
         if injected is not None:
@@ -450,8 +477,8 @@ class FakeRunPod:
             kill_process(proc)  # the pod was stopped or terminated while its process started
 
     def _refresh(self, pod: FakePod) -> FakePod:
-        if pod.status == "RUNNING" and pod.process is not None and pod.process.poll() is not None:
-            pod.status, pod.booted_at = "EXITED", None
+        if pod.process is not None and pod.process.poll() is not None:  # its container died: no runtime
+            pod.process, pod.booted_at = None, None
         return pod
 
     def _end_billing(self, pod: FakePod) -> None:
@@ -465,7 +492,7 @@ class FakeRunPod:
             raise GraphQLError(f"Pod {pod_id!r} not found")
         return pod_id
 
-    def _halt(self, pod_id: str, status: str, keep_billing: bool = False) -> FakePod:
+    def _halt(self, pod_id: str, status: str, keep_billing: bool = False, grace_s: float = 5.0) -> FakePod:
         with self._lock:
             pod = self._pods[pod_id]
             proc, pod.process, pod.booted_at, pod.status = pod.process, None, None, status
@@ -473,7 +500,7 @@ class FakeRunPod:
                 self._end_billing(pod)
             if status == "TERMINATED":
                 pod.terminated_at = self.now()
-        kill_process(proc)
+        kill_process(proc, grace_s)
         return pod
 
     def _m_stop(self, _info, input) -> dict:

@@ -10,6 +10,7 @@ every engine (heartbeat stats, ...) has the base class's default here too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,9 @@ class EchoEngine(Engine):
     """Answers with the words of a fixed reply, one word per token.
 
     `max_tokens` set: exactly that many tokens (the reply's words repeated as needed), finish reason
-    `length`. Unset: the reply once, finish reason `stop`. Model params: `reply` replaces the fixed text.
+    `length`. Unset: the reply once, finish reason `stop`. Model params: `reply` replaces the fixed text;
+    `token_delay_s` paces the answer like a model's decoding (that long per token), so a stream lasts long enough
+    for a test to cut it mid-way or to keep an engine busy; such jobs then run in threads, side by side.
     """
 
     family = "echo"
@@ -35,6 +38,9 @@ class EchoEngine(Engine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.words: list[str] = []
+        self.token_delay_s = float(config.params.get("token_delay_s") or 0.0)
+        if self.token_delay_s > 0:  # paced: off the event loop, and not one job after another
+            self.blocking, self.max_concurrency = True, 8
 
     def load(self) -> None:
         text = str(self.config.params.get("reply") or DEFAULT_REPLY)
@@ -42,6 +48,10 @@ class EchoEngine(Engine):
 
     def close(self) -> None:
         self.words = []
+
+    def _pace(self, tokens: int = 1) -> None:
+        if self.token_delay_s:
+            time.sleep(self.token_delay_s * tokens)
 
     def _pieces(self, max_tokens: int | None) -> tuple[list[str], str]:
         words = self.words or DEFAULT_REPLY.split()
@@ -60,10 +70,12 @@ class EchoEngine(Engine):
             for piece in pieces:
                 if cancel:
                     break
+                self._pace()
                 emit({"content": piece}, None, None)
                 sent += 1
             emit(None, None, finish if sent == len(pieces) else "stop")
             return [], _usage(prompt, sent)
+        self._pace(len(pieces))
         text = "".join(pieces)
         n = max(1, job.params.n)
         choices = [Choice(index=i, message={"role": "assistant", "content": text}, finish_reason=finish) for i in range(n)]
@@ -80,10 +92,12 @@ class EchoEngine(Engine):
             for piece in pieces:
                 if cancel:
                     break
+                self._pace()
                 emit(None, piece, None)
                 sent += 1
             emit(None, "", finish if sent == len(pieces) else "stop")
             return [], _usage(prompt, sent)
+        self._pace(len(pieces))
         text = (job.prompt if job.echo else "") + "".join(pieces)
         n = max(1, job.params.n)
         return [Choice(index=i, text=text, finish_reason=finish) for i in range(n)], _usage(prompt, len(pieces) * n)

@@ -29,17 +29,18 @@ class PodsController(AdminController):
 
     @get("/pods")
     async def pods(self) -> Response:
-        """Rented pods with their state and live cost, and what the ledger holds in all; with pods off, why."""
+        """Rented pods with their state and live cost, and what the ledger holds in all; with pods off, why; while
+        RunPod's API fails, since when (`outage`)."""
         try:
             status = await ask(self.gw, CMD_BROKER_STATUS, BrokerStatusRequest())
         except ApiError as err:
             if err.code == "no_engine" and self.gw.bus.connected:  # connected, and nobody serves the subject
                 return json_response({"configured": False, "broker": False, "why": NO_BROKER, "pods": [],
-                                      "spent_usd": 0.0})
+                                      "spent_usd": 0.0, "outage": ""})
             raise
         pods = [{f: getattr(p, f) for f in p.__struct_fields__} for p in status.pods]  # every field, defaults too
         return json_response({"configured": status.configured, "broker": True, "why": status.why, "pods": pods,
-                              "spent_usd": status.spent_usd})
+                              "spent_usd": status.spent_usd, "outage": status.outage})
 
     @post("/pods/lease", status_code=200)
     async def lease(self, request: Request) -> Response:
