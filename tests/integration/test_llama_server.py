@@ -210,9 +210,11 @@ def test_logprobs_are_filled_when_asked(stack):
     content = r.choices[0].logprobs.content
     assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert "".join(t.token for t in content).startswith("Hello")
-    streamed = [t for c in client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0,
-                                                         logprobs=True, stream=True)
-                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert "refusal" in r.choices[0].logprobs.model_fields_set  # OpenAI's schema requires it (null); llama-server omits it
+    chunks = list(client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0, logprobs=True,
+                                                 stream=True))
+    assert all("refusal" in c.choices[0].logprobs.model_fields_set for c in chunks if c.choices and c.choices[0].logprobs)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
     # llama-server lists the end-of-generation token ('') whole, not streamed
     assert [t.token for t in streamed] == [t.token for t in content if t.token]
     plain = client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0)

@@ -166,6 +166,15 @@ class Assembly:
         return out
 
 
+def _logprobs(choice: dict[str, Any]) -> dict | None:
+    """A choice's logprobs as OpenAI's schema has them: a chat choice's always name `refusal` (null here), which
+    llama-server leaves out."""
+    lp = choice.get("logprobs") or None
+    if lp is not None and "content" in lp:
+        lp.setdefault("refusal", None)
+    return lp
+
+
 def _joined_logprobs(have: dict | None, more: dict) -> dict:
     """Two pieces' logprobs as one: every list in them (chat's `content`, completions' `tokens`, ...) joined."""
     if have is None:
@@ -330,7 +339,7 @@ class OpenAIServerEngine(Engine):
         def whole(c: dict[str, Any]) -> Choice:
             msg = {k: v for k, v in c["message"].items() if v is not None}
             return Choice(index=c.get("index", 0), message=msg, finish_reason=_finish(c.get("finish_reason")),
-                          logprobs=c.get("logprobs") or None)
+                          logprobs=_logprobs(c))
 
         return self._run("/v1/chat/completions", self.chat_body(job, emit is not None), job.request_id, cancel, emit,
                          piece, whole)
@@ -342,7 +351,7 @@ class OpenAIServerEngine(Engine):
 
         def whole(c: dict[str, Any]) -> Choice:
             return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=_finish(c.get("finish_reason")),
-                          logprobs=c.get("logprobs") or None)
+                          logprobs=_logprobs(c))
 
         return self._run("/v1/completions", self.completion_body(job, emit is not None), job.request_id, cancel, emit,
                          piece, whole)
@@ -398,7 +407,7 @@ class OpenAIServerEngine(Engine):
                 for c in event.get("choices") or []:
                     delta, text = piece(c)
                     finish = c.get("finish_reason")
-                    logprobs = c.get("logprobs") or None
+                    logprobs = _logprobs(c)
                     if delta or text or finish or logprobs:
                         pieces += bool(delta or text or logprobs)
                         extra: dict[str, Any] = {"index": c["index"]} if c.get("index") else {}
