@@ -34,7 +34,7 @@ Models: `small` is the project's tiny GGUF recipe (`coderai.tiny_models.llm`, 64
 same recipe at 2048 dims, 10 layers, 16 heads, f16: ~1.04 GB of tensors, built once and cached (model cache).
 
 Usage:
-  python bench/burst.py                        # both models, 5 + 3 on a volume each (~2 minutes on 2 cores)
+  python bench/burst.py                        # both models, 5 + 3 on a volume each (4-7 minutes on 2 cores)
   python bench/burst.py --models small --rounds 1 --volume-rounds 0
   python bench/burst.py --smoke                # small model, 1 + 2 on a volume: the bench runs end to end
   python bench/burst.py --json out.json        # the measurements as JSON too; --keep keeps every log
