@@ -13,23 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from coderai.testing.procs import processes_naming
+
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("rent", "boot", "join", "fetch", "load", "first_token")
 ORDER = ("request", "rented", "booted", "joined", "fetch_start", "fetch_done", "loaded", "first_token")
-
-
-def _processes_naming(text: str) -> list[str]:
-    """The command lines of live processes that mention `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(cmdline)
-    return found
 
 
 @pytest.mark.slow
@@ -55,4 +43,4 @@ def test_burst_smoke_measures_every_phase_of_a_cold_start(tmp_path):
     for name in ("small-1", "small-vol-1"):  # downloaded, and measured against a plain download
         assert rounds[name]["downloaded"] and 0 < rounds[name]["plain_get_s"] <= rounds[name]["plain_get_sha_s"]
     assert not rounds["small-vol-2"]["downloaded"]  # the weights were on the volume the pod before filled
-    assert not _processes_naming(str(tmp_path)), "the bench left servers running"
+    assert not processes_naming(str(tmp_path)), "the bench left servers running"

@@ -10,21 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from coderai.testing.procs import processes_naming
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _processes_naming(text: str) -> list[str]:
-    """The command lines of live processes that mention `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(cmdline)
-    return found
 
 
 @pytest.mark.slow
@@ -38,4 +26,4 @@ def test_redis_ha_smoke_prints_its_table(tmp_path):
     for path in ("redis", "sentinel", "kv-cas", "kv-counter"):
         assert f"| {path} | " in r.stdout, f"no row for {path}:\n{r.stdout}"
     assert "| redis | 200 |" in r.stdout  # 2 s at 100 checks/s, every check answered
-    assert not _processes_naming(str(tmp_path)), "the bench left servers running"
+    assert not processes_naming(str(tmp_path)), "the bench left servers running"

@@ -122,3 +122,17 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
             last_exc = exc
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of live processes that mention `text` (a bench's temporary dir: what it left running)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(cmdline)
+    return found
