@@ -186,15 +186,19 @@ class Metrics:
         """Usage of this batch to Redis, tried again until Redis takes it. Not moving on matters: the consumer
         acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost. A head
         that lost the lease gives the batch up: the next leader reads it again from Redis' mark."""
-        wait = 0.25
+        wait, unsure = 0.25, False
         while True:
             try:
                 fresh = await usage.record_new(self.redis, events, mark, must_exist=self._marked)
                 self._marked = True
-                return fresh
+                # an attempt that failed may have been stored with its answer lost (Redis killed after EXEC): Redis
+                # then has this batch, and only this process can have put it there, since it led throughout (a
+                # new leader starts after a former one stops): Prometheus counts the batch, or it would miss it
+                return [e for _seq, e in events] if unsure and not fresh else fresh
             except usage.MarkLost:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
+                unsure = True
                 if self.leader is not None and not self.leader.held:
                     log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
                                 "leader counts it", exc)

@@ -76,6 +76,37 @@ async def test_events_during_a_redis_outage_are_recorded_once_it_is_back(nats_se
         redis_server.stop()
 
 
+async def test_a_batch_stored_whose_answer_was_lost_is_counted_by_prometheus_too(nats_server, tmp_path, unique,
+                                                                                 monkeypatch):
+    """Redis stores a batch and the connection breaks before its answer (Redis killed after EXEC): the retry finds
+    the batch recorded. Prometheus counts it all the same, so it agrees with Redis (the soak saw it one short)."""
+    from coderai.accounts import usage
+
+    redis_server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    key, real, lost = f"k{unique}", usage.record_new, []
+
+    async def answer_lost_once(r, events, mark, **kw):
+        fresh = await real(r, events, mark, **kw)
+        if not lost and any(e.key_name == key for _seq, e in events):
+            lost.append(len(fresh))
+            raise ConnectionError("Connection closed by server.")  # stored, but the reply never came
+        return fresh
+
+    monkeypatch.setattr(usage, "record_new", answer_lost_once)
+    r = aioredis.from_url(redis_server.url)
+    try:
+        async with running(nats_server, settings_for(nats_server, unique, redis_server.url)) as (metrics, bus):
+            await send(bus, key, 10)
+            await wait_for(lambda: requests_seen(metrics, key) >= 10, 20, what="the batch counted by Prometheus")
+            assert lost and await requests_of(r, key) == 10
+            await send(bus, key, 5)
+            await wait_for(lambda: requests_seen(metrics, key) >= 15, 20, what="the next batch counted")
+            assert await requests_of(r, key) == 15 and requests_seen(metrics, key) == 15
+    finally:
+        await r.aclose()
+        redis_server.stop()
+
+
 def requests_seen(metrics: Metrics, key: str) -> float:
     return metrics.series.registry.get_sample_value("coderai_requests_total", {
         "key": key, "model": "m", "kind": "chat", "status": "ok", "engine": ""}) or 0.0
