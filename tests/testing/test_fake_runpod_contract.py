@@ -1,6 +1,7 @@
 """The fake RunPod API against RunPod's published contract (issue #27).
 
-Every operation RunPod publishes for pods and GPU types, vendored in `runpod_published_ops.py`, must
+Every operation RunPod publishes for pods and GPU types, vendored in `runpod_published_ops.py` (the docs) and
+`runpod_sdk_ops.py` (the SDK), must
 
 1. validate against the fake's schema (`coderai.testing.fake_runpod.SCHEMA`, graphql-core `parse` + `validate`);
 2. run against a live fake over its HTTP API as the publisher sends it (the docs' cURL: POST /graphql?api_key=...;
@@ -31,7 +32,10 @@ import pytest
 from graphql import FieldNode, OperationDefinitionNode, SelectionSetNode, parse, validate
 
 from coderai.testing.fake_runpod import SCHEMA, FakeGpuType, FakeRunPod
-from tests.testing.runpod_published_ops import OPS, POD_ID, SDK, SDK_VERSION, PublishedOp
+from tests.testing.runpod_published_ops import DOCS_OPS, POD_ID, SDK, SDK_VERSION, PublishedOp
+from tests.testing.runpod_sdk_ops import SDK_OPS
+
+OPS = DOCS_OPS + SDK_OPS
 
 # The GPU types the docs' examples name, at the docs' prices where they show them (RTX 3090: 0.3 on demand, 0.163
 # lowest bid); the A6000's spot price is the docs' example bid (0.2/GPU), which the fake must then accept.
