@@ -209,22 +209,25 @@ async def announce(bus: Any, me: Head) -> list[Head]:
     return await known(bus)
 
 
-async def raise_replicas(bus: Any, count: int) -> list[str]:
-    """Raise every stream (buckets and object stores are streams too) to `count` replicas: the ones made before this
-    head joined had fewer. nats-server copies the data online. The names raised; one that cannot be yet is left to
-    the next round (`Keeper`)."""
-    raised = []
+async def raise_replicas(bus: Any, count: int) -> None:
+    """Raise every stream (buckets and object stores are streams too) to `count` replicas, the way a service raises
+    the ones it binds (`stores.fit_replicas`): the ones made before this head joined had fewer, and nats-server copies
+    the data online. One that cannot be raised yet (a head that joined a moment ago is not placeable) is left to the
+    next round (`Keeper`)."""
+    from coderai.runtime.stores import fit_replicas
+
+    bus.replicas = count
     async for name in _stream_names(bus):
-        try:
-            info = await bus.js.stream_info(name)
-            if (info.config.num_replicas or 1) < count:
-                cfg = info.config
-                cfg.num_replicas = count
-                await bus.js.update_stream(cfg)
-                raised.append(name)
-        except Exception as exc:  # noqa: BLE001 - a head that joined a moment ago is not placeable yet: next round
-            print(f"stream {name} not raised to {count} replicas yet: {exc}", flush=True)
-    return raised
+        await fit_replicas(bus, name)
+
+
+async def _settle(bus: Any, data: Path, found: list[Head]) -> list[Head]:
+    """The heads `found` in the bucket merged into those kept in the data dir, kept there, and every stream raised to
+    the replica count they call for; the heads."""
+    heads = merge(load(data), found)
+    save(data, heads)
+    await raise_replicas(bus, replicas(heads))
+    return heads
 
 
 async def _stream_names(bus: Any):
@@ -262,13 +265,7 @@ async def take_place(service_url: str, tls: Any, me: Head, data: Path) -> list[H
                     print(f"waiting for the cluster's JetStream ({exc}); a first head waits for a second "
                           "(coderai heads invite --address ADDR --out FILE)", flush=True)
                 await asyncio.sleep(0.5)
-        heads = merge(load(data), found)
-        count = replicas(heads)
-        raised = await raise_replicas(bus, count)
-        if raised:
-            print(f"{len(raised)} streams raised to {count} replicas", flush=True)
-        save(data, heads)
-        return heads
+        return await _settle(bus, data, found)
     finally:
         await bus.close()
 
@@ -284,6 +281,15 @@ def sentinel_for(data: Path, heads: list[Head], master: str, me: Head, password:
                          failover_timeout_ms=10000)
 
 
+def _sentinel(h: Head) -> Any:
+    """A client of `h`'s sentinel that gives up within a second (a dead head's is skipped, not waited for)."""
+    import redis
+
+    host, _, port = h.sentinel.rpartition(":")
+    return redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=1, socket_connect_timeout=1,
+                       decode_responses=True)
+
+
 def sentinel_master(heads: list[Head], exclude: str = "") -> str | None:
     """The Redis master ("host:port") the heads' sentinels (but `exclude`'s) name, or None when none answers."""
     import redis
@@ -291,10 +297,8 @@ def sentinel_master(heads: list[Head], exclude: str = "") -> str | None:
     for h in heads:
         if h.node_id == exclude:
             continue
-        host, _, port = h.sentinel.rpartition(":")
         try:
-            with redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=1, socket_connect_timeout=1,
-                             decode_responses=True) as r:
+            with _sentinel(h) as r:
                 got = r.sentinel_get_master_addr_by_name(REDIS_MASTER_NAME)
         except (redis.RedisError, OSError):
             continue
@@ -311,9 +315,8 @@ def set_quorum(heads: list[Head], me: str) -> None:
     for h in heads:
         if h.node_id == me:
             continue
-        host, _, port = h.sentinel.rpartition(":")
         try:
-            with redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=1, socket_connect_timeout=1) as r:
+            with _sentinel(h) as r:
                 r.execute_command("SENTINEL", "SET", REDIS_MASTER_NAME, "quorum", str(sentinel_quorum(heads)))
         except (redis.RedisError, OSError):
             continue
@@ -344,11 +347,7 @@ class Keeper(threading.Thread):
         bus = await Bus.connect(self.service_url, f"head:{self.me.node_id}", connect_timeout_s=5,
                                 tls=client_context(self.tls.ca_pem) if self.tls else None)
         try:
-            heads = merge(load(self.data), await known(bus))
-            save(self.data, heads)
-            raised = await raise_replicas(bus, replicas(heads))
-            if raised:
-                print(f"{', '.join(raised)} raised to {replicas(heads)} replicas", flush=True)
+            await _settle(bus, self.data, await known(bus))
         finally:
             await bus.close()
 
