@@ -202,3 +202,34 @@ async def test_listen_decodes_and_drops_malformed_messages(bus, unique):
         await bus.nc.publish(ENGINE_CANCEL(node_id="n", engine_id=unique), payload)
     await asyncio.wait_for(done.wait(), 5)
     assert got == ["a", "last"]  # the two malformed ones were dropped, and the listener kept going
+
+
+async def test_closing_while_nats_py_reconnects_is_quiet(nats_server):
+    """nats-py's reconnect task awaits the dropped socket's close waiter; close() cancels that task, which cancels
+    the waiter close() then awaits: nc.close() raised CancelledError (a revoked node's test, in CI). close_nats
+    closes it quietly. The drop is nats-py's own read-error path, taken the way a server's hang-up takes it."""
+    from coderai.runtime.bus import close_nats
+
+    b = await Bus.connect(nats_server.url, "test-close-race")
+    await b.nc._process_op_err(ConnectionResetError("the server hung up"))  # schedules nats-py's reconnect task
+    await asyncio.sleep(0)  # that task closes the old socket and awaits its close waiter
+    await close_nats(b.nc)
+    assert b.nc.is_closed
+
+
+async def test_a_cancelled_close_still_cancels():
+    """Only nats-py's own cancellation is swallowed: a task cancelled while it closes ends cancelled."""
+    from coderai.runtime.bus import close_nats
+
+    started = asyncio.Event()
+
+    class _SlowClose:
+        async def close(self) -> None:
+            started.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(close_nats(_SlowClose()))  # type: ignore[arg-type]
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -136,6 +136,21 @@ def _refused(subject: str) -> BusError:
                                 "(its cluster role) may not publish there", retryable=False)
 
 
+async def close_nats(nc: NATS, *, drain: bool = False) -> None:
+    """`nc.close()` (or `drain()`), safe while nats-py is reconnecting.
+
+    nats-py's reconnect task awaits the old socket's close waiter; close() cancels that task, and cancelling a task
+    cancels the future it awaits, which close() then awaits too: a CancelledError out of a close that did close. It
+    is swallowed here, unless it is this task that is being cancelled."""
+    try:
+        await (nc.drain() if drain else nc.close())
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        log.debug("NATS connection closed while it was reconnecting")
+
+
 def split_urls(url: str) -> list[str]:
     """The servers of a NATS URL that lists several heads, comma-separated."""
     return [u.strip() for u in url.split(",") if u.strip()]
@@ -319,9 +334,9 @@ class Bus:
             s.queue.put_nowait(None)
         if not self.nc.is_closed:
             try:
-                await self.nc.drain()
+                await close_nats(self.nc, drain=True)
             except Exception:  # noqa: BLE001 - a connection already down cannot drain
-                await self.nc.close()
+                await close_nats(self.nc)
 
     def fail_streams(self) -> None:
         """Wake every open stream with an error (used when the connection drops)."""
