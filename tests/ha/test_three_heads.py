@@ -131,6 +131,36 @@ class Cluster:
         finally:
             await bus.close()
 
+    def diagnose(self, names: list[str]) -> str:
+        """What each head's JetStream says of the leaders' bucket (its RAFT leader, each replica current or not) and
+        the ends of its NATS and gateway logs: printed when a wait on the heads times out."""
+        from coderai.runtime.bus import Bus
+        from coderai.runtime.tls import client_context
+
+        async def stream(name: str) -> str:
+            ca = (self.root / "h1" / "nats" / "tls" / "ca.pem").read_text()
+            try:
+                bus = await Bus.connect(self.nats_url(name), "test", connect_timeout_s=5, tls=client_context(ca))
+            except Exception as exc:  # noqa: BLE001 - a diagnosis reports what it cannot reach
+                return f"not reached: {exc!r}"
+            try:
+                info = await bus.js.stream_info("KV_coderai_leaders")
+                peers = [(r.name, r.current, r.lag, r.active) for r in info.cluster.replicas or []]
+                return f"leader {info.cluster.leader}, replicas {info.config.num_replicas}, others {peers}"
+            except Exception as exc:  # noqa: BLE001
+                return f"no stream info: {exc!r}"
+            finally:
+                await bus.close()
+
+        out = []
+        for name in names:
+            out.append(f"--- {name}: KV_coderai_leaders: {asyncio.run(stream(name))}")
+            for log in ("nats", "gateway", "scheduler"):
+                path = self.root / name / "logs" / f"{log}.log"
+                lines = path.read_text(errors="replace").splitlines()[-25:] if path.exists() else []
+                out += [f"{name}/{log}: {line[:300]}" for line in lines]
+        return "\n".join(out)
+
     async def money(self, write: bool = False) -> tuple[list, float, float]:
         """(the pod ledger, the pods' spend today, the loader key's spend today) through the sentinels."""
         from coderai.accounts.limits import period_id
@@ -253,10 +283,12 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     assert made.status_code == 201, made.text
     key = made.json()["key"]
     before_money = asyncio.run(c.money(write=True))
-    placed_before, affinity_before = asyncio.run(c.buckets("h2"))
+    placed_before = asyncio.run(c.buckets("h2"))[0]
 
     with Load(c, key, HEADS) as load:
         wait_until(lambda: load.ok() >= 60, 180, "sixty answered requests under load")
+        # the routers write where each conversation went after answering it: what they wrote before the kill
+        affinity_before = wait_until(lambda: asyncio.run(c.buckets("h2"))[1], 60, "affinity entries, read on h2")
         spent_before = asyncio.run(c.money())[2]
         assert spent_before > 0
         killed_at, killed_wall = time.monotonic(), time.time()
@@ -307,7 +339,7 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     assert (ledger, pod_spend) == before_money[:2], "the pod ledger or the pods' spend changed"
     assert spent >= spent_before
     placed, affinity = asyncio.run(c.buckets("h3"))
-    assert placed == placed_before and affinity_before <= affinity | affinity_before and affinity
+    assert placed == placed_before and affinity_before <= affinity, (placed, affinity_before - affinity)
 
     # the dead head starts again, rejoins and catches up: its Redis follows the new master, its gateway serves
     started = time.monotonic()
@@ -351,7 +383,11 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
                 return None
             return got if got["holder"] != holder and got["age_s"] < 3 else None
 
-        new = wait_until(elected, 20, "the other two heads to elect a leader")
+        try:
+            new = wait_until(elected, 20, "the other two heads to elect a leader")
+        except TimeoutError:
+            print(c.diagnose(list(HEADS)))
+            raise
         assert new["token"] > before["token"]
         print(f"\npartition: the cut-off leader stopped {stopped_at - cut_wall:.1f} s after the cut; "
               f"a new one led {new['since'] - cut_wall:.1f} s after it")
@@ -366,10 +402,14 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
         assert c.fake.pods() == []  # no demand for a pod: neither broker, the cut-off one or the new, rented one
     finally:
         lab.heal(holder)
-    # healed: the head that was cut off follows; every gateway names the same, single leader
-    wait_until(lambda: len(named := {c.leaders(h)["scheduler"].get("holder", "") for h in HEADS}) == 1 and "" not in named,
-               60, "every head to agree on one leader")
-    after = c.leaders(holder)["scheduler"]
+    # healed: the head that was cut off follows; every gateway names the same, single leader. The healed head's
+    # RAFT terms rose while it was alone, so its return makes the others' groups elect again (nats-server logs
+    # "another leader with higher term, will stepdown"): a lease may lapse then, and be taken again, once
+    def agreed() -> dict | None:
+        seen = [c.leaders(h)["scheduler"] for h in HEADS]
+        return seen[HEADS.index(holder)] if len({s.get("holder", "") for s in seen}) == 1 and seen[0].get("holder") else None
+
+    after = wait_until(agreed, 60, "every head to agree on one leader")
     assert after["token"] >= new["token"]  # the one elected in the partition, or one after it: never the cut-off one's
     wait_until(lambda: asyncio.run(c.buckets(holder))[0] == {"w1": [MODEL], "w2": [MODEL]}, 60,
                "both workers to hold the model again, read on the healed head")
