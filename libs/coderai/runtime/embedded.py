@@ -109,6 +109,10 @@ class _Server:
         self.stop()
 
 
+ROUTE_PING_S = 2
+ROUTE_PINGS_MAX = 3
+
+
 @dataclass(frozen=True)
 class Routes:
     """One head's place in a NATS cluster: its server name, where it listens for the other heads' routes, and
@@ -131,8 +135,12 @@ class Routes:
         if self.tls is not None:
             tls = (f"  tls {{ cert_file: {json.dumps(str(self.tls.cert))}, key_file: {json.dumps(str(self.tls.key))}, "
                    f"ca_file: {json.dumps(str(self.tls.ca))}, verify: true, timeout: 2 }}\n")
+        # a route whose peer went silent (its link cut, not closed) is dropped after 3 missed 2 s pings: until then
+        # its queue subscribers stay eligible, and a direct KV get (a queue group over the bucket's replicas) sent
+        # there is lost; nats-server's default (2 min x 2) left survivors' reads timing out for a minute or more
         return (f"server_name: {json.dumps(self.name)}\n"
                 f"cluster {{\n  name: {json.dumps(self.cluster)}\n  listen: {json.dumps(self.listen)}\n{auth}{tls}"
+                f"  ping_interval: \"{ROUTE_PING_S}s\"\n  ping_max: {ROUTE_PINGS_MAX}\n"
                 f"  routes: [{routes}]\n}}\n")
 
 
