@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import hmac
+import secrets
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -187,19 +188,24 @@ class Metrics:
         acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost. A head
         that lost the lease gives the batch up: the next leader reads it again from Redis' mark."""
         wait, unsure = 0.25, False
+        writer, token = secrets.token_hex(8), self.leader.token if self.leader is not None else 0
+        top = max((seq for seq, _e in events), default=0)
         while True:
             try:
-                fresh = await usage.record_new(self.redis, events, mark, must_exist=self._marked)
+                fresh = await usage.record_new(self.redis, events, mark, must_exist=self._marked, writer=writer)
                 self._marked = True
-                # an attempt that failed may have been stored with its answer lost (Redis killed after EXEC): Redis
-                # then has this batch, and only this process can have put it there, since it led throughout (a
-                # new leader starts after a former one stops): Prometheus counts the batch, or it would miss it
-                return [e for _seq, e in events] if unsure and not fresh else fresh
+                if unsure and not fresh and events:
+                    # an attempt that failed may have been stored with its answer lost (Redis killed after EXEC):
+                    # Prometheus counts the batch then, or it would miss it. But this head's next consumer (after
+                    # the lease was lost and won again while this batch was held) may have stored it instead, and
+                    # counted it: Redis keeps who stored each batch, so it is counted once (the soak saw it twice)
+                    return [e for _seq, e in events] if await usage.stored_by(self.redis, mark, top) == writer else []
+                return fresh
             except usage.MarkLost:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
                 unsure = True
-                if self.leader is not None and not self.leader.held:
+                if self.leader is not None and (not self.leader.held or self.leader.token != token):
                     log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
                                 "leader counts it", exc)
                     return []

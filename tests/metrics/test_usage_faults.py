@@ -107,6 +107,40 @@ async def test_a_batch_stored_whose_answer_was_lost_is_counted_by_prometheus_too
         redis_server.stop()
 
 
+async def test_a_batch_another_consumer_stored_meanwhile_is_not_counted_again(nats_server, tmp_path, unique,
+                                                                            monkeypatch):
+    """While this consumer held a batch it could not record, another stored it and counted it: this head's next
+    consumer, after the lease was lost and won again (the held batch's retry runs on, shielded). The retry finds the
+    batch recorded by another writer and leaves it to that one; counting it, as a batch whose answer was lost, made
+    Prometheus one over Redis in the soak."""
+    from coderai.accounts import usage
+
+    redis_server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    key, real, theirs = f"k{unique}", usage.record_new, []
+
+    async def stored_by_another_once(r, events, mark, **kw):
+        if not theirs and any(e.key_name == key for _seq, e in events):
+            stored = await real(r, events, mark, **{**kw, "writer": "the-next-consumer"})
+            theirs.append(sum(e.key_name == key for e in stored))
+            raise ConnectionError("Connection closed by server.")  # this attempt failed; the other one stored it
+        return await real(r, events, mark, **kw)
+
+    monkeypatch.setattr(usage, "record_new", stored_by_another_once)
+    r = aioredis.from_url(redis_server.url)
+    try:
+        async with running(nats_server, settings_for(nats_server, unique, redis_server.url)) as (metrics, bus):
+            await send(bus, key, 10)
+            await wait_for(lambda: theirs, 20, what="a batch stored by another consumer")
+            await send(bus, key, 5)
+            mine = 15 - theirs[0]
+            await wait_for(lambda: requests_seen(metrics, key) >= mine, 20, what="the other batches counted")
+            assert await requests_of(r, key) == 15
+            assert requests_seen(metrics, key) == mine  # the other consumer's batch is its own to count
+    finally:
+        await r.aclose()
+        redis_server.stop()
+
+
 def requests_seen(metrics: Metrics, key: str) -> float:
     return metrics.series.registry.get_sample_value("coderai_requests_total", {
         "key": key, "model": "m", "kind": "chat", "status": "ok", "engine": ""}) or 0.0

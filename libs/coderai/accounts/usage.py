@@ -60,12 +60,27 @@ class MarkLost(Exception):
     """The mark a consumer wrote is gone: Redis was replaced or emptied, and the usage counted before with it."""
 
 
+BATCH_STAMP_TTL_S = 86400
+
+
+def batch_stamp(mark: str, top: int) -> str:
+    """Where the writer of the batch that moved `mark` to `top` is kept (`record_new`'s `writer`)."""
+    return f"{mark}:by:{top}"
+
+
+async def stored_by(redis, mark: str, top: int) -> str:
+    """The `writer` that recorded the batch ending at EVENTS sequence `top`; '' if none said (or a day passed)."""
+    got = await redis.get(batch_stamp(mark, top))
+    return (got.decode() if isinstance(got, bytes) else got) or ""
+
+
 async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: str,
-                     must_exist: bool = False) -> list[RequestCompleted]:
+                     must_exist: bool = False, writer: str = "") -> list[RequestCompleted]:
     """Record the events (each with its EVENTS stream sequence) past the sequence stored at `mark`, and move the
     mark, in one transaction: a batch delivered again (its ack lost to a NATS restart after Redis took it) is not
     counted twice. The events recorded, which Prometheus then counts too. `must_exist`: the caller wrote the mark
-    before, so its absence is MarkLost (nothing recorded), not a first batch."""
+    before, so its absence is MarkLost (nothing recorded), not a first batch. `writer`: kept with the batch for a
+    day (`stored_by`), so a caller whose answer was lost can tell its own stored batch from another's."""
     from redis.exceptions import WatchError
 
     while True:
@@ -82,6 +97,8 @@ async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: st
                 _queue(pipe, fresh)
                 if top > done:
                     pipe.set(mark, top)
+                    if writer:
+                        pipe.set(batch_stamp(mark, top), writer, ex=BATCH_STAMP_TTL_S)
                 await pipe.execute()
                 return fresh
             except WatchError:
