@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -103,10 +104,10 @@ class Accounts:
     """Limits in Redis (none without it) and the `request.completed` events on the bus (through an outbox that
     keeps them across a NATS outage: `start` it, `close` it)."""
 
-    def __init__(self, bus: Bus, limiter: Limiter | None) -> None:
+    def __init__(self, bus: Bus, limiter: Limiter | None, journal_dir: Path | None = None) -> None:
         self.bus = bus
         self.limiter = limiter
-        self.outbox = Outbox(bus)
+        self.outbox = Outbox(bus, journal_dir=journal_dir)
 
     def start(self) -> None:
         self.outbox.start()

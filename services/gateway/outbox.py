@@ -3,18 +3,29 @@
 A core publish is lost when NATS is down or restarts with it in flight, so each event is published with a
 JetStream ack and its request id as `Nats-Msg-Id`: an event not acked is kept here and sent again once NATS is
 back, and one sent twice (its ack lost) is stored once, by the stream's duplicate window. The request itself never
-waits: `put` only appends, and a task of its own publishes, up to `BATCH` events at once."""
+waits on NATS: `put` only appends, and a task of its own publishes, up to `BATCH` events at once.
+
+A gateway killed (SIGKILL, a crash) between an answer and its event's ack would lose the event, and the usage with
+it (the soak saw one). So `put` also writes the event to a journal file of this process (`Journal`) before the
+answer's last bytes go out, and the acks are written there as they come: a gateway that starts finds the journals
+of gateways that died and sends what they had not had acked. Plain writes, no fsync: they outlive the process (the
+kernel has them), not the machine."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import fcntl
+import json
 import logging
+import os
+import secrets
+from pathlib import Path
 
 from nats.js.errors import NoStreamResponseError
 
-from coderai.contracts import RequestCompleted
+from coderai.contracts import RequestCompleted, decode, encode
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
 from coderai.runtime.bus import Bus
 
@@ -25,12 +36,104 @@ ACK_TIMEOUT_S = 2.0
 RETRY_S = (0.25, 2.0)  # the wait after a failed round (NATS down, restarting, or its disk full), doubling up to
 
 
-class Outbox:
-    """At most `limit` events waiting (the oldest dropped beyond it, with one warning per thousand)."""
+JOURNAL_ROTATE_BYTES = 16 << 20  # a journal past this is started afresh with only what still waits
 
-    def __init__(self, bus: Bus, limit: int = 100_000) -> None:
+
+class Journal:
+    """One gateway process's events, written as they are put and marked as they are acked (`outbox-*.jsonl` in
+    `folder`, locked while the process lives). `orphans()` takes over the journals of processes that died."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.folder = folder
+        self.path, self.fd = self._open()
+
+    def _open(self) -> tuple[Path, int]:
+        path = self.folder / f"outbox-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while this process lives: a journal nobody holds is an orphan
+        return path, fd
+
+    def event(self, done: RequestCompleted) -> None:
+        os.write(self.fd, b"E" + encode(done) + b"\n")
+
+    def acked(self, ids: list[str]) -> None:
+        if ids:
+            os.write(self.fd, b"A" + json.dumps(ids).encode() + b"\n")
+
+    def empty(self) -> None:
+        """Everything written was acked: start the file over."""
+        os.ftruncate(self.fd, 0)
+
+    def rotate(self, waiting: collections.deque[RequestCompleted]) -> None:
+        """A new file holding only `waiting` (nothing is being sent), the old one removed."""
+        old_path, old_fd = self.path, self.fd
+        self.path, self.fd = self._open()
+        for done in waiting:
+            self.event(done)
+        old_path.unlink(missing_ok=True)
+        os.close(old_fd)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self, keep: bool) -> None:
+        """`keep`: events still wait (NATS away at shutdown), left for the next gateway to send."""
+        if not keep:
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+
+    def orphans(self) -> list[RequestCompleted]:
+        """The events not acked in journals no live process holds, copied into this one (so a crash now loses
+        nothing either), their files removed."""
+        found: list[RequestCompleted] = []
+        for path in sorted(self.folder.glob("outbox-*.jsonl")):
+            if path == self.path:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # another gateway process took it a moment ago
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # its process lives
+                    continue
+                if not path.exists():  # taken and removed between our open and our lock
+                    continue
+                events, acked = _read_journal(path)
+                for done in events:
+                    if done.request_id not in acked:
+                        self.event(done)
+                        found.append(done)
+                path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        return found
+
+
+def _read_journal(path: Path) -> tuple[list[RequestCompleted], set[str]]:
+    events, acked = [], set()
+    for line in path.read_bytes().splitlines():
+        try:
+            if line[:1] == b"E":
+                events.append(decode(line[1:], RequestCompleted))
+            elif line[:1] == b"A":
+                acked.update(json.loads(line[1:]))
+        except Exception:  # noqa: BLE001 - a line cut short by the kill: nothing after it was written
+            log.warning("journal %s: a line that does not read, skipped", path.name)
+    return events, acked
+
+
+class Outbox:
+    """At most `limit` events waiting (the oldest dropped beyond it, with one warning per thousand). With
+    `journal_dir`, each event is journalled (see the module's text)."""
+
+    def __init__(self, bus: Bus, limit: int = 100_000, journal_dir: Path | None = None) -> None:
         self.bus = bus
         self.limit = limit
+        self.journal_dir = journal_dir
+        self.journal: Journal | None = None
         self.queue: collections.deque[RequestCompleted] = collections.deque()
         self.dropped = 0
         self.no_stream = 0
@@ -46,11 +149,27 @@ class Outbox:
             if self.dropped % 1000 == 1:
                 log.warning("request.completed outbox full (%d waiting): %d events dropped so far", self.limit,
                             self.dropped)
+        if self.journal is not None:
+            try:
+                self.journal.event(done)
+            except OSError as exc:  # a full disk: the event still goes out, only a crash would lose it now
+                log.warning("request.completed journal not written: %s", exc)
         self.queue.append(done)
         self._idle.clear()
         self._wake.set()
 
     def start(self) -> None:
+        if self.journal_dir is not None:
+            try:
+                self.journal = Journal(self.journal_dir)
+                left = self.journal.orphans()
+            except OSError as exc:
+                log.warning("no request.completed journal in %s: %s", self.journal_dir, exc)
+                self.journal, left = None, []
+            if left:
+                log.info("%d request.completed events left by a gateway that stopped: sending them", len(left))
+                self.queue.extend(left)
+                self._idle.clear()
         self._task = asyncio.create_task(self._run(), name="completed-outbox")
 
     async def close(self, deadline_s: float = 3.0) -> None:
@@ -64,18 +183,25 @@ class Outbox:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.journal is not None:
+            self.journal.close(keep=bool(self.queue))
 
     async def _run(self) -> None:
         wait = RETRY_S[0]
         while True:
             if not self.queue:
+                self._journal(lambda j: j.empty())  # every event written was acked
                 self._wake.clear()
                 self._idle.set()
                 await self._wake.wait()
                 continue
+            if self.journal is not None and self.journal.size() > JOURNAL_ROTATE_BYTES:
+                self._journal(lambda j: j.rotate(self.queue))  # busy without a pause: nothing is being sent now
             batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
             results = await asyncio.gather(*(self._send(e) for e in batch), return_exceptions=True)
             failed = [e for e, r in zip(batch, results) if isinstance(r, BaseException)]
+            self._journal(lambda j: j.acked([e.request_id for e, r in zip(batch, results)
+                                             if not isinstance(r, BaseException)]))
             if not failed:
                 wait = RETRY_S[0]
                 continue
@@ -84,6 +210,13 @@ class Outbox:
                       next(r for r in results if isinstance(r, BaseException)), wait)
             await asyncio.sleep(wait)
             wait = min(wait * 2, RETRY_S[1])
+
+    def _journal(self, step) -> None:
+        if self.journal is not None:
+            try:
+                step(self.journal)
+            except OSError as exc:
+                log.warning("request.completed journal: %s", exc)
 
     async def _send(self, done: RequestCompleted) -> None:
         try:

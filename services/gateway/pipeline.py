@@ -308,7 +308,12 @@ def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], byte
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
             last, ended = frame, True
-            yield await final(frame)
+            tail = await final(frame)
+            # accounted before the last bytes go out: its event is journalled, so a gateway killed once the client
+            # has the whole answer still has it billed (the next gateway to start sends it); shielded, so a client
+            # leaving now does not cut the accounting short (the `finally` below finds it done)
+            await asyncio.shield(call.finish(frame))
+            yield tail
         except BusError as exc:
             err = from_bus(exc, call.gw.settings.retry_after_s)
             call.status, call.http_status = err.code or "error", err.status

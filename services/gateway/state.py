@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from litestar import Controller, Litestar, Request
@@ -58,7 +60,9 @@ class Gateway:
             self.auth.store.journal = KeyJournal(self.bus)
         if limiter is not None:  # budgets' spend summed again from EVENTS when Redis lost it
             limiter.history = SpendHistory(self.bus)
-        self.accounts = Accounts(self.bus, limiter)
+        # request.completed events journalled in the data dir until NATS acks them: a gateway killed after an
+        # answer has its events sent by the next one to start here (services/gateway/outbox.py)
+        self.accounts = Accounts(self.bus, limiter, Path(os.path.expanduser(self.settings.data_dir)) / "gateway-outbox")
         # the gateway makes the events usage is built from, so it makes their stream too: they are kept while the
         # metrics service (which made it before) is down, and a publish always has a stream to ack it
         try:

@@ -80,3 +80,70 @@ async def test_close_sends_what_is_waiting(own_nats):
         assert not box.queue and await stored(bus) == 100
     finally:
         await bus.close()
+
+
+JOURNALLING = """
+import sys, time
+from pathlib import Path
+from coderai.contracts import RequestCompleted
+from coderai.gateway.outbox import Journal
+
+journal = Journal(Path(sys.argv[1]))
+for rid in sys.argv[2].split(","):
+    journal.event(RequestCompleted(request_id=rid, ts=time.time(), key_name="k", model="m", op="chat", status="ok",
+                                   http_status=200, prompt_tokens=3, completion_tokens=2))
+journal.acked([r for r in sys.argv[3].split(",") if r])
+print(journal.path, flush=True)
+time.sleep(600)
+"""
+
+
+def journalling(folder, events: list[RequestCompleted], acked: list[RequestCompleted]):
+    """A process journalling `events` as a gateway's outbox does, `acked` of them acked, then waiting to be
+    killed; (the process, its journal's path)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.Popen([sys.executable, "-c", JOURNALLING, str(folder), ",".join(e.request_id for e in events),
+                          ",".join(e.request_id for e in acked)], stdout=subprocess.PIPE, text=True)
+    return p, Path(p.stdout.readline().strip())
+
+
+async def test_a_killed_gateways_unacked_events_are_sent_by_the_next_one(own_nats, tmp_path):
+    """A gateway SIGKILLed with events not yet acked (its answers already sent) leaves them in its journal: the
+    next gateway to start on that data dir sends those, and only those; a live gateway's journal is left alone."""
+    import signal
+
+    from coderai.contracts import decode
+    from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+
+    folder = tmp_path / "gateway-outbox"
+    dead = [done(i) for i in range(4)]
+    killed, killed_path = journalling(folder, dead, acked=dead[:2])  # two acked before the kill
+    alive, alive_path = journalling(folder, [done(9)], acked=[])
+    bus = await Bus.connect(own_nats.url, "test-gateway")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        await bus.ensure_stream(EVENTS)
+        seen: list[str] = []
+
+        async def on_event(m) -> None:
+            seen.append(decode(m.data, RequestCompleted).request_id)
+
+        await bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=on_event)
+        box = Outbox(bus, journal_dir=folder)
+        box.start()
+        await wait_for(lambda: len(seen) >= 2 and not box.queue, 10, what="the dead gateway's events sent")
+        assert sorted(seen) == sorted(e.request_id for e in dead[2:])
+        assert await stored(bus) == 2
+        assert not killed_path.exists() and alive_path.exists()
+        await wait_for(lambda: box.journal.size() == 0, 10, what="this outbox's journal emptied once all is acked")
+        mine = box.journal.path
+        await box.close()
+        assert not mine.exists() and alive_path.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+        await bus.close()
