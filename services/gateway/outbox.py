@@ -134,6 +134,7 @@ class Outbox:
         self.limit = limit
         self.journal_dir = journal_dir
         self.journal: Journal | None = None
+        self._sending: list[RequestCompleted] = []  # the batch being published
         self.queue: collections.deque[RequestCompleted] = collections.deque()
         self.dropped = 0
         self.no_stream = 0
@@ -183,8 +184,8 @@ class Outbox:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self.journal is not None:
-            self.journal.close(keep=bool(self.queue))
+        if self.journal is not None:  # events waiting, or cut off in flight: the next gateway sends them
+            self.journal.close(keep=bool(self.queue or self._sending))
 
     async def _run(self) -> None:
         wait = RETRY_S[0]
@@ -197,8 +198,9 @@ class Outbox:
                 continue
             if self.journal is not None and self.journal.size() > JOURNAL_ROTATE_BYTES:
                 self._journal(lambda j: j.rotate(self.queue))  # busy without a pause: nothing is being sent now
-            batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
+            batch = self._sending = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
             results = await asyncio.gather(*(self._send(e) for e in batch), return_exceptions=True)
+            self._sending = []
             failed = [e for e, r in zip(batch, results) if isinstance(r, BaseException)]
             self._journal(lambda j: j.acked([e.request_id for e, r in zip(batch, results)
                                              if not isinstance(r, BaseException)]))
