@@ -94,7 +94,7 @@ for rid in sys.argv[2].split(","):
                                    http_status=200, prompt_tokens=3, completion_tokens=2))
 journal.acked([r for r in sys.argv[3].split(",") if r])
 print(journal.path, flush=True)
-time.sleep(600)
+sys.stdin.read()  # until killed (or its parent goes)
 """
 
 
@@ -106,7 +106,8 @@ def journalling(folder, events: list[RequestCompleted], acked: list[RequestCompl
     from pathlib import Path
 
     p = subprocess.Popen([sys.executable, "-c", JOURNALLING, str(folder), ",".join(e.request_id for e in events),
-                          ",".join(e.request_id for e in acked)], stdout=subprocess.PIPE, text=True)
+                          ",".join(e.request_id for e in acked)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return p, Path(p.stdout.readline().strip())
 
 

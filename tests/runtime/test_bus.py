@@ -208,18 +208,26 @@ async def test_closing_while_nats_py_reconnects_is_quiet(nats_server):
     """nats-py's reconnect task awaits the dropped socket's close waiter; close() cancels that task, which cancels
     the waiter close() then awaits: nc.close() raised CancelledError (a revoked node's test, in CI). close_nats
     closes it quietly. The drop is nats-py's own read-error path, taken the way a server's hang-up takes it."""
-    from coderai.runtime.bus import close_nats
+    from coderai.runtime.nats_conn import close_nats
 
     b = await Bus.connect(nats_server.url, "test-close-race")
+    transport, closing = b.nc._transport, asyncio.Event()
+    shut = transport.close
+
+    def close_and_say() -> None:  # the reconnect task's first step: told before its socket's close is scheduled
+        closing.set()
+        shut()
+
+    transport.close = close_and_say
     await b.nc._process_op_err(ConnectionResetError("the server hung up"))  # schedules nats-py's reconnect task
-    await asyncio.sleep(0)  # that task closes the old socket and awaits its close waiter
+    await closing.wait()  # woken ahead of the socket's close, while that task awaits its close waiter
     await close_nats(b.nc)
     assert b.nc.is_closed
 
 
 async def test_a_cancelled_close_still_cancels():
     """Only nats-py's own cancellation is swallowed: a task cancelled while it closes ends cancelled."""
-    from coderai.runtime.bus import close_nats
+    from coderai.runtime.nats_conn import close_nats
 
     started = asyncio.Event()
 

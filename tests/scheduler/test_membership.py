@@ -13,7 +13,8 @@ from coderai.contracts.admin import JoinHello, JoinProof, PodUserRequest, Revoke
 from coderai.contracts.subjects import CMD_SCHEDULER_POD_USER, CMD_SCHEDULER_REVOKE, JOIN_HELLO, JOIN_PROVE
 from coderai.runtime.joining import JoinRefused, join
 from coderai.runtime import members
-from coderai.runtime.bus import Bus, close_nats
+from coderai.runtime.bus import Bus
+from coderai.runtime.nats_conn import close_nats
 from coderai.runtime.cluster import JOIN_USER, join_password, new_token, node_proof, nonce, with_user
 from coderai.runtime.embedded import NatsServer, _login_ok
 from coderai.runtime.lifecycle import wait_for

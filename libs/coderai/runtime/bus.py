@@ -1,4 +1,4 @@
-"""NATS helpers: connect with reconnect, typed request/reply, typed handlers, and streamed replies.
+"""NATS helpers: typed request/reply, typed handlers, and streamed replies over a connection `nats_conn` makes.
 
 Streamed replies: the caller publishes a job with a reply subject under one inbox prefix that its `Bus`
 subscribes to once (`<inbox>.*`), so starting a stream costs one publish and no extra SUB. The callee
@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import msgspec
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
@@ -29,6 +26,7 @@ from nats.errors import Error as NatsError
 from coderai.contracts import BusError, ErrorReply, KeepAlive, decode, encode, why_malformed
 from coderai.contracts.subjects import Subject
 from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
+from coderai.runtime.nats_conn import close_nats, connect, split_urls
 
 log = logging.getLogger("coderai.bus")
 
@@ -44,129 +42,11 @@ HANDOUT_PREFIX = "coderai.reply"
 
 _NO_RESPONDERS: Any = object()  # queued instead of frame bytes when the server reports no responders
 _REFUSED: Any = object()  # queued when the server refused to carry the request (this connection's permissions)
-_REFUSED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)', re.IGNORECASE)
-
-
-def refused_subject(text: str) -> str:
-    """The subject of a NATS 'Permissions Violation for Publish to "<subject>"' error, else ''."""
-    m = _REFUSED_PUBLISH.search(text)
-    return m.group(1) if m else ""
-
-
-async def connect(
-    url: str,
-    name: str,
-    *,
-    connect_timeout_s: float = 30.0,
-    on_reconnect: Callable[[], Awaitable[None]] | None = None,
-    on_disconnect: Callable[[], Awaitable[None]] | None = None,
-    on_refused: Callable[[str], None] | None = None,
-    inbox_prefix: str = "",
-    tls: Any = None,
-) -> NATS:
-    """Connect, retrying until `connect_timeout_s`; afterwards reconnect forever with a short wait.
-    `on_refused(subject)`: the server refused a publish there (the connection's role may not use it)."""
-
-    async def _reconnected() -> None:
-        log.warning("reconnected to NATS")
-        if on_reconnect:
-            await on_reconnect()
-
-    async def _disconnected() -> None:
-        log.warning("disconnected from NATS")
-        if on_disconnect:
-            await on_disconnect()
-
-    said = ""
-    safe_url = _without_credentials(url)
-
-    async def _error(exc: Exception) -> None:
-        nonlocal said
-        text = str(exc)
-        if "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token or a missing right: say it once
-            if on_refused is not None and (subject := refused_subject(text)):
-                on_refused(subject)
-            if text != said:
-                said = text
-                log.warning("NATS at %s says: %s", safe_url, text)
-        elif "certificate" in text.lower():  # a server whose certificate the pinned CA did not sign: say it once
-            if text != said:
-                said = text
-                log.warning("NATS at %s is refused: %s (not the server this connection trusts)", safe_url, text)
-        else:
-            log.debug("nats error: %s", exc)
-
-    # the login as options too: nats-py sends a URL's credentials only to that URL's server, and none to the servers
-    # it learns from the cluster (every other head), which a reconnect after a head's death must reach
-    login = next(((unquote(p.username), unquote(p.password)) for p in map(urlsplit, split_urls(url))
-                  if p.username and p.password), None)
-    deadline = time.monotonic() + connect_timeout_s
-    while True:
-        try:
-            # nats-py retries a refused login forever inside connect(); the deadline bounds that too
-            return await asyncio.wait_for(nats.connect(
-                split_urls(url) if "," in url else url,  # several heads' URLs
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                ping_interval=5,
-                max_outstanding_pings=2,
-                drain_timeout=5,  # nats-py's default (30 s) outlives any service's shutdown deadline
-                reconnected_cb=_reconnected,
-                disconnected_cb=_disconnected,
-                error_cb=_error,
-                **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
-                **({"user": login[0], "password": login[1]} if login else {}),
-                # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
-                **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
-            ), max(1.0, deadline - time.monotonic()))
-        except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
-            if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
-                said = str(exc)
-                log.warning("cannot connect to NATS at %s: %s", safe_url, said or type(exc).__name__)
-            if time.monotonic() > deadline:
-                raise BusError("internal", f"cannot reach NATS at {safe_url}: {exc}", retryable=True) from None
-            await asyncio.sleep(0.2)
 
 
 def _refused(subject: str) -> BusError:
     return BusError("internal", f"NATS refused to carry a request to {subject}: this connection's credentials "
                                 "(its cluster role) may not publish there", retryable=False)
-
-
-async def close_nats(nc: NATS, *, drain: bool = False) -> None:
-    """`nc.close()` (or `drain()`), safe while nats-py is reconnecting.
-
-    nats-py's reconnect task awaits the old socket's close waiter; close() cancels that task, and cancelling a task
-    cancels the future it awaits, which close() then awaits too: a CancelledError out of a close that did close. It
-    is swallowed here, unless it is this task that is being cancelled."""
-    try:
-        await (nc.drain() if drain else nc.close())
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise
-        log.debug("NATS connection closed while it was reconnecting")
-
-
-def split_urls(url: str) -> list[str]:
-    """The servers of a NATS URL that lists several heads, comma-separated."""
-    return [u.strip() for u in url.split(",") if u.strip()]
-
-
-def _without_credentials(url: str) -> str:
-    """The URL (or comma-separated URLs) for logs: never the derived password."""
-    from urllib.parse import urlunsplit
-
-    if "," in url:
-        return ",".join(_without_credentials(u) for u in split_urls(url))
-    parts = urlsplit(url)
-    if not parts.password and not parts.username:
-        return url
-    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, f"{parts.username}:***@{host}", parts.path, parts.query, parts.fragment))
 
 
 class _Tick:
