@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from coderai.contracts import ModelConfig, model_name
 from coderai.contracts.topology import MODELS
 from coderai.runtime.bus import Bus
@@ -9,7 +12,13 @@ from coderai.runtime.mirror import KVMirror
 
 
 class Catalog:
+    """`models` by name. A name missing from it is unknown only while the view is `complete`: whole, following the
+    bucket, over a connected bus. Otherwise (a gateway just started, a reconnect, a failover of the bucket's stream)
+    the view is being rebuilt, and a missing name may exist: a caller waits for it (`wait_complete`) instead of
+    answering 404."""
+
     def __init__(self, bus: Bus) -> None:
+        self.bus = bus
         self.models: dict[str, ModelConfig] = {}
         self.mirror = KVMirror(bus, MODELS, ModelConfig, on_change=self._changed)
 
@@ -19,6 +28,22 @@ class Catalog:
 
     def stop(self) -> None:
         self.mirror.stop()
+
+    @property
+    def complete(self) -> bool:
+        return self.mirror.current.is_set() and self.bus.connected
+
+    async def wait_complete(self, timeout_s: float) -> bool:
+        """Whether the view is complete, waiting up to `timeout_s` for it (polled for the bus' side: a reconnect
+        sets no event here)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.complete:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.mirror.current.wait(), min(left, 0.25))
+        return True
 
     def _changed(self, key: str, cfg: ModelConfig | None) -> None:
         if cfg is not None:

@@ -245,14 +245,14 @@ class OllamaController(InferenceController):
 
     @get("/tags")
     async def list_tags(self, request: Request) -> Response:  # not `tags`: that is a litestar Controller setting
-        return json_response({"models": [model_json(m) for m in self.gw.visible_models(self.caller(request))]})
+        return json_response({"models": [model_json(m) for m in await self.gw.visible_models(self.caller(request))]})
 
     @get("/ps")
     async def ps(self, request: Request) -> Response:
         """Only the models loaded now (a ready copy on a live node), as Ollama lists its running models."""
         copies, now = self.gw.copies.by_model(), datetime.datetime.now(datetime.timezone.utc)
         running = []
-        for m in self.gw.visible_models(self.caller(request)):
+        for m in await self.gw.visible_models(self.caller(request)):
             if ready := [c for c in copies.get(m.name, []) if c.status.state == "ready"]:
                 running.append(running_json(m, ready, now))
         return json_response({"models": running})
@@ -260,7 +260,7 @@ class OllamaController(InferenceController):
     @post("/show", status_code=200)
     async def show(self, request: Request) -> Response:
         req = await read_json(request, ShowRequest)
-        cfg = self.gw.visible_model(self.caller(request), req.model or req.name)
+        cfg = await self.gw.visible_model(self.caller(request), req.model or req.name)
         caps = sorted({"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in cfg.serves()})
         info = model_json(cfg)
         return json_response({"modelfile": "", "parameters": "", "template": "", "details": info["details"],

@@ -28,7 +28,7 @@ from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, price
 from coderai.gateway.auth import Caller
-from coderai.gateway.errors import ApiError, from_bus
+from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, until_disconnect
@@ -103,7 +103,7 @@ class Call:
     async def admit(self) -> ModelConfig:
         """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
         a request refused by the first two."""
-        cfg = self.gw.model(self.job.model, self.op)
+        cfg = await self.gw.find_model(self.job.model, self.op)
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)
@@ -223,7 +223,12 @@ class Call:
         self.gw.relay.spawn(self.finish(final))
 
     def abandon(self) -> None:
-        """The client went away: stop the engine, and still account (detached from the cancelled task)."""
+        """The client went away: stop the engine, and still account (detached from the cancelled task). Logged
+        once, at INFO: a client leaving is no fault of the gateway's (no traceback, no warning)."""
+        if not self._finished and self.status != "cancelled":
+            log.info("client disconnected", extra={"request_id": self.job.request_id, "fields": {
+                "op": self.op, "model": self.job.model, "stream": self.streamed,
+                "stage": "waiting" if self.ttft_s is None else "answering"}})
         self.status, self.http_status = "cancelled", 499
         if self.stream is not None:
             self.gw.relay.spawn(self.stream.cancel())
@@ -348,7 +353,7 @@ async def open_stream(call: Call, request: Request, chunk: Callable[[Chunk], byt
     told = asyncio.ensure_future(loading.wait())
     try:
         await until_disconnect(request, asyncio.wait({opening, told}, return_when=asyncio.FIRST_COMPLETED))
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ClientGone):
         opening.cancel()
         raise
     finally:

@@ -103,28 +103,46 @@ class Gateway:
         self.bus.fail_streams()
 
     def model(self, name: str, op: str | None = None) -> ModelConfig:
-        """The served model `name` (404 if none; 503 while the bus is down and nothing is known), checked to serve
-        `op` when given (400 if not)."""
+        """The served model `name`, checked to serve `op` when given (400 if not). A name the catalogue lacks is a 404
+        only when the catalogue is complete; while it is being rebuilt it is a 503 with `Retry-After` (an SDK
+        retries that, never a 404). `find_model` waits for the rebuild first."""
         cfg = self.catalog.models.get(name)
         if cfg is None:
-            if not self.bus.connected and not self.catalog.models:
-                raise ApiError(503, "The cluster is unavailable; try again shortly.", type="service_unavailable",
-                               code="no_engine", headers={"Retry-After": str(self.settings.retry_after_s)})
+            if not self.catalog.complete:
+                raise self.not_ready()
             raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
         if op is not None and op not in cfg.serves():
             raise ApiError(400, f"The model '{name}' does not serve {op}; it serves {', '.join(cfg.serves())}.",
                            param="model", code="unsupported_operation")
         return cfg
 
-    def visible_models(self, who: Caller) -> list[ModelConfig]:
-        """The served models a key may use, by name: all of them, or those of its allow-list."""
+    def not_ready(self) -> ApiError:
+        """What a request gets when this gateway's view of the models is being rebuilt for longer than the failover
+        budget (or the bus is down): 503, retried by every SDK."""
+        return ApiError(503, "The cluster's view of its models is being rebuilt (a failover or reconnect); try "
+                             "again shortly.", type="service_unavailable", code="no_engine",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    async def find_model(self, name: str, op: str | None = None) -> ModelConfig:
+        """`model(name, op)`, after waiting (up to the failover budget) for an incomplete catalogue to be whole
+        again when it lacks `name`."""
+        if name not in self.catalog.models and not self.catalog.complete:
+            await self.catalog.wait_complete(self.settings.failover_wait_s)
+        return self.model(name, op)
+
+    async def visible_models(self, who: Caller) -> list[ModelConfig]:
+        """The served models a key may use, by name: all of them, or those of its allow-list. A list from a
+        catalogue being rebuilt could lack some: it waits for the whole one (bounded), else 503."""
+        if not self.catalog.complete and not await self.catalog.wait_complete(self.settings.failover_wait_s):
+            raise self.not_ready()
         return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if may_use(who, m.name)]
 
-    def visible_model(self, who: Caller, name: str) -> ModelConfig:
-        """`model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing one."""
+    async def visible_model(self, who: Caller, name: str) -> ModelConfig:
+        """`find_model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing
+        one."""
         if not may_use(who, name):
             raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
-        return self.model(name)
+        return await self.find_model(name)
 
     def first_model(self, op: str) -> ModelConfig | None:
         """The first served model (by name) that serves `op`."""

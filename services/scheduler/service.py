@@ -288,6 +288,12 @@ class Scheduler:
                 self._dirty.set()  # copies it held may need a new home
             if not self._dirty.is_set():
                 continue
+            if not self.assignments.current.is_set():
+                # placement is sticky: a pass planned from a view of the assignments being rebuilt (a new leader
+                # that has not read them whole, a reconnect) would move copies that are serving
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.assignments.current.wait(), NODE_TTL_S / 2)
+                continue
             self._dirty.clear()
             self._passes = (self._passes[0] + 1, self._passes[1])
             try:

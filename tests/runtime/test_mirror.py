@@ -94,3 +94,44 @@ async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_w
                        what="the whole (new) bucket, and nothing from before")
     finally:
         mirror.stop()
+
+
+async def test_current_tells_a_whole_view_from_one_being_rebuilt(bus, unique):
+    """`current` is set once the replay is done, cleared while a restarted watch catches up (a reader must not take
+    a key it lacks then for absent), and set again once it has; a bucket made anew forgets what was read before,
+    telling `on_change`, while `current` is clear."""
+    spec = BucketSpec(f"test_{unique}")
+    changes: list[tuple[str, Rec | None]] = []
+    mirror = KVMirror(bus, spec, Rec, on_change=lambda k, v: changes.append((k, v)))
+    kv = await mirror.bind()
+    for i in range(5):
+        await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+    mirror.start()
+    try:
+        assert not mirror.current.is_set()
+        await wait_for(mirror.current.is_set, 10, what="the replay")
+        assert len(mirror.values) == 5 and mirror.synced.is_set()
+
+        caught_up: list[int] = []  # how many keys the view held each time it said it was current again
+        mirror.current.clear()
+        await kv.put("k9", encode(Rec(owner="b", n=9)))  # changed while the watch was away
+        mirror.start()  # a reconnect
+        assert not mirror.current.is_set(), "current before the restarted watch caught up"
+        await mirror.current.wait()
+        caught_up.append(len(mirror.values))
+        assert caught_up == [6] and mirror.values["k9"].n == 9
+
+        mirror.start()  # nothing changed while away: current again at once the catch-up finds nothing pending
+        await wait_for(mirror.current.is_set, 10, what="an idle catch-up")
+
+        await bus.js.delete_key_value(spec.name)  # wiped: read whole again, and what was read before is forgotten
+        kv = await bus.kv(spec)
+        mirror.kv = kv
+        for i in range(40):
+            await kv.put("fresh", encode(Rec(owner="d", n=i)))
+        changes.clear()
+        mirror.start()
+        await wait_for(lambda: mirror.current.is_set() and list(mirror.values) == ["fresh"], 10, what="the new bucket")
+        assert {k for k, v in changes if v is None} == {f"k{i}" for i in range(5)} | {"k9"}
+    finally:
+        mirror.stop()

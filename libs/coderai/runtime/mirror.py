@@ -26,6 +26,11 @@ class KVMirror(Generic[T]):
     The watch replays the bucket first (so a restarted service starts with the shared state), then follows
     changes. Call `start()` again after a reconnect: a restarted server may have dropped the watch's consumer.
 
+    `synced` is set once the first whole read is done. `current` is set while the mirror is whole and following
+    the bucket: it is cleared while a watch (re)starts or catches up (after a reconnect, a failover of the bucket's
+    stream, a bucket made anew), so a reader can tell "this key is absent" (current) from "my view is being
+    rebuilt" (not current: wait for `current`, or say so).
+
     `max_entries` bounds a bucket that is a cache (affinity): past it, the keys written longest ago are dropped
     from memory (not from the bucket), a sixteenth at a time. `values` is kept in write order for that: a key
     written again moves to the end. `shrink` maps each decoded value before it is kept (to share repeated
@@ -45,6 +50,7 @@ class KVMirror(Generic[T]):
         self._created: Any = None  # when the bucket's stream was made, as the first full read saw it
         self._shrink = shrink
         self.synced = asyncio.Event()
+        self.current = asyncio.Event()
         self.kv: Any = None
         self._on_change = on_change
         self._task: asyncio.Task | None = None
@@ -54,6 +60,7 @@ class KVMirror(Generic[T]):
         return self.kv
 
     def start(self) -> None:
+        self.current.clear()
         if self._task is not None:
             self._task.cancel()
         self._task = asyncio.create_task(self._watch())
@@ -96,11 +103,13 @@ class KVMirror(Generic[T]):
                     entry = await watcher.updates(timeout=None)
                     if entry is None:  # the replay of existing values is done
                         self.synced.set()
+                        self.current.set()
                         continue
                     self._apply(entry)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - restarted; the mirror keeps serving what it has
+                self.current.clear()
                 log.warning("watch of %s ended (%s); restarting", self.spec.name, exc)
                 await asyncio.sleep(0.5)
             finally:
@@ -115,9 +124,13 @@ class KVMirror(Generic[T]):
         if info.state.last_seq >= self.last_seq and info.created == self._created:
             return True
         log.warning("%s starts again below revision %d: reading it whole", self.spec.name, self.last_seq)
+        gone = list(self.values)
         self.values.clear()
         self.revisions.clear()
         self.last_seq = 0
+        if self._on_change:  # what was read before is no longer known to exist (`current` is clear meanwhile)
+            for key in gone:
+                self._on_change(key, None)
         return False
 
     async def _follow_from(self, kv: Any, start_seq: int) -> None:
@@ -137,11 +150,15 @@ class KVMirror(Generic[T]):
                                   inactive_threshold=300))
         self.synced.set()
         try:
+            if queue.empty() and (await sub.consumer_info()).num_pending == 0:
+                self.current.set()  # nothing changed while away
             while True:
                 msg = await queue.get()
                 headers = msg.headers or {}
                 op = headers.get("KV-Operation") or ("PURGE" if "Nats-Marker-Reason" in headers else None)
                 self._apply(_Change(msg.subject[len(kv._pre):], msg.data, msg.metadata.sequence.stream, op))
+                if msg.metadata.num_pending == 0:  # caught up with what changed while away
+                    self.current.set()
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -9,7 +9,6 @@ a cancel, or the completion window passed) the output and error files are writte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -70,8 +69,12 @@ class BatchRunner(Takeovers[BatchRecord]):
             self._kv[spec.name] = await self.gw.bus.kv(spec)
         return self._kv[spec.name]
 
-    def parse(self, data: bytes, endpoint: str) -> tuple[list[validation.Line], list[LineError]]:
-        return validation.parse(data, endpoint, self.gw.model)
+    async def parse(self, data: bytes, endpoint: str) -> tuple[list[validation.Line], list[LineError]]:
+        """The batch's lines, each checked as its request would be: against a whole catalogue (a line naming a model
+        a catalogue being rebuilt lacks is not refused for it), off the event loop."""
+        if not await self.gw.catalog.wait_complete(self.gw.settings.failover_wait_s):
+            raise self.gw.not_ready()
+        return await asyncio.to_thread(validation.parse, data, endpoint, self.gw.model)
 
     async def start(self, rec: BatchRecord, lines: list[validation.Line], who: Caller) -> BatchRecord:
         """Keep a new batch's record and run it here."""
@@ -139,12 +142,12 @@ class BatchRunner(Takeovers[BatchRecord]):
 
     async def reload(self, tenure: Tenure) -> tuple[list[validation.Line] | None, Caller | None]:
         rec = tenure.rec
+        if not await self.gw.catalog.wait_complete(self.gw.settings.failover_wait_s):
+            raise self.gw.not_ready()  # not the batch's fault: the sweeper takes it over later
         try:
             who = await caller_for(self.gw.auth, rec.key_name)
             data = (await (await self.records.files()).get(rec.input_file_id)).data or b""
-            with contextlib.suppress(asyncio.TimeoutError):  # a gateway just started: its catalogue fills first
-                await asyncio.wait_for(self.gw.catalog.mirror.synced.wait(), 10)
-            lines, errors = self.parse(data, rec.endpoint)
+            lines, errors = await self.parse(data, rec.endpoint)
         except Exception as exc:  # noqa: BLE001 - the input file was deleted, or the key store is down
             errors, lines, who = [LineError(code="input_unavailable", message=f"The batch could not be resumed: "
                                                                               f"its input file could not be read ({exc}).")], [], None

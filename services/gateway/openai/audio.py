@@ -99,7 +99,7 @@ async def _transcribe(gw: Gateway, who: Caller, request: Request, task: str) -> 
     if not form.flag("diarize"):
         result = (await answer(call, request)).output
     else:
-        djob = DiarizeJob(request_id=new_request_id(), model=_diarizer(gw, form.get("diarization_model")),
+        djob = DiarizeJob(request_id=new_request_id(), model=await _diarizer(gw, form.get("diarization_model")),
                           audio=job.audio, num_speakers=form.number("num_speakers", int, 1, 32))
         both = asyncio.gather(answer(call), answer(Call(gw, who, "diarize", djob)))
         final, dfinal = await until_disconnect(request, both)
@@ -122,9 +122,11 @@ def _granularities(form: Form, fmt: str) -> list[str]:
     return grains
 
 
-def _diarizer(gw: Gateway, name: str | None) -> str:
+async def _diarizer(gw: Gateway, name: str | None) -> str:
     if name:
-        return gw.model(name, "diarize").name
+        return (await gw.find_model(name, "diarize")).name
+    if not await gw.catalog.wait_complete(gw.settings.failover_wait_s):  # "none is served" only from a whole view
+        raise gw.not_ready()
     cfg = gw.first_model("diarize")
     if cfg is None:
         raise ApiError(400, "diarize=true needs a diarization model, and none is served.", param="diarize",

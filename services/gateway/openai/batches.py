@@ -4,7 +4,6 @@ owner (the key that made it); another key's is as unknown as one that never was 
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 
@@ -62,7 +61,7 @@ class BatchesController(InferenceController):
             raise ApiError(400, f"The file {file.id} has purpose '{file.purpose}'; a batch reads a file uploaded with "
                                 "purpose 'batch'.", param="input_file_id", code="invalid_value")
         data = (await (await self.records.files()).get(file.id)).data or b""
-        lines, errors = await asyncio.to_thread(self.batches.parse, data, req.endpoint)
+        lines, errors = await self.batches.parse(data, req.endpoint)
         now = int(time.time())
         models = {ln.job.model for ln in lines}
         rec = BatchRecord(id="batch_" + secrets.token_hex(16), key_name=who.key_name, endpoint=req.endpoint,

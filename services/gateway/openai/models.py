@@ -44,11 +44,11 @@ class ModelsController(InferenceController):
         """The models this key may use (all of them for a key without an allow-list)."""
         who = self.caller(request)
         copies, admin = self.gw.copies.by_model(), "admin" in who.scopes
-        data = [model_json(m, copies.get(m.name, []), admin) for m in self.gw.visible_models(who)]
+        data = [model_json(m, copies.get(m.name, []), admin) for m in await self.gw.visible_models(who)]
         return json_response({"object": "list", "data": data})
 
     @get("/{model_id:path}")
     async def get_model(self, request: Request, model_id: FromPath[str]) -> Response:
         who = self.caller(request)
-        m = self.gw.visible_model(who, model_id.lstrip("/"))
+        m = await self.gw.visible_model(who, model_id.lstrip("/"))
         return json_response(model_json(m, self.gw.copies.by_model().get(m.name, []), "admin" in who.scopes))

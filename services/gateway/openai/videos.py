@@ -106,7 +106,7 @@ class VideosController(InferenceController):
         else:
             req = await read_json(request, VideoRequest)
         w, h, frames, seconds = plan(req)
-        self.gw.model(req.model, "video")
+        await self.gw.find_model(req.model, "video")
         allowed(who, req.model)  # refused now, not as a failed job (rates and budget count when the job runs)
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())

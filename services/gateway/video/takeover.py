@@ -87,7 +87,7 @@ class VideoJobs(Takeovers[VideoRecord]):
 
         try:
             try:
-                if relay.is_staged(gw.model(job.model, "video")):
+                if relay.is_staged(await gw.find_model(job.model, "video")):
                     done = await relay.run(gw, who, job, tenure.save, handoff=rec.handoff, history=list(rec.stages))
                     stored_name = done.video.name  # the decode node stored the MP4
                 else:
