@@ -6,6 +6,10 @@ The suite runs as on a new machine wherever it runs: before anything is collecte
 so this process and every process a test starts (they inherit the environment) find nothing a developer's
 home holds. What the suite needs is built there, or in the repo's `.venv`, during the run. The one thing kept
 from outside is pip's cache (`PIP_CACHE_DIR`), which `scripts/setup` fills. `suite_home` names the folders.
+
+A test module that leaves a process, a network namespace or a listening socket behind errors at its end, naming
+what it left, which is then killed (`nothing_left_behind`, coderai.testing.leftovers): a leftover is a failure of
+its own, and never fails the next test.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from coderai.runtime.embedded import NatsServer, RedisServer
+from coderai.testing.leftovers import Snapshot, clean, left_behind, snapshot
 
 # settings that name a cache or a data dir: dropped, so their defaults (under the empty home) apply
 _OUTSIDE_SETTINGS = ("CODERAI_DATA_DIR", "CODERAI_MODEL_CACHE", "CODERAI_BENCH_CACHE", "CODERAI_BUILD_CACHE",
@@ -45,6 +50,7 @@ def pytest_configure(config):
         "XDG_STATE_HOME": str(home / ".local" / "state"),
         "PIP_CACHE_DIR": pip_cache,
         "CODERAI_TEST_OUTSIDE_HOME": str(real_home),  # only for the test that proves the isolation
+        "CODERAI_TEST_NETNS_DIR": str(_suite_root / "netns"),  # the namespaces labs make (coderai.testing.netns)
     })
     for sub in (".cache", ".local/share", ".config", ".local/state"):
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -61,6 +67,36 @@ def suite_home() -> Path:
     home = Path(os.environ["HOME"])
     assert _suite_root is not None and home.is_relative_to(_suite_root), "the suite must run in its own home"
     return home
+
+
+_outliving = Snapshot()  # what session-scoped fixtures started: it outlives the module that first asked for it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Note what a session-scoped fixture starts (the session's nats-server and redis-server), so the check of the
+    module that happened to ask for it first does not count it as left behind."""
+    global _outliving
+    if fixturedef.scope not in ("session", "package"):
+        yield
+        return
+    before = snapshot()
+    yield
+    _outliving = _outliving.plus(snapshot().minus(before))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind(request):
+    """Fail a module that leaves a process, a network namespace or a listening socket behind once its own
+    fixtures are torn down (an error at the teardown of its last test, naming each), and kill what it left, so
+    the next module starts clean. Autouse and module-scoped, it is set up before the module's other fixtures
+    and torn down after them."""
+    before = snapshot()
+    yield
+    left = left_behind(before, _outliving)
+    if left:
+        clean(left)
+        pytest.fail(f"{request.node.nodeid} left behind:\n{left.describe()}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

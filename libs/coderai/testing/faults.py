@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from coderai.testing.netns import NetnsUnavailable, _ip
+from coderai.testing.netns import NetnsUnavailable, _ip, noted, unnoted
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Link:
         subprocess.run(["ip", "link", "del", link.host_dev], capture_output=True)
         try:
             _ip("netns", "add", link.ns)
+            noted(link.ns)
             _ip("link", "add", link.host_dev, "type", "veth", "peer", "name", link.ns_dev)
             _ip("link", "set", link.ns_dev, "netns", link.ns)
             _ip("addr", "add", f"{link.host_ip}/30", "dev", link.host_dev)
@@ -95,6 +96,7 @@ class Link:
     def close(self) -> None:
         subprocess.run(["ip", "link", "del", self.host_dev], capture_output=True)  # its peer goes with it
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        unnoted(self.ns)
 
 
 def has_netem() -> bool:

@@ -1,5 +1,9 @@
 """Test hosts in Linux network namespaces, joined by one bridge: several "machines" on one box, for mDNS,
-joining and failover tests. Needs root and iproute2. Addresses are private to the namespaces made here."""
+joining and failover tests. Needs root and iproute2. Addresses are private to the namespaces made here.
+
+Under the test suite every namespace made here (or by `faults.Link`) is also noted in `CODERAI_TEST_NETNS_DIR`
+(tests/conftest.py sets it), by this process or by a bench it runs, so the suite finds one that a test left:
+namespaces are global to the box, and another run's are none of its business."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class NetnsUnavailable(RuntimeError):
@@ -18,6 +23,44 @@ def _ip(*args: str) -> None:
     r = subprocess.run(["ip", *args], capture_output=True, text=True)
     if r.returncode != 0:
         raise NetnsUnavailable(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def _registry() -> Path | None:
+    folder = os.environ.get("CODERAI_TEST_NETNS_DIR")
+    return Path(folder) if folder else None
+
+
+def noted(name: str) -> None:
+    """Note a namespace just made (a no-op outside the test suite)."""
+    if (folder := _registry()) is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).touch()
+
+
+def unnoted(name: str) -> None:
+    """Forget a namespace just deleted."""
+    if (folder := _registry()) is not None:
+        (folder / name).unlink(missing_ok=True)
+
+
+def noted_namespaces() -> set[str]:
+    """The noted namespaces that still exist (a crashed bench's are among them)."""
+    folder = _registry()
+    if folder is None or not folder.is_dir():
+        return set()
+    return {p.name for p in folder.iterdir() if Path("/run/netns", p.name).exists()}
+
+
+def delete_namespace(name: str) -> None:
+    """SIGKILL every process in namespace `name`, then delete it (its veth pairs go with it) and forget it."""
+    r = subprocess.run(["ip", "netns", "pids", name], check=False, capture_output=True, text=True)
+    for pid in r.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    unnoted(name)
 
 
 @dataclass(frozen=True)
@@ -82,6 +125,7 @@ class Lab:
     def _ns(self, name: str) -> None:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)  # a leftover of a crashed run
         _ip("netns", "add", name)
+        noted(name)
         self._made.append(name)
 
     def __getitem__(self, name: str) -> Host:
@@ -124,6 +168,7 @@ class Lab:
         self._links.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            unnoted(ns)
         self._made.clear()
 
     def __enter__(self) -> "Lab":
