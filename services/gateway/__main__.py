@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     from granian.constants import HTTPModes, Interfaces
     from granian.http import HTTP1Settings
 
-    Granian(
+    from coderai.runtime.logging import setup_logging
+
+    server = Granian(
         "coderai.gateway.app:create_app",
         factory=True,
         address=settings.host,
@@ -54,8 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         backpressure=connection_limit(settings.max_connections),
         log_level="warning",
         backlog=2048,
-    ).serve()
+        log_dictconfig=GRANIAN_LOGGING,
+    )
+    setup_logging("gateway", settings.node_id, settings.log_level, settings.log_format)  # after granian's own setup
+    server.serve()
     return 0
+
+
+GRANIAN_LOGGING = {"loggers": {"_granian": {"handlers": [], "propagate": True},
+                               "granian.access": {"handlers": [], "propagate": True}}}
+"""Granian's loggers without handlers of their own: what it logs goes through the root logger, as every line of the
+gateway does (JSON off a terminal), in its main process and in each worker (whose app sets the root logger up)."""
 
 
 def connection_limit(configured: int) -> int:

@@ -154,3 +154,16 @@ class Accounts:
                 log.warning("could not charge key %s: %s", key.name, exc)
         trace.end(done)
         self.outbox.put(done)
+        log_completed(done)
+
+
+def log_completed(done: RequestCompleted) -> None:
+    """The request's one line at INFO, as structured fields (JSON off a terminal): what an operator greps for a
+    request id, without the metrics stack. The key's name only, never the key; no prompt, no answer."""
+    log.info("request completed", extra={"request_id": done.request_id, "fields": {
+        "key_name": done.key_name, "model": done.model, "op": done.op, "status": done.status,
+        "http_status": done.http_status, "stream": done.stream, "route": done.route_reason, "engine": done.engine_id,
+        "engine_node": done.node_id, "parts": done.parts,
+        "ttft_ms": None if done.ttft_s is None else round(done.ttft_s * 1000, 1),
+        "total_ms": round(done.duration_s * 1000, 1), "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens, "client_request_id": done.client_request_id}})

@@ -89,6 +89,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         # JSON bodies are held to max_body_bytes by `http.read_json`; uploads to this (one file and the form)
         request_max_body_size=max(settings.max_body_bytes, settings.max_upload_bytes + 1024 * 1024),
         openapi_config=None,
+        # litestar's default config replaces the root logger's handlers with its own text format: the gateway's
+        # lines would no longer be JSON, nor reach the ring the admin API reads
+        logging_config=None,
         debug=False,
     )
     app.state.gateway = gw  # the guards' way to the keys

@@ -31,6 +31,15 @@ class ApiError(Exception):
         return msgspec.json.encode(self.body())
 
 
+class ClientGone(ApiError):
+    """The client disconnected before its answer: what the request's task raises instead of the cancellation that
+    stopped it, so that the server (granian) does not log a cancelled request as a crashed one. The 499 it renders
+    reaches nobody; the request was accounted as cancelled, and logged once, by the pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "The client closed the request.", type="cancelled", code="cancelled")
+
+
 # bus code -> (HTTP status, OpenAI error type)
 BUS_TO_HTTP: dict[str, tuple[int, str]] = {
     "bad_request": (400, "invalid_request_error"),

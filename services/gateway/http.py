@@ -15,7 +15,7 @@ from litestar.exceptions import InternalServerException
 from litestar.types import Receive, Scope, Send
 
 from coderai.contracts.topology import HDR_REQUEST_ID
-from coderai.gateway.errors import ApiError
+from coderai.gateway.errors import ApiError, ClientGone
 from coderai.runtime.logging import request_id_var
 
 T = TypeVar("T")
@@ -167,11 +167,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     client disconnects first. For answers that are not streamed yet (litestar watches a streamed one).
 
     The watch starts `WATCH_AFTER_S` in: most answers are done by then, and asking the server for the next ASGI
-    message costs the hot path more than the rest of the pipeline. A client gone sooner is noticed then."""
-    watch = _Watch(request, asyncio.current_task())  # type: ignore[arg-type]
+    message costs the hot path more than the rest of the pipeline. A client gone sooner is noticed then.
+
+    The client leaving raises `ClientGone` once `work` has unwound (a 499 nobody reads): a CancelledError out of
+    the handler is what the server logs as an application crash, with its traceback. A cancellation that is not
+    the watch's alone (the server stopping) stays one."""
+    task = asyncio.current_task()
+    watch = _Watch(request, task)  # type: ignore[arg-type]
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
     try:
         return await work
+    except asyncio.CancelledError:
+        if watch.gone and task is not None and task.uncancel() == 0:
+            raise ClientGone() from None
+        raise
     finally:
         timer.cancel()
         watch.stop()
@@ -181,10 +190,11 @@ class _Watch:
     """The request's next ASGI message (the body is read already, so it is the disconnect), watched with a
     callback: granian's `receive` hands out a future; another server's coroutine gets a task."""
 
-    __slots__ = ("request", "task", "waiter")
+    __slots__ = ("gone", "request", "task", "waiter")
 
     def __init__(self, request: Request, task: asyncio.Task) -> None:
         self.request, self.task, self.waiter = request, task, None
+        self.gone = False  # the client disconnected, and the task was cancelled for it
 
     def start(self) -> None:
         waiter: Any = self.request.receive()
@@ -195,6 +205,7 @@ class _Watch:
 
     def _message(self, done: Any) -> None:
         if not done.cancelled() and done.exception() is None and done.result().get("type") == "http.disconnect":
+            self.gone = True
             self.task.cancel()
 
     def stop(self) -> None:

@@ -227,8 +227,8 @@ class Call:
         once, at INFO: a client leaving is no fault of the gateway's (no traceback, no warning)."""
         if not self._finished and self.status != "cancelled":
             log.info("client disconnected", extra={"request_id": self.job.request_id, "fields": {
-                "op": self.op, "model": self.job.model, "stream": self.streamed,
-                "stage": "waiting" if self.ttft_s is None else "answering"}})
+                "op": self.op, "model": self.job.model, "stream": self.streamed, "first_frame": self.ttft_s is not None,
+                "waited_ms": round((time.monotonic() - self.started) * 1000, 1)}})
         self.status, self.http_status = "cancelled", 499
         if self.stream is not None:
             self.gw.relay.spawn(self.stream.cancel())

@@ -102,7 +102,9 @@ def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str
     root = logging.getLogger()
     root.handlers[:] = [handler, ring]
     root.setLevel(level.upper())
-    for noisy in ("nats", "asyncio", "gguf"):
+    # libraries that log routine work at INFO: httpx one line per request, which is two lines a second per
+    # llama-server engine (the worker polls its /metrics); the budget is docs/architecture.md's "Logs"
+    for noisy in ("nats", "asyncio", "gguf", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
