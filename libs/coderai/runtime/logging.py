@@ -38,6 +38,9 @@ class _ContextFilter(logging.Filter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        cached = record.__dict__.get("_coderai_json")
+        if cached is not None:  # the ring's copy of what stderr got: the gateway logs a line per request
+            return cached
         doc = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
@@ -52,7 +55,8 @@ class JsonFormatter(logging.Formatter):
             doc.update(extra)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return redact(json.dumps(doc, default=str))
+        text = record._coderai_json = redact(json.dumps(doc, default=str))
+        return text
 
 
 class TextFormatter(logging.Formatter):
