@@ -12,18 +12,20 @@ from coderai.runtime.embedded import NatsServer, RedisServer, free_port
 
 @pytest.fixture
 async def own_bus(tmp_path):
-    server = NatsServer(tmp_path / "nats").start()
-    bus = await Bus.connect(server.url, "test-accounts")
-    yield bus
-    await bus.close()
-    server.stop()
+    with NatsServer(tmp_path / "nats").start() as server:  # stopped whatever the test did, or if the connect fails
+        bus = await Bus.connect(server.url, "test-accounts")
+        try:
+            yield bus
+        finally:
+            await bus.close()
 
 
 @pytest.fixture
 async def own_redis(tmp_path):
     """A client of a redis-server of the test's own (FLUSHALL it to lose Redis)."""
-    server = RedisServer(tmp_path / "redis", port=free_port()).start()
-    r = aioredis.from_url(server.url)
-    yield r
-    await r.aclose()
-    server.stop()
+    with RedisServer(tmp_path / "redis", port=free_port()).start() as server:
+        r = aioredis.from_url(server.url)
+        try:
+            yield r
+        finally:
+            await r.aclose()

@@ -25,13 +25,13 @@ SCRAPE = "scrape-token-for-tests"
 def duo(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
     """One worker, two gateways (A and B) on the same NATS and Redis."""
     root = tmp_path_factory.mktemp("accounts")
-    nats = NatsServer(root / "nats").start()
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
          "price_prompt_per_mtok": 1000.0, "price_completion_per_mtok": 2000.0},
         {"name": "other", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
         {"name": "clip", "engine": "video", "path": str(tiny_gguf), "nodes": ["nowhere"]},  # placed nowhere: never loads
     ])
+    nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, redis_server.url, extra_env={
         "CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_GATEWAY_SCRAPE_TOKEN": SCRAPE,
         "CODERAI_METRICS_SCRAPE_TOKEN": SCRAPE})

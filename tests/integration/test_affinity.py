@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def duo(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     root = tmp_path_factory.mktemp("affinity")
-    nats = NatsServer(root / "nats").start()
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 2048, "n_threads": 1}},
     ])
+    nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, extra_env={"CODERAI_ROUTER_LOG_LEVEL": "DEBUG"})
     try:
         stack.start_core(models)

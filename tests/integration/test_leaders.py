@@ -44,9 +44,9 @@ def _put_assignment(url: str, a: Assignment) -> None:
 
 
 def test_the_standby_scheduler_takes_over_and_the_old_leaders_writes_are_refused(tmp_path, tiny_gguf, keys_file, admin_key):
-    nats = NatsServer(tmp_path / "nats").start()
     models = write_models_file(tmp_path / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512, "n_threads": 1}}])
+    nats = NatsServer(tmp_path / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(tmp_path, nats.url)
     headers = {"Authorization": f"Bearer {admin_key}"}
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -58,13 +58,15 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
     pod = worker_pods(root / "pods")
     fake = FakeRunPod(launch=lambda env: pod({**env, "CODERAI_WORKER_FAMILIES": "llama,echo",
                                               "CODERAI_WORKER_HEARTBEAT_S": "0.5"})).start()
-    nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
-    prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
-    stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",
-                                                             "CODERAI_WORKER_FAMILIES": "llama,echo",
-                                                             "CODERAI_POD_LEDGER_PREFIX": prefix})
-    stack.nats = nats
-    try:
+    nats = None
+    stack = None
+    try:  # each is stopped whatever happens, however far the set-up got
+        nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
+        prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
+        stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",
+                                                                 "CODERAI_WORKER_FAMILIES": "llama,echo",
+                                                                 "CODERAI_POD_LEDGER_PREFIX": prefix})
+        stack.nats = nats
         stack.start_core(write_models_file(root / "models.toml", models))
         stack.start("pod-broker", "coderai.pod_broker", env={
             "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key, "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
@@ -78,9 +80,11 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
         stack.wait_model_ready("home", headers=auth())
         yield stack, fake, deployment
     finally:
-        stack.stop()
+        if stack is not None:
+            stack.stop()
         fake.close()
-        nats.stop()
+        if nats is not None:
+            nats.stop()
 
 
 def auth() -> dict[str, str]:

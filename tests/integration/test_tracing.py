@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 def traced(tmp_path_factory, tiny_gguf):
     root = tmp_path_factory.mktemp("tracing")
     spans = root / "spans"
-    nats = NatsServer(root / "nats").start()
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
     ])
+    nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, extra_env={"CODERAI_TRACE_FILE": str(spans / "{service}.jsonl")})
     try:
         stack.start_core(models)

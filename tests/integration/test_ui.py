@@ -21,12 +21,12 @@ pytestmark = pytest.mark.slow
 def ui_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
     """Two workers that both serve `tiny`; `ghost` fits no node (it names one that never joins)."""
     root = tmp_path_factory.mktemp("ui-stack")
-    nats = NatsServer(root / "nats").start()
     models = write_models_file(root / "models.toml", [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
         {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"],
          "pod": {"burst": "when_no_fit", "max_hourly_usd": 2.0, "budget_usd": 20.0}},
     ])
+    nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, redis_server.url)
     try:
         stack.start_core(models)

@@ -153,7 +153,11 @@ async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one
     unrecorded: every event is counted, once."""
     key, consumer = f"k{unique}", f"metrics-{unique}"
     redis_a = RedisServer(tmp_path / "redis-a", port=free_port()).start()
-    redis_b = RedisServer(tmp_path / "redis-b", port=free_port()).start()
+    try:
+        redis_b = RedisServer(tmp_path / "redis-b", port=free_port()).start()
+    except Exception:
+        redis_a.stop()
+        raise
 
     def head(name: str, redis_url: str) -> MetricsSettings:
         return settings_for(nats_server, unique, redis_url, node_id=name)

@@ -4,6 +4,7 @@ once to its last heartbeat and replaced only for a floor; while RunPod's API fai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -37,25 +38,25 @@ async def no_sleep(_s: float) -> None:
 @pytest.fixture
 async def env(bus, redis_server):
     """(broker, fake): a broker that rents from the fake, with its own ledger prefix and deployment name."""
-    fake = FakeRunPod().start()
     tag = uuid.uuid4().hex[:8]
-    r = aioredis.from_url(redis_server.url)
     settings = load_settings(BrokerSettings, "pod-broker", env={}, max_hourly_usd=10.0, pod_nats_url="nats://pods:4222",
                              deployment=f"t{tag}")
-    broker = Broker(settings, api=RunPodClient(fake.api_key, fake.base_url, sleep=no_sleep),
-                    money=PodMoney(r, prefix=f"coderai:pods:{tag}"))
-    broker.bus, broker.kv = bus, await bus.kv(PODS)
-    broker.models = SimpleNamespace(values={"m": SPOT})
 
     async def pod_user(req, _m) -> PodUser:  # the scheduler's part: the pod's own NATS login
         return PodUser(user=f"pod-{req.pod_id}", password="pw", expires_at=time.time() + req.ttl_s)
 
-    sub = await bus.serve(CMD_SCHEDULER_POD_USER, pod_user)
-    yield broker, fake
-    await sub.unsubscribe()
-    await broker.api.aclose()
-    await r.aclose()
-    fake.close()
+    with FakeRunPod() as fake:  # its server closed whatever happened
+        async with contextlib.AsyncExitStack() as cleanup:
+            r = aioredis.from_url(redis_server.url)
+            cleanup.push_async_callback(r.aclose)
+            broker = Broker(settings, api=RunPodClient(fake.api_key, fake.base_url, sleep=no_sleep),
+                            money=PodMoney(r, prefix=f"coderai:pods:{tag}"))
+            cleanup.push_async_callback(broker.api.aclose)
+            broker.bus, broker.kv = bus, await bus.kv(PODS)
+            broker.models = SimpleNamespace(values={"m": SPOT})
+            sub = await bus.serve(CMD_SCHEDULER_POD_USER, pod_user)
+            cleanup.push_async_callback(sub.unsubscribe)
+            yield broker, fake
 
 
 async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):

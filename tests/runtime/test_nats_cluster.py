@@ -44,11 +44,13 @@ def heads(tmp_path):
         peers = tuple(r for n, r in routes.items() if n != name)
         servers[name] = NatsServer(tmp_path / name, port=free_port(), tls=certs,
                                    cluster=Routes(f"head-{name}", listen, peers, password, tls=certs))
-    for s in servers.values():
-        s.start(log_file=s.data_dir / "nats.log")
-    yield servers, certs
-    for s in servers.values():
-        s.stop()
+    try:  # every server stopped, the ones started before one that failed to start too
+        for s in servers.values():
+            s.start(log_file=s.data_dir / "nats.log")
+        yield servers, certs
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 async def _bus(servers, certs, names: str, replicas: int = 3) -> Bus:

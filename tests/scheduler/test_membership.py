@@ -25,14 +25,13 @@ TOKEN = new_token()
 
 @pytest.fixture
 async def head(tmp_path):
-    server = NatsServer.secured(tmp_path / "nats", token=TOKEN).start()
-    async with contextlib.AsyncExitStack() as stack:
-        bus = await Bus.connect(server.service_url, "scheduler")
-        stack.push_async_callback(bus.close)
-        m = Membership(bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file))
-        await m.start(stack)
-        yield server, bus, m
-    server.stop()
+    with NatsServer.secured(tmp_path / "nats", token=TOKEN).start() as server:  # stopped whatever happened
+        async with contextlib.AsyncExitStack() as stack:
+            bus = await Bus.connect(server.service_url, "scheduler")
+            stack.push_async_callback(bus.close)
+            m = Membership(bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file))
+            await m.start(stack)
+            yield server, bus, m
 
 
 async def _as_joiner(server) -> Bus:

@@ -48,11 +48,13 @@ def heads(tmp_path):
     no_joins.join_hash = ""
     members.save(servers["c"].members_file, no_joins)
     members.write_users(servers["c"].users_file, no_joins)
-    for s in servers.values():
-        s.start(log_file=s.data_dir / "nats.log")
-    yield servers
-    for s in servers.values():
-        s.stop()
+    try:  # every server stopped, the ones started before one that failed to start too
+        for s in servers.values():
+            s.start(log_file=s.data_dir / "nats.log")
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
 
 
 def files(server: NatsServer) -> HeadFiles:
