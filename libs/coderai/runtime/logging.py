@@ -55,7 +55,7 @@ class JsonFormatter(logging.Formatter):
             doc.update(extra)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        text = record._coderai_json = redact(json.dumps(doc, default=str))
+        text = record.__dict__["_coderai_json"] = redact(json.dumps(doc, default=str))
         return text
 
 
