@@ -46,28 +46,28 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         lab = Lab(["head", "node-b"])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path
-    base = tiny_hf_llama()
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": "transformers", "path": str(base), "params": {"max_tokens": 8}, "nodes": ["head"]},
-    ])
-    data, valid = root / "train.jsonl", root / "valid.jsonl"
-    data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4]))
-    valid.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[4:]))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {
-        "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    head, nb = lab["head"], lab["node-b"]
     procs: list[ServiceProcess] = []
+    try:  # the lab is closed (every process in it killed) whatever fails, set-up included
+        root = tmp_path
+        base = tiny_hf_llama()
+        models = write_models_file(root / "models.toml", [
+            {"name": "tiny", "engine": "transformers", "path": str(base), "params": {"max_tokens": 8}, "nodes": ["head"]},
+        ])
+        data, valid = root / "train.jsonl", root / "valid.jsonl"
+        data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4]))
+        valid.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[4:]))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {
+            "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        head, nb = lab["head"], lab["node-b"]
 
-    def client(*args: str) -> dict | list:
-        r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", key, *args], env=env, timeout_s=120)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        def client(*args: str) -> dict | list:
+            r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", key, *args], env=env, timeout_s=120)
+            assert r.returncode == 0, r.stderr[-3000:]
+            return json.loads(r.stdout.strip().splitlines()[-1])
 
-    def job(job_id: str) -> dict:
-        return client("get", job_id)
+        def job(job_id: str) -> dict:
+            return client("get", job_id)
 
-    try:
         up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
                                                   "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
                                                   "--models-file", str(models)], env, root / "logs", prefix=head.prefix())

@@ -52,25 +52,25 @@ def cluster(tmp_path_factory, tiny_gguf):
         lab = Lab(["head", "n1", "n2", "rogue"])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("cluster")
-    models = write_models_file(root / "models.toml", [
-        {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
-        {"name": "n1-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1"]},
-        {"name": "n2-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n2"]},
-        {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
-    ])
-    c = Cluster(lab, root, clean_env())
-    up = head_up(lab["head"], root, models, TOKEN, c.env)
-    try:
-        up.start()
-        up.wait_log("\nready", 120)
+    with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
+        root = tmp_path_factory.mktemp("cluster")
+        models = write_models_file(root / "models.toml", [
+            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
+            {"name": "n1-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1"]},
+            {"name": "n2-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n2"]},
+            {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
+        ])
+        c = Cluster(lab, root, clean_env())
+        up = head_up(lab["head"], root, models, TOKEN, c.env)
         c.procs["up"] = up
-        c.key = (root / "head" / "admin.key").read_text().strip()
-        yield c
-    finally:
-        for p in reversed(list(c.procs.values())):
-            p.stop(timeout_s=60 if p is up else 15)  # up stops its whole stack, NATS and Redis included
-        lab.close()
+        try:
+            up.start()
+            up.wait_log("\nready", 120)
+            c.key = (root / "head" / "admin.key").read_text().strip()
+            yield c
+        finally:
+            for p in reversed(list(c.procs.values())):
+                p.stop(timeout_s=60 if p is up else 15)  # up stops its whole stack, NATS and Redis included
 
 
 def test_nodes_join_with_only_the_token_within_10s(cluster):

@@ -35,17 +35,17 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         lab = Lab(["head", "node-b"])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path
-    params = {"n_ctx": 512, "n_threads": 1}
-    models = write_models_file(root / "models.toml", [
-        {"name": "whole", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"]},
-        {"name": "split", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"],
-         "replicas": 1, "rpc_nodes": ["node-b"]},
-    ])
-    env = clean_env()
-    head, nb = lab["head"], lab["node-b"]
     procs: list[ServiceProcess] = []
-    try:
+    try:  # the lab is closed (every process in it killed) whatever fails, set-up included
+        root = tmp_path
+        params = {"n_ctx": 512, "n_threads": 1}
+        models = write_models_file(root / "models.toml", [
+            {"name": "whole", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"]},
+            {"name": "split", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"],
+             "replicas": 1, "rpc_nodes": ["node-b"]},
+        ])
+        env = clean_env()
+        head, nb = lab["head"], lab["node-b"]
         up = head_up(head, root, models, TOKEN, env)
         procs.append(up.start())
         up.wait_log("\nready", 120)

@@ -39,19 +39,19 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         lab = Lab(["head", "node-b"])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path
-    pulled = root / "head" / "models" / STORE_PATH  # what `coderai models pull` leaves in the head's store
-    pulled.parent.mkdir(parents=True)
-    shutil.copyfile(tiny_gguf, pulled)
-    models = write_models_file(root / "models.toml", [
-        {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
-        {"name": "fetched", "engine": "llama", "path": str(pulled), "store_path": STORE_PATH,
-         "params": {"n_ctx": 512}, "nodes": ["node-b"]},
-    ])
-    env = clean_env()
-    head, nb = lab["head"], lab["node-b"]
     procs: list[ServiceProcess] = []
-    try:
+    try:  # the lab is closed (every process in it killed) whatever fails, set-up included
+        root = tmp_path
+        pulled = root / "head" / "models" / STORE_PATH  # what `coderai models pull` leaves in the head's store
+        pulled.parent.mkdir(parents=True)
+        shutil.copyfile(tiny_gguf, pulled)
+        models = write_models_file(root / "models.toml", [
+            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
+            {"name": "fetched", "engine": "llama", "path": str(pulled), "store_path": STORE_PATH,
+             "params": {"n_ctx": 512}, "nodes": ["node-b"]},
+        ])
+        env = clean_env()
+        head, nb = lab["head"], lab["node-b"]
         up = head_up(head, root, models, TOKEN, env)
         procs.append(up.start())
         up.wait_log("\nready", 120)

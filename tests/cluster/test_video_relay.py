@@ -66,34 +66,34 @@ def cluster(tmp_path_factory):
         lab = Lab(["head", *WORKERS])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("relay")
-    path = str(ensure_tiny_t2v())
-    models = write_models_file(root / "models.toml", [
-        {"name": "echo", "engine": "echo", "path": "builtin", "nodes": ["head"]},  # what `up` asks to call it ready
-        # the same weights three ways: whole on the head (the reference), relayed in 3 stages, and in 4 (the
-        # denoise cut in two, so a death in its second half goes on from the first half's handoff)
-        {"name": "t2v-one", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4}, "nodes": ["head"]},
-        {"name": "t2v-relay", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": True},
-         "nodes": list(WORKERS)},
-        {"name": "t2v-relay2", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": 2},
-         "nodes": list(WORKERS)},
-    ])
-    c = Cluster(lab, root, clean_env(CODERAI_WORKER_FAMILIES="echo,video"))
-    up = head_up(lab["head"], root, models, TOKEN, c.env)
-    try:
-        up.start()
+    with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
+        root = tmp_path_factory.mktemp("relay")
+        path = str(ensure_tiny_t2v())
+        models = write_models_file(root / "models.toml", [
+            {"name": "echo", "engine": "echo", "path": "builtin", "nodes": ["head"]},  # what `up` asks to call it ready
+            # the same weights three ways: whole on the head (the reference), relayed in 3 stages, and in 4 (the
+            # denoise cut in two, so a death in its second half goes on from the first half's handoff)
+            {"name": "t2v-one", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4}, "nodes": ["head"]},
+            {"name": "t2v-relay", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": True},
+             "nodes": list(WORKERS)},
+            {"name": "t2v-relay2", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": 2},
+             "nodes": list(WORKERS)},
+        ])
+        c = Cluster(lab, root, clean_env(CODERAI_WORKER_FAMILIES="echo,video"))
+        up = head_up(lab["head"], root, models, TOKEN, c.env)
         c.procs["up"] = up
-        up.wait_log("\nready", 180)
-        for w in WORKERS:
-            c.start_worker(w)
-        c.key = (root / "head" / "admin.key").read_text().strip()
-        want = {"head": ["echo", "t2v-one"], **{w: ["t2v-relay", "t2v-relay2"] for w in WORKERS}}
-        wait_until(lambda: c.probe("engines") == want, 180, "every engine ready", interval_s=1)
-        yield c
-    finally:
-        for p in reversed(list(c.procs.values())):
-            p.stop(timeout_s=60 if p is up else 15)
-        lab.close()
+        try:
+            up.start()
+            up.wait_log("\nready", 180)
+            for w in WORKERS:
+                c.start_worker(w)
+            c.key = (root / "head" / "admin.key").read_text().strip()
+            want = {"head": ["echo", "t2v-one"], **{w: ["t2v-relay", "t2v-relay2"] for w in WORKERS}}
+            wait_until(lambda: c.probe("engines") == want, 180, "every engine ready", interval_s=1)
+            yield c
+        finally:
+            for p in reversed(list(c.procs.values())):
+                p.stop(timeout_s=60 if p is up else 15)
 
 
 def test_encode_denoise_decode_on_three_nodes_equal_the_single_node_frames(cluster):

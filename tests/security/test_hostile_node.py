@@ -41,25 +41,25 @@ def cluster(tmp_path_factory, tiny_gguf):
         lab = Lab(["head", "good", "evil", "spy"])
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("hostile")
-    models = write_models_file(root / "models.toml", [  # the first answers before `coderai up` says ready
-        {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
-        {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
-    ])
-    c = Cluster(lab, root, clean_env())
-    up = head_up(lab["head"], root, models, TOKEN, c.env)
-    try:
-        up.start()
-        up.wait_log("\nready", 120)
+    with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
+        root = tmp_path_factory.mktemp("hostile")
+        models = write_models_file(root / "models.toml", [  # the first answers before `coderai up` says ready
+            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
+            {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
+        ])
+        c = Cluster(lab, root, clean_env())
+        up = head_up(lab["head"], root, models, TOKEN, c.env)
         c.procs["up"] = up
-        good = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
-        c.procs["good"] = good
-        wait_until(lambda: "good" in c.nodes(), 60, "the good node to join")
-        yield c
-    finally:
-        for p in reversed(list(c.procs.values())):
-            p.stop(timeout_s=60 if p is up else 15)
-        lab.close()
+        try:
+            up.start()
+            up.wait_log("\nready", 120)
+            good = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
+            c.procs["good"] = good
+            wait_until(lambda: "good" in c.nodes(), 60, "the good node to join")
+            yield c
+        finally:
+            for p in reversed(list(c.procs.values())):
+                p.stop(timeout_s=60 if p is up else 15)
 
 
 def test_every_attack_of_a_hostile_node_is_refused(cluster):
