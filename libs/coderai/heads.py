@@ -273,12 +273,14 @@ async def take_place(service_url: str, tls: Any, me: Head, data: Path) -> list[H
 def sentinel_for(data: Path, heads: list[Head], master: str, me: Head, password: str) -> Any:
     """This head's sentinel: on its address, watching `master`, with the quorum for this many heads. A failover
     starts after 2 s without an answer from the master (short enough for a request to wait it out, long enough
-    that a slow moment is not one)."""
+    that a slow moment is not one). Its failover timeout is short too: a sentinel that took part in an election
+    nobody won (two survivors voting for themselves) tries again only after twice that, and with 10 s a Redis
+    failover then took over 16 s (tests/ha/test_failover_clients)."""
     from coderai.runtime.embedded import RedisSentinel
 
     return RedisSentinel(data / "sentinel", master, name=REDIS_MASTER_NAME, port=me.sentinel_port, host=me.address,
                          password=password, quorum=sentinel_quorum(heads), down_after_ms=2000,
-                         failover_timeout_ms=10000)
+                         failover_timeout_ms=2000)
 
 
 def _sentinel(h: Head) -> Any:

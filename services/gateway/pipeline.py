@@ -163,7 +163,15 @@ class Call:
         if plan is None:
             return None, decision
         self.route_reason, self.parts = "fanout", len(plan.jobs)
-        final = await scatter(self.gw, self.op, self.job, plan, self.bus_headers())
+        try:
+            final = await scatter(self.gw, self.op, self.job, plan, self.bus_headers())
+        except NatsError as exc:
+            # the WORK stream takes no parts now (its RAFT group elects a leader for seconds after a head died):
+            # splitting is a speed-up, so the whole job goes to the one engine the router picked instead of a 503
+            log.info("request %s: the work queue took no parts (%s); sent whole to one engine",
+                     self.job.request_id, exc or type(exc).__name__)
+            self.route_reason, self.parts = "", 0
+            return None, decision
         self.engine_id = final.engine_id
         self.ttft_s = time.monotonic() - self.started
         return final, None
