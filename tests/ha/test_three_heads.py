@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TOKEN = "correct horse battery staple ha"
 HEADS = ("h1", "h2", "h3")
+WORKERS = ("w1", "w2")
 CLIENTS = 8
 MODEL = "coderai-tiny"
 
@@ -58,6 +59,25 @@ class Cluster:
         if ready:
             p.wait_log("\nready", 180)
         return p
+
+    def wait_placed(self) -> None:
+        wait_until(lambda: asyncio.run(self.buckets("h2"))[0] == {w: [MODEL] for w in WORKERS}, 120,
+                   "the model placed on both workers")
+
+    def restore(self) -> None:
+        """Every link up, every head and worker running (what is left of a dead one's processes killed first), and
+        the model on both workers again. Nothing is waited for when nothing was broken."""
+        for name in (*HEADS, *WORKERS):
+            self.lab.heal(name)
+        broken = [name for name in (*HEADS, *WORKERS) if not self.procs[name].alive()]
+        for name in broken:
+            self.lab.kill_all(name)
+            if name in HEADS:
+                self.head(name)
+            else:
+                self.procs[name] = node_up(self.lab[name], name, self.lab["h1"].ip, self.root, TOKEN, self.env).start()
+        if broken:
+            self.wait_placed()
 
     def invite(self, name: str) -> Path:
         """An invite for a head on `name`, made on h1 (once h1 has made its CA and secrets)."""
@@ -184,38 +204,44 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_gguf):
+    """Everything it started is killed, and every namespace removed, whatever the tests did and however far its
+    own set-up got."""
     pytest.importorskip("graphql")
     from coderai.testing.fake_runpod import FakeRunPod
 
     try:
-        lab = Lab([*HEADS, "w1", "w2"], reach=True)
+        lab = Lab([*HEADS, *WORKERS], reach=True)
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("ha")
-    models = write_models_file(root / "models.toml", [{
-        "name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
-        "nodes": ["w1", "w2"], "replicas": 2, "price_completion_per_mtok": 1000.0}])
-    fake = FakeRunPod(host=lab.root_ip).start()  # every head's broker leads against it in turn; no pod is rented
-    (root / "runpod.key").write_text(fake.api_key + "\n")
-    env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
-    c = Cluster(lab, root, env, models)
-    c.fake = fake
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lab.close)
+        root = tmp_path_factory.mktemp("ha")
+        models = write_models_file(root / "models.toml", [{
+            "name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
+            "nodes": list(WORKERS), "replicas": 2, "price_completion_per_mtok": 1000.0}])
+        fake = FakeRunPod(host=lab.root_ip).start()  # every head's broker leads against it in turn; no pod is rented
+        cleanup.callback(fake.close)
+        (root / "runpod.key").write_text(fake.api_key + "\n")
+        env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
+        c = Cluster(lab, root, env, models)
+        c.fake = fake
+        cleanup.callback(lambda: [p.kill() for p in c.procs.values()])
         first = c.head("h1", ready=False)  # its JetStream answers once a second head is in
         c.head("h2", "--join", str(c.invite("h2")))
         first.wait_log("\nready", 180)
         c.admin = (root / "h1" / "admin.key").read_text().strip()
         c.head("h3", "--join", str(c.invite("h3")))
-        for w in ("w1", "w2"):
+        for w in WORKERS:
             c.procs[w] = node_up(lab[w], w, lab["h1"].ip, root, TOKEN, env).start()
-        wait_until(lambda: asyncio.run(c.buckets("h2"))[0] == {"w1": [MODEL], "w2": [MODEL]}, 120,
-                   "the model placed on both workers")
+        c.wait_placed()
         yield c
-    finally:
-        for p in c.procs.values():
-            p.kill()
-        lab.close()
-        fake.close()
+
+
+@pytest.fixture(autouse=True)
+def whole(cluster):
+    """The module's tests share one cluster and break it: the cluster is whole again before each test, so a test
+    that failed midway (the first head killed and not yet started again) never fails the next one too."""
+    cluster.restore()
 
 
 class Load:
