@@ -121,8 +121,8 @@ class FrameStream:
         data = await get_or_timeout(self.queue, self.idle_timeout_s)
         if data is TIMED_OUT:
             raise Silence("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
-        if data is None:
-            raise BusError("engine_failed", "lost the connection to the message bus", retryable=True)
+        if data is None:  # this process' own connection dropped, not the engine: "try again" (a 503), as request()
+            raise BusError("no_engine", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
             raise BusError("no_engine", "the engine is not listening", retryable=True)
         if data is _REFUSED:
