@@ -51,9 +51,9 @@ def key(cluster: Cluster) -> str:
 @pytest.fixture
 def whole(cluster: Cluster, key: str):
     """Every head, worker and gateway up before the test and after it, whatever it did."""
-    cluster.heal_all(key)
+    cluster.restore(key)
     yield cluster
-    cluster.heal_all(key)
+    cluster.restore(key)
 
 
 def _target(c: Cluster, fault: str) -> str:

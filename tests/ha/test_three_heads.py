@@ -12,229 +12,35 @@ The failover times are printed (`-s`): they are the figures in docs/ha.md."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import sys
 import threading
 import time
 import uuid
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 import pytest
 
 from coderai.contracts.topology import LEADER_TTL_S
-from coderai.testing.netns import Lab, NetnsUnavailable
-from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, node_up, write_models_file
+from coderai.testing.ha import HEADS, MODEL, TOKEN, Cluster, three_heads
+from coderai.testing.netns import NetnsUnavailable
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import node_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-TOKEN = "correct horse battery staple ha"
-HEADS = ("h1", "h2", "h3")
-WORKERS = ("w1", "w2")
 CLIENTS = 8
-MODEL = "coderai-tiny"
-
-
-class Cluster:
-    def __init__(self, lab: Lab, root: Path, env: dict[str, str], models: Path) -> None:
-        self.lab, self.root, self.env, self.models = lab, root, env, models
-        self.procs: dict[str, ServiceProcess] = {}
-        self.admin = ""
-
-    def head(self, name: str, *extra: str, ready: bool = True) -> ServiceProcess:
-        """`coderai up --head` on `name` (started; `ready`: waited for): the control plane only, its gateway on port
-        8000."""
-        ip = self.lab[name].ip
-        p = ServiceProcess(f"up-{name}", "coderai.cli", [
-            "up", "--head", "--address", ip, "--data-dir", str(self.root / name), "--node-id", name,
-            "--host", "0.0.0.0", "--port", "8000", "--metrics-port", "9464", "--cluster-token", TOKEN, "--no-worker",
-            "--models-file", str(self.models), "--runpod-key-file", str(self.root / "runpod.key"), *extra],
-            self.env, self.root / "logs", prefix=self.lab[name].prefix())
-        self.procs[name] = p.start()
-        if ready:
-            p.wait_log("\nready", 180)
-        return p
-
-    def wait_placed(self) -> None:
-        wait_until(lambda: asyncio.run(self.buckets("h2"))[0] == {w: [MODEL] for w in WORKERS}, 120,
-                   "the model placed on both workers")
-
-    def restore(self) -> None:
-        """Every link up, every head and worker running (what is left of a dead one's processes killed first), and
-        the model on both workers again. Nothing is waited for when nothing was broken."""
-        for name in (*HEADS, *WORKERS):
-            self.lab.heal(name)
-        broken = [name for name in (*HEADS, *WORKERS) if not self.procs[name].alive()]
-        for name in broken:
-            self.lab.kill_all(name)
-            if name in HEADS:
-                self.head(name)
-            else:
-                self.procs[name] = node_up(self.lab[name], name, self.lab["h1"].ip, self.root, TOKEN, self.env).start()
-        if broken:
-            self.wait_placed()
-
-    def invite(self, name: str) -> Path:
-        """An invite for a head on `name`, made on h1 (once h1 has made its CA and secrets)."""
-        out = self.root / f"invite-{name}.json"
-
-        def make():
-            r = self.lab.run("h1", [sys.executable, "-m", "coderai.cli", "heads", "invite", "--data-dir",
-                                    str(self.root / "h1"), "--address", self.lab[name].ip, "--out", str(out)], env=self.env)
-            assert "not a head's data dir" in r.stderr or r.returncode == 0, r.stdout + r.stderr
-            return r.returncode == 0
-
-        wait_until(make, 60, f"an invite for {name}")
-        return out
-
-    def base(self, name: str) -> str:
-        return f"http://{self.lab[name].ip}:8000"
-
-    def get(self, name: str, path: str, **params) -> dict:
-        r = httpx.get(f"{self.base(name)}{path}", params=params, timeout=10,
-                      headers={"Authorization": f"Bearer {self.admin}"})
-        r.raise_for_status()
-        return r.json()
-
-    def leaders(self, name: str) -> dict[str, dict]:
-        return {x["role"]: x for x in self.get(name, "/admin/cluster")["leaders"]}
-
-    def lead_from(self, target: str, roles: tuple[str, ...] = ("scheduler", "pod-broker")) -> None:
-        """Have `target` hold `roles`' leases: SIGTERM the process that holds one elsewhere (it steps down, its
-        supervisor starts it again as a standby) until `target`'s candidate wins. Which head wins first is a race
-        between heads that start together; the test wants the one with the Redis master and the workers' joins."""
-        modules = {"scheduler": "coderai.scheduler", "pod-broker": "coderai.pod_broker"}
-        for _ in range(20):
-            held = self.leaders(target)
-            elsewhere = {r: held[r].get("holder", "") for r in roles if held[r].get("holder") != target}
-            if not elsewhere:
-                return
-            for role, holder in elsewhere.items():
-                for pid in self.lab.pids(holder) if holder else []:
-                    with contextlib.suppress(OSError):
-                        if modules[role].encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                            os.kill(pid, signal.SIGTERM)
-            wait_until(lambda: all(self.leaders(target)[r].get("holder") not in ("", h) for r, h in elsewhere.items()),
-                       30, f"{', '.join(elsewhere)} led again after a step-down")
-        raise AssertionError(f"{target} did not come to lead {roles}")
-
-    def nats_url(self, name: str) -> str:
-        from coderai.runtime.cluster import with_user
-
-        password = (self.root / "h1" / "secrets" / "nats-service.password").read_text().strip()
-        return with_user(f"nats://{self.lab[name].ip}:4222", "service", password)
-
-    def redis_url(self) -> str:
-        from coderai.heads import Head, sentinel_url
-
-        password = (self.root / "h1" / "secrets" / "redis.password").read_text().strip()
-        return sentinel_url([Head(n, self.lab[n].ip) for n in HEADS], password)
-
-    async def buckets(self, via: str) -> tuple[dict, set]:
-        """(each node's assigned models, the affinity keys), read from the replicated buckets through head `via`."""
-        from coderai.contracts import Assignment
-        from coderai.contracts.topology import AFFINITY, ASSIGNMENTS
-        from coderai.runtime.bus import Bus
-        from coderai.runtime.kv import list_keys, read_all
-        from coderai.runtime.tls import client_context
-
-        ca = (self.root / "h1" / "nats" / "tls" / "ca.pem").read_text()
-        bus = await Bus.connect(self.nats_url(via), "test", connect_timeout_s=10, tls=client_context(ca))
-        try:
-            assigned = await read_all(await bus.kv(ASSIGNMENTS), Assignment)
-            return ({k: sorted(m.name for m in a.models) for k, a in assigned.items()},
-                    set(await list_keys(await bus.kv(AFFINITY))))
-        finally:
-            await bus.close()
-
-    def diagnose(self, names: list[str]) -> str:
-        """What each head's JetStream says of the leaders' bucket (its RAFT leader, each replica current or not) and
-        the ends of its NATS and gateway logs: printed when a wait on the heads times out."""
-        from coderai.runtime.bus import Bus
-        from coderai.runtime.tls import client_context
-
-        async def stream(name: str) -> str:
-            ca = (self.root / "h1" / "nats" / "tls" / "ca.pem").read_text()
-            try:
-                bus = await Bus.connect(self.nats_url(name), "test", connect_timeout_s=5, tls=client_context(ca))
-            except Exception as exc:  # noqa: BLE001 - a diagnosis reports what it cannot reach
-                return f"not reached: {exc!r}"
-            try:
-                info = await bus.js.stream_info("KV_coderai_leaders")
-                peers = [(r.name, r.current, r.lag, r.active) for r in info.cluster.replicas or []]
-                return f"leader {info.cluster.leader}, replicas {info.config.num_replicas}, others {peers}"
-            except Exception as exc:  # noqa: BLE001
-                return f"no stream info: {exc!r}"
-            finally:
-                await bus.close()
-
-        out = []
-        for name in names:
-            out.append(f"--- {name}: KV_coderai_leaders: {asyncio.run(stream(name))}")
-            for log in ("nats", "gateway", "scheduler"):
-                path = self.root / name / "logs" / f"{log}.log"
-                lines = path.read_text(errors="replace").splitlines()[-25:] if path.exists() else []
-                out += [f"{name}/{log}: {line[:300]}" for line in lines]
-        return "\n".join(out)
-
-    async def money(self, write: bool = False) -> tuple[list, float, float]:
-        """(the pod ledger, the pods' spend today, the loader key's spend today) through the sentinels."""
-        from coderai.accounts.limits import period_id
-        from coderai.accounts.pod_money import Caps, PodMoney
-        from coderai.runtime.redis_client import connect
-
-        r = connect(self.redis_url())
-        try:
-            money = PodMoney(r)
-            if write:  # what the broker leaves of a pod it rented and reaped
-                now = time.time()
-                await money.reserve("big", "pod-ha", 1.2, 0.5, Caps(), now - 600)
-                await money.open_pod("pod-ha", "H100", now - 600)
-                await money.book("pod-ha", "big", "H100", 1.2, now - 600, now - 300, now)
-            spent = float(await r.get(f"coderai:spend:loader:{period_id('day', time.time())[0]}") or 0)
-            return [(e.pod_id, e.usd_micro) for e in await money.ledger()], await money.spend("big"), spent
-        finally:
-            await r.aclose()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_gguf):
-    """Everything it started is killed, and every namespace removed, whatever the tests did and however far its
-    own set-up got."""
     pytest.importorskip("graphql")
-    from coderai.testing.fake_runpod import FakeRunPod
-
     try:
-        lab = Lab([*HEADS, *WORKERS], reach=True)
+        with three_heads(tmp_path_factory.mktemp("ha"), tiny_gguf, embed=False) as c:
+            yield c
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(lab.close)
-        root = tmp_path_factory.mktemp("ha")
-        models = write_models_file(root / "models.toml", [{
-            "name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
-            "nodes": list(WORKERS), "replicas": 2, "price_completion_per_mtok": 1000.0}])
-        fake = FakeRunPod(host=lab.root_ip).start()  # every head's broker leads against it in turn; no pod is rented
-        cleanup.callback(fake.close)
-        (root / "runpod.key").write_text(fake.api_key + "\n")
-        env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
-        c = Cluster(lab, root, env, models)
-        c.fake = fake
-        cleanup.callback(lambda: [p.kill() for p in c.procs.values()])
-        first = c.head("h1", ready=False)  # its JetStream answers once a second head is in
-        c.head("h2", "--join", str(c.invite("h2")))
-        first.wait_log("\nready", 180)
-        c.admin = (root / "h1" / "admin.key").read_text().strip()
-        c.head("h3", "--join", str(c.invite("h3")))
-        for w in WORKERS:
-            c.procs[w] = node_up(lab[w], w, lab["h1"].ip, root, TOKEN, env).start()
-        c.wait_placed()
-        yield c
 
 
 @pytest.fixture(autouse=True)

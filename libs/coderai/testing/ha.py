@@ -189,48 +189,71 @@ class Cluster:
                 out += [f"{name}/{log}: {line[:300]}" for line in lines]
         return "\n".join(out)
 
-    def heal_all(self, key: str) -> None:
-        """Bring the cluster back to whole after whatever a test did: every link up, every head and worker running,
-        the model on both workers and every gateway serving. A test that failed midway leaves the next one this."""
-        for name in (*HEADS, *WORKERS):
-            with contextlib.suppress(Exception):
-                self.lab.heal(name)
-        for name in HEADS:
-            if not self.procs[name].alive():
-                self.procs[name].kill()  # what is left of its group
-                self.head(name)
-        for w in WORKERS:
-            if not self.procs[w].alive():
-                self.procs[w].kill()
-                self.procs[w] = node_up(self.lab[w], w, self.lab["h2"].ip, self.root, TOKEN, self.env).start()
+    async def money(self, write: bool = False) -> tuple[list, float, float]:
+        """(the pod ledger, the pods' spend today, the loader key's spend today) through the sentinels."""
+        from coderai.accounts.limits import period_id
+        from coderai.accounts.pod_money import Caps, PodMoney
+        from coderai.runtime.redis_client import connect
+
+        r = connect(self.redis_url())
+        try:
+            money = PodMoney(r)
+            if write:  # what the broker leaves of a pod it rented and reaped
+                now = time.time()
+                await money.reserve("big", "pod-ha", 1.2, 0.5, Caps(), now - 600)
+                await money.open_pod("pod-ha", "H100", now - 600)
+                await money.book("pod-ha", "big", "H100", 1.2, now - 600, now - 300, now)
+            spent = float(await r.get(f"coderai:spend:loader:{period_id('day', time.time())[0]}") or 0)
+            return [(e.pod_id, e.usd_micro) for e in await money.ledger()], await money.spend("big"), spent
+        finally:
+            await r.aclose()
+
+    def wait_placed(self) -> None:
         wait_until(lambda: asyncio.run(self.buckets("h2"))[0] == self.placed, 120, "the models placed on both workers")
-        for name in HEADS:
+
+    def restore(self, key: str = "") -> None:
+        """Bring the cluster back to whole after whatever a test did: every link up, every head and worker running
+        (what is left of a dead one's processes killed first) and the models on both workers; with `key`, every
+        gateway serving a chat too. A test that failed midway leaves the next one this."""
+        for name in (*HEADS, *WORKERS):
+            self.lab.heal(name)
+        broken = [name for name in (*HEADS, *WORKERS) if not self.procs[name].alive()]
+        for name in broken:
+            self.lab.kill_all(name)
+            if name in HEADS:
+                self.head(name)
+            else:
+                self.procs[name] = node_up(self.lab[name], name, self.lab["h1"].ip, self.root, TOKEN, self.env).start()
+        if broken:
+            self.wait_placed()
+        for name in HEADS if key else ():
             wait_until(lambda: self.serving(name, key), 120, f"{name}'s gateway to serve")
 
 
 @contextlib.contextmanager
-def three_heads(root: Path, tiny_gguf: Path) -> Iterator[Cluster]:
-    """Three heads (h1..h3) and two workers (w1, w2), each in its own network namespace, serving `MODEL` (chat) and
-    `EMBED_MODEL` (embeddings) on both workers, pods against a fake RunPod. Everything it started is killed and every
-    namespace removed on exit, whatever happened in between."""
+def three_heads(root: Path, tiny_gguf: Path, embed: bool = True) -> Iterator[Cluster]:
+    """Three heads (h1..h3) and two workers (w1, w2), each in its own network namespace, serving `MODEL` (chat) and,
+    with `embed`, `EMBED_MODEL` (embeddings) on both workers, pods against a fake RunPod. Everything it started is
+    killed and every namespace removed on exit, whatever the tests did and however far its own set-up got."""
     from coderai.testing.fake_runpod import FakeRunPod
 
     lab = Lab([*HEADS, *WORKERS], reach=True)
-    fake = None
-    c: Cluster | None = None
-    try:
-        embed_copy = root / "embed.gguf"
-        embed_copy.write_bytes(Path(tiny_gguf).read_bytes())
-        models = write_models_file(root / "models.toml", [
-            {"name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
-             "nodes": list(WORKERS), "replicas": 2, "price_completion_per_mtok": 1000.0},
-            {"name": EMBED_MODEL, "engine": "llama", "path": str(embed_copy), "ops": ["embed"],
-             "params": {"n_ctx": 512, "embedding": True}, "nodes": list(WORKERS), "replicas": 2}])
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lab.close)
+        models = [{"name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
+                   "nodes": list(WORKERS), "replicas": 2, "price_completion_per_mtok": 1000.0}]
+        if embed:
+            copy = root / "embed.gguf"
+            copy.write_bytes(Path(tiny_gguf).read_bytes())
+            models.append({"name": EMBED_MODEL, "engine": "llama", "path": str(copy), "ops": ["embed"],
+                           "params": {"n_ctx": 512, "embedding": True}, "nodes": list(WORKERS), "replicas": 2})
         fake = FakeRunPod(host=lab.root_ip).start()  # every head's broker leads against it in turn; no pod is rented
+        cleanup.callback(fake.close)
         (root / "runpod.key").write_text(fake.api_key + "\n")
         env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
-        c = Cluster(lab, root, env, models)
+        c = Cluster(lab, root, env, write_models_file(root / "models.toml", models))
         c.fake = fake  # type: ignore[attr-defined]
+        cleanup.callback(lambda: [p.kill() for p in c.procs.values()])
         first = c.head("h1", ready=False)  # its JetStream answers once a second head is in
         c.head("h2", "--join", str(c.invite("h2")))
         first.wait_log("\nready", 180)
@@ -238,16 +261,9 @@ def three_heads(root: Path, tiny_gguf: Path) -> Iterator[Cluster]:
         c.head("h3", "--join", str(c.invite("h3")))
         for w in WORKERS:
             c.procs[w] = node_up(lab[w], w, lab["h1"].ip, root, TOKEN, env).start()
-        c.placed = {w: sorted([MODEL, EMBED_MODEL]) for w in WORKERS}
-        wait_until(lambda: asyncio.run(c.buckets("h2"))[0] == c.placed, 120, "the models placed on both workers")
+        c.placed = {w: sorted(m["name"] for m in models) for w in WORKERS}
+        c.wait_placed()
         yield c
-    finally:
-        if c is not None:
-            for p in c.procs.values():
-                p.kill()
-        lab.close()
-        if fake is not None:
-            fake.close()
 
 
 @dataclass
