@@ -331,7 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             redis.start(log_file=data / "logs" / "redis.log")
             if redis.replicaof:  # its services start once it holds the master's data, so a failover finds it current
-                redis.wait_synced()
+                try:
+                    redis.wait_synced()
+                except EmbeddedServerError as exc:
+                    # the master the sentinels named may have moved on (a failover while this head was down): the
+                    # sentinels, this head's among them, point this replica at the master there is; the services
+                    # reach the master through the sentinels whatever this replica holds, so the head starts
+                    print(f"coderai up: {exc}; starting anyway: the sentinels point it at the current master",
+                          file=sys.stderr, flush=True)
             if sentinel is not None:
                 sentinel.start(log_file=data / "logs" / "sentinel.log")
                 heads.set_quorum(known, worker_id)

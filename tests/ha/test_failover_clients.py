@@ -6,7 +6,8 @@ exists, never a 5xx other than 503, never an error the SDK hands to its caller (
 first token by the head that died under it). Clients are served normally again within 10 s.
 
 Each fault runs several times (a race that load exposes shows up in one run of five), and once more with both CPUs
-kept busy by `stress-ng`. The recovery times are printed (`-s`): they are the figures in docs/reliability.md."""
+kept busy by `stress-ng` (there the recovery is bounded by 30 s). The recovery times are printed (`-s`): they are
+the figures in docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from coderai.testing.procs import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RECOVERY_S = 10.0
+BUSY_RECOVERY_S = 30.0  # with both CPUs kept busy: elections and Sentinel's failover run on starved processes
 ROUNDS = 5
 
 
@@ -89,12 +91,19 @@ def _judge(load: SdkLoad, fault: str, head: str, at: float) -> float:
     assert not failed, f"calls whose SDK raised: {failed[:8]}"
     assert load.ok(since=at + RECOVERY_S) >= 8, "too few calls answered after the failover to judge it"
     refused = [a.at for a in load.answers if a.head != gone and a.status != 200 and a.at >= at]
-    slow = [c.end for c in load.calls if c.start >= at and c.ok and not c.refused and c.end - c.start > 2.0
-            and c.head != gone]
+    slow = [c.end for c in load.calls if c.start >= at and c.ok and not c.refused and c.head != gone
+            and c.end - c.start > _slow_s(load, at)]
     return max([at, *refused, *slow]) - at
 
 
-def _round(c: Cluster, key: str, fault: str) -> None:
+def _slow_s(load: SdkLoad, at: float) -> float:
+    """A call slower than this waited on the failover: 2 s, or 2.5 times the 90th percentile of the calls answered
+    before the fault on a machine so busy that ordinary calls take that long."""
+    before = sorted(c.end - c.start for c in load.calls if c.ok and c.end < at)
+    return max(2.0, 2.5 * before[int(len(before) * 0.9)]) if before else 2.0
+
+
+def _round(c: Cluster, key: str, fault: str, within_s: float = RECOVERY_S) -> None:
     with SdkLoad(c, key) as load:
         wait_until(lambda: load.hopeless() or all(load.ok(head=h) >= 4 for h in HEADS), 120, "every gateway answering the clients")
         head = _target(c, fault)
@@ -109,10 +118,10 @@ def _round(c: Cluster, key: str, fault: str) -> None:
           f"the SDK, none failed; served normally again {recovery:.1f} s after the kill")
     for a in sorted((a for a in load.answers if a.status != 200), key=lambda a: a.at):
         print(f"  +{a.at - at:5.1f} s {a.head} {a.kind} {a.status} {a.said}")
-    for c in sorted((c for c in load.calls if c.start >= at and c.end - c.start > 2.0), key=lambda c: c.start):
+    for c in sorted((c for c in load.calls if c.start >= at and c.end - c.start > _slow_s(load, at)), key=lambda c: c.start):
         print(f"  slow: started +{c.start - at:4.1f} s, {c.end - c.start:4.1f} s, {c.head} {c.kind}, "
               f"{c.refused} refused first")
-    assert recovery <= RECOVERY_S, f"clients were served normally again only {recovery:.1f} s after the kill"
+    assert recovery <= within_s, f"clients were served normally again only {recovery:.1f} s after the kill"
 
 
 @pytest.mark.parametrize("fault", ["head", "nats", "redis"])
@@ -128,8 +137,8 @@ def test_the_same_with_both_cpus_kept_busy(whole, key, fault):
         pytest.skip("no stress-ng (scripts/setup installs it with the dev extra)")
     busy = subprocess.Popen([stress, "--cpu", "2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    try:
-        _round(whole, key, fault)
+    try:  # what clients see is judged as strictly; how long the failover takes is printed, and bounded looser
+        _round(whole, key, fault, within_s=BUSY_RECOVERY_S)
     finally:
         os.killpg(busy.pid, signal.SIGKILL)
         busy.wait()
