@@ -14,24 +14,19 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
 import time
-import uuid
 from datetime import datetime
 
 import httpx
 import pytest
 
 from coderai.contracts.topology import LEADER_TTL_S
-from coderai.testing.ha import HEADS, MODEL, TOKEN, Cluster, three_heads
+from coderai.testing.ha import HEADS, MODEL, TOKEN, Cluster, SdkLoad, three_heads
 from coderai.testing.netns import NetnsUnavailable
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import node_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-CLIENTS = 8
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_gguf):
@@ -48,54 +43,6 @@ def whole(cluster):
     """The module's tests share one cluster and break it: the cluster is whole again before each test, so a test
     that failed midway (the first head killed and not yet started again) never fails the next one too."""
     cluster.restore()
-
-
-class Load:
-    """`CLIENTS` threads chatting through the gateways (client i through head i % 3), each request with its own
-    X-Client-Request-Id; every outcome kept with its start and end."""
-
-    def __init__(self, cluster: Cluster, key: str, heads: tuple[str, ...]) -> None:
-        self.cluster, self.key, self.heads = cluster, key, heads
-        self.outcomes: list[tuple[str, float, float, bool, str]] = []  # head, start, end, ok, error
-        self.stop = threading.Event()
-        self.avoid: set[str] = set()  # what a load balancer's health check would take out
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)]
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-
-    def ok(self, since: float = 0.0) -> int:
-        return sum(1 for o in self.outcomes if o[3] and o[1] >= since)
-
-    def _run(self, i: int) -> None:
-        import openai
-
-        n = 0
-        while not self.stop.is_set():
-            head = self.heads[(i + n) % len(self.heads)]
-            n += 1
-            if head in self.avoid:
-                continue
-            sdk = openai.OpenAI(base_url=f"{self.cluster.base(head)}/v1", api_key=self.key, max_retries=0, timeout=60)
-            start, error = time.monotonic(), ""
-            try:
-                stream = sdk.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"hello {i} {n}"}], max_tokens=4, stream=True,
-                    extra_headers={"X-Client-Request-Id": f"ha-{i}-{n}-{uuid.uuid4().hex[:6]}"})
-                for _ in stream:
-                    pass
-            except Exception as exc:  # noqa: BLE001 - every failure is an outcome the test judges
-                error = f"{type(exc).__name__}: {exc}"[:300]
-            with self.lock:
-                self.outcomes.append((head, start, time.monotonic(), not error, error))
 
 
 def _usage(cluster: Cluster, via: str) -> int:
@@ -118,7 +65,8 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     before_money = asyncio.run(c.money(write=True))
     placed_before = asyncio.run(c.buckets("h2"))[0]
 
-    with Load(c, key, HEADS) as load:
+    # streamed chats without the SDK's retries: each failure is seen as it happened
+    with SdkLoad(c, key, kinds=("stream",), max_retries=0) as load:
         wait_until(lambda: load.ok() >= 60, 180, "sixty answered requests under load")
         # the routers write where each conversation went after answering it: what they wrote before the kill
         affinity_before = wait_until(lambda: asyncio.run(c.buckets("h2"))[1], 60, "affinity entries, read on h2")
@@ -144,12 +92,12 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
                    "forty answered requests after the failover")
     print(f"\nfailover: scheduler led again after {sched_s:.1f} s, pod broker after {broker_s:.1f} s")
 
-    in_flight_dead = [o for o in load.outcomes if o[0] == "h1" and o[1] <= killed_at]
-    bad = [o for o in load.outcomes if o[0] != "h1" and not o[3] and not (o[1] <= killed_at <= o[2])]
+    in_flight_dead = [o for o in load.calls if o.head == "h1" and o.start <= killed_at]
+    bad = [o for o in load.calls if o.head != "h1" and not o.ok and not (o.start <= killed_at <= o.end)]
     assert not bad, f"requests to the surviving gateways failed: {bad[:5]}"
-    failed_in_flight = [o for o in load.outcomes if o[0] != "h1" and not o[3]]
-    first_ok = min((o[2] for o in load.outcomes if o[0] != "h1" and o[3] and o[1] > killed_at), default=None)
-    slowest = max((o[2] - o[1] for o in load.outcomes if o[0] != "h1" and o[1] > killed_at), default=0.0)
+    failed_in_flight = [o for o in load.calls if o.head != "h1" and not o.ok]
+    first_ok = min((o.end for o in load.calls if o.head != "h1" and o.ok and o.start > killed_at), default=None)
+    slowest = max((o.end - o.start for o in load.calls if o.head != "h1" and o.start > killed_at), default=0.0)
     print(f"survivors' requests in flight at the kill that failed: {len(failed_in_flight)}; "
           f"first request started after the kill answered {first_ok - killed_at:.2f} s after it; the slowest one "
           f"started after it took {slowest:.2f} s (Redis' failover: Sentinel's down-after and an election)")
@@ -164,7 +112,7 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
 
     # the key, usage, the budget's spend, affinity and the pod ledger: what they were
     answered = load.ok()
-    slack = sum(1 for o in in_flight_dead if o[2] >= killed_at)  # in flight on the dead head at the kill
+    slack = sum(1 for o in in_flight_dead if o.end >= killed_at)  # in flight on the dead head at the kill
     wait_until(lambda: _usage(c, "h2") >= answered - slack, 60, "usage to reach the clients' count")
     counted = _usage(c, "h3")
     assert answered - slack <= counted <= answered + slack, (answered, counted, slack)

@@ -303,12 +303,12 @@ class SdkLoad:
     heads: tuple[str, ...] = HEADS
     clients: int = 8
     max_retries: int = 4
+    kinds: tuple[str, ...] = ("chat", "stream", "embed", "anthropic")
     answers: list[Answer] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     avoid: set[str] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    KINDS = ("chat", "stream", "embed", "anthropic")
 
     def __enter__(self) -> "SdkLoad":
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.clients)]
@@ -360,7 +360,7 @@ class SdkLoad:
         current: list[Call] = []  # the call this thread makes now, for the answers its SDK gets
         n = 0
         while not self.stop.is_set():
-            head, kind = self.heads[(i + n) % len(self.heads)], self.KINDS[(i + n // len(self.heads)) % len(self.KINDS)]
+            head, kind = self.heads[(i + n) % len(self.heads)], self.kinds[(i + n // len(self.heads)) % len(self.kinds)]
             n += 1
             if head in self.avoid:
                 continue
