@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from coderai.testing.procs import processes_naming
+from coderai.testing.procs import processes_naming, run_interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("rent", "boot", "join", "fetch", "load", "first_token")
@@ -26,8 +25,8 @@ def test_burst_smoke_measures_every_phase_of_a_cold_start(tmp_path):
         pytest.importorskip(mod)
     out = tmp_path / "burst.json"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's servers keep their files (and argv) under here
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "burst.py"), "--smoke", "--json", str(out)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "burst.py"), "--smoke", "--json", str(out)], 240,
+                          cwd=ROOT, env=env)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
     assert "| model | n | GGUF MB | rent | boot | join | fetch | load | first token |" in r.stdout
     assert "| small | 2 | " in r.stdout and "| small, weights on the volume | 1 | " in r.stdout

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coderai.testing.procs import run_interruptible
 
 from coderai.runtime.embedded import find_llama_server
 
@@ -18,8 +19,7 @@ def test_engine_bench_smoke_prints_its_table():
     pytest.importorskip("llama_cpp")
     if find_llama_server() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke"], 280, cwd=ROOT)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
     assert "| path | conc | tokens/s | vs bare |" in r.stdout
     for path in ("bare", "server", "inproc"):

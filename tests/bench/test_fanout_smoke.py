@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coderai.testing.procs import run_interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,8 +19,7 @@ def test_fanout_smoke_prints_its_tables():
         pytest.importorskip(mod)
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the bench pins its two workers to two cores")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fanout.py"), "--smoke"], check=False, cwd=ROOT,
-                       capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "fanout.py"), "--smoke"], 280, cwd=ROOT)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
     assert "| modality | items/request | 1 worker items/s | 2 workers items/s | ratio |" in r.stdout
     for modality in ("embeddings", "ocr", "images"):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coderai.testing.procs import run_interruptible
 
 pytestmark = pytest.mark.slow
 
@@ -14,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_prefix_routing_bench_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "prefix_routing.py"), "--smoke"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "prefix_routing.py"), "--smoke"], 300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     for mode in ("prefix", "round_robin", "warm"):
         assert f"| {mode} |" in r.stdout

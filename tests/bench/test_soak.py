@@ -6,32 +6,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from coderai.testing.procs import run_interruptible
+
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    """Run the soak; if it outlives `timeout_s`, or pytest's own timeout fires meanwhile, it gets SIGINT first:
-    its `finally` then stops its stack and removes its namespace, link and tmpfs, which a SIGKILL would leave."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
@@ -45,8 +28,8 @@ def test_a_two_minute_soak_with_every_fault_meets_the_targets(tmp_path, capsys):
     out = tmp_path / "soak.json"
     # about two minutes of load: 15 s of warm-up, the seven faults one after another (the stopped worker alone
     # holds 30 s), and the last fault's window closing under load
-    r = _run([sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "100", "--clients", "6", "--seed", "7",
-              "--json", str(out)], timeout_s=900)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "100", "--clients", "6",
+                           "--seed", "7", "--json", str(out)], timeout_s=900, cwd=ROOT)
     with capsys.disabled():
         print("\n" + r.stdout[-6000:])
     assert out.exists(), f"no figures; stderr:\n{r.stderr[-5000:]}"

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coderai.testing.procs import run_interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +20,7 @@ def test_split_smoke_prints_its_table():
     pytest.importorskip("llama_cpp")
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("the bench puts its two hosts in network namespaces: needs root and iproute2")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "split.py"), "--smoke"], check=False, cwd=ROOT,
-                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "split.py"), "--smoke"], 240, cwd=ROOT)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
     assert "| engine | tokens/s | ratio to local |" in r.stdout
     for engine in ("local", "layer", "row"):

@@ -124,6 +124,27 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
 
 
+def run_interruptible(argv: list[str], timeout_s: float, cwd: str | os.PathLike | None = None,
+                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)` for a bench or a soak, except how it
+    ends one that overruns: when the timeout passes, or the test is stopped meanwhile (pytest's own timeout), the
+    child gets SIGINT and a minute for its `finally` (stop the servers it started, remove its namespaces and mounts)
+    before SIGKILL. `subprocess.run` kills at once, which leaves a bench's servers running."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
 def processes_naming(text: str) -> list[str]:
     """The command lines of live processes that mention `text` (a bench's temporary dir: what it left running)."""
     found = []
