@@ -1,8 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), so the `anthropic` SDK and
 Claude Code work against coderai's own models: the same pipeline and routing as `/v1/chat/completions`, answers
 whole or streamed as Anthropic's server-sent events, errors in Anthropic's shape. The key comes as `x-api-key`
-(auth.py takes it where no `Authorization` header is sent); `anthropic-version` and `anthropic-beta` are accepted
-and not read: one shape is served."""
+(auth.py takes it where no `Authorization` header is sent); `anthropic-version`, `anthropic-beta` (any value, unknown
+betas included) and the beta route's `?beta=true` are accepted and not read: one shape is served."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.pipeline import Call, answer, relay_stream
 from coderai.gateway.state import InferenceController
 
+CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}
@@ -138,7 +139,8 @@ class AnthropicController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, wire.MessagesRequest)
         job = wire.chat_job(req, new_request_id())
-        route = chat_route(request, who, job, wire.user_id(req))
+        route = chat_route(request, who, job, wire.user_id(req),
+                           wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER)))
         call = Call(self.gw, who, "chat", job, route)
         if not job.stream:
             final = await answer(call, request)
@@ -159,7 +161,8 @@ class AnthropicController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, wire.CountTokensRequest)
         job = wire.chat_job(req, new_request_id())
-        route = chat_route(request, who, job, None)
+        route = chat_route(request, who, job, None,
+                           wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER)))
         call = Call(self.gw, who, "chat", job, route)
         final = await answer(call, request)
         return json_response({"input_tokens": final.usage.prompt_tokens}, headers=_headers(call))

@@ -1,10 +1,16 @@
 """Anthropic's Messages API at the edge: its request types, their translation into a `ChatJob` (OpenAI-shaped
 messages and tools, what every engine reads), and the engine's answer shaped back into Anthropic's message.
 
-Pure functions, no I/O. Lenient on unknown fields (Claude Code sends betas: `cache_control`, `context_management`,
-...), strict on the ones read. Tool use ids: an engine's tool call id `x` is `toolu_x` to the client, and a
-`toolu_x` coming back (in `tool_use` and `tool_result` blocks) is `x` again, so a round trip hands the engine the
-ids it made.
+Pure functions, no I/O. Lenient on unknown fields (Claude Code sends betas: `cache_control` on any block,
+`context_management`, `output_config`, ...), strict on the ones read. Claude Code's dialect (docs/api.md): `system`
+entries inside `messages` (beta `mid-conversation-system`) are merged into the system prompt when they lead the
+conversation and into the next user turn otherwise (chat templates refuse a system turn after the first); the
+`x-anthropic-billing-header` system block, which differs per session and instructs nothing, is dropped so that two
+sessions share their prompt prefix (the engine's cache and the router's prefix hash); its session id
+(`X-Claude-Code-Session-Id`, or the `session_id` in `metadata.user_id`) is the router's session key.
+
+Tool use ids: an engine's tool call id `x` is `toolu_x` to the client, and a `toolu_x` coming back (in `tool_use`
+and `tool_result` blocks) is `x` again, so a round trip hands the engine the ids it made.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from coderai.gateway.errors import ApiError
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
 TOOL_ID_PREFIX = "toolu_"
+BILLING_PREFIX = "x-anthropic-billing-header:"
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
@@ -32,6 +40,9 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None  # accepted, not applied
+    metadata: dict[str, Any] | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -39,8 +50,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
 
     model: Annotated[str, Meta(min_length=1)]
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
-    max_tokens: PositiveInt
+    max_tokens: PositiveInt  # above the model's context: the engine stops when the context is full ("max_tokens")
+    context_management: dict[str, Any] | None = None  # accepted, not applied
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # `effort` becomes the engine's `reasoning_effort`
     stop_sequences: list[str] | None = None
     stream: bool = False
     system: str | list[dict[str, Any]] | None = None
@@ -80,6 +93,16 @@ def _text(value: Any, where: str) -> str:
             parts.append(b["text"])
         return "\n".join(parts)
     raise _bad(f"{where} must be a string or a list of text blocks.", where)
+
+
+def _system_text(system: Any) -> str:
+    """The system prompt's text without the billing block Claude Code puts first (see the module doc)."""
+    if isinstance(system, list):
+        system = [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                            and b["text"].lstrip().startswith(BILLING_PREFIX))]
+    elif isinstance(system, str) and system.lstrip().startswith(BILLING_PREFIX):
+        return ""
+    return _text(system, "system")
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -171,20 +194,50 @@ def _assistant(content: list[Any], where: str) -> dict[str, Any]:
 
 
 def openai_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Anthropic's system prompt and turns as OpenAI chat messages."""
-    out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    """Anthropic's system prompt and turns as OpenAI chat messages. `system` entries in `messages`: those before
+    the first turn extend the system prompt; a later one is put, in order, at the head of the next user message
+    (at the end of the last one when none follows), since most chat templates take one system turn, first."""
+    head = [_system_text(system)] if system else []
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if role == "system":
+            text = _system_text(content) if isinstance(content, (str, list)) else None
+            if text is None:
+                raise _bad(f"{where}.content must be a string or a list of text blocks.", f"{where}.content")
+            if text:
+                (pending if out else head).append(text)
+            continue
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role must be 'user' or 'assistant'.", f"{where}.role")
+            raise _bad(f"{where}.role must be 'user', 'assistant' or 'system'.", f"{where}.role")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            turn = [{"role": role, "content": content}]
         elif isinstance(content, list):
-            out += _user(content, f"{where}.content") if role == "user" else [_assistant(content, f"{where}.content")]
+            turn = _user(content, f"{where}.content") if role == "user" else [_assistant(content, f"{where}.content")]
         else:
             raise _bad(f"{where}.content must be a string or a list of blocks.", f"{where}.content")
-    return out
+        if pending and role == "user" and turn and turn[-1]["role"] == "user":
+            turn[-1] = _with_text(turn[-1], "\n".join(pending), first=True)
+            pending = []
+        out += turn
+    if pending:
+        if out and out[-1]["role"] == "user":
+            out[-1] = _with_text(out[-1], "\n".join(pending), first=False)
+        else:
+            out.append({"role": "user", "content": "\n".join(pending)})
+    system_text = "\n".join(t for t in head if t)
+    return ([{"role": "system", "content": system_text}] if system_text else []) + out
+
+
+def _with_text(message: dict[str, Any], text: str, first: bool) -> dict[str, Any]:
+    """A user message with `text` before (or after) what it holds."""
+    content = message["content"]
+    if isinstance(content, str):
+        return {**message, "content": f"{text}\n{content}" if first else f"{content}\n{text}"}
+    part = {"type": "text", "text": text}
+    return {**message, "content": [part, *content] if first else [*content, part]}
 
 
 def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -248,6 +301,10 @@ def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str) -> Chat
     if req.tool_choice and req.tool_choice.get("type") in ("any", "tool") and not tools:
         raise _bad("tool_choice names tools, but no tools were given.", "tool_choice")
     options = thinking_options(req.thinking)
+    effort = (req.output_config or {}).get("effort")
+    if isinstance(effort, str) and effort in EFFORTS and options.get("chat_template_kwargs", {}).get(
+            "enable_thinking", True):
+        options["reasoning_effort"] = EFFORTS[effort]
     if parallel is not None:
         options["parallel_tool_calls"] = parallel
     if counting:
@@ -262,10 +319,35 @@ def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str) -> Chat
                    options=options or None)
 
 
-def user_id(req: MessagesRequest) -> str | None:
-    """`metadata.user_id`: the affinity key chat takes from OpenAI's `user`."""
+def _user_id_parts(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, str | None]:
+    """(the user, the session) in `metadata.user_id`. Claude Code writes either a JSON object as text
+    (`{"device_id": ..., "account_uuid": ..., "session_id": ...}`) or `user_<hash>_account_<uuid>_session_<uuid>`;
+    anything else is the user alone."""
     uid = (req.metadata or {}).get("user_id")
-    return uid if isinstance(uid, str) and uid else None
+    if not isinstance(uid, str) or not uid:
+        return None, None
+    if uid.startswith("{"):
+        try:
+            data = json.loads(uid)
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            session = data.get("session_id")
+            rest = {k: v for k, v in data.items() if k != "session_id" and v}
+            user = json.dumps(rest, sort_keys=True) if rest else None
+            return user, session if isinstance(session, str) and session else None
+    user, sep, session = uid.partition("_session_")
+    return (user or None, session or None) if sep else (uid, None)
+
+
+def user_id(req: MessagesRequest | CountTokensRequest) -> str | None:
+    """`metadata.user_id` without its session: the affinity key chat takes from OpenAI's `user`."""
+    return _user_id_parts(req)[0]
+
+
+def session_id(req: MessagesRequest | CountTokensRequest, header: str | None) -> str | None:
+    """The session Claude Code names: its `X-Claude-Code-Session-Id` header, else the one in `metadata.user_id`."""
+    return header or _user_id_parts(req)[1]
 
 
 def stop_reason(finish: str | None, tool_calls: bool = False) -> str:

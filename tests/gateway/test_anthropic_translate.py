@@ -51,6 +51,70 @@ def test_system_text_blocks_and_sampling():
     assert j.stream and j.tools is None and j.options is None
 
 
+BILLING = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli; cch=00;"}
+
+
+def test_system_entries_in_messages_are_merged_in_order():
+    """Claude Code's `mid-conversation-system` beta: a leading system entry extends the system prompt, a later one
+    heads the next user turn (after that turn's tool results), one at the end closes the last user turn."""
+    j = job(system="base", messages=[
+        {"role": "system", "content": [{"type": "text", "text": "lead", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "reminder"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}}]},
+        {"role": "system", "content": "mid"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a b"},
+                                     {"type": "text", "text": "go on"}]},
+        {"role": "system", "content": "last"}])
+    assert [m["role"] for m in j.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert j.messages[0]["content"] == "base\nlead"
+    assert j.messages[-1]["content"] == "reminder\nmid\ngo on\nlast"
+    j = job(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                      {"role": "system", "content": "now"}])
+    assert j.messages[-1] == {"role": "user", "content": "now"}
+
+
+def test_the_billing_block_is_out_of_the_prompt_and_its_prefix():
+    from coderai.gateway import affinity
+
+    sys = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+    one = job(system=[BILLING, *sys], messages=[{"role": "user", "content": "hi"}])
+    two = job(system=[{**BILLING, "text": BILLING["text"].replace("a1b", "ffe")}, *sys],
+              messages=[{"role": "user", "content": "hi"}])
+    assert one.messages == two.messages == [{"role": "system", "content": "You are Claude Code."},
+                                            {"role": "user", "content": "hi"}]
+    assert affinity.chat_chain("m", one.messages) == affinity.chat_chain("m", two.messages)
+
+
+def test_claude_codes_session_is_the_session_key():
+    hi = [{"role": "user", "content": "x"}]
+
+    def req(uid):
+        return parse(json.dumps({"model": "m", "max_tokens": 1, "messages": hi,
+                                 "metadata": {"user_id": uid}}).encode(), wire.MessagesRequest)
+
+    as_json = req(json.dumps({"device_id": "d1", "account_uuid": "", "session_id": "s-1"}))
+    assert wire.session_id(as_json, None) == "s-1" and wire.session_id(as_json, "hdr") == "hdr"
+    other_session = req(json.dumps({"device_id": "d1", "session_id": "s-2"}))
+    assert wire.user_id(as_json) == wire.user_id(other_session) == '{"device_id": "d1"}'
+    legacy = req("user_abc_account_u1_session_s-9")
+    assert (wire.user_id(legacy), wire.session_id(legacy, None)) == ("user_abc_account_u1", "s-9")
+    plain = req("alice")
+    assert (wire.user_id(plain), wire.session_id(plain, None)) == ("alice", None)
+
+
+def test_claude_codes_other_fields_are_accepted():
+    j = job(max_tokens=32000, thinking={"type": "adaptive"}, output_config={"effort": "max"},
+            context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            metadata={"user_id": "u"}, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}])
+    assert j.params.max_tokens == 32000 and j.messages == [{"role": "user", "content": "hi"}]
+    assert j.options == {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "high"}
+    off = job(thinking={"type": "disabled"}, output_config={"effort": "low"},
+              messages=[{"role": "user", "content": "x"}])
+    assert off.options == {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_images_are_data_urls_and_urls_are_refused():
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     j = job(messages=[{"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}])
@@ -103,7 +167,8 @@ def test_bad_tools_and_choices_are_400s():
     assert refused(tools=[{"type": "web_search_20250305", "name": "web_search"}], messages=hi).code == "unsupported_tool"
     assert refused(tools=[TOOL], tool_choice={"type": "sometimes"}, messages=hi).param == "tool_choice"
     assert refused(tool_choice={"type": "any"}, messages=hi).param == "tool_choice"  # no tools to choose from
-    assert refused(messages=[{"role": "system", "content": "x"}]).param == "messages[0].role"
+    assert refused(messages=[{"role": "tool", "content": "x"}]).param == "messages[0].role"
+    assert refused(messages=[{"role": "system", "content": 3}]).param == "messages[0].content"
     assert refused(messages=[{"role": "user", "content": [{"type": "video"}]}]).param == "messages[0].content[0]"
     assert refused(thinking={"type": "enabled"}, messages=hi).param == "thinking.budget_tokens"
 
@@ -224,3 +289,21 @@ def test_x_api_key_is_the_key_and_the_guards_401_is_anthropics(client):
     r = client.post("/v1/messages", headers={"x-api-key": KEY}, json={"model": "ghost", "max_tokens": 1,
                                                                       "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and msgspec.json.decode(r.content)["error"]["type"] == "not_found_error"
+
+
+def test_claude_codes_recorded_first_turn():
+    """The body Claude Code 2.1.328 (`claude -p "say hi"`) sent to `/v1/messages?beta=true`, recorded: its system
+    entry after the user turn, adaptive thinking, effort, context management and its session translate."""
+    from pathlib import Path
+
+    body = (Path(__file__).parent / "data" / "claude_code_2.1.328_first_turn.json").read_bytes()
+    req = parse(body, wire.MessagesRequest)
+    j = wire.chat_job(req, "rid")
+    assert [m["role"] for m in j.messages] == ["system", "user"] and j.params.max_tokens == 32000
+    assert not j.messages[0]["content"].startswith("x-anthropic-billing-header")
+    assert "say hi" in j.messages[1]["content"] and "# Environment" in j.messages[1]["content"]
+    assert len(j.tools) == len(req.tools) > 10 and j.stream
+    assert j.options == {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "high"}
+    session = json.loads(req.metadata["user_id"])["session_id"]
+    assert wire.session_id(req, None) == session
+    assert wire.chat_job(parse(body, wire.CountTokensRequest), "rid").messages == j.messages

@@ -137,3 +137,46 @@ def test_errors_are_the_sdks_exceptions(client, stack):
     image = {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/latest"}}
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
+
+
+def _claude_code_request(session: str, version: str) -> dict:
+    """A first turn shaped like Claude Code 2.1's (issue 39): the billing block first in `system`, `system` entries
+    in `messages`, betas, adaptive thinking, effort, context management, cache_control on blocks, its session in
+    `metadata.user_id` and a header, `max_tokens` far above the model's context, several tools."""
+    import json
+
+    cached = {"type": "ephemeral"}
+    tools = _tools() + [{"name": f"tool_{i}", "description": f"Tool {i}",
+                         "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}}
+                        for i in range(5)]
+    tools[-1]["cache_control"] = cached
+    return dict(
+        model=MODEL, max_tokens=32000, tools=tools,
+        betas=["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+               "mid-conversation-system-2026-04-07", "no-such-beta-2099-01-01"],
+        system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version={version}; cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": "You are a test model.", "cache_control": cached}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello there", "cache_control": cached}]},
+                  {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}],
+        thinking={"type": "adaptive"}, output_config={"effort": "medium"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        metadata={"user_id": json.dumps({"device_id": "dev", "account_uuid": "", "session_id": session})},
+        extra_headers={"X-Claude-Code-Session-Id": session}, extra_body=GREEDY)
+
+
+def test_a_first_turn_as_claude_code_sends_it(client):
+    m = client.beta.messages.create(**_claude_code_request("sess-1", "2.1.197.a1b"))
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.content and m.usage.input_tokens > 0
+    with client.beta.messages.stream(**_claude_code_request("sess-1", "2.1.197.a1b")) as s:
+        streamed = s.get_final_message()
+    assert streamed.usage.input_tokens == m.usage.input_tokens
+    # another session's billing block is not in the prompt: the same tokens (and prefix) as the first
+    other = client.beta.messages.create(**_claude_code_request("sess-2", "2.1.197.ffe"))
+    assert other.usage.input_tokens == m.usage.input_tokens
+    body = _claude_code_request("sess-1", "2.1.197.a1b")
+    extra = {name: body.pop(name) for name in ("context_management", "output_config", "metadata")}
+    for name in ("max_tokens", "betas"):
+        body.pop(name)
+    body["extra_body"] = extra  # this SDK's count_tokens takes none of them
+    counted = client.beta.messages.count_tokens(**body, betas=["token-counting-2024-11-01", "no-such-beta"])
+    assert counted.input_tokens == m.usage.input_tokens

@@ -47,20 +47,24 @@ class ChatController(InferenceController):
         return await _serve(Call(self.gw, who, "complete", job, route), request, include_usage(req))
 
 
-def chat_route(request: Request, who: Caller, job: ChatJob, user: str | None) -> RouteRequest:
+def chat_route(request: Request, who: Caller, job: ChatJob, user: str | None,
+               session: str | None = None) -> RouteRequest:
     """A chat job's route (chat completions, Responses, Anthropic Messages alike): keyed on the prefix chain of its
     whole conversation, so a conversation's next turn returns to the engine whose cache holds it."""
-    return route_request(request, who, job, "chat", user, affinity.chat_chain(job.model, job.messages, job.tools))
+    return route_request(request, who, job, "chat", user, affinity.chat_chain(job.model, job.messages, job.tools),
+                         session)
 
 
-def route_request(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str]) -> RouteRequest:
-    """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin."""
+def route_request(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str],
+                  session: str | None = None) -> RouteRequest:
+    """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin.
+    `session` is one a harness names in its own way (Claude Code's header or metadata); `X-Session-Id` wins."""
     headers = request.headers  # built anew from the scope at every access
     pin = headers.get(PIN_HEADER, "")
     if pin and "admin" not in who.scopes:
         raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
     return RouteRequest(request_id=job.request_id, model=job.model, op=op, pin=pin, prefix=prefix,  # type: ignore[arg-type]
-                        session=affinity.session_key(job.model, headers.get(SESSION_HEADER)),
+                        session=affinity.session_key(job.model, headers.get(SESSION_HEADER) or session),
                         user=affinity.user_key(job.model, user))
 
 
