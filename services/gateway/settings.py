@@ -28,6 +28,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     max_attempts: int = 3  # engines tried for one request before the first token
     queue_timeout_s: float = 300.0  # a request still waiting for an engine's slot after this long gets a 503
     retry_after_s: int = 5
+    # a Responses request without max_output_tokens (Codex sends none) on a model with a known context (n_ctx) may
+    # generate this many tokens at most (never more than the context); 0: until the context is full
+    default_max_output_tokens: int = 4096
     failover_wait_s: float = 10.0  # a request for a model this gateway's view lacks while it is rebuilt waits this long
     redis_url: str = ""  # API keys, limits and budgets shared by every replica; empty: the keys file only
     metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers

@@ -82,8 +82,8 @@ def test_function_tools_tool_choice_and_text_format_take_chat_shapes():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]}, "tools[0].tools[0].name"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),

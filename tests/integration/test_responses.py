@@ -151,7 +151,7 @@ def test_a_background_response_completes_and_a_running_one_cancels(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
      "input[0].content[0].image_url"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
@@ -200,3 +200,79 @@ def test_an_agent_with_one_function_tool_runs_to_completion(stack, streamed):
     asked, result = _agent_run(stack, streamed)
     assert asked == ["Paris"]  # the model called the tool, and the SDK ran it
     assert result.final_output == "It is sunny in Paris."
+
+
+# What Codex CLI 0.171 sends (docs/api.md, Responses): tools it cannot turn off (a namespace of MCP tools, a custom
+# apply_patch, web_search), developer items, store false, include, prompt_cache_key, no max_output_tokens, and
+# its session headers.
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Run a command", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["command"]}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "namespace", "name": "mcp__files", "description": "An MCP server",
+     "tools": [{"type": "function", "name": "read", "description": "Read a file", "strict": False,
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]},
+]
+CODEX_INPUT = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]
+
+
+def _codex_headers(session: str) -> dict[str, str]:
+    return {"session-id": session, "thread-id": session, "x-codex-turn-metadata": '{"turn_id":"t1"}',
+            "originator": "codex_exec", "OpenAI-Beta": "responses=experimental"}
+
+
+def test_a_codex_shaped_turn_streams_openais_events_and_keeps_nothing(client):
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input=CODEX_INPUT, instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto",
+        parallel_tool_calls=False, store=False, stream=True, include=["reasoning.encrypted_content"],
+        prompt_cache_key="codex-thread-1", temperature=0, extra_headers=_codex_headers("codex-thread-1"))
+    assert raw.http_response.status_code == 200
+    assert "web_search" in raw.headers["coderai-warning"]
+    events = list(raw.parse())
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    first_delta = kinds.index("response.output_text.delta")
+    assert kinds[:first_delta] == ["response.created", "response.in_progress", "response.output_item.added",
+                                   "response.content_part.added"]
+    assert kinds[first_delta:].count("response.output_text.done") == 1
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    done = events[-1].response
+    # the tool model was trained on get_weather alone: beside Codex's tools it says something else than usual
+    assert done.status == "completed" and done.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
+    assert done.usage.input_tokens > 0 and done.usage.output_tokens > 0 and done.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(done.id)  # store: false keeps nothing
+
+
+def test_the_sdk_stream_helper_reads_a_codex_shaped_turn(client):
+    seen: list[str] = []
+    with client.responses.stream(model=MODEL, input=CODEX_INPUT, store=False, temperature=0,
+                                 extra_body={"tools": CODEX_TOOLS, "include": ["reasoning.encrypted_content"],
+                                             "prompt_cache_key": "codex-thread-2"},
+                                 extra_headers=_codex_headers("codex-thread-2")) as stream:
+        for event in stream:
+            seen.append(event.type)
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text and final.usage.total_tokens > 0
+    assert seen.index("response.output_item.added") < seen.index("response.content_part.added") < seen.index(
+        "response.output_text.delta")
+    assert seen[-1] == "response.completed"
+
+
+def test_codex_turns_of_one_session_keep_to_one_engine(client):
+    """The session Codex names (its `session-id` header or, without it, `prompt_cache_key`) is the affinity
+    session: a turn after the first is routed by it."""
+    for how in ({"extra_headers": _codex_headers("codex-thread-3")}, {"extra_body": {"prompt_cache_key": "pck-4"}}):
+        first = client.responses.with_raw_response.create(model=MODEL, input="hello", store=False, temperature=0,
+                                                          **how)
+        again = client.responses.with_raw_response.create(model=MODEL, input="hello again", store=False,
+                                                          temperature=0, **how)
+        assert again.headers["coderai-route"] == "session", how
+        assert again.headers["coderai-engine"] == first.headers["coderai-engine"]
+        assert "coderai-warning" not in again.headers

@@ -2,7 +2,7 @@
 
 response.created, response.in_progress, then per output item: output_item.added, (content_part.added,
 output_text.delta..., output_text.done, content_part.done | function_call_arguments.delta..., .done |
-reasoning_text.delta..., .done), output_item.done; then response.completed (or .incomplete at the output token
+reasoning_text.delta..., .done | custom_tool_call_input.done), output_item.done; then response.completed (or .incomplete at the output token
 cap; an engine failure is an `error` event and response.failed). The chat op's deltas drive it: an item opens
 when its first delta comes and closes when another kind of delta (or the end) does.
 """
@@ -16,7 +16,8 @@ import msgspec
 from coderai.contracts import Chunk, Usage
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.responses_types import (
-    ResponseRequest, call_item, final_status, message_item, new_id, reasoning_item, response_body,
+    ResponseRequest, call_item, final_status, message_item, new_id, reasoning_item, response_body, restored,
+    tool_names,
 )
 
 _enc = msgspec.json.Encoder()
@@ -32,6 +33,7 @@ class EventStream:
         self.kind = ""  # the open item's: "reasoning", "message", "call" (or none)
         self.call_index: int | None = None  # the chat delta index of the open tool call
         self.finish_reason: str | None = None
+        self.names = tool_names(req)  # namespace and custom tools, as the template names them
 
     def _event(self, type_: str, **fields: Any) -> bytes:
         data = _enc.encode({"type": type_, "sequence_number": self.seq, **fields})
@@ -54,7 +56,7 @@ class EventStream:
         out = self._close()
         self.kind = kind
         self.output.append(item)
-        added = {**item, "status": "in_progress"}
+        added = {**(restored(item, self.names) if kind == "call" else item), "status": "in_progress"}
         if part is not None:
             added["content"] = []
         out += self._event("response.output_item.added", output_index=len(self.output) - 1, item=added)
@@ -78,8 +80,12 @@ class EventStream:
             out += self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
             out += self._event("response.content_part.done", **where, content_index=0, part=part)
         else:
-            out += self._event("response.function_call_arguments.done", **where, name=item["name"],
-                               arguments=item["arguments"])
+            item = self.output[-1] = restored(item, self.names)
+            if item["type"] == "custom_tool_call":
+                out += self._event("response.custom_tool_call_input.done", **where, input=item["input"])
+            else:
+                out += self._event("response.function_call_arguments.done", **where, name=item["name"],
+                                   arguments=item["arguments"])
         self.kind, self.call_index = "", None
         return out + self._event("response.output_item.done", output_index=where["output_index"], item=item)
 
@@ -112,7 +118,13 @@ class EventStream:
         if not args:
             return out
         self.output[-1]["arguments"] += args
+        if self._custom():  # its input is whole only once the arguments are: told at its .done
+            return out
         return out + self._event("response.function_call_arguments.delta", **self._where(), delta=args)
+
+    def _custom(self) -> bool:
+        known = self.names.get(self.output[-1]["name"])
+        return known is not None and known[2]
 
     # --- the pipeline's callbacks ------------------------------------------------------------------------
 
@@ -132,7 +144,7 @@ class EventStream:
     def end(self, usage: Usage) -> tuple[bytes, dict[str, Any]]:
         """The last events, and the finished response object."""
         out = self._close()
-        if not any(it["type"] in ("message", "function_call") for it in self.output):
+        if not any(it["type"] in ("message", "function_call", "custom_tool_call") for it in self.output):
             out += self._empty_message()
         status = final_status(self.finish_reason)
         body = self.body(status, usage)

@@ -8,6 +8,7 @@ conversation and its affinity chain the same one the previous turn's was.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any
@@ -21,6 +22,16 @@ from coderai.gateway.openai.chat_types import PositiveInt, Prob, Temperature
 TOOL_CHOICES = ("auto", "none", "required")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# Tools OpenAI runs on its side. Nothing here can run them, and agents (Codex) send some that cannot be turned
+# off: they are dropped, and the response says so in a `Coderai-Warning` header, rather than a 400.
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+                          "code_interpreter", "computer_use_preview", "computer_use", "computer", "image_generation",
+                          "local_shell", "tool_search"})
+# The items that record a hosted tool's run in a conversation sent back: nothing the chat template can show.
+HOSTED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                          "tool_search_call", "tool_search_output"})
+NS_SEP = "__"  # a namespace's tool as the template sees it: `<namespace>__<tool>`
+WARNING_HEADER = "Coderai-Warning"
 
 
 class ResponseRequest(msgspec.Struct, kw_only=True):
@@ -37,6 +48,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
     prompt: Any = None
+    prompt_cache_key: str | None = None
     reasoning: dict[str, Any] | None = None
     store: bool | None = True
     stream: bool | None = False
@@ -139,58 +151,111 @@ def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[
             if role is None:
                 raise _bad(f"{where}.role must be one of user, assistant, system, developer.", f"{where}.role")
             out.append({"role": role, "content": _parts(item.get("content"), where)})
-        elif kind == "function_call":
-            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "")
+        elif kind in ("function_call", "custom_tool_call"):
+            field = "arguments" if kind == "function_call" else "input"
+            call_id, name, args = item.get("call_id"), item.get("name"), item.get(field, "")
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
-                raise _bad(f"{where} needs call_id, name and arguments as strings.", where)
+                raise _bad(f"{where} needs call_id, name and {field} as strings.", where)
+            if kind == "custom_tool_call":
+                args = json.dumps({"input": args}, ensure_ascii=False)
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = item["namespace"] + NS_SEP + name
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise _bad(f"{where}.call_id must be a string.", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"), where)})
-        elif kind == "reasoning":
+        elif kind == "reasoning" or kind in HOSTED_ITEMS:
             continue
         else:
-            raise _bad(f"{where}.type {kind!r} is not supported; send message, function_call, function_call_output "
-                       "or reasoning items.", f"{where}.type", "unsupported_input")
+            raise _bad(f"{where}.type {kind!r} is not supported; send message, function_call, function_call_output, "
+                       "custom_tool_call, custom_tool_call_output or reasoning items.", f"{where}.type",
+                       "unsupported_input")
     return out
 
 
 # --- tools, tool_choice, text.format, reasoning ------------------------------------------------------------
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools in chat's nested shape; hosted tools are refused by name."""
+def _function(t: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    """A function or custom (freeform) tool in chat's nested shape; a custom tool is a function of one string,
+    `input`, its grammar (when it has one) told in the description."""
+    fn: dict[str, Any] = {"name": name}  # chat's key order: templates render the tool as JSON
+    if t.get("type") == "custom":
+        fmt = t.get("format") or {}
+        described = t.get("description") or ""
+        if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+            described += f"\nThe input follows this {fmt.get('syntax') or 'grammar'} grammar:\n{fmt['definition']}"
+        if described:
+            fn["description"] = described.strip()
+        fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+        return {"type": "function", "function": fn}
+    if t.get("type") != "function":
+        raise _bad(f"{where}.type {t.get('type')!r} is not supported; send function, custom or namespace tools.",
+                   f"{where}.type", "unsupported_tool")
+    if t.get("description"):
+        fn["description"] = t["description"]
+    fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
+    if t.get("strict"):  # false is chat's default: left out, as a chat client leaves it out
+        fn["strict"] = True
+    return {"type": "function", "function": fn}
+
+
+def _flat(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any], str | None, str]]:
+    """Every tool the model may call, as (the name the template sees, the tool, its namespace, where it is);
+    hosted tools left out."""
     out = []
     for i, t in enumerate(tools or []):
-        kind = t.get("type")
-        if kind != "function":
-            raise _bad(f"tools[{i}].type {kind!r} is not supported; only function tools are.", f"tools[{i}].type",
-                       "unsupported_tool")
+        kind, where = t.get("type"), f"tools[{i}]"
+        if kind in HOSTED_TOOLS:
+            continue
+        if kind == "namespace":
+            ns = t.get("name")
+            if not isinstance(ns, str) or not ns or not isinstance(t.get("tools"), list):
+                raise _bad(f"{where} needs a name and a list of tools.", where)
+            for j, inner in enumerate(t["tools"]):
+                name = inner.get("name") if isinstance(inner, dict) else None
+                if not isinstance(name, str) or not name:
+                    raise _bad(f"{where}.tools[{j}].name is required.", f"{where}.tools[{j}].name")
+                out.append((ns + NS_SEP + name, inner, ns, f"{where}.tools[{j}]"))
+            continue
         name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"tools[{i}].name is required.", f"tools[{i}].name")
-        fn: dict[str, Any] = {"name": name}  # chat's key order: templates render the tool as JSON
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
-        if t.get("strict"):  # false is chat's default: left out, as a chat client leaves it out
-            fn["strict"] = True
-        out.append({"type": "function", "function": fn})
-    return out or None
+        if kind in ("function", "custom") and (not isinstance(name, str) or not name):
+            raise _bad(f"{where}.name is required.", f"{where}.name")
+        out.append((name if isinstance(name, str) else "", t, None, where))
+    return out
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' tools in chat's nested shape: function and custom tools, and a namespace's tools flattened to
+    `<namespace>__<tool>`; hosted tools (HOSTED_TOOLS) dropped, any other kind refused by name."""
+    return [_function(t, flat, where) for flat, t, _, where in _flat(tools)] or None
+
+
+def dropped_tools(req: ResponseRequest) -> list[str]:
+    """The hosted tools of a request, which the model cannot run and the job leaves out."""
+    return sorted({t.get("type") for t in req.tools or [] if t.get("type") in HOSTED_TOOLS})  # type: ignore[misc]
+
+
+def tool_names(req: ResponseRequest) -> dict[str, tuple[str, str | None, bool]]:
+    """The template's tool names, each as (its name in the request, its namespace, whether it is custom)."""
+    return {flat: (t.get("name", ""), ns, t.get("type") == "custom") for flat, t, ns, _ in _flat(req.tools)
+            if flat != t.get("name") or ns is not None or t.get("type") == "custom"}
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None or choice in TOOL_CHOICES:
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+        ns = choice.get("namespace")
+        name = ns + NS_SEP + choice["name"] if isinstance(ns, str) and ns else choice["name"]
+        return {"type": "function", "function": {"name": name}}
     raise _bad("tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}.", "tool_choice")
 
 
@@ -271,7 +336,32 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict[str
             "status": "completed"}
 
 
-def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments the model gave its one-string function (as is if not that)."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return args["input"] if isinstance(args, dict) and isinstance(args.get("input"), str) else arguments
+
+
+def restored(item: dict[str, Any], names: dict[str, tuple[str, str | None, bool]] | None) -> dict[str, Any]:
+    """A function_call item as the request named its tool: a namespace's tool with its `namespace` and own
+    name, a custom tool's call as a `custom_tool_call` with its `input`."""
+    known = (names or {}).get(item["name"])
+    if known is None:
+        return item
+    name, ns, custom = known
+    if custom:
+        out = {"id": item["id"].replace("fc_", "ctc_", 1), "type": "custom_tool_call", "call_id": item["call_id"],
+               "name": name, "input": custom_input(item["arguments"]), "status": item["status"]}
+    else:
+        out = {**item, "name": name}
+    return {**out, "namespace": ns} if ns else out
+
+
+def output_items(message: dict[str, Any], finish_reason: str | None,
+                 names: dict[str, tuple[str, str | None, bool]] | None = None) -> list[dict[str, Any]]:
     """A chat answer's message as output items: reasoning, the text message, then one item per tool call."""
     out = []
     if message.get("reasoning_content"):
@@ -282,15 +372,19 @@ def output_items(message: dict[str, Any], finish_reason: str | None) -> list[dic
         out.append(message_item(new_id("msg"), message.get("content") or "", status))
     for tc in calls:
         fn = tc.get("function") or {}
-        out.append(call_item(new_id("fc"), tc.get("id") or new_id("call"), fn.get("name", ""), fn.get("arguments", "")))
+        out.append(restored(call_item(new_id("fc"), tc.get("id") or new_id("call"), fn.get("name", ""),
+                                      fn.get("arguments", "")), names))
     return out
 
 
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     """The output items as the chat message a continuation sends back: text and tool calls, ids kept."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in output if it["type"] == "function_call"]
+    calls = [{"id": it["call_id"], "type": "function", "function": {
+        "name": it["namespace"] + NS_SEP + it["name"] if it.get("namespace") else it["name"],
+        "arguments": it["arguments"] if it["type"] == "function_call" else json.dumps({"input": it["input"]},
+                                                                                        ensure_ascii=False)}}
+             for it in output if it["type"] in ("function_call", "custom_tool_call")]
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
@@ -320,11 +414,11 @@ def final_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def from_choice(choice: Choice) -> list[dict[str, Any]]:
-    return output_items(choice.message or {}, choice.finish_reason)
+def from_choice(choice: Choice, req: ResponseRequest | None = None) -> list[dict[str, Any]]:
+    return output_items(choice.message or {}, choice.finish_reason, tool_names(req) if req is not None else None)
 
 
 def final_body(resp_id: str, created: float, req: ResponseRequest, final: Final) -> dict[str, Any]:
     """The response object of a whole chat answer (what `/v1/responses` and a batch's line answer)."""
     choice = final.choices[0] if final.choices else Choice()
-    return response_body(resp_id, created, req, from_choice(choice), final.usage, final_status(choice.finish_reason))
+    return response_body(resp_id, created, req, from_choice(choice, req), final.usage, final_status(choice.finish_reason))
