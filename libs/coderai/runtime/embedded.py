@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -392,7 +393,8 @@ class RedisSentinel(_Server):
                  f"sentinel monitor {self.name} {master_host} {master_port} {self.quorum}",
                  f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}",
                  f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}",
-                 f"sentinel parallel-syncs {self.name} 1"]
+                 f"sentinel parallel-syncs {self.name} 1",
+                 f"sentinel myid {self._myid()}"]
         if self.password:
             lines.append(f'sentinel auth-pass {self.name} "{self.password}"')
         conf = self.data_dir / "sentinel.conf"
@@ -408,6 +410,21 @@ class RedisSentinel(_Server):
         self.url = f"redis+sentinel://{self.host}:{self.port}/{self.name}"
         _await_pong(self, "redis sentinel", timeout_s)
         return self
+
+    def _myid(self) -> str:
+        """This sentinel's id, made once and kept in its data dir. Sentinels never forget a sentinel they have seen:
+        one started again under a new id is one more voter that never answers, until the survivors of a dead head
+        are no majority of the sentinels they know and a Redis failover waits (over 15 s after a few restarts in
+        tests/ha/test_failover_clients)."""
+        path = self.data_dir / "myid"
+        try:
+            myid = path.read_text().strip()
+        except FileNotFoundError:
+            myid = ""
+        if len(myid) != 40:
+            myid = secrets.token_hex(20)
+            path.write_text(myid + "\n")
+        return myid
 
     def _client(self):
         import redis
