@@ -45,7 +45,16 @@ class Relay:
         """The router's pick for `req` (the request's model, op and affinity hints), without the engines `tried`."""
         if tried:
             req = msgspec.structs.replace(req, exclude=tried)
-        return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
+        try:
+            return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
+        except BusError as exc:
+            if exc.code != "timeout":
+                raise
+            # no router answered in time (this gateway's nats-server just died under the request, the routers are
+            # reconnecting): the cluster's moment, not the client's fault, so a 503 with Retry-After, not a 504 (and
+            # not "no engine", which would have the scheduler load the model or rent a pod)
+            raise BusError("overloaded", f"no router answered within {self.settings.route_timeout_s:g} s; try again "
+                                        "shortly", retryable=True) from None
 
     async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str],
                     on_loading: Callable[[], None] | None = None) -> RouteDecision:
