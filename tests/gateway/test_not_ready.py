@@ -19,6 +19,7 @@ from coderai.contracts import ModelConfig, encode, model_key
 from coderai.contracts.topology import MODELS
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer, free_port
+from coderai.testing.procs import wait_until
 from coderai.testing.stack import Stack
 
 KEY = "sk-not-ready"
@@ -69,12 +70,7 @@ def _sdks(client: httpx.Client):
 
 def _complete(client: httpx.Client) -> None:
     """Wait until the gateway's view is whole again: a model that does not exist is a plain 404."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if client.get("/v1/models/ghost").status_code == 404:
-            return
-        time.sleep(0.1)
-    raise TimeoutError("the gateway's catalogue never became whole again")
+    wait_until(lambda: client.get("/v1/models/ghost").status_code == 404, 30, "the catalogue to be whole again")
 
 
 def test_a_model_absent_from_a_whole_view_is_a_404_in_every_api(gateway):
