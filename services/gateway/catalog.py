@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from coderai.contracts import ModelConfig, model_name
 from coderai.contracts.topology import MODELS
 from coderai.runtime.bus import Bus
+from coderai.runtime.lifecycle import wait_for
 from coderai.runtime.mirror import KVMirror
 
 
@@ -34,16 +34,11 @@ class Catalog:
         return self.mirror.current.is_set() and self.bus.connected
 
     async def wait_complete(self, timeout_s: float) -> bool:
-        """Whether the view is complete, waiting up to `timeout_s` for it (polled for the bus' side: a reconnect
-        sets no event here)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self.complete:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.mirror.current.wait(), min(left, 0.25))
-        return True
+        """Whether the view is complete, waiting up to `timeout_s` for it (polled: a reconnect of the bus sets no
+        event here)."""
+        with contextlib.suppress(TimeoutError):
+            await wait_for(lambda: self.complete, timeout_s, what="a whole catalogue")
+        return self.complete
 
     def _changed(self, key: str, cfg: ModelConfig | None) -> None:
         if cfg is not None:
