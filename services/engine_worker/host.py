@@ -303,6 +303,8 @@ class EngineHost:
 
         media = op not in LLM_OPS
         if media:  # bytes come inline for the engine, whatever size they were sent at
+            # first, a frame: the caller learns the job arrived while a large upload is fetched from the store
+            await writer.keepalive(True)
             try:
                 job = await self.blobs.unpack(job)
             except BlobMissing as exc:

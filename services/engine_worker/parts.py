@@ -28,7 +28,9 @@ __all__ = ["PartPuller", "consumer_name"]
 
 log = logging.getLogger("coderai.engine_worker")
 
-ACK_WAIT_S = 10.0
+ACK_WAIT_S = 5.0  # a part whose worker died (or whose delivery was lost with a head) goes to another this soon
+PROGRESS_S = 1.0  # while a part runs, JetStream is told this often that its worker is still on it
+FETCH_S = 1.0  # a pull request lives this long: one lost with a head's death is made again within it
 MAX_DELIVER = 3
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 4.0  # a puller whose engine failed a part waits this long before the next
 
@@ -86,7 +88,7 @@ class PartPuller:
         await self._subscribe()
         while True:
             try:
-                msgs = await self._sub.fetch(1, timeout=5)
+                msgs = await self._sub.fetch(1, timeout=FETCH_S)
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
                 continue
             except asyncio.CancelledError:
@@ -141,7 +143,7 @@ class PartPuller:
     async def _in_progress(self, msg: Any) -> None:
         """Keep the part ours while it runs (a long image or transcription outlasts `ack_wait_s`)."""
         while True:
-            await asyncio.sleep(self.ack_wait_s / 3)
+            await asyncio.sleep(min(PROGRESS_S, self.ack_wait_s / 3))
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 

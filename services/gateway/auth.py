@@ -3,7 +3,10 @@ stored in clear) and then in Redis, and the guards that admit a controller's cal
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,6 +29,15 @@ class Caller:
 
 ANONYMOUS = Caller("anonymous", frozenset({"inference", "admin"}))
 
+log = logging.getLogger("coderai.gateway")
+
+# A key Redis answered for this recently is let in as it was then while Redis does not answer within
+# STORE_WAIT_S (its master died and the sentinels are promoting a replica: seconds): a failover is not a client's
+# outage. Redis is still asked first on every request, so a revoked key is refused as soon as Redis answers.
+KNOWN_S = 60.0
+STORE_WAIT_S = 1.0
+KNOWN_MAX = 10_000  # keys remembered: past it, the one read longest ago is forgotten
+
 
 class Authenticator:
     """Keys from the keys file (the bootstrap admin key of `coderai up`), then keys in Redis (`coderai keys`)."""
@@ -33,6 +45,8 @@ class Authenticator:
     def __init__(self, keys: dict[str, KeyRecord] | None, store: KeyStore | None = None) -> None:
         self.keys = keys  # None: auth is off
         self.store = store
+        self._known: dict[str, tuple[ApiKey, float]] = {}  # digest -> (its record, when Redis last said so)
+        self._stale_said = False
 
     async def check(self, authorization: str | None, scope: str = "inference") -> Caller:
         if self.keys is None:
@@ -45,11 +59,7 @@ class Authenticator:
         if rec is not None:
             caller = Caller(rec.name, frozenset(rec.scopes))
         else:
-            try:
-                stored = await self.store.get(digest) if self.store is not None else None
-            except (OSError, RedisError) as exc:  # Redis is down: that is not the caller's mistake
-                raise ApiError(503, f"The key store is unavailable: {exc}", type="service_unavailable",
-                               code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+            stored = await self._stored(digest) if self.store is not None else None
             if stored is None or stored.revoked:
                 raise ApiError(401, "Incorrect API key provided." if stored is None else "This API key has been revoked.",
                                code="invalid_api_key")
@@ -57,6 +67,35 @@ class Authenticator:
         if scope not in caller.scopes:
             raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")
         return caller
+
+    async def _stored(self, digest: str) -> ApiKey | None:
+        """The key's record in Redis; the one Redis gave within `KNOWN_S` while Redis does not answer in time."""
+        assert self.store is not None
+        known = self._known.get(digest)
+        if known is not None and time.monotonic() - known[1] > KNOWN_S:
+            known = None
+        try:
+            if known is None:  # never seen (or long ago): only Redis can say, however long it takes
+                stored = await self.store.get(digest)
+            else:
+                async with asyncio.timeout(STORE_WAIT_S):
+                    stored = await self.store.get(digest)
+        except (OSError, RedisError) as exc:  # TimeoutError is an OSError
+            if known is not None:
+                if not self._stale_said:
+                    self._stale_said = True
+                    log.warning("the key store does not answer (%s); keys it answered for in the last %.0f s are "
+                                "let in as they were", exc or type(exc).__name__, KNOWN_S)
+                return known[0]
+            raise ApiError(503, f"The key store is unavailable: {exc or type(exc).__name__}", type="service_unavailable",
+                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+        self._stale_said = False
+        self._known.pop(digest, None)
+        if stored is not None and not stored.revoked:
+            self._known[digest] = (stored, time.monotonic())
+            if len(self._known) > KNOWN_MAX:
+                self._known.pop(next(iter(self._known)))
+        return stored
 
 
 # --- guards: every controller declares one; the caller it admits is the `who` its handlers are given -------------

@@ -165,11 +165,14 @@ class Call:
         self.route_reason, self.parts = "fanout", len(plan.jobs)
         try:
             final = await scatter(self.gw, self.op, self.job, plan, self.bus_headers())
-        except NatsError as exc:
-            # the WORK stream takes no parts now (its RAFT group elects a leader for seconds after a head died):
-            # splitting is a speed-up, so the whole job goes to the one engine the router picked instead of a 503
+        except (NatsError, BusError) as exc:
+            if isinstance(exc, BusError) and not exc.retryable:
+                raise
+            # the WORK stream takes no parts now (its RAFT group elects a leader for seconds after a head died), or
+            # this gateway's connection to the bus dropped under the parts (it reconnects to another server at
+            # once): splitting is a speed-up, so the whole job goes to one engine instead of failing
             log.info("request %s: the work queue took no parts (%s); sent whole to one engine",
-                     self.job.request_id, exc or type(exc).__name__)
+                     self.job.request_id, getattr(exc, "message", "") or exc or type(exc).__name__)
             self.route_reason, self.parts = "", 0
             return None, decision
         self.engine_id = final.engine_id

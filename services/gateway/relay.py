@@ -118,7 +118,8 @@ class Relay:
                                    engine_id=decision.engine_id)
 
         return await self.bus.open_stream(
-            ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s, headers=headers,
+            ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s,
+            first_timeout_s=self.settings.accept_timeout_s, headers=headers,
             on_cancel=cancel, encoded=encoded, node_id=decision.node_id, engine_id=decision.engine_id,
         )
 

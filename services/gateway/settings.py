@@ -22,6 +22,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     blobs_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_blobs` store's cap (inputs and outputs, 1 h each)
     route_timeout_s: float = 2.0
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
+    # an engine that sends nothing at all this long after it was sent a job (a worker keeps alive each second) never
+    # got it: a NATS server died under it. The job goes to another engine, as nothing ran
+    accept_timeout_s: float = 3.0
     part_timeout_s: float = 60.0  # a fan-out part silent this long (queued or its workers dead) fails the request
     escalate_wait_s: float = 120.0  # how long a request waits for a rented pod's engine after escalating
     load_wait_s: float = 300.0  # how long a request waits for its model to load on demand (docs/models.md)

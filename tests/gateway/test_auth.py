@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import time
 
 import pytest
+
+from coderai.gateway import auth as gateway_auth
 
 from coderai.accounts.keyfile import KeyRecord, hash_key
 from coderai.gateway.auth import ANONYMOUS, Authenticator, Caller
@@ -65,3 +70,86 @@ async def test_a_key_without_the_scope_is_403(auth):
 async def test_a_key_with_the_scope_passes(auth):
     assert await auth.check("Bearer " + ADMIN_KEY, "admin") == Caller("root", frozenset({"inference", "admin"}))
     assert (await auth.check("Bearer " + ADMIN_KEY)).key_name == "root"
+
+
+# --- keys in Redis while Redis fails over -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own: it is stopped (SIGSTOP) as a master that died without closing is."""
+    from coderai.runtime.embedded import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    if server.proc is not None:
+        server.proc.send_signal(signal.SIGCONT)
+    server.stop()
+
+
+@pytest.fixture
+async def stored(own_redis, monkeypatch):
+    """(an Authenticator over a KeyStore in `own_redis`, its store, a key's secret, the redis-server)."""
+    from coderai.accounts.keys import KeyStore
+    from coderai.runtime.redis_client import connect
+
+    monkeypatch.setattr(gateway_auth, "STORE_WAIT_S", 0.3)
+
+    r = connect(own_redis.url)
+    store = KeyStore(r)
+    secret, _ = await store.create("bob", ["inference"])
+    yield Authenticator({}, store), store, secret, own_redis
+    await r.aclose()
+
+
+async def test_a_key_redis_answered_for_lately_is_let_in_while_redis_does_not_answer(stored):
+    auth, store, secret, server = stored
+    assert (await auth.check("Bearer " + secret)).key_name == "bob"
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        who = await auth.check("Bearer " + secret)  # waits STORE_WAIT_S for Redis, then goes by what it said
+        assert who.key_name == "bob" and who.key is not None and time.monotonic() - t0 < 10
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_key_never_seen_waits_for_redis_and_is_never_let_in_unchecked(stored):
+    auth, store, secret, server = stored
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):  # still waiting on Redis: neither let in nor refused as wrong
+            await asyncio.wait_for(auth.check("Bearer " + secret), gateway_auth.STORE_WAIT_S * 3)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert (await auth.check("Bearer " + secret)).key_name == "bob"
+
+
+async def test_a_key_seen_long_ago_is_not_let_in_on_memory(stored):
+    auth, store, secret, server = stored
+    await auth.check("Bearer " + secret)
+    digest = hash_key(secret)
+    rec, _ = auth._known[digest]
+    auth._known[digest] = (rec, time.monotonic() - gateway_auth.KNOWN_S - 1)
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(auth.check("Bearer " + secret), gateway_auth.STORE_WAIT_S * 3)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
+async def test_a_revoked_key_is_refused_at_once_and_forgotten(stored):
+    """The attack: a key revoked while it was remembered must not ride on the memory when Redis stalls next."""
+    auth, store, secret, server = stored
+    await auth.check("Bearer " + secret)
+    await store.revoke("bob")
+    err = await denied(auth, "Bearer " + secret)
+    assert (err.status, err.code) == (401, "invalid_api_key") and "revoked" in err.message
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):  # nothing remembered: it waits for Redis, as an unknown key does
+            await asyncio.wait_for(auth.check("Bearer " + secret), gateway_auth.STORE_WAIT_S * 3)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert (await denied(auth, "Bearer " + secret)).status == 401

@@ -157,6 +157,33 @@ async def test_silent_engine_times_out(bus, unique):
     assert exc.value.code == "engine_failed" and exc.value.retryable
 
 
+async def test_a_job_nobody_acknowledges_fails_on_the_short_first_wait(bus, unique):
+    """A job lost on its way (a NATS server died under it) is found by `first_timeout_s`, not the idle timeout."""
+    async def listen_only(_m):
+        return None
+
+    await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=listen_only)
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=60,
+                              first_timeout_s=0.3, node_id="n", engine_id=unique)
+    with pytest.raises(BusError) as exc:
+        await asyncio.wait_for(s.next_raw(), 10)  # far sooner than the minute of the idle timeout
+    assert exc.value.code == "engine_failed" and exc.value.retryable and "sent nothing within 0.3s" in exc.value.message
+
+
+async def test_after_its_first_frame_a_stream_waits_the_idle_timeout(bus, unique):
+    async def one_keepalive(m):
+        await FrameWriter(bus.nc, m.reply).keepalive(True)
+
+    await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=one_keepalive)
+    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=1.5,
+                              first_timeout_s=0.2, node_id="n", engine_id=unique)
+    assert isinstance(decode(await s.next_raw(), Frame), KeepAlive)
+    assert s.first_timeout_s == 1.5  # the short wait was for the first frame only
+    with pytest.raises(BusError) as exc:
+        await s.next_raw()
+    assert "went silent" in exc.value.message
+
+
 async def test_stream_to_nobody_fails_fast_as_no_engine(bus, unique):
     s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, node_id="n", engine_id=unique)
     with pytest.raises(BusError) as exc:

@@ -113,14 +113,21 @@ class FrameStream:
         self.subject = subject  # where the request went: a refused publish there ends this stream at once
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.idle_timeout_s = idle_timeout_s
+        # until the first frame (a callee answers at once, or keeps alive each second): silence this long means the
+        # job never reached it (lost with a NATS server that died under it), found sooner than a dead callee is
+        self.first_timeout_s = idle_timeout_s
         self.on_cancel: Callable[[], Awaitable[None]] | None = None
         self.done = False
 
     async def next_raw(self) -> bytes:
         """The next frame's bytes; BusError on an idle gap longer than the timeout or a lost connection."""
-        data = await get_or_timeout(self.queue, self.idle_timeout_s)
+        data = await get_or_timeout(self.queue, self.first_timeout_s)
         if data is TIMED_OUT:
+            if self.first_timeout_s < self.idle_timeout_s:
+                raise Silence("engine_failed", f"the engine sent nothing within {self.first_timeout_s:g}s of the job "
+                              "(lost on its way, or the engine is stalled)", retryable=True)
             raise Silence("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
+        self.first_timeout_s = self.idle_timeout_s
         if data is None:  # this process' own connection dropped, not the engine: "try again" (a 503), as request()
             raise BusError("no_engine", "lost the connection to the message bus", retryable=True)
         if data is _NO_RESPONDERS:
@@ -400,14 +407,18 @@ class Bus:
         msg: Any,
         *,
         idle_timeout_s: float,
+        first_timeout_s: float = 0.0,
         headers: dict[str, str] | None = None,
         on_cancel: Callable[[], Awaitable[None]] | None = None,
         encoded: bytes | None = None,
         **params: str,
     ) -> FrameStream:
         """Publish a job whose reply is a stream of frames; returns the stream to read them from. `encoded`:
-        `subject.encode(msg)` made already (a caller that measured it, or sends it again to another engine)."""
+        `subject.encode(msg)` made already (a caller that measured it, or sends it again to another engine).
+        `first_timeout_s`: a shorter wait for the first frame (a callee that keeps alive answers within it)."""
         stream, reply = await self.expect_stream(idle_timeout_s)
+        if 0 < first_timeout_s < idle_timeout_s:
+            stream.first_timeout_s = first_timeout_s
         stream.on_cancel = on_cancel
         stream.subject = subject(**params)
         try:

@@ -9,6 +9,7 @@ delivery fails the request, naming the part.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +23,18 @@ from coderai.runtime.bus import FrameStream, Silence
 if TYPE_CHECKING:
     from coderai.gateway.state import Gateway
 
+log = logging.getLogger("coderai.gateway")
+
+PUBLISH_TIMEOUT_S = 2.0
+SLOW_S = 2.0  # a fan-out slower than this is logged (a queue that stalled: a head's death, workers all busy)
+
 
 async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dict[str, str]) -> Final:
     """Run every part of `plan` on whichever workers pull them; the merged answer as one `Final`."""
     n = len(plan.jobs)
     streams: list[FrameStream] = []
     subject = WORK_PART(model_key=model_key(job.model), op=op)
+    t0 = time.monotonic()
     try:
         for i, sub in enumerate(plan.jobs):
             sub = await gw.blobs.pack(sub)
@@ -35,13 +42,18 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
             streams.append(stream)
             part = WorkPart(request_id=job.request_id, model=job.model, op=op, part=i, parts=n, reply=reply,  # type: ignore[arg-type]
                             job=msgspec.Raw(encode(sub)))
-            await gw.bus.js.publish(subject, encode(part), headers=headers)
-        activity = [time.monotonic()]
+            # a healthy stream acks in milliseconds; one whose leader died with its head does not for seconds, and
+            # the caller sends the job whole to one engine sooner than it would elect one
+            await gw.bus.js.publish(subject, encode(part), headers=headers, timeout=PUBLISH_TIMEOUT_S)
+        queued = time.monotonic()
+        activity = [queued]
         finals = await asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s, activity)
                                         for i, s in enumerate(streams)))
     finally:
         for s in streams:
             s.close()
+    if (took := time.monotonic() - t0) > SLOW_S:
+        log.info("request %s: its %d parts took %.1f s (%.1f s to queue them)", job.request_id, n, took, queued - t0)
     outputs = [await gw.blobs.unpack(f.output) for f in finals]
     try:
         output, usage = plans.merge(op, job, plan, outputs, [f.usage for f in finals])
@@ -59,9 +71,9 @@ async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity
         try:
             frame = await stream.next(Frame)
         except BusError as exc:
-            if not exc.retryable:
+            if not isinstance(exc, Silence):  # an engine's error, or this gateway's own connection to the bus lost
                 raise
-            if isinstance(exc, Silence) and time.monotonic() - activity[0] < timeout_s:
+            if time.monotonic() - activity[0] < timeout_s:
                 continue  # this part is still queued, but its siblings are being answered
             raise BusError("engine_failed", f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s "
                                             "(every worker it went to stopped)", False) from None
