@@ -121,10 +121,12 @@ class PartPuller:
         deliveries = msg.metadata.num_delivered if msg.metadata else 1
         last = deliveries >= self.max_deliver
         t0 = time.monotonic()
+        writer = FrameWriter(host.bus.nc, part.reply)
+        with contextlib.suppress(Exception):  # the gateway learns at once that the part reached a worker
+            await writer.keepalive(True)
         keep = asyncio.create_task(self._in_progress(msg))
         try:
-            status = await host._run(self.op, job, FrameWriter(host.bus.nc, part.reply),
-                                     {HDR_REQUEST_ID: part.request_id}, give_back=not last)
+            status = await host._run(self.op, job, writer, {HDR_REQUEST_ID: part.request_id}, give_back=not last)
         finally:
             keep.cancel()
         if status == "retry":

@@ -7,6 +7,8 @@ import logging
 
 from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.js.errors import ServiceUnavailableError
 
 from coderai.gateway.admin.catalog import CatalogController, Pulls
 from coderai.gateway.admin.keys import KeysController
@@ -75,6 +77,13 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         return error_response(err)
 
     def on_error(_: Request, exc: Exception) -> Response:
+        if isinstance(exc, (NatsTimeout, NoRespondersError, ServiceUnavailableError)):
+            # the bus or a JetStream leader did not answer (a head's failover, a cluster still forming): the
+            # request may be sent again, as the SDKs do with a 503, and it is no fault of the gateway's code
+            log.warning("the message bus did not answer: %s", exc or type(exc).__name__)
+            return error_response(ApiError(503, "The message bus did not answer in time; try again shortly.",
+                                           type="service_unavailable", code="bus_unavailable",
+                                           headers={"Retry-After": str(settings.retry_after_s)}))
         log.error("unhandled error", exc_info=exc)
         return error_response(ApiError(500, "Internal error; see the gateway log for this request id.",
                                        type="server_error", code="internal"))

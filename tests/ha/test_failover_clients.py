@@ -47,10 +47,13 @@ def cluster(tmp_path_factory, tiny_gguf):
 
 @pytest.fixture(scope="module")
 def key(cluster: Cluster) -> str:
-    made = httpx.post(f"{cluster.base('h2')}/admin/keys", headers={"Authorization": f"Bearer {cluster.admin}"},
-                      timeout=30, json={"name": "clients"})
-    assert made.status_code == 201, made.text
-    return made.json()["key"]
+    def make() -> httpx.Response | None:  # a cluster just formed may still elect its buckets' leaders: a 503
+        r = httpx.post(f"{cluster.base('h2')}/admin/keys", headers={"Authorization": f"Bearer {cluster.admin}"},
+                       timeout=30, json={"name": "clients"})
+        assert r.status_code in (201, 503) and (r.status_code == 201 or r.headers.get("retry-after")), r.text
+        return r if r.status_code == 201 else None
+
+    return wait_until(make, 60, "the clients' key made").json()["key"]
 
 
 @pytest.fixture

@@ -14,9 +14,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from nats.errors import Error as NatsError
 
 from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, encode, model_key
 from coderai.contracts.subjects import WORK_PART
+from coderai.contracts.topology import WORK
+from coderai.contracts.work import work_consumer
 from coderai.gateway.fanout import plans
 from coderai.runtime.bus import FrameStream, Silence
 
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("coderai.gateway")
 
 PUBLISH_TIMEOUT_S = 2.0
+STALL_S = 1.0  # no part heard from this long: is the queue moving at all?
+INFO_TIMEOUT_S = 0.5  # a consumer with a leader says how it is in milliseconds
 SLOW_S = 2.0  # a fan-out slower than this is logged (a queue that stalled: a head's death, workers all busy)
 
 
@@ -46,9 +51,13 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
             # the caller sends the job whole to one engine sooner than it would elect one
             await gw.bus.js.publish(subject, encode(part), headers=headers, timeout=PUBLISH_TIMEOUT_S)
         queued = time.monotonic()
-        activity = [queued]
-        finals = await asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s, activity)
-                                        for i, s in enumerate(streams)))
+        activity, heard = [queued], [False] * n
+        gathered = asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s, activity, heard)
+                                    for i, s in enumerate(streams)))
+        try:
+            finals = await _unless_stalled(gw, job.model, op, gathered, activity, heard)
+        finally:
+            gathered.cancel()
     finally:
         for s in streams:
             s.close()
@@ -64,7 +73,32 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
                  ttft_s=min((f.ttft_s for f in finals if f.ttft_s is not None), default=None))
 
 
-async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity: list[float]) -> Final:
+async def _unless_stalled(gw: Gateway, model: str, op: str, gathered: asyncio.Future, activity: list[float],
+                          heard: list[bool]) -> Any:
+    """What `gathered` gives; a retryable `no_engine` BusError (the caller sends the job whole to one engine) once
+    no part was heard from for `STALL_S` (a worker says so the moment it takes a part, then answers or keeps alive
+    each second) and either the shared consumer does not answer (its leader died with a NATS server and its RAFT
+    group elects another, for seconds) or it holds none of the parts though one was never heard from (delivered to
+    a worker's pull request that was lost with that server: JetStream hands it out again only after the ack wait).
+    A consumer that still holds parts is busy (every holder runs other parts): they wait their turn."""
+    while True:
+        done, _ = await asyncio.wait({gathered}, timeout=STALL_S)
+        if done:
+            return gathered.result()
+        if time.monotonic() - activity[0] < STALL_S:
+            continue
+        try:
+            async with asyncio.timeout(INFO_TIMEOUT_S):
+                info = await gw.bus.js.consumer_info(WORK.name, work_consumer(model, op))
+        except (NatsError, TimeoutError) as exc:
+            raise BusError("no_engine", f"the work queue of {model} does not move ({exc or type(exc).__name__})",
+                           True) from None
+        if not info.num_pending and not all(heard):
+            raise BusError("no_engine", "a part of this request went to a worker that never took it", True)
+
+
+async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity: list[float],
+                 heard: list[bool]) -> Final:
     """Part `i`'s final frame; its error as a BusError that names the part. A part may wait in the queue while
     other parts run, so it is given up on only when no part of the request has been heard for `timeout_s`."""
     while True:
@@ -77,7 +111,7 @@ async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity
                 continue  # this part is still queued, but its siblings are being answered
             raise BusError("engine_failed", f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s "
                                             "(every worker it went to stopped)", False) from None
-        activity[0] = time.monotonic()
+        activity[0], heard[i] = time.monotonic(), True
         if isinstance(frame, Final):
             return frame
         if isinstance(frame, ErrorReply):
