@@ -63,3 +63,24 @@ def test_a_request_queued_too_long_gets_a_503_and_the_running_one_finishes(stack
     # the slot is free again: the next request is served
     r = client.chat.completions.create(model="one-slot", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_image_for_a_text_only_model_is_refused_before_it_queues(stack):
+    """What a model cannot read is answered on arrival, not after a wait for a busy slot (nor as the queue's 503)."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
+    long_answer: list = []
+    holder = threading.Thread(target=lambda: long_answer.append(
+        client.completions.create(model="one-slot", prompt=LONG, max_tokens=3000, temperature=0)))
+    holder.start()
+    try:
+        wait_until(lambda: _busy(stack), 30, "the long request to take the slot")
+        pixel = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="one-slot", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}}]}])
+        refused_while_busy = not long_answer  # the slot's request was still running when the refusal came
+    finally:
+        holder.join(120)
+    assert err.value.param == "messages[0].content[1]" and "does not take images" in err.value.message, err.value.body
+    assert refused_while_busy

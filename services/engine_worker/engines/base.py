@@ -56,6 +56,12 @@ def unhonoured(engine: Engine, job: Any) -> BadInput | None:
         return BadInput(f"model '{name}' ({family}) takes one prompt per request", "prompt")
     if params.logit_bias and not engine.logit_bias:
         return BadInput(f"model '{name}' ({family}) does not apply logit_bias", "logit_bias")
+    takes = engine.media_takes()
+    if takes is not None and (messages := getattr(job, "messages", None)):
+        try:  # before the job queues for a slot: an image for a text-only model is refused at once
+            refuse_media(messages, name, takes)
+        except BadInput as exc:
+            return exc
     return None
 
 
@@ -77,6 +83,11 @@ class Engine:
     streams_choices = False  # `n > 1` streamed (its emit names each delta's choice `index`)
     prompt_lists = False  # a completion job's `prompt` as a list of prompts
     logit_bias = False
+
+    def media_takes(self) -> frozenset[str] | None:
+        """The chat content parts beyond text it reads (`image_url`, `input_audio`, `file`); the worker refuses the
+        others before the job waits for a slot. None: it does not say (it refuses what it cannot read itself)."""
+        return None
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config

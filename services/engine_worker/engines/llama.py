@@ -216,8 +216,11 @@ class LlamaEngine(Engine):
 
     # --- chat -------------------------------------------------------------------------------------
 
+    def media_takes(self) -> frozenset[str]:
+        return frozenset()  # llama-cpp-python's handlers here read text only
+
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        refuse_media(job.messages, self.config.name)  # llama-cpp-python's handlers here read text only
+        refuse_media(job.messages, self.config.name)
         if job.params.logprobs:
             raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
                            "the llama-server engine does", "logprobs")

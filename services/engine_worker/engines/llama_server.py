@@ -181,9 +181,12 @@ class LlamaServerEngine(OpenAIServerEngine):
                                             daemon=True)
         self._supervisor.start()
 
-    def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
+    def media_takes(self) -> frozenset[str]:
         # without a projector the server answers a 500 for an image; the client's mistake is a 400 naming the part
-        refuse_media(job.messages, self.config.name, MEDIA_WITH_PROJECTOR if self.config.params.get("mmproj") else frozenset())
+        return MEDIA_WITH_PROJECTOR if self.config.params.get("mmproj") else frozenset()
+
+    def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
+        refuse_media(job.messages, self.config.name, self.media_takes())
         return super().chat_body(job, stream)
 
     def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
