@@ -43,6 +43,9 @@ from coderai.sizing import estimate_bytes
 
 log = logging.getLogger("coderai.engine_worker")
 EARLY_CANCELS = 1024  # cancels kept for jobs not arrived yet
+# a job is admitted while its expected wait for a slot is under this (a model's `queue_time_s` overrides it): a
+# burst of an agent's subagents, or a UI's tasks beside a turn, queues; a queue that would take minutes says so
+DEFAULT_QUEUE_TIME_S = 60.0
 
 
 def engine_id_for(node_id: str, model: str) -> str:
@@ -76,6 +79,7 @@ class EngineHost:
         self.error: str | None = None
         self.in_flight = 0
         self.served = 0
+        self.service_s = 0.0  # how long a job held a slot, lately (a moving average): what a queue's wait is told by
         self.load_s = 0.0
         self.used_at = time.monotonic()  # when its last job ended (or it loaded): the scheduler's idle clock
         self.keep_alive_s: float | None = None  # the last request's keep_alive, None: the model's own
@@ -248,12 +252,26 @@ class EngineHost:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def expected_wait_s(self, jobs: int) -> float:
+        """How long a job arriving now, with `jobs` running or queued, waits for a slot: the jobs ahead of it per
+        slot times the recent time a job held a slot (0 before any job ran: nothing to go by)."""
+        slots = max(1, getattr(self.engine, "max_concurrency", 1))
+        return max(0, jobs + 1 - slots) / slots * self.service_s
+
     def _admit(self, coro: Any) -> None:
-        """Start a job (`Bus.serve_stream`'s spawn), or refuse it as `busy` beyond the engine's queue limit."""
+        """Start a job (`Bus.serve_stream`'s spawn), or refuse it as `busy`: when its expected wait for a slot is
+        past the model's queue-time budget (`queue_time_s`), or its queue is at the engine's hard limit. The
+        refusal carries the expected wait, which the client gets as `Retry-After`."""
+        jobs = len(self._tasks)
         limit = getattr(self.engine, "queue_limit", 0)
-        if limit and len(self._tasks) >= limit:  # a bounded queue: beyond it the client is told to slow down
+        if limit and jobs >= limit:  # a bounded queue: beyond it the client is told to slow down
             raise BusError("busy", f"{self.config.name} is busy: {limit} requests are running or queued on "
-                                   f"{self.engine_id}", retryable=True)
+                                   f"{self.engine_id}", retryable=True, retry_after_s=self.expected_wait_s(jobs))
+        budget = self.config.queue_time_s or DEFAULT_QUEUE_TIME_S
+        if (wait := self.expected_wait_s(jobs)) > budget:
+            raise BusError("busy", f"{self.config.name} is busy: a request now would wait about {wait:.0f} s for a "
+                                   f"slot of {self.engine_id}, past its queue-time budget of {budget:g} s "
+                                   "(queue_time_s)", retryable=True, retry_after_s=wait)
         self.spawn(coro)
 
     def _job(self, op: str) -> Any:
@@ -337,7 +355,12 @@ class EngineHost:
             started.set()
             if flag and not media:  # its caller gave up while it waited for a slot: nothing to run
                 return [], Usage()
-            return fn(*args)
+            began = time.monotonic()
+            try:
+                return fn(*args)
+            finally:  # a float written whole from the engine's thread: no lock needed
+                took = time.monotonic() - began
+                self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
 
         if self.engine.blocking:  # type: ignore[union-attr]
             fut = loop.run_in_executor(self._executor, run, job, flag, sink)

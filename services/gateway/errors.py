@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import msgspec
@@ -72,6 +74,8 @@ HTTP_TYPES: dict[int, tuple[str, str]] = {
 
 def from_bus(exc: BusError, retry_after_s: int) -> ApiError:
     status, type_ = BUS_TO_HTTP.get(exc.code, (502, "engine_error"))
+    if exc.retry_after_s is not None:  # the engine's own estimate (a queue's expected wait)
+        retry_after_s = max(1, math.ceil(exc.retry_after_s))
     headers = {"Retry-After": str(retry_after_s)} if status == 503 or exc.code == "busy" else None
     return ApiError(status, exc.message, type=type_, code=exc.code, param=exc.param, headers=headers)
 

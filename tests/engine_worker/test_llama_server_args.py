@@ -39,9 +39,9 @@ def test_named_params_and_the_rest_as_flags():
     assert args[-1] == "--verbose" and "--env" not in args and "--queue" not in args
 
 
-def test_the_queue_bound_is_the_slots_plus_three_times_as_many_unless_set():
+def test_the_queue_bound_is_a_memory_bound_unless_set():
     e = LlamaServerEngine(_cfg(parallel=2))
-    assert (e.slots, e.queue_limit, e.max_concurrency) == (2, 8, 2)  # one engine thread a slot; the rest queue here
+    assert (e.slots, e.queue_limit, e.max_concurrency) == (2, 258, 2)  # one engine thread a slot; the rest queue here
     assert LlamaServerEngine(_cfg(parallel=2, queue=0)).queue_limit == 2
 
 

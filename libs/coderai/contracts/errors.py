@@ -32,23 +32,27 @@ class ErrorReply(Message, frozen=True, kw_only=True, tag="error", tag_field="t")
     retryable: bool = False
     seq: int = 0
     param: str | None = None  # the request field at fault, for bad_request
+    retry_after_s: float | None = None  # for busy: when a try is expected to be taken (the queue's expected wait)
 
 
 class BusError(Exception):
     """Raised on the calling side when a bus reply was an ErrorReply, or no reply came."""
 
-    def __init__(self, code: ErrorCode, message: str, retryable: bool = False, param: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, retryable: bool = False, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retryable = retryable
         self.param = param
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def from_reply(cls, reply: ErrorReply) -> "BusError":
         """Lift an ErrorReply off the wire into an exception."""
-        return cls(reply.code, reply.message, reply.retryable, reply.param)
+        return cls(reply.code, reply.message, reply.retryable, reply.param, reply.retry_after_s)
 
     def to_reply(self, seq: int = 0) -> ErrorReply:
         """Put this error back on the wire."""
-        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq, param=self.param)
+        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq, param=self.param,
+                          retry_after_s=self.retry_after_s)

@@ -94,6 +94,9 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     min_replicas: int = 0  # copies kept loaded across the cluster whatever the demand (never evicted, never idle-unloaded)
     max_replicas: int = 0  # at most this many copies across the cluster (0: no cap beyond `replicas`)
     devices: list[int] = []  # set by the scheduler in an assignment only: the GPUs (indices on the node) of this copy
+    # a request is admitted to an engine of it while its expected wait for a slot (jobs ahead per slot x the recent
+    # time a job held one) is under this; past it, 429 busy with that wait as Retry-After. 0: the worker's default
+    queue_time_s: float = 0.0
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

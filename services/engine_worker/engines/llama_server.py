@@ -9,7 +9,7 @@ its SIGTERM shutdown can wait forever on a connection handler, and it has nothin
 Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
 n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
 image input), `cache_ram_mb` (the server's host prompt cache, default 256 MiB), `n_threads`, `n_threads_batch`,
-`n_batch`, `chat_template`, `queue` (jobs the worker takes beyond the slots, default 3 x parallel). Every other
+`n_batch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256). Every other
 key becomes a `--kebab-case value` flag (`True` a bare flag); `extra_args` is appended as is; `env` is added to
 the server's environment. A copy the scheduler pinned to GPUs (`devices`) sees only those (CUDA_VISIBLE_DEVICES).
 The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter (what
@@ -35,6 +35,7 @@ from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, para
 from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
+MAX_QUEUED = 256  # jobs waiting for a slot at most, unless the model's `queue` says otherwise
 MEDIA_WITH_PROJECTOR = frozenset({"image_url", "input_audio"})  # what llama.cpp's mtmd reads with an mmproj
 
 NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size",
@@ -155,7 +156,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         # one engine thread a slot: the worker's queue is the queue (a queued job is known as such, its keep-alives
         # say so and the gateway can time it out), and the server never holds jobs of its own
         self.max_concurrency = self.slots
-        self.queue_limit = self.slots + int(queue if queue is not None else 3 * self.slots)  # beyond: `busy` (429)
+        # beyond: `busy` (429). Admission is by expected wait (`queue_time_s`, the worker's); this only bounds memory
+        self.queue_limit = self.slots + int(queue if queue is not None else MAX_QUEUED)
         self.slots_busy = 0
         self.queued = 0
         self.restarts = 0
