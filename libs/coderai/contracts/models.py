@@ -97,6 +97,12 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # a request is admitted to an engine of it while its expected wait for a slot (jobs ahead per slot x the recent
     # time a job held one) is under this; past it, 429 busy with that wait as Retry-After. 0: the worker's default
     queue_time_s: float = 0.0
+    # output tokens of one request, on every API (Chat max_tokens / max_completion_tokens, Responses
+    # max_output_tokens, Messages max_tokens, Ollama num_predict): `default_output_tokens` when it names none, and
+    # never more than `max_output_tokens` (a request above is capped, and ends as its API says a cut answer does).
+    # 0: no default (the engine's own) / no ceiling
+    default_output_tokens: int = 0
+    max_output_tokens: int = 0
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

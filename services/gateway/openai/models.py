@@ -21,7 +21,16 @@ def model_json(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any
     ops = m.serves()
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
             "kind": kind_of(ops[0]) if ops else "unknown", "capabilities": [kind_of(o) for o in ops],
-            "engine": m.engine, "coderai": residency(m, copies, admin)}
+            "engine": m.engine, "coderai": residency(m, copies, admin), **output_limits(m)}
+
+
+def output_limits(m: ModelConfig) -> dict[str, int]:
+    """What a request's output is held to, where the models file says: `max_output_tokens` (the ceiling) and
+    `default_output_tokens` (when a request names none), as OpenAI-compatible servers state a model's limits."""
+    limits = {"max_output_tokens": m.max_output_tokens, "default_output_tokens": m.default_output_tokens}
+    if isinstance(n_ctx := m.params.get("n_ctx"), int) and n_ctx > 0:
+        limits["context_length"] = n_ctx
+    return {k: v for k, v in limits.items() if v}
 
 
 def residency(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any]:
