@@ -23,6 +23,10 @@ N = TypeVar("N", int, float)
 
 JSON = "application/json"
 SESSION_HEADER = "X-Session-Id"
+# the sessions harnesses name in headers of their own, on any API, after X-Session-Id and an API's own session
+# (Claude Code's metadata, Codex's prompt_cache_key): Open WebUI's chat id (with ENABLE_FORWARD_USER_INFO_HEADERS),
+# Codex's and Claude Code's session headers
+HARNESS_SESSION_HEADERS = ("X-OpenWebUI-Chat-Id", "session-id", "thread-id", "X-Claude-Code-Session-Id")
 PIN_HEADER = "X-Coderai-Pin"  # admin only: route to this engine or node id
 ENGINE_HEADER = "Coderai-Engine"
 ROUTE_HEADER = "Coderai-Route"

@@ -68,11 +68,12 @@ def test_a_conversation_sticks_to_one_engine(duo, headers):
             assert conv.turn() == (first, "prefix")
 
 
-def test_session_header_beats_content(duo, headers):
+@pytest.mark.parametrize("name", ["X-Session-Id", "X-OpenWebUI-Chat-Id", "session-id"])  # ours, Open WebUI's, Codex's
+def test_session_header_beats_content(duo, headers, name):
     url = f"{duo.base_url}/chat/completions"
     engines = set()
     for i in range(4):  # unrelated content every time, one session
-        r = httpx.post(url, headers={**headers, "X-Session-Id": "sess-42"}, timeout=60,
+        r = httpx.post(url, headers={**headers, name: f"sess-42-{name}"}, timeout=60,
                        json={"model": "tiny", "messages": [{"role": "user", "content": f"topic {i}"}], "max_tokens": 2})
         engines.add(r.headers["Coderai-Engine"])
         if i:

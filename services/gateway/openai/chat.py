@@ -14,7 +14,7 @@ from coderai.gateway import affinity
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import (
-    PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json,
+    HARNESS_SESSION_HEADERS, PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json,
 )
 from coderai.gateway.openai import sse
 from coderai.gateway.openai.chat_types import (
@@ -58,13 +58,16 @@ def chat_route(request: Request, who: Caller, job: ChatJob, user: str | None,
 def route_request(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str],
                   session: str | None = None) -> RouteRequest:
     """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin.
-    `session` is one a harness names in its own way (Claude Code's header or metadata); `X-Session-Id` wins."""
+    `session` is one a harness names in its own way (Claude Code's header or metadata); `X-Session-Id` wins, and
+    without either a harness's session header (`HARNESS_SESSION_HEADERS`: Open WebUI's chat id, ...) is the key."""
     headers = request.headers  # built anew from the scope at every access
     pin = headers.get(PIN_HEADER, "")
     if pin and "admin" not in who.scopes:
         raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
+    named = headers.get(SESSION_HEADER) or session or next(
+        (v for h in HARNESS_SESSION_HEADERS if (v := headers.get(h))), None)
     return RouteRequest(request_id=job.request_id, model=job.model, op=op, pin=pin, prefix=prefix,  # type: ignore[arg-type]
-                        session=affinity.session_key(job.model, headers.get(SESSION_HEADER) or session),
+                        session=affinity.session_key(job.model, named),
                         user=affinity.user_key(job.model, user))
 
 
