@@ -98,9 +98,10 @@ def is_json(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == JSON
 
 
-async def read_json(request: Request, type_: type[T], *, empty: bytes | None = None) -> T:
-    """The body as `type_`; a body that is not `application/json` is a 415. `empty`: what an empty body means
-    (admin commands whose fields all have defaults), else an empty body is a 400."""
+async def read_json(request: Request, type_: type[T], *, empty: bytes | None = None, any_type: bool = False) -> T:
+    """The body as `type_`; a body that is not `application/json` is a 415, unless `any_type` (Ollama's routes read
+    JSON whatever the content type says, as Ollama does: its documented `curl -d` sends a form type). `empty`: what
+    an empty body means (admin commands whose fields all have defaults), else an empty body is a 400."""
     limit = request.app.state.gateway.settings.max_body_bytes
     headers = request.headers  # built anew from the scope at every access
     if int(headers.get("content-length") or 0) > limit:
@@ -114,7 +115,7 @@ async def read_json(request: Request, type_: type[T], *, empty: bytes | None = N
         raise _too_large(limit)
     if not body and empty is not None:
         return parse(empty, type_)
-    if not is_json(headers.get("content-type", "")):
+    if not any_type and not is_json(headers.get("content-type", "")):
         raise ApiError(415, "Send the body as JSON, with 'Content-Type: application/json'.",
                        code="unsupported_media_type")
     return parse(body, type_)

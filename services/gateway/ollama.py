@@ -181,20 +181,56 @@ def _now() -> str:
 
 
 def _done(call: Call, final: Final, reason: str | None) -> dict[str, Any]:
-    """What Ollama's last object carries: why it stopped, the token counts and the durations in nanoseconds."""
+    """What Ollama's last object carries: why it stopped, the token counts and the durations in nanoseconds: the
+    engine's own timings where it gives them (llama-server does), else as measured here, from the first token
+    (a whole answer has no first token to tell reading the prompt from generating: its time is all `eval`)."""
     total = int((time.monotonic() - call.started) * 1e9)
-    first = int((call.ttft_s or 0) * 1e9)
+    u = final.usage
+    if u.prompt_ms or u.generate_ms:
+        prompt, gen = int(u.prompt_ms * 1e6), int(u.generate_ms * 1e6)
+    else:
+        prompt = int((call.ttft_s or 0) * 1e9) if call.streamed else 0
+        gen = max(0, total - prompt)
     return {"done": True, "done_reason": reason or "stop", "total_duration": total, "load_duration": 0,
-            "prompt_eval_count": final.usage.prompt_tokens, "prompt_eval_duration": first,
-            "eval_count": final.usage.completion_tokens, "eval_duration": max(0, total - first)}
+            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": prompt,
+            "eval_count": u.completion_tokens, "eval_duration": gen}
 
 
 def _line(obj: dict[str, Any]) -> bytes:
     return msgspec.json.encode(obj) + b"\n"
 
 
-def _chat_piece(model: str, frame: Chunk) -> bytes:
+class ToolCalls:
+    """A stream's tool calls, put together from OpenAI's deltas (a name, then its arguments' JSON in pieces): Ollama
+    streams each call whole, in a line of its own before the last."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, deltas: Any) -> None:
+        for d in deltas if isinstance(deltas, list) else ():
+            if not isinstance(d, dict):
+                continue
+            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            call = self.calls.setdefault(int(d.get("index") or 0), {"function": {"name": "", "arguments": ""}})
+            for part in ("name", "arguments"):
+                if isinstance(fn.get(part), str):
+                    call["function"][part] += fn[part]
+
+    def line(self, model: str) -> bytes:
+        if not self.calls:
+            return b""
+        calls = ollama_tool_calls([self.calls[i] for i in sorted(self.calls)])
+        return _line({"model": model, "created_at": _now(), "message": {"role": "assistant", "content": "",
+                      "tool_calls": calls}, "done": False})
+
+
+def _chat_piece(model: str, tools: ToolCalls, frame: Chunk) -> bytes:
     delta = frame.delta or {}
+    if delta.get("tool_calls"):
+        tools.add(delta["tool_calls"])
+        if not delta.get("content") and not delta.get("reasoning_content"):
+            return b""
     return _line({"model": model, "created_at": _now(), "message": {"role": "assistant",
                   "content": delta.get("content") or "", **({"thinking": delta["reasoning_content"]}
                                                            if delta.get("reasoning_content") else {})},
@@ -259,7 +295,7 @@ class OllamaController(InferenceController):
 
     @post("/show", status_code=200)
     async def show(self, request: Request) -> Response:
-        req = await read_json(request, ShowRequest)
+        req = await read_json(request, ShowRequest, any_type=True)
         cfg = await self.gw.visible_model(self.caller(request), req.model or req.name)
         caps = sorted({"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in cfg.serves()})
         info = model_json(cfg)
@@ -269,12 +305,12 @@ class OllamaController(InferenceController):
 
     @post("/chat", status_code=200)
     async def chat(self, request: Request) -> Response | Stream:
-        req = await read_json(request, ChatRequest)
+        req = await read_json(request, ChatRequest, any_type=True)
         job = ChatJob(request_id=RequestId(new_request_id()), model=req.model, messages=openai_messages(req.messages),
-                      params=params(req.options), tools=req.tools or None, stream=req.stream and not req.tools,
+                      params=params(req.options), tools=req.tools or None, stream=req.stream,
                       response_format=response_format(req.format))
         call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_alive(req.keep_alive))
-        if not job.stream:  # tool calls come whole in Ollama's answer: a streamed one asks for them at the end
+        if not job.stream:
             final = await answer(call, request)
             choice = final.choices[0] if final.choices else None
             message = dict(choice.message or {}) if choice else {}
@@ -282,16 +318,16 @@ class OllamaController(InferenceController):
                     "message": {"role": "assistant", "content": message.get("content") or "",
                                 **({"tool_calls": t} if (t := ollama_tool_calls(message.get("tool_calls"))) else {})},
                     **_done(call, final, choice.finish_reason if choice else None)}
-            if not req.stream:
-                return json_response(body, headers=call.response_headers())
-            return Stream(iter([_line(body)]), media_type=NDJSON, headers=call.response_headers())
-        return await _stream(call, request, partial(_chat_piece, req.model),
+            return json_response(body, headers=call.response_headers())
+        tools = ToolCalls()  # streamed with tools too (Open WebUI always sends them): each call whole, before the last
+        return await _stream(call, request, partial(_chat_piece, req.model, tools),
                              lambda final: {"model": req.model, "created_at": _now(),
-                                            "message": {"role": "assistant", "content": ""}})
+                                            "message": {"role": "assistant", "content": ""}},
+                             before_last=lambda: tools.line(req.model))
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request) -> Response | Stream:
-        req = await read_json(request, GenerateRequest)
+        req = await read_json(request, GenerateRequest, any_type=True)
         rid = RequestId(new_request_id())
         if req.raw:
             job: Any = CompletionJob(request_id=rid, model=req.model, prompt=req.prompt, params=params(req.options),
@@ -316,7 +352,7 @@ class OllamaController(InferenceController):
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request) -> Response:
-        req = await read_json(request, EmbedRequest)
+        req = await read_json(request, EmbedRequest, any_type=True)
         texts = [req.input] if isinstance(req.input, str) else list(req.input)
         if not texts or any(not t for t in texts):
             raise ApiError(400, "'input' must be text, or a list of texts, none of them empty.", param="input",
@@ -329,9 +365,9 @@ class OllamaController(InferenceController):
                               "prompt_eval_count": final.usage.prompt_tokens}, headers=call.response_headers())
 
 
-async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream:
-    """NDJSON: an object per piece, then one with `done` and the counts; an engine failure mid-stream is a last
-    `{"error": ...}` line, as Ollama writes it."""
+async def _stream(call: Call, request: Request, chunk: Any, head: Any, before_last: Any = None) -> Stream:
+    """NDJSON: an object per piece, then (`before_last()`: the tool calls) one with `done` and the counts; an engine
+    failure mid-stream is a last `{"error": ...}` line, as Ollama writes it."""
     reason: list[str | None] = [None]  # a streamed answer's finish reason rides on its last chunk
 
     def piece(frame: Chunk) -> bytes:
@@ -340,7 +376,7 @@ async def _stream(call: Call, request: Request, chunk: Any, head: Any) -> Stream
         return chunk(frame)
 
     async def final(frame: Final) -> bytes:
-        return _line({**head(frame), **_done(call, frame, reason[0])})
+        return (before_last() if before_last else b"") + _line({**head(frame), **_done(call, frame, reason[0])})
 
     # no keep-alive while a model loads: Ollama's clients read every line as JSON (and Ollama sends none either)
     pieces = await open_stream(call, request, piece, final, lambda err: _line({"error": err.message}), None)

@@ -70,6 +70,9 @@ class Usage(Message, frozen=True, kw_only=True):
     completion_tokens: int = 0
     total_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's tokens, those the engine found in its cache (llama-server says)
+    # how long the engine took to read the prompt and to generate, where it says (llama-server's `timings`); 0: unknown
+    prompt_ms: float = 0.0
+    generate_ms: float = 0.0
 
 
 class Choice(Message, frozen=True, kw_only=True):

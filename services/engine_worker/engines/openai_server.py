@@ -195,13 +195,21 @@ def _merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": total("cached_tokens", lambda u: u.get("prompt_tokens_details")) // n}}
 
 
-def _usage(u: dict[str, Any] | None) -> Usage:
+def _usage(u: dict[str, Any] | None, timings: Any = None) -> Usage:
+    """The server's usage; with llama-server's `timings`, how long it read the prompt and generated."""
     if not u:
         return Usage()
     p, c = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     details = u.get("prompt_tokens_details")
     cached = int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=min(max(cached, 0), p))
+    t = timings if isinstance(timings, dict) else {}
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=min(max(cached, 0), p),
+                 prompt_ms=_ms(t.get("prompt_ms")), generate_ms=_ms(t.get("predicted_ms")))
+
+
+def _ms(value: Any) -> float:
+    """A duration the server reported, in ms: a finite, non-negative number, else 0 (unknown)."""
+    return float(value) if isinstance(value, (int, float)) and 0 <= value < 1e12 else 0.0
 
 
 _enc = msgspec.json.Encoder()
@@ -368,7 +376,7 @@ class OpenAIServerEngine(Engine):
         if emit is None:
             answer = self.post_json(path, body, request_id)
             self._account(answer.get("usage"))
-            return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"))
+            return [whole(c) for c in answer["choices"]], _usage(answer.get("usage"), answer.get("timings"))
         if self.client is None:
             raise RuntimeError(f"{self.label} is not loaded")
         try:
@@ -397,6 +405,7 @@ class OpenAIServerEngine(Engine):
         assert self.client is not None
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         usages: list[dict[str, Any]] = []  # llama-server sends one per choice (n > 1, a list of prompts)
+        timings: Any = None  # llama-server's, on its last events
         pieces = 0
         with self.client.stream(path, _enc.encode(body), headers) as (status, lines):
             if status != 200:
@@ -404,6 +413,8 @@ class OpenAIServerEngine(Engine):
             for event in sse_events((line.decode("utf-8", "replace") for line in lines), cancel, self.label):
                 if event.get("usage"):
                     usages.append(event["usage"])
+                if event.get("timings"):
+                    timings = event["timings"]
                 for c in event.get("choices") or []:
                     delta, text = piece(c)
                     finish = c.get("finish_reason")
@@ -419,4 +430,4 @@ class OpenAIServerEngine(Engine):
             return Usage(completion_tokens=pieces, total_tokens=pieces)
         usage = _merged_usage(usages, max(1, body.get("n") or 1))
         self._account(usage)
-        return _usage(usage)
+        return _usage(usage, timings if len(usages) == 1 else None)
