@@ -297,6 +297,10 @@ class EngineHost:
         request_id_var.set(request_id)
         if HDR_KEEP_ALIVE in headers:  # as Ollama: the latest request says how long its model stays loaded idle
             self.keep_alive_s = keep_alive_header(headers[HDR_KEEP_ALIVE], self.keep_alive_s)
+        if op == "chat" and not job.messages:  # Ollama's load and unload idioms: the model is loaded (this engine
+            # answers), and the request's keep-alive above says how long it stays; nothing to generate
+            await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=[], usage=Usage()))
+            return "ok"
         if op in LLM_OPS and (refused := unhonoured(self.engine, job)) is not None:
             await writer.send(ErrorReply(code="bad_request", message=str(refused), param=refused.param,
                                          seq=writer.next_seq()))

@@ -14,11 +14,14 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get, post
+from litestar import Request, Response, delete, get, post
 from litestar.response import Stream
 
 from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, ModelConfig, RequestId, SamplingParams
 from coderai.contracts.ops import kind_of
+from coderai.contracts.admin import AddModelRequest, RemoveModelRequest
+from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_REMOVE
+from coderai.gateway.admin.models import change_model, checked_name
 from coderai.gateway.copies import Copy
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
@@ -61,6 +64,23 @@ class EmbedRequest(msgspec.Struct, kw_only=True):
     options: dict[str, Any] | None = None
     keep_alive: Any = None
     dimensions: int | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct, kw_only=True):  # the older /api/embeddings
+    model: str
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+
+class NameRequest(msgspec.Struct, kw_only=True):  # /api/delete, /api/push
+    model: str = ""
+    name: str = ""  # older clients
+
+
+class CopyRequest(msgspec.Struct, kw_only=True):
+    source: str
+    destination: str
 
 
 class ShowRequest(msgspec.Struct, kw_only=True):
@@ -303,9 +323,26 @@ class OllamaController(InferenceController):
                               "model_info": {"general.architecture": cfg.engine}, "capabilities": caps,
                               "modified_at": info["modified_at"]})
 
+    async def _touch(self, request: Request, model: str, keep: Any, stream: bool, chat: bool) -> Response:
+        """Ollama's idioms for loading a model (no messages, or an empty prompt) and unloading it (the same with
+        `keep_alive: 0`): the model is loaded (by an empty job any of its engines answers at once, loading it on
+        demand first), its keep-alive set as the request says, and nothing generated."""
+        keep_s = keep_alive(keep)
+        job = ChatJob(request_id=RequestId(new_request_id()), model=model, messages=[])
+        call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_s)
+        await answer(call, request)
+        reason = "unload" if keep_s == 0 else "load"
+        body = {"model": model, "created_at": _now(), **({"message": {"role": "assistant", "content": ""}} if chat
+                                                           else {"response": ""}), "done_reason": reason, "done": True}
+        if stream:
+            return Stream(iter([_line(body)]), media_type=NDJSON, headers=call.response_headers())
+        return json_response(body, headers=call.response_headers())
+
     @post("/chat", status_code=200)
     async def chat(self, request: Request) -> Response | Stream:
         req = await read_json(request, ChatRequest, any_type=True)
+        if not req.messages:
+            return await self._touch(request, req.model, req.keep_alive, req.stream, chat=True)
         job = ChatJob(request_id=RequestId(new_request_id()), model=req.model, messages=openai_messages(req.messages),
                       params=params(req.options), tools=req.tools or None, stream=req.stream,
                       response_format=response_format(req.format))
@@ -328,6 +365,8 @@ class OllamaController(InferenceController):
     @post("/generate", status_code=200)
     async def generate(self, request: Request) -> Response | Stream:
         req = await read_json(request, GenerateRequest, any_type=True)
+        if not req.prompt and not req.system:
+            return await self._touch(request, req.model, req.keep_alive, req.stream, chat=False)
         rid = RequestId(new_request_id())
         if req.raw:
             job: Any = CompletionJob(request_id=rid, model=req.model, prompt=req.prompt, params=params(req.options),
@@ -363,6 +402,46 @@ class OllamaController(InferenceController):
         return json_response({"model": req.model, "embeddings": formats.vectors(final.output),
                               "total_duration": int((time.monotonic() - call.started) * 1e9), "load_duration": 0,
                               "prompt_eval_count": final.usage.prompt_tokens}, headers=call.response_headers())
+
+
+    @post("/embeddings", status_code=200)
+    async def embeddings(self, request: Request) -> Response:
+        """The older embeddings route: one `prompt`, one `embedding`."""
+        req = await read_json(request, EmbeddingsRequest, any_type=True)
+        if not req.prompt:
+            raise ApiError(400, "'prompt' must be a non-empty text.", param="prompt", code="invalid_value")
+        job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=[req.prompt])
+        call = Call(self.gw, self.caller(request), "embed", job, keep_alive_s=keep_alive(req.keep_alive))
+        final = await answer(call, request)
+        return json_response({"embedding": formats.vectors(final.output)[0]}, headers=call.response_headers())
+
+    @delete("/delete", status_code=200)
+    async def delete_model(self, request: Request) -> Response:
+        """Stop serving a model (an admin key: it is the cluster's, not the caller's); its files stay."""
+        self._admin(request)
+        req = await read_json(request, NameRequest, any_type=True)
+        await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=req.model or req.name),
+                           req.model or req.name)
+        return Response(content=b"", status_code=200)
+
+    @post("/copy", status_code=200)
+    async def copy(self, request: Request) -> Response:
+        """Serve a model again under another name (an admin key), as its models-file entry with the new name."""
+        self._admin(request)
+        req = await read_json(request, CopyRequest, any_type=True)
+        cfg = await self.gw.visible_model(self.caller(request), req.source)
+        new = msgspec.structs.replace(cfg, name=checked_name(req.destination))
+        await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=new, replace=False), new.name)
+        return Response(content=b"", status_code=200)
+
+    @post("/push", status_code=200)
+    async def push(self, request: Request) -> Response:
+        raise ApiError(501, "Pushing models to a registry is not supported by coderai: its models come from its "
+                            "models file and catalogue (POST /admin/models/pull).", code="not_supported")
+
+    def _admin(self, request: Request) -> None:
+        if "admin" not in self.caller(request).scopes:
+            raise ApiError(403, "Changing the models served needs an admin key.", code="forbidden")
 
 
 async def _stream(call: Call, request: Request, chunk: Any, head: Any, before_last: Any = None) -> Stream:

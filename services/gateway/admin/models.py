@@ -24,7 +24,7 @@ from coderai.gateway.state import AdminController, Gateway
 RESERVED = frozenset({"pull", "pulled"})  # path segments of the catalogue's routes under /admin/models
 
 
-def _name(name: str) -> str:
+def checked_name(name: str) -> str:
     """A new model's name; `pull` and `pulled` are refused, as their paths are the catalogue's routes (a PUT or
     DELETE there is a 405) and the model could not be shown, replaced or removed over HTTP."""
     if not name:
@@ -39,7 +39,7 @@ def _not_found(name: str) -> ApiError:
     return ApiError(404, f"The model '{name}' does not exist.", param="name", code="model_not_found")
 
 
-async def _change(gw: Gateway, subject: Subject, msg: Any, name: str) -> dict[str, Any]:
+async def change_model(gw: Gateway, subject: Subject, msg: Any, name: str) -> dict[str, Any]:
     """The scheduler's answer to a change: the config it now serves (or just removed)."""
     try:
         reply = await gw.bus.request(subject, msg, timeout=5.0)
@@ -60,8 +60,8 @@ class LiveModelsController(AdminController):
     async def create(self, request: Request) -> Response:
         """A new model, served at once; 409 if the name is taken."""
         cfg = await read_json(request, ModelConfig)
-        name = _name(cfg.name)
-        return json_response({"model": await _change(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), name)}, 201)
+        name = checked_name(cfg.name)
+        return json_response({"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), name)}, 201)
 
     @put("/{name:str}", status_code=200)
     async def replace(self, request: Request, name: FromPath[str]) -> Response:
@@ -71,13 +71,13 @@ class LiveModelsController(AdminController):
             raise ApiError(400, f"The body names model {doc['name']!r}, the path {name!r}.", param="name",
                            code="invalid_value")
         cfg = parse(msgspec.json.encode(doc), ModelConfig)
-        return json_response({"model": await _change(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg), name)})
+        return json_response({"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg), name)})
 
     @delete("/{name:str}", status_code=200)
     async def remove(self, name: FromPath[str]) -> Response:
         """Stop serving `name`: new requests get a 404 at once, in-flight ones finish first (the worker unloads it
         after them, within its drain timeout)."""
-        cfg = await _change(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=name), name)
+        cfg = await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=name), name)
         return json_response({"model": cfg, "deleted": True})
 
     @get("/{name:str}")
