@@ -366,7 +366,12 @@ def tool_input(arguments: Any) -> dict[str, Any]:
 
 
 def usage_json(u: Usage) -> dict[str, int]:
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
+    """Anthropic's usage: the prompt's tokens the engine found in its cache (its real prefix-cache hits, whether or
+    not the request marked blocks with `cache_control`) are `cache_read_input_tokens`, the rest `input_tokens`;
+    the engine caches as it reads, so nothing is counted as a cache write."""
+    cached = min(max(u.cached_tokens, 0), u.prompt_tokens)
+    return {"input_tokens": u.prompt_tokens - cached, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def message_body(rid: str, model: str, choice: Choice | None, usage: Usage) -> dict[str, Any]:

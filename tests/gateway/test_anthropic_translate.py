@@ -197,7 +197,8 @@ def test_the_whole_answer_as_a_message():
     assert body["content"] == [{"type": "thinking", "thinking": "hmm", "signature": ""},
                                {"type": "text", "text": "Checking."},
                                {"type": "tool_use", "id": "toolu_c9", "name": "get_weather", "input": {"city": "Paris"}}]
-    assert body["stop_reason"] == "tool_use" and body["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    assert body["stop_reason"] == "tool_use" and body["usage"] == {"input_tokens": 7, "output_tokens": 3,
+                                                                   "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     for finish, reason in (("stop", "end_turn"), ("length", "max_tokens"), (None, "end_turn")):
         assert wire.message_body("r", "m", Choice(message={"content": "x"}, finish_reason=finish), Usage())[
             "stop_reason"] == reason
@@ -244,7 +245,8 @@ def test_streamed_frames_become_anthropics_event_sequence():
     args = "".join(e["delta"]["partial_json"] for e in events[10:12])
     assert json.loads(args) == {"city": "Paris"} and events[12] == {"type": "content_block_stop", "index": 2}
     assert events[13]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert events[13]["usage"] == {"input_tokens": 5, "output_tokens": 9}
+    assert events[13]["usage"] == {"input_tokens": 5, "output_tokens": 9, "cache_read_input_tokens": 0,
+                                   "cache_creation_input_tokens": 0}
 
 
 def test_an_empty_stream_and_a_failure_mid_stream():

@@ -38,6 +38,11 @@ def client(stack):
     return anthropic.Anthropic(base_url=stack.http_url, api_key=KEY, max_retries=0, timeout=120)
 
 
+def _prompt(usage) -> int:
+    """The prompt's tokens: those the engine read anew and those it found in its cache."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def _tools():
     from coderai.testing.tool_gguf import TOOL
 
@@ -56,7 +61,7 @@ def test_a_whole_message(client):
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == _reply()
     assert m.stop_reason == "end_turn" and m.stop_sequence is None
-    assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
+    assert _prompt(m.usage) > 0 and m.usage.output_tokens > 0
     assert m._request_id == m.id[len("msg_"):]  # the SDK reads the `request-id` header
     # Claude Code's way: the beta route (`?beta=true`, `anthropic-beta`), system blocks with cache_control
     beta = client.beta.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, betas=["context-1m-2025-08-07"],
@@ -70,7 +75,7 @@ def test_a_streamed_message_is_the_same_text(client):
         pieces = list(s.text_stream)
         final = s.get_final_message()
     assert len(pieces) > 1 and "".join(pieces) == _reply() == final.content[0].text
-    assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0 and final.usage.input_tokens > 0
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0 and _prompt(final.usage) > 0
 
 
 def test_max_tokens_and_stop_sequences(client):
@@ -90,9 +95,9 @@ def _round_trip(client, first) -> None:
     with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=messages) as s:
         final = s.get_final_message()
     assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"] and final.content[0].text
-    assert final.usage.input_tokens > first.usage.input_tokens  # the call and its result reached the prompt
+    assert _prompt(final.usage) > _prompt(first.usage)  # the call and its result reached the prompt
     counted = client.messages.count_tokens(model=MODEL, tools=_tools(), messages=messages)
-    assert counted.input_tokens == final.usage.input_tokens
+    assert counted.input_tokens == _prompt(final.usage)
 
 
 def test_a_tool_round_trip_whole(client):
@@ -114,7 +119,7 @@ def test_count_tokens_is_the_prompt_the_engine_reads(client):
     whole = client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system="You are a test model.",
                                    messages=HELLO)
     counted = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO)
-    assert counted.input_tokens == whole.usage.input_tokens > 0
+    assert counted.input_tokens == _prompt(whole.usage) > 0
     with_tools = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO,
                                               tools=_tools())
     assert with_tools.input_tokens > counted.input_tokens  # the template renders the tools into the prompt
@@ -166,17 +171,28 @@ def _claude_code_request(session: str, version: str) -> dict:
 
 def test_a_first_turn_as_claude_code_sends_it(client):
     m = client.beta.messages.create(**_claude_code_request("sess-1", "2.1.197.a1b"))
-    assert m.stop_reason in ("end_turn", "max_tokens") and m.content and m.usage.input_tokens > 0
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.content and _prompt(m.usage) > 0
     with client.beta.messages.stream(**_claude_code_request("sess-1", "2.1.197.a1b")) as s:
         streamed = s.get_final_message()
-    assert streamed.usage.input_tokens == m.usage.input_tokens
+    assert _prompt(streamed.usage) == _prompt(m.usage)
     # another session's billing block is not in the prompt: the same tokens (and prefix) as the first
     other = client.beta.messages.create(**_claude_code_request("sess-2", "2.1.197.ffe"))
-    assert other.usage.input_tokens == m.usage.input_tokens
+    assert _prompt(other.usage) == _prompt(m.usage)
     body = _claude_code_request("sess-1", "2.1.197.a1b")
     extra = {name: body.pop(name) for name in ("context_management", "output_config", "metadata")}
     for name in ("max_tokens", "betas"):
         body.pop(name)
     body["extra_body"] = extra  # this SDK's count_tokens takes none of them
     counted = client.beta.messages.count_tokens(**body, betas=["token-counting-2024-11-01", "no-such-beta"])
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == _prompt(m.usage)
+
+
+def test_a_prompt_said_again_is_read_from_the_engines_cache(client):
+    """`cache_read_input_tokens` are the engine's real prefix-cache hits: a system prompt sent twice is read the
+    second time (Claude Code's ~20k tokens of tools and system prompt are what this saves)."""
+    system = [{"type": "text", "text": "You are a test model. " * 20, "cache_control": {"type": "ephemeral"}}]
+    first = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, system=system, messages=HELLO)
+    again = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, system=system, messages=HELLO)
+    whole = _prompt(first.usage)
+    assert _prompt(again.usage) == whole
+    assert again.usage.cache_read_input_tokens > whole // 2 and again.usage.cache_creation_input_tokens == 0
