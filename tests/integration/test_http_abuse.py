@@ -250,9 +250,14 @@ CONTENT_TYPES = [None, "text/plain", "application/x-www-form-urlencoded", "appli
 def test_wrong_content_types_are_clean_4xx(http, capsys):
     tried, bad = 0, []
     cases: list[tuple[str, dict[str, str], bytes]] = []
+    ollama_served = []
     for path, base in BASES.items():
         body = _dumps(base)
         for ctype in CONTENT_TYPES:
+            if path.startswith("/api/"):  # Ollama's routes read JSON whatever the type says, as Ollama does
+                ollama_served.append((path, ctype, http.post(path, content=body,
+                                                             headers={"Content-Type": ctype} if ctype else {})))
+                continue
             cases.append((path, {"Content-Type": ctype} if ctype else {}, body))
         # a real multipart body where JSON is expected
         req = http.build_request("POST", path, files={"file": ("a.json", body, "application/json")})
@@ -272,6 +277,11 @@ def test_wrong_content_types_are_clean_4xx(http, capsys):
     report(capsys, f"{tried} requests with a wrong content type, statuses {dict(sorted(statuses.items()))}, "
                    f"{len(bad)} not a clean 4xx")
     assert not bad, "\n".join(bad)
+    # ... and answered as the same body sent as application/json is
+    as_json = {p: http.post(p, content=_dumps(BASES[p]), headers={"Content-Type": "application/json"}).status_code
+               for p in BASES if p.startswith("/api/")}
+    assert as_json and all(r.status_code == as_json[p] for p, _, r in ollama_served), [
+        (p, c, r.status_code, as_json[p]) for p, c, r in ollama_served if r.status_code != as_json[p]]
 
 
 def raw_request(port: int, data: bytes, timeout_s: float = 10) -> bytes:

@@ -197,6 +197,33 @@ def test_langchain_streams_one_tool_call(stack):
     assert call["name"] == "get_weather" and call["args"] == {"city": "Paris"} and call["id"]
 
 
+def test_ollama_streams_a_tool_call_whole_before_its_last_line(stack):
+    """Open WebUI sends `tools` on every Ollama chat: the answer still streams, and a call comes whole, as Ollama's."""
+    import ollama
+
+    client = ollama.Client(host=stack.http_url)
+    parts = list(client.chat(model="tools-ls", messages=WEATHER, tools=_tools(), stream=True,
+                             options={"temperature": 0}))
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert len(parts) >= 2 and parts[-1].done and not any(p.done for p in parts[:-1])
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    text = list(client.chat(model="tools-ls", messages=HELLO, tools=_tools(), stream=True, options={"temperature": 0}))
+    assert len(text) > 2 and "".join(p.message.content for p in text).startswith("Hello!")  # text, as it comes
+
+
+def test_ollama_timings_are_the_engines_own(stack):
+    """llama-server's timings, not the gateway's clock: a whole answer's eval time is not ~0 (shown as 254,913
+    tok/s by Open WebUI), and prompt and eval durations add up to no more than the total."""
+    r = httpx.post(f"{stack.http_url}/api/generate", timeout=60, headers={"Content-Type": "application/x-www-form-urlencoded"},
+                   content=json.dumps({"model": "tiny-ls", "prompt": "once upon a time", "stream": False,
+                                       "options": {"num_predict": 16, "temperature": 0}}))  # curl -d's content type
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["eval_count"] == 16 and body["eval_duration"] > 0 and body["prompt_eval_duration"] > 0
+    assert body["prompt_eval_duration"] + body["eval_duration"] <= body["total_duration"]
+    assert body["eval_count"] / (body["eval_duration"] / 1e9) < 100_000  # a rate a CPU makes, not a clock's artefact
+
+
 def test_required_and_named_tool_choice_yield_a_tool_call(stack):
     client = _client(stack)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
@@ -351,29 +378,3 @@ def test_no_child_outlives_a_sigkilled_worker(stack, tiny_gguf):
     worker.proc.wait(30)
     wait_until(lambda: not _children(str(tiny_gguf)), 30, "the llama-server child to die with its worker")
 
-
-def test_ollama_streams_a_tool_call_whole_before_its_last_line(stack):
-    """Open WebUI sends `tools` on every Ollama chat: the answer still streams, and a call comes whole, as Ollama's."""
-    import ollama
-
-    client = ollama.Client(host=stack.http_url)
-    parts = list(client.chat(model="tools-ls", messages=WEATHER, tools=_tools(), stream=True,
-                             options={"temperature": 0}))
-    calls = [c for p in parts for c in (p.message.tool_calls or [])]
-    assert len(parts) >= 2 and parts[-1].done and not any(p.done for p in parts[:-1])
-    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    text = list(client.chat(model="tools-ls", messages=HELLO, tools=_tools(), stream=True, options={"temperature": 0}))
-    assert len(text) > 2 and "".join(p.message.content for p in text).startswith("Hello!")  # text, as it comes
-
-
-def test_ollama_timings_are_the_engines_own(stack):
-    """llama-server's timings, not the gateway's clock: a whole answer's eval time is not ~0 (shown as 254,913
-    tok/s by Open WebUI), and prompt and eval durations add up to no more than the total."""
-    r = httpx.post(f"{stack.http_url}/api/generate", timeout=60, headers={"Content-Type": "application/x-www-form-urlencoded"},
-                   content=json.dumps({"model": "tiny-ls", "prompt": "once upon a time", "stream": False,
-                                       "options": {"num_predict": 16, "temperature": 0}}))  # curl -d's content type
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["eval_count"] == 16 and body["eval_duration"] > 0 and body["prompt_eval_duration"] > 0
-    assert body["prompt_eval_duration"] + body["eval_duration"] <= body["total_duration"]
-    assert body["eval_count"] / (body["eval_duration"] / 1e9) < 100_000  # a rate a CPU makes, not a clock's artefact
