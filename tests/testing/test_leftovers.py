@@ -20,7 +20,7 @@ from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import processes_naming, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-SLEEPER = "import sys, time; time.sleep(600)"
+SLEEPER = "import signal; signal.pause()"  # a process that lives until it is killed
 
 
 def _sleeper(tag: str, **kw) -> subprocess.Popen:
