@@ -1,5 +1,7 @@
-"""A two-minute soak (bench/soak.py) with every fault kind once: the reliability targets of docs/reliability.md hold.
-Its table is printed; a miss names the target and what was measured."""
+"""The soak (bench/soak.py) with every fault kind once, in two runs of its own stack so that neither passes the
+suite's 120 s for one test on 2 cores: the worker, bus and store faults, then the gateway, link and disk faults. In
+each the reliability targets of docs/reliability.md hold. Its table is printed; a miss names the target and what
+was measured. (The 30-minute soak of docs/reliability.md is `python bench/soak.py` itself.)"""
 
 from __future__ import annotations
 
@@ -15,10 +17,15 @@ from coderai.testing.procs import run_interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# each group's faults, then its own arguments: 15 s of warm-up, each fault once with 6 s of quiet after it, and
+# the last fault's window closing under load
+GROUPS = {"workers-bus-store": (["kill-worker", "stop-worker", "nats", "redis"], ["--stop-s", "15"]),
+          "gateway-link-disk": (["gateway", "slow-link", "disk-full"], [])}
 
 
 @pytest.mark.slow
-def test_a_two_minute_soak_with_every_fault_meets_the_targets(tmp_path, capsys):
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_a_soak_with_each_fault_meets_the_targets(tmp_path, capsys, group):
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc") or not shutil.which("nft"):
         pytest.skip("the soak needs root, iproute2 and nftables (a network namespace, a lossy link, a tmpfs)")
     if not shutil.which("prometheus"):
@@ -26,10 +33,10 @@ def test_a_two_minute_soak_with_every_fault_meets_the_targets(tmp_path, capsys):
     for mod in ("sentence_transformers", "diffusers", "faster_whisper", "piper"):
         pytest.importorskip(mod)
     out = tmp_path / "soak.json"
-    # about two minutes of load: 15 s of warm-up, the seven faults one after another (the stopped worker alone
-    # holds 30 s), and the last fault's window closing under load
-    r = run_interruptible([sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "100", "--clients", "6",
-                           "--seed", "7", "--json", str(out)], timeout_s=900, cwd=ROOT)
+    kinds, extra = GROUPS[group]
+    r = run_interruptible([sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "30", "--clients", "6",
+                           "--seed", "7", "--faults", ",".join(kinds), *extra, "--json", str(out)],
+                          timeout_s=600, cwd=ROOT)
     with capsys.disabled():
         print("\n" + r.stdout[-6000:])
     assert out.exists(), f"no figures; stderr:\n{r.stderr[-5000:]}"
@@ -39,8 +46,7 @@ def test_a_two_minute_soak_with_every_fault_meets_the_targets(tmp_path, capsys):
            if not fig["processes"][n]["restarted"] and (c["new"] or c["gone"])}
     assert not missed, ("\n".join(missed) + f"\nbad outcomes: {fig['bad_outside_windows'][:5]}\nfds new and gone: "
                         f"{fds}\n{r.stderr[-3000:]}")
-    assert {f["kind"] for f in fig["faults"]} == {"kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link",
-                                                  "disk-full"}
-    assert fig["total"] > 200 and all(k in fig["requests"] for k in ("chat", "stream", "embeddings", "images",
+    assert {f["kind"] for f in fig["faults"]} == set(kinds)
+    assert fig["total"] > 100 and all(k in fig["requests"] for k in ("chat", "stream", "embeddings", "images",
                                                                      "speech", "transcription", "conversation"))
     assert r.returncode == 0
