@@ -47,15 +47,17 @@ HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and header
 
 def output_limited(job: Any, cfg: ModelConfig) -> Any:
     """`job` with the model's output limits applied: its `default_output_tokens` when the request names none, capped
-    at its `max_output_tokens`."""
+    at its `max_output_tokens`, and the model's `stop` sequences added to the request's own."""
     want = job.params.max_tokens
     if want is None and cfg.default_output_tokens > 0:
         want = cfg.default_output_tokens
     if cfg.max_output_tokens > 0 and (want is None or want > cfg.max_output_tokens):
         want = cfg.max_output_tokens
-    if want == job.params.max_tokens:
+    stop = list(job.params.stop) + [s for s in cfg.stop if s and s not in job.params.stop]
+    if want == job.params.max_tokens and stop == job.params.stop:
         return job
-    return msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, max_tokens=want))
+    return msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, max_tokens=want, stop=stop))
+
 
 class Call:
     """One request, from admission to its one `request.completed`: where it went and what it used."""
@@ -117,7 +119,7 @@ class Call:
         """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
         a request refused by the first two."""
         cfg = await self.gw.find_model(self.job.model, self.op)
-        if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens):
+        if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop):
             self.job = output_limited(self.job, cfg)
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)

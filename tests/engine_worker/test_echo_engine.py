@@ -97,3 +97,56 @@ def test_token_delay_paces_each_token_in_threads_side_by_side():
     times: list[float] = []
     eng.chat(_chat(max_tokens=5, stream=True), CancelFlag(), lambda *_: times.append(time.monotonic()))
     assert len(times) == 7 and times[-1] - times[0] >= 0.05  # the role, 5 tokens 10 ms apart, the finish
+
+
+SCRIPT = {"Read": {"file_path": "/tmp/x"}, "shell": {"command": ["cat", "x"]}}
+READ = {"type": "function", "function": {"name": "Read", "parameters": {"type": "object"}}}
+
+
+def _turn(messages, tools=(READ,), stream=False, max_tokens=None, tool_choice=None) -> ChatJob:
+    return ChatJob(request_id="req-0123456789abcdef", model="echo", messages=messages, tools=list(tools) or None,
+                   tool_choice=tool_choice, params=SamplingParams(max_tokens=max_tokens), stream=stream)
+
+
+def test_a_scripted_engine_calls_the_first_offered_tool_it_names():
+    eng = _engine(reply="Done:", tool_calls=SCRIPT)
+    choices, _ = eng.chat(_turn([{"role": "user", "content": "read it"}], max_tokens=32000), CancelFlag(), None)
+    call = choices[0].message["tool_calls"][0]
+    assert choices[0].finish_reason == "tool_calls" and call["function"]["name"] == "Read"
+    assert call["function"]["arguments"] == '{"file_path": "/tmp/x"}' and call["id"].startswith("call_")
+    frames = []
+    eng.chat(_turn([{"role": "user", "content": "read it"}], stream=True), CancelFlag(), lambda *f: frames.append(f))
+    assert frames[1][0]["tool_calls"][0]["function"]["name"] == "Read" and frames[-1] == (None, None, "tool_calls")
+
+
+def test_a_scripted_engine_answers_a_tool_result_with_its_text_and_stops_before_max_tokens():
+    eng = _engine(reply="Done:", tool_calls=SCRIPT)
+    msgs = [{"role": "user", "content": "read it"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                  "function": {"name": "Read", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "secret 42"}]}]
+    choices, usage = eng.chat(_turn(msgs, max_tokens=32000), CancelFlag(), None)
+    assert choices[0].message["content"] == "Done: secret 42" and choices[0].finish_reason == "stop"
+    choices, _ = eng.chat(_turn(msgs, max_tokens=2), CancelFlag(), None)
+    assert choices[0].message["content"] == "Done: secret" and choices[0].finish_reason == "length"
+
+
+def test_a_scripted_engine_without_its_tools_offered_just_replies():
+    eng = _engine(reply="plain answer", tool_calls=SCRIPT)
+    for job in (_turn([{"role": "user", "content": "hi"}], tools=()),
+                _turn([{"role": "user", "content": "hi"}], tool_choice="none")):
+        choices, _ = eng.chat(job, CancelFlag(), None)
+        assert choices[0].message == {"role": "assistant", "content": "plain answer"}
+
+
+def test_a_reminder_beside_a_tool_result_does_not_begin_a_new_turn():
+    eng = _engine(reply="Done:", tool_calls=SCRIPT)
+    call = {"id": "c", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "read it"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "secret 42"},
+            {"role": "user", "content": "<system-reminder>be brief</system-reminder>"}]
+    choices, _ = eng.chat(_turn(msgs), CancelFlag(), None)
+    assert choices[0].message["content"] == "Done: secret 42"
+    choices, _ = eng.chat(_turn(msgs + [{"role": "assistant", "content": "Done: secret 42"},
+                                        {"role": "user", "content": "again"}]), CancelFlag(), None)
+    assert choices[0].finish_reason == "tool_calls"

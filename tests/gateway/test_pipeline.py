@@ -277,3 +277,16 @@ async def test_a_publish_the_bus_does_not_ack_is_a_503_with_retry_after(rig, uni
     event = await rig.one_event(call.request_id)
     assert (event.status, event.http_status) == ("bus_unavailable", 503)
     assert await rig.reserved(who) == 0.0
+
+
+def test_a_models_stop_sequences_join_the_requests_own_and_its_limits_apply():
+    from coderai.contracts import SamplingParams
+    from coderai.gateway.pipeline import output_limited
+
+    cfg = ModelConfig(name="base", engine="llama-server", path="-", stop=["\n\n", "User:"], max_output_tokens=64)
+    job = ChatJob(request_id="r", model="base", messages=[{"role": "user", "content": "hi"}],
+                  params=SamplingParams(stop=["User:", "END"], max_tokens=32000))
+    limited = output_limited(job, cfg)
+    assert limited.params.stop == ["User:", "END", "\n\n"] and limited.params.max_tokens == 64
+    plain = ModelConfig(name="base", engine="llama-server", path="-")
+    assert output_limited(job, plain) is job  # nothing to apply: the same job

@@ -103,6 +103,9 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # 0: no default (the engine's own) / no ceiling
     default_output_tokens: int = 0
     max_output_tokens: int = 0
+    # stop sequences added to every chat and completion of the model, beside the request's own (Ollama's
+    # `PARAMETER stop`): for a model that does not end its turn by itself, such as a base model behind an agent
+    stop: list[str] = []
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

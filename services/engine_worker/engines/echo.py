@@ -10,6 +10,7 @@ every engine (heartbeat stats, ...) has the base class's default here too.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,12 @@ class EchoEngine(Engine):
     `length`. Unset: the reply once, finish reason `stop`. Model params: `reply` replaces the fixed text;
     `token_delay_s` paces the answer like a model's decoding (that long per token), so a stream lasts long enough
     for a test to cut it mid-way or to keep an engine busy; such jobs then run in threads, side by side.
+
+    `tool_calls` ({tool name: arguments}) makes it an agent's scripted model, for the tool round trips of real
+    agent programs (no small model that ships offline picks a tool by itself): offered a tool it names, in a turn
+    that has no tool result yet, it calls that tool (the first it names that is offered) with those
+    arguments, finish reason `tool_calls`; after a tool result it answers `reply` and the result's text; any other
+    turn is `reply`. It stops as a model does, whatever `max_tokens` allows (cut to `max_tokens` if fewer).
     """
 
     family = "echo"
@@ -45,6 +52,8 @@ class EchoEngine(Engine):
     def load(self) -> None:
         text = str(self.config.params.get("reply") or DEFAULT_REPLY)
         self.words = text.split() or ["echo"]
+        script = self.config.params.get("tool_calls")
+        self.script: dict[str, Any] | None = dict(script) if isinstance(script, dict) else None
 
     def close(self) -> None:
         self.words = []
@@ -62,8 +71,10 @@ class EchoEngine(Engine):
         return [(w if i == 0 else " " + w) for i, w in ((i, words[i % len(words)]) for i in range(n))], finish
 
     def chat(self, job: ChatJob, cancel: Any, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        pieces, finish = self._pieces(job.params.max_tokens)
         prompt = sum(len(m["content"].split()) for m in job.messages if isinstance(m.get("content"), str))
+        if self.script is not None:
+            return self._scripted(job, prompt, emit)
+        pieces, finish = self._pieces(job.params.max_tokens)
         if emit is not None:
             emit({"role": "assistant"}, None, None)
             sent = 0
@@ -80,6 +91,35 @@ class EchoEngine(Engine):
         n = max(1, job.params.n)
         choices = [Choice(index=i, message={"role": "assistant", "content": text}, finish_reason=finish) for i in range(n)]
         return choices, _usage(prompt, len(pieces) * n)
+
+    def _scripted(self, job: ChatJob, prompt: int, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        """One scripted agent turn (see the class): a tool call, or the reply with the last tool result."""
+        offered = [t.get("function", {}).get("name") for t in job.tools or [] if isinstance(t, dict)]
+        result = _tool_result(job.messages)
+        name = next((n for n in self.script or {} if n in offered), None)
+        if result is None and name is not None and job.tool_choice != "none":
+            args = self.script[name]
+            call = {"index": 0, "id": f"call_{job.request_id[-12:]}", "type": "function",
+                    "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+            if emit is not None:
+                emit({"role": "assistant"}, None, None)
+                emit({"tool_calls": [call]}, None, None)
+                emit(None, None, "tool_calls")
+                return [], _usage(prompt, 1)
+            message = {"role": "assistant", "content": None, "tool_calls": [{k: v for k, v in call.items() if k != "index"}]}
+            return [Choice(index=0, message=message, finish_reason="tool_calls")], _usage(prompt, 1)
+        words = list(self.words) + (_text(result.get("content")).split() if result is not None else [])
+        cap = job.params.max_tokens
+        finish = "length" if cap is not None and cap < len(words) else "stop"
+        pieces = [(w if i == 0 else " " + w) for i, w in enumerate(words[:cap] if cap is not None else words)]
+        if emit is not None:
+            emit({"role": "assistant"}, None, None)
+            for piece in pieces:
+                emit({"content": piece}, None, None)
+            emit(None, None, finish)
+            return [], _usage(prompt, len(pieces))
+        return ([Choice(index=0, message={"role": "assistant", "content": "".join(pieces)}, finish_reason=finish)],
+                _usage(prompt, len(pieces)))
 
     def complete(self, job: CompletionJob, cancel: Any, emit: Emit | None) -> tuple[list[Choice], Usage]:
         max_tokens = 16 if job.params.max_tokens is None else job.params.max_tokens  # OpenAI's default
@@ -101,6 +141,26 @@ class EchoEngine(Engine):
         text = (job.prompt if job.echo else "") + "".join(pieces)
         n = max(1, job.params.n)
         return [Choice(index=i, text=text, finish_reason=finish) for i in range(n)], _usage(prompt, len(pieces) * n)
+
+
+def _tool_result(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last tool result of the turn the user began last, if any: a user message that comes straight after a
+    tool result (an agent's reminder beside the result, as Claude Code sends) does not begin a turn."""
+    for i in range(len(messages) - 1, -1, -1):
+        role = messages[i].get("role")
+        if role == "tool":
+            return messages[i]
+        if role == "user" and (i == 0 or messages[i - 1].get("role") != "tool"):
+            return None
+    return None
+
+
+def _text(content: Any) -> str:
+    """A message's text: its string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return " ".join(str(p.get("text", "")) for p in parts if isinstance(p, dict) and p.get("type") == "text")
 
 
 def _usage(prompt: int, completion: int) -> Usage:
