@@ -19,6 +19,7 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, read_json, until_disconnect
 from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.pipeline import Call, answer, relay_stream
+from coderai.gateway.seal import sealer
 from coderai.gateway.state import InferenceController
 
 CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"
@@ -53,13 +54,14 @@ class Events:
     delta (thinking, text, each tool call: `content_block_start`, deltas, `content_block_stop`), then
     `message_delta` (stop reason, usage) and `message_stop`. Renders the relay's frames (pipeline.relay_stream)."""
 
-    __slots__ = ("rid", "model", "started", "index", "open", "tools", "finish")
+    __slots__ = ("rid", "model", "started", "index", "open", "thought", "tools", "finish")
 
     def __init__(self, rid: str, model: str) -> None:
         self.rid, self.model = rid, model
         self.started = False
         self.index = -1  # the latest block's index
         self.open: Any = None  # what the open block holds: "thinking", "text" or ("tool", the call's index)
+        self.thought = ""  # the open thinking block's text, signed when it closes
         self.tools: dict[int, int] = {}  # the engine's tool call index -> its block
         self.finish: str | None = None
 
@@ -75,8 +77,12 @@ class Events:
     def _close(self) -> bytes:
         if self.open is None:
             return b""
+        out = b""
+        if self.open == "thinking":  # as Anthropic streams it: the signature last, just before the block stops
+            out = self._delta(self.index, {"type": "signature_delta", "signature": sealer().sign(self.thought)})
+            self.thought = ""
         self.open = None
-        return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return out + event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def _start(self, holds: Any, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -95,6 +101,7 @@ class Events:
             if self.open != "thinking":
                 out.append(self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
             out.append(self._delta(self.index, {"type": "thinking_delta", "thinking": thought}))
+            self.thought += thought
         if text := delta.get("content"):
             if self.open != "text":
                 out.append(self._start("text", {"type": "text", "text": ""}))

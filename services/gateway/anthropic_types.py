@@ -24,6 +24,7 @@ from msgspec import Meta
 
 from coderai.contracts import ChatJob, Choice, RequestId, SamplingParams, Usage
 from coderai.gateway.errors import ApiError
+from coderai.gateway.seal import sealer
 
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
@@ -181,8 +182,9 @@ def _assistant(content: list[Any], where: str) -> dict[str, Any]:
                 raise _bad(f"{at} needs an id and a name.", at)
             calls.append({"id": engine_call_id(b["id"]), "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
-        elif kind == "thinking":
-            thoughts.append(str(b.get("thinking") or ""))
+        elif kind == "thinking":  # taken back only as this cluster signed it (gateway/seal.py)
+            if sealer().verified(str(b.get("thinking") or ""), b.get("signature")):
+                thoughts.append(str(b.get("thinking") or ""))
         elif kind != "redacted_thinking":  # opaque to anyone but Anthropic: dropped
             raise _bad(f"{at}: an assistant message holds text, tool_use or thinking blocks, not {kind!r}.", at)
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
@@ -379,7 +381,8 @@ def message_body(rid: str, model: str, choice: Choice | None, usage: Usage) -> d
     msg = (choice.message if choice else None) or {}
     content: list[dict[str, Any]] = []
     if msg.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
+                        "signature": sealer().sign(msg["reasoning_content"])})
     if msg.get("content"):
         text = msg["content"] if isinstance(msg["content"], str) else _text(msg["content"], "content")
         content.append({"type": "text", "text": text})

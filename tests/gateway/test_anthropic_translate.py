@@ -17,6 +17,7 @@ from coderai.gateway.anthropic import Events, error_body
 from coderai.gateway.app import create_app
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import parse
+from coderai.gateway.seal import sealer
 from coderai.gateway.settings import GatewaySettings
 
 TOOL = {"name": "get_weather", "description": "The weather of a city",
@@ -127,7 +128,8 @@ def test_images_are_data_urls_and_urls_are_refused():
 def test_a_tool_round_trip_becomes_openai_tool_calls_and_tool_messages():
     j = job(tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True}, messages=[
         {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "look it up", "signature": "s"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "look it up",  # as this gateway signed it
+                                           "signature": sealer().sign("look it up")},
                                           {"type": "text", "text": "Let me check."},
                                           {"type": "tool_use", "id": "toolu_abc", "name": "get_weather",
                                            "input": {"city": "Paris"}}]},
@@ -194,7 +196,7 @@ def test_the_whole_answer_as_a_message():
                     finish_reason="tool_calls")
     body = wire.message_body("r1", "m", choice, Usage(prompt_tokens=7, completion_tokens=3, total_tokens=10))
     assert body["id"] == "msg_r1" and body["type"] == "message" and body["role"] == "assistant"
-    assert body["content"] == [{"type": "thinking", "thinking": "hmm", "signature": ""},
+    assert body["content"] == [{"type": "thinking", "thinking": "hmm", "signature": sealer().sign("hmm")},
                                {"type": "text", "text": "Checking."},
                                {"type": "tool_use", "id": "toolu_c9", "name": "get_weather", "input": {"city": "Paris"}}]
     assert body["stop_reason"] == "tool_use" and body["usage"] == {"input_tokens": 7, "output_tokens": 3,
@@ -233,19 +235,20 @@ def test_streamed_frames_become_anthropics_event_sequence():
     data += asyncio.run(ev.final(Final(seq=6, engine_id="e", usage=Usage(prompt_tokens=5, completion_tokens=9))))
     names = [n for n, _ in _events(data)]
     assert names == ["message_start", "ping",
-                     "content_block_start", "content_block_delta", "content_block_stop",
                      "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
                      "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+                     "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]  # the thinking block's second delta: its signature
     events = [e for _, e in _events(data)]
     assert events[0]["message"]["id"] == "msg_r2" and events[0]["message"]["content"] == []
     assert events[3]["delta"] == {"type": "thinking_delta", "thinking": "hm"}
-    assert events[5]["index"] == 1 and events[6]["delta"] == {"type": "text_delta", "text": "Let me"}
-    assert events[9]["content_block"] == {"type": "tool_use", "id": "toolu_c1", "name": "get_weather", "input": {}}
-    args = "".join(e["delta"]["partial_json"] for e in events[10:12])
-    assert json.loads(args) == {"city": "Paris"} and events[12] == {"type": "content_block_stop", "index": 2}
-    assert events[13]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert events[13]["usage"] == {"input_tokens": 5, "output_tokens": 9, "cache_read_input_tokens": 0,
+    assert events[4]["delta"] == {"type": "signature_delta", "signature": sealer().sign("hm")}
+    assert events[6]["index"] == 1 and events[7]["delta"] == {"type": "text_delta", "text": "Let me"}
+    assert events[10]["content_block"] == {"type": "tool_use", "id": "toolu_c1", "name": "get_weather", "input": {}}
+    args = "".join(e["delta"]["partial_json"] for e in events[11:13])
+    assert json.loads(args) == {"city": "Paris"} and events[13] == {"type": "content_block_stop", "index": 2}
+    assert events[14]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[14]["usage"] == {"input_tokens": 5, "output_tokens": 9, "cache_read_input_tokens": 0,
                                    "cache_creation_input_tokens": 0}
 
 

@@ -216,3 +216,11 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
     assert after["token"] >= new["token"]  # the one elected in the partition, or one after it: never the cut-off one's
     wait_until(lambda: asyncio.run(c.buckets(holder))[0] == {"w1": [MODEL], "w2": [MODEL]}, 60,
                "both workers to hold the model again, read on the healed head")
+
+
+def test_every_head_seals_reasoning_with_the_same_key(cluster):
+    """Reasoning one head's gateway signed (a thinking block, sealed reasoning), another head's takes back: the
+    invite carries the key (`secrets/reasoning-seal.key`), and it is each head's own file, 0600."""
+    keys = [cluster.root / h / "secrets" / "reasoning-seal.key" for h in HEADS]
+    assert all(k.exists() and k.stat().st_mode & 0o777 == 0o600 for k in keys)
+    assert len({k.read_text() for k in keys}) == 1

@@ -17,7 +17,7 @@ from coderai.contracts import Chunk, Usage
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.responses_types import (
     ResponseRequest, call_item, final_status, message_item, new_id, reasoning_item, response_body, restored,
-    tool_names,
+    seal_reasoning, sealed, tool_names,
 )
 
 _enc = msgspec.json.Encoder()
@@ -77,6 +77,8 @@ class EventStream:
             out += self._event("response.content_part.done", **where, content_index=0, part=part)
         elif self.kind == "reasoning":
             part = item["content"][0]
+            if sealed(self.req):
+                seal_reasoning(item)
             out += self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
             out += self._event("response.content_part.done", **where, content_index=0, part=part)
         else:

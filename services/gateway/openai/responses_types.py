@@ -18,6 +18,7 @@ import msgspec
 from coderai.contracts import ChatJob, Choice, Final, RequestId, SamplingParams, Usage
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.chat_types import PositiveInt, Prob, Temperature
+from coderai.gateway.seal import sealer
 
 TOOL_CHOICES = ("auto", "none", "required")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -139,8 +140,10 @@ def _output_text(output: Any, where: str) -> str:
 def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
     """Responses input items as chat messages: messages by role, `function_call` items as an assistant's
     tool_calls (joined onto the assistant turn before them), `function_call_output` items as tool messages.
-    Reasoning items are dropped: chat templates do not take a previous turn's reasoning back."""
+    A reasoning item's `encrypted_content`, if this cluster sealed it, is the next assistant turn's reasoning
+    (for templates that take it back); other reasoning items are dropped."""
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # opened from the last reasoning item, for the assistant turn that follows it
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
@@ -151,6 +154,8 @@ def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[
             if role is None:
                 raise _bad(f"{where}.role must be one of user, assistant, system, developer.", f"{where}.role")
             out.append({"role": role, "content": _parts(item.get("content"), where)})
+            if role == "assistant" and thought:
+                out[-1]["reasoning_content"], thought = thought, None
         elif kind in ("function_call", "custom_tool_call"):
             field = "arguments" if kind == "function_call" else "input"
             call_id, name, args = item.get("call_id"), item.get("name"), item.get(field, "")
@@ -166,12 +171,17 @@ def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought:
+                out[-1]["reasoning_content"], thought = thought, None
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise _bad(f"{where}.call_id must be a string.", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"), where)})
-        elif kind == "reasoning" or kind in HOSTED_ITEMS:
+        elif kind == "reasoning":
+            thought = sealer().open(item.get("encrypted_content"))
+            continue
+        elif kind in HOSTED_ITEMS:
             continue
         else:
             raise _bad(f"{where}.type {kind!r} is not supported; send message, function_call, function_call_output, "
@@ -415,7 +425,22 @@ def final_status(finish_reason: str | None) -> str:
 
 
 def from_choice(choice: Choice, req: ResponseRequest | None = None) -> list[dict[str, Any]]:
-    return output_items(choice.message or {}, choice.finish_reason, tool_names(req) if req is not None else None)
+    items = output_items(choice.message or {}, choice.finish_reason, tool_names(req) if req is not None else None)
+    if req is not None and sealed(req):
+        for item in items:
+            if item["type"] == "reasoning":
+                seal_reasoning(item)
+    return items
+
+
+def sealed(req: ResponseRequest) -> bool:
+    """Whether the client asked for its reasoning back sealed, to send with its next turn (Codex, `store: false`)."""
+    return "reasoning.encrypted_content" in (req.include or [])
+
+
+def seal_reasoning(item: dict[str, Any]) -> None:
+    """A reasoning item's text sealed into its `encrypted_content` (gateway/seal.py)."""
+    item["encrypted_content"] = sealer().seal("".join(p.get("text", "") for p in item.get("content") or []))
 
 
 def final_body(resp_id: str, created: float, req: ResponseRequest, final: Final) -> dict[str, Any]:
