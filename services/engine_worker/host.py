@@ -32,6 +32,7 @@ from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class,
 from coderai.engine_worker.engines.base import EngineLost, unhonoured
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.fetch import bus_request
+from coderai.engine_worker.gate import PriorityGate
 from coderai.engine_worker.weights import ensure_weights
 from coderai.engine_worker.parts import PartPuller
 from coderai.catalog import ModelStore
@@ -85,6 +86,7 @@ class EngineHost:
         self.keep_alive_s: float | None = None  # the last request's keep_alive, None: the model's own
         self.engine: Engine | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{config.name}")
+        self._gate = PriorityGate(1)  # hands the executor's threads to queued jobs, interactive ones first
         self._cancels: dict[str, CancelFlag] = {}
         # cancels that came before their job: the job and its cancel arrive on different subscriptions, so a
         # client that leaves at once can be heard before its job (bounded: oldest forgotten first)
@@ -146,6 +148,7 @@ class EngineHost:
             self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
                 self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
+                self._gate = PriorityGate(self.engine.max_concurrency)
             await loop.run_in_executor(self._executor, self.engine.load)
         except EngineLoadError as exc:
             self.state, self.error = "failed", str(exc)
@@ -367,7 +370,7 @@ class EngineHost:
                 self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
 
         if self.engine.blocking:  # type: ignore[union-attr]
-            fut = loop.run_in_executor(self._executor, run, job, flag, sink)
+            fut = asyncio.ensure_future(self._gated(getattr(job, "priority", 0), run, job, flag, sink))
         else:
             fut = loop.create_future()
             try:
@@ -421,6 +424,14 @@ class EngineHost:
             if not fut.done():
                 flag.set()
             self._finish_job(job, span)
+
+    async def _gated(self, priority: int, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in an engine thread once the gate gives this job a slot (interactive jobs before background
+        ones); the slot is handed on when it ends."""
+        await self._gate.acquire(priority)
+        done = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        done.add_done_callback(lambda _: self._gate.release())  # when the thread is free, even if this was cancelled
+        return await done
 
     def _finish_job(self, job: Any, span: Any) -> None:
         self.in_flight -= 1

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from coderai.accounts.keyfile import KeyRecord, hash_key
 from coderai.accounts.keys import ApiKey, KeyStore
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import client_request_id, client_request_id_var
+from coderai.gateway.http import client_request_id, client_request_id_var, priority_var, request_priority
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ def _guard(needed: str) -> Callable[[Request], Awaitable[None]]:
         auth: Authenticator = scope["litestar_app"].state.gateway.auth
         scope["state"][CALLER] = await auth.check(_authorization(scope), needed)
         client_request_id_var.set(client_request_id(scope))  # set on every request: a kept-alive task may serve many
+        priority_var.set(request_priority(scope))
 
     guard.__name__ = f"{needed}_guard"
     return guard

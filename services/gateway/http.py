@@ -33,12 +33,17 @@ ROUTE_HEADER = "Coderai-Route"
 REQUEST_ID_HEADER = HDR_REQUEST_ID
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-Id"  # OpenAI's: the client's own id for a request, kept with its usage
 CLIENT_REQUEST_ID_MAX = 512  # OpenAI's bound: ASCII, at most 512 characters, else a 400
+# a chat or completion that says it is background work waits behind interactive turns of its engine
+PRIORITY_HEADER = "X-Coderai-Priority"
+PRIORITIES = {"interactive": 0, "background": 1}
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 WATCH_AFTER_S = 0.2  # an answer still running this long starts watching for its client leaving
 
 _enc = msgspec.json.Encoder()
 # the HTTP request's X-Client-Request-Id, set by its controller's guard: every Call made while serving it takes it
 client_request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("coderai_client_request_id", default="")
+# the HTTP request's X-Coderai-Priority (None without one), set by the same guard
+priority_var: contextvars.ContextVar[int | None] = contextvars.ContextVar("coderai_priority", default=None)
 
 
 class JSONAnswer:
@@ -92,6 +97,19 @@ def client_request_id(scope: Scope) -> str:
                                param=CLIENT_REQUEST_ID_HEADER)
             return value.decode("ascii")
     return ""
+
+
+def request_priority(scope: Scope) -> int | None:
+    """The request's `X-Coderai-Priority` (`interactive` or `background`), None without one; another value is a
+    400 naming the two."""
+    for name, value in scope["headers"]:
+        if name == b"x-coderai-priority":
+            got = PRIORITIES.get(value.decode("latin-1").strip().lower())
+            if got is None:
+                raise ApiError(400, f"{PRIORITY_HEADER} must be interactive or background.", code="invalid_request",
+                               param=PRIORITY_HEADER)
+            return got
+    return None
 
 
 def is_json(content_type: str) -> bool:

@@ -21,9 +21,11 @@ from litestar import Request
 from nats.errors import Error as NatsError
 
 from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
+from coderai.accounts.keys import ApiKey
 from coderai.contracts import (
     BusError, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage,
 )
+from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, price
@@ -31,7 +33,7 @@ from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
-from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, until_disconnect
+from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, priority_var, until_disconnect
 from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
 from coderai.runtime import tracing
@@ -45,18 +47,46 @@ HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and header
 
 
 
-def output_limited(job: Any, cfg: ModelConfig) -> Any:
-    """`job` with the model's output limits applied: its `default_output_tokens` when the request names none, capped
-    at its `max_output_tokens`, and the model's `stop` sequences added to the request's own."""
+def output_limited(job: Any, cfg: ModelConfig, key: ApiKey | None = None) -> Any:
+    """`job` with the model's and the key's output limits applied: the key's `default_output_tokens` (else the
+    model's) when the request names none, capped at the lower of their `max_output_tokens`, and the model's `stop`
+    sequences added to the request's own."""
     want = job.params.max_tokens
-    if want is None and cfg.default_output_tokens > 0:
-        want = cfg.default_output_tokens
-    if cfg.max_output_tokens > 0 and (want is None or want > cfg.max_output_tokens):
-        want = cfg.max_output_tokens
+    default = (key.default_output_tokens if key else 0) or cfg.default_output_tokens
+    if want is None and default > 0:
+        want = default
+    ceiling = min([c for c in (cfg.max_output_tokens, key.max_output_tokens if key else 0) if c > 0], default=0)
+    if ceiling > 0 and (want is None or want > ceiling):
+        want = ceiling
     stop = list(job.params.stop) + [s for s in cfg.stop if s and s not in job.params.stop]
     if want == job.params.max_tokens and stop == job.params.stop:
         return job
     return msgspec.structs.replace(job, params=msgspec.structs.replace(job.params, max_tokens=want, stop=stop))
+
+
+# what a UI's background task begins its prompt with: Open WebUI's title, tags, follow-up, query and autocomplete
+# tasks all open with this heading
+TASK_MARKERS = ("### Task:",)
+
+
+def prioritised(job: Any, header: int | None) -> Any:
+    """`job` with its priority: the request's header's, else BACKGROUND for a UI's background task (its last user
+    message opens with a task marker), else interactive as it came."""
+    priority = header
+    if priority is None:
+        last = next((m for m in reversed(getattr(job, "messages", None) or []) if m.get("role") == "user"), None)
+        text = _first_text(last.get("content")) if last else ""
+        priority = BACKGROUND if text.lstrip().startswith(TASK_MARKERS) else INTERACTIVE
+    return job if priority == job.priority else msgspec.structs.replace(job, priority=priority)
+
+
+def _first_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    for part in content if isinstance(content, list) else []:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            return part["text"]
+    return ""
 
 
 class Call:
@@ -119,8 +149,12 @@ class Call:
         """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
         a request refused by the first two."""
         cfg = await self.gw.find_model(self.job.model, self.op)
-        if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop):
-            self.job = output_limited(self.job, cfg)
+        key = self.who.key
+        if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop or (
+                key is not None and (key.default_output_tokens or key.max_output_tokens))):
+            self.job = output_limited(self.job, cfg, key)
+        if self.spec.llm and hasattr(self.job, "priority"):
+            self.job = prioritised(self.job, priority_var.get())
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)

@@ -290,3 +290,23 @@ def test_a_models_stop_sequences_join_the_requests_own_and_its_limits_apply():
     assert limited.params.stop == ["User:", "END", "\n\n"] and limited.params.max_tokens == 64
     plain = ModelConfig(name="base", engine="llama-server", path="-")
     assert output_limited(job, plain) is job  # nothing to apply: the same job
+
+
+def test_a_keys_output_limits_apply_beside_the_models_the_lower_ceiling_wins():
+    from coderai.contracts import SamplingParams
+    from coderai.gateway.pipeline import output_limited
+
+    cfg = ModelConfig(name="m", engine="llama-server", path="-", default_output_tokens=512, max_output_tokens=4096)
+    key = ApiKey(name="ui", sha256="x", default_output_tokens=64, max_output_tokens=256)
+
+    def asked(n):
+        job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}],
+                      params=SamplingParams(max_tokens=n))
+        return output_limited(job, cfg, key).params.max_tokens
+
+    assert (asked(None), asked(100), asked(32000)) == (64, 100, 256)
+    loose = ApiKey(name="agent", sha256="y", max_output_tokens=100_000)  # the model's ceiling is lower
+    job = ChatJob(request_id="r", model="m", messages=[], params=SamplingParams(max_tokens=32000))
+    assert output_limited(job, cfg, loose).params.max_tokens == 4096
+    assert output_limited(ChatJob(request_id="r", model="m", messages=[]), cfg, ApiKey(name="k", sha256="z")
+                          ).params.max_tokens == 512  # a key without limits: the model's

@@ -85,6 +85,22 @@ def test_key_lifecycle_and_revocation_on_every_replica(duo, admin_key):
         assert c.post("/admin/keys/nobody/revoke").status_code == 404
 
 
+def test_a_keys_output_ceiling_caps_its_requests_on_every_replica(duo, admin_key):
+    key = new_key(duo, admin_key, "ui-tasks", max_output_tokens=3, default_output_tokens=2)
+    for base in duo.urls:
+        capped = chat(base, key, max_tokens=40).json()
+        assert capped["usage"]["completion_tokens"] <= 3 and capped["choices"][0]["finish_reason"] == "length", capped
+    r = httpx.post(f"{duo.urls[0]}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hello"}]})  # names no limit
+    assert r.json()["usage"]["completion_tokens"] <= 2, r.text
+    with admin(duo, admin_key) as c:
+        listed = {k["name"]: k for k in c.get("/admin/keys").json()["keys"]}["ui-tasks"]
+        assert (listed["max_output_tokens"], listed["default_output_tokens"]) == (3, 2)
+        assert c.post("/admin/keys/ui-tasks/limits", json={"max_output_tokens": -1}).status_code == 400
+        assert c.post("/admin/keys/ui-tasks/limits", json={"max_output_tokens": 0}).json()["max_output_tokens"] == 0
+    assert chat(duo.urls[1], key, max_tokens=6).json()["usage"]["completion_tokens"] > 3  # lifted
+
+
 def test_model_allow_list(duo, admin_key):
     key = new_key(duo, admin_key, "erin", models=["tiny"])
     assert chat(duo.urls[0], key).status_code == 200

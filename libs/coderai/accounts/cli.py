@@ -33,7 +33,9 @@ async def _run(args: argparse.Namespace) -> int:
         if args.cmd == "create":
             secret, rec = await store.create(args.name, args.scope or ["inference"], models=args.models or [],
                                              rpm=args.rpm, tpm=args.tpm, budget_usd=args.budget_usd,
-                                             budget_period=args.budget_period)
+                                             budget_period=args.budget_period,
+                                             default_output_tokens=args.default_output_tokens,
+                                             max_output_tokens=args.max_output_tokens)
             print(json.dumps({"key": secret, **public(rec)}, indent=2))
             print("The key is shown once: store it now.", file=sys.stderr)
         elif args.cmd == "list":
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
     c.add_argument("--budget-usd", type=float, default=0.0, help="dollars per period (0: no budget)")
     c.add_argument("--budget-period", choices=["hour", "day", "week", "month"], default="month")
+    c.add_argument("--default-output-tokens", type=int, default=0,
+                   help="output tokens of a request that names none (0: the model's default)")
+    c.add_argument("--max-output-tokens", type=int, default=0,
+                   help="no request gets more output tokens (0: the model's ceiling alone)")
     sub.add_parser("list", help="every key, without secrets")
     rv = sub.add_parser("revoke", help="refuse a key from now on, on every gateway")
     rv.add_argument("name")

@@ -36,6 +36,10 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     budget_period: Period = "month"
     created: float = 0.0
     revoked: bool = False
+    # output tokens of one of its requests, beside the model's own limits: its default when a request names none,
+    # and its ceiling (the lower of the key's and the model's applies); 0: the model's alone
+    default_output_tokens: int = 0
+    max_output_tokens: int = 0
 
 
 class KeyError_(Exception):
@@ -55,6 +59,7 @@ def _to_hash(k: ApiKey) -> dict[str, str]:
         "name": k.name, "sha256": k.sha256, "scopes": ",".join(k.scopes), "models": ",".join(k.models),
         "rpm": str(k.rpm), "tpm": str(k.tpm), "budget_usd": repr(k.budget_usd), "budget_period": k.budget_period,
         "created": repr(k.created), "revoked": "1" if k.revoked else "0",
+        "default_output_tokens": str(k.default_output_tokens), "max_output_tokens": str(k.max_output_tokens),
     }
 
 
@@ -65,7 +70,8 @@ def _from_hash(h: dict[Any, Any]) -> ApiKey:
         name=d["name"], sha256=d["sha256"], scopes=split(d.get("scopes", "")), models=split(d.get("models", "")),
         rpm=int(d.get("rpm", 0)), tpm=int(d.get("tpm", 0)), budget_usd=float(d.get("budget_usd", 0)),
         budget_period=d.get("budget_period", "month"), created=float(d.get("created", 0)),  # type: ignore[arg-type]
-        revoked=d.get("revoked") == "1",
+        revoked=d.get("revoked") == "1", default_output_tokens=int(d.get("default_output_tokens", 0)),
+        max_output_tokens=int(d.get("max_output_tokens", 0)),
     )
 
 

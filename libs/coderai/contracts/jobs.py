@@ -45,6 +45,7 @@ class ChatJob(Message, frozen=True, kw_only=True):
     response_format: dict[str, Any] | None = None
     stream: bool = False
     options: dict[str, Any] | None = None  # passed to engines that take them: reasoning_effort, chat_template_kwargs
+    priority: int = 0  # INTERACTIVE, or BACKGROUND: waits behind the interactive jobs queued for the same engine
 
 
 class CompletionJob(Message, frozen=True, kw_only=True):
@@ -57,6 +58,10 @@ class CompletionJob(Message, frozen=True, kw_only=True):
     params: SamplingParams = SamplingParams()
     echo: bool = False
     stream: bool = False
+    priority: int = 0  # as ChatJob's
+
+
+INTERACTIVE, BACKGROUND = 0, 1  # a chat or completion job's priority
 
 
 class CancelJob(Message, frozen=True, kw_only=True):

@@ -30,7 +30,8 @@ class EchoEngine(Engine):
     `max_tokens` set: exactly that many tokens (the reply's words repeated as needed), finish reason
     `length`. Unset: the reply once, finish reason `stop`. Model params: `reply` replaces the fixed text;
     `token_delay_s` paces the answer like a model's decoding (that long per token), so a stream lasts long enough
-    for a test to cut it mid-way or to keep an engine busy; such jobs then run in threads, side by side.
+    for a test to cut it mid-way or to keep an engine busy; such jobs then run in threads, side by side (`slots`
+    of them at once, default 8).
 
     `tool_calls` ({tool name: arguments}) makes it an agent's scripted model, for the tool round trips of real
     agent programs (no small model that ships offline picks a tool by itself): offered a tool it names, in a turn
@@ -47,7 +48,7 @@ class EchoEngine(Engine):
         self.words: list[str] = []
         self.token_delay_s = float(config.params.get("token_delay_s") or 0.0)
         if self.token_delay_s > 0:  # paced: off the event loop, and not one job after another
-            self.blocking, self.max_concurrency = True, 8
+            self.blocking, self.max_concurrency = True, int(config.params.get("slots") or 8)
 
     def load(self) -> None:
         text = str(self.config.params.get("reply") or DEFAULT_REPLY)

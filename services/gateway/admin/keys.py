@@ -7,7 +7,7 @@ import csv
 import datetime
 import io
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request, Response, get, post
@@ -31,6 +31,8 @@ class _NewKey(msgspec.Struct, forbid_unknown_fields=True):
     tpm: int = 0
     budget_usd: float = 0.0
     budget_period: Period = "month"
+    default_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class _Limits(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,6 +41,8 @@ class _Limits(msgspec.Struct, forbid_unknown_fields=True):
     tpm: int | None = None
     budget_usd: float | None = None
     budget_period: Period | None = None
+    default_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 def _store(gw: Gateway) -> KeyStore:
@@ -62,7 +66,9 @@ class KeysController(AdminController):
         spec = await read_json(request, _NewKey)
         try:
             secret, rec = await _store(self.gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
-                                                  budget_usd=spec.budget_usd, budget_period=spec.budget_period)
+                                                  budget_usd=spec.budget_usd, budget_period=spec.budget_period,
+                                                  default_output_tokens=spec.default_output_tokens,
+                                                  max_output_tokens=spec.max_output_tokens)
         except KeyError_ as exc:
             raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
         return json_response({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
