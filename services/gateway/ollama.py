@@ -1,12 +1,10 @@
-"""Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/ps`, `/api/show`, `/api/version`), so
-the `ollama` client, Open WebUI's Ollama connection and every Ollama integration work against coderai: the same
-pipeline as the OpenAI endpoints, answers streamed as NDJSON (Ollama's default) or whole. The key goes in the
-`Authorization` header, as the clients send it when given one."""
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, `/api/embeddings`, `/api/version`; the model routes,
+`/api/tags`, `/api/show`, `/api/pull`, `/api/create`, ..., are `ollama_models`'), so the `ollama` client, Open
+WebUI's Ollama connection and every Ollama integration work against coderai: the same pipeline as the OpenAI
+endpoints, answers streamed as NDJSON (Ollama's default) or whole. The key goes in the `Authorization` header, as the clients send it when given one."""
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
 import re
 import time
@@ -14,25 +12,20 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, delete, get, post
+from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, ModelConfig, RequestId, SamplingParams
-from coderai.contracts.ops import kind_of
-from coderai.contracts.admin import AddModelRequest, RemoveModelRequest
-from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_REMOVE
-from coderai.gateway.admin.models import change_model, checked_name
-from coderai.gateway.copies import Copy
+from coderai.contracts import ChatJob, Chunk, CompletionJob, EmbedJob, Final, RequestId, SamplingParams
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
 from coderai.gateway.openai.chat_types import ROLES
+from coderai.gateway.ollama_models import FOREVER, NDJSON, OllamaModelRoutes, model_json, running_json  # noqa: F401 - FOREVER, model_json, running_json: imported from here too
+from coderai.gateway.ollama_models import line as _line
+from coderai.gateway.ollama_models import now as _now
 from coderai.gateway.pipeline import Call, answer, open_stream
-from coderai.gateway.state import InferenceController
 
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate features on it)
-NDJSON = "application/x-ndjson"
-FOREVER = datetime.timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's "never" (its longest duration): `ollama ps` says Forever
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -71,21 +64,6 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True):  # the older /api/embeddi
     prompt: str
     options: dict[str, Any] | None = None
     keep_alive: Any = None
-
-
-class NameRequest(msgspec.Struct, kw_only=True):  # /api/delete, /api/push
-    model: str = ""
-    name: str = ""  # older clients
-
-
-class CopyRequest(msgspec.Struct, kw_only=True):
-    source: str
-    destination: str
-
-
-class ShowRequest(msgspec.Struct, kw_only=True):
-    model: str = ""
-    name: str = ""  # older clients
 
 
 def params(options: dict[str, Any] | None) -> SamplingParams:
@@ -196,10 +174,6 @@ def ollama_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]
     return out
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 def _done(call: Call, final: Final, reason: str | None) -> dict[str, Any]:
     """What Ollama's last object carries: why it stopped, the token counts and the durations in nanoseconds: the
     engine's own timings where it gives them (llama-server does), else as measured here, from the first token
@@ -214,10 +188,6 @@ def _done(call: Call, final: Final, reason: str | None) -> dict[str, Any]:
     return {"done": True, "done_reason": reason or "stop", "total_duration": total, "load_duration": 0,
             "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": prompt,
             "eval_count": u.completion_tokens, "eval_duration": gen}
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return msgspec.json.encode(obj) + b"\n"
 
 
 class ToolCalls:
@@ -263,65 +233,19 @@ def _generate_piece(model: str, frame: Chunk) -> bytes:
                   "done": False})
 
 
-def model_json(m: ModelConfig) -> dict[str, Any]:
-    """One model in `/api/tags` and `/api/ps`: coderai's name as Ollama's, what little of the rest is known."""
-    return {"name": m.name, "model": m.name, "modified_at": _now(), "size": 0,
-            "digest": hashlib.sha256(m.name.encode()).hexdigest(),
-            "details": {"format": "gguf" if m.engine in ("llama", "llama-server") else m.engine, "family": m.engine,
-                        "families": [m.engine], "parameter_size": "", "quantization_level": ""}}
-
-
-def running_json(m: ModelConfig, ready: list[Copy], now: datetime.datetime) -> dict[str, Any]:
-    """One model in `/api/ps`: the memory one copy was placed for (`size`; `size_vram` when it is on a GPU) and when
-    the last of its copies may be unloaded, from its keep-alive and how long it has been idle."""
-
-    def expires(c: Copy) -> datetime.datetime:
-        keep = m.keep_alive(c.status.keep_alive_s)
-        return now + (FOREVER if keep is None else datetime.timedelta(seconds=max(0.0, keep - c.status.idle_s)))
-
-    until = max(expires(c) for c in ready)
-    return {**model_json(m), "size": max(c.status.memory for c in ready),
-            "size_vram": max((c.status.memory for c in ready if c.on_gpu), default=0),
-            "expires_at": until.isoformat().replace("+00:00", "Z")}
-
-
 def _ollama_error(_: Request, exc: ApiError) -> Response:
     """Ollama's error shape, `{"error": "<message>"}`, with the same status (and Retry-After) as the OpenAI routes."""
     return Response(content=msgspec.json.encode({"error": exc.message}), status_code=exc.status,
                     media_type="application/json", headers=exc.headers)
 
 
-class OllamaController(InferenceController):
+class OllamaController(OllamaModelRoutes):
     path = "/api"
     exception_handlers = {ApiError: _ollama_error}
 
     @get("/version")
     async def version(self) -> Response:
         return json_response({"version": VERSION})
-
-    @get("/tags")
-    async def list_tags(self, request: Request) -> Response:  # not `tags`: that is a litestar Controller setting
-        return json_response({"models": [model_json(m) for m in await self.gw.visible_models(self.caller(request))]})
-
-    @get("/ps")
-    async def ps(self, request: Request) -> Response:
-        """Only the models loaded now (a ready copy on a live node), as Ollama lists its running models."""
-        copies, now = self.gw.copies.by_model(), datetime.datetime.now(datetime.timezone.utc)
-        running = []
-        for m in await self.gw.visible_models(self.caller(request)):
-            if ready := [c for c in copies.get(m.name, []) if c.status.state == "ready"]:
-                running.append(running_json(m, ready, now))
-        return json_response({"models": running})
-
-    @post("/show", status_code=200)
-    async def show(self, request: Request) -> Response:
-        req = await read_json(request, ShowRequest, any_type=True)
-        cfg = await self.gw.visible_model(self.caller(request), req.model or req.name)
-        caps = sorted({"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in cfg.serves()})
-        info = model_json(cfg)
-        return json_response({"modelfile": "", "parameters": "", "template": "", "details": info["details"],
-                              "model_info": {"general.architecture": cfg.engine}, "capabilities": caps,
-                              "modified_at": info["modified_at"]})
 
     async def _touch(self, request: Request, model: str, keep: Any, stream: bool, chat: bool) -> Response:
         """Ollama's idioms for loading a model (no messages, or an empty prompt) and unloading it (the same with
@@ -414,34 +338,6 @@ class OllamaController(InferenceController):
         call = Call(self.gw, self.caller(request), "embed", job, keep_alive_s=keep_alive(req.keep_alive))
         final = await answer(call, request)
         return json_response({"embedding": formats.vectors(final.output)[0]}, headers=call.response_headers())
-
-    @delete("/delete", status_code=200)
-    async def delete_model(self, request: Request) -> Response:
-        """Stop serving a model (an admin key: it is the cluster's, not the caller's); its files stay."""
-        self._admin(request)
-        req = await read_json(request, NameRequest, any_type=True)
-        await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=req.model or req.name),
-                           req.model or req.name)
-        return Response(content=b"", status_code=200)
-
-    @post("/copy", status_code=200)
-    async def copy(self, request: Request) -> Response:
-        """Serve a model again under another name (an admin key), as its models-file entry with the new name."""
-        self._admin(request)
-        req = await read_json(request, CopyRequest, any_type=True)
-        cfg = await self.gw.visible_model(self.caller(request), req.source)
-        new = msgspec.structs.replace(cfg, name=checked_name(req.destination))
-        await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=new, replace=False), new.name)
-        return Response(content=b"", status_code=200)
-
-    @post("/push", status_code=200)
-    async def push(self, request: Request) -> Response:
-        raise ApiError(501, "Pushing models to a registry is not supported by coderai: its models come from its "
-                            "models file and catalogue (POST /admin/models/pull).", code="not_supported")
-
-    def _admin(self, request: Request) -> None:
-        if "admin" not in self.caller(request).scopes:
-            raise ApiError(403, "Changing the models served needs an admin key.", code="forbidden")
 
 
 async def _stream(call: Call, request: Request, chunk: Any, head: Any, before_last: Any = None) -> Stream:
