@@ -387,7 +387,7 @@ class OllamaModelRoutes(InferenceController):
             raise ApiError(400, "no GGUF model among the files (a projector alone cannot be served)", param="files",
                            code="invalid_value")
         store = self._store()
-        cfg = ModelConfig(name=name, engine=self._gguf_engine(), path=str(main),  # type: ignore[arg-type]
+        cfg = ModelConfig(name=name, engine=self._gguf_engine(), path=str(main),  # type: ignore[arg-type]  # a str of GGUF_FAMILIES
                           store_path=str(main.relative_to(store.root)),
                           params={"mmproj": str(projector)} if projector else {})
         return cfg, used
