@@ -54,10 +54,10 @@ class Events:
     delta (thinking, text, each tool call: `content_block_start`, deltas, `content_block_stop`), then
     `message_delta` (stop reason, usage) and `message_stop`. Renders the relay's frames (pipeline.relay_stream)."""
 
-    __slots__ = ("rid", "model", "started", "index", "open", "thought", "tools", "finish")
+    __slots__ = ("rid", "model", "applied", "started", "index", "open", "thought", "tools", "finish")
 
-    def __init__(self, rid: str, model: str) -> None:
-        self.rid, self.model = rid, model
+    def __init__(self, rid: str, model: str, applied: list[dict[str, Any]] | None = None) -> None:
+        self.rid, self.model, self.applied = rid, model, applied  # applied: the context edits, told at the end
         self.started = False
         self.index = -1  # the latest block's index
         self.open: Any = None  # what the open block holds: "thinking", "text" or ("tool", the call's index)
@@ -124,7 +124,9 @@ class Events:
         return (self._head() + self._close()
                 + event("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": reason, "stop_sequence": None},
-                                          "usage": wire.usage_json(frame.usage)})
+                                          "usage": wire.usage_json(frame.usage),
+                                          **({"context_management": {"applied_edits": self.applied}}
+                                             if self.applied else {})})
                 + event("message_stop", {"type": "message_stop"}))
 
     def error(self, err: ApiError) -> bytes:
@@ -145,18 +147,19 @@ class AnthropicController(InferenceController):
     async def messages(self, request: Request) -> Response | Stream:
         who = self.caller(request)
         req = await read_json(request, wire.MessagesRequest)
-        job = wire.chat_job(req, new_request_id())
+        messages, applied = wire.context_edited(req)
+        job = wire.chat_job(req, new_request_id(), messages)
         route = chat_route(request, who, job, wire.user_id(req),
                            wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER)))
         call = Call(self.gw, who, "chat", job, route)
         if not job.stream:
             final = await answer(call, request)
             body = wire.message_body(job.request_id, job.model, final.choices[0] if final.choices else None,
-                                     final.usage)
+                                     final.usage, applied)
             return json_response(body, headers=_headers(call))
         await call.admit()
         first = await until_disconnect(request, call.open())
-        events = Events(job.request_id, job.model)
+        events = Events(job.request_id, job.model, applied)
         pieces = relay_stream(call, first, events.chunk, events.final, error=events.error)
         return Stream(pieces, media_type="text/event-stream",
                       headers={**_headers(call), **STREAM_HEADERS})

@@ -42,7 +42,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
-    context_management: dict[str, Any] | None = None  # accepted, not applied
+    context_management: dict[str, Any] | None = None  # applied as for a message (context_edited)
     metadata: dict[str, Any] | None = None
 
 
@@ -52,7 +52,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     model: Annotated[str, Meta(min_length=1)]
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_tokens: PositiveInt  # above the model's context: the engine stops when the context is full ("max_tokens")
-    context_management: dict[str, Any] | None = None  # accepted, not applied
+    context_management: dict[str, Any] | None = None  # its clear_tool_uses and clear_thinking edits applied
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # `effort` becomes the engine's `reasoning_effort`
     stop_sequences: list[str] | None = None
@@ -295,7 +295,111 @@ def thinking_options(thinking: dict[str, Any] | None) -> dict[str, Any]:
     raise _bad("thinking.type must be enabled, adaptive or disabled.", "thinking.type")
 
 
-def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str) -> ChatJob:
+# --- context_management ------------------------------------------------------------------------------------
+
+CLEARED = "[cleared to save context]"
+DEFAULT_TRIGGER_TOKENS = 100_000  # Anthropic's defaults for clear_tool_uses: past this many input tokens,
+DEFAULT_KEEP_TOOL_USES = 3  # keep the last three tool uses
+
+
+def _estimate_tokens(value: Any) -> int:
+    """A prompt's tokens before the engine counts them: a quarter of its JSON's characters, as for most tokenizers."""
+    return len(json.dumps(value, ensure_ascii=False)) // 4
+
+
+def _count(spec: Any, kind: str, default: int, where: str) -> int:
+    if spec is None:
+        return default
+    if not isinstance(spec, dict) or spec.get("type") != kind or not isinstance(spec.get("value"), int) or \
+            spec["value"] < 0:
+        raise _bad(f"{where} must be {{\"type\": \"{kind}\", \"value\": <a count>}}.", where)
+    return spec["value"]
+
+
+def context_edited(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`req.messages` with its `context_management` edits applied, and the edits that cleared anything (Anthropic's
+    `applied_edits`). `clear_tool_uses_*`: past `trigger` input tokens (estimated here), the results of all but
+    the last `keep` tool uses (not those of `exclude_tools`) are replaced by a short note, and with
+    `clear_tool_inputs` their inputs too. `clear_thinking_*`: thinking blocks of all but the last `keep` assistant
+    turns with thinking are dropped (`keep: "all"` keeps every one). Other edit types are accepted and not applied."""
+    cm = req.context_management
+    if not cm:
+        return req.messages, []
+    edits = cm.get("edits") if isinstance(cm, dict) else None
+    if not isinstance(edits, list):
+        raise _bad("context_management.edits must be a list.", "context_management.edits")
+    messages, applied = req.messages, []
+    for i, edit in enumerate(edits):
+        where = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not isinstance(kind, str):
+            raise _bad(f"{where}.type must be a string.", f"{where}.type")
+        if kind.startswith("clear_tool_uses"):
+            messages, done = _clear_tool_uses(req, messages, edit, where)
+        elif kind.startswith("clear_thinking"):
+            messages, done = _clear_thinking(messages, edit, where)
+        else:
+            continue
+        if done:
+            applied.append({"type": kind, **done})
+    return messages, applied
+
+
+def _clear_tool_uses(req: Any, messages: list[dict[str, Any]], edit: dict[str, Any],
+                     where: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    trigger = _count(edit.get("trigger"), "input_tokens", DEFAULT_TRIGGER_TOKENS, f"{where}.trigger")
+    keep = _count(edit.get("keep"), "tool_uses", DEFAULT_KEEP_TOOL_USES, f"{where}.keep")
+    exclude = set(edit.get("exclude_tools") or [])
+    if _estimate_tokens([req.system, req.tools, messages]) < trigger:
+        return messages, {}
+    uses = [b for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), list)
+            for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("name") not in exclude]
+    cleared = {b.get("id") for b in uses[:max(0, len(uses) - keep)]}
+    if not cleared:
+        return messages, {}
+    inputs = bool(edit.get("clear_tool_inputs"))
+    out, freed = [], 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        blocks = []
+        for b in content:
+            if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id") in cleared:
+                freed += _estimate_tokens(b.get("content"))
+                b = {**b, "content": CLEARED}
+            elif inputs and isinstance(b, dict) and b.get("type") == "tool_use" and b.get("id") in cleared:
+                freed += _estimate_tokens(b.get("input"))
+                b = {**b, "input": {}}
+            blocks.append(b)
+        out.append({**m, "content": blocks})
+    return out, {"cleared_tool_uses": len(cleared), "cleared_input_tokens": freed}
+
+
+def _clear_thinking(messages: list[dict[str, Any]], edit: dict[str, Any],
+                    where: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    keep_spec = edit.get("keep", {"type": "thinking_turns", "value": 1})
+    if keep_spec == "all":
+        return messages, {}
+    keep = _count(keep_spec, "thinking_turns", 1, f"{where}.keep")
+    thinking = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and isinstance(m.get("content"), list)
+                and any(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in m["content"])]
+    drop = set(thinking[:max(0, len(thinking) - keep)])
+    if not drop:
+        return messages, {}
+    out, freed = [], 0
+    for i, m in enumerate(messages):
+        if i in drop:
+            gone = [b for b in m["content"] if isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")]
+            freed += _estimate_tokens(gone)
+            m = {**m, "content": [b for b in m["content"] if b not in gone] or [{"type": "text", "text": ""}]}
+        out.append(m)
+    return out, {"cleared_thinking_turns": len(drop), "cleared_input_tokens": freed}
+
+
+def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str,
+             messages: list[dict[str, Any]] | None = None) -> ChatJob:
     """The chat job of a Messages request. A token count is the same prompt answered with one token."""
     counting = isinstance(req, CountTokensRequest)
     tools = openai_tools(req.tools)
@@ -316,7 +420,9 @@ def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str) -> Chat
         if not all(isinstance(s, str) and s for s in stops):
             raise _bad("stop_sequences must be non-empty strings.", "stop_sequences")
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stops)
-    return ChatJob(request_id=RequestId(request_id), model=req.model, messages=openai_messages(req.system, req.messages),
+    if messages is None:
+        messages = context_edited(req)[0]
+    return ChatJob(request_id=RequestId(request_id), model=req.model, messages=openai_messages(req.system, messages),
                    params=params, tools=tools, tool_choice=tool_choice, stream=False if counting else req.stream,
                    options=options or None)
 
@@ -376,7 +482,8 @@ def usage_json(u: Usage) -> dict[str, int]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def message_body(rid: str, model: str, choice: Choice | None, usage: Usage) -> dict[str, Any]:
+def message_body(rid: str, model: str, choice: Choice | None, usage: Usage,
+                 applied: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The whole answer as Anthropic's `message`: thinking, text, then tool_use blocks."""
     msg = (choice.message if choice else None) or {}
     content: list[dict[str, Any]] = []
@@ -393,4 +500,4 @@ def message_body(rid: str, model: str, choice: Choice | None, usage: Usage) -> d
                         "input": tool_input(fn.get("arguments"))})
     return {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason(choice.finish_reason if choice else None, bool(calls)), "stop_sequence": None,
-            "usage": usage_json(usage)}
+            "usage": usage_json(usage), **({"context_management": {"applied_edits": applied}} if applied else {})}
