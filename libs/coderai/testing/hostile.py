@@ -1,6 +1,7 @@
 """A hostile node: it joins the cluster with the token (as any node may), then tries, with its own credentials,
 everything a node must not do. Run on a test host: `python -m coderai.testing.hostile --nats-url ... --token ...
 --node-id evil --victim good --data-dir D`. Prints one JSON line: each attack, whether it was refused, and why.
+With `--claim ID` it tries one attack only: joining with the token under member ID's id (a takeover of its identity).
 
 An attack counts as refused when NATS answers with a permissions violation (or refuses the login), or when the
 service that answers refuses it; anything else (a reply with data, a message delivered) is a success.
@@ -183,9 +184,37 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
     return out
 
 
+async def claim(url: str, token: str, victim: str, data_dir: str) -> dict:
+    """Join under `victim`'s id with nothing but the token (a fresh data dir: none of the victim's credential), as
+    any token holder could: refused unless the head lets one identity be claimed again. Got in, it shows what the
+    victim's login reaches (its assignment)."""
+    from coderai.contracts import BusError
+    from coderai.runtime.joining import JoinRefused, join
+
+    name = f"join again under member {victim}'s id with only the token"
+    try:
+        joined, ca_pem = await join(url, token, victim, data_dir, wait_s=20)
+    except (JoinRefused, BusError) as exc:
+        return {"attack": name, "refused": True, "detail": str(exc)}
+    tls = client_context(ca_pem) if ca_pem else None
+    nc = await nats.connect(joined, inbox_prefix=f"_N.{victim}", connect_timeout=30, tls=tls,
+                            tls_handshake_first=tls is not None)
+    try:
+        msg = await nc.request(f"$JS.API.DIRECT.GET.KV_coderai_assignments.$KV.coderai_assignments.{victim}", b"", timeout=5)
+        got = msg.data[:120].decode(errors="replace")
+    except Exception as exc:  # noqa: BLE001 - the login alone is the takeover; the assignment is what it shows
+        got = f"(no assignment read: {type(exc).__name__})"
+    finally:
+        await nc.close()
+    return {"attack": name, "refused": False, "detail": f"logged in as node-{victim}; its assignment: {got}"}
+
+
 async def run(args: argparse.Namespace) -> dict:
     from coderai.runtime.joining import join
 
+    if args.claim:
+        r = await claim(args.nats_url, args.token, args.claim, args.data_dir)
+        return {"tried": 1, "succeeded": [] if r["refused"] else [r], "results": [r]}
     joined, ca_pem = await join(args.nats_url, args.token, args.node_id, args.data_dir)
     results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem)
     return {"tried": len(results), "succeeded": [r for r in results if not r["refused"]], "results": results}
@@ -196,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nats-url", required=True)
     ap.add_argument("--token", required=True)
     ap.add_argument("--node-id", default="evil")
-    ap.add_argument("--victim", required=True)
+    ap.add_argument("--victim", default="")
     ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--claim", default="", metavar="ID", help="only try to join under member ID's id (its takeover)")
     args = ap.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))
     return 0
