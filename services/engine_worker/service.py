@@ -25,7 +25,7 @@ from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
 from coderai.engine_worker.training import TrainingHost, training_capabilities
 from coderai.contracts import BusError
-from coderai.runtime.joining import JoinRefused, forget, join, saved_url
+from coderai.runtime.joining import JoinRefused, join, saved_url
 from coderai.runtime.bus import DEFAULT_NATS_URL, Bus
 from coderai.runtime.members import node_inbox
 from coderai.runtime.tls import ca_text, client_context
@@ -137,9 +137,10 @@ class Worker:
             try:  # the CA pinned at the join: a server whose certificate it did not sign is refused
                 return await Bus.connect(saved, name, connect_timeout_s=10, tls=client_context(ca) if ca else None, **kw)
             except BusError as exc:
+                # kept: the join proves them when the head still holds them (it was only unreachable), and a
+                # successful join replaces them
                 log.warning("the head refused this node's saved credentials, or is not the head they were made "
                             "with (%s); joining again", exc.message)
-                forget(s.data_dir)
         try:
             joined, ca = await join(url, s.cluster_token, self.node_id, s.data_dir)
         except JoinRefused as exc:

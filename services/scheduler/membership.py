@@ -39,7 +39,7 @@ from coderai.contracts.subjects import (
 )
 from coderai.contracts.work import work_consumers
 from coderai.runtime import members
-from coderai.runtime.cluster import head_proof, node_proof, nonce, same, welcome_proof
+from coderai.runtime.cluster import head_proof, member_proof, node_proof, nonce, same, welcome_proof
 from coderai.runtime.tls import fingerprint
 from coderai.scheduler.registry_sync import HeadFiles, Publisher
 
@@ -103,7 +103,9 @@ class Membership:
             self.pending.pop(next(iter(self.pending)))
         head_nonce = nonce()
         self.pending[head_nonce] = (node_id, req.nonce, now + CHALLENGE_TTL_S)
-        return JoinChallenge(nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce))
+        held = self.registry().members.get(node_id)  # a member must prove its credential: tell it which one
+        salt = held.password_hash[:29] if held is not None and held.kind == "node" else ""
+        return JoinChallenge(nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce), member_salt=salt)
 
     async def _prove(self, req: JoinProof, _m: Any) -> JoinWelcome:
         node_id = _node_id(req.node_id)
@@ -125,6 +127,15 @@ class Membership:
                 old = reg.members.get(node_id)
                 if old is not None and old.kind != "node":
                     raise BusError("forbidden", f"{node_id} is a pod's id", retryable=False)
+                if old is not None and not (req.member_proof and same(req.member_proof, member_proof(
+                        old.password_hash, node_id, req.nonce, req.head_nonce, req.password_hash))):
+                    # the token lets one ask to join, not take an identity that is held: only the holder of the
+                    # member's credential (its own data dir) replaces it, or the operator forgets the id first
+                    log.warning("join under member %s's id refused: it does not prove that member's credential", node_id)
+                    raise BusError("forbidden", f"{node_id} is already a member, and this join does not prove its "
+                                                "credential (the one in that node's node-credentials.json); if the "
+                                                f"machine lost it, `coderai nodes revoke {node_id} --forget` on the "
+                                                "head re-admits the id", retryable=False)
                 reg.members[node_id] = members.Member(node_id=node_id, password_hash=req.password_hash, joined_at=time.time())
                 self._apply(reg)
         log.info("node %s joined", node_id)

@@ -15,7 +15,7 @@ from coderai.runtime.joining import JoinRefused, join
 from coderai.runtime import members
 from coderai.runtime.bus import Bus
 from coderai.runtime.nats_conn import close_nats
-from coderai.runtime.cluster import JOIN_USER, join_password, new_token, node_proof, nonce, with_user
+from coderai.runtime.cluster import JOIN_USER, join_password, member_proof, new_token, node_proof, nonce, with_user
 from coderai.runtime.embedded import NatsServer, _login_ok
 from coderai.runtime.lifecycle import wait_for
 from coderai.scheduler.membership import Membership
@@ -102,6 +102,39 @@ async def test_a_revoked_node_is_cut_off_and_may_not_join_again(head, tmp_path):
         await join(server.url, TOKEN, "n5", str(tmp_path / "n5b"))
     await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5", forget=True))
     await join(server.url, TOKEN, "n5", str(tmp_path / "n5c"))
+
+
+async def test_a_members_id_is_held_by_its_credential_not_claimed_with_the_token(head, tmp_path):
+    server, bus, _ = head
+    url, _ = await join(server.url, TOKEN, "n6", str(tmp_path / "n6"))
+    password = url.split(":")[2].split("@")[0]
+    held = members.load(server.members_file).members["n6"].password_hash
+    # a token holder under n6's id: with no credential of n6's, or a made-up proof, it is refused
+    with pytest.raises(JoinRefused, match="n6 is already a member.*revoke n6 --forget"):
+        await join(server.url, TOKEN, "n6", str(tmp_path / "claim"))
+    joiner = await _as_joiner(server)
+    try:
+        mine = nonce()
+        ch = await joiner.request(JOIN_HELLO, JoinHello(node_id="n6", nonce=mine))
+        assert ch.member_salt == held[:29]
+        ph = members.hash_password("the attacker's")
+        forged = member_proof(members.hash_password("a guess"), "n6", mine, ch.nonce, ph)
+        with pytest.raises(BusError, match="already a member"):
+            await joiner.request(JOIN_PROVE, JoinProof(node_id="n6", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
+                                                       proof=node_proof(TOKEN, "n6", mine, ch.nonce, ph), member_proof=forged))
+    finally:
+        await joiner.close()
+    assert members.load(server.members_file).members["n6"].password_hash == held
+    assert not (tmp_path / "claim" / "node-credentials.json").exists()
+    await _wait_login(server.url, "node-n6", password)  # the member keeps its login
+    # the node itself, holding its saved credential, joins again (a restart that could not log in at once)
+    url2, _ = await join(server.url, TOKEN, "n6", str(tmp_path / "n6"))
+    assert members.load(server.members_file).members["n6"].password_hash != held
+    await _wait_login(server.url, "node-n6", url2.split(":")[2].split("@")[0])
+    # an operator re-admits the id: the member record goes, and a machine without the credential joins afresh
+    reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n6", forget=True))
+    assert all(m.node_id != "n6" for m in reply.members) and "n6" not in reply.revoked
+    await join(server.url, TOKEN, "n6", str(tmp_path / "reinstalled"))
 
 
 async def test_a_pods_user_ends_with_its_time(head):

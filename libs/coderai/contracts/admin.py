@@ -91,6 +91,9 @@ class JoinChallenge(Message, frozen=True, kw_only=True, tag="join.challenge", ta
 
     nonce: str
     proof: str
+    # the salt of the credential the head keeps for this id (empty: not a member): a member joining again
+    # proves it holds that credential (JoinProof.member_proof)
+    member_salt: str = ""
 
 
 class JoinProof(Message, frozen=True, kw_only=True):
@@ -101,6 +104,7 @@ class JoinProof(Message, frozen=True, kw_only=True):
     head_nonce: str
     password_hash: str
     proof: str
+    member_proof: str = ""  # runtime/cluster.py:member_proof, made with the id's current credential (when a member)
 
 
 class JoinWelcome(Message, frozen=True, kw_only=True, tag="join.welcome", tag_field="t"):

@@ -87,6 +87,13 @@ def node_proof(token: str, node_id: str, worker_nonce: str, head_nonce: str, pas
     return _mac(token, "node", node_id, worker_nonce, head_nonce, password_hash)
 
 
+def member_proof(current_hash: str, node_id: str, worker_nonce: str, head_nonce: str, password_hash: str) -> str:
+    """A rejoining member's proof that it holds its current credential: keyed with the bcrypt hash the head keeps
+    for it (the worker remakes it from its password and the hash's salt), binding this challenge and the new
+    password hash, so it can be neither replayed nor moved to another hash."""
+    return _mac(current_hash, "member", node_id, worker_nonce, head_nonce, password_hash)
+
+
 def welcome_proof(token: str, node_id: str, head_nonce: str, user: str, tls_fingerprint: str) -> str:
     """The head's seal on what it tells the worker at the end (its user and the certificate to pin)."""
     return _mac(token, "welcome", node_id, head_nonce, user, tls_fingerprint)

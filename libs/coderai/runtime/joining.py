@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from coderai.runtime.cluster import (
     JOIN_USER,
     head_proof,
     join_password,
+    member_proof,
     node_proof,
     nonce,
     same,
@@ -54,6 +56,29 @@ def saved_url(data_dir: str, url: str, node_id: str) -> tuple[str, str]:
     return ",".join([with_user(url, saved["user"], saved["password"]), *others]), saved.get("ca_pem", "")
 
 
+_SALT = re.compile(r"^\$2[aby]\$(0[4-9]|1[0-2])\$[./A-Za-z0-9]{22}$")  # a cost the worker can afford to recompute
+
+
+def held_password(data_dir: str, node_id: str) -> str:
+    """The password this node saved at its last join ('' if none), whichever head it was saved for: what proves
+    the node's identity when it joins again."""
+    try:
+        saved = json.loads(creds_path(data_dir).read_text())
+    except (OSError, ValueError):
+        return ""
+    return saved.get("password", "") if saved.get("node_id") == node_id else ""
+
+
+def held_proof(password: str, salt: str, node_id: str, worker_nonce: str, head_nonce: str, password_hash: str) -> str:
+    """The proof that this node holds the credential the head keeps for its id (`salt` is that hash's), or ''."""
+    import bcrypt
+
+    if not password or not _SALT.match(salt):
+        return ""
+    current = bcrypt.hashpw(password.encode(), salt.encode()).decode()
+    return member_proof(current, node_id, worker_nonce, head_nonce, password_hash)
+
+
 def forget(data_dir: str) -> None:
     creds_path(data_dir).unlink(missing_ok=True)
 
@@ -75,7 +100,9 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
                wait_s: float = 300.0) -> tuple[str, str]:
     """Join the head at `url`; (the URL with this node's own credentials, the CA to pin: '' without TLS), saved
     for the next start. The first contact takes any certificate: the token authenticates the answers, and the
-    CA the head seals in its welcome is the only one trusted from then on."""
+    CA the head seals in its welcome is the only one trusted from then on. An id that is already a member joins
+    only by proving the credential saved in `data_dir` at its last join."""
+    held = held_password(data_dir, node_id)
     password = members.new_password()
     password_hash = members.hash_password(password)
     mine = nonce()
@@ -96,8 +123,12 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         if not same(challenge.proof, head_proof(token, node_id, mine, challenge.nonce)):
             raise JoinRefused(f"{without_user(url)} answered the join without knowing the cluster token: not our head")
         proof = node_proof(token, node_id, mine, challenge.nonce, password_hash)
+        mine_too = held_proof(held, challenge.member_salt, node_id, mine, challenge.nonce, password_hash)
+        if challenge.member_salt and not mine_too:
+            log.warning("%s is a member of this cluster, and this node holds no credential of it to prove", node_id)
         welcome = await bus.request(JOIN_PROVE, JoinProof(node_id=node_id, nonce=mine, head_nonce=challenge.nonce,
-                                                          password_hash=password_hash, proof=proof), timeout=10)
+                                                          password_hash=password_hash, proof=proof,
+                                                          member_proof=mine_too), timeout=10)
     except BusError as exc:
         raise JoinRefused(f"the head refused the join: {exc.message}") from None
     finally:
