@@ -28,7 +28,7 @@ from coderai.contracts import (
 from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
-from coderai.gateway.accounting import NO_TRACE, Admission, Trace, price
+from coderai.gateway.accounting import NO_TRACE, Admission, Trace, checked_usage, price, usage_ceiling
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
@@ -43,6 +43,7 @@ log = logging.getLogger("coderai.gateway")
 
 T = TypeVar("T")
 NOT_ADMITTED = Admission(None)
+_NO_USAGE = Usage()
 HEADROOM = 4096  # bytes of a bus message kept for its subject, reply and headers
 
 
@@ -271,6 +272,8 @@ class Call:
             self.usage = final.usage
         if usage is not None:
             self.usage = usage
+        if self.admitted and self.usage != _NO_USAGE:
+            self.usage = self._checked(self.usage)
         done = RequestCompleted(
             request_id=self.job.request_id, ts=time.time(), key_name=self.who.key_name, model=self.job.model,
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
@@ -279,6 +282,21 @@ class Call:
             stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts,
             client_request_id=self.client_id)
         await self.gw.accounts.finish(self.who, self.admission, done, self.trace)
+
+    def _checked(self, usage: Usage) -> Usage:
+        """The usage an engine reported, as far as this request could have used it: what a node says it used is
+        billed only within what the gateway saw (never negative, never past max_tokens or the context), and
+        anything beyond is logged as the node's fault."""
+        def size() -> int:
+            return len(self.encoded) if self.encoded is not None else len(self.spec.subject.encode(self.job))
+
+        prompt_most, completion_most = usage_ceiling(self.cfg, self.job, self.spec.llm, size, usage.prompt_tokens)
+        checked, why = checked_usage(usage, prompt_most, completion_most)
+        if why:
+            log.warning("node fault: engine %s of node %s reported impossible usage (%s); billed %d + %d tokens",
+                        self.engine_id or "?", self.node_id or "?", why, checked.prompt_tokens,
+                        checked.completion_tokens, extra={"request_id": self.job.request_id})
+        return checked
 
     def finish_detached(self, final: Final | None = None) -> None:
         """`finish`, as a task of its own (from a stream whose task may be being cancelled)."""
