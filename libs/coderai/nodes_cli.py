@@ -42,7 +42,7 @@ def nodes_main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="members: nodes that joined, pods, and the revoked ids")
     r = sub.add_parser("revoke", help="end a node's credentials now (it is disconnected and may not join again)")
     r.add_argument("node_id")
-    r.add_argument("--forget", action="store_true", help="also let this id join again later")
+    r.add_argument("--forget", action="store_true", help="also let this id join again later, afresh (a machine that lost its credential)")
     args = ap.parse_args(argv)
     msg = MembersRequest() if args.cmd == "list" else RevokeRequest(node_id=args.node_id, forget=args.forget)
     try:
