@@ -8,14 +8,48 @@ then the least-busy holder.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest
+from coderai.contracts.keys import model_key
+from coderai.contracts.nodes import EngineStatus
 from coderai.contracts.routing import AffinityEntry
 
 AFFINITY_TTL_S = 1800.0
+MAX_SLOTS = 1024
+"""The most requests one engine is believed to run at once, whatever its node says (llama-server's --parallel
+and vLLM's batch stay far below): a node claiming 100,000 slots is not thereby the least busy forever."""
+MAX_IN_FLIGHT = 65_536
+ERROR_CAP = 500
+"""Characters of a node's `error` text kept for the operator's log; tenants never see the text (see `fault_ref`)."""
+
+
+def fault_ref(node_id: str, engine_id: str, error: str) -> str:
+    """A short reference for a failed engine's error, the same on every router: what a tenant's 503 names in
+    place of the node's own text (which the node chose), and what the operator finds in the router's log."""
+    return hashlib.sha256(f"{node_id}\0{engine_id}\0{error}".encode()).hexdigest()[:10]
+
+
+def claim_fault(node_id: str, e: EngineStatus, placed: frozenset[str] | None, held_by: str | None) -> str:
+    """Why the engine `e` that node `node_id` reports cannot be believed ("" when it can): its model is not in
+    `placed` (what the scheduler's assignment, or the pod broker's lease, gives the node; None: unchecked), its
+    id is not the one a worker gives that model's engine, or another node's engine holds that id."""
+    if placed is None:
+        return ""
+    if e.model not in placed:
+        return f"an engine for model {e.model!r}, which is not placed on it"
+    try:
+        expected = f"{node_id}-{model_key(e.model)}"
+    except ValueError:
+        return "an engine with no model"
+    if e.engine_id != expected:
+        return f"engine id {e.engine_id!r} for model {e.model!r} (a worker calls it {expected!r})"
+    if held_by is not None and held_by != node_id:
+        return f"engine id {e.engine_id!r}, which node {held_by!r} holds"
+    return ""
 
 
 @dataclass
@@ -52,7 +86,8 @@ class EngineTable:
     node_seen: dict[str, float] = field(default_factory=dict)
     last_pick: dict[str, int] = field(default_factory=dict)  # engine id -> pick sequence, to rotate ties
     picks: int = 0
-    failed: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # engine id -> (node, model, why)
+    failed: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # engine id -> (node, model, fault ref)
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)  # each node's last, applied again when its placement changes
 
     def least_busy(self, candidates: list[EngineView]) -> EngineView:
         """Lowest load per slot; among equals the one picked least recently (never picked first), then the lowest
@@ -64,22 +99,52 @@ class EngineTable:
         self.last_pick[v.engine_id] = self.picks
         v.picks_since_hb += 1
 
-    def apply(self, hb: Heartbeat, now: float) -> None:
-        """Replace this node's engines with the heartbeat's ready ones."""
-        self.node_seen[hb.node_id] = now
-        self.drop_node(hb.node_id)
+    def apply(self, hb: Heartbeat, now: float, placed: frozenset[str] | None = None) -> list[tuple[EngineStatus, str]]:
+        """Replace this node's engines with the heartbeat's ready ones (its failed ones kept by fault reference).
+
+        A node's word counts only for the engines it was given: with `placed` (the models the scheduler's
+        assignment or the pod broker's lease puts on this node), an engine for any other model, or under an id
+        that is not that model's on this node, is left out and returned with why (a node fault for the caller
+        to log). None: unchecked (a table built by hand). Load figures are clamped to sane bounds."""
+        node = hb.node_id
+        self.node_seen[node] = now
+        self.heartbeats[node] = hb
+        self.drop_node(node)
+        refused: list[tuple[EngineStatus, str]] = []
         for e in hb.engines:
-            if e.state == "ready":
-                self.engines[e.engine_id] = EngineView(e.engine_id, hb.node_id, e.model, frozenset(e.ops), e.in_flight,
-                                                       slots=max(1, e.slots))
+            why = claim_fault(node, e, placed, self.holder(e.engine_id))
+            if why:
+                refused.append((e, why))
+            elif e.state == "ready":
+                self.engines[e.engine_id] = EngineView(e.engine_id, node, e.model, frozenset(e.ops),
+                                                       min(max(0, e.in_flight), MAX_IN_FLIGHT),
+                                                       slots=min(max(1, e.slots), MAX_SLOTS))
             elif e.state == "failed":
-                self.failed[e.engine_id] = (hb.node_id, e.model, e.error or "failed")
+                self.failed[e.engine_id] = (node, e.model, fault_ref(node, e.engine_id, e.error or ""))
+        return refused
+
+    def holder(self, engine_id: str) -> str | None:
+        """The node whose engine has this id, ready or failed (None: no node's)."""
+        v = self.engines.get(engine_id)
+        if v is not None:
+            return v.node_id
+        f = self.failed.get(engine_id)
+        return f[0] if f is not None else None
+
+    def reapply(self, node_id: str, placed: frozenset[str] | None) -> list[tuple[EngineStatus, str]]:
+        """The node's last heartbeat judged again after its placement changed (an engine it was just given
+        counts at once, one taken away stops at once); its liveness is not renewed."""
+        hb = self.heartbeats.get(node_id)
+        if hb is None or node_id not in self.node_seen:
+            return []
+        return self.apply(hb, self.node_seen[node_id], placed)
 
     def expire(self, now: float) -> list[str]:
         """Forget nodes not heard from within the TTL; returns their ids."""
         gone = [n for n, t in self.node_seen.items() if now - t > self.ttl_s]
         for n in gone:
             del self.node_seen[n]
+            self.heartbeats.pop(n, None)
             self.drop_node(n)
         return gone
 
@@ -89,9 +154,10 @@ class EngineTable:
         for eid in [e for e, f in self.failed.items() if f[0] == node_id]:
             del self.failed[eid]
 
-    def failures(self, model: str) -> str:
-        """Why the model's failed engines are down (as their heartbeats say), for a clear `no_engine`."""
-        return "; ".join(f"{eid}: {why}" for eid, (_, m, why) in sorted(self.failed.items()) if m == model)
+    def failures(self, model: str) -> list[str]:
+        """The fault references of the model's failed engines, for a `no_engine` that says they failed without
+        repeating what their nodes said (an operator looks the reference up in the router's log)."""
+        return [ref for _, (_, m, ref) in sorted(self.failed.items()) if m == model]
 
     def suspect(self, engine_id: str) -> None:
         """A gateway saw this engine fail: route around it until its node's next heartbeat vouches for it."""

@@ -11,10 +11,14 @@ import time
 from typing import Any
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, decode, encode
+from coderai.contracts.nodes import Assignment, EngineStatus
+from coderai.contracts.pods import PodInfo
 from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
-from coderai.contracts.topology import AFFINITY, MODELS, NODES
-from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick
+from coderai.contracts.topology import AFFINITY, ASSIGNMENTS, MODELS, NODES, PODS
+from coderai.router.picking import (
+    AFFINITY_TTL_S, ERROR_CAP, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick,
+)
 from coderai.router.settings import RouterSettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
@@ -22,6 +26,11 @@ from coderai.runtime.kv import read_all
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
+
+LIVE_POD = frozenset({"creating", "booting", "ready", "stopping"})
+"""A pod in these states may serve the model it was rented for."""
+REMEMBERED = 10_000
+"""Faults logged once each; past this many distinct ones the memory starts afresh (a few repeats, no flood)."""
 
 
 class Router:
@@ -35,18 +44,23 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._latest: dict[str, AffinityEntry] = {}
         self._writing: set[str] = set()
+        self.placed: dict[str, frozenset[str]] = {}  # node id -> models its assignment (or its pod's lease) gives it
+        self._logged: set[tuple[str, ...]] = set()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
         self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
         self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry, max_entries=self.settings.affinity_max_entries, shrink=_shared_ids)
-        for mirror in (self.models, self.affinity):
+        self.assignments = KVMirror(self.bus, ASSIGNMENTS, Assignment, on_change=self._placement_changed)
+        self.pods = KVMirror(self.bus, PODS, PodInfo, on_change=self._placement_changed)
+        mirrors = (self.models, self.affinity, self.assignments, self.pods)
+        for mirror in mirrors:
             await mirror.bind()
             mirror.start()
             stack.callback(mirror.stop)
         try:  # a restarted router answers with the affinity it had, not from scratch
-            await asyncio.wait_for(asyncio.gather(self.models.synced.wait(), self.affinity.synced.wait()), 10)
+            await asyncio.wait_for(asyncio.gather(*(m.synced.wait() for m in mirrors)), 10)
         except asyncio.TimeoutError:
             log.warning("KV mirrors not synced within 10 s; serving with what has arrived")
         await self._seed_engines()
@@ -67,19 +81,64 @@ class Router:
         now = time.monotonic()
         for key, hb in records.items():
             try:
-                self.table.apply(hb, now)
+                self._apply(hb, now)
             except Exception as exc:  # noqa: BLE001 - one bad record must not stop the start
                 log.warning("ignoring node record %s: %s", key, exc)
 
     async def _on_reconnect(self) -> None:
-        self.models.start()
-        self.affinity.start()
+        for mirror in (self.models, self.affinity, self.assignments, self.pods):
+            mirror.start()
 
     def _model_changed(self, key: str, cfg: ModelConfig | None) -> None:
         self.models_by_name = {m.name: m for m in self.models.values.values()}
 
+    def _placement_changed(self, node_id: str, _value: Any) -> None:
+        """An assignment or a pod changed: the node's models again, and its last heartbeat judged by them (so an
+        engine given a moment before its heartbeat came counts at once, and one taken away stops at once)."""
+        models: set[str] = set()
+        assignment = self.assignments.values.get(node_id)
+        if assignment is not None:
+            models.update(m.name for m in assignment.models)
+        pod = self.pods.values.get(node_id)
+        if pod is not None and pod.state in LIVE_POD:
+            models.add(pod.model)
+        placed = frozenset(models)
+        if self.placed.get(node_id) == placed:
+            return
+        if placed:
+            self.placed[node_id] = placed
+        else:
+            self.placed.pop(node_id, None)
+        hb = self.table.heartbeats.get(node_id)
+        if hb is not None:
+            self._faults(hb, self.table.reapply(node_id, placed))
+
+    def _apply(self, hb: Heartbeat, now: float) -> None:
+        self._faults(hb, self.table.apply(hb, now, self.placed.get(hb.node_id, frozenset())))
+
+    def _faults(self, hb: Heartbeat, refused: list[tuple[EngineStatus, str]]) -> None:
+        """Log, once each, what a node claimed beyond what it was given (a node fault) and why its engines failed
+        (under the reference a tenant's 503 names; the node's text capped)."""
+        for e, why in refused:
+            self._once(("claim", hb.node_id, e.engine_id, e.model), "node fault: node %s claims %s; ignored",
+                       hb.node_id, why)
+        for e in hb.engines:
+            if e.state == "failed" and e.engine_id in self.table.failed:
+                node, model, ref = self.table.failed[e.engine_id]
+                if node == hb.node_id:
+                    self._once(("failed", ref), "engine %s of node %s (model %s) failed [fault %s]: %s",
+                               e.engine_id, node, model, ref, (e.error or "no reason given")[:ERROR_CAP])
+
+    def _once(self, what: tuple[str, ...], msg: str, *args: Any) -> None:
+        if what in self._logged:
+            return
+        if len(self._logged) >= REMEMBERED:
+            self._logged.clear()
+        self._logged.add(what)
+        log.warning(msg, *args)
+
     async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
-        self.table.apply(hb, time.monotonic())
+        self._apply(hb, time.monotonic())
 
     async def _on_completed(self, e: RequestCompleted, _m: Any) -> None:
         self.table.completed(e.engine_id)
@@ -105,10 +164,11 @@ class Router:
         else:
             affinity = self.affinity.values if policy == "prefix" else None
             decision = pick(self.table, req, affinity, self.models_by_name.get(req.model), time.time(), self.guard)
-        if decision is None:
-            why = self.table.failures(req.model)
+        if decision is None:  # failed engines by reference only: their text is their node's, not ours to show
+            refs = self.table.failures(req.model)
             raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}"
-                           + (f" (failed: {why})" if why else ""), retryable=True)
+                           + (f" ({len(refs)} failed to load; the operator can look up fault {', '.join(refs)})"
+                              if refs else ""), retryable=True)
         if policy == "prefix":
             self._record(req, decision)
         if log.isEnabledFor(logging.DEBUG):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coderai.contracts import EngineStatus, Heartbeat, RouteRequest
-from coderai.router.picking import EngineTable, EngineView, pick
+from coderai.router.picking import MAX_SLOTS, EngineTable, EngineView, fault_ref, pick
 
 
 def where(d):
@@ -212,13 +212,42 @@ def test_a_node_that_comes_back_after_expiry_is_picked_again():
     assert where(pick(t, req())) == ("e1", "n1", "least_busy")
 
 
-def test_failed_engines_are_remembered_with_their_reason_until_their_node_says_otherwise():
+def test_failed_engines_are_remembered_by_fault_reference_until_their_node_says_otherwise():
     t = EngineTable()
-    t.apply(hb("n1", engine("e1", state="failed", error="RPC server 10.0.0.2:50052 on node b is unreachable")), now=0.0)
-    assert t.failures("m") == "e1: RPC server 10.0.0.2:50052 on node b is unreachable" and t.failures("other") == ""
+    why = "RPC server 10.0.0.2:50052 on node b is unreachable"
+    t.apply(hb("n1", engine("e1", state="failed", error=why)), now=0.0)
+    assert t.failures("m") == [fault_ref("n1", "e1", why)] and t.failures("other") == []
+    assert why not in repr(t.failed)  # the node's text is the operator's (the router logs it), never a tenant's
     t.apply(hb("n1", engine("e1")), now=1.0)  # back
-    assert t.failures("m") == "" and set(t.engines) == {"e1"}
+    assert t.failures("m") == [] and set(t.engines) == {"e1"}
     t.apply(hb("n1", engine("e1", state="failed")), now=2.0)
-    assert t.failures("m") == "e1: failed"
+    assert t.failures("m") == [fault_ref("n1", "e1", "")] != [fault_ref("n1", "e1", why)]
     t.drop_node("n1")
-    assert t.failures("m") == ""
+    assert t.failures("m") == []
+
+
+def test_a_node_counts_only_for_the_engines_it_was_given():
+    t = EngineTable()
+    refused = t.apply(hb("n1", engine("n1-m"), engine("n1-other", model="other"),
+                         engine("n1-x", model="x", state="failed", error="https://phish.example")), now=0.0,
+                      placed=frozenset({"m"}))
+    assert set(t.engines) == {"n1-m"} and t.failures("x") == []
+    assert [(e.engine_id, "not placed on it" in why) for e, why in refused] == [("n1-other", True), ("n1-x", True)]
+    # the model placed there, under another engine's id (a victim's, or one made up): not believed either
+    t.apply(hb("n2", engine("n2-m")), now=0.0, placed=frozenset({"m"}))
+    refused = t.apply(hb("n1", engine("n2-m"), engine("n1-m-2")), now=1.0, placed=frozenset({"m"}))
+    assert len(refused) == 2 and t.engines["n2-m"].node_id == "n2" and "n1-m" not in t.engines
+    # nothing placed: nothing counts; placed again: the last heartbeat counts at once
+    assert t.apply(hb("n3", engine("n3-m")), now=1.0, placed=frozenset()) and "n3-m" not in t.engines
+    assert t.reapply("n3", frozenset({"m"})) == [] and "n3-m" in t.engines
+    assert t.reapply("n3", frozenset()) and "n3-m" not in t.engines
+    assert t.reapply("gone", frozenset({"m"})) == []
+
+
+def test_load_a_node_reports_is_clamped():
+    t = EngineTable()
+    huge = EngineStatus(engine_id="n1-m", model="m", engine="llama", ops=["chat"], state="ready", slots=100_000,
+                        in_flight=-50)
+    t.apply(hb("n1", huge), now=0.0, placed=frozenset({"m"}))
+    v = t.engines["n1-m"]
+    assert v.slots == MAX_SLOTS and v.in_flight == 0
