@@ -100,7 +100,7 @@ class Result:
 
 
 def load_sessions(quick: bool, max_tokens: int) -> list[list[Req]]:
-    """The recorded sessions, Claude Code's and Codex's alternating; `quick`: 2 of each, 2 prompts each."""
+    """The recorded sessions, Claude Code's and Codex's alternating; `quick`: 2 of each, their first prompt."""
     from coderai.engine_worker.engines.openai_server import chat_request
     from coderai.gateway.anthropic_types import MessagesRequest, chat_job
     from coderai.gateway.openai.responses_types import response_job
@@ -112,7 +112,7 @@ def load_sessions(quick: bool, max_tokens: int) -> list[list[Req]]:
             path = rec["path"]
             if rec["method"] != "POST" or not path.split("?")[0] in ("/v1/messages", "/v1/responses"):
                 continue  # count_tokens, HEAD probes: nothing to cache
-            if quick and rec["prompt"] >= 2:
+            if quick and rec["prompt"] >= 1:
                 continue
             body = {**copy.deepcopy(rec["body"]), "model": MODEL, "stream": True}
             if path.startswith("/v1/messages"):
@@ -284,7 +284,7 @@ def summarise(mode: str, results: list[Result], sessions: list[list[Req]], verbo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 sessions per CLI, 2 prompts each (the smoke test)")
+    ap.add_argument("--quick", action="store_true", help="2 sessions per CLI, 1 prompt each (the smoke test)")
     ap.add_argument("--record", action="store_true", help="re-record the fixtures from the real CLIs first")
     ap.add_argument("--record-sessions", type=int, default=4)
     ap.add_argument("--record-prompts", type=int, default=4)
@@ -306,7 +306,7 @@ def main() -> int:
     modes = a.modes.split(",")
     exe = None
     if set(modes) & set(ROUTER_POLICY):
-        found = _setup.rust_routers(install=not a.quick)
+        found = _setup.rust_routers(install=True)
         if isinstance(found, str):
             print(f"> skipping {', '.join(m for m in modes if m in ROUTER_POLICY)}: {found}")
             modes = [m for m in modes if m not in ROUTER_POLICY]
