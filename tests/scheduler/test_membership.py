@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
@@ -125,12 +126,23 @@ async def test_a_members_id_is_held_by_its_credential_not_claimed_with_the_token
     finally:
         await joiner.close()
     assert members.load(server.members_file).members["n6"].password_hash == held
-    assert not (tmp_path / "claim" / "node-credentials.json").exists()
+    assert "user" not in json.loads((tmp_path / "claim" / "node-credentials.json").read_text())  # no welcome came
     await _wait_login(server.url, "node-n6", password)  # the member keeps its login
     # the node itself, holding its saved credential, joins again (a restart that could not log in at once)
     url2, _ = await join(server.url, TOKEN, "n6", str(tmp_path / "n6"))
     assert members.load(server.members_file).members["n6"].password_hash != held
     await _wait_login(server.url, "node-n6", url2.split(":")[2].split("@")[0])
+    # a join whose welcome never came back: the head holds the new password, the node kept it as pending
+    pending = members.new_password()
+    pending_hash = members.hash_password(pending)
+    creds = tmp_path / "n6" / "node-credentials.json"
+    creds.write_text(json.dumps({**json.loads(creds.read_text()), "pending": {"password": pending, "password_hash": pending_hash}}))
+    with members.file_lock(server.members_file):
+        reg = members.load(server.members_file)
+        reg.members["n6"].password_hash = pending_hash
+        members.save(server.members_file, reg)
+    await join(server.url, TOKEN, "n6", str(tmp_path / "n6"))
+    assert "pending" not in json.loads(creds.read_text())
     # an operator re-admits the id: the member record goes, and a machine without the credential joins afresh
     reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n6", forget=True))
     assert all(m.node_id != "n6" for m in reply.members) and "n6" not in reply.revoked

@@ -59,24 +59,44 @@ def saved_url(data_dir: str, url: str, node_id: str) -> tuple[str, str]:
 _SALT = re.compile(r"^\$2[aby]\$(0[4-9]|1[0-2])\$[./A-Za-z0-9]{22}$")  # a cost the worker can afford to recompute
 
 
-def held_password(data_dir: str, node_id: str) -> str:
-    """The password this node saved at its last join ('' if none), whichever head it was saved for: what proves
-    the node's identity when it joins again."""
+def held_passwords(data_dir: str, node_id: str) -> list[tuple[str, str]]:
+    """The credentials this node saved ((password, its bcrypt hash or '' in files older than the hash), whichever
+    head they were saved for): the one of its last join, and the one of a join whose welcome it never got (the
+    head may hold either). What proves the node's identity when it joins again."""
     try:
         saved = json.loads(creds_path(data_dir).read_text())
     except (OSError, ValueError):
-        return ""
-    return saved.get("password", "") if saved.get("node_id") == node_id else ""
+        return []
+    if not isinstance(saved, dict) or saved.get("node_id") != node_id:
+        return []
+    out = [(str(c.get("password", "")), str(c.get("password_hash", ""))) for c in (saved, saved.get("pending") or {})
+           if isinstance(c, dict)]
+    return [c for c in out if c[0]]
 
 
-def held_proof(password: str, salt: str, node_id: str, worker_nonce: str, head_nonce: str, password_hash: str) -> str:
+def held_proof(held: list[tuple[str, str]], salt: str, node_id: str, worker_nonce: str, head_nonce: str,
+               password_hash: str) -> str:
     """The proof that this node holds the credential the head keeps for its id (`salt` is that hash's), or ''."""
     import bcrypt
 
-    if not password or not _SALT.match(salt):
+    if not held or not _SALT.match(salt):
+        return ""
+    # the credential whose hash has that salt; a file older than the saved hash has only one to try
+    password = next((pw for pw, h in held if h[:29] == salt), next((pw for pw, h in held if not h), ""))
+    if not password:
         return ""
     current = bcrypt.hashpw(password.encode(), salt.encode()).decode()
     return member_proof(current, node_id, worker_nonce, head_nonce, password_hash)
+
+
+def _save(data_dir: str, creds: dict) -> None:
+    path = creds_path(data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(creds, fh)
+    os.replace(tmp, path)
 
 
 def forget(data_dir: str) -> None:
@@ -102,7 +122,7 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
     for the next start. The first contact takes any certificate: the token authenticates the answers, and the
     CA the head seals in its welcome is the only one trusted from then on. An id that is already a member joins
     only by proving the credential saved in `data_dir` at its last join."""
-    held = held_password(data_dir, node_id)
+    held = held_passwords(data_dir, node_id)
     password = members.new_password()
     password_hash = members.hash_password(password)
     mine = nonce()
@@ -126,6 +146,13 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         mine_too = held_proof(held, challenge.member_salt, node_id, mine, challenge.nonce, password_hash)
         if challenge.member_salt and not mine_too:
             log.warning("%s is a member of this cluster, and this node holds no credential of it to prove", node_id)
+        try:  # the head may take this password and its welcome never arrive: kept, the next join can prove it
+            saved = json.loads(creds_path(data_dir).read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if not isinstance(saved, dict) or saved.get("node_id") != node_id:
+            saved = {"node_id": node_id}
+        _save(data_dir, {**saved, "pending": {"password": password, "password_hash": password_hash}})
         welcome = await bus.request(JOIN_PROVE, JoinProof(node_id=node_id, nonce=mine, head_nonce=challenge.nonce,
                                                           password_hash=password_hash, proof=proof,
                                                           member_proof=mine_too), timeout=10)
@@ -137,12 +164,9 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         raise JoinRefused("the head's welcome is not sealed with the cluster token")
     if welcome.tls_fingerprint and not same(fingerprint(welcome.ca_pem), welcome.tls_fingerprint):
         raise JoinRefused("the head's CA does not match the fingerprint it sealed")
-    path = creds_path(data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
-                   "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem, "heads": welcome.heads}, fh)
+    _save(data_dir, {"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
+                     "password_hash": password_hash, "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem,
+                     "heads": welcome.heads})
     log.info("joined the cluster at %s as %s%s", without_user(url), welcome.user,
              f"; pinned its CA {welcome.tls_fingerprint[:16]}" if welcome.tls_fingerprint else "")
     return with_user(url, welcome.user, password), welcome.ca_pem
