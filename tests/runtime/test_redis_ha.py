@@ -10,7 +10,7 @@ import redis
 from redis.exceptions import RedisError
 
 from coderai.runtime import redis_client
-from coderai.runtime.embedded import RedisSentinel, RedisServer
+from coderai.runtime.embedded import RedisSentinel, RedisServer, free_port
 from coderai.runtime.lifecycle import wait_for
 from coderai.testing.procs import wait_until
 
@@ -139,3 +139,37 @@ def test_coderai_keys_works_through_a_sentinel_url(trio, capsys):
     assert cli.main(["--redis-url", _url(sentinel), "list"]) == 0
     out = capsys.readouterr().out
     assert '"name": "alice"' in out and out.count('"rpm": 5') == 2
+
+
+def test_a_replica_named_a_master_that_is_no_master_stops_waiting_for_it(tmp_path):
+    """A head restarted during a failover may be given a stale master by the sentinels: a replica whose own master
+    is gone (it answers NOMASTERLINK) or a server that is down. `wait_synced` says so within seconds, instead of
+    waiting out its whole timeout (it held every restarted head 60 s); a real master is still waited for."""
+    import time as clock
+
+    from coderai.runtime.embedded import EmbeddedServerError
+
+    gone = free_port()
+    stale = RedisServer(tmp_path / "stale", password=PASSWORD, replicaof=f"127.0.0.1:{gone}").start()
+    try:
+        for name in (f"127.0.0.1:{stale.port}", f"127.0.0.1:{free_port()}"):  # a masterless replica; nobody
+            late = RedisServer(tmp_path / f"late-{name[-5:]}", password=PASSWORD, replicaof=name).start()
+            try:
+                began = clock.monotonic()
+                with pytest.raises(EmbeddedServerError, match="is no master"):
+                    late.wait_synced(timeout_s=60, check_s=1)
+                assert clock.monotonic() - began < 15
+            finally:
+                late.stop()
+        master = RedisServer(tmp_path / "master", password=PASSWORD).start()
+        try:
+            follower = RedisServer(tmp_path / "follower", password=PASSWORD, replicaof=f"127.0.0.1:{master.port}")
+            follower.start()
+            try:
+                follower.wait_synced(timeout_s=60, check_s=1)  # returns once linked
+            finally:
+                follower.stop()
+        finally:
+            master.stop()
+    finally:
+        stale.stop()

@@ -330,17 +330,45 @@ class RedisServer(_Server):
         return self
 
 
-    def wait_synced(self, timeout_s: float = 60.0) -> None:
-        """As a replica: return once it holds the master's data and follows it (`master_link_status:up`)."""
+    def wait_synced(self, timeout_s: float = 60.0, check_s: float = 2.0) -> None:
+        """As a replica: return once it holds the master's data and follows it (`master_link_status:up`).
+        EmbeddedServerError once `timeout_s` passes, or as soon as the server it was named is no master to copy
+        (itself a replica, or not answering, for `check_s` on end): a stale name the sentinels gave during a
+        failover, which they correct by pointing this replica at the new master; waiting would only delay it."""
         import redis
 
         deadline = time.monotonic() + timeout_s
+        host, _, port = self.replicaof.rpartition(":")
+        not_master_since: float | None = None
+        next_check = time.monotonic() + check_s
         with redis.Redis(host=self.host, port=self.port, password=self.password or None, socket_timeout=2,
                          decode_responses=True) as r:
             while r.info("replication").get("master_link_status") != "up":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise EmbeddedServerError(f"redis-server did not copy its master {self.replicaof} within {timeout_s}s")
+                if host and now >= next_check:
+                    next_check = now + 0.5
+                    if _is_master(host, int(port), self.password):
+                        not_master_since = None
+                    elif not_master_since is None:
+                        not_master_since = now
+                    elif now - not_master_since >= check_s:
+                        raise EmbeddedServerError(f"redis-server's master {self.replicaof} is no master (a replica, "
+                                                  "or not answering)")
                 time.sleep(0.05)
+
+
+def _is_master(host: str, port: int, password: str) -> bool:
+    """Whether the redis-server at host:port answers as a master."""
+    import redis
+
+    try:
+        with redis.Redis(host=host, port=port, password=password or None, socket_timeout=1,
+                         socket_connect_timeout=1, decode_responses=True) as m:
+            return m.info("replication").get("role") == "master"
+    except redis.RedisError:
+        return False
 
 
 def _await_pong(server: "_Server", what: str, timeout_s: float) -> None:
