@@ -23,6 +23,7 @@ from coderai.router.settings import RouterSettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
+from coderai.runtime.leader import Fence
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
@@ -45,6 +46,10 @@ class Router:
         self._latest: dict[str, AffinityEntry] = {}
         self._writing: set[str] = set()
         self.placed: dict[str, frozenset[str]] = {}  # node id -> models its assignment (or its pod's lease) gives it
+        # node id -> the newest scheduler token seen on its assignments, and the assignment that token's leader
+        # wrote: one from a former leader that woke up late is ignored here as the node itself ignores it
+        self.fences: dict[str, Fence] = {}
+        self.accepted: dict[str, Assignment] = {}
         self._logged: set[tuple[str, ...]] = set()
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
@@ -97,8 +102,15 @@ class Router:
         engine given a moment before its heartbeat came counts at once, and one taken away stops at once)."""
         models: set[str] = set()
         assignment = self.assignments.values.get(node_id)
-        if assignment is not None:
-            models.update(m.name for m in assignment.models)
+        if assignment is None:
+            self.accepted.pop(node_id, None)
+        elif self.fences.setdefault(node_id, Fence()).admits(assignment.fence):
+            self.accepted[node_id] = assignment
+        else:
+            log.warning("ignoring %s's assignment from a former leader (token %d, newest %d)", node_id,
+                        assignment.fence, self.fences[node_id].newest)
+        if (kept := self.accepted.get(node_id)) is not None:
+            models.update(m.name for m in kept.models)
         pod = self.pods.values.get(node_id)
         if pod is not None and pod.state in LIVE_POD:
             models.add(pod.model)
