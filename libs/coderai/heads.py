@@ -193,7 +193,12 @@ async def client_urls(bus: Any) -> list[str]:
         await bus.js.key_value(HEADS.name)
     except BucketNotFoundError:
         return []
-    return [f"nats://{_host(h.address)}:{h.nats_port}" for h in await known(bus)]
+    return urls(await known(bus))
+
+
+def urls(heads: list[Head]) -> list[str]:
+    """The heads' NATS URLs, as a worker dials them."""
+    return [f"nats://{_host(h.address)}:{h.nats_port}" for h in heads]
 
 
 async def _keys(kv: Any, prefix: str) -> list[str]:

@@ -67,6 +67,7 @@ class Membership:
         self._lock = asyncio.Lock()
         self.files = HeadFiles(self.members_file, self.auth_file, self.pid_file)
         self.publisher = Publisher(bus)  # every change also to the other heads (registry_sync.py)
+        self._head_urls: list[str] = []  # the last list of heads read for a welcome
 
     def registry(self) -> members.Registry:
         reg = members.load(self.members_file)
@@ -140,11 +141,13 @@ class Membership:
                 self._apply(reg)
         log.info("node %s joined", node_id)
         user = members.node_user(node_id)
-        try:
-            urls = await asyncio.wait_for(heads.client_urls(self.bus), 2)
-        except Exception as exc:  # noqa: BLE001 - the worker still reaches the others through the one it joined
-            log.debug("heads not read for %s's welcome: %s", node_id, exc)
-            urls = []
+        try:  # the heads bucket's keys are listed through a consumer: seconds on a busy head
+            urls = self._head_urls = await asyncio.wait_for(heads.client_urls(self.bus), 5)
+        except Exception as exc:  # noqa: BLE001 - the list read last, else this head's own file of the heads
+            # (without one, the worker reaches the others only through the head it joined while that one lives)
+            urls = self._head_urls or heads.urls(heads.load(self.members_file.parent.parent))
+            log.info("heads not read for %s's welcome (%s); told %d from %s", node_id, exc or type(exc).__name__,
+                     len(urls), "the last read" if self._head_urls else "this head's heads file")
         return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem, heads=urls,
                            proof=welcome_proof(self.token, node_id, req.head_nonce, user, self.tls_fingerprint))
 
