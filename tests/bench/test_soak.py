@@ -23,9 +23,22 @@ GROUPS = {"workers-bus-store": (["kill-worker", "stop-worker", "nats", "redis"],
           "gateway-link-disk": (["gateway", "slow-link", "disk-full"], [])}
 
 
+@pytest.fixture(scope="module")
+def media_models():
+    """The tiny diffusion and whisper models the soak serves, built once into the model cache before the first
+    soak starts its clock (in a cold home the build is most of a minute; the soak itself then takes ~90 s)."""
+    for mod in ("sentence_transformers", "diffusers", "faster_whisper", "piper"):
+        pytest.importorskip(mod)
+    from coderai.tiny_models.diffusion import ensure_tiny_sd
+    from coderai.tiny_models.whisper import ensure_tiny_whisper
+
+    ensure_tiny_sd()
+    ensure_tiny_whisper()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("group", list(GROUPS))
-def test_a_soak_with_each_fault_meets_the_targets(tmp_path, capsys, group):
+def test_a_soak_with_each_fault_meets_the_targets(tmp_path, capsys, group, media_models):
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc") or not shutil.which("nft"):
         pytest.skip("the soak needs root, iproute2 and nftables (a network namespace, a lossy link, a tmpfs)")
     if not shutil.which("prometheus"):
