@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from coderai.engine_worker.gate import PriorityGate
+from coderai.runtime.lifecycle import wait_for
 
 
 def test_interactive_jobs_are_served_before_background_ones_each_in_arrival_order():
@@ -20,8 +21,7 @@ def test_interactive_jobs_are_served_before_background_ones_each_in_arrival_orde
 
         tasks = [asyncio.create_task(job(n, p)) for n, p in
                  (("title", 1), ("turn-1", 0), ("tags", 1), ("turn-2", 0))]
-        while gate.waiting < 4:
-            await asyncio.sleep(0)  # let each task reach the gate, in the order made
+        await wait_for(lambda: gate.waiting == 4, 5, interval_s=0.001, what="each job queued, in the order made")
         gate.release()
         await asyncio.gather(*tasks)
         return order
@@ -36,8 +36,7 @@ def test_a_job_that_leaves_the_queue_takes_no_slot():
         await gate.acquire()
         leaver = asyncio.create_task(gate.acquire(0))
         stayer = asyncio.create_task(gate.acquire(1))
-        while gate.waiting < 2:
-            await asyncio.sleep(0)
+        await wait_for(lambda: gate.waiting == 2, 5, interval_s=0.001, what="both jobs queued")
         leaver.cancel()
         gate.release()  # the slot skips the job that left
         await stayer

@@ -62,7 +62,7 @@ class EvilNode:
             hb = msgspec.structs.replace(self.template, node_id="evil", host="evil", seq=seq, ts=time.time(),
                                          engines=list(self.engines), pod="", addrs=[], rpc=None)
             await self.nc.publish(HEARTBEAT(node_id="evil"), encode(hb))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # a node's heartbeat cadence (as CODERAI_WORKER_HEARTBEAT_S), not a wait
 
     async def _job(self, m: Any) -> None:
         if m.subject.endswith(".cancel") or not m.reply:
