@@ -4,28 +4,22 @@ token joins nothing. A killed node leaves and its roaming model moves; a restart
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import pytest
 
 from coderai.runtime.cluster import new_token
+from coderai.testing.lab_cluster import LabCluster, head_of
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, head_up, write_models_file
+from coderai.testing.stack import clean_env, write_models_file
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "correct horse battery staple"
 
 
-class Cluster:
-    def __init__(self, lab: Lab, root, env: dict[str, str]) -> None:
-        self.lab, self.root, self.env = lab, root, env
-        self.procs: dict[str, ServiceProcess] = {}
-        self.key = ""
-
+class Cluster(LabCluster):
     def start_node(self, host: str, token: str = TOKEN, *extra: str) -> ServiceProcess:
         h = self.lab[host]
         args = ["--cluster-token", token, "--mdns-interface", h.ip, "--node-id", host, "--data-dir", str(self.root / host), *extra]
@@ -33,17 +27,6 @@ class Cluster:
         p = ServiceProcess(f"worker-{host}", "coderai.engine_worker", args, env, self.root / "logs", prefix=h.prefix()).start()
         self.procs[host] = p
         return p
-
-    def probe(self, *args: str) -> object:
-        r = self.lab.run("head", [sys.executable, "-m", "coderai.testing.probe", *args], env=self.env, timeout_s=60)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    def nodes(self) -> list[str]:
-        return self.probe("nodes", "--data-dir", str(self.root / "head"))  # type: ignore[return-value]
-
-    def chat(self, model: str) -> dict:
-        return self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +44,8 @@ def cluster(tmp_path_factory, tiny_gguf):
             {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
         ])
         c = Cluster(lab, root, clean_env())
-        up = head_up(lab["head"], root, models, TOKEN, c.env)
-        c.procs["up"] = up
-        try:
-            up.start()
-            up.wait_log("\nready", 120)
-            c.key = (root / "head" / "admin.key").read_text().strip()
+        with head_of(c, models, TOKEN):  # on exit, up stops its whole stack, NATS and Redis included
             yield c
-        finally:
-            for p in reversed(list(c.procs.values())):
-                p.stop(timeout_s=60 if p is up else 15)  # up stops its whole stack, NATS and Redis included
 
 
 def test_nodes_join_with_only_the_token_within_10s(cluster):

@@ -6,33 +6,18 @@ announcement gets no credentials; a revoked node is cut off at once and may not 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
 from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
+from coderai.testing.lab_cluster import LabCluster, head_of
+from coderai.testing.stack import clean_env, node_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
 TOKEN = new_token()
-
-
-class Cluster:
-    def __init__(self, lab: Lab, root, env: dict[str, str]) -> None:
-        self.lab, self.root, self.env = lab, root, env
-        self.procs: dict[str, ServiceProcess] = {}
-
-    def run(self, host: str, *args: str, timeout_s: float = 120) -> str:
-        r = self.lab.run(host, [sys.executable, *args], env=self.env, timeout_s=timeout_s)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        return r.stdout
-
-    def nodes(self) -> list[str]:
-        out = self.run("head", "-m", "coderai.testing.probe", "nodes", "--data-dir", str(self.root / "head"), timeout_s=60)
-        return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +32,12 @@ def cluster(tmp_path_factory, tiny_gguf):
             {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
             {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
         ])
-        c = Cluster(lab, root, clean_env())
-        up = head_up(lab["head"], root, models, TOKEN, c.env)
-        c.procs["up"] = up
-        try:
-            up.start()
-            up.wait_log("\nready", 120)
+        c = LabCluster(lab, root, clean_env())
+        with head_of(c, models, TOKEN):
             good = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
             c.procs["good"] = good
             wait_until(lambda: "good" in c.nodes(), 60, "the good node to join")
             yield c
-        finally:
-            for p in reversed(list(c.procs.values())):
-                p.stop(timeout_s=60 if p is up else 15)
 
 
 def test_every_attack_of_a_hostile_node_is_refused(cluster):

@@ -7,41 +7,23 @@ re-admits an id with `coderai nodes revoke ID --forget`."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from coderai.runtime import members
 from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
-from coderai.testing.procs import ServiceProcess, wait_until
-from coderai.testing.stack import clean_env, head_up, node_up, write_models_file
+from coderai.testing.procs import wait_until
+from coderai.testing.lab_cluster import LabCluster, head_of
+from coderai.testing.stack import clean_env, node_up, write_models_file
 
 pytestmark = pytest.mark.slow
 
 TOKEN = new_token()
 
 
-class Cluster:
-    def __init__(self, lab: Lab, root, env: dict[str, str]) -> None:
-        self.lab, self.root, self.env = lab, root, env
-        self.procs: dict[str, ServiceProcess] = {}
-        self.key = ""
-
-    def run(self, host: str, *args: str, timeout_s: float = 120) -> str:
-        r = self.lab.run(host, [sys.executable, *args], env=self.env, timeout_s=timeout_s)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        return r.stdout
-
-    def last_json(self, host: str, *args: str) -> object:
-        return json.loads(self.run(host, *args).strip().splitlines()[-1])
-
-    def nodes(self) -> list[str]:
-        return self.last_json("head", "-m", "coderai.testing.probe", "nodes", "--data-dir", str(self.root / "head"))  # type: ignore[return-value]
-
-    def chat(self, model: str) -> dict:
-        return self.last_json("head", "-m", "coderai.testing.probe", "chat", "--base-url", "http://127.0.0.1:8000/v1",  # type: ignore[return-value]
-                              "--key", self.key, "--model", model)
+class Cluster(LabCluster):
+    probe_timeout_s = 120.0
 
     def stored_hash(self, node_id: str) -> str:
         return members.load(self.root / "head" / "nats" / "members.json").members[node_id].password_hash
@@ -68,18 +50,10 @@ def cluster(tmp_path_factory, tiny_gguf):
             {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
         ])
         c = Cluster(lab, root, clean_env())
-        up = head_up(lab["head"], root, models, TOKEN, c.env)
-        c.procs["up"] = up
-        try:
-            up.start()
-            up.wait_log("\nready", 120)
-            c.key = (root / "head" / "admin.key").read_text().strip()
+        with head_of(c, models, TOKEN):
             c.procs["good"] = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
             wait_until(lambda: c.chat("good-tiny")["status"] == 200, 90, "the good node to join and serve")
             yield c
-        finally:
-            for p in reversed(list(c.procs.values())):
-                p.stop(timeout_s=60 if p is up else 15)
 
 
 def test_a_token_holder_cannot_join_under_a_members_id(cluster):

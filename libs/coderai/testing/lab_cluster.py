@@ -1,0 +1,58 @@
+"""A head (`coderai up --cluster-token`) and nodes on the machines of a netns `Lab`, for the tests that join real
+nodes to it (tests/cluster, tests/security): commands run on a lab machine, and `coderai.testing.probe` asks the
+head's side what the cluster holds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from coderai.testing.netns import Lab
+from coderai.testing.procs import ServiceProcess
+from coderai.testing.stack import head_up
+
+
+class LabCluster:
+    probe_timeout_s = 60.0
+
+    def __init__(self, lab: Lab, root: Path, env: dict[str, str]) -> None:
+        self.lab, self.root, self.env = lab, root, env
+        self.procs: dict[str, ServiceProcess] = {}
+        self.key = ""  # the head's admin key, once it is up
+
+    def run(self, host: str, *args: str, timeout_s: float = 120) -> str:
+        """`python *args` on `host`; its stdout (a failure is an AssertionError with its output)."""
+        r = self.lab.run(host, [sys.executable, *args], env=self.env, timeout_s=timeout_s)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return r.stdout
+
+    def last_json(self, host: str, *args: str, timeout_s: float = 120) -> object:
+        return json.loads(self.run(host, *args, timeout_s=timeout_s).strip().splitlines()[-1])
+
+    def probe(self, *args: str) -> object:
+        return self.last_json("head", "-m", "coderai.testing.probe", *args, timeout_s=self.probe_timeout_s)
+
+    def nodes(self) -> list[str]:
+        return self.probe("nodes", "--data-dir", str(self.root / "head"))  # type: ignore[return-value]
+
+    def chat(self, model: str) -> dict:
+        return self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def head_of(c: LabCluster, models: Path, token: str) -> Iterator[ServiceProcess]:
+    """`coderai up` as the head on the lab's `head` machine, ready and its admin key read; on exit every process
+    of `c` is stopped, the head (its whole stack, NATS and Redis included) last."""
+    up = head_up(c.lab["head"], c.root, models, token, c.env)
+    c.procs["up"] = up
+    try:
+        up.start()
+        up.wait_log("\nready", 120)
+        c.key = (c.root / "head" / "admin.key").read_text().strip()
+        yield up
+    finally:
+        for p in reversed(list(c.procs.values())):
+            p.stop(timeout_s=60 if p is up else 15)
