@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# gguf_meta's readers: its `layout` steps over the tensor infos, and the parameter count needs their shapes
-from coderai.runtime.gguf_meta import _ARRAY, _read, _skip, _string, _value
+from coderai.runtime.gguf_meta import layout
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 BLOB_NAME = re.compile(r"^sha256-([0-9a-f]{64})$")
@@ -76,29 +75,10 @@ def file_type_name(file_type: int | None) -> str:
 
 def read_facts(path: str | os.PathLike[str]) -> GgufFacts:
     """The header of `path`, key/values and tensor shapes, never the tensor data; ValueError if it is no GGUF."""
-    meta: dict[str, Any] = {}
-    params = 0
     st = os.stat(path)
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        _read(f, "<I")  # version
-        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-        for _ in range(n_kv):
-            key, kind = _string(f), _read(f, "<I")
-            if kind == _ARRAY:
-                item, n = _read(f, "<I"), _read(f, "<Q")
-                _skip(f, item, n)  # vocabularies and per-layer lists: not what a model list shows
-            else:
-                meta[key] = _value(f, kind, keep=False)
-        for _ in range(n_tensors):  # name, dims, type, offset
-            f.seek(_read(f, "<Q"), os.SEEK_CUR)
-            dims = _read(f, "<I")
-            count = 1
-            for d in struct.unpack(f"<{dims}Q", f.read(8 * dims)):
-                count *= d
-            params += count
-            f.seek(4 + 8, os.SEEK_CUR)
+    lay = layout(path)
+    meta = {k: v for k, v in lay.meta.items() if not isinstance(v, list)}  # per-layer lists: not what a model list shows
+    params = lay.parameters
     arch = str(meta.get("general.architecture") or "")
     info = {k: v for k, v in meta.items() if k.startswith("general.") or (arch and k.startswith(arch + "."))}
     info["general.parameter_count"] = params

@@ -82,6 +82,7 @@ class Layout:
     meta: dict[str, Any]
     lengths: dict[str, int]
     data_offset: int
+    parameters: int = 0  # the tensors' elements, summed
 
 
 def layout(path: str | os.PathLike) -> Layout:
@@ -105,12 +106,18 @@ def layout(path: str | os.PathLike) -> Layout:
                 meta[key] = list(struct.unpack("<" + fmt[1] * n, f.read(n * struct.calcsize(fmt))))
             else:
                 _skip(f, item, n)
+        params = 0
         for _ in range(n_tensors):  # name, dims, type, offset
             f.seek(_read(f, "<Q"), os.SEEK_CUR)
-            f.seek(8 * _read(f, "<I") + 4 + 8, os.SEEK_CUR)
+            dims = _read(f, "<I")
+            count = 1
+            for d in struct.unpack(f"<{dims}Q", f.read(8 * dims)):
+                count *= d
+            params += count
+            f.seek(4 + 8, os.SEEK_CUR)
         align = int(meta.get("general.alignment") or 32)
         end = f.tell()
-    return Layout(meta=meta, lengths=lengths, data_offset=(end + align - 1) // align * align)
+    return Layout(meta=meta, lengths=lengths, data_offset=(end + align - 1) // align * align, parameters=params)
 
 
 def block_count(path: str | os.PathLike) -> int:
