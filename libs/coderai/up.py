@@ -27,6 +27,7 @@ from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token, fingerprint, with_user
 from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisServer, Routes, free_port
 from coderai.runtime.logging import setup_logging
+from coderai.runtime.private import private_process, private_tree
 from coderai.runtime.store_watch import StoreWatch
 from coderai.runtime.supervisor import Child, Supervisor
 from coderai.runtime.tls import ensure_certs
@@ -234,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--head needs --address (this head's address, as the other heads reach it)")
 
     data = Path(os.path.expanduser(args.data_dir)).resolve()
+    # the data dir holds key hashes, usage, prompts in logs, models and tenants' files: this user's only, and so
+    # is everything NATS, Redis, the services and the engines write there (Redis's append-only file too)
+    private_process()
+    private_tree(data)
     (data / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
-    (data / "logs").chmod(0o700)  # logs hold prompts and addresses: this user's only
     setup_logging("up", fmt="text")
     if not _port_free(args.host, args.port):
         print(f"coderai up: port {args.port} on {args.host} is in use; pass --port", file=sys.stderr)

@@ -340,6 +340,25 @@ def test_an_image_part_is_a_400_on_a_model_without_a_projector(stack):
         assert err.value.body["param"] == param, err.value.body
 
 
+def test_a_local_user_cannot_chat_with_the_child_directly(stack, tiny_gguf):
+    """Attack: a local user reads the child's loopback port from `ps` and asks it for an answer, unbilled. The
+    child wants a key only its worker knows, and the key is in neither its argv nor its log."""
+    pid = _children(str(tiny_gguf))[0]
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    port = argv[argv.index("--port") + 1]
+    assert not any("api-key" in a for a in argv), argv
+    body = {"model": "tiny-ls", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for path in ("/v1/chat/completions", "/completion", "/metrics", "/slots"):
+        r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30) if path != "/metrics" and path != "/slots" \
+            else httpx.get(f"http://127.0.0.1:{port}{path}", timeout=30)
+        print(f"tried {path} on the child's port {port} without its key: {r.status_code}")
+        assert r.status_code == 401, (path, r.status_code, r.text[:200])
+    # through coderai it still answers, and the worker still reads the child's slots (its /metrics wants the key)
+    out = _client(stack).chat.completions.create(model="tiny-ls", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.choices[0].message.content is not None
+    assert _engine(stack)["state"] == "ready"
+
+
 def test_a_killed_child_ends_the_stream_with_an_error_and_is_restarted(stack, tiny_gguf):
     def killed_mid_stream() -> list[str] | None:
         """Kill the child after the first streamed token; the rest of the stream, or None when the answer was

@@ -108,3 +108,26 @@ def test_no_secret_is_in_any_log_line(box):
     # the settings line still says which settings were given (masked, not dropped)
     broker = (data / "logs" / "pod-broker.log").read_text()
     assert '"runpod_api_key": "***"' in broker and "service:***@" in broker
+
+
+def test_nothing_in_the_data_dir_is_readable_by_another_user(box):
+    """Attack: a local user who is not the box's owner reads the data dir: Redis's append-only file (key names and
+    hashes, usage, budgets), JetStream's files (responses, batches), logs, models. Every path is its owner's only."""
+    data, base, _ = box
+    key = (data / "admin.key").read_text().strip()
+    r = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text  # usage reaches Redis's append-only file
+    aof = [p for p in data.rglob("*") if ".aof" in p.name]
+    assert aof, sorted(str(p.relative_to(data)) for p in data.rglob("*"))[:50]
+    open_to_others = []
+    checked = 0
+    for path in [data, *data.rglob("*")]:
+        if path.is_symlink():
+            continue
+        checked += 1
+        if stat.S_IMODE(path.lstat().st_mode) & 0o077:
+            open_to_others.append(f"{oct(stat.S_IMODE(path.lstat().st_mode))} {path.relative_to(data)}")
+    print(f"looked at {checked} paths under the data dir as another user would ({len(aof)} of Redis's AOF files): "
+          f"{len(open_to_others)} readable or writable by them")
+    assert not open_to_others, open_to_others[:20]

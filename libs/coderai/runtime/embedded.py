@@ -302,7 +302,8 @@ class RedisServer(_Server):
         self.binary = _find("redis-server", "install Debian's package: apt-get install redis-server")
 
     def start(self, timeout_s: float = 15.0, log_file: str | os.PathLike | None = None) -> "RedisServer":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # its append-only file holds key names and hashes, usage and budgets
         self.port = self.port or free_port(self.host)
         persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
         cmd = [self.binary]

@@ -14,6 +14,7 @@ import msgspec
 from coderai.contracts import BusError
 from coderai.runtime.lifecycle import Starter, serve_until_stopped
 from coderai.runtime.logging import log_fields, setup_logging
+from coderai.runtime.private import private_process
 from coderai.runtime.settings import SettingsError, describe, load_settings
 from coderai.runtime.tracing import setup_tracing
 
@@ -86,6 +87,7 @@ def run_service(
 ) -> int:
     """Parse flags, load settings (exit 2 naming the bad variable), set up logging and tracing, serve until
     signalled."""
+    private_process()  # what a service writes (its data dir, logs, stores) is its user's only
     ap = parser(service, description)
     if add_args:
         add_args(ap)

@@ -147,6 +147,7 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     family = "llama-server"
     label = "llama-server"
+    key_env = "LLAMA_API_KEY"  # /health and /v1/models stay open; chat, /metrics and /slots want the key
     death_signal = signal.SIGKILL  # once its cleanup began, a second signal was needed to end it (CI, 2026-12-01)
 
     def __init__(self, config: ModelConfig) -> None:
@@ -227,7 +228,7 @@ class LlamaServerEngine(OpenAIServerEngine):
     def _supervise(self) -> None:
         """Watch the child; read its slot load while it lives; restart it with backoff when it dies. Runs on the
         thread that starts every later child, so each child dies with it (PR_SET_PDEATHSIG)."""
-        probe = httpx.Client(timeout=2.0)
+        probe = httpx.Client(timeout=2.0, headers=self.auth_headers())
         try:
             while not self._closing.wait(POLL_S):
                 proc = self.proc

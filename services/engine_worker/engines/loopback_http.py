@@ -31,8 +31,10 @@ class Answer:
 
 
 class LoopbackClient:
-    def __init__(self, host: str, port: int, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, connect_timeout_s: float = 30.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.host, self.port = host, port
+        self.headers = {"Content-Type": "application/json", **(headers or {})}  # sent with every request
         self.connect_timeout_s = connect_timeout_s
         self._local = threading.local()
         self._all: set[http.client.HTTPConnection] = set()
@@ -64,7 +66,7 @@ class LoopbackClient:
             self._local.conn = None
 
     def _send(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        hdrs = {"Content-Type": "application/json", **headers}
+        hdrs = {**self.headers, **headers}
         conn, reused = self._conn()
         try:
             conn.request("POST", path, body=body, headers=hdrs)

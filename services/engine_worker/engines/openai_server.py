@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -227,6 +228,7 @@ class OpenAIServerEngine(Engine):
 
     label = "the server"
     ready_path = "/health"
+    key_env = ""  # the environment variable the server reads its API key from (never argv: `ps` shows argv)
     death_signal = signal.SIGTERM  # what the server gets when the thread that started it dies (PR_SET_PDEATHSIG)
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: the server batches
     streams_choices = prompt_lists = logit_bias = True
@@ -238,6 +240,9 @@ class OpenAIServerEngine(Engine):
         self.base_url = ""
         self.log_path = ""
         self.client: LoopbackClient | None = None
+        # the child's own API key: a local user who finds its loopback port cannot be answered (unbilled) by it;
+        # only this engine knows the key, and a new one is made for each engine
+        self.api_key = secrets.token_urlsafe(32)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.prefix_hits = 0
@@ -252,6 +257,8 @@ class OpenAIServerEngine(Engine):
     def start_server(self, port: int, timeout_s: float) -> None:
         """Start the server and wait for `ready_path`; EngineLoadError with its log tail if it exits or times out."""
         cmd, env = self.command(port)
+        if self.key_env:
+            env = {**env, self.key_env: self.api_key}
         fd, self.log_path = tempfile.mkstemp(prefix=f"coderai-{self.family}-{port}-", suffix=".log")
         with os.fdopen(fd, "wb") as log:
             try:
@@ -265,12 +272,16 @@ class OpenAIServerEngine(Engine):
         self.base_url = f"http://127.0.0.1:{port}"
         self._wait_healthy(timeout_s)
         if self.client is None:  # no read timeout: a long generation is silent until it ends; cancel cuts it short
-            self.client = LoopbackClient("127.0.0.1", port)
+            self.client = LoopbackClient("127.0.0.1", port, headers=self.auth_headers())
+
+    def auth_headers(self) -> dict[str, str]:
+        """What every request to the child carries: its key, where the server takes one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.key_env else {}
 
     def _wait_healthy(self, timeout_s: float) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as probe:
+        with httpx.Client(timeout=2.0, headers=self.auth_headers()) as probe:
             while True:
                 try:
                     if probe.get(f"{self.base_url}{self.ready_path}").status_code == 200:

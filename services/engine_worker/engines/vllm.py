@@ -38,6 +38,7 @@ class VllmEngine(OpenAIServerEngine):
 
     family = "vllm"
     label = "vLLM"
+    key_env = "VLLM_API_KEY"  # vLLM guards its /v1 routes with it; /health stays open
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: vLLM batches them
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
