@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from coderai.accounts.limits import Limited, Limiter, Reservation
 from coderai.contracts import ModelConfig, RequestCompleted, Usage
 from coderai.gateway.auth import Caller
-from coderai.gateway.errors import ApiError
+from coderai.gateway.errors import ApiError, unknown_model
 from coderai.gateway.outbox import Outbox
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
@@ -152,9 +152,11 @@ def may_use(who: Caller, model: str) -> bool:
 
 
 def allowed(who: Caller, model: str) -> None:
-    """A key with a model allow-list uses only those models: anything else is a 403 before any work."""
+    """A key with a model allow-list uses only those models: anything else is the 404 of a model that does not
+    exist, before anything else is looked at (what the model serves, the request's body), so a key cannot tell
+    the models it may not use from those that are not there."""
     if not may_use(who, model):
-        raise ApiError(403, f"This key may not use the model '{model}'.", param="model", code="model_not_allowed")
+        raise unknown_model(model)
 
 
 class Accounts:

@@ -15,7 +15,7 @@ from litestar.types import Scope
 from redis.exceptions import RedisError
 
 from coderai.accounts.keyfile import KeyRecord, hash_key
-from coderai.accounts.keys import ApiKey, KeyStore
+from coderai.accounts.keys import ApiKey, KeyStore, reserved_name
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import client_request_id, client_request_id_var, priority_var, request_priority
 
@@ -45,6 +45,7 @@ class Authenticator:
     def __init__(self, keys: dict[str, KeyRecord] | None, store: KeyStore | None = None) -> None:
         self.keys = keys  # None: auth is off
         self.store = store
+        self.file_names = frozenset(r.name for r in (keys or {}).values())
         self._known: dict[str, tuple[ApiKey, float]] = {}  # digest -> (its record, when Redis last said so)
         self._stale_said = False
 
@@ -63,6 +64,9 @@ class Authenticator:
             if stored is None or stored.revoked:
                 raise ApiError(401, "Incorrect API key provided." if stored is None else "This API key has been revoked.",
                                code="invalid_api_key")
+            if reserved_name(stored.name, self.file_names):  # made before names were reserved: never the admin's
+                log.warning("refused key %r from the key store: its name is a bootstrap key's", stored.name)
+                raise ApiError(401, "This API key's name is reserved; ask for a new key.", code="invalid_api_key")
             caller = Caller(stored.name, frozenset(stored.scopes), stored)
         if scope not in caller.scopes:
             raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")

@@ -33,6 +33,12 @@ class ApiError(Exception):
         return msgspec.json.encode(self.body())
 
 
+def unknown_model(name: str, param: str = "model") -> ApiError:
+    """The 404 for a model that is not served, and, word for word, for one a key's allow-list leaves out: a key
+    learns nothing of the models it may not use (not that they exist, nor what they serve)."""
+    return ApiError(404, f"The model '{name}' does not exist.", param=param, code="model_not_found")
+
+
 class ClientGone(ApiError):
     """The client disconnected before its answer: what the request's task raises instead of the cancellation that
     stopped it, so that the server (granian) does not log a cancelled request as a crashed one. The 499 it renders

@@ -28,7 +28,7 @@ from coderai.contracts import (
 from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
-from coderai.gateway.accounting import NO_TRACE, Admission, Trace, checked_usage, price, usage_ceiling
+from coderai.gateway.accounting import NO_TRACE, Admission, Trace, allowed, checked_usage, price, usage_ceiling
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
@@ -149,6 +149,7 @@ class Call:
     async def admit(self) -> ModelConfig:
         """The model (serving this op), a body the bus can carry, then the key's limits: nothing is reserved for
         a request refused by the first two."""
+        allowed(self.who, self.job.model)  # first: a model outside the key's allow-list is as absent as a missing one
         cfg = await self.gw.find_model(self.job.model, self.op)
         key = self.who.key
         if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop or (

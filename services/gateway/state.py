@@ -21,7 +21,7 @@ from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.copies import Copies
-from coderai.gateway.errors import ApiError
+from coderai.gateway.errors import ApiError, unknown_model
 from coderai.gateway.relay import Relay
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime.blobs import BlobService, BlobStore
@@ -112,7 +112,7 @@ class Gateway:
         if cfg is None:
             if not self.catalog.complete:
                 raise self.not_ready()
-            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+            raise unknown_model(name)
         if op is not None and op not in cfg.serves():
             raise ApiError(400, f"The model '{name}' does not serve {op}; it serves {', '.join(cfg.serves())}.",
                            param="model", code="unsupported_operation")
@@ -143,7 +143,7 @@ class Gateway:
         """`find_model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing
         one."""
         if not may_use(who, name):
-            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+            raise unknown_model(name)
         return await self.find_model(name)
 
     def first_model(self, op: str) -> ModelConfig | None:

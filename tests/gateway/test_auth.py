@@ -153,3 +153,25 @@ async def test_a_revoked_key_is_refused_at_once_and_forgotten(stored):
     finally:
         server.proc.send_signal(signal.SIGCONT)
     assert (await denied(auth, "Bearer " + secret)).status == 401
+
+
+async def test_a_key_may_not_take_a_bootstrap_keys_name(stored):
+    """Attack: an operator (or a script with an admin key) makes an inference key named `admin`: the files,
+    responses and batches of the bootstrap admin are owned by that name. Every bootstrap name is refused, and a key
+    made under one before names were reserved is refused at the door."""
+    from coderai.accounts.keys import ApiKey, KeyError_, KeyStore, digest
+
+    auth, store, _, _ = stored
+    head_file = {hash_key("sk-file"): KeyRecord(name="ops", sha256=hash_key("sk-file"), scopes=["inference", "admin"])}
+    guarded = KeyStore(store.redis, taken=frozenset({"ops"}))
+    for name in ("admin", "admin-1a2b3c", "anonymous", "ops"):
+        with pytest.raises(KeyError_, match="reserved"):
+            await guarded.create(name, ["inference"])
+        print(f"tried to create a key named {name!r}: refused")
+    # one made before the rule (written into Redis as an old gateway would have): refused when it is used
+    old = ApiKey(name="ops", sha256=digest("sk-old-ops"), scopes=["inference"])
+    await store._to_redis(old)
+    with pytest.raises(ApiError) as exc:
+        await Authenticator(head_file, store).check("Bearer sk-old-ops")
+    assert exc.value.status == 401
+    assert (await Authenticator(head_file, store).check("Bearer sk-file")).key_name == "ops"

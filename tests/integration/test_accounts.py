@@ -104,9 +104,17 @@ def test_a_keys_output_ceiling_caps_its_requests_on_every_replica(duo, admin_key
 def test_model_allow_list(duo, admin_key):
     key = new_key(duo, admin_key, "erin", models=["tiny"])
     assert chat(duo.urls[0], key).status_code == 200
-    r = chat(duo.urls[1], key, model="other")
-    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
     auth = {"Authorization": f"Bearer {key}"}
+    # attack: tell a model this key may not use from one that does not exist (status, code, message or what the
+    # model serves): every answer is the same 404, whatever is asked of it
+    forbidden, missing = chat(duo.urls[1], key, model="other"), chat(duo.urls[1], key, model="no-such-model")
+    assert forbidden.status_code == missing.status_code == 404, (forbidden.text, missing.text)
+    assert forbidden.json() == {"error": {**missing.json()["error"], "message": "The model 'other' does not exist."}}
+    embed = [httpx.post(f"{duo.urls[0]}/v1/embeddings", json={"model": m, "input": "x"}, headers=auth, timeout=30)
+             for m in ("other", "no-such-model")]
+    assert [r.status_code for r in embed] == [404, 404], [r.text for r in embed]
+    print("the allow-list oracle: a forbidden and a missing model answer alike (404 model_not_found), for chat and "
+          "for embeddings (whose 400 would have named what the model serves)")
     listed = httpx.get(f"{duo.urls[0]}/v1/models", headers=auth, timeout=30).json()["data"]
     assert [m["id"] for m in listed] == ["tiny"]  # what it may use, no more
     assert httpx.get(f"{duo.urls[0]}/v1/models/other", headers=auth, timeout=30).status_code == 404
@@ -116,7 +124,17 @@ def test_model_allow_list(duo, admin_key):
     # a background job is refused at once too, not answered 200 and failed later
     r = httpx.post(f"{duo.urls[0]}/v1/videos", json={"model": "clip", "prompt": "a cat"},
                    headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_no_key_takes_the_bootstrap_admins_name(duo, admin_key):
+    """Attack: a key named `admin` would own the bootstrap admin's files, responses and batches."""
+    with admin(duo, admin_key) as c:
+        for name in ("admin", "admin-0a1b2c", "anonymous"):
+            r = c.post("/admin/keys", json={"name": name})
+            print(f"POST /admin/keys named {name!r}: {r.status_code}")
+            assert r.status_code == 400 and "reserved" in r.json()["error"]["message"], r.text
+        assert "admin" not in {k["name"] for k in c.get("/admin/keys").json()["keys"]}
 
 
 def test_requests_per_minute_hold_across_two_replicas_under_concurrent_load(duo, admin_key):

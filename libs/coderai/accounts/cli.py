@@ -28,7 +28,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     r = redis_client.connect(_redis_url(args))
     bus = await _journal_bus(args)
-    store = KeyStore(r, KeyJournal(bus) if bus is not None else None)
+    store = KeyStore(r, KeyJournal(bus) if bus is not None else None, taken=_file_names(args))
     try:
         if args.cmd == "create":
             secret, rec = await store.create(args.name, args.scope or ["inference"], models=args.models or [],
@@ -51,6 +51,14 @@ async def _run(args: argparse.Namespace) -> int:
         await r.aclose()
         if bus is not None:
             await bus.close()
+
+
+def _file_names(args: argparse.Namespace) -> frozenset[str]:
+    """The names of this machine's bootstrap keys (`coderai up`'s keys.toml), which a key in Redis may not take."""
+    from coderai.accounts.keyfile import load_keys
+
+    path = Path(os.path.expanduser(args.data_dir)) / "keys.toml"
+    return frozenset(r.name for r in load_keys(str(path)).values()) if path.exists() else frozenset()
 
 
 async def _journal_bus(args: argparse.Namespace):

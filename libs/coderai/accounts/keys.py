@@ -42,6 +42,18 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     max_output_tokens: int = 0
 
 
+# Names a key in Redis may not take: the bootstrap keys' (`coderai up` writes "admin" into keys.toml, and each head
+# that joins by invite "admin-<hex>"), and the caller of a gateway without auth. Files, responses and batches are
+# owned by key name, so a tenant's key named "admin" would own the admin's.
+RESERVED_NAMES = frozenset({"admin", "anonymous"})
+RESERVED_PREFIX = "admin-"
+
+
+def reserved_name(name: str, taken: frozenset[str] = frozenset()) -> bool:
+    """Whether a key in Redis may not be named `name` (`taken`: the names in this gateway's keys file)."""
+    return name in RESERVED_NAMES or name.startswith(RESERVED_PREFIX) or name in taken
+
+
 class KeyError_(Exception):
     """A key operation that cannot be done (duplicate name, unknown key)."""
 
@@ -133,9 +145,10 @@ class KeyStore:
     """CRUD over the Redis layout above; `redis` is a redis.asyncio client; `journal` (optional) keeps every
     record beyond Redis."""
 
-    def __init__(self, redis: Any, journal: KeyJournal | None = None) -> None:
+    def __init__(self, redis: Any, journal: KeyJournal | None = None, taken: frozenset[str] = frozenset()) -> None:
         self.redis = redis
         self.journal = journal
+        self.taken = taken  # the keys file's names: reserved too
 
     async def _keep(self, rec: ApiKey) -> None:
         """`rec` to the journal, then to Redis: a change acknowledged is one a lost Redis gets back."""
@@ -151,6 +164,8 @@ class KeyStore:
         """A new key: returns (the secret, shown once; the stored record)."""
         if not name or any(c in name for c in " \t\n:"):
             raise KeyError_(f"bad key name {name!r}: no spaces or colons")
+        if reserved_name(name, self.taken):
+            raise KeyError_(f"the key name {name!r} is reserved (admin, admin-*, anonymous and the keys file's names)")
         bad = set(scopes) - {"inference", "admin"}
         if bad or not scopes:
             raise KeyError_(f"scopes must be inference and/or admin, not {sorted(bad) or scopes}")

@@ -49,7 +49,7 @@ def _store(gw: Gateway) -> KeyStore:
     if gw.redis is None:
         raise ApiError(503, "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.", type="service_unavailable",
                        code="no_redis")
-    return KeyStore(gw.redis, KeyJournal(gw.bus))
+    return KeyStore(gw.redis, KeyJournal(gw.bus), taken=frozenset(r.name for r in (gw.auth.keys or {}).values()))
 
 
 async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response:

@@ -17,7 +17,7 @@ from coderai.contracts import BusError, ModelConfig
 from coderai.contracts.admin import AddModelRequest, NodesRequest, RemoveModelRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_NODES, CMD_SCHEDULER_REMOVE, Subject
 from coderai.gateway.admin.nodes import ask
-from coderai.gateway.errors import ApiError, from_bus
+from coderai.gateway.errors import ApiError, from_bus, unknown_model
 from coderai.gateway.http import json_response, parse, read_json
 from coderai.gateway.state import AdminController, Gateway
 
@@ -36,7 +36,7 @@ def checked_name(name: str) -> str:
 
 
 def _not_found(name: str) -> ApiError:
-    return ApiError(404, f"The model '{name}' does not exist.", param="name", code="model_not_found")
+    return unknown_model(name, param="name")
 
 
 async def change_model(gw: Gateway, subject: Subject, msg: Any, name: str) -> dict[str, Any]:

@@ -106,8 +106,8 @@ class VideosController(InferenceController):
         else:
             req = await read_json(request, VideoRequest)
         w, h, frames, seconds = plan(req)
-        await self.gw.find_model(req.model, "video")
         allowed(who, req.model)  # refused now, not as a failed job (rates and budget count when the job runs)
+        await self.gw.find_model(req.model, "video")
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
