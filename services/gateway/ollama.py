@@ -255,7 +255,7 @@ class OllamaController(OllamaModelRoutes):
         job = ChatJob(request_id=RequestId(new_request_id()), model=model, messages=[])
         call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_s)
         await answer(call, request)
-        reason = "unload" if keep_s == 0 else "load"
+        reason = "unload" if call.keep_alive_s == 0 else "load"  # a tenant's 0 is not applied (pipeline.tenant_keep_alive)
         body = {"model": model, "created_at": _now(), **({"message": {"role": "assistant", "content": ""}} if chat
                                                            else {"response": ""}), "done_reason": reason, "done": True}
         if stream:

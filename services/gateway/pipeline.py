@@ -90,6 +90,19 @@ def _first_text(content: Any) -> str:
     return ""
 
 
+TENANT_KEEP_ALIVE_MAX_S = 3600.0  # the longest a tenant's keep_alive holds a model, unless the model's own is longer
+
+
+def tenant_keep_alive(cfg: ModelConfig, asked: float) -> float | None:
+    """What a key without the admin scope may ask of Ollama's `keep_alive`: to keep the model loaded a while, up to
+    the longer of the model's own idle time and an hour. Never to unload it (0: other tenants may be using it) nor to
+    pin it for good (< 0); either is taken as not asked, and the model keeps its own policy."""
+    if asked <= 0:
+        return None
+    own = cfg.keep_alive()
+    return min(asked, max(TENANT_KEEP_ALIVE_MAX_S, own if own is not None else 0.0))
+
+
 class Call:
     """One request, from admission to its one `request.completed`: where it went and what it used."""
 
@@ -151,6 +164,8 @@ class Call:
         a request refused by the first two."""
         allowed(self.who, self.job.model)  # first: a model outside the key's allow-list is as absent as a missing one
         cfg = await self.gw.find_model(self.job.model, self.op)
+        if self.keep_alive_s is not None and "admin" not in self.who.scopes:
+            self.keep_alive_s = tenant_keep_alive(cfg, self.keep_alive_s)
         key = self.who.key
         if self.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop or (
                 key is not None and (key.default_output_tokens or key.max_output_tokens))):

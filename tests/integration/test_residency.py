@@ -147,6 +147,32 @@ def test_ollama_keep_alive_zero_unloads_right_after_the_answer(stack, admin, adm
     assert exc.value.status_code == 400 and "keep_alive" in str(exc.value)
 
 
+def _engine_status(admin: httpx.Client, model: str) -> dict:
+    nodes = admin.get("/admin/nodes").json()["nodes"]
+    return next((e for n in nodes for e in n["heartbeat"].get("engines", []) if e["model"] == model), {})
+
+
+def test_a_tenants_keep_alive_never_unloads_nor_pins_a_shared_model(stack, admin, user_key):
+    """Attack: a tenant's Ollama `keep_alive: 0` would unload a model every other tenant is using, and `-1` pin an
+    on-demand one for good. A key without the admin scope may only keep a model a while (within an hour)."""
+    import ollama
+
+    o = ollama.Client(host=stack.http_url, headers={"Authorization": f"Bearer {user_key}"}, timeout=120)
+    for asked, want in ((0, None), (-1, None), ("10m", 600.0), (10**9, 3600.0)):
+        before = _engine_status(admin, "busy").get("served", 0)
+        r = o.chat(model="busy", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2},
+                   keep_alive=asked)
+        assert r.done
+        # the heartbeat after this request was counted says what keep-alive the engine now holds
+        status = wait_until(lambda: (e := _engine_status(admin, "busy")).get("served", 0) > before and e, 30,
+                            "the tenant's request in the heartbeat")
+        print(f"a tenant asked keep_alive={asked!r} of a shared model: the engine holds {status.get('keep_alive_s')}")
+        assert status.get("keep_alive_s") in (want, None) if want is None else status.get("keep_alive_s") == want
+    r = o.generate(model="busy", prompt="", keep_alive=0)  # Ollama's unload idiom, from a tenant: a load
+    assert r.done_reason == "load"
+    assert "busy" in loaded(admin)
+
+
 def test_a_model_no_eviction_makes_room_for_is_a_clear_503(stack, client):
     with pytest.raises(openai.APIStatusError) as exc:
         ask(client, "huge")  # 300 MB on a 250 MB budget; it may not burst to pods (the default)
