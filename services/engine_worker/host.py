@@ -35,6 +35,7 @@ from coderai.engine_worker.fetch import bus_request
 from coderai.engine_worker.gate import PriorityGate
 from coderai.engine_worker.weights import ensure_weights
 from coderai.engine_worker.parts import PartPuller
+from coderai import engine_params
 from coderai.catalog import ModelStore
 from coderai.runtime import tracing
 from coderai.runtime.blobs import BlobMissing, BlobProxy
@@ -128,6 +129,10 @@ class EngineHost:
         t0 = time.monotonic()
         try:
             cfg = self.config  # kept as assigned: the worker compares it with the next assignment
+            try:  # from the bus, checked like input from the internet: the family's params, typed, in range
+                engine_params.check(cfg.engine, cfg.params, operator=True)  # EXEC ones: the worker's _trusted
+            except engine_params.ParamError as exc:
+                raise EngineLoadError(f"refused: {exc.message}") from None
             if self.models_dir is not None and self.weights is not None:
                 cfg = await ensure_weights(cfg, bus_request(self.bus), self.models_dir, self.weights,
                                            self._fetch_event, self.node_id)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 
+from coderai import engine_params
 from coderai.catalog import ModelStore
 from coderai.contracts import Assignment, ModelConfig, ModelLoaded, decode, why_malformed
 from coderai.contracts.admin import DrainRequest, NodeLogs, NodeLogsRequest, NodeState
@@ -38,8 +39,6 @@ from coderai.runtime.logging import add_secret, ring
 
 log = logging.getLogger("coderai.engine_worker")
 
-EXEC_PARAMS = frozenset({"python", "env", "extra_args"})
-"""Model params that choose a program, its arguments or its environment (engines/vllm.py, llama_server.py)."""
 
 
 def weights_store(s: WorkerSettings) -> ModelStore:
@@ -243,12 +242,12 @@ class Worker:
 
     def _trusted(self, m: ModelConfig) -> ModelConfig:
         """`m` without what chooses a program or its environment, unless this node's own settings allow it."""
-        if self.settings.bus_exec or not (EXEC_PARAMS & set(m.params)):
+        if self.settings.bus_exec or not (engine_params.EXEC_PARAMS & set(m.params)):
             return m
-        dropped = sorted(EXEC_PARAMS & set(m.params))
+        dropped = sorted(engine_params.EXEC_PARAMS & set(m.params))
         log.warning("ignoring %s of %s from the bus (CODERAI_WORKER_BUS_EXEC=true on this node honours them)",
                     ", ".join(dropped), m.name)
-        return msgspec.structs.replace(m, params={k: v for k, v in m.params.items() if k not in EXEC_PARAMS})
+        return msgspec.structs.replace(m, params={k: v for k, v in m.params.items() if k not in engine_params.EXEC_PARAMS})
 
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""

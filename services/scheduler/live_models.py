@@ -13,6 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from coderai import engine_params
 from coderai.contracts import BusError, ModelConfig, encode, model_key
 from coderai.contracts.admin import AddModelRequest, PlaceReply, RemoveModelRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_REMOVE
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("coderai.scheduler")
 
 POLL_S = 1.0  # how often the models file's size, mtime and inode are looked at
+
+
+def without_kept_exec(new: ModelConfig, old: ModelConfig | None) -> dict[str, Any]:
+    """`new`'s params less the EXEC ones it keeps exactly as the served model has them (from the operator's models
+    file): `coderai models set NAME replicas=2` sends the whole config back, and may, as long as it changes none."""
+    if old is None or old.engine != new.engine:
+        return new.params
+    return {k: v for k, v in new.params.items()
+            if not (k in engine_params.EXEC_PARAMS and k in old.params and old.params[k] == v)}
 
 
 class LiveModels:
@@ -54,6 +64,10 @@ class LiveModels:
             old = self._served(new.name)
             if old is not None and not req.replace:
                 raise BusError("conflict", f"a model named {new.name!r} is served already", param="name")
+            try:  # params are data: each family's own, typed and in range; what runs a program, never from here
+                engine_params.check(new.engine, without_kept_exec(new, old), operator=False)
+            except engine_params.ParamError as exc:
+                raise BusError("bad_request", exc.message, param=exc.param) from None
             self._write_back(new.name, new)
             await self.publish({new.name: new})
         log.info("%s model %s (%s)", "replaced" if old else "added", new.name, new.engine)

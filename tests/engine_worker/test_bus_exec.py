@@ -31,3 +31,16 @@ def test_a_model_without_them_is_left_as_it_is():
     w = Worker(WorkerSettings(families=["llama"]), "n1")
     m = ModelConfig(name="t", engine="llama", path="/m.gguf", params={"n_ctx": 256})
     assert w._trusted(m) is m
+
+
+async def test_a_model_whose_params_are_not_its_familys_is_not_loaded(caplog):
+    """Over the bus, checked like input from the internet: an assignment whose model has a param its family does
+    not take (one that would be a server flag nobody checked) is refused before anything starts, and reported."""
+    from coderai.engine_worker.host import EngineHost
+
+    for params in ({"host": "0.0.0.0"}, {"log_file": "/tmp/pwned"}, {"parallel": "4 --host 0.0.0.0"}):
+        cfg = ModelConfig(name="m", engine="llama-server", path="/nowhere/m.gguf", params=params)
+        host = EngineHost(None, "n1", cfg, 1.0)  # no bus: the refusal comes before any
+        assert await host.load() is False
+        assert host.state == "failed" and host.error.startswith("refused: ") and next(iter(params)) in host.error
+        print(f"assignment with params {params}: {host.error[:80]}")

@@ -139,3 +139,19 @@ def test_coderai_models_add_set_rm_on_the_running_stack(stack, admin, client, ti
     assert r.returncode == 0 and "stopped serving by-cli" in r.stdout, r.stderr
     wait_until(lambda: is_404(client, "by-cli"), 10, "by-cli to be gone")
     assert not (stack.root / "cli" / "models.toml").exists()  # the stack's scheduler wrote its own file
+
+
+def test_an_admin_key_cannot_pass_a_server_flag_or_a_program(stack, admin, client, tiny_gguf):
+    """Attack: an admin key is not a shell. Params that would bind the child on every interface, write a file,
+    run a repository's code or another program, or any flag the family does not take, are a 400 naming the param;
+    nothing is added and the stack still serves."""
+    for params in ({"host": "0.0.0.0"}, {"log_file": "/tmp/coderai-pwned"}, {"trust_remote_code": True},
+                   {"python": "/tmp/evil"}, {"env": {"LD_PRELOAD": "/tmp/x.so"}}, {"extra_args": ["--host", "0.0.0.0"]},
+                   {"no_such_flag": 1}):
+        cfg = {"name": "evil", "engine": "llama-server", "path": str(tiny_gguf), "params": params}
+        for r in (admin.post("/admin/models", json=cfg), admin.put("/admin/models/evil", json=cfg)):
+            name = next(iter(params))
+            print(f"{r.request.method} /admin/models with params.{name}: {r.status_code}")
+            assert r.status_code == 400 and r.json()["error"]["param"] == f"params.{name}", r.text
+    assert admin.get("/admin/models/evil").status_code == 404
+    assert answers(client, "tiny") is not None

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import tomllib
 
+import msgspec
 import pytest
 
 from coderai.contracts import BusError, ModelConfig, model_key
@@ -158,3 +159,27 @@ async def _said(caplog, text: str) -> bool:
 
 async def _when(bus: Bus, ok) -> bool:
     return bool(ok(await published(bus)))
+
+
+async def test_params_over_the_bus_are_the_familys_own_and_never_what_runs(live):
+    """Attack: whoever reaches the scheduler's add subject (the admin API, `coderai models`, a pull) passes a
+    param that becomes a server flag or chooses a program. Each is refused naming it; nothing is published."""
+    sched, bus, path = live
+    before = path.read_text()
+    for params in ({"host": "0.0.0.0"}, {"log_file": "/etc/passwd"}, {"trust_remote_code": True},
+                   {"env": {"LD_PRELOAD": "/tmp/x.so"}}, {"extra_args": ["--host", "0.0.0.0"]}, {"n_ctx": -5}):
+        bad = ModelConfig(name="evil", engine="llama-server", path="/m/e.gguf", params=params)
+        with pytest.raises(BusError) as exc:
+            await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=bad), timeout=5)
+        name = next(iter(params))
+        assert exc.value.code == "bad_request" and exc.value.param == f"params.{name}", exc.value
+        print(f"scheduler add with params.{name}: refused ({exc.value.message[:60]})")
+    assert "evil" not in await published(bus) and path.read_text() == before
+    # a model the operator's file gave `env` may be sent back whole (`coderai models set`) but not changed
+    own = ModelConfig(name="ops", engine="llama-server", path="/m/o.gguf", params={"env": {"A": "1"}, "n_ctx": 64})
+    sched.models.append(own)
+    await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=msgspec.structs.replace(own, replicas=2)), timeout=5)
+    with pytest.raises(BusError) as exc:
+        changed = msgspec.structs.replace(own, params={"env": {"A": "2"}, "n_ctx": 64})
+        await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=changed), timeout=5)
+    assert exc.value.param == "params.env"

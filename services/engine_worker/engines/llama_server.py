@@ -9,9 +9,10 @@ its SIGTERM shutdown can wait forever on a connection handler, and it has nothin
 Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
 n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
 image input), `cache_ram_mb` (the server's host prompt cache, default 256 MiB), `n_threads`, `n_threads_batch`,
-`n_batch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256). Every other
-key becomes a `--kebab-case value` flag (`True` a bare flag); `extra_args` is appended as is; `env` is added to
-the server's environment. A copy the scheduler pinned to GPUs (`devices`) sees only those (CUDA_VISIBLE_DEVICES).
+`n_batch`, `n_ubatch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256). The
+other params the family takes (coderai.engine_params, e.g. `flash_attn`, `cache_type_k`, `model_draft`) become
+`--kebab-case value` flags (`True` a bare flag); a param outside that table is refused, never passed on. From the
+operator's own models file only: `extra_args` (appended as is) and `env` (added to the server's environment). A copy the scheduler pinned to GPUs (`devices`) sees only those (CUDA_VISIBLE_DEVICES).
 The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter (what
 `scripts/setup` builds into `.venv/bin`), else on `PATH`.
 """
@@ -38,7 +39,7 @@ log = logging.getLogger("coderai.engine_worker")
 MAX_QUEUED = 256  # jobs waiting for a slot at most, unless the model's `queue` says otherwise
 MEDIA_WITH_PROJECTOR = frozenset({"image_url", "input_audio"})  # what llama.cpp's mtmd reads with an mmproj
 
-NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size",
+NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size", "n_ubatch": "--ubatch-size",
          "chat_template": "--chat-template", "mmproj": "--mmproj"}
 OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "queue", "load_timeout_s", "extra_args",
                         "env", "prompt_cache_mb"}) | NAMED.keys()

@@ -22,7 +22,7 @@ from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
 
-OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env"})
+OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s"})
 DEFAULT_LOAD_TIMEOUT_S = 600.0
 
 
