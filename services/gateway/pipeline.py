@@ -30,6 +30,7 @@ from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, allowed, checked_usage, price, usage_ceiling
 from coderai.gateway.auth import Caller
+from coderai.gateway.bounds import check_schemas
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
@@ -172,6 +173,8 @@ class Call:
             self.job = output_limited(self.job, cfg, key)
         if self.spec.llm and hasattr(self.job, "priority"):
             self.job = prioritised(self.job, priority_var.get())
+        if self.spec.llm:
+            check_schemas(self.job)  # a grammar's cost grows with its schema's nesting: bounded before it is built
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)

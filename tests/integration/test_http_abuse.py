@@ -428,6 +428,47 @@ def test_ten_thousand_idle_connections_do_not_stop_answers(stack, admin_key, cap
                    f"the gateway's open files back to {open_fds(proc)} (baseline {baseline}) once they closed")
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_deeply_nested_schema_is_refused_before_any_engine_builds_it(stack, admin_key, capsys):
+    """Attack: one `json_schema` nested 900 deep took llama-server past 4 GiB in 15 s, shared by every tenant of
+    the model. Through the OpenAI, Anthropic and Ollama SDKs, as a response format and as a tool, it is a 400."""
+    import anthropic
+    import ollama
+
+    deep = _nested(400)  # 800 nested objects: as deep as a Python client can encode
+    oa = openai.OpenAI(base_url=stack.base_url, api_key=admin_key, max_retries=0, timeout=30)
+    tried = []
+    with pytest.raises(openai.BadRequestError) as exc:
+        oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, response_format={
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})
+    assert exc.value.body["code"] == "schema_too_complex" and exc.value.body["param"] == "response_format"
+    tried.append("openai response_format")
+    with pytest.raises(openai.BadRequestError):
+        oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": deep}}])
+    tried.append("openai tools")
+    an = anthropic.Anthropic(base_url=stack.http_url, api_key=admin_key, max_retries=0, timeout=30)
+    with pytest.raises(anthropic.BadRequestError):
+        an.messages.create(model="tiny", max_tokens=1, messages=HI, tools=[{"name": "f", "input_schema": deep}])
+    tried.append("anthropic tools")
+    ol = ollama.Client(host=stack.http_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+    with pytest.raises(ollama.ResponseError) as oexc:
+        ol.chat(model="tiny", messages=HI, format=deep, options={"num_predict": 1})
+    assert oexc.value.status_code == 400
+    tried.append("ollama format")
+    # what agents send stays well inside the bound: a schema 10 deep is answered
+    r = oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, tools=[
+        {"type": "function", "function": {"name": "f", "parameters": _nested(10)}}])
+    assert r.choices
+    report(capsys, f"a schema of 800 nested objects, sent as {', '.join(tried)}: all refused with a 400; one 10 deep answered")
+
+
 def test_the_sdk_still_answers_after_all_of_it(stack, admin_key):
     client = openai.OpenAI(base_url=stack.base_url, api_key=admin_key, max_retries=0, timeout=30)
     r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
