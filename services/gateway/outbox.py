@@ -9,7 +9,11 @@ A gateway killed (SIGKILL, a crash) between an answer and its event's ack would 
 it (the soak saw one). So `put` also writes the event to a journal file of this process (`Journal`) before the
 answer's last bytes go out, and the acks are written there as they come: a gateway that starts finds the journals
 of gateways that died and sends what they had not had acked. Plain writes, no fsync: they outlive the process (the
-kernel has them), not the machine."""
+kernel has them), not the machine.
+
+Each journal line carries an HMAC of itself under a key in `secrets/` (`outbox-journal.key`, 0600), so a line put
+into the folder by anyone else (a forged `cost_usd: -50` would have lowered a key's spend at the next start) is not
+replayed: it is skipped and counted in a warning."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import asyncio
 import collections
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -28,6 +34,7 @@ from nats.js.errors import NoStreamResponseError
 from coderai.contracts import RequestCompleted, decode, encode
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
 from coderai.runtime.bus import Bus
+from coderai.runtime.members import ensure_secret
 
 log = logging.getLogger("coderai.gateway")
 
@@ -36,17 +43,32 @@ ACK_TIMEOUT_S = 2.0
 RETRY_S = (0.25, 2.0)  # the wait after a failed round (NATS down, restarting, or its disk full), doubling up to
 
 
+JOURNAL_KEY = "outbox-journal.key"  # in the data dir's secrets/: what the journal's lines are signed with
 JOURNAL_ROTATE_BYTES = 16 << 20  # a journal past this is started afresh with only what still waits
+
+
+MAC_HEX = 64  # an HMAC-SHA256 in hex, then a space, before each line's kind and body
 
 
 class Journal:
     """One gateway process's events, written as they are put and marked as they are acked (`outbox-*.jsonl` in
-    `folder`, locked while the process lives). `orphans()` takes over the journals of processes that died."""
+    `folder`, locked while the process lives). `orphans()` takes over the journals of processes that died. Every
+    line is `<hmac> <kind><body>` under `key`; a line whose MAC does not verify is never read back."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, key: bytes) -> None:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.folder = folder
+        self.key = key
         self.path, self.fd = self._open()
+
+    def _line(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).hexdigest().encode() + b" " + body + b"\n"
+
+    def _verified(self, line: bytes) -> bytes | None:
+        """The line's kind and body when its MAC is this journal key's, else None."""
+        mac, _, body = line.partition(b" ")
+        good = hmac.new(self.key, body, hashlib.sha256).hexdigest().encode()
+        return body if len(mac) == MAC_HEX and hmac.compare_digest(mac, good) else None
 
     def _open(self) -> tuple[Path, int]:
         path = self.folder / f"outbox-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
@@ -55,11 +77,11 @@ class Journal:
         return path, fd
 
     def event(self, done: RequestCompleted) -> None:
-        os.write(self.fd, b"E" + encode(done) + b"\n")
+        os.write(self.fd, self._line(b"E" + encode(done)))
 
     def acked(self, ids: list[str]) -> None:
         if ids:
-            os.write(self.fd, b"A" + json.dumps(ids).encode() + b"\n")
+            os.write(self.fd, self._line(b"A" + json.dumps(ids).encode()))
 
     def empty(self) -> None:
         """Everything written was acked: start the file over."""
@@ -101,7 +123,7 @@ class Journal:
                     continue
                 if not path.exists():  # taken and removed between our open and our lock
                     continue
-                events, acked = _read_journal(path)
+                events, acked = self._read(path)
                 for done in events:
                     if done.request_id not in acked:
                         self.event(done)
@@ -112,27 +134,36 @@ class Journal:
         return found
 
 
-def _read_journal(path: Path) -> tuple[list[RequestCompleted], set[str]]:
-    events, acked = [], set()
-    for line in path.read_bytes().splitlines():
-        try:
-            if line[:1] == b"E":
-                events.append(decode(line[1:], RequestCompleted))
-            elif line[:1] == b"A":
-                acked.update(json.loads(line[1:]))
-        except Exception:  # noqa: BLE001 - a line cut short by the kill: nothing after it was written
-            log.warning("journal %s: a line that does not read, skipped", path.name)
-    return events, acked
+    def _read(self, path: Path) -> tuple[list[RequestCompleted], set[str]]:
+        events, acked, forged = [], set(), 0
+        for line in path.read_bytes().splitlines():
+            body = self._verified(line)
+            if body is None:  # not written by a gateway with this head's key (or cut short by the kill)
+                forged += 1
+                continue
+            try:
+                if body[:1] == b"E":
+                    events.append(decode(body[1:], RequestCompleted))
+                elif body[:1] == b"A":
+                    acked.update(json.loads(body[1:]))
+            except Exception:  # noqa: BLE001 - signed but unreadable: an older version's shape
+                log.warning("journal %s: a line that does not read, skipped", path.name)
+        if forged:
+            log.warning("journal %s: %d lines whose MAC does not verify (written by someone else, or cut short), "
+                        "not replayed", path.name, forged)
+        return events, acked
 
 
 class Outbox:
     """At most `limit` events waiting (the oldest dropped beyond it, with one warning per thousand). With
     `journal_dir`, each event is journalled (see the module's text)."""
 
-    def __init__(self, bus: Bus, limit: int = 100_000, journal_dir: Path | None = None) -> None:
+    def __init__(self, bus: Bus, limit: int = 100_000, journal_dir: Path | None = None,
+                 journal_key: Path | None = None) -> None:
         self.bus = bus
         self.limit = limit
         self.journal_dir = journal_dir
+        self.journal_key = journal_key or (journal_dir.parent / "secrets" / JOURNAL_KEY if journal_dir else None)
         self.journal: Journal | None = None
         self._sending: list[RequestCompleted] = []  # the batch being published
         self.queue: collections.deque[RequestCompleted] = collections.deque()
@@ -162,7 +193,8 @@ class Outbox:
     def start(self) -> None:
         if self.journal_dir is not None:
             try:
-                self.journal = Journal(self.journal_dir)
+                assert self.journal_key is not None
+                self.journal = Journal(self.journal_dir, ensure_secret(self.journal_key).encode())
                 left = self.journal.orphans()
             except OSError as exc:
                 log.warning("no request.completed journal in %s: %s", self.journal_dir, exc)

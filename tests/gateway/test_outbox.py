@@ -86,9 +86,11 @@ JOURNALLING = """
 import sys, time
 from pathlib import Path
 from coderai.contracts import RequestCompleted
-from coderai.gateway.outbox import Journal
+from coderai.gateway.outbox import JOURNAL_KEY, Journal
+from coderai.runtime.members import ensure_secret
 
-journal = Journal(Path(sys.argv[1]))
+folder = Path(sys.argv[1])
+journal = Journal(folder, ensure_secret(folder.parent / "secrets" / JOURNAL_KEY).encode())
 for rid in sys.argv[2].split(","):
     journal.event(RequestCompleted(request_id=rid, ts=time.time(), key_name="k", model="m", op="chat", status="ok",
                                    http_status=200, prompt_tokens=3, completion_tokens=2))
@@ -147,4 +149,44 @@ async def test_a_killed_gateways_unacked_events_are_sent_by_the_next_one(own_nat
     finally:
         alive.kill()
         alive.wait()
+        await bus.close()
+
+
+async def test_a_line_forged_into_the_journal_folder_is_never_replayed(own_nats, tmp_path, caplog):
+    """Attack: whoever can write into `<data>/gateway-outbox/` drops a journal there (or appends to a dead
+    gateway's) with a `cost_usd: -50` event, to lower a key's spend at the next start. Only lines signed with the
+    head's journal key are replayed."""
+    import signal
+
+    from coderai.contracts import decode, encode
+    from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+
+    folder = tmp_path / "gateway-outbox"
+    real = done(1)
+    killed, killed_path = journalling(folder, [real], acked=[])
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    forged = RequestCompleted(request_id="forged-1", ts=0.0, key_name="victim", model="m", op="chat", status="ok",
+                              http_status=200, prompt_tokens=1, completion_tokens=1, cost_usd=-50.0)
+    with open(killed_path, "ab") as fh:  # appended to a real journal: unsigned, and signed with a guessed key
+        fh.write(b"E" + encode(forged) + b"\n")
+        fh.write(b"0" * 64 + b" E" + encode(forged) + b"\n")
+    (folder / "outbox-1-deadbeef.jsonl").write_bytes(b"E" + encode(forged) + b"\n")  # a journal of its own
+    bus = await Bus.connect(own_nats.url, "test-gateway")
+    try:
+        await bus.ensure_stream(EVENTS)
+        seen: list[str] = []
+
+        async def on_event(m) -> None:
+            seen.append(decode(m.data, RequestCompleted).request_id)
+
+        await bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=on_event)
+        box = Outbox(bus, journal_dir=folder)
+        box.start()
+        await wait_for(lambda: seen and not box.queue, 10, what="the dead gateway's real event sent")
+        await box.close()
+        assert seen == [real.request_id], seen
+        assert "MAC does not verify" in caplog.text
+        print(f"forged journal lines (cost_usd -50): 3 written, {seen.count('forged-1')} replayed")
+    finally:
         await bus.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -12,7 +13,7 @@ from coderai.accounts.usage import day_of, increments, read, record, record_many
 
 def ev(key: str, model: str = "m", status: str = "ok", p: int = 10, c: int = 5, ts: float | None = None,
        duration: float = 0.25, cost: float = 0.0) -> RequestCompleted:
-    return RequestCompleted(request_id="r", ts=ts or time.time(), key_name=key, model=model, op="chat", status=status,
+    return RequestCompleted(request_id=uuid.uuid4().hex, ts=ts or time.time(), key_name=key, model=model, op="chat", status=status,
                             http_status=200 if status == "ok" else 502, prompt_tokens=p, completion_tokens=c,
                             duration_s=duration, cost_usd=cost)
 
@@ -61,3 +62,17 @@ async def test_a_batch_delivered_again_is_not_counted_twice(r, unique):
     row = (await read(r, [day_of(time.time())], key=key))[0]
     assert (row["requests"], row["errors"], row["prompt_tokens"], row["completion_tokens"]) == (3, 1, 21, 11)
     assert int(await r.get(mark)) == 3
+
+
+async def test_an_event_stored_twice_in_the_stream_is_counted_once(r, unique):
+    """Attack on billing: a dead gateway's journal is replayed after EVENTS' 2-minute duplicate window, so the
+    stream stores its event a second time, under a new sequence. Usage is deduplicated by request id too."""
+    from coderai.accounts.usage import record_new
+
+    key, mark = f"k{unique}", f"coderai:usage:applied:test:{unique}"
+    once = ev(key, p=7, c=3)
+    assert len(await record_new(r, [(1, once)], mark)) == 1
+    assert await record_new(r, [(2, once), (3, once)], mark) == []  # past the mark, but its id was counted
+    row = (await read(r, [day_of(time.time())], key=key))[0]
+    assert (row["requests"], row["prompt_tokens"]) == (1, 7)
+    print("one request's event stored three times in the stream: counted once")

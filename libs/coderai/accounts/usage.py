@@ -3,6 +3,7 @@
     coderai:usage:<YYYY-MM-DD>:<key>:<model>  hash: requests, errors, prompt_tokens, completion_tokens,
                                               wall_ms, cost_micro_usd
     coderai:usage:index:<YYYY-MM-DD>          set of "<key>\\t<model>" that have a hash that day
+    coderai:usage:seen:<YYYY-MM-DD>           set of the request ids counted for that day (kept SEEN_DAYS)
 
 A batch of a thousand requests by one key and model is six HINCRBYs, not six thousand. Audio seconds, images
 and attributed pod spend join the hash with the modalities and the pod broker that produce them.
@@ -56,6 +57,16 @@ async def record_many(redis, events: list[RequestCompleted]) -> None:
     await pipe.execute()
 
 
+SEEN_DAYS = 8
+"""How long a request id counted is remembered: an event sent again within it (a dead gateway's journal replayed
+after EVENTS' 2-minute duplicate window, so stored twice in the stream) is counted once. An event older than this
+at its replay is counted as it comes."""
+
+
+def seen_key(day: str) -> str:
+    return f"coderai:usage:seen:{day}"
+
+
 class MarkLost(Exception):
     """The mark a consumer wrote is gone: Redis was replaced or emptied, and the usage counted before with it."""
 
@@ -92,9 +103,11 @@ async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: st
                     raise MarkLost(mark)
                 done = int(stored or 0)
                 fresh = [e for seq, e in events if seq > done]
+                fresh = await _unseen(pipe, fresh)  # by request id too: a replay past the stream's window
                 top = max((seq for seq, _e in events), default=0)
                 pipe.multi()
                 _queue(pipe, fresh)
+                _remember(pipe, fresh)
                 if top > done:
                     pipe.set(mark, top)
                     if writer:
@@ -103,6 +116,34 @@ async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: st
                 return fresh
             except WatchError:
                 continue
+
+
+async def _unseen(pipe, events: list[RequestCompleted]) -> list[RequestCompleted]:
+    """`events` less those whose request id was counted already (and repeats within the batch)."""
+    by_day: dict[str, list[RequestCompleted]] = {}
+    out, ids = [], set()
+    for e in events:
+        if e.request_id:
+            by_day.setdefault(day_of(e.ts), []).append(e)
+        else:  # no id to tell it by: counted
+            out.append(e)
+    for day, group in by_day.items():
+        counted = await pipe.smismember(seen_key(day), [e.request_id for e in group])
+        for e, was in zip(group, counted):
+            if not was and e.request_id not in ids:
+                ids.add(e.request_id)
+                out.append(e)
+    return out
+
+
+def _remember(pipe, events: list[RequestCompleted]) -> None:
+    days: dict[str, list[str]] = {}
+    for e in events:
+        if e.request_id:
+            days.setdefault(day_of(e.ts), []).append(e.request_id)
+    for day, ids in days.items():
+        pipe.sadd(seen_key(day), *ids)
+        pipe.expire(seen_key(day), SEEN_DAYS * 86400)
 
 
 async def record(redis, e: RequestCompleted) -> None:
