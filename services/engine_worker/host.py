@@ -234,6 +234,13 @@ class EngineHost:
         if self.state == "draining":
             await self._resume_intake()
 
+    async def abort_load(self) -> None:
+        """A load in progress stopped: the engine closed from a thread of its own (its executor's thread is busy
+        loading), which stops a server child that is still starting."""
+        self.state = "unloading"
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+
     async def unload(self, timeout_s: float) -> None:
         """Stop intake, let in-flight jobs finish (bounded), then free the model."""
         self.state = "unloading"

@@ -70,6 +70,10 @@ class Worker:
         self.hosts: dict[str, EngineHost] = {}
         self._seq = 0
         self._converge_lock = asyncio.Lock()
+        self._to_load: asyncio.Queue[EngineHost] = asyncio.Queue()  # hosts waiting for the loader, in order
+        self._loader: asyncio.Task | None = None
+        self._loading: EngineHost | None = None  # the host being loaded now, and its task
+        self._load_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self.draining = False
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
@@ -250,7 +254,10 @@ class Worker:
         return msgspec.structs.replace(m, params={k: v for k, v in m.params.items() if k not in engine_params.EXEC_PARAMS})
 
     async def converge(self, assignment: Assignment) -> None:
-        """Unload what is no longer wanted (or changed), then load what is missing, one at a time."""
+        """Unload what is no longer wanted (or changed), at once even while it is still loading (its load is
+        cancelled and its server stopped); then queue what is missing for the loader, which loads one at a time.
+        A load never holds this up: a model whose server never becomes healthy blocks neither its own removal nor
+        the next assignment."""
         assignment = msgspec.structs.replace(assignment, models=[self._trusted(m) for m in assignment.models])
         async with self._converge_lock:
             if self.rpc is not None and self.rpc.gate is not None:
@@ -261,25 +268,68 @@ class Worker:
                     log.error("assigned %s needs engine family %s, which this worker lacks", m.name, m.engine)
             for name, host in list(self.hosts.items()):
                 if wanted.get(name) != host.config:
-                    log.info("unloading %s", name)
                     del self.hosts[name]
-                    await host.unload(self.settings.drain_timeout_s)
+                    if host is self._loading:
+                        log.info("cancelling the load of %s", name)
+                        await self._cancel_load(host)
+                    elif host.state == "loading":  # queued, not started: nothing to free
+                        log.info("dropping the queued load of %s", name)
+                    else:
+                        log.info("unloading %s", name)
+                        await host.unload(self.settings.drain_timeout_s)
             for name, cfg in wanted.items():
                 if name not in self.hosts:
                     host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
                                                          models_dir=self.models_dir, weights=self.weights)
-                    await self.publish_heartbeat()
-                    loaded = await host.load()
-                    if cfg.store_path or cfg.source:  # it may have fetched files
-                        self.stored = await asyncio.to_thread(stored_files, self.models_dir)
-                    if loaded:
-                        if self.draining:
-                            await host.pause()
-                        evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
-                        await self.bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
-                    await self.publish_heartbeat()
+                    self._to_load.put_nowait(host)
+            if self._loader is None or self._loader.done():
+                self._loader = asyncio.create_task(self._load_in_turn(), name="model-loader")
+        await self.publish_heartbeat()
+
+    async def _load_in_turn(self) -> None:
+        """Load the queued models one at a time (two loads at once could need the memory of both), skipping any
+        removed before its turn."""
+        while True:
+            host = await self._to_load.get()
+            if self.hosts.get(host.config.name) is not host:
+                continue
+            self._loading = host
+            self._load_task = asyncio.create_task(self._load(host), name=f"load-{host.config.name}")
+            try:
+                await asyncio.wait({self._load_task})  # a cancelled load ends its task, not this loop
+            finally:
+                self._loading, task = None, self._load_task
+                self._load_task = None
+            if self.hosts.get(host.config.name) is not host:  # removed while it loaded: free what it holds
+                await host.unload(0)
+            elif task is not None and task.cancelled():
+                host.state, host.error = "failed", "its load was cancelled"
+
+    async def _load(self, host: EngineHost) -> None:
+        name = host.config.name
+        await self.publish_heartbeat()
+        loaded = await host.load()
+        if host.config.store_path or host.config.source:  # it may have fetched files
+            self.stored = await asyncio.to_thread(stored_files, self.models_dir)
+        if loaded and self.hosts.get(name) is host:
+            if self.draining:
+                await host.pause()
+            evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
+            await self.bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
+        await self.publish_heartbeat()
+
+    async def _cancel_load(self, host: EngineHost) -> None:
+        """Stop `host`'s load now: its task cancelled (a fetch of its files stops), its server stopped (the thread
+        waiting for the server to be healthy sees it end)."""
+        if self._load_task is not None:
+            self._load_task.cancel()
+        await host.abort_load()
 
     async def _unload_all(self) -> None:
+        if self._loader is not None:
+            self._loader.cancel()
+        if self._loading is not None:
+            await self._cancel_load(self._loading)
         for host in list(self.hosts.values()):
             await host.unload(self.settings.drain_timeout_s)
         self.hosts.clear()

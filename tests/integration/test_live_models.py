@@ -155,3 +155,40 @@ def test_an_admin_key_cannot_pass_a_server_flag_or_a_program(stack, admin, clien
             assert r.status_code == 400 and r.json()["error"]["param"] == f"params.{name}", r.text
     assert admin.get("/admin/models/evil").status_code == 404
     assert answers(client, "tiny") is not None
+
+
+def test_a_stuck_load_never_blocks_its_node(stack, admin, client, tiny_gguf, tmp_path):
+    """A model whose server never becomes healthy (its file a FIFO nobody writes: llama-server waits on it forever,
+    answering 503 "Loading model"), deleted while it loads: its load is cancelled and its server stopped at once,
+    and a model added meanwhile loads and answers, instead of waiting out the 600 s load timeout."""
+    import os
+    import shutil
+
+    from coderai.engine_worker.engines.llama_server import find_binary
+
+    if find_binary() is None:
+        pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
+    fifo = tmp_path / "stuck.gguf"
+    os.mkfifo(fifo)
+
+    def stuck_children() -> list[int]:
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if str(fifo).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    out.append(int(pid))
+            except OSError:
+                pass
+        return out
+
+    stuck = {"name": "stuck", "engine": "llama-server", "path": str(fifo), "params": {"n_ctx": 256, "load_timeout_s": 600}}
+    assert admin.post("/admin/models", json=stuck).status_code == 201
+    wait_until(stuck_children, 60, "the stuck model's server to start")
+    later = {"name": "later", "engine": "llama", "path": str(shutil.copy(tiny_gguf, tmp_path / "later.gguf")),
+             "params": {"n_ctx": 256}}
+    assert admin.post("/admin/models", json=later).status_code == 201
+    assert admin.delete("/admin/models/stuck").status_code == 200
+    wait_until(lambda: not stuck_children(), 30, "the stuck model's server to be stopped once it was deleted")
+    assert wait_until(lambda: answers(client, "later"), 60, "the model added meanwhile to answer")
+    print("a load stuck on a FIFO, deleted: its server stopped, and a model added meanwhile answered")
+    assert admin.delete("/admin/models/later").status_code == 200

@@ -279,7 +279,8 @@ class OpenAIServerEngine(Engine):
         return {"Authorization": f"Bearer {self.api_key}"} if self.key_env else {}
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        assert self.proc is not None
+        proc = self.proc  # close() from another thread (a cancelled load) takes self.proc away and stops it
+        assert proc is not None
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0, headers=self.auth_headers()) as probe:
             while True:
@@ -290,7 +291,7 @@ class OpenAIServerEngine(Engine):
                     pass  # not listening yet
                 left = deadline - time.monotonic()
                 try:  # the poll interval doubles as exit detection
-                    code = self.proc.wait(timeout=min(0.5, left)) if left > 0 else None
+                    code = proc.wait(timeout=min(0.5, left)) if left > 0 else None
                 except subprocess.TimeoutExpired:
                     continue
                 why = f"exited with code {code}" if code is not None else f"was not healthy after {timeout_s:.0f} s"
