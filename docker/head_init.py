@@ -24,6 +24,7 @@ from pathlib import Path
 
 from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token
+from coderai.runtime.embedded import store_limit
 from coderai.runtime.tls import ensure_certs
 
 
@@ -41,7 +42,9 @@ def nats_config(*, host: str = "0.0.0.0", port: int = 4222, store_dir: str = "/d
     # handshake_first: TLS before the server's first word, so a client never logs in to a plain-text impostor
     lines += ["tls {", f'  cert_file: "{tls_dir}/server.pem"', f'  key_file: "{tls_dir}/server-key.pem"',
               "  handshake_first: true", "}"]
-    lines += ["jetstream {", f'  store_dir: "{store_dir}"', "}", "include ./users.conf", ""]
+    # capped at a share of its disk: one tenant's stored responses or batches never fill it for everyone
+    lines += ["jetstream {", f'  store_dir: "{store_dir}"', f"  max_file_store: {store_limit(store_dir)}", "}",
+              "include ./users.conf", ""]
     return "\n".join(lines)
 
 

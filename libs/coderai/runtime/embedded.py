@@ -145,6 +145,24 @@ class Routes:
                 f"  routes: [{routes}]\n}}\n")
 
 
+STORE_SHARE = 2  # JetStream may take 1/STORE_SHARE of what its disk has for it
+STORE_MIN_BYTES = 1 << 30
+
+
+def store_limit(store: str | os.PathLike) -> int:
+    """JetStream's `max_file_store` for a store in `store`: half of what its disk has for it (the free space plus
+    what the store already holds), at least 1 GiB. Without it one tenant's stored responses or batches could fill
+    the head's disk for everyone; at the cap JetStream refuses new writes (a clean error) and the disk keeps
+    room for Redis, the logs and the models."""
+    path = Path(store)
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    st = os.statvfs(probe)
+    used = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    return max(STORE_MIN_BYTES, (st.f_bavail * st.f_frsize + used) // STORE_SHARE)
+
+
 class NatsServer(_Server):
     """A `nats-server -js`, on loopback unless told otherwise. `port=None` lets the server pick one; the URL is
     read from its ports file. `users_file` is a config file with an `authorization {...}` block
@@ -224,20 +242,20 @@ class NatsServer(_Server):
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds password hashes
             with os.fdopen(fd, "w") as fh:
                 fh.write(self.auth)
-        if self.tls is not None or self.cluster is not None:  # a file, not flags: a reload must see the same
-            main = self.data_dir / "nats.conf"
-            text = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
-            if self.tls is not None:
-                text += (f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
-                         "  handshake_first: true\n}\n")
-            if self.cluster is not None:
-                text += self.cluster.conf()
-            fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the route password
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-            conf = main
-        if conf is not None:
-            cmd += ["-c", str(conf)]
+        # a file, not flags: a reload must see the same; JetStream capped at a share of its disk (store_limit)
+        main = self.data_dir / "nats.conf"
+        text = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
+        text += f"jetstream {{\n  max_file_store: {store_limit(store)}\n}}\n"
+        if self.tls is not None:
+            text += (f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
+                     "  handshake_first: true\n}\n")
+        if self.cluster is not None:
+            text += self.cluster.conf()
+        fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the route password
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        conf = main
+        cmd += ["-c", str(conf)]
         out = open_log(log_file)
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent())
