@@ -18,6 +18,11 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     max_body_bytes: int = 16 * 1024 * 1024  # JSON bodies
     max_upload_bytes: int = 25 * 1024 * 1024  # one uploaded file (audio, image, PDF): over it is a 413 naming the field
     file_quota_bytes: int = 1024 * 1024 * 1024  # the files (POST /v1/files) one key may keep in all; 0: no limit
+    # stored responses (`store: true`, kept 30 days) one key may keep: how many and their bytes; 0: no limit. And the
+    # background responses one key may run at once in one gateway process
+    responses_quota_count: int = 10_000
+    responses_quota_bytes: int = 1024 * 1024 * 1024
+    background_per_key: int = 16
     files_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_files` store's cap, every key together
     blobs_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_blobs` store's cap (inputs and outputs, 1 h each)
     route_timeout_s: float = 2.0

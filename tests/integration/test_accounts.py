@@ -19,6 +19,7 @@ from coderai.testing.stack import Stack, write_models_file
 pytestmark = pytest.mark.slow
 
 SCRAPE = "scrape-token-for-tests"
+RESPONSES_QUOTA = 3  # stored responses one key may keep
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def duo(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
     nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, redis_server.url, extra_env={
         "CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_GATEWAY_SCRAPE_TOKEN": SCRAPE,
+        "CODERAI_GATEWAY_RESPONSES_QUOTA_COUNT": str(RESPONSES_QUOTA),
         "CODERAI_METRICS_SCRAPE_TOKEN": SCRAPE})
     try:
         stack.start_core(models)
@@ -298,3 +300,28 @@ def test_a_client_request_id_goes_with_the_usage_it_made(duo, admin_key):
     assert (got[whole].status, got[whole].stream, got[streamed].stream) == ("ok", False, True)
     assert got[whole].request_id != got[streamed].request_id
     assert not any(len(cid) > 512 or not cid.isascii() for cid in got)  # the refused ones made no usage
+
+
+def test_a_key_cannot_fill_jetstream_with_stored_responses(duo, admin_key):
+    """Attack: one key stores responses (each kept 30 days) until the head's disk is full. Past its quota (count,
+    and bytes) a stored response is a 429 before any work, on every replica; deleting one makes room; another key
+    is not affected."""
+    import openai
+
+    key, other = new_key(duo, admin_key, "hoarder"), new_key(duo, admin_key, "neighbour")
+    clients = [openai.OpenAI(base_url=f"{u}/v1", api_key=key, max_retries=0, timeout=60) for u in duo.urls]
+    kept = [clients[i % 2].responses.create(model="tiny", input="hi", max_output_tokens=16) for i in range(RESPONSES_QUOTA)]
+    refused = 0
+    for c in clients:
+        with pytest.raises(openai.RateLimitError) as exc:
+            c.responses.create(model="tiny", input="hi", max_output_tokens=16)
+        assert exc.value.body["code"] == "responses_quota_exceeded"
+        refused += 1
+    unstored = clients[0].responses.create(model="tiny", input="hi", max_output_tokens=16, store=False)
+    assert unstored.status in ("completed", "incomplete")  # not stored: not counted
+    clients[1].responses.delete(kept[0].id)
+    clients[0].responses.create(model="tiny", input="hi", max_output_tokens=16)
+    neighbour = openai.OpenAI(base_url=f"{duo.urls[0]}/v1", api_key=other, max_retries=0, timeout=60)
+    neighbour.responses.create(model="tiny", input="hi", max_output_tokens=16)
+    print(f"stored responses past a quota of {RESPONSES_QUOTA}: {refused} refused (429) on two replicas; "
+          "a delete made room; another key unaffected")

@@ -57,6 +57,8 @@ class ResponsesController(InferenceController):
         job = await self._capped(job)
         route = _with_session(chat_route(request, who, job, req.user), request, req)
         call = Call(self.gw, who, "chat", job, route)
+        if req.store or req.background:  # what it may keep, before any work
+            await self.responses.admit(who, bool(req.background))
         dropped = dropped_tools(req)
         warn = {WARNING_HEADER: f"tools dropped, this server cannot run them: {', '.join(dropped)}"} if dropped else {}
         rec = StoredResponse(id=new_id("resp"), owner=who.key_name, created_at=call.created, response={},
@@ -142,6 +144,7 @@ class ResponsesController(InferenceController):
             body = final_body(rec.id, rec.created_at, req, final)
             await self.responses.update(rec.id, body, [*rec.messages, assistant_message(body["output"])])
 
+        self.responses.owners[rec.id] = rec.owner
         self.responses.run(rec.id, work())
         return json_response(queued, headers={**call.response_headers(), **warn})
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -54,13 +55,51 @@ def not_found(resp_id: str) -> ApiError:
     return ApiError(404, f"No response with id '{resp_id}'.", param="response_id", code="not_found")
 
 
+KEEP_S = 30 * 24 * 3600  # the bucket's TTL: a record older than this is gone, and no longer counts
+QUOTA = "coderai:responses:{}"  # per key: a sorted set of its stored response ids by time, and a hash id -> bytes
+
+
 class Responses:
-    """The bucket (bound once per process) and the background responses this process runs."""
+    """The bucket (bound once per process) and the background responses this process runs. With Redis, each key's
+    stored responses are counted (`QUOTA`), so one key cannot fill JetStream with them."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._kv: Any = None
         self.tasks: dict[str, asyncio.Task] = {}
+        self.owners: dict[str, str] = {}  # a running background response's id -> its key
+
+    async def _kept(self, owner: str) -> tuple[int, int]:
+        """(how many, how many bytes) of stored responses `owner` keeps, the expired ones forgotten first."""
+        redis, ids, sizes = self.gw.redis, QUOTA.format(owner), QUOTA.format(owner) + ":bytes"
+        old = await redis.zrangebyscore(ids, "-inf", time.time() - KEEP_S)
+        if old:
+            await redis.zrem(ids, *old)
+            await redis.hdel(sizes, *old)
+        return await redis.zcard(ids), sum(int(v) for v in await redis.hvals(sizes))
+
+    async def admit(self, who: Caller, background: bool) -> None:
+        """429 before any work when the key keeps as many stored responses (or bytes of them) as it may, or runs
+        as many background responses in this process."""
+        s = self.gw.settings
+        if background and s.background_per_key and \
+                sum(o == who.key_name for o in self.owners.values()) >= s.background_per_key:
+            raise ApiError(429, f"This key runs {s.background_per_key} background responses already; wait for one "
+                                "to finish.", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(s.retry_after_s)})
+        if self.gw.redis is None or not (s.responses_quota_count or s.responses_quota_bytes):
+            return
+        count, size = await self._kept(who.key_name)
+        if (s.responses_quota_count and count >= s.responses_quota_count) or \
+                (s.responses_quota_bytes and size >= s.responses_quota_bytes):
+            raise ApiError(429, f"This key keeps {count} stored responses ({size} bytes), its quota; delete some, or "
+                                "send store: false.", type="insufficient_quota", code="responses_quota_exceeded")
+
+    async def _note(self, rec: StoredResponse, size: int) -> None:
+        if self.gw.redis is not None:
+            ids = QUOTA.format(rec.owner)
+            await self.gw.redis.zadd(ids, {rec.id: rec.created_at})
+            await self.gw.redis.hset(ids + ":bytes", rec.id, size)
 
     async def kv(self) -> Any:
         if self._kv is None:
@@ -100,7 +139,9 @@ class Responses:
         return rec
 
     async def put(self, rec: StoredResponse) -> None:
-        await (await self.kv()).put(rec.id, encode(rec))
+        data = encode(rec)
+        await (await self.kv()).put(rec.id, data)
+        await self._note(rec, len(data))
 
     async def update(self, resp_id: str, response: dict[str, Any], messages: list[dict[str, Any]] | None = None,
                      *, unless_cancelled: bool = True) -> bool:
@@ -116,19 +157,24 @@ class Responses:
             if unless_cancelled and rec.response.get("status") == "cancelled":
                 return False
             new = msgspec.structs.replace(rec, response=response, messages=messages or rec.messages)
+            data = encode(new)
             try:
-                await (await self.kv()).update(resp_id, encode(new), last=rev)
+                await (await self.kv()).update(resp_id, data, last=rev)
+                await self._note(new, len(data))
                 return True
             except KeyWrongLastSequenceError:
                 continue
         return False
 
     async def delete(self, who: Caller, resp_id: str) -> None:
-        await self.get(who, resp_id)
+        rec = await self.get(who, resp_id)
         task = self.tasks.pop(resp_id, None)
         if task is not None:
             task.cancel()
         await (await self.kv()).delete(resp_id)
+        if self.gw.redis is not None:
+            await self.gw.redis.zrem(QUOTA.format(rec.owner), resp_id)
+            await self.gw.redis.hdel(QUOTA.format(rec.owner) + ":bytes", resp_id)
 
     def run(self, resp_id: str, work: Awaitable[None]) -> None:
         """Run a background response's `work` as a task of this process (kept until done, cancellable)."""
@@ -142,6 +188,7 @@ class Responses:
                 log.warning("background response %s failed: %s", resp_id, exc)
             finally:
                 self.tasks.pop(resp_id, None)
+                self.owners.pop(resp_id, None)
 
         self.tasks[resp_id] = asyncio.create_task(guarded())
 
