@@ -113,13 +113,29 @@ def journalling(folder, events: list[RequestCompleted], acked: list[RequestCompl
     return p, Path(p.stdout.readline().strip())
 
 
+async def replaying(bus, folder) -> tuple[list[str], Outbox]:
+    """A gateway's outbox started on `folder` (it takes over the journals of dead processes), and the request ids
+    of the events it sends, as they reach the stream's subject."""
+    from coderai.contracts import decode
+    from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+
+    await bus.ensure_stream(EVENTS)
+    seen: list[str] = []
+
+    async def on_event(m) -> None:
+        seen.append(decode(m.data, RequestCompleted).request_id)
+
+    await bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=on_event)
+    box = Outbox(bus, journal_dir=folder)
+    box.start()
+    return seen, box
+
+
 async def test_a_killed_gateways_unacked_events_are_sent_by_the_next_one(own_nats, tmp_path):
     """A gateway SIGKILLed with events not yet acked (its answers already sent) leaves them in its journal: the
     next gateway to start on that data dir sends those, and only those; a live gateway's journal is left alone."""
     import signal
 
-    from coderai.contracts import decode
-    from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
 
     folder = tmp_path / "gateway-outbox"
     dead = [done(i) for i in range(4)]
@@ -129,15 +145,7 @@ async def test_a_killed_gateways_unacked_events_are_sent_by_the_next_one(own_nat
     try:
         killed.send_signal(signal.SIGKILL)
         killed.wait()
-        await bus.ensure_stream(EVENTS)
-        seen: list[str] = []
-
-        async def on_event(m) -> None:
-            seen.append(decode(m.data, RequestCompleted).request_id)
-
-        await bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=on_event)
-        box = Outbox(bus, journal_dir=folder)
-        box.start()
+        seen, box = await replaying(bus, folder)
         await wait_for(lambda: len(seen) >= 2 and not box.queue, 10, what="the dead gateway's events sent")
         assert sorted(seen) == sorted(e.request_id for e in dead[2:])
         assert await stored(bus) == 2
@@ -158,8 +166,7 @@ async def test_a_line_forged_into_the_journal_folder_is_never_replayed(own_nats,
     head's journal key are replayed."""
     import signal
 
-    from coderai.contracts import decode, encode
-    from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
+    from coderai.contracts import encode
 
     folder = tmp_path / "gateway-outbox"
     real = done(1)
@@ -174,15 +181,7 @@ async def test_a_line_forged_into_the_journal_folder_is_never_replayed(own_nats,
     (folder / "outbox-1-deadbeef.jsonl").write_bytes(b"E" + encode(forged) + b"\n")  # a journal of its own
     bus = await Bus.connect(own_nats.url, "test-gateway")
     try:
-        await bus.ensure_stream(EVENTS)
-        seen: list[str] = []
-
-        async def on_event(m) -> None:
-            seen.append(decode(m.data, RequestCompleted).request_id)
-
-        await bus.nc.subscribe(EVT_REQUEST_COMPLETED(), cb=on_event)
-        box = Outbox(bus, journal_dir=folder)
-        box.start()
+        seen, box = await replaying(bus, folder)
         await wait_for(lambda: seen and not box.queue, 10, what="the dead gateway's real event sent")
         await box.close()
         assert seen == [real.request_id], seen
