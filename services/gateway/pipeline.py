@@ -30,6 +30,7 @@ from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, allowed, checked_usage, price, usage_ceiling
 from coderai.gateway.auth import Caller
+from coderai.gateway import seal
 from coderai.gateway.bounds import check_schemas
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
@@ -156,7 +157,10 @@ class Call:
         return headers
 
     def response_headers(self) -> dict[str, str]:
-        return {HDR_REQUEST_ID: self.job.request_id, ENGINE_HEADER: self.engine_id, ROUTE_HEADER: self.route_reason}
+        engine = self.engine_id
+        if engine and "admin" not in self.who.scopes:  # a node's id (often its host name) is the operator's to see
+            engine = ",".join(seal.sealer().handle(e) for e in engine.split(","))
+        return {HDR_REQUEST_ID: self.job.request_id, ENGINE_HEADER: engine, ROUTE_HEADER: self.route_reason}
 
     # --- the steps -------------------------------------------------------------------------------------
 

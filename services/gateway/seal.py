@@ -32,6 +32,13 @@ class Sealer:
         root = hashlib.sha256(secret.encode()).digest()
         self._mac = hmac.new(root, b"coderai thinking signature", hashlib.sha256).digest()
         self._aead = AESGCM(hmac.new(root, b"coderai reasoning seal", hashlib.sha256).digest())
+        self._handles = hmac.new(root, b"coderai engine handle", hashlib.sha256).digest()
+
+    def handle(self, engine_id: str) -> str:
+        """What a tenant is shown for an engine (`Coderai-Engine`): the same on every gateway of the cluster and
+        for every request to that engine (a client can still tell its turns went to one cache), but neither the
+        node's id nor its host name."""
+        return "e-" + hmac.new(self._handles, engine_id.encode(), hashlib.sha256).hexdigest()[:16]
 
     def sign(self, thinking: str) -> str:
         return base64.b64encode(_VERSION + hmac.new(self._mac, thinking.encode(), hashlib.sha256).digest()).decode()

@@ -150,3 +150,18 @@ def _engines_ready(stack: Stack, headers: dict) -> int:
                        json={"model": "tiny", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1})
         ok += r.status_code == 200
     return ok
+
+
+def test_a_tenant_sees_an_opaque_engine_handle_not_a_node_id(duo, headers, user_key):
+    """Node ids (often host names) are the operator's: a tenant's `Coderai-Engine` is an opaque handle, the same for
+    every turn that reaches the same engine (a session still shows it returned to its cache); an admin sees ids."""
+    url = f"{duo.base_url}/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "who answers"}], "max_tokens": 2}
+    tenant = {"Authorization": f"Bearer {user_key}", "X-Session-Id": "handle-check"}
+    seen = {httpx.post(url, headers=tenant, json=body, timeout=60).headers["Coderai-Engine"] for _ in range(3)}
+    assert len(seen) == 1 and not any(n in h for h in seen for n in ("w1", "w2")), seen
+    handle = seen.pop()
+    assert handle.startswith("e-") and len(handle) == 18
+    admin = httpx.post(url, headers={**headers, "X-Session-Id": "handle-check-admin"}, json=body, timeout=60)
+    assert admin.headers["Coderai-Engine"].split("-")[0] in ("w1", "w2")
+    print(f"a tenant sees engine {handle}; an admin sees {admin.headers['Coderai-Engine']}")
