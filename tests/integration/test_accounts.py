@@ -325,3 +325,30 @@ def test_a_key_cannot_fill_jetstream_with_stored_responses(duo, admin_key):
     neighbour.responses.create(model="tiny", input="hi", max_output_tokens=16)
     print(f"stored responses past a quota of {RESPONSES_QUOTA}: {refused} refused (429) on two replicas; "
           "a delete made room; another key unaffected")
+
+
+def test_revoking_a_key_cancels_its_running_batch(duo, admin_key):
+    """Attack: a key revoked mid-batch went on running and billing its batch (43 -> 400 of 400 lines after the
+    revoke). Its batch is cancelled within a line or two of the revoke, and nothing more is billed to it."""
+    import io
+    import json
+
+    import openai
+
+    key = new_key(duo, admin_key, "batcher")
+    c = openai.OpenAI(base_url=f"{duo.urls[0]}/v1", api_key=key, max_retries=0, timeout=60)
+    lines = b"".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": "tiny", "messages": [{"role": "user", "content": f"count {i}"}],
+                                          "max_tokens": 8}}).encode() + b"\n" for i in range(400))
+    batch = c.batches.create(input_file_id=c.files.create(file=("b.jsonl", io.BytesIO(lines)), purpose="batch").id,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    with admin(duo, admin_key) as a:
+        wait_until(lambda: (a.get(f"/v1/batches/{batch.id}").json()["request_counts"]["completed"] or 0) >= 5, 120,
+                   "some lines answered")
+        assert a.post("/admin/keys/batcher/revoke").status_code == 200
+        at_revoke = a.get(f"/v1/batches/{batch.id}").json()["request_counts"]["completed"]
+        done = wait_until(lambda: (b := a.get(f"/v1/batches/{batch.id}").json())["status"] in (
+            "cancelled", "completed", "failed", "expired") and b, 120, "the revoked key's batch to end")
+    answered = done["request_counts"]["completed"] + done["request_counts"]["failed"]
+    print(f"a key revoked after {at_revoke} of 400 lines: its batch ended {done['status']} with {answered} answered")
+    assert done["status"] == "cancelled" and answered < 200, done

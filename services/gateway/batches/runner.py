@@ -159,6 +159,24 @@ class BatchRunner(Takeovers[BatchRecord]):
     def stopping(self, tenure: Tenure) -> bool:
         return tenure.cancelling or time.time() >= tenure.rec.expires_at
 
+    async def revoked(self, tenure: Tenure, who: Caller) -> bool:
+        """Whether the batch's key was revoked (or deleted) since it started: its batch is then cancelled, as its
+        owner would, and runs no further line. Asked of the key store before each line (one Redis read, against a
+        whole model request)."""
+        if who.key is None or self.gw.auth.store is None:
+            return False
+        try:
+            stored = await self.gw.auth.store.get(who.key.sha256)
+        except Exception:  # noqa: BLE001 - the key store blinked: asked again at the next line
+            return False
+        if stored is not None and not stored.revoked:
+            return False
+        log.info("batch %s: key %s was revoked; cancelling it", tenure.rec.id, who.key_name)
+        if not tenure.cancelling:
+            now_s = time.time()
+            await tenure.save(status="cancelling", cancelling_at=int(now_s))
+        return True
+
     async def run_lines(self, tenure: Tenure, todo: list[validation.Line], who: Caller,
                         results: dict[int, LineResult]) -> None:
         """Every line not answered yet, in order, a bounded number on the queue at a time."""
@@ -169,6 +187,11 @@ class BatchRunner(Takeovers[BatchRecord]):
                 await lane.slots.acquire()
                 if self.stopping(tenure):
                     lane.slots.release()
+                    break
+                if await self.revoked(tenure, who):  # its lines in flight are stopped too: billed to nobody
+                    lane.slots.release()
+                    for task in tasks:
+                        task.cancel()
                     break
                 task = asyncio.create_task(self.one(tenure, line, who, lane, results))
                 tasks.add(task)
