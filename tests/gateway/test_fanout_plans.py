@@ -455,3 +455,16 @@ def test_ocr_merge_renumbers_pages():
             OcrResult(pages=[OcrPage(index=i, width=10, height=10, text=f"b{i}") for i in range(2)])]
     out, _ = merge("ocr", job, p, outs, [None, None])
     assert [(pg.index, pg.text) for pg in out.pages] == [(0, "a0"), (1, "a1"), (2, "a2"), (3, "b0"), (4, "b1")]
+
+
+def test_audio_past_the_bound_is_a_400_before_it_is_decoded_whole():
+    """Attack: a small upload that decodes to hours of audio (gigabytes of samples in the gateway). Past the bound
+    it is the client's 400, by the container's own length or by the samples decoded so far."""
+    pytest.importorskip("av")
+    from coderai.gateway.errors import ApiError
+
+    silence = wav_bytes(b"\0\0" * 16000 * 3, rate=16000)  # 3 s
+    assert len(fp._decode(silence, max_s=10)) == 16000 * 3
+    with pytest.raises(ApiError) as exc:
+        fp._decode(silence, max_s=1)
+    assert (exc.value.status, exc.value.code, exc.value.param) == (400, "audio_too_long", "file")

@@ -13,12 +13,14 @@ from typing import Any
 from msgspec.structs import replace
 
 from coderai.contracts.media import Blob, SpeechResult, TranscribeResult
+from coderai.gateway.errors import ApiError
 from coderai.gateway.fanout.parts import MergeError, Plan
 
 STT_RATE = 16000  # what Whisper-family models resample to anyway, so pieces lose nothing they would have kept
 STT_PIECE_S = 30.0  # Whisper decodes 30 s windows: a shorter piece costs a whole window and loses context
 _SEARCH = 0.2  # a cut may move this fraction of a piece's length either way to land in a silence
 _WINDOW_S, _HOP_S = 0.1, 0.01
+MAX_AUDIO_S = 4 * 3600.0  # the longest upload the gateway decodes to cut (an engine's own default bound too)
 
 # --- speech: sentences in, audio joined ---------------------------------------------------------------------------
 
@@ -110,17 +112,30 @@ def merge_speech(job: Any, plan: Plan, outputs: list) -> SpeechResult:
 # --- transcription: audio cut at silences, timestamps shifted -----------------------------------------------------
 
 
-def _decode(data: bytes) -> Any:
-    """`data` (any container ffmpeg reads) as int16 mono at STT_RATE, or None where it cannot be decoded."""
+def _too_long(seconds: float, max_s: float) -> ApiError:
+    return ApiError(400, f"The audio is over {seconds:.0f} s long; at most {max_s:.0f} s are transcribed.",
+                    param="file", code="audio_too_long")
+
+
+def _decode(data: bytes, max_s: float = MAX_AUDIO_S) -> Any:
+    """`data` (any container ffmpeg reads) as int16 mono at STT_RATE, or None where it cannot be decoded. Past
+    `max_s` of audio a 400: by the length the container says before anything is decoded, and by the samples as
+    they come (a small file of silence can decode to gigabytes, whatever its header claims)."""
     import av
     import numpy as np
 
-    chunks = []
+    chunks, samples, limit = [], 0, int(max_s * STT_RATE)
     try:
         with av.open(io.BytesIO(data)) as container:
+            if container.duration and container.duration / av.time_base > max_s:
+                raise _too_long(container.duration / av.time_base, max_s)
             resampler = av.AudioResampler(format="s16", layout="mono", rate=STT_RATE)
             for frame in container.decode(container.streams.audio[0]):
-                chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                new = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                chunks += new
+                samples += sum(len(c) for c in new)
+                if samples > limit:
+                    raise _too_long(samples / STT_RATE, max_s)
             chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
     except (av.FFmpegError, IndexError, ValueError):
         return None  # the engine gets the whole upload and reports the error in its own words
