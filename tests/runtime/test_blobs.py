@@ -74,3 +74,34 @@ async def test_a_cap_the_disk_cannot_hold_is_halved_until_it_fits(tmp_path):
     finally:
         server.stop()
         disk.close()
+
+
+async def test_a_node_cannot_fill_the_gateways_memory_with_unfinished_uploads():
+    """Attack: a node opens many blob uploads and never sends their last piece (16 x 32 MB took +520 MB of gateway
+    memory in 6 s). Unfinished uploads are bounded per sender (its inbox says who it is) and in all."""
+    from types import SimpleNamespace
+
+    from coderai.contracts import BusError
+    from coderai.contracts.media import BlobWrite
+    from coderai.runtime.blobs import BlobService
+
+    svc = BlobService(None)  # type: ignore[arg-type]  # no store: nothing here finishes an upload
+    evil, good = SimpleNamespace(reply="_N.evil.abc"), SimpleNamespace(reply="_N.good.def")
+    piece = b"x" * (1 << 20)
+    refused = 0
+    for i in range(16):
+        try:
+            await svc.write(BlobWrite(upload=f"u{i}", offset=0, data=piece, last=False), evil)
+        except BusError as exc:
+            assert exc.code == "busy"
+            refused += 1
+    assert refused == 16 - BlobService.MAX_OPEN_PER_SENDER
+    await svc.write(BlobWrite(upload="g0", offset=0, data=piece, last=False), good)  # another node is not refused
+    await svc.write(BlobWrite(upload="u0", offset=len(piece), data=piece, last=False), evil)  # its own go on
+    svc.MAX_OPEN_BYTES = 6 << 20
+    try:
+        with pytest.raises(BusError):
+            await svc.write(BlobWrite(upload="g1", offset=0, data=piece * 2, last=False), good)
+    finally:
+        del svc.MAX_OPEN_BYTES
+    print(f"16 unfinished uploads from one node: {refused} refused; another node's still taken")

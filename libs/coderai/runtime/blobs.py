@@ -149,17 +149,30 @@ class BlobProxy(BlobStore):
         return bytes(out)
 
 
+def sender_of(m: Any) -> str:
+    """Who sent a bus request: a node's requests carry a reply subject in its own inbox (`_N.<id>.`, the only
+    inbox it may subscribe to); anything else is a service's."""
+    reply = getattr(m, "reply", "") or ""
+    parts = reply.split(".")
+    return f"node:{parts[1]}" if len(parts) > 2 and parts[0] == "_N" else "service"
+
+
 class BlobService:
     """The service side of `BlobProxy` (run by every gateway): reads by name, writes as new random names.
     The last blobs read stay in memory, so a blob read piece by piece is fetched from the store once."""
 
     UPLOAD_TTL_S = 600.0
     MAX_UPLOAD = 1 << 30
+    # unfinished uploads are held in memory until their last piece: bounded in all, and per sender (a node's
+    # requests come from its own inbox, `_N.<id>.`), so one node cannot take the gateway's memory
+    MAX_OPEN_BYTES = 512 << 20
+    MAX_OPEN_PER_SENDER = 4
 
     def __init__(self, store: BlobStore) -> None:
         self.blobs = store
         self._recent: dict[str, bytes] = {}
         self._uploads: dict[str, tuple[bytearray, float]] = {}
+        self._senders: dict[str, str] = {}  # an unfinished upload -> who sends it
 
     async def start(self, bus: Any) -> list[Any]:
         from coderai.contracts.subjects import CMD_BLOB_READ, CMD_BLOB_WRITE
@@ -183,7 +196,7 @@ class BlobService:
         limit = max(1, min(req.limit, PIECE))
         return BlobPiece(data=data[req.offset: req.offset + limit], size=len(data))
 
-    async def write(self, req: Any, _m: Any) -> Any:
+    async def write(self, req: Any, m: Any) -> Any:
         import time
 
         from coderai.contracts import BusError
@@ -191,16 +204,27 @@ class BlobService:
 
         now = time.monotonic()
         self._uploads = {k: v for k, v in self._uploads.items() if v[1] > now}
+        self._senders = {k: v for k, v in self._senders.items() if k in self._uploads}
         buf = self._uploads.get(req.upload, (bytearray(), 0.0))[0] if req.offset else bytearray()
         if req.offset != len(buf):
             raise BusError("bad_request", f"upload {req.upload}: offset {req.offset}, have {len(buf)}", retryable=False)
         if len(buf) + len(req.data) > self.MAX_UPLOAD:
             raise BusError("bad_request", "blob too large", retryable=False)
+        if not req.last:
+            sender = sender_of(m)
+            if req.upload not in self._uploads and \
+                    sum(1 for s in self._senders.values() if s == sender) >= self.MAX_OPEN_PER_SENDER:
+                raise BusError("busy", f"{self.MAX_OPEN_PER_SENDER} unfinished blob uploads of this sender already",
+                               retryable=True)
+            if sum(len(b) for b, _ in self._uploads.values()) + len(req.data) > self.MAX_OPEN_BYTES:
+                raise BusError("busy", "the gateway holds as many unfinished blob uploads as it may", retryable=True)
         buf += req.data
         if not req.last:
             self._uploads[req.upload] = (buf, now + self.UPLOAD_TTL_S)
+            self._senders[req.upload] = sender
             return BlobWritten(received=len(buf))
         self._uploads.pop(req.upload, None)
+        self._senders.pop(req.upload, None)
         suffix = req.suffix if len(req.suffix) <= 16 and req.suffix.replace(".", "").isalnum() else ""
         blob = await self.blobs.put(bytes(buf), req.content_type[:100], req.filename[:200], suffix=suffix)
         return BlobWritten(received=len(buf), blob=blob)

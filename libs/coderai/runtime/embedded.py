@@ -146,21 +146,20 @@ class Routes:
 
 
 STORE_SHARE = 2  # JetStream may take 1/STORE_SHARE of what its disk has for it
-STORE_MIN_BYTES = 1 << 30
 
 
 def store_limit(store: str | os.PathLike) -> int:
     """JetStream's `max_file_store` for a store in `store`: half of what its disk has for it (the free space plus
-    what the store already holds), at least 1 GiB. Without it one tenant's stored responses or batches could fill
-    the head's disk for everyone; at the cap JetStream refuses new writes (a clean error) and the disk keeps
-    room for Redis, the logs and the models."""
+    what the store already holds; nats-server's own default is 75 % of the free space). Without a cap one tenant's
+    stored responses or batches could fill the head's disk for everyone; at the cap JetStream refuses new writes
+    (a clean error) and the disk keeps room for Redis, the logs and the models."""
     path = Path(store)
     probe = path
     while not probe.exists():
         probe = probe.parent
     st = os.statvfs(probe)
     used = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-    return max(STORE_MIN_BYTES, (st.f_bavail * st.f_frsize + used) // STORE_SHARE)
+    return (st.f_bavail * st.f_frsize + used) // STORE_SHARE
 
 
 class NatsServer(_Server):
