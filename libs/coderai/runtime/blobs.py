@@ -7,6 +7,8 @@ expire after the bucket's TTL.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import secrets
 from typing import Any, TypeVar
@@ -116,13 +118,22 @@ class BlobProxy(BlobStore):
         from coderai.contracts.media import BlobWrite
         from coderai.contracts.subjects import CMD_BLOB_WRITE
 
-        upload, off = secrets.token_urlsafe(16), 0
+        from coderai.contracts import BusError
+
+        upload, off, waits = secrets.token_urlsafe(16), 0, 0
         while True:
             piece = data[off: off + PIECE]
             last = off + len(piece) >= len(data)
-            ack = await self.bus.request(CMD_BLOB_WRITE, BlobWrite(upload=upload, offset=off, data=piece, last=last,
-                                                                   content_type=content_type, filename=filename,
-                                                                   suffix=suffix), timeout=30.0)
+            try:
+                ack = await self.bus.request(CMD_BLOB_WRITE, BlobWrite(upload=upload, offset=off, data=piece, last=last,
+                                                                       content_type=content_type, filename=filename,
+                                                                       suffix=suffix), timeout=30.0)
+            except BusError as exc:  # the gateway holds as many unfinished uploads as it may: wait for room
+                if exc.code != "busy" or waits >= 30:
+                    raise
+                waits += 1
+                await asyncio.sleep(min(2.0, 0.1 * waits))
+                continue
             off += len(piece)
             if last:
                 return ack.blob
@@ -166,7 +177,7 @@ class BlobService:
     # unfinished uploads are held in memory until their last piece: bounded in all, and per sender (a node's
     # requests come from its own inbox, `_N.<id>.`), so one node cannot take the gateway's memory
     MAX_OPEN_BYTES = 512 << 20
-    MAX_OPEN_PER_SENDER = 4
+    MAX_OPEN_PER_SENDER = 16
 
     def __init__(self, store: BlobStore) -> None:
         self.blobs = store
