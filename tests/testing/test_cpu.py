@@ -1,0 +1,20 @@
+"""`OutsideLoad` tells this run's CPU from others': a failover's 10 s target is judged only on a machine that was
+the suite's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from coderai.testing.cpu import OutsideLoad, _tree_jiffies
+
+
+def test_cpu_a_child_used_counts_as_this_runs():
+    hz = os.sysconf("SC_CLK_TCK")
+    before = _tree_jiffies(os.getpid())
+    with OutsideLoad() as load:  # a child busy for half a second of CPU, reaped: its time is ours
+        subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
+                       check=True, timeout=120)
+    assert _tree_jiffies(os.getpid()) - before >= 0.4 * hz
+    assert 0.0 <= load.share <= 1.0
