@@ -8,7 +8,7 @@ first token by the head that died under it). Clients are served normally again w
 Each fault runs several times (a race that load exposes shows up in one run of five), and once more with both CPUs
 kept busy by `stress-ng`. Each run must recover within 30 s, and four runs of each fault's five within 10 s: that
 last bound is the cluster's own, so it is judged on the runs during which nothing outside this test run took over
-half of the machine (`coderai.testing.cpu.OutsideLoad`: a fresh-machine run with `stress-ng` beside the suite, or
+a quarter of the machine (`coderai.testing.cpu.OutsideLoad`: a fresh-machine run with `stress-ng` beside the suite, or
 another build); runs on a shared machine are printed, not judged. The recovery times are printed (`-s`): they are
 the figures in docs/reliability.md."""
 
@@ -37,8 +37,8 @@ RECOVERY_S = 10.0
 LATE_S = 30.0
 ROUNDS = 5
 RECOVERED: dict[str, list[float]] = {}  # fault -> each run's recovery, for the last test
-SHARED: dict[str, list[float]] = {}  # the same, of runs during which others took over half of the machine
-SHARED_OVER = 0.5
+SHARED: dict[str, list[float]] = {}  # the same, of runs during which others took over a quarter of the machine
+SHARED_OVER = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_the_same_with_both_cpus_kept_busy(whole, key, fault):
 def test_clients_are_served_normally_again_within_10_s_in_four_runs_of_five():
     """What the runs above measured (this module's tests run in order): each fault's recovery, its runs sorted."""
     for fault, times in SHARED.items():
-        print(f"{fault}: recovered in {sorted(times)} s on a machine others kept over half busy (not judged)")
+        print(f"{fault}: recovered in {sorted(times)} s on a machine others kept over a quarter busy (not judged)")
     if not RECOVERED:
         pytest.skip("no run above had the machine to itself" if SHARED else "the runs above did not run")
     for fault, times in RECOVERED.items():
