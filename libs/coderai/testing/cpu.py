@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from coderai.testing.leftovers import proc_stats
+
 
 def _busy_jiffies() -> int:
     """CPU time every process of the machine used since boot (all of /proc/stat's first line but idle and iowait)."""
@@ -17,19 +19,9 @@ def _busy_jiffies() -> int:
 
 def _tree_jiffies(root: int) -> int:
     """CPU time of `root` and every live process below it, with what their reaped children used."""
-    parents: dict[int, int] = {}
-    used: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        f = stat[stat.rfind(")") + 2:].split()
-        pid = int(entry.name)
-        parents[pid] = int(f[1])
-        used[pid] = int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
+    stats = proc_stats()
+    parents = {pid: int(f[1]) for pid, f in stats.items()}
+    used = {pid: int(f[11]) + int(f[12]) + int(f[13]) + int(f[14]) for pid, f in stats.items()}  # u+s, children's
     total = 0
     for pid, jiffies in used.items():
         p, hops = pid, 0

@@ -52,13 +52,10 @@ class Snapshot:
         return "\n".join(lines)
 
 
-def snapshot(home: str | None = None) -> Snapshot:
-    """What runs now: the suite's processes (descendants of this one, and those whose HOME is `home`, by default
-    this process's `HOME`), but zombies and `LIBRARY_HELPERS`; the noted namespaces that exist; this process's
-    listening TCP sockets. Reads /proc only: it starts nothing, so it never sees itself."""
-    home_entry = f"HOME={home or os.environ.get('HOME', '')}".encode()
-    me = os.getpid()
-    stats: dict[int, tuple[int, int]] = {}  # pid -> (ppid, start time), live processes only
+def proc_stats() -> dict[int, list[str]]:
+    """Every process's /proc/<pid>/stat fields after its name (state, ppid, ..., as `man 5 proc` numbers them from
+    3), zombies included."""
+    out: dict[int, list[str]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -66,9 +63,18 @@ def snapshot(home: str | None = None) -> Snapshot:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields[0] not in ("Z", "X"):
-            stats[int(entry.name)] = (int(fields[1]), int(fields[19]))
+        out[int(entry.name)] = stat[stat.rfind(")") + 2:].split()
+    return out
+
+
+def snapshot(home: str | None = None) -> Snapshot:
+    """What runs now: the suite's processes (descendants of this one, and those whose HOME is `home`, by default
+    this process's `HOME`), but zombies and `LIBRARY_HELPERS`; the noted namespaces that exist; this process's
+    listening TCP sockets. Reads /proc only: it starts nothing, so it never sees itself."""
+    home_entry = f"HOME={home or os.environ.get('HOME', '')}".encode()
+    me = os.getpid()
+    stats = {pid: (int(f[1]), int(f[19])) for pid, f in proc_stats().items()
+             if f[0] not in ("Z", "X")}  # pid -> (ppid, start time), live processes only
     ours: set[int] = set()
     for pid in stats:
         chain, p = [], pid
