@@ -51,7 +51,7 @@ from coderai.contracts.training import (
     TrainStop,
     TrainStopped,
 )
-from coderai.engine_worker.fetch import bus_request, fetch_file
+from coderai.engine_worker.fetch import FetchError, bus_request, fetch_file, local_path
 from coderai.engine_worker.trainer import MARK
 
 log = logging.getLogger("coderai.engine_worker")
@@ -246,6 +246,9 @@ class TrainingHost:
         finally:
             alive.cancel()
             run.stopped = True
+            for path in filter(None, (spec.data_store_path, spec.valid_store_path)):  # a tenant's data, used up
+                with contextlib.suppress(FetchError, OSError):
+                    local_path(self.models_dir, path).unlink(missing_ok=True)
 
     async def _run_child(self, run: _Run, ifaces: dict[str, list[str]]) -> None:
         spec = run.spec

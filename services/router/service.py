@@ -12,7 +12,7 @@ from typing import Any
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, decode, encode
 from coderai.contracts.nodes import Assignment, EngineStatus
-from coderai.contracts.pods import PodInfo
+from coderai.contracts.pods import LIVE_POD, PodInfo
 from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
 from coderai.contracts.topology import AFFINITY, ASSIGNMENTS, MODELS, NODES, PODS
@@ -28,8 +28,6 @@ from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.router")
 
-LIVE_POD = frozenset({"creating", "booting", "ready", "stopping"})
-"""A pod in these states may serve the model it was rented for."""
 REMEMBERED = 10_000
 """Faults logged once each; past this many distinct ones the memory starts afresh (a few repeats, no flood)."""
 

@@ -13,9 +13,9 @@ import msgspec
 
 from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, ModelUnloaded, encode, model_key
 from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
-from coderai.contracts.pods import AcquireRequest, EscalateReply, EscalateRequest
+from coderai.contracts.pods import LIVE_POD, AcquireRequest, EscalateReply, EscalateRequest, PodInfo
 from coderai.contracts.stages import StagePlan, StagePlanRequest
-from coderai.contracts.store import StoreChunk, StoreFetch, StoreList, StoreListing
+from coderai.contracts.store import StoreChunk, StoreFetch, StoreList, StoreListing, check_store_path
 from coderai.contracts.subjects import (
     CMD_BROKER_ACQUIRE,
     CMD_SCHEDULER_ESCALATE,
@@ -27,12 +27,14 @@ from coderai.contracts.subjects import (
     EVT_MODEL_UNLOADED,
     HEARTBEAT,
 )
-from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, WORK
+from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, PODS, WORK
+from coderai.contracts.training import FineTuneJob
 from coderai.runtime.bus import Bus
-from coderai.runtime.kv import RevisionCache, list_keys, put_if_changed, read_all
+from coderai.runtime.kv import RevisionCache, list_keys, put_if_changed, read_all, read_key
 from coderai.runtime.leader import Leader, singleton
+from coderai.runtime.members import requester
 from coderai.runtime.mirror import KVMirror
-from coderai.scheduler import stages
+from coderai.scheduler import stages, store_scope
 from coderai.models_file import load_models
 from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import Plan
@@ -65,6 +67,7 @@ class Scheduler:
         self._passed = asyncio.Event()
         self.bus: Bus | None = None
         self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
+        self.training: Training | None = None
         self._dirty = asyncio.Event()
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
@@ -168,13 +171,55 @@ class Scheduler:
         self._dirty.set()
         return PlaceReply(model=new)
 
-    async def _store_fetch(self, req: StoreFetch, _m: Any) -> StoreChunk:
+    async def _store_fetch(self, req: StoreFetch, m: Any) -> StoreChunk:
         """A node lacks a model file: hand it a range of the file from this head's model store."""
+        await self._may_read(m, req.path, folder=False)
         return await asyncio.to_thread(self.store.read, req)
 
-    async def _store_list(self, req: StoreList, _m: Any) -> StoreListing:
+    async def _store_list(self, req: StoreList, m: Any) -> StoreListing:
         """A node lacks a model folder: the files in it, which it then fetches one by one."""
+        await self._may_read(m, req.path, folder=True)
         return await asyncio.to_thread(self.store.listing, req)
+
+    async def _may_read(self, m: Any, path: str, folder: bool) -> None:
+        """A service reads any store file; a node or pod only those of the models it holds and the jobs it trains
+        (store_scope.py), judged from the mirrors and, when they say no, from the buckets themselves (a worker
+        can see its new assignment a moment before this head's mirror does). Anything else is refused."""
+        who = requester(getattr(m, "reply", "") or "")
+        if who == "":
+            return
+        try:
+            check_store_path(path.removesuffix("/") if folder else path)
+        except ValueError as exc:
+            raise BusError("bad_request", str(exc), param="path") from None
+        if who is not None:
+            if store_scope.may_read(path, folder, self._grants(who, self.assignments.values.get(who), None)):
+                return
+            if store_scope.may_read(path, folder, await self._fresh_grants(who, path)):
+                return
+        log.warning("store read of %r refused to %s: not a file of a model or job it holds", path,
+                    f"node {who}" if who else "a request with no node inbox")
+        raise BusError("forbidden", f"store path {path!r} is not a file of a model or fine-tuning job this node "
+                                    "holds", param="path")
+
+    def _grants(self, node_id: str, assignment: Assignment | None, pod: PodInfo | None,
+                jobs: tuple[FineTuneJob, ...] = ()) -> list[str]:
+        models = list(assignment.models) if assignment is not None else []
+        if pod is not None and pod.state in LIVE_POD:
+            models += [x for x in self.models if x.name == pod.model]
+        live = tuple(j for j in self.training.jobs.values() if node_id in j.nodes) if self.training else ()
+        return store_scope.grants(node_id, models, live + jobs)
+
+    async def _fresh_grants(self, node_id: str, path: str) -> list[str]:
+        """`_grants` from the buckets: the node's assignment, its pod record, and the job a `finetune/<job>/` path
+        names."""
+        assignment = await read_key(self.kv_assign, node_id, Assignment)
+        pod = await read_key(await self.bus.kv(PODS), node_id, PodInfo)
+        job = None
+        parts = path.split("/")
+        if len(parts) > 2 and parts[0] == "finetune" and self.training is not None:
+            job = await self.training.read_job(parts[1])
+        return self._grants(node_id, assignment, pod, (job,) if job is not None else ())
 
     async def _stages(self, req: StagePlanRequest, _m: Any) -> StagePlan:
         """Where each stage of one relayed video runs (coderai.scheduler.stages), from live heartbeats."""

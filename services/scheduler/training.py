@@ -190,7 +190,14 @@ class Training:
     async def _save(self, job: FineTuneJob) -> FineTuneJob:
         self.jobs[job.id] = job
         await self.kv.put(job.id, encode(job))
+        if job.status in TERMINAL:  # the staged data was for the ranks alone: it goes with the job (the adapter stays)
+            await asyncio.to_thread(self._drop_data, job.id)
         return job
+
+    def _drop_data(self, job_id: str) -> None:
+        folder = self.root / "finetune" / job_id
+        for name in ("train.jsonl", "valid.jsonl", ".train.jsonl.tmp", ".valid.jsonl.tmp"):
+            (folder / name).unlink(missing_ok=True)
 
     def _failed(self, job: FineTuneJob, code: str, message: str) -> FineTuneJob:
         now = time.time()
@@ -242,7 +249,7 @@ class Training:
                              file_id, param)
 
     async def _cancel(self, req: FineTuneCancel, _m: Any) -> FineTuneReply:
-        job = self.jobs.get(req.job_id) or await self._read_job(req.job_id)
+        job = self.jobs.get(req.job_id) or await self.read_job(req.job_id)
         if job is None:
             raise BusError("not_found", f"No fine-tuning job '{req.job_id}'.", param="fine_tuning_job_id")
         if job.status in TERMINAL:
@@ -253,7 +260,7 @@ class Training:
         await self._stop_ranks(job, "cancelled")
         return FineTuneReply(job=job)
 
-    async def _read_job(self, job_id: str) -> FineTuneJob | None:
+    async def read_job(self, job_id: str) -> FineTuneJob | None:
         from nats.js.errors import KeyNotFoundError
 
         try:
@@ -333,9 +340,10 @@ class Training:
             return
         obs = await self.bus.object_store(FILES)
         data = (await obs.get(file_id)).data
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.root, dest.parent)
         tmp = dest.with_name(f".{dest.name}.tmp")
-        tmp.write_bytes(data)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # a tenant's data
+            fh.write(data)
         os.replace(tmp, dest)
 
     async def _on_report(self, rep: TrainReport, _m: Any) -> None:
@@ -408,10 +416,15 @@ class Training:
         base, name = live.base, live.name
         store_path = f"finetune/{job_id}/adapter.tar"
         base_bytes = _folder_bytes(Path(os.path.expanduser(base.path)))
-        cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes)
+        cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes,
+                                  owner=job.key_name)
         try:  # the one add-model path, as `models add` uses: served now, and in the models file for a restart
-            await self.sched.live_models._add(AddModelRequest(model=cfg), None)
+            await self.sched.live_models._add(AddModelRequest(model=cfg, replace=False), None)
         except BusError as exc:  # the models file cannot take it: served until the scheduler restarts
+            if exc.code == "conflict":  # a model of that name came meanwhile: it is never replaced by a tenant's
+                await self._fail(job_id, "model_exists", f"A model named '{name}' was added while the job ran; "
+                                                         "the adapter is kept, the model is not served")
+                return
             await self.sched.live_models.publish({cfg.name: cfg})
             log.warning("fine-tuning job %s: could not add %s to the models file: %s", job.id, cfg.name, exc.message)
             job = tp.add_event(job, f"Serving {cfg.name} until the scheduler restarts: the models file could not "
@@ -440,8 +453,8 @@ class Training:
             partial.unlink(missing_ok=True)
         if chunk.offset != have:
             raise BusError("bad_request", f"upload out of order: offset {chunk.offset}, have {have} bytes")
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(partial, "ab") as fh:  # noqa: ASYNC230 - chunks of at most 512 KB
+        private_dirs(self.root, folder)
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as fh:  # chunks of 512 KB
             fh.write(chunk.data)
         have += len(chunk.data)
         if not chunk.sha256:
@@ -458,6 +471,15 @@ class Training:
         self._tasks.add(task := asyncio.create_task(self._check(chunk.job_id)))
         task.add_done_callback(self._tasks.discard)
         return AdapterAck(received=have, complete=True)
+
+
+def private_dirs(root: Path, folder: Path) -> None:
+    """Make `folder` (under `root`) and the folders between them, each 0700: what a tenant trained on or made is
+    not for the machine's other users."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    parts = folder.relative_to(root).parts
+    for i in range(1, len(parts) + 1):
+        os.chmod(root.joinpath(*parts[:i]), 0o700)
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -93,15 +93,16 @@ def check_suffix(suffix: str) -> None:
 
 
 def finetuned_config(base: ModelConfig, name: str, adapter_path: str, store_path: str, created: int,
-                     base_bytes: int = 0) -> ModelConfig:
+                     base_bytes: int = 0, owner: str = "") -> ModelConfig:
     """The base model's config serving base + adapter: a node without the head's adapter file fetches it from the
-    store like any model file; the base folder is read where the base model is."""
+    store like any model file; the base folder is read where the base model is. It is `owner`'s, the key that
+    trained it: no other tenant lists or uses it."""
     memory_mb = base.memory_mb
     if not memory_mb and base_bytes:  # the adapter file is small; what a copy needs is the base model
         memory_mb = (int(base_bytes * 1.2) >> 20) + 256
     return msgspec.structs.replace(
         base, name=name, path=adapter_path, store_path=store_path, params={**base.params, "base": base.path},
-        created=created, owned_by="coderai-finetune", memory_mb=memory_mb, pin="",
+        created=created, owned_by="coderai-finetune", owner=owner, memory_mb=memory_mb, pin="",
     )
 
 

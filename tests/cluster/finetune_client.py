@@ -73,6 +73,18 @@ def main() -> None:
             out = {"status": exc.status_code, "message": str(exc)}
     elif cmd == "models":
         out = [m.id for m in client.models.list().data]
+    elif cmd == "delete":  # OpenAI's delete of a fine-tuned model
+        try:
+            out = {"status": 200, **client.models.delete(args[0]).model_dump()}
+        except openai.APIStatusError as exc:
+            out = {"status": exc.status_code, "message": exc.body["message"]}
+    elif cmd == "newkey":  # a tenant's inference key, made with this (admin) key: the admin API has no SDK
+        import httpx
+
+        r = httpx.post(base_url.removesuffix("/v1") + "/admin/keys", json={"name": args[0]},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r.raise_for_status()
+        out = {"key": r.json()["key"]}
     else:
         raise SystemExit(f"unknown command {cmd}")
     print(json.dumps(out))

@@ -60,8 +60,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
             "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         head, nb = lab["head"], lab["node-b"]
 
-        def client(*args: str) -> dict | list:
-            r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", key, *args], env=env, timeout_s=120)
+        def client(*args: str, as_key: str = "") -> dict | list:
+            r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", as_key or key, *args], env=env,
+                        timeout_s=120)
             assert r.returncode == 0, r.stderr[-3000:]
             return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -124,7 +125,13 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         checked = [(e["data"]["step"], e["data"]["valid_loss"]) for e in steps if "valid_loss" in e["data"]]
         assert [s for s, _ in checked] == [2, 4, 6], checked  # each epoch's end, the last one the end of training
         assert checked[-1][1] < checked[0][1] and j["coderai"]["valid_loss"] == checked[-1][1]
-        assert j["validation_file"] == valid_id and (root / "node-b" / "models" / "finetune" / job_id / "valid.jsonl").is_file()
+        assert j["validation_file"] == valid_id and f"fetched finetune/{job_id}/valid.jsonl" in node.log_text()
+        # the tenant's data was for the ranks alone: gone from node-b and from the head's store once the job ended
+        # (the adapter stays: it is the model), and what is left of the job is the owner's alone (0700/0600)
+        staged = root / "head" / "models" / "finetune" / job_id
+        for where in (root / "node-b" / "models" / "finetune" / job_id, staged):
+            assert not (where / "train.jsonl").exists() and not (where / "valid.jsonl").exists(), list(where.iterdir())
+        assert (staged.stat().st_mode & 0o777, (staged / "adapter.tar").stat().st_mode & 0o777) == (0o700, 0o600)
         assert any("rendezvous at " + head.ip in e["message"] for e in events)
 
         import torch
@@ -141,6 +148,15 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         wait_until(lambda: chat.update(client("chat", "tiny:ft1")) or chat["status"] == 200, 90,
                    "tiny:ft1 to answer through the gateway", interval_s=1)
         assert chat["model"] == "tiny:ft1" and isinstance(chat["content"], str)
+
+        # the fine-tuned model is the key's that trained it: another key neither lists, uses nor deletes it
+        tenant = client("newkey", "tenant-b")["key"]
+        assert "tiny" in client("models", as_key=tenant) and "tiny:ft1" not in client("models", as_key=tenant)
+        for cmd in ("chat", "delete"):
+            seen = client(cmd, "tiny:ft1", as_key=tenant)
+            print(f"tenant-b tried to {cmd} another key's fine-tuned model: {seen}")
+            assert seen["status"] == 404, seen
+        assert client("delete", "tiny", as_key=tenant)["status"] == 403  # nor may it delete the operator's model
 
         # a rank killed mid-job: the job fails naming its node, and nothing is registered. The jobs stopped on
         # purpose train on 100 examples (5,000 steps at 100 epochs): 4 examples trained to the end in 15 s on a
@@ -182,6 +198,11 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
                    interval_s=0.5)
         failed = job(third)["job"]["error"]
         assert failed["message"].startswith("rank 1 on node node-b stopped reporting"), failed
+
+        # its owner deletes it (OpenAI's models.delete): no longer listed nor served
+        gone = client("delete", "tiny:ft1")
+        assert gone["status"] == 200 and gone["deleted"] is True and gone["id"] == "tiny:ft1", gone
+        assert "tiny:ft1" not in client("models")
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=60 if p is procs[0] else 15)

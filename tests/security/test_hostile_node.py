@@ -6,6 +6,7 @@ announcement gets no credentials; a revoked node is cut off at once and may not 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -18,6 +19,8 @@ from coderai.testing.stack import clean_env, node_up, write_models_file
 pytestmark = pytest.mark.slow
 
 TOKEN = new_token()
+GOOD_FILE = "org/good/tiny.gguf"  # in the head's store, a file of a model only the good node holds
+JOB_FILE = "finetune/ftjob-x/train.jsonl"  # a fine-tuning job's data (no job: no node trains it)
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +31,16 @@ def cluster(tmp_path_factory, tiny_gguf):
         pytest.skip(str(exc))
     with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
         root = tmp_path_factory.mktemp("hostile")
+        store = root / "head" / "models"  # the head's model store: a model of the good node's, a tenant's job data
+        for rel in (GOOD_FILE, JOB_FILE):
+            (store / rel).parent.mkdir(parents=True)
+        shutil.copyfile(tiny_gguf, store / GOOD_FILE)
+        (store / JOB_FILE).write_text('{"messages": [{"role": "user", "content": "a tenant\'s secret"}]}\n')
         models = write_models_file(root / "models.toml", [  # the first answers before `coderai up` says ready
             {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
             {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
+            {"name": "good-store", "engine": "llama", "path": str(store / GOOD_FILE), "store_path": GOOD_FILE,
+             "params": {"n_ctx": 256}, "nodes": ["good"]},
         ])
         c = LabCluster(lab, root, clean_env())
         with head_of(c, models, TOKEN):
@@ -43,7 +53,7 @@ def cluster(tmp_path_factory, tiny_gguf):
 def test_every_attack_of_a_hostile_node_is_refused(cluster):
     out = cluster.run("evil", "-m", "coderai.testing.hostile", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
                       "--token", TOKEN, "--node-id", "evil", "--victim", "good", "--data-dir", str(cluster.root / "evil"),
-                      timeout_s=400)
+                      "--store-file", GOOD_FILE, "--store-file", JOB_FILE, timeout_s=400)
     report = json.loads(out.strip().splitlines()[-1])
     for r in report["results"]:
         print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")

@@ -73,11 +73,15 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     memory_mb: int = 0  # what one copy needs; 0: estimated from the file (size x 1.2 + 256 MB)
     price_prompt_per_mtok: float = 0.0  # USD per million prompt tokens, for key budgets and usage
     price_completion_per_mtok: float = 0.0
+    # images and videos: USD per megapixel x denoising step (width x height x steps x n, x frames for a video), on
+    # top of the prompt's tokens; the work's limits are the family's params (coderai/media_work.py, docs/accounts.md)
+    price_per_mpixel_step: float = 0.0
     pin: str = ""  # route every request to this engine or node id
     allow_fallback: bool = False  # when the pinned engine is down, route elsewhere instead of failing
     distribute: Distribute = Distribute()
     pod: PodPolicy = PodPolicy()
     owned_by: str = "coderai"
+    owner: str = ""  # the API key that made it (a fine-tuned model): listed, used and deleted by it and admin keys only; "": every key
     created: int = 0
     # llama.cpp over several machines: `split` is how a model that fits no single node is cut (`off`: never);
     # `rpc_nodes` splits it over those nodes' RPC servers even when it would fit one node; `link_gbps` is the
@@ -106,6 +110,11 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # stop sequences added to every chat and completion of the model, beside the request's own (Ollama's
     # `PARAMETER stop`): for a model that does not end its turn by itself, such as a base model behind an agent
     stop: list[str] = []
+    # whether requests of different API keys may reuse each other's cached prompt prefixes (docs/routing.md#tenants):
+    # True: one cache for all (fastest: a common system prompt is computed once); False: affinity and the engine's
+    # cache are scoped by key (a llama-server then runs without its shared host RAM cache, `--cache-ram 0`); None:
+    # the gateway's CODERAI_GATEWAY_SHARE_CACHE (default true). A key's own `share_cache` true also shares
+    share_cache: bool | None = None
 
     def serves(self) -> list[Op]:
         """The ops this model answers: explicit `ops`, else the engine family's default."""

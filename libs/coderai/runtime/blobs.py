@@ -17,6 +17,7 @@ import msgspec
 
 from coderai.contracts.media import Blob
 from coderai.contracts.topology import BLOBS
+from coderai.runtime.members import requester
 
 log = logging.getLogger("coderai.blobs")
 
@@ -161,11 +162,10 @@ class BlobProxy(BlobStore):
 
 
 def sender_of(m: Any) -> str:
-    """Who sent a bus request: a node's requests carry a reply subject in its own inbox (`_N.<id>.`, the only
-    inbox it may subscribe to); anything else is a service's."""
-    reply = getattr(m, "reply", "") or ""
-    parts = reply.split(".")
-    return f"node:{parts[1]}" if len(parts) > 2 and parts[0] == "_N" else "service"
+    """Who sent a bus request (`members.requester`): "node:<id>", "service", or "other" for a reply subject that is
+    neither inbox (so a node cannot pass for a service by asking for the answer on one of its own subjects)."""
+    who = requester(getattr(m, "reply", "") or "")
+    return "other" if who is None else f"node:{who}" if who else "service"
 
 
 class BlobService:

@@ -43,6 +43,20 @@ async def read_all(kv: Any, type_: type[T] | Any, *, prefix: str = "") -> dict[s
     return out
 
 
+async def read_key(kv: Any, key: str, type_: type[T] | Any) -> T | None:
+    """The value of `key` decoded into `type_`; None when it is missing, deleted or does not decode."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    if not entry.value:
+        return None
+    try:
+        return decode(entry.value, type_)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
 async def put_if_changed(kv: Any, key: str, value: bytes, attempts: int = 5) -> bool:
     """Write `value` unless it is already there; each write names the revision it replaces.
 

@@ -81,6 +81,31 @@ class Node:
         return False, "answered: " + data[:120].decode(errors="replace")
 
 
+    async def request_on_own_subject(self, subject: str, payload: bytes, node_id: str) -> tuple[bool, str]:
+        """A request whose answer goes to a subject the node may subscribe to but that is not its inbox
+        (`coderai.engine.<id>.x`): a service that judged the asker by "not a node inbox, so a service" would serve
+        it everything."""
+        reply = f"coderai.engine.{node_id}.{secrets.token_hex(8)}"
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def cb(m: Any) -> None:
+            if not got.done():
+                got.set_result(m)
+
+        sub = await self.nc.subscribe(reply, cb=cb)
+        await self.nc.publish(subject, payload, reply=reply)
+        try:
+            msg = await asyncio.wait_for(got, WAIT_S * 2)
+        except asyncio.TimeoutError:
+            return True, "no answer"
+        finally:
+            await sub.unsubscribe()
+        data = msg.data
+        if b'"code"' in data and b'"message"' in data or (msg.headers or {}).get("Status"):
+            return True, "answered with an error: " + data[:120].decode(errors="replace")
+        return False, "answered: " + data[:120].decode(errors="replace")
+
+
 async def _login_refused(url: str, user: str, password: str) -> bool:
     async def quiet(_e: Exception) -> None:
         pass
@@ -94,7 +119,10 @@ async def _login_refused(url: str, user: str, password: str) -> bool:
     return False
 
 
-async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: str, ca_pem: str = "") -> list[dict]:
+async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: str, ca_pem: str = "",
+                  store_files: tuple[str, ...] = ()) -> list[dict]:
+    """Every attack, each as {attack, refused, detail}. `store_files`: files of the head's store that belong to
+    models and jobs of other nodes (they exist, so only a scope keeps them from this node)."""
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:
@@ -173,7 +201,20 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
     await tried("fetch a file outside the model store", await me.request_refused(
         "coderai.cmd.store.fetch", b'{"path":"../../../../etc/passwd","offset":0}'))
 
-    # 6. commands meant for services
+    # 6. the head's model store: only the files of the models it holds and the jobs it trains
+    for path in store_files:
+        await tried(f"fetch {path} from the store (not its model's or job's)", await me.request_refused(
+            "coderai.cmd.store.fetch", msgspec.json.encode({"path": path, "offset": 0, "length": 64})))
+        folder = path.rsplit("/", 1)[0]
+        await tried(f"list the store folder {folder}", await me.request_refused(
+            "coderai.cmd.store.list", msgspec.json.encode({"path": folder})))
+        await tried(f"fetch {path} with the answer sent to a subject of its own, not its inbox",
+                    await me.request_on_own_subject("coderai.cmd.store.fetch",
+                                                    msgspec.json.encode({"path": path, "length": 64}), node_id))
+    await tried("list the fine-tuning folder", await me.request_refused(
+        "coderai.cmd.store.list", msgspec.json.encode({"path": "finetune"})))
+
+    # 7. commands meant for services
     for subject in ("coderai.cmd.scheduler.add", "coderai.cmd.scheduler.place", "coderai.cmd.scheduler.revoke",
                     "coderai.cmd.scheduler.pod_user", "coderai.cmd.scheduler.members", "coderai.cmd.scheduler.nodes",
                     "coderai.cmd.scheduler.train", "coderai.cmd.broker.acquire", "coderai.cmd.broker.lease",
@@ -216,7 +257,8 @@ async def run(args: argparse.Namespace) -> dict:
         r = await claim(args.nats_url, args.token, args.claim, args.data_dir)
         return {"tried": 1, "succeeded": [] if r["refused"] else [r], "results": [r]}
     joined, ca_pem = await join(args.nats_url, args.token, args.node_id, args.data_dir)
-    results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem)
+    results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem,
+                            tuple(args.store_file))
     return {"tried": len(results), "succeeded": [r for r in results if not r["refused"]], "results": results}
 
 
@@ -227,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-id", default="evil")
     ap.add_argument("--victim", default="")
     ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--store-file", action="append", default=[], metavar="PATH",
+                    help="a file of the head's store this node is not given (repeatable): it tries to read it")
     ap.add_argument("--claim", default="", metavar="ID", help="only try to join under member ID's id (its takeover)")
     args = ap.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import Request, Response, delete, get
 from litestar.params import FromPath
 
 from coderai.contracts import ModelConfig
+from coderai.contracts.admin import RemoveModelRequest
+from coderai.contracts.subjects import CMD_SCHEDULER_REMOVE
 from coderai.contracts.ops import kind_of
+from coderai.gateway.admin.models import change_model
 from coderai.gateway.copies import Copy
+from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response
 from coderai.gateway.state import InferenceController
 
@@ -61,3 +65,15 @@ class ModelsController(InferenceController):
         who = self.caller(request)
         m = await self.gw.visible_model(who, model_id.lstrip("/"))
         return json_response(model_json(m, self.gw.copies.by_model().get(m.name, []), "admin" in who.scopes))
+
+    @delete("/{model_id:path}", status_code=200)
+    async def delete_model(self, request: Request, model_id: FromPath[str]) -> Response:
+        """OpenAI's delete of a fine-tuned model, by the key that trained it (or an admin key); another key's is as
+        absent as a missing one. The operator's own models are changed under `/admin/models`, not here."""
+        who = self.caller(request)
+        m = await self.gw.visible_model(who, model_id.lstrip("/"))
+        if not m.owner:
+            raise ApiError(403, f"'{m.name}' is not a fine-tuned model of this key; the operator removes it with "
+                                "DELETE /admin/models/{name}.", type="invalid_request_error", code="model_not_deletable")
+        await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=m.name), m.name)
+        return json_response({"id": m.name, "object": "model", "deleted": True})
