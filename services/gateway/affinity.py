@@ -9,6 +9,10 @@ the longest element the router knows points at the engine whose cache holds that
 Tools (they are part of the prompt the model sees) go into h1; image parts go into the message they belong to.
 
 Completions: the prompt is cut into fixed-size character chunks; element k covers chunks 1..k.
+
+Tenants: unless the cache is shared (`share_cache`, see `cache_scope`), every key is hashed once more with the
+caller's scope (a digest of its key name), so one key's conversation never points another key at the engine that
+holds its prefix: a cache hit could reveal the other key's prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import hashlib
 from typing import Any
 
 import msgspec
+
+from coderai.contracts.routing import RouteRequest
 
 CHUNK_CHARS = 512
 MAX_CHAIN = 64  # longer chains keep h1 and their last 63 elements: enough to contain the previous turn's last
@@ -68,3 +74,28 @@ def prompt_chain(model: str, prompt: str | list[str], chunk_chars: int = CHUNK_C
 
 def _bound(chain: list[str]) -> list[str]:
     return chain if len(chain) <= MAX_CHAIN else chain[:1] + chain[-(MAX_CHAIN - 1) :]
+
+
+def cache_scope(key_name: str, model_share: bool | None, key_share: bool | None, default: bool) -> str:
+    """The scope a request's cached prompt belongs to: "" when it may share the cache with every other key (the
+    model or the key says `share_cache = true`, or neither says and the gateway's default shares), else an opaque
+    digest of the key name (the same for every request of that key)."""
+    if model_share is True or key_share is True:
+        return ""
+    if model_share is None and key_share is None and default:
+        return ""
+    return _h(b"scope", key_name.encode())
+
+
+def scoped(route: RouteRequest, scope: str) -> RouteRequest:
+    """`route` with every affinity key (session, user, each prefix element) keyed by `scope` too; unchanged when
+    the scope is "" (shared)."""
+    if not scope:
+        return route
+    s = scope.encode()
+
+    def one(key: str) -> str:
+        return _h(b"scoped", s, key.encode()) if key else ""
+
+    return msgspec.structs.replace(route, session=one(route.session), user=one(route.user),
+                                   prefix=[one(k) for k in route.prefix])

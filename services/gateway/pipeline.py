@@ -30,7 +30,7 @@ from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace, allowed, checked_usage, price, usage_ceiling
 from coderai.gateway.auth import Caller
-from coderai.gateway import seal
+from coderai.gateway import affinity, seal
 from coderai.gateway.bounds import check_schemas
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.fanout import plans
@@ -178,6 +178,7 @@ class Call:
         if self.spec.llm and hasattr(self.job, "priority"):
             self.job = prioritised(self.job, priority_var.get())
         if self.spec.llm:
+            self.scope_cache(cfg)
             check_schemas(self.job)  # a grammar's cost grows with its schema's nesting: bounded before it is built
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)
@@ -189,6 +190,17 @@ class Call:
         if self.admission.held is not None:
             self._refresher = asyncio.create_task(self._refresh(self.admission.held))
         return cfg
+
+    def scope_cache(self, cfg: ModelConfig) -> None:
+        """Unless this key may share the model's prompt cache, its affinity keys and its job carry the key's scope:
+        the router never sends it after another key's prefix, nor does an engine serve it from one."""
+        key = self.who.key
+        scope = affinity.cache_scope(self.who.key_name, cfg.share_cache, key.share_cache if key else None,
+                                     self.gw.settings.share_cache)
+        if scope:
+            self.route = affinity.scoped(self.route, scope)
+            if hasattr(self.job, "cache_scope"):
+                self.job = msgspec.structs.replace(self.job, cache_scope=scope)
 
     def check_size(self, job: Any) -> bytes:
         """The job encoded for the bus; over what one message carries it is the client's 413, not a 500 from the

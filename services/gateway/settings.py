@@ -43,6 +43,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     redis_url: str = ""  # API keys, limits and budgets shared by every replica; empty: the keys file only
     metrics_url: str = ""  # the metrics service's /metrics, proxied at /metrics for admin keys and scrapers
     scrape_token: str = ""  # lets Prometheus read /metrics without an admin key
+    # whether API keys share the engines' prompt caches for a model that does not say (ModelConfig.share_cache):
+    # true suits one tenant (a common prefix is computed once for all); false scopes affinity and cache reuse by key
+    share_cache: bool = True
     video_takeover_s: float = 20.0  # a running video job whose gateway wrote nothing this long is taken over by another replica
 
 

@@ -40,6 +40,9 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     # and its ceiling (the lower of the key's and the model's applies); 0: the model's alone
     default_output_tokens: int = 0
     max_output_tokens: int = 0
+    # whether its requests share the engines' prompt caches with other keys (ModelConfig.share_cache); None: the
+    # model's word, else the gateway's default
+    share_cache: bool | None = None
 
 
 # Names a key in Redis may not take: the bootstrap keys' (`coderai up` writes "admin" into keys.toml, and each head
@@ -72,6 +75,7 @@ def _to_hash(k: ApiKey) -> dict[str, str]:
         "rpm": str(k.rpm), "tpm": str(k.tpm), "budget_usd": repr(k.budget_usd), "budget_period": k.budget_period,
         "created": repr(k.created), "revoked": "1" if k.revoked else "0",
         "default_output_tokens": str(k.default_output_tokens), "max_output_tokens": str(k.max_output_tokens),
+        "share_cache": "" if k.share_cache is None else "1" if k.share_cache else "0",
     }
 
 
@@ -84,6 +88,7 @@ def _from_hash(h: dict[Any, Any]) -> ApiKey:
         budget_period=d.get("budget_period", "month"), created=float(d.get("created", 0)),  # type: ignore[arg-type]
         revoked=d.get("revoked") == "1", default_output_tokens=int(d.get("default_output_tokens", 0)),
         max_output_tokens=int(d.get("max_output_tokens", 0)),
+        share_cache={"1": True, "0": False}.get(d.get("share_cache", "")),
     )
 
 

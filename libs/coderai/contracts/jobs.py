@@ -46,6 +46,9 @@ class ChatJob(Message, frozen=True, kw_only=True):
     stream: bool = False
     options: dict[str, Any] | None = None  # passed to engines that take them: reasoning_effort, chat_template_kwargs
     priority: int = 0  # INTERACTIVE, or BACKGROUND: waits behind the interactive jobs queued for the same engine
+    # set by the gateway only: "" when the prompt cache is shared by every key, else an opaque digest of the key; an
+    # engine never serves a prompt from a prefix another scope left in its cache
+    cache_scope: str = ""
 
 
 class CompletionJob(Message, frozen=True, kw_only=True):
@@ -59,6 +62,7 @@ class CompletionJob(Message, frozen=True, kw_only=True):
     echo: bool = False
     stream: bool = False
     priority: int = 0  # as ChatJob's
+    cache_scope: str = ""  # as ChatJob's
 
 
 INTERACTIVE, BACKGROUND = 0, 1  # a chat or completion job's priority

@@ -5,6 +5,9 @@ order. Prefix reuse: llama.cpp keeps the previous job's KV and recomputes only w
 RAM prompt cache (`prompt_cache_mb` in the model's params, default 256) keeps the KV state of recent prompts, so
 several interleaved conversations each find their own prefix warm. The prompt tokens actually computed are read
 from llama.cpp's own counters, so `cached_tokens` is what the cache really saved.
+Tenants (ChatJob.cache_scope, ModelConfig.share_cache): the RAM cache is one pool for every key, so a model whose
+cache is not shared loads without it, and it is dropped when the first scoped job comes; the KV the context holds
+is reused only by a job of the scope that left it (`_enter_scope` resets it otherwise).
 Generation checks the request's cancel flag on every token through a logits processor (the one per-token hook
 `create_chat_completion` offers). It runs as a C callback, where an exception would be swallowed, so a cancelled
 request is stopped by forcing the end-of-sequence token instead. The same hook counts tokens for `usage` when
@@ -128,6 +131,8 @@ class LlamaEngine(Engine):
         self.cached_tokens = 0
         self.prefix_hits = 0
         self.embedding = False
+        self._scoped = config.share_cache is False  # a job's cache scope is honoured (from its first scoped job)
+        self._held = ""  # the scope of the prompt the context holds
 
     def load(self) -> None:
         try:
@@ -140,6 +145,8 @@ class LlamaEngine(Engine):
             raise EngineLoadError(f"model file not found: {path}")
         params = dict(self.config.params)
         cache_mb = float(params.pop("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB))
+        if self.config.share_cache is False:
+            cache_mb = 0  # one pool for every key: it would hand one key's saved prompt to another
         embedding = params.pop("embedding", None)
         self.embedding = bool(embedding) if embedding is not None else "embed" in self.config.serves()
         pooling = params.pop("pooling", params.pop("pooling_type", None))
@@ -219,8 +226,22 @@ class LlamaEngine(Engine):
     def media_takes(self) -> frozenset[str]:
         return frozenset()  # llama-cpp-python's handlers here read text only
 
+    def _enter_scope(self, scope: str) -> None:
+        """Before a job of `scope` ("" shared): nothing another scope left in the context or the RAM cache is
+        reused (`reset` makes llama-cpp-python recompute the whole prompt)."""
+        if not scope and not self._scoped:
+            return  # no scoped job came yet: prefix reuse as ever
+        if not self._scoped:
+            self._scoped = True
+            self.llm.set_cache(None)
+            self._held = "\x00unknown"
+        if scope != self._held:
+            self.llm.reset()
+        self._held = scope
+
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         refuse_media(job.messages, self.config.name)
+        self._enter_scope(job.cache_scope)
         if job.params.logprobs:
             raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
                            "the llama-server engine does", "logprobs")
@@ -254,6 +275,7 @@ class LlamaEngine(Engine):
         if job.params.logprobs:
             raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
                            "the llama-server engine does", "logprobs")
+        self._enter_scope(job.cache_scope)
         kwargs = _sampling(job.params)
         kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
 

@@ -8,7 +8,8 @@ its SIGTERM shutdown can wait forever on a connection handler, and it has nothin
 
 Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
 n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
-image input), `cache_ram_mb` (the server's host prompt cache, default 256 MiB), `n_threads`, `n_threads_batch`,
+image input), `cache_ram_mb` (the server's host prompt cache, default 1/32 of the node's RAM; always 0 for a
+model with `share_cache = false`, whose tenants must not share it: see slot_scope), `n_threads`, `n_threads_batch`,
 `n_batch`, `n_ubatch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256). The
 other params the family takes (coderai.engine_params, e.g. `flash_attn`, `cache_type_k`, `model_draft`) become
 `--kebab-case value` flags (`True` a bare flag); a param outside that table is refused, never passed on. From the
@@ -19,20 +20,23 @@ The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from coderai.contracts import ChatJob, EmbedJob, EmbedResult, ModelConfig, Usage
+from coderai.contracts import ChatJob, Choice, CompletionJob, EmbedJob, EmbedResult, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media, visible_devices
 from coderai.engine_worker.engines.embed import check_texts, embed_result
-from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
+from coderai.engine_worker.engines.openai_server import Emit, OpenAIServerEngine, param_flags
+from coderai.engine_worker.engines.slot_scope import ALL, Plan, SlotBook
 from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
@@ -97,7 +101,7 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
             "--alias", config.name, "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel),
             "--jinja", "--metrics", "--slots", "--no-webui",
             "--n-gpu-layers", str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
-            "--cache-ram", str(int(p["cache_ram_mb"]) if p.get("cache_ram_mb") is not None else default_cache_ram_mb())]
+            "--cache-ram", str(cache_ram_mb(config))]
     for key, flag in NAMED.items():
         if p.get(key) not in (None, ""):
             value = p[key]
@@ -107,6 +111,16 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
     if "embed" in config.serves() and not p.get("pooling"):
         args += ["--pooling", gguf_pooling(os.path.expanduser(config.path))]
     return args + param_flags(p, OWN_PARAMS)
+
+
+def cache_ram_mb(config: ModelConfig) -> int:
+    """The server's host prompt cache: none for a model whose cache tenants do not share (the cache is one pool
+    for every slot, so it would hand one key's saved prompt to another), else the model's `cache_ram_mb`, else the
+    node's default."""
+    if config.share_cache is False:
+        return 0
+    p = config.params
+    return int(p["cache_ram_mb"]) if p.get("cache_ram_mb") is not None else default_cache_ram_mb()
 
 
 def server_env(config: ModelConfig, base: dict[str, str]) -> dict[str, str]:
@@ -168,6 +182,10 @@ class LlamaServerEngine(OpenAIServerEngine):
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._lock = threading.Lock()  # the child and the client change only under it (restart vs close)
+        # which key's prompt each slot holds, once a request's cache is scoped (slot_scope); the plan of the request
+        # this engine thread runs, for its body
+        self.book = SlotBook(self.slots, isolated=config.share_cache is False, ram_cache=cache_ram_mb(config) > 0)
+        self._plan = threading.local()
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         binary = find_binary()
@@ -191,7 +209,41 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         refuse_media(job.messages, self.config.name, self.media_takes())
-        return super().chat_body(job, stream)
+        return self._placed_body(super().chat_body(job, stream))
+
+    def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
+        return self._placed_body(super().completion_body(job, stream))
+
+    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        with self._placed(job.cache_scope, job.params.n > 1):
+            return super().chat(job, cancel, emit)
+
+    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        several = job.params.n > 1 or (isinstance(job.prompt, list) and len(job.prompt) > 1)
+        with self._placed(job.cache_scope, several):
+            return super().complete(job, cancel, emit)
+
+    @contextlib.contextmanager
+    def _placed(self, scope: str, several: bool) -> Iterator[None]:
+        """The request runs where the slot book places it (a slot of its own scope, or one without reuse)."""
+        plan = self.book.take(scope, several)
+        self._plan.value = plan
+        try:
+            yield
+        finally:
+            self._plan.value = None
+            self.book.give(plan, scope)
+
+    def _placed_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body with the request's slot and whether it may reuse that slot's prefix, when the book placed it;
+        set last, so nothing else in the body can choose them."""
+        plan: Plan | None = getattr(self._plan, "value", None)
+        if plan is None or (plan.slot is None and plan.reuse):
+            return body
+        placed: dict[str, Any] = {**body, "cache_prompt": plan.reuse}
+        if plan.slot is not None and plan.slot != ALL:
+            placed["id_slot"] = plan.slot
+        return placed
 
     def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
         """One normalised vector per input, from the server's /v1/embeddings (a model served with `embedding`)."""
@@ -273,6 +325,7 @@ class LlamaServerEngine(OpenAIServerEngine):
                 except EngineLoadError as exc:
                     log.error("%s: restart %d of llama-server failed: %s", self.config.name, attempt + 1, exc)
                     continue
+            self.book.reset()  # the new server's slots are empty
             self.restarts += 1
             log.info("%s: llama-server restarted (%d restarts so far)", self.config.name, self.restarts)
             if self.on_back is not None:

@@ -10,6 +10,9 @@ answer is one blocking request, so cancel cannot cut it short.
 Model params: `dtype`, `max_model_len`, `gpu_memory_utilization`, `tensor_parallel_size` and any other key
 become `--kebab-case value` server flags (`True` a bare flag); `extra_args` is a list appended as is; `env` a
 dict added to the server's environment; `python` and `load_timeout_s` (default 600) are the engine's own.
+
+A request whose prompt cache is scoped to its key (ChatJob.cache_scope) carries it as vLLM's `cache_salt` (vLLM 0.9
+and later): its prefix-cache blocks are then hashed with the salt, so one key never hits another's cached prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import sys
 from typing import Any
 
+from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.runtime.embedded import free_port
@@ -46,6 +50,14 @@ class VllmEngine(OpenAIServerEngine):
         python = params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
         return cmd, {**os.environ, **visible_devices(self.config), **{k: str(v) for k, v in (params.get("env") or {}).items()}}
+
+    def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
+        body = super().chat_body(job, stream)
+        return {**body, "cache_salt": job.cache_scope} if job.cache_scope else body
+
+    def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
+        body = super().completion_body(job, stream)
+        return {**body, "cache_salt": job.cache_scope} if job.cache_scope else body
 
     def load(self) -> None:
         """Start the server and wait for `/health`; fail with the server's log tail if it exits or times out."""

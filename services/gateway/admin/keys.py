@@ -33,6 +33,7 @@ class _NewKey(msgspec.Struct, forbid_unknown_fields=True):
     budget_period: Period = "month"
     default_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    share_cache: bool | None = None
 
 
 class _Limits(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,6 +44,7 @@ class _Limits(msgspec.Struct, forbid_unknown_fields=True):
     budget_period: Period | None = None
     default_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    share_cache: bool | None = None
 
 
 def _store(gw: Gateway) -> KeyStore:
@@ -68,7 +70,8 @@ class KeysController(AdminController):
             secret, rec = await _store(self.gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
                                                   budget_usd=spec.budget_usd, budget_period=spec.budget_period,
                                                   default_output_tokens=spec.default_output_tokens,
-                                                  max_output_tokens=spec.max_output_tokens)
+                                                  max_output_tokens=spec.max_output_tokens,
+                                                  share_cache=spec.share_cache)
         except KeyError_ as exc:
             raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
         return json_response({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
