@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from coderai.contracts import (
     GGUF_FAMILIES,
     BusError,
@@ -68,8 +70,9 @@ class EngineHost:
     """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
 
     def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float,
-                 models_dir: Path | None = None, weights: ModelStore | None = None) -> None:
+                 models_dir: Path | None = None, weights: ModelStore | None = None, share_cache: bool = True) -> None:
         self.bus = bus
+        self.share_cache = share_cache  # the worker's default for a model that does not say (WorkerSettings)
         self.models_dir = models_dir  # where files fetched from the head's store go; None: never fetch
         # where weights fetched by the model's `source` go (a pod's network volume): by default beside the others
         self.weights = weights or (ModelStore(models_dir.parent, root=models_dir) if models_dir is not None else None)
@@ -148,6 +151,8 @@ class EngineHost:
                 self.engine = VllmRayEngine(cfg) if serving else RayMember(cfg, self.node_id)
             else:
                 cfg = resolve(cfg)
+                if cfg.share_cache is None and not self.share_cache:  # private by this node's default
+                    cfg = msgspec.structs.replace(cfg, share_cache=False)
                 self.engine = engine_class(cfg.engine)(cfg)
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
             self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)

@@ -280,7 +280,8 @@ class Worker:
             for name, cfg in wanted.items():
                 if name not in self.hosts:
                     host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
-                                                         models_dir=self.models_dir, weights=self.weights)
+                                                         models_dir=self.models_dir, weights=self.weights,
+                                                         share_cache=self.settings.share_cache)
                     self._to_load.put_nowait(host)
             if self._loader is None or self._loader.done():
                 self._loader = asyncio.create_task(self._load_in_turn(), name="model-loader")

@@ -17,6 +17,10 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     # environment): off, they are dropped, so whoever could write an assignment still could not run a program here;
     # `coderai up` turns it on for its own worker, whose models file is its operator's own
     bus_exec: bool = False
+    # the prompt-cache sharing of a model that does not say (ModelConfig.share_cache), as the gateway's
+    # CODERAI_GATEWAY_SHARE_CACHE: off, such a model's llama-server runs without its shared host RAM cache and keeps
+    # per-key slots. CODERAI_SHARE_CACHE sets both
+    share_cache: bool = True
     announce_fingerprint: str = ""  # set on the head's own worker (which has no token): the cluster it announces
     discover_timeout_s: float = 60.0
     pod: str = ""  # set by the pod-broker on a rented pod: its name (the node id it heartbeats under)

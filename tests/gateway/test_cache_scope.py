@@ -101,3 +101,20 @@ def test_the_router_never_steers_key_b_to_key_a_s_warm_engine():
     assert (b.engine_id, b.reason) == ("B", "least_busy")
     again = pick(t, scoped(route(chain), scope_a), affinity=affinity, model=cfg, now=100.0)
     assert (again.engine_id, again.reason) == ("A", "prefix")
+
+
+def test_the_setting_is_read_from_a_models_file_the_admin_api_and_a_key(tmp_path):
+    import msgspec
+
+    from coderai.accounts.keys import ApiKey, _from_hash, _to_hash
+    from coderai.models_file import load_models, write_models_file
+
+    path = write_models_file(tmp_path / "models.toml", [
+        {"name": "private", "engine": "llama-server", "path": "/m.gguf", "share_cache": False},
+        {"name": "unset", "engine": "llama-server", "path": "/m.gguf"}])
+    assert [m.share_cache for m in load_models(str(path))] == [False, None]
+    body = b'{"name": "m", "engine": "llama-server", "path": "/m.gguf", "share_cache": true}'
+    assert msgspec.json.decode(body, type=ModelConfig).share_cache is True  # what POST /admin/models reads
+    for share in (None, True, False):  # a Redis key's record keeps it through its hash
+        rec = ApiKey(name="k", sha256="0" * 64, share_cache=share)
+        assert _from_hash({k.encode(): v.encode() for k, v in _to_hash(rec).items()}).share_cache is share
