@@ -72,6 +72,28 @@ class Authenticator:
             raise ApiError(403, f"This key lacks the '{scope}' scope.", code="forbidden")
         return caller
 
+    async def revoked(self, who: Caller) -> bool:
+        """Whether `who`'s key was revoked (or deleted) since it was let in: what it started that outlives its
+        request (a batch, a background response, a video) then stops. A keys-file key, or no auth: never. A key
+        store that does not answer counts as "not revoked": it is asked again at the next check."""
+        if who.key is None or self.store is None:
+            return False
+        try:
+            stored = await self.store.get(who.key.sha256)
+        except Exception:  # noqa: BLE001 - the key store blinked
+            return False
+        return stored is None or stored.revoked
+
+    async def revoked_name(self, name: str) -> bool:
+        """`revoked` for work that kept only its key's name (a fine-tuning job)."""
+        if self.keys is None or self.store is None or name in self.file_names or not name:
+            return False
+        try:
+            stored = await self.store.by_name(name)
+        except Exception:  # noqa: BLE001 - the key store blinked
+            return False
+        return stored is None or stored.revoked
+
     async def _stored(self, digest: str) -> ApiKey | None:
         """The key's record in Redis; the one Redis gave within `KNOWN_S` while Redis does not answer in time."""
         assert self.store is not None

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from coderai.accounts.keys import KeyJournal
 from coderai.contracts import BusError, ModelConfig, decode, encode
 from coderai.contracts.admin import AddModelRequest
 from coderai.contracts.subjects import (
@@ -68,6 +69,8 @@ log = logging.getLogger("coderai.scheduler")
 
 START_TIMEOUT_S = 30.0
 MONITOR_EVERY_S = 1.0
+KEYS_EVERY_S = 5.0
+"""How often the keys of running jobs are asked after (two KV reads a job): a revoked key's job is cancelled."""
 STATE_TIMEOUT_S = 5.0
 """How long a restarted scheduler waits for a rank's state; a rank that does not answer is left to the silence
 rule (its grace period started at adoption)."""
@@ -400,6 +403,7 @@ class Training:
             await self._succeed(job_id)
 
     async def _monitor(self) -> None:
+        keys_checked = time.monotonic()
         while True:
             await asyncio.sleep(MONITOR_EVERY_S)
             for job_id in list(self.live):
@@ -407,6 +411,25 @@ class Training:
                     await self._check(job_id)
                 except Exception as exc:  # noqa: BLE001 - checked again on the next tick
                     log.warning("checking fine-tuning job %s failed: %s", job_id, exc)
+            if time.monotonic() - keys_checked >= KEYS_EVERY_S:
+                keys_checked = time.monotonic()
+                await self._stop_revoked()
+
+    async def _stop_revoked(self) -> None:
+        """A job whose key was revoked is cancelled, as its owner would: the key journal (`coderai_keys`, written at
+        every revocation by the admin API and `coderai keys revoke`) is asked after the key of each running job."""
+        journal = KeyJournal(self.bus)
+        for job in [j for j in self.jobs.values() if j.status not in TERMINAL and j.key_name]:
+            try:
+                rec = await journal.by_name(job.key_name)
+            except Exception as exc:  # noqa: BLE001 - asked again at the next round
+                log.debug("cannot read key %s from the journal: %s", job.key_name, exc)
+                continue
+            if rec is None or not rec.revoked:
+                continue
+            log.info("fine-tuning job %s: key %s was revoked; cancelling it", job.id, job.key_name)
+            with contextlib.suppress(BusError):
+                await self._cancel(FineTuneCancel(job_id=job.id), None)
 
     async def _succeed(self, job_id: str) -> None:
         live = self.live.pop(job_id, None)

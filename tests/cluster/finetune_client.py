@@ -85,6 +85,12 @@ def main() -> None:
                        headers={"Authorization": f"Bearer {key}"}, timeout=30)
         r.raise_for_status()
         out = {"key": r.json()["key"]}
+    elif cmd == "revoke":
+        import httpx
+
+        r = httpx.post(base_url.removesuffix("/v1") + f"/admin/keys/{args[0]}/revoke",
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        out = {"status": r.status_code}
     else:
         raise SystemExit(f"unknown command {cmd}")
     print(json.dumps(out))

@@ -99,11 +99,12 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         qlora = client("create", file_id, "q", "1", "qlora")  # no bitsandbytes + CUDA here: a clear 400
         assert qlora["status"] == 400 and "bitsandbytes" in qlora["message"], qlora
 
-        def start(suffix: str, epochs: str, *valid_file: str, training: str = "") -> str:
+        def start(suffix: str, epochs: str, *valid_file: str, training: str = "", as_key: str = "") -> str:
             created: dict = {}
 
             def accepted() -> bool:  # node-b may not have joined yet: two nodes are asked for
-                created.update(client("create", training or file_id, suffix, epochs, "lora", *valid_file))
+                created.update(client("create", training or file_id, suffix, epochs, "lora", *valid_file,
+                                      as_key=as_key))
                 assert created["status"] in (200, 400), created
                 return created["status"] == 200
 
@@ -186,6 +187,18 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         wait_until(lambda: stopped in node.log_text() and stopped in head_log.read_text(), 30,
                    "both ranks of the cancelled job to stop")
         assert job(stop_me)["job"]["status"] == "cancelled"
+
+        # a key revoked while its job trains: the job is cancelled as its owner would, and stops on both nodes
+        own_file = client("upload", str(long_data), as_key=tenant)["id"]
+        doomed = start("ftr", "100", training=own_file, as_key=tenant)
+        wait_until(lambda: job(doomed)["job"]["status"] == "running", 60, "the tenant's job to run", interval_s=0.5)
+        assert client("revoke", "tenant-b")["status"] == 200
+        wait_until(lambda: job(doomed)["job"]["status"] == "cancelled", 30, "the revoked key's job to be cancelled",
+                   interval_s=0.5)
+        stopped = f"stopping training job {doomed}: cancelled"
+        wait_until(lambda: stopped in node.log_text() and stopped in head_log.read_text(), 30,
+                   "both ranks of the revoked key's job to stop")
+        print(f"a key revoked while its fine-tuning job ran: the job ended {job(doomed)['job']['status']}")
 
         # node-b's worker dies mid-job (its trainer dies with it): its reports stop, the job fails naming node-b
         third = start("ft3", "100", training=long_file)

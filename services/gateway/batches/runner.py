@@ -163,13 +163,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         """Whether the batch's key was revoked (or deleted) since it started: its batch is then cancelled, as its
         owner would, and runs no further line. Asked of the key store before each line (one Redis read, against a
         whole model request)."""
-        if who.key is None or self.gw.auth.store is None:
-            return False
-        try:
-            stored = await self.gw.auth.store.get(who.key.sha256)
-        except Exception:  # noqa: BLE001 - the key store blinked: asked again at the next line
-            return False
-        if stored is not None and not stored.revoked:
+        if not await self.gw.auth.revoked(who):
             return False
         log.info("batch %s: key %s was revoked; cancelling it", tenure.rec.id, who.key_name)
         if not tenure.cancelling:

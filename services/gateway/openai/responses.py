@@ -145,7 +145,7 @@ class ResponsesController(InferenceController):
             await self.responses.update(rec.id, body, [*rec.messages, assistant_message(body["output"])])
 
         self.responses.owners[rec.id] = rec.owner
-        self.responses.run(rec.id, work())
+        self.responses.run(rec.id, work(), call.who)
         return json_response(queued, headers={**call.response_headers(), **warn})
 
     @get("/{response_id:str}")

@@ -26,6 +26,9 @@ from coderai.gateway.state import Gateway
 
 log = logging.getLogger("coderai.gateway")
 
+REVOKE_CHECK_S = 5.0
+"""How often a running background response's key is asked after (one Redis read): a revoked key's work stops."""
+
 
 class StoredResponse(msgspec.Struct, kw_only=True):
     id: str
@@ -176,10 +179,12 @@ class Responses:
             await self.gw.redis.zrem(QUOTA.format(rec.owner), resp_id)
             await self.gw.redis.hdel(QUOTA.format(rec.owner) + ":bytes", resp_id)
 
-    def run(self, resp_id: str, work: Awaitable[None]) -> None:
-        """Run a background response's `work` as a task of this process (kept until done, cancellable)."""
+    def run(self, resp_id: str, work: Awaitable[None], who: Caller | None = None) -> None:
+        """Run a background response's `work` as a task of this process (kept until done, cancellable). While it
+        runs, `who`'s key is asked after every `REVOKE_CHECK_S`: revoked, the response is cancelled."""
 
         async def guarded() -> None:
+            watch = asyncio.create_task(self._watch_key(resp_id, who)) if who is not None else None
             try:
                 await work
             except asyncio.CancelledError:
@@ -187,10 +192,22 @@ class Responses:
             except Exception as exc:  # noqa: BLE001 - the outermost edge of a task nobody awaits
                 log.warning("background response %s failed: %s", resp_id, exc)
             finally:
+                if watch is not None:
+                    watch.cancel()
                 self.tasks.pop(resp_id, None)
                 self.owners.pop(resp_id, None)
 
         self.tasks[resp_id] = asyncio.create_task(guarded())
+
+    async def _watch_key(self, resp_id: str, who: Caller) -> None:
+        while True:
+            await asyncio.sleep(REVOKE_CHECK_S)
+            if await self.gw.auth.revoked(who):
+                log.info("background response %s: key %s was revoked; cancelling it", resp_id, who.key_name)
+                found = await self._entry(resp_id)
+                if found is not None:
+                    await self._cancelled(resp_id, found)
+                return
 
     async def cancel(self, who: Caller, resp_id: str) -> dict[str, Any]:
         """Cancel a background response: its status becomes cancelled and its engine job stops (when it runs in
@@ -201,16 +218,23 @@ class Responses:
                            code="invalid_request")
         if rec.response.get("status") not in ("queued", "in_progress"):
             return rec.response
-        body = {**rec.response, "status": "cancelled", "completed_at": None}
+        found = await self._entry(resp_id)
+        body = await self._cancelled(resp_id, found) if found is not None else None
+        return body if body is not None else (await self.get(who, resp_id)).response
+
+    async def _cancelled(self, resp_id: str, found: tuple[StoredResponse, int]) -> dict[str, Any] | None:
+        """The record (`found`: it and its revision) marked cancelled and its task here stopped; None when it
+        changed meanwhile (it finished: what it became stands)."""
         from nats.js.errors import KeyWrongLastSequenceError
 
-        found = await self._entry(resp_id)
-        if found is not None:
-            try:
-                await (await self.kv()).update(resp_id, encode(msgspec.structs.replace(found[0], response=body)),
-                                               last=found[1])
-            except KeyWrongLastSequenceError:  # it finished meanwhile: what it became
-                return (await self.get(who, resp_id)).response
+        rec, revision = found
+        if rec.response.get("status") not in ("queued", "in_progress"):
+            return None
+        body = {**rec.response, "status": "cancelled", "completed_at": None}
+        try:
+            await (await self.kv()).update(resp_id, encode(msgspec.structs.replace(rec, response=body)), last=revision)
+        except KeyWrongLastSequenceError:
+            return None
         task = self.tasks.pop(resp_id, None)
         if task is not None:
             task.cancel()

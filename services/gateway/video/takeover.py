@@ -58,10 +58,18 @@ class VideoJobs(Takeovers[VideoRecord]):
     def spawn(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
         self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, job, who)))
 
-    async def keepalive(self, tenure: Tenure, job_task: asyncio.Task) -> None:
-        """Touch the record while the job runs, so that no replica takes a live job for abandoned."""
+    async def keepalive(self, tenure: Tenure, job_task: asyncio.Task, who: Caller | None = None,
+                        revoked: list[bool] | None = None) -> None:
+        """Touch the record while the job runs, so that no replica takes a live job for abandoned; and ask after
+        its key at each tick: a revoked key's job is stopped (`revoked` says so to the job)."""
         while True:
             await asyncio.sleep(self.touch_every_s)
+            if who is not None and await self.gw.auth.revoked(who):
+                log.info("video job %s: key %s was revoked; stopping it", tenure.rec.id, who.key_name)
+                if revoked is not None:
+                    revoked.append(True)
+                job_task.cancel()
+                return
             if time.time() - tenure.rec.updated_at < self.touch_every_s:
                 continue  # the job's own writes kept it fresh
             try:
@@ -75,7 +83,8 @@ class VideoJobs(Takeovers[VideoRecord]):
 
     async def work(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
         gw, rec = self.gw, tenure.rec
-        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task()))
+        revoked: list[bool] = []
+        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task(), who, revoked))
         last = [0.0]
 
         async def on_chunk(chunk: Chunk) -> None:
@@ -97,6 +106,11 @@ class VideoJobs(Takeovers[VideoRecord]):
                                            completed_at=int(time.time()))
             except Superseded:
                 raise
+            except asyncio.CancelledError:
+                if not revoked:  # the gateway stops: another takes the job over
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                end = dict(status="failed", error="This API key has been revoked.", error_code="key_revoked")
             except ApiError as exc:
                 end = dict(status="failed", error=exc.message, error_code=exc.code)
             except Exception as exc:  # noqa: BLE001 - the outermost edge of a background job: record it
