@@ -92,7 +92,12 @@ def test_the_files_are_in_input_order_each_line_once_in_openais_shape():
 
     results = {2: res(2, 200), 0: res(0, 200), 1: res(1, 400), 3: res(3, None, error_code="batch_expired",
                                                                      error_message="too late")}
-    out, err = output.render(results)
+    spool = output.Spool()
+    for r in results.values():
+        spool.add(r)
+    (out_fh, _), (err_fh, _) = spool.file(True), spool.file(False)
+    out, err = out_fh.read(), err_fh.read()
+    spool.close()
     ok = [json.loads(x) for x in out.splitlines()]
     assert [x["custom_id"] for x in ok] == ["c0", "c2"]
     assert ok[0] == {"id": "batch_req_0", "custom_id": "c0", "error": None,

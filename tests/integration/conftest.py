@@ -20,6 +20,8 @@ def admin_key() -> str:
 
 
 FILE_QUOTA = 300_000
+FILE_COUNT = 8  # files one key may keep
+BATCHES_PER_KEY = 2  # batches one key may run at once
 """Bytes of files one key may keep in the shared stack (test_api checks the quota)."""
 
 
@@ -54,7 +56,9 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
     ]
     with running_stack(tmp_path_factory.mktemp("stack"), models, gateway_args=("--api-keys-file", str(keys_file)),
                        redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536",
-                                                             "CODERAI_GATEWAY_FILE_QUOTA_BYTES": str(FILE_QUOTA)},
+                                                             "CODERAI_GATEWAY_FILE_QUOTA_BYTES": str(FILE_QUOTA),
+                                                             "CODERAI_GATEWAY_FILE_QUOTA_COUNT": str(FILE_COUNT),
+                                                             "CODERAI_GATEWAY_BATCHES_PER_KEY": str(BATCHES_PER_KEY)},
                        headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as stack:
         yield stack
 

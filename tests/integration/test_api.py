@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from coderai.testing.procs import wait_until
+from tests.integration.conftest import BATCHES_PER_KEY, FILE_COUNT
 
 pytestmark = pytest.mark.slow
 
@@ -359,6 +360,35 @@ def test_a_keys_files_have_a_quota(api_stack, other_user_key):
     assert bob.files.delete(big.id).deleted
     again = bob.files.create(file=("b.bin", b"y" * 200_000), purpose="user_data")  # room again once deleted
     assert bob.files.delete(again.id).deleted
+
+
+def test_a_key_cannot_keep_files_or_run_batches_without_end(api_stack, other_user_key):
+    """Attack: one key uploads small files (each a record and an object) or starts batches until the store or the
+    gateways are full. Past its count of files and of running batches it gets a 429; deleting or cancelling makes
+    room."""
+    bob = openai.OpenAI(base_url=api_stack.base_url, api_key=other_user_key, max_retries=0, timeout=30)
+    kept = [bob.files.create(file=(f"f{i}.txt", b"x"), purpose="user_data")
+            for i in range(FILE_COUNT - len(bob.files.list().data))]
+    with pytest.raises(openai.RateLimitError) as err:
+        bob.files.create(file=("one-more.txt", b"x"), purpose="user_data")
+    assert err.value.body["code"] == "file_quota_exceeded"
+    for f in kept[1:]:
+        assert bob.files.delete(f.id).deleted
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",  # ghost: no engine, so
+                       "body": {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}}).encode() + b"\n"
+    source = bob.files.create(file=("b.jsonl", line), purpose="batch")  # ... its batches keep running
+    running = [bob.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+               for _ in range(BATCHES_PER_KEY)]
+    with pytest.raises(openai.RateLimitError) as err:
+        bob.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert err.value.body["code"] == "batch_quota_exceeded"
+    print(f"a key past {FILE_COUNT} files and {BATCHES_PER_KEY} running batches: 429 each")
+    for b in running:
+        bob.batches.cancel(b.id)
+    wait_until(lambda: all(bob.batches.retrieve(b.id).status == "cancelled" for b in running), 60,
+               "the batches to be cancelled")
+    for f in (kept[0], source):
+        assert bob.files.delete(f.id).deleted
 
 
 def test_a_key_sees_only_its_own_video_jobs(api_stack, user_key, other_user_key, admin_key):

@@ -1,11 +1,15 @@
 """A finished batch's output and error files, in OpenAI's format and in input order, kept as `/v1/files` files
 (purpose `batch_output`, owned by the batch's key) under the ids drawn when the batch was made: a finalizing that
-is done again (its gateway stopped half way) writes the same two files again, never a second copy."""
+is done again (its gateway stopped half way) writes the same two files again, never a second copy. The lines go
+from the bucket to the store through temporary files (`Spool`): a batch's answers are never all in memory."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
 import time
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 
@@ -23,26 +27,60 @@ def line_json(res: LineResult) -> dict[str, Any]:
     return {"id": res.id, "custom_id": res.custom_id, "response": response, "error": error}
 
 
-def render(results: dict[int, LineResult]) -> tuple[bytes, bytes]:
-    """The output file's bytes and the error file's, each line in input order."""
-    ok, failed = [], []
-    for i in sorted(results):
-        res = results[i]
-        (ok if res.ok else failed).append(msgspec.json.encode(line_json(res)) + b"\n")
-    return b"".join(ok), b"".join(failed)
+class Spool:
+    """A finished batch's lines on their way to its two files, never all in memory: each line is rendered and
+    written to a private temporary file as it is read (`add`), then copied out in input order into one temporary
+    file per kind (`file`), which the object store reads in chunks."""
+
+    def __init__(self) -> None:
+        self.fh = tempfile.TemporaryFile()  # 0600, and unlinked at once: nothing another user can open
+        self.at: dict[int, tuple[int, int, bool]] = {}  # line index -> (offset, length, ok)
+
+    def add(self, res: LineResult) -> None:
+        if res.index in self.at:
+            return
+        data = msgspec.json.encode(line_json(res)) + b"\n"
+        self.fh.seek(0, os.SEEK_END)
+        self.at[res.index] = (self.fh.tell(), len(data), res.ok)
+        self.fh.write(data)
+
+    def file(self, ok: bool) -> tuple[IO[bytes], int] | None:
+        """The lines of one kind (answered, or not), in input order, in a temporary file read from its start,
+        and its size; None when there are none. Blocking: run it in a thread."""
+        out = tempfile.TemporaryFile()
+        for i in sorted(self.at):
+            offset, length, good = self.at[i]
+            if good == ok:
+                self.fh.seek(offset)
+                out.write(self.fh.read(length))
+        size = out.tell()
+        if not size:
+            out.close()
+            return None
+        out.seek(0)
+        return out, size
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for _, _, ok in self.at.values() if ok)
+
+    def close(self) -> None:
+        self.fh.close()
 
 
-async def write(records: Any, rec: BatchRecord, results: dict[int, LineResult]) -> tuple[str | None, str | None]:
+async def write(records: Any, rec: BatchRecord, spool: Spool) -> tuple[str | None, str | None]:
     """Keep both files (an empty one is not kept: its id stays None); their ids."""
-    out, err = render(results)
     ids = []
-    for file_id, data, what in ((rec.out_id, out, "output"), (rec.err_id, err, "error")):
-        if not data:
+    for file_id, ok, what in ((rec.out_id, True, "output"), (rec.err_id, False, "error")):
+        got = await asyncio.to_thread(spool.file, ok)
+        if got is None:
             ids.append(None)
             continue
-        meta = FileRecord(id=file_id, bytes=len(data), created_at=int(time.time()),
-                          filename=f"{rec.id}_{what}.jsonl", purpose="batch_output", owner=rec.key_name)
-        await (await records.files()).put(file_id, data)
+        fh, size = got
+        with fh:
+            meta = FileRecord(id=file_id, bytes=size, created_at=int(time.time()),
+                              filename=f"{rec.id}_{what}.jsonl", purpose="batch_output", owner=rec.key_name)
+            await (await records.files()).put(file_id, fh)
         await (await records.kv()).put(file_id, encode(meta))
         ids.append(file_id)
     return ids[0], ids[1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -173,20 +174,40 @@ class Tenure:
         self.rec, self.revision = current, entry.revision
 
 
-async def read_lines(kv: Any, batch_id: str) -> dict[int, LineResult]:
-    """Every stored result of a batch's lines, by index (one watch replaying the batch's keys)."""
-    out: dict[int, LineResult] = {}
+async def each_line(kv: Any, batch_id: str, take: Callable[[LineResult], None]) -> None:
+    """Every stored result of a batch's lines, handed to `take` one by one as one watch replays the batch's keys:
+    never all of them in memory at once (a batch's answers can be far larger than a gateway's memory)."""
     watcher = await kv.watch(f"{batch_id}.*", ignore_deletes=True)
     try:
         while True:
             entry = await watcher.updates(timeout=10)
             if entry is None:
-                return out
+                return
             if entry.value:
-                res = msgspec.json.decode(entry.value, type=LineResult)
-                out[res.index] = res
+                take(msgspec.json.decode(entry.value, type=LineResult))
     finally:
         await watcher.stop()
+
+
+class Tally:
+    """What a batch's answered lines add up to, without their bodies: which lines are done, and the counts."""
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()
+        self.completed = self.failed = self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, res: LineResult) -> None:
+        if res.index in self.done:
+            return
+        self.done.add(res.index)
+        self.completed += res.ok
+        self.failed += not res.ok
+        self.prompt_tokens += res.prompt_tokens
+        self.completion_tokens += res.completion_tokens
+
+    def counts(self) -> dict[str, int]:
+        return dict(completed=self.completed, failed=self.failed, prompt_tokens=self.prompt_tokens,
+                    completion_tokens=self.completion_tokens)
 
 
 async def store_line(kv: Any, batch_id: str, res: LineResult) -> bool:

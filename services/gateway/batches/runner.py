@@ -23,7 +23,7 @@ from coderai.contracts.topology import BATCH_LINES, BATCHES
 from coderai.gateway.auth import Caller
 from coderai.gateway.batches import output, queue, validation
 from coderai.gateway.batches.records import (
-    RUNNING, BatchRecord, LineError, LineResult, Superseded, Tenure, claim, due, read_lines, store_line,
+    RUNNING, BatchRecord, LineError, LineResult, Superseded, Tenure, claim, due, Tally, each_line, store_line,
 )
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import new_request_id
@@ -128,10 +128,11 @@ class BatchRunner(Takeovers[BatchRecord]):
                 lines, who = await self.reload(tenure)
                 if lines is None or who is None:
                     return
-            results = await read_lines(await self.kv(BATCH_LINES), tenure.rec.id)
-            await self.count(tenure, results)
+            tally = Tally()
+            await each_line(await self.kv(BATCH_LINES), tenure.rec.id, tally.add)
+            await self.count(tenure, tally)
             if tenure.rec.status in ("in_progress", "cancelling"):
-                await self.run_lines(tenure, [ln for ln in lines if ln.index not in results], who, results)
+                await self.run_lines(tenure, [ln for ln in lines if ln.index not in tally.done], who, tally)
             await self.finalize(tenure, lines)
         except Superseded as exc:
             log.warning("batch %s: %s; stopping here", tenure.rec.id, exc)
@@ -172,7 +173,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         return True
 
     async def run_lines(self, tenure: Tenure, todo: list[validation.Line], who: Caller,
-                        results: dict[int, LineResult]) -> None:
+                        tally: Tally) -> None:
         """Every line not answered yet, in order, a bounded number on the queue at a time."""
         tasks: set[asyncio.Task] = set()
         try:
@@ -187,7 +188,7 @@ class BatchRunner(Takeovers[BatchRecord]):
                     for task in tasks:
                         task.cancel()
                     break
-                task = asyncio.create_task(self.one(tenure, line, who, lane, results))
+                task = asyncio.create_task(self.one(tenure, line, who, lane, tally))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             if tasks:
@@ -197,7 +198,7 @@ class BatchRunner(Takeovers[BatchRecord]):
                 task.cancel()
 
     async def one(self, tenure: Tenure, line: validation.Line, who: Caller, lane: queue.Lane,
-                  results: dict[int, LineResult]) -> None:
+                  tally: Tally) -> None:
         try:
             res = await self.answer(line, who, lane)
         finally:
@@ -208,8 +209,8 @@ class BatchRunner(Takeovers[BatchRecord]):
                                 "line.", type="server_error", code="response_too_large")
             res = msgspec.structs.replace(res, status_code=500, body=msgspec.Raw(err.encode()))
         if await store_line(await self.kv(BATCH_LINES), tenure.rec.id, res):
-            results[line.index] = res
-            await self.count(tenure, results)
+            tally.add(res)
+            await self.count(tenure, tally)
 
     async def answer(self, line: validation.Line, who: Caller, lane: queue.Lane) -> LineResult:
         """The line run as a request of `who`'s: its answer, or the error a request would have got."""
@@ -238,11 +239,8 @@ class BatchRunner(Takeovers[BatchRecord]):
                               body=msgspec.Raw(encode(body)), prompt_tokens=final.usage.prompt_tokens,
                               completion_tokens=final.usage.completion_tokens)
 
-    async def count(self, tenure: Tenure, results: dict[int, LineResult]) -> None:
-        ok = sum(1 for r in results.values() if r.ok)
-        counts = dict(completed=ok, failed=len(results) - ok,
-                      prompt_tokens=sum(r.prompt_tokens for r in results.values()),
-                      completion_tokens=sum(r.completion_tokens for r in results.values()))
+    async def count(self, tenure: Tenure, tally: Tally) -> None:
+        counts = tally.counts()
         if any(getattr(tenure.rec, k) != v for k, v in counts.items()):
             await tenure.save(**counts)
 
@@ -253,16 +251,20 @@ class BatchRunner(Takeovers[BatchRecord]):
             end = "cancelled" if tenure.cancelling else "expired" if now >= tenure.rec.expires_at else "completed"
             await tenure.save(status="finalizing", finalizing_at=int(now), ending=end)
         end = tenure.rec.ending or "completed"
-        results = await read_lines(await self.kv(BATCH_LINES), tenure.rec.id)
-        if end == "expired":
-            for ln in lines:
-                if ln.index not in results:
-                    results[ln.index] = LineResult(
-                        index=ln.index, custom_id=ln.custom_id, id="batch_req_" + secrets.token_hex(16),
-                        error_code="batch_expired",
-                        error_message="This request could not be executed before the completion window expired.")
-        out_id, err_id = await output.write(self.records, tenure.rec, results)
-        ok = sum(1 for r in results.values() if r.ok)
+        spool = output.Spool()
+        try:
+            await each_line(await self.kv(BATCH_LINES), tenure.rec.id, spool.add)
+            if end == "expired":
+                for ln in lines:
+                    if ln.index not in spool.at:
+                        spool.add(LineResult(
+                            index=ln.index, custom_id=ln.custom_id, id="batch_req_" + secrets.token_hex(16),
+                            error_code="batch_expired",
+                            error_message="This request could not be executed before the completion window expired."))
+            out_id, err_id = await output.write(self.records, tenure.rec, spool)
+            ok, total = spool.completed, len(spool.at)
+        finally:
+            spool.close()
         await tenure.save(status=end, **{f"{end}_at": int(time.time())}, output_file_id=out_id, error_file_id=err_id,
-                          completed=ok, failed=len(results) - ok)
+                          completed=ok, failed=total - ok)
 

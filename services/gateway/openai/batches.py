@@ -13,7 +13,7 @@ from litestar.params import FromPath
 from nats.js.errors import KeyNotFoundError
 
 from coderai.gateway.auth import Caller
-from coderai.gateway.batches.records import WINDOWS, BatchRecord, batch_json
+from coderai.gateway.batches.records import RUNNING, WINDOWS, BatchRecord, batch_json
 from coderai.gateway.batches.runner import BatchRunner
 from coderai.gateway.batches.validation import ENDPOINTS
 from coderai.gateway.errors import ApiError
@@ -56,6 +56,14 @@ class BatchesController(InferenceController):
         req = await read_json(request, BatchRequest)
         _check(req)
         await self.gw.accounts.admit(who, None)  # rates and a spent budget; each line is admitted as it runs
+        most = self.gw.settings.batches_per_key
+        if most:
+            running = sum(1 for r in (await read_all(await self.batches.kv(), BatchRecord)).values()
+                          if r.key_name == who.key_name and r.status in RUNNING)
+            if running >= most:
+                raise ApiError(429, f"This key runs {running} batches already, its most; wait for one to end or "
+                                    "cancel one.", type="rate_limit_error", code="batch_quota_exceeded",
+                               headers={"Retry-After": str(self.gw.settings.retry_after_s)})
         file = await self.records.own_file(who, req.input_file_id, "input_file_id")
         if file.purpose != "batch":
             raise ApiError(400, f"The file {file.id} has purpose '{file.purpose}'; a batch reads a file uploaded with "

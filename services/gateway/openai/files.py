@@ -132,13 +132,17 @@ class FilesController(InferenceController):
                 named = f" {up.filename}" if up.filename else ""
                 raise ApiError(400, f"Invalid fine-tuning file{named}: {exc}", param="file",
                                code="invalid_file_format") from None
-        quota = self.gw.settings.file_quota_bytes
-        if quota:
-            kept = sum(r.bytes for r in await self.records.all("file-", FileRecord) if r.owner == who.key_name)
-            if kept + len(up.data) > quota:
+        quota, most = self.gw.settings.file_quota_bytes, self.gw.settings.file_quota_count
+        if quota or most:
+            own = [r.bytes for r in await self.records.all("file-", FileRecord) if r.owner == who.key_name]
+            kept = sum(own)
+            if quota and kept + len(up.data) > quota:
                 raise ApiError(429, f"This key keeps {kept} bytes of files; {len(up.data)} more would pass its quota of "
                                     f"{quota} bytes. Delete files it no longer needs.", type="insufficient_quota",
                                param="file", code="file_quota_exceeded")
+            if most and len(own) >= most:
+                raise ApiError(429, f"This key keeps {len(own)} files, its quota. Delete files it no longer needs.",
+                               type="insufficient_quota", param="file", code="file_quota_exceeded")
         rec = FileRecord(id="file-" + secrets.token_hex(12), bytes=len(up.data), created_at=int(time.time()),
                          filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples,
                          owner=who.key_name)
