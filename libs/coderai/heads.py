@@ -77,6 +77,8 @@ class Invite(msgspec.Struct, kw_only=True):
     route_password: str
     service_password: str
     redis_password: str
+    service_passwords: dict[str, str] = {}  # each head service's own NATS password (members.SERVICE_ROLES), by role:
+    # every head accepts every head's services (one reconnects to another head when its own dies), so they share them
     cluster_token: str = ""
     members: str = ""  # members.json
     models: str = ""  # models.toml
@@ -155,6 +157,9 @@ def install(data: Path, invite: Invite) -> None:
     for name, value in (("nats-service.password", invite.service_password), ("redis.password", invite.redis_password),
                         ("route.password", invite.route_password)):
         members.write_secret(data / "secrets" / name, value)
+    for role, password in invite.service_passwords.items():
+        if role in members.SERVICE_ROLES:
+            members.write_secret(data / "secrets" / members.service_secret(role), password)
     if invite.cluster_token:
         members.write_secret(data / "secrets" / "cluster.token", invite.cluster_token)
     if invite.seal_key:
@@ -404,6 +409,8 @@ def invite_main(argv: list[str]) -> int:
                     ca_pem=(tls / "ca.pem").read_text(), ca_key_pem=(tls / "ca-key.pem").read_text(), cert_pem=cert,
                     key_pem=key, route_password=members.read_secret(sec / "route.password"),
                     service_password=members.read_secret(sec / "nats-service.password"),
+                    service_passwords={role: members.read_secret(sec / members.service_secret(role))
+                                       for role in members.SERVICE_ROLES if (sec / members.service_secret(role)).exists()},
                     redis_password=members.read_secret(sec / "redis.password"), cluster_token=token,
                     members=(data / "nats" / "members.json").read_text(),
                     models=models.read_text() if models.exists() else "",

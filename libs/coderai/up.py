@@ -319,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         except EmbeddedServerError as exc:
             print(f"coderai up: {exc}", file=sys.stderr)
             return 2
-        service_url = with_user(nats.url, members.SERVICE_USER, service_password)
+        service_url = with_user(nats.url, members.SERVICE_USER, service_password)  # this process's bootstrap only
+        service_passwords = {role: members.read_secret(data / "secrets" / members.service_secret(role))
+                             for role in members.SERVICE_ROLES}
         if args.head:
             known = asyncio.run(heads.take_place(service_url, tls, me, data))
             if invite is not None:
@@ -358,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             gateway_args.append("--no-auth")
         else:
             gateway_args += ["--api-keys-file", str(keys_file)]
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | {
-            "CODERAI_NATS_URL": service_url,
+        # each service logs in as its own user, with its own password and rights (members.service_permissions);
+        # none is handed the `service` login, which has every right (this process's own bootstrap keeps it)
+        env = {k: v for k, v in os.environ.items()
+               if k not in SECRET_ENV and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")} | {
+            "CODERAI_NATS_URL": nats.url,
             "CODERAI_DATA_DIR": str(data),
             "CODERAI_NODE_ID": worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
             "CODERAI_LOG_FORMAT": "json",
@@ -405,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             ("gateway", "coderai.gateway", gateway_args, env),
         ]:
             if child_env is not None:
+                if name in members.SERVICE_ROLES:
+                    child_env = child_env | {"CODERAI_NATS_URL": with_user(nats.url, members.service_user(name),
+                                                                            service_passwords[name])}
                 sup.add(Child(name, py + [module, *extra], child_env, data / "logs" / f"{name}.log"))
         run = data / "run"
         run.mkdir(exist_ok=True)

@@ -5,9 +5,11 @@ joined through one head logs in at any head, and a revocation or a pod's expiry 
 
 The bucket is the truth of membership (nodes, pods, revocations) once it holds one: a scheduler that starts leading
 takes the bucket's members over its own files (which may be stale: a head that was partitioned), and publishes its
-files only into an empty bucket (the first head, or one upgraded from a single head). The service and join logins
-are each head's own configuration and are never taken from the bucket: a head started without a cluster token
-lets nobody join, whatever another head's registry says."""
+files only into an empty bucket (the first head, or one upgraded from a single head). The service, per-service
+(`svc-*`) and join logins are each head's own configuration and are never taken from the bucket: a head started
+without a cluster token lets nobody join, whatever another head's registry says. Every head accepts every head's
+services all the same (a service reconnects to any head when its own dies) because a head that joins by invite
+takes the first head's service passwords with it (heads.py `Invite`), so every head holds the same hashes."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ class HeadFiles:
     def write(self, reg: members.Registry, newer_only: bool = True) -> bool:
         """Make this head's files hold `reg`'s members and revocations, and reload nats-server; False when they
         already did, or (`newer_only`) when this head's registry is as new or newer: the echo of a change this head
-        made itself must not undo the one it made next. The service and join logins stay this head's own: they are
-        its configuration (the join user follows the cluster token it was started with), not membership."""
+        made itself must not undo the one it made next. The service, per-service and join logins stay this head's own:
+        they are its configuration (the join user follows the cluster token it was started with), not membership."""
         from coderai.scheduler.membership import reload_nats
 
         with members.file_lock(self.members_file):
@@ -50,7 +52,8 @@ class HeadFiles:
             if local is not None:
                 if newer_only and reg.version <= local.version:
                     return False
-                reg = msgspec.structs.replace(reg, service_hash=local.service_hash, join_hash=local.join_hash)
+                reg = msgspec.structs.replace(reg, service_hash=local.service_hash, services=local.services,
+                                              join_hash=local.join_hash)
             if local == reg:
                 return False
             members.save(self.members_file, reg)

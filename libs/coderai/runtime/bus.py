@@ -26,7 +26,7 @@ from nats.errors import Error as NatsError
 from coderai.contracts import BusError, ErrorReply, KeepAlive, decode, encode, why_malformed
 from coderai.contracts.subjects import Subject
 from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
-from coderai.runtime.nats_conn import close_nats, connect, split_urls
+from coderai.runtime.nats_conn import close_nats, connect, split_urls, url_user
 
 log = logging.getLogger("coderai.bus")
 
@@ -177,11 +177,20 @@ class Bus:
         self._handout_sub: Any = None
         self.replicas = 1  # streams and buckets made (or found with fewer) get this many (CODERAI_NATS_REPLICAS)
         self.fitted: set[str] = set()  # streams whose replica count this connection has checked
+        self.role = ""  # the head service this connection logs in as (members.SERVICE_ROLES); '': any other login
 
     @classmethod
     async def connect(cls, url: str, name: str, **kw: Any) -> "Bus":
+        """Connect to `url` as the user it names. A head service's user (`svc-<role>`) gets its role's own inbox
+        prefix, the only inbox its rights let it subscribe to (members.service_inbox)."""
+        from coderai.runtime.members import service_inbox, service_role
+
+        role = service_role(url_user(url))
+        if role and not kw.get("inbox_prefix"):
+            kw["inbox_prefix"] = service_inbox(role)
         made: list[Bus] = []  # the error callback is wired before the Bus exists
         bus = cls(await connect(url, name, on_refused=lambda subject: made and made[0].refuse(subject), **kw))
+        bus.role = role
         made.append(bus)
         return bus
 
@@ -194,15 +203,18 @@ class Bus:
 
     @classmethod
     async def connect_as(cls, settings: Any, name: str, url: str = "", **kw: Any) -> "Bus":
-        """Connect a service with the credentials in its settings' NATS URL (or the password file it names)."""
+        """Connect a service with the credentials in its settings' NATS URL (or the password file it names: a
+        service's own file, `nats-svc-<role>.password`, logs in as `svc-<role>`; any other as `service`)."""
         url = url or settings.nats_url or DEFAULT_NATS_URL
         password_file = getattr(settings, "nats_password_file", "")
         if password_file:
             from coderai.runtime.cluster import with_user
-            from coderai.runtime.members import SERVICE_USER, read_secret
+            from coderai.runtime.members import SERVICE_USER, file_user, read_secret
 
-            password = read_secret(Path(os.path.expanduser(password_file)))
-            url = ",".join(with_user(u, SERVICE_USER, password) for u in split_urls(url))
+            path = Path(os.path.expanduser(password_file))
+            password = read_secret(path)
+            user = file_user(path.name) or SERVICE_USER
+            url = ",".join(with_user(u, user, password) for u in split_urls(url))
         ca = getattr(settings, "nats_ca", "")
         if ca and "tls" not in kw:
             from coderai.runtime.tls import ca_text, client_context

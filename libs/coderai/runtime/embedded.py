@@ -188,7 +188,8 @@ class NatsServer(_Server):
     @classmethod
     def secured(cls, data_dir: str | os.PathLike, token: str = "", **kw) -> "NatsServer":
         """A server whose users come from a fresh member registry (runtime/members.py), as `coderai up` runs it:
-        `service_url` logs in as the services do, `add_node()` makes a node user as a join would."""
+        `service_url` logs in as `service` (every right: the operator's login), `role_url(role)` as head service
+        `role` does (its own user and rights), `add_node()` makes a node user as a join would."""
         from coderai.runtime import members
 
         data = Path(data_dir)
@@ -196,6 +197,7 @@ class NatsServer(_Server):
         server = cls(data, users_file=data / "users.conf", **kw)
         server.members_file = data / "members.json"
         server.service_password = password
+        server.service_passwords = members.add_services(reg)
         members.save(server.members_file, reg)
         members.write_users(server.users_file, reg)
         return server
@@ -206,6 +208,14 @@ class NatsServer(_Server):
 
         password = getattr(self, "service_password", "")
         return with_user(self.url, "service", password) if password else self.url
+
+    def role_url(self, role: str) -> str:
+        """The URL head service `role` (members.SERVICE_ROLES) logs in with on a `secured` server; `url` elsewhere."""
+        from coderai.runtime import members
+        from coderai.runtime.cluster import with_user
+
+        password = getattr(self, "service_passwords", {}).get(role, "")
+        return with_user(self.url, members.service_user(role), password) if password else self.url
 
     def add_node(self, node_id: str, kind: str = "node", timeout_s: float = 10.0) -> str:
         """Make `node_id` a member now (the users file rewritten, the server reloaded); its URL with credentials."""

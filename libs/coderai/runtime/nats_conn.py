@@ -20,12 +20,28 @@ from coderai.contracts import BusError
 log = logging.getLogger("coderai.bus")
 
 _REFUSED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)', re.IGNORECASE)
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "?([^"\s]+)', re.IGNORECASE)
 
 
 def refused_subject(text: str) -> str:
     """The subject of a NATS 'Permissions Violation for Publish to "<subject>"' error, else ''."""
     m = _REFUSED_PUBLISH.search(text)
     return m.group(1) if m else ""
+
+
+def violation(text: str) -> tuple[str, str] | None:
+    """("publish" or "subscription", subject) of a NATS 'Permissions Violation for Publish to "<subject>"' (or
+    'for Subscription to') error, else None."""
+    m = _VIOLATION.search(text)
+    return (m.group(1).lower(), m.group(2)) if m else None
+
+
+def url_user(url: str) -> str:
+    """The user the (first) URL of `url` logs in as, '' without one."""
+    for part in map(urlsplit, split_urls(url)):
+        if part.username:
+            return unquote(part.username)
+    return ""
 
 
 async def connect(
@@ -53,14 +69,27 @@ async def connect(
             await on_disconnect()
 
     said = ""
+    told: dict[tuple[str, str], float] = {}  # refusals logged, when
     safe_url = _without_credentials(url)
 
     async def _error(exc: Exception) -> None:
         nonlocal said
         text = str(exc)
-        if "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token or a missing right: say it once
-            if on_refused is not None and (subject := refused_subject(text)):
+        refused = violation(text)
+        if refused is not None:
+            # a right this login lacks: loud (at ERROR, with the subject), so a missing right shows in the logs and
+            # the tests instead of as a message that silently never arrived; a repeat within a minute is not logged
+            what, subject = refused
+            if on_refused is not None and what == "publish":
                 on_refused(subject)
+            now, last = time.monotonic(), told.get(refused)
+            if last is None or now - last >= 60.0:
+                if len(told) > 1000:
+                    told.clear()
+                told[refused] = now
+                log.error("NATS refused %s %s to %r: this login (%s) has no right to it", name, what, subject,
+                          url_user(url) or "anonymous")
+        elif "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token: say it once
             if text != said:
                 said = text
                 log.warning("NATS at %s says: %s", safe_url, text)

@@ -16,8 +16,11 @@ INSUFFICIENT_STORAGE = 10047  # JetStream's error code: a stream or store asks f
 
 async def fit_replicas(bus: Any, stream: str) -> None:
     """Raise `stream` to the bus's replica count, once per connection; nats-server moves its data online. Left as
-    it is where the caller may not (a node's rights name no stream API) or the cluster has too few servers."""
-    if bus.replicas <= 1 or stream in bus.fitted:
+    it is where the caller may not (a node's rights name no stream API, a service's only those of the streams it
+    writes: members.manages; the heads' Keeper raises the rest) or the cluster has too few servers."""
+    from coderai.runtime.members import manages
+
+    if bus.replicas <= 1 or stream in bus.fitted or not manages(getattr(bus, "role", ""), stream):
         return
     bus.fitted.add(stream)
     try:

@@ -14,6 +14,11 @@ from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 
 
+SERVICE_MODULES = {"coderai.gateway": "gateway", "coderai.router": "router", "coderai.scheduler": "scheduler",
+                   "coderai.pod_broker": "pod-broker", "coderai.metrics": "metrics"}
+"""Each head service's module and its role (members.SERVICE_ROLES)."""
+
+
 class Stack:
     """Services started one by one; `stop()` ends them all. Env vars in `extra_env` reach every service."""
 
@@ -36,6 +41,12 @@ class Stack:
 
     def start(self, name: str, module: str, args: list[str] | None = None, env: dict[str, str] | None = None,
               ready: str | None = '"msg": "ready"', timeout_s: float = 60.0) -> ServiceProcess:
+        """Start `module` as `name`. On a secured NATS (`stack.nats`, NatsServer.secured) a head service logs in
+        as its own user with its own rights, as under `coderai up`, unless `env` names a NATS URL of its own."""
+        role = SERVICE_MODULES.get(module, "")
+        nats = getattr(self, "nats", None)
+        if role and getattr(nats, "service_passwords", None) and "CODERAI_NATS_URL" not in (env or {}):
+            env = {**(env or {}), "CODERAI_NATS_URL": nats.role_url(role)}
         p = ServiceProcess(name, module, args or [], {**self.env, **(env or {})}, self.root / "logs",
                            python=self.python).start()
         self.procs[name] = p
