@@ -84,6 +84,7 @@ class Invite(msgspec.Struct, kw_only=True):
     models: str = ""  # models.toml
     keys: str = ""  # keys.toml (hashes only): the first head's admin key works at every gateway
     seal_key: str = ""  # secrets/reasoning-seal.key: reasoning one head's gateway signed, every head's takes back
+    blob_url_key: str = ""  # secrets/blob-url.key: a blob URL one head's gateway signed, every head's serves
 
 
 def _host(address: str) -> str:
@@ -164,6 +165,8 @@ def install(data: Path, invite: Invite) -> None:
         members.write_secret(data / "secrets" / "cluster.token", invite.cluster_token)
     if invite.seal_key:
         members.write_secret(data / "secrets" / "reasoning-seal.key", invite.seal_key)
+    if invite.blob_url_key:
+        members.write_secret(data / "secrets" / "blob-url.key", invite.blob_url_key)
     if invite.members and not (data / "nats" / "members.json").exists():
         _private(data / "nats" / "members.json", invite.members.encode())
     if invite.models and not (data / "models.toml").exists():
@@ -415,7 +418,8 @@ def invite_main(argv: list[str]) -> int:
                     members=(data / "nats" / "members.json").read_text(),
                     models=models.read_text() if models.exists() else "",
                     keys=keys.read_text() if keys.exists() else "",
-                    seal_key=members.ensure_secret(sec / "reasoning-seal.key"))
+                    seal_key=members.ensure_secret(sec / "reasoning-seal.key"),
+                    blob_url_key=members.ensure_secret(sec / "blob-url.key"))
     _private(Path(args.out), msgspec.json.encode(invite))
     print(f"invite for a head at {args.address} written to {args.out} (good for {args.ttl:.0f} s; it holds the "
           "cluster's keys: copy it privately, delete it once used).\n"

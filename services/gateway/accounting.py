@@ -16,10 +16,11 @@ from nats.errors import Error as NatsError
 from redis.exceptions import RedisError
 
 from coderai.accounts.limits import Limited, Limiter, Reservation
-from coderai.contracts import ModelConfig, RequestCompleted, Usage
+from coderai.contracts import ImageJob, ModelConfig, RequestCompleted, Usage
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError, unknown_model
 from coderai.gateway.outbox import Outbox
+from coderai.media_work import OverLimit, Work, work_of
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus
 from coderai.runtime.tracing import NO_SPAN
@@ -30,9 +31,13 @@ log = logging.getLogger("coderai.gateway")
 def estimate_cost(cfg: ModelConfig, job: Any) -> float:
     """A generous cost estimate for budget reservations: prompt tokens as half the characters of the request's
     JSON (tokenizers give about 3-4 characters a token, and templates add a few), plus every token it may generate
-    (max_tokens, else the whole context)."""
-    if not hasattr(job, "params"):  # a media job: its text (prompt, input, documents) is what is priced
-        return (len(msgspec.json.encode(job)) / 2 + 16) * cfg.price_prompt_per_mtok / 1e6
+    (max_tokens, else the whole context); an image or video job adds the whole work it asks for (`media_work`)."""
+    if not hasattr(job, "params"):  # a media job: its text (prompt, input, documents), and its pixels x steps
+        if isinstance(job, ImageJob):  # the prompt is read once per picture; the pictures sent are no tokens
+            prompt = (len(msgspec.json.encode(msgspec.structs.replace(job, image=None, mask=None))) / 2 + 16) * job.n
+        else:
+            prompt = len(msgspec.json.encode(job)) / 2 + 16
+        return prompt * cfg.price_prompt_per_mtok / 1e6 + work_price(cfg, work_of(cfg.params, job))
     text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
     prompt = len(text) / 2 + 16
     n = max(1, job.params.n) * (len(job.prompt) if isinstance(getattr(job, "prompt", None), list) else 1)
@@ -96,8 +101,23 @@ def checked_usage(usage: Usage, prompt_most: int, completion_most: int) -> tuple
     return checked, ", ".join(why)
 
 
-def price(cfg: ModelConfig, usage: Usage) -> float:
-    return (usage.prompt_tokens * cfg.price_prompt_per_mtok + usage.completion_tokens * cfg.price_completion_per_mtok) / 1e6
+def price(cfg: ModelConfig, usage: Usage, work: Work | None = None) -> float:
+    """What a request costs: its tokens at the model's prices, and the image or video work it was given."""
+    return (usage.prompt_tokens * cfg.price_prompt_per_mtok + usage.completion_tokens * cfg.price_completion_per_mtok) / 1e6 \
+        + work_price(cfg, work)
+
+
+def work_price(cfg: ModelConfig, work: Work | None) -> float:
+    return work.mpixel_steps * cfg.price_per_mpixel_step if work is not None else 0.0
+
+
+def checked_work(cfg: ModelConfig, job: Any) -> Work | None:
+    """The work an image or video job asks for (None for other jobs); past the model's limits (its size, steps,
+    n or frames) a 400 naming the param, before any budget is reserved or any engine sees the job."""
+    try:
+        return work_of(cfg.params, job)
+    except OverLimit as exc:
+        raise ApiError(400, exc.message, param=exc.param, code="invalid_value") from None
 
 
 class Trace:
@@ -188,13 +208,25 @@ class Accounts:
         try:
             held = await self.limiter.admit(key.name, key.rpm, key.tpm, key.budget_usd, key.budget_period, estimate)
         except Limited as lim:
-            code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
-            raise ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
-                           headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))}) from None
+            raise _over(lim) from None
         except (OSError, RedisError, NatsError) as exc:  # NATS: an emptied Redis's spend not read back from EVENTS
             raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
                            code="key_store_unavailable", headers={"Retry-After": "5"}) from None
         return Admission(cfg, held)
+
+    async def check_budget(self, who: Caller, cfg: ModelConfig, job: Any) -> None:
+        """A 429 `insufficient_quota` now if `job`'s estimate would pass the key's budget; nothing is reserved (the
+        job reserves when it runs: `admit`)."""
+        key = who.key
+        if key is None or not key.budget_usd or self.limiter is None:
+            return
+        try:
+            await self.limiter.check_budget(key.name, key.budget_usd, key.budget_period, estimate_cost(cfg, job))
+        except Limited as lim:
+            raise _over(lim) from None
+        except (OSError, RedisError) as exc:
+            raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
+                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
 
     async def refresh(self, held: Reservation) -> None:
         if self.limiter is not None:
@@ -214,6 +246,12 @@ class Accounts:
         trace.end(done)
         self.outbox.put(done)
         log_completed(done)
+
+
+def _over(lim: Limited) -> ApiError:
+    code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
+    return ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
+                    headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))})
 
 
 def log_completed(done: RequestCompleted) -> None:

@@ -28,7 +28,8 @@ from coderai.contracts import (
 from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
-from coderai.gateway.accounting import NO_TRACE, Admission, Trace, allowed, checked_usage, price, usage_ceiling
+from coderai.gateway.accounting import (NO_TRACE, Admission, Trace, allowed, checked_usage, checked_work, price,
+                                       usage_ceiling)
 from coderai.gateway.auth import Caller
 from coderai.gateway import affinity, seal
 from coderai.gateway.bounds import check_schemas
@@ -38,6 +39,7 @@ from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, priority_var, until_disconnect
 from coderai.gateway.relay import next_frame
 from coderai.gateway.state import Gateway
+from coderai.media_work import Work
 from coderai.runtime import tracing
 from coderai.runtime.bus import FrameStream
 
@@ -111,7 +113,7 @@ class Call:
     __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
                  "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
                  "encoded", "_refresher", "admitted", "_finished", "keep_alive_s",
-                 "on_loading", "client_id")
+                 "on_loading", "client_id", "work")
 
     def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None,
                  keep_alive_s: float | None = None, client_id: str | None = None) -> None:
@@ -135,6 +137,7 @@ class Call:
         self.parts = 0
         self.ttft_s: float | None = None
         self.usage = Usage()
+        self.work: Work | None = None  # an image or video job's pixels x steps, billed once an engine took it
         self.status, self.http_status = "ok", 200
         self.encoded: bytes | None = None  # the job as sent, once measured
         self._refresher: asyncio.Task | None = None
@@ -180,6 +183,8 @@ class Call:
         if self.spec.llm:
             self.scope_cache(cfg)
             check_schemas(self.job)  # a grammar's cost grows with its schema's nesting: bounded before it is built
+        if not self.spec.llm:  # an image's or video's pixels x steps within the model's limits, priced before any GPU works
+            self.work = checked_work(cfg, self.job)
         if not self.spec.blobs:  # measured by encoding it once: the bytes are what is sent
             self.encoded = self.check_size(self.job)
         self.admission = await self.gw.accounts.admit(self.who, cfg, self.job)
@@ -314,9 +319,16 @@ class Call:
             op=self.op, status=self.status, http_status=self.http_status, engine_id=self.engine_id,  # type: ignore[arg-type]
             node_id=self.node_id, duration_s=time.monotonic() - self.started, ttft_s=self.ttft_s,
             prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
-            stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage), parts=self.parts,
+            stream=self.streamed, route_reason=self.route_reason, cost_usd=price(self.cfg, self.usage, self._billed_work()), parts=self.parts,
             client_request_id=self.client_id)
         await self.gw.accounts.finish(self.who, self.admission, done, self.trace)
+
+    def _billed_work(self) -> Work | None:
+        """The image or video work to bill: all of it once an engine gave an answer, or took the job and was then
+        left by its client (the GPU was given to it either way); none for a job refused or failed."""
+        if self.admitted and (self.status == "ok" or (self.status == "cancelled" and self.engine_id)):
+            return self.work
+        return None
 
     def _checked(self, usage: Usage) -> Usage:
         """The usage an engine reported, as far as this request could have used it: what a node says it used is

@@ -15,7 +15,7 @@ from coderai.accounts.keys import KeyJournal, KeyStore
 from coderai.accounts.limits import Limiter, SpendHistory
 from coderai.contracts import ModelConfig
 from coderai.contracts.topology import EVENTS
-from coderai.gateway import seal
+from coderai.gateway import blob_urls, seal
 from coderai.gateway.accounting import Accounts, may_use
 from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
@@ -46,6 +46,7 @@ class Gateway:
         self.redis: Any = None  # redis.asyncio.Redis, when CODERAI_GATEWAY_REDIS_URL is set
         self.reconnect_hooks: list[Callable[[], None]] = []  # after a reconnect: restart watches (video jobs)
         seal.configure(settings.data_dir)  # the cluster's key for reasoning handed to clients and taken back
+        blob_urls.configure(settings.data_dir)  # and the one blob URLs are signed with
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:

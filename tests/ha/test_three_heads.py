@@ -224,3 +224,7 @@ def test_every_head_seals_reasoning_with_the_same_key(cluster):
     keys = [cluster.root / h / "secrets" / "reasoning-seal.key" for h in HEADS]
     assert all(k.exists() and k.stat().st_mode & 0o777 == 0o600 for k in keys)
     assert len({k.read_text() for k in keys}) == 1
+    # and blob URLs: an image's URL one head's gateway signed is served by every head's (`secrets/blob-url.key`)
+    blob_keys = [cluster.root / h / "secrets" / "blob-url.key" for h in HEADS]
+    assert all(k.exists() and k.stat().st_mode & 0o777 == 0o600 for k in blob_keys)
+    assert len({k.read_text() for k in blob_keys}) == 1

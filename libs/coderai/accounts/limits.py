@@ -238,6 +238,17 @@ class Limiter:
             return held
         return None
 
+    async def check_budget(self, name: str, budget_usd: float, period: str, estimate_usd: float) -> None:
+        """Raise Limited if `estimate_usd` would pass the key's budget now (spent and reserved), reserving nothing:
+        for a job accepted now and run later (a video), which reserves when it starts."""
+        if not budget_usd:
+            return
+        pid, end = period_id(period, time.time())
+        spent, reserved = await self.redis.mget(f"coderai:spend:{name}:{pid}", Reservation(name, pid, 0).key)
+        used = float(spent or 0) + float(reserved or 0)
+        if used + estimate_usd > budget_usd:
+            raise Limited(f"{period}ly budget of ${budget_usd:g} (spent and reserved ${used:.4f})", end - time.time())
+
     async def refresh(self, held: Reservation) -> None:
         """Keep a running request's reservation from expiring (it would otherwise after RESERVED_TTL_S)."""
         await self.redis.expire(held.key, RESERVED_TTL_S)

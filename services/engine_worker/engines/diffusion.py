@@ -6,8 +6,9 @@ inpainting with one (a plain 4-channel UNet inpaints by re-noising the kept area
 `TextToVideoSDPipeline` and encodes MP4 with PyAV's bundled FFmpeg (codec `mpeg4`: h264 may be missing there).
 
 Model params: `threads` (torch CPU threads; process-wide), `device` (default cuda when present), `dtype` (default
-float16 on cuda, float32 on cpu), `steps` (default 20), `guidance_scale`, `max_pixels` (default 1024*1024),
-`max_frames` (video, default 64), `stages` (video: relay the generation stage by stage over several nodes, each
+float16 on cuda, float32 on cpu), `steps` (default 20), `guidance_scale`, and the limits the gateway also checks
+(`coderai/media_work.py`): `max_pixels` (default 1024*1024), `max_steps` (default 150), `max_n` (images, default
+10), `max_frames` (video, default 64), `stages` (video: relay the generation stage by stage over several nodes, each
 loading only its part; see `video_stages.py` and docs/video-stages.md). A job's `n` images are made one after
 another with seeds `seed`, `seed + 1`, ..., so each image depends on its own seed alone and a gateway splitting
 `n` over workers gets the same pictures.
@@ -29,17 +30,14 @@ import msgspec
 from coderai.contracts import ModelConfig, Usage
 from coderai.contracts.media import Blob, ImageJob, ImageResult, VideoJob, VideoResult
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, torch_device
+from coderai.media_work import DEFAULT_SIDE, limits
 
 Emit = Callable[..., None]
 """emit(progress=0..1)"""
 
-DEFAULT_STEPS = 20
-DEFAULT_MAX_PIXELS = 1024 * 1024
-DEFAULT_MAX_FRAMES = 64
 DEFAULT_STRENGTH = 0.8
 MIN_SIDE = 64
 MAX_SEED = 2**63 - 1
-DEFAULT_SIDE = 512  # a generation that names no size
 # ImageJob's own width/height defaults (0, "not given"): an edit that leaves both keeps the input picture's size
 UNSET_SIZE = tuple(f.default for f in msgspec.structs.fields(ImageJob) if f.name in ("width", "height"))
 
@@ -57,8 +55,9 @@ class _DiffusionEngine(Engine):
         super().__init__(config)
         self.pipe: Any = None
         params = config.params
-        self.max_pixels = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
-        self.default_steps = int(params.get("steps", DEFAULT_STEPS))
+        lim = limits(params)  # the gateway checks jobs against the same limits before they get here
+        self.max_pixels, self.default_steps, self.max_steps, self.max_frames = \
+            lim.max_pixels, lim.default_steps, lim.max_steps, lim.max_frames
         self.guidance = float(params.get("guidance_scale", self.default_guidance))
 
     def _pipeline_class(self) -> Any:
@@ -114,8 +113,8 @@ class _DiffusionEngine(Engine):
 
     def _steps(self, steps: int | None) -> int:
         steps = self.default_steps if steps is None else steps
-        if not 1 <= steps <= 1000:
-            raise BadInput(f"steps must be between 1 and 1000, got {steps}", param="steps")
+        if not 1 <= steps <= self.max_steps:
+            raise BadInput(f"steps must be between 1 and {self.max_steps}, got {steps}", param="steps")
         return steps
 
     def _seeds(self, seed: int | None, count: int) -> list[int]:
@@ -275,7 +274,6 @@ class VideoEngine(_DiffusionEngine):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.max_frames = int(config.params.get("max_frames", DEFAULT_MAX_FRAMES))
         self.staged: Any = None  # the parts, loaded stage by stage, of a stage-relay model
 
     def _pipeline_class(self) -> Any:

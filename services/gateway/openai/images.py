@@ -1,9 +1,10 @@
 """`POST /v1/images/generations` and `/v1/images/edits` (diffusers), and `GET /v1/blobs/{name}`: generated images
-by URL, under random names that expire, like signed URLs."""
+by URL, signed and expiring (`blob_urls.py`), under random names."""
 
 from __future__ import annotations
 
 import base64
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -12,6 +13,7 @@ from litestar.params import FromPath
 from msgspec import Meta
 
 from coderai.contracts import Blob, ImageJob
+from coderai.gateway import blob_urls
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai.forms import NonEmpty, blob, parse_size, read_form
@@ -19,7 +21,11 @@ from coderai.gateway.pipeline import Call, answer
 from coderai.gateway.state import GatewayController, InferenceController
 from coderai.runtime.blobs import BlobMissing
 
-MEDIA_TYPES = {"png": "image/png", "mp4": "video/mp4"}
+MEDIA_TYPES = {"png": ("image/png", lambda d: d[:8] == b"\x89PNG\r\n\x1a\n"),
+               "mp4": ("video/mp4", lambda d: d[4:8] == b"ftyp")}
+"""What a blob is served as, by its name's suffix, when its bytes start as that type does: the media the API makes.
+Anything else is a download (a node's bytes are never rendered on the gateway's origin, whatever they hold)."""
+NO_RENDER = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "default-src 'none'; sandbox"}
 
 
 class ImageRequest(msgspec.Struct, kw_only=True):
@@ -69,18 +75,27 @@ class ImagesController(InferenceController):
 
 
 class BlobsController(GatewayController):
-    """No guard: the name is the credential."""
+    """No guard: the URL's signature is the credential."""
 
     @get("/v1/blobs/{name:str}")
-    async def blob(self, name: FromPath[str]) -> Response:
-        """No key needed: the name is random and unguessable (and expires), like a signed URL."""
+    async def blob(self, request: Request, name: FromPath[str]) -> Response:
+        """No key needed, but a URL this cluster signed that has not expired (`blob_urls.py`); anything else is the
+        404 of a blob that is not there, so a bare name, a forged or an expired URL tells nothing."""
+        q = request.query_params
+        expires = q.get("expires")
+        if not blob_urls.signer().valid(name, expires, q.get("signature")):
+            raise ApiError(404, "No such file (it may have expired).", code="not_found")
         try:
             data = await self.gw.blobs.get(Blob(name=name))
         except (BlobMissing, ValueError):
             raise ApiError(404, "No such file (it may have expired).", code="not_found") from None
         ext = name.rsplit(".", 1)[-1] if "." in name else ""
-        return Response(content=data, media_type=MEDIA_TYPES.get(ext, "application/octet-stream"),
-                        headers={"Cache-Control": "private, max-age=3600"})
+        media_type, looks_like = MEDIA_TYPES.get(ext, ("", None))
+        headers = {**NO_RENDER, "Cache-Control": f"private, max-age={max(0, int(expires or 0) - int(time.time()))}"}
+        if looks_like is None or not looks_like(data):
+            media_type = "application/octet-stream"
+            headers["Content-Disposition"] = "attachment"
+        return Response(content=data, media_type=media_type, headers=headers)
 
 
 async def _images(call: Call, request: Request, response_format: str) -> Response:
@@ -91,7 +106,7 @@ async def _images(call: Call, request: Request, response_format: str) -> Respons
         item: dict[str, Any] = {"revised_prompt": call.job.prompt}
         if response_format == "url":
             stored = await call.gw.blobs.put(img.data, "image/png", suffix=".png")
-            item["url"] = f"{str(request.base_url).rstrip('/')}/v1/blobs/{stored.name}"
+            item["url"] = str(request.base_url).rstrip("/") + blob_urls.signer().path(stored.name)
         else:
             item["b64_json"] = base64.b64encode(img.data).decode()
         if seed is not None:

@@ -20,7 +20,7 @@ from msgspec import Meta
 
 from coderai.contracts import Blob, RequestId, VideoJob
 from coderai.contracts.topology import BLOBS
-from coderai.gateway.accounting import allowed
+from coderai.gateway.accounting import allowed, checked_work
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
@@ -107,11 +107,13 @@ class VideosController(InferenceController):
             req = await read_json(request, VideoRequest)
         w, h, frames, seconds = plan(req)
         allowed(who, req.model)  # refused now, not as a failed job (rates and budget count when the job runs)
-        await self.gw.find_model(req.model, "video")
+        cfg = await self.gw.find_model(req.model, "video")
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
                        fps=req.fps, seed=req.seed, steps=req.steps, negative_prompt=req.negative_prompt)
+        checked_work(cfg, job)  # frames x pixels x steps within the model's limits (a 400 naming the param)
+        await self.gw.accounts.check_budget(who, cfg, job)  # and within the key's budget now: a 429, not a failed job
         now = time.time()
         rec = VideoRecord(id=f"video_{request_id}", model=req.model, prompt=req.prompt, status="queued",
                           created_at=int(now), updated_at=now, size=f"{w}x{h}", seconds=seconds, key_name=who.key_name)
