@@ -165,17 +165,20 @@ class Admission:
     held: Reservation | None = None
 
 
-def may_use(who: Caller, model: str) -> bool:
-    """Whether the key's model allow-list (none: every model) has `model`."""
+def may_use(who: Caller, model: str, owner: str = "") -> bool:
+    """Whether the key's model allow-list (none: every model) has `model`, and the model is for every key or this
+    key owns it (`owner`: a fine-tuned model is its trainer's; admin keys reach every model)."""
+    if owner and owner != who.key_name and "admin" not in who.scopes:
+        return False
     key = who.key
     return key is None or not key.models or model in key.models
 
 
-def allowed(who: Caller, model: str) -> None:
-    """A key with a model allow-list uses only those models: anything else is the 404 of a model that does not
-    exist, before anything else is looked at (what the model serves, the request's body), so a key cannot tell
-    the models it may not use from those that are not there."""
-    if not may_use(who, model):
+def allowed(who: Caller, model: str, owner: str = "") -> None:
+    """A key with a model allow-list uses only those models, and a model another key owns is not its: anything else
+    is the 404 of a model that does not exist, before anything else is looked at (what the model serves, the
+    request's body), so a key cannot tell the models it may not use from those that are not there."""
+    if not may_use(who, model, owner):
         raise unknown_model(model)
 
 
@@ -201,7 +204,7 @@ class Accounts:
         if key is None:
             return Admission(cfg)
         if cfg is not None:
-            allowed(who, cfg.name)
+            allowed(who, cfg.name, cfg.owner)
         estimate = estimate_cost(cfg, job) if key.budget_usd and cfg is not None and job is not None else 0.0
         if self.limiter is None or not (key.rpm or key.tpm or key.budget_usd):
             return Admission(cfg)

@@ -172,6 +172,7 @@ class Call:
         a request refused by the first two."""
         allowed(self.who, self.job.model)  # first: a model outside the key's allow-list is as absent as a missing one
         cfg = await self.gw.find_model(self.job.model, self.op)
+        allowed(self.who, cfg.name, cfg.owner)  # another key's fine-tuned model is as absent, too
         if self.keep_alive_s is not None and "admin" not in self.who.scopes:
             self.keep_alive_s = tenant_keep_alive(cfg, self.keep_alive_s)
         key = self.who.key

@@ -134,18 +134,23 @@ class Gateway:
         return self.model(name, op)
 
     async def visible_models(self, who: Caller) -> list[ModelConfig]:
-        """The served models a key may use, by name: all of them, or those of its allow-list. A list from a
-        catalogue being rebuilt could lack some: it waits for the whole one (bounded), else 503."""
+        """The served models a key may use, by name: all of them, or those of its allow-list, less the models other
+        keys own. A list from a catalogue being rebuilt could lack some: it waits for the whole one (bounded),
+        else 503."""
         if not self.catalog.complete and not await self.catalog.wait_complete(self.settings.failover_wait_s):
             raise self.not_ready()
-        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if may_use(who, m.name)]
+        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name)
+                if may_use(who, m.name, m.owner)]
 
     async def visible_model(self, who: Caller, name: str) -> ModelConfig:
         """`find_model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing
         one."""
         if not may_use(who, name):
             raise unknown_model(name)
-        return await self.find_model(name)
+        cfg = await self.find_model(name)
+        if not may_use(who, name, cfg.owner):
+            raise unknown_model(name)
+        return cfg
 
     def first_model(self, op: str) -> ModelConfig | None:
         """The first served model (by name) that serves `op`."""

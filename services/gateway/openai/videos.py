@@ -108,6 +108,7 @@ class VideosController(InferenceController):
         w, h, frames, seconds = plan(req)
         allowed(who, req.model)  # refused now, not as a failed job (rates and budget count when the job runs)
         cfg = await self.gw.find_model(req.model, "video")
+        allowed(who, req.model, cfg.owner)
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
         job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
