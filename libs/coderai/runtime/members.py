@@ -213,7 +213,10 @@ def _kv_write(spec: BucketSpec, keys: str = ">") -> list[str]:
 
 
 def _objects(spec: BucketSpec) -> list[str]:
-    return _stream_read(f"OBJ_{spec.name}") + _manage(f"OBJ_{spec.name}") + [f"$O.{spec.name}.>"]
+    # nats-py reads an object through a consumer on its chunks' subject without naming the stream, so the client
+    # first asks which stream holds that subject (STREAM.NAMES: the names of streams, nothing in them)
+    return (_stream_read(f"OBJ_{spec.name}") + _manage(f"OBJ_{spec.name}") + [f"$O.{spec.name}.>"]
+            + ["$JS.API.STREAM.NAMES"])
 
 
 def _service_rights(role: str) -> tuple[list[str], list[str]]:
