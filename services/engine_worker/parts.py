@@ -21,17 +21,15 @@ from coderai.contracts import PartDone, WorkPart, decode, model_key, why_malform
 from coderai.contracts.ops import ENGINE_OPS
 from coderai.contracts.subjects import EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
-from coderai.contracts.work import work_consumer
+from coderai.contracts.work import ACK_WAIT_S, MAX_DELIVER, work_consumer
 from coderai.runtime.bus import FrameWriter
 
 __all__ = ["PartPuller", "consumer_name"]
 
 log = logging.getLogger("coderai.engine_worker")
 
-ACK_WAIT_S = 5.0  # a part whose worker died (or whose delivery was lost with a head) goes to another this soon
 PROGRESS_S = 1.0  # while a part runs, JetStream is told this often that its worker is still on it
 FETCH_S = 1.0  # a pull request lives this long: one lost with a head's death is made again within it
-MAX_DELIVER = 3
 MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 4.0  # a puller whose engine failed a part waits this long before the next
 
 
@@ -55,7 +53,9 @@ class PartPuller:
         self._task = asyncio.create_task(self._loop())
 
     async def _subscribe(self) -> None:
-        """Bind (or create) the shared durable consumer; retried until the `WORK` stream exists."""
+        """Bind the shared durable consumer, retried until it exists: the scheduler makes it (`consumer_config`)
+        before it lets this node pull, and a node may not make or change it. (A worker with a service's rights, in
+        tests, makes it itself, with the same settings.)"""
         from nats.js.api import AckPolicy, ConsumerConfig
 
         subject = WORK_PART(model_key=model_key(self.host.config.name), op=self.op)

@@ -37,7 +37,8 @@ from coderai.contracts.subjects import (
     JOIN_PROVE,
     check_token,
 )
-from coderai.contracts.work import work_consumers
+from coderai.contracts.topology import WORK
+from coderai.contracts.work import consumer_config, work_consumers
 from coderai.runtime import members
 from coderai.runtime.cluster import head_proof, member_proof, node_proof, nonce, same, welcome_proof
 from coderai.runtime.tls import fingerprint
@@ -68,6 +69,7 @@ class Membership:
         self.files = HeadFiles(self.members_file, self.auth_file, self.pid_file)
         self.publisher = Publisher(bus)  # every change also to the other heads (registry_sync.py)
         self._head_urls: list[str] = []  # the last list of heads read for a welcome
+        self.made: set[str] = set()  # the `WORK` consumers this scheduler made (make_consumers)
 
     def registry(self) -> members.Registry:
         reg = members.load(self.members_file)
@@ -177,6 +179,7 @@ class Membership:
         node_id = _node_id(req.pod_id)
         password = members.new_password()
         expires = time.time() + max(60.0, req.ttl_s)
+        await self.make_consumers(work_consumers(req.models))
         async with self._lock:
             with members.file_lock(self.members_file):
                 reg = self.registry()
@@ -188,9 +191,23 @@ class Membership:
                 self._apply(reg)
         return PodUser(user=members.node_user(node_id, "pod"), password=password, expires_at=expires)
 
+    async def make_consumers(self, consumers: list[str]) -> None:
+        """Make each shared `WORK` consumer with its one config (`consumer_config`), or set it back to it: nodes may
+        only bind them. Each is made once per scheduler run (and again after a reconnect)."""
+        for c in consumers:
+            if c in self.made:
+                continue
+            try:
+                await self.bus.js.add_consumer(WORK.name, config=consumer_config(c))
+            except Exception as exc:  # noqa: BLE001 - made at the next grant; until then its holders wait for it
+                log.warning("cannot make the work consumer %s: %s", c, exc)
+                continue
+            self.made.add(c)
+
     async def grant_work(self, node_id: str, models: list) -> None:
         """Let `node_id` pull the fan-out parts of exactly `models` (what it is assigned), before it is told to."""
         want = work_consumers(models)
+        await self.make_consumers(want)
         async with self._lock:
             with members.file_lock(self.members_file):
                 reg = self.registry()

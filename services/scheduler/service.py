@@ -132,6 +132,8 @@ class Scheduler:
 
     async def _on_reconnect(self) -> None:
         self.node_records.revs.clear()  # a restarted server may have another history
+        if self.membership is not None:
+            self.membership.made.clear()  # and another WORK stream: its consumers are made again at the next pass
         self.assignments.start()
         self._dirty.set()
 

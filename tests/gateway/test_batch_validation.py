@@ -131,5 +131,5 @@ def test_a_node_holding_a_chat_model_may_pull_its_batch_lines():
             ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"], distribute={"enabled": False})]
     assert work_consumers(held) == sorted([work_consumer("tiny", "chat"), work_consumer("minilm", "embed")])
     pub = members.node_permissions("n1", work_consumers(held))["publish"]["allow"]
-    assert f"$JS.API.CONSUMER.CREATE.WORK.{work_consumer('tiny', 'chat')}.coderai.work.tiny.chat" in pub
+    assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{work_consumer('tiny', 'chat')}" in pub
     assert not any("coderai_batch" in p for p in pub)  # the batches' buckets are the gateway's alone

@@ -130,9 +130,8 @@ def test_a_node_pulls_only_the_parts_of_the_models_it_holds():
     held = [ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"])]
     pub = members.node_permissions("n1", work_consumers(held))["publish"]["allow"]
     [c] = work_consumers(held)
-    assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{c}" in pub
-    assert [p for p in pub if p.startswith("$JS.API.CONSUMER.CREATE.WORK.")] == \
-        [f"$JS.API.CONSUMER.CREATE.WORK.{c}.coderai.work.minilm.embed"]  # its own filter only, never a wider one
+    assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{c}" in pub and f"$JS.API.CONSUMER.INFO.WORK.{c}" in pub
+    assert not [p for p in pub if p.startswith("$JS.API.CONSUMER.CREATE.WORK.")]  # the scheduler makes them
     assert not any(p.endswith(".*") or p.endswith(".>") for p in pub if ".WORK." in p)
 
 

@@ -22,6 +22,21 @@ class WorkPart(Message, frozen=True, kw_only=True):
     job: msgspec.Raw
 
 
+ACK_WAIT_S = 5.0  # a part whose worker died (or whose delivery was lost with a head) goes to another this soon
+MAX_DELIVER = 3  # a part that failed this many workers fails its request
+
+
+def consumer_config(consumer: str) -> object:
+    """The one config of a shared `WORK` consumer (`work-<model key>-<op>`): the scheduler makes it so before a node
+    may pull from it, and a node may only bind it, never change it (a node that could set its delivery settings
+    could stall or drop every holder's parts)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    mk, op = consumer.removeprefix("work-").rsplit("-", 1)
+    return ConsumerConfig(name=consumer, durable_name=consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
+                          max_deliver=MAX_DELIVER, filter_subject=f"coderai.work.{mk}.{op}")
+
+
 def work_consumer(model: str, op: str) -> str:
     """The durable consumer of `WORK` every holder of `model` shares for `op`."""
     from coderai.contracts.keys import model_key

@@ -173,13 +173,12 @@ def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> di
         # blobs only through the gateway's blob service, by their random names (runtime/blobs.py BlobProxy)
         "coderai.cmd.blob.read",
         "coderai.cmd.blob.write",
-        # fan-out parts: bind the shared durable pull consumers of the models it holds, and pull from them
+        # fan-out parts: bind the shared durable pull consumers of the models it holds, and pull from them; the
+        # scheduler makes them (contracts/work.py consumer_config): a node may not make one or change its settings
         f"$JS.API.STREAM.INFO.{WORK.name}",
     ]
-    for c in work:  # `work-<model key>-<op>` (contracts/work.py), created only with its own filter subject
-        mk, op = c.removeprefix("work-").rsplit("-", 1)
-        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.CREATE.{WORK.name}.{c}.coderai.work.{mk}.{op}",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}"]
+    for c in work:  # `work-<model key>-<op>` (contracts/work.py)
+        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}"]
     subscribe = [f"coderai.engine.{node_id}.>", f"coderai.cmd.node.{node_id}.>", f"{node_inbox(node_id)}.>"]
     return {
         "publish": {"allow": publish},
