@@ -43,6 +43,7 @@ def test_an_image_is_pixels_x_steps_x_n_at_the_models_defaults():
 
 def test_an_edit_is_counted_at_its_pictures_size_or_the_models_most():
     assert image_size(_png(300, 200)) == (300, 200) and image_size(_jpeg(640, 480)) == (640, 480)
+    assert image_size(_jpeg(640, 480).replace(b"\xff\xc0", b"\xff\xff\xff\xc0", 1)) == (640, 480)  # fill bytes
     assert image_size(b"GIF89a....") is None and image_size(b"") is None
     assert image_work({}, img(image=Blob(data=_png(300, 200)))).width == 300
     assert image_work({}, img(image=Blob(data=_jpeg(640, 480)))).height == 480
@@ -95,3 +96,16 @@ def test_the_models_price_reserves_and_bills_the_work():
     with pytest.raises(ApiError) as err:
         checked_work(cfg, img(width=4096, height=4096))
     assert err.value.status == 400 and err.value.param == "size"
+
+
+def test_the_header_size_is_what_pillow_decodes():
+    """The size the gateway prices an edit at is the one the engine's Pillow opens (baseline and progressive JPEG,
+    with EXIF, and PNG)."""
+    Image = pytest.importorskip("PIL.Image")
+    import io
+
+    for fmt, kw in (("PNG", {}), ("JPEG", {}), ("JPEG", {"progressive": True}),
+                    ("JPEG", {"exif": b"Exif\x00\x00" + b"\x00" * 64})):
+        buf = io.BytesIO()
+        Image.new("RGB", (123, 77)).save(buf, fmt, **kw)
+        assert image_size(buf.getvalue()) == Image.open(io.BytesIO(buf.getvalue())).size == (123, 77), (fmt, kw)

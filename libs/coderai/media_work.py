@@ -83,6 +83,9 @@ def image_size(data: bytes) -> tuple[int, int] | None:
         while i + 9 <= len(data):
             if data[i] != 0xFF:
                 return None
+            if data[i + 1] == 0xFF:  # fill bytes before a marker, as decoders skip them
+                i += 1
+                continue
             marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
             if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: its size
                 h, w = struct.unpack(">HH", data[i + 5:i + 9])
