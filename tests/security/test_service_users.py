@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 import httpx
 import nats
@@ -258,3 +259,40 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
         refused = [line for line in proc.log_text().splitlines() if REFUSED_LOG in line]
         print(f"{name}: {len(refused)} refusals logged")
         assert refused == [], f"{name} lacks a right it uses: {refused[:3]}"
+
+
+def test_an_answer_to_a_request_received_before_a_reload_of_the_users_still_arrives(stack):
+    """nats-server forgets the replies `allow_responses` let through whenever it reloads its users (each join,
+    revocation and pod): found in tests/integration/test_pods.py, where the pod broker's answer to the scheduler's
+    `acquire` was refused as the pod joined. A service may answer into its askers' inboxes outright."""
+
+    async def go() -> tuple[bytes, list[str]]:
+        async with login(stack.nats.role_url("gateway"), "gateway") as gw, \
+                login(stack.nats.role_url("router"), "router") as router:
+            loop = asyncio.get_running_loop()
+            answer, asked = loop.create_future(), loop.create_future()
+
+            async def on_answer(m: Any) -> None:
+                if m.data == b"after-reload" and not answer.done():
+                    answer.set_result(m.data)
+
+            async def on_ask(m: Any) -> None:
+                if not asked.done():
+                    asked.set_result(m)
+
+            await gw.nc.subscribe("_S.gateway.reload-probe.*", cb=on_answer)
+            await router.nc.subscribe("coderai.route.pick", cb=on_ask)
+            await router.nc.flush()
+            await gw.nc.publish("coderai.route.pick", b"{}", reply="_S.gateway.reload-probe.1")
+            m = await asyncio.wait_for(asked, 10)
+            await asyncio.to_thread(stack.nats.add_node, "reload-probe")  # users rewritten, the reload applied
+            await router.nc.publish(m.reply, b"after-reload")
+            await router.nc.flush()
+            try:
+                return await asyncio.wait_for(answer, 10), router.errors
+            except asyncio.TimeoutError:
+                return b"", router.errors
+
+    got, errors = asyncio.run(go())
+    print(f"the router's answer after a reload: {'arrived' if got else 'REFUSED'} {errors[-1:]}")
+    assert got == b"after-reload"

@@ -197,8 +197,9 @@ class Bus:
     def refuse(self, subject: str) -> None:
         """NATS refused a publish to `subject`: end every request waiting for an answer from there, instead of
         letting it wait out its timeout for a reply that cannot come."""
+        subject = subject.lower()  # nats-py hands the server's error text over lowercased
         for s in list(self._streams.values()):
-            if s.subject == subject:
+            if s.subject.lower() == subject:
                 s.queue.put_nowait(_REFUSED)
 
     @classmethod

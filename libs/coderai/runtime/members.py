@@ -195,7 +195,8 @@ def _stream_read(stream: str) -> list[str]:
             f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
             f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
             f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
-            f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>"]
+            f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+            f"$JS.FC.{stream}.>"]  # flow control of its watches, granted outright (see `_REPLIES_TO`)
 
 
 def _manage(stream: str) -> list[str]:
@@ -216,6 +217,19 @@ def _objects(spec: BucketSpec) -> list[str]:
     # first asks which stream holds that subject (STREAM.NAMES: the names of streams, nothing in them)
     return (_stream_read(f"OBJ_{spec.name}") + _manage(f"OBJ_{spec.name}") + [f"$O.{spec.name}.>"]
             + ["$JS.API.STREAM.NAMES"])
+
+
+_REPLIES_TO = {
+    "router": ("gateway",),  # route picks
+    "pod-broker": ("scheduler", "gateway", ""),  # acquire; status and leases; `coderai pods` (the CLI, `service`)
+    "gateway": (),  # nodes' blob reads and writes: `_N.*.>` below
+    "metrics": (),
+}
+"""Whose requests each limited service answers: it may publish into their inboxes outright. `allow_responses`
+alone is not enough: nats-server forgets the replies it allowed whenever it reloads its users (each join, revocation
+and pod), so an answer to a request received just before a reload was refused (the pod broker's answer to the
+scheduler's `acquire` as a pod joined). Publishing into an inbox reaches nothing without the random reply subject,
+which only the asker's messages carry."""
 
 
 def _service_rights(role: str) -> tuple[list[str], list[str]]:
@@ -239,7 +253,8 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
         publish = _kv_write(AFFINITY) + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
         return publish, ["coderai.hb.*", "coderai.evt.request.completed", "coderai.route.pick"]
     if role == "metrics":
-        publish = (_stream_read(EVENTS.name) + _kv_write(LEADERS, "metrics") + _kv_read(PODS) + _kv_read(MODELS))
+        publish = (_stream_read(EVENTS.name) + _kv_write(LEADERS, "metrics") + _kv_read(PODS) + _kv_read(MODELS)
+                   + [f"$JS.ACK.{EVENTS.name}.metrics.>"])  # its durable consumer's acks (no other consumer's)
         return publish, ["coderai.hb.*", "coderai.evt.work.part.*", "coderai.evt.model.loaded.*",
                          "coderai.evt.model.unloaded"]
     if role == "pod-broker":
@@ -256,7 +271,8 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
                    + [f"$JS.API.STREAM.INFO.{WORK.name}", f"$JS.API.CONSUMER.INFO.{WORK.name}.*"]
                    + [r for b in (NODES, MODELS, LEADERS) for r in _kv_read(b)]
                    + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
-                   + _objects(BLOBS) + _objects(FILES))
+                   + _objects(BLOBS) + _objects(FILES)
+                   + ["_N.*.>"])  # answers to nodes' blob reads and writes (see `_REPLIES_TO`)
         return publish, ["coderai.cmd.blob.read", "coderai.cmd.blob.write", "coderai.reply.>"]
     raise ValueError(f"no allow-list for service {role!r}")
 
@@ -268,6 +284,7 @@ def service_permissions(role: str) -> dict | None:
     if role in FULL_RIGHTS_ROLES:
         return None
     publish, subscribe = _service_rights(role)
+    publish += [f"{service_inbox(asker)}.>" if asker else "_INBOX.>" for asker in _REPLIES_TO.get(role, ())]
     return {
         "publish": {"allow": ["$JS.API.INFO", *dict.fromkeys(publish)]},
         "subscribe": {"allow": [*subscribe, f"{service_inbox(role)}.>"]},
