@@ -5,9 +5,11 @@
   and, beside it, `users.conf` with its users, from the member registry `members.json` there (made on first
   run, kept after: joined nodes stay members; the join user follows the current cluster token). The
   scheduler's membership rewrites `users.conf` and reloads the server as nodes join and are revoked.
-- `--secrets-dir DIR`: the `service` user's NATS password in DIR/nats-service.password (mode 0600), made with
-  the registry, and the CA of NATS' TLS certificate (made once, in `tls/` beside nats.conf) in DIR/nats-ca.pem;
-  every service reads both (CODERAI_NATS_PASSWORD_FILE, CODERAI_NATS_CA).
+- `--secrets-dir DIR`: the `service` user's NATS password in DIR/nats-service.password (mode 0600, for the
+  operator's CLI) and each head service's own (DIR/nats-svc-<service>.password: user `svc-<service>`, with only the
+  subjects it needs), made with the registry, and the CA of NATS' TLS certificate (made once, in `tls/` beside
+  nats.conf) in DIR/nats-ca.pem; each service reads its own password file and the CA
+  (CODERAI_NATS_PASSWORD_FILE, CODERAI_NATS_CA).
 - `--keys-dir DIR`: on first run, an admin API key: its hash in DIR/keys.toml (the gateway's
   CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
 

@@ -131,6 +131,10 @@ umask 077
   if [ "$role" = head ]; then
     echo "CODERAI_NATS_URL=nats://127.0.0.1:$nats_port"
     echo "CODERAI_NATS_PASSWORD_FILE=$state_dir/secrets/nats-service.password"
+    # each service logs in as its own NATS user (svc-<service>, only the subjects it needs), named by its file
+    for svc in gateway router scheduler pod-broker metrics; do
+      echo "CODERAI_$(echo "$svc" | tr 'a-z-' 'A-Z_')_NATS_PASSWORD_FILE=$state_dir/secrets/nats-svc-$svc.password"
+    done
     echo "CODERAI_NATS_CA=$state_dir/secrets/nats-ca.pem"
     echo "REDIS_PASSWORD=$redis_password"
     echo "CODERAI_REDIS_URL=redis://:$redis_password@127.0.0.1:$redis_port/0"

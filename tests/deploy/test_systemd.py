@@ -127,7 +127,10 @@ def test_head_env_file(installed_head, head_init, envdoc):
     password = env["REDIS_PASSWORD"]
     assert len(password) >= 32 and redis[redis.index("--requirepass") + 1] == "${REDIS_PASSWORD}"
     assert env["CODERAI_REDIS_URL"] == f"redis://:{password}@127.0.0.1:{redis[redis.index('--port') + 1]}/0"
-    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{state}/secrets/nats-service.password"
+    assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{state}/secrets/nats-service.password"  # the operator's CLI
+    for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics"):  # each service its own NATS user
+        var = f"CODERAI_{svc.upper().replace('-', '_')}_NATS_PASSWORD_FILE"
+        assert env[var] == f"{state}/secrets/nats-svc-{svc}.password"
     assert env["CODERAI_SCHEDULER_NATS_PID_FILE"] == f"{state}/nats/nats.pid"
     assert os.access(prefix / "lib" / "coderai-init", os.X_OK)
     again = _install(tmp, "--role", "head", "--token", TOKEN, "--redis-server", str(tmp / "bin" / "redis-server"))
