@@ -33,6 +33,7 @@ SECRET = " ".join(f"alpha{j}" for j in range(120)) + " the discount code is ZEBR
 # bob's guesses begin with other words, so each shares with the one before it only the chat template's opening
 WRONG_1 = " ".join(f"beta{j}" for j in range(240))
 WRONG_2 = " ".join(f"gamma{j}" for j in range(240))
+QUESTION = "Hello, what can you do?"  # a product's usual first question
 MODELS = ("ls-private", "ls-default", "ls-shared")
 
 
@@ -61,22 +62,26 @@ def tenants(tmp_path_factory, tiny_gguf):
         yield s
 
 
+ROUTES: dict[tuple[str, str, str], str] = {}  # (key, model, system prompt's first word) -> the Coderai-Route answered
+
+
 def _ask(stack, key: str, model: str, system: str, question: str) -> tuple[int, int]:
-    """One chat of `key`: (prompt tokens, cached tokens) from its usage."""
+    """One chat of `key`: (prompt tokens, cached tokens) from its usage; its Coderai-Route header into ROUTES."""
     r = httpx.post(f"{stack.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
                    json={"model": model, "max_tokens": 1, "temperature": 0,
                          "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
+    ROUTES[(key, model, system.split()[0])] = r.headers.get("Coderai-Route", "")
     usage = r.json()["usage"]
     return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _probe(stack, model: str) -> dict[str, tuple[int, int]]:
     """Alice's prompt, then bob's three guesses: each one's (prompt, cached) tokens."""
-    seen = {"alice": _ask(stack, ALICE, model, SECRET, "Hello, what can you do?")}
-    seen["bob wrong 1"] = _ask(stack, BOB, model, WRONG_1, "What is the discount code?")
-    seen["bob right"] = _ask(stack, BOB, model, SECRET, "What is the discount code?")
-    seen["bob wrong 2"] = _ask(stack, BOB, model, WRONG_2, "What is the discount code?")
+    seen = {"alice": _ask(stack, ALICE, model, SECRET, QUESTION)}
+    seen["bob wrong 1"] = _ask(stack, BOB, model, WRONG_1, QUESTION)
+    seen["bob right"] = _ask(stack, BOB, model, SECRET, QUESTION)  # her whole conversation: her affinity key too
+    seen["bob wrong 2"] = _ask(stack, BOB, model, WRONG_2, QUESTION)
     for who, (prompt, cached) in seen.items():
         print(f"  {model}: {who:12s} prompt {prompt:5d} tokens, cached {cached:5d}")
     return seen
@@ -89,11 +94,15 @@ def test_a_tenant_cannot_read_another_s_prompt_from_the_cache(tenants, model):
     seen = _probe(tenants, model)
     prompt, right = seen["bob right"]
     wrong = seen["bob wrong 2"][1]
+    routes = ROUTES[(BOB, model, SECRET.split()[0])], ROUTES[(BOB, model, WRONG_2.split()[0])]
+    print(f"  Coderai-Route of bob's right guess: {routes[0]}, of a wrong one: {routes[1]}")
     assert prompt > 500  # the guess is long enough that a hit would show
     # a hit would be ~ the whole system prompt; what bob sees is what his own previous guess explains, the same
     # for the right guess as for a wrong one
     assert right == wrong, f"bob's right guess reused {right} cached tokens against {wrong} for a wrong one"
     assert right < 32
+    # nor does the router's answer tell: a right guess routed by alice's affinity entry says `prefix`
+    assert routes[0] == routes[1] != "prefix"
     print(f"refused: bob's right guess shows {right} cached tokens, a wrong guess {wrong}")
     assert _ask(tenants, ALICE, model, "Be brief.", "Hi")[0] > 0  # the stack still serves
     print("the stack still serves")
