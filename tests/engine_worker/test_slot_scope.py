@@ -125,3 +125,27 @@ def test_the_shared_fast_path_body_is_unchanged():
         body = eng.chat_body(job, False)
     assert "id_slot" not in body and "cache_prompt" not in body
     assert body == LlamaServerEngine.__mro__[1].chat_body(eng, job, False)
+
+
+async def test_the_worker_default_makes_a_model_that_does_not_say_private(monkeypatch):
+    """CODERAI_WORKER_SHARE_CACHE (or CODERAI_SHARE_CACHE) off: a model without its own `share_cache` is built as a
+    private one (its server then starts with --cache-ram 0); a model's own word wins."""
+    from coderai.engine_worker.engines.base import EngineLoadError
+    from coderai.engine_worker.host import EngineHost
+
+    seen: list[ModelConfig] = []
+
+    class Stop:
+        max_concurrency = 1
+
+        def __init__(self, cfg: ModelConfig) -> None:
+            seen.append(cfg)
+
+        def load(self) -> None:
+            raise EngineLoadError("the config is all this test wants")
+
+    monkeypatch.setattr("coderai.engine_worker.host.engine_class", lambda family: Stop)
+    for default, own in ((False, None), (True, None), (False, True)):
+        cfg = ModelConfig(name="m", engine="echo", path="-", share_cache=own)
+        assert await EngineHost(None, "n1", cfg, 1.0, share_cache=default).load() is False  # type: ignore[arg-type]
+    assert [c.share_cache for c in seen] == [False, None, True]
