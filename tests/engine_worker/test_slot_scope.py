@@ -10,6 +10,7 @@ import threading
 from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines.llama_server import LlamaServerEngine, cache_ram_mb, server_args
 from coderai.engine_worker.engines.slot_scope import ALL, Plan, SlotBook
+from coderai.testing.procs import wait_until
 
 A, B = "scope-a", "scope-b"
 
@@ -82,8 +83,8 @@ def test_take_waits_for_a_free_slot():
     got: list[Plan] = []
     t = threading.Thread(target=lambda: got.append(book.take(B)))
     t.start()
-    t.join(0.2)
-    assert t.is_alive() and not got  # the only slot is taken
+    wait_until(lambda: book._cv._waiters, 10, "bob to wait on the book")  # the only slot is taken
+    assert not got
     book.give(first, A)
     t.join(10)
     assert got and got[0].slot == first.slot and got[0].reuse is False

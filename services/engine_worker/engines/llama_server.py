@@ -226,7 +226,13 @@ class LlamaServerEngine(OpenAIServerEngine):
     @contextlib.contextmanager
     def _placed(self, scope: str, several: bool) -> Iterator[None]:
         """The request runs where the slot book places it (a slot of its own scope, or one without reuse)."""
+        shared_before = not self.book.no_reuse
         plan = self.book.take(scope, several)
+        if shared_before and self.book.no_reuse:
+            log.warning("%s: a request whose prompt cache is its key's own came to a server with a host RAM cache "
+                        "shared by every slot: prompt reuse is off on this server from now on (give the model "
+                        "share_cache = false, or the worker CODERAI_SHARE_CACHE=false, for per-key reuse)",
+                        self.config.name)
         self._plan.value = plan
         try:
             yield
