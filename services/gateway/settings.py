@@ -18,7 +18,7 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     max_body_bytes: int = 16 * 1024 * 1024  # JSON bodies
     max_upload_bytes: int = 25 * 1024 * 1024  # one uploaded file (audio, image, PDF): over it is a 413 naming the field
     file_quota_bytes: int = 1024 * 1024 * 1024  # the files (POST /v1/files) one key may keep in all; 0: no limit
-    file_quota_count: int = 10_000  # and how many (batch outputs included); 0: no limit
+    file_quota_count: int = 10_000  # the files one key may keep (batch outputs included); 0: no limit
     batches_per_key: int = 100  # the batches one key may have running at once; 0: no limit
     # stored responses (`store: true`, kept 30 days) one key may keep: how many and their bytes; 0: no limit. And the
     # background responses one key may run at once in one gateway process
