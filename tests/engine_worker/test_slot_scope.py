@@ -150,3 +150,15 @@ async def test_the_worker_default_makes_a_model_that_does_not_say_private(monkey
         cfg = ModelConfig(name="m", engine="echo", path="-", share_cache=own)
         assert await EngineHost(None, "n1", cfg, 1.0, share_cache=default).load() is False  # type: ignore[arg-type]
     assert [c.share_cache for c in seen] == [False, None, True]
+
+
+def test_vllm_gets_the_scope_as_its_cache_salt():
+    from coderai.engine_worker.engines.vllm import VllmEngine
+
+    eng = VllmEngine(ModelConfig(name="m", engine="vllm", path="/m"))
+    scoped = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}], cache_scope=A)
+    assert eng.chat_body(scoped, False)["cache_salt"] == A
+    assert eng.completion_body(CompletionJob(request_id="r", model="m", prompt="x", cache_scope=B), True)[
+        "cache_salt"] == B
+    shared = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}])
+    assert "cache_salt" not in eng.chat_body(shared, False)  # the shared fast path sends what it always sent
