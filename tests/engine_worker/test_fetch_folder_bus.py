@@ -9,7 +9,7 @@ import os
 
 import msgspec
 import pytest
-from coderai.contracts import ModelConfig
+from coderai.contracts import Assignment, ModelConfig, encode
 from coderai.engine_worker.fetch import FetchError, bus_request, ensure_local
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer
@@ -42,13 +42,18 @@ async def test_a_node_fetches_a_folder_from_the_schedulers_store(secured_nats, t
         node = tmp_path / "node" / "models"
         piper = ModelConfig(name="p", engine="tts", path=str(voice / "v.onnx") + ".elsewhere",
                             store_path="rhasspy/piper-voices/en/medium/", store_file="v.onnx")
+        folder = ModelConfig(name="w", engine="whisper", path="/nowhere/whisper",
+                             store_path="Systran/faster-whisper-tiny/")
+        with pytest.raises(FetchError, match="forbidden"):  # a node reads only the files of the models it is given
+            await ensure_local(piper, bus_request(bus), node)
+        held = [piper, folder, *(msgspec.structs.replace(folder, name=f"w{i}", store_path=f"Systran/{p}/")
+                                 for i, p in enumerate(("out", "nothing")))]
+        await sched.kv_assign.put("node-test", encode(Assignment(node_id="node-test", models=held)))
         got = await ensure_local(piper, bus_request(bus), node)
         local = node / "rhasspy" / "piper-voices" / "en" / "medium"
         assert got.path == str(local / "v.onnx")
         assert (local / "v.onnx").read_bytes() == files[voice / "v.onnx"]
         assert (local / "v.onnx.json").read_bytes() == files[voice / "v.onnx.json"]
-        folder = ModelConfig(name="w", engine="whisper", path="/nowhere/whisper",
-                             store_path="Systran/faster-whisper-tiny/")
         got = await ensure_local(folder, bus_request(bus), node)
         assert got.path == str(node / "Systran" / "faster-whisper-tiny")
         assert (node / "Systran" / "faster-whisper-tiny" / "sub" / "tokenizer.json").read_bytes() == b"{}"
