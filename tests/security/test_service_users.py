@@ -228,6 +228,7 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
                    json={"name": "svc-users-tenant", "scopes": ["inference"]})
     assert r.status_code == 201, r.text
     assert httpx.get(f"{stack.http_url}/admin/pods", headers=ADMIN, timeout=30).status_code == 200
+    assert httpx.get(f"{stack.http_url}/admin/nodes", headers=ADMIN, timeout=30).status_code == 200  # heads too
 
     async def check() -> None:
         bus = await Bus.connect(stack.nats.service_url, "test-reader")

@@ -35,6 +35,7 @@ from coderai.contracts.topology import (
     EVENTS,
     FILES,
     FINETUNE,
+    HEADS,
     KEYS,
     LEADERS,
     MODELS,
@@ -245,9 +246,9 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
       revocation, publishes pod events; writes `coderai_pods`, the pod ledger's journal and its own lease key.
     - gateway: asks the router, the scheduler (the commands its API maps to), the pod broker (status, leases) and
       nodes (admin logs and drain); sends jobs to every engine and fan-out parts to WORK; publishes
-      `request.completed`; serves nodes' blob reads and writes; takes handed-out replies; reads nodes, models and
-      leaders; writes the buckets and object stores of what tenants keep (keys journal, files, responses, batches,
-      videos, fine-tuning records, blobs). WORK: only its consumers' info (how many holders pull a model), never a
+      `request.completed`; serves nodes' blob reads and writes; takes handed-out replies; reads nodes, models,
+      leaders and heads (`/admin/nodes` names every head's URL); writes the buckets and object stores of what
+      tenants keep (keys journal, files, responses, batches, videos, fine-tuning records, blobs). WORK: only its consumers' info (how many holders pull a model), never a
       consumer of its own (a work queue's consumer that acked would take parts from the nodes)."""
     if role == "router":
         publish = _kv_write(AFFINITY) + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
@@ -269,7 +270,7 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
                    + [f"coderai.cmd.scheduler.{verb}" for verb in scheduler]
                    + _stream_read(EVENTS.name)
                    + [f"$JS.API.STREAM.INFO.{WORK.name}", f"$JS.API.CONSUMER.INFO.{WORK.name}.*"]
-                   + [r for b in (NODES, MODELS, LEADERS) for r in _kv_read(b)]
+                   + [r for b in (NODES, MODELS, LEADERS, HEADS) for r in _kv_read(b)]
                    + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
                    + _objects(BLOBS) + _objects(FILES)
                    + ["_N.*.>"])  # answers to nodes' blob reads and writes (see `_REPLIES_TO`)
