@@ -95,7 +95,9 @@ def test_no_secret_is_in_any_log_line(box):
     httpx.get(f"{base}/models", headers={"Authorization": "Bearer sk-coderai-wrong"}, timeout=10)
     secrets = {"the admin key": key, "the cluster token": TOKEN, "the RunPod key": RUNPOD_KEY,
                "the NATS service password": (data / "secrets" / "nats-service.password").read_text().strip(),
-               "the Redis password": (data / "secrets" / "redis.password").read_text().strip()}
+               "the Redis password": (data / "secrets" / "redis.password").read_text().strip(),
+               **{f"the {svc}'s NATS password": (data / "secrets" / f"nats-svc-{svc}.password").read_text().strip()
+                  for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")}}
     logs = [*(data / "logs").iterdir(), *Path(up.log_path).parent.glob("*.log")]
     assert len(logs) >= 8
     scanned = 0
@@ -107,7 +109,7 @@ def test_no_secret_is_in_any_log_line(box):
     assert scanned > 50
     # the settings line still says which settings were given (masked, not dropped)
     broker = (data / "logs" / "pod-broker.log").read_text()
-    assert '"runpod_api_key": "***"' in broker and "service:***@" in broker
+    assert '"runpod_api_key": "***"' in broker and "svc-pod-broker:***@" in broker  # its own NATS user
 
 
 def test_nothing_in_the_data_dir_is_readable_by_another_user(box):
