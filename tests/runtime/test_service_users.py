@@ -114,3 +114,38 @@ def test_a_services_password_file_names_its_user():
     assert members.file_user(members.service_secret("gateway")) == "svc-gateway"
     assert members.file_user("nats-svc-pod-broker.password") == "svc-pod-broker"
     assert members.file_user("nats-service.password") == "" and members.file_user("nats-svc-nobody.password") == ""
+
+
+def test_a_refusal_is_an_error_naming_the_subject_and_a_nodes_jetstream_probe_a_warning(tmp_path, caplog):
+    """A service's missing right is loud; a node's JetStream call refused while its grant is on its way (the
+    head reloads nats-server's users a moment after it assigns a model) is a warning."""
+    import asyncio
+    import logging
+    import time
+
+    from coderai.runtime.bus import Bus
+    from coderai.runtime.embedded import NatsServer
+
+    async def refuse(url: str, subject: str) -> logging.LogRecord:
+        bus = await Bus.connect(url, "probe")
+        try:
+            await bus.nc.publish(subject, b"{}")
+            await bus.nc.flush()
+            deadline = time.monotonic() + 10
+            while True:
+                found = [r for r in caplog.records if subject.lower() in r.getMessage().lower()]
+                if found:
+                    return found[0]
+                assert time.monotonic() < deadline, f"nothing logged for {subject}"
+                await asyncio.sleep(0.02)
+        finally:
+            await bus.close()
+
+    with NatsServer.secured(tmp_path / "nats").start() as server, caplog.at_level(logging.WARNING, "coderai.bus"):
+        node = server.add_node("n1")
+        service = asyncio.run(refuse(server.role_url("metrics"), "coderai.work.m.chat"))
+        hb = asyncio.run(refuse(node, "coderai.hb.n2"))
+        probe = asyncio.run(refuse(node, "$JS.API.CONSUMER.INFO.WORK.work-m-embed"))
+    assert service.levelno == logging.ERROR and "svc-metrics" in service.getMessage()
+    assert hb.levelno == logging.ERROR and "node-n1" in hb.getMessage()
+    assert probe.levelno == logging.WARNING

@@ -87,8 +87,14 @@ async def connect(
                 if len(told) > 1000:
                     told.clear()
                 told[refused] = now
-                log.error("NATS refused %s %s to %r: this login (%s) has no right to it", name, what, subject,
-                          url_user(url) or "anonymous")
+                user = url_user(url) or "anonymous"
+                # a node binds the WORK consumers of a model as soon as it is assigned one, and the head grants them
+                # by a reload of nats-server's users a moment later: its JetStream calls retry until then, so a
+                # node's refused JetStream API call is a warning; any other refusal is an error
+                probe = user.startswith(("node-", "pod-")) and subject.lower().startswith("$js.api.")
+                level = logging.WARNING if probe else logging.ERROR
+                log.log(level, "NATS refused %s %s to %r: this login (%s) has no right to it", name, what, subject,
+                        user)
         elif "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token: say it once
             if text != said:
                 said = text
