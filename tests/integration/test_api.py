@@ -247,19 +247,40 @@ def test_client_disconnect_stops_generation(api_stack, http):
 
 def test_client_leaving_a_whole_answer_stops_generation(api_stack, admin_key):
     """Not streamed: nothing reaches the client before the end, and still the engine stops when it leaves."""
+    import asyncio
     import socket
     from urllib.parse import urlparse
+
+    import nats
 
     worker = api_stack.procs["worker-w1"]
     cancels = worker.log_text().count('"msg": "cancel"')
     body = json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 1000, "temperature": 0}).encode()
     url = urlparse(api_stack.http_url)
-    with socket.create_connection((url.hostname, url.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + admin_key.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-                  + b"\r\n\r\n" + body)
-        # and walk away at once: the gateway looks for the disconnect 0.2 s into the answer, by when the job is on
-        # the engine (1000 tokens take it longer), and a cancel that beats its job to the worker is kept for it
+
+    async def leave_once_the_job_is_sent() -> None:
+        # the client walks away as soon as its job is on the bus: a client gone before the gateway even read its
+        # body (a loaded machine) makes no job at all, which is right, and tests nothing
+        nc = await nats.connect(api_stack.nats_url)
+        sent = asyncio.Event()
+
+        async def job(_m) -> None:
+            sent.set()
+
+        sub = await nc.subscribe("coderai.engine.*.*.complete", cb=job)
+        try:
+            with socket.create_connection((url.hostname, url.port)) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Authorization: Bearer " + admin_key.encode() + b"\r\nContent-Length: "
+                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await asyncio.wait_for(sent.wait(), 60)
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+
+    asyncio.run(leave_once_the_job_is_sent())
+    # the gateway looks for the disconnect 0.2 s into the answer (1000 tokens take the engine longer), and a cancel
+    # that beats its job to the worker is kept for it
     wait_until(lambda: worker.log_text().count('"msg": "cancel"') > cancels, 10, "the worker to log the cancel")
 
 
