@@ -162,6 +162,12 @@ def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> di
         f"coderai.train.report.*.{node_id}",
         f"coderai.train.upload.*.{node_id}",
         "coderai.reply.*.*",  # answers to fan-out parts, at the random reply subject the part carries
+        # answers to what the gateways and the scheduler sent it (an engine job's frames, a command's reply), at
+        # their inboxes' random subjects: outright, as `allow_responses` alone is not enough: nats-server forgets
+        # those grants at every users reload (each join, revocation, pod), and a streamed answer was cut there.
+        # It may not subscribe there, and a subject it was not sent is a random one nobody reads
+        f"{service_inbox('gateway')}.>",
+        f"{service_inbox('scheduler')}.>",
         "coderai.cmd.store.fetch",  # model files from the head's store
         "coderai.cmd.store.list",
         "$JS.API.INFO",
@@ -178,8 +184,9 @@ def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> di
         # scheduler makes them (contracts/work.py consumer_config): a node may not make one or change its settings
         f"$JS.API.STREAM.INFO.{WORK.name}",
     ]
-    for c in work:  # `work-<model key>-<op>` (contracts/work.py)
-        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}"]
+    for c in work:  # `work-<model key>-<op>` (contracts/work.py); its acks outright, as its answers (above)
+        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}",
+                    f"$JS.ACK.{WORK.name}.{c}.>"]
     subscribe = [f"coderai.engine.{node_id}.>", f"coderai.cmd.node.{node_id}.>", f"{node_inbox(node_id)}.>"]
     return {
         "publish": {"allow": publish},
