@@ -132,7 +132,8 @@ def test_a_node_pulls_only_the_parts_of_the_models_it_holds():
     [c] = work_consumers(held)
     assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{c}" in pub and f"$JS.API.CONSUMER.INFO.WORK.{c}" in pub
     assert not [p for p in pub if p.startswith("$JS.API.CONSUMER.CREATE.WORK.")]  # the scheduler makes them
-    assert not any(p.endswith(".*") or p.endswith(".>") for p in pub if ".WORK." in p)
+    assert [p for p in pub if ".WORK." in p and (p.endswith(".*") or p.endswith(".>"))] == \
+        [f"$JS.ACK.WORK.{c}.>"]  # the acks of its own consumer's parts, nothing wider
 
 
 def test_join_may_only_ask_to_join():
