@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import os
 import time
-from pathlib import Path
 from urllib.parse import quote
 
 from coderai.contracts.topology import BLOBS
@@ -56,9 +55,7 @@ def configure(data_dir: str | os.PathLike) -> None:
     from coderai.runtime import members
 
     global _signer
-    path = Path(os.path.expanduser(data_dir)) / "secrets" / KEY_FILE
-    with members.file_lock(path):  # a head's gateway workers start together: one makes it, the others read it
-        _signer = BlobSigner(members.ensure_secret(path))
+    _signer = BlobSigner(members.data_secret(data_dir, KEY_FILE))
 
 
 def signer() -> BlobSigner:

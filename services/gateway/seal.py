@@ -16,7 +16,6 @@ import binascii
 import hashlib
 import hmac
 import os
-from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -71,9 +70,7 @@ def configure(data_dir: str | os.PathLike) -> None:
     from coderai.runtime import members
 
     global _sealer
-    path = Path(os.path.expanduser(data_dir)) / "secrets" / KEY_FILE
-    with members.file_lock(path):  # a head's gateway workers start together: one makes it, the others read it
-        _sealer = Sealer(members.ensure_secret(path))
+    _sealer = Sealer(members.data_secret(data_dir, KEY_FILE))
 
 
 def sealer() -> Sealer:

@@ -438,6 +438,14 @@ def write_secret(path: Path, value: str) -> None:
     _write_private(path, value + "\n")
 
 
+def data_secret(data_dir: str | os.PathLike, name: str) -> str:
+    """The secret `<data_dir>/secrets/<name>`, made on first use under a lock: a head's gateway workers start
+    together, one makes it and the others read it, so every gateway of the head signs and checks with one key."""
+    path = Path(os.path.expanduser(data_dir)) / "secrets" / name
+    with file_lock(path):
+        return ensure_secret(path)
+
+
 def ensure_secret(path: Path) -> str:
     """A random secret kept in `path` (mode 0600), made on first use."""
     if path.exists():
