@@ -94,6 +94,13 @@ def test_function_tools_tool_choice_and_text_format_take_chat_shapes():
     ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "assistant", "content": "only me"}]}, "input"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    # a tool is echoed back in the response as it came: its optional fields have OpenAI's types (schemathesis sent
+    # allowed_callers -27179572 and got it back in a 200)
+    ({"tools": [{"type": "custom", "name": "c", "allowed_callers": -27179572}]}, "tools[0].allowed_callers"),
+    ({"tools": [{"type": "custom", "name": "c", "allowed_callers": []}]}, "tools[0].allowed_callers"),
+    ({"tools": [{**TOOL, "allowed_callers": ["anyone"]}]}, "tools[0].allowed_callers"),
+    ({"tools": [{**TOOL, "defer_loading": "yes"}]}, "tools[0].defer_loading"),
+    ({"tools": [{**TOOL, "description": 5}]}, "tools[0].description"),
 ])
 def test_what_is_refused_is_a_400_naming_the_field(body, param):
     with pytest.raises(ApiError) as exc:

@@ -238,8 +238,25 @@ def _flat(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any],
         name = t.get("name")
         if kind in ("function", "custom") and (not isinstance(name, str) or not name):
             raise _bad(f"{where}.name is required.", f"{where}.name")
+        _check_fields(t, where)
         out.append((name if isinstance(name, str) else "", t, None, where))
     return out
+
+
+CALLERS = ("direct", "programmatic")
+
+
+def _check_fields(t: dict[str, Any], where: str) -> None:
+    """The optional fields a tool is echoed back with in the response: of the types OpenAI's schema gives them,
+    else a 400 naming the field (a tool is sent back as it came)."""
+    callers = t.get("allowed_callers")
+    if callers is not None and (not isinstance(callers, list) or any(c not in CALLERS for c in callers)
+                                or (t.get("type") == "custom" and not callers)):
+        raise _bad(f"{where}.allowed_callers must be a list of {' and '.join(CALLERS)}.", f"{where}.allowed_callers")
+    if "defer_loading" in t and not isinstance(t["defer_loading"], bool):
+        raise _bad(f"{where}.defer_loading must be a boolean.", f"{where}.defer_loading")
+    if t.get("description") is not None and not isinstance(t["description"], str):
+        raise _bad(f"{where}.description must be a string.", f"{where}.description")
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
