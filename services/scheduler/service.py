@@ -68,6 +68,7 @@ class Scheduler:
         self.bus: Bus | None = None
         self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
         self.training: Training | None = None
+        self.revoked_at: dict[str, float] = {}  # node id -> when it was revoked (monotonic)
         self._dirty = asyncio.Event()
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
@@ -116,9 +117,11 @@ class Scheduler:
         return self.leader.token if self.leader else 0
 
     def _forget_node(self, node_id: str) -> None:
-        """A revoked node is gone now, not when its heartbeats would have timed out."""
+        """A revoked node is gone now, not when its heartbeats would have timed out; a heartbeat it sent before its
+        login was removed, still on its way, does not bring it back (`_on_heartbeat`)."""
         self.nodes.pop(node_id, None)
         self.seen.pop(node_id, None)
+        self.revoked_at[node_id] = time.monotonic()
         self._dirty.set()
 
     def _block_counts(self) -> dict[str, int]:
@@ -302,6 +305,8 @@ class Scheduler:
         return list((await read_all(self.kv_models, ModelConfig)).values())
 
     async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
+        if time.monotonic() - self.revoked_at.get(hb.node_id, -NODE_TTL_S) < NODE_TTL_S:
+            return  # sent before its revocation: a re-admitted node is heard again a heartbeat timeout later
         old = self.nodes.get(hb.node_id)
         new = old is None or set(hb.capabilities) != set(old.capabilities) \
             or (old.rpc and old.rpc.endpoint) != (hb.rpc and hb.rpc.endpoint) or old.addrs != hb.addrs
