@@ -238,7 +238,6 @@ def _flat(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any],
         name = t.get("name")
         if kind in ("function", "custom") and (not isinstance(name, str) or not name):
             raise _bad(f"{where}.name is required.", f"{where}.name")
-        _check_fields(t, where)
         out.append((name if isinstance(name, str) else "", t, None, where))
     return out
 
@@ -246,17 +245,22 @@ def _flat(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any],
 CALLERS = ("direct", "programmatic")
 
 
-def _check_fields(t: dict[str, Any], where: str) -> None:
-    """The optional fields a tool is echoed back with in the response: of the types OpenAI's schema gives them,
-    else a 400 naming the field (a tool is sent back as it came)."""
-    callers = t.get("allowed_callers")
-    if callers is not None and (not isinstance(callers, list) or any(c not in CALLERS for c in callers)
-                                or (t.get("type") == "custom" and not callers)):
-        raise _bad(f"{where}.allowed_callers must be a list of {' and '.join(CALLERS)}.", f"{where}.allowed_callers")
-    if "defer_loading" in t and not isinstance(t["defer_loading"], bool):
-        raise _bad(f"{where}.defer_loading must be a boolean.", f"{where}.defer_loading")
-    if t.get("description") is not None and not isinstance(t["description"], str):
-        raise _bad(f"{where}.description must be a string.", f"{where}.description")
+def echoed(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The request's tools as the response echoes them, less optional fields whose type OpenAI's schema does not
+    allow (schemathesis sent `allowed_callers: -27179572`, and the echo broke the response schema). Nothing is
+    refused for them: agents send fields of their own, and a tool the model can call is what matters."""
+    out = []
+    for t in tools or []:
+        if not isinstance(t, dict):
+            continue
+        callers = t.get("allowed_callers")
+        bad = {k for k, ok in (
+            ("allowed_callers", callers is None or (isinstance(callers, list) and all(c in CALLERS for c in callers)
+                                                   and (bool(callers) or t.get("type") != "custom"))),
+            ("defer_loading", isinstance(t.get("defer_loading", False), bool)),
+            ("description", t.get("description") is None or isinstance(t.get("description"), str))) if not ok}
+        out.append({k: v for k, v in t.items() if k not in bad} if bad else t)
+    return out
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -430,7 +434,7 @@ def response_body(resp_id: str, created: float, req: ResponseRequest, output: li
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
         "store": req.store, "temperature": req.temperature, "text": {"format": fmt, "verbosity": "medium"},
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
+        "tool_choice": req.tool_choice or "auto", "tools": echoed(req.tools), "top_p": req.top_p,
         "truncation": req.truncation or "disabled",
         **({"usage": usage_json(usage)} if usage is not None else {}),  # none yet: left out (no null in the schema)
         **({"user": req.user} if req.user is not None else {}),  # OpenAI's schema has no null `user`
