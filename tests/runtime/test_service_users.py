@@ -137,7 +137,7 @@ def test_a_refusal_is_an_error_naming_the_subject_and_a_nodes_jetstream_probe_a_
                 if found:
                     return found[0]
                 assert time.monotonic() < deadline, f"nothing logged for {subject}"
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # a poll with a deadline (asserted above)
         finally:
             await bus.close()
 

@@ -205,7 +205,7 @@ def test_a_refused_publish_is_logged_at_error_with_its_subject(stack, caplog):
             deadline = time.monotonic() + 10
             while not any("coderai.hb.w1" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR):
                 assert time.monotonic() < deadline, "no ERROR line for the refused publish"
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # a poll with a deadline (asserted above)
         finally:
             await bus.close()
 
@@ -239,7 +239,7 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
             deadline = time.monotonic() + 20
             while not await list_keys(affinity):
                 assert time.monotonic() < deadline, "the router wrote no affinity"
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # a poll with a deadline (asserted above)
             leaders = await bus.kv(LEADERS)
             for role in ("scheduler", "metrics", "pod-broker"):
                 while True:
@@ -247,7 +247,7 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
                         if decode((await leaders.get(role)).value, LeaderRecord).holder:
                             break
                     assert time.monotonic() < deadline, f"{role} holds no lease"
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)  # a poll with a deadline (asserted above)
             stream = await bus.js.stream_info(EVENTS.name)
             while (await bus.js.consumer_info(EVENTS.name, "metrics")).delivered.stream_seq < stream.state.last_seq:
                 assert time.monotonic() < deadline, "metrics' EVENTS consumer fell behind"
