@@ -226,7 +226,7 @@ async def replay(base_url: str, sessions: list[list[Req]], concurrency: int, cod
 def run_coderai(root: Path, gguf: Path, sessions: list[list[Req]], a: argparse.Namespace) -> list[Result]:
     nats = NatsServer(root / "nats").start()
     params = {"n_ctx": a.ctx, "n_threads": 1, "n_threads_batch": 1, "parallel": a.slots, "cache_ram_mb": a.cache_mb,
-              "queue": 64}
+              "queue": 64, **({"head_snapshots_mb": a.head_snapshots_mb} if a.head_snapshots_mb is not None else {})}
     stack = Stack(root / "coderai", nats.url, extra_env={"CODERAI_ROUTER_POLICY": "prefix"})
     try:
         stack.start_core(write_models_file(root / "models.toml", [
@@ -237,7 +237,12 @@ def run_coderai(root: Path, gguf: Path, sessions: list[list[Req]], a: argparse.N
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
         stack.wait_engines_ready([MODEL], timeout_s=120)
         stack.wait_model_ready(MODEL, timeout_s=120)
-        return asyncio.run(replay(stack.base_url, sessions, a.concurrency, True))
+        results = asyncio.run(replay(stack.base_url, sessions, a.concurrency, True))
+        engines = [e for n in httpx.get(f"{stack.http_url}/admin/nodes", timeout=10).json()["nodes"]
+                   for e in n["heartbeat"].get("engines", [])]
+        print(f"[bench] coderai: prompt heads saved {sum(e.get('head_saves', 0) for e in engines)}, restored into a "
+              f"slot {sum(e.get('head_restores', 0) for e in engines)} times", file=sys.stderr)
+        return results
     finally:
         stack.stop()
         nats.stop()
@@ -294,6 +299,8 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4, help="slots per replica")
     ap.add_argument("--ctx", type=int, default=40960, help="context per slot")
     ap.add_argument("--cache-mb", type=int, default=1024, help="llama-server --cache-ram per replica")
+    ap.add_argument("--head-snapshots-mb", type=int, default=None,
+                    help="coderai's llama-server head snapshots (default: the engine's; 0 turns them off)")
     ap.add_argument("--verbose", action="store_true", help="every request's tokens, ideal and cached to stderr")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-agents-"))

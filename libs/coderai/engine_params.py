@@ -82,6 +82,7 @@ _LLAMA_COMMON: dict[str, P] = {
 FAMILY_PARAMS: dict[str, dict[str, P]] = {
     "llama-server": {
         **_LLAMA_COMMON,
+        "head_snapshots_mb": _int(0, 1 << 24),
         "parallel": _int(1, 1024), "cache_ram_mb": _int(0, 1 << 24), "queue": _int(0, 1 << 20),
         "load_timeout_s": TIMEOUT, "env": ENV, "extra_args": ARGS,
         "flash_attn": _choice("on", "off", "auto"), "cache_type_k": _choice(*KV_TYPES),

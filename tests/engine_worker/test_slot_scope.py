@@ -119,13 +119,24 @@ def test_bodies_carry_the_slot_and_the_reuse_the_book_chose():
 
 
 def test_the_shared_fast_path_body_is_unchanged():
-    eng = _engine()
+    eng = LlamaServerEngine(ModelConfig(name="m", engine="llama-server", path="/m.gguf",
+                                        params={"parallel": 2, "head_snapshots_mb": 0}))
     job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}],
                   params=SamplingParams(max_tokens=3))
     with eng._placed("", False):
         body = eng.chat_body(job, False)
     assert "id_slot" not in body and "cache_prompt" not in body
     assert body == LlamaServerEngine.__mro__[1].chat_body(eng, job, False)
+
+
+def test_with_head_snapshots_the_book_places_shared_requests_with_reuse():
+    eng = _engine()  # head snapshots on by default: the book knows where each prompt lies (prompt_heads)
+    job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}])
+    with eng._placed("", False, ((1, 10),)):
+        body = eng.chat_body(job, False)
+    assert body["id_slot"] in (0, 1) and body["cache_prompt"] is True
+    assert eng.book.chain[body["id_slot"]] == ((1, 10),)
+    assert "--slot-save-path" not in server_args(eng.config, 1)  # added by the engine's command, with its folder
 
 
 async def test_the_worker_default_makes_a_model_that_does_not_say_private(monkeypatch):

@@ -28,6 +28,8 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     cached_tokens: int = 0  # of those, tokens whose KV came from the cache instead of being computed
     prefix_hits: int = 0  # requests that reused a cached prefix
     cache_bytes: int = 0  # memory the prompt cache holds now
+    head_saves: int = 0  # prompt heads saved as snapshots (llama-server, prompt_heads)
+    head_restores: int = 0  # requests that had a head snapshot restored into their slot instead of prefilling it
     slots: int = 0  # requests the engine runs at once (llama-server's --parallel); 0: not reported
     slots_busy: int = 0  # of those, running now
     queued: int = 0  # requests the engine holds waiting for a slot

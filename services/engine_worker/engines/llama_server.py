@@ -10,7 +10,8 @@ Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, 
 n_ctx x parallel), `n_gpu_layers` (default: all, where the build has a GPU backend), `mmproj` (a projector GGUF for
 image input), `cache_ram_mb` (the server's host prompt cache, default 1/32 of the node's RAM; always 0 for a
 model with `share_cache = false`, whose tenants must not share it: see slot_scope), `n_threads`, `n_threads_batch`,
-`n_batch`, `n_ubatch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256). The
+`n_batch`, `n_ubatch`, `chat_template`, `queue` (jobs the worker holds beyond the slots at most, default 256),
+`head_snapshots_mb` (disk for snapshots of long prompt heads, default 2048; 0 turns them off: see prompt_heads). The
 other params the family takes (coderai.engine_params, e.g. `flash_attn`, `cache_type_k`, `model_draft`) become
 `--kebab-case value` flags (`True` a bare flag); a param outside that table is refused, never passed on. From the
 operator's own models file only: `extra_args` (appended as is) and `env` (added to the server's environment). A copy the scheduler pinned to GPUs (`devices`) sees only those (CUDA_VISIBLE_DEVICES).
@@ -31,12 +32,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, EmbedJob, EmbedResult, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media, visible_devices
 from coderai.engine_worker.engines.embed import check_texts, embed_result
 from coderai.engine_worker.engines.openai_server import Emit, OpenAIServerEngine, param_flags
-from coderai.engine_worker.engines.slot_scope import ALL, Plan, SlotBook
+from coderai.engine_worker.engines.prompt_heads import MIN_HEAD_CHARS, HeadSnapshots, chat_chain, text_chain
+from coderai.engine_worker.engines.slot_scope import ALL, Chain, Plan, SlotBook
 from coderai.runtime.embedded import find_llama_server, free_port
 
 log = logging.getLogger("coderai.engine_worker")
@@ -46,9 +49,10 @@ MEDIA_WITH_PROJECTOR = frozenset({"image_url", "input_audio"})  # what llama.cpp
 NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size", "n_ubatch": "--ubatch-size",
          "chat_template": "--chat-template", "mmproj": "--mmproj"}
 OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "queue", "load_timeout_s", "extra_args",
-                        "env", "prompt_cache_mb"}) | NAMED.keys()
+                        "env", "prompt_cache_mb", "head_snapshots_mb"}) | NAMED.keys()
 DEFAULT_PARALLEL = 4
 DEFAULT_N_CTX = 2048
+DEFAULT_HEAD_SNAPSHOTS_MB = 2048
 # The server's host prompt cache, per server, unless a model's `cache_ram_mb` says: 1/32 of the node's RAM, at
 # least 64 MiB, at most 1 GiB. Measured (docs/benchmarks.md, bench/prompt_cache.py): over 8,000 distinct prompts
 # every cached prompt is looked at for each new one, so a request slowed from 11 to 32 ms at 256 MiB and to 41 ms
@@ -184,7 +188,13 @@ class LlamaServerEngine(OpenAIServerEngine):
         self._lock = threading.Lock()  # the child and the client change only under it (restart vs close)
         # which key's prompt each slot holds, once a request's cache is scoped (slot_scope); the plan of the request
         # this engine thread runs, for its body
-        self.book = SlotBook(self.slots, isolated=config.share_cache is False, ram_cache=cache_ram_mb(config) > 0)
+        # snapshots of long prompt heads (prompt_heads): on a shared cache with more than one slot; the book then
+        # places shared requests itself, so that it knows which slot holds which prompt
+        mb = config.params.get("head_snapshots_mb")
+        mb = DEFAULT_HEAD_SNAPSHOTS_MB if mb is None else int(mb)
+        self.heads = HeadSnapshots(mb << 20) if mb > 0 and self.slots > 1 and config.share_cache is not False else None
+        self.book = SlotBook(self.slots, isolated=config.share_cache is False, ram_cache=cache_ram_mb(config) > 0,
+                             place_shared=self.heads is not None)
         self._plan = threading.local()
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
@@ -192,7 +202,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         if not binary:
             raise EngineLoadError("llama-server not found: run scripts/setup (it builds .venv/bin/llama-server), "
                                   "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path")
-        return [binary, *server_args(self.config, port)], server_env(self.config, dict(os.environ))
+        heads = ["--slot-save-path", self.heads.dir] if self.heads is not None else []
+        return [binary, *server_args(self.config, port), *heads], server_env(self.config, dict(os.environ))
 
     def load(self) -> None:
         if not os.path.exists(os.path.expanduser(self.config.path)):
@@ -215,30 +226,76 @@ class LlamaServerEngine(OpenAIServerEngine):
         return self._placed_body(super().completion_body(job, stream))
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        with self._placed(job.cache_scope, job.params.n > 1):
+        chain, head_chars = chat_chain(job.messages, job.tools) if self.heads is not None else ((), 0)
+        head = chain[0][0] if head_chars >= MIN_HEAD_CHARS else None
+        with self._placed(job.cache_scope, job.params.n > 1, chain, head, head_chars):
             return super().chat(job, cancel, emit)
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         several = job.params.n > 1 or (isinstance(job.prompt, list) and len(job.prompt) > 1)
-        with self._placed(job.cache_scope, several):
+        prompt = job.prompt if isinstance(job.prompt, str) else (job.prompt[0] if job.prompt else "")
+        chain = text_chain(prompt) if self.heads is not None and isinstance(prompt, str) else ()
+        with self._placed(job.cache_scope, several, chain):
             return super().complete(job, cancel, emit)
 
     @contextlib.contextmanager
-    def _placed(self, scope: str, several: bool) -> Iterator[None]:
-        """The request runs where the slot book places it (a slot of its own scope, or one without reuse)."""
+    def _placed(self, scope: str, several: bool, chain: Chain = (), head: int | None = None,
+                head_chars: int = 0) -> Iterator[None]:
+        """The request runs where the slot book places it (a slot of its own scope, or one without reuse; a shared
+        request, on a server with head snapshots, where its prompt lies, the head restored there if it is not)."""
         shared_before = not self.book.no_reuse
-        plan = self.book.take(scope, several)
+        plan = self.book.take(scope, several, chain if self.heads is not None else None)
         if shared_before and self.book.no_reuse:
             log.warning("%s: a request whose prompt cache is its key's own came to a server with a host RAM cache "
                         "shared by every slot: prompt reuse is off on this server from now on (give the model "
                         "share_cache = false, or the worker CODERAI_SHARE_CACHE=false, for per-key reuse)",
                         self.config.name)
+        heads = self.heads if plan.slot not in (None, ALL) and not scope and self._shared_book() else None
+        if heads is not None and head is not None and plan.shared < head_chars and heads.has(head):
+            self._slot_action(plan.slot, "restore", heads.name(head))
+            heads.restores += 1
         self._plan.value = plan
+        save = False
         try:
             yield
+            save = heads is not None and head is not None and heads.claim(head)
         finally:
             self._plan.value = None
-            self.book.give(plan, scope)
+            if save:  # the slot stays taken until its prompt is saved; the answer is not held up
+                threading.Thread(target=self._save_head, args=(plan, chain, head), daemon=True,
+                                 name=f"save-head-{self.config.name}").start()
+            else:
+                self.book.give(plan, scope, chain)
+
+    def _shared_book(self) -> bool:
+        if self.book.isolated or self.book.no_reuse:
+            if self.heads is not None and self.heads.saves:
+                self.heads.clear()  # a shared snapshot must never fill a slot another key's request may get
+            return False
+        return True
+
+    def _save_head(self, plan: Plan, chain: Chain, head: int) -> None:
+        assert self.heads is not None
+        try:
+            ok = self._slot_action(plan.slot, "save", self.heads.name(head))
+            self.heads.saved(head, ok and self._shared_book())
+        finally:
+            self.book.give(plan, "", chain)
+
+    def _slot_action(self, slot: int | None, action: str, filename: str) -> bool:
+        """`save` or `restore` slot `slot` to or from `filename` in the snapshot folder; False when it failed (then
+        the request prefills as it would have)."""
+        client = self.client
+        if client is None:
+            return False
+        try:
+            r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}), {})
+        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: the request goes on without it
+            log.debug("%s: slot %s %s failed: %s", self.config.name, slot, action, exc)
+            return False
+        if r.status != 200:
+            log.debug("%s: slot %s %s answered %s: %s", self.config.name, slot, action, r.status, r.body[:200])
+        return r.status == 200
 
     def _placed_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body with the request's slot and whether it may reuse that slot's prefix, when the book placed it;
@@ -264,8 +321,10 @@ class LlamaServerEngine(OpenAIServerEngine):
                                                                                    total_tokens=tokens)
 
     def stats(self) -> dict[str, Any]:
+        heads = self.heads
         return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued,
-                "backend": self.backend, "gpu_layers": self.gpu_layers}
+                "backend": self.backend, "gpu_layers": self.gpu_layers,
+                "head_saves": heads.saves if heads else 0, "head_restores": heads.restores if heads else 0}
 
     def log_head(self, chars: int = 200_000) -> str:
         """The start of the server's log, where llama.cpp says which devices it found and what it offloaded."""
@@ -279,6 +338,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         self._closing.set()
         with self._lock:
             super().close()
+        if self.heads is not None:
+            self.heads.close()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(10)
 
@@ -332,6 +393,8 @@ class LlamaServerEngine(OpenAIServerEngine):
                     log.error("%s: restart %d of llama-server failed: %s", self.config.name, attempt + 1, exc)
                     continue
             self.book.reset()  # the new server's slots are empty
+            if self.heads is not None:
+                self.heads.clear()
             self.restarts += 1
             log.info("%s: llama-server restarted (%d restarts so far)", self.config.name, self.restarts)
             if self.on_back is not None:
