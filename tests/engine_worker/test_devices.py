@@ -20,10 +20,15 @@ def cfg(engine: str = "llama-server", devices: list[int] | None = None, **params
 def test_the_llama_server_child_sees_only_its_assigned_gpus(monkeypatch):
     monkeypatch.setattr(llama_server, "find_binary", lambda: "/opt/llama-server")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the worker's own view of the machine
-    argv, env = llama_server.LlamaServerEngine(cfg(devices=[1, 3])).command(4321)
-    assert argv[0] == "/opt/llama-server" and argv[1:] == llama_server.server_args(cfg(devices=[1, 3]), 4321)
+    eng = llama_server.LlamaServerEngine(cfg(devices=[1, 3]))
+    argv, env = eng.command(4321)
+    eng.heads.close()
+    args = llama_server.server_args(cfg(devices=[1, 3]), 4321)
+    assert argv[0] == "/opt/llama-server" and argv[1:] == [*args, "--slot-save-path", eng.heads.dir]
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    _, env = llama_server.LlamaServerEngine(cfg(devices=[2])).command(4321)
+    eng = llama_server.LlamaServerEngine(cfg(devices=[2]))
+    _, env = eng.command(4321)
+    eng.heads.close()
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
 
 
