@@ -150,3 +150,43 @@ def test_a_second_session_started_while_the_first_is_busy_reads_the_head_from_it
         chat_chain([SYSTEM, _user("x")], None)[0][0][0])]
     without = engine_for(head_snapshots_mb=0)  # the same, as llama-server does it alone: a prefill from zero
     assert without.heads is None and _second_session_cached(without) == 0
+
+
+def test_once_a_request_of_one_key_came_no_snapshot_is_restored_or_kept(monkeypatch):
+    """The attack: key B's request placed in a slot that gets a snapshot of shared prompts restored, once the
+    server's cache is scoped per key. The book turns scoped at the first scoped request: the snapshots are deleted
+    and none is restored or saved from then on."""
+    from coderai.engine_worker.engines.llama_server import LlamaServerEngine
+
+    eng = LlamaServerEngine(ModelConfig(name="m", engine="llama-server", path="/m.gguf", params={"parallel": 2}))
+    actions: list[tuple] = []
+
+    def slot_action(slot, action, name):  # what the server does: a save writes the file
+        actions.append((slot, action))
+        if action == "save":
+            with open(os.path.join(eng.heads.dir, name), "wb") as fh:
+                fh.write(b"kv cells")
+        return True
+
+    monkeypatch.setattr(eng, "_slot_action", slot_action)
+    chain, head_chars = chat_chain([SYSTEM, _user("one")], TOOLS)
+    head = chain[0][0]
+    try:
+        with eng._placed("", False, chain, head, head_chars):
+            pass
+        wait_until(lambda: eng.heads.saves == 1, 10, "the head's save")
+        assert [a for _, a in actions] == ["save"] and eng.heads.has(head)
+        busy = eng.book.take("", chain=chain)  # the slot with the head is busy: the next session's gets it restored
+        with eng._placed("", False, chat_chain([SYSTEM, _user("two")], TOOLS)[0], head, head_chars):
+            pass
+        eng.book.give(busy, "", chain)
+        assert [a for _, a in actions] == ["save", "restore"]
+        with eng._placed("key-b", False):
+            pass  # the first scoped request: the book stops sharing
+        actions.clear()
+        other, _ = chat_chain([SYSTEM, _user("three")], TOOLS)
+        with eng._placed("", False, other, head, head_chars):
+            pass
+        assert actions == [] and not eng.heads.has(head) and os.listdir(eng.heads.dir) == []
+    finally:
+        eng.heads.close()

@@ -250,7 +250,8 @@ class LlamaServerEngine(OpenAIServerEngine):
                         "shared by every slot: prompt reuse is off on this server from now on (give the model "
                         "share_cache = false, or the worker CODERAI_SHARE_CACHE=false, for per-key reuse)",
                         self.config.name)
-        heads = self.heads if plan.slot not in (None, ALL) and not scope and self._shared_book() else None
+        shared = self._shared_book()
+        heads = self.heads if plan.slot not in (None, ALL) and not scope and shared else None
         if heads is not None and head is not None and plan.shared < head_chars and heads.has(head):
             self._slot_action(plan.slot, "restore", heads.name(head))
             heads.restores += 1
@@ -268,9 +269,11 @@ class LlamaServerEngine(OpenAIServerEngine):
                 self.book.give(plan, scope, chain)
 
     def _shared_book(self) -> bool:
+        """Whether the book still shares every slot; once it does not, the snapshots are deleted: a shared one
+        must never fill a slot another key's request may get."""
         if self.book.isolated or self.book.no_reuse:
-            if self.heads is not None and self.heads.saves:
-                self.heads.clear()  # a shared snapshot must never fill a slot another key's request may get
+            if self.heads is not None:
+                self.heads.clear()
             return False
         return True
 

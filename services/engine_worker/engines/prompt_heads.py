@@ -124,6 +124,8 @@ class HeadSnapshots:
 
     def clear(self) -> None:
         """Forget every snapshot (the server restarted, or the cache turned per key)."""
+        if not self._files:
+            return
         with self._lock:
             for head in list(self._files):
                 self._remove(head, os.path.join(self.dir, self.name(head)))
