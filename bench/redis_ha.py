@@ -384,7 +384,7 @@ async def nats_paths(servers: list[NatsServer], keys: int, want: set[str]) -> tu
                               allow_direct=True, max_msgs_per_subject=1, max_age=3 * 86400, num_replicas=replicas,
                               storage=StorageType.FILE)
         try:
-            info = await _until(lambda: js.add_stream(config), 60, "the counter stream")
+            await _until(lambda: js.add_stream(config), 60, "the counter stream")
             await _until(lambda: js.publish("rl.warm", b"", headers={"Nats-Incr": "1"}), 30, "a counter increment")
         except Exception as exc:  # noqa: BLE001 - an older server without counters: said in the report
             skipped.append(f"kv-counter: this nats-server has no counters ({exc})")
