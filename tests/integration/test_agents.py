@@ -67,9 +67,11 @@ def stack(tmp_path_factory, project):
     script = {"Read": {"file_path": str(folder / "notes.txt")},  # Claude Code's
               "exec_command": {"cmd": "cat notes.txt"}, "shell": {"command": ["cat", "notes.txt"]}}  # Codex's
     models = [
-        # no chat template in this GGUF: llama-server's ChatML, whose end marker the base model writes as text
+        # no chat template in this GGUF: llama-server's ChatML, whose end marker the base model writes as text.
+        # Greedy (`temp` 0, the server's default for requests that name none: neither CLI does), so that the turn
+        # is the same every run: sampled, a fresh run once drew a newline first, and Codex got an empty answer
         {"name": GEMMA, "engine": "llama-server", "path": str(gemma), "max_output_tokens": 256,
-         "stop": ["\n", "<|im_end|>"], "params": {"parallel": 1, "n_ctx": 8192, "n_threads": 2}},
+         "stop": ["\n", "<|im_end|>"], "params": {"parallel": 1, "n_ctx": 8192, "n_threads": 2, "temp": 0}},
         {"name": SCRIPTED, "engine": "echo", "path": "-", "params": {"reply": REPLY, "tool_calls": script}},
     ]
     with running_stack(tmp_path_factory.mktemp("agents"), models, gateway_args=("--api-keys-file", str(keys)),
