@@ -80,8 +80,8 @@ def test_snapshots_keep_within_their_budget_and_are_saved_once(tmp_path):
         with open(os.path.join(snaps.dir, snaps.name(4)), "wb") as fh:
             fh.write(b"k" * 400)
         snaps.claim(4)
-        snaps.saved(4, True)  # larger than the whole budget: not kept
-        assert not snaps.has(4) and snaps.has(3)
+        snaps.saved(4, True)  # larger than the whole budget: not kept, and never tried again
+        assert not snaps.has(4) and snaps.has(3) and not snaps.claim(4)
         folder = snaps.dir
     finally:
         snaps.close()

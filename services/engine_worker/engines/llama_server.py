@@ -253,8 +253,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         shared = self._shared_book()
         heads = self.heads if plan.slot not in (None, ALL) and not scope and shared else None
         if heads is not None and head is not None and plan.shared < head_chars and heads.has(head):
-            self._slot_action(plan.slot, "restore", heads.name(head))
-            heads.restores += 1
+            if self._slot_action(plan.slot, "restore", heads.name(head)):
+                heads.restores += 1
         self._plan.value = plan
         save = False
         try:

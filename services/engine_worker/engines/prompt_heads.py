@@ -78,6 +78,7 @@ class HeadSnapshots:
         self._dir = ""
         self._files: OrderedDict[int, int] = OrderedDict()  # head digest -> bytes
         self._saving: set[int] = set()
+        self._too_big: set[int] = set()  # heads whose snapshot outgrew the whole budget: never saved again
         self._lock = threading.Lock()
         self.saves = self.restores = 0
 
@@ -102,7 +103,7 @@ class HeadSnapshots:
     def claim(self, head: int) -> bool:
         """Whether the caller should save `head` now (nobody has, nobody is)."""
         with self._lock:
-            if head in self._files or head in self._saving:
+            if head in self._files or head in self._saving or head in self._too_big:
                 return False
             self._saving.add(head)
             return True
@@ -117,6 +118,8 @@ class HeadSnapshots:
                 self._files[head] = size
                 self.saves += 1
             else:
+                if size > self.max_bytes and len(self._too_big) < 4096:
+                    self._too_big.add(head)
                 self._remove(head, path)
             while sum(self._files.values()) > self.max_bytes:
                 old, _ = self._files.popitem(last=False)
