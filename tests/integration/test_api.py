@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
@@ -327,6 +328,13 @@ def test_files_upload_list_content_and_delete_through_the_sdk(client):
     assert got.content == b"x" and got.headers["content-disposition"] == (
         "attachment; filename=\"donn_es.txt\"; filename*=UTF-8''donn%C3%A9es.txt")
     client.files.delete(named.id)
+    # several chunks of the object store, streamed one at a time (never whole in the gateway): the same bytes back,
+    # with their length said up front
+    big = os.urandom(2 * 128 * 1024 + 17)  # three chunks, within the test quota (FILE_QUOTA)
+    large = client.files.create(file=("large.bin", big), purpose="user_data")
+    got = client.files.with_raw_response.content(large.id)
+    assert got.content == big and got.headers["content-length"] == str(len(big))
+    client.files.delete(large.id)
     gone = client.files.delete(other.id)
     assert gone.deleted and gone.id == other.id
     with pytest.raises(openai.NotFoundError):

@@ -107,3 +107,39 @@ async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_
                 return await js.object_store(spec.name)
             except BucketNotFoundError:
                 raise exc from None
+
+
+async def object_chunks(bus: Any, spec: BucketSpec, store: Any, name: str) -> tuple[int, Any]:
+    """The size of object `name` in `store` (the object store `spec` names) and an async iterator of its chunks as JetStream holds them (128 KiB
+    each by default), read one at a time from an ordered consumer: a download of a large file never holds the
+    whole of it, where nats-py's `get` gathers it into one bytes. The digest is checked at the end; a mismatch
+    raises (the download ends cut short rather than whole and wrong). nats-py's ObjectNotFoundError when missing."""
+    from base64 import urlsafe_b64decode
+    from hashlib import sha256
+
+    from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE
+
+    info = await store.get_info(name)
+    if info.is_link():
+        raise ValueError(f"object {name} is a link")
+
+    async def chunks():
+        if not info.size:
+            return
+        sub = await bus.js.subscribe(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=spec.name, obj=info.nuid),
+                                     ordered_consumer=True)
+        digest, got = sha256(), 0
+        try:
+            async for msg in sub.messages:
+                digest.update(msg.data)
+                got += len(msg.data)
+                yield msg.data
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        want = (info.digest or "").removeprefix("SHA-256=")
+        if got != info.size or (want and digest.digest() != urlsafe_b64decode(want + "=" * (-len(want) % 4))):
+            raise ValueError(f"object {name}: {got} bytes read of {info.size}, or its digest differs")
+
+    return info.size, chunks()

@@ -13,6 +13,7 @@ from urllib.parse import quote
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
+from litestar.response import Stream
 
 from coderai.contracts import encode
 from coderai.contracts.topology import FILES, FINETUNE
@@ -23,6 +24,7 @@ from coderai.gateway.http import json_response, query_int
 from coderai.gateway.openai.forms import read_form
 from coderai.gateway.state import Gateway, InferenceController
 from coderai.runtime.kv import read_all
+from coderai.runtime.stores import object_chunks
 from coderai.training_data import BadTrainingFile, parse_examples
 
 T = TypeVar("T")
@@ -173,9 +175,10 @@ class FilesController(InferenceController):
     async def content(self, request: Request, file_id: FromPath[str]) -> Response:
         who = self.caller(request)
         rec = await self.records.own_file(who, file_id)
-        data = (await (await self.records.files()).get(rec.id)).data or b""
-        return Response(content=data, media_type="application/octet-stream",
-                        headers={"Content-Disposition": attachment(rec.filename)})
+        # streamed chunk by chunk from the object store: a 1 GiB file is never whole in the gateway's memory
+        size, chunks = await object_chunks(self.gw.bus, FILES, await self.records.files(), rec.id)
+        return Stream(chunks, media_type="application/octet-stream",
+                      headers={"Content-Disposition": attachment(rec.filename), "Content-Length": str(size)})
 
     @delete("/{file_id:str}", status_code=200)
     async def remove(self, request: Request, file_id: FromPath[str]) -> Response:
