@@ -234,7 +234,7 @@ class LlamaServerEngine(OpenAIServerEngine):
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         several = job.params.n > 1 or (isinstance(job.prompt, list) and len(job.prompt) > 1)
         prompt = job.prompt if isinstance(job.prompt, str) else (job.prompt[0] if job.prompt else "")
-        chain = text_chain(prompt) if self.heads is not None and isinstance(prompt, str) else ()
+        chain = text_chain(prompt) if self.heads is not None else ()
         with self._placed(job.cache_scope, several, chain):
             return super().complete(job, cancel, emit)
 

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -44,30 +45,31 @@ def _digest(prev: int, part: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(prev.to_bytes(8, "little") + part, digest_size=8).digest(), "little")
 
 
+def _chain(parts: Iterable[bytes]) -> Chain:
+    """Each part's cumulative digest, with the bytes up to its end."""
+    chain: list[tuple[int, int]] = []
+    h, size = 0, 0
+    for part in parts:
+        h, size = _digest(h, part), size + len(part)
+        chain.append((h, size))
+    return tuple(chain)
+
+
 def chat_chain(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[Chain, int]:
-    """The chain of a chat and the characters of its head (its first part: the tools and the system or developer
+    """The chain of a chat and the size of its head (its first part: the tools and the system or developer
     messages it starts with; 0 when it has neither)."""
     n = 0
     while n < len(messages) and isinstance(messages[n], dict) and messages[n].get("role") in HEAD_ROLES:
         n += 1
-    parts = ([_enc.encode([tools or [], messages[:n]])] if (tools or n) else []) + [_enc.encode(m) for m in messages[n:]]
-    chain: list[tuple[int, int]] = []
-    h, chars = 0, 0
-    for part in parts:
-        h, chars = _digest(h, part), chars + len(part)
-        chain.append((h, chars))
-    return tuple(chain), (chain[0][1] if tools or n else 0)
+    has_head = bool(tools or n)
+    head = [_enc.encode([tools or [], messages[:n]])] if has_head else []
+    chain = _chain(head + [_enc.encode(m) for m in messages[n:]])
+    return chain, (chain[0][1] if has_head else 0)
 
 
 def text_chain(prompt: str) -> Chain:
     """The chain of a raw prompt: its text in chunks of TEXT_CHUNK characters."""
-    chain: list[tuple[int, int]] = []
-    h = 0
-    for i in range(0, len(prompt), TEXT_CHUNK):
-        part = prompt[i:i + TEXT_CHUNK]
-        h = _digest(h, part.encode())
-        chain.append((h, i + len(part)))
-    return tuple(chain)
+    return _chain(prompt[i:i + TEXT_CHUNK].encode() for i in range(0, len(prompt), TEXT_CHUNK))
 
 
 class HeadSnapshots:

@@ -31,14 +31,14 @@ ALL = -1  # `Plan.slot` of a request that holds every slot (n > 1 or a list of p
 
 
 Chain = tuple[tuple[int, int], ...]
-"""A prompt as cumulative digests of its parts, each with the characters up to its end: two prompts share a prefix
+"""A prompt as cumulative digests of its parts, each with the bytes up to its end: two prompts share a prefix
 as long as their chains agree (prompt_heads makes them)."""
 
 
 @dataclass(frozen=True)
 class Plan:
     """Where one request runs: `slot` (an `id_slot`, ALL, or None: the server picks) and whether it may reuse the
-    prefix cached there (`cache_prompt`); `shared`, for a placed shared request, is how many characters of its
+    prefix cached there (`cache_prompt`); `shared`, for a placed shared request, is how many bytes of its
     prompt the slot held already (by the book's chains)."""
 
     slot: int | None
@@ -47,7 +47,7 @@ class Plan:
 
 
 def common_chars(a: Chain, b: Chain) -> int:
-    """The characters of the longest prefix chains `a` and `b` agree on."""
+    """The bytes of the longest prefix chains `a` and `b` agree on."""
     chars = 0
     for x, y in zip(a, b):
         if x != y:
@@ -137,7 +137,7 @@ class SlotBook:
 
     def _nearest(self, chain: Chain) -> tuple[int, int]:
         """The free slot whose prompt shares the most with `chain` (the most recently used of equals), else an
-        empty one, else the least recently used; with the characters it shares."""
+        empty one, else the least recently used; with the bytes it shares."""
         free = [i for i in range(self.n) if not self.taken[i]]
         best = max(free, key=lambda i: (common_chars(self.chain[i], chain), self.used_at[i]))
         shared = common_chars(self.chain[best], chain)
