@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from coderai.contracts.topology import LEADER_TTL_S
-from coderai.testing.ha import HEADS, MODEL, TOKEN, Cluster, SdkLoad, three_heads
+from coderai.testing.ha import HEADS, MODEL, TOKEN, WORKERS, Cluster, SdkLoad, three_heads
 from coderai.testing.netns import NetnsUnavailable
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import node_up
@@ -63,7 +63,13 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     assert made.status_code == 201, made.text
     key = made.json()["key"]
     before_money = asyncio.run(c.money(write=True))
-    placed_before = asyncio.run(c.buckets("h2"))[0]
+    # both workers' placements, read until there: CI once read an empty listing through h2 here, with the workers
+    # placed and serving (the listing after the kill had both), and compared the rest of the test against nothing
+    def both_placed():
+        placed = asyncio.run(c.buckets("h2"))[0]
+        return placed if set(placed) == set(WORKERS) else None
+
+    placed_before = wait_until(both_placed, 60, "both workers' placements, read on h2")
 
     # streamed chats without the SDK's retries: each failure is seen as it happened
     with SdkLoad(c, key, kinds=("stream",), max_retries=0) as load:

@@ -28,7 +28,7 @@ def stack(tmp_path_factory, tiny_gguf):
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     models = [{"name": "one-slot", "engine": "llama-server", "path": str(tiny_gguf),
-               "params": {"parallel": 1, "n_ctx": 32768, "n_threads": 2}}]
+               "params": {"parallel": 1, "context_shift": True, "n_threads": 2}}]
     with running_stack(tmp_path_factory.mktemp("priority"), models, gateway_args=("--no-auth",),
                        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
         yield s
@@ -48,9 +48,10 @@ def test_an_interactive_turn_is_served_before_background_work_queued_ahead_of_it
                                        messages=[{"role": "user", "content": content}])
         done.append(name)
 
-    # The holder streams and is closed by the test once the three are queued: a holder that ran to its own end could
-    # finish on a fast machine before the third was queued (CI saw it), and the order would test nothing.
-    holder = client.completions.create(model="one-slot", prompt=LONG, max_tokens=30000, temperature=0, stream=True)
+    # The holder streams until the test closes it once the three are queued. The tiny model's context is 2,048 tokens
+    # and it writes ~1,700 a second, so without context shift a holder ran to the context's end in about half a second
+    # and CI twice saw it finish before the third was queued; with the shift it goes on until closed (or ~2 minutes).
+    holder = client.completions.create(model="one-slot", prompt=LONG, max_tokens=200_000, temperature=0, stream=True)
     threads = []
     try:
         next(iter(holder))  # the holder has the slot
