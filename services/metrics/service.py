@@ -172,21 +172,25 @@ class Metrics:
             await js.delete_consumer(EVENTS.name, name)
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
 
-    async def _take(self, events: list[tuple[int, RequestCompleted]], mark: str) -> None:
+    async def _take(self, events: list[tuple[int, RequestCompleted]], mark: str) -> bool:
         """A batch's usage to Redis, then to Prometheus what Redis took and this process had not counted yet (a
         batch delivered again is counted by neither; usage counted again into an emptied Redis is not counted
-        again by Prometheus, whose counters never lost it)."""
+        again by Prometheus, whose counters never lost it). False: given up, nothing counted (`_record`)."""
         fresh = [e for seq, e in events if seq > self.applied]
         if self.redis is not None and events:
-            taken = {id(e) for e in await self._record(events, mark)}
+            recorded = await self._record(events, mark)
+            if recorded is None:
+                return False
+            taken = {id(e) for e in recorded}
             fresh = [e for e in fresh if id(e) in taken]
         for e in fresh:
             self.series.on_request(e)
+        return True
 
-    async def _record(self, events: list, mark: str) -> list[RequestCompleted]:
+    async def _record(self, events: list, mark: str) -> list[RequestCompleted] | None:
         """Usage of this batch to Redis, tried again until Redis takes it. Not moving on matters: the consumer
         acks cumulatively, so acking a later batch would ack this one too, and its usage would be lost. A head
-        that lost the lease gives the batch up: the next leader reads it again from Redis' mark."""
+        that lost the lease gives the batch up (None): the next leader reads it again from Redis' mark."""
         wait, unsure = 0.25, False
         writer, token = secrets.token_hex(8), self.leader.token if self.leader is not None else 0
         top = max((seq for seq, _e in events), default=0)
@@ -208,7 +212,7 @@ class Metrics:
                 if self.leader is not None and (not self.leader.held or self.leader.token != token):
                     log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
                                 "leader counts it", exc)
-                    return []
+                    return None
                 log.warning("usage not recorded (%s); trying again in %.1fs", exc, wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
@@ -258,7 +262,16 @@ class Metrics:
                             log.warning("dropping malformed event: %s", why_malformed(exc))
                     # a lost lease or a stop cancels this task: the batch's usage and its Prometheus counts are
                     # taken whole or not at all, so Redis and Prometheus keep agreeing
-                    await asyncio.shield(self._take(events, mark))
+                    if not await asyncio.shield(self._take(events, mark)):
+                        # given up: this head stopped leading while Redis refused the batch. The lease is lost for
+                        # good (its change cancels this task) or was renewed late and is held again; either way the
+                        # batch is not counted, acked or taken as applied, and whoever leads starts from Redis' mark.
+                        # Taking it as applied made Prometheus skip it when it came again: the soak's full disk
+                        # (leases not renewed, Redis refusing writes) left Prometheus one short of Redis
+                        while self.leader is not None and not self.leader.held:
+                            await asyncio.sleep(0.5)
+                        resume = True
+                        break
                     self.applied = max([self.applied, *(seq for seq, _e in events)])
                     await msgs[-1].ack()
                     if len(msgs) < BATCH:  # caught up: a fetch, a pipeline and an ack per event would cost the
