@@ -83,8 +83,12 @@ def step_event(step: int, total: int, loss: float, tokens_per_s: float, trained:
 
 
 def finetuned_name(base: str, suffix: str, job_id: str) -> str:
-    """`<base>:<suffix>`; without a suffix the job id stands in for it."""
-    return f"{base}:{suffix or job_id}"
+    """`<base>:<suffix>-<the first 8 characters of the job's random id>` (OpenAI's `ft:<base>:<org>:<suffix>:<id>`
+    in one tag); without a suffix the whole job id stands in. The id makes each name its own job's: a key that
+    chooses a suffix another key's model has gets a name of its own, not word that the other exists."""
+    if not suffix:
+        return f"{base}:{job_id}"
+    return f"{base}:{suffix}-{job_id.removeprefix('ftjob-')[:8]}"
 
 
 def check_suffix(suffix: str) -> None:

@@ -1,7 +1,7 @@
 """Fine-tuning across two machines in network namespaces: a head (`coderai up`) and node-b train a LoRA on the
 tiny random HF llama data-parallel (gloo over the namespaces' link), through the official openai SDK: bad files
 are refused at upload naming the line, loss goes down, events stream the steps (with the validation loss at each
-epoch's end: the job has a validation file), both ranks end with the same adapter, and `tiny:ft1` answers a chat through the gateway. A second job loses its rank on node-b mid-training
+epoch's end: the job has a validation file), both ranks end with the same adapter, and `tiny:ft1-<job id>` answers a chat through the gateway. A second job loses its rank on node-b mid-training
 (the trainer process is killed) and ends `failed`, naming node-b, within 30 s; nothing of it is registered. A
 cancelled job stops on both nodes. A last one loses node-b's whole worker (the trainer dies with it): its reports
 stop and the job fails naming node-b within 30 s."""
@@ -117,7 +117,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         got = job(job_id)
         j, events = got["job"], got["events"]
         assert j["status"] == "succeeded", (j, [e["message"] for e in events], node.log_text()[-3000:])
-        assert j["fine_tuned_model"] == "tiny:ft1" and j["object"] == "fine_tuning.job" and job_id in got["listed"]
+        ft1 = j["fine_tuned_model"]  # the suffix and the job's own id: no other key's choice of suffix meets it
+        assert ft1 == f"tiny:ft1-{job_id.removeprefix('ftjob-')[:8]}" and j["object"] == "fine_tuning.job"
+        assert job_id in got["listed"]
         assert j["coderai"]["nodes"] == ["head", "node-b"] and j["trained_tokens"] > 0
         steps = sorted((e for e in events if e["type"] == "metrics"), key=lambda e: e["data"]["step"])
         assert [e["data"]["step"] for e in steps] == list(range(1, 7))  # 4 examples / 2 ranks x 3 epochs
@@ -143,18 +145,18 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
         assert (root / "head" / "models" / "finetune" / job_id / "adapter.tar").is_file()
         kept = {m.name: m for m in load_models(str(models))}  # appended: still served after a restart
-        assert kept["tiny:ft1"].params["base"] == str(base) and kept["tiny:ft1"].engine == "transformers"
+        assert kept[ft1].params["base"] == str(base) and kept[ft1].engine == "transformers"
 
         chat: dict = {}
-        wait_until(lambda: chat.update(client("chat", "tiny:ft1")) or chat["status"] == 200, 90,
-                   "tiny:ft1 to answer through the gateway", interval_s=1)
-        assert chat["model"] == "tiny:ft1" and isinstance(chat["content"], str)
+        wait_until(lambda: chat.update(client("chat", ft1)) or chat["status"] == 200, 90,
+                   f"{ft1} to answer through the gateway", interval_s=1)
+        assert chat["model"] == ft1 and isinstance(chat["content"], str)
 
         # the fine-tuned model is the key's that trained it: another key neither lists, uses nor deletes it
         tenant = client("newkey", "tenant-b")["key"]
-        assert "tiny" in client("models", as_key=tenant) and "tiny:ft1" not in client("models", as_key=tenant)
+        assert "tiny" in client("models", as_key=tenant) and ft1 not in client("models", as_key=tenant)
         for cmd in ("chat", "delete"):
-            seen = client(cmd, "tiny:ft1", as_key=tenant)
+            seen = client(cmd, ft1, as_key=tenant)
             print(f"tenant-b tried to {cmd} another key's fine-tuned model: {seen}")
             assert seen["status"] == 404, seen
         assert client("delete", "tiny", as_key=tenant)["status"] == 403  # nor may it delete the operator's model
@@ -175,7 +177,7 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         failed = job(long_id)["job"]
         assert failed["error"]["code"] == "rank_failed", failed["error"]
         assert failed["error"]["message"] == "rank 1 on node node-b failed: the trainer process was killed by SIGKILL"
-        assert "tiny:ft2" not in client("models") and "tiny:ft1" in client("models")
+        assert not any(m.startswith("tiny:ft2-") for m in client("models")) and ft1 in client("models")
         assert not (root / "head" / "models" / "finetune" / long_id / "adapter.tar").exists()
 
         # a cancelled job stops on both nodes
@@ -190,7 +192,8 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
 
         # a key revoked while its job trains: the job is cancelled as its owner would, and stops on both nodes
         own_file = client("upload", str(long_data), as_key=tenant)["id"]
-        doomed = start("ftr", "100", training=own_file, as_key=tenant)
+        doomed = start("ft1", "100", training=own_file, as_key=tenant)  # the suffix the operator's model has: taken
+        assert doomed != job_id  # without a word that another key's model has it (a 400 "exists" was that word)
         wait_until(lambda: job(doomed)["job"]["status"] == "running", 60, "the tenant's job to run", interval_s=0.5)
         assert client("revoke", "tenant-b")["status"] == 200
         wait_until(lambda: job(doomed)["job"]["status"] == "cancelled", 30, "the revoked key's job to be cancelled",
@@ -213,9 +216,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert failed["message"].startswith("rank 1 on node node-b stopped reporting"), failed
 
         # its owner deletes it (OpenAI's models.delete): no longer listed nor served
-        gone = client("delete", "tiny:ft1")
-        assert gone["status"] == 200 and gone["deleted"] is True and gone["id"] == "tiny:ft1", gone
-        assert "tiny:ft1" not in client("models")
+        gone = client("delete", ft1)
+        assert gone["status"] == 200 and gone["deleted"] is True and gone["id"] == ft1, gone
+        assert ft1 not in client("models")
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=60 if p is procs[0] else 15)

@@ -59,19 +59,20 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
         events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
         said = [e.message for e in events]
         assert got.status == "succeeded", (got.error, said, worker.log_text()[-3000:])
-        assert got.fine_tuned_model == "tiny:rs" and got.error is None
+        name = f"tiny:rs-{job.id.removeprefix('ftjob-')[:8]}"  # the job's own name: its suffix and its id
+        assert got.fine_tuned_model == name and got.error is None
         assert any("The scheduler restarted; following the job's ranks again" in m for m in said), said
         # every step recorded once: the ones of the gap came from the worker
         assert steps() == list(range(1, 4 * EPOCHS + 1)) and seen < 4 * EPOCHS
         assert got.trained_tokens and got.trained_tokens > 0
-        assert "tiny:rs" in [m.id for m in client.models.list().data]
+        assert name in [m.id for m in client.models.list().data]
 
         def answered() -> bool:
             try:
-                r = client.chat.completions.create(model="tiny:rs", max_tokens=8, temperature=0,
+                r = client.chat.completions.create(model=name, max_tokens=8, temperature=0,
                                                    messages=[{"role": "user", "content": "What is 2 plus 2?"}])
             except openai.APIStatusError:
                 return False  # not placed / loaded yet
-            return r.model == "tiny:rs" and isinstance(r.choices[0].message.content, str)
+            return r.model == name and isinstance(r.choices[0].message.content, str)
 
-        wait_until(answered, 90, "tiny:rs to answer through the gateway", interval_s=1)
+        wait_until(answered, 90, f"{name} to answer through the gateway", interval_s=1)

@@ -37,14 +37,14 @@ def test_terminal_jobs_are_left_alone(status):
 
 def test_a_running_job_is_adopted_with_the_name_it_was_created_for():
     plan = tp.adoption(job("running"), [OTHER, BASE])
-    assert plan.action == "adopt" and plan.base == BASE and plan.name == "tiny:ft1"
+    assert plan.action == "adopt" and plan.base == BASE and plan.name == "tiny:ft1-abc"
     assert tp.adoption(job("running", suffix=""), [BASE]).name == "tiny:ftjob-abc"  # no suffix: the job id
 
 
 @pytest.mark.parametrize("status", ["validating_files", "queued"])
 def test_a_job_caught_before_its_ranks_ran_is_started_again(status):
     plan = tp.adoption(job(status), [BASE])
-    assert plan.action == "restart" and plan.base == BASE and plan.name == "tiny:ft1"
+    assert plan.action == "restart" and plan.base == BASE and plan.name == "tiny:ft1-abc"
 
 
 def test_a_job_whose_base_model_is_gone_fails_saying_so():

@@ -97,8 +97,10 @@ def test_the_served_model_is_the_base_config_with_the_adapter():
 
 
 def test_names_and_suffixes():
-    assert tp.finetuned_name("tiny", "mine", "ftjob-1") == "tiny:mine"
+    assert tp.finetuned_name("tiny", "mine", "ftjob-0123456789ab") == "tiny:mine-01234567"
     assert tp.finetuned_name("tiny", "", "ftjob-1") == "tiny:ftjob-1"
+    # two keys choosing one suffix get a name each: no key learns of another's model by its suffix being taken
+    assert tp.finetuned_name("tiny", "mine", "ftjob-aaaaaaaa") != tp.finetuned_name("tiny", "mine", "ftjob-bbbbbbbb")
     tp.check_suffix("ok_suffix-1")
     with pytest.raises(BusError) as exc:
         tp.check_suffix("no spaces")

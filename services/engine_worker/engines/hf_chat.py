@@ -1,5 +1,5 @@
 """Engine family `transformers`: a Hugging Face causal LM (a folder), optionally with a peft LoRA adapter, for chat
-and completions. It serves fine-tuned models (`<base>:<suffix>`, see docs/finetuning.md) and small HF models
+and completions. It serves fine-tuned models (`<base>:<suffix>-<id>`, see docs/finetuning.md) and small HF models
 that have no GGUF; llama.cpp and vLLM stay the fast paths.
 
 Config: `path` is the model folder, or, with `params.base` naming the base folder, the adapter (a tar of the peft
