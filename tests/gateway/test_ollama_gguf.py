@@ -11,7 +11,8 @@ import pytest
 from coderai.contracts import ModelConfig
 from coderai.gateway.errors import ApiError
 from coderai.gateway.ollama_gguf import Digests, facts, file_type_name, human_number, read_facts
-from coderai.gateway.ollama_models import _with_parameters, capabilities, parse_modelfile
+from coderai.gateway.ollama_create import _with_parameters, parse_modelfile
+from coderai.gateway.ollama_models import capabilities
 
 
 def test_numbers_and_file_types_as_ollama_writes_them():
