@@ -63,6 +63,21 @@ def test_answers_come_back_on_one_kept_connection(server):
     c.close()
 
 
+def test_a_post_not_kept_leaves_no_connection_behind_its_thread(server):
+    """A thread that ends after one request (a prompt head's snapshot save) posts with keep=False: with the
+    connection kept, each such thread left one open for good (the soak's fd growth: one per save)."""
+    c = LoopbackClient("127.0.0.1", server.server_address[1])
+    c.post("/x", b'{"i": 0}', {})  # this thread's kept connection
+    answers = []
+    for keep in (False, True):
+        t = threading.Thread(target=lambda keep=keep: answers.append(c.post("/x", b'{"i": 1}', {}, keep=keep)))
+        t.start()
+        t.join(10)
+        assert len(c._all) == (1 if not keep else 2)  # noqa: SLF001 - kept, the ended thread's stays open
+    assert [a.status for a in answers] == [200, 200]
+    c.close()
+
+
 def test_a_connection_the_server_closed_is_replaced_and_the_request_sent_once(server):
     _Handler.drop_after_answer = True
     c = LoopbackClient("127.0.0.1", server.server_address[1])

@@ -141,11 +141,27 @@ def _second_session_cached(eng) -> int:
     return usage.cached_tokens
 
 
-def test_a_second_session_started_while_the_first_is_busy_reads_the_head_from_its_snapshot(engine_for):
+def test_a_second_session_started_while_the_first_is_busy_reads_the_head_from_its_snapshot(engine_for, monkeypatch):
+    from coderai.engine_worker.engines.loopback_http import LoopbackClient
+
+    made_by: dict = {}  # each connection the engine's client opened, and the thread it was opened for
+    opened = LoopbackClient._conn
+
+    def noted(client, fresh=False):
+        conn, reused = opened(client, fresh)
+        made_by.setdefault(conn, threading.current_thread())
+        return conn, reused
+
+    monkeypatch.setattr(LoopbackClient, "_conn", noted)
     with_snapshots = engine_for()
     head_tokens = len(with_snapshots.post_json("/tokenize", {"content": SYSTEM["content"]}, "t")["tokens"])
     cached = _second_session_cached(with_snapshots)
     assert cached >= head_tokens and with_snapshots.heads.restores == 1, (cached, head_tokens)
+    for t in threading.enumerate():
+        if t.name.startswith("save-head-"):
+            t.join(30)
+    # the save ran on a thread of its own that has ended: no connection of an ended thread is left open
+    assert not [c for c in with_snapshots.client._all if not made_by[c].is_alive()]  # noqa: SLF001
     assert os.listdir(with_snapshots.heads.dir) == [with_snapshots.heads.name(
         chat_chain([SYSTEM, _user("x")], None)[0][0][0])]
     without = engine_for(head_snapshots_mb=0)  # the same, as llama-server does it alone: a prefill from zero
@@ -161,7 +177,7 @@ def test_once_a_request_of_one_key_came_no_snapshot_is_restored_or_kept(monkeypa
     eng = LlamaServerEngine(ModelConfig(name="m", engine="llama-server", path="/m.gguf", params={"parallel": 2}))
     actions: list[tuple] = []
 
-    def slot_action(slot, action, name):  # what the server does: a save writes the file
+    def slot_action(slot, action, name, keep=True):  # what the server does: a save writes the file
         actions.append((slot, action))
         if action == "save":
             with open(os.path.join(eng.heads.dir, name), "wb") as fh:

@@ -83,14 +83,16 @@ class LoopbackClient:
             self._drop(conn)
             raise
 
-    def post(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+    def post(self, path: str, body: bytes, headers: dict[str, str], keep: bool = True) -> Answer:
+        """A whole answer. `keep=False` from a thread that ends after it: its connection is closed, not kept for
+        a next request that never comes (every kept connection stays open until `close`)."""
         conn, resp = self._send(path, body, headers)
         try:
             data = resp.read()
         except BaseException:
             self._drop(conn)
             raise
-        if resp.will_close:
+        if resp.will_close or not keep:
             self._drop(conn)
         return Answer(resp.status, data)
 
