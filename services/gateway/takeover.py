@@ -2,9 +2,15 @@
 names its runner, which touches it while it works; every gateway mirrors the bucket and sweeps it, and a
 record nobody touched for `after_s` is claimed by one revision-checked write (one replica wins) and resumed.
 
-`Takeovers` is the part they share: the mirror, the sweep and its loop, the lifespan. A subclass says what its
-records are (`bucket`, `record`, `what`, `live`, `due`, `claim`) and what resuming a claimed one means
-(`resume`)."""
+What they share lives here:
+- `Takeovers`: the mirror, the sweep and its loop, the lifespan. A subclass says what its records are (`bucket`,
+  `record`, `what`, `live`, `due`, `claim`) and what resuming a claimed one means (`resume`).
+- `Tenure`: the runner's hold on one record. Each write names the revision it replaces, so a runner that was only
+  slow (taken for dead, its job claimed) learns at its next write that the job moved on (`Superseded`) instead of
+  racing the new runner. A subclass says what losing a write race to another change means (`lost`).
+- `keepalive`: the loop that touches the record while the work runs, and stops the work when superseded.
+- `caller_for`: the caller a taken-over job runs as.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +20,98 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
 
+from coderai.gateway.auth import Authenticator, Caller
 from coderai.gateway.state import Gateway
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.gateway")
 
-R = TypeVar("R", bound=msgspec.Struct)
+R = TypeVar("R", bound=msgspec.Struct)  # a record: it has `id`, `runner` and `updated_at`
+
+RACES = 5  # write races a runner loses in a row before it takes the record for lost
+
+
+class Superseded(Exception):
+    """Another gateway runs this record's job now: stop working on it and write nothing more."""
+
+
+class Tenure(Generic[R]):
+    """One gateway's hold on one record (`rec`, at `revision`): each write names the revision it replaces. The
+    keep-alive and the job's own writes never interleave (`lock`)."""
+
+    record: ClassVar[type]  # the records' struct, to read them back
+
+    def __init__(self, kv: Any, rec: R, revision: int) -> None:
+        self.kv, self.rec, self.revision = kv, rec, revision
+        self.lock = asyncio.Lock()
+
+    def lost(self, current: R, changes: dict[str, Any]) -> dict[str, Any]:
+        """A write lost its race to `current` (still this runner's record): the changes to try again on it, or
+        `Superseded` when that change means the job is no longer this runner's to write. By default the other
+        change is kept and the write goes on."""
+        return changes
+
+    async def save(self, **changes: Any) -> None:
+        """Change the record (and `updated_at`) and write it; `Superseded` when another runner holds it now."""
+        async with self.lock:
+            for _ in range(RACES):
+                rec = msgspec.structs.replace(self.rec, **changes, updated_at=time.time())
+                try:
+                    self.revision = await self.kv.update(rec.id, msgspec.json.encode(rec), last=self.revision)
+                    self.rec = rec
+                    return
+                except KeyWrongLastSequenceError:
+                    changes = await self.reread(changes)
+            raise Superseded(f"{self.rec.id}: lost {RACES} write races in a row")
+
+    async def reread(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Take the record as it is now (when `lost` accepts the change that made it so); the lock is held."""
+        entry = await self.kv.get(self.rec.id)
+        current = msgspec.json.decode(entry.value, type=self.record)
+        if current.runner != self.rec.runner:
+            raise Superseded(f"{self.rec.id} is now run by {current.runner or 'another gateway'}")
+        changes = self.lost(current, changes)
+        self.rec, self.revision = current, entry.revision
+        return changes
+
+
+async def keepalive(tenure: Tenure[Any], work: asyncio.Task, every_s: float, what: str,
+                    tick: Callable[[], Awaitable[bool]] | None = None) -> None:
+    """Touch `tenure`'s record every `every_s` while `work` runs (unless the work's own writes kept it fresh), so
+    that no replica takes live work for abandoned. `tick`, asked at each turn first, says whether to stop the work
+    (a revoked key), or reads news (a cancel). Superseded, or stopped by `tick`: `work` is cancelled and the loop
+    ends. Any other failure (the bus blinked) is tried again at the next turn."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            if tick is not None and await tick():
+                work.cancel()
+                return
+            if time.time() - tenure.rec.updated_at >= every_s:
+                await tenure.save()
+        except Superseded as exc:
+            log.warning("%s %s: %s; stopping here", what, tenure.rec.id, exc)
+            work.cancel()
+            return
+        except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
+            log.warning("%s %s: could not touch its record (%s)", what, tenure.rec.id, exc)
+
+
+async def caller_for(auth: Authenticator, key_name: str) -> Caller:
+    """The caller a taken-over job runs as: the Redis key of that name (its limits and budget are charged), or,
+    for a key from the keys file (or auth off), a caller of that name with no Redis key, as when it was accepted."""
+    store = auth.store
+    if store is not None and key_name:
+        key = await store.by_name(key_name)
+        if key is not None:
+            return Caller(key.name, frozenset(key.scopes), key)
+    return Caller(key_name or "anonymous", frozenset({"inference"}))
 
 
 class Takeovers(Generic[R]):

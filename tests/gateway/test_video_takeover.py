@@ -13,12 +13,11 @@ from coderai.contracts import VideoJob
 from coderai.contracts.stages import Handoff, SchedulerState, StageRun
 from coderai.contracts.topology import BucketSpec
 from coderai.gateway.auth import Authenticator
+from coderai.gateway.takeover import Superseded, caller_for
 from coderai.gateway.video.records import (
     MAX_TAKEOVERS,
-    Superseded,
-    Tenure,
     VideoRecord,
-    caller_for,
+    VideoTenure,
     claim,
     due,
 )
@@ -92,7 +91,7 @@ async def kv(nats_server, unique):
 async def test_one_replica_wins_the_claim_and_the_slow_runner_stops(kv):
     rec = record()
     first = await kv.create(rec.id, msgspec.json.encode(rec))
-    runner = Tenure(kv, rec, first)
+    runner = VideoTenure(kv, rec, first)
     # two replicas saw the same stale revision; the first claim wins, the second finds a newer revision
     won = await kv.update(rec.id, msgspec.json.encode(claim(rec, "gw-b", 200.0)), last=first)
     with pytest.raises(KeyWrongLastSequenceError):
@@ -106,7 +105,7 @@ async def test_one_replica_wins_the_claim_and_the_slow_runner_stops(kv):
 
 async def test_a_runner_keeps_writing_its_own_record(kv):
     rec = record()
-    runner = Tenure(kv, rec, await kv.create(rec.id, msgspec.json.encode(rec)))
+    runner = VideoTenure(kv, rec, await kv.create(rec.id, msgspec.json.encode(rec)))
     await runner.save(progress=10)
     await runner.save(stage="decode")
     now = msgspec.json.decode((await kv.get(rec.id)).value, type=VideoRecord)

@@ -5,14 +5,12 @@ The record (`coderai_batches`, key = the batch id) carries the state the API sho
 created once: a second write of a line (a duplicate answer, a runner that was taken for dead) is refused by the
 bucket, so no line is counted or written out twice, and a runner that resumes a batch re-runs only the lines with
 no result. The runner touches the record every few seconds; a running record nobody wrote for the takeover
-threshold is claimed by one gateway replica with a revision-checked write (video jobs do the same,
-`video/records.py`).
+threshold is claimed by one gateway replica with a revision-checked write (`coderai.gateway.takeover`, as video
+jobs are).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,6 +18,7 @@ import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
 
 from coderai.contracts.base import Message
+from coderai.gateway.takeover import Tenure
 
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                  "cancelled"]
@@ -131,47 +130,25 @@ def claim(rec: BatchRecord, runner: str, now: float, max_takeovers: int = MAX_TA
     return msgspec.structs.replace(rec, runner=runner, takeovers=rec.takeovers + 1, updated_at=now)
 
 
-class Superseded(Exception):
-    """Another gateway runs this batch now: stop and write nothing more."""
+class BatchTenure(Tenure[BatchRecord]):
+    """A batch runner's hold on its batch's record. A write that loses to a cancel (the only change another gateway
+    makes to a running batch) keeps the cancel and goes on."""
 
-
-class Tenure:
-    """One gateway's hold on one batch's record: each write names the revision it replaces. A write that loses to
-    a cancel (the only change another gateway makes to a running batch) keeps the cancel and goes on."""
-
-    def __init__(self, kv: Any, rec: BatchRecord, revision: int) -> None:
-        self.kv, self.rec, self.revision = kv, rec, revision
-        self.lock = asyncio.Lock()
+    record = BatchRecord
 
     @property
     def cancelling(self) -> bool:
         return self.rec.status == "cancelling"
 
-    async def save(self, **changes: Any) -> None:
-        async with self.lock:
-            for _ in range(5):
-                rec = msgspec.structs.replace(self.rec, **changes, updated_at=time.time())
-                try:
-                    self.revision = await self.kv.update(rec.id, msgspec.json.encode(rec), last=self.revision)
-                    self.rec = rec
-                    return
-                except KeyWrongLastSequenceError:
-                    await self._reread()
-                    if self.cancelling and changes.get("status") == "in_progress":
-                        changes = {k: v for k, v in changes.items() if k not in ("status", "in_progress_at")}
-            raise Superseded(f"{self.rec.id}: lost five write races in a row")
+    def lost(self, current: BatchRecord, changes: dict[str, Any]) -> dict[str, Any]:
+        if current.status == "cancelling" and changes.get("status") == "in_progress":
+            return {k: v for k, v in changes.items() if k not in ("status", "in_progress_at")}
+        return changes
 
     async def refresh(self) -> None:
         """Read the record again (a cancel may have come in through another gateway)."""
         async with self.lock:
-            await self._reread()
-
-    async def _reread(self) -> None:
-        entry = await self.kv.get(self.rec.id)
-        current = msgspec.json.decode(entry.value, type=BatchRecord)
-        if current.runner != self.rec.runner:
-            raise Superseded(f"{self.rec.id} is now run by {current.runner or 'another gateway'}")
-        self.rec, self.revision = current, entry.revision
+            await self.reread({})
 
 
 async def each_line(kv: Any, batch_id: str, take: Callable[[LineResult], None]) -> None:

@@ -20,17 +20,17 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from coderai.contracts import encode
 from coderai.contracts.topology import BATCH_LINES, BATCHES
+from coderai.gateway import takeover
 from coderai.gateway.auth import Caller
 from coderai.gateway.batches import output, queue, validation
 from coderai.gateway.batches.records import (
-    RUNNING, BatchRecord, LineError, LineResult, Superseded, Tenure, claim, due, Tally, each_line, store_line,
+    RUNNING, BatchRecord, BatchTenure, LineError, LineResult, claim, due, Tally, each_line, store_line,
 )
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import new_request_id
 from coderai.gateway.pipeline import HEADROOM, Call
 from coderai.gateway.state import Gateway
-from coderai.gateway.takeover import Takeovers
-from coderai.gateway.video.records import caller_for
+from coderai.gateway.takeover import Superseded, Takeovers, caller_for
 
 log = logging.getLogger("coderai.gateway")
 
@@ -62,7 +62,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         if taken.status != "failed":
             log.warning("batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
                         taken.id, was.runner or "?", taken.takeovers, was.completed + was.failed, was.total)
-            self.spawn(Tenure(kv, taken, revision), None, None)
+            self.spawn(BatchTenure(kv, taken, revision), None, None)
 
     async def kv(self, spec: Any = BATCHES) -> Any:
         if spec.name not in self._kv:
@@ -81,7 +81,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         rec = msgspec.structs.replace(rec, runner=self.me)
         revision = await (await self.kv()).create(rec.id, msgspec.json.encode(rec))
         if rec.status == "in_progress":
-            self.spawn(Tenure(await self.kv(), rec, revision), lines, who)
+            self.spawn(BatchTenure(await self.kv(), rec, revision), lines, who)
         return rec
 
     async def cancel(self, rec: BatchRecord) -> BatchRecord:
@@ -101,27 +101,22 @@ class BatchRunner(Takeovers[BatchRecord]):
                 continue  # its runner wrote a count: read it again
         raise ApiError(503, "The batch is busy; try the cancel again.", type="service_unavailable", code="busy")
 
-    def spawn(self, tenure: Tenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
+    def spawn(self, tenure: BatchTenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
         self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, lines, who)))
 
-    async def keepalive(self, tenure: Tenure, work: asyncio.Task) -> None:
-        """Touch the record while the batch runs (so no replica takes it for abandoned), and notice a cancel."""
-        while True:
-            await asyncio.sleep(self.touch_every_s)
-            try:
-                if time.time() - tenure.rec.updated_at >= self.touch_every_s:
-                    await tenure.save()
-                seen = self.mirror.values.get(tenure.rec.id) if self.mirror else None
-                if seen is not None and seen.status == "cancelling" and not tenure.cancelling:
-                    await tenure.refresh()
-            except Superseded as exc:
-                log.warning("batch %s: %s; stopping here", tenure.rec.id, exc)
-                work.cancel()
-                return
-            except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
-                log.warning("batch %s: could not touch its record (%s)", tenure.rec.id, exc)
+    async def keepalive(self, tenure: BatchTenure, work: asyncio.Task) -> None:
+        """Touch the record while the batch runs (`takeover.keepalive`), and notice a cancel: one another gateway
+        wrote shows in the mirror first."""
 
-    async def work(self, tenure: Tenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
+        async def cancelled() -> bool:
+            seen = self.mirror.values.get(tenure.rec.id) if self.mirror else None
+            if seen is not None and seen.status == "cancelling" and not tenure.cancelling:
+                await tenure.refresh()
+            return False
+
+        await takeover.keepalive(tenure, work, self.touch_every_s, self.what, cancelled)
+
+    async def work(self, tenure: BatchTenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
         keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task()))  # type: ignore[arg-type]
         try:
             if lines is None or who is None:  # taken over: the lines and the caller again, from the record
@@ -141,7 +136,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         finally:
             keep.cancel()
 
-    async def reload(self, tenure: Tenure) -> tuple[list[validation.Line] | None, Caller | None]:
+    async def reload(self, tenure: BatchTenure) -> tuple[list[validation.Line] | None, Caller | None]:
         rec = tenure.rec
         if not await self.gw.catalog.wait_complete(self.gw.settings.failover_wait_s):
             raise self.gw.not_ready()  # not the batch's fault: the sweeper takes it over later
@@ -157,10 +152,10 @@ class BatchRunner(Takeovers[BatchRecord]):
             return None, None
         return lines, who
 
-    def stopping(self, tenure: Tenure) -> bool:
+    def stopping(self, tenure: BatchTenure) -> bool:
         return tenure.cancelling or time.time() >= tenure.rec.expires_at
 
-    async def revoked(self, tenure: Tenure, who: Caller) -> bool:
+    async def revoked(self, tenure: BatchTenure, who: Caller) -> bool:
         """Whether the batch's key was revoked (or deleted) since it started: its batch is then cancelled, as its
         owner would, and runs no further line. Asked of the key store before each line (one Redis read, against a
         whole model request)."""
@@ -172,7 +167,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             await tenure.save(status="cancelling", cancelling_at=int(now_s))
         return True
 
-    async def run_lines(self, tenure: Tenure, todo: list[validation.Line], who: Caller,
+    async def run_lines(self, tenure: BatchTenure, todo: list[validation.Line], who: Caller,
                         tally: Tally) -> None:
         """Every line not answered yet, in order, a bounded number on the queue at a time."""
         tasks: set[asyncio.Task] = set()
@@ -197,7 +192,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             for task in tasks:
                 task.cancel()
 
-    async def one(self, tenure: Tenure, line: validation.Line, who: Caller, lane: queue.Lane,
+    async def one(self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane,
                   tally: Tally) -> None:
         try:
             res = await self.answer(line, who, lane)
@@ -239,12 +234,12 @@ class BatchRunner(Takeovers[BatchRecord]):
                               body=msgspec.Raw(encode(body)), prompt_tokens=final.usage.prompt_tokens,
                               completion_tokens=final.usage.completion_tokens)
 
-    async def count(self, tenure: Tenure, tally: Tally) -> None:
+    async def count(self, tenure: BatchTenure, tally: Tally) -> None:
         counts = tally.counts()
         if any(getattr(tenure.rec, k) != v for k, v in counts.items()):
             await tenure.save(**counts)
 
-    async def finalize(self, tenure: Tenure, lines: list[validation.Line]) -> None:
+    async def finalize(self, tenure: BatchTenure, lines: list[validation.Line]) -> None:
         """Write the files from every stored line (plus, past the window, the lines it left unanswered)."""
         now = time.time()
         if tenure.rec.status != "finalizing":

@@ -5,23 +5,20 @@ gateway runs it (`runner`). The runner touches the record every few seconds; eve
 bucket, and a `queued`/`in_progress` record untouched for the takeover threshold is claimed by exactly one of
 them (a revision-checked write: the first to write wins, the others see a newer revision and back off). The
 winner goes on from the record: a relayed job from its last handoff, a whole-model job from the start. The
-runner's own writes are revision-checked too, so a gateway that was only slow (taken for dead) learns at its
-next write that the job moved on and stops, instead of racing the new runner.
+runner's own writes are revision-checked too (`VideoTenure`), so a gateway that was only slow (taken for dead)
+learns at its next write that the job moved on and stops, instead of racing the new runner.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any, Literal
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError
 
 from coderai.contracts import VideoJob
 from coderai.contracts.base import Message
 from coderai.contracts.stages import Handoff, StageRun
-from coderai.gateway.auth import Authenticator, Caller
+from coderai.gateway.takeover import Superseded, Tenure
 
 STALE_S = 60.0  # a running record not touched for this long has lost its runner (and no replica took it over)
 MAX_TAKEOVERS = 3  # a job whose runner died this many times is failed rather than taken over again
@@ -73,41 +70,13 @@ def claim(rec: VideoRecord, runner: str, now: float, max_takeovers: int = MAX_TA
     return msgspec.structs.replace(rec, runner=runner, takeovers=rec.takeovers + 1, updated_at=now)
 
 
-async def caller_for(auth: Authenticator, key_name: str) -> Caller:
-    """The caller a taken-over job runs as: the Redis key of that name (its limits and budget are charged), or,
-    for a key from the keys file (or auth off), a caller of that name with no Redis key, as when it was accepted."""
-    store = auth.store
-    if store is not None and key_name:
-        key = await store.by_name(key_name)
-        if key is not None:
-            return Caller(key.name, frozenset(key.scopes), key)
-    return Caller(key_name or "anonymous", frozenset({"inference"}))
+class VideoTenure(Tenure[VideoRecord]):
+    """A video runner's hold on its job's record. Nobody else changes a running job's record: a write that lost its
+    race goes on only while the record is still this runner's and running."""
 
+    record = VideoRecord
 
-class Superseded(Exception):
-    """Another gateway took this job over: stop working on it and write nothing more."""
-
-
-class Tenure:
-    """One gateway's hold on one job's record: each write names the revision it replaces."""
-
-    def __init__(self, kv: Any, rec: VideoRecord, revision: int) -> None:
-        self.kv, self.rec, self.revision = kv, rec, revision
-        self.lock = asyncio.Lock()  # the keep-alive and the job's own writes never interleave
-
-    async def save(self, **changes: Any) -> None:
-        """Change the record (and `updated_at`) and write it; `Superseded` when another runner holds it now."""
-        async with self.lock:
-            rec = msgspec.structs.replace(self.rec, **changes, updated_at=time.time())
-            for _ in range(5):
-                try:
-                    self.revision = await self.kv.update(rec.id, msgspec.json.encode(rec), last=self.revision)
-                    self.rec = rec
-                    return
-                except KeyWrongLastSequenceError:
-                    entry = await self.kv.get(rec.id)
-                    current = msgspec.json.decode(entry.value, type=VideoRecord)
-                    if current.runner != rec.runner or not running(current):
-                        raise Superseded(f"{rec.id} is now run by {current.runner or 'another gateway'}") from None
-                    self.revision = entry.revision
-            raise Superseded(f"{rec.id}: lost five write races in a row")
+    def lost(self, current: VideoRecord, changes: dict[str, Any]) -> dict[str, Any]:
+        if not running(current):
+            raise Superseded(f"{current.id} is now run by {current.runner or 'another gateway'}")
+        return changes

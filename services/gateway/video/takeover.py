@@ -16,10 +16,11 @@ from coderai.contracts.topology import VIDEOS
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.pipeline import Call, answer
+from coderai.gateway import takeover
 from coderai.gateway.video import records, relay
-from coderai.gateway.video.records import STALE_S, Superseded, Tenure, VideoRecord, claim, due
+from coderai.gateway.video.records import STALE_S, VideoRecord, VideoTenure, claim, due
 from coderai.gateway.state import Gateway
-from coderai.gateway.takeover import Takeovers
+from coderai.gateway.takeover import Superseded, Takeovers
 
 log = logging.getLogger("coderai.gateway")
 
@@ -53,35 +54,27 @@ class VideoJobs(Takeovers[VideoRecord]):
     async def create(self, rec: VideoRecord, job: VideoJob, who: Caller) -> None:
         rec = msgspec.structs.replace(rec, job=job, runner=self.me)
         revision = await (await self.kv()).create(rec.id, msgspec.json.encode(rec))
-        self.spawn(Tenure(await self.kv(), rec, revision), job, who)
+        self.spawn(VideoTenure(await self.kv(), rec, revision), job, who)
 
-    def spawn(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
+    def spawn(self, tenure: VideoTenure, job: VideoJob, who: Caller) -> None:
         self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, job, who)))
 
-    async def keepalive(self, tenure: Tenure, job_task: asyncio.Task, who: Caller | None = None,
+    async def keepalive(self, tenure: VideoTenure, job_task: asyncio.Task, who: Caller | None = None,
                         revoked: list[bool] | None = None) -> None:
-        """Touch the record while the job runs, so that no replica takes a live job for abandoned; and ask after
-        its key at each tick: a revoked key's job is stopped (`revoked` says so to the job)."""
-        while True:
-            await asyncio.sleep(self.touch_every_s)
-            if who is not None and await self.gw.auth.revoked(who):
-                log.info("video job %s: key %s was revoked; stopping it", tenure.rec.id, who.key_name)
-                if revoked is not None:
-                    revoked.append(True)
-                job_task.cancel()
-                return
-            if time.time() - tenure.rec.updated_at < self.touch_every_s:
-                continue  # the job's own writes kept it fresh
-            try:
-                await tenure.save()
-            except Superseded as exc:
-                log.warning("video job %s: %s; stopping here", tenure.rec.id, exc)
-                job_task.cancel()
-                return
-            except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
-                log.warning("video job %s: could not touch its record (%s)", tenure.rec.id, exc)
+        """Touch the record while the job runs (`takeover.keepalive`), and ask after its key at each tick: a revoked
+        key's job is stopped (`revoked` says so to the job)."""
 
-    async def work(self, tenure: Tenure, job: VideoJob, who: Caller) -> None:
+        async def key_revoked() -> bool:
+            if who is None or not await self.gw.auth.revoked(who):
+                return False
+            log.info("video job %s: key %s was revoked; stopping it", tenure.rec.id, who.key_name)
+            if revoked is not None:
+                revoked.append(True)
+            return True
+
+        await takeover.keepalive(tenure, job_task, self.touch_every_s, self.what, key_revoked)
+
+    async def work(self, tenure: VideoTenure, job: VideoJob, who: Caller) -> None:
         gw, rec = self.gw, tenure.rec
         revoked: list[bool] = []
         keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task(), who, revoked))
@@ -129,9 +122,9 @@ class VideoJobs(Takeovers[VideoRecord]):
             return
         log.warning("video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
                     taken.id, was.runner or "?", taken.takeovers, len(taken.stages))
-        tenure = Tenure(kv, taken, revision)
+        tenure = VideoTenure(kv, taken, revision)
         try:
-            who = await records.caller_for(self.gw.auth, taken.key_name)
+            who = await takeover.caller_for(self.gw.auth, taken.key_name)
         except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
             await tenure.save(status="failed", error=f"Could not look up key {taken.key_name}: {exc}",
                               error_code="key_store_unavailable")
