@@ -13,7 +13,10 @@ from coderai.contracts.base import Message, RequestId
 from coderai.contracts.errors import ErrorReply
 from coderai.contracts.media import Output
 
-Op = Literal["chat", "complete", "embed", "rerank", "image", "speech", "transcribe", "diarize", "ocr", "video", "train"]
+EngineOp = Literal["chat", "complete", "embed", "rerank", "image", "speech", "transcribe", "diarize", "ocr", "video"]
+"""The ops an engine answers: one `OpSpec` each in `ops.py:OPS`, which has exactly these keys."""
+Op = Literal[EngineOp, "train"]
+"""Every op a model, a request or a usage record names: an engine's, or `train` (a fine-tuning job's)."""
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "cancelled"]
 
 

@@ -6,11 +6,10 @@ from typing import Any, Literal
 
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
+from coderai.contracts.ops import DEFAULT_OPS, EngineFamily
 from coderai.contracts.split import SplitMode, SplitPlan
 
-EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video", "transformers",
-                       "echo"]
-GGUF_FAMILIES = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
+GGUF_FAMILIES: frozenset[EngineFamily] = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
 ON_DEMAND_KEEP_ALIVE_S = 300.0  # an on_demand model's keep_alive when neither it nor a request says (Ollama's default)
 
 
@@ -120,7 +119,7 @@ class ModelConfig(Message, frozen=True, kw_only=True):
         """The ops this model answers: explicit `ops`, else the engine family's default."""
         if self.ops:
             return list(self.ops)
-        return list((_DEFAULT_OPS or _default_ops()).get(self.engine, ()))
+        return list(DEFAULT_OPS.get(self.engine, ()))
 
     def keep_alive(self, asked: float | None = None) -> float | None:
         """Idle seconds before a copy may be unloaded: `asked` (its last request's keep_alive), else the model's,
@@ -130,13 +129,3 @@ class ModelConfig(Message, frozen=True, kw_only=True):
             k = ON_DEMAND_KEEP_ALIVE_S
         return None if k is None or k < 0 or self.resident == "always" else k
 
-
-_DEFAULT_OPS: dict[str, list[Op]] = {}
-
-
-def _default_ops() -> dict[str, list[Op]]:
-    """`contracts/ops.py:DEFAULT_OPS`, bound on first use: ops.py imports the subjects, which import this module."""
-    from coderai.contracts.ops import DEFAULT_OPS
-
-    _DEFAULT_OPS.update(DEFAULT_OPS)
-    return _DEFAULT_OPS

@@ -1,26 +1,34 @@
 """One `OpSpec` per op: every table about ops (subjects, LLM or not, fan-out or not, span names, usage kinds,
-default engine families) derives from `OPS`, so adding an op is one entry here, one `gateway/openai/` module and
-the engine's method (docs/architecture.md, "Adding an op")."""
+default engine families) derives from `OPS`, so adding an op is its name in `jobs.py:EngineOp`, its engine subject
+and one entry here, one `gateway/openai/` module and the engine's method (docs/architecture.md, "Adding an op").
+
+Below `subjects.py`, `models.py` and `work.py`, which read these tables: it imports only the jobs and `Subject`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from coderai.contracts.jobs import ChatJob, CompletionJob, Op
+from coderai.contracts.jobs import ChatJob, CompletionJob, EngineOp, Frame, Op
 from coderai.contracts.media import DiarizeJob, EmbedJob, ImageJob, OcrJob, RerankJob, SpeechJob, TranscribeJob, VideoJob
-from coderai.contracts.subjects import (
-    ENGINE_CHAT,
-    ENGINE_COMPLETE,
-    ENGINE_DIARIZE,
-    ENGINE_EMBED,
-    ENGINE_IMAGE,
-    ENGINE_OCR,
-    ENGINE_RERANK,
-    ENGINE_SPEECH,
-    ENGINE_TRANSCRIBE,
-    ENGINE_VIDEO,
-    Subject,
-)
+from coderai.contracts.subject import Subject
+
+EngineFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr", "video",
+                       "transformers", "echo"]
+"""The engine families a worker can load (`engine_worker/engines`): a model's `engine`. Every one serves an op of
+`OPS` by default, so `DEFAULT_OPS` has exactly these keys (tests/contracts/test_contracts_layering.py)."""
+
+# each op's engine subject, declared here with its op (not in subjects.py, which imports this module)
+ENGINE_CHAT = Subject("coderai.engine.{node_id}.{engine_id}.chat", ChatJob, Frame)
+ENGINE_COMPLETE = Subject("coderai.engine.{node_id}.{engine_id}.complete", CompletionJob, Frame)
+ENGINE_EMBED = Subject("coderai.engine.{node_id}.{engine_id}.embed", EmbedJob, Frame)
+ENGINE_RERANK = Subject("coderai.engine.{node_id}.{engine_id}.rerank", RerankJob, Frame)
+ENGINE_IMAGE = Subject("coderai.engine.{node_id}.{engine_id}.image", ImageJob, Frame)
+ENGINE_SPEECH = Subject("coderai.engine.{node_id}.{engine_id}.speech", SpeechJob, Frame)
+ENGINE_TRANSCRIBE = Subject("coderai.engine.{node_id}.{engine_id}.transcribe", TranscribeJob, Frame)
+ENGINE_DIARIZE = Subject("coderai.engine.{node_id}.{engine_id}.diarize", DiarizeJob, Frame)
+ENGINE_OCR = Subject("coderai.engine.{node_id}.{engine_id}.ocr", OcrJob, Frame)
+ENGINE_VIDEO = Subject("coderai.engine.{node_id}.{engine_id}.video", VideoJob, Frame)
 
 
 @dataclass(frozen=True)
@@ -31,19 +39,19 @@ class OpSpec:
     carries uploads (packed into the object store when big), so its size is checked after packing. `kind`: the
     model capability and usage kind it is listed as. `families`: the engine families that serve it by default."""
 
-    name: Op
+    name: EngineOp
     job: type
     subject: Subject
     span: str
     kind: str
-    families: tuple[str, ...]
+    families: tuple[EngineFamily, ...]
     llm: bool = False
     fanout: bool = False
     batch: bool = False
     blobs: bool = False
 
 
-_LLM_FAMILIES = ("llama", "llama-server", "vllm", "transformers", "echo")
+_LLM_FAMILIES: tuple[EngineFamily, ...] = ("llama", "llama-server", "vllm", "transformers", "echo")
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (
     OpSpec("chat", ChatJob, ENGINE_CHAT, "POST /v1/chat/completions", "chat", _LLM_FAMILIES, llm=True,
@@ -68,7 +76,7 @@ FANOUT_OPS = frozenset(name for name, s in OPS.items() if s.fanout)
 BATCH_OPS = frozenset(name for name, s in OPS.items() if s.batch)
 SPAN_NAMES = {name: s.span for name, s in OPS.items()}
 KINDS = {name: s.kind for name, s in OPS.items()}
-DEFAULT_OPS: dict[str, list[Op]] = {}
+DEFAULT_OPS: dict[EngineFamily, list[Op]] = {}
 for _spec in OPS.values():
     for _family in _spec.families:
         DEFAULT_OPS.setdefault(_family, []).append(_spec.name)

@@ -7,7 +7,7 @@ from typing import Literal
 from coderai.contracts.base import Message
 
 PodState = Literal["creating", "booting", "ready", "stopping", "terminated", "failed", "preempted"]
-LIVE_POD: frozenset[str] = frozenset({"creating", "booting", "ready", "stopping"})
+LIVE_POD: frozenset[PodState] = frozenset({"creating", "booting", "ready", "stopping"})
 """A pod in these states may serve the model it was rented for (and fetch its files)."""
 
 

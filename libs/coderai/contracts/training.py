@@ -14,7 +14,7 @@ from coderai.contracts.base import Message
 
 Method = Literal["lora", "qlora"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL: frozenset[JobStatus] = frozenset({"succeeded", "failed", "cancelled"})
 
 MAX_EVENTS = 200
 """Events kept in a job record (oldest dropped): a record must stay far under NATS' 1 MB payload."""

@@ -6,6 +6,9 @@ import msgspec
 
 from coderai.contracts.base import Message, RequestId
 from coderai.contracts.jobs import Op
+from coderai.contracts.keys import model_key
+from coderai.contracts.models import ModelConfig
+from coderai.contracts.ops import BATCH_OPS, FANOUT_OPS
 
 
 class WorkPart(Message, frozen=True, kw_only=True):
@@ -30,7 +33,7 @@ def consumer_config(consumer: str) -> object:
     """The one config of a shared `WORK` consumer (`work-<model key>-<op>`): the scheduler makes it so before a node
     may pull from it, and a node may only bind it, never change it (a node that could set its delivery settings
     could stall or drop every holder's parts)."""
-    from nats.js.api import AckPolicy, ConsumerConfig
+    from nats.js.api import AckPolicy, ConsumerConfig  # here only: importing the contracts never loads a bus client
 
     mk, op = consumer.removeprefix("work-").rsplit("-", 1)
     return ConsumerConfig(name=consumer, durable_name=consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
@@ -39,16 +42,12 @@ def consumer_config(consumer: str) -> object:
 
 def work_consumer(model: str, op: str) -> str:
     """The durable consumer of `WORK` every holder of `model` shares for `op`."""
-    from coderai.contracts.keys import model_key
-
     return f"work-{model_key(model)}-{op}"
 
 
-def work_consumers(models: list) -> list[str]:
+def work_consumers(models: list[ModelConfig]) -> list[str]:
     """The `WORK` consumers a node holding `models` (ModelConfigs) pulls from: the only ones its rights name.
     Fan-out parts and batch lines of one (model, op) share a consumer."""
-    from coderai.contracts.ops import BATCH_OPS, FANOUT_OPS  # ops.py imports the subjects, which import this module
-
     queued = FANOUT_OPS | BATCH_OPS
     return sorted({work_consumer(m.name, op) for m in models for op in m.serves() if op in queued})
 
