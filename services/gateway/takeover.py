@@ -1,4 +1,5 @@
-"""Background jobs that outlive the gateway that started them (video jobs, batches): each record in a KV bucket
+"""Background jobs that outlive the gateway that started them (video jobs, batches; background responses use the
+`Tenure` and `keepalive` below, and are failed, not resumed, when their gateway stops): each record in a KV bucket
 names its runner, which touches it while it works; every gateway mirrors the bucket and sweeps it, and a
 record nobody touched for `after_s` is claimed by one revision-checked write (one replica wins) and resumed.
 

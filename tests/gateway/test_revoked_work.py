@@ -11,7 +11,7 @@ import types
 
 from coderai.gateway.auth import Caller
 from coderai.gateway.openai import responses_store
-from coderai.gateway.openai.responses_store import Responses, StoredResponse
+from coderai.gateway.openai.responses_store import Responses, ResponseTenure, StoredResponse
 from coderai.gateway.video.takeover import VideoJobs
 
 WHO = Caller("tenant", frozenset({"inference"}))
@@ -43,8 +43,9 @@ async def test_a_revoked_keys_background_response_is_cancelled(bus, monkeypatch,
     gw = types.SimpleNamespace(bus=bus, auth=auth, redis=None)
     responses = Responses(gw)
     rid = f"resp_{unique}"
-    await responses.put(StoredResponse(id=rid, owner="tenant", created_at=time.time(),
-                                       response={"id": rid, "background": True, "status": "in_progress"}))
+    rec = StoredResponse(id=rid, owner="tenant", created_at=time.time(), runner=responses.me, updated_at=time.time(),
+                         response={"id": rid, "background": True, "status": "in_progress"})
+    tenure = ResponseTenure(await responses.kv(), rec, await responses.put(rec))
     started, stopped = asyncio.Event(), asyncio.Event()
 
     async def work() -> None:  # a long generation
@@ -54,7 +55,7 @@ async def test_a_revoked_keys_background_response_is_cancelled(bus, monkeypatch,
         finally:
             stopped.set()
 
-    responses.run(rid, work(), WHO)
+    responses.run(tenure, work(), WHO)
     await started.wait()
     await _until(lambda: _true(auth.asked >= 2))  # asked after while it runs: still valid, still running
     assert not stopped.is_set() and rid in responses.tasks

@@ -14,7 +14,9 @@ chain is chat's over those messages, so a continuation goes to the engine whose 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +31,7 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, query_int, read_json, until_disconnect
 from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.openai.files import page
-from coderai.gateway.openai.responses_store import Responses, StoredResponse, with_ids
+from coderai.gateway.openai.responses_store import Responses, ResponseTenure, StoredResponse, with_ids
 from coderai.gateway.openai.responses_stream import EventStream
 from coderai.gateway.openai.responses_types import (
     WARNING_HEADER, ResponseRequest, assistant_message, dropped_tools, final_body, input_items, new_id, response_body,
@@ -123,12 +125,13 @@ class ResponsesController(InferenceController):
         """Admitted now (a refused key hears it at once), stored as queued, run as a task of this process."""
         await call.admit()
         queued = response_body(rec.id, rec.created_at, req, [], None, "queued")
-        rec.response = queued
-        await self.responses.put(rec)
+        rec.response, rec.runner, rec.updated_at = queued, self.responses.me, time.time()
+        tenure = ResponseTenure(await self.responses.kv(), rec, await self.responses.put(rec))
+        update = functools.partial(self.responses.update, runner=rec.runner)
 
         async def work() -> None:
             try:
-                if not await self.responses.update(rec.id, {**queued, "status": "in_progress"}):
+                if not await update(rec.id, {**queued, "status": "in_progress"}):
                     call.abandon()  # cancelled or deleted before it started
                     return
                 final = await answer(call)
@@ -139,13 +142,13 @@ class ResponsesController(InferenceController):
                 message = exc.message if isinstance(exc, ApiError) else "Internal error; see the gateway log."
                 failed = response_body(rec.id, rec.created_at, req, [], None, "failed",
                                        {"code": "server_error", "message": message})
-                await self.responses.update(rec.id, failed)
+                await update(rec.id, failed)
                 return
             body = final_body(rec.id, rec.created_at, req, final)
-            await self.responses.update(rec.id, body, [*rec.messages, assistant_message(body["output"])])
+            await update(rec.id, body, [*rec.messages, assistant_message(body["output"])])
 
         self.responses.owners[rec.id] = rec.owner
-        self.responses.run(rec.id, work(), call.who)
+        self.responses.run(tenure, work(), call.who)
         return json_response(queued, headers={**call.response_headers(), **warn})
 
     @get("/{response_id:str}")

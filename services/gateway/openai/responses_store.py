@@ -3,13 +3,17 @@
 A record holds its owner (the key name), the response object as the client saw it last, the input items it was
 made from (for `input_items`) and the conversation as chat messages (output included), which is what a
 `previous_response_id` continues. Another key's record is as unknown as one that never was; an admin key sees all.
-Background responses also run here: as tasks of this gateway process, their record written as they go.
+Background responses also run here: as tasks of this gateway process, their record written as they go and touched
+while they run (`takeover.keepalive`). One whose gateway stopped (its record untouched for `LOST_S`) is marked failed
+by the first read after that, so a client polling it learns it ended instead of waiting on it forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -22,12 +26,17 @@ from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.files import mine
 from coderai.gateway.openai.responses_types import new_id
+from coderai.gateway.takeover import Superseded, Tenure, keepalive
 from coderai.gateway.state import Gateway
 
 log = logging.getLogger("coderai.gateway")
 
 REVOKE_CHECK_S = 5.0
-"""How often a running background response's key is asked after (one Redis read): a revoked key's work stops."""
+"""How often a running background response's key is asked after (one Redis read): a revoked key's work stops; its
+record is touched as often."""
+LOST_S = 60.0
+"""A queued or running background response whose record was not touched this long lost its gateway."""
+RUNNING = ("queued", "in_progress")
 
 
 class StoredResponse(msgspec.Struct, kw_only=True):
@@ -37,6 +46,20 @@ class StoredResponse(msgspec.Struct, kw_only=True):
     response: dict[str, Any]
     input_items: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []  # the conversation without instructions, this response's output included
+    runner: str = ""  # a background response's gateway process, which touches `updated_at` while it runs
+    updated_at: float = 0.0
+
+
+class ResponseTenure(Tenure[StoredResponse]):
+    """The running gateway's hold on a background response's record: ended (cancelled through another gateway,
+    or failed by the read that found it lost) means the work stops."""
+
+    record = StoredResponse
+
+    def lost(self, current: StoredResponse, changes: dict[str, Any]) -> dict[str, Any]:
+        if current.response.get("status") not in RUNNING:
+            raise Superseded(f"{current.id} is {current.response.get('status')} now")
+        return changes
 
 
 def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -71,6 +94,8 @@ class Responses:
         self._kv: Any = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.owners: dict[str, str] = {}  # a running background response's id -> its key
+        settings = getattr(gw, "settings", None)
+        self.me = f"{getattr(settings, 'node_id', '') or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
 
     async def _kept(self, owner: str) -> tuple[int, int]:
         """(how many, how many bytes) of stored responses `owner` keeps, the expired ones forgotten first."""
@@ -127,7 +152,27 @@ class Responses:
         found = await self._entry(resp_id)
         if found is None or not mine(who, found[0].owner):
             raise not_found(resp_id)
-        return found[0]
+        return await self._unless_lost(*found)
+
+    async def _unless_lost(self, rec: StoredResponse, revision: int) -> StoredResponse:
+        """`rec`, or, when it is a background response whose gateway stopped touching it `LOST_S` ago, `rec` marked
+        failed (one revision-checked write: a runner that was only slow learns at its next touch that it ended)."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        if not rec.runner or rec.response.get("status") not in RUNNING or time.time() - rec.updated_at < LOST_S:
+            return rec
+        error = {"code": "server_error", "message": "The gateway running this background response stopped before it "
+                                                    "finished; nothing was billed. Create it again."}
+        failed = msgspec.structs.replace(rec, response={**rec.response, "status": "failed", "error": error},
+                                         runner="", updated_at=time.time())
+        try:
+            await (await self.kv()).update(rec.id, encode(failed), last=revision)
+        except KeyWrongLastSequenceError:  # touched or ended meanwhile: as it is now
+            found = await self._entry(rec.id)
+            return found[0] if found is not None else rec
+        log.warning("background response %s: its gateway %s stopped touching it %.0f s ago; marked failed", rec.id,
+                    rec.runner, time.time() - rec.updated_at)
+        return failed
 
     async def prior(self, who: Caller, resp_id: str) -> StoredResponse:
         """The response a `previous_response_id` continues; OpenAI's 400 previous_response_not_found if the caller
@@ -141,15 +186,18 @@ class Responses:
                            code="previous_response_not_found")
         return rec
 
-    async def put(self, rec: StoredResponse) -> None:
+    async def put(self, rec: StoredResponse) -> int:
+        """Store `rec`; its revision."""
         data = encode(rec)
-        await (await self.kv()).put(rec.id, data)
+        revision = await (await self.kv()).put(rec.id, data)
         await self._note(rec, len(data))
+        return revision
 
     async def update(self, resp_id: str, response: dict[str, Any], messages: list[dict[str, Any]] | None = None,
-                     *, unless_cancelled: bool = True) -> bool:
+                     *, unless_cancelled: bool = True, runner: str = "") -> bool:
         """Write a background response's new state, unless it was cancelled meanwhile (compare-and-set on the
-        revision, so a cancel from another gateway process is never overwritten). Whether it was written."""
+        revision, so a cancel from another gateway process is never overwritten), or, from `runner`, unless it is
+        no longer that runner's (found lost and failed). Whether it was written."""
         from nats.js.errors import KeyWrongLastSequenceError
 
         for _ in range(5):
@@ -157,7 +205,7 @@ class Responses:
             if found is None:
                 return False  # deleted meanwhile
             rec, rev = found
-            if unless_cancelled and rec.response.get("status") == "cancelled":
+            if (unless_cancelled and rec.response.get("status") == "cancelled") or (runner and rec.runner != runner):
                 return False
             new = msgspec.structs.replace(rec, response=response, messages=messages or rec.messages)
             data = encode(new)
@@ -179,12 +227,24 @@ class Responses:
             await self.gw.redis.zrem(QUOTA.format(rec.owner), resp_id)
             await self.gw.redis.hdel(QUOTA.format(rec.owner) + ":bytes", resp_id)
 
-    def run(self, resp_id: str, work: Awaitable[None], who: Caller | None = None) -> None:
+    def run(self, tenure: ResponseTenure, work: Awaitable[None], who: Caller | None = None) -> None:
         """Run a background response's `work` as a task of this process (kept until done, cancellable). While it
-        runs, `who`'s key is asked after every `REVOKE_CHECK_S`: revoked, the response is cancelled."""
+        runs, its record is touched (`tenure`) and `who`'s key is asked after, every `REVOKE_CHECK_S`: revoked, the
+        response is cancelled; ended elsewhere (cancelled through another gateway, found lost), the work stops."""
+        resp_id = tenure.rec.id
+
+        async def revoked() -> bool:
+            if who is None or not await self.gw.auth.revoked(who):
+                return False
+            log.info("background response %s: key %s was revoked; cancelling it", resp_id, who.key_name)
+            found = await self._entry(resp_id)
+            if found is not None:
+                await self._cancelled(resp_id, found)
+            return True
 
         async def guarded() -> None:
-            watch = asyncio.create_task(self._watch_key(resp_id, who)) if who is not None else None
+            keep = asyncio.create_task(keepalive(tenure, asyncio.current_task(), REVOKE_CHECK_S,
+                                                 "background response", revoked))
             try:
                 await work
             except asyncio.CancelledError:
@@ -192,22 +252,11 @@ class Responses:
             except Exception as exc:  # noqa: BLE001 - the outermost edge of a task nobody awaits
                 log.warning("background response %s failed: %s", resp_id, exc)
             finally:
-                if watch is not None:
-                    watch.cancel()
+                keep.cancel()
                 self.tasks.pop(resp_id, None)
                 self.owners.pop(resp_id, None)
 
         self.tasks[resp_id] = asyncio.create_task(guarded())
-
-    async def _watch_key(self, resp_id: str, who: Caller) -> None:
-        while True:
-            await asyncio.sleep(REVOKE_CHECK_S)
-            if await self.gw.auth.revoked(who):
-                log.info("background response %s: key %s was revoked; cancelling it", resp_id, who.key_name)
-                found = await self._entry(resp_id)
-                if found is not None:
-                    await self._cancelled(resp_id, found)
-                return
 
     async def cancel(self, who: Caller, resp_id: str) -> dict[str, Any]:
         """Cancel a background response: its status becomes cancelled and its engine job stops (when it runs in
@@ -216,7 +265,7 @@ class Responses:
         if not rec.response.get("background"):
             raise ApiError(400, "Only a background response can be cancelled.", param="response_id",
                            code="invalid_request")
-        if rec.response.get("status") not in ("queued", "in_progress"):
+        if rec.response.get("status") not in RUNNING:
             return rec.response
         found = await self._entry(resp_id)
         body = await self._cancelled(resp_id, found) if found is not None else None
