@@ -1,6 +1,6 @@
 """What a request may cost and what it did cost: a key's allow-list, rates and budget checked (and the budget
 reserved) before any work, then its tokens and price charged and one `request.completed` built and published
-when it ends. Only the pipeline (`pipeline.py`) calls `admit` and `finish`."""
+when it ends. Only the pipeline calls `admit` and `finish` (`pipeline_admit.py`, `pipeline_account.py`)."""
 
 from __future__ import annotations
 

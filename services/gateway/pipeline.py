@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from coderai.contracts import Chunk, Final, ModelConfig, RouteRequest, Usage
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
@@ -117,6 +119,12 @@ class Call:
         return await pipeline_route.next_after(self)
 
     # --- the end, exactly once ---------------------------------------------------------------------------
+
+    async def unpacked(self, final: Final) -> Final:
+        """`final` with the blobs its output names read back (a media op's bytes travel as blobs)."""
+        if final.output is None:
+            return final
+        return msgspec.structs.replace(final, output=await self.gw.blobs.unpack(final.output))
 
     async def finish(self, final: Final | None = None, usage: Usage | None = None) -> None:
         """Account once: the usage (of `final`), the key's charges, `request.completed` (`pipeline_account`)."""

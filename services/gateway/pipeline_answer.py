@@ -10,7 +10,6 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from litestar import Request
 
 from coderai.contracts import BusError, Chunk, ErrorReply, Final
@@ -40,8 +39,7 @@ async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None
             if on_chunk is not None:
                 await on_chunk(frame)
             frame = await call.next()
-        if frame.output is not None:
-            frame = msgspec.structs.replace(frame, output=await call.gw.blobs.unpack(frame.output))
+        frame = await call.unpacked(frame)
     except BaseException as exc:
         raise await call.fail(exc) from None
     await call.finish(frame)

@@ -98,8 +98,7 @@ async def queued(call: Call, send: Callable[[Any, dict[str, str]], Awaitable[Fin
         job = call.job if call.spec.llm else await call.gw.blobs.pack(call.job)
         final = await send(job, call.bus_headers())
         call.engine_id, call.ttft_s = final.engine_id, time.monotonic() - call.started
-        if final.output is not None:
-            final = msgspec.structs.replace(final, output=await call.gw.blobs.unpack(final.output))
+        final = await call.unpacked(final)
     except BaseException as exc:
         raise await call.fail(exc) from None
     await call.finish(final)

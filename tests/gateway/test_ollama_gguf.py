@@ -1,5 +1,6 @@
-"""What Ollama's `/api/show` and `/api/tags` read from a GGUF (coderai.gateway.ollama_gguf), Modelfile parsing and
-capabilities (coderai.gateway.ollama_models): pure functions over files and configs."""
+"""What Ollama's `/api/show` and `/api/tags` read from a GGUF (coderai.gateway.ollama_gguf), Modelfile parsing
+(coderai.gateway.ollama_create) and capabilities (coderai.gateway.ollama_models): pure functions over files and
+configs."""
 
 from __future__ import annotations
 
