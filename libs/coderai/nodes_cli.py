@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 
 from coderai.runtime.cluster import new_token
+from coderai.stack.local import head_bus
 
 
 async def _ask(args: argparse.Namespace, subject, msg):
     """One request to the head's scheduler as a service: --nats-url with CODERAI_NATS_PASSWORD_FILE (and
     CODERAI_NATS_CA for TLS), else the `coderai up` running on --data-dir."""
-    from coderai.up import head_bus
-
     data = Path(os.path.expanduser(args.data_dir)).resolve()
     try:
         bus = await head_bus("coderai-nodes", args.nats_url, data)
