@@ -4,30 +4,17 @@ session's real Redis."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from coderai.accounts.pod_money import Caps, PodMoney
 from coderai.contracts import ModelConfig, encode
 from coderai.contracts.models import PodPolicy
+from coderai.contracts.topology import BucketSpec
 from coderai.metrics.service import Metrics
 from coderai.metrics.settings import MetricsSettings
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.settings import load_settings
-
-
-class FakeKV:
-    """Enough of a nats-py KV bucket for the census: keys() and get(key).value."""
-
-    def __init__(self, values: dict[str, bytes]) -> None:
-        self.values = values
-
-    async def keys(self) -> list[str]:
-        return list(self.values)
-
-    async def get(self, key: str) -> SimpleNamespace:
-        return SimpleNamespace(value=self.values[key])
 
 
 def test_one_variable_sets_the_prefix_of_every_service():
@@ -38,7 +25,7 @@ def test_one_variable_sets_the_prefix_of_every_service():
     assert "ledger_prefix" not in BrokerSettings.__struct_fields__  # the broker's old name is gone: one setting
 
 
-async def test_metrics_reads_the_spend_the_broker_booked_under_a_non_default_prefix(r, unique):
+async def test_metrics_reads_the_spend_the_broker_booked_under_a_non_default_prefix(r, bus, unique):
     env = {"CODERAI_POD_LEDGER_PREFIX": f"test:{unique}:pods"}
     broker = load_settings(BrokerSettings, "pod-broker", env=env)
     money = PodMoney(r, prefix=broker.pod_ledger_prefix)  # as the broker builds it (pod_broker/service.py)
@@ -54,7 +41,9 @@ async def test_metrics_reads_the_spend_the_broker_booked_under_a_non_default_pre
     metrics.redis = r
     cfg = ModelConfig(name=model, engine="llama", path="/m.gguf",
                       pod=PodPolicy(burst="when_busy", budget_usd=1.0, period="day"))
-    metrics._pod_kvs = (FakeKV({}), FakeKV({model: encode(cfg)}))
+    pods, models = await bus.kv(BucketSpec(f"test_pods_{unique}")), await bus.kv(BucketSpec(f"test_models_{unique}"))
+    await models.put(model, encode(cfg))
+    metrics._pod_kvs = (pods, models)  # the census's two buckets, real ones of this test's own
     await metrics._pods()
     get = metrics.series.registry.get_sample_value
     labels = {"model": model, "period": "day"}

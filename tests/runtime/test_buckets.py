@@ -3,6 +3,8 @@ a real nats-server."""
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 
 import msgspec
@@ -55,17 +57,19 @@ async def test_deleted_keys_are_left_out(bus, unique):
 
 
 class _DeletesAfterListing:
-    """The real bucket, with `key` deleted by another writer right after the keys were listed."""
+    """The real bucket, with `key` deleted by another writer after the keys were listed, before any is read."""
 
     def __init__(self, kv, key: str) -> None:
         self.kv, self.key = kv, key
+        self.deleting: asyncio.Task | None = None
 
-    async def keys(self) -> list[str]:
-        keys = await self.kv.keys()
-        await self.kv.delete(self.key)
-        return keys
+    def __getattr__(self, name: str):  # the listing reads the real bucket's stream
+        return getattr(self.kv, name)
 
     async def get(self, key: str):
+        if self.deleting is None:
+            self.deleting = asyncio.ensure_future(self.kv.delete(self.key))
+        await self.deleting
         return await self.kv.get(key)
 
 

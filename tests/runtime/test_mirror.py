@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import msgspec
@@ -135,3 +136,63 @@ async def test_current_tells_a_whole_view_from_one_being_rebuilt(bus, unique):
         assert {k for k, v in changes if v is None} == {f"k{i}" for i in range(5)} | {"k9"}
     finally:
         mirror.stop()
+
+
+async def test_the_mirror_is_whole_only_once_the_replay_is_done_even_if_the_end_marker_comes_first(bus, unique):
+    """nats-py's end-of-replay marker can come before the replay's entries (nats-io/nats.py#842): a mirror that
+    trusted it was called current with keys missing, and a model that existed read as absent (a wrong 404). The
+    marker is given first here, before every entry: current must still mean every key is there."""
+    mirror = KVMirror(bus, BucketSpec(f"test_{unique}"), Rec)
+    kv = await mirror.bind()
+    for i in range(50):
+        await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+    watch = kv.watch
+    past_marker, release = asyncio.Event(), asyncio.Event()
+
+    async def marker_first(*args, **kwargs):
+        watcher = await watch(*args, **kwargs)
+        updates, early = watcher.updates, [None]
+
+        async def first_the_marker(timeout=5.0):
+            if early:
+                return early.pop()
+            past_marker.set()  # the mirror has taken the marker and asks for more: the entries wait till released
+            await release.wait()
+            return await updates(timeout)
+
+        watcher.updates = first_the_marker
+        return watcher
+
+    kv.watch = marker_first
+    mirror.start()
+    try:
+        await asyncio.wait_for(past_marker.wait(), 10)
+        assert not mirror.current.is_set(), "called current at the marker, before any entry of the replay"
+        release.set()
+        await wait_for(mirror.current.is_set, 10, what="the mirror current")
+        assert len(mirror.values) == 50, f"current with {len(mirror.values)} of 50 keys"
+        await kv.put("k50", encode(Rec(owner="a", n=50)))  # and it follows the bucket after the replay
+        await wait_for(lambda: "k50" in mirror.values, 10, what="a write after the replay")
+    finally:
+        mirror.stop()
+
+
+async def test_a_listing_is_read_from_the_stream_not_nats_pys_watcher(bus, unique, monkeypatch):
+    """`list_keys`/`read_all` do not go through nats-py's `keys()` (its watcher can end the listing early: CI read
+    a bucket of placements as empty). Made to fail here, it is not asked; every live key is listed, a deleted one
+    is not, past one page of gets."""
+    from coderai.runtime.kv import list_keys, read_all
+
+    kv = await bus.kv(BucketSpec(f"test_{unique}"))
+    for i in range(150):
+        await kv.put(f"k{i}", encode(Rec(owner="a", n=i)))
+    await kv.delete("k7")
+
+    async def short(*_a, **_k):
+        raise AssertionError("nats-py's keys() was asked")
+
+    monkeypatch.setattr(kv, "keys", short)
+    assert sorted(await list_keys(kv)) == sorted(f"k{i}" for i in range(150) if i != 7)
+    assert sorted(await list_keys(kv, prefix="k1")) == sorted(f"k{i}" for i in range(150) if str(i).startswith("1"))
+    got = await read_all(kv, Rec)
+    assert len(got) == 149 and got["k149"] == Rec(owner="a", n=149) and "k7" not in got

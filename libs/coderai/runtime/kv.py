@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, TypeVar
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from coderai.contracts import decode
 
@@ -15,27 +16,50 @@ log = logging.getLogger("coderai.kv")
 T = TypeVar("T")
 
 
+async def _subjects(kv: Any) -> list[str]:
+    """Every key the bucket's stream holds a message for (a value, or the marker of a delete or purge), from the
+    stream's own subject listing, page by page. nats-py's `keys()` reads them through a watcher instead, whose
+    initial replay can end early: a listing came back short, or empty as NoKeysError, with the keys there
+    (nats-io/nats.py#842; CI read a bucket of placements as empty, a test of three keys saw fewer)."""
+    js, pre = kv._js, kv._pre  # noqa: SLF001 - nats-py's KeyValue: its JetStream context and "$KV.<bucket>."
+    keys: list[str] = []
+    while True:
+        req = msgspec.json.encode({"subjects_filter": pre + ">", "offset": len(keys)})
+        resp = await js._api_request(f"{js._prefix}.STREAM.INFO.{kv._stream}", req, timeout=js._timeout)  # noqa: SLF001
+        page = (resp.get("state") or {}).get("subjects") or {}
+        keys.extend(subject[len(pre):] for subject in page)
+        if not page or len(keys) >= int(resp.get("total") or 0):
+            return keys
+
+
+async def _entries(kv: Any, keys: list[str]) -> dict[str, Any]:
+    """The current entry of each key that holds a value (a deleted or purged one is left out), read 64 at a time."""
+    async def one(key: str) -> Any:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # deleted or purged (nats-py turns KeyDeletedError into this), or expired
+            return None
+        return entry if entry.value else None
+
+    out: dict[str, Any] = {}
+    for i in range(0, len(keys), 64):
+        chunk = keys[i:i + 64]
+        for key, entry in zip(chunk, await asyncio.gather(*(one(k) for k in chunk))):
+            if entry is not None:
+                out[key] = entry
+    return out
+
+
 async def list_keys(kv: Any, *, prefix: str = "") -> list[str]:
-    """The keys of a bucket (those starting with `prefix`); [] for an empty bucket, which nats-py reports by
-    raising NoKeysError."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
-    return [k for k in keys if k.startswith(prefix)] if prefix else keys
+    """The keys of a bucket (those starting with `prefix`) that hold a value; [] for an empty bucket."""
+    return list(await _entries(kv, [k for k in await _subjects(kv) if k.startswith(prefix)]))
 
 
 async def read_all(kv: Any, type_: type[T] | Any, *, prefix: str = "") -> dict[str, T]:
     """Every key of a bucket (starting with `prefix`) with its value decoded into `type_`. A key deleted between
     listing and reading is left out, and so is a value that does not decode (logged at debug)."""
     out: dict[str, T] = {}
-    for key in await list_keys(kv, prefix=prefix):
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:  # deleted (or expired) since the listing; nats-py turns KeyDeletedError into this
-            continue
-        if not entry.value:
-            continue
+    for key, entry in (await _entries(kv, [k for k in await _subjects(kv) if k.startswith(prefix)])).items():
         try:
             out[key] = decode(entry.value, type_)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
