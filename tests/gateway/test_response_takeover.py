@@ -19,13 +19,20 @@ from coderai.runtime.lifecycle import wait_for
 WHO = Caller("tenant", frozenset({"inference"}))
 
 
-class _Valid:
+class _Keys:
+    """The key store's answer about the one key, switched by the test (revocation itself is tested on a real stack:
+    tests/integration/test_accounts.py)."""
+
+    def __init__(self) -> None:
+        self.is_revoked, self.asked = False, 0
+
     async def revoked(self, who: Caller) -> bool:
-        return False
+        self.asked += 1
+        return self.is_revoked
 
 
-def _responses(bus) -> Responses:
-    return Responses(types.SimpleNamespace(bus=bus, auth=_Valid(), redis=None))
+def _responses(bus, keys: _Keys | None = None) -> Responses:
+    return Responses(types.SimpleNamespace(bus=bus, auth=keys or _Keys(), redis=None))
 
 
 async def _running(responses: Responses, rid: str, runner: str, touched_s_ago: float) -> int:
@@ -94,3 +101,18 @@ async def test_the_running_gateway_touches_the_record_and_a_cancel_elsewhere_sto
     await asyncio.wait_for(stopped.wait(), 10)  # the runner learns it at its next touch, and stops the work
     await wait_for(lambda: rid not in here.tasks, 10, what="the task gone")
     assert (await here._entry(rid))[0].response["status"] == "cancelled"
+
+
+async def test_a_revoked_keys_background_response_is_cancelled(bus, monkeypatch, unique):
+    monkeypatch.setattr(responses_store, "REVOKE_CHECK_S", 0.05)
+    keys = _Keys()
+    responses = _responses(bus, keys)
+    rid = f"resp_{unique}"
+    _started, stopped = await _held(responses, rid)
+    await wait_for(lambda: keys.asked >= 2, 10, what="the key asked after while it runs")
+    assert not stopped.is_set() and rid in responses.tasks  # still valid, still running
+    keys.is_revoked = True
+    await asyncio.wait_for(stopped.wait(), 10)
+    rec, _ = await responses._entry(rid)
+    print(f"background response of a revoked key: {rec.response['status']}, its task stopped")
+    assert rec.response["status"] == "cancelled" and rid not in responses.tasks

@@ -1,6 +1,7 @@
-"""Work a key started that outlives its request stops when the key is revoked: a background response (its record
-says cancelled, its task ends) and a video job (its keepalive stops the job), on a real NATS. (A batch:
-tests/integration/test_accounts.py; a fine-tuning job: tests/cluster/test_finetune.py.)"""
+"""Work a key started that outlives its request stops when the key is revoked: a video job (its keepalive stops
+the job), on a real NATS, and a finished background response is left as it ended. (A running background response:
+tests/gateway/test_response_takeover.py; a batch: tests/integration/test_accounts.py; a fine-tuning job:
+tests/cluster/test_finetune.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import types
 
 from coderai.gateway.auth import Caller
 from coderai.gateway.openai import responses_store
-from coderai.gateway.openai.responses_store import Responses, ResponseTenure, StoredResponse
+from coderai.gateway.openai.responses_store import Responses, StoredResponse
 from coderai.gateway.video.takeover import VideoJobs
 
 WHO = Caller("tenant", frozenset({"inference"}))
@@ -35,35 +36,6 @@ async def _until(check, timeout_s: float = 10.0) -> None:
     while not await check():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)  # a poll with a deadline
-
-
-async def test_a_revoked_keys_background_response_is_cancelled(bus, monkeypatch, unique):
-    monkeypatch.setattr(responses_store, "REVOKE_CHECK_S", 0.05)
-    auth = _Auth()
-    gw = types.SimpleNamespace(bus=bus, auth=auth, redis=None)
-    responses = Responses(gw)
-    rid = f"resp_{unique}"
-    rec = StoredResponse(id=rid, owner="tenant", created_at=time.time(), runner=responses.me, updated_at=time.time(),
-                         response={"id": rid, "background": True, "status": "in_progress"})
-    tenure = ResponseTenure(await responses.kv(), rec, await responses.put(rec))
-    started, stopped = asyncio.Event(), asyncio.Event()
-
-    async def work() -> None:  # a long generation
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            stopped.set()
-
-    responses.run(tenure, work(), WHO)
-    await started.wait()
-    await _until(lambda: _true(auth.asked >= 2))  # asked after while it runs: still valid, still running
-    assert not stopped.is_set() and rid in responses.tasks
-    auth.is_revoked = True
-    await asyncio.wait_for(stopped.wait(), 10)
-    rec, _ = await responses._entry(rid)
-    print(f"background response of a revoked key: {rec.response['status']}, its task stopped")
-    assert rec.response["status"] == "cancelled" and rid not in responses.tasks
 
 
 async def test_a_finished_background_response_is_not_rewritten(bus, monkeypatch, unique):
