@@ -196,3 +196,32 @@ async def test_a_listing_is_read_from_the_stream_not_nats_pys_watcher(bus, uniqu
     assert sorted(await list_keys(kv, prefix="k1")) == sorted(f"k{i}" for i in range(150) if str(i).startswith("1"))
     got = await read_all(kv, Rec)
     assert len(got) == 149 and got["k149"] == Rec(owner="a", n=149) and "k7" not in got
+
+
+async def test_a_batchs_answers_are_all_read_even_if_the_end_marker_comes_first(bus, unique):
+    """A stressed fresh run finished a three-line batch with 0 completed: its answers were read by a watch that
+    stopped at nats-py's early end marker. Given first here, the marker no longer ends the read."""
+    import msgspec
+
+    from coderai.gateway.batches.records import LineResult, each_line, line_key
+
+    kv = await bus.kv(BucketSpec(f"test_{unique}"))
+    for i in range(3):
+        await kv.put(line_key("batch_x", i), msgspec.json.encode(LineResult(index=i, custom_id=f"r{i}", id=f"l{i}",
+                                                                            request_id="q", status_code=200)))
+    watch = kv.watch
+
+    async def marker_first(*args, **kwargs):
+        watcher = await watch(*args, **kwargs)
+        updates, early = watcher.updates, [None]
+
+        async def first_the_marker(timeout=5.0):
+            return early.pop() if early else await updates(timeout)
+
+        watcher.updates = first_the_marker
+        return watcher
+
+    kv.watch = marker_first
+    got: list = []
+    await each_line(kv, "batch_x", got.append)
+    assert sorted(r.custom_id for r in got) == ["r0", "r1", "r2"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -14,6 +15,30 @@ from coderai.contracts import decode
 log = logging.getLogger("coderai.kv")
 
 T = TypeVar("T")
+
+
+async def replay(watcher: Any) -> AsyncIterator[Any]:
+    """The entries of a nats-py KV watch's initial replay, then stop. Not up to nats-py's end-of-replay marker
+    alone: it can come before the replay's last entries (a message still in flight when the watch was set up, or
+    one whose pending count read 0 too soon: nats-io/nats.py#842), and a reader that stopped there missed keys (a
+    finished batch read none of its three answers; a mirror called whole lacked a model). The replay is over when
+    as many entries came as the watch's consumer had to deliver when it was made, or, when some of those are not
+    handed on (deletes, with `ignore_deletes`), when nothing came for a second and the server has nothing pending."""
+    import nats.errors
+
+    sub = watcher._sub  # noqa: SLF001 - nats-py's watcher: its ordered consumer
+    info = await sub.consumer_info()
+    initial, seen = info.delivered.consumer_seq + info.num_pending, 0
+    while seen < initial:
+        try:
+            entry = await watcher.updates(timeout=1.0)
+        except nats.errors.TimeoutError:
+            if (await sub.consumer_info()).num_pending == 0:
+                return
+            continue
+        if entry is not None:
+            seen += 1
+            yield entry
 
 
 async def _subjects(kv: Any) -> list[str]:

@@ -14,6 +14,7 @@ import msgspec
 from coderai.contracts import decode, why_malformed
 from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import Bus
+from coderai.runtime.kv import replay
 
 log = logging.getLogger("coderai.mirror")
 
@@ -116,26 +117,10 @@ class KVMirror(Generic[T]):
                         await watcher.stop()
 
     async def _replay(self, watcher: Any) -> None:
-        """Apply the watch's replay of the bucket, then say the mirror is whole. Not at nats-py's end-of-replay
-        marker alone: it can come before the replay's last entries (a message still in flight when the watch was
-        set up, or one whose pending count read 0 too soon: nats-io/nats.py#842), and a mirror called whole then
-        lacked keys that existed (a model read as absent). Whole is when as many entries came as the consumer had
-        to deliver when it was made, or, when some of those were skipped (a marker of a kind nats-py drops), when
-        nothing came for a second and the server has nothing pending."""
-        import nats.errors
-
-        info = await watcher._sub.consumer_info()  # noqa: SLF001 - nats-py's watcher: its ordered consumer
-        initial, seen = info.delivered.consumer_seq + info.num_pending, 0
-        while seen < initial:
-            try:
-                entry = await watcher.updates(timeout=1.0)
-            except nats.errors.TimeoutError:
-                if (await watcher._sub.consumer_info()).num_pending == 0:  # noqa: SLF001
-                    break
-                continue
-            if entry is not None:
-                self._apply(entry)
-                seen += 1
+        """Apply the watch's replay of the bucket, then say the mirror is whole: once the replay is really over
+        (`kv.replay`), not at nats-py's end marker, which can come first (a model then read as absent)."""
+        async for entry in replay(watcher):
+            self._apply(entry)
         self.synced.set()
         self.current.set()
 

@@ -19,6 +19,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from coderai.contracts.base import Message
 from coderai.gateway.takeover import Tenure
+from coderai.runtime.kv import replay
 
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                  "cancelled"]
@@ -155,11 +156,8 @@ async def each_line(kv: Any, batch_id: str, take: Callable[[LineResult], None]) 
     """Every stored result of a batch's lines, handed to `take` one by one as one watch replays the batch's keys:
     never all of them in memory at once (a batch's answers can be far larger than a gateway's memory)."""
     watcher = await kv.watch(f"{batch_id}.*", ignore_deletes=True)
-    try:
-        while True:
-            entry = await watcher.updates(timeout=10)
-            if entry is None:
-                return
+    try:  # to the replay's real end: nats-py's end marker can come first (a finished batch then read no answer)
+        async for entry in replay(watcher):
             if entry.value:
                 take(msgspec.json.decode(entry.value, type=LineResult))
     finally:
