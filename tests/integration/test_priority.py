@@ -44,8 +44,11 @@ def test_an_interactive_turn_is_served_before_background_work_queued_ahead_of_it
     done: list[str] = []
 
     def send(name: str, content: str, headers: dict | None = None) -> None:
-        client.chat.completions.create(model="one-slot", max_tokens=8, temperature=0, extra_headers=headers,
-                                       messages=[{"role": "user", "content": content}])
+        # `done` is the order the answers reached this process's threads: the background work writes 256 tokens and
+        # the turn 8, so whichever the one slot served first is answered a whole generation before the next (with 8
+        # each, a stressed run's threads woke in the other order: the turn served first, "title" appended first)
+        client.chat.completions.create(model="one-slot", max_tokens=8 if name == "turn" else 256, temperature=0,
+                                       extra_headers=headers, messages=[{"role": "user", "content": content}])
         done.append(name)
 
     # The holder streams until the test closes it once the three are queued. The tiny model's context is 2,048 tokens
