@@ -27,6 +27,7 @@ from coderai.contracts.topology import AFFINITY, ASSIGNMENTS, EVENTS, LEADERS, M
 from coderai.runtime import members
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import list_keys
+from coderai.runtime.lifecycle import wait_for
 from coderai.testing.fake_runpod import FakeRunPod
 from coderai.testing.hostile import Node
 from coderai.testing.stack import running_stack
@@ -236,22 +237,27 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
             assert "tiny" in {m.name for m in decode((await (await bus.kv(ASSIGNMENTS)).get("w1")).value,
                                                       Assignment).models}
             affinity = await bus.kv(AFFINITY)
-            deadline = time.monotonic() + 20
-            while not await list_keys(affinity):
-                assert time.monotonic() < deadline, "the router wrote no affinity"
-                await asyncio.sleep(0.1)  # a poll with a deadline (asserted above)
+            started = time.monotonic()
+
+            def left() -> float:  # the 20 s the three waits below share
+                return max(0.0, 20 - (time.monotonic() - started))
+
+            await wait_for(lambda: list_keys(affinity), left(), what="the router's affinity writes")
             leaders = await bus.kv(LEADERS)
+
+            async def leads(role: str) -> bool:
+                with contextlib.suppress(Exception):
+                    return bool(decode((await leaders.get(role)).value, LeaderRecord).holder)
+                return False
+
             for role in ("scheduler", "metrics", "pod-broker"):
-                while True:
-                    with contextlib.suppress(Exception):
-                        if decode((await leaders.get(role)).value, LeaderRecord).holder:
-                            break
-                    assert time.monotonic() < deadline, f"{role} holds no lease"
-                    await asyncio.sleep(0.1)  # a poll with a deadline (asserted above)
+                await wait_for(lambda role=role: leads(role), left(), what=f"{role} to hold its lease")
             stream = await bus.js.stream_info(EVENTS.name)
-            while (await bus.js.consumer_info(EVENTS.name, "metrics")).delivered.stream_seq < stream.state.last_seq:
-                assert time.monotonic() < deadline, "metrics' EVENTS consumer fell behind"
-                await asyncio.sleep(0.1)
+
+            async def caught_up() -> bool:
+                return (await bus.js.consumer_info(EVENTS.name, "metrics")).delivered.stream_seq >= stream.state.last_seq
+
+            await wait_for(caught_up, left(), what="metrics' EVENTS consumer to catch up")
         finally:
             await bus.close()
 
