@@ -104,6 +104,12 @@ async def keepalive(tenure: Tenure[Any], work: asyncio.Task, every_s: float, wha
             log.warning("%s %s: could not touch its record (%s)", what, tenure.rec.id, exc)
 
 
+def runner_id(node_id: str) -> str:
+    """The name a gateway process writes into the records it runs: its node, its pid and a random tail (a process
+    started again under the same pid is another runner)."""
+    return f"{node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
 async def caller_for(auth: Authenticator, key_name: str) -> Caller:
     """The caller a taken-over job runs as: the Redis key of that name (its limits and budget are charged), or,
     for a key from the keys file (or auth off), a caller of that name with no Redis key, as when it was accepted."""
@@ -125,7 +131,7 @@ class Takeovers(Generic[R]):
 
     def __init__(self, gw: Gateway, after_s: float) -> None:
         self.gw = gw
-        self.me = f"{gw.settings.node_id or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.me = runner_id(gw.settings.node_id)
         self.after_s = after_s
         self.touch_every_s = min(5.0, after_s / 4)  # a live runner is never mistaken for a dead one
         self.running: dict[str, asyncio.Task] = {}  # record id -> the task running it here

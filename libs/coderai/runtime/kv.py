@@ -57,8 +57,11 @@ async def _subjects(kv: Any) -> list[str]:
             return keys
 
 
-async def _entries(kv: Any, keys: list[str]) -> dict[str, Any]:
-    """The current entry of each key that holds a value (a deleted or purged one is left out), read 64 at a time."""
+async def _entries(kv: Any, prefix: str) -> dict[str, Any]:
+    """The current entry of each key (starting with `prefix`) that holds a value (a deleted or purged one is left
+    out), read 64 at a time."""
+    keys = [k for k in await _subjects(kv) if k.startswith(prefix)]
+
     async def one(key: str) -> Any:
         try:
             entry = await kv.get(key)
@@ -77,14 +80,14 @@ async def _entries(kv: Any, keys: list[str]) -> dict[str, Any]:
 
 async def list_keys(kv: Any, *, prefix: str = "") -> list[str]:
     """The keys of a bucket (those starting with `prefix`) that hold a value; [] for an empty bucket."""
-    return list(await _entries(kv, [k for k in await _subjects(kv) if k.startswith(prefix)]))
+    return list(await _entries(kv, prefix))
 
 
 async def read_all(kv: Any, type_: type[T] | Any, *, prefix: str = "") -> dict[str, T]:
     """Every key of a bucket (starting with `prefix`) with its value decoded into `type_`. A key deleted between
     listing and reading is left out, and so is a value that does not decode (logged at debug)."""
     out: dict[str, T] = {}
-    for key, entry in (await _entries(kv, [k for k in await _subjects(kv) if k.startswith(prefix)])).items():
+    for key, entry in (await _entries(kv, prefix)).items():
         try:
             out[key] = decode(entry.value, type_)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:

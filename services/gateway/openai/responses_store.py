@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -26,7 +24,7 @@ from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.files import mine
 from coderai.gateway.openai.responses_types import new_id
-from coderai.gateway.takeover import Superseded, Tenure, keepalive
+from coderai.gateway.takeover import Superseded, Tenure, keepalive, runner_id
 from coderai.gateway.state import Gateway
 
 log = logging.getLogger("coderai.gateway")
@@ -94,8 +92,7 @@ class Responses:
         self._kv: Any = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.owners: dict[str, str] = {}  # a running background response's id -> its key
-        settings = getattr(gw, "settings", None)
-        self.me = f"{getattr(settings, 'node_id', '') or 'gateway'}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.me = runner_id(getattr(getattr(gw, "settings", None), "node_id", ""))
 
     async def _kept(self, owner: str) -> tuple[int, int]:
         """(how many, how many bytes) of stored responses `owner` keeps, the expired ones forgotten first."""
