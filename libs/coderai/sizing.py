@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from coderai.contracts import GGUF_FAMILIES, Heartbeat, ModelConfig
+from coderai.contracts.families import CPU_FAMILIES, CPU_UNLESS_ASKED
 
 MB = 1 << 20
 OVERHEAD = 256 * MB
@@ -34,9 +35,8 @@ CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0"
                     "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
 # engine families that never use a GPU (onnxruntime on the CPU, or nothing at all), and those that do only when
-# their `device` param names one (sentence-transformers, faster-whisper and resemblyzer default to the CPU)
-CPU_FAMILIES = frozenset({"tts", "ocr", "echo"})
-CPU_UNLESS_ASKED = frozenset({"embed", "whisper", "diarize"})
+# their `device` param names one (sentence-transformers, faster-whisper and resemblyzer default to the CPU): each
+# family's `FamilySpec.device`
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import typing
 from pathlib import Path
 
 from coderai.contracts.jobs import EngineOp, Op
-from coderai.contracts.models import GGUF_FAMILIES
-from coderai.contracts.ops import _LLM_FAMILIES, DEFAULT_OPS, OPS, EngineFamily
+from coderai.contracts.families import DEFAULT_OPS, FAMILIES, GGUF_FAMILIES, EngineFamily
+from coderai.contracts.ops import LLM_OPS, OPS
 from coderai.contracts.pods import LIVE_POD, PodState
 from coderai.contracts.stages import NEEDS, StageKind
 from coderai.contracts.training import TERMINAL, JobStatus
@@ -110,8 +110,8 @@ def test_every_op_of_the_table_is_its_literal():
 
 
 def test_every_engine_family_serves_ops_by_default():
-    assert set(DEFAULT_OPS) == _args(EngineFamily)
-    assert set(_LLM_FAMILIES) <= _args(EngineFamily) and GGUF_FAMILIES <= set(_LLM_FAMILIES)
+    assert set(FAMILIES) == set(DEFAULT_OPS) == _args(EngineFamily)
+    assert all(LLM_OPS <= set(DEFAULT_OPS[f]) for f in GGUF_FAMILIES)  # a GGUF family is a language model's
 
 
 def test_each_stage_kind_has_its_needs():

@@ -1,6 +1,6 @@
 """Every table about ops derives from `contracts/ops.py:OPS`, and each op is wired through: its subject carries
-its job, its span names a gateway route, the engine families that serve it are real ones, and the worker's engine
-base class has its method."""
+its job, its span names a gateway route, some engine family serves it, and the worker's engine base class has its
+method."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import typing
 
 from coderai.contracts import ModelConfig
 from coderai.contracts.jobs import Op
-from coderai.contracts.models import EngineFamily
-from coderai.contracts.ops import DEFAULT_OPS, ENGINE_OPS, FANOUT_OPS, KINDS, LLM_OPS, OPS, SPAN_NAMES
+from coderai.contracts.families import DEFAULT_OPS, EngineFamily
+from coderai.contracts.ops import ENGINE_OPS, FANOUT_OPS, KINDS, LLM_OPS, OPS, SPAN_NAMES
 
 
 def test_the_tables_are_views_of_ops():
@@ -18,7 +18,7 @@ def test_the_tables_are_views_of_ops():
     assert FANOUT_OPS <= set(OPS) - LLM_OPS
     for name, spec in OPS.items():
         assert spec.subject.pattern.endswith(f".{name}") and spec.subject.request is spec.job
-        assert all(name in DEFAULT_OPS[f] for f in spec.families)
+        assert any(name in ops for ops in DEFAULT_OPS.values()), f"no family serves {name}"
 
 
 def test_every_op_is_an_op_and_every_family_serves_something():

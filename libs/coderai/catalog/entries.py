@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from coderai.catalog.errors import CatalogError
+from coderai.contracts.families import FAMILIES
 
 MB = 1 << 20
 
@@ -23,7 +24,7 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     repo: str
     engine: str
-    kind: str  # chat, embed, transcribe, speech, image
+    kind: str  # the op its family serves first: chat, embed, transcribe, speech, image, ...
     files: list[str] = []
     main: str = ""
     include: list[str] = []
@@ -64,8 +65,7 @@ BUILTIN: dict[str, Entry] = {e.name: e for e in [
           params={"steps": 1, "guidance_scale": 0.0}),
 ]}
 
-KIND = {"llama": "chat", "llama-server": "chat", "vllm": "chat", "embed": "embed", "whisper": "transcribe", "tts": "speech",
-        "diffusers": "image"}
+KIND = {name: spec.ops[0] for name, spec in FAMILIES.items() if not spec.test_only}  # a family's first op
 
 
 def parse_spec(spec: str) -> tuple[str, str]:

@@ -45,7 +45,8 @@ from coderai.contracts.media import (
     VideoResult,
     Word,
 )
-from coderai.contracts.models import GGUF_FAMILIES, Distribute, ModelConfig, PodPolicy
+from coderai.contracts.families import GGUF_FAMILIES
+from coderai.contracts.models import Distribute, ModelConfig, PodPolicy
 from coderai.contracts.nodes import Assignment, EngineStatus, GpuMemory, Heartbeat
 from coderai.contracts.routing import RouteDecision, RouteRequest
 from coderai.contracts.store import StoreChunk, StoreEntry, StoreFetch, StoreList, StoreListing, check_store_path

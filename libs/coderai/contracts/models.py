@@ -6,10 +6,9 @@ from typing import Any, Literal
 
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
-from coderai.contracts.ops import DEFAULT_OPS, EngineFamily
+from coderai.contracts.families import DEFAULT_OPS, EngineFamily
 from coderai.contracts.split import SplitMode, SplitPlan
 
-GGUF_FAMILIES: frozenset[EngineFamily] = frozenset({"llama", "llama-server"})  # llama.cpp's: in process, or its own server as a child
 ON_DEMAND_KEEP_ALIVE_S = 300.0  # an on_demand model's keep_alive when neither it nor a request says (Ollama's default)
 
 

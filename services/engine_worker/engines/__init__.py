@@ -9,29 +9,17 @@ import os
 import msgspec
 
 from coderai.contracts import ModelConfig
+from coderai.contracts.families import FAMILIES as SPECS
 from coderai.engine_worker.engines.base import BadInput, Engine, EngineLoadError
 from coderai.runtime.embedded import find_llama_server
 
 log = logging.getLogger("coderai.engine_worker")
 
-# family -> (module that must be importable, module:class that runs it)
-FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("llama_cpp", "coderai.engine_worker.engines.llama:LlamaEngine"),
-    "llama-server": ("", "coderai.engine_worker.engines.llama_server:LlamaServerEngine"),  # a binary, not a module
-    "vllm": ("vllm", "coderai.engine_worker.engines.vllm:VllmEngine"),
-    "embed": ("sentence_transformers", "coderai.engine_worker.engines.embed:EmbedEngine"),
-    "diffusers": ("diffusers", "coderai.engine_worker.engines.diffusion:ImageEngine"),
-    "video": ("diffusers", "coderai.engine_worker.engines.diffusion:VideoEngine"),
-    "whisper": ("faster_whisper", "coderai.engine_worker.engines.whisper:WhisperEngine"),
-    "tts": ("piper", "coderai.engine_worker.engines.tts:PiperEngine"),
-    "diarize": ("resemblyzer", "coderai.engine_worker.engines.diarize:DiarizeEngine"),
-    "ocr": ("rapidocr", "coderai.engine_worker.engines.ocr:OcrEngine"),
-    "transformers": ("transformers", "coderai.engine_worker.engines.hf_chat:TransformersEngine"),
-    "echo": ("coderai.engine_worker", "coderai.engine_worker.engines.echo:EchoEngine"),
-}
+# family -> (module that must be importable, module:class that runs it): each family's `FamilySpec`
+FAMILIES: dict[str, tuple[str, str]] = {name: (spec.needs, spec.runner) for name, spec in SPECS.items()}
 
 # Test engines: offered only when a worker's settings name them (CODERAI_WORKER_FAMILIES), never by default.
-EXPLICIT_ONLY = frozenset({"echo"})
+EXPLICIT_ONLY = frozenset(name for name, spec in SPECS.items() if spec.test_only)
 
 
 def available_families() -> list[str]:

@@ -1,0 +1,49 @@
+"""The kinds a family's params may have, with their ranges: the vocabulary of each family's `params` table
+(`families.py`). The checks that read them are `coderai.engine_params`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EXEC_PARAMS = frozenset({"python", "env", "extra_args", "trust_remote_code"})
+"""Params that choose a program, its environment or arguments, or run a repository's code: the operator's only."""
+
+MAX_TEXT = 4096  # a string param's length at most (a path, a name, a list of numbers)
+MAX_TEMPLATE = 65536  # a chat template's (an inline Jinja template)
+MAX_NESTED = 16384  # a list or table param's encoded size at most (echo's tool script, rapidocr's options)
+
+
+@dataclass(frozen=True)
+class P:
+    """One param: its kind (int, float, bool, str, path, choice, list, table, int_or_bool), range and choices."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[Any, ...] = ()
+    size: int = MAX_TEXT
+
+
+def whole(lo: float, hi: float) -> P:
+    return P("int", lo, hi)
+
+
+def num(lo: float, hi: float) -> P:
+    return P("float", lo, hi)
+
+
+def choice(*choices: Any) -> P:
+    return P("choice", choices=choices)
+
+
+BOOL = P("bool")
+PATH = P("path")
+THREADS = whole(1, 1024)
+DEVICE = P("str")  # cpu, cuda, cuda:1, mps
+TIMEOUT = num(1, 86_400)
+TORCH_DTYPE = choice("float32", "float16", "bfloat16", "auto")
+CTX = whole(16, 1 << 24)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+ENV = P("table", size=MAX_NESTED)
+ARGS = P("list", size=MAX_NESTED)
