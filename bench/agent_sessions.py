@@ -101,7 +101,7 @@ class Result:
 
 def load_sessions(quick: bool, max_tokens: int) -> list[list[Req]]:
     """The recorded sessions, Claude Code's and Codex's alternating; `quick`: 2 of each, their first prompt."""
-    from coderai.engine_worker.engines.openai_server import chat_request
+    from coderai.engine_worker.engines.openai_wire import chat_request
     from coderai.gateway.anthropic_types import MessagesRequest, chat_job
     from coderai.gateway.openai.responses_types import response_job
 

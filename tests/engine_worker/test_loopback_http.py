@@ -101,7 +101,7 @@ def test_a_stream_read_to_its_end_and_one_left_early(server):
 
 def test_an_sse_stream_that_ends_without_done_is_an_error_unless_cancelled():
     from coderai.engine_worker.engines.base import CancelFlag
-    from coderai.engine_worker.engines.openai_server import sse_events
+    from coderai.engine_worker.engines.openai_wire import sse_events
 
     whole = ['data: {"a": 1}\n', "\n", "data: [DONE]\n"]
     assert list(sse_events(iter(whole), CancelFlag())) == [{"a": 1}]

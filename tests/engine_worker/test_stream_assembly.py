@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from coderai.contracts import ChatJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines.base import Engine, unhonoured
-from coderai.engine_worker.engines.openai_server import Assembly, _merged_usage
+from coderai.engine_worker.engines.openai_wire import Assembly, merged_usage
 
 
 def test_chat_pieces_become_whole_messages_tool_calls_included():
@@ -37,11 +37,11 @@ def test_completion_pieces_and_their_logprobs_join():
 
 def test_usage_counts_every_completion_token_and_each_prompt_once():
     per_choice = [{"prompt_tokens": 14, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 10}}] * 2
-    assert _merged_usage(per_choice, 2) == {"prompt_tokens": 14, "completion_tokens": 8,
+    assert merged_usage(per_choice, 2) == {"prompt_tokens": 14, "completion_tokens": 8,
                                             "prompt_tokens_details": {"cached_tokens": 10}}
     prompts = [{"prompt_tokens": 2, "completion_tokens": 3}, {"prompt_tokens": 5, "completion_tokens": 1}]
-    assert _merged_usage(prompts, 1)["prompt_tokens"] == 7 and _merged_usage(prompts, 1)["completion_tokens"] == 4
-    assert _merged_usage(prompts[:1], 1) is prompts[0]
+    assert merged_usage(prompts, 1)["prompt_tokens"] == 7 and merged_usage(prompts, 1)["completion_tokens"] == 4
+    assert merged_usage(prompts[:1], 1) is prompts[0]
 
 
 def test_an_engine_refuses_what_it_cannot_honour_by_name():
@@ -58,7 +58,7 @@ def test_an_engine_refuses_what_it_cannot_honour_by_name():
 def test_a_conversation_llama_server_cannot_parse_is_the_clients_mistake():
     import pytest
 
-    from coderai.engine_worker.engines.openai_server import raise_error
+    from coderai.engine_worker.engines.openai_wire import raise_error
     from coderai.engine_worker.engines.base import BadInput
 
     with pytest.raises(BadInput) as bad:  # llama-server says 500, but the messages were the client's

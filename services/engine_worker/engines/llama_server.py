@@ -2,8 +2,8 @@
 
 The server runs `--parallel N` slots with continuous batching, the model's own chat template (`--jinja`: tool
 calls, reasoning), and its prompt cache; the worker relays jobs over loopback HTTP (see openai_server). A child
-that dies is restarted with backoff while the engine is reported failed, with the last lines of its log; it never
-outlives the worker (PR_SET_PDEATHSIG SIGKILL from the thread that started it, its own session killed on close:
+that dies is restarted with backoff (child_server) while the engine is reported failed, with the last lines of its
+log; it never outlives the worker (PR_SET_PDEATHSIG SIGKILL from the thread that started it, its own session killed on close:
 its SIGTERM shutdown can wait forever on a connection handler, and it has nothing to save).
 
 Model params (named): `parallel` (slots, default 4), `n_ctx` (context per slot, default 2048: the server gets
@@ -22,7 +22,6 @@ The binary: `CODERAI_LLAMA_SERVER`, else `llama-server` beside this interpreter 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import re
 import logging
 import os
@@ -40,7 +39,7 @@ from coderai.engine_worker.engines.embed import check_texts, embed_result
 from coderai.engine_worker.engines.openai_server import Emit, OpenAIServerEngine, param_flags
 from coderai.engine_worker.engines.prompt_heads import MIN_HEAD_CHARS, HeadSnapshots, chat_chain, text_chain
 from coderai.engine_worker.engines.slot_scope import ALL, Chain, Plan, SlotBook
-from coderai.runtime.embedded import find_llama_server, free_port
+from coderai.runtime.embedded import find_llama_server
 
 log = logging.getLogger("coderai.engine_worker")
 MAX_QUEUED = 256  # jobs waiting for a slot at most, unless the model's `queue` says otherwise
@@ -70,9 +69,6 @@ def default_cache_ram_mb(mem_total: int | None = None) -> int:
     if mem_total <= 0:
         return CACHE_RAM_MIN_MB
     return max(CACHE_RAM_MIN_MB, min(CACHE_RAM_MAX_MB, (mem_total >> 20) // CACHE_RAM_SHARE))
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-POLL_S = 0.5  # how often the supervisor looks at the child and reads its slots
-STDERR_TAIL_CHARS = 1500
 
 
 def find_binary() -> str | None:
@@ -180,12 +176,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         self.queue_limit = self.slots + int(queue if queue is not None else MAX_QUEUED)
         self.slots_busy = 0
         self.queued = 0
-        self.restarts = 0
         self.backend = ""  # "cpu", or the GPU backend the layers went to ("cuda", ...), read from the log
         self.gpu_layers = 0
-        self._closing = threading.Event()
-        self._supervisor: threading.Thread | None = None
-        self._lock = threading.Lock()  # the child and the client change only under it (restart vs close)
         # which key's prompt each slot holds, once a request's cache is scoped (slot_scope); the plan of the request
         # this engine thread runs, for its body
         # snapshots of long prompt heads (prompt_heads): on a shared cache with more than one slot; the book then
@@ -208,11 +200,15 @@ class LlamaServerEngine(OpenAIServerEngine):
     def load(self) -> None:
         if not os.path.exists(os.path.expanduser(self.config.path)):
             raise EngineLoadError(f"no such model file: {self.config.path}")
-        self.start_server(free_port(), self.load_timeout_s())
-        self.backend, self.gpu_layers = offload_of(self.log_head())
-        self._supervisor = threading.Thread(target=self._supervise, name=f"llama-server-{self.config.name}",
-                                            daemon=True)
-        self._supervisor.start()
+        self.start_server()
+        self.backend, self.gpu_layers = offload_of(self.child.log_head())
+        # the supervisor reads the slot load while the child lives and restarts it when it dies; it starts every
+        # later child, so each dies with it (PR_SET_PDEATHSIG)
+        self.child.supervise(on_alive=self._read_load, on_exit=self._lost, on_restart=self._restarted)
+
+    @property
+    def restarts(self) -> int:
+        return self.child.restarts
 
     def media_takes(self) -> frozenset[str]:
         # without a projector the server answers a 500 for an image; the client's mistake is a 400 naming the part
@@ -293,7 +289,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         if client is None:
             return False
         try:
-            r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}), {}, keep)
+            r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}), keep=keep)
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: the request goes on without it
             log.debug("%s: slot %s %s failed: %s", self.config.name, slot, action, exc)
             return False
@@ -330,80 +326,31 @@ class LlamaServerEngine(OpenAIServerEngine):
                 "backend": self.backend, "gpu_layers": self.gpu_layers,
                 "head_saves": heads.saves if heads else 0, "head_restores": heads.restores if heads else 0}
 
-    def log_head(self, chars: int = 200_000) -> str:
-        """The start of the server's log, where llama.cpp says which devices it found and what it offloaded."""
-        try:
-            with open(self.log_path, "rb") as fh:
-                return fh.read(chars).decode("utf-8", "replace")
-        except OSError:
-            return ""
-
     def close(self) -> None:
-        self._closing.set()
-        with self._lock:
-            super().close()
+        super().close()
         if self.heads is not None:
             self.heads.close()
-        if self._supervisor is not None and self._supervisor is not threading.current_thread():
-            self._supervisor.join(10)
-
-    # --- supervision -------------------------------------------------------------------------------
-
-    def _supervise(self) -> None:
-        """Watch the child; read its slot load while it lives; restart it with backoff when it dies. Runs on the
-        thread that starts every later child, so each child dies with it (PR_SET_PDEATHSIG)."""
-        probe = httpx.Client(timeout=2.0, headers=self.auth_headers())
-        try:
-            while not self._closing.wait(POLL_S):
-                proc = self.proc
-                if proc is not None and proc.poll() is None:
-                    self._read_load(probe)
-                    continue
-                if self._closing.is_set():
-                    return
-                code = proc.returncode if proc is not None else None
-                tail = self.log_tail(STDERR_TAIL_CHARS).strip()
-                why = f"llama-server exited with code {code}; its log ends:\n{tail}"
-                log.error("%s: %s", self.config.name, why)
-                self.slots_busy = self.queued = 0
-                if self.on_lost is not None:
-                    self.on_lost(why)
-                self._restart()
-        finally:
-            probe.close()
 
     def _read_load(self, probe: httpx.Client) -> None:
         try:
-            r = probe.get(f"{self.base_url}/metrics")
+            r = probe.get(f"{self.child.base_url}/metrics")
             if r.status_code == 200:
                 self.slots_busy, self.queued = slot_load(r.text)
         except httpx.HTTPError:
             pass  # the next poll sees whether it died
 
-    def _restart(self) -> None:
-        for attempt in itertools.count():
-            if self._closing.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
-                return
-            with self._lock:
-                if self._closing.is_set():
-                    return
-                self.stop_server(grace_s=5)
-                if self.client is not None:
-                    self.client.close()
-                    self.client = None
-                try:
-                    self.start_server(free_port(), self.load_timeout_s())
-                except EngineLoadError as exc:
-                    log.error("%s: restart %d of llama-server failed: %s", self.config.name, attempt + 1, exc)
-                    continue
-            self.book.reset()  # the new server's slots are empty
-            if self.heads is not None:
-                self.heads.clear()
-            self.restarts += 1
-            log.info("%s: llama-server restarted (%d restarts so far)", self.config.name, self.restarts)
-            if self.on_back is not None:
-                self.on_back()
-            return
+    def _lost(self, why: str) -> None:
+        self.slots_busy = self.queued = 0
+        if self.on_lost is not None:
+            self.on_lost(why)
+
+    def _restarted(self) -> None:
+        self.connect()
+        self.book.reset()  # the new server's slots are empty
+        if self.heads is not None:
+            self.heads.clear()
+        if self.on_back is not None:
+            self.on_back()
 
 
 def available() -> bool:

@@ -5,7 +5,7 @@ requests: measured against the httpx client this replaces, ~0.45 ms less per req
 a 16-token llama-server answer here). A request on a kept connection that the server had already closed (idle
 keep-alive timeout, or a streamed answer, after which llama-server closes it) is sent once more on a new one:
 nothing of it reached the server. Closing a stream early closes its connection, which is how the server learns
-that the client went away and frees the slot.
+that the client went away and frees the slot. The same client speaks TLS (`tls=True`) to a server elsewhere.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class Answer:
 
 class LoopbackClient:
     def __init__(self, host: str, port: int, connect_timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None) -> None:
-        self.host, self.port = host, port
+                 headers: dict[str, str] | None = None, tls: bool = False) -> None:
+        self.host, self.port, self.tls = host, port, tls
         self.headers = {"Content-Type": "application/json", **(headers or {})}  # sent with every request
         self.connect_timeout_s = connect_timeout_s
         self._local = threading.local()
@@ -50,7 +50,8 @@ class LoopbackClient:
             self._drop(conn)
         if self._closed:
             raise ConnectionError("the client is closed")
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
+        kind = http.client.HTTPSConnection if self.tls else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=self.connect_timeout_s)
         conn.connect()
         conn.sock.settimeout(None)  # no read timeout: a long generation is silent until it ends
         with self._lock:

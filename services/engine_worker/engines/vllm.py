@@ -24,10 +24,8 @@ from typing import Any
 from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
-from coderai.runtime.embedded import free_port
 
 OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s"})
-DEFAULT_LOAD_TIMEOUT_S = 600.0
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
@@ -58,7 +56,3 @@ class VllmEngine(OpenAIServerEngine):
     def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
         body = super().completion_body(job, stream)
         return {**body, "cache_salt": job.cache_scope} if job.cache_scope else body
-
-    def load(self) -> None:
-        """Start the server and wait for `/health`; fail with the server's log tail if it exits or times out."""
-        self.start_server(free_port(), float(self.config.params.get("load_timeout_s") or DEFAULT_LOAD_TIMEOUT_S))
