@@ -48,6 +48,9 @@ OTHER_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
                        "path of a TOML file with one `[service]` table each (runtime/settings.py); env vars win"),
     "CODERAI_TRACE_FILE": (("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
                            "write one JSON line per finished span to this file (runtime/tracing.py)"),
+    "CODERAI_FAMILIES": (("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
+                         "modules (comma-separated) that each declare an engine family from outside the package, "
+                         "`FAMILY = FamilySpec(...)` (contracts/families.py); set it for every service"),
     "CODERAI_VLLM_PYTHON": (("worker",),
                             "interpreter of a separate venv that has vLLM; makes the worker offer the `vllm` family"),
     "CODERAI_MODEL_CACHE": (("up",),
