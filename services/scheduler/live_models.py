@@ -19,6 +19,7 @@ from coderai.contracts.admin import AddModelRequest, PlaceReply, RemoveModelRequ
 from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_REMOVE
 from coderai.models_file import ModelsFileError, entry, load_models, set_entry
 from coderai.runtime.kv import put_if_changed
+from coderai.scheduler.state import ModelRemoved, ModelSet
 
 if TYPE_CHECKING:
     from coderai.scheduler.service import Scheduler
@@ -38,7 +39,8 @@ def without_kept_exec(new: ModelConfig, old: ModelConfig | None) -> dict[str, An
 
 
 class LiveModels:
-    """The scheduler's model set as it changes: `sched.models`, its KV bucket and its models file kept in step."""
+    """The scheduler's model set as it changes: `sched.models` (through `sched.apply`), its KV bucket and its models
+    file kept in step."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
@@ -56,13 +58,16 @@ class LiveModels:
             stack.callback(task.cancel)
 
     async def _add(self, req: AddModelRequest, _m: Any) -> PlaceReply:
-        """Serve `req.model` now, in place of a model of its name unless `replace` is false."""
-        new = req.model
+        return await self.add(req.model, req.replace)
+
+    async def add(self, new: ModelConfig, replace: bool = True) -> PlaceReply:
+        """Serve `new` now, in place of a model of its name unless `replace` is false (the bus's add, and a
+        fine-tuning job's model once it succeeds)."""
         if not new.name:
             raise BusError("bad_request", "a model needs a name", param="name")
         async with self._lock:
             old = self._served(new.name)
-            if old is not None and not req.replace:
+            if old is not None and not replace:
                 raise BusError("conflict", f"a model named {new.name!r} is served already", param="name")
             try:  # params are data: each family's own, typed and in range; what runs a program, never from here
                 engine_params.check(new.engine, without_kept_exec(new, old), operator=False)
@@ -110,13 +115,10 @@ class LiveModels:
         for name, cfg in changes.items():
             if cfg is None:
                 await s.kv_models.delete(model_key(name))
-                s.models = [m for m in s.models if m.name != name]
+                s.apply(ModelRemoved(name))
             else:
                 await put_if_changed(s.kv_models, model_key(name), encode(cfg))
-                have = self._served(name) is not None
-                s.models = [cfg if m.name == name else m for m in s.models] if have else [*s.models, cfg]
-            s.restaged.pop(name, None)  # the plain config was just published: the next plan says again
-            s._layers.pop(name, None)  # its file may be another now
+                s.apply(ModelSet(cfg))
         s._dirty.set()
 
     def _file_stat(self) -> tuple[int, int, int] | None:

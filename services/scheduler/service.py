@@ -38,6 +38,22 @@ from coderai.scheduler import stages, store_scope
 from coderai.models_file import load_models
 from coderai.runtime.gguf_meta import block_count
 from coderai.scheduler.placement import Plan
+from coderai.scheduler.state import (
+    Event,
+    LayersRead,
+    ModelSet,
+    ModelsLoaded,
+    NodeGone,
+    NodeRevoked,
+    NodeSeen,
+    Planned,
+    State,
+    apply,
+    heard,
+    joined,
+    live,
+    silent,
+)
 from coderai.scheduler.residency import Residency, engines, placed
 from coderai.scheduler.live_models import LiveModels
 from coderai.scheduler.settings import SchedulerSettings
@@ -51,24 +67,20 @@ log = logging.getLogger("coderai.scheduler")
 
 
 class Scheduler:
+    state = State()  # what it knows (`state.py`): changed only by `apply`, read through the properties below
+
     def __init__(self, settings: SchedulerSettings, leader: Leader | None = None) -> None:
+        self.state = State()
         self.settings = settings
         self.leader = leader  # the lease this scheduler runs under (runtime/leader.singleton); None: unfenced
-        self.models: list[ModelConfig] = load_models(settings.models_file) if settings.models_file else []
-        self.nodes: dict[str, Heartbeat] = {}
-        self.seen: dict[str, float] = {}
-        self.unplaced: dict[str, str] = {}
-        self.splits: dict[str, Any] = {}  # model -> SplitPlan of the copy split over several nodes
-        self.restaged: dict[str, ModelConfig] = {}  # video models published with stage relay on, to fit
-        self._layers: dict[str, int] = {}
+        if settings.models_file:
+            self.apply(ModelsLoaded(tuple(load_models(settings.models_file))))
         self.residency = Residency()  # on-demand loads, idle unloads, evictions
-        self.last_plan = Plan({})
         self._passes = (0, 0)  # assignment passes (started, finished): a demand waits for the pass after it
         self._passed = asyncio.Event()
         self.bus: Bus | None = None
         self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
         self.training: Training | None = None
-        self.revoked_at: dict[str, float] = {}  # node id -> when it was revoked (monotonic)
         self._dirty = asyncio.Event()
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
@@ -90,7 +102,7 @@ class Scheduler:
         if self.settings.models_file:
             await self._publish_models()
         else:
-            self.models = await self._read_models()
+            self.apply(ModelsLoaded(tuple(await self._read_models())))
         task = asyncio.create_task(self._assign_loop())
         stack.callback(task.cancel)
         sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
@@ -111,6 +123,42 @@ class Scheduler:
         await self.training.start(stack)
         log.info("scheduler up with %d model(s): %s", len(self.models), ", ".join(m.name for m in self.models))
 
+    def apply(self, event: Event) -> None:
+        """The one way the scheduler's state changes (what to do about the change is the caller's)."""
+        self.state = apply(self.state, event)
+
+    @property
+    def models(self) -> list[ModelConfig]:
+        return self.state.models
+
+    @models.setter
+    def models(self, models: list[ModelConfig]) -> None:
+        self.apply(ModelsLoaded(tuple(models)))
+
+    @property
+    def nodes(self) -> dict[str, Heartbeat]:
+        return self.state.nodes
+
+    @property
+    def seen(self) -> dict[str, float]:
+        return self.state.seen
+
+    @property
+    def unplaced(self) -> dict[str, str]:
+        return self.state.unplaced
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        return self.state.splits
+
+    @property
+    def restaged(self) -> dict[str, ModelConfig]:
+        return self.state.restaged
+
+    @property
+    def last_plan(self) -> Plan:
+        return self.state.last_plan
+
     @property
     def fence(self) -> int:
         """The token that goes with what this scheduler writes and asks: its lease's, 0 when it runs without one."""
@@ -119,19 +167,20 @@ class Scheduler:
     def _forget_node(self, node_id: str) -> None:
         """A revoked node is gone now, not when its heartbeats would have timed out; a heartbeat it sent before its
         login was removed, still on its way, does not bring it back (`_on_heartbeat`)."""
-        self.nodes.pop(node_id, None)
-        self.seen.pop(node_id, None)
-        self.revoked_at[node_id] = time.monotonic()
+        self.apply(NodeRevoked(node_id, time.monotonic()))
         self._dirty.set()
 
     def _block_counts(self) -> dict[str, int]:
         """Blocks per llama model whose GGUF this head can read (for the layer map of a split), read once."""
+        read: dict[str, int] = {}
         for m in self.models:
-            if m.engine in GGUF_FAMILIES and m.name not in self._layers:
+            if m.engine in GGUF_FAMILIES and m.name not in self.state.layers:
                 local = os.path.expanduser(m.path) if m.path else ""
                 path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path / m.store_file) if m.store_path else ""
-                self._layers[m.name] = block_count(path) if path else 0
-        return self._layers
+                read[m.name] = block_count(path) if path else 0
+        if read:
+            self.apply(LayersRead(read))
+        return self.state.layers
 
     async def _on_reconnect(self) -> None:
         self.node_records.revs.clear()  # a restarted server may have another history
@@ -169,10 +218,9 @@ class Scheduler:
                 raise BusError("bad_request", f"unplacing {req.node} would leave {m.name} on no node")
             replicas = m.replicas
         new = msgspec.structs.replace(m, nodes=nodes, replicas=replicas)
-        self.models = [new if x.name == m.name else x for x in self.models]
+        self.apply(ModelSet(new))
         await put_if_changed(self.kv_models, model_key(m.name), encode(new))
         log.info("%s %s on %s: nodes=%s replicas=%d", req.action, m.name, req.node, nodes, replicas)
-        self.restaged.pop(m.name, None)  # the plain config was just published: the next plan says again
         self._dirty.set()
         return PlaceReply(model=new)
 
@@ -231,9 +279,8 @@ class Scheduler:
         m = next((x for x in self.models if x.name == req.model), None)
         if m is None:
             raise BusError("not_found", f"no model {req.model!r}")
-        live = {n: hb for n, hb in self.nodes.items() if time.monotonic() - self.seen.get(n, 0) <= NODE_TTL_S}
         try:
-            out = stages.plan_stages(req, m, live, await asyncio.to_thread(stages.model_parts, m.path))
+            out = stages.plan_stages(req, m, live(self.state, time.monotonic(), NODE_TTL_S), await asyncio.to_thread(stages.model_parts, m.path))
         except stages.NoStagePlan as exc:
             raise BusError("no_engine", str(exc), retryable=True) from None
         log.info("stages of %s: %s", req.job_id, ", ".join(
@@ -264,8 +311,7 @@ class Scheduler:
 
     def _live(self) -> dict[str, Heartbeat]:
         """The owned nodes heard from within the TTL (a pod brings its own models)."""
-        now = time.monotonic()
-        return {n: hb for n, hb in self.nodes.items() if not hb.pod and now - self.seen.get(n, 0) <= NODE_TTL_S}
+        return live(self.state, time.monotonic(), NODE_TTL_S, pods=False)
 
     async def _load_on_demand(self, m: ModelConfig) -> bool:
         """Whether a copy of `m` is on its way to an engine: already assigned and loading, placed now by the pass
@@ -277,11 +323,11 @@ class Scheduler:
 
     def _coming(self, name: str) -> bool:
         """A live node is assigned `name` and its engine is loading, ready, or not reported yet."""
-        live = self._live()
-        if not placed(self.last_plan, name, live):
+        up = self._live()
+        if not placed(self.last_plan, name, up):
             return False
-        status = engines(live)
-        holders = [n for n, a in self.last_plan.assignments.items() if n in live and any(x.name == name for x in a.models)]
+        status = engines(up)
+        holders = [n for n, a in self.last_plan.assignments.items() if n in up and any(x.name == name for x in a.models)]
         return any((s := status.get((name, n))) is None or s.state in ("loading", "ready") for n in holders)
 
     async def _replan(self, timeout_s: float = 10.0) -> None:
@@ -305,13 +351,11 @@ class Scheduler:
         return list((await read_all(self.kv_models, ModelConfig)).values())
 
     async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
-        if time.monotonic() - self.revoked_at.get(hb.node_id, -NODE_TTL_S) < NODE_TTL_S:
+        now = time.monotonic()
+        if not heard(self.state, hb, now, NODE_TTL_S):
             return  # sent before its revocation: a re-admitted node is heard again a heartbeat timeout later
-        old = self.nodes.get(hb.node_id)
-        new = old is None or set(hb.capabilities) != set(old.capabilities) \
-            or (old.rpc and old.rpc.endpoint) != (hb.rpc and hb.rpc.endpoint) or old.addrs != hb.addrs
-        self.nodes[hb.node_id] = hb
-        self.seen[hb.node_id] = time.monotonic()
+        new = joined(self.nodes.get(hb.node_id), hb)
+        self.apply(NodeSeen(hb, now))
         if new:
             log.info("node %s joined (%s)", hb.node_id, hb.host)
             self._dirty.set()
@@ -332,11 +376,9 @@ class Scheduler:
                 await asyncio.wait_for(self._dirty.wait(), NODE_TTL_S / 2)
             except asyncio.TimeoutError:
                 pass
-            now = time.monotonic()
-            for node_id in [n for n, t in self.seen.items() if now - t > NODE_TTL_S]:
+            for node_id in silent(self.state, time.monotonic(), NODE_TTL_S):
                 log.info("node %s left (no heartbeat for %.0fs)", node_id, NODE_TTL_S)
-                self.nodes.pop(node_id, None)
-                self.seen.pop(node_id, None)
+                self.apply(NodeGone(node_id))
                 self._dirty.set()  # copies it held may need a new home
             if not self._dirty.is_set():
                 continue
@@ -354,18 +396,15 @@ class Scheduler:
                 owned = {n: hb for n, hb in self.nodes.items() if not hb.pod}  # a pod brings its own models
                 before = dict(self.assignments.values)
                 result = self.residency.plan(self.models, owned, before, layers=self._block_counts())
-                self.last_plan = result
                 for name, why in result.unplaced.items():
                     if self.unplaced.get(name) != why:
                         log.warning("model %s: %s", name, why)
-                self.unplaced = result.unplaced
                 for name, (node, split) in result.splits.items():
                     if name not in self.splits or self.splits[name] != split:
                         log.info("model %s split (%s) served by %s over %s", name, split.mode, node,
                                  ", ".join(f"{d.node_id} {d.share:.0%}" for d in split.devices))
                         if split.warning:
                             log.warning("model %s: %s", name, split.warning)
-                self.splits = {name: split for name, (_, split) in result.splits.items()}
                 turned = {n for n in set(result.restaged) | set(self.restaged)
                           if result.restaged.get(n) != self.restaged.get(n)}
                 for m in self.models:  # what the gateway reads: a video model relayed by stages says so
@@ -374,7 +413,7 @@ class Scheduler:
                         await put_if_changed(self.kv_models, model_key(m.name), encode(want))
                         log.info("model %s %s", m.name, "fits no node whole: relayed stage by stage over several"
                                  if want is not m else "fits a node whole again: no stage relay")
-                self.restaged = result.restaged
+                self.apply(Planned(result))
                 await self._unloaded(before, result, owned)
                 fence = self.fence
                 for node_id, assignment in result.assignments.items():

@@ -34,7 +34,6 @@ from typing import Any
 import msgspec
 from coderai.accounts.keys import KeyJournal
 from coderai.contracts import BusError, ModelConfig, decode, encode
-from coderai.contracts.admin import AddModelRequest
 from coderai.contracts.subjects import (
     CMD_NODE_TRAIN,
     CMD_NODE_TRAIN_STATE,
@@ -442,7 +441,7 @@ class Training:
         cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes,
                                   owner=job.key_name)
         try:  # the one add-model path, as `models add` uses: served now, and in the models file for a restart
-            await self.sched.live_models._add(AddModelRequest(model=cfg, replace=False), None)
+            await self.sched.live_models.add(cfg, replace=False)
         except BusError as exc:  # the models file cannot take it: served until the scheduler restarts
             if exc.code == "conflict":  # a model of that name came meanwhile: it is never replaced by a tenant's
                 await self._fail(job_id, "model_exists", f"A model named '{name}' was added while the job ran; "
