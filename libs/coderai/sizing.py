@@ -24,7 +24,7 @@ OVERHEAD = 256 * MB
 USABLE = 0.9
 UNKNOWN_CAPACITY = 1 << 62
 
-# what the llama engines run with when the params do not say (engines/llama_server.py, engines/llama.py; a test
+# what the llama engines run with when the params do not say (engines/llama_server_args.py, engines/llama.py; a test
 # holds them equal): llama-server's context is n_ctx per slot times its slots, in-process llama one sequence
 SERVER_PARALLEL = 4
 DEFAULT_N_CTX = 2048
