@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -20,10 +21,11 @@ from coderai.contracts import (
     KeepAlive,
     RouteDecision,
     RouteRequest,
+    model_key,
 )
 from coderai.contracts.ops import ENGINE_OPS
 from coderai.contracts.pods import EscalateReply, EscalateRequest
-from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, ROUTE_PICK
+from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, EVT_ENGINE_READY, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus, FrameStream
@@ -33,6 +35,11 @@ if TYPE_CHECKING:
     from coderai.gateway.accounting import Trace
 
 log = logging.getLogger("coderai.gateway")
+
+REASK_S = 2.0
+"""A request waiting after an escalation asks the router again when a router announces an engine of its model
+(`EngineReady`), and at the latest this long after it last asked: an announcement is not stored for a subscriber
+that was reconnecting, and a busy engine that frees up is announced by nobody."""
 
 
 class Relay:
@@ -73,9 +80,26 @@ class Relay:
 
     async def _escalate(self, req: RouteRequest, headers: dict[str, str], reason: str,
                         fallback: RouteDecision | BusError, on_loading: Callable[[], None] | None = None) -> RouteDecision:
-        """Ask for a pod or a load; then poll the router until an engine (a non-busy one, for `busy`) can take the
-        job. Without one in time: the busy engine after all, or the original `no_engine`. `on_loading` is called
-        when the model is being loaded on demand (a streamed answer starts its keep-alives then)."""
+        """Ask for a pod or a load; then ask the router again, each time a router announces an engine of the model,
+        until an engine (a non-busy one, for `busy`) can take the job. Without one in time: the busy engine after
+        all, or the original `no_engine`. `on_loading` is called when the model is being loaded on demand (a
+        streamed answer starts its keep-alives then)."""
+        announced = asyncio.Event()
+
+        async def on_ready(_e: Any, _m: Any) -> None:
+            announced.set()
+
+        # listening before the scheduler is asked: the engine it starts cannot be announced before this hears it
+        sub = await self.bus.listen(EVT_ENGINE_READY, on_ready, subject_str=EVT_ENGINE_READY(model_key=model_key(req.model)))
+        try:
+            return await self._escalated(req, headers, reason, fallback, announced, on_loading)
+        finally:
+            with contextlib.suppress(Exception):  # the bus may be closing: the subscription goes with it
+                await sub.unsubscribe()
+
+    async def _escalated(self, req: RouteRequest, headers: dict[str, str], reason: str,
+                         fallback: RouteDecision | BusError, announced: asyncio.Event,
+                         on_loading: Callable[[], None] | None) -> RouteDecision:
         try:
             reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
                                            timeout=self.settings.route_timeout_s + 15.0, headers=headers)
@@ -97,7 +121,8 @@ class Relay:
             log.info("escalated %s (%s): pod %s is %s", req.model, reason, reply.pod, reply.action)
             wait_s = self.settings.escalate_wait_s
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            announced.clear()  # an announcement from here on is one the answer below may not have seen
             try:
                 decision = await self.route(req, [], headers)
                 if not isinstance(fallback, RouteDecision) or not decision.busy:
@@ -105,7 +130,8 @@ class Relay:
             except BusError as exc:
                 if exc.code != "no_engine":
                     raise
-            await asyncio.sleep(0.25)  # a poll with a deadline: the pod's engine shows up in the router's table
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(announced.wait(), min(REASK_S, max(0.0, left)))
         if isinstance(fallback, RouteDecision):
             return fallback
         what = "is still loading" if reply.action == "loading" else "has a pod starting"

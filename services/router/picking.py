@@ -123,6 +123,10 @@ class EngineTable:
                 self.failed[e.engine_id] = (node, e.model, fault_ref(node, e.engine_id, e.error or ""))
         return refused
 
+    def on_node(self, node_id: str) -> set[str]:
+        """The ids of the node's engines that can be routed to now."""
+        return {e for e, v in self.engines.items() if v.node_id == node_id}
+
     def holder(self, engine_id: str) -> str | None:
         """The node whose engine has this id, ready or failed (None: no node's)."""
         v = self.engines.get(engine_id)

@@ -10,11 +10,22 @@ import sys
 import time
 from typing import Any
 
-from coderai.contracts import BusError, Heartbeat, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, decode, encode
+from coderai.contracts import (
+    BusError,
+    EngineReady,
+    Heartbeat,
+    ModelConfig,
+    RequestCompleted,
+    RouteDecision,
+    RouteRequest,
+    decode,
+    encode,
+    model_key,
+)
 from coderai.contracts.nodes import Assignment, EngineStatus
 from coderai.contracts.pods import LIVE_POD, PodInfo
 from coderai.contracts.routing import AffinityEntry
-from coderai.contracts.subjects import EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
+from coderai.contracts.subjects import EVT_ENGINE_READY, EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
 from coderai.contracts.topology import AFFINITY, ASSIGNMENTS, MODELS, NODES, PODS
 from coderai.router.picking import (
     AFFINITY_TTL_S, ERROR_CAP, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick,
@@ -121,10 +132,31 @@ class Router:
             self.placed.pop(node_id, None)
         hb = self.table.heartbeats.get(node_id)
         if hb is not None:
+            before = self.table.on_node(node_id)
             self._faults(hb, self.table.reapply(node_id, placed))
+            self._announce(node_id, before)
 
     def _apply(self, hb: Heartbeat, now: float) -> None:
+        before = self.table.on_node(hb.node_id)
         self._faults(hb, self.table.apply(hb, now, self.placed.get(hb.node_id, frozenset())))
+        self._announce(hb.node_id, before)
+
+    def _announce(self, node_id: str, before: set[str]) -> None:
+        """`EngineReady` for each engine of `node_id` this router routes to now and did not `before`: requests
+        waiting for a load on demand or a pod (the gateway's escalation) ask again at once."""
+        if self.bus is None:
+            return
+        for v in [v for v in self.table.engines.values() if v.node_id == node_id and v.engine_id not in before]:
+            task = asyncio.create_task(self._publish_ready(EngineReady(model=v.model, engine_id=v.engine_id,
+                                                                       node_id=node_id, ts=time.time())))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _publish_ready(self, e: EngineReady) -> None:
+        try:
+            await self.bus.publish(EVT_ENGINE_READY, e, model_key=model_key(e.model))  # type: ignore[union-attr]  # set when announced
+        except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting: a waiting request asks again later anyway
+            log.debug("could not announce engine %s: %s", e.engine_id, exc)
 
     def _faults(self, hb: Heartbeat, refused: list[tuple[EngineStatus, str]]) -> None:
         """Log, once each, what a node claimed beyond what it was given (a node fault) and why its engines failed

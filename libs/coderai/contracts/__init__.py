@@ -2,7 +2,7 @@
 
 from coderai.contracts.base import Message, decode, encode, why_malformed
 from coderai.contracts.errors import BusError, ErrorCode, ErrorReply
-from coderai.contracts.events import Event, ModelFetch, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
+from coderai.contracts.events import EngineReady, Event, ModelFetch, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
 from coderai.contracts.jobs import (
     CancelJob,
     ChatJob,
@@ -60,6 +60,6 @@ __all__ = [
     "Distribute", "RpcServer", "SplitDevice", "SplitPlan", "PartDone", "PodEvent", "PodPolicy", "StoreChunk", "StoreEntry", "StoreFetch", "StoreList", "StoreListing", "WorkPart", "check_store_path",
     "Assignment", "BusError", "CancelJob", "ChatJob", "Choice", "Chunk", "CompletionJob", "EngineStatus",
     "ErrorCode", "ErrorReply", "Event", "Final", "Frame", "GpuMemory", "Heartbeat", "KeepAlive", "Message", "ModelConfig",
-    "ModelFetch", "ModelLoaded", "ModelUnloaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",
+    "EngineReady", "ModelFetch", "ModelLoaded", "ModelUnloaded", "Op", "RequestCompleted", "RequestId", "RouteDecision", "RouteRequest", "SamplingParams",
     "Usage", "decode", "encode", "model_key", "model_name", "why_malformed",
 ]

@@ -98,4 +98,15 @@ class PodEvent(Message, frozen=True, kw_only=True, tag="pod", tag_field="t"):
     ts: float = 0.0
 
 
-Event = Union[RequestCompleted, ModelLoaded, ModelUnloaded, ModelFetch, PartDone, PodEvent]
+class EngineReady(Message, frozen=True, kw_only=True, tag="engine.ready", tag_field="t"):
+    """A router can route to an engine it could not before (`coderai.evt.engine.ready.<model_key>`): a ready engine
+    entered its table from a heartbeat or an assignment. A request waiting for a model being loaded on demand or a
+    pod being rented asks the router again on it, not on a timer. Each router publishes its own."""
+
+    model: str
+    engine_id: str
+    node_id: str
+    ts: float = 0.0
+
+
+Event = Union[RequestCompleted, ModelLoaded, ModelUnloaded, ModelFetch, PartDone, PodEvent, EngineReady]

@@ -28,7 +28,16 @@ from coderai.contracts.admin import (
     PlaceRequest,
     RemoveModelRequest,
 )
-from coderai.contracts.events import Event, ModelFetch, ModelLoaded, ModelUnloaded, PartDone, PodEvent, RequestCompleted
+from coderai.contracts.events import (
+    EngineReady,
+    Event,
+    ModelFetch,
+    ModelLoaded,
+    ModelUnloaded,
+    PartDone,
+    PodEvent,
+    RequestCompleted,
+)
 from coderai.contracts.jobs import CancelJob
 from coderai.contracts.media import BlobPiece, BlobRead, BlobWrite, BlobWritten
 from coderai.contracts.nodes import Heartbeat
@@ -82,6 +91,7 @@ EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestComplete
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded.{node_id}", ModelLoaded, bind=("node_id",))
 EVT_MODEL_FETCH = Subject("coderai.evt.model.fetch.{node_id}", ModelFetch, bind=("node_id",))
 EVT_MODEL_UNLOADED = Subject("coderai.evt.model.unloaded", ModelUnloaded)  # published by the scheduler
+EVT_ENGINE_READY = Subject("coderai.evt.engine.ready.{model_key}", EngineReady)  # published by the router
 EVT_PART_DONE = Subject("coderai.evt.work.part.{node_id}", PartDone, bind=("node_id",))
 WORK_PART = Subject("coderai.work.{model_key}.{op}", WorkPart)
 

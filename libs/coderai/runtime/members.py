@@ -245,7 +245,8 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
 
     Read from each service's code (contracts/subjects.py names the subjects):
     - router: answers `coderai.route.pick`, follows heartbeats and `request.completed` (plain subscriptions, not
-      the stream), reads the nodes, assignments, models and pods buckets and writes only `coderai_affinity`.
+      the stream), reads the nodes, assignments, models and pods buckets and writes only `coderai_affinity`;
+      announces engines it can route to now (`coderai.evt.engine.ready.<model>`).
     - metrics: follows heartbeats and the model/part events; reads `request.completed` through its durable
       consumer on EVENTS; reads the pods, models and leaders buckets; writes only its own lease key (the EVENTS
       consumer's leader). It publishes nothing else.
@@ -253,12 +254,14 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
       revocation, publishes pod events; writes `coderai_pods`, the pod ledger's journal and its own lease key.
     - gateway: asks the router, the scheduler (the commands its API maps to), the pod broker (status, leases) and
       nodes (admin logs and drain); sends jobs to every engine and fan-out parts to WORK; publishes
-      `request.completed`; serves nodes' blob reads and writes; takes handed-out replies; reads nodes, models,
+      `request.completed`; serves nodes' blob reads and writes; follows the routers' `engine.ready` (a request
+      waiting for a model to load or a pod to start asks again then); takes handed-out replies; reads nodes, models,
       leaders and heads (`/admin/nodes` names every head's URL); writes the buckets and object stores of what
       tenants keep (keys journal, files, responses, batches, videos, fine-tuning records, blobs). WORK: only its consumers' info (how many holders pull a model), never a
       consumer of its own (a work queue's consumer that acked would take parts from the nodes)."""
     if role == "router":
-        publish = _kv_write(AFFINITY) + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
+        publish = (_kv_write(AFFINITY) + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
+                   + ["coderai.evt.engine.ready.*"])
         return publish, ["coderai.hb.*", "coderai.evt.request.completed", "coderai.route.pick"]
     if role == "metrics":
         publish = (_stream_read(EVENTS.name) + _kv_write(LEADERS, "metrics") + _kv_read(PODS) + _kv_read(MODELS)
@@ -281,7 +284,7 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
                    + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
                    + _objects(BLOBS) + _objects(FILES)
                    + ["_N.*.>"])  # answers to nodes' blob reads and writes (see `_REPLIES_TO`)
-        return publish, ["coderai.cmd.blob.read", "coderai.cmd.blob.write", "coderai.reply.>"]
+        return publish, ["coderai.cmd.blob.read", "coderai.cmd.blob.write", "coderai.reply.>", "coderai.evt.engine.ready.*"]
     raise ValueError(f"no allow-list for service {role!r}")
 
 
