@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest
-from coderai.contracts.keys import model_key
 from coderai.contracts.nodes import EngineStatus
 from coderai.contracts.routing import AffinityEntry
+from coderai.runtime.claims import claim_fault
 
 AFFINITY_TTL_S = 1800.0
 MAX_SLOTS = 1024
@@ -31,25 +31,6 @@ def fault_ref(node_id: str, engine_id: str, error: str) -> str:
     """A short reference for a failed engine's error, the same on every router: what a tenant's 503 names in
     place of the node's own text (which the node chose), and what the operator finds in the router's log."""
     return hashlib.sha256(f"{node_id}\0{engine_id}\0{error}".encode()).hexdigest()[:10]
-
-
-def claim_fault(node_id: str, e: EngineStatus, placed: frozenset[str] | None, held_by: str | None) -> str:
-    """Why the engine `e` that node `node_id` reports cannot be believed ("" when it can): its model is not in
-    `placed` (what the scheduler's assignment, or the pod broker's lease, gives the node; None: unchecked), its
-    id is not the one a worker gives that model's engine, or another node's engine holds that id."""
-    if placed is None:
-        return ""
-    if e.model not in placed:
-        return f"an engine for model {e.model!r}, which is not placed on it"
-    try:
-        expected = f"{node_id}-{model_key(e.model)}"
-    except ValueError:
-        return "an engine with no model"
-    if e.engine_id != expected:
-        return f"engine id {e.engine_id!r} for model {e.model!r} (a worker calls it {expected!r})"
-    if held_by is not None and held_by != node_id:
-        return f"engine id {e.engine_id!r}, which node {held_by!r} holds"
-    return ""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from coderai.contracts.subjects import (
 from coderai.contracts.topology import ASSIGNMENTS, MODELS, NODE_TTL_S, NODES, PODS, WORK
 from coderai.contracts.training import FineTuneJob
 from coderai.runtime.bus import Bus
+from coderai.runtime.claims import believed
 from coderai.runtime.kv import RevisionCache, list_keys, put_if_changed, read_all, read_key
 from coderai.runtime.leader import Leader, singleton
 from coderai.runtime.members import requester
@@ -82,6 +83,8 @@ class Scheduler:
         self.membership: Membership | None = None  # with a member registry (the head's): joins, revocations, rights
         self.training: Training | None = None
         self._dirty = asyncio.Event()
+        self._given_at: dict[str, dict[str, float]] = {}  # node id -> model -> when it was last given the node
+        self._faults: set[tuple[str, str, str]] = set()  # (node, engine id, model) claims already logged
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
@@ -350,10 +353,33 @@ class Scheduler:
     async def _read_models(self) -> list[ModelConfig]:
         return list((await read_all(self.kv_models, ModelConfig)).values())
 
+    async def _given(self, hb: Heartbeat, now: float) -> frozenset[str]:
+        """The models node `hb` may claim engines for: its assignment's (a pod's: its lease's), and those taken from
+        it within the last NODE_TTL_S (a copy being unloaded is still reported for a while)."""
+        given = self._given_at.setdefault(hb.node_id, {})
+        assignment = self.assignments.values.get(hb.node_id)
+        planned = self.last_plan.assignments.get(hb.node_id)
+        for a in (assignment, planned):
+            given.update((x.name, now) for x in (a.models if a is not None else ()))
+        if hb.pod:
+            pod = await read_key(await self.bus.kv(PODS), hb.node_id, PodInfo)
+            if pod is not None and pod.state in LIVE_POD:
+                given[pod.model] = now
+        for name in [n for n, t in given.items() if now - t > NODE_TTL_S]:
+            del given[name]
+        return frozenset(given)
+
     async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
         now = time.monotonic()
         if not heard(self.state, hb, now, NODE_TTL_S):
             return  # sent before its revocation: a re-admitted node is heard again a heartbeat timeout later
+        hb, refused = believed(hb, await self._given(hb, now))
+        for e, why in refused:  # a node fault: logged once per claim, however many heartbeats repeat it
+            if (claim := (hb.node_id, e.engine_id, e.model)) not in self._faults:
+                if len(self._faults) >= 10_000:
+                    self._faults.clear()
+                self._faults.add(claim)
+                log.warning("node fault: node %s claims %s; ignored", hb.node_id, why)
         new = joined(self.nodes.get(hb.node_id), hb)
         self.apply(NodeSeen(hb, now))
         if new:
@@ -365,7 +391,7 @@ class Scheduler:
                 self.models, {hb.node_id: hb}, {hb.node_id: self.assignments.values[hb.node_id]}):
             self._dirty.set()  # a copy here went idle past its keep-alive: unloaded within a heartbeat
         try:
-            await self.node_records.put(hb.node_id, m.data)
+            await self.node_records.put(hb.node_id, m.data if not refused else encode(hb))
         except Exception as exc:  # noqa: BLE001 - refreshed on the next heartbeat
             log.warning("could not record node %s: %s", hb.node_id, exc)
 

@@ -210,3 +210,24 @@ def test_usage_a_node_reports_is_billed_only_as_far_as_the_request_allows(attack
     assert _chat(attacked, key, "evil-model", max_tokens=4).status_code == 200
     after = _usage(attacked, "carol", 3)
     assert (after["prompt_tokens"] - row["prompt_tokens"], after["completion_tokens"] - row["completion_tokens"]) == (9, 3)
+
+
+def test_the_head_keeps_of_a_nodes_heartbeat_only_the_engines_it_was_given(attacked):
+    """The scheduler reads engines from heartbeats for residency, a video's stages and a fine-tune's holders, and
+    records them for `/admin/nodes`, `/v1/models` and Ollama's `/api/ps`: an engine claimed for a model not placed
+    on the node (tiny, w1's; ghost, nobody's) is dropped there too, with one node fault in the scheduler's log."""
+
+    def evil_engines() -> set[str] | None:
+        nodes = httpx.get(f"{attacked.http_url}/admin/nodes", headers=attacked.admin, timeout=10).json()["nodes"]
+        found = [n for n in nodes if n["heartbeat"]["node_id"] == "evil"]
+        return {e["model"] for e in found[0]["heartbeat"]["engines"]} if found else None
+
+    seen = wait_until(evil_engines, 20, "the evil node in /admin/nodes")
+    print(f"the evil node's engines as the head keeps them: {sorted(seen)}")
+    assert seen == {"evil-model", "evil-broken"}
+    ps = httpx.get(f"{attacked.http_url}/api/ps", headers=attacked.admin, timeout=10).json()["models"]
+    print(f"/api/ps: {[(m['name'], m.get('details', {}).get('family')) for m in ps]}")
+    assert "ghost" not in {m["name"] for m in ps}
+    log = attacked.procs["scheduler"].log_text()
+    assert log.count("node fault: node evil claims an engine for model 'tiny', which is not placed on it") == 1
+    assert log.count("node fault: node evil claims an engine for model 'ghost', which is not placed on it") == 1
