@@ -41,7 +41,7 @@ from coderai.contracts.params import (
 )
 
 BuiltinFamily = Literal["llama", "llama-server", "vllm", "embed", "diffusers", "whisper", "tts", "diarize", "ocr",
-                        "video", "transformers", "echo"]
+                        "video", "transformers", "remote", "echo"]
 """The families of this package: exactly the keys of `FAMILIES` without `CODERAI_FAMILIES`."""
 PLUGINS_ENV = "CODERAI_FAMILIES"
 
@@ -160,6 +160,12 @@ FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (
     }),
     FamilySpec("transformers", f"{_ENGINES}.hf_chat:TransformersEngine", "transformers", _LLM,
                params={"base": PATH, "dtype": TORCH_DTYPE, "device": DEVICE, "max_tokens": whole(1, 1 << 20)}),
+    # OpenAI-compatible endpoints elsewhere, relayed by the worker that holds the copy (engines/remote.py)
+    FamilySpec("remote", f"{_ENGINES}.remote:RemoteEngine", "coderai.engine_worker", _LLM, device="cpu", params={
+        "service_url": P("str", size=2048), "service_urls": P("list", size=MAX_NESTED),
+        "served_model": P("str", size=256), "api_key_secret": P("str", size=128), "timeout_s": TIMEOUT,
+        "max_answer_mb": num(0.001, 1024), "down_s": num(0, 3600), "concurrency": whole(1, 4096),
+    }),
     FamilySpec("echo", f"{_ENGINES}.echo:EchoEngine", "coderai.engine_worker", _LLM, device="cpu", test_only=True,
                params={"reply": P("str", size=MAX_TEMPLATE), "token_delay_s": num(0, 60), "slots": whole(1, 1024),
                        "tool_calls": P("table", size=MAX_NESTED)}),

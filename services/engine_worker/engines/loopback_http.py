@@ -20,6 +20,11 @@ STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, 
 TransportError = (OSError, http.client.HTTPException)
 
 
+class AnswerTooBig(ValueError):
+    """A server's answer (a whole body, or a stream in all) past the client's `max_body`: cut, its connection
+    closed."""
+
+
 class Answer:
     """A whole answer: status and body bytes."""
 
@@ -32,8 +37,13 @@ class Answer:
 
 class LoopbackClient:
     def __init__(self, host: str, port: int, connect_timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None, tls: bool = False) -> None:
+                 headers: dict[str, str] | None = None, tls: bool = False, read_timeout_s: float | None = None,
+                 max_body: int = 0) -> None:
+        """`read_timeout_s`: the longest silence of an answer (None: none, a long generation is silent until it
+        ends); `max_body`: the most bytes an answer (whole, or a stream in all) may have (0: no limit), for a
+        server elsewhere whose answers are input from the internet."""
         self.host, self.port, self.tls = host, port, tls
+        self.read_timeout_s, self.max_body = read_timeout_s, max_body
         self.headers = {"Content-Type": "application/json", **(headers or {})}  # sent with every request
         self.connect_timeout_s = connect_timeout_s
         self._local = threading.local()
@@ -53,7 +63,7 @@ class LoopbackClient:
         kind = http.client.HTTPSConnection if self.tls else http.client.HTTPConnection
         conn = kind(self.host, self.port, timeout=self.connect_timeout_s)
         conn.connect()
-        conn.sock.settimeout(None)  # no read timeout: a long generation is silent until it ends
+        conn.sock.settimeout(self.read_timeout_s)  # None: a long generation is silent until it ends
         with self._lock:
             self._all.add(conn)
         self._local.conn = conn
@@ -66,11 +76,12 @@ class LoopbackClient:
         if getattr(self._local, "conn", None) is conn:
             self._local.conn = None
 
-    def _send(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _send(self, path: str, body: bytes | None, headers: dict[str, str],
+              method: str = "POST") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         hdrs = {**self.headers, **headers}
         conn, reused = self._conn()
         try:
-            conn.request("POST", path, body=body, headers=hdrs)
+            conn.request(method, path, body=body, headers=hdrs)
             return conn, conn.getresponse()
         except STALE:
             self._drop(conn)
@@ -78,18 +89,25 @@ class LoopbackClient:
                 raise
         conn, _ = self._conn(fresh=True)  # the kept connection had been closed by the server: once more
         try:
-            conn.request("POST", path, body=body, headers=hdrs)
+            conn.request(method, path, body=body, headers=hdrs)
             return conn, conn.getresponse()
         except BaseException:
             self._drop(conn)
             raise
 
-    def post(self, path: str, body: bytes, headers: dict[str, str], keep: bool = True) -> Answer:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> Answer:
+        """A whole answer to a GET (a health probe: its connection is not kept)."""
+        return self.post(path, None, headers or {}, keep=False, method="GET")
+
+    def post(self, path: str, body: bytes | None, headers: dict[str, str], keep: bool = True,
+             method: str = "POST") -> Answer:
         """A whole answer. `keep=False` from a thread that ends after it: its connection is closed, not kept for
         a next request that never comes (every kept connection stays open until `close`)."""
-        conn, resp = self._send(path, body, headers)
+        conn, resp = self._send(path, body, headers, method)
         try:
-            data = resp.read()
+            data = resp.read(self.max_body + 1) if self.max_body else resp.read()
+            if self.max_body and len(data) > self.max_body:
+                raise AnswerTooBig(f"an answer of more than {self.max_body} bytes")
         except BaseException:
             self._drop(conn)
             raise
@@ -103,10 +121,15 @@ class LoopbackClient:
         conn, resp = self._send(path, body, headers)
 
         def lines() -> Iterator[bytes]:
+            left = self.max_body
             while True:
-                line = resp.readline()
+                line = resp.readline(left + 1) if self.max_body else resp.readline()
                 if not line:
                     return
+                if self.max_body:
+                    left -= len(line)
+                    if left < 0:
+                        raise AnswerTooBig(f"a streamed answer of more than {self.max_body} bytes")
                 yield line
 
         done = False

@@ -87,7 +87,7 @@ class OpenAIClient:
 
     def __init__(self, base_url: str, model: str, *, headers: dict[str, str] | None = None, label: str = "the server",
                  counters: PromptCounters | None = None, state: Callable[[], str] | None = None,
-                 connect_timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 30.0, read_timeout_s: float | None = None, max_body: int = 0) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
@@ -98,9 +98,9 @@ class OpenAIClient:
         self.state = state  # what to add to "unreachable" (whether a child server still runs)
         self.prefix = url.path.rstrip("/")
         tls = url.scheme == "https"
-        # no read timeout: a long generation is silent until it ends; cancel cuts a stream short
+        # no read timeout unless given: a long generation is silent until it ends; cancel cuts a stream short
         self.http = LoopbackClient(url.hostname, url.port or (443 if tls else 80), connect_timeout_s,
-                                   headers=headers, tls=tls)
+                                   headers=headers, tls=tls, read_timeout_s=read_timeout_s, max_body=max_body)
 
     def close(self) -> None:
         self.http.close()

@@ -1,0 +1,167 @@
+"""A model served by OpenAI-compatible endpoints elsewhere (another vLLM, SGLang or coderai, Ollama, LM Studio,
+`mlx_lm.server`, a hosted provider): the `remote` family. The worker holding a copy relays its jobs there, so a
+remote model is routed, admitted, metered and billed like a local one, under the local model's prices.
+
+Params: `service_urls` (or one `service_url`): each endpoint's root (`https://host[/prefix]`, the paths sent
+start with `/v1`); `served_model`: the model name the endpoints know (default: the local name); `api_key_secret`:
+the name of a file in the worker's `<data_dir>/secrets/` that holds the key sent as `Authorization: Bearer`
+(never the key itself: params are shown and logged, secrets are not). Each request goes to the least busy
+endpoint not marked down; one that cannot be reached or fails before the first token is marked down for
+`down_s` (30) and the request goes to the next. What an endpoint sends back is input from the internet: at most
+`max_answer_mb` (16) per answer, silence at most `timeout_s` (300), and a malformed answer is a clean error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
+from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
+from coderai.engine_worker.engines.loopback_http import AnswerTooBig
+from coderai.engine_worker.engines.openai_client import Emit, OpenAIClient, PromptCounters
+
+SECRET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MB = 1 << 20
+
+
+def worker_data_dir() -> str:
+    """The worker's data dir, as its settings read it (runtime/settings.py: the service's variable, then the
+    shared one)."""
+    return os.environ.get("CODERAI_WORKER_DATA_DIR") or os.environ.get("CODERAI_DATA_DIR") or "~/.coderai"
+
+
+def read_key(name: str) -> str:
+    """The key in secret `name` of the worker's data dir."""
+    if not SECRET_NAME.match(name):
+        raise EngineLoadError(f"params.api_key_secret {name!r} is not a plain file name (letters, digits, . _ -)")
+    path = Path(os.path.expanduser(worker_data_dir())) / "secrets" / name
+    try:
+        key = path.read_text().strip()
+    except OSError as exc:
+        raise EngineLoadError(f"the key secret {name!r} cannot be read on this node ({exc.strerror})") from None
+    if not key:
+        raise EngineLoadError(f"the key secret {name!r} is empty")
+    return key
+
+
+@dataclass
+class Endpoint:
+    url: str
+    client: OpenAIClient
+    in_flight: int = 0
+    down_until: float = 0.0
+    last_error: str = ""
+
+
+class RemoteEngine(Engine):
+    """Jobs relayed to the least busy of the model's endpoints, failing over before the first token."""
+
+    family = "remote"
+    blocking = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        p = config.params
+        self.max_concurrency = int(p.get("concurrency") or 64)
+        self.down_s = float(p.get("down_s") or 30.0)
+        self.counters = PromptCounters()
+        self.endpoints: list[Endpoint] = []
+        self._lock = threading.Lock()
+
+    def urls(self) -> list[str]:
+        p = self.config.params
+        urls = list(p.get("service_urls") or []) + ([p["service_url"]] if p.get("service_url") else [])
+        if not urls:
+            raise EngineLoadError("a remote model needs params.service_url or params.service_urls")
+        return [str(u) for u in urls]
+
+    def load(self) -> None:
+        p = self.config.params
+        headers = {"Authorization": f"Bearer {read_key(str(p['api_key_secret']))}"} if p.get("api_key_secret") else {}
+        model = str(p.get("served_model") or self.config.name)
+        timeout = float(p.get("timeout_s") or 300.0)
+        limit = int(float(p.get("max_answer_mb") or 16) * MB)
+        for url in self.urls():
+            try:
+                client = OpenAIClient(url, model, headers=headers, label=f"remote {url}", counters=self.counters,
+                                      connect_timeout_s=min(timeout, 10.0), read_timeout_s=timeout, max_body=limit)
+            except ValueError as exc:
+                raise EngineLoadError(f"params.service_url: {exc}") from None
+            self.endpoints.append(Endpoint(url, client))
+        # each endpoint asked once now: a model whose every endpoint is unreachable fails to load, saying why
+        for e in self.endpoints:
+            try:
+                answer = e.client.http.get(e.client.prefix + "/v1/models")
+                if answer.status >= 400:
+                    raise RuntimeError(f"GET /v1/models answered {answer.status}")
+            except Exception as exc:  # noqa: BLE001 - anything an endpoint does wrong marks it down, no more
+                self._down(e, exc)
+        if all(e.down_until for e in self.endpoints):
+            reasons = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
+            raise EngineLoadError(f"no endpoint of {self.config.name} answers: {reasons}")
+
+    def close(self) -> None:
+        for e in self.endpoints:
+            e.client.close()
+
+    def stats(self) -> dict[str, Any]:
+        return self.counters.stats()
+
+    def _down(self, e: Endpoint, exc: BaseException) -> None:
+        e.down_until = time.monotonic() + self.down_s
+        e.last_error = f"{type(exc).__name__}: {exc}"[:300]
+
+    def _order(self) -> list[Endpoint]:
+        """Endpoints up now, least busy first; then those down, soonest back first (all down: try them anyway)."""
+        now = time.monotonic()
+        with self._lock:
+            up = sorted((e for e in self.endpoints if e.down_until <= now), key=lambda e: e.in_flight)
+            down = sorted((e for e in self.endpoints if e.down_until > now), key=lambda e: e.down_until)
+        return up + down
+
+    def _relay(self, op: str, job: Any, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        failures: list[str] = []
+        for e in self._order():
+            started = False
+
+            def relayed(*args: Any, **kw: Any) -> None:
+                nonlocal started
+                started = True
+                emit(*args, **kw)  # type: ignore[misc]  # only made when emit is given
+
+            with self._lock:
+                e.in_flight += 1
+            try:
+                return getattr(e.client, op)(job, cancel, relayed if emit is not None else None)
+            except BadInput:
+                raise  # the request's own fault, as the endpoint says: another one would say the same
+            except Exception as exc:  # noqa: BLE001 - an endpoint's failure: the next one, unless already answering
+                if started or cancel:
+                    raise RuntimeError(_plain(e, exc)) from None
+                self._down(e, exc)
+                failures.append(_plain(e, exc))
+            finally:
+                with self._lock:
+                    e.in_flight -= 1
+        raise RuntimeError("no endpoint of this remote model answered: " + "; ".join(failures))
+
+    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        return self._relay("chat", job, cancel, emit)
+
+    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
+        return self._relay("complete", job, cancel, emit)
+
+
+def _plain(e: Endpoint, exc: BaseException) -> str:
+    """An endpoint's failure in one line: a malformed or oversized answer said as such, not as our bug."""
+    if isinstance(exc, AnswerTooBig):
+        return f"remote {e.url} sent {exc}"
+    if isinstance(exc, (ValueError, KeyError, TypeError, IndexError)):
+        return f"remote {e.url} sent a malformed answer ({type(exc).__name__})"
+    return str(exc)[:500]
