@@ -117,6 +117,29 @@ def test_a_crashed_child_is_restarted_and_close_stops_the_watch(closing):
     assert not watcher.is_alive() and child.proc is None and gone(pid) and child.restarts == 1
 
 
+def test_a_child_that_dies_again_and_again_is_parked_not_restarted_forever(closing):
+    """Crash-loop quarantine: the third death within the window parks the server, saying why (the engine reports
+    that as its failure), and no restart follows; a child placed anew (a new ChildServer) starts clean."""
+    child = ChildServer(fake_command, label="fake", name="m", log_name="fake", crash_limit=3, crash_window_s=600)
+    closing(child)
+    child.start()
+    exits: list[str] = []
+    restarted = threading.Semaphore(0)
+    child.supervise(on_exit=exits.append, on_restart=restarted.release, poll_s=0.05, backoff_s=(0.05,))
+    for death in range(3):
+        wait_until(lambda: child.running(), 30, "the child to run")
+        os.kill(child.proc.pid, signal.SIGKILL)
+        if death < 2:
+            assert restarted.acquire(timeout=60), f"death {death + 1} was not followed by a restart"
+    wait_until(lambda: len(exits) == 3, 30, "the third death to be seen")
+    watcher = child._supervisor  # noqa: SLF001
+    watcher.join(10)
+    print(f"the third death: {exits[-1][:160]!r}")
+    assert not watcher.is_alive() and child.restarts == 2 and not child.running()
+    assert exits[-1].startswith("quarantined: fake died 3 times within 600 s and is not restarted again")
+    assert child.quarantined == exits[-1] and not exits[0].startswith("quarantined")
+
+
 class FakeServerEngine(OpenAIServerEngine):
     family = "fake"
     label = "fake-server"

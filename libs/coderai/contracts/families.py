@@ -85,6 +85,9 @@ _LLAMA_COMMON: dict[str, P] = {
     "mmproj": PATH, "chat_template": P("str", size=MAX_TEMPLATE), "prompt_cache_mb": num(0, 1 << 20),
     "rope_freq_base": num(0, 1e9), "rope_freq_scale": num(0, 1e3),
 }
+# a child server's crash-loop quarantine (engines/child_server.py): parked after `crash_limit` deaths within
+# `crash_window_s`, until its model is placed anew
+_SUPERVISED: dict[str, P] = {"crash_limit": whole(1, 1000), "crash_window_s": num(1, 7 * 86_400)}
 _PICTURES: dict[str, P] = {
     "threads": THREADS, "device": DEVICE, "dtype": TORCH_DTYPE, "max_pixels": whole(64, 1 << 28),
     "steps": whole(1, 1000), "max_steps": whole(1, 1000), "guidance_scale": num(0, 100),
@@ -107,7 +110,7 @@ FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (
         "draft_min": whole(0, 1024), "draft_p_min": num(0, 1),
         "split_mode": choice("none", "layer", "row"), "tensor_split": P("str"),
         "temp": num(0, 100), "top_k": whole(0, 1 << 20), "top_p": num(0, 1), "min_p": num(0, 1),
-        "repeat_penalty": num(0, 100), "threads_http": THREADS,
+        "repeat_penalty": num(0, 100), "threads_http": THREADS, **_SUPERVISED,
     }),
     FamilySpec("llama", f"{_ENGINES}.llama:LlamaEngine", "llama_cpp", _LLM, gguf=True, cards="split", params={
         **_LLAMA_COMMON,
@@ -127,7 +130,7 @@ FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (
         "quantization": P("str", size=64), "max_logprobs": whole(0, 1 << 20), "tokenizer": PATH,
         "generation_config": P("str", size=64), "load_timeout_s": TIMEOUT,
         "ray_port": whole(1024, 65535), "ray_join_timeout_s": TIMEOUT,
-        "python": PATH, "env": ENV, "extra_args": ARGS, "trust_remote_code": BOOL,
+        "python": PATH, "env": ENV, "extra_args": ARGS, "trust_remote_code": BOOL, **_SUPERVISED,
     }),
     FamilySpec("embed", f"{_ENGINES}.embed:EmbedEngine", "sentence_transformers", ("embed", "rerank"),
                device="cpu_unless_asked",

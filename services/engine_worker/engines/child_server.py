@@ -34,6 +34,8 @@ Command = Callable[[int], tuple[list[str], dict[str, str]]]
 LOG_TAIL_CHARS = 4000  # of a start that failed
 EXIT_TAIL_CHARS = 1500  # of a server that died while serving
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+CRASH_LIMIT = 5  # deaths within CRASH_WINDOW_S that park a server (quarantine) instead of restarting it again
+CRASH_WINDOW_S = 600.0
 POLL_S = 0.5  # how often the supervisor looks at the child
 
 
@@ -46,8 +48,14 @@ class ChildServer:
     def __init__(self, command: Command, *, label: str = "the server", name: str = "", serving: str = "",
                  ready_path: str = "/health", death_signal: int = signal.SIGTERM,
                  headers: dict[str, str] | None = None, start_timeout_s: float = 600.0, log_name: str = "server",
-                 port_for: Callable[[], int] = free_port) -> None:
+                 port_for: Callable[[], int] = free_port, crash_limit: int = CRASH_LIMIT,
+                 crash_window_s: float = CRASH_WINDOW_S) -> None:
         self.command = command
+        # a server that dies `crash_limit` times within `crash_window_s` is parked, not restarted again: a crash
+        # loop costs a restart's load time every time and hides why; it runs again when its model is placed anew
+        self.crash_limit, self.crash_window_s = crash_limit, crash_window_s
+        self.crashes: list[float] = []  # when it died, within the window
+        self.quarantined = ""  # why it is parked ("": it is not)
         self.label, self.name, self.serving = label, name, serving
         self.ready_path = ready_path
         self.death_signal = death_signal
@@ -190,9 +198,18 @@ class ChildServer:
                     continue
                 code = proc.returncode if proc is not None else None
                 why = f"{self.label} exited with code {code}; its log ends:\n{self.log_tail(EXIT_TAIL_CHARS).strip()}"
+                now = time.monotonic()
+                self.crashes = [t for t in self.crashes if now - t <= self.crash_window_s] + [now]
+                if len(self.crashes) >= self.crash_limit:
+                    self.quarantined = (f"quarantined: {self.label} died {len(self.crashes)} times within "
+                                        f"{self.crash_window_s:.0f} s and is not restarted again until its model is "
+                                        "placed anew (unplace and place it, or replace its config); " + why)
+                    why = self.quarantined
                 log.error("%s: %s", self.name, why)
                 if on_exit is not None:
                     on_exit(why)
+                if self.quarantined:
+                    return
                 self._restart(on_restart, backoff_s)
         finally:
             probe.close()

@@ -27,7 +27,7 @@ from coderai.runtime.embedded import find_llama_server
 NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size", "n_ubatch": "--ubatch-size",
          "chat_template": "--chat-template", "mmproj": "--mmproj"}
 OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "queue", "load_timeout_s", "extra_args",
-                        "env", "prompt_cache_mb", "head_snapshots_mb"}) | NAMED.keys()
+                        "env", "prompt_cache_mb", "head_snapshots_mb", "crash_limit", "crash_window_s"}) | NAMED.keys()
 DEFAULT_PARALLEL = 4
 DEFAULT_N_CTX = 2048
 DEFAULT_HEAD_SNAPSHOTS_MB = 2048

@@ -18,7 +18,7 @@ from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
 from coderai.engine_worker.engines.base import CancelFlag, Engine
-from coderai.engine_worker.engines.child_server import ChildServer
+from coderai.engine_worker.engines.child_server import CRASH_LIMIT, CRASH_WINDOW_S, ChildServer
 from coderai.engine_worker.engines.openai_client import Emit, OpenAIClient, PromptCounters
 from coderai.engine_worker.engines.openai_wire import chat_request, completion_request
 
@@ -57,7 +57,9 @@ class OpenAIServerEngine(Engine):
         self.client: OpenAIClient | None = None
         self.child = ChildServer(self._keyed_command, label=self.label, name=config.name, serving=config.path,
                                  ready_path=self.ready_path, death_signal=self.death_signal,
-                                 headers=self.auth_headers(), log_name=self.family or "server")
+                                 headers=self.auth_headers(), log_name=self.family or "server",
+                                 crash_limit=int(config.params.get("crash_limit") or CRASH_LIMIT),
+                                 crash_window_s=float(config.params.get("crash_window_s") or CRASH_WINDOW_S))
 
     @property
     def proc(self) -> subprocess.Popen | None:

@@ -25,7 +25,8 @@ from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 
-OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s"})
+OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit",
+                        "crash_window_s"})
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
