@@ -269,6 +269,9 @@ def test_client_leaving_a_whole_answer_stops_generation(api_stack, admin_key):
             sent.set()
 
         sub = await nc.subscribe("coderai.engine.*.*.complete", cb=job)
+        # the server has the subscription before the request is sent: the blocking socket calls below hold this
+        # loop, so a SUB left in nats-py's buffer reached the server after the gateway had published the job
+        await nc.flush()
         try:
             with socket.create_connection((url.hostname, url.port)) as s:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
