@@ -71,7 +71,7 @@ def test_a_child_that_exits_fails_its_start_with_its_log_tail(closing):
 
 
 def test_a_child_that_never_answers_fails_at_its_deadline(closing):
-    child = ChildServer(script("import time; time.sleep(600)"), label="fake", start_timeout_s=0.5)
+    child = ChildServer(script("import signal; signal.pause()"), label="fake", start_timeout_s=0.5)
     closing(child)
     with pytest.raises(EngineLoadError, match="fake was not healthy after 0 s"):
         child.start()
@@ -79,7 +79,7 @@ def test_a_child_that_never_answers_fails_at_its_deadline(closing):
 
 
 def test_close_during_a_start_ends_it_at_once(closing):
-    child = ChildServer(script("import time; time.sleep(600)"), label="fake", start_timeout_s=600)
+    child = ChildServer(script("import signal; signal.pause()"), label="fake", start_timeout_s=600)
     failed: list[Exception] = []
 
     def start() -> None:

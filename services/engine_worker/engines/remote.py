@@ -25,6 +25,7 @@ from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
 from coderai.engine_worker.engines.loopback_http import AnswerTooBig
 from coderai.engine_worker.engines.openai_client import Emit, OpenAIClient, PromptCounters
+from coderai.runtime.members import read_secret
 
 SECRET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MB = 1 << 20
@@ -42,7 +43,7 @@ def read_key(name: str) -> str:
         raise EngineLoadError(f"params.api_key_secret {name!r} is not a plain file name (letters, digits, . _ -)")
     path = Path(os.path.expanduser(worker_data_dir())) / "secrets" / name
     try:
-        key = path.read_text().strip()
+        key = read_secret(path)
     except OSError as exc:
         raise EngineLoadError(f"the key secret {name!r} cannot be read on this node ({exc.strerror})") from None
     if not key:
@@ -128,12 +129,13 @@ class RemoteEngine(Engine):
     def _relay(self, op: str, job: Any, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         failures: list[str] = []
         for e in self._order():
-            started = False
+            started = False  # a piece reached the client: past that, a failure is the request's
 
             def relayed(*args: Any, **kw: Any) -> None:
                 nonlocal started
                 started = True
-                emit(*args, **kw)  # type: ignore[misc]  # only made when emit is given
+                if emit is not None:  # given only when it is (below)
+                    emit(*args, **kw)
 
             with self._lock:
                 e.in_flight += 1
