@@ -31,11 +31,18 @@ AGENTS = ROOT / ".venv" / "agents" / "node_modules" / ".bin"
 KEY = "sk-agents-record-0123456789abcdef"
 MODEL = "agent-tools"
 DROP_HEADERS = {"authorization", "x-api-key", "host", "content-length", "connection", "accept-encoding", "cookie"}
-PROMPTS = ["What is the secret word in notes.txt?", "Read notes.txt again and tell me the second sentence.",
-           "Does notes.txt mention a deadline? Check the file.", "Summarise notes.txt in one line.",
-           "Which bird is named in notes.txt?", "Quote the first word of notes.txt."]
-NOTES = ("The secret word is {word}.\nThe release is due on Friday; the pelican guards the build.\n"
-         "Remember to rotate the logs before the demo.\n")
+PROMPTS = [
+    "What is the secret word in notes.txt?",
+    "Read notes.txt again and tell me the second sentence.",
+    "Does notes.txt mention a deadline? Check the file.",
+    "Summarise notes.txt in one line.",
+    "Which bird is named in notes.txt?",
+    "Quote the first word of notes.txt.",
+]
+NOTES = (
+    "The secret word is {word}.\nThe release is due on Friday; the pelican guards the build.\n"
+    "Remember to rotate the logs before the demo.\n"
+)
 
 
 class Recorder:
@@ -67,13 +74,24 @@ class Recorder:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        self.records.append({**self.tag, "seq": len(self.records), "method": scope["method"], "path": path,
-                             "headers": {k: v for k, v in headers if k.lower() not in DROP_HEADERS}, "body": body})
+        self.records.append(
+            {
+                **self.tag,
+                "seq": len(self.records),
+                "method": scope["method"],
+                "path": path,
+                "headers": {k: v for k, v in headers if k.lower() not in DROP_HEADERS},
+                "body": body,
+            }
+        )
         fwd = [(k, v) for k, v in headers if k.lower() not in ("host", "content-length", "accept-encoding")]
         async with httpx.AsyncClient(timeout=300) as client:
             async with client.stream(scope["method"], self.upstream + path, content=raw, headers=fwd) as r:
-                out = [(k.encode(), v.encode()) for k, v in r.headers.items()
-                       if k.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection")]
+                out = [
+                    (k.encode(), v.encode())
+                    for k, v in r.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection")
+                ]
                 await send({"type": "http.response.start", "status": r.status_code, "headers": out})
                 async for piece in r.aiter_raw():
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
@@ -82,8 +100,9 @@ class Recorder:
     def __enter__(self) -> Recorder:
         import uvicorn
 
-        config = uvicorn.Config(self._app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off",
-                                interface="asgi3")
+        config = uvicorn.Config(
+            self._app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", interface="asgi3"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve()), daemon=True)
         self._thread.start()
@@ -97,11 +116,25 @@ class Recorder:
 
 
 def _claude(rec: Recorder, folder: Path, home: Path, session: str, prompt: str, first: bool) -> None:
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": rec.url, "ANTHROPIC_AUTH_TOKEN": KEY,
-           "ANTHROPIC_MODEL": MODEL, "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
-    cmd = [str(AGENTS / "claude"), "-p", prompt, "--output-format", "stream-json", "--verbose",
-           *(["--session-id", session] if first else ["--resume", session])]
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": rec.url,
+        "ANTHROPIC_AUTH_TOKEN": KEY,
+        "ANTHROPIC_MODEL": MODEL,
+        "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    cmd = [
+        str(AGENTS / "claude"),
+        "-p",
+        prompt,
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        *(["--session-id", session] if first else ["--resume", session]),
+    ]
     r = run_interruptible(cmd, 180, cwd=folder, env=env)
     results = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"type":"result"')]
     if not results or results[-1].get("is_error"):
@@ -115,7 +148,8 @@ def _codex(rec: Recorder, folder: Path, home: Path, thread: str | None, prompt: 
     r = run_interruptible(cmd, 180, cwd=folder, env=env)
     events = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     if not any(e.get("type") == "turn.completed" for e in events) or any(
-            e.get("type") in ("turn.failed", "error") for e in events):
+        e.get("type") in ("turn.failed", "error") for e in events
+    ):
         raise RuntimeError(f"codex failed (exit {r.returncode}): {events[-5:]}\n{r.stderr[-2000:]}")
     return thread or next(e["thread_id"] for e in events if e.get("type") == "thread.started")
 
@@ -131,21 +165,34 @@ def record(root: Path, out_dir: Path, sessions: int, prompts: int) -> dict[str, 
     (folder / "notes.txt").write_text(NOTES.format(word="pelican-42"))
     keys = root / "keys.toml"
     write_keys(str(keys), [KeyRecord("agents", hash_key(KEY), ["inference"])])
-    script = {"Read": {"file_path": str(folder / "notes.txt")},  # Claude Code's
-              "exec_command": {"cmd": "cat notes.txt"}, "shell": {"command": ["cat", "notes.txt"]}}  # Codex's
-    models = [{"name": MODEL, "engine": "echo", "path": "-", "params": {"reply": "The file says:", "tool_calls": script}}]
+    script = {
+        "Read": {"file_path": str(folder / "notes.txt")},  # Claude Code's
+        "exec_command": {"cmd": "cat notes.txt"},
+        "shell": {"command": ["cat", "notes.txt"]},
+    }  # Codex's
+    models = [
+        {"name": MODEL, "engine": "echo", "path": "-", "params": {"reply": "The file says:", "tool_calls": script}}
+    ]
     headers = {"Authorization": f"Bearer {KEY}"}
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    with running_stack(root / "stack", models, gateway_args=("--api-keys-file", str(keys)),
-                       extra_env={"CODERAI_WORKER_FAMILIES": "echo"}, headers=headers) as stack, \
-            Recorder(stack.http_url) as rec:
+    with (
+        running_stack(
+            root / "stack",
+            models,
+            gateway_args=("--api-keys-file", str(keys)),
+            extra_env={"CODERAI_WORKER_FAMILIES": "echo"},
+            headers=headers,
+        ) as stack,
+        Recorder(stack.http_url) as rec,
+    ):
         home = root / "home"
         (home / "codex").mkdir(parents=True)
         (home / "codex" / "config.toml").write_text(
             f'model = "{MODEL}"\nmodel_provider = "coderai"\nsandbox_mode = "danger-full-access"\n'
             f'approval_policy = "never"\n\n[model_providers.coderai]\nname = "coderai"\n'
-            f'base_url = "{rec.url}/v1"\nenv_key = "CODERAI_API_KEY"\nwire_api = "responses"\n')
+            f'base_url = "{rec.url}/v1"\nenv_key = "CODERAI_API_KEY"\nwire_api = "responses"\n'
+        )
         for cli in ("claude", "codex"):
             start = len(rec.records)
             for s in range(sessions):
@@ -163,9 +210,21 @@ def record(root: Path, out_dir: Path, sessions: int, prompts: int) -> dict[str, 
                 for r in rec.records[start:]:
                     fh.write(json.dumps(r, separators=(",", ":")) + "\n")
             written[cli] = path
-    versions = {cli: run_interruptible([str(AGENTS / cli), "--version"], 60).stdout.strip() for cli in ("claude", "codex")}
-    (out_dir / "meta.json").write_text(json.dumps({"versions": versions, "sessions": sessions, "prompts": prompts,
-                                                   "model": "echo engine, scripted tool mode"}, indent=1) + "\n")
+    versions = {
+        cli: run_interruptible([str(AGENTS / cli), "--version"], 60).stdout.strip() for cli in ("claude", "codex")
+    }
+    (out_dir / "meta.json").write_text(
+        json.dumps(
+            {
+                "versions": versions,
+                "sessions": sessions,
+                "prompts": prompts,
+                "model": "echo engine, scripted tool mode",
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return written
 
 

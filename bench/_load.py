@@ -49,8 +49,14 @@ def _lua_str(s: str) -> str:
 
 
 def body_for(target: Target, max_tokens: int, stream: bool) -> dict:
-    return {"model": target.model, "messages": [{"role": "user", "content": "Say something short."}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": stream, **target.extra_body}
+    return {
+        "model": target.model,
+        "messages": [{"role": "user", "content": "Say something short."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        **target.extra_body,
+    }
 
 
 def wrk_cell(wrk: str, target: Target, body: dict, conc: int, duration_s: float, work: Path) -> Cell:
@@ -58,8 +64,17 @@ def wrk_cell(wrk: str, target: Target, body: dict, conc: int, duration_s: float,
     headers = "\n".join(f'wrk.headers["{k}"] = {_lua_str(v)}' for k, v in target.headers.items())
     script = work / f"{target.name}-{conc}-{int(body['stream'])}.lua"
     script.write_text(LUA.format(body=_lua_str(json.dumps(body)), headers=headers))
-    cmd = [wrk, "-t1", f"-c{conc}", f"-d{max(1, round(duration_s))}s", "--timeout", "30s", "-s", str(script),
-           target.chat_url]
+    cmd = [
+        wrk,
+        "-t1",
+        f"-c{conc}",
+        f"-d{max(1, round(duration_s))}s",
+        "--timeout",
+        "30s",
+        "-s",
+        str(script),
+        target.chat_url,
+    ]
     cpu0 = tree_cpu_s(target.pids)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
     cpu = tree_cpu_s(target.pids) - cpu0
@@ -78,6 +93,7 @@ def py_cell(target: Target, body: dict, conc: int, n: int) -> Cell:
         errors = 0
         todo = iter(range(n))
         async with httpx.AsyncClient(headers=target.headers, timeout=30) as http:
+
             async def conn() -> None:
                 nonlocal errors
                 for _ in todo:
@@ -86,6 +102,7 @@ def py_cell(target: Target, body: dict, conc: int, n: int) -> Cell:
                     await r.aread()
                     lat.append(time.perf_counter() - t)
                     errors += r.status_code != 200
+
             t0 = time.perf_counter()
             await asyncio.gather(*(conn() for _ in range(conc)))
             return lat, errors, time.perf_counter() - t0

@@ -48,8 +48,14 @@ class Proc:
         self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -64,6 +70,7 @@ class Proc:
         def up() -> bool:
             self.check()
             return httpx.get(url, timeout=2).status_code == 200
+
         wait_until(up, timeout_s, f"{self.name} at {url}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -91,7 +98,7 @@ def tree_cpu_s(roots: list[int]) -> float:
                 stat = fh.read()
         except OSError:
             continue
-        rest = stat[stat.rfind(")") + 2:].split()  # fields after "pid (comm)"; comm may hold spaces
+        rest = stat[stat.rfind(")") + 2 :].split()  # fields after "pid (comm)"; comm may hold spaces
         pid = int(entry.name)
         parent[pid] = int(rest[1])
         ticks[pid] = int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14])  # utime stime cutime cstime
@@ -109,11 +116,30 @@ def tree_cpu_s(roots: list[int]) -> float:
 def start_bare(root: Path, gguf: Path, n_threads: int, n_ctx: int) -> tuple[Proc, Target]:
     """llama-cpp-python's own OpenAI server: what coderai and LiteLLM are measured against."""
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(n_threads),
-           "--n_threads_batch", str(n_threads), "--verbose", "False",
-           # on by default: a new request would cut a running stream short, which no other path does
-           "--interrupt_requests", "False"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(n_threads),
+        "--n_threads_batch",
+        str(n_threads),
+        "--verbose",
+        "False",
+        # on by default: a new request would cut a running stream short, which no other path does
+        "--interrupt_requests",
+        "False",
+    ]
     proc = Proc("bare", cmd, root / "logs")
     base = f"http://127.0.0.1:{port}/v1"
     proc.wait_http(base + "/models", 120)
@@ -135,8 +161,9 @@ def start_litellm(root: Path, exe: Path, bare_base: str | None, mock_reply: str)
     cmd = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     proc = Proc("litellm", cmd, root / "logs", env)
     proc.wait_http(f"http://127.0.0.1:{port}/health/liveliness", 180)
-    return proc, Target("litellm", f"http://127.0.0.1:{port}/v1", "tiny", {"Authorization": f"Bearer {master}"},
-                        [proc.pid])
+    return proc, Target(
+        "litellm", f"http://127.0.0.1:{port}/v1", "tiny", {"Authorization": f"Bearer {master}"}, [proc.pid]
+    )
 
 
 class Coderai:
@@ -150,24 +177,51 @@ class Coderai:
         self.stack: Stack | None = None
         self.headers = {"Authorization": f"Bearer {BENCH_KEY}"}
 
-    def start(self, gguf: Path | None, n_threads: int, n_ctx: int, gateway_workers: int,
-              ls_params: dict | None = None, ls_gguf: Path | None = None) -> None:
+    def start(
+        self,
+        gguf: Path | None,
+        n_threads: int,
+        n_ctx: int,
+        gateway_workers: int,
+        ls_params: dict | None = None,
+        ls_gguf: Path | None = None,
+    ) -> None:
         """`echo` on an echo worker, `tiny` (in process) on worker `llama` when `gguf` is given, and with
         `ls_params` `tiny-ls` on the llama-server engine on workers `ls1` and `ls2` (the routers part)."""
         models = [{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}]
         workers = []
         if gguf is not None:
-            models.append({"name": "tiny", "engine": "llama", "path": str(gguf), "nodes": ["llama"],
-                           "params": {"n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads}})
+            models.append(
+                {
+                    "name": "tiny",
+                    "engine": "llama",
+                    "path": str(gguf),
+                    "nodes": ["llama"],
+                    "params": {"n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads},
+                }
+            )
             workers.append("llama")
         if ls_params is not None:
-            models.append({"name": "tiny-ls", "engine": "llama-server", "path": str(ls_gguf or gguf),
-                           "nodes": ["ls1", "ls2"], "params": ls_params})
+            models.append(
+                {
+                    "name": "tiny-ls",
+                    "engine": "llama-server",
+                    "path": str(ls_gguf or gguf),
+                    "nodes": ["ls1", "ls2"],
+                    "params": ls_params,
+                }
+            )
             workers += ["ls1", "ls2"]
         self.start_models(models, workers, gateway_workers, echo=True)
 
-    def start_models(self, models: list[dict], workers: list[str], gateway_workers: int = 1, echo: bool = False,
-                     ready_timeout_s: float = 120) -> None:
+    def start_models(
+        self,
+        models: list[dict],
+        workers: list[str],
+        gateway_workers: int = 1,
+        echo: bool = False,
+        ready_timeout_s: float = 120,
+    ) -> None:
         """NATS, Redis (if it starts), the core services with `models`, `workers` and the gateway with the bench
         key; `echo` adds a worker that offers the echo engine. Returns once every model answers."""
         from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
@@ -181,14 +235,19 @@ class Coderai:
             print(f"[bench] coderai runs without Redis: {exc}", file=sys.stderr)
         keys = self.root / "keys.toml"
         write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
-        self.stack = Stack(self.root, self.nats.url, redis_url, extra_env={"CODERAI_LOG_LEVEL": "INFO"},
-                           python=self.python)
+        self.stack = Stack(
+            self.root, self.nats.url, redis_url, extra_env={"CODERAI_LOG_LEVEL": "INFO"}, python=self.python
+        )
         self.stack.start_core(write_models_file(self.root / "models.toml", models))
         for w in workers:
             self.stack.start_worker(w)
         if echo:
-            self.stack.start("worker-echo", "coderai.engine_worker", ["--node-id", "echo"],
-                             env={"CODERAI_DATA_DIR": str(self.root / "echo"), "CODERAI_WORKER_FAMILIES": "echo"})
+            self.stack.start(
+                "worker-echo",
+                "coderai.engine_worker",
+                ["--node-id", "echo"],
+                env={"CODERAI_DATA_DIR": str(self.root / "echo"), "CODERAI_WORKER_FAMILIES": "echo"},
+            )
         self.stack.start_gateway("--api-keys-file", str(keys), "--workers", str(gateway_workers))
         for m in models:
             self.stack.wait_model_ready(m["name"], headers=self.headers, timeout_s=ready_timeout_s)
@@ -207,14 +266,36 @@ class Coderai:
                 s.stop()
 
 
-def start_llama_replica(root: Path, binary: str, gguf: Path, name: str, threads: int, slots: int, n_ctx: int,
-                        cache_mb: int) -> tuple[Proc, Target]:
+def start_llama_replica(
+    root: Path, binary: str, gguf: Path, name: str, threads: int, slots: int, n_ctx: int, cache_mb: int
+) -> tuple[Proc, Target]:
     """A bare `llama-server` replica, as the Rust routers are put in front of: the same flags coderai's
     llama-server engine gives it (slots, context per slot, threads, host prompt cache)."""
     port = free_port()
-    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", "bench",
-           "--parallel", str(slots), "--ctx-size", str(n_ctx * slots), "--threads", str(threads),
-           "--threads-batch", str(threads), "--cache-ram", str(cache_mb), "--jinja", "--metrics", "--no-webui"]
+    cmd = [
+        binary,
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        "bench",
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(n_ctx * slots),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
+        "--cache-ram",
+        str(cache_mb),
+        "--jinja",
+        "--metrics",
+        "--no-webui",
+    ]
     proc = Proc(name, cmd, root / "logs")
     proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
     return proc, Target(name, f"http://127.0.0.1:{port}/v1", "bench", pids=[proc.pid])
@@ -226,15 +307,32 @@ def start_router(root: Path, exe: Path, name: str, policy: str, replicas: list[T
     port = free_port()
     urls = [r.base_url.removesuffix("/v1") for r in replicas]
     sub = ["launch"] if exe.name == "sglang-router" else []
-    cmd = [str(exe), *sub, "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-port", str(free_port()), "--log-level", "warn" if sub else "warning"]
+    cmd = [
+        str(exe),
+        *sub,
+        "--worker-urls",
+        *urls,
+        "--policy",
+        policy,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn" if sub else "warning",
+    ]
     proc = Proc(name, cmd, root / "logs")
     base = f"http://127.0.0.1:{port}/v1"
 
     def answers() -> bool:
         proc.check()
-        r = httpx.post(base + "/chat/completions", timeout=10, json={
-            "model": "bench", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
+        r = httpx.post(
+            base + "/chat/completions",
+            timeout=10,
+            json={"model": "bench", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1},
+        )
         return r.status_code == 200
 
     wait_until(answers, 60, f"{name} to route a request")

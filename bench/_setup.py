@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 
-
 def cache_dir() -> Path:
     """Where the bench keeps the baselines it installs (`$CODERAI_BENCH_CACHE`, default
     `$XDG_CACHE_HOME/coderai-bench`), read when asked, so a changed environment is seen."""
     if os.environ.get("CODERAI_BENCH_CACHE"):
         return Path(os.environ["CODERAI_BENCH_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coderai-bench"
+
 
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "pydantic_settings", "starlette_context")
 
@@ -42,7 +42,11 @@ def ensure_wrk(install: bool) -> str | None:
         print("[bench] wrk is missing; install it with: sudo apt-get install -y wrk", file=sys.stderr)
         return None
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "install", "-y", "-qq", "wrk"], ["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "wrk"]):
+    for cmd in (
+        ["apt-get", "install", "-y", "-qq", "wrk"],
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "wrk"],
+    ):
         print(f"[bench] {' '.join(cmd)}", file=sys.stderr, flush=True)
         subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         if shutil.which("wrk"):
@@ -63,8 +67,10 @@ def llama_server_ready(install: bool) -> bool | str:
     if not install:
         return f"llama_cpp.server needs {', '.join(missing)} (pip install 'coderai[bench]')"
     version = importlib.metadata.version("llama_cpp_python")
-    err = _run([sys.executable, "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={version}"],
-               "installing llama-cpp-python's server extra")
+    err = _run(
+        [sys.executable, "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={version}"],
+        "installing llama-cpp-python's server extra",
+    )
     importlib.invalidate_caches()
     return err or True
 
@@ -80,8 +86,9 @@ def litellm_bin(install: bool, cache: Path | None = None) -> Path | str:
         return f"no LiteLLM venv at {venv} (run the full bench once to install it)"
     cache.mkdir(parents=True, exist_ok=True)
     base = getattr(sys, "_base_executable", None) or sys.executable
-    err = _run([base, "-m", "venv", str(venv)], "creating the LiteLLM venv") or \
-        _run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], "installing litellm[proxy]")
+    err = _run([base, "-m", "venv", str(venv)], "creating the LiteLLM venv") or _run(
+        [str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], "installing litellm[proxy]"
+    )
     if err:
         return err
     return exe if exe.exists() else f"litellm[proxy] installed but {exe} is missing"
@@ -101,8 +108,9 @@ def rust_routers(install: bool, cache: Path | None = None) -> dict[str, Path] | 
         return f"no router venv at {venv} (run the full bench once to install sglang-router and vllm-router)"
     venv.parent.mkdir(parents=True, exist_ok=True)
     base = getattr(sys, "_base_executable", None) or sys.executable
-    err = _run([base, "-m", "venv", str(venv)], "creating the routers venv") or \
-        _run([str(venv / "bin" / "pip"), "install", "-q", *ROUTERS.values()], "installing sglang-router and vllm-router")
+    err = _run([base, "-m", "venv", str(venv)], "creating the routers venv") or _run(
+        [str(venv / "bin" / "pip"), "install", "-q", *ROUTERS.values()], "installing sglang-router and vllm-router"
+    )
     if err:
         return err
     missing = [str(e) for e in exes.values() if not e.exists()]
@@ -145,8 +153,11 @@ def versions(litellm: Path | None) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     if litellm is not None:
-        r = subprocess.run([str(litellm.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(litellm.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode == 0:
             out["litellm"] = r.stdout.strip()
     wrk = shutil.which("wrk")

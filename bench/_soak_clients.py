@@ -21,15 +21,54 @@ if TYPE_CHECKING:
 BACKOFF_S = 0.5  # a client's pause after an answer that was not ok
 KEYS = ("soak-a", "soak-b", "soak-rude", "soak-probe")
 EXACT_KEYS = ("soak-a", "soak-b", "soak-probe")  # whole answers: their ok counts must match the server's
-MIX = {"chat": 20, "stream": 20, "conversation": 10, "embeddings": 12, "images": 6, "speech": 6,
-       "transcription": 6, "disconnect": 5, "slow-reader": 5}
+MIX = {
+    "chat": 20,
+    "stream": 20,
+    "conversation": 10,
+    "embeddings": 12,
+    "images": 6,
+    "speech": 6,
+    "transcription": 6,
+    "disconnect": 5,
+    "slow-reader": 5,
+}
 RUDE = ("disconnect", "slow-reader")
-MODEL_OF = {"chat": "tiny", "stream": "tiny", "conversation": "tiny", "disconnect": "tiny", "slow-reader": "tiny",
-            "probe": "tiny", "embeddings": "minilm", "images": "sd", "speech": "piper", "transcription": "whisper"}
+MODEL_OF = {
+    "chat": "tiny",
+    "stream": "tiny",
+    "conversation": "tiny",
+    "disconnect": "tiny",
+    "slow-reader": "tiny",
+    "probe": "tiny",
+    "embeddings": "minilm",
+    "images": "sd",
+    "speech": "piper",
+    "transcription": "whisper",
+}
 CLIENT_ID = "X-Client-Request-Id"  # each request's own id, which the server keeps with its usage event
 _ids = itertools.count(1)  # next() on it is atomic under the GIL: an id per request across every client thread
-WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
-         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
+WORDS = (
+    "cache",
+    "routing",
+    "engine",
+    "token",
+    "prefix",
+    "replica",
+    "latency",
+    "cluster",
+    "model",
+    "stream",
+    "queue",
+    "budget",
+    "memory",
+    "worker",
+    "gateway",
+    "router",
+    "bus",
+    "prompt",
+    "turn",
+    "answer",
+)
 
 
 # --- what the clients saw ---------------------------------------------------------------------------------------
@@ -91,7 +130,11 @@ def classify_status(r: httpx.Response) -> tuple[str, str]:
     except Exception:  # noqa: BLE001 - a body that is not our error JSON is itself bad
         return "bad", f"{r.status_code} without error JSON"
     if r.status_code in (429, 503):
-        return ("clean", f"{r.status_code} {code}") if _retry_after(r) else ("bad", f"{r.status_code} {code} no Retry-After")
+        return (
+            ("clean", f"{r.status_code} {code}")
+            if _retry_after(r)
+            else ("bad", f"{r.status_code} {code} no Retry-After")
+        )
     if 400 <= r.status_code < 500:
         return "clean", f"{r.status_code} {code}"
     return "bad", f"{r.status_code} {code}"
@@ -130,8 +173,11 @@ class Client:
     def __init__(self, soak: "Soak", key: str, rng: random.Random) -> None:
         self.soak, self.key, self.rng = soak, key, rng
         self._local = threading.local()  # the probe's requests share this client from several threads
-        self.http = httpx.Client(base_url=soak.base_url, headers={"Authorization": f"Bearer {soak.secrets[key]}"},
-                                 timeout=httpx.Timeout(soak.a.deadline_s + 10, connect=5))
+        self.http = httpx.Client(
+            base_url=soak.base_url,
+            headers={"Authorization": f"Bearer {soak.secrets[key]}"},
+            timeout=httpx.Timeout(soak.a.deadline_s + 10, connect=5),
+        )
 
     @property
     def last_id(self) -> str:
@@ -178,9 +224,22 @@ class Client:
         t1 = time.monotonic()
         if result != "hang" and t1 - t0 > self.soak.a.deadline_s:
             result, why = "hang", f"answered after {t1 - t0:.1f}s"
-        self.soak.ledger.add(Outcome(kind, self.key, MODEL_OF[kind], t0, t1, result, why, status,
-                                     int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
-                                     self.last_id, cid))
+        self.soak.ledger.add(
+            Outcome(
+                kind,
+                self.key,
+                MODEL_OF[kind],
+                t0,
+                t1,
+                result,
+                why,
+                status,
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+                self.last_id,
+                cid,
+            )
+        )
         if result != "ok" and kind != "probe":
             self.soak.stop.wait(BACKOFF_S)  # as a real client does (the SDKs back off): no error storm
         return value if result == "ok" else None
@@ -203,10 +262,17 @@ class Client:
         return ("bad" if why else "ok"), why, 200, obj.get("usage") or {}, obj
 
     def chat(self, messages: list[dict] | None = None) -> tuple:
-        body = {"model": "tiny", "messages": messages or [{"role": "user", "content": self.text(10)}],
-                "max_tokens": self.rng.randint(4, 24), "temperature": 0.8}
-        res = self._whole("/chat/completions", body,
-                          lambda o: "" if o.get("choices") and "message" in o["choices"][0] else "no choices")
+        body = {
+            "model": "tiny",
+            "messages": messages or [{"role": "user", "content": self.text(10)}],
+            "max_tokens": self.rng.randint(4, 24),
+            "temperature": 0.8,
+        }
+        res = self._whole(
+            "/chat/completions",
+            body,
+            lambda o: "" if o.get("choices") and "message" in o["choices"][0] else "no choices",
+        )
         content = (res[4]["choices"][0]["message"].get("content") or "") if res[0] == "ok" else None
         return (*res[:4], content)
 
@@ -215,8 +281,14 @@ class Client:
         return self._whole("/chat/completions", body, lambda o: "" if o.get("choices") else "no choices")
 
     def _stream(self, max_tokens: int, stop_after: int = 0, pause_s: float = 0.0) -> tuple:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": self.text(10)}], "max_tokens": max_tokens,
-                "temperature": 0.8, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": self.text(10)}],
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with self.http.stream("POST", "/chat/completions", json=body, headers=self.ids) as r:
             self.last_id = r.headers.get(HDR_REQUEST_ID, "")
             if r.status_code != 200:
@@ -237,26 +309,41 @@ class Client:
     def embeddings(self) -> tuple:
         n = 16
         inputs = [self.text(12) for _ in range(n)]
-        return self._whole("/embeddings", {"model": "minilm", "input": inputs, "encoding_format": "float"},
-                           lambda o: "" if [d["index"] for d in o.get("data", [])] == list(range(n))
-                           else f"{len(o.get('data', []))} of {n} embeddings")
+        return self._whole(
+            "/embeddings",
+            {"model": "minilm", "input": inputs, "encoding_format": "float"},
+            lambda o: (
+                ""
+                if [d["index"] for d in o.get("data", [])] == list(range(n))
+                else f"{len(o.get('data', []))} of {n} embeddings"
+            ),
+        )
 
     def images(self) -> tuple:
-        return self._whole("/images/generations", {"model": "sd", "prompt": self.text(5), "n": 2, "size": "64x64",
-                                                    "response_format": "b64_json"},
-                           lambda o: "" if len(o.get("data", [])) == 2 else f"{len(o.get('data', []))} of 2 images")
+        return self._whole(
+            "/images/generations",
+            {"model": "sd", "prompt": self.text(5), "n": 2, "size": "64x64", "response_format": "b64_json"},
+            lambda o: "" if len(o.get("data", [])) == 2 else f"{len(o.get('data', []))} of 2 images",
+        )
 
     def speech(self) -> tuple:
-        r = self.http.post("/audio/speech", json={"model": "piper", "voice": "alloy", "input": self.text(6),
-                                                  "response_format": "wav"}, headers=self.ids)
+        r = self.http.post(
+            "/audio/speech",
+            json={"model": "piper", "voice": "alloy", "input": self.text(6), "response_format": "wav"},
+            headers=self.ids,
+        )
         self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)
         return ("ok", "", 200, {}, r.content) if r.content[:4] == b"RIFF" else ("bad", "not a WAV", 200, {}, None)
 
     def transcription(self) -> tuple:
-        r = self.http.post("/audio/transcriptions", files={"file": ("s.wav", self.soak.wav, "audio/wav")},
-                           data={"model": "whisper", "temperature": "0"}, headers=self.ids)
+        r = self.http.post(
+            "/audio/transcriptions",
+            files={"file": ("s.wav", self.soak.wav, "audio/wav")},
+            data={"model": "whisper", "temperature": "0"},
+            headers=self.ids,
+        )
         self.last_id = r.headers.get(HDR_REQUEST_ID, "")
         if r.status_code != 200:
             return (*classify_status(r), r.status_code, {}, None)

@@ -29,16 +29,31 @@ def targets(fig: dict) -> list[tuple[str, bool, str]]:
     grown = {n: g for n, g in fig["processes"].items() if not g["restarted"]}
     rss_bad = {n: f"{g['rss_growth']:+.1%}" for n, g in grown.items() if g["rss_growth"] >= 0.10}
     fd_bad = {n: g["fd_growth"] for n, g in grown.items() if g["fd_growth"] > 0}
-    slow = [f"{f['kind']} {f['recovery_s']:.1f}s" if f["recovery_s"] is not None else f"{f['kind']} never"
-            for f in fig["faults"] if f["recovery_s"] is None or f["recovery_s"] > WINDOW_TAIL_S]
+    slow = [
+        f"{f['kind']} {f['recovery_s']:.1f}s" if f["recovery_s"] is not None else f"{f['kind']} never"
+        for f in fig["faults"]
+        if f["recovery_s"] is None or f["recovery_s"] > WINDOW_TAIL_S
+    ]
     return [
         ("every fault kind injected", want <= kinds, ", ".join(sorted(kinds))),
         ("0 hangs", fig["hangs"] == 0, str(fig["hangs"])),
-        ("0 bad outcomes outside a fault's window", not fig["bad_outside_windows"], str(len(fig["bad_outside_windows"]))),
+        (
+            "0 bad outcomes outside a fault's window",
+            not fig["bad_outside_windows"],
+            str(len(fig["bad_outside_windows"])),
+        ),
         ("0 lost or double-counted usage records", usage_exact(fig), usage_measured(fig)),
-        ("0 lost fan-out parts", fig["fanout"]["answers_missing_items"] == 0, str(fig["fanout"]["answers_missing_items"])),
+        (
+            "0 lost fan-out parts",
+            fig["fanout"]["answers_missing_items"] == 0,
+            str(fig["fanout"]["answers_missing_items"]),
+        ),
         ("recovery within 5 s of each fault's end", not slow, "; ".join(slow) or f"max {fig['recovery']['max']:.2f}s"),
-        ("RSS growth under 10 % after warm-up", not rss_bad, ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under"),
+        (
+            "RSS growth under 10 % after warm-up",
+            not rss_bad,
+            ", ".join(f"{n} {v}" for n, v in rss_bad.items()) or "all under",
+        ),
         ("fd growth 0 after warm-up", not fd_bad, ", ".join(f"{n} +{v}" for n, v in fd_bad.items()) or "none"),
     ]
 
@@ -64,11 +79,17 @@ def match_events(outcomes: list, events: list[dict], in_window: Callable[[Any], 
     billed_twice = sum(1 for cid, n in ok_cids.items() if cid and n > 1)
     cut_off = [o for o in exact if o.result != "ok" and o.client_id in ok_cids]
     miscounted = [asdict(o) for o in cut_off if o.result == "clean" or not in_window(o)]
-    return {"lost": lost[:50], "lost_count": len(lost), "twice": stored_twice + billed_twice,
-            "unknown": sum(1 for e in ok_events if e["cid"] not in sent),
-            "cut_off": len(cut_off), "cut_off_by_row": Counter((o.key, o.model) for o in cut_off),
-            "cut_off_why": dict(Counter(f"{o.result}: {o.why}" for o in cut_off).most_common(5)),
-            "miscounted": miscounted[:20], "miscounted_count": len(miscounted)}
+    return {
+        "lost": lost[:50],
+        "lost_count": len(lost),
+        "twice": stored_twice + billed_twice,
+        "unknown": sum(1 for e in ok_events if e["cid"] not in sent),
+        "cut_off": len(cut_off),
+        "cut_off_by_row": Counter((o.key, o.model) for o in cut_off),
+        "cut_off_why": dict(Counter(f"{o.result}: {o.why}" for o in cut_off).most_common(5)),
+        "miscounted": miscounted[:20],
+        "miscounted_count": len(miscounted),
+    }
 
 
 def usage_exact(fig: dict) -> bool:
@@ -78,10 +99,12 @@ def usage_exact(fig: dict) -> bool:
 
 def usage_measured(fig: dict) -> str:
     ev = fig["events"]
-    return (f"{ev['lost_count']} answered requests without an ok event, {ev['twice']} events stored or billed twice, "
-            f"{ev['unknown']} ok events no client sent, {ev['miscounted_count']} error answers billed as ok, "
-            f"{len(fig['usage_mismatches'])} (key, model) rows where the counts differ; {ev['cut_off']} finished "
-            "and billed, then cut off in transit inside a fault's window")
+    return (
+        f"{ev['lost_count']} answered requests without an ok event, {ev['twice']} events stored or billed twice, "
+        f"{ev['unknown']} ok events no client sent, {ev['miscounted_count']} error answers billed as ok, "
+        f"{len(fig['usage_mismatches'])} (key, model) rows where the counts differ; {ev['cut_off']} finished "
+        "and billed, then cut off in transit inside a fault's window"
+    )
 
 
 def table(fig: dict, command: str, seconds: float) -> str:
@@ -98,26 +121,46 @@ def table(fig: dict, command: str, seconds: float) -> str:
         ok = [r for r in rs if r is not None]
         p50 = f"{statistics.median(ok):.2f} s" if ok else "never"
         mx = f"{max(ok):.2f} s" if ok else "never"
-        out.append(f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |")
-    out += ["", "| usage (key, model) | client ok | cut off | Prometheus ok | Redis ok | Prometheus all | Redis all | "
-                "client tokens | Prometheus tokens | Redis tokens |", "|---|" + "---:|" * 9]
+        out.append(
+            f"| {kind} | {target} | {len(rs)} | {p50} | {mx}{' (' + str(len(rs) - len(ok)) + ' never)' if len(ok) < len(rs) else ''} |"
+        )
+    out += [
+        "",
+        "| usage (key, model) | client ok | cut off | Prometheus ok | Redis ok | Prometheus all | Redis all | "
+        "client tokens | Prometheus tokens | Redis tokens |",
+        "|---|" + "---:|" * 9,
+    ]
     for u in fig["usage"]:
-        out.append(f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | "
-                   f"{u['cut_off']} | {u['prom_ok']:.0f} | "
-                   f"{u['redis_ok']} | {u['prom_all']:.0f} | {u['redis_all']} | {u['client_tokens']} | "
-                   f"{u['prom_tokens']:.0f} | {u['redis_tokens']} |")
+        out.append(
+            f"| {u['key']} {u['model']}{'' if u['exact'] else ' (rude)'} | {u['client_ok']} | "
+            f"{u['cut_off']} | {u['prom_ok']:.0f} | "
+            f"{u['redis_ok']} | {u['prom_all']:.0f} | {u['redis_all']} | {u['client_tokens']} | "
+            f"{u['prom_tokens']:.0f} | {u['redis_tokens']} |"
+        )
     if fig["reasons"]:
-        out += ["", "Why requests were not ok (most common first): " + "; ".join(
-            f"{why} x{n}" for why, n in fig["reasons"].items()) + "."]
+        out += [
+            "",
+            "Why requests were not ok (most common first): "
+            + "; ".join(f"{why} x{n}" for why, n in fig["reasons"].items())
+            + ".",
+        ]
     fan = fig["fanout"]
-    out += ["", f"Fan-out: {fan['parts_sent']:g} parts sent; finished by status {fan['parts']}; "
-                f"{fan['answers_missing_items']} answers missing items.", ""]
-    out += ["| process | RSS after warm-up | RSS at end | growth | fds after warm-up | fds at end |",
-            "|---|---:|---:|---:|---:|---:|"]
+    out += [
+        "",
+        f"Fan-out: {fan['parts_sent']:g} parts sent; finished by status {fan['parts']}; "
+        f"{fan['answers_missing_items']} answers missing items.",
+        "",
+    ]
+    out += [
+        "| process | RSS after warm-up | RSS at end | growth | fds after warm-up | fds at end |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, g in sorted(fig["processes"].items()):
         note = " (restarted)" if g["restarted"] else ""
-        out.append(f"| {name}{note} | {g['rss_warm'] / 2**20:.0f} MiB | {g['rss_end'] / 2**20:.0f} MiB | "
-                   f"{g['rss_growth']:+.1%} | {g['fd_warm']} | {g['fd_end']} |")
+        out.append(
+            f"| {name}{note} | {g['rss_warm'] / 2**20:.0f} MiB | {g['rss_end'] / 2**20:.0f} MiB | "
+            f"{g['rss_growth']:+.1%} | {g['fd_warm']} | {g['fd_end']} |"
+        )
     out += ["", "| target | met | measured |", "|---|---|---|"]
     for name, met, what in targets(fig):
         out.append(f"| {name} | {'yes' if met else '**no**'} | {what} |")
@@ -144,15 +187,29 @@ class Prometheus:
             raise SystemExit("needs Debian's prometheus (apt-get install prometheus)")
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "prometheus.yml"
-        conf.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
-                        f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n")
+        conf.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+            f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n"
+        )
         log = open(self.logs / "prometheus.log", "ab")
-        self.proc = subprocess.Popen([binary, f"--config.file={conf}", f"--storage.tsdb.path={self.root / 'data'}",
-                                      f"--web.listen-address=127.0.0.1:{self.port}"],
-                                     stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={conf}",
+                f"--storage.tsdb.path={self.root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200, 60,
-                   "prometheus to be ready")
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200,
+            60,
+            "prometheus to be ready",
+        )
         return self
 
     def query(self, q: str) -> list[dict]:
@@ -207,5 +264,7 @@ def stored_events(nats_url: str) -> list[dict]:
     """Every request.completed the EVENTS stream holds: what usage and Prometheus were built from."""
     from coderai.testing.events import read_completed
 
-    return [{"id": e.request_id, "cid": e.client_request_id, "key": e.key_name, "model": e.model, "status": e.status}
-            for e in asyncio.run(read_completed(nats_url))]
+    return [
+        {"id": e.request_id, "cid": e.client_request_id, "key": e.key_name, "model": e.model, "status": e.status}
+        for e in asyncio.run(read_completed(nats_url))
+    ]

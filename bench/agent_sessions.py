@@ -134,8 +134,25 @@ def load_sessions(quick: bool, max_tokens: int) -> list[list[Req]]:
 def tokenize(binary: str, gguf: Path, root: Path, reqs: list[Req], ctx: int) -> None:
     """Each request's prompt as the engine renders and tokenizes it (llama-server's /apply-template, /tokenize)."""
     port = free_port()
-    proc = Proc("tokenizer", [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--jinja",
-                              "--ctx-size", str(ctx), "--no-webui", "--threads", "1"], root / "logs")
+    proc = Proc(
+        "tokenizer",
+        [
+            binary,
+            "--model",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--jinja",
+            "--ctx-size",
+            str(ctx),
+            "--no-webui",
+            "--threads",
+            "1",
+        ],
+        root / "logs",
+    )
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
@@ -188,8 +205,11 @@ async def send(client: httpx.AsyncClient, req: Req, coderai: bool) -> Result:
                 continue
             event = json.loads(line[6:])
             kind = event.get("type", "")
-            if first is None and (kind.endswith(".delta") or kind == "content_block_delta" or any(
-                    c.get("delta") for c in event.get("choices") or [])):
+            if first is None and (
+                kind.endswith(".delta")
+                or kind == "content_block_delta"
+                or any(c.get("delta") for c in event.get("choices") or [])
+            ):
                 first = time.perf_counter() - sent
             if kind == "message_delta":  # Anthropic: the prompt is input + cache read tokens
                 u = event.get("usage") or {}
@@ -225,31 +245,56 @@ async def replay(base_url: str, sessions: list[list[Req]], concurrency: int, cod
 
 def run_coderai(root: Path, gguf: Path, sessions: list[list[Req]], a: argparse.Namespace) -> list[Result]:
     nats = NatsServer(root / "nats").start()
-    params = {"n_ctx": a.ctx, "n_threads": 1, "n_threads_batch": 1, "parallel": a.slots, "cache_ram_mb": a.cache_mb,
-              "queue": 64, **({"head_snapshots_mb": a.head_snapshots_mb} if a.head_snapshots_mb is not None else {})}
+    params = {
+        "n_ctx": a.ctx,
+        "n_threads": 1,
+        "n_threads_batch": 1,
+        "parallel": a.slots,
+        "cache_ram_mb": a.cache_mb,
+        "queue": 64,
+        **({"head_snapshots_mb": a.head_snapshots_mb} if a.head_snapshots_mb is not None else {}),
+    }
     stack = Stack(root / "coderai", nats.url, extra_env={"CODERAI_ROUTER_POLICY": "prefix"})
     try:
-        stack.start_core(write_models_file(root / "models.toml", [
-            {"name": MODEL, "engine": "llama-server", "path": str(gguf), "max_output_tokens": a.max_tokens,
-             "params": params}]))
+        stack.start_core(
+            write_models_file(
+                root / "models.toml",
+                [
+                    {
+                        "name": MODEL,
+                        "engine": "llama-server",
+                        "path": str(gguf),
+                        "max_output_tokens": a.max_tokens,
+                        "params": params,
+                    }
+                ],
+            )
+        )
         for w in range(2):
             stack.start_worker(f"w{w}")
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
         stack.wait_engines_ready([MODEL], timeout_s=120)
         stack.wait_model_ready(MODEL, timeout_s=120)
         results = asyncio.run(replay(stack.base_url, sessions, a.concurrency, True))
-        engines = [e for n in httpx.get(f"{stack.http_url}/admin/nodes", timeout=10).json()["nodes"]
-                   for e in n["heartbeat"].get("engines", [])]
-        print(f"[bench] coderai: prompt heads saved {sum(e.get('head_saves', 0) for e in engines)}, restored into a "
-              f"slot {sum(e.get('head_restores', 0) for e in engines)} times", file=sys.stderr)
+        engines = [
+            e
+            for n in httpx.get(f"{stack.http_url}/admin/nodes", timeout=10).json()["nodes"]
+            for e in n["heartbeat"].get("engines", [])
+        ]
+        print(
+            f"[bench] coderai: prompt heads saved {sum(e.get('head_saves', 0) for e in engines)}, restored into a "
+            f"slot {sum(e.get('head_restores', 0) for e in engines)} times",
+            file=sys.stderr,
+        )
         return results
     finally:
         stack.stop()
         nats.stop()
 
 
-def run_router(root: Path, gguf: Path, mode: str, exe: Path, sessions: list[list[Req]],
-               a: argparse.Namespace) -> list[Result]:
+def run_router(
+    root: Path, gguf: Path, mode: str, exe: Path, sessions: list[list[Req]], a: argparse.Namespace
+) -> list[Result]:
     binary = find_llama_server()
     assert binary is not None
     procs = []
@@ -271,20 +316,35 @@ def summarise(mode: str, results: list[Result], sessions: list[list[Req]], verbo
     best = ideal(results)
     if verbose:
         for r, b in zip(results, best):
-            print(f"  {mode} {r.req.session}#{r.req.index}: {len(r.req.tokens)} tokens (engine: {r.prompt}), "
-                  f"ideal {b}, cached {r.cached}, ttft {r.ttft * 1000:.0f} ms {r.route}", file=sys.stderr)
+            print(
+                f"  {mode} {r.req.session}#{r.req.index}: {len(r.req.tokens)} tokens (engine: {r.prompt}), "
+                f"ideal {b}, cached {r.cached}, ttft {r.ttft * 1000:.0f} ms {r.route}",
+                file=sys.stderr,
+            )
     cached = sum(min(r.cached, len(r.req.tokens)) for r in results)
     firsts = {s[0].session: s[0] for s in sessions}
     first_results = [r for r in results if r.req.index == 0]
-    new = [r for r in first_results if r.req.session != sessions[0][0].session and r.req.session != sessions[1][0].session]
-    second = {r.req.session.split("-")[0]: r.cached for r in first_results
-              if r.req.session.endswith("-1") and r.req.session in firsts}
+    new = [
+        r for r in first_results if r.req.session != sessions[0][0].session and r.req.session != sessions[1][0].session
+    ]
+    second = {
+        r.req.session.split("-")[0]: r.cached
+        for r in first_results
+        if r.req.session.endswith("-1") and r.req.session in firsts
+    }
     mismatch = sum(1 for r in results if r.prompt and r.prompt != len(r.req.tokens))
-    return {"mode": mode, "requests": len(results), "cached": cached, "ideal": sum(best),
-            "ratio": cached / sum(best) if sum(best) else 0.0,
-            "prompt": sum(len(r.req.tokens) for r in results),
-            "ttft_new": statistics.median(r.ttft for r in (new or first_results)),
-            "ttft_all": statistics.median(r.ttft for r in results), "second": second, "mismatch": mismatch}
+    return {
+        "mode": mode,
+        "requests": len(results),
+        "cached": cached,
+        "ideal": sum(best),
+        "ratio": cached / sum(best) if sum(best) else 0.0,
+        "prompt": sum(len(r.req.tokens) for r in results),
+        "ttft_new": statistics.median(r.ttft for r in (new or first_results)),
+        "ttft_all": statistics.median(r.ttft for r in results),
+        "second": second,
+        "mismatch": mismatch,
+    }
 
 
 def main() -> int:
@@ -299,8 +359,12 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4, help="slots per replica")
     ap.add_argument("--ctx", type=int, default=40960, help="context per slot")
     ap.add_argument("--cache-mb", type=int, default=1024, help="llama-server --cache-ram per replica")
-    ap.add_argument("--head-snapshots-mb", type=int, default=None,
-                    help="coderai's llama-server head snapshots (default: the engine's; 0 turns them off)")
+    ap.add_argument(
+        "--head-snapshots-mb",
+        type=int,
+        default=None,
+        help="coderai's llama-server head snapshots (default: the engine's; 0 turns them off)",
+    )
     ap.add_argument("--verbose", action="store_true", help="every request's tokens, ideal and cached to stderr")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-agents-"))
@@ -319,14 +383,20 @@ def main() -> int:
             modes = [m for m in modes if m not in ROUTER_POLICY]
         else:
             exe = found["sglang-router"]
-    gguf = Path(build_tiny_gguf(root / "bench.gguf", vocab=8192, dim=32, heads=1, layers=1, ctx=a.ctx,
-                                chat_template=TEMPLATE)["out"])
+    gguf = Path(
+        build_tiny_gguf(root / "bench.gguf", vocab=8192, dim=32, heads=1, layers=1, ctx=a.ctx, chat_template=TEMPLATE)[
+            "out"
+        ]
+    )
     sessions = load_sessions(a.quick, a.max_tokens)
     reqs = [r for s in sessions for r in s]
     t = time.perf_counter()
     tokenize(binary, gguf, root, reqs, a.ctx)
-    print(f"[bench] {len(sessions)} sessions, {len(reqs)} requests, {sum(len(r.tokens) for r in reqs)} prompt tokens "
-          f"(longest {max(len(r.tokens) for r in reqs)}), tokenized in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    print(
+        f"[bench] {len(sessions)} sessions, {len(reqs)} requests, {sum(len(r.tokens) for r in reqs)} prompt tokens "
+        f"(longest {max(len(r.tokens) for r in reqs)}), tokenized in {time.perf_counter() - t:.1f}s",
+        file=sys.stderr,
+    )
     rows = []
     for mode in modes:
         t = time.perf_counter()
@@ -339,23 +409,33 @@ def main() -> int:
         print(f"[bench] {mode}: {len(results)} requests in {time.perf_counter() - t:.1f}s", file=sys.stderr)
 
     meta = json.loads((FIXTURES / "meta.json").read_text()) if (FIXTURES / "meta.json").exists() else {}
-    print(f"\n{len(sessions)} sessions ({', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items())}), "
-          f"{len(reqs)} requests, {rows[0]['prompt'] if rows else 0} prompt tokens; {a.concurrency} sessions at once "
-          f"over 2 replicas x {a.slots} slots; max_tokens {a.max_tokens}")
-    print("| mode | prefix-capture ratio | cached tokens | ideal tokens | new session 1st turn TTFT p50 ms "
-          "| all turns TTFT p50 ms | 2nd session's 1st turn cached |")
+    print(
+        f"\n{len(sessions)} sessions ({', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items())}), "
+        f"{len(reqs)} requests, {rows[0]['prompt'] if rows else 0} prompt tokens; {a.concurrency} sessions at once "
+        f"over 2 replicas x {a.slots} slots; max_tokens {a.max_tokens}"
+    )
+    print(
+        "| mode | prefix-capture ratio | cached tokens | ideal tokens | new session 1st turn TTFT p50 ms "
+        "| all turns TTFT p50 ms | 2nd session's 1st turn cached |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         second = ", ".join(f"{k} {v}" for k, v in sorted(r["second"].items()))
-        print(f"| {r['mode']} | {r['ratio']:.3f} | {r['cached']} | {r['ideal']} | {r['ttft_new'] * 1000:.0f} "
-              f"| {r['ttft_all'] * 1000:.0f} | {second} |")
+        print(
+            f"| {r['mode']} | {r['ratio']:.3f} | {r['cached']} | {r['ideal']} | {r['ttft_new'] * 1000:.0f} "
+            f"| {r['ttft_all'] * 1000:.0f} | {second} |"
+        )
     for r in rows:
         if r["mismatch"]:
-            print(f"> {r['mode']}: {r['mismatch']} requests whose engine-reported prompt length differs from the "
-                  "tokenized one")
+            print(
+                f"> {r['mode']}: {r['mismatch']} requests whose engine-reported prompt length differs from the "
+                "tokenized one"
+            )
     if rows and rows[0]["mode"] == "coderai":
-        print(f"\ncoderai prefix-capture ratio {rows[0]['ratio']:.3f} (goal >= 0.97: "
-              f"{'met' if rows[0]['ratio'] >= 0.97 else 'missed'})")
+        print(
+            f"\ncoderai prefix-capture ratio {rows[0]['ratio']:.3f} (goal >= 0.97: "
+            f"{'met' if rows[0]['ratio'] >= 0.97 else 'missed'})"
+        )
     return 0
 
 

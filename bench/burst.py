@@ -65,8 +65,7 @@ from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer, RedisServer
 from coderai.testing.stack import Stack, write_models_file
 
-SHAPES = {"small": {"dim": 64, "layers": 2, "heads": 4},
-          "1gb": {"dim": 2048, "layers": 10, "heads": 16, "ff": 5632}}
+SHAPES = {"small": {"dim": 64, "layers": 2, "heads": 4}, "1gb": {"dim": 2048, "layers": 10, "heads": 16, "ff": 5632}}
 RECIPE = "1"  # bump when SHAPES or the builder change: the cached GGUFs are rebuilt
 PHASES = ("rent", "boot", "join", "fetch", "load", "first_token")
 FILE = "model.gguf"
@@ -77,18 +76,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="small,1gb", help=f"which of {sorted(SHAPES)} (default small,1gb)")
     ap.add_argument("--rounds", type=int, default=5, help="cold starts per model, each on a fresh pod (default 5)")
-    ap.add_argument("--volume-rounds", type=int, default=3,
-                    help="cold starts per model on a shared network volume: the first fills it, the rest find the "
-                         "weights there (default 3; 0: none)")
+    ap.add_argument(
+        "--volume-rounds",
+        type=int,
+        default=3,
+        help="cold starts per model on a shared network volume: the first fills it, the rest find the "
+        "weights there (default 3; 0: none)",
+    )
     ap.add_argument("--warm", type=int, default=5, help="streamed requests to the warm pod, per round (default 5)")
-    ap.add_argument("--idle", type=float, default=8.0,
-                    help="each pod's idle timeout: it is reaped after its round, before the next (default 8 s)")
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=8.0,
+        help="each pod's idle timeout: it is reaped after its round, before the next (default 8 s)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one cold start may take (default 600)")
     ap.add_argument("--json", help="also write the measurements here")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (every service's and pod's log)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="small model: one cold start and two on a volume, two warm requests each")
+    ap.add_argument(
+        "--smoke", action="store_true", help="small model: one cold start and two on a volume, two warm requests each"
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         a.models, a.rounds, a.volume_rounds, a.warm, a.idle = "small", 1, 2, 2, 2.0
@@ -113,8 +121,10 @@ def build_model(kind: str) -> Path:
     def build(out: Path) -> None:
         t = time.monotonic()
         shape = build_tiny_gguf(out / FILE, name=f"burst-{kind}", **SHAPES[kind])
-        log(f"built the {kind} GGUF ({shape['bytes'] / 1e6:.1f} MB, {shape['params'] / 1e6:.1f}M params) "
-            f"in {time.monotonic() - t:.0f}s")
+        log(
+            f"built the {kind} GGUF ({shape['bytes'] / 1e6:.1f} MB, {shape['params'] / 1e6:.1f}M params) "
+            f"in {time.monotonic() - t:.0f}s"
+        )
 
     return cached_build(f"burst-{kind}", RECIPE, build) / FILE
 
@@ -141,8 +151,10 @@ def plan(a: argparse.Namespace) -> list[Planned]:
     for kind in a.models:
         out += [Planned(kind, f"{kind}-{i}", False, kind) for i in range(1, a.rounds + 1)]
         # the first fills the volume (a cold start like the others); the next find the weights on it
-        out += [Planned(kind, f"{kind}-vol-{i}", True, kind if i == 1 else f"{kind}, weights on the volume")
-                for i in range(1, a.volume_rounds + 1)]
+        out += [
+            Planned(kind, f"{kind}-vol-{i}", True, kind if i == 1 else f"{kind}, weights on the volume")
+            for i in range(1, a.volume_rounds + 1)
+        ]
     return out
 
 
@@ -187,8 +199,12 @@ class Seen:
                 self.billed.add(evt.name)
             self.changed.set()
 
-        for subject, handler in ((HEARTBEAT, on_hb), (EVT_MODEL_FETCH, on_fetch), (EVT_MODEL_LOADED, on_loaded),
-                                 (EVT_POD, on_pod)):
+        for subject, handler in (
+            (HEARTBEAT, on_hb),
+            (EVT_MODEL_FETCH, on_fetch),
+            (EVT_MODEL_LOADED, on_loaded),
+            (EVT_POD, on_pod),
+        ):
             await bus.listen(subject, handler, subject_str=subject.wildcard())
 
     async def until(self, predicate, timeout_s: float, what: str):
@@ -225,6 +241,7 @@ def pod_launcher(pod_dir: Path, volume_dir: Path, hub, started: dict[str, float]
         proc = inner(env)
         started[name] = time.time()
         return proc
+
     return launch
 
 
@@ -254,8 +271,13 @@ async def stream_chat(http: httpx.AsyncClient, model: str, max_tokens: int) -> A
     the events' timestamps). Each prompt starts with a word of its own, so a warm engine evaluates it whole
     instead of reusing the last request's cached prefix, as a cold one must."""
     content = f"{uuid.uuid4().hex[:8]}: say hello."
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     first = None
     sent = time.time()
     async with http.stream("POST", "/chat/completions", json=body) as r:
@@ -290,8 +312,13 @@ def plain_download(url: str, dest: Path) -> tuple[float, float]:
     """GET `url` into `dest` with a plain httpx client in a process of its own (as a pod's worker is: the Hub-like
     server runs in this one); seconds for the download, and for the download plus a sha256 of the file. The file
     is kept, as a pod keeps its weights: deleting a gigabyte, or not, changes how fast the next one is written."""
-    r = subprocess.run([sys.executable, "-c", PLAIN_GET, url, str(dest)], capture_output=True, text=True,
-                       timeout=600, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-c", PLAIN_GET, url, str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"plain download of {url} failed:\n{r.stderr[-2000:]}")
     got, both = (float(x) for x in r.stdout.split())
@@ -335,6 +362,7 @@ async def first_of(answer, seen: Seen, model: str, fake, timeout_s: float, pod_d
     """The cold request's answer; or, as soon as the model's pod says it cannot serve (a failed fetch or engine)
     or its process died, an error saying so, with the end of the pod's log, instead of waiting out the
     gateway's escalation."""
+
     def broken() -> str:
         if why := seen.failed.get(model):
             return why
@@ -367,8 +395,18 @@ def _first(events: list[ModelFetch], state: str, file: str | None = None) -> Mod
     return next((e for e in events if e.state == state and (file is None or e.file == file)), None)
 
 
-async def cold_start(http: httpx.AsyncClient, seen: Seen, fake, started: dict[str, float], hub_url: str, repo: str,
-                     p: Planned, root: Path, a: argparse.Namespace, plain_first: bool) -> Round:
+async def cold_start(
+    http: httpx.AsyncClient,
+    seen: Seen,
+    fake,
+    started: dict[str, float],
+    hub_url: str,
+    repo: str,
+    p: Planned,
+    root: Path,
+    a: argparse.Namespace,
+    plain_first: bool,
+) -> Round:
     """One cold start of `p`, then its warm requests; the plain download of the same file right before the cold
     start (`plain_first`) or right after the warm requests, alternately, so neither always follows the other's
     gigabyte of writes."""
@@ -376,8 +414,9 @@ async def cold_start(http: httpx.AsyncClient, seen: Seen, fake, started: dict[st
     get_s = get_sha_s = 0.0
 
     async def plain() -> tuple[float, float]:
-        return await asyncio.to_thread(plain_download, f"{hub_url}/{repo}/resolve/main/{FILE}",
-                                       root / f"plain-{model}.gguf")
+        return await asyncio.to_thread(
+            plain_download, f"{hub_url}/{repo}/resolve/main/{FILE}", root / f"plain-{model}.gguf"
+        )
 
     if p.baseline and plain_first:
         get_s, get_sha_s = await plain()
@@ -387,21 +426,39 @@ async def cold_start(http: httpx.AsyncClient, seen: Seen, fake, started: dict[st
     if cold.engine and not cold.engine.startswith(node):
         raise RuntimeError(f"{model} was answered by {cold.engine}, not by its pod {node}")
     loaded = await seen.until(lambda: seen.loaded.get(node), 30, f"ModelLoaded from {node}")
-    events = await seen.until(lambda: (ev := seen.fetches.get(node)) and _first(ev, "done") and ev, 30,
-                              f"the fetch's done event from {node}")
+    events = await seen.until(
+        lambda: (ev := seen.fetches.get(node)) and _first(ev, "done") and ev, 30, f"the fetch's done event from {node}"
+    )
     if failed := _first(events, "failed"):
         raise RuntimeError(f"{node}: fetch failed: {failed.error}")
-    resolving, dl, verifying, done = (_first(events, "resolving"), _first(events, "downloading", FILE),
-                                      _first(events, "verifying"), _first(events, "done"))
+    resolving, dl, verifying, done = (
+        _first(events, "resolving"),
+        _first(events, "downloading", FILE),
+        _first(events, "verifying"),
+        _first(events, "done"),
+    )
     if not (resolving and dl and (verifying or not p.baseline)):
         raise RuntimeError(f"{node}: incomplete fetch events: {[(e.state, e.file) for e in events]}")
     checked = verifying or done  # a file found on the volume, recorded as verified, is neither fetched nor hashed
     pod = fake.pod(created.pod_id)
-    m = {"request": cold.sent, "rented": pod.created_at, "booted": started[node], "joined": seen.first_hb[node],
-         "fetch_start": resolving.ts, "fetch_done": done.ts, "loaded": loaded.ts, "first_token": cold.first}
-    phases = {"rent": m["rented"] - m["request"], "boot": m["booted"] - m["rented"],
-              "join": m["joined"] - m["booted"], "fetch": m["fetch_done"] - m["fetch_start"],
-              "load": m["loaded"] - m["fetch_done"], "first_token": m["first_token"] - m["loaded"]}
+    m = {
+        "request": cold.sent,
+        "rented": pod.created_at,
+        "booted": started[node],
+        "joined": seen.first_hb[node],
+        "fetch_start": resolving.ts,
+        "fetch_done": done.ts,
+        "loaded": loaded.ts,
+        "first_token": cold.first,
+    }
+    phases = {
+        "rent": m["rented"] - m["request"],
+        "boot": m["booted"] - m["rented"],
+        "join": m["joined"] - m["booted"],
+        "fetch": m["fetch_done"] - m["fetch_start"],
+        "load": m["loaded"] - m["fetch_done"],
+        "first_token": m["first_token"] - m["loaded"],
+    }
     total = m["first_token"] - m["request"]
     warm = []
     for _ in range(a.warm):
@@ -411,16 +468,31 @@ async def cold_start(http: httpx.AsyncClient, seen: Seen, fake, started: dict[st
         warm.append(w.ttft_s)
     if p.baseline and not plain_first:
         get_s, get_sha_s = await plain()
-    return Round(kind=p.kind, group=p.group, model=model, pod=node, gpu_type=created.gpu_type, engine=cold.engine,
-                 milestones=m, phases=phases, total_s=total, other_s=total - sum(phases.values()),
-                 downloaded=verifying is not None, fetch_resolve_s=dl.ts - resolving.ts,
-                 fetch_download_s=checked.ts - dl.ts, fetch_verify_s=done.ts - checked.ts, fetch_bytes=done.bytes_done,
-                 fetch_progress=[(round(e.ts - dl.ts, 3), e.bytes_done) for e in events if e.ts >= dl.ts],
-                 load_s=loaded.load_s, warm_ttft_s=warm, plain_get_s=get_s, plain_get_sha_s=get_sha_s)
+    return Round(
+        kind=p.kind,
+        group=p.group,
+        model=model,
+        pod=node,
+        gpu_type=created.gpu_type,
+        engine=cold.engine,
+        milestones=m,
+        phases=phases,
+        total_s=total,
+        other_s=total - sum(phases.values()),
+        downloaded=verifying is not None,
+        fetch_resolve_s=dl.ts - resolving.ts,
+        fetch_download_s=checked.ts - dl.ts,
+        fetch_verify_s=done.ts - checked.ts,
+        fetch_bytes=done.bytes_done,
+        fetch_progress=[(round(e.ts - dl.ts, 3), e.bytes_done) for e in events if e.ts >= dl.ts],
+        load_s=loaded.load_s,
+        warm_ttft_s=warm,
+        plain_get_s=get_s,
+        plain_get_sha_s=get_sha_s,
+    )
 
 
-async def measure(stack: Stack, fake, hub, started: dict[str, float], root: Path,
-                  a: argparse.Namespace) -> list[Round]:
+async def measure(stack: Stack, fake, hub, started: dict[str, float], root: Path, a: argparse.Namespace) -> list[Round]:
     bus = await Bus.connect(stack.nats.service_url, "bench-burst")
     seen = Seen()
     await seen.listen(bus)
@@ -428,11 +500,14 @@ async def measure(stack: Stack, fake, hub, started: dict[str, float], root: Path
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=a.timeout + 60) as http:
             for i, p in enumerate(plan(a)):
-                r = await cold_start(http, seen, fake, started, hub.url, f"bench/{p.kind}-GGUF", p, root, a,
-                                     plain_first=i % 2 == 1)
-                log(f"{r.model}: first token {r.total_s:.2f}s after the request ("
+                r = await cold_start(
+                    http, seen, fake, started, hub.url, f"bench/{p.kind}-GGUF", p, root, a, plain_first=i % 2 == 1
+                )
+                log(
+                    f"{r.model}: first token {r.total_s:.2f}s after the request ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in r.phases.items())
-                    + f"); warm {r.warm_s:.3f}s; plain GET {r.plain_get_s:.2f}s")
+                    + f"); warm {r.warm_s:.3f}s; plain GET {r.plain_get_s:.2f}s"
+                )
                 rounds.append(r)
                 # the next cold start begins on an idle cluster again, as a burst does: no pod left running
                 await seen.until(lambda pod=r.pod: pod in seen.billed, a.idle + 60, f"{r.pod} to be reaped and billed")
@@ -450,10 +525,19 @@ def models_file(root: Path, files: dict[str, Path], a: argparse.Namespace) -> Pa
     models = []
     for p in plan(a):
         pod = {"burst": "when_no_fit", "idle_timeout_s": a.idle, "budget_usd": 50} | (
-            {"volume": VOLUME} if p.volume else {})
-        models.append({"name": p.model, "engine": "llama", "path": f"/nowhere/{p.kind}/{FILE}",
-                       "source": f"hf://bench/{p.kind}-GGUF/{FILE}", "params": {"n_ctx": 256, "seed": 1},
-                       "memory_mb": max(64, files[p.kind].stat().st_size * 3 // 2 >> 20), "pod": pod})
+            {"volume": VOLUME} if p.volume else {}
+        )
+        models.append(
+            {
+                "name": p.model,
+                "engine": "llama",
+                "path": f"/nowhere/{p.kind}/{FILE}",
+                "source": f"hf://bench/{p.kind}-GGUF/{FILE}",
+                "params": {"n_ctx": 256, "seed": 1},
+                "memory_mb": max(64, files[p.kind].stat().st_size * 3 // 2 >> 20),
+                "pod": pod,
+            }
+        )
     return write_models_file(root / "models.toml", models)
 
 
@@ -471,16 +555,28 @@ def run(root: Path, a: argparse.Namespace) -> list[Round]:
     nats = NatsServer.secured(root / "nats").start(log_file=root / "logs" / "nats.log")
     redis = RedisServer(root / "redis").start(log_file=root / "logs" / "redis.log")
     deployment = "b" + uuid.uuid4().hex[:6]
-    stack = Stack(root, nats.service_url, redis.url, {"CODERAI_WORKER_MDNS": "false",
-                                                      "CODERAI_POD_LEDGER_PREFIX": f"coderai:pods:{deployment}"})
+    stack = Stack(
+        root,
+        nats.service_url,
+        redis.url,
+        {"CODERAI_WORKER_MDNS": "false", "CODERAI_POD_LEDGER_PREFIX": f"coderai:pods:{deployment}"},
+    )
     stack.nats = nats
     try:
         t = time.monotonic()
         stack.start_core(models_file(root, files, a))
-        stack.start("pod-broker", "coderai.pod_broker", env={
-            "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key, "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
-            "CODERAI_POD_BROKER_REDIS_URL": redis.url, "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
-            "CODERAI_POD_BROKER_DEPLOYMENT": deployment, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "50"})
+        stack.start(
+            "pod-broker",
+            "coderai.pod_broker",
+            env={
+                "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key,
+                "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
+                "CODERAI_POD_BROKER_REDIS_URL": redis.url,
+                "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
+                "CODERAI_POD_BROKER_DEPLOYMENT": deployment,
+                "CODERAI_POD_BROKER_MAX_HOURLY_USD": "50",
+            },
+        )
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_ESCALATE_WAIT_S": str(a.timeout)})
         log(f"stack up in {time.monotonic() - t:.0f}s (no worker of its own; pods from the fake RunPod API)")
         return asyncio.run(measure(stack, fake, hub, started, root, a))
@@ -507,52 +603,78 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def report(rounds: list[Round], files: dict[str, int], a: argparse.Namespace, wall_s: float,
-           load: tuple[str, str]) -> str:
+def report(
+    rounds: list[Round], files: dict[str, int], a: argparse.Namespace, wall_s: float, load: tuple[str, str]
+) -> str:
     of: dict[str, list[Round]] = {}
     for r in rounds:
         of.setdefault(r.group, []).append(r)
     size = {r.group: files[r.kind] for r in rounds}
-    out = [f"## Burst cold start ({'smoke' if a.smoke else 'full'} run, {wall_s:.0f}s)", "",
-           f"Machine: {os.cpu_count()} CPUs, load average {load[0]} before the run and {load[1]} after. Fake RunPod "
-           "API (pods are local engine-worker processes, no image pull), weights from a local Hub-like server. "
-           "Median of the cold starts in each row, each on a fresh pod (n); the volume rows are pods that found the "
-           "weights on the network volume an earlier pod filled. Warm: median of "
-           f"{a.warm} streamed requests per round to the pod once warm, each prompt new. Seconds; `max_tokens` "
-           f"{a.max_tokens}.", "",
-           "| model | n | GGUF MB | rent | boot | join | fetch | load | first token | other | total (request → "
-           "first token) | best total | warm TTFT | cold / warm |",
-           "|---|---:|---:|" + "---:|" * 11]
+    out = [
+        f"## Burst cold start ({'smoke' if a.smoke else 'full'} run, {wall_s:.0f}s)",
+        "",
+        f"Machine: {os.cpu_count()} CPUs, load average {load[0]} before the run and {load[1]} after. Fake RunPod "
+        "API (pods are local engine-worker processes, no image pull), weights from a local Hub-like server. "
+        "Median of the cold starts in each row, each on a fresh pod (n); the volume rows are pods that found the "
+        "weights on the network volume an earlier pod filled. Warm: median of "
+        f"{a.warm} streamed requests per round to the pod once warm, each prompt new. Seconds; `max_tokens` "
+        f"{a.max_tokens}.",
+        "",
+        "| model | n | GGUF MB | rent | boot | join | fetch | load | first token | other | total (request → "
+        "first token) | best total | warm TTFT | cold / warm |",
+        "|---|---:|---:|" + "---:|" * 11,
+    ]
     for k, rs in of.items():
         ph = {p: med([r.phases[p] for r in rs]) for p in PHASES}
         total, warm = med([r.total_s for r in rs]), med([r.warm_s for r in rs])
-        out.append(f"| {k} | {len(rs)} | {size[k] / 1e6:.1f} | " + " | ".join(f"{ph[p]:.3f}" for p in PHASES)
-                   + f" | {med([r.other_s for r in rs]):.3f} | {total:.2f} | {min(r.total_s for r in rs):.2f} "
-                   f"| {warm:.3f} | {total / warm:.0f}x |")
-    out += ["", "Fetch against a plain download of the same file from the same server, by a process of its own, "
-            "right before or after each cold start, alternately (median of rounds, and the best download against "
-            "the best GET). The "
-            "fetch's parts: resolve (Hub metadata: model info and a HEAD of the file, huggingface_hub imported), "
-            "download, verify (sha256) and store. MB/s over the file's size:", "",
-            "| model | fetch | resolve | download | verify + store | plain GET | plain GET + sha256 "
-            "| fetch / (GET + sha256) | download / GET | best download / best GET | fetch MB/s | GET MB/s |",
-            "|---|" + "---:|" * 11]
+        out.append(
+            f"| {k} | {len(rs)} | {size[k] / 1e6:.1f} | "
+            + " | ".join(f"{ph[p]:.3f}" for p in PHASES)
+            + f" | {med([r.other_s for r in rs]):.3f} | {total:.2f} | {min(r.total_s for r in rs):.2f} "
+            f"| {warm:.3f} | {total / warm:.0f}x |"
+        )
+    out += [
+        "",
+        "Fetch against a plain download of the same file from the same server, by a process of its own, "
+        "right before or after each cold start, alternately (median of rounds, and the best download against "
+        "the best GET). The "
+        "fetch's parts: resolve (Hub metadata: model info and a HEAD of the file, huggingface_hub imported), "
+        "download, verify (sha256) and store. MB/s over the file's size:",
+        "",
+        "| model | fetch | resolve | download | verify + store | plain GET | plain GET + sha256 "
+        "| fetch / (GET + sha256) | download / GET | best download / best GET | fetch MB/s | GET MB/s |",
+        "|---|" + "---:|" * 11,
+    ]
     for k, rs in of.items():
         if not all(r.plain_get_s for r in rs):
             continue  # the weights were on the volume: nothing was downloaded
-        fetch, res, dl, ver = (med([r.phases["fetch"] for r in rs]), med([r.fetch_resolve_s for r in rs]),
-                               med([r.fetch_download_s for r in rs]), med([r.fetch_verify_s for r in rs]))
+        fetch, res, dl, ver = (
+            med([r.phases["fetch"] for r in rs]),
+            med([r.fetch_resolve_s for r in rs]),
+            med([r.fetch_download_s for r in rs]),
+            med([r.fetch_verify_s for r in rs]),
+        )
         get, get_sha = med([r.plain_get_s for r in rs]), med([r.plain_get_sha_s for r in rs])
         best = min(r.fetch_download_s for r in rs) / min(r.plain_get_s for r in rs)
         mb = size[k] / 1e6
-        out.append(f"| {k} | {fetch:.3f} | {res:.3f} | {dl:.3f} | {ver:.3f} | {get:.3f} | {get_sha:.3f} "
-                   f"| {fetch / get_sha:.2f}x | {dl / get:.2f}x | {best:.2f}x | {mb / fetch:.0f} | {mb / get:.0f} |")
-    out += ["", "Each cold start (a 0 plain GET: the weights were on the volume, none was made):", "",
-            "| model | pod | GPU type | rent | boot | join | fetch | load | first token | total | warm TTFT "
-            "| fetch's download | plain GET |", "|---|---|---|" + "---:|" * 10]
+        out.append(
+            f"| {k} | {fetch:.3f} | {res:.3f} | {dl:.3f} | {ver:.3f} | {get:.3f} | {get_sha:.3f} "
+            f"| {fetch / get_sha:.2f}x | {dl / get:.2f}x | {best:.2f}x | {mb / fetch:.0f} | {mb / get:.0f} |"
+        )
+    out += [
+        "",
+        "Each cold start (a 0 plain GET: the weights were on the volume, none was made):",
+        "",
+        "| model | pod | GPU type | rent | boot | join | fetch | load | first token | total | warm TTFT "
+        "| fetch's download | plain GET |",
+        "|---|---|---|" + "---:|" * 10,
+    ]
     for r in rounds:
-        out.append(f"| {r.model} | {r.pod} | {r.gpu_type} | " + " | ".join(f"{r.phases[p]:.3f}" for p in PHASES)
-                   + f" | {r.total_s:.2f} | {r.warm_s:.3f} | {r.fetch_download_s:.3f} | {r.plain_get_s:.3f} |")
+        out.append(
+            f"| {r.model} | {r.pod} | {r.gpu_type} | "
+            + " | ".join(f"{r.phases[p]:.3f}" for p in PHASES)
+            + f" | {r.total_s:.2f} | {r.warm_s:.3f} | {r.fetch_download_s:.3f} | {r.plain_get_s:.3f} |"
+        )
     return "\n".join(out)
 
 
@@ -568,8 +690,17 @@ def main(argv: list[str] | None = None) -> int:
         print(report(rounds, sizes, a, time.monotonic() - t0, (load[0], load[1])))
         bad = [(r.model, p, v) for r in rounds for p, v in r.phases.items() if not v > 0]
         if a.json:
-            Path(a.json).write_text(json.dumps({"rounds": [asdict(r) | {"warm_s": r.warm_s} for r in rounds],
-                                                "sizes": sizes, "loadavg": load, "args": vars(a)}, indent=2))
+            Path(a.json).write_text(
+                json.dumps(
+                    {
+                        "rounds": [asdict(r) | {"warm_s": r.warm_s} for r in rounds],
+                        "sizes": sizes,
+                        "loadavg": load,
+                        "args": vars(a),
+                    },
+                    indent=2,
+                )
+            )
         if bad:
             print(f"\nphases not measured as positive: {bad}", file=sys.stderr)
             return 1

@@ -70,9 +70,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def start_bare(work: Path, binary: str, gguf: Path, a: argparse.Namespace) -> tuple[Proc, Target]:
     port = free_port()
-    cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", "m",
-           "--parallel", str(a.slots), "--ctx-size", str(a.n_ctx * a.slots), "--threads", str(a.threads),
-           "--threads-batch", str(a.threads), "--cache-ram", "256", "--no-webui", "--jinja"]
+    cmd = [
+        binary,
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        "m",
+        "--parallel",
+        str(a.slots),
+        "--ctx-size",
+        str(a.n_ctx * a.slots),
+        "--threads",
+        str(a.threads),
+        "--threads-batch",
+        str(a.threads),
+        "--cache-ram",
+        "256",
+        "--no-webui",
+        "--jinja",
+    ]
     proc = Proc("bare", cmd, work / "logs")
     proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
     return proc, Target("bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
@@ -83,10 +103,18 @@ def start_coderai(work: Path, gguf: Path, a: argparse.Namespace, paths: set[str]
     threads = {"n_threads": a.threads, "n_threads_batch": a.threads}
     models = []
     if "server" in paths:
-        models.append({"name": "m-server", "engine": "llama-server", "path": str(gguf),
-                       "params": {"parallel": a.slots, "n_ctx": a.n_ctx, **threads}})
+        models.append(
+            {
+                "name": "m-server",
+                "engine": "llama-server",
+                "path": str(gguf),
+                "params": {"parallel": a.slots, "n_ctx": a.n_ctx, **threads},
+            }
+        )
     if "inproc" in paths:
-        models.append({"name": "m-inproc", "engine": "llama", "path": str(gguf), "params": {"n_ctx": a.n_ctx, **threads}})
+        models.append(
+            {"name": "m-inproc", "engine": "llama", "path": str(gguf), "params": {"n_ctx": a.n_ctx, **threads}}
+        )
     coderai = Coderai(work)
     coderai.start_models(models, ["w1"], ready_timeout_s=180)
     return coderai
@@ -107,9 +135,17 @@ async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str)
         while time.monotonic() < deadline:
             n += 1
             t0 = time.monotonic()
-            r = await client.post("/completions", json={
-                "model": t.model, "prompt": f"Story {tag}-{i}-{n}: once upon a time, in a land far away,",
-                "max_tokens": max_tokens, "temperature": 0.8, "seed": n, **t.extra_body})
+            r = await client.post(
+                "/completions",
+                json={
+                    "model": t.model,
+                    "prompt": f"Story {tag}-{i}-{n}: once upon a time, in a land far away,",
+                    "max_tokens": max_tokens,
+                    "temperature": 0.8,
+                    "seed": n,
+                    **t.extra_body,
+                },
+            )
             if r.status_code != 200:
                 errors += 1
                 continue
@@ -123,13 +159,23 @@ async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str)
     for c in clients:
         await c.aclose()
     q = statistics.quantiles(latencies, n=10) if len(latencies) >= 2 else [latencies[0] if latencies else 0.0] * 9
-    return Cell(t.name, conc, took, len(latencies), tokens, errors,
-                1e3 * statistics.median(latencies) if latencies else float("nan"), 1e3 * q[8])
+    return Cell(
+        t.name,
+        conc,
+        took,
+        len(latencies),
+        tokens,
+        errors,
+        1e3 * statistics.median(latencies) if latencies else float("nan"),
+        1e3 * q[8],
+    )
 
 
 def table(cells: dict[tuple[str, int], Cell], order: list[str], concs: list[int]) -> str:
-    out = ["| path | conc | tokens/s | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| path | conc | tokens/s | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for conc in concs:
         base = cells.get(("bare", conc))
         for name in order:
@@ -138,8 +184,10 @@ def table(cells: dict[tuple[str, int], Cell], order: list[str], concs: list[int]
                 continue
             ratio = f"{c.tps / base.tps:.2f}x" if base and base.tps else "n/a"
             plus = f"{c.p50_ms - base.p50_ms:+.1f}" if base else "n/a"
-            out.append(f"| {name} | {conc} | {c.tps:.1f} | {ratio} | {c.p50_ms:.1f} | {plus} | {c.p90_ms:.1f} | "
-                       f"{c.requests} | {c.errors} |")
+            out.append(
+                f"| {name} | {conc} | {c.tps:.1f} | {ratio} | {c.p50_ms:.1f} | {plus} | {c.p90_ms:.1f} | "
+                f"{c.requests} | {c.errors} |"
+            )
     return "\n".join(out)
 
 
@@ -150,7 +198,9 @@ def targets_check(cells: dict[tuple[str, int], Cell], concs: list[int]) -> list[
         bare, server, inproc = (cells.get((p, conc)) for p in ("bare", "server", "inproc"))
         if bare and server and bare.tps:
             r = server.tps / bare.tps
-            lines.append(f"- [{'x' if r >= 0.95 else ' '}] server >= 95 % of bare's tokens/s at {conc}: {100 * r:.0f} %")
+            lines.append(
+                f"- [{'x' if r >= 0.95 else ' '}] server >= 95 % of bare's tokens/s at {conc}: {100 * r:.0f} %"
+            )
         if conc == 1 and bare and server:
             d = server.p50_ms - bare.p50_ms
             lines.append(f"- [{'x' if d <= 1.5 else ' '}] server adds <= 1.5 ms p50 at 1: {d:+.2f} ms")
@@ -200,11 +250,22 @@ def main(argv: list[str] | None = None) -> int:
                     c = asyncio.run(_cell(t, conc, a.duration, a.max_tokens, f"r{r}"))
                     prev = cells.get((t.name, conc))
                     if prev is not None:  # rounds add up: tokens and time, latency of the later round
-                        c = Cell(c.path, conc, prev.seconds + c.seconds, prev.requests + c.requests,
-                                 prev.tokens + c.tokens, prev.errors + c.errors, c.p50_ms, c.p90_ms)
+                        c = Cell(
+                            c.path,
+                            conc,
+                            prev.seconds + c.seconds,
+                            prev.requests + c.requests,
+                            prev.tokens + c.tokens,
+                            prev.errors + c.errors,
+                            c.p50_ms,
+                            c.p90_ms,
+                        )
                     cells[(t.name, conc)] = c
-                    print(f"[bench] {t.name:7} c={conc:<3} {c.tps:7.1f} tok/s p50 {c.p50_ms:8.1f} ms "
-                          f"errors {c.errors}", file=sys.stderr, flush=True)
+                    print(
+                        f"[bench] {t.name:7} c={conc:<3} {c.tps:7.1f} tok/s p50 {c.p50_ms:8.1f} ms errors {c.errors}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         if coderai is not None:
             coderai.stop()
@@ -212,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
     order = [p for p in ("bare", "server", "inproc") if p in paths]
     print(f"# coderai engine bench ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
-    print(f"Model {gguf.name}; /v1/completions, max_tokens {a.max_tokens}; llama-server --parallel {a.slots}, "
-          f"{a.n_ctx} tokens a slot; {a.threads} threads; {a.duration:g} s cells x {a.rounds} rounds; "
-          f"{os.cpu_count()} CPUs\n")
+    print(
+        f"Model {gguf.name}; /v1/completions, max_tokens {a.max_tokens}; llama-server --parallel {a.slots}, "
+        f"{a.n_ctx} tokens a slot; {a.threads} threads; {a.duration:g} s cells x {a.rounds} rounds; "
+        f"{os.cpu_count()} CPUs\n"
+    )
     print(table(cells, order, a.concurrency))
     checks = targets_check(cells, a.concurrency)
     if checks and not a.smoke:

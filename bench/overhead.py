@@ -40,8 +40,11 @@ import _setup
 from _servers import Coderai, Target, start_bare, start_litellm, start_llama_replica, start_router
 from coderai.runtime.embedded import find_llama_server
 
-ROUTER_PATHS = (("sglang-rr", "sglang-router", "round_robin"), ("sglang-ca", "sglang-router", "cache_aware"),
-                ("vllm-router", "vllm-router", "round_robin"))
+ROUTER_PATHS = (
+    ("sglang-rr", "sglang-router", "round_robin"),
+    ("sglang-ca", "sglang-router", "cache_aware"),
+    ("vllm-router", "vllm-router", "round_robin"),
+)
 LS_SLOTS = 4
 
 MOCK_WORDS = 16  # LiteLLM's mock reply has as many words as the echo engine answers with max_tokens
@@ -67,14 +70,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default 16)")
     ap.add_argument("--n-threads", type=int, default=1, help="llama.cpp threads, the same for every path (default 1)")
     ap.add_argument("--gateway-workers", type=int, default=1, help="coderai gateway HTTP workers (default 1)")
-    ap.add_argument("--load", choices=["wrk", "python"], default="wrk",
-                    help="load generator; python is a weak stand-in for smoke runs without wrk (default wrk)")
+    ap.add_argument(
+        "--load",
+        choices=["wrk", "python"],
+        default="wrk",
+        help="load generator; python is a weak stand-in for smoke runs without wrk (default wrk)",
+    )
     ap.add_argument("--no-install", action="store_true", help="install nothing; skip paths whose tools are missing")
     ap.add_argument("--json", type=Path, help="also write every measurement to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs of every server)")
-    ap.add_argument("--baseline-tree", type=Path,
-                    help="another checkout with its own .venv (e.g. the commit before a change): its stack joins the "
-                         "pure part as path `coderai-base`, measured interleaved with this one")
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout with its own .venv (e.g. the commit before a change): its stack joins the "
+        "pure part as path `coderai-base`, measured interleaved with this one",
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         a.duration, a.rounds, a.stream_requests = 1.0, 1, 3
@@ -109,8 +119,12 @@ class Runner:
                     for t in order:
                         c = self.cell(t, conc, stream)
                         cells[(t.name, conc, stream)].append(c)
-                        print(f"[bench] {title} round {r + 1} {t.name:8} c={conc:<3} stream={int(stream)} "
-                              f"{c.requests / c.seconds:8.0f} req/s p50 {c.p50_ms:7.2f} ms", file=sys.stderr, flush=True)
+                        print(
+                            f"[bench] {title} round {r + 1} {t.name:8} c={conc:<3} stream={int(stream)} "
+                            f"{c.requests / c.seconds:8.0f} req/s p50 {c.p50_ms:7.2f} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             for t in order:
                 runs[t.name] += _load.stream_probe(t, self.a.max_tokens, self.a.stream_requests)
         rows = {k: _report.aggregate(v) for k, v in cells.items()}
@@ -181,13 +195,26 @@ def main(argv: list[str] | None = None) -> int:
                 proc, t = start_llama_replica(work, binary, gguf, f"ls-{r}", a.n_threads, LS_SLOTS, 512, 256)
                 started.append(proc)
                 replicas.append(t)
-        ls_params = {"parallel": LS_SLOTS, "n_ctx": 512, "n_threads": a.n_threads, "n_threads_batch": a.n_threads,
-                     "cache_ram_mb": 256, "queue": 128}  # queue: the bare replicas queue without bound too
-        coderai.start(gguf if "real" in parts else None, a.n_threads, 512, a.gateway_workers,
-                      ls_params=ls_params if "routers" in parts else None, ls_gguf=gguf)
+        ls_params = {
+            "parallel": LS_SLOTS,
+            "n_ctx": 512,
+            "n_threads": a.n_threads,
+            "n_threads_batch": a.n_threads,
+            "cache_ram_mb": 256,
+            "queue": 128,
+        }  # queue: the bare replicas queue without bound too
+        coderai.start(
+            gguf if "real" in parts else None,
+            a.n_threads,
+            512,
+            a.gateway_workers,
+            ls_params=ls_params if "routers" in parts else None,
+            ls_gguf=gguf,
+        )
         if base is not None and "pure" in parts:
-            base.start_models([{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}], [],
-                              a.gateway_workers, echo=True)
+            base.start_models(
+                [{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}], [], a.gateway_workers, echo=True
+            )
         runner = Runner(a, wrk, work)
         print(f"[bench] everything up in {time.monotonic() - t_start:.0f}s; measuring", file=sys.stderr, flush=True)
 
@@ -199,11 +226,25 @@ def main(argv: list[str] | None = None) -> int:
             """Run one part, add its load and streaming tables, record it in the JSON output."""
             rows, probes, tokens = runner.part(part, targets, conc)
             order = [t.name for t in targets]
-            tables.extend([f"## {title}; baseline: {baseline}{note}", "", _report.load_table(rows, order, baseline), "",
-                           "Streaming at concurrency 1 (httpx client):", "",
-                           _report.probe_table(probes, tokens, order, baseline), ""])
-            out[part] = {"rows": _rows_json(rows), "probes": {k: asdict(v) for k, v in probes.items()}, "tokens": tokens}
+            tables.extend(
+                [
+                    f"## {title}; baseline: {baseline}{note}",
+                    "",
+                    _report.load_table(rows, order, baseline),
+                    "",
+                    "Streaming at concurrency 1 (httpx client):",
+                    "",
+                    _report.probe_table(probes, tokens, order, baseline),
+                    "",
+                ]
+            )
+            out[part] = {
+                "rows": _rows_json(rows),
+                "probes": {k: asdict(v) for k, v in probes.items()},
+                "tokens": tokens,
+            }
             return rows, probes
+
         if gguf is not None and "real" in parts:
             targets = [t for t in (bare, lite if bare else None, coderai.target("coderai", "tiny")) if t is not None]
             for t in targets:
@@ -220,15 +261,28 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(coderai.target("coderai-ls", "tiny-ls"))
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
-            rows, _ = measure("routers", "Rust routers and coderai in front of llama-server replicas", targets,
-                              a.concurrency, "ls-bare")
+            rows, _ = measure(
+                "routers",
+                "Rust routers and coderai in front of llama-server replicas",
+                targets,
+                a.concurrency,
+                "ls-bare",
+            )
             out["router_checks"] = _report.router_targets(rows)
         if "pure" in parts:
             echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
-            targets = [t for t in (echo_lite, coderai.target("coderai", "echo"),
-                                   base.target("coderai-base", "echo") if base and base.stack else None) if t is not None]
-            pure, _ = measure("pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm",
-                              " (mock_response)")
+            targets = [
+                t
+                for t in (
+                    echo_lite,
+                    coderai.target("coderai", "echo"),
+                    base.target("coderai-base", "echo") if base and base.stack else None,
+                )
+                if t is not None
+            ]
+            pure, _ = measure(
+                "pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm", " (mock_response)"
+            )
         checks = _report.acceptance(real, pure, real_probes)
         if checks and not a.smoke and wrk:
             tables += ["## Issue 14 targets", "", *checks, ""]
@@ -242,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
     m = out["machine"]
     print(f"# coderai overhead ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t_start:.0f}s)\n")
-    print(f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}, Python {m['python']}; "
-          + ", ".join(f"{k} {v}" for k, v in out["versions"].items()))
-    print(f"Cells: {a.duration:g}s x {a.rounds} rounds, max_tokens {a.max_tokens}, llama.cpp threads {a.n_threads}, "
-          f"gateway workers {a.gateway_workers}\n")
+    print(
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory']}, Python {m['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in out["versions"].items())
+    )
+    print(
+        f"Cells: {a.duration:g}s x {a.rounds} rounds, max_tokens {a.max_tokens}, llama.cpp threads {a.n_threads}, "
+        f"gateway workers {a.gateway_workers}\n"
+    )
     for n in notes:
         print(f"> {n}")
     if notes:

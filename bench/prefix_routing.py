@@ -38,8 +38,28 @@ from coderai.runtime.embedded import NatsServer, find_llama_server
 from coderai.testing.stack import Stack, write_models_file
 from coderai.tiny_models.llm import build_tiny_gguf
 
-WORDS = ("cache", "routing", "engine", "token", "prefix", "replica", "latency", "cluster", "model", "stream",
-         "queue", "budget", "memory", "worker", "gateway", "router", "bus", "prompt", "turn", "answer")
+WORDS = (
+    "cache",
+    "routing",
+    "engine",
+    "token",
+    "prefix",
+    "replica",
+    "latency",
+    "cluster",
+    "model",
+    "stream",
+    "queue",
+    "budget",
+    "memory",
+    "worker",
+    "gateway",
+    "router",
+    "bus",
+    "prompt",
+    "turn",
+    "answer",
+)
 
 
 def system_prompt(i: int, words: int) -> str:
@@ -47,13 +67,23 @@ def system_prompt(i: int, words: int) -> str:
     return f"You are assistant number {i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-ROUTER_MODES = {"sglang_round_robin": ("sglang-router", "round_robin"),
-                "sglang_cache_aware": ("sglang-router", "cache_aware"),
-                "vllm_cache_aware": ("vllm-router", "cache_aware")}
+ROUTER_MODES = {
+    "sglang_round_robin": ("sglang-router", "round_robin"),
+    "sglang_cache_aware": ("sglang-router", "cache_aware"),
+    "vllm_cache_aware": ("vllm-router", "cache_aware"),
+}
 
 
-async def conversation(client: httpx.AsyncClient, i: int, turns: int, words: int, max_tokens: int, ttfts: list[float],
-                       reasons: list[str], cache: dict[str, int] | None = None) -> None:
+async def conversation(
+    client: httpx.AsyncClient,
+    i: int,
+    turns: int,
+    words: int,
+    max_tokens: int,
+    ttfts: list[float],
+    reasons: list[str],
+    cache: dict[str, int] | None = None,
+) -> None:
     messages = [{"role": "system", "content": system_prompt(i, words)}]
     for t in range(turns):
         messages.append({"role": "user", "content": f"Turn {t}: tell me about {WORDS[(i + t) % len(WORDS)]}."})
@@ -92,8 +122,16 @@ def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, ex
     try:
         replicas = []
         for r in range(2):
-            proc, t = start_llama_replica(root / mode, binary, Path(model), f"{mode}-r{r}", 1 if a.threads == 0 else a.threads,
-                                          _slots(a), a.ctx, int(a.cache_mb))
+            proc, t = start_llama_replica(
+                root / mode,
+                binary,
+                Path(model),
+                f"{mode}-r{r}",
+                1 if a.threads == 0 else a.threads,
+                _slots(a),
+                a.ctx,
+                int(a.cache_mb),
+            )
             procs.append(proc)
             replicas.append(t)
         proc, router = start_router(root / mode, exes[kind], f"{mode}-router", policy, replicas)
@@ -104,8 +142,12 @@ def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, ex
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=router.base_url, timeout=600) as client:
-                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons, cache)
-                                       for i in range(a.conversations)))
+                await asyncio.gather(
+                    *(
+                        conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons, cache)
+                        for i in range(a.conversations)
+                    )
+                )
 
         t = time.perf_counter()
         asyncio.run(go())
@@ -126,12 +168,22 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
     engine = "llama"
     if mode == "prefix_ls":  # llama.cpp's own server: slots and its host prompt cache, as the router modes' replicas
         engine = "llama-server"
-        params = {"n_ctx": a.ctx, "n_threads": params["n_threads"], "n_threads_batch": params["n_threads"],
-                  "parallel": _slots(a), "cache_ram_mb": int(a.cache_mb), "queue": a.conversations}
+        params = {
+            "n_ctx": a.ctx,
+            "n_threads": params["n_threads"],
+            "n_threads_batch": params["n_threads"],
+            "parallel": _slots(a),
+            "cache_ram_mb": int(a.cache_mb),
+            "queue": a.conversations,
+        }
     policy = "round_robin" if mode == "round_robin" else "prefix"
     stack = Stack(root / mode, nats.url, extra_env={"CODERAI_ROUTER_POLICY": policy})
     try:
-        stack.start_core(write_models_file(root / f"models-{mode}.toml", [{"name": "bench", "engine": engine, "path": model, "params": params}]))
+        stack.start_core(
+            write_models_file(
+                root / f"models-{mode}.toml", [{"name": "bench", "engine": engine, "path": model, "params": params}]
+            )
+        )
         for w in range(workers):
             stack.start_worker(f"{mode}-w{w}")
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
@@ -141,14 +193,20 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
-                await asyncio.gather(*(conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons)
-                                       for i in range(a.conversations)))
+                await asyncio.gather(
+                    *(
+                        conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons)
+                        for i in range(a.conversations)
+                    )
+                )
 
         t = time.perf_counter()
         asyncio.run(go())
         counts = {r: reasons.count(r) for r in sorted(set(reasons))}
         cache = _cache_stats(stack.metrics_port)
-        print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s; routes {counts}; {cache}", file=sys.stderr)
+        print(
+            f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s; routes {counts}; {cache}", file=sys.stderr
+        )
         return ttfts, {**counts, "cache": cache}
     finally:
         stack.stop()
@@ -163,7 +221,11 @@ def _cache_stats(metrics_port: int) -> str:
         if name in sums:
             sums[name] += float(line.rsplit(" ", 1)[1])
     total = sums["coderai_engine_prompt_tokens"]
-    return f"{sums['coderai_engine_cached_prompt_tokens'] / total:.0%} of prompt tokens from cache" if total else "no cache stats"
+    return (
+        f"{sums['coderai_engine_cached_prompt_tokens'] / total:.0%} of prompt tokens from cache"
+        if total
+        else "no cache stats"
+    )
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -175,14 +237,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--words", type=int, default=320, help="system prompt length in words (~3 tokens each: ~1,000 tokens)")
+    ap.add_argument(
+        "--words", type=int, default=320, help="system prompt length in words (~3 tokens each: ~1,000 tokens)"
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--cache-mb", type=float, default=192)
     ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns")
-    ap.add_argument("--modes", default="prefix,round_robin,warm,prefix_ls,sglang_round_robin,sglang_cache_aware,"
-                                       "vllm_cache_aware")
+    ap.add_argument(
+        "--modes", default="prefix,round_robin,warm,prefix_ls,sglang_round_robin,sglang_cache_aware,vllm_cache_aware"
+    )
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-prefix-"))
     if a.smoke:
@@ -200,12 +265,16 @@ def main() -> int:
             modes = [m for m in modes if m not in ROUTER_MODES and (m != "prefix_ls" or find_llama_server())]
         else:
             exes = found
-    runs = {mode: (run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a))
-            for mode in modes}
+    runs = {
+        mode: (run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a))
+        for mode in modes
+    }
     results = {m: r[0] for m, r in runs.items()}
 
     p50 = {m: statistics.median(v) for m, v in results.items()}
-    print(f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica")
+    print(
+        f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica"
+    )
     print("| mode | TTFT p50 ms | TTFT p95 ms | p50 vs prefix | prompt cache | route reasons |")
     print("|---|---|---|---|---|---|")
     for m, v in results.items():

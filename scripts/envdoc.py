@@ -44,20 +44,32 @@ SERVICES: dict[str, str] = {
 # Variables read outside the settings structs, with who reads them. Keep in step with the code that reads them
 # (grep for os.environ); the deploy tests accept exactly these beside the structs' own.
 OTHER_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
-    "CODERAI_CONFIG": (("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
-                       "path of a TOML file with one `[service]` table each (runtime/settings.py); env vars win"),
-    "CODERAI_TRACE_FILE": (("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
-                           "write one JSON line per finished span to this file (runtime/tracing.py)"),
-    "CODERAI_FAMILIES": (("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
-                         "modules (comma-separated) that each declare an engine family from outside the package, "
-                         "`FAMILY = FamilySpec(...)` (contracts/families.py); set it for every service"),
-    "CODERAI_VLLM_PYTHON": (("worker",),
-                            "interpreter of a separate venv that has vLLM; makes the worker offer the `vllm` family"),
-    "CODERAI_MODEL_CACHE": (("up",),
-                            "where `coderai up` keeps the tiny default models it builds (tiny_models/cache.py); "
-                            "default `$XDG_CACHE_HOME/coderai/models`, i.e. `~/.cache/coderai/models`"),
-    "CODERAI_REDIS_URL": (("keys",),
-                          "Redis for `coderai keys` (also the shared name of the gateway's and metrics' `redis_url`)"),
+    "CODERAI_CONFIG": (
+        ("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
+        "path of a TOML file with one `[service]` table each (runtime/settings.py); env vars win",
+    ),
+    "CODERAI_TRACE_FILE": (
+        ("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
+        "write one JSON line per finished span to this file (runtime/tracing.py)",
+    ),
+    "CODERAI_FAMILIES": (
+        ("gateway", "router", "scheduler", "pod-broker", "metrics", "worker"),
+        "modules (comma-separated) that each declare an engine family from outside the package, "
+        "`FAMILY = FamilySpec(...)` (contracts/families.py); set it for every service",
+    ),
+    "CODERAI_VLLM_PYTHON": (
+        ("worker",),
+        "interpreter of a separate venv that has vLLM; makes the worker offer the `vllm` family",
+    ),
+    "CODERAI_MODEL_CACHE": (
+        ("up",),
+        "where `coderai up` keeps the tiny default models it builds (tiny_models/cache.py); "
+        "default `$XDG_CACHE_HOME/coderai/models`, i.e. `~/.cache/coderai/models`",
+    ),
+    "CODERAI_REDIS_URL": (
+        ("keys",),
+        "Redis for `coderai keys` (also the shared name of the gateway's and metrics' `redis_url`)",
+    ),
 }
 
 # Said here only for fields whose source line has no comment; a comment added there wins.
@@ -206,7 +218,7 @@ def render() -> str:
         "Every service reads one settings struct (`runtime/settings.py`). For a field `port` of the gateway the",
         "value comes from `CODERAI_GATEWAY_PORT`, else the shared `CODERAI_PORT`, else the `[gateway]` table of the",
         "TOML file named by `CODERAI_CONFIG`, else that file's top level, else the default below. Command-line flags",
-        "win over all of them. Lists take JSON (`[\"a\", \"b\"]`) or comma-separated text; booleans",
+        'win over all of them. Lists take JSON (`["a", "b"]`) or comma-separated text; booleans',
         "`true`/`false`/`1`/`0`. A bad value stops the service at start with the variable's name.",
         "",
         "A shared name serves every service that has the field: `CODERAI_REDIS_URL` sets both the gateway's and the",

@@ -33,8 +33,9 @@ def claimed() -> tuple[tuple[str, str], ...]:
 
 
 def git_show(repo: Path, rev: str, path: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
 
 
 def refs_in(node: Any) -> set[str]:
@@ -90,14 +91,20 @@ def subset(spec: dict[str, Any], ops: tuple[tuple[str, str], ...], commit: str) 
         "openapi": spec["openapi"],
         "info": {
             "title": "coderai: the OpenAI API subset it implements",
-            "description": ("The operations of OpenAI's API that coderai implements, as OpenAI's OpenAPI document "
-                            "describes them (cut by scripts/openai_spec.py; MIT, see LICENSE-openai-openapi). "
-                            "Paths are relative to the server, `/v1` on the gateway, as OpenAI's are relative to "
-                            "https://api.openai.com/v1. coderai's own extensions are in docs/api.md."),
+            "description": (
+                "The operations of OpenAI's API that coderai implements, as OpenAI's OpenAPI document "
+                "describes them (cut by scripts/openai_spec.py; MIT, see LICENSE-openai-openapi). "
+                "Paths are relative to the server, `/v1` on the gateway, as OpenAI's are relative to "
+                "https://api.openai.com/v1. coderai's own extensions are in docs/api.md."
+            ),
             "version": spec["info"]["version"],
             "license": spec["info"]["license"],
-            "x-source": {"repository": SOURCE_REPO, "commit": commit, "path": "openapi.json",
-                         "openai-version": spec["info"]["version"]},
+            "x-source": {
+                "repository": SOURCE_REPO,
+                "commit": commit,
+                "path": "openapi.json",
+                "openai-version": spec["info"]["version"],
+            },
         },
         "servers": [{"url": "/v1", "description": "this gateway"}],
         "security": [{"ApiKeyAuth": []}],
@@ -124,8 +131,10 @@ def patch(doc: dict[str, Any]) -> None:
                 schema = answer.get("content", {}).get("application/json", {}).get("schema")
                 if schema == {"$ref": "#/components/schemas/Error"}:
                     answer["content"]["application/json"]["schema"] = wrapped
-    doc["components"]["schemas"].setdefault("ErrorResponse", {
-        "type": "object", "properties": {"error": {"$ref": "#/components/schemas/Error"}}, "required": ["error"]})
+    doc["components"]["schemas"].setdefault(
+        "ErrorResponse",
+        {"type": "object", "properties": {"error": {"$ref": "#/components/schemas/Error"}}, "required": ["error"]},
+    )
     # A `text/event-stream` schema describes one event (OpenAPI 3.2: `data`, `event`, `id`, `retry`); OpenAI's
     # document gives the schema of each event's JSON `data` there. Said as meant: `data` is JSON of that schema
     # (or chat's last `[DONE]`).
@@ -138,16 +147,28 @@ def patch(doc: dict[str, Any]) -> None:
                 payload = (stream or {}).get("schema")
                 if payload is None or payload.get("x-coderai-sse"):
                     continue
-                stream["schema"] = {"type": "object", "required": ["data"], "x-coderai-sse": True, "properties": {
-                    "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
-                                                               "contentSchema": payload}]}}}
+                stream["schema"] = {
+                    "type": "object",
+                    "required": ["data"],
+                    "x-coderai-sse": True,
+                    "properties": {
+                        "data": {
+                            "anyOf": [
+                                {"const": "[DONE]"},
+                                {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+                            ]
+                        }
+                    },
+                }
     schemas = doc["components"]["schemas"]
     # An empty page has no first or last id: OpenAI answers null for both, where the document requires a string.
     for name in ("ListFilesResponse", "ResponseItemList"):
         listed = schemas[name]["properties"]
         for end in ("first_id", "last_id"):
-            listed[end] = {"anyOf": [{"type": "string"}, {"type": "null"}],
-                           **{k: v for k, v in listed[end].items() if k not in ("type", "anyOf")}}
+            listed[end] = {
+                "anyOf": [{"type": "string"}, {"type": "null"}],
+                **{k: v for k, v in listed[end].items() if k not in ("type", "anyOf")},
+            }
     # A file uploaded with purpose `evals` (CreateFileRequest allows it) is a file with that purpose.
     purposes = schemas["OpenAIFile"]["properties"]["purpose"]["enum"]
     purposes += [p for p in schemas["CreateFileRequest"]["properties"]["purpose"]["enum"] if p not in purposes]
@@ -156,9 +177,12 @@ def patch(doc: dict[str, Any]) -> None:
     vector = schemas["Embedding"]["properties"]["embedding"]
     if "anyOf" not in vector:
         schemas["Embedding"]["properties"]["embedding"] = {
-            "anyOf": [{k: v for k, v in vector.items() if k != "description"},
-                      {"type": "string", "description": "base64 of the float32s, with encoding_format: base64"}],
-            "description": vector.get("description", "")}
+            "anyOf": [
+                {k: v for k, v in vector.items() if k != "description"},
+                {"type": "string", "description": "base64 of the float32s, with encoding_format: base64"},
+            ],
+            "description": vector.get("description", ""),
+        }
     # A discriminator without a mapping maps by component name (OpenAPI 3.1, 4.8.25), and no item's `type`
     # ("message", "function_call", ...) is a component's name: the oneOf under it says the same without it.
     dropped = []
@@ -168,7 +192,7 @@ def patch(doc: dict[str, Any]) -> None:
             dropped.append(name)
     doc["info"]["x-patches"] = [
         "GET /files/{file_id}/content: the 200 answer is application/octet-stream bytes, not a JSON string",
-        "the 404s of DELETE /responses/{response_id} and POST .../cancel: ErrorResponse ({\"error\": ...}), "
+        'the 404s of DELETE /responses/{response_id} and POST .../cancel: ErrorResponse ({"error": ...}), '
         "not the bare Error",
         "ListFilesResponse, ResponseItemList: first_id and last_id are null on an empty page",
         "text/event-stream answers: the schema is each event's, its data JSON of OpenAI's schema (or [DONE])",
@@ -176,14 +200,19 @@ def patch(doc: dict[str, Any]) -> None:
         "Embedding.embedding: a base64 string too (encoding_format: base64)",
         "no discriminator without a mapping (no type value is a component name): see x-dropped-discriminators",
     ]
-    doc["info"]["x-dropped-discriminators"] = sorted(set(dropped) | set(doc["info"].get("x-dropped-discriminators", [])))
+    doc["info"]["x-dropped-discriminators"] = sorted(
+        set(dropped) | set(doc["info"].get("x-dropped-discriminators", []))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("repo", type=Path, nargs="?", help="a clone of github.com/openai/openai-openapi (bare or not)")
-    ap.add_argument("--repatch", action="store_true",
-                    help="apply the patches below to the vendored document again, without a clone (they are idempotent)")
+    ap.add_argument(
+        "--repatch",
+        action="store_true",
+        help="apply the patches below to the vendored document again, without a clone (they are idempotent)",
+    )
     ap.add_argument("--rev", default="HEAD", help="the commit, branch or tag to read (default HEAD)")
     ap.add_argument("--out", type=Path, default=OUT_DIR, help=f"where to write (default {OUT_DIR.relative_to(ROOT)})")
     args = ap.parse_args(argv)
@@ -196,16 +225,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repo is None:
         ap.error("give a clone of openai-openapi, or --repatch")
-    commit = subprocess.run(["git", "-C", str(args.repo), "rev-parse", f"{args.rev}^{{commit}}"], check=True,
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(args.repo), "rev-parse", f"{args.rev}^{{commit}}"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     spec = json.loads(git_show(args.repo, commit, "openapi.json"))
     doc = subset(copy.deepcopy(spec), claimed(), commit)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "openai.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", "utf-8")
     (args.out / "LICENSE-openai-openapi").write_text(
-        f"From {SOURCE_REPO} at {commit}:\n\n" + git_show(args.repo, commit, "LICENSE"), "utf-8")
-    n_ops = sum(len([m for m in item if m not in ("parameters", "summary", "description")])
-                for item in doc["paths"].values())
+        f"From {SOURCE_REPO} at {commit}:\n\n" + git_show(args.repo, commit, "LICENSE"), "utf-8"
+    )
+    n_ops = sum(
+        len([m for m in item if m not in ("parameters", "summary", "description")]) for item in doc["paths"].values()
+    )
     n_comp = sum(len(v) for v in doc["components"].values())
     print(f"{n_ops} operations, {n_comp} components from {commit} -> {args.out / 'openai.json'}")
     return 0

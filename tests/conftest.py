@@ -26,8 +26,17 @@ from coderai.runtime.embedded import NatsServer, RedisServer
 from coderai.testing.leftovers import Snapshot, clean, left_behind, snapshot
 
 # settings that name a cache or a data dir: dropped, so their defaults (under the empty home) apply
-_OUTSIDE_SETTINGS = ("CODERAI_DATA_DIR", "CODERAI_MODEL_CACHE", "CODERAI_BENCH_CACHE", "CODERAI_BUILD_CACHE",
-                     "CODERAI_CONFIG", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME")
+_OUTSIDE_SETTINGS = (
+    "CODERAI_DATA_DIR",
+    "CODERAI_MODEL_CACHE",
+    "CODERAI_BENCH_CACHE",
+    "CODERAI_BUILD_CACHE",
+    "CODERAI_CONFIG",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "TORCH_HOME",
+)
 _suite_root: Path | None = None
 
 
@@ -37,21 +46,24 @@ def pytest_configure(config):
         return
     real_home = Path(os.path.expanduser("~"))
     pip_cache = os.environ.get("PIP_CACHE_DIR") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or real_home / ".cache") / "pip")
+        Path(os.environ.get("XDG_CACHE_HOME") or real_home / ".cache") / "pip"
+    )
     _suite_root = Path(tempfile.mkdtemp(prefix="coderai-suite-"))
     home = _suite_root / "home"
     for name in _OUTSIDE_SETTINGS:
         os.environ.pop(name, None)
-    os.environ.update({
-        "HOME": str(home),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "PIP_CACHE_DIR": pip_cache,
-        "CODERAI_TEST_OUTSIDE_HOME": str(real_home),  # only for the test that proves the isolation
-        "CODERAI_TEST_NETNS_DIR": str(_suite_root / "netns"),  # the namespaces labs make (coderai.testing.netns)
-    })
+    os.environ.update(
+        {
+            "HOME": str(home),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "XDG_DATA_HOME": str(home / ".local" / "share"),
+            "XDG_CONFIG_HOME": str(home / ".config"),
+            "XDG_STATE_HOME": str(home / ".local" / "state"),
+            "PIP_CACHE_DIR": pip_cache,
+            "CODERAI_TEST_OUTSIDE_HOME": str(real_home),  # only for the test that proves the isolation
+            "CODERAI_TEST_NETNS_DIR": str(_suite_root / "netns"),  # the namespaces labs make (coderai.testing.netns)
+        }
+    )
     for sub in (".cache", ".local/share", ".config", ".local/state"):
         (home / sub).mkdir(parents=True, exist_ok=True)
 

@@ -36,29 +36,46 @@ def _under(module: str, package: str) -> bool:
 
 
 def test_libs_import_no_service():
-    bad = [f"{p.relative_to(LIBS)}:{line} imports {m}"
-           for p in sorted(LIBS.rglob("*.py")) for line, m in _imports(p)
-           if any(_under(m, f"coderai.{s}") for s in SERVICES)]
+    bad = [
+        f"{p.relative_to(LIBS)}:{line} imports {m}"
+        for p in sorted(LIBS.rglob("*.py"))
+        for line, m in _imports(p)
+        if any(_under(m, f"coderai.{s}") for s in SERVICES)
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_product_code_imports_no_test_helper():
-    bad = [f"{p.relative_to(LIBS)}:{line} imports {m}"
-           for p in sorted(LIBS.rglob("*.py")) if "testing" not in p.relative_to(LIBS).parts
-           for line, m in _imports(p) if _under(m, "coderai.testing")]
+    bad = [
+        f"{p.relative_to(LIBS)}:{line} imports {m}"
+        for p in sorted(LIBS.rglob("*.py"))
+        if "testing" not in p.relative_to(LIBS).parts
+        for line, m in _imports(p)
+        if _under(m, "coderai.testing")
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_gateway_modules_are_at_most_300_lines():
-    over = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(GATEWAY.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > GATEWAY_MAX_LINES]
-    assert not over, f"gateway modules over {GATEWAY_MAX_LINES} lines (split them by responsibility):\n" + "\n".join(over)
+    over = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(GATEWAY.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > GATEWAY_MAX_LINES
+    ]
+    assert not over, f"gateway modules over {GATEWAY_MAX_LINES} lines (split them by responsibility):\n" + "\n".join(
+        over
+    )
 
 
 def test_stack_modules_are_at_most_300_lines():
-    over = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(STACK.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > STACK_MAX_LINES]
-    assert not over, f"coderai.stack modules over {STACK_MAX_LINES} lines (split by responsibility):\n" + "\n".join(over)
+    over = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(STACK.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > STACK_MAX_LINES
+    ]
+    assert not over, f"coderai.stack modules over {STACK_MAX_LINES} lines (split by responsibility):\n" + "\n".join(
+        over
+    )
 
 
 def test_stack_main_is_a_page():
@@ -85,10 +102,18 @@ def test_no_import_circle_between_up_and_the_heads():
     41 removed), and nothing in `coderai.stack` imports the compatibility modules `coderai.up` or `coderai.heads`
     back."""
     up = ("coderai.up", "coderai.stack")
-    bad = [f"{name}:{line} imports {m} inside a function" for name in ("heads.py", "nodes_cli.py")
-           for line, m in _function_level_imports(LIBS / name) if any(_under(m, u) for u in up)]
-    bad += [f"{p.relative_to(LIBS)}:{line} imports {m}" for p in sorted(STACK.rglob("*.py"))
-            for line, m in _imports_with_names(p) if any(_under(m, b) for b in ("coderai.up", "coderai.heads"))]
+    bad = [
+        f"{name}:{line} imports {m} inside a function"
+        for name in ("heads.py", "nodes_cli.py")
+        for line, m in _function_level_imports(LIBS / name)
+        if any(_under(m, u) for u in up)
+    ]
+    bad += [
+        f"{p.relative_to(LIBS)}:{line} imports {m}"
+        for p in sorted(STACK.rglob("*.py"))
+        for line, m in _imports_with_names(p)
+        if any(_under(m, b) for b in ("coderai.up", "coderai.heads"))
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -53,14 +53,17 @@ def test_an_edit_is_counted_at_its_pictures_size_or_the_models_most():
     assert huge.width * huge.height == DEFAULT_MAX_PIXELS
 
 
-@pytest.mark.parametrize("params, job, param", [
-    ({}, img(width=4096, height=4096), "size"),
-    ({"max_pixels": 64 * 64}, img(width=64, height=72), "size"),
-    ({}, img(width=64, height=64, steps=151), "steps"),
-    ({"max_steps": 10}, img(width=64, height=64, steps=11), "steps"),
-    ({"steps": 30, "max_steps": 10}, img(width=64, height=64), "steps"),
-    ({"max_n": 2}, img(width=64, height=64, n=3), "n"),
-])
+@pytest.mark.parametrize(
+    "params, job, param",
+    [
+        ({}, img(width=4096, height=4096), "size"),
+        ({"max_pixels": 64 * 64}, img(width=64, height=72), "size"),
+        ({}, img(width=64, height=64, steps=151), "steps"),
+        ({"max_steps": 10}, img(width=64, height=64, steps=11), "steps"),
+        ({"steps": 30, "max_steps": 10}, img(width=64, height=64), "steps"),
+        ({"max_n": 2}, img(width=64, height=64, n=3), "n"),
+    ],
+)
 def test_an_image_past_its_models_limits_names_the_param(params, job, param):
     with pytest.raises(OverLimit) as err:
         image_work(params, job)
@@ -104,8 +107,12 @@ def test_the_header_size_is_what_pillow_decodes():
     Image = pytest.importorskip("PIL.Image")
     import io
 
-    for fmt, kw in (("PNG", {}), ("JPEG", {}), ("JPEG", {"progressive": True}),
-                    ("JPEG", {"exif": b"Exif\x00\x00" + b"\x00" * 64})):
+    for fmt, kw in (
+        ("PNG", {}),
+        ("JPEG", {}),
+        ("JPEG", {"progressive": True}),
+        ("JPEG", {"exif": b"Exif\x00\x00" + b"\x00" * 64}),
+    ):
         buf = io.BytesIO()
         Image.new("RGB", (123, 77)).save(buf, fmt, **kw)
         assert image_size(buf.getvalue()) == Image.open(io.BytesIO(buf.getvalue())).size == (123, 77), (fmt, kw)

@@ -40,8 +40,12 @@ def test_models_file_error_is_a_settings_error():
 def test_a_valid_file_loads_in_order(tmp_path):
     models = load_models(str(write(tmp_path, VALID)))
     assert models == [
-        ModelConfig(name="coderai-tiny", engine="llama", path="~/.coderai/models/coderai-tiny.gguf", params={"n_ctx": 2048}),
-        ModelConfig(name="emb", engine="embed", path="/m/emb", ops=["embed"], nodes=["n1", "n2"], owned_by="me", created=17),
+        ModelConfig(
+            name="coderai-tiny", engine="llama", path="~/.coderai/models/coderai-tiny.gguf", params={"n_ctx": 2048}
+        ),
+        ModelConfig(
+            name="emb", engine="embed", path="/m/emb", ops=["embed"], nodes=["n1", "n2"], owned_by="me", created=17
+        ),
     ]
     assert models[0].serves() == ["chat", "complete"]
     assert models[1].serves() == ["embed"]
@@ -57,13 +61,16 @@ def test_a_home_relative_path_is_expanded(tmp_path, monkeypatch):
     assert [m.name for m in load_models("~/models.toml")] == ["coderai-tiny", "emb"]
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\ncolour = "red"\n', "colour"),
-    ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\n[extra]\nx = 1\n', "extra"),
-    ('[[models]]\nname = "a"\nengine = "llama"\n', "path"),
-    ('[[models]]\nname = "a"\nengine = "cobol"\npath = "/p"\n', "engine"),
-    ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\nparams = 3\n', "params"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\ncolour = "red"\n', "colour"),
+        ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\n[extra]\nx = 1\n', "extra"),
+        ('[[models]]\nname = "a"\nengine = "llama"\n', "path"),
+        ('[[models]]\nname = "a"\nengine = "cobol"\npath = "/p"\n', "engine"),
+        ('[[models]]\nname = "a"\nengine = "llama"\npath = "/p"\nparams = 3\n', "params"),
+    ],
+)
 def test_schema_errors_name_the_path_and_the_field(tmp_path, text, needle):
     p = write(tmp_path, text)
     with pytest.raises(ModelsFileError) as ei:
@@ -74,7 +81,9 @@ def test_schema_errors_name_the_path_and_the_field(tmp_path, text, needle):
 
 
 def test_duplicate_names_are_rejected_and_listed_once_each(tmp_path):
-    body = "".join(f'[[models]]\nname = "{n}"\nengine = "llama"\npath = "/p"\n\n' for n in ["b", "a", "b", "c", "a", "b"])
+    body = "".join(
+        f'[[models]]\nname = "{n}"\nengine = "llama"\npath = "/p"\n\n' for n in ["b", "a", "b", "c", "a", "b"]
+    )
     p = write(tmp_path, body)
     with pytest.raises(ModelsFileError) as ei:
         load_models(str(p))
@@ -104,7 +113,7 @@ def test_a_directory_is_an_error_not_a_crash(tmp_path):
 
 def test_what_write_models_file_writes_loads_back(tmp_path):
     models = [
-        {"name": "tiny", "engine": "llama", "path": "/m/a \\ \"b\".gguf", "params": {"n_ctx": 2048, "a.b": True}},
+        {"name": "tiny", "engine": "llama", "path": '/m/a \\ "b".gguf', "params": {"n_ctx": 2048, "a.b": True}},
         {"name": "emb", "engine": "embed", "path": "/m/emb", "nodes": ["n1", "n2"], "memory_mb": 12},
     ]
     p = write_models_file(tmp_path / "models.toml", models)

@@ -8,7 +8,10 @@ import sys
 from coderai import __version__
 
 COMMANDS = {
-    "up": ("coderai.stack.main", "run everything on this machine: NATS, Redis, all services, one worker, a default model"),
+    "up": (
+        "coderai.stack.main",
+        "run everything on this machine: NATS, Redis, all services, one worker, a default model",
+    ),
     "gateway": ("coderai.gateway.__main__", "the OpenAI-compatible HTTP API"),
     "router": ("coderai.router.__main__", "picks the engine for each request"),
     "scheduler": ("coderai.scheduler.__main__", "places models on nodes, tracks membership"),
@@ -20,7 +23,10 @@ COMMANDS = {
     "nodes": ("coderai.nodes_cli:nodes_main", "the cluster's members; revoke a node's credentials"),
     "token": ("coderai.nodes_cli:token_main", "`coderai token new`: make a cluster token"),
     "status": ("coderai.status_cli", "who leads the scheduler, pod broker and usage counting; the nodes that are up"),
-    "heads": ("coderai.stack.invite", "`coderai heads invite`: a one-time invite that makes another machine a head (HA)"),
+    "heads": (
+        "coderai.stack.invite",
+        "`coderai heads invite`: a one-time invite that makes another machine a head (HA)",
+    ),
     "pods": ("coderai.pods_cli", "`coderai pods check`: does the image a rented pod runs exist in its registry?"),
 }
 

@@ -40,12 +40,27 @@ def default_models(data: Path, say: Callable[[str], None] = print) -> list[dict[
     if _have("resemblyzer", "speaker_diarize_lite"):
         models.append({"name": "resemblyzer", "engine": "diarize", "path": "builtin"})
     built: list[tuple[str, str, tuple[str, ...], str, str]] = [
-        ("whisper-tiny", "whisper", ("faster_whisper", "transformers", "torch"), "coderai.tiny_models.whisper",
-         "ensure_tiny_whisper"),
-        ("sd-tiny", "diffusers", ("diffusers", "transformers", "torch"), "coderai.tiny_models.diffusion",
-         "ensure_tiny_sd"),
-        ("t2v-tiny", "video", ("diffusers", "transformers", "torch", "av"), "coderai.tiny_models.diffusion",
-         "ensure_tiny_t2v"),
+        (
+            "whisper-tiny",
+            "whisper",
+            ("faster_whisper", "transformers", "torch"),
+            "coderai.tiny_models.whisper",
+            "ensure_tiny_whisper",
+        ),
+        (
+            "sd-tiny",
+            "diffusers",
+            ("diffusers", "transformers", "torch"),
+            "coderai.tiny_models.diffusion",
+            "ensure_tiny_sd",
+        ),
+        (
+            "t2v-tiny",
+            "video",
+            ("diffusers", "transformers", "torch", "av"),
+            "coderai.tiny_models.diffusion",
+            "ensure_tiny_t2v",
+        ),
     ]
     for name, engine, needs, module, fn in built:
         if not _have(*needs):

@@ -48,7 +48,11 @@ def _fits(spec: P, value: Any) -> str | None:
             return None
         if not number or (spec.kind != "float" and not float(value).is_integer()):
             return f"must be {'a number' if spec.kind == 'float' else 'a whole number'}"
-        if not math.isfinite(value) or (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
+        if (
+            not math.isfinite(value)
+            or (spec.lo is not None and value < spec.lo)
+            or (spec.hi is not None and value > spec.hi)
+        ):
             return f"must be between {_show(spec.lo)} and {_show(spec.hi)}"
         return None
     if spec.kind == "bool":
@@ -80,13 +84,18 @@ def check(engine: str, params: dict[str, Any], *, operator: bool) -> None:
     for name, value in params.items():
         where = f"params.{name}"
         if name in EXEC_PARAMS and not operator:
-            raise ParamError(where, f"params.{name} chooses what runs on a node (a program, its environment or "
-                                    "arguments, or a repository's code): only a models file the operator writes may "
-                                    "set it, never the API or the bus")
+            raise ParamError(
+                where,
+                f"params.{name} chooses what runs on a node (a program, its environment or "
+                "arguments, or a repository's code): only a models file the operator writes may "
+                "set it, never the API or the bus",
+            )
         spec = table.get(name)
         if spec is None:
-            raise ParamError(where, f"engine {engine} takes no param {name!r} (it takes "
-                                    f"{', '.join(sorted(set(table) - EXEC_PARAMS))})")
+            raise ParamError(
+                where,
+                f"engine {engine} takes no param {name!r} (it takes {', '.join(sorted(set(table) - EXEC_PARAMS))})",
+            )
         if value is None:
             continue
         why = _fits(spec, value)

@@ -48,15 +48,20 @@ class Limits:
 
 def limits(params: dict[str, Any]) -> Limits:
     """The limits a model's `params` set (each missing one at its default)."""
+
     def get(name: str, default: int) -> int:
         try:
             return int(params.get(name, default))
         except (TypeError, ValueError):
             return default
 
-    return Limits(max_pixels=get("max_pixels", DEFAULT_MAX_PIXELS), default_steps=get("steps", DEFAULT_STEPS),
-                  max_steps=get("max_steps", DEFAULT_MAX_STEPS), max_n=get("max_n", DEFAULT_MAX_N),
-                  max_frames=get("max_frames", DEFAULT_MAX_FRAMES))
+    return Limits(
+        max_pixels=get("max_pixels", DEFAULT_MAX_PIXELS),
+        default_steps=get("steps", DEFAULT_STEPS),
+        max_steps=get("max_steps", DEFAULT_MAX_STEPS),
+        max_n=get("max_n", DEFAULT_MAX_N),
+        max_frames=get("max_frames", DEFAULT_MAX_FRAMES),
+    )
 
 
 @dataclass(frozen=True)
@@ -86,9 +91,9 @@ def image_size(data: bytes) -> tuple[int, int] | None:
             if data[i + 1] == 0xFF:  # fill bytes before a marker, as decoders skip them
                 i += 1
                 continue
-            marker, length = data[i + 1], struct.unpack(">H", data[i + 2:i + 4])[0]
+            marker, length = data[i + 1], struct.unpack(">H", data[i + 2 : i + 4])[0]
             if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame: its size
-                h, w = struct.unpack(">HH", data[i + 5:i + 9])
+                h, w = struct.unpack(">HH", data[i + 5 : i + 9])
                 return w, h
             i += 2 + length
     return None
@@ -128,8 +133,9 @@ def video_work(params: dict[str, Any], job: Any) -> Work:
     lim = limits(params)
     _pixels(job.width, job.height, lim)
     if not 1 <= job.num_frames <= lim.max_frames:
-        raise OverLimit("num_frames", f"num_frames must be between 1 and {lim.max_frames} for this model, got "
-                                      f"{job.num_frames}.")
+        raise OverLimit(
+            "num_frames", f"num_frames must be between 1 and {lim.max_frames} for this model, got {job.num_frames}."
+        )
     return Work(width=job.width, height=job.height, steps=_steps(job.steps, lim), count=job.num_frames)
 
 

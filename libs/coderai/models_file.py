@@ -69,7 +69,7 @@ def weights_problem(m: ModelConfig) -> str:
     except SourceError as exc:
         return f"source: {exc}"
     if src.kind == "store" and m.store_path:
-        return "both source = \"store://...\" and store_path name the head's store file: keep one"
+        return 'both source = "store://..." and store_path name the head\'s store file: keep one'
     return ""
 
 
@@ -84,8 +84,11 @@ def entry(cfg: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in msgspec.structs.fields(cfg):
         value = getattr(cfg, f.name)
-        default = f.default if f.default is not msgspec.NODEFAULT else (
-            f.default_factory() if f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT)
+        default = (
+            f.default
+            if f.default is not msgspec.NODEFAULT
+            else (f.default_factory() if f.default_factory is not msgspec.NODEFAULT else msgspec.NODEFAULT)
+        )
         if value != default:
             out[f.name] = msgspec.to_builtins(value)
     return out

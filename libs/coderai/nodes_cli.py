@@ -21,8 +21,10 @@ async def _ask(args: argparse.Namespace, subject, msg):
     try:
         bus = await head_bus("coderai-nodes", args.nats_url, data)
     except (OSError, KeyError, ValueError):
-        raise SystemExit(f"coderai nodes: no running `coderai up` in {data}: pass --nats-url (and "
-                         "CODERAI_NATS_PASSWORD_FILE) or --data-dir") from None
+        raise SystemExit(
+            f"coderai nodes: no running `coderai up` in {data}: pass --nats-url (and "
+            "CODERAI_NATS_PASSWORD_FILE) or --data-dir"
+        ) from None
     try:
         return await bus.request(subject, msg, timeout=10.0)
     finally:
@@ -41,7 +43,11 @@ def nodes_main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="members: nodes that joined, pods, and the revoked ids")
     r = sub.add_parser("revoke", help="end a node's credentials now (it is disconnected and may not join again)")
     r.add_argument("node_id")
-    r.add_argument("--forget", action="store_true", help="also let this id join again later, afresh (a machine that lost its credential)")
+    r.add_argument(
+        "--forget",
+        action="store_true",
+        help="also let this id join again later, afresh (a machine that lost its credential)",
+    )
     args = ap.parse_args(argv)
     msg = MembersRequest() if args.cmd == "list" else RevokeRequest(node_id=args.node_id, forget=args.forget)
     try:
@@ -52,8 +58,16 @@ def nodes_main(argv: list[str] | None = None) -> int:
     now = time.time()
     for m in reply.members:
         left = f", {max(0, m.expires_at - now) / 3600:.1f} h left" if m.expires_at else ""
-        print(json.dumps({"node_id": m.node_id, "kind": m.kind, "joined": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.joined_at))})
-              + (f"  # {m.kind}{left}" if left else ""))
+        print(
+            json.dumps(
+                {
+                    "node_id": m.node_id,
+                    "kind": m.kind,
+                    "joined": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.joined_at)),
+                }
+            )
+            + (f"  # {m.kind}{left}" if left else "")
+        )
     if reply.revoked:
         print(json.dumps({"revoked": reply.revoked}))
     return 0

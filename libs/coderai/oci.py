@@ -37,8 +37,10 @@ DOCKER_HUB_API = "registry-1.docker.io"  # where Docker Hub's registry API answe
 _HUB_ALIASES = {"docker.io", "index.docker.io", "registry-1.docker.io", "registry.hub.docker.com"}
 
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
-_DOMAIN = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-                     r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?")
+_DOMAIN = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?"
+)
 _TAG = re.compile(r"[\w][\w.-]{0,127}")
 _DIGEST = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}")
 
@@ -80,8 +82,11 @@ class ImageRef:
         return DOCKER_HUB_API if self.registry in _HUB_ALIASES else self.registry
 
     def __str__(self) -> str:
-        return f"{self.registry}/{self.repository}" + (f":{self.tag}" if self.tag else "") + \
-            (f"@{self.digest}" if self.digest else "")
+        return (
+            f"{self.registry}/{self.repository}"
+            + (f":{self.tag}" if self.tag else "")
+            + (f"@{self.digest}" if self.digest else "")
+        )
 
 
 def parse_image_ref(text: str) -> ImageRef:
@@ -97,7 +102,7 @@ def parse_image_ref(text: str) -> ImageRef:
     slash = name.rfind("/")
     colon = name.rfind(":")
     if colon > slash:  # a ':' in the last part is a tag; before a '/' it is a registry's port
-        name, tag = name[:colon], name[colon + 1:]
+        name, tag = name[:colon], name[colon + 1 :]
         if not _TAG.fullmatch(tag):
             raise ImageRefError(f"{text!r}: bad tag {tag!r}")
     first, sep, rest = name.partition("/")
@@ -158,8 +163,9 @@ def token_request(challenge: Challenge, ref: ImageRef) -> tuple[str, dict[str, s
     that is not Bearer or has no http(s) realm."""
     realm = challenge.params.get("realm", "")
     if challenge.scheme != "bearer" or urlsplit(realm).scheme not in ("http", "https"):
-        raise ImageRefError(f"the registry asks for {challenge.scheme} authentication at {realm!r}, "
-                            "not an anonymous bearer token")
+        raise ImageRefError(
+            f"the registry asks for {challenge.scheme} authentication at {realm!r}, not an anonymous bearer token"
+        )
     query = {"scope": challenge.params.get("scope") or f"repository:{ref.repository}:pull"}
     if challenge.params.get("service"):
         query["service"] = challenge.params["service"]

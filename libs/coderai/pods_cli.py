@@ -126,8 +126,10 @@ def check_image(client: httpx.Client, ref: ImageRef, registry_url: str = "") -> 
     if r.status_code == 404:
         return Outcome("missing", f"{host} has no {ref.reference} of {ref.repository} (HTTP 404)")
     if r.status_code in (401, 403):
-        return Outcome("denied", f"{host} refuses an anonymous pull (HTTP {r.status_code}): missing, or private; "
-                       "a pod pulls anonymously")
+        return Outcome(
+            "denied",
+            f"{host} refuses an anonymous pull (HTTP {r.status_code}): missing, or private; a pod pulls anonymously",
+        )
     return Outcome("error", f"{host} answered HTTP {r.status_code}")
 
 
@@ -152,8 +154,10 @@ def images_to_check(pod_image: str, models_file: str = "") -> tuple[list[_Wanted
             if m.pod.image:
                 wanted.setdefault(image, _Wanted(image, [])).sources.append(f"pod.image of {m.name}")
             if m.engine == "vllm" and m.pod.burst != "never" and _is_release(image, WORKER_CUDA):
-                problems.append(f"model {m.name} (engine vllm) would run {image}, which has no vLLM: "
-                                f"set its pod.image to {release_image(WORKER_VLLM)}")
+                problems.append(
+                    f"model {m.name} (engine vllm) would run {image}, which has no vLLM: "
+                    f"set its pod.image to {release_image(WORKER_VLLM)}"
+                )
     return list(wanted.values()), problems
 
 
@@ -194,19 +198,30 @@ def check_endpoint(url: str, ca_pem: str, timeout: float) -> list[tuple[str, boo
                 with client_context(ca_pem).wrap_socket(raw, server_hostname=host or None) as tls:
                     info = tls.recv(4096)
             except ssl.SSLCertVerificationError as exc:
-                out.append((name, False, f"TLS, but its certificate is not signed by this cluster's CA ({exc.verify_message})"))
+                out.append(
+                    (name, False, f"TLS, but its certificate is not signed by this cluster's CA ({exc.verify_message})")
+                )
                 continue
             except (ssl.SSLError, OSError):
                 info = b""
             if info.startswith(b"INFO "):
-                out.append((name, True, "TLS, certificate of this cluster's CA" if ca_pem else
-                            "TLS (its certificate not checked: give --ca, the CA pods pin)"))
+                out.append(
+                    (
+                        name,
+                        True,
+                        "TLS, certificate of this cluster's CA"
+                        if ca_pem
+                        else "TLS (its certificate not checked: give --ca, the CA pods pin)",
+                    )
+                )
                 continue
         plain = _plain_info(host, port, timeout)
         if plain and host in LOOPBACK:
             out.append((name, True, "plain text on loopback (a pod elsewhere needs TLS: docs/pods.md)"))
         elif plain:
-            out.append((name, False, "plain text: a pod would send its login in clear (start NATS with TLS: docs/pods.md)"))
+            out.append(
+                (name, False, "plain text: a pod would send its login in clear (start NATS with TLS: docs/pods.md)")
+            )
         else:
             out.append((name, False, "answers, but not as NATS"))
     return out
@@ -237,13 +252,16 @@ def check(args: argparse.Namespace) -> int:
     failed = bool(problems)
     for p in problems:
         print(f"problem: {p}")
-    with httpx.Client(timeout=args.timeout, follow_redirects=True,
-                      headers={"User-Agent": "coderai-pods-check"}) as client:
+    with httpx.Client(
+        timeout=args.timeout, follow_redirects=True, headers={"User-Agent": "coderai-pods-check"}
+    ) as client:
         for w, ref in refs:
             out = check_image(client, ref, args.registry_url or "")
             failed |= not out.ok
-            said = {"found": f"found {out.digest or '(the registry gave no digest)'}",
-                    "skipped": f"skipped: {out.detail}"}.get(out.status, f"{out.status}: {out.detail}")
+            said = {
+                "found": f"found {out.digest or '(the registry gave no digest)'}",
+                "skipped": f"skipped: {out.detail}",
+            }.get(out.status, f"{out.status}: {out.detail}")
             print(f"{w.image} ({', '.join(w.sources)}): {said}")
     endpoint = args.pod_nats_url or broker.pod_nats_url
     if endpoint:
@@ -262,15 +280,28 @@ def main(argv: list[str] | None = None) -> int:
     """`coderai pods <subcommand>`; today only `check`."""
     ap = argparse.ArgumentParser(prog="coderai pods", description="Rented GPU pods (docs/pods.md).")
     sub = ap.add_subparsers(dest="cmd", metavar="check")
-    c = sub.add_parser("check", help="does the image a pod would run exist in its registry?", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "check",
+        help="does the image a pod would run exist in its registry?",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("--models-file", help="also check each model's pod.image (the scheduler's models file)")
-    c.add_argument("--registry-url", help="ask this registry base URL (http://host:port) for every image, "
-                                          "instead of each image's own registry (a mirror, or a test server)")
+    c.add_argument(
+        "--registry-url",
+        help="ask this registry base URL (http://host:port) for every image, "
+        "instead of each image's own registry (a mirror, or a test server)",
+    )
     c.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
-    c.add_argument("--pod-nats-url", default="", help="where pods reach this cluster's NATS (default: the broker's "
-                                                      "pod_nats_url): checked to answer TLS with a certificate of --ca")
-    c.add_argument("--ca", default="", help="the cluster's CA, PEM or a file (default CODERAI_NATS_CA): the one pods pin")
+    c.add_argument(
+        "--pod-nats-url",
+        default="",
+        help="where pods reach this cluster's NATS (default: the broker's "
+        "pod_nats_url): checked to answer TLS with a certificate of --ca",
+    )
+    c.add_argument(
+        "--ca", default="", help="the cluster's CA, PEM or a file (default CODERAI_NATS_CA): the one pods pin"
+    )
     args = ap.parse_args(argv)
     if args.cmd != "check":
         ap.print_help(sys.stderr)

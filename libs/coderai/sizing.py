@@ -31,8 +31,17 @@ DEFAULT_N_CTX = 2048
 DEFAULT_UBATCH = 512
 # bytes per cached K or V element by llama.cpp's cache type (quantized types: block bytes / 32 elements);
 # llama-server's `cache_type_k` names them, llama-cpp-python's `type_k` takes ggml's enum
-CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                    "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+CACHE_TYPE_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+    "iq4_nl": 18 / 32,
+}
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
 # engine families that never use a GPU (onnxruntime on the CPU, or nothing at all), and those that do only when
 # their `device` param names one (sentence-transformers, faster-whisper and resemblyzer default to the CPU): each
@@ -104,7 +113,9 @@ def gguf_estimate(m: ModelConfig, path: str) -> Estimate | None:
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     per_layer = kv_heads if isinstance(kv_heads, list) else [int(kv_heads)] * n_layer
     n_head = max(heads) if isinstance(heads, list) else int(heads)
-    k_len = int(meta.get(f"{arch}.attention.key_length") or (int(meta.get(f"{arch}.embedding_length") or 0) // max(1, n_head)))
+    k_len = int(
+        meta.get(f"{arch}.attention.key_length") or (int(meta.get(f"{arch}.embedding_length") or 0) // max(1, n_head))
+    )
     v_len = int(meta.get(f"{arch}.attention.value_length") or k_len)
     if m.engine == "llama-server":
         n_ctx = int(p.get("n_ctx") or DEFAULT_N_CTX) * int(p.get("parallel") or SERVER_PARALLEL)
@@ -114,7 +125,9 @@ def gguf_estimate(m: ModelConfig, path: str) -> Estimate | None:
     kv = int(elements * k_len * _cache_bytes(p, "k") + elements * v_len * _cache_bytes(p, "v"))
     ubatch = min(int(p.get("n_ubatch") or DEFAULT_UBATCH), int(p.get("n_batch") or DEFAULT_UBATCH), n_ctx)
     logits = lay.lengths.get("tokenizer.ggml.tokens", 0) * ubatch * 4
-    return Estimate(weights=max(0, st.st_size - lay.data_offset), kv_cache=kv, overhead=OVERHEAD + logits, source="gguf")
+    return Estimate(
+        weights=max(0, st.st_size - lay.data_offset), kv_cache=kv, overhead=OVERHEAD + logits, source="gguf"
+    )
 
 
 def estimate(m: ModelConfig, file_size: int | None = None) -> Estimate:
@@ -128,7 +141,9 @@ def estimate(m: ModelConfig, file_size: int | None = None) -> Estimate:
             return got
     if file_size is None:
         file_size = path_bytes(m.path)
-    return Estimate(weights=file_size, kv_cache=0, overhead=int(file_size * 1.2) - file_size + OVERHEAD, source="file size")
+    return Estimate(
+        weights=file_size, kv_cache=0, overhead=int(file_size * 1.2) - file_size + OVERHEAD, source="file size"
+    )
 
 
 def estimate_bytes(m: ModelConfig, file_size: int | None = None) -> int:

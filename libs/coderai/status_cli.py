@@ -32,8 +32,10 @@ def render(cluster: dict) -> str:
     for lead in cluster.get("leaders", []):
         if lead.get("holder"):
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lead.get("since", 0)))
-            lines.append(f"  {lead['role']:<11} {lead['holder']}  (token {lead.get('token', 0)}, since {since}, "
-                         f"renewed {lead.get('age_s', 0):.1f} s ago)")
+            lines.append(
+                f"  {lead['role']:<11} {lead['holder']}  (token {lead.get('token', 0)}, since {since}, "
+                f"renewed {lead.get('age_s', 0):.1f} s ago)"
+            )
         else:
             lines.append(f"  {lead['role']:<11} nobody: no head holds the lease")
     if cluster.get("heads"):
@@ -42,13 +44,16 @@ def render(cluster: dict) -> str:
     lines.append(f"nodes: {len(nodes)}")
     for n in nodes:
         kind = f" (pod {n['pod']})" if n.get("pod") else ""
-        lines.append(f"  {n['node_id']}{kind}: {', '.join(n.get('models', [])) or 'no models'}; {n.get('in_flight', 0)} in flight")
+        lines.append(
+            f"  {n['node_id']}{kind}: {', '.join(n.get('models', [])) or 'no models'}; {n.get('in_flight', 0)} in flight"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="coderai status", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="coderai status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--url", help="the gateway (default: the `coderai up` on this machine)")
     ap.add_argument("--key", help="an admin key (default: $CODERAI_ADMIN_KEY, or admin.key in the data dir)")
     ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"))

@@ -37,8 +37,9 @@ def parse_examples(data: bytes) -> list[list[dict[str, Any]]]:
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise BadTrainingFile(n, f"is not valid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                                     "JSON object") from None
+            raise BadTrainingFile(
+                n, f"is not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+            ) from None
         examples.append(_example(n, obj))
         if len(examples) > MAX_EXAMPLES:
             raise BadTrainingFile(n, f"more than {MAX_EXAMPLES} examples")
@@ -52,7 +53,7 @@ def _example(n: int, obj: Any) -> list[dict[str, Any]]:
         raise BadTrainingFile(n, 'must be a JSON object with a "messages" list')
     extra = set(obj) - {"messages", "tools", "parallel_tool_calls"}
     if extra:
-        raise BadTrainingFile(n, f"unknown key(s) {sorted(extra)}; an example has only \"messages\"")
+        raise BadTrainingFile(n, f'unknown key(s) {sorted(extra)}; an example has only "messages"')
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadTrainingFile(n, '"messages" must be a non-empty list')
@@ -65,7 +66,7 @@ def _example(n: int, obj: Any) -> list[dict[str, Any]]:
             raise BadTrainingFile(n, f"messages[{i}] has role {role!r}; use one of {', '.join(ROLES)}")
         content = m.get("content")
         if not isinstance(content, str) and not (role == "assistant" and m.get("tool_calls")):
-            raise BadTrainingFile(n, f"messages[{i}] ({role}) needs string \"content\"")
+            raise BadTrainingFile(n, f'messages[{i}] ({role}) needs string "content"')
         out.append({k: v for k, v in m.items() if k in ("role", "content", "name", "tool_calls", "tool_call_id")})
     if not any(m["role"] == "assistant" for m in out):
         raise BadTrainingFile(n, "has no assistant message to learn from")

@@ -80,7 +80,7 @@ def stored_files(models_dir: Path) -> list[str]:
     if not models_dir.is_dir():
         return out
     for note in sorted(models_dir.rglob(".*.sha256")):
-        target = note.with_name(note.name[1:-len(".sha256")])
+        target = note.with_name(note.name[1 : -len(".sha256")])
         if target.is_file():
             out.append(target.relative_to(models_dir).as_posix())
             if len(out) >= MAX_STORED:
@@ -114,7 +114,9 @@ async def fetch_file(request: Request, store_path: str, models_dir: Path, *, chu
         head = await request(StoreFetch(path=store_path, length=0), FIRST_TIMEOUT_S)
     except BusError as exc:
         if dest.is_file():  # fetched before; the head is away now
-            log.warning("cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message)
+            log.warning(
+                "cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message
+            )
             return dest
         raise FetchError(f"cannot fetch {store_path} from the head's model store: {exc}") from None
     if await asyncio.to_thread(_have, dest, head.size, head.sha256):
@@ -155,8 +157,14 @@ async def _fetch_into(request: Request, store_path: str, dest: Path, size: int, 
             if now - last >= PROGRESS_EVERY_S:
                 last = now
                 rate = (done - start) / max(now - t0, 1e-6)
-                log.info("fetching %s: %d of %d bytes (%.0f%%, %.1f MB/s)", store_path, done, size,
-                         100 * done / max(size, 1), rate / 1e6)
+                log.info(
+                    "fetching %s: %d of %d bytes (%.0f%%, %.1f MB/s)",
+                    store_path,
+                    done,
+                    size,
+                    100 * done / max(size, 1),
+                    rate / 1e6,
+                )
     got = await asyncio.to_thread(sha256_file, partial)
     if got != sha256:
         partial.unlink(missing_ok=True)
@@ -207,8 +215,9 @@ def folder_of(store_path: str) -> str:
     return folder
 
 
-async def fetch_folder(request: Request, store_path: str, models_dir: Path, *, holds: str = "",
-                       chunk: int = CHUNK_BYTES) -> Path:
+async def fetch_folder(
+    request: Request, store_path: str, models_dir: Path, *, holds: str = "", chunk: int = CHUNK_BYTES
+) -> Path:
     """Make `<models_dir>/<folder>` hold a verified copy of every file of the head's store folder `store_path`
     ("org/repo/") and return the folder; `holds`: a file (relative to the folder) that must be among them."""
     folder = folder_of(store_path)
@@ -217,7 +226,9 @@ async def fetch_folder(request: Request, store_path: str, models_dir: Path, *, h
         listing = await request(StoreList(path=folder), FIRST_TIMEOUT_S)
     except BusError as exc:
         if await asyncio.to_thread(_complete, local) and (not holds or (local / holds).is_file()):
-            log.warning("cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message)
+            log.warning(
+                "cannot reach the head's store for %s (%s); using the copy fetched before", store_path, exc.message
+            )
             return local
         raise FetchError(f"cannot fetch {store_path} from the head's model store: {exc}") from None
     if not listing.files:
@@ -235,11 +246,19 @@ async def fetch_folder(request: Request, store_path: str, models_dir: Path, *, h
         _sidecar(local / gone).unlink(missing_ok=True)
     local.mkdir(parents=True, exist_ok=True)
     _write_manifest(local, _Manifest(complete=False, files=list(listing.files)))
-    todo = [e for e in listing.files  # a file already here and verified is not fetched again
-            if not await asyncio.to_thread(_have, local / e.path, e.size, e.sha256)]
+    todo = [
+        e
+        for e in listing.files  # a file already here and verified is not fetched again
+        if not await asyncio.to_thread(_have, local / e.path, e.size, e.sha256)
+    ]
     if todo:
-        log.info("fetching %d of the %d files of %s (%d bytes) from the head's model store", len(todo),
-                 len(listing.files), store_path, sum(e.size for e in todo))
+        log.info(
+            "fetching %d of the %d files of %s (%d bytes) from the head's model store",
+            len(todo),
+            len(listing.files),
+            store_path,
+            sum(e.size for e in todo),
+        )
     for e in todo:
         await _fetch_into(request, f"{folder}/{e.path}", local / e.path, e.size, e.sha256, chunk)
     _write_manifest(local, _Manifest(complete=True, files=list(listing.files)))

@@ -69,8 +69,16 @@ def keep_alive_header(value: str, old: float | None) -> float | None:
 class EngineHost:
     """Runs one engine: jobs go to a single thread in arrival order; frames go back on the bus."""
 
-    def __init__(self, bus: Bus, node_id: str, config: ModelConfig, keepalive_s: float,
-                 models_dir: Path | None = None, weights: ModelStore | None = None, share_cache: bool = True) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        node_id: str,
+        config: ModelConfig,
+        keepalive_s: float,
+        models_dir: Path | None = None,
+        weights: ModelStore | None = None,
+        share_cache: bool = True,
+    ) -> None:
         self.bus = bus
         self.share_cache = share_cache  # the worker's default for a model that does not say (WorkerSettings)
         self.models_dir = models_dir  # where files fetched from the head's store go; None: never fetch
@@ -137,10 +145,13 @@ class EngineHost:
             except engine_params.ParamError as exc:
                 raise EngineLoadError(f"refused: {exc.message}") from None
             if self.models_dir is not None and self.weights is not None:
-                cfg = await ensure_weights(cfg, bus_request(self.bus), self.models_dir, self.weights,
-                                           self._fetch_event, self.node_id)
+                cfg = await ensure_weights(
+                    cfg, bus_request(self.bus), self.models_dir, self.weights, self._fetch_event, self.node_id
+                )
                 t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
-            if cfg.shards is not None and cfg.engine in GGUF_FAMILIES:  # split over other nodes' RPC servers (in process)
+            if (
+                cfg.shards is not None and cfg.engine in GGUF_FAMILIES
+            ):  # split over other nodes' RPC servers (in process)
                 from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
 
                 self.engine = SplitLlamaEngine(cfg)
@@ -157,7 +168,9 @@ class EngineHost:
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
             self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
-                self._executor = ThreadPoolExecutor(self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}")
+                self._executor = ThreadPoolExecutor(
+                    self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}"
+                )
                 self._gate = PriorityGate(self.engine.max_concurrency)
             await loop.run_in_executor(self._executor, self.engine.load)
         except EngineLoadError as exc:
@@ -183,14 +196,24 @@ class EngineHost:
         if self.member:
             return
         self._subs = [
-            await self.bus.serve_stream(ENGINE_OPS[op], self._job(op), spawn=self._admit,
-                                        subject_str=ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id))
+            await self.bus.serve_stream(
+                ENGINE_OPS[op],
+                self._job(op),
+                spawn=self._admit,
+                subject_str=ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id),
+            )
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
         if stage_host.serves_stages(self):  # a relayed video's stages (the cancel subscription stays last)
             self._subs.append(await stage_host.subscribe(self))
-        self._subs.append(await self.bus.listen(ENGINE_CANCEL, self._on_cancel, subject_str=ENGINE_CANCEL(node_id=self.node_id, engine_id=self.engine_id)))
+        self._subs.append(
+            await self.bus.listen(
+                ENGINE_CANCEL,
+                self._on_cancel,
+                subject_str=ENGINE_CANCEL(node_id=self.node_id, engine_id=self.engine_id),
+            )
+        )
         # batch lines come whole, so a model that is never split still pulls them; fan-out parts only when split
         queued = BATCH_OPS | (FANOUT_OPS if self.config.distribute.enabled else frozenset())
         self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in queued]
@@ -285,13 +308,22 @@ class EngineHost:
         jobs = len(self._tasks)
         limit = getattr(self.engine, "queue_limit", 0)
         if limit and jobs >= limit:  # a bounded queue: beyond it the client is told to slow down
-            raise BusError("busy", f"{self.config.name} is busy: {limit} requests are running or queued on "
-                                   f"{self.engine_id}", retryable=True, retry_after_s=self.expected_wait_s(jobs))
+            raise BusError(
+                "busy",
+                f"{self.config.name} is busy: {limit} requests are running or queued on {self.engine_id}",
+                retryable=True,
+                retry_after_s=self.expected_wait_s(jobs),
+            )
         budget = self.config.queue_time_s or DEFAULT_QUEUE_TIME_S
         if (wait := self.expected_wait_s(jobs)) > budget:
-            raise BusError("busy", f"{self.config.name} is busy: a request now would wait about {wait:.0f} s for a "
-                                   f"slot of {self.engine_id}, past its queue-time budget of {budget:g} s "
-                                   "(queue_time_s)", retryable=True, retry_after_s=wait)
+            raise BusError(
+                "busy",
+                f"{self.config.name} is busy: a request now would wait about {wait:.0f} s for a "
+                f"slot of {self.engine_id}, past its queue-time budget of {budget:g} s "
+                "(queue_time_s)",
+                retryable=True,
+                retry_after_s=wait,
+            )
         self.spawn(coro)
 
     def _job(self, op: str) -> Any:
@@ -308,8 +340,9 @@ class EngineHost:
         log.info("cancel", extra={"request_id": req.request_id})
         flag.set()
 
-    async def _run(self, op: str, job: Any, writer: FrameWriter, headers: dict[str, str],
-                   give_back: bool = False) -> str:
+    async def _run(
+        self, op: str, job: Any, writer: FrameWriter, headers: dict[str, str], give_back: bool = False
+    ) -> str:
         """Run one job, its frames to `writer`: "ok", or "failed" once an error was answered. With `give_back`
         (a fan-out part that another worker may still take) an engine failure is not answered: "retry". The
         request id is the one in `headers` (HDR_REQUEST_ID), else the job's."""
@@ -322,15 +355,23 @@ class EngineHost:
             await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=[], usage=Usage()))
             return "ok"
         if op in LLM_OPS and (refused := unhonoured(self.engine, job)) is not None:
-            await writer.send(ErrorReply(code="bad_request", message=str(refused), param=refused.param,
-                                         seq=writer.next_seq()))
+            await writer.send(
+                ErrorReply(code="bad_request", message=str(refused), param=refused.param, seq=writer.next_seq())
+            )
             return "failed"
         span = tracing.NO_SPAN
         if tracing.enabled():  # a child of the gateway's engine call, through the job's traceparent header
-            span = tracing.start_span(f"engine.{op}", headers=headers, kind="server", attributes={
-                "coderai.request_id": request_id, "coderai.engine_id": self.engine_id, "coderai.model": job.model,
-                "coderai.stream": job.stream,
-            })
+            span = tracing.start_span(
+                f"engine.{op}",
+                headers=headers,
+                kind="server",
+                attributes={
+                    "coderai.request_id": request_id,
+                    "coderai.engine_id": self.engine_id,
+                    "coderai.model": job.model,
+                    "coderai.stream": job.stream,
+                },
+            )
         flag = self._cancels[job.request_id] = CancelFlag()
         if self._early_cancels and job.request_id in self._early_cancels:  # its caller left before it came
             del self._early_cancels[job.request_id]
@@ -361,8 +402,10 @@ class EngineHost:
 
             sink: Any = emit
         else:
-            def emit_llm(delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None,
-                         index: int = 0) -> None:
+
+            def emit_llm(
+                delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None, index: int = 0
+            ) -> None:
                 item = {"delta": delta, "text": text, "finish_reason": finish}
                 if logprobs:
                     item["logprobs"] = logprobs
@@ -411,17 +454,33 @@ class EngineHost:
                 (choices, usage), output = fut.result(), None
             if ttft is None:
                 ttft = time.monotonic() - t0
-            await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=choices, output=output,
-                                    usage=usage, ttft_s=ttft))
+            await writer.send(
+                Final(
+                    seq=writer.next_seq(),
+                    engine_id=self.engine_id,
+                    choices=choices,
+                    output=output,
+                    usage=usage,
+                    ttft_s=ttft,
+                )
+            )
             self.served += 1
             if span is not tracing.NO_SPAN:
-                span.set_attributes({"coderai.prompt_tokens": usage.prompt_tokens,
-                                     "coderai.completion_tokens": usage.completion_tokens, "coderai.ttft_s": ttft})
+                span.set_attributes(
+                    {
+                        "coderai.prompt_tokens": usage.prompt_tokens,
+                        "coderai.completion_tokens": usage.completion_tokens,
+                        "coderai.ttft_s": ttft,
+                    }
+                )
             return "ok"
         except ValueError as exc:  # BadInput, or llama-cpp-python's word for a prompt it cannot take (> n_ctx)
             tracing.set_error(span, f"bad_request: {exc}")
-            await writer.send(ErrorReply(code="bad_request", message=str(exc), seq=writer.next_seq(),
-                                         param=getattr(exc, "param", None)))
+            await writer.send(
+                ErrorReply(
+                    code="bad_request", message=str(exc), seq=writer.next_seq(), param=getattr(exc, "param", None)
+                )
+            )
             return "failed"
         except EngineLost as exc:  # the devices went away: another engine (after re-placement) may serve it
             log.error("%s job lost its engine: %s", op, exc)
@@ -435,7 +494,9 @@ class EngineHost:
             tracing.set_error(span, f"engine_failed: {type(exc).__name__}: {exc}")
             if give_back:
                 return "retry"
-            await writer.send(ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq()))
+            await writer.send(
+                ErrorReply(code="engine_failed", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq())
+            )
             return "failed"
         finally:
             if not fut.done():

@@ -73,8 +73,12 @@ class GpuProbe:
         if self._smi and time.monotonic() - self._smi_at >= self.SMI_EVERY_S:
             self._smi_at = time.monotonic()
             try:
-                out = subprocess.run([self._smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
+                out = subprocess.run(
+                    [self._smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
                 self._smi_last = parse_smi_memory(out)
             except (OSError, subprocess.TimeoutExpired):
                 self._smi_last = []
@@ -87,8 +91,10 @@ class GpuProbe:
         out = []
         for i in range(n.value):
             handle, mem = ctypes.c_void_p(), _NvmlMemory()
-            if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0 and \
-                    lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) == 0:
+            if (
+                lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0
+                and lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) == 0
+            ):
                 out.append((int(mem.total), int(mem.free)))
         return out
 
@@ -111,9 +117,18 @@ def addresses(first: str = "") -> list[str]:
     return ([first] if first else []) + [a for a in found if a != first]
 
 
-def build_heartbeat(node_id: str, seq: int, families: list[str], engines: list[EngineStatus], pod: str = "",
-                    addrs: list[str] | None = None, rpc: RpcServer | None = None,
-                    gpu: GpuProbe | None = None, mem_budget: int = 0, stored: list[str] | None = None) -> Heartbeat:
+def build_heartbeat(
+    node_id: str,
+    seq: int,
+    families: list[str],
+    engines: list[EngineStatus],
+    pod: str = "",
+    addrs: list[str] | None = None,
+    rpc: RpcServer | None = None,
+    gpu: GpuProbe | None = None,
+    mem_budget: int = 0,
+    stored: list[str] | None = None,
+) -> Heartbeat:
     """This node's heartbeat; `mem_budget`: bytes of RAM the operator lets models use here (0: the default)."""
     total, free = memory()
     devices = gpu.devices() if gpu is not None else []

@@ -59,12 +59,17 @@ class PartPuller:
         from nats.js.api import AckPolicy, ConsumerConfig
 
         subject = WORK_PART(model_key=model_key(self.host.config.name), op=self.op)
-        cfg = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s, max_deliver=self.max_deliver,
-                             filter_subject=subject)
+        cfg = ConsumerConfig(
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            filter_subject=subject,
+        )
         while True:
             try:
                 self._sub = await self.host.bus.js.pull_subscribe(
-                    subject, durable=consumer_name(self.host.config.name, self.op), stream=WORK.name, config=cfg)
+                    subject, durable=consumer_name(self.host.config.name, self.op), stream=WORK.name, config=cfg
+                )
                 return
             except Exception as exc:  # noqa: BLE001 - the head creates WORK; until then, wait for it
                 if self._stopping:  # a cancel inside a nats-py request can come out as its own error
@@ -135,9 +140,18 @@ class PartPuller:
             await msg.ack()
         if status == "failed" and last:
             log.error("part %d/%d of %s failed on its last delivery", part.part + 1, part.parts, part.request_id)
-        evt = PartDone(request_id=part.request_id, model=part.model, op=part.op, part=part.part, node_id=host.node_id,
-                       engine_id=host.engine_id, status=status, deliveries=deliveries,  # type: ignore[arg-type]
-                       duration_s=time.monotonic() - t0, ts=time.time())
+        evt = PartDone(
+            request_id=part.request_id,
+            model=part.model,
+            op=part.op,
+            part=part.part,
+            node_id=host.node_id,
+            engine_id=host.engine_id,
+            status=status,
+            deliveries=deliveries,  # type: ignore[arg-type]
+            duration_s=time.monotonic() - t0,
+            ts=time.time(),
+        )
         with contextlib.suppress(Exception):
             await host.bus.publish(EVT_PART_DONE, evt, node_id=host.node_id)
         return status
@@ -148,4 +162,3 @@ class PartPuller:
             await asyncio.sleep(min(PROGRESS_S, self.ack_wait_s / 3))
             with contextlib.suppress(Exception):
                 await msg.in_progress()
-

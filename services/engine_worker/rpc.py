@@ -51,7 +51,8 @@ def gate_address(bind: str, nats_url: str, allow_any: bool) -> str:
     if addr in ANY and not allow_any:
         raise RpcConfigError(
             "refusing to offer the RPC server on every interface: ggml RPC has no authentication. Bind it to the "
-            "cluster interface (CODERAI_WORKER_RPC_BIND) or set CODERAI_WORKER_RPC_ALLOW_ANY=true")
+            "cluster interface (CODERAI_WORKER_RPC_BIND) or set CODERAI_WORKER_RPC_ALLOW_ANY=true"
+        )
     return addr
 
 
@@ -196,9 +197,16 @@ class RpcService:
 
     async def start(self) -> None:
         inner = free_port()
-        cmd = [sys.executable, "-m", "coderai.engine_worker.rpc_child", f"127.0.0.1:{inner}",
-               str(self.threads or max(1, os.cpu_count() or 1))]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
+        cmd = [
+            sys.executable,
+            "-m",
+            "coderai.engine_worker.rpc_child",
+            f"127.0.0.1:{inner}",
+            str(self.threads or max(1, os.cpu_count() or 1)),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent()
+        )
         line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)  # type: ignore[union-attr]
         info = json.loads(line or b"{}")
         if "device" not in info:
@@ -211,8 +219,9 @@ class RpcService:
 
     def info(self, mem_free: int) -> RpcServer:
         assert self.gate is not None
-        return RpcServer(endpoint=f"{self.host}:{self.gate.port}", device=self.device, mem_total=self.mem_total,
-                         mem_free=mem_free)
+        return RpcServer(
+            endpoint=f"{self.host}:{self.gate.port}", device=self.device, mem_total=self.mem_total, mem_free=mem_free
+        )
 
     async def close(self) -> None:
         if self.gate is not None:

@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
     ggml.ggml_backend_dev_description.restype = ctypes.c_char_p
     ggml.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    ggml.ggml_backend_dev_memory.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
     dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     if not dev:
         print(json.dumps({"error": "ggml has no CPU device"}), flush=True)
@@ -46,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     desc = (ggml.ggml_backend_dev_description(dev) or b"CPU").decode("utf-8", "replace")
     print(json.dumps({"device": desc, "mem_total": total.value, "mem_free": free.value}), flush=True)
     devices = (ctypes.c_void_p * 1)(dev)
-    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+    rpc.ggml_backend_rpc_start_server.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    ]
     rpc.ggml_backend_rpc_start_server.restype = None
     rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, threads, 1, devices)  # blocks
     return 0

@@ -40,7 +40,6 @@ from coderai.runtime.logging import add_secret, ring
 log = logging.getLogger("coderai.engine_worker")
 
 
-
 def weights_store(s: WorkerSettings) -> ModelStore:
     """Where weights fetched by a model's source go: `weights_dir` (a pod's network volume) when this node can
     write there, else its data dir, saying why (a volume RunPod did not attach, or one this user may not write):
@@ -99,8 +98,16 @@ class Worker:
             stack.push_async_callback(self.rpc.close)
         fp = s.announce_fingerprint or (fingerprint(s.cluster_token) if s.cluster_token else "")
         if fp and s.mdns:
-            announcer = Announcer(Announcement(node_id=self.node_id, name=socket.gethostname(), fp=fp,
-                                               nats_port=s.announce_nats_port, caps=tuple(self.families)), s.mdns_interfaces)
+            announcer = Announcer(
+                Announcement(
+                    node_id=self.node_id,
+                    name=socket.gethostname(),
+                    fp=fp,
+                    nats_port=s.announce_nats_port,
+                    caps=tuple(self.families),
+                ),
+                s.mdns_interfaces,
+            )
             await announcer.start()
             stack.push_async_callback(announcer.close)
         stack.push_async_callback(self._unload_all)
@@ -108,8 +115,13 @@ class Worker:
             sub = await self.bus.serve(subject, handler, subject_str=subject(node_id=self.node_id))
             stack.push_async_callback(sub.unsubscribe)
         if self.train_caps:  # fine-tuning ranks run as child processes (engine_worker/training.py)
-            await TrainingHost(self.bus, self.node_id, Path(os.path.expanduser(s.data_dir)), train_addr=s.train_addr,
-                               mdns_interfaces=s.mdns_interfaces).start(stack)
+            await TrainingHost(
+                self.bus,
+                self.node_id,
+                Path(os.path.expanduser(s.data_dir)),
+                train_addr=s.train_addr,
+                mdns_interfaces=s.mdns_interfaces,
+            ).start(stack)
         self.stored = await asyncio.to_thread(stored_files, self.models_dir)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
@@ -138,12 +150,17 @@ class Worker:
         saved, ca = saved_url(s.data_dir, url, self.node_id)
         if saved:
             try:  # the CA pinned at the join: a server whose certificate it did not sign is refused
-                return await Bus.connect(saved, name, connect_timeout_s=10, tls=client_context(ca) if ca else None, **kw)
+                return await Bus.connect(
+                    saved, name, connect_timeout_s=10, tls=client_context(ca) if ca else None, **kw
+                )
             except BusError as exc:
                 # kept: the join proves them when the head still holds them (it was only unreachable), and a
                 # successful join replaces them
-                log.warning("the head refused this node's saved credentials, or is not the head they were made "
-                            "with (%s); joining again", exc.message)
+                log.warning(
+                    "the head refused this node's saved credentials, or is not the head they were made "
+                    "with (%s); joining again",
+                    exc.message,
+                )
         try:
             joined, ca = await join(url, s.cluster_token, self.node_id, s.data_dir)
         except JoinRefused as exc:
@@ -161,13 +178,19 @@ class Worker:
             await (h.pause() if req.drain else h.resume())
         log.info("node %s", "draining: taking no new work" if req.drain else "taking work again")
         await self.publish_heartbeat()
-        return NodeState(node_id=self.node_id, draining=self.draining, in_flight=sum(h.in_flight for h in self.hosts.values()))
+        return NodeState(
+            node_id=self.node_id, draining=self.draining, in_flight=sum(h.in_flight for h in self.hosts.values())
+        )
 
     async def _discover(self) -> str:
         """Browse mDNS until a head with our token's fingerprint shows up (a stranger's cluster never matches)."""
         s = self.settings
         fp = fingerprint(s.cluster_token)
-        log.info("looking for the head of cluster %s by mDNS on %s", fp[:8], ", ".join(s.mdns_interfaces) or "every interface")
+        log.info(
+            "looking for the head of cluster %s by mDNS on %s",
+            fp[:8],
+            ", ".join(s.mdns_interfaces) or "every interface",
+        )
         while True:
             try:
                 host, port, head = await find_head(fp, s.mdns_interfaces, s.discover_timeout_s)
@@ -183,11 +206,18 @@ class Worker:
         if self.bus is None or not self.bus.connected:
             return
         self._seq += 1
-        hb = build_heartbeat(self.node_id, self._seq, self.families + self.train_caps,
-                             [h.status() for h in self.hosts.values()],
-                             pod=self.settings.pod, addrs=self.addrs,
-                             rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None, gpu=self.gpu,
-                             mem_budget=self.settings.memory_budget_mb << 20, stored=self.stored)
+        hb = build_heartbeat(
+            self.node_id,
+            self._seq,
+            self.families + self.train_caps,
+            [h.status() for h in self.hosts.values()],
+            pod=self.settings.pod,
+            addrs=self.addrs,
+            rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None,
+            gpu=self.gpu,
+            mem_budget=self.settings.memory_budget_mb << 20,
+            stored=self.stored,
+        )
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
@@ -231,8 +261,11 @@ class Worker:
                         log.error("ignoring malformed assignment: %s", why_malformed(exc))
                         continue
                     if not self.fence.admits(assignment.fence):  # a scheduler that led once and woke up late
-                        log.warning("ignoring an assignment from a former leader (token %d, newest %d)",
-                                    assignment.fence, self.fence.newest)
+                        log.warning(
+                            "ignoring an assignment from a former leader (token %d, newest %d)",
+                            assignment.fence,
+                            self.fence.newest,
+                        )
                         continue
                     await self.converge(assignment)
             except asyncio.CancelledError:
@@ -249,9 +282,14 @@ class Worker:
         if self.settings.bus_exec or not (engine_params.EXEC_PARAMS & set(m.params)):
             return m
         dropped = sorted(engine_params.EXEC_PARAMS & set(m.params))
-        log.warning("ignoring %s of %s from the bus (CODERAI_WORKER_BUS_EXEC=true on this node honours them)",
-                    ", ".join(dropped), m.name)
-        return msgspec.structs.replace(m, params={k: v for k, v in m.params.items() if k not in engine_params.EXEC_PARAMS})
+        log.warning(
+            "ignoring %s of %s from the bus (CODERAI_WORKER_BUS_EXEC=true on this node honours them)",
+            ", ".join(dropped),
+            m.name,
+        )
+        return msgspec.structs.replace(
+            m, params={k: v for k, v in m.params.items() if k not in engine_params.EXEC_PARAMS}
+        )
 
     async def converge(self, assignment: Assignment) -> None:
         """Unload what is no longer wanted (or changed), at once even while it is still loading (its load is
@@ -279,9 +317,15 @@ class Worker:
                         await host.unload(self.settings.drain_timeout_s)
             for name, cfg in wanted.items():
                 if name not in self.hosts:
-                    host = self.hosts[name] = EngineHost(self.bus, self.node_id, cfg, self.settings.keepalive_s,
-                                                         models_dir=self.models_dir, weights=self.weights,
-                                                         share_cache=self.settings.share_cache)
+                    host = self.hosts[name] = EngineHost(
+                        self.bus,
+                        self.node_id,
+                        cfg,
+                        self.settings.keepalive_s,
+                        models_dir=self.models_dir,
+                        weights=self.weights,
+                        share_cache=self.settings.share_cache,
+                    )
                     self._to_load.put_nowait(host)
             if self._loader is None or self._loader.done():
                 self._loader = asyncio.create_task(self._load_in_turn(), name="model-loader")
@@ -315,7 +359,9 @@ class Worker:
         if loaded and self.hosts.get(name) is host:
             if self.draining:
                 await host.pause()
-            evt = ModelLoaded(node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time())
+            evt = ModelLoaded(
+                node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time()
+            )
             await self.bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
         await self.publish_heartbeat()
 

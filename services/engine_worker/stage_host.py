@@ -26,7 +26,6 @@ from coderai.runtime.logging import request_id_var
 log = logging.getLogger("coderai.engine_worker")
 
 
-
 def serves_stages(host: Any) -> bool:
     """Whether the host's engine runs relay stages (a video model with `params.stages`)."""
     return getattr(host.engine, "staged", None) is not None
@@ -34,15 +33,19 @@ def serves_stages(host: Any) -> bool:
 
 async def subscribe(host: Any) -> Any:
     """The stage subscription of `host`'s engine: each stage runs as a task of the host (no queue limit)."""
-    return await host.bus.serve_stream(ENGINE_STAGE, lambda job, writer, _m: run(host, job, writer), spawn=host.spawn,
-                                       subject_str=ENGINE_STAGE(node_id=host.node_id, engine_id=host.engine_id))
+    return await host.bus.serve_stream(
+        ENGINE_STAGE,
+        lambda job, writer, _m: run(host, job, writer),
+        spawn=host.spawn,
+        subject_str=ENGINE_STAGE(node_id=host.node_id, engine_id=host.engine_id),
+    )
 
 
 async def _inputs(host: Any, job: StageJob) -> dict[str, Any]:
     from coderai.engine_worker.engines.video_stages import Tensor
 
     out = {}
-    for name, ref in (job.handoff.tensors.items() if job.handoff else ()):
+    for name, ref in job.handoff.tensors.items() if job.handoff else ():
         data = await host.blobs.get(Blob(name=ref.object))
         out[name] = Tensor(data=data, shape=ref.shape, dtype=ref.dtype, sha256=ref.sha256)
     return out
@@ -85,20 +88,39 @@ async def run(host: Any, job: StageJob, writer: FrameWriter) -> None:
         if out.frames is not None:
             video = await host.blobs.put(out.frames, "video/mp4", suffix=".mp4")
         usage = Usage(prompt_tokens=out.tokens, total_tokens=out.tokens)
-        done = StageDone(seq=writer.next_seq(), engine_id=host.engine_id, node=host.node_id, handoff=handoff,
-                         video=video, frames=job.job.num_frames if video else 0, usage=usage,
-                         duration_s=time.monotonic() - t0)
+        done = StageDone(
+            seq=writer.next_seq(),
+            engine_id=host.engine_id,
+            node=host.node_id,
+            handoff=handoff,
+            video=video,
+            frames=job.job.num_frames if video else 0,
+            usage=usage,
+            duration_s=time.monotonic() - t0,
+        )
         await writer.send(done)
         host.served += 1
         log.info("stage %s of %s done in %.2fs", what, job.request_id, done.duration_s)
     except (HandoffMismatch, BlobMissing, ValueError) as exc:  # a handoff that does not fit, or a bad job
         log.warning("stage %s of %s refused: %s", what, job.request_id, exc)
-        await writer.send(ErrorReply(code="bad_request", message=f"stage {what}: {exc}", seq=writer.next_seq(),
-                                     param=getattr(exc, "param", None)))
+        await writer.send(
+            ErrorReply(
+                code="bad_request",
+                message=f"stage {what}: {exc}",
+                seq=writer.next_seq(),
+                param=getattr(exc, "param", None),
+            )
+        )
     except Exception as exc:
         log.exception("stage %s of %s failed", what, job.request_id)
-        await writer.send(ErrorReply(code="engine_failed", message=f"stage {what}: {type(exc).__name__}: {exc}",
-                                     retryable=True, seq=writer.next_seq()))
+        await writer.send(
+            ErrorReply(
+                code="engine_failed",
+                message=f"stage {what}: {type(exc).__name__}: {exc}",
+                retryable=True,
+                seq=writer.next_seq(),
+            )
+        )
     finally:
         host.in_flight -= 1
         host._cancels.pop(job.request_id, None)

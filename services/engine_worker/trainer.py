@@ -138,16 +138,25 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         import importlib.util
 
         if not cuda or importlib.util.find_spec("bitsandbytes") is None:
-            raise SystemExit("QLoRA needs bitsandbytes and a CUDA GPU on every training node; this node lacks "
-                             + ("a CUDA GPU" if not cuda else "bitsandbytes") + " (use method \"lora\")")
+            raise SystemExit(
+                "QLoRA needs bitsandbytes and a CUDA GPU on every training node; this node lacks "
+                + ("a CUDA GPU" if not cuda else "bitsandbytes")
+                + ' (use method "lora")'
+            )
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     backend = "nccl" if cuda else "gloo"
     url = f"tcp://{spec.master_addr}:{spec.master_port}"
-    _collective(dist.init_process_group, backend, init_method=url, rank=spec.rank, world_size=spec.world_size,
-                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    _collective(
+        dist.init_process_group,
+        backend,
+        init_method=url,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     try:
         tok = AutoTokenizer.from_pretrained(spec.base_path)
         kwargs: dict = {"dtype": torch.float32}
@@ -155,24 +164,32 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
             from peft import prepare_model_for_kbit_training
             from transformers import BitsAndBytesConfig
 
-            kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                                bnb_4bit_compute_dtype=torch.bfloat16),
-                      "device_map": {"": 0}}
+            kwargs = {
+                "quantization_config": BitsAndBytesConfig(
+                    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+                ),
+                "device_map": {"": 0},
+            }
         model = AutoModelForCausalLM.from_pretrained(spec.base_path, **kwargs)
         if spec.method == "qlora":
             model = prepare_model_for_kbit_training(model)
         elif cuda:
             model = model.to(device)
         torch.manual_seed(spec.seed)
-        lora = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
-                          task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # one start for every rank, whatever their RNGs did
             _collective(dist.broadcast, p.data, src=0)
         examples = _encode(tok, parse_examples(data_path.read_bytes()))
         valid = _encode(tok, parse_examples(valid_path.read_bytes())) if valid_path else []
-        mine = valid[spec.rank::spec.world_size]  # this rank's share of the validation examples
+        mine = valid[spec.rank :: spec.world_size]  # this rank's share of the validation examples
         hp = spec.hyperparameters
         per_epoch, total = plan_steps(len(examples), spec.world_size, hp.batch_size, hp.n_epochs)
         opt = torch.optim.AdamW(params, lr=BASE_LEARNING_RATE * hp.learning_rate_multiplier, weight_decay=0.0)
@@ -196,7 +213,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                 off = 0
                 for p in params:
                     n = p.numel()
-                    p.grad.copy_(flat[off: off + n].view_as(p.grad))
+                    p.grad.copy_(flat[off : off + n].view_as(p.grad))
                     off += n
                 opt.step()
                 opt.zero_grad(set_to_none=False)
@@ -213,8 +230,15 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                     _collective(dist.all_reduce, vstats)
                     if vstats[1].item() > 0:
                         extra["valid_loss"] = round(vstats[0].item() / vstats[1].item(), 6)
-                say(event="step", step=step, total_steps=total, loss=round(stats[0].item() / spec.world_size, 6),
-                    tokens_per_s=round(tokens / dt, 1), trained_tokens=trained, **extra)
+                say(
+                    event="step",
+                    step=step,
+                    total_steps=total,
+                    loss=round(stats[0].item() / spec.world_size, 6),
+                    tokens_per_s=round(tokens / dt, 1),
+                    trained_tokens=trained,
+                    **extra,
+                )
         digest = adapter_digest(model)
         tmp = out / f".adapter.{os.getpid()}"
         model.save_pretrained(tmp)

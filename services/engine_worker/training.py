@@ -78,12 +78,14 @@ def interface_addresses() -> dict[str, list[str]]:
     """IPv4 addresses by interface name."""
     import psutil  # comes with peft (and accelerate): present wherever training is
 
-    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
-            for name, addrs in psutil.net_if_addrs().items()}
+    return {
+        name: [a.address for a in addrs if a.family == socket.AF_INET] for name, addrs in psutil.net_if_addrs().items()
+    }
 
 
-def pick_address(ifaces: dict[str, list[str]], configured: str = "", mdns: list[str] | None = None,
-                 bus_local: str = "") -> str:
+def pick_address(
+    ifaces: dict[str, list[str]], configured: str = "", mdns: list[str] | None = None, bus_local: str = ""
+) -> str:
     """The address other ranks should reach this node at (see the module docstring for the order)."""
     if configured:
         return configured
@@ -142,8 +144,9 @@ class _Run:
 class TrainingHost:
     """The trainer children of this worker, by job id."""
 
-    def __init__(self, bus: Any, node_id: str, data_dir: Path, *, train_addr: str = "",
-                 mdns_interfaces: list[str] | None = None) -> None:
+    def __init__(
+        self, bus: Any, node_id: str, data_dir: Path, *, train_addr: str = "", mdns_interfaces: list[str] | None = None
+    ) -> None:
         self.bus = bus
         self.node_id = node_id
         self.models_dir = data_dir / "models"
@@ -153,8 +156,11 @@ class TrainingHost:
         self.runs: dict[str, _Run] = {}
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
-        for subject, handler in ((CMD_NODE_TRAIN, self._train), (CMD_NODE_TRAIN_STOP, self._stop),
-                                 (CMD_NODE_TRAIN_STATE, self._state)):
+        for subject, handler in (
+            (CMD_NODE_TRAIN, self._train),
+            (CMD_NODE_TRAIN_STOP, self._stop),
+            (CMD_NODE_TRAIN_STATE, self._state),
+        ):
             sub = await self.bus.serve(subject, handler, subject_str=subject(node_id=self.node_id))
             stack.push_async_callback(sub.unsubscribe)
         stack.push_async_callback(self.stop_all)
@@ -176,10 +182,17 @@ class TrainingHost:
             raise BusError("bad_request", "ranks above 0 need master_addr and master_port")
         run = self.runs[spec.job_id] = _Run(spec)
         run.task = asyncio.create_task(self._run(run, ifaces))
-        log.info("training job %s: rank %d of %d, master %s:%d", spec.job_id, spec.rank, spec.world_size,
-                 spec.master_addr, spec.master_port)
-        return TrainStarted(node_id=self.node_id, rank=spec.rank, master_addr=spec.master_addr,
-                            master_port=spec.master_port)
+        log.info(
+            "training job %s: rank %d of %d, master %s:%d",
+            spec.job_id,
+            spec.rank,
+            spec.world_size,
+            spec.master_addr,
+            spec.master_port,
+        )
+        return TrainStarted(
+            node_id=self.node_id, rank=spec.rank, master_addr=spec.master_addr, master_port=spec.master_port
+        )
 
     async def _stop(self, req: TrainStop, _m: Any) -> TrainStopped:
         run = self.runs.get(req.job_id)
@@ -195,8 +208,9 @@ class TrainingHost:
         if run is None:
             return TrainState(node_id=self.node_id)
         reports = [*run.steps, *([run.final] if run.final is not None else [])]
-        return TrainState(node_id=self.node_id, rank=run.spec.rank, known=True, running=not run.stopped,
-                          reports=reports)
+        return TrainState(
+            node_id=self.node_id, rank=run.spec.rank, known=True, running=not run.stopped, reports=reports
+        )
 
     async def _end(self, run: _Run) -> None:
         run.stopped = True
@@ -214,8 +228,7 @@ class TrainingHost:
             await self._end(run)
 
     async def _report(self, spec: TrainSpec, kind: str, **fields: Any) -> None:
-        rep = TrainReport(job_id=spec.job_id, node_id=self.node_id, rank=spec.rank,
-                          kind=kind, **fields)  # type: ignore[arg-type]
+        rep = TrainReport(job_id=spec.job_id, node_id=self.node_id, rank=spec.rank, kind=kind, **fields)  # type: ignore[arg-type]
         run = self.runs.get(spec.job_id)
         if run is not None and run.spec is spec:  # kept: a restarted scheduler asks for what it missed
             if kind == "step":
@@ -255,21 +268,40 @@ class TrainingHost:
         job_dir = self.work_dir / spec.job_id
         job_dir.mkdir(parents=True, exist_ok=True)
         data = await fetch_file(bus_request(self.bus), spec.data_store_path, self.models_dir)
-        valid = (await fetch_file(bus_request(self.bus), spec.valid_store_path, self.models_dir)
-                 if spec.valid_store_path else None)
+        valid = (
+            await fetch_file(bus_request(self.bus), spec.valid_store_path, self.models_dir)
+            if spec.valid_store_path
+            else None
+        )
         spec_file = job_dir / f"spec-{spec.rank}.json"
         spec_file.write_bytes(encode(spec))
         own = spec.master_addr if spec.rank == 0 else await asyncio.to_thread(source_address_towards, spec.master_addr)
         ifname = interface_of(ifaces, own)
-        env = dict(os.environ, MASTER_ADDR=spec.master_addr, MASTER_PORT=str(spec.master_port),
-                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(spec.master_port),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
         if ifname:
             env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = ifname
         if run.stopped:
             return
         run.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "coderai.engine_worker.trainer", "--spec", str(spec_file), "--data", str(data),
-            *(("--valid", str(valid)) if valid else ()), "--out", str(job_dir), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            sys.executable,
+            "-m",
+            "coderai.engine_worker.trainer",
+            "--spec",
+            str(spec_file),
+            "--data",
+            str(data),
+            *(("--valid", str(valid)) if valid else ()),
+            "--out",
+            str(job_dir),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
             limit=1 << 20,
         )
         log.info("training job %s: rank %d runs as pid %d on %s", spec.job_id, spec.rank, run.proc.pid, ifname or "?")
@@ -282,12 +314,19 @@ class TrainingHost:
             line = raw.decode(errors="replace").rstrip()
             if not line.startswith(MARK):
                 continue
-            evt = json.loads(line[len(MARK):])
+            evt = json.loads(line[len(MARK) :])
             kind = evt.pop("event")
             if kind == "step" and spec.rank == 0:
-                await self._report(spec, "step", step=evt["step"], total_steps=evt["total_steps"], loss=evt["loss"],
-                                   tokens_per_s=evt["tokens_per_s"], trained_tokens=evt["trained_tokens"],
-                                   valid_loss=evt.get("valid_loss"))
+                await self._report(
+                    spec,
+                    "step",
+                    step=evt["step"],
+                    total_steps=evt["total_steps"],
+                    loss=evt["loss"],
+                    tokens_per_s=evt["tokens_per_s"],
+                    trained_tokens=evt["trained_tokens"],
+                    valid_loss=evt.get("valid_loss"),
+                )
             elif kind == "done":
                 done = evt
             elif kind == "failed":
@@ -299,8 +338,13 @@ class TrainingHost:
         if rc == 0 and done is not None:
             if spec.rank == 0:
                 await self._upload(spec, job_dir / "adapter")
-            await self._report(spec, "done", digest=done["digest"], total_steps=done["total_steps"],
-                               trained_tokens=done["trained_tokens"])
+            await self._report(
+                spec,
+                "done",
+                digest=done["digest"],
+                total_steps=done["total_steps"],
+                trained_tokens=done["trained_tokens"],
+            )
             log.info("training job %s: rank %d done", spec.job_id, spec.rank)
             return
         if failed is not None:
@@ -326,17 +370,24 @@ class TrainingHost:
             except (BusError, RuntimeError) as exc:
                 if loop.time() + UPLOAD_RETRY_S > deadline:
                     raise RuntimeError(f"the adapter upload failed for {UPLOAD_PATIENCE_S:.0f}s: {exc}") from None
-                log.warning("training job %s: adapter upload failed (%s); retrying in %.0fs", spec.job_id, exc,
-                            UPLOAD_RETRY_S)
+                log.warning(
+                    "training job %s: adapter upload failed (%s); retrying in %.0fs", spec.job_id, exc, UPLOAD_RETRY_S
+                )
                 await asyncio.sleep(UPLOAD_RETRY_S)
 
     async def _send_adapter(self, spec: TrainSpec, data: bytes, digest: str) -> None:
         off = 0
         while True:
-            piece = data[off: off + CHUNK_BYTES]
+            piece = data[off : off + CHUNK_BYTES]
             last = off + len(piece) >= len(data)
-            chunk = AdapterChunk(job_id=spec.job_id, node_id=self.node_id, offset=off, data=piece,
-                                 size=len(data) if last else 0, sha256=digest if last else "")
+            chunk = AdapterChunk(
+                job_id=spec.job_id,
+                node_id=self.node_id,
+                offset=off,
+                data=piece,
+                size=len(data) if last else 0,
+                sha256=digest if last else "",
+            )
             ack = await self.bus.request(TRAIN_UPLOAD, chunk, timeout=60.0, job_id=spec.job_id, node_id=self.node_id)
             off += len(piece)
             if last:

@@ -32,8 +32,9 @@ PROGRESS_EVERY_S = 2.0  # between the events of each state, file and 10 % step
 Publish = Callable[[ModelFetch], Awaitable[None]]
 
 
-async def ensure_weights(config: ModelConfig, request: Request, models_dir: Path, store: ModelStore,
-                         publish: Publish, node_id: str) -> ModelConfig:
+async def ensure_weights(
+    config: ModelConfig, request: Request, models_dir: Path, store: ModelStore, publish: Publish, node_id: str
+) -> ModelConfig:
     """`config` as this node loads it: unchanged when its `path` exists here; else pointing at its weights fetched by
     `source` into `store`, or (no source) from the head's store by `store_path` into `models_dir`."""
     if not config.source or os.path.exists(os.path.expanduser(config.path)):
@@ -74,8 +75,9 @@ async def _pull(entry: Entry, store: ModelStore, report: _Reporter) -> Path:
     relay = asyncio.create_task(report.relay(queue))
     cancel = threading.Event()
     try:
-        rec = await asyncio.to_thread(pull, entry, store, lambda p: loop.call_soon_threadsafe(queue.put_nowait, p),
-                                      cancel=cancel)
+        rec = await asyncio.to_thread(
+            pull, entry, store, lambda p: loop.call_soon_threadsafe(queue.put_nowait, p), cancel=cancel
+        )
     finally:
         cancel.set()
         queue.put_nowait(None)
@@ -111,9 +113,18 @@ class _Reporter:
             return
         self.last, self.last_at = key, now
         self.failed |= p.state == "failed"
-        evt = ModelFetch(node_id=self.node_id, model=self.config.name, source=self.config.source,
-                         state=p.state, file=p.file, bytes_done=p.bytes_done,  # type: ignore[arg-type]
-                         bytes_total=p.bytes_total, rate_bps=p.rate_bps, error=p.error, ts=time.time())
+        evt = ModelFetch(
+            node_id=self.node_id,
+            model=self.config.name,
+            source=self.config.source,
+            state=p.state,
+            file=p.file,
+            bytes_done=p.bytes_done,  # type: ignore[arg-type]
+            bytes_total=p.bytes_total,
+            rate_bps=p.rate_bps,
+            error=p.error,
+            ts=time.time(),
+        )
         if p.state == "failed":
             log.error("fetching the weights of %s failed: %s", self.config.name, p.error)
         try:

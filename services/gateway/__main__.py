@@ -16,9 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", help="address to listen on (CODERAI_GATEWAY_HOST, default 127.0.0.1)")
     ap.add_argument("--port", type=int, help="port (CODERAI_GATEWAY_PORT, default 8000)")
     ap.add_argument("--workers", type=int, help="HTTP worker processes (CODERAI_GATEWAY_WORKERS)")
-    ap.add_argument("--api-keys-file", dest="api_keys_file", help="TOML of hashed API keys (CODERAI_GATEWAY_API_KEYS_FILE)")
-    ap.add_argument("--no-auth", dest="no_auth", action="store_const", const=True,
-                    help="serve without API keys (loopback hosts only)")
+    ap.add_argument(
+        "--api-keys-file", dest="api_keys_file", help="TOML of hashed API keys (CODERAI_GATEWAY_API_KEYS_FILE)"
+    )
+    ap.add_argument(
+        "--no-auth",
+        dest="no_auth",
+        action="store_const",
+        const=True,
+        help="serve without API keys (loopback hosts only)",
+    )
     args = ap.parse_args(argv)
     try:
         settings = settings_from_args(GatewaySettings, "gateway", args)
@@ -63,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-GRANIAN_LOGGING = {"loggers": {"_granian": {"handlers": [], "propagate": True},
-                               "granian.access": {"handlers": [], "propagate": True}}}
+GRANIAN_LOGGING = {
+    "loggers": {"_granian": {"handlers": [], "propagate": True}, "granian.access": {"handlers": [], "propagate": True}}
+}
 """Granian's loggers without handlers of their own: what it logs goes through the root logger, as every line of the
 gateway does (JSON off a terminal), in its main process and in each worker (whose app sets the root logger up)."""
 

@@ -86,8 +86,12 @@ def checked_usage(usage: Usage, prompt_most: int, completion_most: int) -> tuple
     p = min(max(0, usage.prompt_tokens), prompt_most)
     c = min(max(0, usage.completion_tokens), completion_most)
     cached = min(max(0, usage.cached_tokens), p)
-    if (p, c, cached) == (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) \
-            and usage.total_tokens == p + c and usage.prompt_ms >= 0 and usage.generate_ms >= 0:
+    if (
+        (p, c, cached) == (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        and usage.total_tokens == p + c
+        and usage.prompt_ms >= 0
+        and usage.generate_ms >= 0
+    ):
         return usage, ""
     why = []
     if usage.prompt_tokens != p:
@@ -96,15 +100,22 @@ def checked_usage(usage: Usage, prompt_most: int, completion_most: int) -> tuple
         why.append(f"completion_tokens {usage.completion_tokens} (at most {completion_most})")
     if usage.cached_tokens != cached:
         why.append(f"cached_tokens {usage.cached_tokens}")
-    checked = Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=cached,
-                    prompt_ms=max(0.0, usage.prompt_ms), generate_ms=max(0.0, usage.generate_ms))
+    checked = Usage(
+        prompt_tokens=p,
+        completion_tokens=c,
+        total_tokens=p + c,
+        cached_tokens=cached,
+        prompt_ms=max(0.0, usage.prompt_ms),
+        generate_ms=max(0.0, usage.generate_ms),
+    )
     return checked, ", ".join(why)
 
 
 def price(cfg: ModelConfig, usage: Usage, work: Work | None = None) -> float:
     """What a request costs: its tokens at the model's prices, and the image or video work it was given."""
-    return (usage.prompt_tokens * cfg.price_prompt_per_mtok + usage.completion_tokens * cfg.price_completion_per_mtok) / 1e6 \
-        + work_price(cfg, work)
+    return (
+        usage.prompt_tokens * cfg.price_prompt_per_mtok + usage.completion_tokens * cfg.price_completion_per_mtok
+    ) / 1e6 + work_price(cfg, work)
 
 
 def work_price(cfg: ModelConfig, work: Work | None) -> float:
@@ -134,7 +145,9 @@ class Trace:
 
     def start(self, name: str, **attributes: Any) -> None:
         if tracing.enabled():
-            self.span = tracing.start_span(name, kind="server", attributes={f"coderai.{k}": v for k, v in attributes.items()})
+            self.span = tracing.start_span(
+                name, kind="server", attributes={f"coderai.{k}": v for k, v in attributes.items()}
+            )
 
     def end(self, done: RequestCompleted) -> None:
         if self.span is NO_SPAN:
@@ -144,9 +157,12 @@ class Trace:
             tracing.set_error(self.span, done.status)
         self.engine_span.end()
         attrs: dict[str, Any] = {
-            "coderai.status": done.status, "http.response.status_code": done.http_status,
-            "coderai.engine_id": done.engine_id, "coderai.route_reason": done.route_reason,
-            "coderai.prompt_tokens": done.prompt_tokens, "coderai.completion_tokens": done.completion_tokens,
+            "coderai.status": done.status,
+            "http.response.status_code": done.http_status,
+            "coderai.engine_id": done.engine_id,
+            "coderai.route_reason": done.route_reason,
+            "coderai.prompt_tokens": done.prompt_tokens,
+            "coderai.completion_tokens": done.completion_tokens,
         }
         if done.ttft_s is not None:
             attrs["coderai.ttft_s"] = done.ttft_s
@@ -213,8 +229,13 @@ class Accounts:
         except Limited as lim:
             raise _over(lim) from None
         except (OSError, RedisError, NatsError) as exc:  # NATS: an emptied Redis's spend not read back from EVENTS
-            raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
-                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+            raise ApiError(
+                503,
+                f"The limits store is unavailable: {exc}",
+                type="service_unavailable",
+                code="key_store_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         return Admission(cfg, held)
 
     async def check_budget(self, who: Caller, cfg: ModelConfig, job: Any) -> None:
@@ -228,8 +249,13 @@ class Accounts:
         except Limited as lim:
             raise _over(lim) from None
         except (OSError, RedisError) as exc:
-            raise ApiError(503, f"The limits store is unavailable: {exc}", type="service_unavailable",
-                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+            raise ApiError(
+                503,
+                f"The limits store is unavailable: {exc}",
+                type="service_unavailable",
+                code="key_store_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
 
     async def refresh(self, held: Reservation) -> None:
         if self.limiter is not None:
@@ -242,8 +268,14 @@ class Accounts:
         key = who.key
         if key is not None and self.limiter is not None and (key.tpm or admission.held is not None):
             try:
-                await self.limiter.charge(key.name, done.prompt_tokens + done.completion_tokens, key.tpm, done.cost_usd,
-                                          key.budget_period, admission.held)
+                await self.limiter.charge(
+                    key.name,
+                    done.prompt_tokens + done.completion_tokens,
+                    key.tpm,
+                    done.cost_usd,
+                    key.budget_period,
+                    admission.held,
+                )
             except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
                 log.warning("could not charge key %s: %s", key.name, exc)
         trace.end(done)
@@ -253,17 +285,38 @@ class Accounts:
 
 def _over(lim: Limited) -> ApiError:
     code = "insufficient_quota" if "budget" in lim.what else "rate_limit_exceeded"
-    return ApiError(429, f"Over this key's {lim.what}.", type="rate_limit_error", code=code,
-                    headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))})
+    return ApiError(
+        429,
+        f"Over this key's {lim.what}.",
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(max(1, math.ceil(lim.retry_after_s)))},
+    )
 
 
 def log_completed(done: RequestCompleted) -> None:
     """The request's one line at INFO, as structured fields (JSON off a terminal): what an operator greps for a
     request id, without the metrics stack. The key's name only, never the key; no prompt, no answer."""
-    log.info("request completed", extra={"request_id": done.request_id, "fields": {
-        "key_name": done.key_name, "model": done.model, "op": done.op, "status": done.status,
-        "http_status": done.http_status, "stream": done.stream, "route": done.route_reason, "engine": done.engine_id,
-        "engine_node": done.node_id, "parts": done.parts,
-        "ttft_ms": None if done.ttft_s is None else round(done.ttft_s * 1000, 1),
-        "total_ms": round(done.duration_s * 1000, 1), "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens, "client_request_id": done.client_request_id}})
+    log.info(
+        "request completed",
+        extra={
+            "request_id": done.request_id,
+            "fields": {
+                "key_name": done.key_name,
+                "model": done.model,
+                "op": done.op,
+                "status": done.status,
+                "http_status": done.http_status,
+                "stream": done.stream,
+                "route": done.route_reason,
+                "engine": done.engine_id,
+                "engine_node": done.node_id,
+                "parts": done.parts,
+                "ttft_ms": None if done.ttft_s is None else round(done.ttft_s * 1000, 1),
+                "total_ms": round(done.duration_s * 1000, 1),
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
+                "client_request_id": done.client_request_id,
+            },
+        },
+    )

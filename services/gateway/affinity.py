@@ -97,5 +97,6 @@ def scoped(route: RouteRequest, scope: str) -> RouteRequest:
     def one(key: str) -> str:
         return _h(b"scoped", s, key.encode()) if key else ""
 
-    return msgspec.structs.replace(route, session=one(route.session), user=one(route.user),
-                                   prefix=[one(k) for k in route.prefix])
+    return msgspec.structs.replace(
+        route, session=one(route.session), user=one(route.user), prefix=[one(k) for k in route.prefix]
+    )

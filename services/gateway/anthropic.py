@@ -23,9 +23,16 @@ from coderai.gateway.seal import sealer
 from coderai.gateway.state import InferenceController
 
 CLAUDE_CODE_SESSION_HEADER = "X-Claude-Code-Session-Id"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-               529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 _enc = msgspec.json.Encoder()
 
 
@@ -36,13 +43,21 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def _api_error(_: Request, exc: ApiError) -> Response:
-    return Response(content=_enc.encode(error_body(exc.status, exc.message)), status_code=exc.status,
-                    media_type="application/json", headers=exc.headers)
+    return Response(
+        content=_enc.encode(error_body(exc.status, exc.message)),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:
-    return Response(content=_enc.encode(error_body(exc.status_code, str(exc.detail))), status_code=exc.status_code,
-                    media_type="application/json", headers=getattr(exc, "headers", None) or {})
+    return Response(
+        content=_enc.encode(error_body(exc.status_code, str(exc.detail))),
+        status_code=exc.status_code,
+        media_type="application/json",
+        headers=getattr(exc, "headers", None) or {},
+    )
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
@@ -69,9 +84,16 @@ class Events:
         if self.started:
             return b""
         self.started = True
-        message = {"id": f"msg_{self.rid}", "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        message = {
+            "id": f"msg_{self.rid}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
         return event("message_start", {"type": "message_start", "message": message}) + event("ping", {"type": "ping"})
 
     def _close(self) -> bytes:
@@ -88,8 +110,9 @@ class Events:
         out = self._close()
         self.index += 1
         self.open = holds
-        return out + event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                    "content_block": block})
+        return out + event(
+            "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+        )
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
@@ -110,8 +133,17 @@ class Events:
             n = call.get("index", 0)
             fn = call.get("function") or {}
             if n not in self.tools:
-                out.append(self._start(("tool", n), {"type": "tool_use", "id": wire.tool_use_id(call.get("id")),
-                                                     "name": fn.get("name", ""), "input": {}}))
+                out.append(
+                    self._start(
+                        ("tool", n),
+                        {
+                            "type": "tool_use",
+                            "id": wire.tool_use_id(call.get("id")),
+                            "name": fn.get("name", ""),
+                            "input": {},
+                        },
+                    )
+                )
                 self.tools[n] = self.index
             if fn.get("arguments"):
                 out.append(self._delta(self.tools[n], {"type": "input_json_delta", "partial_json": fn["arguments"]}))
@@ -121,13 +153,20 @@ class Events:
 
     async def final(self, frame: Final) -> bytes:
         reason = wire.stop_reason(self.finish, bool(self.tools))
-        return (self._head() + self._close()
-                + event("message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": reason, "stop_sequence": None},
-                                          "usage": wire.usage_json(frame.usage),
-                                          **({"context_management": {"applied_edits": self.applied}}
-                                             if self.applied else {})})
-                + event("message_stop", {"type": "message_stop"}))
+        return (
+            self._head()
+            + self._close()
+            + event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": None},
+                    "usage": wire.usage_json(frame.usage),
+                    **({"context_management": {"applied_edits": self.applied}} if self.applied else {}),
+                },
+            )
+            + event("message_stop", {"type": "message_stop"})
+        )
 
     def error(self, err: ApiError) -> bytes:
         """An engine failure after the status line: Anthropic's `error` event, which the SDK raises."""
@@ -149,20 +188,21 @@ class AnthropicController(InferenceController):
         req = await read_json(request, wire.MessagesRequest)
         messages, applied = wire.context_edited(req)
         job = wire.chat_job(req, new_request_id(), messages)
-        route = chat_route(request, who, job, wire.user_id(req),
-                           wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER)))
+        route = chat_route(
+            request, who, job, wire.user_id(req), wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER))
+        )
         call = Call(self.gw, who, "chat", job, route)
         if not job.stream:
             final = await answer(call, request)
-            body = wire.message_body(job.request_id, job.model, final.choices[0] if final.choices else None,
-                                     final.usage, applied)
+            body = wire.message_body(
+                job.request_id, job.model, final.choices[0] if final.choices else None, final.usage, applied
+            )
             return json_response(body, headers=_headers(call))
         await call.admit()
         first = await until_disconnect(request, call.open())
         events = Events(job.request_id, job.model, applied)
         pieces = relay_stream(call, first, events.chunk, events.final, error=events.error)
-        return Stream(pieces, media_type="text/event-stream",
-                      headers={**_headers(call), **STREAM_HEADERS})
+        return Stream(pieces, media_type="text/event-stream", headers={**_headers(call), **STREAM_HEADERS})
 
     @post("/count_tokens", status_code=200)
     async def count_tokens(self, request: Request) -> Response:
@@ -171,8 +211,9 @@ class AnthropicController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, wire.CountTokensRequest)
         job = wire.chat_job(req, new_request_id())
-        route = chat_route(request, who, job, None,
-                           wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER)))
+        route = chat_route(
+            request, who, job, None, wire.session_id(req, request.headers.get(CLAUDE_CODE_SESSION_HEADER))
+        )
         call = Call(self.gw, who, "chat", job, route)
         final = await answer(call, request)
         return json_response({"input_tokens": final.usage.prompt_tokens}, headers=_headers(call))

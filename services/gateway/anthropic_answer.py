@@ -34,26 +34,50 @@ def usage_json(u: Usage) -> dict[str, int]:
     not the request marked blocks with `cache_control`) are `cache_read_input_tokens`, the rest `input_tokens`;
     the engine caches as it reads, so nothing is counted as a cache write."""
     cached = min(max(u.cached_tokens, 0), u.prompt_tokens)
-    return {"input_tokens": u.prompt_tokens - cached, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": u.prompt_tokens - cached,
+        "output_tokens": u.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
-def message_body(rid: str, model: str, choice: Choice | None, usage: Usage,
-                 applied: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def message_body(
+    rid: str, model: str, choice: Choice | None, usage: Usage, applied: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The whole answer as Anthropic's `message`: thinking, text, then tool_use blocks."""
     msg = (choice.message if choice else None) or {}
     content: list[dict[str, Any]] = []
     if msg.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": msg["reasoning_content"],
-                        "signature": sealer().sign(msg["reasoning_content"])})
+        content.append(
+            {
+                "type": "thinking",
+                "thinking": msg["reasoning_content"],
+                "signature": sealer().sign(msg["reasoning_content"]),
+            }
+        )
     if msg.get("content"):
         text = msg["content"] if isinstance(msg["content"], str) else joined_text(msg["content"], "content")
         content.append({"type": "text", "text": text})
     calls = msg.get("tool_calls") or []
     for c in calls:
         fn = c.get("function") or {}
-        content.append({"type": "tool_use", "id": tool_use_id(c.get("id")), "name": fn.get("name", ""),
-                        "input": tool_input(fn.get("arguments"))})
-    return {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(choice.finish_reason if choice else None, bool(calls)), "stop_sequence": None,
-            "usage": usage_json(usage), **({"context_management": {"applied_edits": applied}} if applied else {})}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(c.get("id")),
+                "name": fn.get("name", ""),
+                "input": tool_input(fn.get("arguments")),
+            }
+        )
+    return {
+        "id": f"msg_{rid}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(choice.finish_reason if choice else None, bool(calls)),
+        "stop_sequence": None,
+        "usage": usage_json(usage),
+        **({"context_management": {"applied_edits": applied}} if applied else {}),
+    }

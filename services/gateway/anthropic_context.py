@@ -29,9 +29,13 @@ def _estimate_tokens(value: Any) -> int:
 def _count(spec: Any, kind: str, default: int, where: str) -> int:
     if spec is None:
         return default
-    if not isinstance(spec, dict) or spec.get("type") != kind or not isinstance(spec.get("value"), int) or \
-            spec["value"] < 0:
-        raise _bad(f"{where} must be {{\"type\": \"{kind}\", \"value\": <a count>}}.", where)
+    if (
+        not isinstance(spec, dict)
+        or spec.get("type") != kind
+        or not isinstance(spec.get("value"), int)
+        or spec["value"] < 0
+    ):
+        raise _bad(f'{where} must be {{"type": "{kind}", "value": <a count>}}.', where)
     return spec["value"]
 
 
@@ -64,16 +68,22 @@ def context_edited(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict
     return messages, applied
 
 
-def _clear_tool_uses(req: Any, messages: list[dict[str, Any]], edit: dict[str, Any],
-                     where: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _clear_tool_uses(
+    req: Any, messages: list[dict[str, Any]], edit: dict[str, Any], where: str
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
     trigger = _count(edit.get("trigger"), "input_tokens", DEFAULT_TRIGGER_TOKENS, f"{where}.trigger")
     keep = _count(edit.get("keep"), "tool_uses", DEFAULT_KEEP_TOOL_USES, f"{where}.keep")
     exclude = set(edit.get("exclude_tools") or [])
     if _estimate_tokens([req.system, req.tools, messages]) < trigger:
         return messages, {}
-    uses = [b for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), list)
-            for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("name") not in exclude]
-    cleared = {b.get("id") for b in uses[:max(0, len(uses) - keep)]}
+    uses = [
+        b
+        for m in messages
+        if m.get("role") == "assistant" and isinstance(m.get("content"), list)
+        for b in m["content"]
+        if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("name") not in exclude
+    ]
+    cleared = {b.get("id") for b in uses[: max(0, len(uses) - keep)]}
     if not cleared:
         return messages, {}
     inputs = bool(edit.get("clear_tool_inputs"))
@@ -96,21 +106,29 @@ def _clear_tool_uses(req: Any, messages: list[dict[str, Any]], edit: dict[str, A
     return out, {"cleared_tool_uses": len(cleared), "cleared_input_tokens": freed}
 
 
-def _clear_thinking(messages: list[dict[str, Any]], edit: dict[str, Any],
-                    where: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _clear_thinking(
+    messages: list[dict[str, Any]], edit: dict[str, Any], where: str
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
     keep_spec = edit.get("keep", {"type": "thinking_turns", "value": 1})
     if keep_spec == "all":
         return messages, {}
     keep = _count(keep_spec, "thinking_turns", 1, f"{where}.keep")
-    thinking = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and isinstance(m.get("content"), list)
-                and any(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in m["content"])]
-    drop = set(thinking[:max(0, len(thinking) - keep)])
+    thinking = [
+        i
+        for i, m in enumerate(messages)
+        if m.get("role") == "assistant"
+        and isinstance(m.get("content"), list)
+        and any(isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking") for b in m["content"])
+    ]
+    drop = set(thinking[: max(0, len(thinking) - keep)])
     if not drop:
         return messages, {}
     out, freed = [], 0
     for i, m in enumerate(messages):
         if i in drop:
-            gone = [b for b in m["content"] if isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")]
+            gone = [
+                b for b in m["content"] if isinstance(b, dict) and b.get("type") in ("thinking", "redacted_thinking")
+            ]
             freed += _estimate_tokens(gone)
             m = {**m, "content": [b for b in m["content"] if b not in gone] or [{"type": "text", "text": ""}]}
         out.append(m)

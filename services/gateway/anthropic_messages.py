@@ -37,7 +37,7 @@ def tool_use_id(call_id: str | None) -> str:
 
 def engine_call_id(use_id: str) -> str:
     """The engine's id again, for a `tool_use` or `tool_result` the client sends back."""
-    return use_id[len(TOOL_ID_PREFIX):] if use_id.startswith(TOOL_ID_PREFIX) else use_id
+    return use_id[len(TOOL_ID_PREFIX) :] if use_id.startswith(TOOL_ID_PREFIX) else use_id
 
 
 def joined_text(value: Any, where: str) -> str:
@@ -57,8 +57,13 @@ def joined_text(value: Any, where: str) -> str:
 def _system_text(system: Any) -> str:
     """The system prompt's text without the billing block Claude Code puts first (see the module doc)."""
     if isinstance(system, list):
-        system = [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
-                                            and b["text"].lstrip().startswith(BILLING_PREFIX))]
+        system = [
+            b
+            for b in system
+            if not (
+                isinstance(b, dict) and isinstance(b.get("text"), str) and b["text"].lstrip().startswith(BILLING_PREFIX)
+            )
+        ]
     elif isinstance(system, str) and system.lstrip().startswith(BILLING_PREFIX):
         return ""
     return joined_text(system, "system")
@@ -71,8 +76,11 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(src, dict):
         raise _bad(f"{where}.source is required.", f"{where}.source")
     if src.get("type") != "base64":
-        raise _bad(f"{where}.source must be base64 data; this server does not fetch images by URL or file id.",
-                   f"{where}.source", "invalid_image_url")
+        raise _bad(
+            f"{where}.source must be base64 data; this server does not fetch images by URL or file id.",
+            f"{where}.source",
+            "invalid_image_url",
+        )
     media, data = src.get("media_type"), src.get("data")
     if not isinstance(media, str) or not isinstance(data, str) or not data:
         raise _bad(f"{where}.source needs media_type and data.", f"{where}.source")
@@ -118,8 +126,9 @@ def _user(content: list[Any], where: str) -> list[dict[str, Any]]:
         elif kind == "document" and isinstance(b.get("source"), dict) and b["source"].get("type") == "text":
             parts.append({"type": "text", "text": str(b["source"].get("data") or "")})
         else:
-            raise _bad(f"{at}: a user message holds text, image, tool_result or text document blocks, not {kind!r}.",
-                       at)
+            raise _bad(
+                f"{at}: a user message holds text, image, tool_result or text document blocks, not {kind!r}.", at
+            )
     if not parts:
         return tools
     if all(p["type"] == "text" for p in parts):
@@ -138,8 +147,13 @@ def _assistant(content: list[Any], where: str) -> dict[str, Any]:
         elif kind == "tool_use":
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                 raise _bad(f"{at} needs an id and a name.", at)
-            calls.append({"id": engine_call_id(b["id"]), "type": "function",
-                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+            calls.append(
+                {
+                    "id": engine_call_id(b["id"]),
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})},
+                }
+            )
         elif kind == "thinking":  # taken back only as this cluster signed it (gateway/seal.py)
             if sealer().verified(str(b.get("thinking") or ""), b.get("signature")):
                 thoughts.append(str(b.get("thinking") or ""))
@@ -210,8 +224,12 @@ def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | N
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
             raise _bad(f"{where}.name is required.", f"{where}.name")
         if t.get("type") not in (None, "custom") or not isinstance(t.get("input_schema"), dict):
-            raise _bad(f"{where}: only client tools (name, description, input_schema) are supported, not "
-                       f"Anthropic's server tools.", where, "unsupported_tool")
+            raise _bad(
+                f"{where}: only client tools (name, description, input_schema) are supported, not "
+                f"Anthropic's server tools.",
+                where,
+                "unsupported_tool",
+            )
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -251,4 +269,3 @@ def thinking_options(thinking: dict[str, Any] | None) -> dict[str, Any]:
     if kind == "disabled":
         return {"chat_template_kwargs": {"enable_thinking": False}}
     raise _bad("thinking.type must be enabled, adaptive or disabled.", "thinking.type")
-

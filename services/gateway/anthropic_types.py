@@ -21,15 +21,38 @@ from coderai.contracts import ChatJob, RequestId, SamplingParams
 from coderai.gateway.anthropic_answer import STOP_REASONS, message_body, stop_reason, tool_input, usage_json
 from coderai.gateway.anthropic_context import CLEARED, context_edited
 from coderai.gateway.anthropic_messages import (
-    BILLING_PREFIX, TOOL_ID_PREFIX, engine_call_id, openai_messages, openai_tool_choice, openai_tools,
-    thinking_options, tool_use_id,
+    BILLING_PREFIX,
+    TOOL_ID_PREFIX,
+    engine_call_id,
+    openai_messages,
+    openai_tool_choice,
+    openai_tools,
+    thinking_options,
+    tool_use_id,
 )
 from coderai.gateway.errors import ApiError
 
 __all__ = [
-    "BILLING_PREFIX", "CLEARED", "STOP_REASONS", "TOOL_ID_PREFIX", "CountTokensRequest", "MessagesRequest", "chat_job",
-    "context_edited", "engine_call_id", "message_body", "openai_messages", "openai_tool_choice", "openai_tools",
-    "session_id", "stop_reason", "thinking_options", "tool_input", "tool_use_id", "usage_json", "user_id",
+    "BILLING_PREFIX",
+    "CLEARED",
+    "STOP_REASONS",
+    "TOOL_ID_PREFIX",
+    "CountTokensRequest",
+    "MessagesRequest",
+    "chat_job",
+    "context_edited",
+    "engine_call_id",
+    "message_body",
+    "openai_messages",
+    "openai_tool_choice",
+    "openai_tools",
+    "session_id",
+    "stop_reason",
+    "thinking_options",
+    "tool_input",
+    "tool_use_id",
+    "usage_json",
+    "user_id",
 ]
 
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
@@ -73,8 +96,9 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_request") 
     return ApiError(400, message, param=param, code=code)
 
 
-def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str,
-             messages: list[dict[str, Any]] | None = None) -> ChatJob:
+def chat_job(
+    req: MessagesRequest | CountTokensRequest, request_id: str, messages: list[dict[str, Any]] | None = None
+) -> ChatJob:
     """The chat job of a Messages request. A token count is the same prompt answered with one token."""
     counting = isinstance(req, CountTokensRequest)
     tools = openai_tools(req.tools)
@@ -83,8 +107,11 @@ def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str,
         raise _bad("tool_choice names tools, but no tools were given.", "tool_choice")
     options = thinking_options(req.thinking)
     effort = (req.output_config or {}).get("effort")
-    if isinstance(effort, str) and effort in EFFORTS and options.get("chat_template_kwargs", {}).get(
-            "enable_thinking", True):
+    if (
+        isinstance(effort, str)
+        and effort in EFFORTS
+        and options.get("chat_template_kwargs", {}).get("enable_thinking", True)
+    ):
         options["reasoning_effort"] = EFFORTS[effort]
     if parallel is not None:
         options["parallel_tool_calls"] = parallel
@@ -97,9 +124,16 @@ def chat_job(req: MessagesRequest | CountTokensRequest, request_id: str,
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stops)
     if messages is None:
         messages = context_edited(req)[0]
-    return ChatJob(request_id=RequestId(request_id), model=req.model, messages=openai_messages(req.system, messages),
-                   params=params, tools=tools, tool_choice=tool_choice, stream=False if counting else req.stream,
-                   options=options or None)
+    return ChatJob(
+        request_id=RequestId(request_id),
+        model=req.model,
+        messages=openai_messages(req.system, messages),
+        params=params,
+        tools=tools,
+        tool_choice=tool_choice,
+        stream=False if counting else req.stream,
+        options=options or None,
+    )
 
 
 def _user_id_parts(req: MessagesRequest | CountTokensRequest) -> tuple[str | None, str | None]:

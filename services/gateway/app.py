@@ -45,10 +45,26 @@ from coderai.runtime.tracing import setup_tracing
 log = logging.getLogger("coderai.gateway")
 
 CONTROLLERS: list[type[GatewayController]] = [
-    ModelsController, ChatController, EmbeddingsController, ImagesController, BlobsController, AudioController,
-    ResponsesController, OcrController, VideosController, FilesController, FineTuningController, AnthropicController,
+    ModelsController,
+    ChatController,
+    EmbeddingsController,
+    ImagesController,
+    BlobsController,
+    AudioController,
+    ResponsesController,
+    OcrController,
+    VideosController,
+    FilesController,
+    FineTuningController,
+    AnthropicController,
     BatchesController,
-    OllamaController, ContractController, NodesController, KeysController, PodsController, CatalogController, MetricsController,
+    OllamaController,
+    ContractController,
+    NodesController,
+    KeysController,
+    PodsController,
+    CatalogController,
+    MetricsController,
     LiveModelsController,
 ]
 
@@ -81,20 +97,38 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             # the bus or a JetStream leader did not answer (a head's failover, a cluster still forming): the
             # request may be sent again, as the SDKs do with a 503, and it is no fault of the gateway's code
             log.warning("the message bus did not answer: %s", exc or type(exc).__name__)
-            return error_response(ApiError(503, "The message bus did not answer in time; try again shortly.",
-                                           type="service_unavailable", code="bus_unavailable",
-                                           headers={"Retry-After": str(settings.retry_after_s)}))
+            return error_response(
+                ApiError(
+                    503,
+                    "The message bus did not answer in time; try again shortly.",
+                    type="service_unavailable",
+                    code="bus_unavailable",
+                    headers={"Retry-After": str(settings.retry_after_s)},
+                )
+            )
         log.error("unhandled error", exc_info=exc)
-        return error_response(ApiError(500, "Internal error; see the gateway log for this request id.",
-                                       type="server_error", code="internal"))
+        return error_response(
+            ApiError(
+                500, "Internal error; see the gateway log for this request id.", type="server_error", code="internal"
+            )
+        )
 
-    state = {"gw": gw, "videos": videos, "records": records, "pulls": pulls, "responses": Responses(gw),
-             "batches": batches}
+    state = {
+        "gw": gw,
+        "videos": videos,
+        "records": records,
+        "pulls": pulls,
+        "responses": Responses(gw),
+        "batches": batches,
+    }
     app = Litestar(
         route_handlers=[*(bound(c, state) for c in [HealthController, *CONTROLLERS]), *ui_routes()],
         lifespan=[gw.lifespan, videos.lifespan, batches.lifespan],  # entered in order: the sweepers need the bus
-        exception_handlers={ApiError: lambda _, exc: error_response(exc), HTTPException: on_http_error,
-                            Exception: on_error},
+        exception_handlers={
+            ApiError: lambda _, exc: error_response(exc),
+            HTTPException: on_http_error,
+            Exception: on_error,
+        },
         # JSON bodies are held to max_body_bytes by `http.read_json`; uploads to this (one file and the form)
         request_max_body_size=max(settings.max_body_bytes, settings.max_upload_bytes + 1024 * 1024),
         openapi_config=None,
@@ -111,5 +145,3 @@ def bound(controller: type[GatewayController], state: dict[str, object]) -> type
     """`controller` for one app: a subclass holding the state its annotations name (`gw`, and `videos`, ...)."""
     declared = {name for cls in controller.__mro__ for name in vars(cls).get("__annotations__", {})}
     return type(controller.__name__, (controller,), {k: v for k, v in state.items() if k in declared})
-
-

@@ -53,8 +53,11 @@ class Authenticator:
         if self.keys is None:
             return ANONYMOUS
         if not authorization or not authorization.lower().startswith("bearer "):
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                code="invalid_api_key",
+            )
         digest = hash_key(authorization[7:].strip())
         rec = self.keys.get(digest)  # a lookup by digest leaks nothing useful about the key itself
         if rec is not None:
@@ -62,8 +65,11 @@ class Authenticator:
         else:
             stored = await self._stored(digest) if self.store is not None else None
             if stored is None or stored.revoked:
-                raise ApiError(401, "Incorrect API key provided." if stored is None else "This API key has been revoked.",
-                               code="invalid_api_key")
+                raise ApiError(
+                    401,
+                    "Incorrect API key provided." if stored is None else "This API key has been revoked.",
+                    code="invalid_api_key",
+                )
             if reserved_name(stored.name, self.file_names):  # made before names were reserved: never the admin's
                 log.warning("refused key %r from the key store: its name is a bootstrap key's", stored.name)
                 raise ApiError(401, "This API key's name is reserved; ask for a new key.", code="invalid_api_key")
@@ -110,11 +116,20 @@ class Authenticator:
             if known is not None:
                 if not self._stale_said:
                     self._stale_said = True
-                    log.warning("the key store does not answer (%s); keys it answered for in the last %.0f s are "
-                                "let in as they were", exc or type(exc).__name__, KNOWN_S)
+                    log.warning(
+                        "the key store does not answer (%s); keys it answered for in the last %.0f s are "
+                        "let in as they were",
+                        exc or type(exc).__name__,
+                        KNOWN_S,
+                    )
                 return known[0]
-            raise ApiError(503, f"The key store is unavailable: {exc or type(exc).__name__}", type="service_unavailable",
-                           code="key_store_unavailable", headers={"Retry-After": "5"}) from None
+            raise ApiError(
+                503,
+                f"The key store is unavailable: {exc or type(exc).__name__}",
+                type="service_unavailable",
+                code="key_store_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         self._stale_said = False
         self._known.pop(digest, None)
         if stored is not None and not stored.revoked:

@@ -33,11 +33,17 @@ def depth(value: Any, limit: int) -> int:
 def _bounded(value: Any, param: str, max_bytes: int) -> None:
     size = len(msgspec.json.encode(value))
     if size > max_bytes:
-        raise ApiError(400, f"'{param}' is {size} bytes; at most {max_bytes} are taken.", param=param,
-                       code="schema_too_large")
+        raise ApiError(
+            400, f"'{param}' is {size} bytes; at most {max_bytes} are taken.", param=param, code="schema_too_large"
+        )
     if depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise ApiError(400, f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays, which "
-                            "no engine is asked to build a grammar for.", param=param, code="schema_too_complex")
+        raise ApiError(
+            400,
+            f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays, which "
+            "no engine is asked to build a grammar for.",
+            param=param,
+            code="schema_too_complex",
+        )
 
 
 def check_schemas(job: Any) -> None:

@@ -15,8 +15,14 @@ class ApiError(Exception):
     """An error the client sees as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-        param: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -87,5 +93,7 @@ def from_bus(exc: BusError, retry_after_s: int) -> ApiError:
 
 
 def from_http(status: int, detail: str) -> ApiError:
-    type_, code = HTTP_TYPES.get(status, ("server_error" if status >= 500 else "invalid_request_error", f"http_{status}"))
+    type_, code = HTTP_TYPES.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", f"http_{status}")
+    )
     return ApiError(status, detail, type=type_, code=code)

@@ -92,9 +92,13 @@ def client_request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-client-request-id":
             if len(value) > CLIENT_REQUEST_ID_MAX or not all(0x20 <= c < 0x7F for c in value):
-                raise ApiError(400, f"{CLIENT_REQUEST_ID_HEADER} must be printable ASCII of at most "
-                                    f"{CLIENT_REQUEST_ID_MAX} characters.", code="invalid_request",
-                               param=CLIENT_REQUEST_ID_HEADER)
+                raise ApiError(
+                    400,
+                    f"{CLIENT_REQUEST_ID_HEADER} must be printable ASCII of at most "
+                    f"{CLIENT_REQUEST_ID_MAX} characters.",
+                    code="invalid_request",
+                    param=CLIENT_REQUEST_ID_HEADER,
+                )
             return value.decode("ascii")
     return ""
 
@@ -106,8 +110,12 @@ def request_priority(scope: Scope) -> int | None:
         if name == b"x-coderai-priority":
             got = PRIORITIES.get(value.decode("latin-1").strip().lower())
             if got is None:
-                raise ApiError(400, f"{PRIORITY_HEADER} must be interactive or background.", code="invalid_request",
-                               param=PRIORITY_HEADER)
+                raise ApiError(
+                    400,
+                    f"{PRIORITY_HEADER} must be interactive or background.",
+                    code="invalid_request",
+                    param=PRIORITY_HEADER,
+                )
             return got
     return None
 
@@ -127,21 +135,28 @@ async def read_json(request: Request, type_: type[T], *, empty: bytes | None = N
     try:
         body = await request.body()
     except InternalServerException:  # litestar's "client disconnected prematurely": granian ended the body
-        raise ApiError(400, "The request body ended before it was whole (a broken chunked encoding, or the client "
-                            "left).", code="incomplete_body") from None
+        raise ApiError(
+            400,
+            "The request body ended before it was whole (a broken chunked encoding, or the client left).",
+            code="incomplete_body",
+        ) from None
     if len(body) > limit:
         raise _too_large(limit)
     if not body and empty is not None:
         return parse(empty, type_)
     if not any_type and not is_json(headers.get("content-type", "")):
-        raise ApiError(415, "Send the body as JSON, with 'Content-Type: application/json'.",
-                       code="unsupported_media_type")
+        raise ApiError(
+            415, "Send the body as JSON, with 'Content-Type: application/json'.", code="unsupported_media_type"
+        )
     return parse(body, type_)
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The request body is over the {limit} byte limit (CODERAI_GATEWAY_MAX_BODY_BYTES).",
-                    code="request_too_large")
+    return ApiError(
+        413,
+        f"The request body is over the {limit} byte limit (CODERAI_GATEWAY_MAX_BODY_BYTES).",
+        code="request_too_large",
+    )
 
 
 def parse(body: bytes, type_: type[T]) -> T:

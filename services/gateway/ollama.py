@@ -19,11 +19,23 @@ from coderai.contracts import ChatJob, CompletionJob, EmbedJob, RequestId
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.ollama_answers import (
-    ToolCalls, chat_piece, done_fields, generate_piece, ndjson_stream, ollama_tool_calls,
+    ToolCalls,
+    chat_piece,
+    done_fields,
+    generate_piece,
+    ndjson_stream,
+    ollama_tool_calls,
 )
 from coderai.gateway.ollama_models import FOREVER, OllamaModelRoutes, model_json, running_json  # noqa: F401 - FOREVER, model_json, running_json: imported from here too
 from coderai.gateway.ollama_types import (
-    NDJSON, ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, keep_alive, openai_messages, params,
+    NDJSON,
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+    keep_alive,
+    openai_messages,
+    params,
     response_format,
 )
 from coderai.gateway.ollama_types import line as _line
@@ -36,8 +48,12 @@ VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate f
 
 def _ollama_error(_: Request, exc: ApiError) -> Response:
     """Ollama's error shape, `{"error": "<message>"}`, with the same status (and Retry-After) as the OpenAI routes."""
-    return Response(content=msgspec.json.encode({"error": exc.message}), status_code=exc.status,
-                    media_type="application/json", headers=exc.headers)
+    return Response(
+        content=msgspec.json.encode({"error": exc.message}),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
 
 
 class OllamaController(OllamaModelRoutes):
@@ -56,9 +72,16 @@ class OllamaController(OllamaModelRoutes):
         job = ChatJob(request_id=RequestId(new_request_id()), model=model, messages=[])
         call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_s)
         await answer(call, request)
-        reason = "unload" if call.keep_alive_s == 0 else "load"  # a tenant's 0 is not applied (pipeline_admit.tenant_keep_alive)
-        body = {"model": model, "created_at": _now(), **({"message": {"role": "assistant", "content": ""}} if chat
-                                                           else {"response": ""}), "done_reason": reason, "done": True}
+        reason = (
+            "unload" if call.keep_alive_s == 0 else "load"
+        )  # a tenant's 0 is not applied (pipeline_admit.tenant_keep_alive)
+        body = {
+            "model": model,
+            "created_at": _now(),
+            **({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}),
+            "done_reason": reason,
+            "done": True,
+        }
         if stream:
             return Stream(iter([_line(body)]), media_type=NDJSON, headers=call.response_headers())
         return json_response(body, headers=call.response_headers())
@@ -68,24 +91,39 @@ class OllamaController(OllamaModelRoutes):
         req = await read_json(request, ChatRequest, any_type=True)
         if not req.messages:
             return await self._touch(request, req.model, req.keep_alive, req.stream, chat=True)
-        job = ChatJob(request_id=RequestId(new_request_id()), model=req.model, messages=openai_messages(req.messages),
-                      params=params(req.options), tools=req.tools or None, stream=req.stream,
-                      response_format=response_format(req.format))
+        job = ChatJob(
+            request_id=RequestId(new_request_id()),
+            model=req.model,
+            messages=openai_messages(req.messages),
+            params=params(req.options),
+            tools=req.tools or None,
+            stream=req.stream,
+            response_format=response_format(req.format),
+        )
         call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_alive(req.keep_alive))
         if not job.stream:
             final = await answer(call, request)
             choice = final.choices[0] if final.choices else None
             message = dict(choice.message or {}) if choice else {}
-            body = {"model": req.model, "created_at": _now(),
-                    "message": {"role": "assistant", "content": message.get("content") or "",
-                                **({"tool_calls": t} if (t := ollama_tool_calls(message.get("tool_calls"))) else {})},
-                    **done_fields(call, final, choice.finish_reason if choice else None)}
+            body = {
+                "model": req.model,
+                "created_at": _now(),
+                "message": {
+                    "role": "assistant",
+                    "content": message.get("content") or "",
+                    **({"tool_calls": t} if (t := ollama_tool_calls(message.get("tool_calls"))) else {}),
+                },
+                **done_fields(call, final, choice.finish_reason if choice else None),
+            }
             return json_response(body, headers=call.response_headers())
         tools = ToolCalls()  # streamed with tools too (Open WebUI always sends them): each call whole, before the last
-        return await ndjson_stream(call, request, partial(chat_piece, req.model, tools),
-                             lambda final: {"model": req.model, "created_at": _now(),
-                                            "message": {"role": "assistant", "content": ""}},
-                             before_last=lambda: tools.line(req.model))
+        return await ndjson_stream(
+            call,
+            request,
+            partial(chat_piece, req.model, tools),
+            lambda final: {"model": req.model, "created_at": _now(), "message": {"role": "assistant", "content": ""}},
+            before_last=lambda: tools.line(req.model),
+        )
 
     @post("/generate", status_code=200)
     async def generate(self, request: Request) -> Response | Stream:
@@ -94,40 +132,68 @@ class OllamaController(OllamaModelRoutes):
             return await self._touch(request, req.model, req.keep_alive, req.stream, chat=False)
         rid = RequestId(new_request_id())
         if req.raw:
-            job: Any = CompletionJob(request_id=rid, model=req.model, prompt=req.prompt, params=params(req.options),
-                                     stream=req.stream)
+            job: Any = CompletionJob(
+                request_id=rid, model=req.model, prompt=req.prompt, params=params(req.options), stream=req.stream
+            )
             op = "complete"
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
-                {"role": "user", "content": req.prompt}]
-            job = ChatJob(request_id=rid, model=req.model, messages=messages, params=params(req.options),
-                          stream=req.stream, response_format=response_format(req.format))
+                {"role": "user", "content": req.prompt}
+            ]
+            job = ChatJob(
+                request_id=rid,
+                model=req.model,
+                messages=messages,
+                params=params(req.options),
+                stream=req.stream,
+                response_format=response_format(req.format),
+            )
             op = "chat"
         call = Call(self.gw, self.caller(request), op, job, keep_alive_s=keep_alive(req.keep_alive))
         if not req.stream:
             final = await answer(call, request)
             choice = final.choices[0] if final.choices else None
             text = (choice.text if op == "complete" else (choice.message or {}).get("content")) if choice else ""
-            return json_response({"model": req.model, "created_at": _now(), "response": text or "",
-                                  **done_fields(call, final, choice.finish_reason if choice else None)},
-                                 headers=call.response_headers())
-        return await ndjson_stream(call, request, partial(generate_piece, req.model),
-                             lambda final: {"model": req.model, "created_at": _now(), "response": ""})
+            return json_response(
+                {
+                    "model": req.model,
+                    "created_at": _now(),
+                    "response": text or "",
+                    **done_fields(call, final, choice.finish_reason if choice else None),
+                },
+                headers=call.response_headers(),
+            )
+        return await ndjson_stream(
+            call,
+            request,
+            partial(generate_piece, req.model),
+            lambda final: {"model": req.model, "created_at": _now(), "response": ""},
+        )
 
     @post("/embed", status_code=200)
     async def embed(self, request: Request) -> Response:
         req = await read_json(request, EmbedRequest, any_type=True)
         texts = [req.input] if isinstance(req.input, str) else list(req.input)
         if not texts or any(not t for t in texts):
-            raise ApiError(400, "'input' must be text, or a list of texts, none of them empty.", param="input",
-                           code="invalid_value")
+            raise ApiError(
+                400,
+                "'input' must be text, or a list of texts, none of them empty.",
+                param="input",
+                code="invalid_value",
+            )
         job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=texts, dimensions=req.dimensions)
         call = Call(self.gw, self.caller(request), "embed", job, keep_alive_s=keep_alive(req.keep_alive))
         final = await answer(call, request)
-        return json_response({"model": req.model, "embeddings": formats.vectors(final.output),
-                              "total_duration": int((time.monotonic() - call.started) * 1e9), "load_duration": 0,
-                              "prompt_eval_count": final.usage.prompt_tokens}, headers=call.response_headers())
-
+        return json_response(
+            {
+                "model": req.model,
+                "embeddings": formats.vectors(final.output),
+                "total_duration": int((time.monotonic() - call.started) * 1e9),
+                "load_duration": 0,
+                "prompt_eval_count": final.usage.prompt_tokens,
+            },
+            headers=call.response_headers(),
+        )
 
     @post("/embeddings", status_code=200)
     async def embeddings(self, request: Request) -> Response:

@@ -17,6 +17,7 @@ from coderai.gateway.ollama_types import line as _line
 from coderai.gateway.ollama_types import now as _now
 from coderai.gateway.pipeline import Call, open_stream
 
+
 def ollama_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not calls:
         return None
@@ -42,9 +43,16 @@ def done_fields(call: Call, final: Final, reason: str | None) -> dict[str, Any]:
     else:
         prompt = int((call.ttft_s or 0) * 1e9) if call.streamed else 0
         gen = max(0, total - prompt)
-    return {"done": True, "done_reason": reason or "stop", "total_duration": total, "load_duration": 0,
-            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": prompt,
-            "eval_count": u.completion_tokens, "eval_duration": gen}
+    return {
+        "done": True,
+        "done_reason": reason or "stop",
+        "total_duration": total,
+        "load_duration": 0,
+        "prompt_eval_count": u.prompt_tokens,
+        "prompt_eval_duration": prompt,
+        "eval_count": u.completion_tokens,
+        "eval_duration": gen,
+    }
 
 
 class ToolCalls:
@@ -68,8 +76,14 @@ class ToolCalls:
         if not self.calls:
             return b""
         calls = ollama_tool_calls([self.calls[i] for i in sorted(self.calls)])
-        return _line({"model": model, "created_at": _now(), "message": {"role": "assistant", "content": "",
-                      "tool_calls": calls}, "done": False})
+        return _line(
+            {
+                "model": model,
+                "created_at": _now(),
+                "message": {"role": "assistant", "content": "", "tool_calls": calls},
+                "done": False,
+            }
+        )
 
 
 def chat_piece(model: str, tools: ToolCalls, frame: Chunk) -> bytes:
@@ -78,16 +92,25 @@ def chat_piece(model: str, tools: ToolCalls, frame: Chunk) -> bytes:
         tools.add(delta["tool_calls"])
         if not delta.get("content") and not delta.get("reasoning_content"):
             return b""
-    return _line({"model": model, "created_at": _now(), "message": {"role": "assistant",
-                  "content": delta.get("content") or "", **({"thinking": delta["reasoning_content"]}
-                                                           if delta.get("reasoning_content") else {})},
-                  "done": False})
+    return _line(
+        {
+            "model": model,
+            "created_at": _now(),
+            "message": {
+                "role": "assistant",
+                "content": delta.get("content") or "",
+                **({"thinking": delta["reasoning_content"]} if delta.get("reasoning_content") else {}),
+            },
+            "done": False,
+        }
+    )
 
 
 def generate_piece(model: str, frame: Chunk) -> bytes:
     delta = frame.delta or {}
-    return _line({"model": model, "created_at": _now(), "response": frame.text or delta.get("content") or "",
-                  "done": False})
+    return _line(
+        {"model": model, "created_at": _now(), "response": frame.text or delta.get("content") or "", "done": False}
+    )
 
 
 async def ndjson_stream(call: Call, request: Request, chunk: Any, head: Any, before_last: Any = None) -> Stream:

@@ -97,12 +97,17 @@ def _with_parameters(cfg: ModelConfig, parameters: list[tuple[str, Any]]) -> Mod
             elif key == "num_predict":
                 changes["default_output_tokens"] = max(0, int(value))
             else:
-                raise ApiError(400, f"PARAMETER {key} is not supported by coderai's create (stop, num_ctx and "
-                                    "num_predict are); sampling options go with each request.",
-                               param="parameters", code="unsupported_parameter")
+                raise ApiError(
+                    400,
+                    f"PARAMETER {key} is not supported by coderai's create (stop, num_ctx and "
+                    "num_predict are); sampling options go with each request.",
+                    param="parameters",
+                    code="unsupported_parameter",
+                )
         except (TypeError, ValueError):
-            raise ApiError(400, f"PARAMETER {key} {value!r} is not a number.", param="parameters",
-                           code="invalid_value") from None
+            raise ApiError(
+                400, f"PARAMETER {key} {value!r} is not a number.", param="parameters", code="invalid_value"
+            ) from None
     return msgspec.structs.replace(cfg, stop=list(dict.fromkeys(stop)), params=params, **changes)
 
 
@@ -121,8 +126,12 @@ class OllamaCreateRoutes(InferenceController):
         digest = digest.removeprefix("/")  # a path parameter's leading slash
         m = BLOB_DIGEST.match(digest)
         if m is None:
-            raise ApiError(400, f"invalid digest format {digest[:80]!r}: sha256:<64 lowercase hex digits>",
-                           param="digest", code="invalid_value")
+            raise ApiError(
+                400,
+                f"invalid digest format {digest[:80]!r}: sha256:<64 lowercase hex digits>",
+                param="digest",
+                code="invalid_value",
+            )
         return self._store().root / BLOBS / f"sha256-{m.group(1)}"
 
     @head("/blobs/{digest:path}")  # a path: a digest holding "/" is refused here (400), not left to the router
@@ -156,8 +165,12 @@ class OllamaCreateRoutes(InferenceController):
                         pending.clear()
                 await asyncio.to_thread(flush, bytes(pending))
             if h.hexdigest() != dest.name.removeprefix("sha256-"):
-                raise ApiError(400, f"digest mismatch: the body's is sha256:{h.hexdigest()}, not {digest}",
-                               param="digest", code="digest_mismatch")
+                raise ApiError(
+                    400,
+                    f"digest mismatch: the body's is sha256:{h.hexdigest()}, not {digest}",
+                    param="digest",
+                    code="digest_mismatch",
+                )
             os.replace(part, dest)
         except InternalServerException:  # litestar's "client disconnected prematurely"
             raise ApiError(400, "The upload ended before it was whole.", code="incomplete_body") from None
@@ -177,24 +190,40 @@ class OllamaCreateRoutes(InferenceController):
         for d in digests:
             path = self._blob(d)
             if not path.is_file():
-                raise ApiError(400, f"blob {d} not found: upload it first (POST /api/blobs/{d})", param="files",
-                               code="blob_not_found")
+                raise ApiError(
+                    400,
+                    f"blob {d} not found: upload it first (POST /api/blobs/{d})",
+                    param="files",
+                    code="blob_not_found",
+                )
             gguf = facts(path)
             if gguf is None:
-                raise ApiError(400, f"blob {d} is not a GGUF file: only GGUF models can be created",
-                               param="files", code="unsupported_format")
+                raise ApiError(
+                    400,
+                    f"blob {d} is not a GGUF file: only GGUF models can be created",
+                    param="files",
+                    code="unsupported_format",
+                )
             if gguf.projector:
                 projector = projector or path
             else:
                 main = main or path
             used.append(f"sha256:{path.name.removeprefix('sha256-')}")
         if main is None:
-            raise ApiError(400, "no GGUF model among the files (a projector alone cannot be served)", param="files",
-                           code="invalid_value")
+            raise ApiError(
+                400,
+                "no GGUF model among the files (a projector alone cannot be served)",
+                param="files",
+                code="invalid_value",
+            )
         store = self._store()
-        cfg = ModelConfig(name=name, engine=self._gguf_engine(), path=str(main),  # type: ignore[arg-type]  # a str of GGUF_FAMILIES
-                          store_path=str(main.relative_to(store.root)),
-                          params={"mmproj": str(projector)} if projector else {})
+        cfg = ModelConfig(
+            name=name,
+            engine=self._gguf_engine(),
+            path=str(main),  # type: ignore[arg-type]  # a str of GGUF_FAMILIES
+            store_path=str(main.relative_to(store.root)),
+            params={"mmproj": str(projector)} if projector else {},
+        )
         return cfg, used
 
     @post("/create", status_code=200)
@@ -205,14 +234,26 @@ class OllamaCreateRoutes(InferenceController):
         req = await read_json(request, CreateRequest, any_type=True)
         name = checked_name((req.model or req.name).strip())
         source, parameters, others = parse_modelfile(req.modelfile) if req.modelfile else ("", [], [])
-        unsupported = [k for k, v in (("quantize", req.quantize), ("adapters", req.adapters),
-                                      ("template", req.template), ("system", req.system),
-                                      ("messages", req.messages)) if v] + [
-            w.lower() for w in others if w in ("ADAPTER", "TEMPLATE", "SYSTEM", "MESSAGE")]
+        unsupported = [
+            k
+            for k, v in (
+                ("quantize", req.quantize),
+                ("adapters", req.adapters),
+                ("template", req.template),
+                ("system", req.system),
+                ("messages", req.messages),
+            )
+            if v
+        ] + [w.lower() for w in others if w in ("ADAPTER", "TEMPLATE", "SYSTEM", "MESSAGE")]
         if unsupported:
-            raise ApiError(400, f"{', '.join(sorted(set(unsupported)))} not supported by coderai's create: a model is "
-                                "served as its GGUF says (its own chat template); a system prompt goes with each "
-                                "request.", param=unsupported[0], code="not_supported")
+            raise ApiError(
+                400,
+                f"{', '.join(sorted(set(unsupported)))} not supported by coderai's create: a model is "
+                "served as its GGUF says (its own chat template); a system prompt goes with each "
+                "request.",
+                param=unsupported[0],
+                code="not_supported",
+            )
         source = req.from_ or source
         ggufs = list((req.files or {}).values())
         if not ggufs and BLOB_DIGEST.match(source.removeprefix("@")):
@@ -225,8 +266,12 @@ class OllamaCreateRoutes(InferenceController):
             base = await self.gw.visible_model(self.caller(request), source.removesuffix(":latest"))
             cfg = msgspec.structs.replace(base, name=name)
         else:
-            raise ApiError(400, "neither 'from' nor 'files' given: name the model or uploaded GGUF to create from",
-                           param="from", code="invalid_value")
+            raise ApiError(
+                400,
+                "neither 'from' nor 'files' given: name the model or uploaded GGUF to create from",
+                param="from",
+                code="invalid_value",
+            )
         cfg = _with_parameters(cfg, [*parameters, *(req.parameters or {}).items()])
         await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), name)
         statuses += [{"status": "writing manifest"}, {"status": "success"}]

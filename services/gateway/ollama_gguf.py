@@ -77,17 +77,26 @@ def read_facts(path: str | os.PathLike[str]) -> GgufFacts:
     """The header of `path`, key/values and tensor shapes, never the tensor data; ValueError if it is no GGUF."""
     st = os.stat(path)
     lay = layout(path)
-    meta = {k: v for k, v in lay.meta.items() if not isinstance(v, list)}  # per-layer lists: not what a model list shows
+    meta = {
+        k: v for k, v in lay.meta.items() if not isinstance(v, list)
+    }  # per-layer lists: not what a model list shows
     params = lay.parameters
     arch = str(meta.get("general.architecture") or "")
     info = {k: v for k, v in meta.items() if k.startswith("general.") or (arch and k.startswith(arch + "."))}
     info["general.parameter_count"] = params
     ctx = meta.get(f"{arch}.context_length")
     ft = meta.get("general.file_type")
-    return GgufFacts(architecture=arch, parameters=params, file_type=ft if isinstance(ft, int) else None,
-                     size_label=str(meta.get("general.size_label") or ""), template=str(
-                         meta.get("tokenizer.chat_template") or ""), info=info,
-                     context_length=ctx if isinstance(ctx, int) else None, size=st.st_size, mtime=st.st_mtime)
+    return GgufFacts(
+        architecture=arch,
+        parameters=params,
+        file_type=ft if isinstance(ft, int) else None,
+        size_label=str(meta.get("general.size_label") or ""),
+        template=str(meta.get("tokenizer.chat_template") or ""),
+        info=info,
+        context_length=ctx if isinstance(ctx, int) else None,
+        size=st.st_size,
+        mtime=st.st_mtime,
+    )
 
 
 _FACTS: dict[tuple[str, int, int], GgufFacts | None] = {}  # (path, size, mtime_ns): a changed file is read again

@@ -32,7 +32,9 @@ from coderai.gateway.ollama_gguf import Digests, GgufFacts, facts
 from coderai.gateway.ollama_pull import layers_of, progress, serve_when_done, spec_for
 from coderai.gateway.ollama_types import NDJSON, line, now
 
-FOREVER = datetime.timedelta(microseconds=(2**63 - 1) // 1000)  # Ollama's "never" (its longest duration): `ollama ps` says Forever
+FOREVER = datetime.timedelta(
+    microseconds=(2**63 - 1) // 1000
+)  # Ollama's "never" (its longest duration): `ollama ps` says Forever
 
 
 class NameRequest(msgspec.Struct, kw_only=True):  # /api/delete, /api/push
@@ -58,25 +60,45 @@ class PullRequest(msgspec.Struct, kw_only=True):
     insecure: bool = False  # a registry's TLS: the Hub's is always checked
 
 
-
 def model_json(m: ModelConfig, gguf: GgufFacts | None = None, digest: str = "") -> dict[str, Any]:
     """One model in `/api/tags` and `/api/ps`: read from its GGUF where it is one on this machine, else coderai's
     name and engine, which is all that is known."""
     if gguf is None:
-        return {"name": m.name, "model": m.name, "modified_at": now(), "size": 0,
-                "digest": hashlib.sha256(m.name.encode()).hexdigest(),
-                "details": {"format": "gguf" if m.engine in GGUF_FAMILIES else m.engine, "family": m.engine,
-                            "families": [m.engine], "parameter_size": "", "quantization_level": ""}}
+        return {
+            "name": m.name,
+            "model": m.name,
+            "modified_at": now(),
+            "size": 0,
+            "digest": hashlib.sha256(m.name.encode()).hexdigest(),
+            "details": {
+                "format": "gguf" if m.engine in GGUF_FAMILIES else m.engine,
+                "family": m.engine,
+                "families": [m.engine],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
     modified = datetime.datetime.fromtimestamp(gguf.mtime, datetime.timezone.utc)
-    return {"name": m.name, "model": m.name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "size": gguf.size, "digest": digest or hashlib.sha256(m.name.encode()).hexdigest(),
-            "details": {"parent_model": "", "format": "gguf", "family": gguf.architecture,
-                        "families": [gguf.architecture], "parameter_size": gguf.parameter_size,
-                        "quantization_level": gguf.quantization_level}}
+    return {
+        "name": m.name,
+        "model": m.name,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "size": gguf.size,
+        "digest": digest or hashlib.sha256(m.name.encode()).hexdigest(),
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": gguf.architecture,
+            "families": [gguf.architecture],
+            "parameter_size": gguf.parameter_size,
+            "quantization_level": gguf.quantization_level,
+        },
+    }
 
 
-def running_json(m: ModelConfig, ready: list[Copy], now_: datetime.datetime,
-                 described: dict[str, Any] | None = None) -> dict[str, Any]:
+def running_json(
+    m: ModelConfig, ready: list[Copy], now_: datetime.datetime, described: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One model in `/api/ps`: the memory one copy was placed for (`size`; `size_vram` when it is on a GPU) and when
     the last of its copies may be unloaded, from its keep-alive and how long it has been idle."""
 
@@ -85,9 +107,12 @@ def running_json(m: ModelConfig, ready: list[Copy], now_: datetime.datetime,
         return now_ + (FOREVER if keep is None else datetime.timedelta(seconds=max(0.0, keep - c.status.idle_s)))
 
     until = max(expires(c) for c in ready)
-    return {**(described or model_json(m)), "size": max(c.status.memory for c in ready),
-            "size_vram": max((c.status.memory for c in ready if c.on_gpu), default=0),
-            "expires_at": until.isoformat().replace("+00:00", "Z")}
+    return {
+        **(described or model_json(m)),
+        "size": max(c.status.memory for c in ready),
+        "size_vram": max((c.status.memory for c in ready if c.on_gpu), default=0),
+        "expires_at": until.isoformat().replace("+00:00", "Z"),
+    }
 
 
 def capabilities(m: ModelConfig, gguf: GgufFacts | None) -> list[str]:
@@ -105,7 +130,6 @@ def capabilities(m: ModelConfig, gguf: GgufFacts | None) -> list[str]:
     return sorted(caps)
 
 
-
 class OllamaModelRoutes(OllamaCreateRoutes):
     """The model routes of `OllamaController` (which sets the path and Ollama's error shape); those that make a
     model it inherits from `OllamaCreateRoutes`."""
@@ -119,8 +143,11 @@ class OllamaModelRoutes(OllamaCreateRoutes):
             return None, None
         where = [m.path]
         if m.store_path:
-            where.append(str(store.root / m.store_path / m.store_file) if m.store_path.endswith("/")
-                         else str(store.root / m.store_path))
+            where.append(
+                str(store.root / m.store_path / m.store_file)
+                if m.store_path.endswith("/")
+                else str(store.root / m.store_path)
+            )
         for p in where:
             if p and os.path.isfile(p):
                 return Path(p), facts(p)
@@ -151,8 +178,11 @@ class OllamaModelRoutes(OllamaCreateRoutes):
     async def ps(self, request: Request) -> Response:
         """Only the models loaded now (a ready copy on a live node), as Ollama lists its running models."""
         copies, now_ = self.gw.copies.by_model(), datetime.datetime.now(datetime.timezone.utc)
-        loaded = [(m, ready) for m in await self.gw.visible_models(self.caller(request))
-                  if (ready := [c for c in copies.get(m.name, []) if c.status.state == "ready"])]
+        loaded = [
+            (m, ready)
+            for m in await self.gw.visible_models(self.caller(request))
+            if (ready := [c for c in copies.get(m.name, []) if c.status.state == "ready"])
+        ]
         described = await self._described([m for m, _ in loaded])
         return json_response({"models": [running_json(m, ready, now_, described[m.name]) for m, ready in loaded]})
 
@@ -167,20 +197,27 @@ class OllamaModelRoutes(OllamaCreateRoutes):
             parameters.append(f"num_ctx {cfg.params['n_ctx']}")
         template = cfg.params.get("chat_template") if isinstance(cfg.params.get("chat_template"), str) else ""
         model_info = dict(gguf.info) if gguf else {"general.architecture": cfg.engine}
-        return json_response({
-            "modelfile": f"# the models-file entry of {cfg.name}\nFROM {path or cfg.path}\n"
-                         + "".join(f"PARAMETER {p}\n" for p in parameters),
-            "parameters": "\n".join(parameters), "template": template or (gguf.template if gguf else ""),
-            "details": info["details"], "model_info": model_info, "capabilities": capabilities(cfg, gguf),
-            "modified_at": info["modified_at"]})
+        return json_response(
+            {
+                "modelfile": f"# the models-file entry of {cfg.name}\nFROM {path or cfg.path}\n"
+                + "".join(f"PARAMETER {p}\n" for p in parameters),
+                "parameters": "\n".join(parameters),
+                "template": template or (gguf.template if gguf else ""),
+                "details": info["details"],
+                "model_info": model_info,
+                "capabilities": capabilities(cfg, gguf),
+                "modified_at": info["modified_at"],
+            }
+        )
 
     @delete("/delete", status_code=200)
     async def delete_model(self, request: Request) -> Response:
         """Stop serving a model (an admin key: it is the cluster's, not the caller's); its files stay."""
         self._admin(request)
         req = await read_json(request, NameRequest, any_type=True)
-        await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=req.model or req.name),
-                           req.model or req.name)
+        await change_model(
+            self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=req.model or req.name), req.model or req.name
+        )
         return Response(content=b"", status_code=200)
 
     @post("/copy", status_code=200)
@@ -195,8 +232,12 @@ class OllamaModelRoutes(OllamaCreateRoutes):
 
     @post("/push", status_code=200)
     async def push(self, request: Request) -> Response:
-        raise ApiError(501, "Pushing models to a registry is not supported by coderai: its models come from its "
-                            "models file and catalogue (POST /admin/models/pull).", code="not_supported")
+        raise ApiError(
+            501,
+            "Pushing models to a registry is not supported by coderai: its models come from its "
+            "models file and catalogue (POST /admin/models/pull).",
+            code="not_supported",
+        )
 
     @post("/pull", status_code=200)
     async def pull(self, request: Request) -> Response | Stream:

@@ -61,8 +61,9 @@ async def layers_of(spec: str, name: str) -> list[Layer]:
     words when the name is unknown (404), the Hub out of reach (502) or the spec unusable (400)."""
     try:
         entry = resolve(spec, name)
-        metas = await asyncio.to_thread(plan, entry, os.environ.get("HF_ENDPOINT") or None,
-                                        os.environ.get("HF_TOKEN") or None)
+        metas = await asyncio.to_thread(
+            plan, entry, os.environ.get("HF_ENDPOINT") or None, os.environ.get("HF_TOKEN") or None
+        )
     except NotFound:
         raise ApiError(404, NOT_FOUND, code="model_not_found") from None
     except Unreachable as exc:
@@ -118,12 +119,17 @@ def serve_when_done(gw: Gateway, jobs: PullJobs, job_id: str) -> asyncio.Task[Mo
 
 
 def _layer_line(layer: Layer, completed: int) -> dict[str, Any]:
-    return {"status": f"pulling {layer.digest.partition(':')[2][:12]}", "digest": layer.digest, "total": layer.size,
-            "completed": completed}
+    return {
+        "status": f"pulling {layer.digest.partition(':')[2][:12]}",
+        "digest": layer.digest,
+        "total": layer.size,
+        "completed": completed,
+    }
 
 
-async def progress(jobs: PullJobs, job_id: str, layers: list[Layer],
-                   serving: asyncio.Task[ModelConfig]) -> AsyncIterator[dict[str, Any]]:
+async def progress(
+    jobs: PullJobs, job_id: str, layers: list[Layer], serving: asyncio.Task[ModelConfig]
+) -> AsyncIterator[dict[str, Any]]:
     """Ollama's pull lines: `pulling manifest`, each layer's bytes as they arrive, `verifying sha256 digest`,
     `writing manifest`, `success`; a failure is a last `{"error": ...}`."""
     yield {"status": "pulling manifest"}
@@ -134,7 +140,7 @@ async def progress(jobs: PullJobs, job_id: str, layers: list[Layer],
         p = job.progress
         if p is not None and p.state in ("downloading", "verifying", "done") and layers:
             current = len(layers) if job.state == "done" else files.get(p.file, 0)
-            for i, layer in enumerate(layers[:current + 1]):
+            for i, layer in enumerate(layers[: current + 1]):
                 done = layer.size if i < current else min(max(p.bytes_done - layer.start, 0), layer.size)
                 if sent.get(i) != done:
                     sent[i] = done

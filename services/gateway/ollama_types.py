@@ -72,9 +72,13 @@ def params(options: dict[str, Any] | None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=o.get("num_predict") if (o.get("num_predict") or 0) > 0 else None,
-            temperature=o.get("temperature"), top_p=o.get("top_p"), seed=o.get("seed"),
+            temperature=o.get("temperature"),
+            top_p=o.get("top_p"),
+            seed=o.get("seed"),
             stop=[stop] if isinstance(stop, str) else list(stop),
-            presence_penalty=o.get("presence_penalty"), frequency_penalty=o.get("frequency_penalty"))
+            presence_penalty=o.get("presence_penalty"),
+            frequency_penalty=o.get("frequency_penalty"),
+        )
     except (TypeError, msgspec.ValidationError) as exc:
         raise ApiError(400, f"Invalid options: {exc}", param="options", code="invalid_request") from None
 
@@ -98,8 +102,12 @@ def keep_alive(value: Any) -> float | None:
         pass
     parts = _DURATION.findall(body)
     if not parts or "".join(n + u for n, u in parts) != body:
-        raise ApiError(400, f"keep_alive must be seconds or a duration such as \"5m\", not {value!r}.",
-                       param="keep_alive", code="invalid_value")
+        raise ApiError(
+            400,
+            f'keep_alive must be seconds or a duration such as "5m", not {value!r}.',
+            param="keep_alive",
+            code="invalid_value",
+        )
     return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
@@ -110,7 +118,7 @@ def response_format(fmt: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if isinstance(fmt, dict):  # a JSON schema
         return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt}}
-    raise ApiError(400, "format is \"json\" or a JSON schema.", param="format", code="invalid_request")
+    raise ApiError(400, 'format is "json" or a JSON schema.', param="format", code="invalid_request")
 
 
 def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -121,22 +129,31 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError(400, "Each message is an object.", param=f"messages[{i}]", code="invalid_request")
         role, content = m.get("role", "user"), m.get("content") or ""
         if not isinstance(role, str) or role not in ROLES:  # the chat template would fail on it: a 502
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role",
-                           code="invalid_request")
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of {sorted(ROLES)}.",
+                param=f"messages[{i}].role",
+                code="invalid_request",
+            )
         if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string.", param=f"messages[{i}].content",
-                           code="invalid_request")
+            raise ApiError(
+                400, f"messages[{i}].content must be a string.", param=f"messages[{i}].content", code="invalid_request"
+            )
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.get("images"):
             images = m["images"]
             if not isinstance(images, list) or not all(isinstance(img, str) for img in images):
-                raise ApiError(400, "images is a list of base64 strings.", param=f"messages[{i}].images",
-                               code="invalid_request")
+                raise ApiError(
+                    400, "images is a list of base64 strings.", param=f"messages[{i}].images", code="invalid_request"
+                )
             msg["content"] = [{"type": "text", "text": msg["content"]}] + [
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in images]
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{img}"}} for img in images
+            ]
         if m.get("tool_calls"):
-            msg["tool_calls"] = [_openai_call(c, j, f"messages[{i}].tool_calls[{j}]")
-                                 for j, c in enumerate(_listed(m["tool_calls"], f"messages[{i}].tool_calls"))]
+            msg["tool_calls"] = [
+                _openai_call(c, j, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(_listed(m["tool_calls"], f"messages[{i}].tool_calls"))
+            ]
         if m.get("role") == "tool" and m.get("tool_name"):
             msg["name"] = m["tool_name"]
         out.append(msg)
@@ -153,7 +170,14 @@ def _openai_call(call: Any, index: int, param: str) -> dict[str, Any]:
     """One Ollama tool call (`{"function": {"name", "arguments": {...}}}`) as OpenAI's, checked like any input."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ApiError(400, "A tool call is {\"function\": {\"name\": ..., \"arguments\": {...}}}.",
-                       param=f"{param}.function", code="invalid_request")
-    return {"id": f"call_{index}", "type": "function",
-            "function": {"name": fn["name"], "arguments": json.dumps(fn.get("arguments") or {})}}
+        raise ApiError(
+            400,
+            'A tool call is {"function": {"name": ..., "arguments": {...}}}.',
+            param=f"{param}.function",
+            code="invalid_request",
+        )
+    return {
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": json.dumps(fn.get("arguments") or {})},
+    }

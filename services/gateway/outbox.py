@@ -133,7 +133,6 @@ class Journal:
                 os.close(fd)
         return found
 
-
     def _read(self, path: Path) -> tuple[list[RequestCompleted], set[str]]:
         events, acked, forged = [], set(), 0
         for line in path.read_bytes().splitlines():
@@ -149,8 +148,11 @@ class Journal:
             except Exception:  # noqa: BLE001 - signed but unreadable: an older version's shape
                 log.warning("journal %s: a line that does not read, skipped", path.name)
         if forged:
-            log.warning("journal %s: %d lines whose MAC does not verify (written by someone else, or cut short), "
-                        "not replayed", path.name, forged)
+            log.warning(
+                "journal %s: %d lines whose MAC does not verify (written by someone else, or cut short), not replayed",
+                path.name,
+                forged,
+            )
         return events, acked
 
 
@@ -158,8 +160,9 @@ class Outbox:
     """At most `limit` events waiting (the oldest dropped beyond it, with one warning per thousand). With
     `journal_dir`, each event is journalled (see the module's text)."""
 
-    def __init__(self, bus: Bus, limit: int = 100_000, journal_dir: Path | None = None,
-                 journal_key: Path | None = None) -> None:
+    def __init__(
+        self, bus: Bus, limit: int = 100_000, journal_dir: Path | None = None, journal_key: Path | None = None
+    ) -> None:
         self.bus = bus
         self.limit = limit
         self.journal_dir = journal_dir
@@ -179,8 +182,9 @@ class Outbox:
             self.queue.popleft()
             self.dropped += 1
             if self.dropped % 1000 == 1:
-                log.warning("request.completed outbox full (%d waiting): %d events dropped so far", self.limit,
-                            self.dropped)
+                log.warning(
+                    "request.completed outbox full (%d waiting): %d events dropped so far", self.limit, self.dropped
+                )
         if self.journal is not None:
             try:
                 self.journal.event(done)
@@ -234,14 +238,19 @@ class Outbox:
             results = await asyncio.gather(*(self._send(e) for e in batch), return_exceptions=True)
             self._sending = []
             failed = [e for e, r in zip(batch, results) if isinstance(r, BaseException)]
-            self._journal(lambda j: j.acked([e.request_id for e, r in zip(batch, results)
-                                             if not isinstance(r, BaseException)]))
+            self._journal(
+                lambda j: j.acked([e.request_id for e, r in zip(batch, results) if not isinstance(r, BaseException)])
+            )
             if not failed:
                 wait = RETRY_S[0]
                 continue
             self.queue.extendleft(reversed(failed))  # first in, first out, as they came
-            log.debug("%d request.completed events not acked (%s); again in %.2fs", len(failed),
-                      next(r for r in results if isinstance(r, BaseException)), wait)
+            log.debug(
+                "%d request.completed events not acked (%s); again in %.2fs",
+                len(failed),
+                next(r for r in results if isinstance(r, BaseException)),
+                wait,
+            )
             await asyncio.sleep(wait)
             wait = min(wait * 2, RETRY_S[1])
 
@@ -254,8 +263,12 @@ class Outbox:
 
     async def _send(self, done: RequestCompleted) -> None:
         try:
-            await self.bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(done),
-                                      timeout=ACK_TIMEOUT_S, headers={"Nats-Msg-Id": done.request_id})
+            await self.bus.js.publish(
+                EVT_REQUEST_COMPLETED(),
+                EVT_REQUEST_COMPLETED.encode(done),
+                timeout=ACK_TIMEOUT_S,
+                headers={"Nats-Msg-Id": done.request_id},
+            )
         except NoStreamResponseError:
             # no EVENTS stream on this server (a bare nats-server, as some tests run): nothing stores events, and
             # the core subscribers (the router) already had this one, so sending it again would only repeat it

@@ -43,13 +43,47 @@ NOT_ADMITTED = Admission(None)
 class Call:
     """One request, from admission to its one `request.completed`: where it went and what it used."""
 
-    __slots__ = ("gw", "who", "op", "job", "route", "spec", "started", "created", "streamed", "trace", "admission",
-                 "stream", "engine_id", "node_id", "route_reason", "parts", "ttft_s", "usage", "status", "http_status",
-                 "encoded", "_refresher", "admitted", "_finished", "keep_alive_s",
-                 "on_loading", "client_id", "work")
+    __slots__ = (
+        "gw",
+        "who",
+        "op",
+        "job",
+        "route",
+        "spec",
+        "started",
+        "created",
+        "streamed",
+        "trace",
+        "admission",
+        "stream",
+        "engine_id",
+        "node_id",
+        "route_reason",
+        "parts",
+        "ttft_s",
+        "usage",
+        "status",
+        "http_status",
+        "encoded",
+        "_refresher",
+        "admitted",
+        "_finished",
+        "keep_alive_s",
+        "on_loading",
+        "client_id",
+        "work",
+    )
 
-    def __init__(self, gw: Gateway, who: Caller, op: str, job: Any, route: RouteRequest | None = None,
-                 keep_alive_s: float | None = None, client_id: str | None = None) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        who: Caller,
+        op: str,
+        job: Any,
+        route: RouteRequest | None = None,
+        keep_alive_s: float | None = None,
+        client_id: str | None = None,
+    ) -> None:
         """`route`: what the router is asked (the model and op, and a chat's affinity hints and pin);
         `keep_alive_s`: how long the model should then stay loaded idle (Ollama's keep_alive), None: its own;
         `client_id`: the client's own id for it, kept with its usage (None: the HTTP request's

@@ -95,8 +95,12 @@ async def admit(call: Call) -> ModelConfig:
     if call.keep_alive_s is not None and "admin" not in call.who.scopes:
         call.keep_alive_s = tenant_keep_alive(cfg, call.keep_alive_s)
     key = call.who.key
-    if call.spec.llm and (cfg.default_output_tokens or cfg.max_output_tokens or cfg.stop or (
-            key is not None and (key.default_output_tokens or key.max_output_tokens))):
+    if call.spec.llm and (
+        cfg.default_output_tokens
+        or cfg.max_output_tokens
+        or cfg.stop
+        or (key is not None and (key.default_output_tokens or key.max_output_tokens))
+    ):
         call.job = output_limited(call.job, cfg, key)
     if call.spec.llm and hasattr(call.job, "priority"):
         call.job = prioritised(call.job, priority_var.get())
@@ -110,8 +114,14 @@ async def admit(call: Call) -> ModelConfig:
     call.admission = await call.gw.accounts.admit(call.who, cfg, call.job)
     call.admitted = True
     if call.trace is not NO_TRACE:
-        call.trace.start(call.spec.span, request_id=call.job.request_id, model=call.job.model, op=call.op,
-                         key_name=call.who.key_name, stream=call.streamed)
+        call.trace.start(
+            call.spec.span,
+            request_id=call.job.request_id,
+            model=call.job.model,
+            op=call.op,
+            key_name=call.who.key_name,
+            stream=call.streamed,
+        )
     if call.admission.held is not None:
         call._refresher = asyncio.create_task(_refresh(call, call.admission.held))
     return cfg
@@ -121,8 +131,9 @@ def scope_cache(call: Call, cfg: ModelConfig) -> None:
     """Unless this key may share the model's prompt cache, its affinity keys and its job carry the key's scope:
     the router never sends it after another key's prefix, nor does an engine serve it from one."""
     key = call.who.key
-    scope = affinity.cache_scope(call.who.key_name, cfg.share_cache, key.share_cache if key else None,
-                                 call.gw.settings.share_cache)
+    scope = affinity.cache_scope(
+        call.who.key_name, cfg.share_cache, key.share_cache if key else None, call.gw.settings.share_cache
+    )
     if scope:
         call.route = affinity.scoped(call.route, scope)
         if hasattr(call.job, "cache_scope"):
@@ -135,8 +146,11 @@ def check_size(call: Call, job: Any) -> bytes:
     data = call.spec.subject.encode(job)
     limit = call.gw.bus.nc.max_payload - HEADROOM
     if len(data) > limit:
-        raise ApiError(413, f"The request is too large: {len(data)} bytes of job, and one message carries at "
-                            f"most {limit}.", code="request_too_large")
+        raise ApiError(
+            413,
+            f"The request is too large: {len(data)} bytes of job, and one message carries at most {limit}.",
+            code="request_too_large",
+        )
     return data
 
 

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     from coderai.gateway.pipeline import Call
 
 
-async def answer(call: Call, request: Request | None = None,
-                 on_chunk: Callable[[Chunk], Awaitable[None]] | None = None) -> Final:
+async def answer(
+    call: Call, request: Request | None = None, on_chunk: Callable[[Chunk], Awaitable[None]] | None = None
+) -> Final:
     """The whole answer, its output's blobs inline, accounted once. With `request`, a client that disconnects
     while it waits cancels the engine job (and the call is accounted as cancelled)."""
     if request is None:
@@ -46,9 +47,13 @@ async def _whole(call: Call, on_chunk: Callable[[Chunk], Awaitable[None]] | None
     return frame
 
 
-def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], bytes],
-                 final: Callable[[Final], Awaitable[bytes]],
-                 error: Callable[[ApiError], bytes] | None = None) -> AsyncIterator[bytes]:
+def relay_stream(
+    call: Call,
+    first: Chunk | Final,
+    chunk: Callable[[Chunk], bytes],
+    final: Callable[[Final], Awaitable[bytes]],
+    error: Callable[[ApiError], bytes] | None = None,
+) -> AsyncIterator[bytes]:
     """The frames relayed as they come, each chunk as `chunk` shapes it (an SSE event, audio bytes) and the end
     as `final` does. Headers are gone by the time an engine fails mid-stream: `error` renders the failure as a
     last piece (SSE's error event); without it the stream is cut. A client that leaves cancels the engine job.
@@ -91,9 +96,14 @@ def relay_stream(call: Call, first: Chunk | Final, chunk: Callable[[Chunk], byte
 LOADING_KEEPALIVE_S = 5.0  # between the comments of a stream that waits for its model to load
 
 
-async def open_stream(call: Call, request: Request, chunk: Callable[[Chunk], bytes],
-                      final: Callable[[Final], Awaitable[bytes]], error: Callable[[ApiError], bytes],
-                      comment: bytes | None) -> AsyncIterator[bytes]:
+async def open_stream(
+    call: Call,
+    request: Request,
+    chunk: Callable[[Chunk], bytes],
+    final: Callable[[Final], Awaitable[bytes]],
+    error: Callable[[ApiError], bytes],
+    comment: bytes | None,
+) -> AsyncIterator[bytes]:
     """Admit, open and `relay_stream`. Errors before the first frame are the client's status code, except while
     the model loads on demand with a `comment` (an SSE comment): then the stream starts at once with it, repeated
     every `LOADING_KEEPALIVE_S` so clients and proxies do not time out, and a failure comes as `error`."""

@@ -51,7 +51,8 @@ async def open_first(call: Call, stream: bool = False) -> Chunk | Final:
             elif job is not call.job:
                 call.encoded = None
         call.stream, first, decision = await call.gw.relay.first_frame(
-            call.op, job, call.route, call.trace, call.bus_headers(), decision, call.encoded, call.on_loading)
+            call.op, job, call.route, call.trace, call.bus_headers(), decision, call.encoded, call.on_loading
+        )
     except BaseException as exc:
         raise await call.fail(exc) from None
     call.engine_id, call.node_id, call.route_reason = decision.engine_id, decision.node_id, decision.reason
@@ -77,8 +78,11 @@ async def _fan_out(call: Call) -> tuple[Final | None, RouteDecision | None]:
         # the WORK stream takes no parts now (its RAFT group elects a leader for seconds after a head died), or
         # this gateway's connection to the bus dropped under the parts (it reconnects to another server at
         # once): splitting is a speed-up, so the whole job goes to one engine instead of failing
-        log.info("request %s: the work queue took no parts (%s); sent whole to one engine",
-                 call.job.request_id, getattr(exc, "message", "") or exc or type(exc).__name__)
+        log.info(
+            "request %s: the work queue took no parts (%s); sent whole to one engine",
+            call.job.request_id,
+            getattr(exc, "message", "") or exc or type(exc).__name__,
+        )
         call.route_reason, call.parts = "", 0
         return None, decision
     call.engine_id = final.engine_id

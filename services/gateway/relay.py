@@ -60,11 +60,15 @@ class Relay:
             # no router answered in time (this gateway's nats-server just died under the request, the routers are
             # reconnecting): the cluster's moment, not the client's fault, so a 503 with Retry-After, not a 504 (and
             # not "no engine", which would have the scheduler load the model or rent a pod)
-            raise BusError("overloaded", f"no router answered within {self.settings.route_timeout_s:g} s; try again "
-                                        "shortly", retryable=True) from None
+            raise BusError(
+                "overloaded",
+                f"no router answered within {self.settings.route_timeout_s:g} s; try again shortly",
+                retryable=True,
+            ) from None
 
-    async def _pick(self, req: RouteRequest, tried: list[str], headers: dict[str, str],
-                    on_loading: Callable[[], None] | None = None) -> RouteDecision:
+    async def _pick(
+        self, req: RouteRequest, tried: list[str], headers: dict[str, str], on_loading: Callable[[], None] | None = None
+    ) -> RouteDecision:
         """The router's pick; with no engine, or only busy ones, the scheduler is asked to escalate: it loads a
         model that is not loaded on demand, or rents a pod for one that may burst, and the request waits (bounded)
         for that engine."""
@@ -78,8 +82,14 @@ class Relay:
             return await self._escalate(req, headers, "busy", decision)
         return decision
 
-    async def _escalate(self, req: RouteRequest, headers: dict[str, str], reason: str,
-                        fallback: RouteDecision | BusError, on_loading: Callable[[], None] | None = None) -> RouteDecision:
+    async def _escalate(
+        self,
+        req: RouteRequest,
+        headers: dict[str, str],
+        reason: str,
+        fallback: RouteDecision | BusError,
+        on_loading: Callable[[], None] | None = None,
+    ) -> RouteDecision:
         """Ask for a pod or a load; then ask the router again, each time a router announces an engine of the model,
         until an engine (a non-busy one, for `busy`) can take the job. Without one in time: the busy engine after
         all, or the original `no_engine`. `on_loading` is called when the model is being loaded on demand (a
@@ -90,19 +100,31 @@ class Relay:
             announced.set()
 
         # listening before the scheduler is asked: the engine it starts cannot be announced before this hears it
-        sub = await self.bus.listen(EVT_ENGINE_READY, on_ready, subject_str=EVT_ENGINE_READY(model_key=model_key(req.model)))
+        sub = await self.bus.listen(
+            EVT_ENGINE_READY, on_ready, subject_str=EVT_ENGINE_READY(model_key=model_key(req.model))
+        )
         try:
             return await self._escalated(req, headers, reason, fallback, announced, on_loading)
         finally:
             with contextlib.suppress(Exception):  # the bus may be closing: the subscription goes with it
                 await sub.unsubscribe()
 
-    async def _escalated(self, req: RouteRequest, headers: dict[str, str], reason: str,
-                         fallback: RouteDecision | BusError, announced: asyncio.Event,
-                         on_loading: Callable[[], None] | None) -> RouteDecision:
+    async def _escalated(
+        self,
+        req: RouteRequest,
+        headers: dict[str, str],
+        reason: str,
+        fallback: RouteDecision | BusError,
+        announced: asyncio.Event,
+        on_loading: Callable[[], None] | None,
+    ) -> RouteDecision:
         try:
-            reply = await self.bus.request(CMD_SCHEDULER_ESCALATE, EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
-                                           timeout=self.settings.route_timeout_s + 15.0, headers=headers)
+            reply = await self.bus.request(
+                CMD_SCHEDULER_ESCALATE,
+                EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
+                timeout=self.settings.route_timeout_s + 15.0,
+                headers=headers,
+            )
         except BusError as exc:
             log.warning("escalation of %s not answered: %s", req.model, exc.message)
             reply = EscalateReply(action="refused", code="no_engine", why=exc.message)
@@ -137,22 +159,40 @@ class Relay:
         what = "is still loading" if reply.action == "loading" else "has a pod starting"
         raise BusError("no_engine", f"model {req.model!r} {what}; try again shortly", True)
 
-    async def _open(self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str],
-                    encoded: bytes | None) -> FrameStream:
+    async def _open(
+        self, op: str, job: Any, decision: RouteDecision, headers: dict[str, str], encoded: bytes | None
+    ) -> FrameStream:
         async def cancel() -> None:
-            await self.bus.publish(ENGINE_CANCEL, CancelJob(request_id=job.request_id), node_id=decision.node_id,
-                                   engine_id=decision.engine_id)
+            await self.bus.publish(
+                ENGINE_CANCEL,
+                CancelJob(request_id=job.request_id),
+                node_id=decision.node_id,
+                engine_id=decision.engine_id,
+            )
 
         return await self.bus.open_stream(
-            ENGINE_OPS[op], job, idle_timeout_s=self.settings.idle_timeout_s,
-            first_timeout_s=self.settings.accept_timeout_s, headers=headers,
-            on_cancel=cancel, encoded=encoded, node_id=decision.node_id, engine_id=decision.engine_id,
+            ENGINE_OPS[op],
+            job,
+            idle_timeout_s=self.settings.idle_timeout_s,
+            first_timeout_s=self.settings.accept_timeout_s,
+            headers=headers,
+            on_cancel=cancel,
+            encoded=encoded,
+            node_id=decision.node_id,
+            engine_id=decision.engine_id,
         )
 
-    async def first_frame(self, op: str, job: Any, route: RouteRequest, trace: Trace, headers: dict[str, str],
-                          first: RouteDecision | None = None, encoded: bytes | None = None,
-                          on_loading: Callable[[], None] | None = None,
-                          ) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
+    async def first_frame(
+        self,
+        op: str,
+        job: Any,
+        route: RouteRequest,
+        trace: Trace,
+        headers: dict[str, str],
+        first: RouteDecision | None = None,
+        encoded: bytes | None = None,
+        on_loading: Callable[[], None] | None = None,
+    ) -> tuple[FrameStream, Chunk | Final, RouteDecision]:
         """Route and send the job until an engine produces its first real frame, trying up to `max_attempts`
         engines; an engine that fails retryably before that is excluded and the router asked again. `first`: a
         decision already made for the first attempt; `encoded`: the job, encoded already. The stream, its first
@@ -165,17 +205,24 @@ class Relay:
                 if first is not None and attempt == 1:
                     decision = first
                 elif traced:
-                    with tracing.start_span("route.pick", parent=trace.span, kind="client",
-                                            attributes={"coderai.attempt": attempt}) as span:
+                    with tracing.start_span(
+                        "route.pick", parent=trace.span, kind="client", attributes={"coderai.attempt": attempt}
+                    ) as span:
                         decision = await self._pick(route, tried, tracing.inject(span, headers), on_loading)
-                        span.set_attributes({"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason})
+                        span.set_attributes(
+                            {"coderai.engine_id": decision.engine_id, "coderai.route_reason": decision.reason}
+                        )
                 else:
                     decision = await self._pick(route, tried, headers, on_loading)
             except BusError as exc:
                 raise (last if last is not None and exc.code == "no_engine" else exc) from None
             if traced:
-                trace.engine_span = tracing.start_span("engine.call", parent=trace.span, kind="client", attributes={
-                    "coderai.engine_id": decision.engine_id, "coderai.op": op, "coderai.attempt": attempt})
+                trace.engine_span = tracing.start_span(
+                    "engine.call",
+                    parent=trace.span,
+                    kind="client",
+                    attributes={"coderai.engine_id": decision.engine_id, "coderai.op": op, "coderai.attempt": attempt},
+                )
                 stream = await self._open(op, job, decision, tracing.inject(trace.engine_span, headers), encoded)
             else:
                 stream = await self._open(op, job, decision, headers, encoded)
@@ -195,7 +242,9 @@ class Relay:
                     trace.engine_span = NO_SPAN
                 if not exc.retryable:
                     raise
-                log.warning("engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message)
+                log.warning(
+                    "engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message
+                )
                 tried.append(decision.engine_id)
                 last = exc
         assert last is not None
@@ -218,5 +267,8 @@ async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: s
         if not isinstance(frame, KeepAlive):
             return frame
         if frame.queued and queue_timeout_s and time.monotonic() - start > queue_timeout_s:
-            raise BusError("overloaded", f"every slot of {model or 'the model'} stayed busy for {queue_timeout_s:g} s "
-                           "while this request waited (CODERAI_GATEWAY_QUEUE_TIMEOUT_S); try again later")
+            raise BusError(
+                "overloaded",
+                f"every slot of {model or 'the model'} stayed busy for {queue_timeout_s:g} s "
+                "while this request waited (CODERAI_GATEWAY_QUEUE_TIMEOUT_S); try again later",
+            )

@@ -57,8 +57,9 @@ class Gateway:
             self.redis = redis_client.connect(self.settings.redis_url)  # redis:// or redis+sentinel://
             self.auth.store = KeyStore(self.redis)
             limiter = Limiter(self.redis)
-        self.bus = await Bus.connect_as(self.settings, "gateway", on_reconnect=self._on_reconnect,
-                                        on_disconnect=self._on_disconnect)
+        self.bus = await Bus.connect_as(
+            self.settings, "gateway", on_reconnect=self._on_reconnect, on_disconnect=self._on_disconnect
+        )
         if self.auth.store is not None:  # keys and revocations journalled beyond Redis (coderai_keys)
             self.auth.store.journal = KeyJournal(self.bus)
         if limiter is not None:  # budgets' spend summed again from EVENTS when Redis lost it
@@ -115,16 +116,24 @@ class Gateway:
                 raise self.not_ready()
             raise unknown_model(name)
         if op is not None and op not in cfg.serves():
-            raise ApiError(400, f"The model '{name}' does not serve {op}; it serves {', '.join(cfg.serves())}.",
-                           param="model", code="unsupported_operation")
+            raise ApiError(
+                400,
+                f"The model '{name}' does not serve {op}; it serves {', '.join(cfg.serves())}.",
+                param="model",
+                code="unsupported_operation",
+            )
         return cfg
 
     def not_ready(self) -> ApiError:
         """What a request gets when this gateway's view of the models is being rebuilt for longer than the failover
         budget (or the bus is down): 503, retried by every SDK."""
-        return ApiError(503, "The cluster's view of its models is being rebuilt (a failover or reconnect); try "
-                             "again shortly.", type="service_unavailable", code="no_engine",
-                        headers={"Retry-After": str(self.settings.retry_after_s)})
+        return ApiError(
+            503,
+            "The cluster's view of its models is being rebuilt (a failover or reconnect); try again shortly.",
+            type="service_unavailable",
+            code="no_engine",
+            headers={"Retry-After": str(self.settings.retry_after_s)},
+        )
 
     async def find_model(self, name: str, op: str | None = None) -> ModelConfig:
         """`model(name, op)`, after waiting (up to the failover budget) for an incomplete catalogue to be whole
@@ -139,8 +148,7 @@ class Gateway:
         else 503."""
         if not self.catalog.complete and not await self.catalog.wait_complete(self.settings.failover_wait_s):
             raise self.not_ready()
-        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name)
-                if may_use(who, m.name, m.owner)]
+        return [m for m in sorted(self.catalog.models.values(), key=lambda m: m.name) if may_use(who, m.name, m.owner)]
 
     async def visible_model(self, who: Caller, name: str) -> ModelConfig:
         """`find_model(name)` for a key that may use it; a model outside its allow-list is as unknown as a missing

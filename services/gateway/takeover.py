@@ -82,8 +82,13 @@ class Tenure(Generic[R]):
         return changes
 
 
-async def keepalive(tenure: Tenure[Any], work: asyncio.Task, every_s: float, what: str,
-                    tick: Callable[[], Awaitable[bool]] | None = None) -> None:
+async def keepalive(
+    tenure: Tenure[Any],
+    work: asyncio.Task,
+    every_s: float,
+    what: str,
+    tick: Callable[[], Awaitable[bool]] | None = None,
+) -> None:
     """Touch `tenure`'s record every `every_s` while `work` runs (unless the work's own writes kept it fresh), so
     that no replica takes live work for abandoned. `tick`, asked at each turn first, says whether to stop the work
     (a revoked key), or reads news (a cancel). Superseded, or stopped by `tick`: `work` is cancelled and the loop

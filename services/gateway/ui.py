@@ -21,16 +21,18 @@ def content_security_policy(page: bytes) -> str:
     hashes: dict[bytes, list[str]] = {b"script": [], b"style": []}
     for tag, body in _INLINE.findall(page):
         hashes[tag].append("'sha256-" + base64.b64encode(hashlib.sha256(body).digest()).decode() + "'")
-    return "; ".join([
-        "default-src 'none'",
-        "script-src " + (" ".join(hashes[b"script"]) or "'none'"),
-        "style-src " + (" ".join(hashes[b"style"]) or "'none'"),
-        "img-src data:",
-        "connect-src 'self'",
-        "base-uri 'none'",
-        "form-action 'none'",  # the sign-in form is handled in script; the key must never go into a URL
-        "frame-ancestors 'none'",
-    ])
+    return "; ".join(
+        [
+            "default-src 'none'",
+            "script-src " + (" ".join(hashes[b"script"]) or "'none'"),
+            "style-src " + (" ".join(hashes[b"style"]) or "'none'"),
+            "img-src data:",
+            "connect-src 'self'",
+            "base-uri 'none'",
+            "form-action 'none'",  # the sign-in form is handled in script; the key must never go into a URL
+            "frame-ancestors 'none'",
+        ]
+    )
 
 
 def ui_routes() -> list:

@@ -12,7 +12,14 @@ def _args(ap) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("metrics", "Consumes request events; serves Prometheus /metrics and per-key usage.", MetricsSettings, make, argv, add_args=_args)
+    return run_service(
+        "metrics",
+        "Consumes request events; serves Prometheus /metrics and per-key usage.",
+        MetricsSettings,
+        make,
+        argv,
+        add_args=_args,
+    )
 
 
 if __name__ == "__main__":

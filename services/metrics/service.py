@@ -21,7 +21,13 @@ import time
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode, why_malformed
-from coderai.contracts.subjects import EVT_MODEL_LOADED, EVT_MODEL_UNLOADED, EVT_PART_DONE, EVT_REQUEST_COMPLETED, HEARTBEAT
+from coderai.contracts.subjects import (
+    EVT_MODEL_LOADED,
+    EVT_MODEL_UNLOADED,
+    EVT_PART_DONE,
+    EVT_REQUEST_COMPLETED,
+    HEARTBEAT,
+)
 from coderai.contracts.topology import EVENTS, LEADERS, MODELS, NODE_TTL_S, PODS
 from coderai.accounts import usage
 from coderai.metrics.prom import Series
@@ -67,8 +73,11 @@ class Metrics:
         await self.bus.ensure_stream(EVENTS)
         hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb.unsubscribe)
-        for subject, handler in ((EVT_PART_DONE, self._on_part), (EVT_MODEL_LOADED, self._on_loaded),
-                                 (EVT_MODEL_UNLOADED, self._on_unloaded)):
+        for subject, handler in (
+            (EVT_PART_DONE, self._on_part),
+            (EVT_MODEL_LOADED, self._on_loaded),
+            (EVT_MODEL_UNLOADED, self._on_unloaded),
+        ):
             sub = await self.bus.listen(subject, handler)  # best effort, like heartbeats: no usage rides on them
             stack.push_async_callback(sub.unsubscribe)
         # one head counts usage, under the lease named after its consumer ("metrics"): consumers sharing the durable
@@ -210,8 +219,10 @@ class Metrics:
             except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
                 unsure = True
                 if self.leader is not None and (not self.leader.held or self.leader.token != token):
-                    log.warning("usage of a batch not recorded (%s); this head no longer leads, so the next "
-                                "leader counts it", exc)
+                    log.warning(
+                        "usage of a batch not recorded (%s); this head no longer leads, so the next leader counts it",
+                        exc,
+                    )
                     return None
                 log.warning("usage not recorded (%s); trying again in %.1fs", exc, wait)
                 await asyncio.sleep(wait)
@@ -279,8 +290,10 @@ class Metrics:
             except asyncio.CancelledError:
                 raise
             except usage.MarkLost:
-                log.warning("Redis has lost the usage it had counted (a new or emptied Redis): counting it again "
-                            "from the start of the EVENTS stream")
+                log.warning(
+                    "Redis has lost the usage it had counted (a new or emptied Redis): counting it again "
+                    "from the start of the EVENTS stream"
+                )
                 resume, self._marked = True, False
             except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)

@@ -6,7 +6,9 @@ from coderai.runtime.entry import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("pod-broker", "Rents, watches and reaps RunPod pods under price caps and budgets.", BrokerSettings, make, argv)
+    return run_service(
+        "pod-broker", "Rents, watches and reaps RunPod pods under price caps and budgets.", BrokerSettings, make, argv
+    )
 
 
 if __name__ == "__main__":

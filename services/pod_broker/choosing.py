@@ -36,9 +36,13 @@ def candidates(offers: list[Offer], model: ModelConfig, need_bytes: int, global_
     policy = model.pod
     caps = [c for c in (policy.max_hourly_usd, global_max_hourly) if c > 0]
     cap = min(caps) if caps else 0.0
-    fits = [o for o in offers
-            if o.memory_gb * 1024 * MB * policy.gpu_count >= need_bytes and o.price_hr > 0
-            and (cap <= 0 or pod_rate(o, policy) <= cap)]
+    fits = [
+        o
+        for o in offers
+        if o.memory_gb * 1024 * MB * policy.gpu_count >= need_bytes
+        and o.price_hr > 0
+        and (cap <= 0 or pod_rate(o, policy) <= cap)
+    ]
     preferred = [o for pid in policy.gpu_types for o in fits if o.id == pid]
     rest = sorted((o for o in fits if o.id not in policy.gpu_types), key=lambda o: (pod_rate(o, policy), o.id))
     return preferred + rest
@@ -56,22 +60,28 @@ def name_prefix(deployment: str) -> str:
 VOLUME_MOUNT = "/workspace"  # where RunPod mounts a pod's network volume (in place of its volume disk)
 
 
-def pod_env(name: str, model: ModelConfig, nats_url: str, user: str, password: str, ca_pem: str = "",
-            hf_token: str = "") -> dict[str, str]:
+def pod_env(
+    name: str, model: ModelConfig, nats_url: str, user: str, password: str, ca_pem: str = "", hf_token: str = ""
+) -> dict[str, str]:
     """The pod's worker joins this cluster's bus as a pod (credentials of its own, made by the head's membership
     for this pod alone and ended with it: never the cluster token) and loads just `model`, under node id `name`;
     it fetches the model's weights by its `source` with `hf_token`, onto the model's network volume if it names one."""
     cfg = json.dumps([_builtins(model)])
-    return {
-        "CODERAI_NATS_URL": with_user(nats_url, user, password),
-        "CODERAI_NODE_ID": name,
-        "CODERAI_WORKER_POD": name,
-        "CODERAI_WORKER_MODELS_JSON": cfg,
-        "CODERAI_WORKER_MDNS": "false",
-        "CODERAI_LOG_FORMAT": "json",
-    } | ({"CODERAI_NATS_CA": ca_pem} if ca_pem else {}) | (  # the pod trusts this cluster's CA alone
-        {"CODERAI_WORKER_WEIGHTS_DIR": f"{VOLUME_MOUNT}/models"} if model.pod.volume else {}) | (
-        {"HF_TOKEN": hf_token} if hf_token else {})
+    return (
+        {
+            "CODERAI_NATS_URL": with_user(nats_url, user, password),
+            "CODERAI_NODE_ID": name,
+            "CODERAI_WORKER_POD": name,
+            "CODERAI_WORKER_MODELS_JSON": cfg,
+            "CODERAI_WORKER_MDNS": "false",
+            "CODERAI_LOG_FORMAT": "json",
+        }
+        | ({"CODERAI_NATS_CA": ca_pem} if ca_pem else {})
+        | (  # the pod trusts this cluster's CA alone
+            {"CODERAI_WORKER_WEIGHTS_DIR": f"{VOLUME_MOUNT}/models"} if model.pod.volume else {}
+        )
+        | ({"HF_TOKEN": hf_token} if hf_token else {})
+    )
 
 
 def _builtins(model: ModelConfig) -> dict:

@@ -44,13 +44,19 @@ _Q_GPU_TYPES = """query GpuTypes($filter: GpuTypeFilter, $price: GpuLowestPriceI
   id displayName memoryInGb lowestPrice(input: $price) { minimumBidPrice uninterruptablePrice stockStatus } } }"""
 _Q_POD = "query Pod($podId: String!) { pod(input: {podId: $podId}) { ...PodFields } }\n" + _POD_FIELDS
 _Q_PODS = "query Pods { myself { pods { ...PodFields } } }\n" + _POD_FIELDS
-_M_ON_DEMAND = ("mutation Deploy($input: PodFindAndDeployOnDemandInput!) { podFindAndDeployOnDemand(input: $input) "
-                "{ ...PodFields } }\n" + _POD_FIELDS)
-_M_SPOT = ("mutation Rent($input: PodRentInterruptableInput!) { podRentInterruptable(input: $input) "
-           "{ ...PodFields } }\n" + _POD_FIELDS)
+_M_ON_DEMAND = (
+    "mutation Deploy($input: PodFindAndDeployOnDemandInput!) { podFindAndDeployOnDemand(input: $input) "
+    "{ ...PodFields } }\n" + _POD_FIELDS
+)
+_M_SPOT = (
+    "mutation Rent($input: PodRentInterruptableInput!) { podRentInterruptable(input: $input) "
+    "{ ...PodFields } }\n" + _POD_FIELDS
+)
 _M_STOP = "mutation Stop($podId: String!) { podStop(input: {podId: $podId}) { ...PodFields } }\n" + _POD_FIELDS
-_M_RESUME = ("mutation Resume($podId: String!, $gpuCount: Int!) { podResume(input: {podId: $podId, gpuCount: "
-             "$gpuCount}) { ...PodFields } }\n" + _POD_FIELDS)
+_M_RESUME = (
+    "mutation Resume($podId: String!, $gpuCount: Int!) { podResume(input: {podId: $podId, gpuCount: "
+    "$gpuCount}) { ...PodFields } }\n" + _POD_FIELDS
+)
 _M_TERMINATE = "mutation Terminate($podId: String!) { podTerminate(input: {podId: $podId}) }"
 
 
@@ -58,8 +64,15 @@ class RunPodError(Exception):
     """A failed RunPod call. `retryable`: the same call may succeed soon; `maybe_applied`: the request may have
     taken effect before it failed (the reply was lost), so repeating a mutation could do it twice."""
 
-    def __init__(self, message: str, *, retryable: bool = False, maybe_applied: bool = False,
-                 status: int | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        maybe_applied: bool = False,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = retryable
@@ -135,18 +148,32 @@ class PodRecord:
 def _pod(d: dict[str, Any]) -> PodRecord:
     machine = d.get("machine") or {}
     env = dict(item.split("=", 1) if "=" in item else (item, "") for item in d.get("env") or [])
-    return PodRecord(id=d["id"], name=d.get("name") or "", status=d.get("desiredStatus") or "",
-                     image=d.get("imageName") or "", gpu_type_id=machine.get("gpuTypeId"),
-                     gpu_name=machine.get("gpuDisplayName"), gpu_count=d.get("gpuCount") or 0,
-                     cost_per_hr=float(d.get("costPerHr") or 0.0), spot=d.get("podType") == "INTERRUPTABLE",
-                     env=env, uptime_s=(d.get("runtime") or {}).get("uptimeInSeconds"),
-                     machine_id=d.get("machineId"))
+    return PodRecord(
+        id=d["id"],
+        name=d.get("name") or "",
+        status=d.get("desiredStatus") or "",
+        image=d.get("imageName") or "",
+        gpu_type_id=machine.get("gpuTypeId"),
+        gpu_name=machine.get("gpuDisplayName"),
+        gpu_count=d.get("gpuCount") or 0,
+        cost_per_hr=float(d.get("costPerHr") or 0.0),
+        spot=d.get("podType") == "INTERRUPTABLE",
+        env=env,
+        uptime_s=(d.get("runtime") or {}).get("uptimeInSeconds"),
+        machine_id=d.get("machineId"),
+    )
 
 
-async def with_retry(call: Callable[[], Awaitable[T]], *, attempts: int = 4, base_delay_s: float = 0.5,
-                     max_delay_s: float = 8.0, sleep: Sleep = asyncio.sleep,
-                     rand: Callable[[], float] = random.random,
-                     retry_if: Callable[[RunPodError], bool] = lambda e: e.retryable) -> T:
+async def with_retry(
+    call: Callable[[], Awaitable[T]],
+    *,
+    attempts: int = 4,
+    base_delay_s: float = 0.5,
+    max_delay_s: float = 8.0,
+    sleep: Sleep = asyncio.sleep,
+    rand: Callable[[], float] = random.random,
+    retry_if: Callable[[RunPodError], bool] = lambda e: e.retryable,
+) -> T:
     """Run `call`, retrying a `RunPodError` that `retry_if` accepts up to `attempts` tries in all. The n-th wait is
     uniform in [d/2, d] with d = min(max_delay_s, base_delay_s * 2**n), at least a 429's Retry-After (capped)."""
     for attempt in range(attempts):
@@ -155,7 +182,7 @@ async def with_retry(call: Callable[[], Awaitable[T]], *, attempts: int = 4, bas
         except RunPodError as exc:
             if attempt == attempts - 1 or not retry_if(exc):
                 raise
-            delay = min(max_delay_s, base_delay_s * 2 ** attempt)
+            delay = min(max_delay_s, base_delay_s * 2**attempt)
             delay = delay / 2 + rand() * delay / 2
             if exc.retry_after_s is not None:
                 delay = max(delay, min(exc.retry_after_s, max_delay_s))
@@ -166,17 +193,27 @@ async def with_retry(call: Callable[[], Awaitable[T]], *, attempts: int = 4, bas
 class RunPodClient:
     """RunPod's GraphQL API at `{base_url}/graphql`, authenticated by a Bearer API key."""
 
-    def __init__(self, api_key: str, base_url: str = DEFAULT_BASE_URL, *, timeout_s: float = 30.0,
-                 attempts: int = 4, base_delay_s: float = 0.5, sleep: Sleep = asyncio.sleep,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        api_key: str,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        timeout_s: float = 30.0,
+        attempts: int = 4,
+        base_delay_s: float = 0.5,
+        sleep: Sleep = asyncio.sleep,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/graphql"
         self.attempts = attempts
         self.base_delay_s = base_delay_s
         self.sleep = sleep
         self.outage: Outage | None = None  # RunPod failing for us now; None while it answers
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), transport=transport,
-            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "coderai-pod-broker"})
+            timeout=httpx.Timeout(timeout_s),
+            transport=transport,
+            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "coderai-pod-broker"},
+        )
 
     async def aclose(self) -> None:
         """Close the HTTP connections."""
@@ -217,8 +254,13 @@ class RunPodClient:
 
     async def _call(self, query: str, variables: dict[str, Any] | None = None, **retry: Any) -> dict[str, Any]:
         try:
-            data = await with_retry(lambda: self.execute(query, variables), attempts=self.attempts,
-                                    base_delay_s=self.base_delay_s, sleep=self.sleep, **retry)
+            data = await with_retry(
+                lambda: self.execute(query, variables),
+                attempts=self.attempts,
+                base_delay_s=self.base_delay_s,
+                sleep=self.sleep,
+                **retry,
+            )
         except RunPodError as exc:
             if exc.retryable:
                 self._failing(exc)
@@ -244,24 +286,46 @@ class RunPodClient:
     async def gpu_types(self, gpu_count: int = 1, gpu_type_id: str | None = None) -> list[GpuType]:
         """Card types (or the one named) with their lowest on-demand and spot prices per GPU-hour, and whether
         `gpu_count` of them are in stock."""
-        data = await self._call(_Q_GPU_TYPES, {"filter": {"id": gpu_type_id} if gpu_type_id else None,
-                                               "price": {"gpuCount": gpu_count}})
+        data = await self._call(
+            _Q_GPU_TYPES, {"filter": {"id": gpu_type_id} if gpu_type_id else None, "price": {"gpuCount": gpu_count}}
+        )
         out = []
         for g in data.get("gpuTypes") or []:
             low = g.get("lowestPrice")
-            out.append(GpuType(id=g["id"], name=g.get("displayName") or g["id"], memory_gb=g.get("memoryInGb") or 0,
-                               price_hr=(low or {}).get("uninterruptablePrice"),
-                               spot_price_hr=(low or {}).get("minimumBidPrice"),
-                               available=None if low is None or "stockStatus" not in low
-                               else low["stockStatus"] is not None))
+            out.append(
+                GpuType(
+                    id=g["id"],
+                    name=g.get("displayName") or g["id"],
+                    memory_gb=g.get("memoryInGb") or 0,
+                    price_hr=(low or {}).get("uninterruptablePrice"),
+                    spot_price_hr=(low or {}).get("minimumBidPrice"),
+                    available=None if low is None or "stockStatus" not in low else low["stockStatus"] is not None,
+                )
+            )
         return out
 
-    async def create_pod(self, name: str, image: str, gpu_type_id: str, *, gpu_count: int = 1,
-                         env: dict[str, str] | None = None, spot: bool = False, bid_per_gpu: float | None = None,
-                         cloud_type: str = "ALL", volume_gb: int = 0, container_disk_gb: int = 20,
-                         volume_mount_path: str = "/workspace", ports: str = "", docker_args: str = "",
-                         min_vcpu_count: int = 1, min_memory_gb: int = 1, start_ssh: bool = False,
-                         support_public_ip: bool = True, network_volume_id: str = "") -> PodRecord:
+    async def create_pod(
+        self,
+        name: str,
+        image: str,
+        gpu_type_id: str,
+        *,
+        gpu_count: int = 1,
+        env: dict[str, str] | None = None,
+        spot: bool = False,
+        bid_per_gpu: float | None = None,
+        cloud_type: str = "ALL",
+        volume_gb: int = 0,
+        container_disk_gb: int = 20,
+        volume_mount_path: str = "/workspace",
+        ports: str = "",
+        docker_args: str = "",
+        min_vcpu_count: int = 1,
+        min_memory_gb: int = 1,
+        start_ssh: bool = False,
+        support_public_ip: bool = True,
+        network_volume_id: str = "",
+    ) -> PodRecord:
         """Rent a pod: on-demand, or spot (`bid_per_gpu` defaults to the current minimum bid); with
         `network_volume_id`, that network volume mounted at `volume_mount_path` (the pod then runs in its data
         center). Retried only while RunPod surely did not act on it; raises `NoCapacity`, or `CreateUncertain` when
@@ -272,12 +336,22 @@ class RunPodClient:
                 raise NoCapacity(f"no spot offer for {gpu_type_id}")
             bid_per_gpu = offers[0].spot_price_hr
         spec: dict[str, Any] = {
-            "name": name, "imageName": image, "gpuTypeId": gpu_type_id, "gpuCount": gpu_count,
-            "cloudType": cloud_type, "volumeInGb": volume_gb, "containerDiskInGb": container_disk_gb,
-            "volumeMountPath": volume_mount_path, "ports": ports, "dockerArgs": docker_args,
-            "minVcpuCount": min_vcpu_count, "minMemoryInGb": min_memory_gb, "startSsh": start_ssh,
+            "name": name,
+            "imageName": image,
+            "gpuTypeId": gpu_type_id,
+            "gpuCount": gpu_count,
+            "cloudType": cloud_type,
+            "volumeInGb": volume_gb,
+            "containerDiskInGb": container_disk_gb,
+            "volumeMountPath": volume_mount_path,
+            "ports": ports,
+            "dockerArgs": docker_args,
+            "minVcpuCount": min_vcpu_count,
+            "minMemoryInGb": min_memory_gb,
+            "startSsh": start_ssh,
             "supportPublicIp": support_public_ip,
-            "env": [{"key": k, "value": v} for k, v in (env or {}).items()]}
+            "env": [{"key": k, "value": v} for k, v in (env or {}).items()],
+        }
         if spot:
             spec["bidPerGpu"] = bid_per_gpu
         if network_volume_id:

@@ -102,8 +102,11 @@ class Broker:
 
             self.api = RunPodClient(api_key=s.runpod_api_key, base_url=s.runpod_api_base)
             stack.push_async_callback(self.api.aclose)
-        for subject, handler in ((CMD_BROKER_STATUS, self._status), (CMD_BROKER_ACQUIRE, self._acquire),
-                                 (CMD_BROKER_LEASE, self._lease)):
+        for subject, handler in (
+            (CMD_BROKER_STATUS, self._status),
+            (CMD_BROKER_ACQUIRE, self._acquire),
+            (CMD_BROKER_LEASE, self._lease),
+        ):
             sub = await self.bus.serve(subject, handler, queue="pod-broker")
             stack.push_async_callback(sub.unsubscribe)
         hb = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
@@ -120,11 +123,16 @@ class Broker:
 
     def _why_off(self) -> str:
         s = self.settings
-        return "; ".join(w for w, ok in (("no RunPod API key (CODERAI_POD_BROKER_RUNPOD_API_KEY)", self.api is not None),
-                                         ("no Redis for the ledger (CODERAI_POD_BROKER_REDIS_URL)", self.money is not None),
-                                         ("no NATS URL for pods (CODERAI_POD_BROKER_POD_NATS_URL)", bool(s.pod_nats_url)),
-                                         ("no global hourly cap (CODERAI_POD_BROKER_MAX_HOURLY_USD)", s.max_hourly_usd > 0))
-                         if not ok)
+        return "; ".join(
+            w
+            for w, ok in (
+                ("no RunPod API key (CODERAI_POD_BROKER_RUNPOD_API_KEY)", self.api is not None),
+                ("no Redis for the ledger (CODERAI_POD_BROKER_REDIS_URL)", self.money is not None),
+                ("no NATS URL for pods (CODERAI_POD_BROKER_POD_NATS_URL)", bool(s.pod_nats_url)),
+                ("no global hourly cap (CODERAI_POD_BROKER_MAX_HOURLY_USD)", s.max_hourly_usd > 0),
+            )
+            if not ok
+        )
 
     # --- state --------------------------------------------------------------------------------------
 
@@ -139,8 +147,16 @@ class Broker:
         return info
 
     async def _event(self, what: str, p: PodInfo, **kw: Any) -> None:
-        evt = PodEvent(what=what, name=p.name, model=p.model, pod_id=p.pod_id, gpu_type=p.gpu_type,  # type: ignore[arg-type]
-                       hourly_usd=p.hourly_usd, ts=time.time(), **kw)
+        evt = PodEvent(
+            what=what,
+            name=p.name,
+            model=p.model,
+            pod_id=p.pod_id,
+            gpu_type=p.gpu_type,  # type: ignore[arg-type]
+            hourly_usd=p.hourly_usd,
+            ts=time.time(),
+            **kw,
+        )
         with contextlib.suppress(Exception):
             await self.bus.publish(EVT_POD, evt, what=what)
 
@@ -159,8 +175,13 @@ class Broker:
         now = time.time()
         pods = [self._with_live_cost(p, now) for p in sorted(self.pods.values(), key=lambda p: p.created_at)]
         spent = await self.money.ledger_total_usd() if self.money is not None else 0.0
-        return BrokerStatus(configured=self.configured, pods=pods, spent_usd=spent,
-                            why="" if self.configured else self._why_off(), outage=self._outage())
+        return BrokerStatus(
+            configured=self.configured,
+            pods=pods,
+            spent_usd=spent,
+            why="" if self.configured else self._why_off(),
+            outage=self._outage(),
+        )
 
     def _outage(self) -> str:
         down = self.api.outage if self.api is not None else None
@@ -179,13 +200,17 @@ class Broker:
         self._model(req.model)
         until = time.time() + req.ttl_s
         self.leases[req.model] = (max(0, req.pods), until)
-        log.info("warm floor for %s: %d pod(s) until %s", req.model, req.pods, time.strftime("%H:%M:%S", time.gmtime(until)))
+        log.info(
+            "warm floor for %s: %d pod(s) until %s", req.model, req.pods, time.strftime("%H:%M:%S", time.gmtime(until))
+        )
         return LeaseReply(model=req.model, pods=req.pods, until=until)
 
     async def _acquire(self, req: AcquireRequest, _m: Any) -> AcquireReply:
         if not self.fence.admits(req.fence):
-            raise BusError("stale_leader", f"refused: from a former scheduler leader (token {req.fence}, "
-                                           f"newest {self.fence.newest})")
+            raise BusError(
+                "stale_leader",
+                f"refused: from a former scheduler leader (token {req.fence}, newest {self.fence.newest})",
+            )
         return AcquireReply(pod=await self.acquire(req.model, req.reason))
 
     async def acquire(self, model: str, reason: str = "") -> PodInfo:
@@ -213,8 +238,10 @@ class Broker:
             raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._outage()}", retryable=True)
         s = self.settings
         try:
-            offers = [choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr, g.spot_price_hr)
-                      for g in await self.api.gpu_types()]
+            offers = [
+                choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr, g.spot_price_hr)
+                for g in await self.api.gpu_types()
+            ]
         except RunPodError as exc:
             raise BusError("no_engine", f"RunPod: {exc}", retryable=True) from None
         options = choosing.candidates(offers, m, m.memory_mb * MB, s.max_hourly_usd)
@@ -230,9 +257,19 @@ class Broker:
                 reservation = await self.money.reserve(m.name, name, rate, amount, self._caps(m), now)
             except OverBudget as exc:
                 raise BusError("over_budget", str(exc)) from None
-            info = await self._save(PodInfo(name=name, model=m.name, state="creating", gpu_type=offer.id,
-                                            gpu_count=m.pod.gpu_count, spot=m.pod.spot, hourly_usd=rate,
-                                            created_at=now, reserved_usd=reservation.amount_usd))
+            info = await self._save(
+                PodInfo(
+                    name=name,
+                    model=m.name,
+                    state="creating",
+                    gpu_type=offer.id,
+                    gpu_count=m.pod.gpu_count,
+                    spot=m.pod.spot,
+                    hourly_usd=rate,
+                    created_at=now,
+                    reserved_usd=reservation.amount_usd,
+                )
+            )
             t0 = time.time()
             try:
                 rec = await self._create_once(m, name, offer)
@@ -259,15 +296,22 @@ class Broker:
 
         s = self.settings
         # the pod's own NATS user, from the head's membership; it ends with the pod (end()) or after its ttl
-        user = await self.bus.request(CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id=name, ttl_s=s.pod_credentials_ttl_s, models=[m]),
-                                      timeout=10.0)
+        user = await self.bus.request(
+            CMD_SCHEDULER_POD_USER, PodUserRequest(pod_id=name, ttl_s=s.pod_credentials_ttl_s, models=[m]), timeout=10.0
+        )
         for attempt in range(3):
             try:
                 return await self.api.create_pod(
-                    name=name, image=m.pod.image or s.pod_image, gpu_type_id=offer.id, gpu_count=m.pod.gpu_count,
-                    env=choosing.pod_env(name, m, s.pod_nats_url, user.user, user.password, ca_text(s.nats_ca),
-                                         hf_token=s.hf_token),
-                    spot=m.pod.spot, network_volume_id=m.pod.volume)
+                    name=name,
+                    image=m.pod.image or s.pod_image,
+                    gpu_type_id=offer.id,
+                    gpu_count=m.pod.gpu_count,
+                    env=choosing.pod_env(
+                        name, m, s.pod_nats_url, user.user, user.password, ca_text(s.nats_ca), hf_token=s.hf_token
+                    ),
+                    spot=m.pod.spot,
+                    network_volume_id=m.pod.volume,
+                )
             except NoCapacity:
                 raise
             except RunPodError as exc:
@@ -277,7 +321,7 @@ class Broker:
                 if not exc.retryable or attempt == 2:
                     raise
                 log.warning("creating %s failed (%s); it is not there, trying again", name, exc)
-                await asyncio.sleep(0.5 * 2 ** attempt)
+                await asyncio.sleep(0.5 * 2**attempt)
         raise AssertionError("unreachable")
 
     async def _find(self, name: str) -> Any:
@@ -297,9 +341,14 @@ class Broker:
         s = self.settings
         # 0 in a models file or setting means "no such cap" (None to PodMoney); the global hourly cap is always
         # set, since pods are off without it
-        return Caps(budget_usd=m.pod.budget_usd or None, period=m.pod.period, max_hourly_usd=m.pod.max_hourly_usd or None,
-                    global_budget_usd=s.global_budget_usd or None, global_period=s.global_period,
-                    global_max_hourly_usd=s.max_hourly_usd)
+        return Caps(
+            budget_usd=m.pod.budget_usd or None,
+            period=m.pod.period,
+            max_hourly_usd=m.pod.max_hourly_usd or None,
+            global_budget_usd=s.global_budget_usd or None,
+            global_period=s.global_period,
+            global_max_hourly_usd=s.max_hourly_usd,
+        )
 
     # --- watching -----------------------------------------------------------------------------------
 
@@ -359,8 +408,11 @@ class Broker:
         rent another if the policy still asks for one."""
         if p.spot and await self._stopped_at_runpod(p):
             last = time.time() - (time.monotonic() - last_seen) if last_seen is not None else None
-            log.warning("spot pod %s of %s was preempted by RunPod; another is rented only for a warm floor or a "
-                        "request", p.name, p.model)
+            log.warning(
+                "spot pod %s of %s was preempted by RunPod; another is rented only for a warm floor or a request",
+                p.name,
+                p.model,
+            )
             await self.end(p, "preempted", "preempted: RunPod took the spot pod's GPU back", billed_until=last)
         else:
             await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
@@ -403,8 +455,9 @@ class Broker:
                 return
             m = self._model(p.model)
             if held is None:
-                held = await self.money.reserve(p.model, p.name, p.hourly_usd, cost + ahead, self._caps(m),
-                                                p.created_at)
+                held = await self.money.reserve(
+                    p.model, p.name, p.hourly_usd, cost + ahead, self._caps(m), p.created_at
+                )
                 await self.money.open_pod(p.name, p.gpu_type, p.created_at)
             else:
                 held = await self.money.extend(held, ahead, now, self._caps(m))
@@ -446,8 +499,15 @@ class Broker:
             await self.bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id=p.name, forget=True), timeout=5.0)
         entry = await self.money.book(p.name, p.model, p.gpu_type, p.hourly_usd, p.created_at, end, end)
         usd = entry.usd if entry is not None else p.cost_usd  # None: booked already (a retried end)
-        p = await self._save(msgspec.structs.replace(p, state=state, ended_at=end, cost_usd=usd,  # type: ignore[arg-type]
-                                                     error="" if state == "terminated" else reason))
+        p = await self._save(
+            msgspec.structs.replace(
+                p,
+                state=state,
+                ended_at=end,
+                cost_usd=usd,  # type: ignore[arg-type]
+                error="" if state == "terminated" else reason,
+            )
+        )
         log.info("pod %s %s (%s): %.0fs, $%.6f", p.name, state, reason, end - p.created_at, usd)
         await self._event("stopped", p, reason=reason)
         await self._event("billed", p, seconds=end - p.created_at, usd=usd)
@@ -480,9 +540,20 @@ class Broker:
                     await self.api.terminate_pod(rec.id)
             else:  # nobody knew of it: bill what it ran, as far as RunPod says (no runtime: stopped, or booting)
                 now = time.time()
-                await self.end(PodInfo(name=rec.name, model="", state="ready", pod_id=rec.id, spot=rec.spot,
-                                       gpu_type=rec.gpu_type_id or "", hourly_usd=rec.cost_per_hr,
-                                       created_at=now - (rec.uptime_s or 0)), "terminated", "orphan")
+                await self.end(
+                    PodInfo(
+                        name=rec.name,
+                        model="",
+                        state="ready",
+                        pod_id=rec.id,
+                        spot=rec.spot,
+                        gpu_type=rec.gpu_type_id or "",
+                        hourly_usd=rec.cost_per_hr,
+                        created_at=now - (rec.uptime_s or 0),
+                    ),
+                    "terminated",
+                    "orphan",
+                )
             reaped.append(rec.name)
         return reaped
 

@@ -6,7 +6,9 @@ from coderai.runtime.entry import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("router", "Answers coderai.route.pick: which engine serves a request.", RouterSettings, make, argv)
+    return run_service(
+        "router", "Answers coderai.route.pick: which engine serves a request.", RouterSettings, make, argv
+    )
 
 
 if __name__ == "__main__":

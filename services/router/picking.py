@@ -68,7 +68,9 @@ class EngineTable:
     last_pick: dict[str, int] = field(default_factory=dict)  # engine id -> pick sequence, to rotate ties
     picks: int = 0
     failed: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # engine id -> (node, model, fault ref)
-    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)  # each node's last, applied again when its placement changes
+    heartbeats: dict[str, Heartbeat] = field(
+        default_factory=dict
+    )  # each node's last, applied again when its placement changes
 
     def least_busy(self, candidates: list[EngineView]) -> EngineView:
         """Lowest load per slot; among equals the one picked least recently (never picked first), then the lowest
@@ -97,9 +99,14 @@ class EngineTable:
             if why:
                 refused.append((e, why))
             elif e.state == "ready":
-                self.engines[e.engine_id] = EngineView(e.engine_id, node, e.model, frozenset(e.ops),
-                                                       min(max(0, e.in_flight), MAX_IN_FLIGHT),
-                                                       slots=min(max(1, e.slots), MAX_SLOTS))
+                self.engines[e.engine_id] = EngineView(
+                    e.engine_id,
+                    node,
+                    e.model,
+                    frozenset(e.ops),
+                    min(max(0, e.in_flight), MAX_IN_FLIGHT),
+                    slots=min(max(1, e.slots), MAX_SLOTS),
+                )
             elif e.state == "failed":
                 self.failed[e.engine_id] = (node, e.model, fault_ref(node, e.engine_id, e.error or ""))
         return refused
@@ -198,7 +205,9 @@ def _busy(model: ModelConfig | None, v: EngineView) -> bool:
     return model is not None and model.pod.burst in ("when_busy", "always") and v.load >= model.pod.busy_in_flight
 
 
-def _decide(table: EngineTable, v: EngineView, reason: str, holders: int = 1, model: ModelConfig | None = None) -> RouteDecision:
+def _decide(
+    table: EngineTable, v: EngineView, reason: str, holders: int = 1, model: ModelConfig | None = None
+) -> RouteDecision:
     busy = _busy(model, v) and reason != "pin"
     table.chose(v)
     return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders, busy=busy)  # type: ignore[arg-type]
@@ -253,7 +262,9 @@ class RoundRobin:
 
     def pick(self, table: EngineTable, req: RouteRequest) -> RouteDecision | None:
         excluded = set(req.exclude)
-        candidates = sorted((v for v in table.holders(req.model, req.op) if v.engine_id not in excluded), key=lambda v: v.engine_id)
+        candidates = sorted(
+            (v for v in table.holders(req.model, req.op) if v.engine_id not in excluded), key=lambda v: v.engine_id
+        )
         if not candidates:
             return None
         return _decide(table, candidates[next(self._counter) % len(candidates)], "least_busy", len(candidates))

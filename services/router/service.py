@@ -28,7 +28,13 @@ from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.subjects import EVT_ENGINE_READY, EVT_REQUEST_COMPLETED, HEARTBEAT, ROUTE_PICK
 from coderai.contracts.topology import AFFINITY, ASSIGNMENTS, MODELS, NODES, PODS
 from coderai.router.picking import (
-    AFFINITY_TTL_S, ERROR_CAP, EngineTable, LoadGuard, RoundRobin, keys_to_record, pick,
+    AFFINITY_TTL_S,
+    ERROR_CAP,
+    EngineTable,
+    LoadGuard,
+    RoundRobin,
+    keys_to_record,
+    pick,
 )
 from coderai.router.settings import RouterSettings
 from coderai.runtime import tracing
@@ -65,7 +71,9 @@ class Router:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
         self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
-        self.affinity = KVMirror(self.bus, AFFINITY, AffinityEntry, max_entries=self.settings.affinity_max_entries, shrink=_shared_ids)
+        self.affinity = KVMirror(
+            self.bus, AFFINITY, AffinityEntry, max_entries=self.settings.affinity_max_entries, shrink=_shared_ids
+        )
         self.assignments = KVMirror(self.bus, ASSIGNMENTS, Assignment, on_change=self._placement_changed)
         self.pods = KVMirror(self.bus, PODS, PodInfo, on_change=self._placement_changed)
         mirrors = (self.models, self.affinity, self.assignments, self.pods)
@@ -116,8 +124,12 @@ class Router:
         elif self.fences.setdefault(node_id, Fence()).admits(assignment.fence):
             self.accepted[node_id] = assignment
         else:
-            log.warning("ignoring %s's assignment from a former leader (token %d, newest %d)", node_id,
-                        assignment.fence, self.fences[node_id].newest)
+            log.warning(
+                "ignoring %s's assignment from a former leader (token %d, newest %d)",
+                node_id,
+                assignment.fence,
+                self.fences[node_id].newest,
+            )
         if (kept := self.accepted.get(node_id)) is not None:
             models.update(m.name for m in kept.models)
         pod = self.pods.values.get(node_id)
@@ -147,8 +159,9 @@ class Router:
         if self.bus is None:
             return
         for v in [v for v in self.table.engines.values() if v.node_id == node_id and v.engine_id not in before]:
-            task = asyncio.create_task(self._publish_ready(EngineReady(model=v.model, engine_id=v.engine_id,
-                                                                       node_id=node_id, ts=time.time())))
+            task = asyncio.create_task(
+                self._publish_ready(EngineReady(model=v.model, engine_id=v.engine_id, node_id=node_id, ts=time.time()))
+            )
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -162,14 +175,22 @@ class Router:
         """Log, once each, what a node claimed beyond what it was given (a node fault) and why its engines failed
         (under the reference a tenant's 503 names; the node's text capped)."""
         for e, why in refused:
-            self._once(("claim", hb.node_id, e.engine_id, e.model), "node fault: node %s claims %s; ignored",
-                       hb.node_id, why)
+            self._once(
+                ("claim", hb.node_id, e.engine_id, e.model), "node fault: node %s claims %s; ignored", hb.node_id, why
+            )
         for e in hb.engines:
             if e.state == "failed" and e.engine_id in self.table.failed:
                 node, model, ref = self.table.failed[e.engine_id]
                 if node == hb.node_id:
-                    self._once(("failed", ref), "engine %s of node %s (model %s) failed [fault %s]: %s",
-                               e.engine_id, node, model, ref, (e.error or "no reason given")[:ERROR_CAP])
+                    self._once(
+                        ("failed", ref),
+                        "engine %s of node %s (model %s) failed [fault %s]: %s",
+                        e.engine_id,
+                        node,
+                        model,
+                        ref,
+                        (e.error or "no reason given")[:ERROR_CAP],
+                    )
 
     def _once(self, what: tuple[str, ...], msg: str, *args: Any) -> None:
         if what in self._logged:
@@ -188,9 +209,16 @@ class Router:
     async def _on_pick(self, req: RouteRequest, m: Any) -> RouteDecision:
         if not tracing.enabled():
             return self._pick(req)
-        with tracing.start_span("router.pick", headers=m.headers, kind="server", attributes={
-            "coderai.request_id": req.request_id, "coderai.model": req.model, "coderai.op": req.op,
-        }) as span:
+        with tracing.start_span(
+            "router.pick",
+            headers=m.headers,
+            kind="server",
+            attributes={
+                "coderai.request_id": req.request_id,
+                "coderai.model": req.model,
+                "coderai.op": req.op,
+            },
+        ) as span:
             decision = self._pick(req)
             span.set_attributes({"coderai.route_reason": decision.reason, "coderai.engine_id": decision.engine_id})
             return decision
@@ -208,13 +236,22 @@ class Router:
             decision = pick(self.table, req, affinity, self.models_by_name.get(req.model), time.time(), self.guard)
         if decision is None:  # failed engines by reference only: their text is their node's, not ours to show
             refs = self.table.failures(req.model)
-            raise BusError("no_engine", f"no live engine serves {req.op} for model {req.model!r}"
-                           + (f" ({len(refs)} failed to load; the operator can look up fault {', '.join(refs)})"
-                              if refs else ""), retryable=True)
+            raise BusError(
+                "no_engine",
+                f"no live engine serves {req.op} for model {req.model!r}"
+                + (f" ({len(refs)} failed to load; the operator can look up fault {', '.join(refs)})" if refs else ""),
+                retryable=True,
+            )
         if policy == "prefix":
             self._record(req, decision)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("picked %s for %s (%s)", decision.engine_id, req.model, decision.reason, extra={"request_id": req.request_id})
+            log.debug(
+                "picked %s for %s (%s)",
+                decision.engine_id,
+                req.model,
+                decision.reason,
+                extra={"request_id": req.request_id},
+            )
         return decision
 
     # --- affinity writes --------------------------------------------------------------------------
@@ -269,8 +306,12 @@ class Router:
             for key in [k for k, e in self.affinity.values.items() if now - e.ts > AFFINITY_TTL_S]:
                 self.affinity.forget(key)
             if self.affinity.evicted != evicted:
-                log.info("affinity: %d entries in memory, %d oldest dropped for the bound (%d) in the last minute",
-                         len(self.affinity.values), self.affinity.evicted - evicted, self.affinity.max_entries)
+                log.info(
+                    "affinity: %d entries in memory, %d oldest dropped for the bound (%d) in the last minute",
+                    len(self.affinity.values),
+                    self.affinity.evicted - evicted,
+                    self.affinity.max_entries,
+                )
                 evicted = self.affinity.evicted
 
 

@@ -11,8 +11,12 @@ def _args(ap) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_service(
-        "scheduler", "Places models on nodes and keeps node membership from heartbeats.",
-        SchedulerSettings, make, argv, add_args=_args,
+        "scheduler",
+        "Places models on nodes and keeps node membership from heartbeats.",
+        SchedulerSettings,
+        make,
+        argv,
+        add_args=_args,
     )
 
 

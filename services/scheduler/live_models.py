@@ -34,8 +34,11 @@ def without_kept_exec(new: ModelConfig, old: ModelConfig | None) -> dict[str, An
     file): `coderai models set NAME replicas=2` sends the whole config back, and may, as long as it changes none."""
     if old is None or old.engine != new.engine:
         return new.params
-    return {k: v for k, v in new.params.items()
-            if not (k in engine_params.EXEC_PARAMS and k in old.params and old.params[k] == v)}
+    return {
+        k: v
+        for k, v in new.params.items()
+        if not (k in engine_params.EXEC_PARAMS and k in old.params and old.params[k] == v)
+    }
 
 
 class LiveModels:
@@ -153,5 +156,7 @@ class LiveModels:
                     self._stat = None
                     continue
                 self._from_file = new
-            log.info("models file changed: %s", ", ".join(
-                f"{'removed' if m is None else 'set'} {n}" for n, m in sorted(changes.items())))
+            log.info(
+                "models file changed: %s",
+                ", ".join(f"{'removed' if m is None else 'set'} {n}" for n, m in sorted(changes.items())),
+            )

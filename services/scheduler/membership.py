@@ -54,8 +54,16 @@ _BCRYPT = re.compile(r"^\$2[aby]\$\d{2}\$[./A-Za-z0-9]{53}$")
 class Membership:
     """The member registry of this head and the handlers that change it."""
 
-    def __init__(self, bus: Any, token: str, members_file: str, auth_file: str, pid_file: str,
-                 ca_pem: str = "", on_revoke: Any = None) -> None:
+    def __init__(
+        self,
+        bus: Any,
+        token: str,
+        members_file: str,
+        auth_file: str,
+        pid_file: str,
+        ca_pem: str = "",
+        on_revoke: Any = None,
+    ) -> None:
         self.bus = bus
         self.token = token
         self.members_file = Path(os.path.expanduser(members_file))
@@ -83,8 +91,11 @@ class Membership:
         self.registry()  # fail at start, not at the first join, when the head was not set up for members
         publish = asyncio.create_task(self.publisher.run(), name="registry-publisher")
         stack.callback(publish.cancel)
-        handlers = [(CMD_SCHEDULER_MEMBERS, self._list), (CMD_SCHEDULER_REVOKE, self._revoke),
-                    (CMD_SCHEDULER_POD_USER, self._pod_user)]
+        handlers = [
+            (CMD_SCHEDULER_MEMBERS, self._list),
+            (CMD_SCHEDULER_REVOKE, self._revoke),
+            (CMD_SCHEDULER_POD_USER, self._pod_user),
+        ]
         if self.token:
             handlers += [(JOIN_HELLO, self._hello), (JOIN_PROVE, self._prove)]
         for subject, handler in handlers:
@@ -92,7 +103,11 @@ class Membership:
             stack.push_async_callback(sub.unsubscribe)
         sweep = asyncio.create_task(self._sweep_loop())
         stack.callback(sweep.cancel)
-        log.info("membership: %d member(s); joins %s", len(self.registry().members), "on" if self.token else "off (no cluster token)")
+        log.info(
+            "membership: %d member(s); joins %s",
+            len(self.registry().members),
+            "on" if self.token else "off (no cluster token)",
+        )
 
     # --- the join handshake ----------------------------------------------------------------------
 
@@ -108,7 +123,9 @@ class Membership:
         self.pending[head_nonce] = (node_id, req.nonce, now + CHALLENGE_TTL_S)
         held = self.registry().members.get(node_id)  # a member must prove its credential: tell it which one
         salt = held.password_hash[:29] if held is not None and held.kind == "node" else ""
-        return JoinChallenge(nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce), member_salt=salt)
+        return JoinChallenge(
+            nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce), member_salt=salt
+        )
 
     async def _prove(self, req: JoinProof, _m: Any) -> JoinWelcome:
         node_id = _node_id(req.node_id)
@@ -117,7 +134,9 @@ class Membership:
             raise BusError("forbidden", "no such join challenge (expired, or answered already)", retryable=False)
         if not same(req.proof, node_proof(self.token, node_id, req.nonce, req.head_nonce, req.password_hash)):
             log.warning("join of %s refused: it does not know the cluster token", node_id)
-            raise BusError("forbidden", "the join proof is wrong: this worker has another cluster token", retryable=False)
+            raise BusError(
+                "forbidden", "the join proof is wrong: this worker has another cluster token", retryable=False
+            )
         if not _BCRYPT.match(req.password_hash):
             raise BusError("bad_request", "password_hash must be a bcrypt hash", retryable=False)
         async with self._lock:
@@ -125,21 +144,37 @@ class Membership:
                 reg = self.registry()
                 if node_id in reg.revoked:
                     log.warning("join of revoked node %s refused", node_id)
-                    raise BusError("forbidden", f"node {node_id} was revoked; `coderai nodes revoke {node_id} --forget` "
-                                                "lets it join again", retryable=False)
+                    raise BusError(
+                        "forbidden",
+                        f"node {node_id} was revoked; `coderai nodes revoke {node_id} --forget` lets it join again",
+                        retryable=False,
+                    )
                 old = reg.members.get(node_id)
                 if old is not None and old.kind != "node":
                     raise BusError("forbidden", f"{node_id} is a pod's id", retryable=False)
-                if old is not None and not (req.member_proof and same(req.member_proof, member_proof(
-                        old.password_hash, node_id, req.nonce, req.head_nonce, req.password_hash))):
+                if old is not None and not (
+                    req.member_proof
+                    and same(
+                        req.member_proof,
+                        member_proof(old.password_hash, node_id, req.nonce, req.head_nonce, req.password_hash),
+                    )
+                ):
                     # the token lets one ask to join, not take an identity that is held: only the holder of the
                     # member's credential (its own data dir) replaces it, or the operator forgets the id first
-                    log.warning("join under member %s's id refused: it does not prove that member's credential", node_id)
-                    raise BusError("forbidden", f"{node_id} is already a member, and this join does not prove its "
-                                                "credential (the one in that node's node-credentials.json); if the "
-                                                f"machine lost it, `coderai nodes revoke {node_id} --forget` on the "
-                                                "head re-admits the id", retryable=False)
-                reg.members[node_id] = members.Member(node_id=node_id, password_hash=req.password_hash, joined_at=time.time())
+                    log.warning(
+                        "join under member %s's id refused: it does not prove that member's credential", node_id
+                    )
+                    raise BusError(
+                        "forbidden",
+                        f"{node_id} is already a member, and this join does not prove its "
+                        "credential (the one in that node's node-credentials.json); if the "
+                        f"machine lost it, `coderai nodes revoke {node_id} --forget` on the "
+                        "head re-admits the id",
+                        retryable=False,
+                    )
+                reg.members[node_id] = members.Member(
+                    node_id=node_id, password_hash=req.password_hash, joined_at=time.time()
+                )
                 self._apply(reg)
         log.info("node %s joined", node_id)
         user = members.node_user(node_id)
@@ -148,10 +183,20 @@ class Membership:
         except Exception as exc:  # noqa: BLE001 - the list read last, else this head's own file of the heads
             # (without one, the worker reaches the others only through the head it joined while that one lives)
             urls = self._head_urls or heads.urls(heads.load(self.members_file.parent.parent))
-            log.info("heads not read for %s's welcome (%s); told %d from %s", node_id, exc or type(exc).__name__,
-                     len(urls), "the last read" if self._head_urls else "this head's heads file")
-        return JoinWelcome(user=user, tls_fingerprint=self.tls_fingerprint, ca_pem=self.ca_pem, heads=urls,
-                           proof=welcome_proof(self.token, node_id, req.head_nonce, user, self.tls_fingerprint))
+            log.info(
+                "heads not read for %s's welcome (%s); told %d from %s",
+                node_id,
+                exc or type(exc).__name__,
+                len(urls),
+                "the last read" if self._head_urls else "this head's heads file",
+            )
+        return JoinWelcome(
+            user=user,
+            tls_fingerprint=self.tls_fingerprint,
+            ca_pem=self.ca_pem,
+            heads=urls,
+            proof=welcome_proof(self.token, node_id, req.head_nonce, user, self.tls_fingerprint),
+        )
 
     # --- operator commands and the pod-broker ----------------------------------------------------
 
@@ -169,8 +214,15 @@ class Membership:
                 elif node_id not in reg.revoked:
                     reg.revoked.append(node_id)
                 self._apply(reg)
-        log.info("node %s %s", node_id, "revoked" if gone else "was not a member; its id is refused from now on"
-                 if not req.forget else "may join again")
+        log.info(
+            "node %s %s",
+            node_id,
+            "revoked"
+            if gone
+            else "was not a member; its id is refused from now on"
+            if not req.forget
+            else "may join again",
+        )
         if gone is not None and self.on_revoke is not None:
             self.on_revoke(node_id)
         return _reply(reg)
@@ -186,8 +238,14 @@ class Membership:
                 old = reg.members.get(node_id)
                 if old is not None and old.kind != "pod":
                     raise BusError("forbidden", f"{node_id} is a node's id", retryable=False)
-                reg.members[node_id] = members.Member(node_id=node_id, kind="pod", password_hash=members.hash_password(password),
-                                                      joined_at=time.time(), expires_at=expires, work=work_consumers(req.models))
+                reg.members[node_id] = members.Member(
+                    node_id=node_id,
+                    kind="pod",
+                    password_hash=members.hash_password(password),
+                    joined_at=time.time(),
+                    expires_at=expires,
+                    work=work_consumers(req.models),
+                )
                 self._apply(reg)
         return PodUser(user=members.node_user(node_id, "pod"), password=password, expires_at=expires)
 
@@ -250,12 +308,16 @@ class Membership:
 
 def reload_nats(pid_file: Path | None) -> None:
     if pid_file is None:
-        raise BusError("unavailable", "this head does not know nats-server's pid file: members cannot change", retryable=False)
+        raise BusError(
+            "unavailable", "this head does not know nats-server's pid file: members cannot change", retryable=False
+        )
     try:
         pid = int(pid_file.read_text().strip())
         os.kill(pid, signal.SIGHUP)
     except (OSError, ValueError) as exc:
-        raise BusError("unavailable", f"cannot reload nats-server (pid file {pid_file}): {exc}", retryable=True) from None
+        raise BusError(
+            "unavailable", f"cannot reload nats-server (pid file {pid_file}): {exc}", retryable=True
+        ) from None
 
 
 def _node_id(value: str) -> str:
@@ -269,6 +331,10 @@ def _node_id(value: str) -> str:
 
 
 def _reply(reg: members.Registry) -> MembersReply:
-    return MembersReply(members=[MemberInfo(node_id=m.node_id, kind=m.kind, joined_at=m.joined_at, expires_at=m.expires_at,
-                                            addr=m.addr) for m in sorted(reg.members.values(), key=lambda m: m.node_id)],
-                        revoked=list(reg.revoked))
+    return MembersReply(
+        members=[
+            MemberInfo(node_id=m.node_id, kind=m.kind, joined_at=m.joined_at, expires_at=m.expires_at, addr=m.addr)
+            for m in sorted(reg.members.values(), key=lambda m: m.node_id)
+        ],
+        revoked=list(reg.revoked),
+    )

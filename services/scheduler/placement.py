@@ -39,6 +39,7 @@ from coderai.scheduler.splitting import (
 RAM = -1  # the pool key of a node's RAM in a `Take`; GPUs are keyed by their index
 Take = dict[int, int]  # pool -> bytes one copy takes of it
 
+
 def staged(m: ModelConfig) -> bool:
     """A video model relayed stage by stage (`params.stages`): a node holds only the parts its stages need."""
     return m.engine == "video" and bool(m.params.get("stages"))
@@ -85,8 +86,9 @@ class Room:
     def of(cls, nodes: dict[str, Heartbeat]) -> Room:
         """Every live node at full room, holding nothing."""
         free = {n: pools(hb) for n, hb in nodes.items()}
-        return cls(nodes, free, {n: list(r.gpus) for n, r in free.items()}, {n: [] for n in nodes},
-                   {n: set() for n in nodes})
+        return cls(
+            nodes, free, {n: list(r.gpus) for n, r in free.items()}, {n: [] for n in nodes}, {n: set() for n in nodes}
+        )
 
 
 def on_gpu(m: ModelConfig, r: Pools) -> bool:
@@ -104,8 +106,11 @@ def free_for(m: ModelConfig, r: Pools) -> int:
     return sum(r.gpus) if on_gpu(m, r) else r.ram
 
 
-def sized(models: list[ModelConfig], nodes: dict[str, Heartbeat], sizes: dict[str, int],
-          ) -> tuple[list[ModelConfig], dict[str, int], dict[str, ModelConfig]]:
+def sized(
+    models: list[ModelConfig],
+    nodes: dict[str, Heartbeat],
+    sizes: dict[str, int],
+) -> tuple[list[ModelConfig], dict[str, int], dict[str, ModelConfig]]:
     """What one copy of each model needs, with the models as placed and those `restaged`: a video model that fits
     no node whole is relayed by stages when its biggest part fits one (the gateway learns it from the config the
     scheduler publishes)."""
@@ -199,11 +204,14 @@ def holds(room: Room, n: str, name: str) -> bool:
     return any(x.name == name for x in room.placed[n])
 
 
-def split_copy(room: Room, m: ModelConfig, b: int, candidates: list[str], current: dict[str, Assignment],
-               layers: int) -> str:
+def split_copy(
+    room: Room, m: ModelConfig, b: int, candidates: list[str], current: dict[str, Assignment], layers: int
+) -> str:
     """Place `m` as one split copy (on the serving node's CPU and the RPC servers: RAM); "" on success, else why
     not."""
-    now = next(((n, x.shards) for n, a in current.items() for x in a.models if x.name == m.name and x.shards), ("", None))
+    now = next(
+        ((n, x.shards) for n, a in current.items() for x in a.models if x.name == m.name and x.shards), ("", None)
+    )
     ram = {n: r.ram for n, r in room.free.items()}
     got = place_split(m, b, candidates, room.nodes, ram, now[1], now[0], layers, room.rpc_used)
     if not isinstance(got, Split):
@@ -227,14 +235,14 @@ def ray_copy(room: Room, m: ModelConfig, b: int, candidates: list[str]) -> str:
         room.placed[d.node_id].append(msgspec.structs.replace(m, shards=got.plan))
         r = room.free[d.node_id]
         ranks = sorted(range(len(r.gpus)), key=lambda i: (-r.gpus[i], i))[: max(1, d.ranks)]
-        use(r, {i: got.takes[d.node_id] // len(ranks) for i in ranks} if on_gpu(m, r)
-            else {RAM: got.takes[d.node_id]})
+        use(r, {i: got.takes[d.node_id] // len(ranks) for i in ranks} if on_gpu(m, r) else {RAM: got.takes[d.node_id]})
     room.splits[m.name] = (got.serving, got.plan)
     return ""
 
 
-def keep_held(room: Room, m: ModelConfig, b: int, candidates: list[str], current: dict[str, Assignment],
-              want: int) -> None:
+def keep_held(
+    room: Room, m: ModelConfig, b: int, candidates: list[str], current: dict[str, Assignment], want: int
+) -> None:
     """Keep the copies of `m` already in place (up to `want`) while they still fit, on the cards they hold."""
     held = {n: x for n in candidates for x in current.get(n, Assignment(node_id=n)).models if x.name == m.name}
     for n in list(held)[:want]:
@@ -259,22 +267,29 @@ def add_copies(room: Room, m: ModelConfig, b: int, candidates: list[str], want: 
 def shortfall(m: ModelConfig, got: int, want: int, b: int, candidates: list[str]) -> str:
     """Why `m` has fewer copies than it asks for ("" when it has them all)."""
     if not candidates:
-        return ("none of its nodes (" + ", ".join(m.nodes) + ") is live and runs its engine family") \
-            if m.nodes else "no live node runs its engine family"
+        return (
+            ("none of its nodes (" + ", ".join(m.nodes) + ") is live and runs its engine family")
+            if m.nodes
+            else "no live node runs its engine family"
+        )
     if got < want:
         return f"{got} of {want} copies fit ({b // MB} MB each)"
     return ""
 
 
-def kept_for_return(models: list[ModelConfig], nodes: dict[str, Heartbeat],
-                    current: dict[str, Assignment]) -> dict[str, Assignment]:
+def kept_for_return(
+    models: list[ModelConfig], nodes: dict[str, Heartbeat], current: dict[str, Assignment]
+) -> dict[str, Assignment]:
     """Gone nodes keep the everywhere-models (`replicas = 0`, on their cards) for when they come back."""
     by_name = {m.name: m for m in models}
     out: dict[str, Assignment] = {}
     for n, a in current.items():
         if n not in nodes:
-            keep = [msgspec.structs.replace(by_name[x.name], devices=x.devices) for x in a.models
-                    if x.name in by_name and by_name[x.name].replicas == 0]
+            keep = [
+                msgspec.structs.replace(by_name[x.name], devices=x.devices)
+                for x in a.models
+                if x.name in by_name and by_name[x.name].replicas == 0
+            ]
             out[n] = Assignment(node_id=n, models=keep)
     return out
 
@@ -298,8 +313,12 @@ def plan(
     candidates = {m.name: sorted(n for n, hb in nodes.items() if eligible(m, n, hb, exclude)) for m in models}
     wants = {m.name: wanted(m, candidates[m.name]) for m in models}
 
-    pinned = {m.name for m in models if wants_pinned_split(m, nodes)
-              and not split_copy(room, m, need[m.name], candidates[m.name], current, layers.get(m.name, 0))}
+    pinned = {
+        m.name
+        for m in models
+        if wants_pinned_split(m, nodes)
+        and not split_copy(room, m, need[m.name], candidates[m.name], current, layers.get(m.name, 0))
+    }
     pinned |= {m.name for m in models if needs_ray(m, nodes, candidates[m.name])}
     for name in sorted(pinned - set(room.splits)):  # vLLM over Ray: placed here, before whole copies
         m = next(x for x in models if x.name == name)
@@ -312,11 +331,15 @@ def plan(
         want, cands = wants[m.name], candidates[m.name]
         got = add_copies(room, m, need[m.name], cands, want)
         if got == 0 and want > 0 and can_split(m) and cands:
-            if why := split_copy(room, m, need[m.name], cands, current, layers.get(m.name, 0)):  # fits no single node: over several, if RPC servers together have the room
+            if why := split_copy(
+                room, m, need[m.name], cands, current, layers.get(m.name, 0)
+            ):  # fits no single node: over several, if RPC servers together have the room
                 unplaced[m.name] = f"0 of {want} copies fit ({need[m.name] // MB} MB each); no split either: {why}"
         elif why := shortfall(m, got, want, need[m.name], cands):
             unplaced[m.name] = why
 
-    out = {n: Assignment(node_id=n, models=ms, rpc_peers=sorted(room.peers[n])) for n, ms in sorted(room.placed.items())}
+    out = {
+        n: Assignment(node_id=n, models=ms, rpc_peers=sorted(room.peers[n])) for n, ms in sorted(room.placed.items())
+    }
     out.update(kept_for_return(models, nodes, current))
     return Plan(out, unplaced, room.splits, restaged)

@@ -52,8 +52,9 @@ class HeadFiles:
             if local is not None:
                 if newer_only and reg.version <= local.version:
                     return False
-                reg = msgspec.structs.replace(reg, service_hash=local.service_hash, services=local.services,
-                                              join_hash=local.join_hash)
+                reg = msgspec.structs.replace(
+                    reg, service_hash=local.service_hash, services=local.services, join_hash=local.join_hash
+                )
             if local == reg:
                 return False
             members.save(self.members_file, reg)

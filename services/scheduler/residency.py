@@ -45,8 +45,13 @@ def engines(nodes: dict[str, Heartbeat]) -> dict[Pair, EngineStatus]:
 def idle(status: EngineStatus | None, for_s: float = 0.0) -> bool:
     """A copy that may be taken off its node: loaded, and no job running or queued for `for_s` (per its last
     heartbeat)."""
-    return status is not None and status.state == "ready" and not status.in_flight and not status.queued \
+    return (
+        status is not None
+        and status.state == "ready"
+        and not status.in_flight
+        and not status.queued
         and status.idle_s >= for_s
+    )
 
 
 def evictable(status: EngineStatus | None) -> bool:
@@ -73,8 +78,9 @@ class Residency:
         self.parked = {p for p in self.parked if p[0] != name}
         self.no_room.pop(name, None)
 
-    def expired(self, models: list[ModelConfig], nodes: dict[str, Heartbeat],
-                current: dict[str, Assignment]) -> list[Pair]:
+    def expired(
+        self, models: list[ModelConfig], nodes: dict[str, Heartbeat], current: dict[str, Assignment]
+    ) -> list[Pair]:
         """Copies idle past their keep-alive, oldest first, keeping each model's `min_replicas` copies."""
         by_name = {m.name: m for m in models}
         status = engines(nodes)
@@ -113,8 +119,14 @@ class Residency:
             out.append(m)
         return out
 
-    def plan(self, models: list[ModelConfig], nodes: dict[str, Heartbeat], current: dict[str, Assignment],
-             layers: dict[str, int] | None = None, now: float | None = None) -> Plan:
+    def plan(
+        self,
+        models: list[ModelConfig],
+        nodes: dict[str, Heartbeat],
+        current: dict[str, Assignment],
+        layers: dict[str, int] | None = None,
+        now: float | None = None,
+    ) -> Plan:
         """`placement.plan` of what should be loaded now (see the module's doc); records why copies leave."""
         now = time.monotonic() if now is None else now
         for pair in self.expired(models, nodes, current):
@@ -150,9 +162,16 @@ class Residency:
         result.unplaced = {k: v for k, v in result.unplaced.items() if k not in parked or k in self.demand}
         return result
 
-    def _room_for(self, m: ModelConfig, want: list[ModelConfig], nodes: dict[str, Heartbeat],
-                  current: dict[str, Assignment], result: Plan, layers: dict[str, int] | None,
-                  may_go: Callable[[EngineStatus | None], bool]) -> list[Pair] | None:
+    def _room_for(
+        self,
+        m: ModelConfig,
+        want: list[ModelConfig],
+        nodes: dict[str, Heartbeat],
+        current: dict[str, Assignment],
+        result: Plan,
+        layers: dict[str, int] | None,
+        may_go: Callable[[EngineStatus | None], bool],
+    ) -> list[Pair] | None:
         """The fewest least-recently-used copies that `may_go` to unload so that `m` is placed, on one node; None
         when no node can make room."""
         status = engines(nodes)
@@ -167,10 +186,16 @@ class Residency:
             if m.engine not in nodes[n].capabilities or (m.nodes and n not in m.nodes):
                 continue
             victims = sorted(
-                ((x.name, n) for x in result.assignments.get(n, Assignment(node_id=n)).models
-                 if x.name != m.name and mode(by_name[x.name]) != "always" and may_go(status.get((x.name, n)))
-                 and copies.get(x.name, 0) > by_name[x.name].min_replicas),
-                key=lambda p: (-status[p].idle_s if p in status else 0.0, p[0]))
+                (
+                    (x.name, n)
+                    for x in result.assignments.get(n, Assignment(node_id=n)).models
+                    if x.name != m.name
+                    and mode(by_name[x.name]) != "always"
+                    and may_go(status.get((x.name, n)))
+                    and copies.get(x.name, 0) > by_name[x.name].min_replicas
+                ),
+                key=lambda p: (-status[p].idle_s if p in status else 0.0, p[0]),
+            )
             taken: list[Pair] = []
             for pair in victims:
                 if best is not None and len(taken) + 1 >= len(best):

@@ -11,7 +11,16 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import GGUF_FAMILIES, Assignment, BusError, Heartbeat, ModelConfig, ModelUnloaded, encode, model_key
+from coderai.contracts import (
+    GGUF_FAMILIES,
+    Assignment,
+    BusError,
+    Heartbeat,
+    ModelConfig,
+    ModelUnloaded,
+    encode,
+    model_key,
+)
 from coderai.contracts.admin import NodeInfo, NodesReply, NodesRequest, PlaceReply, PlaceRequest
 from coderai.contracts.pods import LIVE_POD, AcquireRequest, EscalateReply, EscalateRequest, PodInfo
 from coderai.contracts.stages import StagePlan, StagePlanRequest
@@ -110,17 +119,29 @@ class Scheduler:
         stack.callback(task.cancel)
         sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(sub.unsubscribe)
-        for subject, handler in ((CMD_SCHEDULER_NODES, self._list_nodes), (CMD_SCHEDULER_PLACE, self._place),
-                                 (CMD_SCHEDULER_ESCALATE, self._escalate), (CMD_STORE_FETCH, self._store_fetch),
-                                 (CMD_STORE_LIST, self._store_list), (CMD_SCHEDULER_STAGES, self._stages)):
+        for subject, handler in (
+            (CMD_SCHEDULER_NODES, self._list_nodes),
+            (CMD_SCHEDULER_PLACE, self._place),
+            (CMD_SCHEDULER_ESCALATE, self._escalate),
+            (CMD_STORE_FETCH, self._store_fetch),
+            (CMD_STORE_LIST, self._store_list),
+            (CMD_SCHEDULER_STAGES, self._stages),
+        ):
             cmd = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(cmd.unsubscribe)
         self.live_models = LiveModels(self)  # models added, changed or removed while it runs (bus, models file)
         await self.live_models.start(stack)
         s = self.settings
         if s.members_file:
-            self.membership = Membership(self.bus, s.cluster_token, s.members_file, s.nats_users_file, s.nats_pid_file,
-                                         ca_pem=ca_text(s.nats_ca), on_revoke=self._forget_node)
+            self.membership = Membership(
+                self.bus,
+                s.cluster_token,
+                s.members_file,
+                s.nats_users_file,
+                s.nats_pid_file,
+                ca_pem=ca_text(s.nats_ca),
+                on_revoke=self._forget_node,
+            )
             await self.membership.start(stack)
         self.training = Training(self)  # fine-tuning jobs: rendezvous, state, the adapter into the store
         await self.training.start(stack)
@@ -179,7 +200,13 @@ class Scheduler:
         for m in self.models:
             if m.engine in GGUF_FAMILIES and m.name not in self.state.layers:
                 local = os.path.expanduser(m.path) if m.path else ""
-                path = local if local and os.path.isfile(local) else str(self.store.root / m.store_path / m.store_file) if m.store_path else ""
+                path = (
+                    local
+                    if local and os.path.isfile(local)
+                    else str(self.store.root / m.store_path / m.store_file)
+                    if m.store_path
+                    else ""
+                )
                 read[m.name] = block_count(path) if path else 0
         if read:
             self.apply(LayersRead(read))
@@ -198,8 +225,11 @@ class Scheduler:
         now = time.monotonic()
         assigned = self.assignments.values
         infos = [
-            NodeInfo(heartbeat=hb, assigned=[m.name for m in assigned[n].models] if n in assigned else [],
-                     age_s=round(now - self.seen.get(n, now), 3))
+            NodeInfo(
+                heartbeat=hb,
+                assigned=[m.name for m in assigned[n].models] if n in assigned else [],
+                age_s=round(now - self.seen.get(n, now), 3),
+            )
             for n, hb in sorted(self.nodes.items())
         ]
         return NodesReply(nodes=infos, unplaced=dict(self.unplaced), splits=dict(self.splits))
@@ -253,13 +283,20 @@ class Scheduler:
                 return
             if store_scope.may_read(path, folder, await self._fresh_grants(who, path)):
                 return
-        log.warning("store read of %r refused to %s: not a file of a model or job it holds", path,
-                    f"node {who}" if who else "a request with no node inbox")
-        raise BusError("forbidden", f"store path {path!r} is not a file of a model or fine-tuning job this node "
-                                    "holds", param="path")
+        log.warning(
+            "store read of %r refused to %s: not a file of a model or job it holds",
+            path,
+            f"node {who}" if who else "a request with no node inbox",
+        )
+        raise BusError(
+            "forbidden",
+            f"store path {path!r} is not a file of a model or fine-tuning job this node holds",
+            param="path",
+        )
 
-    def _grants(self, node_id: str, assignment: Assignment | None, pod: PodInfo | None,
-                jobs: tuple[FineTuneJob, ...] = ()) -> list[str]:
+    def _grants(
+        self, node_id: str, assignment: Assignment | None, pod: PodInfo | None, jobs: tuple[FineTuneJob, ...] = ()
+    ) -> list[str]:
         models = list(assignment.models) if assignment is not None else []
         if pod is not None and pod.state in LIVE_POD:
             models += [x for x in self.models if x.name == pod.model]
@@ -283,11 +320,21 @@ class Scheduler:
         if m is None:
             raise BusError("not_found", f"no model {req.model!r}")
         try:
-            out = stages.plan_stages(req, m, live(self.state, time.monotonic(), NODE_TTL_S), await asyncio.to_thread(stages.model_parts, m.path))
+            out = stages.plan_stages(
+                req,
+                m,
+                live(self.state, time.monotonic(), NODE_TTL_S),
+                await asyncio.to_thread(stages.model_parts, m.path),
+            )
         except stages.NoStagePlan as exc:
             raise BusError("no_engine", str(exc), retryable=True) from None
-        log.info("stages of %s: %s", req.job_id, ", ".join(
-            f"{s.kind}{f' {s.start}..{s.end}' if s.kind == 'denoise' else ''} on {s.node}" for s in out.stages))
+        log.info(
+            "stages of %s: %s",
+            req.job_id,
+            ", ".join(
+                f"{s.kind}{f' {s.start}..{s.end}' if s.kind == 'denoise' else ''} on {s.node}" for s in out.stages
+            ),
+        )
         return out
 
     async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
@@ -305,7 +352,9 @@ class Scheduler:
                 why = f"{m.name!r} cannot be loaded now: {room}; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
-            reply = await self.bus.request(CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason, fence=self.fence), timeout=15.0)
+            reply = await self.bus.request(
+                CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason, fence=self.fence), timeout=15.0
+            )
         except BusError as exc:
             code = "over_budget" if exc.code == "over_budget" else "no_engine"
             return EscalateReply(action="refused", code=code, why=exc.message)
@@ -330,7 +379,9 @@ class Scheduler:
         if not placed(self.last_plan, name, up):
             return False
         status = engines(up)
-        holders = [n for n, a in self.last_plan.assignments.items() if n in up and any(x.name == name for x in a.models)]
+        holders = [
+            n for n, a in self.last_plan.assignments.items() if n in up and any(x.name == name for x in a.models)
+        ]
         return any((s := status.get((name, n))) is None or s.state in ("loading", "ready") for n in holders)
 
     async def _replan(self, timeout_s: float = 10.0) -> None:
@@ -388,7 +439,8 @@ class Scheduler:
         elif self.residency.waiting:
             self._dirty.set()  # a model asked for waits for room: this node's copies may be idle now
         elif hb.node_id in self.assignments.values and self.residency.expired(
-                self.models, {hb.node_id: hb}, {hb.node_id: self.assignments.values[hb.node_id]}):
+            self.models, {hb.node_id: hb}, {hb.node_id: self.assignments.values[hb.node_id]}
+        ):
             self._dirty.set()  # a copy here went idle past its keep-alive: unloaded within a heartbeat
         try:
             await self.node_records.put(hb.node_id, m.data if not refused else encode(hb))
@@ -427,18 +479,31 @@ class Scheduler:
                         log.warning("model %s: %s", name, why)
                 for name, (node, split) in result.splits.items():
                     if name not in self.splits or self.splits[name] != split:
-                        log.info("model %s split (%s) served by %s over %s", name, split.mode, node,
-                                 ", ".join(f"{d.node_id} {d.share:.0%}" for d in split.devices))
+                        log.info(
+                            "model %s split (%s) served by %s over %s",
+                            name,
+                            split.mode,
+                            node,
+                            ", ".join(f"{d.node_id} {d.share:.0%}" for d in split.devices),
+                        )
                         if split.warning:
                             log.warning("model %s: %s", name, split.warning)
-                turned = {n for n in set(result.restaged) | set(self.restaged)
-                          if result.restaged.get(n) != self.restaged.get(n)}
+                turned = {
+                    n
+                    for n in set(result.restaged) | set(self.restaged)
+                    if result.restaged.get(n) != self.restaged.get(n)
+                }
                 for m in self.models:  # what the gateway reads: a video model relayed by stages says so
                     if m.name in turned:
                         want = result.restaged.get(m.name, m)
                         await put_if_changed(self.kv_models, model_key(m.name), encode(want))
-                        log.info("model %s %s", m.name, "fits no node whole: relayed stage by stage over several"
-                                 if want is not m else "fits a node whole again: no stage relay")
+                        log.info(
+                            "model %s %s",
+                            m.name,
+                            "fits no node whole: relayed stage by stage over several"
+                            if want is not m
+                            else "fits a node whole again: no stage relay",
+                        )
                 self.apply(Planned(result))
                 await self._unloaded(before, result, owned)
                 fence = self.fence
@@ -466,11 +531,14 @@ class Scheduler:
             for x in old.models:
                 if x.name in now:
                     continue
-                reason = self.residency.gone.pop((x.name, node_id), None) or ("moved" if x.name in served else "removed")
+                reason = self.residency.gone.pop((x.name, node_id), None) or (
+                    "moved" if x.name in served else "removed"
+                )
                 log.info("unloading %s from %s (%s)", x.name, node_id, reason)
                 with contextlib.suppress(BusError):
-                    await self.bus.publish(EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node_id, model=x.name,
-                                                                             reason=reason, ts=time.time()))  # type: ignore[arg-type]
+                    await self.bus.publish(
+                        EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node_id, model=x.name, reason=reason, ts=time.time())
+                    )  # type: ignore[arg-type]
 
 
 def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:
@@ -479,7 +547,9 @@ def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:
     if burst == "always" or (burst == "when_busy" and reason == "busy"):
         return ""
     if burst in ("when_no_fit", "always") and reason == "no_engine":
-        return "" if unplaced or burst == "always" else f"model {m.name!r} fits on a node of its own (burst=when_no_fit)"
+        return (
+            "" if unplaced or burst == "always" else f"model {m.name!r} fits on a node of its own (burst=when_no_fit)"
+        )
     return f"model {m.name!r} does not burst to rented pods for this (burst={burst}, {reason})"
 
 

@@ -125,8 +125,12 @@ def place_split(
         SplitDevice(node_id=n, endpoint=offers[n].endpoint, share=round(s, 4), layers=ls)
         for n, s, ls in zip(chosen, shares[1:], layers[1:])
     ]
-    plan = SplitPlan(mode=m.split if m.split in ("layer", "row") else "layer", devices=devices, n_layers=n_layers,
-                     warning=row_warning(m))
+    plan = SplitPlan(
+        mode=m.split if m.split in ("layer", "row") else "layer",
+        devices=devices,
+        n_layers=n_layers,
+        warning=row_warning(m),
+    )
     return Split(serving, plan, {d.node_id: int(need * d.share) for d in devices})
 
 
@@ -148,8 +152,14 @@ def needs_ray(m: ModelConfig, nodes: dict[str, Heartbeat], candidates: list[str]
     return m.engine == "vllm" and bool(candidates) and world_size(m) > max(node_ranks(nodes[n]) for n in candidates)
 
 
-def place_ray(m: ModelConfig, need: int, candidates: list[str], nodes: dict[str, Heartbeat], free: dict[str, int],
-              taken: set[str] | frozenset[str] = frozenset()) -> Split | str:
+def place_ray(
+    m: ModelConfig,
+    need: int,
+    candidates: list[str],
+    nodes: dict[str, Heartbeat],
+    free: dict[str, int],
+    taken: set[str] | frozenset[str] = frozenset(),
+) -> Split | str:
     """Nodes for one vLLM copy over Ray: the node with the most ranks (then room) heads it, the next ones join
     until the ranks add up. Each node must hold its share of the weights (need x its ranks / world)."""
     world = world_size(m)
@@ -167,7 +177,9 @@ def place_ray(m: ModelConfig, need: int, candidates: list[str], nodes: dict[str,
     if left > 0:
         have = sum(r for _, r in chosen)
         return f"needs {world} vLLM ranks; the nodes with room have {have}"
-    devices = [SplitDevice(node_id=n, endpoint=(nodes[n].addrs or [""])[0], share=round(r / world, 4), ranks=r)
-               for n, r in chosen]
+    devices = [
+        SplitDevice(node_id=n, endpoint=(nodes[n].addrs or [""])[0], share=round(r / world, 4), ranks=r)
+        for n, r in chosen
+    ]
     plan = SplitPlan(mode="ray", devices=devices)
     return Split(chosen[0][0], plan, {n: need * r // world for n, r in chosen})

@@ -46,8 +46,10 @@ class ModelParts:
 def model_parts(path: str) -> ModelParts:
     """Sizes from the model folder on this machine; a folder that is not here counts the overhead alone."""
     path = os.path.expanduser(path)
-    need = {kind: int(sum(path_bytes(os.path.join(path, d)) for d in dirs) * 1.2) + OVERHEAD
-            for kind, dirs in PART_DIRS.items()}
+    need = {
+        kind: int(sum(path_bytes(os.path.join(path, d)) for d in dirs) * 1.2) + OVERHEAD
+        for kind, dirs in PART_DIRS.items()
+    }
     try:
         with open(os.path.join(path, "scheduler", "scheduler_config.json"), encoding="utf-8") as fh:
             scheduler = str(json.load(fh).get("_class_name", ""))
@@ -111,6 +113,8 @@ def plan_stages(req: StagePlanRequest, m: ModelConfig, nodes: dict[str, Heartbea
             holds[n].add(kind)
             free[n] -= need
         count[n] += 1
-    stages = [Stage(index=i, kind=kind, start=start, end=end, node=chosen[i], engine_id=engines[chosen[i]])
-              for i, (kind, start, end) in enumerate(shape)]
+    stages = [
+        Stage(index=i, kind=kind, start=start, end=end, node=chosen[i], engine_id=engines[chosen[i]])
+        for i, (kind, start, end) in enumerate(shape)
+    ]
     return StagePlan(job_id=req.job_id, model=m.name, steps=req.steps, stages=stages)

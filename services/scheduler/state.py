@@ -121,13 +121,22 @@ def apply(state: State, event: Event) -> State:
         case NodeGone(node_id=node_id):
             return replace(state, nodes=_without(state.nodes, node_id), seen=_without(state.seen, node_id))
         case NodeRevoked(node_id=node_id, at=at):
-            return replace(state, nodes=_without(state.nodes, node_id), seen=_without(state.seen, node_id),
-                           revoked_at={**state.revoked_at, node_id: at})
+            return replace(
+                state,
+                nodes=_without(state.nodes, node_id),
+                seen=_without(state.seen, node_id),
+                revoked_at={**state.revoked_at, node_id: at},
+            )
         case LayersRead(layers=layers):
             return replace(state, layers={**state.layers, **layers})
         case Planned(plan=p):
-            return replace(state, last_plan=p, unplaced=p.unplaced, restaged=p.restaged,
-                           splits={name: split for name, (_, split) in p.splits.items()})
+            return replace(
+                state,
+                last_plan=p,
+                unplaced=p.unplaced,
+                restaged=p.restaged,
+                splits={name: split for name, (_, split) in p.splits.items()},
+            )
     raise TypeError(f"not a scheduler event: {event!r}")
 
 
@@ -140,8 +149,12 @@ def heard(state: State, hb: Heartbeat, now: float, ttl_s: float) -> bool:
 def joined(old: Heartbeat | None, hb: Heartbeat) -> bool:
     """A node new to the scheduler, or one whose engine families, RPC server or addresses changed: placement may
     change with it."""
-    return old is None or set(hb.capabilities) != set(old.capabilities) \
-        or (old.rpc and old.rpc.endpoint) != (hb.rpc and hb.rpc.endpoint) or old.addrs != hb.addrs
+    return (
+        old is None
+        or set(hb.capabilities) != set(old.capabilities)
+        or (old.rpc and old.rpc.endpoint) != (hb.rpc and hb.rpc.endpoint)
+        or old.addrs != hb.addrs
+    )
 
 
 def silent(state: State, now: float, ttl_s: float) -> list[str]:
@@ -151,5 +164,4 @@ def silent(state: State, now: float, ttl_s: float) -> list[str]:
 
 def live(state: State, now: float, ttl_s: float, pods: bool = True) -> dict[str, Heartbeat]:
     """The nodes heard from within `ttl_s` (without pods, which bring their own models, unless `pods`)."""
-    return {n: hb for n, hb in state.nodes.items()
-            if (pods or not hb.pod) and now - state.seen.get(n, 0) <= ttl_s}
+    return {n: hb for n, hb in state.nodes.items() if (pods or not hb.pod) and now - state.seen.get(n, 0) <= ttl_s}

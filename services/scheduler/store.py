@@ -109,14 +109,18 @@ class StoreFiles:
         folder = resolve_store_folder(self.root, req.path)
         found = folder_files(self.root, folder)
         if len(found) > MAX_LIST_FILES:
-            raise BusError("bad_request", f"store folder {req.path!r} holds {len(found)} files, more than the "
-                           f"{MAX_LIST_FILES} a node fetches", param="path")
+            raise BusError(
+                "bad_request",
+                f"store folder {req.path!r} holds {len(found)} files, more than the {MAX_LIST_FILES} a node fetches",
+                param="path",
+            )
         entries = []
         for rel, real in found:
             st = real.stat()
             entries.append(StoreEntry(path=rel, size=st.st_size, sha256=self.sha256(real, st)))
         listing = StoreListing(files=entries)
         if len(encode(listing)) > MAX_LIST_BYTES:
-            raise BusError("bad_request", f"the listing of store folder {req.path!r} is too big for one message",
-                           param="path")
+            raise BusError(
+                "bad_request", f"the listing of store folder {req.path!r} is too big for one message", param="path"
+            )
         return listing

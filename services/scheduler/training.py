@@ -108,8 +108,11 @@ class Training:
         adopted, later = await self._adopt()
         for live in adopted.values():
             await live.lock.acquire()  # released by _catch_up, once the gap is replayed
-        for subject, handler in ((CMD_SCHEDULER_TRAIN, self._create), (CMD_SCHEDULER_TRAIN_CANCEL, self._cancel),
-                                 (TRAIN_UPLOAD, self._upload)):
+        for subject, handler in (
+            (CMD_SCHEDULER_TRAIN, self._create),
+            (CMD_SCHEDULER_TRAIN_CANCEL, self._cancel),
+            (TRAIN_UPLOAD, self._upload),
+        ):
             sub = await self.bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(sub.unsubscribe)
         sub = await self.bus.listen(TRAIN_REPORT, self._on_report)
@@ -143,8 +146,9 @@ class Training:
                 later.append(self._stop_ranks(job, plan.message))
             elif plan.action == "adopt":
                 assert plan.base is not None
-                live = adopted[job.id] = self.live[job.id] = _Live(tp.ranks_of(job.nodes, time.monotonic()),
-                                                                   plan.base, plan.name)
+                live = adopted[job.id] = self.live[job.id] = _Live(
+                    tp.ranks_of(job.nodes, time.monotonic()), plan.base, plan.name
+                )
                 done = self.root / "finetune" / job.id / "adapter.tar"
                 if done.is_file():  # renamed into place only once complete and checked: the upload had landed
                     live.uploaded = await asyncio.to_thread(sha256_file, done)
@@ -152,8 +156,9 @@ class Training:
                 log.info("fine-tuning job %s adopted: ranks %s", job.id, ", ".join(job.nodes))
             else:
                 assert plan.base is not None
-                job = await self._save(tp.add_event(job, "The scheduler restarted before the job's ranks ran; "
-                                                         "starting it again"))
+                job = await self._save(
+                    tp.add_event(job, "The scheduler restarted before the job's ranks ran; starting it again")
+                )
                 later.append(self._restart(job, plan.base, plan.name))
                 log.info("fine-tuning job %s (%s) started again", job.id, job.status)
         return adopted, later
@@ -171,9 +176,15 @@ class Training:
         taken before this service subscribed, so a live report waits until the gap is replayed. A rank that
         does not answer is not blamed here: the silence rule fails it, naming it, once its grace period ends."""
         try:
-            answers = await asyncio.gather(*(
-                self.bus.request(CMD_NODE_TRAIN_STATE, TrainStateAsk(job_id=job_id), timeout=STATE_TIMEOUT_S,
-                                 node_id=r.node_id) for r in live.ranks), return_exceptions=True)
+            answers = await asyncio.gather(
+                *(
+                    self.bus.request(
+                        CMD_NODE_TRAIN_STATE, TrainStateAsk(job_id=job_id), timeout=STATE_TIMEOUT_S, node_id=r.node_id
+                    )
+                    for r in live.ranks
+                ),
+                return_exceptions=True,
+            )
             for r, state in zip(live.ranks, answers, strict=True):
                 if not isinstance(state, TrainState):
                     log.warning("job %s: rank %d on %s did not say its state: %s", job_id, r.rank, r.node_id, state)
@@ -204,8 +215,9 @@ class Training:
     def _failed(self, job: FineTuneJob, code: str, message: str) -> FineTuneJob:
         now = time.time()
         job = tp.add_event(job, f"Job failed: {message}", level="error", now=now)
-        return msgspec.structs.replace(job, status="failed", error=JobError(code=code, message=message),
-                                       finished_at=int(now))
+        return msgspec.structs.replace(
+            job, status="failed", error=JobError(code=code, message=message), finished_at=int(now)
+        )
 
     # --- create / cancel --------------------------------------------------------------------------
 
@@ -214,26 +226,43 @@ class Training:
         if base is None:
             raise BusError("bad_request", f"The model '{req.model}' does not exist.", param="model")
         if base.engine != "transformers":
-            raise BusError("bad_request", f"The model '{req.model}' runs on engine {base.engine}; fine-tuning needs a "
-                                          "Hugging Face model served by engine \"transformers\".", param="model")
+            raise BusError(
+                "bad_request",
+                f"The model '{req.model}' runs on engine {base.engine}; fine-tuning needs a "
+                'Hugging Face model served by engine "transformers".',
+                param="model",
+            )
         tp.check_suffix(req.suffix)
         name = tp.finetuned_name(base.name, req.suffix, req.job_id)
         taken = {m.name for m in self.sched.models} | {live.name for live in self.live.values()}
         taken |= {tp.finetuned_name(j.model, j.suffix, j.id) for j in self.jobs.values() if j.status not in TERMINAL}
         if name in taken:
-            raise BusError("bad_request", f"A model named '{name}' exists already; choose another suffix.",
-                           param="suffix")
+            raise BusError(
+                "bad_request", f"A model named '{name}' exists already; choose another suffix.", param="suffix"
+            )
         file = await self._file(req.training_file, "training_file")
         valid = await self._file(req.validation_file, "validation_file") if req.validation_file else None
         eligible = tp.eligible_nodes(self.sched.nodes, base, req.method)
         holders = {n for n, hb in self.sched.nodes.items() if any(e.model == base.name for e in hb.engines)}
         nodes = tp.choose_ranks(eligible, req.nodes, holders)
         now = time.time()
-        job = FineTuneJob(id=req.job_id, model=base.name, training_file=file.id,
-                          validation_file=valid.id if valid else None, suffix=req.suffix, method=req.method,
-                          lora_rank=req.lora_rank, lora_alpha=req.lora_alpha, seed=req.seed,
-                          hyperparameters=req.hyperparameters, status="validating_files", created_at=int(now),
-                          updated_at=now, nodes=nodes, key_name=req.key_name)
+        job = FineTuneJob(
+            id=req.job_id,
+            model=base.name,
+            training_file=file.id,
+            validation_file=valid.id if valid else None,
+            suffix=req.suffix,
+            method=req.method,
+            lora_rank=req.lora_rank,
+            lora_alpha=req.lora_alpha,
+            seed=req.seed,
+            hyperparameters=req.hyperparameters,
+            status="validating_files",
+            created_at=int(now),
+            updated_at=now,
+            nodes=nodes,
+            key_name=req.key_name,
+        )
         job = tp.add_event(job, f"Created fine-tuning job {job.id} ({req.method}, {len(nodes)} node(s))", now=now)
         await self._save(job)
         self._tasks.add(task := asyncio.create_task(self._run(job, base, name)))
@@ -247,8 +276,9 @@ class Training:
             entry = await self.kv.get(file_id) if file_id.startswith("file-") else None
         except KeyNotFoundError:
             entry = None
-        return tp.check_file(decode(entry.value, FileRecord) if entry is not None and entry.value else None,
-                             file_id, param)
+        return tp.check_file(
+            decode(entry.value, FileRecord) if entry is not None and entry.value else None, file_id, param
+        )
 
     async def _cancel(self, req: FineTuneCancel, _m: Any) -> FineTuneReply:
         job = self.jobs.get(req.job_id) or await self.read_job(req.job_id)
@@ -256,8 +286,9 @@ class Training:
             raise BusError("not_found", f"No fine-tuning job '{req.job_id}'.", param="fine_tuning_job_id")
         if job.status in TERMINAL:
             raise BusError("bad_request", f"Job {job.id} is {job.status} already.", param="fine_tuning_job_id")
-        job = tp.add_event(msgspec.structs.replace(job, status="cancelled", finished_at=int(time.time())),
-                           "Job cancelled")
+        job = tp.add_event(
+            msgspec.structs.replace(job, status="cancelled", finished_at=int(time.time())), "Job cancelled"
+        )
         await self._save(job)
         await self._stop_ranks(job, "cancelled")
         return FineTuneReply(job=job)
@@ -276,8 +307,9 @@ class Training:
         self.live.pop(job.id, None)
         for node in job.nodes:
             with contextlib.suppress(BusError):
-                await self.bus.request(CMD_NODE_TRAIN_STOP, TrainStop(job_id=job.id, reason=reason), timeout=10.0,
-                                       node_id=node)
+                await self.bus.request(
+                    CMD_NODE_TRAIN_STOP, TrainStop(job_id=job.id, reason=reason), timeout=10.0, node_id=node
+                )
         (self.root / "finetune" / job.id / ".adapter.tar.partial").unlink(missing_ok=True)
 
     async def _fail(self, job_id: str, code: str, message: str) -> None:
@@ -299,20 +331,40 @@ class Training:
                 await self._copy_file(job.validation_file, valid_path)
             if self.jobs[job.id].status in TERMINAL:  # cancelled meanwhile
                 return
-            job = await self._save(tp.add_event(msgspec.structs.replace(self.jobs[job.id], status="queued"),
-                                                "Training and validation files checked and staged"
-                                                if valid_path else "Training file checked and staged"))
+            job = await self._save(
+                tp.add_event(
+                    msgspec.structs.replace(self.jobs[job.id], status="queued"),
+                    "Training and validation files checked and staged"
+                    if valid_path
+                    else "Training file checked and staged",
+                )
+            )
             live = self.live[job.id] = _Live(tp.ranks_of(job.nodes, time.monotonic()), base, name)
-            spec = TrainSpec(job_id=job.id, rank=0, world_size=len(job.nodes), base_path=base.path,
-                             data_store_path=data_path, valid_store_path=valid_path, adapter_store_path=f"finetune/{job.id}/adapter.tar",
-                             method=job.method, lora_rank=job.lora_rank, lora_alpha=job.lora_alpha, seed=job.seed,
-                             hyperparameters=job.hyperparameters)
+            spec = TrainSpec(
+                job_id=job.id,
+                rank=0,
+                world_size=len(job.nodes),
+                base_path=base.path,
+                data_store_path=data_path,
+                valid_store_path=valid_path,
+                adapter_store_path=f"finetune/{job.id}/adapter.tar",
+                method=job.method,
+                lora_rank=job.lora_rank,
+                lora_alpha=job.lora_alpha,
+                seed=job.seed,
+                hyperparameters=job.hyperparameters,
+            )
             first = await self._start_rank(job, spec, live)
             if first is None:
                 return
             for rank in range(1, len(job.nodes)):
-                got = await self._start_rank(job, msgspec.structs.replace(
-                    spec, rank=rank, master_addr=first.master_addr, master_port=first.master_port), live)
+                got = await self._start_rank(
+                    job,
+                    msgspec.structs.replace(
+                        spec, rank=rank, master_addr=first.master_addr, master_port=first.master_port
+                    ),
+                    live,
+                )
                 if got is None:
                     return
             if self.jobs[job.id].status in TERMINAL:  # cancelled while its ranks were starting
@@ -355,8 +407,9 @@ class Training:
             return
         r = live.ranks[rep.rank]
         if r.node_id != rep.node_id:
-            log.warning("job %s: a report for rank %d came from %s, not %s", rep.job_id, rep.rank, rep.node_id,
-                        r.node_id)
+            log.warning(
+                "job %s: a report for rank %d came from %s, not %s", rep.job_id, rep.rank, rep.node_id, r.node_id
+            )
             return
         r.last_seen = time.monotonic()
         async with live.lock:
@@ -372,8 +425,9 @@ class Training:
         if rep.kind == "step":
             if rep.step <= tp.last_step(job):
                 return
-            said, data = tp.step_event(rep.step, rep.total_steps, rep.loss or 0.0, rep.tokens_per_s or 0.0,
-                                       rep.trained_tokens, rep.valid_loss)
+            said, data = tp.step_event(
+                rep.step, rep.total_steps, rep.loss or 0.0, rep.tokens_per_s or 0.0, rep.trained_tokens, rep.valid_loss
+            )
             job = tp.add_event(job, said, type_="metrics", data=data)
             valid = rep.valid_loss if rep.valid_loss is not None else job.valid_loss
             await self._save(msgspec.structs.replace(job, trained_tokens=rep.trained_tokens, valid_loss=valid))
@@ -438,19 +492,27 @@ class Training:
         base, name = live.base, live.name
         store_path = f"finetune/{job_id}/adapter.tar"
         base_bytes = _folder_bytes(Path(os.path.expanduser(base.path)))
-        cfg = tp.finetuned_config(base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes,
-                                  owner=job.key_name)
+        cfg = tp.finetuned_config(
+            base, name, str(self.root / store_path), store_path, int(time.time()), base_bytes, owner=job.key_name
+        )
         try:  # the one add-model path, as `models add` uses: served now, and in the models file for a restart
             await self.sched.live_models.add(cfg, replace=False)
         except BusError as exc:  # the models file cannot take it: served until the scheduler restarts
             if exc.code == "conflict":  # a model of that name came meanwhile: it is never replaced by a tenant's
-                await self._fail(job_id, "model_exists", f"A model named '{name}' was added while the job ran; "
-                                                         "the adapter is kept, the model is not served")
+                await self._fail(
+                    job_id,
+                    "model_exists",
+                    f"A model named '{name}' was added while the job ran; the adapter is kept, the model is not served",
+                )
                 return
             await self.sched.live_models.publish({cfg.name: cfg})
             log.warning("fine-tuning job %s: could not add %s to the models file: %s", job.id, cfg.name, exc.message)
-            job = tp.add_event(job, f"Serving {cfg.name} until the scheduler restarts: the models file could not "
-                                    f"be updated ({exc.message})", level="warn")
+            job = tp.add_event(
+                job,
+                f"Serving {cfg.name} until the scheduler restarts: the models file could not "
+                f"be updated ({exc.message})",
+                level="warn",
+            )
         now = time.time()
         job = msgspec.structs.replace(job, status="succeeded", fine_tuned_model=name, finished_at=int(now))
         await self._save(tp.add_event(job, f"New fine-tuned model created: {name}", now=now))
@@ -484,8 +546,11 @@ class Training:
         got = await asyncio.to_thread(sha256_file, partial)
         if have != chunk.size or got != chunk.sha256:
             partial.unlink(missing_ok=True)
-            raise BusError("bad_request", f"adapter upload corrupted: {have} bytes sha256 {got[:12]}, "
-                                          f"expected {chunk.size} bytes sha256 {chunk.sha256[:12]}")
+            raise BusError(
+                "bad_request",
+                f"adapter upload corrupted: {have} bytes sha256 {got[:12]}, "
+                f"expected {chunk.size} bytes sha256 {chunk.sha256[:12]}",
+            )
         os.replace(partial, folder / "adapter.tar")
         live.uploaded = got
         async with live.lock:

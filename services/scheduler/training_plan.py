@@ -35,13 +35,21 @@ def eligible_nodes(nodes: dict[str, Heartbeat], base: ModelConfig, method: Metho
     training. BusError no_engine when no node can train, bad_request when QLoRA has no node."""
     can = sorted(n for n, hb in nodes.items() if not hb.pod and "train" in hb.capabilities)
     if not can:
-        raise BusError("no_engine", f"no live node can fine-tune {base.name!r}: training needs the `finetune` extra "
-                                    "(torch, transformers, peft) on a node", retryable=True)
+        raise BusError(
+            "no_engine",
+            f"no live node can fine-tune {base.name!r}: training needs the `finetune` extra "
+            "(torch, transformers, peft) on a node",
+            retryable=True,
+        )
     if method == "qlora":
         q = [n for n in can if "qlora" in nodes[n].capabilities]
         if not q:
-            raise BusError("bad_request", "QLoRA needs bitsandbytes and a CUDA GPU on the training nodes; none of "
-                                          f"{', '.join(can)} has both. Use method \"lora\".", param="method")
+            raise BusError(
+                "bad_request",
+                "QLoRA needs bitsandbytes and a CUDA GPU on the training nodes; none of "
+                f'{", ".join(can)} has both. Use method "lora".',
+                param="method",
+            )
         return q
     return can
 
@@ -52,8 +60,11 @@ def choose_ranks(eligible: list[str], want: int, holders: set[str] | frozenset[s
     if want < 0:
         raise BusError("bad_request", "nodes must be 0 (every node that can train) or more", param="nodes")
     if want > len(eligible):
-        raise BusError("bad_request", f"{want} nodes asked, but only {len(eligible)} can train this model "
-                                      f"({', '.join(eligible)})", param="nodes")
+        raise BusError(
+            "bad_request",
+            f"{want} nodes asked, but only {len(eligible)} can train this model ({', '.join(eligible)})",
+            param="nodes",
+        )
     ordered = sorted(eligible, key=lambda n: (n not in holders, n))
     return ordered[: want or len(ordered)]
 
@@ -64,17 +75,22 @@ def check_file(rec: FileRecord | None, file_id: str, param: str) -> FileRecord:
     if rec is None:
         raise BusError("bad_request", f"No file '{file_id}' was uploaded.", param=param)
     if rec.purpose != "fine-tune":
-        raise BusError("bad_request", f"File {file_id} was uploaded for {rec.purpose!r}, not 'fine-tune'.",
-                       param=param)
+        raise BusError("bad_request", f"File {file_id} was uploaded for {rec.purpose!r}, not 'fine-tune'.", param=param)
     return rec
 
 
-def step_event(step: int, total: int, loss: float, tokens_per_s: float, trained: int,
-               valid_loss: float | None) -> tuple[str, dict]:
+def step_event(
+    step: int, total: int, loss: float, tokens_per_s: float, trained: int, valid_loss: float | None
+) -> tuple[str, dict]:
     """A step's metrics event (message, data), in OpenAI's keys. At an epoch's end, with a validation file, it
     also has `valid_loss` and `full_valid_loss`: both the mean token loss over the whole validation file."""
-    data: dict = {"step": step, "total_steps": total, "train_loss": loss, "tokens_per_s": tokens_per_s,
-                  "trained_tokens": trained}
+    data: dict = {
+        "step": step,
+        "total_steps": total,
+        "train_loss": loss,
+        "tokens_per_s": tokens_per_s,
+        "trained_tokens": trained,
+    }
     said = f"Step {step}/{total}: training loss={loss:.4f}"
     if valid_loss is not None:
         data["valid_loss"] = data["full_valid_loss"] = valid_loss
@@ -96,8 +112,9 @@ def check_suffix(suffix: str) -> None:
         raise BusError("bad_request", "suffix may hold only letters, digits, '-' and '_', at most 64", param="suffix")
 
 
-def finetuned_config(base: ModelConfig, name: str, adapter_path: str, store_path: str, created: int,
-                     base_bytes: int = 0, owner: str = "") -> ModelConfig:
+def finetuned_config(
+    base: ModelConfig, name: str, adapter_path: str, store_path: str, created: int, base_bytes: int = 0, owner: str = ""
+) -> ModelConfig:
     """The base model's config serving base + adapter: a node without the head's adapter file fetches it from the
     store like any model file; the base folder is read where the base model is. It is `owner`'s, the key that
     trained it: no other tenant lists or uses it."""
@@ -105,18 +122,39 @@ def finetuned_config(base: ModelConfig, name: str, adapter_path: str, store_path
     if not memory_mb and base_bytes:  # the adapter file is small; what a copy needs is the base model
         memory_mb = (int(base_bytes * 1.2) >> 20) + 256
     return msgspec.structs.replace(
-        base, name=name, path=adapter_path, store_path=store_path, params={**base.params, "base": base.path},
-        created=created, owned_by="coderai-finetune", owner=owner, memory_mb=memory_mb, pin="",
+        base,
+        name=name,
+        path=adapter_path,
+        store_path=store_path,
+        params={**base.params, "base": base.path},
+        created=created,
+        owned_by="coderai-finetune",
+        owner=owner,
+        memory_mb=memory_mb,
+        pin="",
     )
 
 
-def add_event(job: FineTuneJob, message: str, *, level: str = "info", type_: str = "message",
-              data: dict | None = None, now: float | None = None) -> FineTuneJob:
+def add_event(
+    job: FineTuneJob,
+    message: str,
+    *,
+    level: str = "info",
+    type_: str = "message",
+    data: dict | None = None,
+    now: float | None = None,
+) -> FineTuneJob:
     """`job` with one more event (ids count up per job; the oldest beyond MAX_EVENTS are dropped)."""
     now = time.time() if now is None else now
     seq = int(job.events[-1].id.rsplit("-", 1)[-1]) + 1 if job.events else 1
-    evt = JobEvent(id=f"ftevent-{job.id.removeprefix('ftjob-')}-{seq}", created_at=int(now),
-                   level=level, message=message, type=type_, data=data or {})  # type: ignore[arg-type]
+    evt = JobEvent(
+        id=f"ftevent-{job.id.removeprefix('ftjob-')}-{seq}",
+        created_at=int(now),
+        level=level,
+        message=message,
+        type=type_,
+        data=data or {},
+    )  # type: ignore[arg-type]
     return msgspec.structs.replace(job, events=[*job.events, evt][-MAX_EVENTS:], updated_at=now)
 
 
@@ -143,8 +181,10 @@ def verdict(ranks: list[Rank], now: float, silent_s: float = SILENT_S, grace_s: 
             return f"rank {r.rank} on node {r.node_id} failed: {r.failed}"
     for r in ranks:
         if not r.done and not r.failed and now - r.last_seen > silent_s:
-            return (f"rank {r.rank} on node {r.node_id} stopped reporting {now - r.last_seen:.0f}s ago "
-                    "(its node, worker or trainer died)")
+            return (
+                f"rank {r.rank} on node {r.node_id} stopped reporting {now - r.last_seen:.0f}s ago "
+                "(its node, worker or trainer died)"
+            )
     for r in ranks:
         if r.failed and r.peer and now - r.failed_at > grace_s:
             return f"rank {r.rank} on node {r.node_id} failed: {r.failed}"
@@ -189,7 +229,9 @@ def adoption(job: FineTuneJob, models: list[ModelConfig]) -> Adoption:
         return Adoption("fail", message=f"the scheduler restarted and no longer serves the base model {job.model!r}")
     if not job.nodes:
         return Adoption("fail", message="the scheduler restarted and the job names no nodes to train on")
-    return Adoption("adopt" if job.status == "running" else "restart", base, finetuned_name(base.name, job.suffix, job.id))
+    return Adoption(
+        "adopt" if job.status == "running" else "restart", base, finetuned_name(base.name, job.suffix, job.id)
+    )
 
 
 def last_step(job: FineTuneJob) -> int:
@@ -202,13 +244,27 @@ def missed(job: FineTuneJob, rank: Rank, state: TrainState) -> list[TrainReport]
     reports past the last step the job records, then its final one. A worker that no longer knows the job (it
     restarted too) or whose rank was stopped without an outcome gives a `failed` report naming why."""
     if not state.known:
-        return [TrainReport(job_id=job.id, node_id=rank.node_id, rank=rank.rank, kind="failed",
-                            message="its worker no longer runs the job (it restarted while the scheduler was away)")]
+        return [
+            TrainReport(
+                job_id=job.id,
+                node_id=rank.node_id,
+                rank=rank.rank,
+                kind="failed",
+                message="its worker no longer runs the job (it restarted while the scheduler was away)",
+            )
+        ]
     seen = last_step(job)
     out = [r for r in state.reports if r.kind == "step" and r.step > seen]
     final = [r for r in state.reports if r.kind in ("done", "failed")]
     out += final[-1:]
     if not state.running and not final:
-        out.append(TrainReport(job_id=job.id, node_id=rank.node_id, rank=rank.rank, kind="failed",
-                               message="its trainer was stopped while the scheduler was away"))
+        out.append(
+            TrainReport(
+                job_id=job.id,
+                node_id=rank.node_id,
+                rank=rank.rank,
+                kind="failed",
+                message="its trainer was stopped while the scheduler was away",
+            )
+        )
     return [r for r in out if r.job_id == job.id and r.rank == rank.rank and r.node_id == rank.node_id]

@@ -22,7 +22,11 @@ async def test_keys_and_revocations_come_back_to_an_emptied_redis(own_bus, tmp_p
         await store.revoke("bob")
         await store.update("alice", tpm=5000)
         assert set(await (await own_bus.kv(KEYS)).keys()) == {  # digests and names, never a key
-            alice.sha256, bob.sha256, "name." + b"alice".hex(), "name." + b"bob".hex()}
+            alice.sha256,
+            bob.sha256,
+            "name." + b"alice".hex(),
+            "name." + b"bob".hex(),
+        }
 
         await r.flushall()  # a new, empty Redis
         got = await store.get(digest(alice_secret))  # what the gateway asks on a request with alice's key

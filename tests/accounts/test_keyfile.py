@@ -34,8 +34,11 @@ def test_a_record_defaults_to_the_inference_scope():
 
 def test_write_then_load_round_trips_with_mode_0600(tmp_path):
     path = tmp_path / "keys.toml"
-    recs = [KeyRecord("alice", hash_key("k1")), KeyRecord("ci", hash_key("k2"), ["inference", "admin"]),
-            KeyRecord("none", hash_key("k3"), [])]
+    recs = [
+        KeyRecord("alice", hash_key("k1")),
+        KeyRecord("ci", hash_key("k2"), ["inference", "admin"]),
+        KeyRecord("none", hash_key("k3"), []),
+    ]
     write_keys(str(path), recs)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert load_keys(str(path)) == {r.sha256: r for r in recs}
@@ -65,13 +68,16 @@ def test_load_keys_lowercases_digests_and_expands_home(tmp_path, monkeypatch):
     assert list(load_keys("~/k.toml")) == [hash_key("k")]
 
 
-@pytest.mark.parametrize("text", [
-    "[[keys]\nname = ",  # not TOML
-    '[[keys]]\nname = "a"\n',  # sha256 missing
-    '[[keys]]\nname = "a"\nsha256 = "x"\nrole = "admin"\n',  # unknown field
-    'keys = 3\n',  # wrong type
-    '[other]\nx = 1\n',  # unknown table
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[keys]\nname = ",  # not TOML
+        '[[keys]]\nname = "a"\n',  # sha256 missing
+        '[[keys]]\nname = "a"\nsha256 = "x"\nrole = "admin"\n',  # unknown field
+        "keys = 3\n",  # wrong type
+        "[other]\nx = 1\n",  # unknown table
+    ],
+)
 def test_a_bad_file_is_a_settings_error_naming_the_variable_and_path(tmp_path, text):
     path = tmp_path / "keys.toml"
     path.write_text(text)

@@ -20,7 +20,9 @@ CAPS = Caps(budget_usd=5.0, period="day", global_budget_usd=50.0, global_period=
 @pytest.fixture
 async def r(redis_server):
     # a bounded pool: a thousand concurrent calls queue for 32 connections instead of opening a thousand
-    client = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(redis_server.url, max_connections=32))
+    client = aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(redis_server.url, max_connections=32)
+    )
     yield client
     await client.aclose()
 
@@ -63,8 +65,16 @@ async def test_reserve_open_extend_book(money):
     assert await money.reserved("big", "day", T) == 0 and await money.reserved(None, "month", T) == 0
     assert await money.running_rate() == 0 and await money.pods() == [] and await money.reservation("p1") is None
     [row] = await money.ledger()
-    assert (row.pod_id, row.model, row.gpu, row.rate_hr, row.start, row.end, row.seconds, row.usd) == \
-        ("p1", "big", "A40", 1.32, T, T + 1234, 1234, 0.452467)
+    assert (row.pod_id, row.model, row.gpu, row.rate_hr, row.start, row.end, row.seconds, row.usd) == (
+        "p1",
+        "big",
+        "A40",
+        1.32,
+        T,
+        T + 1234,
+        1234,
+        0.452467,
+    )
     with pytest.raises(ReservationError):
         await money.extend(more, 0.1, T + 1300, CAPS)
     with pytest.raises(ReservationError):
@@ -159,8 +169,10 @@ async def test_concurrent_equal_reservations_grant_exactly_floor(money, seed):
 @pytest.mark.parametrize("seed", range(5))
 async def test_concurrent_random_reservations_and_bookings_never_overshoot(money, seed):
     rng = random.Random(seed)
-    caps = {"a": Caps(budget_usd=3.0, global_budget_usd=5.0, global_period="month"),
-            "b": Caps(budget_usd=4.0, global_budget_usd=5.0, global_period="month")}
+    caps = {
+        "a": Caps(budget_usd=3.0, global_budget_usd=5.0, global_period="month"),
+        "b": Caps(budget_usd=4.0, global_budget_usd=5.0, global_period="month"),
+    }
     granted: dict[str, int] = {"a": 0, "b": 0}
 
     async def one(i: int) -> None:
@@ -221,8 +233,17 @@ async def test_booking_is_idempotent(money):
 
 
 async def test_ledger_total_is_rate_times_seconds_to_the_cent(money):
-    pods = [(0.44 * 3, 1234), (0.79 * 2, 3599.5), (3.89, 1), (0.17, 86_401), (2.99 * 8, 7), (0.44 * 3, 1234),
-            (1.19, 0.25), (0.0, 100), (0.39 * 4, 12_345)]
+    pods = [
+        (0.44 * 3, 1234),
+        (0.79 * 2, 3599.5),
+        (3.89, 1),
+        (0.17, 86_401),
+        (2.99 * 8, 7),
+        (0.44 * 3, 1234),
+        (1.19, 0.25),
+        (0.0, 100),
+        (0.39 * 4, 12_345),
+    ]
     for i, (rate, seconds) in enumerate(pods):
         await money.book(f"p{i}", "m", "A40", rate, T + i, T + i + seconds, T + 90_000)
     expected = sum(Decimal(repr(rate)) * Decimal(repr(s)) / 3600 for rate, s in pods)

@@ -35,10 +35,19 @@ async def spend_request(limiter: Limiter, bus, name: str, cost: float) -> None:
     charged, and its `request.completed` published to EVENTS."""
     held = await limiter.admit(name, 0, 0, 1.0, "day", 0.05)
     await limiter.charge(name, 0, 0, cost, "day", held)
-    e = RequestCompleted(request_id=secrets.token_hex(12), ts=time.time(), key_name=name, model="m", op="chat",
-                         status="ok", http_status=200, cost_usd=cost)
-    await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e),
-                         headers={"Nats-Msg-Id": e.request_id})
+    e = RequestCompleted(
+        request_id=secrets.token_hex(12),
+        ts=time.time(),
+        key_name=name,
+        model="m",
+        op="chat",
+        status="ok",
+        http_status=200,
+        cost_usd=cost,
+    )
+    await bus.js.publish(
+        EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e), headers={"Nats-Msg-Id": e.request_id}
+    )
 
 
 async def spent(r, name: str, period: str) -> float:
@@ -101,8 +110,9 @@ async def test_a_kept_redis_from_before_the_mark_is_not_counted_twice(own_bus, o
 
 async def snapshot(money: PodMoney) -> tuple:
     """Everything booked: the ledger entries (but their stream ids), the booked set and every spent counter."""
-    entries = [(e.pod_id, e.model, e.gpu, e.rate_hr, e.start, e.end, e.seconds, e.usd_micro)
-               for e in await money.ledger()]
+    entries = [
+        (e.pod_id, e.model, e.gpu, e.rate_hr, e.start, e.end, e.seconds, e.usd_micro) for e in await money.ledger()
+    ]
     counters = {}
     async for key in money.redis.scan_iter(match=f"{money.p}:spent:*"):
         counters[key] = await money.redis.hgetall(key)
@@ -113,9 +123,11 @@ async def test_the_pod_ledger_and_its_spend_come_back_once(own_bus, own_redis):
     r = own_redis
     money = PodMoney(r, journal=PodJournal(own_bus))
     assert await money.restore() == 0  # an empty journal: only the mark
-    for pod, model, rate, start, end in (("p1", "big", 1.32, T, T + 1234),
-                                         ("p2", "small", 0.44, MIDNIGHT - 600, MIDNIGHT + 900),  # a new day and week
-                                         ("p3", "big", 2.0, MIDNIGHT + 60, MIDNIGHT + 3700)):
+    for pod, model, rate, start, end in (
+        ("p1", "big", 1.32, T, T + 1234),
+        ("p2", "small", 0.44, MIDNIGHT - 600, MIDNIGHT + 900),  # a new day and week
+        ("p3", "big", 2.0, MIDNIGHT + 60, MIDNIGHT + 3700),
+    ):
         await money.reserve(model, pod, rate, rate / 2, Caps(), start)
         await money.open_pod(pod, "A40", start)
         assert await money.book(pod, model, "A40", rate, start, end, end) is not None
@@ -151,15 +163,17 @@ async def test_a_booking_journalled_but_not_in_redis_is_booked_at_the_restart(ow
     journal = PodJournal(own_bus)
     money = PodMoney(r, journal=journal)
     await money.restore()
-    await journal.keep(Booking(pod_id="p9", model="big", gpu="A40", rate_micro=3_600_000, start=T, end=T + 100,
-                               booked_at=T + 100))
+    await journal.keep(
+        Booking(pod_id="p9", model="big", gpu="A40", rate_micro=3_600_000, start=T, end=T + 100, booked_at=T + 100)
+    )
     assert await money.restore() == 0 and await money.ledger() == []  # Redis kept its mark: nothing to do at run time
     restarted = PodMoney(r, journal=journal)
     assert await restarted.restore() == 1
     assert [(e.pod_id, e.usd) for e in await restarted.ledger()] == [("p9", 0.1)]
 
-    await journal.keep(Booking(pod_id="p10", model="big", gpu="A40", rate_micro=3_600_000, start=T, end=T + 200,
-                               booked_at=T + 200))
+    await journal.keep(
+        Booking(pod_id="p10", model="big", gpu="A40", rate_micro=3_600_000, start=T, end=T + 200, booked_at=T + 200)
+    )
     entry = await restarted.book("p10", "big", "A40", 3.6, T, T + 5000, T + 5000)
     assert entry is not None and (entry.end, entry.usd) == (T + 200, 0.2)
 
@@ -169,15 +183,24 @@ async def test_the_broker_restores_the_ledger_and_reserves_a_running_pod_again(o
     settings = load_settings(BrokerSettings, "pod-broker", env={}, max_hourly_usd=10.0, reserve_ahead_s=600.0)
     money = PodMoney(r, journal=PodJournal(own_bus))
     broker = Broker(settings, money=money)
-    cfg = ModelConfig(name="big", engine="llama", path="/m.gguf",
-                      pod=PodPolicy(burst="when_busy", budget_usd=5.0, period="day"))
+    cfg = ModelConfig(
+        name="big", engine="llama", path="/m.gguf", pod=PodPolicy(burst="when_busy", budget_usd=5.0, period="day")
+    )
     broker.models = SimpleNamespace(values={"big": cfg})
     now = time.time()
     await money.reserve("big", "done", 3.6, 0.5, broker._caps(cfg), now - 1000)
     await money.book("done", "big", "A40", 3.6, now - 1000, now - 500, now - 500)  # $0.50 booked
     booked = await money.spend("big", "day")
-    running = PodInfo(name="run", model="big", state="ready", pod_id="rp1", gpu_type="A40", hourly_usd=3.6,
-                      created_at=now - 300, reserved_usd=0.9)
+    running = PodInfo(
+        name="run",
+        model="big",
+        state="ready",
+        pod_id="rp1",
+        gpu_type="A40",
+        hourly_usd=3.6,
+        created_at=now - 300,
+        reserved_usd=0.9,
+    )
     await money.reserve("big", "run", 3.6, 0.9, broker._caps(cfg), now - 300)
     await money.open_pod("run", "A40", now - 300)
 
@@ -192,4 +215,3 @@ async def test_the_broker_restores_the_ledger_and_reserves_a_running_pod_again(o
     assert held is not None and held.amount_usd == pytest.approx(0.3 + 0.6)  # 300 s run, 600 s ahead, at $3.60/h
     assert await money.running_rate() == 3.6 and [p.pod_id for p in await money.pods()] == ["run"]
     assert broker.pods["run"].reserved_usd == pytest.approx(0.9)
-

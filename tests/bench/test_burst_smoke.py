@@ -25,8 +25,9 @@ def test_burst_smoke_measures_every_phase_of_a_cold_start(tmp_path):
         pytest.importorskip(mod)
     out = tmp_path / "burst.json"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's servers keep their files (and argv) under here
-    r = run_interruptible([sys.executable, str(ROOT / "bench" / "burst.py"), "--smoke", "--json", str(out)], 240,
-                          cwd=ROOT, env=env)
+    r = run_interruptible(
+        [sys.executable, str(ROOT / "bench" / "burst.py"), "--smoke", "--json", str(out)], 240, cwd=ROOT, env=env
+    )
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
     assert "| model | n | GGUF MB | rent | boot | join | fetch | load | first token |" in r.stdout
     assert "| small | 2 | " in r.stdout and "| small, weights on the volume | 1 | " in r.stdout

@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # each group's faults, then its own arguments: 15 s of warm-up, each fault once with 6 s of quiet after it, and
 # the last fault's window closing under load
-GROUPS = {"workers-bus-store": (["kill-worker", "stop-worker", "nats", "redis"], ["--stop-s", "15"]),
-          "gateway-link-disk": (["gateway", "slow-link", "disk-full"], [])}
+GROUPS = {
+    "workers-bus-store": (["kill-worker", "stop-worker", "nats", "redis"], ["--stop-s", "15"]),
+    "gateway-link-disk": (["gateway", "slow-link", "disk-full"], []),
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +49,42 @@ def test_a_soak_with_each_fault_meets_the_targets(tmp_path, capsys, group, media
         pytest.importorskip(mod)
     out = tmp_path / "soak.json"
     kinds, extra = GROUPS[group]
-    r = run_interruptible([sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "30", "--clients", "6",
-                           "--seed", "7", "--faults", ",".join(kinds), *extra, "--json", str(out)],
-                          timeout_s=600, cwd=ROOT)
+    r = run_interruptible(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "soak.py"),
+            "--duration",
+            "30",
+            "--clients",
+            "6",
+            "--seed",
+            "7",
+            "--faults",
+            ",".join(kinds),
+            *extra,
+            "--json",
+            str(out),
+        ],
+        timeout_s=600,
+        cwd=ROOT,
+    )
     with capsys.disabled():
         print("\n" + r.stdout[-6000:])
     assert out.exists(), f"no figures; stderr:\n{r.stderr[-5000:]}"
     fig = json.loads(out.read_text())
     missed = [f"{name}: {what}" for name, met, what in fig["targets"] if not met]
-    fds = {n: c for n, c in fig["fd_changes"].items()  # a restarted process's fds all change: only the others
-           if not fig["processes"][n]["restarted"] and (c["new"] or c["gone"])}
-    assert not missed, ("\n".join(missed) + f"\nbad outcomes: {fig['bad_outside_windows'][:5]}\nfds new and gone: "
-                        f"{fds}\n{r.stderr[-3000:]}")
+    fds = {
+        n: c
+        for n, c in fig["fd_changes"].items()  # a restarted process's fds all change: only the others
+        if not fig["processes"][n]["restarted"] and (c["new"] or c["gone"])
+    }
+    assert not missed, (
+        "\n".join(missed) + f"\nbad outcomes: {fig['bad_outside_windows'][:5]}\nfds new and gone: "
+        f"{fds}\n{r.stderr[-3000:]}"
+    )
     assert {f["kind"] for f in fig["faults"]} == set(kinds)
-    assert fig["total"] > 100 and all(k in fig["requests"] for k in ("chat", "stream", "embeddings", "images",
-                                                                     "speech", "transcription", "conversation"))
+    assert fig["total"] > 100 and all(
+        k in fig["requests"]
+        for k in ("chat", "stream", "embeddings", "images", "speech", "transcription", "conversation")
+    )
     assert r.returncode == 0

@@ -23,8 +23,12 @@ def client(tmp_path, hf_env):
     auth = Authenticator({hash_key("admin"): KeyRecord("admin", hash_key("admin"), ["admin"])})
     gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data"), max_body_bytes=1 << 20), auth=auth)
     pulls = Pulls(gw)  # type: ignore[arg-type]
-    app = Litestar(route_handlers=[bound(CatalogController, {"gw": gw, "pulls": pulls})], exception_handlers={
-        ApiError: lambda _r, e: Response(content=e.encode(), status_code=e.status, media_type="application/json")})
+    app = Litestar(
+        route_handlers=[bound(CatalogController, {"gw": gw, "pulls": pulls})],
+        exception_handlers={
+            ApiError: lambda _r, e: Response(content=e.encode(), status_code=e.status, media_type="application/json")
+        },
+    )
     app.state.gateway = gw
     with TestClient(app) as c:
         yield c
@@ -79,13 +83,18 @@ def test_cancel_keeps_the_partial_for_a_resume(client, fake_hub, blob):
     fake_hub.add("acme/slow-GGUF", {"slow.gguf": data})
     fake_hub.delay_s = 0.05
     job = client.post("/admin/models/pull", json={"spec": "acme/slow-GGUF:slow.gguf"}, headers=ADMIN).json()
-    wait_until(lambda: client.get(f"/admin/models/pull/{job['id']}", headers=ADMIN).json()["progress"]["bytes_done"],
-               20, "the pull to start moving", interval_s=0.02)
+    wait_until(
+        lambda: client.get(f"/admin/models/pull/{job['id']}", headers=ADMIN).json()["progress"]["bytes_done"],
+        20,
+        "the pull to start moving",
+        interval_s=0.02,
+    )
     assert client.post(f"/admin/models/pull/{job['id']}/cancel", headers=ADMIN).status_code == 200
     job = wait_job(client, job["id"])
     assert job["state"] == "cancelled", job
     fake_hub.delay_s = 0
-    again = wait_job(client, client.post("/admin/models/pull", json={"spec": "acme/slow-GGUF:slow.gguf"},
-                                         headers=ADMIN).json()["id"])
+    again = wait_job(
+        client, client.post("/admin/models/pull", json={"spec": "acme/slow-GGUF:slow.gguf"}, headers=ADMIN).json()["id"]
+    )
     assert again["state"] == "done"
     assert fake_hub.ranges("slow.gguf")[-1].startswith("bytes=") and fake_hub.ranges("slow.gguf")[-1] != "bytes=0-"

@@ -22,7 +22,9 @@ def runpod(monkeypatch):
 
 def check(tmp_path, capsys, model: str) -> tuple[int, dict[str, tuple[str, str]], str]:
     """Run the check on a models file holding `model` (TOML keys); (exit status, topic -> (status, text), headline)."""
-    (tmp_path / "models.toml").write_text(f'[[models]]\nname = "m"\nengine = "llama"\npath = "/nowhere/m.gguf"\n{model}\n')
+    (tmp_path / "models.toml").write_text(
+        f'[[models]]\nname = "m"\nengine = "llama"\npath = "/nowhere/m.gguf"\n{model}\n'
+    )
     rc = main(["--data-dir", str(tmp_path), "check", "m"])
     head, *lines = capsys.readouterr().out.splitlines()
     found = {}
@@ -53,11 +55,14 @@ def test_a_source_on_the_hub_can_burst(tmp_path, capsys, runpod, fake_hub, hf_en
     assert [m for m, _p, _r in fake_hub.requests] == ["HEAD"]  # asked, nothing downloaded
 
 
-@pytest.mark.parametrize("source, needle", [
-    ("hf://acme/m-GGUF/other.gguf", "no such file"),
-    ("hf://acme/nothing", "no repo 'acme/nothing'"),
-    ("hf://acme/two-GGUF", "holds 2 GGUF files; pick one"),
-])
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("hf://acme/m-GGUF/other.gguf", "no such file"),
+        ("hf://acme/nothing", "no repo 'acme/nothing'"),
+        ("hf://acme/two-GGUF", "holds 2 GGUF files; pick one"),
+    ],
+)
 def test_a_source_the_hub_does_not_have_cannot_burst(tmp_path, capsys, runpod, fake_hub, hf_env, blob, source, needle):
     fake_hub.add("acme/m-GGUF", {"m.gguf": blob(1000)})
     fake_hub.add("acme/two-GGUF", {"a.gguf": blob(10), "b.gguf": blob(10)})
@@ -70,8 +75,11 @@ def test_too_large_for_every_gpu_type_unless_the_pod_has_more_gpus(tmp_path, cap
     fake_hub.add("acme/m-GGUF", {"m.gguf": blob(1000)})
     model = 'source = "hf://acme/m-GGUF/m.gguf"\nmemory_mb = 200000\n'
     rc, found, _ = check(tmp_path, capsys, model + BURST)
-    assert rc == 1 and found["size"] == ("no", "needs about 195.3 GB: no RunPod GPU type holds that in 1 GPU(s) "
-                                               "(the largest: NVIDIA A100 80GB PCIe, 80 GB); raise pod.gpu_count")
+    assert rc == 1 and found["size"] == (
+        "no",
+        "needs about 195.3 GB: no RunPod GPU type holds that in 1 GPU(s) "
+        "(the largest: NVIDIA A100 80GB PCIe, 80 GB); raise pod.gpu_count",
+    )
     rc, found, _ = check(tmp_path, capsys, model + 'pod = { burst = "always", gpu_count = 4 }')
     assert rc == 0 and found["size"] == ("ok", "needs about 195.3 GB: 2 of 4 RunPod GPU types hold it in 4 GPU(s)")
 
@@ -106,6 +114,8 @@ def test_an_unknown_model_or_a_bad_source_is_an_error(tmp_path, capsys):
     (tmp_path / "models.toml").write_text("")
     assert main(["--data-dir", str(tmp_path), "check", "nope"]) == 1
     assert "no model 'nope' on the running stack or in" in capsys.readouterr().err
-    (tmp_path / "models.toml").write_text('[[models]]\nname = "m"\nengine = "llama"\npath = "/p"\nsource = "hf://acme"\n')
+    (tmp_path / "models.toml").write_text(
+        '[[models]]\nname = "m"\nengine = "llama"\npath = "/p"\nsource = "hf://acme"\n'
+    )
     assert main(["--data-dir", str(tmp_path), "check", "m"]) == 1
     assert "model 'm': source: 'hf://acme': a Hub repo is hf://<org>/<repo>" in capsys.readouterr().err

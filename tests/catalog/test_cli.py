@@ -19,8 +19,14 @@ GB = 1 << 30
 
 
 def models(env, data, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coderai.cli", "models", "--data-dir", str(data), *args],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "coderai.cli", "models", "--data-dir", str(data), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
@@ -35,9 +41,14 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
     assert percents == sorted(percents) and lines[-1].split()[1] == "done"
     assert "pulled cli (llama-server, 12.0 MB)" in r.stdout and "no running stack reached" in r.stdout
     placed = tomllib.loads((home / "models.toml").read_text())["models"]
-    assert placed == [{"name": "cli", "engine": "llama-server",
-                       "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf"),
-                       "store_path": "acme/cli-GGUF/cli-q4.gguf"}]
+    assert placed == [
+        {
+            "name": "cli",
+            "engine": "llama-server",
+            "path": str(home.resolve() / "models" / "acme" / "cli-GGUF" / "cli-q4.gguf"),
+            "store_path": "acme/cli-GGUF/cli-q4.gguf",
+        }
+    ]
 
     r = models(hf_env, home, "list")
     assert r.returncode == 0 and r.stdout.split()[:3] == ["cli", "llama-server", "chat"]
@@ -66,12 +77,36 @@ def test_cli_pull_list_info_rm(fake_hub, hf_env, tmp_path, blob):
 def test_cli_add_set_rm_edit_the_models_file_when_no_stack_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CODERAI_NATS_URL"}
     home = tmp_path / "home"
-    r = models(env, home, "add", "m", "--engine", "llama", "--path", "/m.gguf", "--param", "n_ctx=2048",
-               "--resident", "on_demand", "--keep-alive", "60", "--set", 'nodes=["w1"]')
+    r = models(
+        env,
+        home,
+        "add",
+        "m",
+        "--engine",
+        "llama",
+        "--path",
+        "/m.gguf",
+        "--param",
+        "n_ctx=2048",
+        "--resident",
+        "on_demand",
+        "--keep-alive",
+        "60",
+        "--set",
+        'nodes=["w1"]',
+    )
     assert r.returncode == 0 and "no running stack reached" in r.stdout, r.stderr
-    assert load_models(str(home / "models.toml")) == [ModelConfig(
-        name="m", engine="llama", path="/m.gguf", params={"n_ctx": 2048}, resident="on_demand", keep_alive_s=60.0,
-        nodes=["w1"])]
+    assert load_models(str(home / "models.toml")) == [
+        ModelConfig(
+            name="m",
+            engine="llama",
+            path="/m.gguf",
+            params={"n_ctx": 2048},
+            resident="on_demand",
+            keep_alive_s=60.0,
+            nodes=["w1"],
+        )
+    ]
     r = models(env, home, "add", "m", "--engine", "llama", "--path", "/m.gguf")
     assert r.returncode == 1 and "has a model named 'm' already" in r.stderr
     r = models(env, home, "set", "m", "params.n_ctx=4096", "params.seed=7", "keep_alive_s=", "replicas=2")
@@ -112,12 +147,28 @@ def test_fits_uses_the_schedulers_capacity():
     def hb(node, **mem):
         return Heartbeat(node_id=node, version="x", seq=1, ts=0.0, host="h", capabilities=["llama"], **mem)
 
-    nodes = [hb("gpu", vram_total=24 * GB, vram_free=4 * GB, mem_total=64 * GB),
-             hb("small", mem_total=6 * GB, mem_free=6 * GB), hb("unknown")]
+    nodes = [
+        hb("gpu", vram_total=24 * GB, vram_free=4 * GB, mem_total=64 * GB),
+        hb("small", mem_total=6 * GB, mem_free=6 * GB),
+        hb("unknown"),
+    ]
     got = {n["node"]: n for n in fits(6 * GB, nodes)}
     assert got["gpu"]["fits"] and not got["gpu"]["fits_now"]  # 90 % of 24 GB, but only 4 GB free now
     assert not got["small"]["fits"] and got["small"]["capacity_mb"] == int(6 * GB * 0.9) >> 20  # 90 % usable
     assert got["unknown"]["fits"] and got["unknown"]["capacity_mb"] is None
-    as_json = [{"heartbeat": {"node_id": "j", "version": "x", "seq": 1, "ts": 0.0, "host": "h",
-                              "capabilities": [], "mem_total": 4 * GB}, "assigned": [], "age_s": 0.1}]
+    as_json = [
+        {
+            "heartbeat": {
+                "node_id": "j",
+                "version": "x",
+                "seq": 1,
+                "ts": 0.0,
+                "host": "h",
+                "capabilities": [],
+                "mem_total": 4 * GB,
+            },
+            "assigned": [],
+            "age_s": 0.1,
+        }
+    ]
     assert fits(6 * GB, as_json)[0]["fits"] is False

@@ -17,8 +17,12 @@ def test_show_prints_weights_kv_cache_and_overhead_of_a_pulled_gguf(fake_hub, hf
     assert main(["--data-dir", home, "show", "tiny", "--no-nodes"]) == 0
     shown = json.loads(capsys.readouterr().out)
     want = estimate(ModelConfig(name="tiny", engine="llama-server", path=str(tiny_gguf)))
-    assert shown["memory"] == {"weights_mb": want.weights // MB, "kv_cache_mb": want.kv_cache // MB,
-                               "overhead_mb": want.overhead // MB, "from": "gguf"}
+    assert shown["memory"] == {
+        "weights_mb": want.weights // MB,
+        "kv_cache_mb": want.kv_cache // MB,
+        "overhead_mb": want.overhead // MB,
+        "from": "gguf",
+    }
     assert shown["memory_mb"] == want.total // MB and shown["engine"] == "llama-server"
     assert main(["--data-dir", home, "info", "tiny", "--no-nodes"]) == 0
     assert json.loads(capsys.readouterr().out) == shown

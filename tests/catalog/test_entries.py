@@ -17,8 +17,15 @@ def test_every_builtin_entry_makes_a_valid_model_config(tmp_path):
     store = ModelStore(tmp_path)
     for e in BUILTIN.values():
         assert e.engine and e.kind and e.memory_mb and "/" in e.repo
-        rec = Pulled(name=e.name, repo=e.repo, revision="main", main=e.main, engine=e.engine, params=e.params,
-                     memory_mb=e.memory_mb)
+        rec = Pulled(
+            name=e.name,
+            repo=e.repo,
+            revision="main",
+            main=e.main,
+            engine=e.engine,
+            params=e.params,
+            memory_mb=e.memory_mb,
+        )
         msgspec.convert(model_entry(rec, store), ModelConfig)
 
 
@@ -27,8 +34,12 @@ def test_specs_resolve():
     known = resolve("Qwen/Qwen2.5-0.5B-Instruct-GGUF:qwen2.5-0.5b-instruct-q4_k_m.gguf")
     assert known.name == "qwen2.5-0.5b-instruct" and known.memory_mb == 900
     adhoc = resolve("me/My-GGUF:sub/My-Model.Q4.gguf", name="")
-    assert (adhoc.name, adhoc.engine, adhoc.files, adhoc.main) == ("my-model.q4", "llama-server", ["sub/My-Model.Q4.gguf"],
-                                                                   "sub/My-Model.Q4.gguf")
+    assert (adhoc.name, adhoc.engine, adhoc.files, adhoc.main) == (
+        "my-model.q4",
+        "llama-server",
+        ["sub/My-Model.Q4.gguf"],
+        "sub/My-Model.Q4.gguf",
+    )
     assert resolve("me/repo", name="mine").name == "mine" and resolve("me/repo").engine == ""
     for bad in ("nothing", "a/b/c", "../x", "a/..", "me/repo:../../etc/passwd", ""):
         with pytest.raises(CatalogError):
@@ -37,8 +48,17 @@ def test_specs_resolve():
 
 def test_select_and_guess():
     st = BUILTIN["all-minilm-l6-v2"]
-    files = ["config.json", "model.safetensors", "pytorch_model.bin", "onnx/model.onnx", "tf_model.h5",
-             "modules.json", "1_Pooling/config.json", "README.md", ".gitattributes"]
+    files = [
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "onnx/model.onnx",
+        "tf_model.h5",
+        "modules.json",
+        "1_Pooling/config.json",
+        "README.md",
+        ".gitattributes",
+    ]
     picked = select(st, files)
     assert picked == ["config.json", "model.safetensors", "modules.json", "1_Pooling/config.json"]
     assert guess_engine(picked) == ("embed", "embed", "")
@@ -60,8 +80,14 @@ def test_append_model_keeps_the_file_valid_and_refuses_duplicates(tmp_path):
 
 def test_every_pulled_model_gets_a_store_path_nodes_can_fetch(tmp_path):
     store = ModelStore(tmp_path)
-    rec = lambda repo, main, *files: Pulled(name="m", repo=repo, revision="main", main=main, engine="tts",
-                                           files={f: FileRecord(size=1, etag="0" * 64) for f in files})
+    rec = lambda repo, main, *files: Pulled(
+        name="m",
+        repo=repo,
+        revision="main",
+        main=main,
+        engine="tts",
+        files={f: FileRecord(size=1, etag="0" * 64) for f in files},
+    )
     gguf = model_entry(rec("acme/x-GGUF", "sub/x.gguf", "sub/x.gguf"), store)
     assert (gguf["store_path"], "store_file" in gguf) == ("acme/x-GGUF/sub/x.gguf", False)  # as before
     folder = model_entry(rec("Systran/faster-whisper-tiny", "", "config.json", "model.bin", "tokenizer.json"), store)
@@ -69,8 +95,10 @@ def test_every_pulled_model_gets_a_store_path_nodes_can_fetch(tmp_path):
     assert folder["path"] == str(store.root / "Systran" / "faster-whisper-tiny")
     piper = BUILTIN["piper-en-us-lessac-medium"]
     voice = model_entry(rec(piper.repo, piper.main, *piper.files), store)
-    assert (voice["store_path"], voice["store_file"]) == ("rhasspy/piper-voices/en/en_US/lessac/medium/",
-                                                          "en_US-lessac-medium.onnx")
+    assert (voice["store_path"], voice["store_file"]) == (
+        "rhasspy/piper-voices/en/en_US/lessac/medium/",
+        "en_US-lessac-medium.onnx",
+    )
     assert voice["path"] == str(store.root / voice["store_path"] / voice["store_file"])
     top = model_entry(rec("me/voice", "v.onnx", "v.onnx", "v.onnx.json"), store)
     assert (top["store_path"], top["store_file"]) == ("me/voice/", "v.onnx")

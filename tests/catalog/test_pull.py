@@ -93,8 +93,13 @@ def test_unknown_repo_and_file_are_clear_errors(fake_hub, hf_env, tmp_path):
 
 
 def test_whole_repo_pull_checks_plain_files_by_git_sha1_and_guesses_the_engine(fake_hub, hf_env, tmp_path, blob):
-    files = {"model.bin": blob(70_000, 5), "tokenizer.json": b'{"a": 1}', "config.json": b"{}",
-             "vocabulary.txt": b"a\nb\n", "README.md": b"# whisper"}
+    files = {
+        "model.bin": blob(70_000, 5),
+        "tokenizer.json": b'{"a": 1}',
+        "config.json": b"{}",
+        "vocabulary.txt": b"a\nb\n",
+        "README.md": b"# whisper",
+    }
     fake_hub.add("acme/faster-whisper-nano", files, plain=("tokenizer.json", "config.json", "vocabulary.txt"))
     store = ModelStore(tmp_path)
     rec = pull("acme/faster-whisper-nano", store)

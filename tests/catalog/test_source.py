@@ -12,33 +12,59 @@ from coderai.catalog.source import Source, SourceError, parse_source
 from coderai.models_file import ModelsFileError, load_models
 
 
-@pytest.mark.parametrize("text, want", [
-    ("hf://acme/tiny-GGUF/tiny.gguf", Source("hf", "hf://acme/tiny-GGUF/tiny.gguf", repo="acme/tiny-GGUF", file="tiny.gguf")),
-    ("hf://acme/tiny-GGUF/q/tiny.gguf@0123abc", Source("hf", "hf://acme/tiny-GGUF/q/tiny.gguf@0123abc", repo="acme/tiny-GGUF",
-                                                     file="q/tiny.gguf", revision="0123abc")),
-    ("hf://Qwen/Qwen2.5-7B-Instruct-AWQ", Source("hf", "hf://Qwen/Qwen2.5-7B-Instruct-AWQ", repo="Qwen/Qwen2.5-7B-Instruct-AWQ")),
-    ("hf://org/repo@refs/pr/1", Source("hf", "hf://org/repo@refs/pr/1", repo="org/repo", revision="refs/pr/1")),
-    (" qwen2.5-0.5b-instruct ", Source("catalog", "qwen2.5-0.5b-instruct")),
-    ("store://acme/tiny-GGUF/tiny.gguf", Source("store", "store://acme/tiny-GGUF/tiny.gguf", path="acme/tiny-GGUF/tiny.gguf")),
-    ("store://Systran/faster-whisper-tiny/", Source("store", "store://Systran/faster-whisper-tiny/", path="Systran/faster-whisper-tiny/")),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        (
+            "hf://acme/tiny-GGUF/tiny.gguf",
+            Source("hf", "hf://acme/tiny-GGUF/tiny.gguf", repo="acme/tiny-GGUF", file="tiny.gguf"),
+        ),
+        (
+            "hf://acme/tiny-GGUF/q/tiny.gguf@0123abc",
+            Source(
+                "hf",
+                "hf://acme/tiny-GGUF/q/tiny.gguf@0123abc",
+                repo="acme/tiny-GGUF",
+                file="q/tiny.gguf",
+                revision="0123abc",
+            ),
+        ),
+        (
+            "hf://Qwen/Qwen2.5-7B-Instruct-AWQ",
+            Source("hf", "hf://Qwen/Qwen2.5-7B-Instruct-AWQ", repo="Qwen/Qwen2.5-7B-Instruct-AWQ"),
+        ),
+        ("hf://org/repo@refs/pr/1", Source("hf", "hf://org/repo@refs/pr/1", repo="org/repo", revision="refs/pr/1")),
+        (" qwen2.5-0.5b-instruct ", Source("catalog", "qwen2.5-0.5b-instruct")),
+        (
+            "store://acme/tiny-GGUF/tiny.gguf",
+            Source("store", "store://acme/tiny-GGUF/tiny.gguf", path="acme/tiny-GGUF/tiny.gguf"),
+        ),
+        (
+            "store://Systran/faster-whisper-tiny/",
+            Source("store", "store://Systran/faster-whisper-tiny/", path="Systran/faster-whisper-tiny/"),
+        ),
+    ],
+)
 def test_accepted_sources(text, want):
     assert parse_source(text) == want
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("", "empty"),
-    ("acme/tiny-GGUF", "hf://acme/tiny-GGUF"),  # a bare repo: the hint says how to write it
-    ("no-such-model", "catalogue id (known: "),
-    ("s3://bucket/m.gguf", "unknown scheme 's3://'"),
-    ("hf://acme", "hf://<org>/<repo>"),
-    ("hf://acme/../x.gguf", "hf://<org>/<repo>"),
-    ("hf://acme/repo/../../etc/passwd", "plain path inside the repo"),
-    ("hf://acme/repo//x.gguf", "plain path inside the repo"),
-    ("hf://acme/repo/x.gguf@", "no revision after '@'"),
-    ("store:///etc/passwd", "must be relative"),
-    ("store://a/../../b", "store path"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("", "empty"),
+        ("acme/tiny-GGUF", "hf://acme/tiny-GGUF"),  # a bare repo: the hint says how to write it
+        ("no-such-model", "catalogue id (known: "),
+        ("s3://bucket/m.gguf", "unknown scheme 's3://'"),
+        ("hf://acme", "hf://<org>/<repo>"),
+        ("hf://acme/../x.gguf", "hf://<org>/<repo>"),
+        ("hf://acme/repo/../../etc/passwd", "plain path inside the repo"),
+        ("hf://acme/repo//x.gguf", "plain path inside the repo"),
+        ("hf://acme/repo/x.gguf@", "no revision after '@'"),
+        ("store:///etc/passwd", "must be relative"),
+        ("store://a/../../b", "store path"),
+    ],
+)
 def test_refused_sources_say_why(text, needle):
     with pytest.raises(SourceError) as ei:
         parse_source(text)
@@ -47,7 +73,14 @@ def test_refused_sources_say_why(text, needle):
 
 def test_an_hf_source_becomes_the_pull_the_catalogue_makes():
     e = parse_source("hf://acme/tiny-GGUF/tiny.gguf@v2").entry("tiny", "llama")
-    assert (e.name, e.repo, e.files, e.main, e.revision, e.engine) == ("tiny", "acme/tiny-GGUF", ["tiny.gguf"], "tiny.gguf", "v2", "llama")
+    assert (e.name, e.repo, e.files, e.main, e.revision, e.engine) == (
+        "tiny",
+        "acme/tiny-GGUF",
+        ["tiny.gguf"],
+        "tiny.gguf",
+        "v2",
+        "llama",
+    )
     whole = parse_source("hf://acme/awq").entry("big", "vllm")
     assert (whole.files, whole.main, whole.revision) == ([], "", "main")
     cat = parse_source("qwen2.5-0.5b-instruct").entry("q", "llama-server")
@@ -63,16 +96,21 @@ def _file(tmp_path, extra: str) -> str:
 
 
 def test_the_models_file_takes_source_and_volume(tmp_path):
-    [m] = load_models(_file(tmp_path, 'source = "hf://acme/m-GGUF/m.gguf"\npod = { burst = "when_busy", volume = "v1" }'))
+    [m] = load_models(
+        _file(tmp_path, 'source = "hf://acme/m-GGUF/m.gguf"\npod = { burst = "when_busy", volume = "v1" }')
+    )
     assert m.source == "hf://acme/m-GGUF/m.gguf" and m.pod.volume == "v1"
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ('source = "hf://acme"', "model 'm': source: 'hf://acme': a Hub repo is"),
-    ('source = "ftp://x/y"', "unknown scheme"),
-    ('source = "store://a/m.gguf"\nstore_path = "a/m.gguf"', "keep one"),
-    ('pod = { volume = "v1" }', "pod.volume keeps weights fetched by `source`"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ('source = "hf://acme"', "model 'm': source: 'hf://acme': a Hub repo is"),
+        ('source = "ftp://x/y"', "unknown scheme"),
+        ('source = "store://a/m.gguf"\nstore_path = "a/m.gguf"', "keep one"),
+        ('pod = { volume = "v1" }', "pod.volume keeps weights fetched by `source`"),
+    ],
+)
 def test_the_models_file_refuses_a_bad_source_by_model(tmp_path, extra, needle):
     path = _file(tmp_path, extra)
     with pytest.raises(ModelsFileError) as ei:

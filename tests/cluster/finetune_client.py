@@ -12,8 +12,8 @@ import openai
 BAD_FILES = {
     "not_jsonl": b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\nnot json\n',
     "wrong_role": b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
-                  b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
-                  b'{"messages": [{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
+    b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+    b'{"messages": [{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
     "empty": b"",
 }
 
@@ -30,11 +30,14 @@ def main() -> None:
                 out[name] = {"status": 200}
             except openai.APIStatusError as exc:
                 out[name] = {"status": exc.status_code, "message": exc.body["message"], "param": exc.body["param"]}
-        good = client.files.create(file=("good.jsonl", io.BytesIO(BAD_FILES["wrong_role"].rsplit(b"\n", 2)[0] + b"\n")),
-                                   purpose="fine-tune")  # a file of this key's, so the model is what is wrong
-        for name, call in (("unknown_job", lambda: client.fine_tuning.jobs.retrieve("ftjob-doesnotexist")),
-                           ("unknown_file", lambda: client.fine_tuning.jobs.create(model="tiny", training_file="file-nope")),
-                           ("unknown_model", lambda: client.fine_tuning.jobs.create(model="nope", training_file=good.id))):
+        good = client.files.create(
+            file=("good.jsonl", io.BytesIO(BAD_FILES["wrong_role"].rsplit(b"\n", 2)[0] + b"\n")), purpose="fine-tune"
+        )  # a file of this key's, so the model is what is wrong
+        for name, call in (
+            ("unknown_job", lambda: client.fine_tuning.jobs.retrieve("ftjob-doesnotexist")),
+            ("unknown_file", lambda: client.fine_tuning.jobs.create(model="tiny", training_file="file-nope")),
+            ("unknown_model", lambda: client.fine_tuning.jobs.create(model="nope", training_file=good.id)),
+        ):
             try:
                 call()
                 out[name] = {"status": 200}
@@ -51,9 +54,14 @@ def main() -> None:
         valid = {"validation_file": args[4]} if len(args) > 4 else {}
         try:
             job = client.fine_tuning.jobs.create(
-                model="tiny", training_file=args[0], suffix=args[1], seed=7, **valid,
+                model="tiny",
+                training_file=args[0],
+                suffix=args[1],
+                seed=7,
+                **valid,
                 hyperparameters={"n_epochs": int(args[2]), "batch_size": 1, "learning_rate_multiplier": 25},
-                extra_body=extra)
+                extra_body=extra,
+            )
             out = {"status": 200, "id": job.id, "job_status": job.status}
         except openai.APIStatusError as exc:
             out = {"status": exc.status_code, "message": exc.body["message"], "param": exc.body["param"]}
@@ -66,8 +74,9 @@ def main() -> None:
         out = client.fine_tuning.jobs.cancel(args[0]).model_dump()
     elif cmd == "chat":
         try:
-            r = client.chat.completions.create(model=args[0], messages=[{"role": "user", "content": "What is 2 plus 2?"}],
-                                               max_tokens=8, temperature=0)
+            r = client.chat.completions.create(
+                model=args[0], messages=[{"role": "user", "content": "What is 2 plus 2?"}], max_tokens=8, temperature=0
+            )
             out = {"status": 200, "content": r.choices[0].message.content, "model": r.model}
         except openai.APIStatusError as exc:
             out = {"status": exc.status_code, "message": str(exc)}
@@ -81,15 +90,22 @@ def main() -> None:
     elif cmd == "newkey":  # a tenant's inference key, made with this (admin) key: the admin API has no SDK
         import httpx
 
-        r = httpx.post(base_url.removesuffix("/v1") + "/admin/keys", json={"name": args[0]},
-                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r = httpx.post(
+            base_url.removesuffix("/v1") + "/admin/keys",
+            json={"name": args[0]},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
         r.raise_for_status()
         out = {"key": r.json()["key"]}
     elif cmd == "revoke":
         import httpx
 
-        r = httpx.post(base_url.removesuffix("/v1") + f"/admin/keys/{args[0]}/revoke",
-                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r = httpx.post(
+            base_url.removesuffix("/v1") + f"/admin/keys/{args[0]}/revoke",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
         out = {"status": r.status_code}
     else:
         raise SystemExit(f"unknown command {cmd}")

@@ -29,9 +29,16 @@ pytestmark = pytest.mark.slow
 
 TOKEN = new_token()
 CLIENT = str(Path(__file__).with_name("finetune_client.py"))
-EXAMPLES = [{"messages": [{"role": "system", "content": "You add numbers."},
-                          {"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(6)]
+EXAMPLES = [
+    {
+        "messages": [
+            {"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+        ]
+    }
+    for i in range(6)
+]
 
 
 def _gone(pid: int) -> bool:
@@ -50,33 +57,82 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
     try:  # the lab is closed (every process in it killed) whatever fails, set-up included
         root = tmp_path
         base = tiny_hf_llama()
-        models = write_models_file(root / "models.toml", [
-            {"name": "tiny", "engine": "transformers", "path": str(base), "params": {"max_tokens": 8}, "nodes": ["head"]},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {
+                    "name": "tiny",
+                    "engine": "transformers",
+                    "path": str(base),
+                    "params": {"max_tokens": 8},
+                    "nodes": ["head"],
+                },
+            ],
+        )
         data, valid = root / "train.jsonl", root / "valid.jsonl"
         data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4]))
         valid.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[4:]))
         env = {k: v for k, v in os.environ.items() if not k.startswith("CODERAI_")} | {
-            "CODERAI_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+            "CODERAI_LOG_FORMAT": "json",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         head, nb = lab["head"], lab["node-b"]
 
         def client(*args: str, as_key: str = "") -> dict | list:
-            r = lab.run("head", [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", as_key or key, *args], env=env,
-                        timeout_s=120)
+            r = lab.run(
+                "head",
+                [sys.executable, CLIENT, "http://127.0.0.1:8000/v1", as_key or key, *args],
+                env=env,
+                timeout_s=120,
+            )
             assert r.returncode == 0, r.stderr[-3000:]
             return json.loads(r.stdout.strip().splitlines()[-1])
 
         def job(job_id: str) -> dict:
             return client("get", job_id)
 
-        up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", "8000",
-                                                  "--cluster-token", TOKEN, "--mdns-interface", head.ip, "--node-id", "head",
-                                                  "--models-file", str(models)], env, root / "logs", prefix=head.prefix())
+        up = ServiceProcess(
+            "up",
+            "coderai.cli",
+            [
+                "up",
+                "--data-dir",
+                str(root / "head"),
+                "--port",
+                "8000",
+                "--cluster-token",
+                TOKEN,
+                "--mdns-interface",
+                head.ip,
+                "--node-id",
+                "head",
+                "--models-file",
+                str(models),
+            ],
+            env,
+            root / "logs",
+            prefix=head.prefix(),
+        )
         procs.append(up.start())
-        node = ServiceProcess("worker-node-b", "coderai.engine_worker",
-                              ["--cluster-token", TOKEN, "--nats-url", f"nats://{head.ip}:4222", "--no-mdns",
-                               "--node-id", "node-b", "--data-dir", str(root / "node-b")], env, root / "logs",
-                              prefix=nb.prefix())
+        node = ServiceProcess(
+            "worker-node-b",
+            "coderai.engine_worker",
+            [
+                "--cluster-token",
+                TOKEN,
+                "--nats-url",
+                f"nats://{head.ip}:4222",
+                "--no-mdns",
+                "--node-id",
+                "node-b",
+                "--data-dir",
+                str(root / "node-b"),
+            ],
+            env,
+            root / "logs",
+            prefix=nb.prefix(),
+        )
         procs.append(node.start())
         up.wait_log("\nready", 180)
         key = (root / "head" / "admin.key").read_text().strip()
@@ -103,8 +159,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
             created: dict = {}
 
             def accepted() -> bool:  # node-b may not have joined yet: two nodes are asked for
-                created.update(client("create", training or file_id, suffix, epochs, "lora", *valid_file,
-                                      as_key=as_key))
+                created.update(
+                    client("create", training or file_id, suffix, epochs, "lora", *valid_file, as_key=as_key)
+                )
                 assert created["status"] in (200, 400), created
                 return created["status"] == 200
 
@@ -112,8 +169,12 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
             return created["id"]
 
         job_id = start("ft1", "3", valid_id)
-        wait_until(lambda: job(job_id)["job"]["status"] in ("succeeded", "failed", "cancelled"), 180,
-                   "the fine-tuning job to end", interval_s=1)
+        wait_until(
+            lambda: job(job_id)["job"]["status"] in ("succeeded", "failed", "cancelled"),
+            180,
+            "the fine-tuning job to end",
+            interval_s=1,
+        )
         got = job(job_id)
         j, events = got["job"], got["events"]
         assert j["status"] == "succeeded", (j, [e["message"] for e in events], node.log_text()[-3000:])
@@ -148,8 +209,12 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert kept[ft1].params["base"] == str(base) and kept[ft1].engine == "transformers"
 
         chat: dict = {}
-        wait_until(lambda: chat.update(client("chat", ft1)) or chat["status"] == 200, 90,
-                   f"{ft1} to answer through the gateway", interval_s=1)
+        wait_until(
+            lambda: chat.update(client("chat", ft1)) or chat["status"] == 200,
+            90,
+            f"{ft1} to answer through the gateway",
+            interval_s=1,
+        )
         assert chat["model"] == ft1 and isinstance(chat["content"], str)
 
         # the fine-tuned model is the key's that trained it: another key neither lists, uses nor deletes it
@@ -168,12 +233,17 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         long_data.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES[:4] * 25))
         long_file = client("upload", str(long_data))["id"]
         long_id = start("ft2", "100", training=long_file)
-        wait_until(lambda: any(e["type"] == "metrics" for e in job(long_id)["events"]), 120,
-                   "the second job's first step", interval_s=1)
+        wait_until(
+            lambda: any(e["type"] == "metrics" for e in job(long_id)["events"]),
+            120,
+            "the second job's first step",
+            interval_s=1,
+        )
         pid = int(re.search(rf"training job {long_id}: rank 1 runs as pid (\d+)", node.log_text()).group(1))
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: job(long_id)["job"]["status"] == "failed", 30, "the job to fail after its rank died",
-                   interval_s=0.5)
+        wait_until(
+            lambda: job(long_id)["job"]["status"] == "failed", 30, "the job to fail after its rank died", interval_s=0.5
+        )
         failed = job(long_id)["job"]
         assert failed["error"]["code"] == "rank_failed", failed["error"]
         assert failed["error"]["message"] == "rank 1 on node node-b failed: the trainer process was killed by SIGKILL"
@@ -186,8 +256,11 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert client("cancel", stop_me)["status"] == "cancelled"
         stopped = f"stopping training job {stop_me}: cancelled"
         head_log = root / "head" / "logs" / "worker.log"
-        wait_until(lambda: stopped in node.log_text() and stopped in head_log.read_text(), 30,
-                   "both ranks of the cancelled job to stop")
+        wait_until(
+            lambda: stopped in node.log_text() and stopped in head_log.read_text(),
+            30,
+            "both ranks of the cancelled job to stop",
+        )
         assert job(stop_me)["job"]["status"] == "cancelled"
 
         # a key revoked while its job trains: the job is cancelled as its owner would, and stops on both nodes
@@ -196,11 +269,18 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert doomed != job_id  # without a word that another key's model has it (a 400 "exists" was that word)
         wait_until(lambda: job(doomed)["job"]["status"] == "running", 60, "the tenant's job to run", interval_s=0.5)
         assert client("revoke", "tenant-b")["status"] == 200
-        wait_until(lambda: job(doomed)["job"]["status"] == "cancelled", 30, "the revoked key's job to be cancelled",
-                   interval_s=0.5)
+        wait_until(
+            lambda: job(doomed)["job"]["status"] == "cancelled",
+            30,
+            "the revoked key's job to be cancelled",
+            interval_s=0.5,
+        )
         stopped = f"stopping training job {doomed}: cancelled"
-        wait_until(lambda: stopped in node.log_text() and stopped in head_log.read_text(), 30,
-                   "both ranks of the revoked key's job to stop")
+        wait_until(
+            lambda: stopped in node.log_text() and stopped in head_log.read_text(),
+            30,
+            "both ranks of the revoked key's job to stop",
+        )
         print(f"a key revoked while its fine-tuning job ran: the job ended {job(doomed)['job']['status']}")
 
         # node-b's worker dies mid-job (its trainer dies with it): its reports stop, the job fails naming node-b
@@ -210,8 +290,9 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         pid = int(re.search(ran, node.log_text()).group(1))
         os.kill(node.proc.pid, signal.SIGKILL)
         wait_until(lambda: _gone(pid), 10, "the orphaned trainer to die with its worker")
-        wait_until(lambda: job(third)["job"]["status"] == "failed", 30, "the job to fail after its node died",
-                   interval_s=0.5)
+        wait_until(
+            lambda: job(third)["job"]["status"] == "failed", 30, "the job to fail after its node died", interval_s=0.5
+        )
         failed = job(third)["job"]["error"]
         assert failed["message"].startswith("rank 1 on node node-b stopped reporting"), failed
 

@@ -20,8 +20,15 @@ from coderai.testing.tiny_hf_llama import tiny_hf_llama
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                          {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(4)]
+EXAMPLES = [
+    {
+        "messages": [
+            {"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+        ]
+    }
+    for i in range(4)
+]
 EPOCHS = 15  # 60 steps (a few seconds): the kill after the first step lands mid-training
 
 
@@ -33,9 +40,13 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
         data = "".join(json.dumps(e) + "\n" for e in EXAMPLES).encode()
         file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(
-            model="tiny", training_file=file.id, suffix="rs", seed=7,
+            model="tiny",
+            training_file=file.id,
+            suffix="rs",
+            seed=7,
             hyperparameters={"n_epochs": EPOCHS, "batch_size": 1, "learning_rate_multiplier": 25},
-            extra_body={"nodes": 1})
+            extra_body={"nodes": 1},
+        )
 
         def steps() -> list[int]:
             events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
@@ -49,12 +60,20 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
         assert client.fine_tuning.jobs.retrieve(job.id).status == "running"
         offset = len(worker.log_text())
         # the trainer finishes with no scheduler listening: rank 0's upload finds nobody and is retried
-        wait_until(lambda: f"training job {job.id}: adapter upload failed" in worker.log_text()[offset:], 120,
-                   "rank 0's upload to find no scheduler", interval_s=0.2)
+        wait_until(
+            lambda: f"training job {job.id}: adapter upload failed" in worker.log_text()[offset:],
+            120,
+            "rank 0's upload to find no scheduler",
+            interval_s=0.2,
+        )
         sched.start()
         sched.wait_log('"msg": "ready"', 60)
-        wait_until(lambda: client.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed", "cancelled"),
-                   90, "the adopted job to end", interval_s=0.5)
+        wait_until(
+            lambda: client.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed", "cancelled"),
+            90,
+            "the adopted job to end",
+            interval_s=0.5,
+        )
         got = client.fine_tuning.jobs.retrieve(job.id)
         events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
         said = [e.message for e in events]
@@ -69,8 +88,9 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
 
         def answered() -> bool:
             try:
-                r = client.chat.completions.create(model=name, max_tokens=8, temperature=0,
-                                                   messages=[{"role": "user", "content": "What is 2 plus 2?"}])
+                r = client.chat.completions.create(
+                    model=name, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "What is 2 plus 2?"}]
+                )
             except openai.APIStatusError:
                 return False  # not placed / loaded yet
             return r.model == name and isinstance(r.choices[0].message.content, str)

@@ -22,9 +22,21 @@ TOKEN = "correct horse battery staple"
 class Cluster(LabCluster):
     def start_node(self, host: str, token: str = TOKEN, *extra: str) -> ServiceProcess:
         h = self.lab[host]
-        args = ["--cluster-token", token, "--mdns-interface", h.ip, "--node-id", host, "--data-dir", str(self.root / host), *extra]
+        args = [
+            "--cluster-token",
+            token,
+            "--mdns-interface",
+            h.ip,
+            "--node-id",
+            host,
+            "--data-dir",
+            str(self.root / host),
+            *extra,
+        ]
         env = {**self.env, "CODERAI_WORKER_DISCOVER_TIMEOUT_S": "3"}
-        p = ServiceProcess(f"worker-{host}", "coderai.engine_worker", args, env, self.root / "logs", prefix=h.prefix()).start()
+        p = ServiceProcess(
+            f"worker-{host}", "coderai.engine_worker", args, env, self.root / "logs", prefix=h.prefix()
+        ).start()
         self.procs[host] = p
         return p
 
@@ -37,12 +49,40 @@ def cluster(tmp_path_factory, tiny_gguf):
         pytest.skip(str(exc))
     with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
         root = tmp_path_factory.mktemp("cluster")
-        models = write_models_file(root / "models.toml", [
-            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
-            {"name": "n1-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1"]},
-            {"name": "n2-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n2"]},
-            {"name": "roamer", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["n1", "n2"], "replicas": 1},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {
+                    "name": "head-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 512},
+                    "nodes": ["head"],
+                },
+                {
+                    "name": "n1-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 512},
+                    "nodes": ["n1"],
+                },
+                {
+                    "name": "n2-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 512},
+                    "nodes": ["n2"],
+                },
+                {
+                    "name": "roamer",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 512},
+                    "nodes": ["n1", "n2"],
+                    "replicas": 1,
+                },
+            ],
+        )
         c = Cluster(lab, root, clean_env())
         with head_of(c, models, TOKEN):  # on exit, up stops its whole stack, NATS and Redis included
             yield c
@@ -69,12 +109,30 @@ def test_a_wrong_token_joins_nothing(cluster):
     rogue = cluster.start_node("rogue", new_token())
     rogue.wait_log("no head with this cluster token's fingerprint", 30)  # it saw the head's record and passed
     # even told where NATS is, a wrong token is refused by NATS itself
-    direct = ServiceProcess("rogue-direct", "coderai.engine_worker",
-                            ["--cluster-token", new_token(), "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
-                             "--node-id", "rogue2", "--no-mdns", "--data-dir", str(cluster.root / "rogue2")],
-                            cluster.env, cluster.root / "logs", prefix=cluster.lab["rogue"].prefix()).start()
+    direct = ServiceProcess(
+        "rogue-direct",
+        "coderai.engine_worker",
+        [
+            "--cluster-token",
+            new_token(),
+            "--nats-url",
+            f"nats://{cluster.lab['head'].ip}:4222",
+            "--node-id",
+            "rogue2",
+            "--no-mdns",
+            "--data-dir",
+            str(cluster.root / "rogue2"),
+        ],
+        cluster.env,
+        cluster.root / "logs",
+        prefix=cluster.lab["rogue"].prefix(),
+    ).start()
     cluster.procs["rogue-direct"] = direct
-    wait_until(lambda: "Authorization Violation" in direct.log_text() or not direct.alive(), 30, "NATS to refuse the wrong token")
+    wait_until(
+        lambda: "Authorization Violation" in direct.log_text() or not direct.alive(),
+        30,
+        "NATS to refuse the wrong token",
+    )
     nodes = cluster.nodes()
     assert "rogue" not in nodes and "rogue2" not in nodes
 

@@ -39,11 +39,21 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
     try:  # the lab is closed (every process in it killed) whatever fails, set-up included
         root = tmp_path
         params = {"n_ctx": 512, "n_threads": 1}
-        models = write_models_file(root / "models.toml", [
-            {"name": "whole", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"]},
-            {"name": "split", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"],
-             "replicas": 1, "rpc_nodes": ["node-b"]},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {"name": "whole", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"]},
+                {
+                    "name": "split",
+                    "engine": "llama",
+                    "path": str(layered_gguf),
+                    "params": params,
+                    "nodes": ["head"],
+                    "replicas": 1,
+                    "rpc_nodes": ["node-b"],
+                },
+            ],
+        )
         env = clean_env()
         head, nb = lab["head"], lab["node-b"]
         up = head_up(head, root, models, TOKEN, env)
@@ -54,17 +64,47 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         procs.append(node.start())
 
         def chat(model: str, prompt: str = PROMPTS[0]) -> dict:
-            r = lab.run("head", [sys.executable, "-m", "coderai.testing.probe", "chat", "--base-url",
-                                 "http://127.0.0.1:8000/v1", "--key", key, "--model", model, "--prompt", prompt,
-                                 "--max-tokens", "12", "--temperature", "0"], env=env, timeout_s=60)
+            r = lab.run(
+                "head",
+                [
+                    sys.executable,
+                    "-m",
+                    "coderai.testing.probe",
+                    "chat",
+                    "--base-url",
+                    "http://127.0.0.1:8000/v1",
+                    "--key",
+                    key,
+                    "--model",
+                    model,
+                    "--prompt",
+                    prompt,
+                    "--max-tokens",
+                    "12",
+                    "--temperature",
+                    "0",
+                ],
+                env=env,
+                timeout_s=60,
+            )
             assert r.returncode == 0, r.stderr[-2000:]
             return json.loads(r.stdout.strip().splitlines()[-1])
 
         def admin(path: str) -> dict:
-            r = lab.run("head", [sys.executable, "-c", (
-                "import sys, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
-                f"'http://127.0.0.1:8000{path}', headers={{'Authorization': 'Bearer {key}'}}), timeout=10); "
-                "sys.stdout.write(r.read().decode())")], env=env, timeout_s=30)
+            r = lab.run(
+                "head",
+                [
+                    sys.executable,
+                    "-c",
+                    (
+                        "import sys, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
+                        f"'http://127.0.0.1:8000{path}', headers={{'Authorization': 'Bearer {key}'}}), timeout=10); "
+                        "sys.stdout.write(r.read().decode())"
+                    ),
+                ],
+                env=env,
+                timeout_s=30,
+            )
             assert r.returncode == 0, r.stderr[-2000:]
             return json.loads(r.stdout)
 
@@ -93,8 +133,10 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         node.kill()
 
         def clear_503() -> bool:  # a 503 that says why: the engine that took the job answers it with its error (the
-            r = chat("split")   # router, asked again, names a failed engine by fault reference only)
-            return r["status"] == 503 and ("unreachable" in r["body"] and "node-b" in r["body"] or "fault " in r["body"])
+            r = chat("split")  # router, asked again, names a failed engine by fault reference only)
+            return r["status"] == 503 and (
+                "unreachable" in r["body"] and "node-b" in r["body"] or "fault " in r["body"]
+            )
 
         wait_until(clear_503, 10, "the split model to answer a clear 503 once node-b is gone")
         wait_until(lambda: chat("split")["status"] == 200, 90, "the split model to be re-placed on the head alone")
@@ -102,8 +144,11 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         assert again["content"] == chat("whole", PROMPTS[1])["content"]
         assert admin("/admin/splits")["data"] == []
 
-        procs.append(node_up(nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052",
-                             "--families", "llama").start())  # node-b is back: the pinned split comes back too
+        procs.append(
+            node_up(
+                nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama"
+            ).start()
+        )  # node-b is back: the pinned split comes back too
 
         def split_again() -> bool:  # a second split loaded (the log says so), and it answers
             return head_worker_log().count('"msg": "split split over') >= 2 and chat("split")["status"] == 200

@@ -26,8 +26,18 @@ def _without(folder) -> list[str]:
     """A command prefix that hides `folder` (an empty tmpfs over it) from what it runs; execs, so the pid stays."""
     if not shutil.which("unshare"):
         pytest.skip("needs unshare (util-linux)")
-    return ["unshare", "--mount", "--propagation", "private", "--",
-            "sh", "-c", 'mount -t tmpfs tmpfs "$1" && shift && exec "$@"', "sh", str(folder)]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        'mount -t tmpfs tmpfs "$1" && shift && exec "$@"',
+        "sh",
+        str(folder),
+    ]
 
 
 def _sha(path) -> str:
@@ -45,11 +55,26 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         pulled = root / "head" / "models" / STORE_PATH  # what `coderai models pull` leaves in the head's store
         pulled.parent.mkdir(parents=True)
         shutil.copyfile(tiny_gguf, pulled)
-        models = write_models_file(root / "models.toml", [
-            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "nodes": ["head"]},
-            {"name": "fetched", "engine": "llama", "path": str(pulled), "store_path": STORE_PATH,
-             "params": {"n_ctx": 512}, "nodes": ["node-b"]},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {
+                    "name": "head-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 512},
+                    "nodes": ["head"],
+                },
+                {
+                    "name": "fetched",
+                    "engine": "llama",
+                    "path": str(pulled),
+                    "store_path": STORE_PATH,
+                    "params": {"n_ctx": 512},
+                    "nodes": ["node-b"],
+                },
+            ],
+        )
         env = clean_env()
         head, nb = lab["head"], lab["node-b"]
         up = head_up(head, root, models, TOKEN, env)
@@ -60,8 +85,23 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         procs.append(node.start())
 
         def chat() -> dict:
-            r = lab.run("head", [sys.executable, "-m", "coderai.testing.probe", "chat", "--base-url",
-                                 "http://127.0.0.1:8000/v1", "--key", key, "--model", "fetched"], env=env, timeout_s=60)
+            r = lab.run(
+                "head",
+                [
+                    sys.executable,
+                    "-m",
+                    "coderai.testing.probe",
+                    "chat",
+                    "--base-url",
+                    "http://127.0.0.1:8000/v1",
+                    "--key",
+                    key,
+                    "--model",
+                    "fetched",
+                ],
+                env=env,
+                timeout_s=60,
+            )
             assert r.returncode == 0, r.stderr[-2000:]
             return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -72,8 +112,10 @@ def test_a_node_fetches_a_pulled_model_from_the_head_and_serves_it(tmp_path, tin
         assert fetched.is_file() and _sha(fetched) == _sha(pulled)
         assert not list(fetched.parent.glob("*.partial"))
         assert "fetched test/tiny/tiny.gguf" in node.log_text()
-        assert not (root / "head" / "logs" / "worker.log").exists() or \
-            "fetching" not in (root / "head" / "logs" / "worker.log").read_text()  # the head had it: no fetch there
+        assert (
+            not (root / "head" / "logs" / "worker.log").exists()
+            or "fetching" not in (root / "head" / "logs" / "worker.log").read_text()
+        )  # the head had it: no fetch there
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=60 if p is procs[0] else 15)

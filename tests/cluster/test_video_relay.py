@@ -32,22 +32,55 @@ class Cluster:
         self.key = ""
 
     def start_worker(self, host: str) -> ServiceProcess:
-        args = ["--cluster-token", TOKEN, "--nats-url", f"nats://{self.lab['head'].ip}:4222", "--no-mdns",
-                "--node-id", host, "--data-dir", str(self.root / host)]
-        p = ServiceProcess(f"worker-{host}", "coderai.engine_worker", args, self.env, self.root / "logs",
-                           prefix=self.lab[host].prefix()).start()
+        args = [
+            "--cluster-token",
+            TOKEN,
+            "--nats-url",
+            f"nats://{self.lab['head'].ip}:4222",
+            "--no-mdns",
+            "--node-id",
+            host,
+            "--data-dir",
+            str(self.root / host),
+        ]
+        p = ServiceProcess(
+            f"worker-{host}",
+            "coderai.engine_worker",
+            args,
+            self.env,
+            self.root / "logs",
+            prefix=self.lab[host].prefix(),
+        ).start()
         self.procs[host] = p
         return p
 
     def probe(self, *args: str) -> dict:
-        r = self.lab.run("head", [sys.executable, "-m", "coderai.testing.video_probe", *args, "--base-url",
-                                  "http://127.0.0.1:8000/v1", "--key", self.key], env=self.env, timeout_s=300)
+        r = self.lab.run(
+            "head",
+            [
+                sys.executable,
+                "-m",
+                "coderai.testing.video_probe",
+                *args,
+                "--base-url",
+                "http://127.0.0.1:8000/v1",
+                "--key",
+                self.key,
+            ],
+            env=self.env,
+            timeout_s=300,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def video(self, model: str, **body) -> dict:
-        made = self.probe("create", "--body", json.dumps({"model": model, "prompt": "a cat on a red sofa",
-                                                          "size": "64x64", "num_frames": 4, "fps": 4, **body}))
+        made = self.probe(
+            "create",
+            "--body",
+            json.dumps(
+                {"model": model, "prompt": "a cat on a red sofa", "size": "64x64", "num_frames": 4, "fps": 4, **body}
+            ),
+        )
         assert made["http_status"] == 200, made
         return made
 
@@ -69,16 +102,40 @@ def cluster(tmp_path_factory):
     with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
         root = tmp_path_factory.mktemp("relay")
         path = str(ensure_tiny_t2v())
-        models = write_models_file(root / "models.toml", [
-            {"name": "echo", "engine": "echo", "path": "builtin", "nodes": ["head"]},  # what `up` asks to call it ready
-            # the same weights three ways: whole on the head (the reference), relayed in 3 stages, and in 4 (the
-            # denoise cut in two, so a death in its second half goes on from the first half's handoff)
-            {"name": "t2v-one", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4}, "nodes": ["head"]},
-            {"name": "t2v-relay", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": True},
-             "nodes": list(WORKERS)},
-            {"name": "t2v-relay2", "engine": "video", "path": path, "params": {"threads": 1, "steps": 4, "stages": 2},
-             "nodes": list(WORKERS)},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {
+                    "name": "echo",
+                    "engine": "echo",
+                    "path": "builtin",
+                    "nodes": ["head"],
+                },  # what `up` asks to call it ready
+                # the same weights three ways: whole on the head (the reference), relayed in 3 stages, and in 4 (the
+                # denoise cut in two, so a death in its second half goes on from the first half's handoff)
+                {
+                    "name": "t2v-one",
+                    "engine": "video",
+                    "path": path,
+                    "params": {"threads": 1, "steps": 4},
+                    "nodes": ["head"],
+                },
+                {
+                    "name": "t2v-relay",
+                    "engine": "video",
+                    "path": path,
+                    "params": {"threads": 1, "steps": 4, "stages": True},
+                    "nodes": list(WORKERS),
+                },
+                {
+                    "name": "t2v-relay2",
+                    "engine": "video",
+                    "path": path,
+                    "params": {"threads": 1, "steps": 4, "stages": 2},
+                    "nodes": list(WORKERS),
+                },
+            ],
+        )
         c = Cluster(lab, root, clean_env(CODERAI_WORKER_FAMILIES="echo,video"))
         up = head_up(lab["head"], root, models, TOKEN, c.env)
         c.procs["up"] = up
@@ -118,8 +175,12 @@ def test_a_denoise_node_killed_mid_stage_is_replaced_from_the_stored_handoff(clu
     # the second half of the denoise (steps 8..16) logs each step; kill its node right after its first step,
     # with seven steps still to go
     needle = re.compile(rf"stage denoise 8\.\.16 of {job}: step 9/16 done")
-    victim = wait_until(lambda: next((w for w in WORKERS if needle.search(cluster.procs[w].log_text())), None), 240,
-                        "the second denoise stage to make a step", interval_s=0.02)
+    victim = wait_until(
+        lambda: next((w for w in WORKERS if needle.search(cluster.procs[w].log_text())), None),
+        240,
+        "the second denoise stage to make a step",
+        interval_s=0.02,
+    )
     cluster.procs[victim].kill()
     mid = cluster.probe("get", "--id", made["id"])  # the gateway waits out its idle timeout before it re-plans
     assert mid["stage"] == "denoise" and mid["node"] == victim and mid["status"] == "in_progress"

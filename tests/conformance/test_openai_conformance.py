@@ -57,8 +57,11 @@ MODEL_PATHS = ("/chat/completions", "/completions", "/embeddings", "/responses")
 EXTRA_REQUIRED = {"/responses": {"model", "input"}}
 """What coderai needs beyond OpenAI's required fields: a Response needs a model and an input here (OpenAI's may
 come from a stored prompt, which coderai does not keep; docs/api.md says so)."""
-LINE = {"method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+LINE = {
+    "method": "POST",
+    "url": "/v1/chat/completions",
+    "body": {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +71,29 @@ def stack(tmp_path_factory, tiny_gguf):
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     keys = tmp_path_factory.mktemp("conformance-keys") / "keys.toml"
-    write_keys(str(keys), [KeyRecord("conformance", hash_key(KEY), ["inference"]),
-                           KeyRecord("admin", hash_key(ADMIN), ["admin"])])  # only to see the engines come up
+    write_keys(
+        str(keys),
+        [KeyRecord("conformance", hash_key(KEY), ["inference"]), KeyRecord("admin", hash_key(ADMIN), ["admin"])],
+    )  # only to see the engines come up
     embed = shutil.copy(tiny_gguf, tmp_path_factory.mktemp("embed") / "embed.gguf")
-    models = [{"name": CHAT, "engine": "llama-server", "path": str(tiny_gguf),
-               "params": {"parallel": 2, "n_ctx": 2048, "n_threads": 2}},
-              {"name": EMBED, "engine": "llama-server", "path": str(embed), "ops": ["embed"],
-               "params": {"parallel": 1, "n_ctx": 512, "n_threads": 1}}]
-    with running_stack(tmp_path_factory.mktemp("conformance"), models, gateway_args=("--api-keys-file", str(keys)),
-                       headers=AUTH) as s:
+    models = [
+        {
+            "name": CHAT,
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "params": {"parallel": 2, "n_ctx": 2048, "n_threads": 2},
+        },
+        {
+            "name": EMBED,
+            "engine": "llama-server",
+            "path": str(embed),
+            "ops": ["embed"],
+            "params": {"parallel": 1, "n_ctx": 512, "n_threads": 1},
+        },
+    ]
+    with running_stack(
+        tmp_path_factory.mktemp("conformance"), models, gateway_args=("--api-keys-file", str(keys)), headers=AUTH
+    ) as s:
         s.wait_engines_ready([CHAT, EMBED], headers={"Authorization": f"Bearer {ADMIN}"}, timeout_s=300)
         yield s
 
@@ -90,12 +107,16 @@ class Objects:
         self.file_id = self.new_file()
         self.batch_file_id = self.new_file(purpose="batch", lines=1)
         many = self.new_file(purpose="batch", lines=64)
-        batch = self.post("/batches", {"input_file_id": many, "endpoint": "/v1/chat/completions",
-                                       "completion_window": "24h"})
+        batch = self.post(
+            "/batches", {"input_file_id": many, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        )
         self.batch_id = self.post(f"/batches/{batch['id']}/cancel", None)["id"]  # cancellable again: a 200 each time
         self.response_id = self.new_response(background=True)
-        wait_until(lambda: self.http.get(f"/responses/{self.response_id}").json()["status"] not in
-                   ("queued", "in_progress"), 120, "the background response to end")
+        wait_until(
+            lambda: self.http.get(f"/responses/{self.response_id}").json()["status"] not in ("queued", "in_progress"),
+            120,
+            "the background response to end",
+        )
 
     def post(self, path: str, body: Any) -> dict[str, Any]:
         r = self.http.post(path, json=body)
@@ -109,8 +130,10 @@ class Objects:
         return r.json()["id"]
 
     def new_response(self, background: bool = False) -> str:
-        return self.post("/responses", {"model": CHAT, "input": "hi", "max_output_tokens": 4, "store": True,
-                                        "background": background})["id"]
+        return self.post(
+            "/responses",
+            {"model": CHAT, "input": "hi", "max_output_tokens": 4, "store": True, "background": background},
+        )["id"]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +163,13 @@ def openai_error(ctx, response, case) -> bool | None:
     except ValueError:
         raise AssertionError(f"a {response.status_code} that is not JSON: {response.content[:200]!r}") from None
     err = body.get("error") if isinstance(body, dict) else None
-    ok = (isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
-          and "param" in err and "code" in err)
+    ok = (
+        isinstance(err, dict)
+        and isinstance(err.get("message"), str)
+        and isinstance(err.get("type"), str)
+        and "param" in err
+        and "code" in err
+    )
     assert ok, f"a {response.status_code} that is not OpenAI's error JSON: {body}"
     return True
 
@@ -218,27 +246,51 @@ def test_claimed_operation_conforms(stack, objects, document, schema, method, pa
         response = case.call(base_url=base_url, headers=AUTH, timeout=120)
         statuses[response.status_code] += 1
         try:
-            case.validate_response(response, checks=[not_a_server_error, response_schema_conformance,
-                                                     openai_error])
+            case.validate_response(response, checks=[not_a_server_error, response_schema_conformance, openai_error])
         except (Exception, FailureGroup) as exc:  # noqa: BLE001 - every failure is reported at the end, none shrunk
-            failures.append(f"-> {response.status_code}: {exc}"[:2500] + f"\n  from: {case.as_curl_command(headers=AUTH)}"[:1000])
+            failures.append(
+                f"-> {response.status_code}: {exc}"[:2500] + f"\n  from: {case.as_curl_command(headers=AUTH)}"[:1000]
+            )
             with open(artifacts / "failures.jsonl", "a") as out:  # whole, for the one who reads the failure
-                out.write(json.dumps({"path": case.formatted_path, "query": case.query, "body": case.body,
-                                      "status": response.status_code, "answer": response.content.decode("utf-8", "replace"),
-                                      "failure": str(exc)}, default=repr) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "path": case.formatted_path,
+                            "query": case.query,
+                            "body": case.body,
+                            "status": response.status_code,
+                            "answer": response.content.decode("utf-8", "replace"),
+                            "failure": str(exc),
+                        },
+                        default=repr,
+                    )
+                    + "\n"
+                )
         if response.status_code >= 400 and len(refusals) < 6:
-            refusals.append(f"{case.body if isinstance(case.body, dict) else ''}"[:600]
-                            + f"\n  -> {response.status_code} {response.content[:300]!r}")
+            refusals.append(
+                f"{case.body if isinstance(case.body, dict) else ''}"[:600]
+                + f"\n  -> {response.status_code} {response.content[:300]!r}"
+            )
 
     for mode, count in ((GenerationMode.POSITIVE, EXAMPLES), (GenerationMode.NEGATIVE, max(EXAMPLES // 2, 1))):
-        @settings(max_examples=count, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=count,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=mode), seed=st.integers(0, 2**32))
         def examples(case, seed):
             run(case, seed)
 
         examples()
-    assert not failures, (f"{len(failures)} of {sum(statuses.values())} answers failed (all of them in "
-                          f"{artifacts / 'failures.jsonl'}):\n\n" + "\n\n".join(failures[:8]))
-    assert any(200 <= s < 300 for s in statuses), (f"no generated request got a 2xx: {dict(statuses)}\n\n"
-                                                   + "\n\n".join(refusals))
+    assert not failures, (
+        f"{len(failures)} of {sum(statuses.values())} answers failed (all of them in "
+        f"{artifacts / 'failures.jsonl'}):\n\n" + "\n\n".join(failures[:8])
+    )
+    assert any(200 <= s < 300 for s in statuses), f"no generated request got a 2xx: {dict(statuses)}\n\n" + "\n\n".join(
+        refusals
+    )

@@ -24,7 +24,7 @@ def _target(name: str) -> str | None:
     if name == PACKAGE:
         return "__init__"
     if name.startswith(PACKAGE + "."):
-        return name[len(PACKAGE) + 1:].split(".", 1)[0]
+        return name[len(PACKAGE) + 1 :].split(".", 1)[0]
     return None
 
 
@@ -69,7 +69,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := dfs(n)):
                 return found
         path.pop()

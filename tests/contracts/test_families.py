@@ -47,15 +47,17 @@ def test_only_families_that_start_a_program_take_params_that_choose_it():
 
 def _import_with(plugins: str, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "CODERAI_FAMILIES": plugins, "PYTHONPATH": str(tmp_path)}
-    return subprocess.run([sys.executable, "-c", "import coderai.contracts"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", "import coderai.contracts"], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_module_that_declares_no_family_or_an_existing_one_is_refused_by_name(tmp_path):
     (tmp_path / "nothing_here.py").write_text("X = 1\n")
     (tmp_path / "again_llama.py").write_text(
         "from coderai.contracts.families import FamilySpec\n"
-        "FAMILY = FamilySpec('llama', 'again_llama:E', '', ('chat',), params={})\n")
+        "FAMILY = FamilySpec('llama', 'again_llama:E', '', ('chat',), params={})\n"
+    )
     missing = _import_with("nothing_here", tmp_path)
     assert missing.returncode != 0 and "nothing_here (named in CODERAI_FAMILIES) declares no FAMILY" in missing.stderr
     taken = _import_with("again_llama", tmp_path)

@@ -7,8 +7,21 @@ from coderai.contracts.nodes import Heartbeat
 from coderai.contracts.subjects import ENGINE_CHAT, HEARTBEAT, ROUTE_PICK, check_token
 
 NAMES = [
-    "llama3", "qwen2.5:7b-instruct", "org/model-name", "a_b", "a b", "ünïcödé-模型", "x.y.z", "*", ">", "-",
-    "%41", "_41", "tab\tname", "emoji-🙂", "A" * 200,
+    "llama3",
+    "qwen2.5:7b-instruct",
+    "org/model-name",
+    "a_b",
+    "a b",
+    "ünïcödé-模型",
+    "x.y.z",
+    "*",
+    ">",
+    "-",
+    "%41",
+    "_41",
+    "tab\tname",
+    "emoji-🙂",
+    "A" * 200,
 ]
 
 

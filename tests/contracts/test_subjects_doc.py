@@ -57,16 +57,18 @@ def test_every_subject_is_documented(name):
     assert ops, f"{name} ({pattern}) is not in docs/subjects.md"
     rows = generic_op_rows()
     assert rows, f"{name} ({pattern}) is not in docs/subjects.md, and no row names `{GENERIC_OP}`"
-    assert any(f"`{ops[0]}`" in row for row in rows), \
+    assert any(f"`{ops[0]}`" in row for row in rows), (
         f"{name}: the `{GENERIC_OP}` row of docs/subjects.md does not name op `{ops[0]}`"
+    )
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_every_engine_op_is_documented(op):
     """Each op of `OPS` has its subject written out, or is named on the generic `<op>` row."""
     literal = doc_pattern(OPS[op].subject)
-    assert f"`{literal}`" in DOC or any(f"`{op}`" in row for row in generic_op_rows()), \
+    assert f"`{literal}`" in DOC or any(f"`{op}`" in row for row in generic_op_rows()), (
         f"op {op!r}: neither `{literal}` nor the `{GENERIC_OP}` row names it in docs/subjects.md"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -25,7 +25,7 @@ def _is_coderai(svc: dict, env: dict[str, str]) -> bool:
 
 
 def _kind(svc: dict) -> str:
-    """"gateway", "worker", ... for `coderai <service>`; "init" and "nats" for the helpers."""
+    """ "gateway", "worker", ... for `coderai <service>`; "init" and "nats" for the helpers."""
     cmd = svc["command"]
     names = {"coderai": cmd[1] if len(cmd) > 1 else "", "coderai-init": "init", "nats-server": "nats"}
     return names.get(cmd[0], cmd[0])
@@ -133,8 +133,9 @@ def test_env_example_documents_exactly_what_the_files_use(env_example, helpers, 
             assert commented, f"undocumented: {line}"
     for name in FILES:
         text = (COMPOSE / name).read_text()
-        assert text.count("${CODERAI_CLUSTER_TOKEN") == text.count("${CODERAI_CLUSTER_TOKEN:?"), \
+        assert text.count("${CODERAI_CLUSTER_TOKEN") == text.count("${CODERAI_CLUSTER_TOKEN:?"), (
             f"{name}: the token must be required (`:?`), never silently empty"
+        )
 
 
 def test_ports_match_the_settings(head, head_init, compose_env, envdoc):

@@ -33,8 +33,9 @@ def test_variables_are_the_names_load_settings_reads(envdoc):
     for svc in envdoc.SERVICES:
         cls = envdoc.settings_class(svc)
         for var in sorted(envdoc.variables(svc) - set(envdoc.OTHER_VARIABLES)):
-            field = next(f for f in cls.__struct_fields__
-                         if var in (envdoc.prefix(svc) + f.upper(), "CODERAI_" + f.upper()))
+            field = next(
+                f for f in cls.__struct_fields__ if var in (envdoc.prefix(svc) + f.upper(), "CODERAI_" + f.upper())
+            )
             kind = {f.name: f.type for f in msgspec.structs.fields(cls)}[field]
             value = {str: "x", int: "7", float: "7.5", bool: "true"}.get(kind)
             if value is None:
@@ -66,8 +67,14 @@ def test_check_mode(tmp_path, capsys, envdoc):
 
 def test_the_script_checks_docs_env_md_from_any_directory(tmp_path):
     """As developers and CI run it: `python scripts/envdoc.py --check`, wherever they stand."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "envdoc.py"), "--check"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "envdoc.py"), "--check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, r.stderr
 
 

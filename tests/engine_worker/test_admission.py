@@ -13,8 +13,12 @@ from coderai.engine_worker.host import DEFAULT_QUEUE_TIME_S, EngineHost
 
 
 def _host(queue_time_s: float = 0.0, slots: int = 2, queue_limit: int = 0) -> EngineHost:
-    h = EngineHost(None, "n", ModelConfig(name="m", engine="echo", path="-", queue_time_s=queue_time_s),  # type: ignore[arg-type]
-                   keepalive_s=1.0)
+    h = EngineHost(
+        None,
+        "n",
+        ModelConfig(name="m", engine="echo", path="-", queue_time_s=queue_time_s),  # type: ignore[arg-type]
+        keepalive_s=1.0,
+    )
     h.engine = SimpleNamespace(max_concurrency=slots, queue_limit=queue_limit)  # type: ignore[assignment]
     return h
 

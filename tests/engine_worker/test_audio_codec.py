@@ -33,7 +33,7 @@ def av_probe(data: bytes) -> tuple[str, int, float]:
 
 def streamed(fmt: str, pcm: np.ndarray, piece: int = 5000) -> tuple[list[bytes], audio.Encoder]:
     enc = audio.encoder(fmt, RATE)
-    parts = [enc.write(pcm[i:i + piece]) for i in range(0, len(pcm), piece)]
+    parts = [enc.write(pcm[i : i + piece]) for i in range(0, len(pcm), piece)]
     return parts + [enc.finish()], enc
 
 

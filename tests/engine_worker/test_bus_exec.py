@@ -7,8 +7,12 @@ from coderai.contracts import ModelConfig
 from coderai.engine_worker.service import Worker
 from coderai.engine_worker.settings import WorkerSettings
 
-RISKY = {"python": "/tmp/evil/bin/python", "env": {"LD_PRELOAD": "/tmp/evil.so"}, "extra_args": ["--log-file", "/etc/x"],
-         "n_ctx": 512}
+RISKY = {
+    "python": "/tmp/evil/bin/python",
+    "env": {"LD_PRELOAD": "/tmp/evil.so"},
+    "extra_args": ["--log-file", "/etc/x"],
+    "n_ctx": 512,
+}
 
 
 def model() -> ModelConfig:

@@ -27,6 +27,7 @@ def fake_command(port: int) -> tuple[list[str], dict[str, str]]:
 def script(code: str):
     def command(port: int) -> tuple[list[str], dict[str, str]]:
         return [sys.executable, "-c", code], dict(os.environ)
+
     return command
 
 
@@ -61,8 +62,9 @@ def test_a_started_child_is_healthy_logs_and_stops_with_its_group(closing):
 
 
 def test_a_child_that_exits_fails_its_start_with_its_log_tail(closing):
-    child = ChildServer(script("print('no model here', flush=True); raise SystemExit(3)"), label="fake",
-                        serving="/models/m.gguf")
+    child = ChildServer(
+        script("print('no model here', flush=True); raise SystemExit(3)"), label="fake", serving="/models/m.gguf"
+    )
     closing(child)
     with pytest.raises(EngineLoadError) as err:
         child.start()
@@ -103,8 +105,13 @@ def test_a_crashed_child_is_restarted_and_close_stops_the_watch(closing):
     closing(child)
     child.start()
     alive, exits, restarted = threading.Event(), [], threading.Event()
-    child.supervise(on_alive=lambda probe: alive.set(), on_exit=exits.append, on_restart=restarted.set,
-                    poll_s=0.05, backoff_s=(0.05,))
+    child.supervise(
+        on_alive=lambda probe: alive.set(),
+        on_exit=exits.append,
+        on_restart=restarted.set,
+        poll_s=0.05,
+        backoff_s=(0.05,),
+    )
     assert alive.wait(30), "the watch never saw the child alive"
     first = child.proc.pid
     os.kill(first, signal.SIGKILL)

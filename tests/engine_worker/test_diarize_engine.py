@@ -53,8 +53,12 @@ def correct_share(truth: list[tuple[float, float, str]], result) -> float:
     best = 0.0
     for perm in permutations(labels + [None] * len(voices), len(voices)):
         named = dict(zip(voices, perm))
-        hit = sum(max(0.0, min(e, t.end) - max(s, t.start))
-                  for s, e, v in truth for t in result.segments if t.speaker == named[v])
+        hit = sum(
+            max(0.0, min(e, t.end) - max(s, t.start))
+            for s, e, v in truth
+            for t in result.segments
+            if t.speaker == named[v]
+        )
         best = max(best, hit / total)
     return best
 

@@ -32,8 +32,14 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def images():
-    e = engine_class("diffusers")(ModelConfig(name="sd", engine="diffusers", path=str(ensure_tiny_sd()),
-                                              params={"threads": 1, "steps": 2, "max_pixels": 128 * 128}))
+    e = engine_class("diffusers")(
+        ModelConfig(
+            name="sd",
+            engine="diffusers",
+            path=str(ensure_tiny_sd()),
+            params={"threads": 1, "steps": 2, "max_pixels": 128 * 128},
+        )
+    )
     e.load()
     yield e
     e.close()
@@ -41,8 +47,9 @@ def images():
 
 @pytest.fixture(scope="module")
 def videos():
-    e = engine_class("video")(ModelConfig(name="t2v", engine="video", path=str(ensure_tiny_t2v()),
-                                          params={"threads": 1, "steps": 2}))
+    e = engine_class("video")(
+        ModelConfig(name="t2v", engine="video", path=str(ensure_tiny_t2v()), params={"threads": 1, "steps": 2})
+    )
     e.load()
     yield e
     e.close()
@@ -121,8 +128,9 @@ def test_inpaint_edit_keeps_the_input_size(images):
     buf = io.BytesIO()
     mask.save(buf, format="PNG")
     progress = Progress()
-    result, _ = images.image(edit(png(), mask=Blob(data=buf.getvalue()), seed=3, strength=0.5, steps=4),
-                             CancelFlag(), progress)
+    result, _ = images.image(
+        edit(png(), mask=Blob(data=buf.getvalue()), seed=3, strength=0.5, steps=4), CancelFlag(), progress
+    )
     assert decode(result.images[0]).size == (96, 72)
     assert progress.values[-1] == 1.0 and len(progress.values) == 2  # strength 0.5 of 4 steps
 
@@ -146,18 +154,21 @@ def test_transparent_mask_is_accepted(images):
     assert decode(result.images[0]).size == (96, 72)
 
 
-@pytest.mark.parametrize(("kw", "param"), [
-    ({"image": Blob(data=b"definitely not a picture")}, "image"),
-    ({"image": Blob(data=png()), "mask": Blob(data=b"\x89PNG broken")}, "mask"),
-    ({"mask": Blob(data=png())}, "mask"),
-    ({"width": 65}, "size"),
-    ({"height": 56}, "size"),
-    ({"width": 256, "height": 256}, "size"),  # over max_pixels
-    ({"n": 0}, "n"),
-    ({"steps": 0}, "steps"),
-    ({"seed": -1}, "seed"),
-    ({"image": Blob(data=png()), "strength": 1.5}, "strength"),
-])
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"image": Blob(data=b"definitely not a picture")}, "image"),
+        ({"image": Blob(data=png()), "mask": Blob(data=b"\x89PNG broken")}, "mask"),
+        ({"mask": Blob(data=png())}, "mask"),
+        ({"width": 65}, "size"),
+        ({"height": 56}, "size"),
+        ({"width": 256, "height": 256}, "size"),  # over max_pixels
+        ({"n": 0}, "n"),
+        ({"steps": 0}, "steps"),
+        ({"seed": -1}, "seed"),
+        ({"image": Blob(data=png()), "strength": 1.5}, "strength"),
+    ],
+)
 def test_bad_input_names_the_field(images, kw, param):
     with pytest.raises(BadInput) as err:
         images.image(job(**kw), CancelFlag(), None)
@@ -200,8 +211,17 @@ def test_missing_model_folder_fails_to_load(tmp_path):
 
 def test_video_is_an_mp4_with_the_asked_frames_and_progress(videos):
     progress = Progress()
-    vjob = VideoJob(request_id="r", model="t2v", prompt="waves on a beach", num_frames=5, width=80, height=64,
-                    fps=6, seed=9, steps=3)
+    vjob = VideoJob(
+        request_id="r",
+        model="t2v",
+        prompt="waves on a beach",
+        num_frames=5,
+        width=80,
+        height=64,
+        fps=6,
+        seed=9,
+        steps=3,
+    )
     result, usage = videos.video(vjob, CancelFlag(), progress)
     assert result.video.content_type == "video/mp4" and result.video.data[4:8] == b"ftyp"
     assert (result.frames, result.width, result.height, result.fps, result.seed) == (5, 80, 64, 6, 9)
@@ -222,11 +242,17 @@ def test_video_cancel_between_steps_returns_no_video(videos):
     assert result.video.data == b"" and result.frames == 0 and caller.values == [pytest.approx(1 / 3)]
 
 
-@pytest.mark.parametrize(("kw", "param"), [
-    ({"width": 100}, "size"), ({"num_frames": 0}, "num_frames"), ({"fps": 0}, "fps"),
-])
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"width": 100}, "size"),
+        ({"num_frames": 0}, "num_frames"),
+        ({"fps": 0}, "fps"),
+    ],
+)
 def test_video_bad_input_names_the_field(videos, kw, param):
     with pytest.raises(BadInput) as err:
-        videos.video(VideoJob(request_id="r", model="t2v", prompt="x", **{"width": 64, "height": 64, **kw}),
-                     CancelFlag(), None)
+        videos.video(
+            VideoJob(request_id="r", model="t2v", prompt="x", **{"width": 64, "height": 64, **kw}), CancelFlag(), None
+        )
     assert err.value.param == param

@@ -21,8 +21,13 @@ def _engine(**params) -> EchoEngine:
 
 
 def _chat(max_tokens=None, n=1, stream=False) -> ChatJob:
-    return ChatJob(request_id="r", model="echo", messages=[{"role": "user", "content": "two words"}],
-                   params=SamplingParams(max_tokens=max_tokens, n=n), stream=stream)
+    return ChatJob(
+        request_id="r",
+        model="echo",
+        messages=[{"role": "user", "content": "two words"}],
+        params=SamplingParams(max_tokens=max_tokens, n=n),
+        stream=stream,
+    )
 
 
 def test_chat_without_max_tokens_is_the_reply_once():
@@ -42,10 +47,17 @@ def test_chat_max_tokens_repeats_words_and_n_choices():
 
 def test_chat_streams_role_then_one_delta_per_token_then_finish():
     frames = []
-    choices, usage = _engine(reply="x y").chat(_chat(max_tokens=3, stream=True), CancelFlag(), lambda *f: frames.append(f))
+    choices, usage = _engine(reply="x y").chat(
+        _chat(max_tokens=3, stream=True), CancelFlag(), lambda *f: frames.append(f)
+    )
     assert choices == []
-    assert frames == [({"role": "assistant"}, None, None), ({"content": "x"}, None, None),
-                      ({"content": " y"}, None, None), ({"content": " x"}, None, None), (None, None, "length")]
+    assert frames == [
+        ({"role": "assistant"}, None, None),
+        ({"content": "x"}, None, None),
+        ({"content": " y"}, None, None),
+        ({"content": " x"}, None, None),
+        (None, None, "length"),
+    ]
     assert usage.completion_tokens == 3
 
 
@@ -67,12 +79,18 @@ def test_complete_defaults_to_16_tokens_and_echo_prepends_prompt():
     eng = _engine(reply="w")
     choices, usage = eng.complete(CompletionJob(request_id="r", model="echo", prompt="p q"), CancelFlag(), None)
     assert choices[0].text == "w" + " w" * 15 and usage.completion_tokens == 16 and usage.prompt_tokens == 2
-    choices, _ = eng.complete(CompletionJob(request_id="r", model="echo", prompt="p ", echo=True,
-                                            params=SamplingParams(max_tokens=1)), CancelFlag(), None)
+    choices, _ = eng.complete(
+        CompletionJob(request_id="r", model="echo", prompt="p ", echo=True, params=SamplingParams(max_tokens=1)),
+        CancelFlag(),
+        None,
+    )
     assert choices[0].text == "p w"
     frames = []
-    eng.complete(CompletionJob(request_id="r", model="echo", prompt="p", params=SamplingParams(max_tokens=2), stream=True),
-                 CancelFlag(), lambda *f: frames.append(f))
+    eng.complete(
+        CompletionJob(request_id="r", model="echo", prompt="p", params=SamplingParams(max_tokens=2), stream=True),
+        CancelFlag(),
+        lambda *f: frames.append(f),
+    )
     assert frames == [(None, "w", None), (None, " w", None), (None, "", "length")]
 
 
@@ -104,8 +122,15 @@ READ = {"type": "function", "function": {"name": "Read", "parameters": {"type": 
 
 
 def _turn(messages, tools=(READ,), stream=False, max_tokens=None, tool_choice=None) -> ChatJob:
-    return ChatJob(request_id="req-0123456789abcdef", model="echo", messages=messages, tools=list(tools) or None,
-                   tool_choice=tool_choice, params=SamplingParams(max_tokens=max_tokens), stream=stream)
+    return ChatJob(
+        request_id="req-0123456789abcdef",
+        model="echo",
+        messages=messages,
+        tools=list(tools) or None,
+        tool_choice=tool_choice,
+        params=SamplingParams(max_tokens=max_tokens),
+        stream=stream,
+    )
 
 
 def test_a_scripted_engine_calls_the_first_offered_tool_it_names():
@@ -121,10 +146,15 @@ def test_a_scripted_engine_calls_the_first_offered_tool_it_names():
 
 def test_a_scripted_engine_answers_a_tool_result_with_its_text_and_stops_before_max_tokens():
     eng = _engine(reply="Done:", tool_calls=SCRIPT)
-    msgs = [{"role": "user", "content": "read it"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                                  "function": {"name": "Read", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "secret 42"}]}]
+    msgs = [
+        {"role": "user", "content": "read it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "Read", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "secret 42"}]},
+    ]
     choices, usage = eng.chat(_turn(msgs, max_tokens=32000), CancelFlag(), None)
     assert choices[0].message["content"] == "Done: secret 42" and choices[0].finish_reason == "stop"
     choices, _ = eng.chat(_turn(msgs, max_tokens=2), CancelFlag(), None)
@@ -133,8 +163,10 @@ def test_a_scripted_engine_answers_a_tool_result_with_its_text_and_stops_before_
 
 def test_a_scripted_engine_without_its_tools_offered_just_replies():
     eng = _engine(reply="plain answer", tool_calls=SCRIPT)
-    for job in (_turn([{"role": "user", "content": "hi"}], tools=()),
-                _turn([{"role": "user", "content": "hi"}], tool_choice="none")):
+    for job in (
+        _turn([{"role": "user", "content": "hi"}], tools=()),
+        _turn([{"role": "user", "content": "hi"}], tool_choice="none"),
+    ):
         choices, _ = eng.chat(job, CancelFlag(), None)
         assert choices[0].message == {"role": "assistant", "content": "plain answer"}
 
@@ -142,11 +174,17 @@ def test_a_scripted_engine_without_its_tools_offered_just_replies():
 def test_a_reminder_beside_a_tool_result_does_not_begin_a_new_turn():
     eng = _engine(reply="Done:", tool_calls=SCRIPT)
     call = {"id": "c", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
-    msgs = [{"role": "user", "content": "read it"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c", "content": "secret 42"},
-            {"role": "user", "content": "<system-reminder>be brief</system-reminder>"}]
+    msgs = [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "secret 42"},
+        {"role": "user", "content": "<system-reminder>be brief</system-reminder>"},
+    ]
     choices, _ = eng.chat(_turn(msgs), CancelFlag(), None)
     assert choices[0].message["content"] == "Done: secret 42"
-    choices, _ = eng.chat(_turn(msgs + [{"role": "assistant", "content": "Done: secret 42"},
-                                        {"role": "user", "content": "again"}]), CancelFlag(), None)
+    choices, _ = eng.chat(
+        _turn(msgs + [{"role": "assistant", "content": "Done: secret 42"}, {"role": "user", "content": "again"}]),
+        CancelFlag(),
+        None,
+    )
     assert choices[0].finish_reason == "tool_calls"

@@ -132,8 +132,12 @@ def test_cancelled_job_does_no_work(engine):
 
 
 def test_rerank_puts_the_relevant_document_first(engine):
-    docs = ["Stock markets fell sharply on Monday.", "Cats sleep for about fifteen hours a day.",
-            "The weather in Paris is mild in spring.", "A recipe for tomato soup."]
+    docs = [
+        "Stock markets fell sharply on Monday.",
+        "Cats sleep for about fifteen hours a day.",
+        "The weather in Paris is mild in spring.",
+        "A recipe for tomato soup.",
+    ]
     res, usage = rerank(engine, "How long do cats sleep?", docs)
     assert len(res.scores) == 4
     assert max(range(4), key=lambda i: res.scores[i]) == 1
@@ -162,7 +166,8 @@ def test_cross_encoder_folder_is_detected_and_scores_pairs(cross_encoder_dir):
         docs = ["cats sleep a lot", "stock news", "tomato soup"]
         res, usage = rerank(e, "how do cats sleep", docs)
         direct = CrossEncoder(str(cross_encoder_dir), device="cpu", local_files_only=True).predict(
-            [("how do cats sleep", d) for d in docs])
+            [("how do cats sleep", d) for d in docs]
+        )
         assert res.scores == pytest.approx([float(s) for s in direct], abs=1e-5)
         assert usage.prompt_tokens > 0
         with pytest.raises(BadInput, match="cannot embed") as err:

@@ -8,8 +8,12 @@ import pytest
 from coderai.contracts import ModelConfig
 from coderai.engine_worker.engines import available_families, resolve
 
-CFG = ModelConfig(name="m", engine="llama-server", path="/m.gguf",
-                  params={"parallel": 8, "n_ctx": 4096, "cache_ram_mb": 64, "queue": 3, "n_threads": 2})
+CFG = ModelConfig(
+    name="m",
+    engine="llama-server",
+    path="/m.gguf",
+    params={"parallel": 8, "n_ctx": 4096, "cache_ram_mb": 64, "queue": 3, "n_threads": 2},
+)
 
 
 def test_without_the_binary_the_in_process_engine_serves_it(monkeypatch, tmp_path):

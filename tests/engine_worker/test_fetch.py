@@ -29,10 +29,10 @@ class Head:
         if req.path != "org/repo/m.gguf":
             raise BusError("not_found", f"no file {req.path!r}")
         self.asked.append((req.offset, req.length))
-        data = self.data[req.offset:req.offset + req.length]
+        data = self.data[req.offset : req.offset + req.length]
         if self.corrupt_at is not None and req.offset <= self.corrupt_at < req.offset + len(data):
             i = self.corrupt_at - req.offset
-            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
         return StoreChunk(data=data, size=len(self.data), sha256=self.sha)
 
 
@@ -119,7 +119,9 @@ async def test_ensure_local_only_fetches_what_is_missing(tmp_path):
 async def test_two_engines_of_one_model_fetch_it_once(tmp_path):
     head = Head()
     away = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/repo/m.gguf")
-    a, b = await asyncio.gather(ensure_local(away, head, tmp_path / "models"), ensure_local(away, head, tmp_path / "models"))
+    a, b = await asyncio.gather(
+        ensure_local(away, head, tmp_path / "models"), ensure_local(away, head, tmp_path / "models")
+    )
     assert a.path == b.path and Path(a.path).read_bytes() == DATA
     assert [n for _, n in head.asked if n] == [CHUNK_BYTES]  # the bytes once; the second only asked for the size
 

@@ -62,8 +62,11 @@ def store(tmp_path):
 
 
 def _same(local, files=FILES, base="en") -> bool:
-    got = {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*")
-           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(local).parts)}
+    got = {
+        p.relative_to(local).as_posix(): p.read_bytes()
+        for p in local.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(local).parts)
+    }
     return got == {k.removeprefix(base + "/"): v for k, v in files.items() if k.startswith(base + "/")}
 
 
@@ -115,10 +118,15 @@ async def test_a_corrupted_file_fails_the_folder_and_only_it_is_fetched_again(st
 
 async def test_a_listing_that_leaves_the_folder_is_refused(tmp_path):
     for bad in ("../../../escape", "/etc/passwd", ".hidden", "a/../../b", "a\\b"):
+
         async def evil(req, timeout, bad=bad):
             if isinstance(req, StoreList):
-                return StoreListing(files=[StoreEntry(path="ok.bin", size=1, sha256="0" * 64),
-                                           StoreEntry(path=bad, size=1, sha256="0" * 64)])
+                return StoreListing(
+                    files=[
+                        StoreEntry(path="ok.bin", size=1, sha256="0" * 64),
+                        StoreEntry(path=bad, size=1, sha256="0" * 64),
+                    ]
+                )
             raise AssertionError(f"fetched {req.path} after a bad listing")
 
         with pytest.raises(FetchError, match="leaves the folder"):
@@ -134,8 +142,9 @@ async def test_ensure_local_for_a_folder_and_a_file_inside_one(store, tmp_path):
     whole = ModelConfig(name="w", engine="whisper", path="/nowhere/en", store_path="org/voices/en/")
     got = await ensure_local(whole, head, tmp_path / "node")
     assert got.path == str(tmp_path / "node" / "org" / "voices" / "en") and got.store_path == whole.store_path
-    piper = ModelConfig(name="p", engine="tts", path="/nowhere/en/v.onnx", store_path="org/voices/en/",
-                        store_file="v.onnx")
+    piper = ModelConfig(
+        name="p", engine="tts", path="/nowhere/en/v.onnx", store_path="org/voices/en/", store_file="v.onnx"
+    )
     got = await ensure_local(piper, head, tmp_path / "node2")
     assert got.path == str(tmp_path / "node2" / "org" / "voices" / "en" / "v.onnx")
     assert (tmp_path / "node2" / "org" / "voices" / "en" / "v.onnx.json").read_bytes() == FILES["en/v.onnx.json"]
@@ -145,11 +154,13 @@ async def test_ensure_local_for_a_folder_and_a_file_inside_one(store, tmp_path):
     present = msgspec.structs.replace(piper, path=str(here))
     assert await ensure_local(present, head, tmp_path / "node3") is present
     assert head.asked == []  # the path exists on this node: nothing asked
-    for cfg, why in ((msgspec.structs.replace(piper, store_file="nope.onnx"), "holds no 'nope.onnx'"),
-                     (msgspec.structs.replace(piper, store_file="../v.onnx"), "store_file"),
-                     (msgspec.structs.replace(piper, store_path="org/voices/en/v.onnx"), "needs a folder"),
-                     (msgspec.structs.replace(piper, store_path="org/nothing/"), "not_found"),
-                     (msgspec.structs.replace(piper, store_path="org/voices/en/v.onnx/"), "not a folder")):
+    for cfg, why in (
+        (msgspec.structs.replace(piper, store_file="nope.onnx"), "holds no 'nope.onnx'"),
+        (msgspec.structs.replace(piper, store_file="../v.onnx"), "store_file"),
+        (msgspec.structs.replace(piper, store_path="org/voices/en/v.onnx"), "needs a folder"),
+        (msgspec.structs.replace(piper, store_path="org/nothing/"), "not_found"),
+        (msgspec.structs.replace(piper, store_path="org/voices/en/v.onnx/"), "not a folder"),
+    ):
         with pytest.raises(FetchError, match=why):
             await ensure_local(cfg, Head(store), tmp_path / "node4")
 

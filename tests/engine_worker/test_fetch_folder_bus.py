@@ -17,6 +17,7 @@ from coderai.runtime.members import node_inbox
 from coderai.scheduler.service import Scheduler
 from coderai.scheduler.settings import SchedulerSettings
 
+
 @pytest.fixture
 def secured_nats(tmp_path):
     server = NatsServer.secured(tmp_path / "nats").start()
@@ -30,8 +31,12 @@ async def test_a_node_fetches_a_folder_from_the_schedulers_store(secured_nats, t
     whisper = head / "models" / "Systran" / "faster-whisper-tiny"
     (whisper / "sub").mkdir(parents=True)
     voice.mkdir(parents=True)
-    files = {voice / "v.onnx": os.urandom(1_300_000), voice / "v.onnx.json": b'{"audio": {}}',  # 3 chunks
-             whisper / "model.bin": os.urandom(70_000), whisper / "sub" / "tokenizer.json": b"{}"}
+    files = {
+        voice / "v.onnx": os.urandom(1_300_000),
+        voice / "v.onnx.json": b'{"audio": {}}',  # 3 chunks
+        whisper / "model.bin": os.urandom(70_000),
+        whisper / "sub" / "tokenizer.json": b"{}",
+    }
     for p, data in files.items():
         p.write_bytes(data)
     sched = Scheduler(SchedulerSettings(nats_url=secured_nats.service_url, data_dir=str(head)))
@@ -40,14 +45,26 @@ async def test_a_node_fetches_a_folder_from_the_schedulers_store(secured_nats, t
         bus = await Bus.connect(secured_nats.add_node("node-test"), "node-test", inbox_prefix=node_inbox("node-test"))
         stack.push_async_callback(bus.close)
         node = tmp_path / "node" / "models"
-        piper = ModelConfig(name="p", engine="tts", path=str(voice / "v.onnx") + ".elsewhere",
-                            store_path="rhasspy/piper-voices/en/medium/", store_file="v.onnx")
-        folder = ModelConfig(name="w", engine="whisper", path="/nowhere/whisper",
-                             store_path="Systran/faster-whisper-tiny/")
+        piper = ModelConfig(
+            name="p",
+            engine="tts",
+            path=str(voice / "v.onnx") + ".elsewhere",
+            store_path="rhasspy/piper-voices/en/medium/",
+            store_file="v.onnx",
+        )
+        folder = ModelConfig(
+            name="w", engine="whisper", path="/nowhere/whisper", store_path="Systran/faster-whisper-tiny/"
+        )
         with pytest.raises(FetchError, match="forbidden"):  # a node reads only the files of the models it is given
             await ensure_local(piper, bus_request(bus), node)
-        held = [piper, folder, *(msgspec.structs.replace(folder, name=f"w{i}", store_path=f"Systran/{p}/")
-                                 for i, p in enumerate(("out", "nothing")))]
+        held = [
+            piper,
+            folder,
+            *(
+                msgspec.structs.replace(folder, name=f"w{i}", store_path=f"Systran/{p}/")
+                for i, p in enumerate(("out", "nothing"))
+            ),
+        ]
         await sched.kv_assign.put("node-test", encode(Assignment(node_id="node-test", models=held)))
         got = await ensure_local(piper, bus_request(bus), node)
         local = node / "rhasspy" / "piper-voices" / "en" / "medium"

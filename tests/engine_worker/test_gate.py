@@ -19,8 +19,7 @@ def test_interactive_jobs_are_served_before_background_ones_each_in_arrival_orde
             order.append(name)
             gate.release()
 
-        tasks = [asyncio.create_task(job(n, p)) for n, p in
-                 (("title", 1), ("turn-1", 0), ("tags", 1), ("turn-2", 0))]
+        tasks = [asyncio.create_task(job(n, p)) for n, p in (("title", 1), ("turn-1", 0), ("tags", 1), ("turn-2", 0))]
         await wait_for(lambda: gate.waiting == 4, 5, interval_s=0.001, what="each job queued, in the order made")
         gate.release()
         await asyncio.gather(*tasks)

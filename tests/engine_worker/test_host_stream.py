@@ -39,10 +39,16 @@ async def _frames(stream, frame_type=Frame) -> list:
 
 
 async def _chat(bus: Bus, host: EngineHost, rid: str, stream: bool = True) -> list:
-    job = ChatJob(request_id=rid, model="echo", messages=[{"role": "user", "content": "hi"}], stream=stream,
-                  params=SamplingParams(max_tokens=3))
-    return await _frames(await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=10, node_id=host.node_id,
-                                               engine_id=host.engine_id))
+    job = ChatJob(
+        request_id=rid,
+        model="echo",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=stream,
+        params=SamplingParams(max_tokens=3),
+    )
+    return await _frames(
+        await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=10, node_id=host.node_id, engine_id=host.engine_id)
+    )
 
 
 async def test_a_chat_job_streams_chunks_then_its_final(bus, host):
@@ -87,13 +93,19 @@ async def test_beyond_the_queue_limit_a_job_is_told_busy(bus, host):
 
 
 def _stage_job(host: EngineHost, kind: str, rid: str) -> StageJob:
-    return StageJob(request_id=rid, job=VideoJob(request_id=rid, model="echo", prompt="a cat"), steps=2,
-                    stage=Stage(index=0, kind=kind, start=0, end=2, node=host.node_id, engine_id=host.engine_id))
+    return StageJob(
+        request_id=rid,
+        job=VideoJob(request_id=rid, model="echo", prompt="a cat"),
+        steps=2,
+        stage=Stage(index=0, kind=kind, start=0, end=2, node=host.node_id, engine_id=host.engine_id),
+    )
 
 
 async def _stage(bus: Bus, host: EngineHost, job: StageJob) -> list:
-    return await _frames(await bus.open_stream(ENGINE_STAGE, job, idle_timeout_s=10, node_id=host.node_id,
-                                               engine_id=host.engine_id), StageFrame)
+    return await _frames(
+        await bus.open_stream(ENGINE_STAGE, job, idle_timeout_s=10, node_id=host.node_id, engine_id=host.engine_id),
+        StageFrame,
+    )
 
 
 async def test_stage_jobs_are_served_and_their_failures_answered(bus, host):
@@ -101,8 +113,14 @@ async def test_stage_jobs_are_served_and_their_failures_answered(bus, host):
 
     def stage(job, inputs, flag, on_step):  # the engine's thread: one step, then the video
         on_step(0)
-        return StageOutput(tensors={}, scheduler=SchedulerState(name="ddim", steps=2, timesteps=[1.0, 0.0]), seed=0,
-                           guidance=1.0, frames=b"mp4 bytes", tokens=4)
+        return StageOutput(
+            tensors={},
+            scheduler=SchedulerState(name="ddim", steps=2, timesteps=[1.0, 0.0]),
+            seed=0,
+            guidance=1.0,
+            frames=b"mp4 bytes",
+            tokens=4,
+        )
 
     host.engine.stage = stage
     blobs = await BlobService(BlobStore(bus, create=True)).start(bus)  # the gateway's blob service
@@ -149,10 +167,15 @@ async def test_a_fanout_part_pulled_from_the_work_queue_answers_its_reply_subjec
     puller.start()
     try:
         stream, reply = await bus.expect_stream(10)
-        job = ChatJob(request_id="p1", model=name, messages=[{"role": "user", "content": "hi"}],
-                      params=SamplingParams(max_tokens=2))
-        part = WorkPart(request_id="p1", model=name, op="chat", part=0, parts=1, reply=reply,
-                        job=msgspec.Raw(encode(job)))
+        job = ChatJob(
+            request_id="p1",
+            model=name,
+            messages=[{"role": "user", "content": "hi"}],
+            params=SamplingParams(max_tokens=2),
+        )
+        part = WorkPart(
+            request_id="p1", model=name, op="chat", part=0, parts=1, reply=reply, job=msgspec.Raw(encode(job))
+        )
         await bus.js.publish(WORK_PART(model_key=model_key(name), op="chat"), encode(part))
         frames = await _frames(stream)
         assert isinstance(frames[-1], Final) and frames[-1].engine_id == h.engine_id

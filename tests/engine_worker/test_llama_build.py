@@ -14,6 +14,8 @@ def test_llama_cpp_is_built_portable_unless_a_native_build_passed_its_smoke_run(
     info = llama_cpp.llama_print_system_info().decode()
     assert "AVX2 = 1" in info and "FMA = 1" in info, info
     venv = Path(sys.prefix)
-    smoked = (venv / ".llama-smoke").exists() and (venv / ".llama-smoke").read_text() == (venv / ".llama-build").read_text()
+    smoked = (venv / ".llama-smoke").exists() and (venv / ".llama-smoke").read_text() == (
+        venv / ".llama-build"
+    ).read_text()
     if not smoked:
         assert "AVX512" not in info, f"a native llama.cpp build without a passed smoke run: {info}"

@@ -21,8 +21,11 @@ TEXTS = ["def main():", "import os, sys", "class Foo(Bar):"]
 
 
 def make(path, ops=(), **params):
-    e = engine_class("llama")(ModelConfig(name="e", engine="llama", path=str(path), ops=list(ops),
-                                          params={"n_ctx": 256, "n_threads": 2, **params}))
+    e = engine_class("llama")(
+        ModelConfig(
+            name="e", engine="llama", path=str(path), ops=list(ops), params={"n_ctx": 256, "n_threads": 2, **params}
+        )
+    )
     e.load()
     return e
 
@@ -79,9 +82,15 @@ def test_dimensions_truncate_and_renormalise(engine):
     assert np.allclose(short, full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True), atol=1e-5)
 
 
-@pytest.mark.parametrize(("texts", "dimensions", "param"), [
-    (TEXTS, 0, "dimensions"), (TEXTS, DIM + 1, "dimensions"), (["ok", ""], None, "input"), ([], None, "input"),
-])
+@pytest.mark.parametrize(
+    ("texts", "dimensions", "param"),
+    [
+        (TEXTS, 0, "dimensions"),
+        (TEXTS, DIM + 1, "dimensions"),
+        (["ok", ""], None, "input"),
+        ([], None, "input"),
+    ],
+)
 def test_bad_input(engine, texts, dimensions, param):
     with pytest.raises(BadInput) as err:
         embed(engine, texts, dimensions)

@@ -16,8 +16,13 @@ SYSTEM = " ".join(f"alpha{j}" for j in range(60)) + " the discount code is ZEBRA
 
 
 def _job(scope: str, question: str) -> ChatJob:
-    return ChatJob(request_id="r", model="t", cache_scope=scope, params=SamplingParams(max_tokens=1, temperature=0.0),
-                   messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    return ChatJob(
+        request_id="r",
+        model="t",
+        cache_scope=scope,
+        params=SamplingParams(max_tokens=1, temperature=0.0),
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    )
 
 
 def _reused(engine, job: ChatJob) -> int:

@@ -30,10 +30,29 @@ def test_the_prompt_cache_is_a_share_of_the_node_memory_within_bounds():
 
 
 def test_named_params_and_the_rest_as_flags():
-    args = server_args(_cfg(parallel=8, n_ctx=4096, n_gpu_layers=10, n_threads=2, mmproj="~/p.gguf", flash_attn=True,
-                            top_k=5, no_mmap=False, extra_args=["--verbose"], env={"A": "1"}, queue=2), 1)
+    args = server_args(
+        _cfg(
+            parallel=8,
+            n_ctx=4096,
+            n_gpu_layers=10,
+            n_threads=2,
+            mmproj="~/p.gguf",
+            flash_attn=True,
+            top_k=5,
+            no_mmap=False,
+            extra_args=["--verbose"],
+            env={"A": "1"},
+            queue=2,
+        ),
+        1,
+    )
     flag = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
-    assert (flag["--parallel"], flag["--ctx-size"], flag["--n-gpu-layers"], flag["--threads"]) == ("8", "32768", "10", "2")
+    assert (flag["--parallel"], flag["--ctx-size"], flag["--n-gpu-layers"], flag["--threads"]) == (
+        "8",
+        "32768",
+        "10",
+        "2",
+    )
     assert flag["--mmproj"].endswith("/p.gguf") and not flag["--mmproj"].startswith("~")
     assert "--flash-attn" in args and flag["--top-k"] == "5" and "--no-mmap" not in args
     assert args[-1] == "--verbose" and "--env" not in args and "--queue" not in args
@@ -54,12 +73,20 @@ def test_slot_load_reads_running_and_deferred_requests():
 def test_the_backend_and_offloaded_layers_come_from_the_start_log():
     from coderai.engine_worker.engines.llama_server import offload_of
 
-    cuda = ("ggml_cuda_init: found 1 CUDA devices:\n  Device 0: NVIDIA H200, compute capability 9.0, VMM: yes\n"
-            "llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) - 139812 MiB free\n"
-            "load_tensors: offloading 18 repeating layers to GPU\nload_tensors: offloaded 19/19 layers to GPU\n")
+    cuda = (
+        "ggml_cuda_init: found 1 CUDA devices:\n  Device 0: NVIDIA H200, compute capability 9.0, VMM: yes\n"
+        "llama_model_load_from_file_impl: using device CUDA0 (NVIDIA H200) - 139812 MiB free\n"
+        "load_tensors: offloading 18 repeating layers to GPU\nload_tensors: offloaded 19/19 layers to GPU\n"
+    )
     assert offload_of(cuda) == ("cuda", 19)
-    assert offload_of("load_tensors: offloaded 19/19 layers to GPU\nggml_vulkan_init: found 1 Vulkan devices") == ("vulkan", 19)
-    assert offload_of("srv load_model: loading model\nload_tensors: CPU_Mapped model buffer size = 1.2 MiB\n") == ("cpu", 0)
+    assert offload_of("load_tensors: offloaded 19/19 layers to GPU\nggml_vulkan_init: found 1 Vulkan devices") == (
+        "vulkan",
+        19,
+    )
+    assert offload_of("srv load_model: loading model\nload_tensors: CPU_Mapped model buffer size = 1.2 MiB\n") == (
+        "cpu",
+        0,
+    )
     assert offload_of("load_tensors: offloaded 0/19 layers to GPU\nggml_cuda_init: found 1 CUDA devices") == ("cpu", 0)
 
 

@@ -86,8 +86,11 @@ def test_black_text_on_a_transparent_png(engine):
 def test_two_page_pdf_gives_two_pages_with_their_text(engine):
     first, second = render((20, 60, "First page here")), render((20, 60, "Second page 42"))
     progress: list[float] = []
-    pages = ocr(engine, encode(first, "PDF", save_all=True, append_images=[second]),
-                emit=lambda **kw: progress.append(kw["progress"]))
+    pages = ocr(
+        engine,
+        encode(first, "PDF", save_all=True, append_images=[second]),
+        emit=lambda **kw: progress.append(kw["progress"]),
+    )
     assert [p.index for p in pages] == [0, 1]
     assert [norm(p.text) for p in pages] == ["first page here", "second page 42"]
     assert (pages[0].width, pages[0].height) == (1280, 400)  # 640x200 pt at the default scale 2.0
@@ -120,11 +123,14 @@ def test_cancelled_job_reads_nothing(engine):
     assert ocr(engine, encode(render((20, 30, HELLO))), cancel=flag) == []
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b"\x00\x01garbage, not a picture" * 10, "image .* or a PDF"),
-    (b"%PDF-1.4 garbage", "not a readable PDF"),
-    (encode(render((20, 30, HELLO)))[:300], "damaged PNG"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\x00\x01garbage, not a picture" * 10, "image .* or a PDF"),
+        (b"%PDF-1.4 garbage", "not a readable PDF"),
+        (encode(render((20, 30, HELLO)))[:300], "damaged PNG"),
+    ],
+)
 def test_unusable_files_are_bad_input(engine, data, message):
     with pytest.raises(BadInput, match=message) as err:
         ocr(engine, data)

@@ -30,8 +30,13 @@ def client(fake):
 
 
 def chat(content: str = "hi there", stream: bool = False, **params) -> ChatJob:
-    return ChatJob(request_id="rid-1", model="m", messages=[{"role": "user", "content": content}], stream=stream,
-                   params=SamplingParams(**params))
+    return ChatJob(
+        request_id="rid-1",
+        model="m",
+        messages=[{"role": "user", "content": content}],
+        stream=stream,
+        params=SamplingParams(**params),
+    )
 
 
 def test_a_chat_job_is_answered_whole_with_its_usage(fake, client):
@@ -48,7 +53,9 @@ def test_a_chat_job_is_answered_whole_with_its_usage(fake, client):
 
 def test_a_streamed_chat_comes_as_deltas_then_its_finish_and_usage(client):
     pieces: list[tuple] = []
-    choices, usage = client.chat(chat(stream=True, max_tokens=3), CancelFlag(), lambda d, t, f: pieces.append((d, t, f)))
+    choices, usage = client.chat(
+        chat(stream=True, max_tokens=3), CancelFlag(), lambda d, t, f: pieces.append((d, t, f))
+    )
     assert choices == []
     assert pieces[0] == ({"role": "assistant", "content": "Hello"}, None, None)
     assert "".join((d or {}).get("content", "") for d, _, _ in pieces) == "Hello from the"

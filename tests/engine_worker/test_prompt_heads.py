@@ -98,9 +98,14 @@ def engine_for(tiny_gguf, monkeypatch):
     made = []
 
     def make(**params):
-        eng = llama_server.LlamaServerEngine(ModelConfig(
-            name="m", engine="llama-server", path=str(tiny_gguf),
-            params={"parallel": 2, "n_ctx": 2048, "n_threads": 1, "cache_ram_mb": 64, **params}))
+        eng = llama_server.LlamaServerEngine(
+            ModelConfig(
+                name="m",
+                engine="llama-server",
+                path=str(tiny_gguf),
+                params={"parallel": 2, "n_ctx": 2048, "n_threads": 1, "cache_ram_mb": 64, **params},
+            )
+        )
         made.append(eng)
         eng.load()
         return eng
@@ -117,8 +122,12 @@ def _second_session_cached(eng) -> int:
 
     def job(messages, rid, max_tokens=4):  # a long turn has no end of turn: it runs all its tokens
         bias = {str(eos[0]): -100.0} if max_tokens > 4 else None
-        return ChatJob(request_id=rid, model="m", messages=messages,
-                       params=SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=bias))
+        return ChatJob(
+            request_id=rid,
+            model="m",
+            messages=messages,
+            params=SamplingParams(max_tokens=max_tokens, temperature=0, logit_bias=bias),
+        )
 
     eng.chat(job([SYSTEM, _user("session one")], "s1-t1"), CancelFlag(), None)
     if eng.heads is not None:
@@ -129,8 +138,14 @@ def _second_session_cached(eng) -> int:
         streaming.set()
         release.wait(60)
 
-    turn2 = threading.Thread(target=eng.chat, args=(job([SYSTEM, _user("session one"), {"role": "assistant", "content": "ok"},
-                                                          _user("next")], "s1-t2", 900), CancelFlag(), hold))
+    turn2 = threading.Thread(
+        target=eng.chat,
+        args=(
+            job([SYSTEM, _user("session one"), {"role": "assistant", "content": "ok"}, _user("next")], "s1-t2", 900),
+            CancelFlag(),
+            hold,
+        ),
+    )
     turn2.start()
     try:
         assert streaming.wait(60), "session one's second turn did not start"
@@ -162,8 +177,9 @@ def test_a_second_session_started_while_the_first_is_busy_reads_the_head_from_it
             t.join(30)
     # the save ran on a thread of its own that has ended: no connection of an ended thread is left open
     assert not [c for c in with_snapshots.client.http._all if not made_by[c].is_alive()]  # noqa: SLF001
-    assert os.listdir(with_snapshots.heads.dir) == [with_snapshots.heads.name(
-        chat_chain([SYSTEM, _user("x")], None)[0][0][0])]
+    assert os.listdir(with_snapshots.heads.dir) == [
+        with_snapshots.heads.name(chat_chain([SYSTEM, _user("x")], None)[0][0][0])
+    ]
     without = engine_for(head_snapshots_mb=0)  # the same, as llama-server does it alone: a prefill from zero
     assert without.heads is None and _second_session_cached(without) == 0
 

@@ -19,16 +19,23 @@ from coderai.testing.procs import wait_until
 
 
 def plan(mode: str = "layer", layers: bool = True) -> SplitPlan:
-    return SplitPlan(mode=mode, n_layers=4, devices=[
-        SplitDevice(node_id="a", share=0.5, layers=[0, 1] if layers else []),
-        SplitDevice(node_id="b", endpoint="10.0.0.2:50052", share=0.25, layers=[2] if layers else []),
-        SplitDevice(node_id="c", endpoint="10.0.0.3:50052", share=0.25, layers=[3] if layers else []),
-    ])
+    return SplitPlan(
+        mode=mode,
+        n_layers=4,
+        devices=[
+            SplitDevice(node_id="a", share=0.5, layers=[0, 1] if layers else []),
+            SplitDevice(node_id="b", endpoint="10.0.0.2:50052", share=0.25, layers=[2] if layers else []),
+            SplitDevice(node_id="c", endpoint="10.0.0.3:50052", share=0.25, layers=[3] if layers else []),
+        ],
+    )
 
 
 def test_split_params_offload_the_remote_layers_shared_by_tensor_split():
-    assert split_params(plan(), 4, row=False) == {"n_gpu_layers": 2, "split_mode": LLAMA_SPLIT_MODE_LAYER,
-                                                  "tensor_split": [0.5, 0.5]}
+    assert split_params(plan(), 4, row=False) == {
+        "n_gpu_layers": 2,
+        "split_mode": LLAMA_SPLIT_MODE_LAYER,
+        "tensor_split": [0.5, 0.5],
+    }
     assert split_params(plan(layers=False), 8, row=False)["n_gpu_layers"] == 4  # by shares when no layer map
     assert split_params(plan("row"), 4, row=True)["split_mode"] == LLAMA_SPLIT_MODE_ROW
 
@@ -73,6 +80,7 @@ async def test_the_gate_relays_named_peers_only_and_probes_cost_the_server_nothi
         probe.close()
         stranger = await loop.run_in_executor(None, connect, "127.0.0.1")
         await loop.run_in_executor(None, stranger.sendall, b"let me in")
+
         def answer() -> bytes:
             try:
                 return stranger.recv(16)
@@ -81,7 +89,9 @@ async def test_the_gate_relays_named_peers_only_and_probes_cost_the_server_nothi
 
         assert await loop.run_in_executor(None, answer) == b""  # closed, nothing relayed
         stranger.close()
-        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_until(lambda: gate.refused == 1, 5, "refusal"))
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: wait_until(lambda: gate.refused == 1, 5, "refusal")
+        )
         assert len(upstream) == 1  # the echo saw the allowed peer only; the probe never reached it
     finally:
         await gate.close()
@@ -108,8 +118,12 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
     path = tmp_path / "four.gguf"
     build_tiny_gguf(path, dim=128, layers=4, heads=4)
     base = ModelConfig(name="m", engine="llama", path=str(path), params={"n_ctx": 512, "n_threads": 1})
-    job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "once upon a time"}],
-                  params=SamplingParams(max_tokens=12, temperature=0.0))
+    job = ChatJob(
+        request_id="r",
+        model="m",
+        messages=[{"role": "user", "content": "once upon a time"}],
+        params=SamplingParams(max_tokens=12, temperature=0.0),
+    )
     whole = engine_class("llama")(base)
     whole.load()
     expected = whole.chat(job, CancelFlag(), None)[0][0].message
@@ -124,9 +138,13 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     svc = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
-    plan = SplitPlan(n_layers=4, devices=[SplitDevice(node_id="here", share=0.5, layers=[0, 1]),
-                                          SplitDevice(node_id="there", endpoint=f"127.0.0.1:{svc.gate.port}", share=0.5,
-                                                      layers=[2, 3])])
+    plan = SplitPlan(
+        n_layers=4,
+        devices=[
+            SplitDevice(node_id="here", share=0.5, layers=[0, 1]),
+            SplitDevice(node_id="there", endpoint=f"127.0.0.1:{svc.gate.port}", share=0.5, layers=[2, 3]),
+        ],
+    )
     engine = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=str(path), params=base.params, shards=plan))
     lost = threading.Event()
     reasons: list[str] = []

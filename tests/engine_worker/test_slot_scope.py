@@ -95,8 +95,9 @@ def _engine(**kw) -> LlamaServerEngine:
 
 
 def test_a_private_model_runs_without_the_host_ram_cache():
-    private = ModelConfig(name="m", engine="llama-server", path="/m.gguf", share_cache=False,
-                          params={"cache_ram_mb": 512})
+    private = ModelConfig(
+        name="m", engine="llama-server", path="/m.gguf", share_cache=False, params={"cache_ram_mb": 512}
+    )
     args = server_args(private, 1)
     assert args[args.index("--cache-ram") + 1] == "0" and cache_ram_mb(private) == 0
     shared = ModelConfig(name="m", engine="llama-server", path="/m.gguf", params={"cache_ram_mb": 512})
@@ -119,10 +120,12 @@ def test_bodies_carry_the_slot_and_the_reuse_the_book_chose():
 
 
 def test_the_shared_fast_path_body_is_unchanged():
-    eng = LlamaServerEngine(ModelConfig(name="m", engine="llama-server", path="/m.gguf",
-                                        params={"parallel": 2, "head_snapshots_mb": 0}))
-    job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}],
-                  params=SamplingParams(max_tokens=3))
+    eng = LlamaServerEngine(
+        ModelConfig(name="m", engine="llama-server", path="/m.gguf", params={"parallel": 2, "head_snapshots_mb": 0})
+    )
+    job = ChatJob(
+        request_id="r", model="m", messages=[{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=3)
+    )
     with eng._placed("", False):
         body = eng.chat_body(job, False)
     assert "id_slot" not in body and "cache_prompt" not in body
@@ -169,7 +172,9 @@ def test_vllm_gets_the_scope_as_its_cache_salt():
     eng = VllmEngine(ModelConfig(name="m", engine="vllm", path="/m"))
     scoped = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}], cache_scope=A)
     assert eng.chat_body(scoped, False)["cache_salt"] == A
-    assert eng.completion_body(CompletionJob(request_id="r", model="m", prompt="x", cache_scope=B), True)[
-        "cache_salt"] == B
+    assert (
+        eng.completion_body(CompletionJob(request_id="r", model="m", prompt="x", cache_scope=B), True)["cache_salt"]
+        == B
+    )
     shared = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}])
     assert "cache_salt" not in eng.chat_body(shared, False)  # the shared fast path sends what it always sent

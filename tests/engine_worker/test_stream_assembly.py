@@ -13,16 +13,30 @@ def test_chat_pieces_become_whole_messages_tool_calls_included():
     a.add({"content": "Hel"}, None, None)
     a.add({"content": "Hi"}, None, None, index=1)
     a.add({"content": "lo", "reasoning_content": "hm"}, None, "stop")
-    a.add({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "get_", "arguments": "{\"ci"}}]},
-          None, None, index=1)
-    a.add({"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": "ty\": 1}"}}]}, None, "tool_calls",
-          logprobs={"content": [{"token": "x"}]}, index=1)
+    a.add(
+        {
+            "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "get_", "arguments": '{"ci'}}
+            ]
+        },
+        None,
+        None,
+        index=1,
+    )
+    a.add(
+        {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": 'ty": 1}'}}]},
+        None,
+        "tool_calls",
+        logprobs={"content": [{"token": "x"}]},
+        index=1,
+    )
     first, second = a.choices()
     assert first.message == {"role": "assistant", "content": "Hello", "reasoning_content": "hm"}
     assert first.finish_reason == "stop" and first.logprobs is None
     assert second.index == 1 and second.finish_reason == "tool_calls" and second.message["content"] == "Hi"
-    assert second.message["tool_calls"] == [{"id": "c1", "type": "function",
-                                            "function": {"name": "get_weather", "arguments": "{\"city\": 1}"}}]
+    assert second.message["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": 1}'}}
+    ]
     assert second.logprobs == {"content": [{"token": "x"}]}
 
 
@@ -37,8 +51,11 @@ def test_completion_pieces_and_their_logprobs_join():
 
 def test_usage_counts_every_completion_token_and_each_prompt_once():
     per_choice = [{"prompt_tokens": 14, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 10}}] * 2
-    assert merged_usage(per_choice, 2) == {"prompt_tokens": 14, "completion_tokens": 8,
-                                            "prompt_tokens_details": {"cached_tokens": 10}}
+    assert merged_usage(per_choice, 2) == {
+        "prompt_tokens": 14,
+        "completion_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 10},
+    }
     prompts = [{"prompt_tokens": 2, "completion_tokens": 3}, {"prompt_tokens": 5, "completion_tokens": 1}]
     assert merged_usage(prompts, 1)["prompt_tokens"] == 7 and merged_usage(prompts, 1)["completion_tokens"] == 4
     assert merged_usage(prompts[:1], 1) is prompts[0]

@@ -26,22 +26,62 @@ from coderai.engine_worker.trainer import plan_steps, rank_batch
 from coderai.engine_worker.training import interface_of, pick_address, tar_folder
 
 HP = Hyperparameters(n_epochs=2, batch_size=2, learning_rate_multiplier=10.0)
-SPEC = TrainSpec(job_id="ftjob-1", rank=1, world_size=2, master_addr="10.0.0.1", master_port=2900, base_path="/m",
-                 data_store_path="finetune/ftjob-1/train.jsonl", adapter_store_path="finetune/ftjob-1/adapter.tar",
-                 valid_store_path="finetune/ftjob-1/valid.jsonl", method="qlora", hyperparameters=HP)
-JOB = FineTuneJob(id="ftjob-1", model="m", training_file="file-1", validation_file="file-2", valid_loss=2.0,
-                  created_at=1, nodes=["a", "b"],
-                  error=JobError(code="x", message="y"),
-                  events=[JobEvent(id="ftevent-1-1", created_at=1, message="m", type="metrics", data={"step": 1})])
+SPEC = TrainSpec(
+    job_id="ftjob-1",
+    rank=1,
+    world_size=2,
+    master_addr="10.0.0.1",
+    master_port=2900,
+    base_path="/m",
+    data_store_path="finetune/ftjob-1/train.jsonl",
+    adapter_store_path="finetune/ftjob-1/adapter.tar",
+    valid_store_path="finetune/ftjob-1/valid.jsonl",
+    method="qlora",
+    hyperparameters=HP,
+)
+JOB = FineTuneJob(
+    id="ftjob-1",
+    model="m",
+    training_file="file-1",
+    validation_file="file-2",
+    valid_loss=2.0,
+    created_at=1,
+    nodes=["a", "b"],
+    error=JobError(code="x", message="y"),
+    events=[JobEvent(id="ftevent-1-1", created_at=1, message="m", type="metrics", data={"step": 1})],
+)
 SAMPLES = [
-    HP, SPEC, JOB, FineTuneReply(job=JOB), FineTuneCancel(job_id="ftjob-1"), TrainStop(job_id="ftjob-1", reason="r"),
+    HP,
+    SPEC,
+    JOB,
+    FineTuneReply(job=JOB),
+    FineTuneCancel(job_id="ftjob-1"),
+    TrainStop(job_id="ftjob-1", reason="r"),
     FileRecord(id="file-1", bytes=3, created_at=1, filename="t.jsonl", purpose="fine-tune", examples=2),
-    FineTuneCreate(job_id="ftjob-1", model="m", training_file="file-1", validation_file="file-2", suffix="s", nodes=2,
-                   hyperparameters=HP),
-    TrainStarted(node_id="a", rank=0, master_addr="10.0.0.1", master_port=2900), TrainStopped(node_id="a", was_running=True),
-    TrainReport(job_id="ftjob-1", node_id="a", rank=0, kind="step", step=1, total_steps=4, loss=2.5, tokens_per_s=9.0,
-                valid_loss=2.75),
-    AdapterChunk(job_id="ftjob-1", offset=0, data=b"\x00\x01", size=2, sha256="ab"), AdapterAck(received=2, complete=True),
+    FineTuneCreate(
+        job_id="ftjob-1",
+        model="m",
+        training_file="file-1",
+        validation_file="file-2",
+        suffix="s",
+        nodes=2,
+        hyperparameters=HP,
+    ),
+    TrainStarted(node_id="a", rank=0, master_addr="10.0.0.1", master_port=2900),
+    TrainStopped(node_id="a", was_running=True),
+    TrainReport(
+        job_id="ftjob-1",
+        node_id="a",
+        rank=0,
+        kind="step",
+        step=1,
+        total_steps=4,
+        loss=2.5,
+        tokens_per_s=9.0,
+        valid_loss=2.75,
+    ),
+    AdapterChunk(job_id="ftjob-1", offset=0, data=b"\x00\x01", size=2, sha256="ab"),
+    AdapterAck(received=2, complete=True),
 ]
 
 
@@ -99,8 +139,10 @@ def test_the_adapter_tar_is_the_same_bytes_for_the_same_folder(tmp_path):
 def test_a_silent_trainer_exit_is_explained_without_progress_bars():
     from coderai.engine_worker.training import exit_reason
 
-    assert exit_reason(-9, ["Loading weights: 100%|##| 21/21 [00:00<00:00, 17895.24it/s]"]) == \
-        "the trainer process was killed by SIGKILL"
+    assert (
+        exit_reason(-9, ["Loading weights: 100%|##| 21/21 [00:00<00:00, 17895.24it/s]"])
+        == "the trainer process was killed by SIGKILL"
+    )
     tail = ["Traceback (most recent call last):", "MemoryError: out of memory", "\rLoading: 5/9 [00:01, 3it/s]"]
     assert exit_reason(1, tail) == "the trainer exited with code 1: MemoryError: out of memory"
     assert exit_reason(3, []) == "the trainer exited with code 3"

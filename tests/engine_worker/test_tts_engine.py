@@ -21,8 +21,14 @@ sf = pytest.importorskip("soundfile")
 pytestmark = pytest.mark.slow
 
 TEXT = "The quick brown fox jumps over the lazy dog. It was a sunny morning. Everyone went outside to play."
-TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg", "opus": "audio/ogg", "flac": "audio/flac", "aac": "audio/aac",
-         "pcm": "audio/pcm"}
+TYPES = {
+    "wav": "audio/wav",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "flac": "audio/flac",
+    "aac": "audio/aac",
+    "pcm": "audio/pcm",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +69,9 @@ def test_every_format_decodes_back_to_speech_of_the_reported_length(engine, fmt)
 
 def test_streamed_wav_comes_sentence_by_sentence_and_plays(engine):
     pieces: list[bytes] = []
-    result, usage = engine.speech(job(response_format="wav", stream=True), CancelFlag(),
-                                  lambda **kw: pieces.append(kw["data"]))
+    result, usage = engine.speech(
+        job(response_format="wav", stream=True), CancelFlag(), lambda **kw: pieces.append(kw["data"])
+    )
     assert result.audio is None
     assert len(pieces) >= 3  # one per sentence at least
     assert all(0 < len(p) <= 256 * 1024 for p in pieces)
@@ -79,8 +86,9 @@ def test_streamed_wav_comes_sentence_by_sentence_and_plays(engine):
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "pcm"])
 def test_streamed_compressed_and_raw_formats_play(engine, fmt):
     pieces: list[bytes] = []
-    result, _ = engine.speech(job(response_format=fmt, stream=True), CancelFlag(),
-                              lambda **kw: pieces.append(kw["data"]))
+    result, _ = engine.speech(
+        job(response_format=fmt, stream=True), CancelFlag(), lambda **kw: pieces.append(kw["data"])
+    )
     assert result.audio is None and len(pieces) >= 2
     assert seconds(fmt, b"".join(pieces)) == pytest.approx(result.duration_s, abs=0.15)
 

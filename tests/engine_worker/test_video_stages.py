@@ -29,8 +29,9 @@ def one_torch_thread():
 
 
 def video_job(seed: int = 5) -> VideoJob:
-    return VideoJob(request_id="job1", model="t2v", prompt="a cat", num_frames=4, width=64, height=64, fps=4,
-                    seed=seed, steps=STEPS)
+    return VideoJob(
+        request_id="job1", model="t2v", prompt="a cat", num_frames=4, width=64, height=64, fps=4, seed=seed, steps=STEPS
+    )
 
 
 def engine(stages: bool):
@@ -46,12 +47,19 @@ def relay(e, job: VideoJob, stages: list[tuple[str, int, int]], store: dict):
 
     handoff, out = None, None
     for i, (kind, a, b) in enumerate(stages):
-        sj = StageJob(request_id=job.request_id, job=job, stage=Stage(index=i, kind=kind, start=a, end=b, node=f"n{i}",
-                                                                       engine_id=f"n{i}-t2v"), steps=STEPS,
-                      handoff=handoff)
+        sj = StageJob(
+            request_id=job.request_id,
+            job=job,
+            stage=Stage(index=i, kind=kind, start=a, end=b, node=f"n{i}", engine_id=f"n{i}-t2v"),
+            steps=STEPS,
+            handoff=handoff,
+        )
         check_handoff(handoff, sj)
-        inputs = {} if handoff is None else {
-            k: Tensor(store[r.object], r.shape, r.dtype, r.sha256) for k, r in handoff.tensors.items()}
+        inputs = (
+            {}
+            if handoff is None
+            else {k: Tensor(store[r.object], r.shape, r.dtype, r.sha256) for k, r in handoff.tensors.items()}
+        )
         out = e.stage(sj, inputs, CancelFlag(), lambda _i: None)
         names = {}
         for k, t in out.tensors.items():
@@ -78,8 +86,16 @@ def test_stages_by_hand_equal_one_pipeline_call():
     path = str(ensure_tiny_t2v())
     pipe = TextToVideoSDPipeline.from_pretrained(path, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    ref = pipe(prompt="a cat", num_frames=4, width=64, height=64, num_inference_steps=STEPS, guidance_scale=9.0,
-               generator=torch.Generator("cpu").manual_seed(5), output_type="np").frames[0]
+    ref = pipe(
+        prompt="a cat",
+        num_frames=4,
+        width=64,
+        height=64,
+        num_inference_steps=STEPS,
+        guidance_scale=9.0,
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+    ).frames[0]
     staged = StagedVideo(path, "cpu", torch.float32)
     job = video_job()
     from coderai.engine_worker.engines.video_stages import Tensor, make_handoff
@@ -87,11 +103,19 @@ def test_stages_by_hand_equal_one_pipeline_call():
     store: dict = {}
     handoff, steps_seen = None, []
     for i, (kind, a, b) in enumerate(PLAN):
-        sj = StageJob(request_id="job1", job=job, stage=Stage(index=i, kind=kind, start=a, end=b, node="n",
-                                                             engine_id="e"), steps=STEPS, handoff=handoff)
+        sj = StageJob(
+            request_id="job1",
+            job=job,
+            stage=Stage(index=i, kind=kind, start=a, end=b, node="n", engine_id="e"),
+            steps=STEPS,
+            handoff=handoff,
+        )
         check_handoff(handoff, sj)
-        inputs = {} if handoff is None else {
-            k: Tensor(store[r.object], r.shape, r.dtype, r.sha256) for k, r in handoff.tensors.items()}
+        inputs = (
+            {}
+            if handoff is None
+            else {k: Tensor(store[r.object], r.shape, r.dtype, r.sha256) for k, r in handoff.tensors.items()}
+        )
         out = run_stage(staged, sj, inputs, 9.0, 5, CancelFlag(), steps_seen.append)
         store.update({f"{i}{k}": t.data for k, t in out.tensors.items()})
         handoff = make_handoff(sj, out, "n", {k: f"{i}{k}" for k in out.tensors})
@@ -110,8 +134,7 @@ def test_engine_relay_mp4_equals_the_single_node_mp4():
     try:
         assert staged.pipe is None  # nothing loaded until a stage needs its part
         whole, _ = single.video(video_job(seed=9), CancelFlag(), None)
-        out, handoff = relay(staged, video_job(seed=9), [("encode", 0, 0), ("denoise", 0, STEPS), ("decode", 0, 0)],
-                             {})
+        out, handoff = relay(staged, video_job(seed=9), [("encode", 0, 0), ("denoise", 0, STEPS), ("decode", 0, 0)], {})
         assert out.frames == whole.video.data  # the frames were equal to the bit, so the MP4s are too
         assert handoff.scheduler.step_index == STEPS and handoff.seed == 9
     finally:
@@ -124,9 +147,13 @@ def test_a_corrupted_or_foreign_handoff_is_refused_with_a_clear_error():
     try:
         store: dict = {}
         _, handoff = relay(e, video_job(), PLAN[:2], store)
-        nxt = StageJob(request_id="job1", job=video_job(), stage=Stage(index=2, kind="denoise", start=2, end=STEPS,
-                                                                       node="n", engine_id="e"), steps=STEPS,
-                       handoff=handoff)
+        nxt = StageJob(
+            request_id="job1",
+            job=video_job(),
+            stage=Stage(index=2, kind="denoise", start=2, end=STEPS, node="n", engine_id="e"),
+            steps=STEPS,
+            handoff=handoff,
+        )
         check_handoff(handoff, nxt)
         from coderai.engine_worker.engines.video_stages import Tensor
 
@@ -136,7 +163,9 @@ def test_a_corrupted_or_foreign_handoff_is_refused_with_a_clear_error():
         with pytest.raises(HandoffMismatch, match="checksum"):
             e.stage(nxt, inputs, CancelFlag(), lambda _i: None)
         with pytest.raises(HandoffMismatch, match="seed"):
-            check_handoff(handoff, StageJob(request_id="job1", job=video_job(seed=6), stage=nxt.stage, steps=STEPS,
-                                            handoff=handoff))
+            check_handoff(
+                handoff,
+                StageJob(request_id="job1", job=video_job(seed=6), stage=nxt.stage, steps=STEPS, handoff=handoff),
+            )
     finally:
         e.close()

@@ -40,8 +40,15 @@ SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # never the
 
 
 def config(path: str) -> ModelConfig:
-    params = {"python": VLLM_PYTHON, "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
-              "enable_log_requests": True, "load_timeout_s": 600, "env": SERVER_ENV}
+    params = {
+        "python": VLLM_PYTHON,
+        "dtype": "bfloat16",
+        "max_model_len": MAX_MODEL_LEN,
+        "enforce_eager": True,
+        "enable_log_requests": True,
+        "load_timeout_s": 600,
+        "env": SERVER_ENV,
+    }
     return ModelConfig(name="tiny", engine="vllm", path=path, params=params)
 
 
@@ -108,8 +115,9 @@ def test_chat_answers_with_usage(engine):
 def test_chat_stream_yields_deltas_then_a_finish_reason(engine):
     whole, _ = engine.chat(chat(params={"max_tokens": 12}), CancelFlag(), None)
     pieces: list[tuple] = []
-    choices, usage = engine.chat(chat(stream=True, params={"max_tokens": 12}), CancelFlag(),
-                                 lambda d, t, f: pieces.append((d, t, f)))
+    choices, usage = engine.chat(
+        chat(stream=True, params={"max_tokens": 12}), CancelFlag(), lambda d, t, f: pieces.append((d, t, f))
+    )
     assert choices == []
     assert pieces[0][0] == {"role": "assistant"}
     assert all(t is None for _, t, _ in pieces)

@@ -18,8 +18,13 @@ from coderai.engine_worker.engines.vllm_ray import (
 )
 from coderai.engine_worker.engines.vllm import server_command
 
-PLAN = SplitPlan(mode="ray", devices=[SplitDevice(node_id="a", endpoint="10.0.0.1", share=0.5, ranks=2),
-                                      SplitDevice(node_id="b", endpoint="10.0.0.2", share=0.5, ranks=2)])
+PLAN = SplitPlan(
+    mode="ray",
+    devices=[
+        SplitDevice(node_id="a", endpoint="10.0.0.1", share=0.5, ranks=2),
+        SplitDevice(node_id="b", endpoint="10.0.0.2", share=0.5, ranks=2),
+    ],
+)
 
 
 def cfg(**params) -> ModelConfig:

@@ -37,7 +37,9 @@ class Events(list):
 async def head_store(req: StoreFetch, _timeout: float) -> StoreChunk:
     """The head's model store, holding one file."""
     assert req.path == "org/repo/m.gguf"
-    return StoreChunk(data=GGUF[req.offset:req.offset + req.length], size=len(GGUF), sha256=hashlib.sha256(GGUF).hexdigest())
+    return StoreChunk(
+        data=GGUF[req.offset : req.offset + req.length], size=len(GGUF), sha256=hashlib.sha256(GGUF).hexdigest()
+    )
 
 
 async def fetch(cfg: ModelConfig, tmp_path, events: Events) -> ModelConfig:
@@ -45,10 +47,13 @@ async def fetch(cfg: ModelConfig, tmp_path, events: Events) -> ModelConfig:
     return await ensure_weights(cfg, head_store, tmp_path / "data" / "models", store, events, "n1")
 
 
-@pytest.mark.parametrize("engine, files, want", [
-    ("llama", {"w.gguf": GGUF, "README.md": b"# w"}, "acme/w/w.gguf"),  # a whole GGUF repo: its one GGUF
-    ("embed", {"config.json": b"{}", "model.safetensors": GGUF, "README.md": b"# w"}, "acme/w"),  # a folder model
-])
+@pytest.mark.parametrize(
+    "engine, files, want",
+    [
+        ("llama", {"w.gguf": GGUF, "README.md": b"# w"}, "acme/w/w.gguf"),  # a whole GGUF repo: its one GGUF
+        ("embed", {"config.json": b"{}", "model.safetensors": GGUF, "README.md": b"# w"}, "acme/w"),  # a folder model
+    ],
+)
 async def test_a_whole_repo_source_gives_the_engine_its_file_or_folder(hub, tmp_path, engine, files, want):
     hub.add("acme/w", files)
     events = Events()
@@ -76,10 +81,13 @@ async def test_a_model_whose_path_is_here_fetches_nothing(tmp_path):
     assert await fetch(cfg, tmp_path, events) is cfg and events == []
 
 
-@pytest.mark.parametrize("source, needle", [
-    ("hf://acme/absent/m.gguf", "no repo 'acme/absent'"),
-    ("store://org/repo/other.gguf", "no file 'org/repo/other.gguf'"),
-])
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("hf://acme/absent/m.gguf", "no repo 'acme/absent'"),
+        ("store://org/repo/other.gguf", "no file 'org/repo/other.gguf'"),
+    ],
+)
 async def test_a_fetch_that_fails_says_why_on_the_bus_and_in_the_error(hub, tmp_path, source, needle):
     async def no_such_file(req, timeout):
         from coderai.contracts import BusError
@@ -89,8 +97,14 @@ async def test_a_fetch_that_fails_says_why_on_the_bus_and_in_the_error(hub, tmp_
     events = Events()
     store = ModelStore(tmp_path, root=tmp_path / "volume")
     with pytest.raises(FetchError, match=f"cannot fetch the weights of m from {source}") as ei:
-        await ensure_weights(ModelConfig(name="m", engine="llama", path="/nowhere", source=source), no_such_file,
-                             tmp_path / "models", store, events, "n1")
+        await ensure_weights(
+            ModelConfig(name="m", engine="llama", path="/nowhere", source=source),
+            no_such_file,
+            tmp_path / "models",
+            store,
+            events,
+            "n1",
+        )
     assert needle in str(ei.value)
     assert events.states()[0] == "resolving" and events.states()[-1] == "failed" and needle in events[-1].error
 

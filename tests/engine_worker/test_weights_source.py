@@ -34,11 +34,19 @@ class Pod:
         self.fetches: list[ModelFetch] = []
         self.engine: EngineStatus | None = None
         self.changed = asyncio.Event()
-        env = clean_env(CODERAI_NATS_URL=nats_url, CODERAI_NODE_ID=node, CODERAI_WORKER_POD=node,
-                        CODERAI_WORKER_MODELS_JSON=json.dumps([msgspec.to_builtins(model)]),
-                        CODERAI_WORKER_MDNS="false", CODERAI_WORKER_FAMILIES="llama", CODERAI_WORKER_HEARTBEAT_S="0.3",
-                        CODERAI_DATA_DIR=str(root / node), CODERAI_WORKER_WEIGHTS_DIR=str(volume), HF_TOKEN=TOKEN,
-                        **hub_env(hub, str(root / node / "hf")))
+        env = clean_env(
+            CODERAI_NATS_URL=nats_url,
+            CODERAI_NODE_ID=node,
+            CODERAI_WORKER_POD=node,
+            CODERAI_WORKER_MODELS_JSON=json.dumps([msgspec.to_builtins(model)]),
+            CODERAI_WORKER_MDNS="false",
+            CODERAI_WORKER_FAMILIES="llama",
+            CODERAI_WORKER_HEARTBEAT_S="0.3",
+            CODERAI_DATA_DIR=str(root / node),
+            CODERAI_WORKER_WEIGHTS_DIR=str(volume),
+            HF_TOKEN=TOKEN,
+            **hub_env(hub, str(root / node / "hf")),
+        )
         self.proc = ServiceProcess(node, "coderai.engine_worker", [], env, root / "logs")
 
     async def start(self) -> Pod:
@@ -66,18 +74,29 @@ class Pod:
                 await asyncio.wait_for(self.changed.wait(), max(0.0, min(1.0, deadline - loop.time())))
             except asyncio.TimeoutError:
                 if loop.time() >= deadline:
-                    raise AssertionError(f"{self.node}: no {what} in {timeout_s}s; events {self.fetches}, engine "
-                                         f"{self.engine}\n{self.proc.log_text()[-3000:]}") from None
+                    raise AssertionError(
+                        f"{self.node}: no {what} in {timeout_s}s; events {self.fetches}, engine "
+                        f"{self.engine}\n{self.proc.log_text()[-3000:]}"
+                    ) from None
 
     async def ready(self) -> None:
         await self.until("ready engine", lambda: self.engine is not None and self.engine.state in ("ready", "failed"))
         assert self.engine.state == "ready", f"{self.engine.error}\n{self.proc.log_text()[-3000:]}"
 
     async def chat(self) -> Final:
-        job = ChatJob(request_id="r1", model=self.model.name, messages=[{"role": "user", "content": "hello"}],
-                      params=SamplingParams(max_tokens=4, temperature=0.0))
-        stream = await self.bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=30.0, node_id=self.node,
-                                            engine_id=engine_id_for(self.node, self.model.name))
+        job = ChatJob(
+            request_id="r1",
+            model=self.model.name,
+            messages=[{"role": "user", "content": "hello"}],
+            params=SamplingParams(max_tokens=4, temperature=0.0),
+        )
+        stream = await self.bus.open_stream(
+            ENGINE_CHAT,
+            job,
+            idle_timeout_s=30.0,
+            node_id=self.node,
+            engine_id=engine_id_for(self.node, self.model.name),
+        )
         try:
             while not isinstance(frame := decode(await stream.next_raw(), Frame), Final):
                 pass
@@ -98,11 +117,18 @@ def hub(tiny_gguf):
 
 
 def model(unique: str) -> ModelConfig:
-    return ModelConfig(name=f"tiny-{unique}", engine="llama", path="/nowhere/on/the/pod/tiny.gguf",
-                       source="hf://acme/tiny-GGUF/tiny.gguf@main", params={"n_ctx": 256, "seed": 1})
+    return ModelConfig(
+        name=f"tiny-{unique}",
+        engine="llama",
+        path="/nowhere/on/the/pod/tiny.gguf",
+        source="hf://acme/tiny-GGUF/tiny.gguf@main",
+        params={"n_ctx": 256, "seed": 1},
+    )
 
 
-async def test_a_pod_fetches_its_weights_by_source_verifies_them_and_serves(nats_server, bus, hub, tiny_gguf, tmp_path, unique):
+async def test_a_pod_fetches_its_weights_by_source_verifies_them_and_serves(
+    nats_server, bus, hub, tiny_gguf, tmp_path, unique
+):
     volume = tmp_path / "runpod-volume" / "models"
     m = model(unique)
     pod = await Pod(bus, nats_server.url, hub, m, f"pod-a-{unique}", tmp_path, volume).start()
@@ -152,7 +178,9 @@ async def test_a_corrupted_download_is_refused_and_never_loaded(nats_server, bus
         await pod.until("failed engine", lambda: pod.engine is not None and pod.engine.state == "failed")
         [failed] = [e for e in pod.fetches if e.state == "failed"]
         assert "checksum mismatch" in failed.error and FILE in failed.error
-        assert "checksum mismatch" in (pod.engine.error or "") and "hf://acme/tiny-GGUF/tiny.gguf@main" in pod.engine.error
+        assert (
+            "checksum mismatch" in (pod.engine.error or "") and "hf://acme/tiny-GGUF/tiny.gguf@main" in pod.engine.error
+        )
         assert "done" not in [e.state for e in pod.fetches]
         assert not (volume / "acme" / "tiny-GGUF" / FILE).exists()  # deleted, not kept for the next pod
     finally:

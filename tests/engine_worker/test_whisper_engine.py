@@ -32,8 +32,9 @@ def model_dir():
 
 
 def load(model_dir, **params):
-    e = engine_class("whisper")(ModelConfig(name="stt", engine="whisper", path=str(model_dir),
-                                            params={"threads": 2, **params}))
+    e = engine_class("whisper")(
+        ModelConfig(name="stt", engine="whisper", path=str(model_dir), params={"threads": 2, **params})
+    )
     e.load()
     return e
 
@@ -113,11 +114,14 @@ def test_reads_other_containers(engine, pcm, fmt):
     assert words(result.text) == TRAINING_TEXT
 
 
-@pytest.mark.parametrize(("data", "says"), [
-    (b"this is not audio at all" * 40, "not audio"),
-    (b"", "empty"),
-    (to_wav(np.zeros(0, dtype="<i2")), "no audio"),
-])
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"this is not audio at all" * 40, "not audio"),
+        (b"", "empty"),
+        (to_wav(np.zeros(0, dtype="<i2")), "no audio"),
+    ],
+)
 def test_unreadable_audio_is_bad_input_on_file(engine, data, says):
     with pytest.raises(BadInput, match=says) as err:
         engine.transcribe(job(data), CancelFlag(), None)

@@ -18,20 +18,24 @@ OK = {"name": "m", "engine": "llama", "path": "/m.gguf"}
 def client(nats_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("admin-models")
     write_keys(str(root / "keys.toml"), [KeyRecord("a", hash_key(ADMIN), ["admin"])])
-    app = create_app(GatewaySettings(nats_url=nats_server.url, api_keys_file=str(root / "keys.toml"),
-                                     data_dir=str(root / "data")))
+    app = create_app(
+        GatewaySettings(nats_url=nats_server.url, api_keys_file=str(root / "keys.toml"), data_dir=str(root / "data"))
+    )
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {ADMIN}"
         yield c
 
 
-@pytest.mark.parametrize(("body", "param", "says"), [
-    ({**OK, "engine": "llamas"}, "engine", "Invalid enum value 'llamas'"),
-    ({"name": "m", "engine": "llama"}, "path", "missing required field `path`"),
-    ({**OK, "keep_alive_s": "long"}, "keep_alive_s", "Expected `float | null`"),
-    ({**OK, "name": ""}, "name", "non-empty"),
-    ({**OK, "name": "pulled"}, "name", "catalogue's route"),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({**OK, "engine": "llamas"}, "engine", "Invalid enum value 'llamas'"),
+        ({"name": "m", "engine": "llama"}, "path", "missing required field `path`"),
+        ({**OK, "keep_alive_s": "long"}, "keep_alive_s", "Expected `float | null`"),
+        ({**OK, "name": ""}, "name", "non-empty"),
+        ({**OK, "name": "pulled"}, "name", "catalogue's route"),
+    ],
+)
 def test_an_invalid_config_is_a_400_naming_the_field(client, body, param, says):
     r = client.post("/admin/models", json=body)
     assert r.status_code == 400, r.text

@@ -95,7 +95,10 @@ def test_a_request_that_extends_a_conversation_shares_its_whole_chain():
 
 def test_each_later_message_extends_the_chain_including_assistant_and_tool_turns():
     base = [SYSTEM, USER1]
-    tool_call = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    tool_call = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+    }
     tool_result = {"role": "tool", "tool_call_id": "c1", "content": "4"}
     chain = chat_chain("m", base + [tool_call, tool_result])
     assert len(chain) == 3
@@ -115,8 +118,18 @@ def test_a_different_later_message_changes_only_that_element_and_after():
     "change",
     [
         pytest.param(lambda model, msgs, tools: ("other", msgs, tools), id="model"),
-        pytest.param(lambda model, msgs, tools: (model, [{"role": "system", "content": "Be verbose."}] + msgs[1:], tools), id="system"),
-        pytest.param(lambda model, msgs, tools: (model, [msgs[0], {"role": "user", "content": "What is 2+3?"}] + msgs[2:], tools), id="first-user"),
+        pytest.param(
+            lambda model, msgs, tools: (model, [{"role": "system", "content": "Be verbose."}] + msgs[1:], tools),
+            id="system",
+        ),
+        pytest.param(
+            lambda model, msgs, tools: (
+                model,
+                [msgs[0], {"role": "user", "content": "What is 2+3?"}] + msgs[2:],
+                tools,
+            ),
+            id="first-user",
+        ),
         pytest.param(lambda model, msgs, tools: (model, msgs, None), id="tools-removed"),
         pytest.param(lambda model, msgs, tools: (model, msgs, [{**TOOLS[0], "type": "other"}]), id="tools-changed"),
         pytest.param(lambda model, msgs, tools: (model, msgs[1:], tools), id="system-removed"),
@@ -230,7 +243,7 @@ def test_a_long_chain_keeps_h1_and_its_last_elements():
     assert len(raw) == MAX_CHAIN + extra
     assert len(chain) == MAX_CHAIN
     assert chain[0] == raw[0] == chat_chain("m", [USER1])[0]
-    assert chain[1:] == raw[-(MAX_CHAIN - 1):]
+    assert chain[1:] == raw[-(MAX_CHAIN - 1) :]
     assert not set(raw[1 : extra + 1]) & set(chain)  # the early middle is what goes
     assert len(set(chain)) == MAX_CHAIN
 
@@ -311,7 +324,7 @@ def test_a_long_prompt_chain_is_bounded_like_a_chat_chain():
     raw = [prompt_chain("m", prompt[: k * CHUNK_CHARS])[-1] for k in range(1, n + 1)]
     chain = prompt_chain("m", prompt)
     assert len(chain) == MAX_CHAIN
-    assert chain == raw[:1] + raw[-(MAX_CHAIN - 1):]
+    assert chain == raw[:1] + raw[-(MAX_CHAIN - 1) :]
     # The next, longer prompt still contains this one's last element.
     assert chain[-1] in prompt_chain("m", prompt + "q" * CHUNK_CHARS)
 

@@ -49,7 +49,9 @@ async def test_a_missing_or_non_bearer_header_is_401(auth, header):
     assert "Missing API key" in err.message
 
 
-@pytest.mark.parametrize("header", ["Bearer sk-coderai-wrong", "Bearer ", "Bearer " + KEY.upper(), "Bearer " + KEY + "x"])
+@pytest.mark.parametrize(
+    "header", ["Bearer sk-coderai-wrong", "Bearer ", "Bearer " + KEY.upper(), "Bearer " + KEY + "x"]
+)
 async def test_a_wrong_key_is_401(auth, header):
     err = await denied(auth, header)
     assert (err.status, err.code) == (401, "invalid_api_key")

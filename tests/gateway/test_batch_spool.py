@@ -15,8 +15,15 @@ from coderai.gateway.batches.records import LineResult, Tally
 
 def _res(i: int, ok: bool, size: int = 10) -> LineResult:
     body = msgspec.Raw(json.dumps({"answer": "x" * size}).encode())
-    return LineResult(index=i, custom_id=f"c{i}", id=f"batch_req_{i}", status_code=200 if ok else 500, body=body,
-                      prompt_tokens=2, completion_tokens=3 if ok else 0)
+    return LineResult(
+        index=i,
+        custom_id=f"c{i}",
+        id=f"batch_req_{i}",
+        status_code=200 if ok else 500,
+        body=body,
+        prompt_tokens=2,
+        completion_tokens=3 if ok else 0,
+    )
 
 
 def _lines(got) -> list[dict]:

@@ -28,8 +28,12 @@ def jsonl(*lines: object) -> bytes:
 
 
 def chat(cid: str, model: str = "tiny", **body: object) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], **body},
+    }
 
 
 def parse(data: bytes, endpoint: str = "/v1/chat/completions"):
@@ -47,8 +51,12 @@ def test_good_lines_become_the_endpoints_jobs_in_order():
 
 
 def test_responses_lines_become_chat_jobs():
-    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses",
-            "body": {"model": "tiny", "input": "hello", "instructions": "be brief", "max_output_tokens": 4}}
+    line = {
+        "custom_id": "r",
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": "tiny", "input": "hello", "instructions": "be brief", "max_output_tokens": 4},
+    }
     [ln], errors = parse(jsonl(line), "/v1/responses")
     assert errors == [] and ln.op == "chat" and ln.job.params.max_tokens == 4
     assert [m["role"] for m in ln.job.messages] == ["system", "user"]
@@ -57,20 +65,26 @@ def test_responses_lines_become_chat_jobs():
     assert err.code == "unsupported_parameter" and err.line == 1
 
 
-@pytest.mark.parametrize("bad, code, param", [
-    (b"{not json", "invalid_json_line", None),
-    (b"[1, 2]", "invalid_json_line", None),
-    ({"method": "POST", "url": "/v1/chat/completions", "body": {}}, "missing_required_parameter", "custom_id"),
-    ({**chat("x"), "method": "GET"}, "invalid_method", "method"),
-    ({**chat("x"), "url": "/v1/embeddings"}, "invalid_url", "url"),
-    ({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}, "missing_required_parameter", "body"),
-    (chat("x", stream=True), "invalid_request", "body.stream"),
-    (chat("x", model="ghost"), "model_not_found", "body.model"),
-    (chat("x", model="minilm"), "unsupported_operation", "body.model"),
-    (chat("x", temperature=9), "invalid_request", "body"),
-    ({**chat("x"), "body": {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}}, "invalid_request",
-     "body.messages[0].role"),
-])
+@pytest.mark.parametrize(
+    "bad, code, param",
+    [
+        (b"{not json", "invalid_json_line", None),
+        (b"[1, 2]", "invalid_json_line", None),
+        ({"method": "POST", "url": "/v1/chat/completions", "body": {}}, "missing_required_parameter", "custom_id"),
+        ({**chat("x"), "method": "GET"}, "invalid_method", "method"),
+        ({**chat("x"), "url": "/v1/embeddings"}, "invalid_url", "url"),
+        ({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}, "missing_required_parameter", "body"),
+        (chat("x", stream=True), "invalid_request", "body.stream"),
+        (chat("x", model="ghost"), "model_not_found", "body.model"),
+        (chat("x", model="minilm"), "unsupported_operation", "body.model"),
+        (chat("x", temperature=9), "invalid_request", "body"),
+        (
+            {**chat("x"), "body": {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}},
+            "invalid_request",
+            "body.messages[0].role",
+        ),
+    ],
+)
 def test_a_bad_line_is_named_by_its_number(bad, code, param):
     lines, [err] = parse(jsonl(chat("ok"), bad))
     assert [ln.custom_id for ln in lines] == ["ok"]
@@ -86,12 +100,17 @@ def test_custom_ids_are_unique_and_an_empty_file_is_an_error():
 def test_the_files_are_in_input_order_each_line_once_in_openais_shape():
     def res(i: int, status: int | None, **kw) -> LineResult:
         body = msgspec.Raw(json.dumps({"n": i}).encode() if status else b"null")
-        res = LineResult(index=i, custom_id=f"c{i}", id=f"batch_req_{i}", request_id=f"r{i}", status_code=status,
-                         body=body, **kw)
+        res = LineResult(
+            index=i, custom_id=f"c{i}", id=f"batch_req_{i}", request_id=f"r{i}", status_code=status, body=body, **kw
+        )
         return msgspec.json.decode(msgspec.json.encode(res), type=LineResult)  # as kept in the bucket
 
-    results = {2: res(2, 200), 0: res(0, 200), 1: res(1, 400), 3: res(3, None, error_code="batch_expired",
-                                                                     error_message="too late")}
+    results = {
+        2: res(2, 200),
+        0: res(0, 200),
+        1: res(1, 400),
+        3: res(3, None, error_code="batch_expired", error_message="too late"),
+    }
     spool = output.Spool()
     for r in results.values():
         spool.add(r)
@@ -100,8 +119,12 @@ def test_the_files_are_in_input_order_each_line_once_in_openais_shape():
     spool.close()
     ok = [json.loads(x) for x in out.splitlines()]
     assert [x["custom_id"] for x in ok] == ["c0", "c2"]
-    assert ok[0] == {"id": "batch_req_0", "custom_id": "c0", "error": None,
-                     "response": {"status_code": 200, "request_id": "r0", "body": {"n": 0}}}
+    assert ok[0] == {
+        "id": "batch_req_0",
+        "custom_id": "c0",
+        "error": None,
+        "response": {"status_code": 200, "request_id": "r0", "body": {"n": 0}},
+    }
     failed = [json.loads(x) for x in err.splitlines()]
     assert [x["custom_id"] for x in failed] == ["c1", "c3"]
     assert failed[0]["response"]["status_code"] == 400 and failed[0]["error"] is None
@@ -109,8 +132,18 @@ def test_the_files_are_in_input_order_each_line_once_in_openais_shape():
 
 
 def test_the_batch_object_and_takeover():
-    rec = BatchRecord(id="batch_1", key_name="k", endpoint="/v1/embeddings", input_file_id="file-1",
-                      status="in_progress", created_at=1, expires_at=2, updated_at=1.0, total=3, completed=1)
+    rec = BatchRecord(
+        id="batch_1",
+        key_name="k",
+        endpoint="/v1/embeddings",
+        input_file_id="file-1",
+        status="in_progress",
+        created_at=1,
+        expires_at=2,
+        updated_at=1.0,
+        total=3,
+        completed=1,
+    )
     body = batch_json(rec)
     assert body["object"] == "batch" and body["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
     assert "errors" not in body and "output_file_id" not in body  # not set yet: left out, as OpenAI's schema says
@@ -127,8 +160,10 @@ def test_a_node_holding_a_chat_model_may_pull_its_batch_lines():
     from coderai.contracts.work import work_consumer, work_consumers
     from coderai.runtime import members
 
-    held = [ModelConfig(name="tiny", engine="llama", path="/m.gguf", ops=["chat"]),
-            ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"], distribute={"enabled": False})]
+    held = [
+        ModelConfig(name="tiny", engine="llama", path="/m.gguf", ops=["chat"]),
+        ModelConfig(name="minilm", engine="embed", path="/m", ops=["embed"], distribute={"enabled": False}),
+    ]
     assert work_consumers(held) == sorted([work_consumer("tiny", "chat"), work_consumer("minilm", "embed")])
     pub = members.node_permissions("n1", work_consumers(held))["publish"]["allow"]
     assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{work_consumer('tiny', 'chat')}" in pub

@@ -23,8 +23,17 @@ def test_a_signed_url_verifies_for_its_name_until_it_expires():
     assert not s.valid("abd.png", expires, sig, now=1000)  # another blob
     assert not s.valid(name, "1061", sig, now=1000)  # a later expiry
     assert not BlobSigner("k2").valid(name, expires, sig, now=1000)  # another cluster's key
-    for bad in ((None, sig), (expires, None), ("", sig), ("-5", sig), ("1e9", sig), ("9" * 40, sig), ("\u00b2", sig),
-                (expires, "x"), (expires, sig + "\u00e9")):
+    for bad in (
+        (None, sig),
+        (expires, None),
+        ("", sig),
+        ("-5", sig),
+        ("1e9", sig),
+        ("9" * 40, sig),
+        ("\u00b2", sig),
+        (expires, "x"),
+        (expires, sig + "\u00e9"),
+    ):
         assert not s.valid(name, *bad, now=1000), bad
 
 

@@ -33,6 +33,8 @@ def test_deep_or_huge_schemas_are_400s_naming_the_field():
         check_schemas(job(tools=[{"type": "function", "function": {"name": "f", "parameters": nested(40)}}]))
     assert exc.value.param == "tools"
     with pytest.raises(ApiError) as exc:
-        check_schemas(job(response_format={"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 300_000]}}}))
+        check_schemas(
+            job(response_format={"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 300_000]}}})
+        )
     assert exc.value.code == "schema_too_large"
     check_schemas(job(response_format={"type": "json_schema", "json_schema": {"schema": nested(10)}}))

@@ -21,17 +21,20 @@ def route(prefix: list[str], session: str = "", user: str = "") -> RouteRequest:
     return RouteRequest(request_id="r", model="m", op="chat", prefix=prefix, session=session, user=user)
 
 
-@pytest.mark.parametrize(("model", "key", "default", "shared"), [
-    (None, None, True, True),      # a single-tenant box: today's behaviour
-    (None, None, False, False),    # a multi-tenant gateway's default
-    (True, None, False, True),     # the model says share
-    (None, True, False, True),     # the key says share
-    (False, None, True, False),    # the model says private, whatever the default
-    (None, False, True, False),    # the key says private
-    (False, True, True, True),     # either saying true shares (the issue's "unless the model or key says")
-    (True, False, False, True),
-    (False, False, True, False),
-])
+@pytest.mark.parametrize(
+    ("model", "key", "default", "shared"),
+    [
+        (None, None, True, True),  # a single-tenant box: today's behaviour
+        (None, None, False, False),  # a multi-tenant gateway's default
+        (True, None, False, True),  # the model says share
+        (None, True, False, True),  # the key says share
+        (False, None, True, False),  # the model says private, whatever the default
+        (None, False, True, False),  # the key says private
+        (False, True, True, True),  # either saying true shares (the issue's "unless the model or key says")
+        (True, False, False, True),
+        (False, False, True, False),
+    ],
+)
 def test_who_shares_the_cache(model, key, default, shared):
     scope = cache_scope("tenant-a", model, key, default)
     assert (scope == "") is shared
@@ -71,8 +74,9 @@ def test_empty_keys_stay_empty():
 
 
 def _engine(eid: str, in_flight: int) -> EngineStatus:
-    return EngineStatus(engine_id=eid, model="m", engine="llama-server", ops=["chat"], state="ready",
-                        in_flight=in_flight)
+    return EngineStatus(
+        engine_id=eid, model="m", engine="llama-server", ops=["chat"], state="ready", in_flight=in_flight
+    )
 
 
 def test_the_router_never_steers_key_b_to_key_a_s_warm_engine():
@@ -80,10 +84,30 @@ def test_the_router_never_steers_key_b_to_key_a_s_warm_engine():
     with scoped keys the router knows nothing of B's chain and picks by load, while A's own next turn still goes
     to A."""
     t = EngineTable()
-    t.apply(Heartbeat(node_id="n1", version="0", seq=1, ts=0.0, host="n1", capabilities=["llama-server"],
-                      engines=[_engine("A", 1)]), now=0.0)
-    t.apply(Heartbeat(node_id="n2", version="0", seq=1, ts=0.0, host="n2", capabilities=["llama-server"],
-                      engines=[_engine("B", 0)]), now=0.0)
+    t.apply(
+        Heartbeat(
+            node_id="n1",
+            version="0",
+            seq=1,
+            ts=0.0,
+            host="n1",
+            capabilities=["llama-server"],
+            engines=[_engine("A", 1)],
+        ),
+        now=0.0,
+    )
+    t.apply(
+        Heartbeat(
+            node_id="n2",
+            version="0",
+            seq=1,
+            ts=0.0,
+            host="n2",
+            capabilities=["llama-server"],
+            engines=[_engine("B", 0)],
+        ),
+        now=0.0,
+    )
     cfg = ModelConfig(name="m", engine="llama-server", path="/m.gguf", share_cache=False)
     chain = chat_chain("m", [SYSTEM, USER])
     scope_a, scope_b = cache_scope("tenant-a", False, None, True), cache_scope("tenant-b", False, None, True)
@@ -92,8 +116,13 @@ def test_the_router_never_steers_key_b_to_key_a_s_warm_engine():
     for key in keys_to_record(a):
         affinity[key] = AffinityEntry(engine_id="A", node_id="n1", ts=100.0)
 
-    shared = pick(t, route(chain), affinity={k: AffinityEntry(engine_id="A", node_id="n1", ts=100.0)
-                                             for k in keys_to_record(route(chain))}, model=cfg, now=100.0)
+    shared = pick(
+        t,
+        route(chain),
+        affinity={k: AffinityEntry(engine_id="A", node_id="n1", ts=100.0) for k in keys_to_record(route(chain))},
+        model=cfg,
+        now=100.0,
+    )
     assert (shared.engine_id, shared.reason) == ("A", "prefix")  # unscoped, B would have been sent to A
 
     b = pick(t, scoped(route(chain), scope_b), affinity=affinity, model=cfg, now=100.0)
@@ -109,9 +138,13 @@ def test_the_setting_is_read_from_a_models_file_the_admin_api_and_a_key(tmp_path
     from coderai.accounts.keys import ApiKey, _from_hash, _to_hash
     from coderai.models_file import load_models, write_models_file
 
-    path = write_models_file(tmp_path / "models.toml", [
-        {"name": "private", "engine": "llama-server", "path": "/m.gguf", "share_cache": False},
-        {"name": "unset", "engine": "llama-server", "path": "/m.gguf"}])
+    path = write_models_file(
+        tmp_path / "models.toml",
+        [
+            {"name": "private", "engine": "llama-server", "path": "/m.gguf", "share_cache": False},
+            {"name": "unset", "engine": "llama-server", "path": "/m.gguf"},
+        ],
+    )
     assert [m.share_cache for m in load_models(str(path))] == [False, None]
     body = b'{"name": "m", "engine": "llama-server", "path": "/m.gguf", "share_cache": true}'
     assert msgspec.json.decode(body, type=ModelConfig).share_cache is True  # what POST /admin/models reads

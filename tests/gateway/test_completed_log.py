@@ -33,18 +33,60 @@ def json_lines(monkeypatch):
 
 def test_a_completed_request_is_one_json_line_with_its_fields(json_lines):
     clog.add_secret("sk-never-in-a-log-0123")
-    done = RequestCompleted(request_id="r" * 24, ts=1.0, key_name="alice", model="tiny", op="chat", status="ok",
-                            http_status=200, engine_id="n1-tiny", node_id="n1", duration_s=0.25, ttft_s=0.0123,
-                            prompt_tokens=7, completion_tokens=3, stream=True, route_reason="prefix", parts=0,
-                            client_request_id="sk-never-in-a-log-0123")
+    done = RequestCompleted(
+        request_id="r" * 24,
+        ts=1.0,
+        key_name="alice",
+        model="tiny",
+        op="chat",
+        status="ok",
+        http_status=200,
+        engine_id="n1-tiny",
+        node_id="n1",
+        duration_s=0.25,
+        ttft_s=0.0123,
+        prompt_tokens=7,
+        completion_tokens=3,
+        stream=True,
+        route_reason="prefix",
+        parts=0,
+        client_request_id="sk-never-in-a-log-0123",
+    )
     log_completed(done)
     [line] = json_lines()
     assert line["msg"] == "request completed" and line["level"] == "info" and line["request_id"] == "r" * 24
-    assert {k: line[k] for k in ("key_name", "model", "op", "status", "http_status", "stream", "route", "engine",
-                                 "engine_node", "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens")} == {
-        "key_name": "alice", "model": "tiny", "op": "chat", "status": "ok", "http_status": 200, "stream": True,
-        "route": "prefix", "engine": "n1-tiny", "engine_node": "n1", "ttft_ms": 12.3, "total_ms": 250.0,
-        "prompt_tokens": 7, "completion_tokens": 3}
+    assert {
+        k: line[k]
+        for k in (
+            "key_name",
+            "model",
+            "op",
+            "status",
+            "http_status",
+            "stream",
+            "route",
+            "engine",
+            "engine_node",
+            "ttft_ms",
+            "total_ms",
+            "prompt_tokens",
+            "completion_tokens",
+        )
+    } == {
+        "key_name": "alice",
+        "model": "tiny",
+        "op": "chat",
+        "status": "ok",
+        "http_status": 200,
+        "stream": True,
+        "route": "prefix",
+        "engine": "n1-tiny",
+        "engine_node": "n1",
+        "ttft_ms": 12.3,
+        "total_ms": 250.0,
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+    }
     assert line["client_request_id"] == "***"  # a secret is redacted wherever it turns up
     assert clog.ring.tail(1) == [json.dumps(line)]  # the admin API's ring has the same line
 

@@ -30,8 +30,15 @@ async def test_the_mirror_lists_copies_of_live_nodes_only(bus, unique):
     copies.start()
     try:
         kv = await bus.kv(NODES)
-        hb = Heartbeat(node_id=node, version="0", seq=1, ts=time.time(), host=node, capabilities=["llama"],
-                       engines=[engine(a), engine(b, "loading")])
+        hb = Heartbeat(
+            node_id=node,
+            version="0",
+            seq=1,
+            ts=time.time(),
+            host=node,
+            capabilities=["llama"],
+            engines=[engine(a), engine(b, "loading")],
+        )
         await kv.put(node, encode(hb))
         await wait_for(lambda: a in copies.by_model(), 5, what="the node record in the mirror")
         seen = copies.by_model()
@@ -45,15 +52,30 @@ async def test_the_mirror_lists_copies_of_live_nodes_only(bus, unique):
 
 
 def test_models_say_whether_loaded_how_often_and_where_for_admins_only():
-    copies = [Copy("n2", engine("m")), Copy("n1", engine("m")), Copy("n1", engine("m", "loading")),
-              Copy("n3", engine("m", "failed"))]
+    copies = [
+        Copy("n2", engine("m")),
+        Copy("n1", engine("m")),
+        Copy("n1", engine("m", "loading")),
+        Copy("n3", engine("m", "failed")),
+    ]
     admin = model_json(cfg(resident="on_demand"), copies, admin=True)
     assert admin["id"] == "m" and admin["object"] == "model"  # OpenAI's fields as they were
-    assert admin["coderai"] == {"loaded": True, "copies": 2, "loading": True, "resident": "on_demand", "nodes": ["n1", "n2"]}
+    assert admin["coderai"] == {
+        "loaded": True,
+        "copies": 2,
+        "loading": True,
+        "resident": "on_demand",
+        "nodes": ["n1", "n2"],
+    }
     tenant = model_json(cfg(), copies, admin=False)["coderai"]
     assert "nodes" not in tenant and tenant["resident"] == "auto" and tenant["copies"] == 2
     assert model_json(cfg(resident="always"), [], admin=True)["coderai"] == {
-        "loaded": False, "copies": 0, "loading": False, "resident": "always", "nodes": []}
+        "loaded": False,
+        "copies": 0,
+        "loading": False,
+        "resident": "always",
+        "nodes": [],
+    }
 
 
 def test_keep_alive_follows_the_request_then_the_model():
@@ -68,8 +90,10 @@ def test_keep_alive_follows_the_request_then_the_model():
 def test_a_running_model_in_ollama_ps():
     now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
     m = cfg(resident="on_demand", keep_alive_s=100)
-    ready = [Copy("n1", engine("m", idle_s=30.0, memory=2 * GiB)),  # CPU: 70 s left
-             Copy("n2", engine("m", idle_s=90.0, memory=3 * GiB, devices=[0]))]  # GPU 0: 10 s left
+    ready = [
+        Copy("n1", engine("m", idle_s=30.0, memory=2 * GiB)),  # CPU: 70 s left
+        Copy("n2", engine("m", idle_s=90.0, memory=3 * GiB, devices=[0])),
+    ]  # GPU 0: 10 s left
     shown = running_json(m, ready, now)
     assert shown["model"] == "m" and shown["size"] == 3 * GiB and shown["size_vram"] == 3 * GiB
     assert shown["expires_at"] == "2026-01-01T00:01:10Z"  # the last copy to go

@@ -19,7 +19,13 @@ def test_every_bus_code_has_a_mapping():
 def test_from_bus_follows_the_table(code):
     err = from_bus(BusError(code, f"details for {code}", retryable=True), retry_after_s=7)
     status, type_ = BUS_TO_HTTP[code]
-    assert (err.status, err.type, err.code, err.message, err.param) == (status, type_, code, f"details for {code}", None)
+    assert (err.status, err.type, err.code, err.message, err.param) == (
+        status,
+        type_,
+        code,
+        f"details for {code}",
+        None,
+    )
     if status == 503 or code == "busy":
         assert err.headers == {"Retry-After": "7"}
     else:
@@ -28,15 +34,31 @@ def test_from_bus_follows_the_table(code):
 
 def test_the_statuses_clients_rely_on():
     assert {c: s for c, (s, _) in BUS_TO_HTTP.items()} == {
-        "bad_request": 400, "not_found": 404, "no_engine": 503, "overloaded": 503, "busy": 429, "over_budget": 429, "timeout": 504,
-        "engine_failed": 502, "cancelled": 499, "internal": 502, "forbidden": 403, "unavailable": 502,
-        "conflict": 409, "stale_leader": 503,  # a former leader's command: a later try reaches the new one
+        "bad_request": 400,
+        "not_found": 404,
+        "no_engine": 503,
+        "overloaded": 503,
+        "busy": 429,
+        "over_budget": 429,
+        "timeout": 504,
+        "engine_failed": 502,
+        "cancelled": 499,
+        "internal": 502,
+        "forbidden": 403,
+        "unavailable": 502,
+        "conflict": 409,
+        "stale_leader": 503,  # a former leader's command: a later try reaches the new one
     }
 
 
 def test_only_unavailable_and_busy_codes_carry_retry_after():
     with_header = {c for c in BUS_TO_HTTP if "Retry-After" in from_bus(BusError(c, "m"), 3).headers}
-    assert with_header == {"no_engine", "overloaded", "busy", "stale_leader"}  # a full engine queue: come back in a moment
+    assert with_header == {
+        "no_engine",
+        "overloaded",
+        "busy",
+        "stale_leader",
+    }  # a full engine queue: come back in a moment
 
 
 def test_an_unknown_bus_code_is_a_502():
@@ -52,10 +74,17 @@ def test_from_http_known_statuses(status):
 
 
 def test_from_http_common_codes():
-    assert (from_http(401, "x").code, from_http(404, "x").code, from_http(429, "x").type) == ("invalid_api_key", "not_found", "rate_limit_error")
+    assert (from_http(401, "x").code, from_http(404, "x").code, from_http(429, "x").type) == (
+        "invalid_api_key",
+        "not_found",
+        "rate_limit_error",
+    )
 
 
-@pytest.mark.parametrize("status, type_", [(500, "server_error"), (503, "server_error"), (418, "invalid_request_error"), (422, "invalid_request_error")])
+@pytest.mark.parametrize(
+    "status, type_",
+    [(500, "server_error"), (503, "server_error"), (418, "invalid_request_error"), (422, "invalid_request_error")],
+)
 def test_from_http_unknown_statuses(status, type_):
     err = from_http(status, "d")
     assert (err.status, err.type, err.code) == (status, type_, f"http_{status}")
@@ -63,7 +92,14 @@ def test_from_http_unknown_statuses(status, type_):
 
 def test_body_has_exactly_the_openai_shape():
     err = ApiError(400, "bad temp", code="invalid_request", param="temperature")
-    assert err.body() == {"error": {"message": "bad temp", "type": "invalid_request_error", "param": "temperature", "code": "invalid_request"}}
+    assert err.body() == {
+        "error": {
+            "message": "bad temp",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_request",
+        }
+    }
     assert msgspec.json.decode(err.encode()) == err.body()
 
 

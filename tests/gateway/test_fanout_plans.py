@@ -15,8 +15,24 @@ import pytest
 
 from coderai.contracts import Usage
 from coderai.contracts.media import (
-    Blob, DiarizeJob, EmbedJob, EmbedResult, ImageJob, ImageResult, OcrJob, OcrPage, OcrResult, RerankJob,
-    RerankResult, Segment, SpeechJob, SpeechResult, TranscribeJob, TranscribeResult, VideoJob, Word,
+    Blob,
+    DiarizeJob,
+    EmbedJob,
+    EmbedResult,
+    ImageJob,
+    ImageResult,
+    OcrJob,
+    OcrPage,
+    OcrResult,
+    RerankJob,
+    RerankResult,
+    Segment,
+    SpeechJob,
+    SpeechResult,
+    TranscribeJob,
+    TranscribeResult,
+    VideoJob,
+    Word,
 )
 from coderai.contracts import Distribute
 from coderai.gateway.fanout import audio as fp
@@ -108,11 +124,14 @@ def test_embed_plan_covers_input_once_in_order(items, hint, max_parts):
 # --- when not to split --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op,job", [
-    ("embed", embed_job(stream=True)),
-    ("image", ImageJob(request_id="r", model="m", prompt="p", n=4, seed=1, stream=True)),
-    ("speech", SpeechJob(request_id="r", model="m", input="One. Two. Three.", response_format="wav", stream=True)),
-])
+@pytest.mark.parametrize(
+    "op,job",
+    [
+        ("embed", embed_job(stream=True)),
+        ("image", ImageJob(request_id="r", model="m", prompt="p", n=4, seed=1, stream=True)),
+        ("speech", SpeechJob(request_id="r", model="m", input="One. Two. Three.", response_format="wav", stream=True)),
+    ],
+)
 def test_streaming_jobs_are_not_split(op, job):
     assert plan(op, job, 4, ON) is None
 
@@ -128,13 +147,16 @@ def test_disabled_min_items_and_single_worker_do_not_split():
     assert plan("image", ImageJob(request_id="r", model="m", prompt="p", n=1), 4, ON) is None
 
 
-@pytest.mark.parametrize("op,job", [
-    ("chat", embed_job()),
-    ("complete", embed_job()),
-    ("video", VideoJob(request_id="r", model="m", prompt="p", num_frames=64)),
-    ("diarize", DiarizeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(b"\0\0" * 48000)))),
-    ("train", embed_job()),
-])
+@pytest.mark.parametrize(
+    "op,job",
+    [
+        ("chat", embed_job()),
+        ("complete", embed_job()),
+        ("video", VideoJob(request_id="r", model="m", prompt="p", num_frames=64)),
+        ("diarize", DiarizeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(b"\0\0" * 48000)))),
+        ("train", embed_job()),
+    ],
+)
 def test_other_ops_are_not_split(op, job):
     assert plan(op, job, 4, ON) is None
 
@@ -245,17 +267,20 @@ def test_merge_rejects_wrong_count_type_and_op():
 # --- speech -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,sentences", [
-    ("", []),
-    ("no end mark at all", ["no end mark at all"]),
-    ("One. Two! Three? Four", ["One.", "Two!", "Three?", "Four"]),
-    ("Dr. Smith met Mrs. Jones. They talked.", ["Dr. Smith met Mrs. Jones.", "They talked."]),
-    ("J. R. R. Tolkien wrote it. Yes.", ["J. R. R. Tolkien wrote it.", "Yes."]),
-    ('He said "Stop." Then he left.', ['He said "Stop."', "Then he left."]),
-    ("Wait... What?! Pi is 3.14 exactly.", ["Wait...", "What?!", "Pi is 3.14 exactly."]),
-    ("Use e.g. a fork. Or not.", ["Use e.g. a fork.", "Or not."]),
-    ("A heading\n\nThe body text.", ["A heading", "The body text."]),
-])
+@pytest.mark.parametrize(
+    "text,sentences",
+    [
+        ("", []),
+        ("no end mark at all", ["no end mark at all"]),
+        ("One. Two! Three? Four", ["One.", "Two!", "Three?", "Four"]),
+        ("Dr. Smith met Mrs. Jones. They talked.", ["Dr. Smith met Mrs. Jones.", "They talked."]),
+        ("J. R. R. Tolkien wrote it. Yes.", ["J. R. R. Tolkien wrote it.", "Yes."]),
+        ('He said "Stop." Then he left.', ['He said "Stop."', "Then he left."]),
+        ("Wait... What?! Pi is 3.14 exactly.", ["Wait...", "What?!", "Pi is 3.14 exactly."]),
+        ("Use e.g. a fork. Or not.", ["Use e.g. a fork.", "Or not."]),
+        ("A heading\n\nThe body text.", ["A heading", "The body text."]),
+    ],
+)
 def test_split_sentences(text, sentences):
     assert fp.split_sentences(text) == sentences
 
@@ -276,8 +301,12 @@ def test_speech_wav_merge_concatenates_frames():
     job = SpeechJob(request_id="r", model="m", input=SPEECH_TEXT, response_format="wav")
     p = plan("speech", job, 3, ON)
     frames = [bytes([i]) * (200 * (i + 1)) for i in range(3)]
-    outs = [SpeechResult(audio=Blob(data=wav_bytes(f), content_type="audio/wav"), sample_rate=24000,
-                         duration_s=len(f) / 2 / 24000) for f in frames]
+    outs = [
+        SpeechResult(
+            audio=Blob(data=wav_bytes(f), content_type="audio/wav"), sample_rate=24000, duration_s=len(f) / 2 / 24000
+        )
+        for f in frames
+    ]
     out, _ = merge("speech", job, p, outs, [None] * 3)
     assert read_wav(out.audio.data) == ((1, 2, 24000), b"".join(frames))
     assert out.audio.content_type == "audio/wav" and out.audio.size == len(out.audio.data)
@@ -293,8 +322,10 @@ def test_speech_wav_merge_concatenates_frames():
 def test_speech_pcm_merge_concatenates_bytes():
     job = SpeechJob(request_id="r", model="m", input=SPEECH_TEXT, response_format="pcm")
     p = plan("speech", job, 2, ON)
-    outs = [SpeechResult(audio=Blob(data=b"ab" * 10, content_type="audio/pcm"), sample_rate=24000, duration_s=0.5),
-            SpeechResult(audio=Blob(data=b"cd" * 5, content_type="audio/pcm"), sample_rate=24000, duration_s=0.25)]
+    outs = [
+        SpeechResult(audio=Blob(data=b"ab" * 10, content_type="audio/pcm"), sample_rate=24000, duration_s=0.5),
+        SpeechResult(audio=Blob(data=b"cd" * 5, content_type="audio/pcm"), sample_rate=24000, duration_s=0.25),
+    ]
     out, use = merge("speech", job, p, outs, [usage(1), usage(2)])
     assert out.audio.data == b"ab" * 10 + b"cd" * 5 and out.duration_s == 0.75 and use == usage(3)
 
@@ -308,7 +339,7 @@ def synthetic_speech(rate: int, silences: list[tuple[float, float]], total_s: fl
     t = np.arange(int(total_s * rate)) / rate
     x = 0.4 * np.sin(2 * np.pi * 220 * t) + 0.2 * np.sin(2 * np.pi * 523 * t)
     for a, b in silences:
-        x[int(a * rate):int(b * rate)] = 0.0
+        x[int(a * rate) : int(b * rate)] = 0.0
     x += np.random.default_rng(0).normal(0, 0.001, len(x))
     return (x * 32767).astype("<i2")
 
@@ -336,8 +367,9 @@ def test_silence_cuts_without_silence_cut_near_the_ideal_points():
 def test_transcribe_plan_cuts_inside_silences_and_reencodes_16k_wav():
     pytest.importorskip("av")
     pcm = synthetic_speech(24000, SILENCES, 100.0)  # 24 kHz: the plan resamples to 16 kHz itself
-    job = TranscribeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(pcm.tobytes(), 24000)),
-                        language="en", word_timestamps=True)
+    job = TranscribeJob(
+        request_id="r", model="m", audio=Blob(data=wav_bytes(pcm.tobytes(), 24000)), language="en", word_timestamps=True
+    )
     p = plan("transcribe", job, 8, ON)  # 100 s holds three 30 s windows: three parts, not eight
     assert len(p.jobs) == 3 and p.offsets[0] == 0.0
     assert 29.0 < p.offsets[1] < 30.5 and 70.0 < p.offsets[2] < 71.5
@@ -349,7 +381,7 @@ def test_transcribe_plan_cuts_inside_silences_and_reencodes_16k_wav():
         assert off == start / 16000
         start += len(frames) // 2
     assert abs(start - 100 * 16000) < 160
-    short = TranscribeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(pcm[:24000 * 50].tobytes(), 24000)))
+    short = TranscribeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(pcm[: 24000 * 50].tobytes(), 24000)))
     assert plan("transcribe", short, 8, ON) is None  # under two 30 s windows
 
 
@@ -361,11 +393,16 @@ def test_transcribe_merge_shifts_timestamps_and_renumbers():
     job = TranscribeJob(request_id="r", model="m", audio=Blob(data=b"x"))
     p = Plan(jobs=[job, job, job], offsets=[0.0, 29.75, 70.5])
     outs = [
-        TranscribeResult(text=" Hello there. ", language="en", duration_s=29.75,
-                         segments=[seg(0, 0.0, 2.0, " Hello"), seg(1, 2.0, 29.0, " there.")]),
+        TranscribeResult(
+            text=" Hello there. ",
+            language="en",
+            duration_s=29.75,
+            segments=[seg(0, 0.0, 2.0, " Hello"), seg(1, 2.0, 29.0, " there.")],
+        ),
         TranscribeResult(text="", language="de", duration_s=40.75),
-        TranscribeResult(text="General Kenobi.", language="en", duration_s=29.5,
-                         segments=[seg(0, 0.5, 3.25, " General Kenobi.")]),
+        TranscribeResult(
+            text="General Kenobi.", language="en", duration_s=29.5, segments=[seg(0, 0.5, 3.25, " General Kenobi.")]
+        ),
     ]
     out, use = merge("transcribe", job, p, outs, [usage(1), None, usage(2)])
     assert out.text == "Hello there. General Kenobi." and out.language == "en" and out.duration_s == 100.0
@@ -380,7 +417,7 @@ def sound_per_window(windows: int):
     np = pytest.importorskip("numpy")
     t = np.arange(int(2.6 * 16000)) / 16000
     window = np.zeros(30 * 16000, dtype="<i2")
-    window[8000:8000 + len(t)] = (0.4 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
+    window[8000 : 8000 + len(t)] = (0.4 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2")
     return np.tile(window, windows)
 
 
@@ -391,12 +428,20 @@ def fake_whisper(pcm, lead: float) -> TranscribeResult:
     the window's last frame (29.98 s), where the first-word clamp leaves it 1.4 s earlier: lead 28.58."""
     segments = []
     for w in range(0, len(pcm), 30 * 16000):
-        if abs(pcm[w:w + 30 * 16000].astype(float)).max() > 0:
+        if abs(pcm[w : w + 30 * 16000].astype(float)).max() > 0:
             start = round(w / 16000 + lead, 3)
-            segments.append(Segment(id=len(segments), start=start, end=round(w / 16000 + 29.98, 3), text=" Hi.",
-                                    words=[Word(word="Hi.", start=start, end=round(w / 16000 + 29.98, 3))]))
-    return TranscribeResult(text="".join(s.text for s in segments).strip(), language="en",
-                            duration_s=len(pcm) / 16000, segments=segments)
+            segments.append(
+                Segment(
+                    id=len(segments),
+                    start=start,
+                    end=round(w / 16000 + 29.98, 3),
+                    text=" Hi.",
+                    words=[Word(word="Hi.", start=start, end=round(w / 16000 + 29.98, 3))],
+                )
+            )
+    return TranscribeResult(
+        text="".join(s.text for s in segments).strip(), language="en", duration_s=len(pcm) / 16000, segments=segments
+    )
 
 
 @pytest.mark.parametrize("lead", [0.0, 28.58])
@@ -407,13 +452,14 @@ def test_transcribe_split_at_the_windows_merges_to_the_whole_answer(lead):
     pytest.importorskip("av")
     np = pytest.importorskip("numpy")
     pcm = sound_per_window(3)
-    job = TranscribeJob(request_id="r", model="m", audio=Blob(data=wav_bytes(pcm.tobytes(), 16000)),
-                        word_timestamps=True)
+    job = TranscribeJob(
+        request_id="r", model="m", audio=Blob(data=wav_bytes(pcm.tobytes(), 16000)), word_timestamps=True
+    )
     p = plan("transcribe", job, 3, ON)
     assert p.offsets == [0.0, 30.0, 60.0]
     assert [j.audio.data for j in plan("transcribe", job, 3, ON).jobs] == [j.audio.data for j in p.jobs]
     parts = [np.frombuffer(read_wav(j.audio.data)[1], "<i2") for j in p.jobs]
-    assert all(np.array_equal(x, pcm[:30 * 16000]) for x in parts)  # each part is one window, unshifted
+    assert all(np.array_equal(x, pcm[: 30 * 16000]) for x in parts)  # each part is one window, unshifted
     outs = [fake_whisper(x, lead) for x in parts]
     assert [s.start for o in outs for s in o.segments] == [lead] * 3  # each part's own times start at its 0
     out, _ = merge("transcribe", job, p, outs, [None] * 3)
@@ -451,8 +497,10 @@ def test_ocr_plan_splits_pdf_pages_in_order(hint, counts):
 def test_ocr_merge_renumbers_pages():
     job = OcrJob(request_id="r", model="m", file=Blob(data=b"%PDF"))
     p = Plan(jobs=[job, job], offsets=[0.0, 0.0])
-    outs = [OcrResult(pages=[OcrPage(index=i, width=10, height=10, text=f"a{i}") for i in range(3)]),
-            OcrResult(pages=[OcrPage(index=i, width=10, height=10, text=f"b{i}") for i in range(2)])]
+    outs = [
+        OcrResult(pages=[OcrPage(index=i, width=10, height=10, text=f"a{i}") for i in range(3)]),
+        OcrResult(pages=[OcrPage(index=i, width=10, height=10, text=f"b{i}") for i in range(2)]),
+    ]
     out, _ = merge("ocr", job, p, outs, [None, None])
     assert [(pg.index, pg.text) for pg in out.pages] == [(0, "a0"), (1, "a1"), (2, "a2"), (3, "b0"), (4, "b1")]
 

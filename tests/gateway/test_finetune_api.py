@@ -12,8 +12,13 @@ from coderai.gateway.openai.fine_tuning import JobRequest, events_page, job_json
 from coderai.scheduler.training_plan import add_event
 from coderai.training_data import BadTrainingFile, parse_examples
 
-GOOD = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                     {"role": "assistant", "content": "Hello."}]}
+GOOD = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+}
 
 
 def lines(*objs) -> bytes:
@@ -25,16 +30,27 @@ def test_a_good_file_parses_and_blank_lines_are_skipped():
     assert len(ex) == 2 and ex[0][2] == {"role": "assistant", "content": "Hello."}
 
 
-@pytest.mark.parametrize("data, line, words", [
-    (lines(GOOD, "this is not json"), 2, "not valid JSON"),
-    (lines(GOOD, GOOD, {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}), 3, "role 'robot'"),
-    (lines({"prompt": "old style", "completion": "x"}), 1, '"messages"'),
-    (lines({"messages": [{"role": "user", "content": "only a question"}]}), 1, "no assistant message"),
-    (lines({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}), 1, "string \"content\""),
-    (lines({"messages": []}), 1, "non-empty list"),
-    (lines(["a", "list"]), 1, "JSON object"),
-    (b'{"messages": []}\n\xff\xfe\n', 2, "UTF-8"),
-])
+@pytest.mark.parametrize(
+    "data, line, words",
+    [
+        (lines(GOOD, "this is not json"), 2, "not valid JSON"),
+        (
+            lines(GOOD, GOOD, {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+            3,
+            "role 'robot'",
+        ),
+        (lines({"prompt": "old style", "completion": "x"}), 1, '"messages"'),
+        (lines({"messages": [{"role": "user", "content": "only a question"}]}), 1, "no assistant message"),
+        (
+            lines({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}),
+            1,
+            'string "content"',
+        ),
+        (lines({"messages": []}), 1, "non-empty list"),
+        (lines(["a", "list"]), 1, "JSON object"),
+        (b'{"messages": []}\n\xff\xfe\n', 2, "UTF-8"),
+    ],
+)
 def test_bad_files_name_the_line(data, line, words):
     with pytest.raises(BadTrainingFile) as exc:
         parse_examples(data)
@@ -54,30 +70,47 @@ def req(**kw) -> JobRequest:
 def test_defaults_and_auto_resolve():
     c = resolve(req(hyperparameters={"n_epochs": "auto"}), "ftjob-1", "k")
     assert (c.method, c.nodes, c.lora_rank, c.lora_alpha, c.key_name) == ("lora", 0, 8, 16, "k")
-    assert (c.hyperparameters.n_epochs, c.hyperparameters.batch_size, c.hyperparameters.learning_rate_multiplier) == (3, 1, 1.0)
+    assert (c.hyperparameters.n_epochs, c.hyperparameters.batch_size, c.hyperparameters.learning_rate_multiplier) == (
+        3,
+        1,
+        1.0,
+    )
 
 
 def test_coderai_extensions_and_openai_method_object():
-    c = resolve(req(method="qlora", nodes=2, lora_rank=4, lora_alpha=8, suffix="s", seed=3,
-                    hyperparameters={"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 10}), "ftjob-1")
+    c = resolve(
+        req(
+            method="qlora",
+            nodes=2,
+            lora_rank=4,
+            lora_alpha=8,
+            suffix="s",
+            seed=3,
+            hyperparameters={"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 10},
+        ),
+        "ftjob-1",
+    )
     assert (c.method, c.nodes, c.lora_rank, c.lora_alpha, c.suffix, c.seed) == ("qlora", 2, 4, 8, "s", 3)
     assert c.hyperparameters.learning_rate_multiplier == 10.0
     c = resolve(req(method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 5}}}), "ftjob-1")
     assert c.method == "lora" and c.hyperparameters.n_epochs == 5
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"method": "full"}, "method"),
-    ({"method": {"type": "dpo"}}, "method"),
-    ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
-    ({"hyperparameters": {"batch_size": 1.5}}, "hyperparameters.batch_size"),
-    ({"hyperparameters": {"learning_rate_multiplier": "fast"}}, "hyperparameters.learning_rate_multiplier"),
-    ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
-    ({"lora_rank": 0}, "lora_rank"),
-    ({"nodes": -1}, "nodes"),
-    ({"method": {"type": "supervised", "supervised": "x"}}, "method.supervised"),
-    ({"method": {"type": "lora", "lora": {"hyperparameters": [1]}}}, "method.lora.hyperparameters"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"method": "full"}, "method"),
+        ({"method": {"type": "dpo"}}, "method"),
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
+        ({"hyperparameters": {"batch_size": 1.5}}, "hyperparameters.batch_size"),
+        ({"hyperparameters": {"learning_rate_multiplier": "fast"}}, "hyperparameters.learning_rate_multiplier"),
+        ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
+        ({"lora_rank": 0}, "lora_rank"),
+        ({"nodes": -1}, "nodes"),
+        ({"method": {"type": "supervised", "supervised": "x"}}, "method.supervised"),
+        ({"method": {"type": "lora", "lora": {"hyperparameters": [1]}}}, "method.lora.hyperparameters"),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(kw, param):
     with pytest.raises(ApiError) as exc:
         resolve(req(**kw), "ftjob-1")
@@ -88,8 +121,9 @@ def test_a_validation_file_goes_to_the_scheduler_and_shows_in_the_job():
     assert resolve(req(validation_file="file-2"), "ftjob-1").validation_file == "file-2"
     assert resolve(req(), "ftjob-1").validation_file is None
     assert resolve(req(validation_file=""), "ftjob-1").validation_file is None
-    job = FineTuneJob(id="ftjob-v", model="tiny", training_file="file-1", validation_file="file-2", created_at=5,
-                      valid_loss=1.25)
+    job = FineTuneJob(
+        id="ftjob-v", model="tiny", training_file="file-1", validation_file="file-2", created_at=5, valid_loss=1.25
+    )
     j = job_json(job)
     assert j["validation_file"] == "file-2" and j["training_file"] == "file-1" and j["coderai"]["valid_loss"] == 1.25
     plain = job_json(FineTuneJob(id="ftjob-p", model="tiny", training_file="file-1", created_at=5))
@@ -97,8 +131,16 @@ def test_a_validation_file_goes_to_the_scheduler_and_shows_in_the_job():
 
 
 def test_job_and_events_are_openai_shaped():
-    job = FineTuneJob(id="ftjob-abc", model="tiny", training_file="file-1", suffix="s", created_at=5, status="failed",
-                      nodes=["a", "b"], error=JobError(code="rank_failed", message="rank 1 on node b failed"))
+    job = FineTuneJob(
+        id="ftjob-abc",
+        model="tiny",
+        training_file="file-1",
+        suffix="s",
+        created_at=5,
+        status="failed",
+        nodes=["a", "b"],
+        error=JobError(code="rank_failed", message="rank 1 on node b failed"),
+    )
     for i in range(5):
         job = add_event(job, f"Step {i}", type_="metrics", data={"step": i}, now=10.0 + i)
     j = job_json(job)

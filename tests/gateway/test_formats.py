@@ -5,7 +5,18 @@ from __future__ import annotations
 import base64
 import struct
 
-from coderai.contracts import DiarizeResult, EmbedResult, OcrLine, OcrPage, OcrResult, Segment, TranscribeResult, Turn, Usage, Word
+from coderai.contracts import (
+    DiarizeResult,
+    EmbedResult,
+    OcrLine,
+    OcrPage,
+    OcrResult,
+    Segment,
+    TranscribeResult,
+    Turn,
+    Usage,
+    Word,
+)
 from coderai.gateway.openai import formats
 
 
@@ -33,14 +44,18 @@ def test_rerank_sorts_best_first_and_cuts_at_top_n():
     assert [r["index"] for r in bare["results"]] == [1, 2, 0] and "document" not in bare["results"][0]
 
 
-SEGS = [Segment(id=0, start=0.0, end=1.5, text=" Hello there.", words=[Word(word=" Hello", start=0.0, end=0.6)]),
-        Segment(id=1, start=61.25, end=3723.5, text=" Bye.")]
+SEGS = [
+    Segment(id=0, start=0.0, end=1.5, text=" Hello there.", words=[Word(word=" Hello", start=0.0, end=0.6)]),
+    Segment(id=1, start=61.25, end=3723.5, text=" Bye."),
+]
 RESULT = TranscribeResult(text=" Hello there. Bye.", language="en", duration_s=3724.0, segments=SEGS)
 
 
 def test_srt_and_vtt_timestamps():
     srt = formats.srt(SEGS)
-    assert srt.startswith("1\n00:00:00,000 --> 00:00:01,500\nHello there.\n\n2\n00:01:01,250 --> 01:02:03,500\nBye.\n\n")
+    assert srt.startswith(
+        "1\n00:00:00,000 --> 00:00:01,500\nHello there.\n\n2\n00:01:01,250 --> 01:02:03,500\nBye.\n\n"
+    )
     vtt = formats.vtt(SEGS)
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHello there.\n\n")
 
@@ -58,8 +73,11 @@ def test_transcription_formats():
 
 
 def test_speakers_go_to_the_turn_that_overlaps_most():
-    turns = [Turn(start=0.0, end=1.0, speaker="SPEAKER_00"), Turn(start=1.0, end=2.0, speaker="SPEAKER_01"),
-             Turn(start=60.0, end=4000.0, speaker="SPEAKER_01")]
+    turns = [
+        Turn(start=0.0, end=1.0, speaker="SPEAKER_00"),
+        Turn(start=1.0, end=2.0, speaker="SPEAKER_01"),
+        Turn(start=60.0, end=4000.0, speaker="SPEAKER_01"),
+    ]
     segs = formats.assign_speakers(SEGS, turns)
     assert [s.speaker for s in segs] == ["SPEAKER_00", "SPEAKER_01"]
     assert formats.assign_speakers(SEGS, [])[0].speaker is None
@@ -69,10 +87,16 @@ def test_speakers_go_to_the_turn_that_overlaps_most():
 
 
 def test_diarization_and_ocr_shapes():
-    d = formats.diarization(DiarizeResult(segments=[Turn(start=0.1234, end=1.0, speaker="A")], speakers=["A"],
-                                          duration_s=2.0), "dia")
+    d = formats.diarization(
+        DiarizeResult(segments=[Turn(start=0.1234, end=1.0, speaker="A")], speakers=["A"], duration_s=2.0), "dia"
+    )
     assert d["segments"] == [{"start": 0.123, "end": 1.0, "speaker": "A"}] and d["speakers"] == ["A"]
-    page = OcrPage(index=0, width=10, height=10, text="hi",
-                   lines=[OcrLine(text="hi", box=[[0, 0], [5, 0], [5, 5], [0, 5]], score=0.99)])
+    page = OcrPage(
+        index=0,
+        width=10,
+        height=10,
+        text="hi",
+        lines=[OcrLine(text="hi", box=[[0, 0], [5, 0], [5, 5], [0, 5]], score=0.99)],
+    )
     o = formats.ocr(OcrResult(pages=[page, OcrPage(index=1, width=1, height=1, text="there")]), "ocr")
     assert o["text"] == "hi\n\nthere" and o["pages"][0]["lines"][0]["text"] == "hi"

@@ -69,10 +69,17 @@ def test_malformed_json_and_a_wrong_shape_are_400s_naming_the_field(client):
     assert r.status_code == 400 and error(r)["param"] == "messages"
 
 
-@pytest.mark.parametrize("raw, expected", [
-    (None, ""), (b"run-7/req-42", "run-7/req-42"), (b"x" * 512, "x" * 512),
-    (b"x" * 513, ApiError), (b"caf\xc3\xa9", ApiError), (b"a\tb", ApiError),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (None, ""),
+        (b"run-7/req-42", "run-7/req-42"),
+        (b"x" * 512, "x" * 512),
+        (b"x" * 513, ApiError),
+        (b"caf\xc3\xa9", ApiError),
+        (b"a\tb", ApiError),
+    ],
+)
 def test_a_client_request_id_is_printable_ascii_of_at_most_512_characters(raw, expected):
     from coderai.gateway.http import client_request_id
 

@@ -19,12 +19,19 @@ def test_parse_size():
 
 
 def test_form_fields_name_themselves():
-    form = Form(fields={"n": ["3"], "temperature": ["x"], "diarize": ["maybe"], "response_format": ["xml"]},
-                files={"file": Upload(b"", "a.wav", "audio/wav")})
+    form = Form(
+        fields={"n": ["3"], "temperature": ["x"], "diarize": ["maybe"], "response_format": ["xml"]},
+        files={"file": Upload(b"", "a.wav", "audio/wav")},
+    )
     assert form.number("n", int, 1, 10) == 3
-    cases = [lambda: form.number("temperature", float, 0, 1), lambda: form.flag("diarize"),
-             lambda: form.choice("response_format", ("json", "text"), "json"), lambda: form.require("model"),
-             lambda: form.file("file"), lambda: form.file("image")]
+    cases = [
+        lambda: form.number("temperature", float, 0, 1),
+        lambda: form.flag("diarize"),
+        lambda: form.choice("response_format", ("json", "text"), "json"),
+        lambda: form.require("model"),
+        lambda: form.file("file"),
+        lambda: form.file("image"),
+    ]
     params = []
     for case in cases:
         with pytest.raises(ApiError) as e:

@@ -1,4 +1,4 @@
-""""Not ready" is never "absent": a gateway whose view of the models is being rebuilt (its bus down, or back and
+""" "Not ready" is never "absent": a gateway whose view of the models is being rebuilt (its bus down, or back and
 reading the bucket again) answers a model it lacks with a 503 and `Retry-After` in its API's error shape, after
 waiting for the view (bounded); only a model missing from a whole, current view is a 404. Real nats-server, the
 real gateway app, and the official openai, anthropic and ollama clients over it."""
@@ -50,8 +50,11 @@ def gateway(nats, tmp_path_factory):
             await bus.close()
 
     asyncio.run(publish())
-    stack = Stack(root, nats.url, extra_env={"CODERAI_GATEWAY_FAILOVER_WAIT_S": str(WAIT_S),
-                                             "CODERAI_GATEWAY_ROUTE_TIMEOUT_S": "0.5"})
+    stack = Stack(
+        root,
+        nats.url,
+        extra_env={"CODERAI_GATEWAY_FAILOVER_WAIT_S": str(WAIT_S), "CODERAI_GATEWAY_ROUTE_TIMEOUT_S": "0.5"},
+    )
     try:
         stack.start_gateway("--api-keys-file", str(root / "keys.toml"))
         with httpx.Client(base_url=stack.http_url, headers=HEADERS, timeout=30) as client:
@@ -63,9 +66,11 @@ def gateway(nats, tmp_path_factory):
 def _sdks(client: httpx.Client):
     """The official clients, without their retries: the test sees each answer."""
     base = str(client.base_url).rstrip("/")
-    return (openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0),
-            anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0),
-            ollama.Client(host=base, headers=HEADERS))
+    return (
+        openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0),
+        anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0),
+        ollama.Client(host=base, headers=HEADERS),
+    )
 
 
 def _complete(client: httpx.Client) -> None:

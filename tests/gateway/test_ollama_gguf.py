@@ -78,8 +78,10 @@ def test_digests_once_and_from_names(tmp_path):
 
 
 def test_modelfile_parsing():
-    text = 'FROM sha256:abc\n# a comment\nPARAMETER stop "<|im_end|>"\nPARAMETER num_ctx 4096\n' \
-           'SYSTEM """\nYou are\nhelpful.\n"""\nLICENSE MIT\n'
+    text = (
+        'FROM sha256:abc\n# a comment\nPARAMETER stop "<|im_end|>"\nPARAMETER num_ctx 4096\n'
+        'SYSTEM """\nYou are\nhelpful.\n"""\nLICENSE MIT\n'
+    )
     source, params, others = parse_modelfile(text)
     assert source == "sha256:abc" and params == [("stop", "<|im_end|>"), ("num_ctx", "4096")]
     assert others == ["SYSTEM", "LICENSE"]
@@ -99,7 +101,11 @@ def test_parameters_that_serving_keeps_and_the_rest_refused():
 def test_capabilities():
     plain = ModelConfig(name="m", engine="llama", path="/m.gguf")
     assert capabilities(plain, None) == ["completion"]
-    tools = ModelConfig(name="m", engine="llama-server", path="/m.gguf",
-                        params={"chat_template": "{% if tools %}...{% endif %}<think>", "mmproj": "/p.gguf"})
+    tools = ModelConfig(
+        name="m",
+        engine="llama-server",
+        path="/m.gguf",
+        params={"chat_template": "{% if tools %}...{% endif %}<think>", "mmproj": "/p.gguf"},
+    )
     assert capabilities(tools, None) == ["completion", "thinking", "tools", "vision"]
     assert "embedding" in capabilities(ModelConfig(name="e", engine="embed", path="x"), None)

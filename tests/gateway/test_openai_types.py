@@ -10,7 +10,11 @@ from coderai.contracts import ChatJob, CompletionJob, SamplingParams
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import parse
 from coderai.gateway.openai.chat_types import (
-    ChatCompletionRequest, CompletionRequest, chat_job, completion_job, include_usage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_job,
+    completion_job,
+    include_usage,
 )
 
 USER = {"role": "user", "content": "hi"}
@@ -45,29 +49,32 @@ def test_malformed_or_empty_body_is_invalid_json(raw):
         assert (err.status, err.code, err.type, err.param) == (400, "invalid_json", "invalid_request_error", None)
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"model": "m"}, "messages"),
-    ({"messages": [USER]}, "model"),
-    ({"model": "", "messages": [USER]}, "model"),
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": "hi"}, "messages"),
-    ({"model": "m", "messages": ["hi"]}, "messages[0]"),
-    ({"model": "m", "messages": [USER], "temperature": 2.5}, "temperature"),
-    ({"model": "m", "messages": [USER], "temperature": -0.1}, "temperature"),
-    ({"model": "m", "messages": [USER], "temperature": "hot"}, "temperature"),
-    ({"model": "m", "messages": [USER], "n": 0}, "n"),
-    ({"model": "m", "messages": [USER], "n": 17}, "n"),
-    ({"model": "m", "messages": [USER], "n": 1.5}, "n"),
-    ({"model": "m", "messages": [USER], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [USER], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"model": "m", "messages": [USER], "top_p": 1.1}, "top_p"),
-    ({"model": "m", "messages": [USER], "presence_penalty": 3}, "presence_penalty"),
-    ({"model": "m", "messages": [USER], "frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"model": "m", "messages": [USER], "stream": "yes"}, "stream"),
-    ({"model": "m", "messages": [USER], "stop": 5}, "stop"),
-    ({"model": "m", "messages": [USER], "stop": ["a", 1]}, "stop[1]"),
-    ({"model": "m", "messages": [USER], "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"model": "m"}, "messages"),
+        ({"messages": [USER]}, "model"),
+        ({"model": "", "messages": [USER]}, "model"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": ["hi"]}, "messages[0]"),
+        ({"model": "m", "messages": [USER], "temperature": 2.5}, "temperature"),
+        ({"model": "m", "messages": [USER], "temperature": -0.1}, "temperature"),
+        ({"model": "m", "messages": [USER], "temperature": "hot"}, "temperature"),
+        ({"model": "m", "messages": [USER], "n": 0}, "n"),
+        ({"model": "m", "messages": [USER], "n": 17}, "n"),
+        ({"model": "m", "messages": [USER], "n": 1.5}, "n"),
+        ({"model": "m", "messages": [USER], "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "messages": [USER], "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"model": "m", "messages": [USER], "top_p": 1.1}, "top_p"),
+        ({"model": "m", "messages": [USER], "presence_penalty": 3}, "presence_penalty"),
+        ({"model": "m", "messages": [USER], "frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"model": "m", "messages": [USER], "stream": "yes"}, "stream"),
+        ({"model": "m", "messages": [USER], "stop": 5}, "stop"),
+        ({"model": "m", "messages": [USER], "stop": ["a", 1]}, "stop[1]"),
+        ({"model": "m", "messages": [USER], "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ],
+)
 def test_chat_schema_errors_name_the_field(fields, param):
     err = api_error(parse, body(**fields), ChatCompletionRequest)
     assert (err.status, err.code, err.param) == (400, "invalid_request", param)
@@ -98,14 +105,25 @@ def test_completion_schema_errors_name_the_field():
 
 
 def test_chat_job_carries_the_request_through():
-    req = chat(model="qwen", temperature=0.2, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=-0.5,
-               n=2, stop="\n", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto",
-               response_format={"type": "json_object"})
+    req = chat(
+        model="qwen",
+        temperature=0.2,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        n=2,
+        stop="\n",
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="auto",
+        response_format={"type": "json_object"},
+    )
     job = chat_job(req, "req-1")
     assert isinstance(job, ChatJob)
     assert job.request_id == "req-1" and job.model == "qwen" and job.messages == [USER] and job.stream is False
-    assert job.params == SamplingParams(temperature=0.2, top_p=0.9, stop=["\n"], seed=7, presence_penalty=0.5,
-                                        frequency_penalty=-0.5, n=2)
+    assert job.params == SamplingParams(
+        temperature=0.2, top_p=0.9, stop=["\n"], seed=7, presence_penalty=0.5, frequency_penalty=-0.5, n=2
+    )
     assert job.tools == [{"type": "function", "function": {"name": "f"}}]
     assert job.tool_choice == "auto"
     assert job.response_format == {"type": "json_object"}
@@ -153,15 +171,24 @@ def test_an_unhashable_role_is_a_400():
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
-@pytest.mark.parametrize("calls, param, code", [
-    ([{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}], "messages[0].tool_calls[0]",
-     "unsupported_tool_call"),
-    ([CALL, "f"], "messages[0].tool_calls[1]", "unsupported_tool_call"),
-    ([{"id": "c1", "type": "function"}], "messages[0].tool_calls[0].function", "invalid_request"),
-    ([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}],
-     "messages[0].tool_calls[0].function", "invalid_request"),
-    ({"id": "c1"}, "messages[0].tool_calls", "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "calls, param, code",
+    [
+        (
+            [{"id": "c1", "type": "custom", "custom": {"name": "f", "input": "x"}}],
+            "messages[0].tool_calls[0]",
+            "unsupported_tool_call",
+        ),
+        ([CALL, "f"], "messages[0].tool_calls[1]", "unsupported_tool_call"),
+        ([{"id": "c1", "type": "function"}], "messages[0].tool_calls[0].function", "invalid_request"),
+        (
+            [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}],
+            "messages[0].tool_calls[0].function",
+            "invalid_request",
+        ),
+        ({"id": "c1"}, "messages[0].tool_calls", "invalid_request"),
+    ],
+)
 def test_an_earlier_tool_call_that_is_not_a_function_call_is_a_400(calls, param, code):
     err = api_error(chat_job, chat(messages=[{"role": "assistant", "content": None, "tool_calls": calls}]), "r")
     assert (err.status, err.param, err.code) == (400, param, code)
@@ -169,17 +196,26 @@ def test_an_earlier_tool_call_that_is_not_a_function_call_is_a_400(calls, param,
 
 def test_an_earlier_function_call_passes_as_it_came():
     msg = {"role": "assistant", "content": None, "tool_calls": [CALL]}
-    assert chat_job(chat(messages=[msg, {"role": "tool", "tool_call_id": "c1", "content": "1"}]), "r").messages[0] == msg
+    assert (
+        chat_job(chat(messages=[msg, {"role": "tool", "tool_call_id": "c1", "content": "1"}]), "r").messages[0] == msg
+    )
 
 
 def test_text_parts_are_flattened_to_a_string_and_other_keys_kept():
-    msg = {"role": "user", "name": "bob", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}
+    msg = {
+        "role": "user",
+        "name": "bob",
+        "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}],
+    }
     job = chat_job(chat(messages=[msg]), "r")
     assert job.messages == [{"role": "user", "name": "bob", "content": "Hello, world"}]
 
 
 def test_parts_with_an_image_are_kept_as_a_list():
-    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+    parts = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+    ]
     job = chat_job(chat(messages=[{"role": "user", "content": parts}]), "r")
     assert job.messages == [{"role": "user", "content": parts}]
 
@@ -198,7 +234,11 @@ def test_content_none_is_a_400_unless_assistant(role):
 
 
 def test_assistant_may_omit_content_for_tool_calls():
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
     msgs = [USER, call, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     assert chat_job(chat(messages=msgs), "r").messages == msgs
 
@@ -260,8 +300,10 @@ def test_include_usage_follows_stream_options():
 
 
 def test_logprobs_and_engine_options_are_carried_to_the_job():
-    job = chat_job(chat(logprobs=True, top_logprobs=3, reasoning_effort="low",
-                        chat_template_kwargs={"enable_thinking": False}), "r")
+    job = chat_job(
+        chat(logprobs=True, top_logprobs=3, reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}),
+        "r",
+    )
     assert job.params.logprobs is True and job.params.top_logprobs == 3
     assert job.options == {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}
     assert chat_job(chat(), "r").options is None and chat_job(chat(), "r").params.logprobs is False
@@ -269,16 +311,21 @@ def test_logprobs_and_engine_options_are_carried_to_the_job():
     assert done.params.logprobs is True and done.params.top_logprobs == 2
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
 def test_top_logprobs_out_of_range_or_alone_is_a_400(fields, param):
     err = api_error(chat_job, chat(**fields), "r")
     assert err.status == 400 and err.param == param
 
 
-@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data", "https://example.com/cat.png", "file:///etc/passwd"])
+@pytest.mark.parametrize(
+    "url", ["http://169.254.169.254/latest/meta-data", "https://example.com/cat.png", "file:///etc/passwd"]
+)
 def test_a_remote_image_url_is_refused_and_a_data_url_passes(url):
     parts = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]
     err = api_error(chat_job, chat(messages=[{"role": "user", "content": parts}]), "r")

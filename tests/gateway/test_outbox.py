@@ -17,8 +17,17 @@ from coderai.runtime.lifecycle import wait_for
 
 
 def done(i: int) -> RequestCompleted:
-    return RequestCompleted(request_id=f"{secrets.token_hex(8)}-{i}", ts=time.time(), key_name="k", model="m",
-                            op="chat", status="ok", http_status=200, prompt_tokens=3, completion_tokens=2)
+    return RequestCompleted(
+        request_id=f"{secrets.token_hex(8)}-{i}",
+        ts=time.time(),
+        key_name="k",
+        model="m",
+        op="chat",
+        status="ok",
+        http_status=200,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
 
 
 @pytest.fixture
@@ -107,9 +116,19 @@ def journalling(folder, events: list[RequestCompleted], acked: list[RequestCompl
     import sys
     from pathlib import Path
 
-    p = subprocess.Popen([sys.executable, "-c", JOURNALLING, str(folder), ",".join(e.request_id for e in events),
-                          ",".join(e.request_id for e in acked)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            JOURNALLING,
+            str(folder),
+            ",".join(e.request_id for e in events),
+            ",".join(e.request_id for e in acked),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return p, Path(p.stdout.readline().strip())
 
 
@@ -135,7 +154,6 @@ async def test_a_killed_gateways_unacked_events_are_sent_by_the_next_one(own_nat
     """A gateway SIGKILLed with events not yet acked (its answers already sent) leaves them in its journal: the
     next gateway to start on that data dir sends those, and only those; a live gateway's journal is left alone."""
     import signal
-
 
     folder = tmp_path / "gateway-outbox"
     dead = [done(i) for i in range(4)]
@@ -173,8 +191,18 @@ async def test_a_line_forged_into_the_journal_folder_is_never_replayed(own_nats,
     killed, killed_path = journalling(folder, [real], acked=[])
     killed.send_signal(signal.SIGKILL)
     killed.wait()
-    forged = RequestCompleted(request_id="forged-1", ts=0.0, key_name="victim", model="m", op="chat", status="ok",
-                              http_status=200, prompt_tokens=1, completion_tokens=1, cost_usd=-50.0)
+    forged = RequestCompleted(
+        request_id="forged-1",
+        ts=0.0,
+        key_name="victim",
+        model="m",
+        op="chat",
+        status="ok",
+        http_status=200,
+        prompt_tokens=1,
+        completion_tokens=1,
+        cost_usd=-50.0,
+    )
     with open(killed_path, "ab") as fh:  # appended to a real journal: unsigned, and signed with a guessed key
         fh.write(b"E" + encode(forged) + b"\n")
         fh.write(b"0" * 64 + b" E" + encode(forged) + b"\n")

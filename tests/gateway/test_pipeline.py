@@ -16,8 +16,19 @@ import redis.asyncio as aioredis
 from coderai.accounts.keys import ApiKey
 from coderai.accounts.limits import period_id
 from coderai.contracts import (
-    CancelJob, ChatJob, Choice, Chunk, ErrorReply, Final, ModelConfig, RequestCompleted, RouteDecision, RouteRequest, Usage,
-    encode, model_key,
+    CancelJob,
+    ChatJob,
+    Choice,
+    Chunk,
+    ErrorReply,
+    Final,
+    ModelConfig,
+    RequestCompleted,
+    RouteDecision,
+    RouteRequest,
+    Usage,
+    encode,
+    model_key,
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, EVT_REQUEST_COMPLETED, ROUTE_PICK
 from coderai.contracts.topology import MODELS
@@ -49,8 +60,9 @@ class Engine:
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 
-        await bus.serve_stream(ENGINE_CHAT, self.run, spawn=spawn,
-                               subject_str=ENGINE_CHAT(node_id="n1", engine_id=self.engine_id))
+        await bus.serve_stream(
+            ENGINE_CHAT, self.run, spawn=spawn, subject_str=ENGINE_CHAT(node_id="n1", engine_id=self.engine_id)
+        )
 
         async def on_cancel(msg: CancelJob, _m) -> None:
             self.cancelled.add(msg.request_id)
@@ -98,8 +110,12 @@ class Rig:
         return event
 
     def call(self, who: Caller, stream: bool = False, content: str = "hello") -> Call:
-        job = ChatJob(request_id=secrets.token_hex(12), model=self.model, stream=stream,
-                      messages=[{"role": "user", "content": content}])
+        job = ChatJob(
+            request_id=secrets.token_hex(12),
+            model=self.model,
+            stream=stream,
+            messages=[{"role": "user", "content": content}],
+        )
         return Call(self.gw, who, "chat", job)
 
     async def reserved(self, who: Caller) -> float:
@@ -109,8 +125,9 @@ class Rig:
 
 @pytest.fixture
 async def rig(nats_server, redis_server, unique):
-    settings = GatewaySettings(nats_url=nats_server.url, redis_url=redis_server.url, no_auth=True,
-                               idle_timeout_s=5.0, retry_after_s=3)
+    settings = GatewaySettings(
+        nats_url=nats_server.url, redis_url=redis_server.url, no_auth=True, idle_timeout_s=5.0, retry_after_s=3
+    )
     gw = Gateway(settings)
     async with gw.lifespan(None):  # type: ignore[arg-type]
         engines = {"e1": Engine("e1"), "e2": Engine("e2")}
@@ -132,8 +149,9 @@ async def rig(nats_server, redis_server, unique):
             r.events.append(ev)
 
         await side.listen(EVT_REQUEST_COMPLETED, completed)
-        cfg = ModelConfig(name=r.model, engine="echo", path="", price_prompt_per_mtok=PRICE,
-                          price_completion_per_mtok=PRICE)
+        cfg = ModelConfig(
+            name=r.model, engine="echo", path="", price_prompt_per_mtok=PRICE, price_completion_per_mtok=PRICE
+        )
         await (await side.kv(MODELS)).put(model_key(r.model), encode(cfg))
         await wait_for(lambda: r.model in gw.catalog.models, 10, what="the catalogue to see the model")
         try:
@@ -171,8 +189,12 @@ async def test_an_error_mid_stream_ends_the_sse_with_an_error_event(rig, unique)
     async def done(frame) -> bytes:
         return b"done "
 
-    pieces = [p async for p in relay_stream(call, first, lambda f: b"chunk ", done,
-                                            error=lambda err: f"error {err.status}".encode())]
+    pieces = [
+        p
+        async for p in relay_stream(
+            call, first, lambda f: b"chunk ", done, error=lambda err: f"error {err.status}".encode()
+        )
+    ]
     assert pieces == [b"chunk ", b"error 502"]
     event = await rig.one_event(call.request_id)
     assert (event.status, event.http_status, event.stream) == ("engine_failed", 502, True)
@@ -284,8 +306,12 @@ def test_a_models_stop_sequences_join_the_requests_own_and_its_limits_apply():
     from coderai.gateway.pipeline import output_limited
 
     cfg = ModelConfig(name="base", engine="llama-server", path="-", stop=["\n\n", "User:"], max_output_tokens=64)
-    job = ChatJob(request_id="r", model="base", messages=[{"role": "user", "content": "hi"}],
-                  params=SamplingParams(stop=["User:", "END"], max_tokens=32000))
+    job = ChatJob(
+        request_id="r",
+        model="base",
+        messages=[{"role": "user", "content": "hi"}],
+        params=SamplingParams(stop=["User:", "END"], max_tokens=32000),
+    )
     limited = output_limited(job, cfg)
     assert limited.params.stop == ["User:", "END", "\n\n"] and limited.params.max_tokens == 64
     plain = ModelConfig(name="base", engine="llama-server", path="-")
@@ -300,13 +326,18 @@ def test_a_keys_output_limits_apply_beside_the_models_the_lower_ceiling_wins():
     key = ApiKey(name="ui", sha256="x", default_output_tokens=64, max_output_tokens=256)
 
     def asked(n):
-        job = ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hi"}],
-                      params=SamplingParams(max_tokens=n))
+        job = ChatJob(
+            request_id="r", model="m", messages=[{"role": "user", "content": "hi"}], params=SamplingParams(max_tokens=n)
+        )
         return output_limited(job, cfg, key).params.max_tokens
 
     assert (asked(None), asked(100), asked(32000)) == (64, 100, 256)
     loose = ApiKey(name="agent", sha256="y", max_output_tokens=100_000)  # the model's ceiling is lower
     job = ChatJob(request_id="r", model="m", messages=[], params=SamplingParams(max_tokens=32000))
     assert output_limited(job, cfg, loose).params.max_tokens == 4096
-    assert output_limited(ChatJob(request_id="r", model="m", messages=[]), cfg, ApiKey(name="k", sha256="z")
-                          ).params.max_tokens == 512  # a key without limits: the model's
+    assert (
+        output_limited(
+            ChatJob(request_id="r", model="m", messages=[]), cfg, ApiKey(name="k", sha256="z")
+        ).params.max_tokens
+        == 512
+    )  # a key without limits: the model's

@@ -36,9 +36,14 @@ def _responses(bus, keys: _Keys | None = None) -> Responses:
 
 
 async def _running(responses: Responses, rid: str, runner: str, touched_s_ago: float) -> int:
-    rec = StoredResponse(id=rid, owner="tenant", created_at=time.time(), runner=runner,
-                         updated_at=time.time() - touched_s_ago,
-                         response={"id": rid, "object": "response", "background": True, "status": "in_progress"})
+    rec = StoredResponse(
+        id=rid,
+        owner="tenant",
+        created_at=time.time(),
+        runner=runner,
+        updated_at=time.time() - touched_s_ago,
+        response={"id": rid, "object": "response", "background": True, "status": "in_progress"},
+    )
     return await responses.put(rec)
 
 
@@ -66,8 +71,14 @@ async def test_a_live_response_and_one_from_before_runners_are_left_as_they_are(
 
 async def _held(responses: Responses, rid: str) -> tuple[asyncio.Event, asyncio.Event]:
     """A background response run by `responses` whose work waits until cancelled: (started, stopped)."""
-    rec = StoredResponse(id=rid, owner="tenant", created_at=time.time(), runner=responses.me, updated_at=time.time(),
-                         response={"id": rid, "background": True, "status": "in_progress"})
+    rec = StoredResponse(
+        id=rid,
+        owner="tenant",
+        created_at=time.time(),
+        runner=responses.me,
+        updated_at=time.time(),
+        response={"id": rid, "background": True, "status": "in_progress"},
+    )
     tenure = ResponseTenure(await responses.kv(), rec, await responses.put(rec))
     started, stopped = asyncio.Event(), asyncio.Event()
 
@@ -83,8 +94,7 @@ async def _held(responses: Responses, rid: str) -> tuple[asyncio.Event, asyncio.
     return started, stopped
 
 
-async def test_the_running_gateway_touches_the_record_and_a_cancel_elsewhere_stops_its_work(bus, unique,
-                                                                                         monkeypatch):
+async def test_the_running_gateway_touches_the_record_and_a_cancel_elsewhere_stops_its_work(bus, unique, monkeypatch):
     monkeypatch.setattr(responses_store, "REVOKE_CHECK_S", 0.05)
     here, elsewhere = _responses(bus), _responses(bus)
     rid = f"resp_{unique}"

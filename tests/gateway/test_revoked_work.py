@@ -44,8 +44,14 @@ async def test_a_finished_background_response_is_not_rewritten(bus, monkeypatch,
     auth.is_revoked = True
     responses = Responses(types.SimpleNamespace(bus=bus, auth=auth, redis=None))
     rid = f"resp_{unique}"
-    await responses.put(StoredResponse(id=rid, owner="tenant", created_at=time.time(),
-                                       response={"id": rid, "background": True, "status": "completed"}))
+    await responses.put(
+        StoredResponse(
+            id=rid,
+            owner="tenant",
+            created_at=time.time(),
+            response={"id": rid, "background": True, "status": "completed"},
+        )
+    )
     assert await responses._cancelled(rid, await responses._entry(rid)) is None
     assert (await responses._entry(rid))[0].response["status"] == "completed"
 

@@ -101,9 +101,18 @@ async def test_a_runner_that_loses_every_race_gives_the_record_up(kv):
 
 
 async def test_a_batch_write_keeps_another_gateways_cancel(kv):
-    rec = BatchRecord(id="job", key_name="alice", endpoint="/v1/chat/completions", input_file_id="file-1",
-                      status="validating", created_at=100, expires_at=100 + 86400, updated_at=100.0, total=3,
-                      runner="gw-a")
+    rec = BatchRecord(
+        id="job",
+        key_name="alice",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-1",
+        status="validating",
+        created_at=100,
+        expires_at=100 + 86400,
+        updated_at=100.0,
+        total=3,
+        runner="gw-a",
+    )
     tenure = await held(kv, BatchTenure, rec)
     await write_over(kv, BatchRecord, status="cancelling", cancelling_at=200)  # a cancel through gateway B
     await tenure.save(status="in_progress", in_progress_at=150, completed=1)
@@ -113,8 +122,17 @@ async def test_a_batch_write_keeps_another_gateways_cancel(kv):
 
 
 async def test_a_batch_refresh_reads_a_cancel_and_a_claim(kv):
-    rec = BatchRecord(id="job", key_name="alice", endpoint="/v1/chat/completions", input_file_id="file-1",
-                      status="in_progress", created_at=100, expires_at=100 + 86400, updated_at=100.0, runner="gw-a")
+    rec = BatchRecord(
+        id="job",
+        key_name="alice",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-1",
+        status="in_progress",
+        created_at=100,
+        expires_at=100 + 86400,
+        updated_at=100.0,
+        runner="gw-a",
+    )
     tenure = await held(kv, BatchTenure, rec)
     await write_over(kv, BatchRecord, status="cancelling", cancelling_at=200)
     await tenure.refresh()
@@ -125,8 +143,17 @@ async def test_a_batch_refresh_reads_a_cancel_and_a_claim(kv):
 
 
 async def test_a_video_write_losing_to_its_job_ending_is_superseded(kv):
-    rec = VideoRecord(id="job", model="t2v", prompt="a cat", status="in_progress", created_at=100, updated_at=100.0,
-                      size="64x64", seconds="1", runner="gw-a")
+    rec = VideoRecord(
+        id="job",
+        model="t2v",
+        prompt="a cat",
+        status="in_progress",
+        created_at=100,
+        updated_at=100.0,
+        size="64x64",
+        seconds="1",
+        runner="gw-a",
+    )
     tenure = await held(kv, VideoTenure, rec)
     await write_over(kv, VideoRecord, progress=40)  # still its runner's and running: the write goes on
     await tenure.save(stage="decode")

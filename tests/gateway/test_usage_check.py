@@ -16,8 +16,12 @@ def cfg(**params) -> ModelConfig:
 
 
 def chat(max_tokens: int | None = 8, n: int = 1) -> ChatJob:
-    return ChatJob(request_id="r", model="m", messages=[{"role": "user", "content": "hello"}],
-                   params=SamplingParams(max_tokens=max_tokens, n=n))
+    return ChatJob(
+        request_id="r",
+        model="m",
+        messages=[{"role": "user", "content": "hello"}],
+        params=SamplingParams(max_tokens=max_tokens, n=n),
+    )
 
 
 def never() -> int:
@@ -30,11 +34,14 @@ def test_an_honest_answer_passes_unchanged_without_measuring_the_request():
     assert checked_usage(u, *most) == (u, "")
 
 
-@pytest.mark.parametrize("reported, billed", [
-    (Usage(prompt_tokens=-150_000_000, completion_tokens=-5, total_tokens=-150_000_005), (0, 0)),
-    (Usage(prompt_tokens=10**12, completion_tokens=10**12, total_tokens=2 * 10**12), (256, 8)),
-    (Usage(prompt_tokens=20, completion_tokens=9, total_tokens=29, cached_tokens=-3), (20, 8)),
-])
+@pytest.mark.parametrize(
+    "reported, billed",
+    [
+        (Usage(prompt_tokens=-150_000_000, completion_tokens=-5, total_tokens=-150_000_005), (0, 0)),
+        (Usage(prompt_tokens=10**12, completion_tokens=10**12, total_tokens=2 * 10**12), (256, 8)),
+        (Usage(prompt_tokens=20, completion_tokens=9, total_tokens=29, cached_tokens=-3), (20, 8)),
+    ],
+)
 def test_impossible_counts_are_refused_and_said(reported, billed):
     most = usage_ceiling(cfg(n_ctx=256), chat(max_tokens=8), True, lambda: 100, reported.prompt_tokens)
     checked, why = checked_usage(reported, *most)
@@ -45,7 +52,10 @@ def test_impossible_counts_are_refused_and_said(reported, billed):
 def test_the_ceilings():
     # no context known: a prompt is bounded by the request's bytes (plus a template's slack), an answer without
     # max_tokens by the context, else by UNBOUNDED_OUTPUT; n choices and a list of prompts multiply
-    assert usage_ceiling(cfg(), chat(max_tokens=None), True, lambda: 1000, 10**9) == (1000 + PROMPT_SLACK, UNBOUNDED_OUTPUT)
+    assert usage_ceiling(cfg(), chat(max_tokens=None), True, lambda: 1000, 10**9) == (
+        1000 + PROMPT_SLACK,
+        UNBOUNDED_OUTPUT,
+    )
     assert usage_ceiling(cfg(n_ctx=512), chat(max_tokens=None, n=2), True, never, 5) == (2 * 512, 2 * 512)
     job = CompletionJob(request_id="r", model="m", prompt=["a", "b", "c"], params=SamplingParams(max_tokens=4))
     assert usage_ceiling(cfg(n_ctx=100), job, True, lambda: 10**6, 10**9) == (300, 12)

@@ -9,8 +9,14 @@ from coderai.gateway.video.relay import percent, resume_at
 
 
 def plan(*stages: tuple[str, int, int, str]) -> StagePlan:
-    return StagePlan(job_id="j", model="v", steps=8, stages=[
-        Stage(index=i, kind=k, start=a, end=b, node=n, engine_id=f"{n}-v") for i, (k, a, b, n) in enumerate(stages)])
+    return StagePlan(
+        job_id="j",
+        model="v",
+        steps=8,
+        stages=[
+            Stage(index=i, kind=k, start=a, end=b, node=n, engine_id=f"{n}-v") for i, (k, a, b, n) in enumerate(stages)
+        ],
+    )
 
 
 def test_progress_grows_over_stages_and_stays_below_100_until_stored():

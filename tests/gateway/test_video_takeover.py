@@ -23,13 +23,23 @@ from coderai.gateway.video.records import (
 )
 from coderai.runtime.bus import Bus
 
-JOB = VideoJob(request_id="abc", model="t2v", prompt="a cat", num_frames=4, width=64, height=64, fps=4, seed=7,
-               steps=4)
+JOB = VideoJob(request_id="abc", model="t2v", prompt="a cat", num_frames=4, width=64, height=64, fps=4, seed=7, steps=4)
 
 
 def record(**kw) -> VideoRecord:
-    base = dict(id="video_abc", model="t2v", prompt="a cat", status="in_progress", created_at=100, updated_at=100.0,
-                size="64x64", seconds="1", key_name="alice", job=JOB, runner="gw-a")
+    base = dict(
+        id="video_abc",
+        model="t2v",
+        prompt="a cat",
+        status="in_progress",
+        created_at=100,
+        updated_at=100.0,
+        size="64x64",
+        seconds="1",
+        key_name="alice",
+        job=JOB,
+        runner="gw-a",
+    )
     return VideoRecord(**{**base, **kw})
 
 
@@ -56,9 +66,20 @@ def test_a_job_over_its_takeover_bound_is_failed_with_a_clear_error():
 
 
 def test_the_record_carries_the_job_and_handoff_through_json():
-    handoff = Handoff(job_id="abc", model="t2v", produced_by="denoise", node="n2", tensors={}, seed=7, guidance=9.0,
-                      width=64, height=64, num_frames=4, fps=4,
-                      scheduler=SchedulerState(name="DDIMScheduler", steps=4, timesteps=[3, 2, 1, 0], step_index=2))
+    handoff = Handoff(
+        job_id="abc",
+        model="t2v",
+        produced_by="denoise",
+        node="n2",
+        tensors={},
+        seed=7,
+        guidance=9.0,
+        width=64,
+        height=64,
+        num_frames=4,
+        fps=4,
+        scheduler=SchedulerState(name="DDIMScheduler", steps=4, timesteps=[3, 2, 1, 0], step_index=2),
+    )
     rec = record(handoff=handoff, takeovers=1)
     back = msgspec.json.decode(msgspec.json.encode(rec), type=VideoRecord)
     assert back == rec and back.job.seed == 7 and back.handoff.scheduler.step_index == 2

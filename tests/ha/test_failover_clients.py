@@ -54,8 +54,12 @@ def cluster(tmp_path_factory, tiny_gguf):
 @pytest.fixture(scope="module")
 def key(cluster: Cluster) -> str:
     def make() -> httpx.Response | None:  # a cluster just formed may still elect its buckets' leaders: a 503
-        r = httpx.post(f"{cluster.base('h2')}/admin/keys", headers={"Authorization": f"Bearer {cluster.admin}"},
-                       timeout=30, json={"name": "clients"})
+        r = httpx.post(
+            f"{cluster.base('h2')}/admin/keys",
+            headers={"Authorization": f"Bearer {cluster.admin}"},
+            timeout=30,
+            json={"name": "clients"},
+        )
         assert r.status_code in (201, 503) and (r.status_code == 201 or r.headers.get("retry-after")), r.text
         return r if r.status_code == 201 else None
 
@@ -95,16 +99,27 @@ def _judge(load: SdkLoad, fault: str, head: str, at: float) -> float:
     retried after a 503 waits out the `Retry-After` it was given: that wait is the SDK's, not the cluster's)."""
     # a dead head's own clients lose what was in flight there, and are refused until the balancer takes it out
     gone = head if fault == "head" else None
-    bad = [a for a in load.answers if a.head != gone
-           and not (a.status == 200 or (a.status in (429, 503) and a.retry_after))]
+    bad = [
+        a
+        for a in load.answers
+        if a.head != gone and not (a.status == 200 or (a.status in (429, 503) and a.retry_after))
+    ]
     assert not bad, f"answers other than a success or a 429/503 with Retry-After: {bad[:8]}"
-    failed = [c for c in load.calls if not c.ok and c.head != gone
-              and not (c.kind == "stream" and c.first_token is not None and c.start <= at <= c.end)]
+    failed = [
+        c
+        for c in load.calls
+        if not c.ok
+        and c.head != gone
+        and not (c.kind == "stream" and c.first_token is not None and c.start <= at <= c.end)
+    ]
     assert not failed, f"calls whose SDK raised: {failed[:8]}"
     assert load.ok(since=at + RECOVERY_S) >= 8, "too few calls answered after the failover to judge it"
     refused = [a.at for a in load.answers if a.head != gone and a.status != 200 and a.at >= at]
-    slow = [c.end for c in load.calls if c.start >= at and c.ok and not c.refused and c.head != gone
-            and c.end - c.start > _slow_s(load, at)]
+    slow = [
+        c.end
+        for c in load.calls
+        if c.start >= at and c.ok and not c.refused and c.head != gone and c.end - c.start > _slow_s(load, at)
+    ]
     return max([at, *refused, *slow]) - at
 
 
@@ -117,7 +132,11 @@ def _slow_s(load: SdkLoad, at: float) -> float:
 
 def _round(c: Cluster, key: str, fault: str) -> float:
     with SdkLoad(c, key) as load:
-        wait_until(lambda: load.hopeless() or all(load.ok(head=h) >= 4 for h in HEADS), 120, "every gateway answering the clients")
+        wait_until(
+            lambda: load.hopeless() or all(load.ok(head=h) >= 4 for h in HEADS),
+            120,
+            "every gateway answering the clients",
+        )
         head = _target(c, fault)
         at = time.monotonic()
         what = _kill(c, fault, head)
@@ -126,13 +145,19 @@ def _round(c: Cluster, key: str, fault: str) -> float:
         wait_until(lambda: load.ok(since=at + RECOVERY_S) >= 8, 120, "calls answered after the failover")
     recovery = _judge(load, fault, head, at)
     retries = sum(1 for a in load.answers if a.status != 200)
-    print(f"\n{fault}: killed {what} ({head}); {len(load.calls)} calls, {retries} answered 429/503 and retried by "
-          f"the SDK, none failed; served normally again {recovery:.1f} s after the kill")
+    print(
+        f"\n{fault}: killed {what} ({head}); {len(load.calls)} calls, {retries} answered 429/503 and retried by "
+        f"the SDK, none failed; served normally again {recovery:.1f} s after the kill"
+    )
     for a in sorted((a for a in load.answers if a.status != 200), key=lambda a: a.at):
         print(f"  +{a.at - at:5.1f} s {a.head} {a.kind} {a.status} {a.said}")
-    for c in sorted((c for c in load.calls if c.start >= at and c.end - c.start > _slow_s(load, at)), key=lambda c: c.start):
-        print(f"  slow: started +{c.start - at:4.1f} s, {c.end - c.start:4.1f} s, {c.head} {c.kind}, "
-              f"{c.refused} refused first")
+    for c in sorted(
+        (c for c in load.calls if c.start >= at and c.end - c.start > _slow_s(load, at)), key=lambda c: c.start
+    ):
+        print(
+            f"  slow: started +{c.start - at:4.1f} s, {c.end - c.start:4.1f} s, {c.head} {c.kind}, "
+            f"{c.refused} refused first"
+        )
     assert recovery <= LATE_S, f"clients were served normally again only {recovery:.1f} s after the kill"
     return recovery
 
@@ -151,8 +176,9 @@ def test_the_same_with_both_cpus_kept_busy(whole, key, fault):
     stress = shutil.which("stress-ng")
     if stress is None:
         pytest.skip("no stress-ng (scripts/setup installs it with the dev extra)")
-    busy = subprocess.Popen([stress, "--cpu", "2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    busy = subprocess.Popen(
+        [stress, "--cpu", "2", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:  # what clients see is judged as strictly; how long the failover takes is printed
         _round(whole, key, fault)
     finally:

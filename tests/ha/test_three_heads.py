@@ -28,6 +28,7 @@ from coderai.testing.stack import node_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_gguf):
     pytest.importorskip("graphql")
@@ -57,12 +58,19 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     assert leaders["scheduler"]["holder"] == "h1" and leaders["pod-broker"]["holder"] == "h1", leaders
     assert sorted(c.get("h3", "/admin/cluster")["heads"]) == sorted(f"nats://{lab[h].ip}:4222" for h in HEADS)
     status = lab.run("h1", [sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(c.root / "h1")], env=c.env)
-    assert status.returncode == 0 and f"heads: nats://{lab['h1'].ip}:4222" in status.stdout, status.stdout + status.stderr
-    made = httpx.post(f"{c.base('h2')}/admin/keys", headers={"Authorization": f"Bearer {c.admin}"}, timeout=30,
-                      json={"name": "loader", "budget_usd": 100.0, "budget_period": "day"})
+    assert status.returncode == 0 and f"heads: nats://{lab['h1'].ip}:4222" in status.stdout, (
+        status.stdout + status.stderr
+    )
+    made = httpx.post(
+        f"{c.base('h2')}/admin/keys",
+        headers={"Authorization": f"Bearer {c.admin}"},
+        timeout=30,
+        json={"name": "loader", "budget_usd": 100.0, "budget_period": "day"},
+    )
     assert made.status_code == 201, made.text
     key = made.json()["key"]
     before_money = asyncio.run(c.money(write=True))
+
     # both workers' placements, read until there: CI once read an empty listing through h2 here, with the workers
     # placed and serving (the listing after the kill had both), and compared the rest of the test against nothing
     def both_placed():
@@ -94,8 +102,11 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
         # when each started acting: the moment it won the lease (its record's `since`, this machine's clock)
         sched_s, broker_s = sched["since"] - killed_wall, broker["since"] - killed_wall
         assert sched["token"] > leaders["scheduler"]["token"] and broker["token"] > leaders["pod-broker"]["token"]
-        wait_until(lambda: load.ok(since=time.monotonic() - 1) >= 1 and load.ok(since=killed_at + 15) >= 40, 180,
-                   "forty answered requests after the failover")
+        wait_until(
+            lambda: load.ok(since=time.monotonic() - 1) >= 1 and load.ok(since=killed_at + 15) >= 40,
+            180,
+            "forty answered requests after the failover",
+        )
     print(f"\nfailover: scheduler led again after {sched_s:.1f} s, pod broker after {broker_s:.1f} s")
 
     in_flight_dead = [o for o in load.calls if o.head == "h1" and o.start <= killed_at]
@@ -104,9 +115,11 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     failed_in_flight = [o for o in load.calls if o.head != "h1" and not o.ok]
     first_ok = min((o.end for o in load.calls if o.head != "h1" and o.ok and o.start > killed_at), default=None)
     slowest = max((o.end - o.start for o in load.calls if o.head != "h1" and o.start > killed_at), default=0.0)
-    print(f"survivors' requests in flight at the kill that failed: {len(failed_in_flight)}; "
-          f"first request started after the kill answered {first_ok - killed_at:.2f} s after it; the slowest one "
-          f"started after it took {slowest:.2f} s (Redis' failover: Sentinel's down-after and an election)")
+    print(
+        f"survivors' requests in flight at the kill that failed: {len(failed_in_flight)}; "
+        f"first request started after the kill answered {first_ok - killed_at:.2f} s after it; the slowest one "
+        f"started after it took {slowest:.2f} s (Redis' failover: Sentinel's down-after and an election)"
+    )
     assert sched_s <= 10 and broker_s <= 10, (sched_s, broker_s)
 
     # a worker started again while the head it joined is dead reaches another: its join gave it every head's URL
@@ -125,6 +138,7 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     ledger, pod_spend, spent = asyncio.run(c.money())
     assert (ledger, pod_spend) == before_money[:2], "the pod ledger or the pods' spend changed"
     assert spent >= spent_before
+
     # read until whole: a listing through a head whose stream leader changed a moment ago can come back short (a
     # fresh run once saw keys missing that the next listing had); a key really lost stays missing past the deadline
     def survived():
@@ -141,10 +155,15 @@ def test_sigkill_of_the_leading_head_fails_over_and_loses_nothing(cluster):
     started = time.monotonic()
     c.head("h1")
     print(f"h1 restarted and ready in {time.monotonic() - started:.1f} s")
-    r = httpx.post(f"{c.base('h1')}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{c.base('h1')}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "back?"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     assert c.leaders("h1")["scheduler"]["holder"] == sched["holder"]
+
     # its JetStream replicas catch up after it answers: what it reads is what the others hold within a while (one
     # CI-like run read it 1 s after ready, with affinity entries still missing)
     def caught_up() -> bool:
@@ -170,6 +189,7 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
     cut_wall = time.time()
     lab.cut(holder)
     try:
+
         def lost() -> float | None:
             """When the cut-off leader stopped leading: its scheduler's log line saying so (JSON, with its time)."""
             for line in scheduler_log.read_text()[offset:].splitlines():
@@ -198,17 +218,21 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
             time): until then a request to a queue group with a member there (a direct KV get) may be sent there"""
             seen = []
             for h, path in nats_logs.items():
-                lines = path.read_bytes()[nats_offsets[h]:].decode(errors="replace").splitlines()
-                stamps = [" ".join(line.split()[1:3]) for line in lines if f"Stale Connection - Remote: {holder}" in line]
+                lines = path.read_bytes()[nats_offsets[h] :].decode(errors="replace").splitlines()
+                stamps = [
+                    " ".join(line.split()[1:3]) for line in lines if f"Stale Connection - Remote: {holder}" in line
+                ]
                 if not stamps:
                     return None
                 seen.append(datetime.strptime(stamps[0], "%Y/%m/%d %H:%M:%S.%f").timestamp())
             return max(seen)
 
         routes_at = wait_until(dropped, 20, "the survivors to drop their routes to the cut-off head")
-        print(f"\npartition: the cut-off leader stopped {stopped_at - cut_wall:.1f} s after the cut; "
-              f"a new one led {new['since'] - cut_wall:.1f} s after it; the survivors dropped its routes "
-              f"{routes_at - cut_wall:.1f} s after it")
+        print(
+            f"\npartition: the cut-off leader stopped {stopped_at - cut_wall:.1f} s after the cut; "
+            f"a new one led {new['since'] - cut_wall:.1f} s after it; the survivors dropped its routes "
+            f"{routes_at - cut_wall:.1f} s after it"
+        )
         # its last renewal was at most one renewal interval before the cut: it must stop within the TTL of that one
         assert stopped_at - cut_wall < LEADER_TTL_S * 1.25, "it led on past the lease's TTL"
         assert stopped_at < new["since"], "the old leader was still acting when the new one started"
@@ -220,17 +244,25 @@ def test_a_cut_off_leader_stops_and_one_leader_remains(cluster):
         assert c.fake.pods() == []  # no demand for a pod: neither broker, the cut-off one or the new, rented one
     finally:
         lab.heal(holder)
+
     # healed: the head that was cut off follows; every gateway names the same, single leader. The healed head's
     # RAFT terms rose while it was alone, so its return makes the others' groups elect again (nats-server logs
     # "another leader with higher term, will stepdown"): a lease may lapse then, and be taken again, once
     def agreed() -> dict | None:
         seen = [c.leaders(h)["scheduler"] for h in HEADS]
-        return seen[HEADS.index(holder)] if len({s.get("holder", "") for s in seen}) == 1 and seen[0].get("holder") else None
+        return (
+            seen[HEADS.index(holder)]
+            if len({s.get("holder", "") for s in seen}) == 1 and seen[0].get("holder")
+            else None
+        )
 
     after = wait_until(agreed, 60, "every head to agree on one leader")
     assert after["token"] >= new["token"]  # the one elected in the partition, or one after it: never the cut-off one's
-    wait_until(lambda: asyncio.run(c.buckets(holder))[0] == {"w1": [MODEL], "w2": [MODEL]}, 60,
-               "both workers to hold the model again, read on the healed head")
+    wait_until(
+        lambda: asyncio.run(c.buckets(holder))[0] == {"w1": [MODEL], "w2": [MODEL]},
+        60,
+        "both workers to hold the model again, read on the healed head",
+    )
 
 
 def test_every_head_seals_reasoning_with_the_same_key(cluster):

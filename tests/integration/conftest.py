@@ -38,11 +38,14 @@ def other_user_key() -> str:
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
-    write_keys(str(path), [
-        KeyRecord(name="admin", sha256=hash_key(ADMIN_KEY), scopes=["inference", "admin"]),
-        KeyRecord(name="alice", sha256=hash_key(USER_KEY), scopes=["inference"]),
-        KeyRecord(name="bob", sha256=hash_key(OTHER_USER_KEY), scopes=["inference"]),
-    ])
+    write_keys(
+        str(path),
+        [
+            KeyRecord(name="admin", sha256=hash_key(ADMIN_KEY), scopes=["inference", "admin"]),
+            KeyRecord(name="alice", sha256=hash_key(USER_KEY), scopes=["inference"]),
+            KeyRecord(name="bob", sha256=hash_key(OTHER_USER_KEY), scopes=["inference"]),
+        ],
+    )
     return path
 
 
@@ -54,12 +57,19 @@ def api_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file):
         {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},
         {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},  # README's name
     ]
-    with running_stack(tmp_path_factory.mktemp("stack"), models, gateway_args=("--api-keys-file", str(keys_file)),
-                       redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536",
-                                                             "CODERAI_GATEWAY_FILE_QUOTA_BYTES": str(FILE_QUOTA),
-                                                             "CODERAI_GATEWAY_FILE_QUOTA_COUNT": str(FILE_COUNT),
-                                                             "CODERAI_GATEWAY_BATCHES_PER_KEY": str(BATCHES_PER_KEY)},
-                       headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as stack:
+    with running_stack(
+        tmp_path_factory.mktemp("stack"),
+        models,
+        gateway_args=("--api-keys-file", str(keys_file)),
+        redis_url=redis_server.url,
+        extra_env={
+            "CODERAI_GATEWAY_MAX_BODY_BYTES": "65536",
+            "CODERAI_GATEWAY_FILE_QUOTA_BYTES": str(FILE_QUOTA),
+            "CODERAI_GATEWAY_FILE_QUOTA_COUNT": str(FILE_COUNT),
+            "CODERAI_GATEWAY_BATCHES_PER_KEY": str(BATCHES_PER_KEY),
+        },
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ) as stack:
         yield stack
 
 

@@ -15,13 +15,13 @@ from coderai.testing.stack import running_stack
 
 pytestmark = pytest.mark.slow
 
-DECLARATION = '''
+DECLARATION = """
 from coderai.contracts.families import FamilySpec
 from coderai.contracts.params import P
 
 FAMILY = FamilySpec("shout", "shout_engine:ShoutEngine", "shout_engine", ("chat",), device="cpu",
                     params={"suffix": P("str", size=8)})
-'''
+"""
 
 ENGINE = '''
 from coderai.contracts import Choice, Usage
@@ -54,8 +54,11 @@ def test_a_family_declared_outside_the_package_is_listed_placed_started_and_serv
     plugins.mkdir()
     (plugins / "shout_family.py").write_text(textwrap.dedent(DECLARATION))
     (plugins / "shout_engine.py").write_text(textwrap.dedent(ENGINE))
-    env = {"CODERAI_FAMILIES": "shout_family", "CODERAI_WORKER_FAMILIES": "shout",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH", "")]))}
+    env = {
+        "CODERAI_FAMILIES": "shout_family",
+        "CODERAI_WORKER_FAMILIES": "shout",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH", "")])),
+    }
     models = [{"name": "loud", "engine": "shout", "path": "-", "params": {"suffix": "!!"}}]
     with running_stack(tmp_path / "stack", models, extra_env=env, gateway_args=("--no-auth",)) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
@@ -66,11 +69,15 @@ def test_a_family_declared_outside_the_package_is_listed_placed_started_and_serv
         assert [e["state"] for e in engines] == ["ready"]  # placed on the worker and started there
         answer = client.chat.completions.create(model="loud", messages=[{"role": "user", "content": "hello"}])
         assert answer.choices[0].message.content == "HELLO!!"  # served, with its own param
-        stream = client.chat.completions.create(model="loud", messages=[{"role": "user", "content": "again"}],
-                                                stream=True)
+        stream = client.chat.completions.create(
+            model="loud", messages=[{"role": "user", "content": "again"}], stream=True
+        )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "AGAIN!!"
         # its params are checked by its own table, as a built-in family's are: one it does not take is refused
-        bad = httpx.post(f"{stack.http_url}/admin/models", timeout=10, json={
-            "name": "louder", "engine": "shout", "path": "-", "params": {"volume": 11}})
+        bad = httpx.post(
+            f"{stack.http_url}/admin/models",
+            timeout=10,
+            json={"name": "louder", "engine": "shout", "path": "-", "params": {"volume": 11}},
+        )
         print(f"a param the family does not take: {bad.status_code} {bad.text}")
         assert bad.status_code == 400 and "volume" in bad.text

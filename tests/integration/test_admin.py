@@ -17,8 +17,9 @@ def admin(api_stack, admin_key):
 
 
 def _chat(admin: httpx.Client, model: str) -> int:
-    return admin.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}],
-                                                   "max_tokens": 1}).status_code
+    return admin.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    ).status_code
 
 
 def test_admin_routes_need_an_admin_key(api_stack, user_key):

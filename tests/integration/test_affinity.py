@@ -16,9 +16,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def duo(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     root = tmp_path_factory.mktemp("affinity")
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 2048, "n_threads": 1}},
-    ])
+    models = write_models_file(
+        root / "models.toml",
+        [
+            {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 2048, "n_threads": 1}},
+        ],
+    )
     nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, extra_env={"CODERAI_ROUTER_LOG_LEVEL": "DEBUG"})
     try:
@@ -47,8 +50,12 @@ class Conversation:
     def turn(self) -> tuple[str, str]:
         self.n += 1
         self.messages.append({"role": "user", "content": f"question {self.n}"})
-        r = httpx.post(self.url, headers=self.headers, timeout=60,
-                       json={"model": "tiny", "messages": self.messages, "max_tokens": 4, "temperature": 0})
+        r = httpx.post(
+            self.url,
+            headers=self.headers,
+            timeout=60,
+            json={"model": "tiny", "messages": self.messages, "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         self.messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "ok"})
         return r.headers["Coderai-Engine"], r.headers["Coderai-Route"]
@@ -73,8 +80,12 @@ def test_session_header_beats_content(duo, headers, name):
     url = f"{duo.base_url}/chat/completions"
     engines = set()
     for i in range(4):  # unrelated content every time, one session
-        r = httpx.post(url, headers={**headers, name: f"sess-42-{name}"}, timeout=60,
-                       json={"model": "tiny", "messages": [{"role": "user", "content": f"topic {i}"}], "max_tokens": 2})
+        r = httpx.post(
+            url,
+            headers={**headers, name: f"sess-42-{name}"},
+            timeout=60,
+            json={"model": "tiny", "messages": [{"role": "user", "content": f"topic {i}"}], "max_tokens": 2},
+        )
         engines.add(r.headers["Coderai-Engine"])
         if i:
             assert r.headers["Coderai-Route"] == "session"
@@ -88,7 +99,11 @@ def test_pin_header_needs_admin_and_wins(duo, headers, user_key):
     assert r.status_code == 403
     for _ in range(3):
         r = httpx.post(url, headers={**headers, "X-Coderai-Pin": "w2"}, json=body, timeout=60)
-        assert r.status_code == 200 and r.headers["Coderai-Engine"].startswith("w2-") and r.headers["Coderai-Route"] == "pin"
+        assert (
+            r.status_code == 200
+            and r.headers["Coderai-Engine"].startswith("w2-")
+            and r.headers["Coderai-Route"] == "pin"
+        )
     r = httpx.post(url, headers={**headers, "X-Coderai-Pin": "w9"}, json=body, timeout=60)
     assert r.status_code == 503
 
@@ -136,9 +151,13 @@ def test_engines_report_real_prefix_reuse(duo, headers):
 
     def reused() -> bool:
         text = httpx.get(url).text
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("coderai_engine_cached_prompt_tokens{")]
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("coderai_engine_cached_prompt_tokens{")
+        ]
         return any(v > 0 for v in values) and 'coderai_route_decisions_total{reason="prefix"}' in text
+
     wait_until(reused, 15, "cached prompt tokens in the heartbeat metrics")
 
 
@@ -146,8 +165,12 @@ def _engines_ready(stack: Stack, headers: dict) -> int:
     """Distinct engines reachable, probed by pinning each node in turn."""
     ok = 0
     for node in ("w1", "w2"):
-        r = httpx.post(f"{stack.base_url}/chat/completions", headers={**headers, "X-Coderai-Pin": node}, timeout=30,
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1})
+        r = httpx.post(
+            f"{stack.base_url}/chat/completions",
+            headers={**headers, "X-Coderai-Pin": node},
+            timeout=30,
+            json={"model": "tiny", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1},
+        )
         ok += r.status_code == 200
     return ok
 

@@ -24,10 +24,20 @@ def stack(tmp_path_factory, tool_gguf):
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     keys = tmp_path_factory.mktemp("anthropic-keys") / "keys.toml"
     write_keys(str(keys), [KeyRecord("claude", hash_key(KEY), ["inference"])])
-    models = [{"name": MODEL, "engine": "llama-server", "path": str(tool_gguf),
-               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}}]
-    with running_stack(tmp_path_factory.mktemp("anthropic"), models, gateway_args=("--api-keys-file", str(keys)),
-                       headers={"Authorization": f"Bearer {KEY}"}) as s:
+    models = [
+        {
+            "name": MODEL,
+            "engine": "llama-server",
+            "path": str(tool_gguf),
+            "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2},
+        }
+    ]
+    with running_stack(
+        tmp_path_factory.mktemp("anthropic"),
+        models,
+        gateway_args=("--api-keys-file", str(keys)),
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as s:
         yield s
 
 
@@ -62,11 +72,16 @@ def test_a_whole_message(client):
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == _reply()
     assert m.stop_reason == "end_turn" and m.stop_sequence is None
     assert _prompt(m.usage) > 0 and m.usage.output_tokens > 0
-    assert m._request_id == m.id[len("msg_"):]  # the SDK reads the `request-id` header
+    assert m._request_id == m.id[len("msg_") :]  # the SDK reads the `request-id` header
     # Claude Code's way: the beta route (`?beta=true`, `anthropic-beta`), system blocks with cache_control
-    beta = client.beta.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, betas=["context-1m-2025-08-07"],
-                                       system=[{"type": "text", "text": "You are a test model.",
-                                                "cache_control": {"type": "ephemeral"}}], messages=HELLO)
+    beta = client.beta.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        extra_body=GREEDY,
+        betas=["context-1m-2025-08-07"],
+        system=[{"type": "text", "text": "You are a test model.", "cache_control": {"type": "ephemeral"}}],
+        messages=HELLO,
+    )
     assert beta.content[0].text == _reply() and beta.stop_reason == "end_turn"
 
 
@@ -90,8 +105,11 @@ def _round_trip(client, first) -> None:
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert use.id.startswith("toolu_") and use.name == "get_weather" and use.input == {"city": "Paris"}
     assert first.stop_reason == "tool_use"
-    messages = [*WEATHER, {"role": "assistant", "content": first.content},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    messages = [
+        *WEATHER,
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]},
+    ]
     with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=messages) as s:
         final = s.get_final_message()
     assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"] and final.content[0].text
@@ -106,8 +124,9 @@ def test_a_tool_round_trip_whole(client):
 
 
 def test_a_tool_round_trip_streamed(client):
-    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=WEATHER,
-                                tool_choice={"type": "any"}) as s:
+    with client.messages.stream(
+        model=MODEL, max_tokens=64, extra_body=GREEDY, tools=_tools(), messages=WEATHER, tool_choice={"type": "any"}
+    ) as s:
         events = list(s)
         first = s.get_final_message()
     assert [e.type for e in events[:1]] == ["message_start"] and events[-1].type == "message_stop"
@@ -116,12 +135,14 @@ def test_a_tool_round_trip_streamed(client):
 
 
 def test_count_tokens_is_the_prompt_the_engine_reads(client):
-    whole = client.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, system="You are a test model.",
-                                   messages=HELLO)
+    whole = client.messages.create(
+        model=MODEL, max_tokens=4, extra_body=GREEDY, system="You are a test model.", messages=HELLO
+    )
     counted = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO)
     assert counted.input_tokens == _prompt(whole.usage) > 0
-    with_tools = client.messages.count_tokens(model=MODEL, system="You are a test model.", messages=HELLO,
-                                              tools=_tools())
+    with_tools = client.messages.count_tokens(
+        model=MODEL, system="You are a test model.", messages=HELLO, tools=_tools()
+    )
     assert with_tools.input_tokens > counted.input_tokens  # the template renders the tools into the prompt
 
 
@@ -134,8 +155,10 @@ def test_errors_are_the_sdks_exceptions(client, stack):
     assert exc.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError) as exc:
         client.messages.create(model="ghost", max_tokens=4, messages=HELLO)
-    assert exc.value.body == {"type": "error", "error": {"type": "not_found_error",
-                                                         "message": "The model 'ghost' does not exist."}}
+    assert exc.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "The model 'ghost' does not exist."},
+    }
     with pytest.raises(anthropic.BadRequestError) as exc:  # the SDK's signature wants max_tokens: sent raw
         client.post("/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, "messages": HELLO})
     assert exc.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in exc.value.message
@@ -151,22 +174,41 @@ def _claude_code_request(session: str, version: str) -> dict:
     import json
 
     cached = {"type": "ephemeral"}
-    tools = _tools() + [{"name": f"tool_{i}", "description": f"Tool {i}",
-                         "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}}
-                        for i in range(5)]
+    tools = _tools() + [
+        {
+            "name": f"tool_{i}",
+            "description": f"Tool {i}",
+            "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}},
+        }
+        for i in range(5)
+    ]
     tools[-1]["cache_control"] = cached
     return dict(
-        model=MODEL, max_tokens=32000, tools=tools,
-        betas=["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
-               "mid-conversation-system-2026-04-07", "no-such-beta-2099-01-01"],
-        system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version={version}; cc_entrypoint=sdk-cli;"},
-                {"type": "text", "text": "You are a test model.", "cache_control": cached}],
-        messages=[{"role": "user", "content": [{"type": "text", "text": "hello there", "cache_control": cached}]},
-                  {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}],
-        thinking={"type": "adaptive"}, output_config={"effort": "medium"},
+        model=MODEL,
+        max_tokens=32000,
+        tools=tools,
+        betas=[
+            "claude-code-20250219",
+            "interleaved-thinking-2025-05-14",
+            "context-management-2025-06-27",
+            "mid-conversation-system-2026-04-07",
+            "no-such-beta-2099-01-01",
+        ],
+        system=[
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version={version}; cc_entrypoint=sdk-cli;"},
+            {"type": "text", "text": "You are a test model.", "cache_control": cached},
+        ],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hello there", "cache_control": cached}]},
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        ],
+        thinking={"type": "adaptive"},
+        output_config={"effort": "medium"},
         context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         metadata={"user_id": json.dumps({"device_id": "dev", "account_uuid": "", "session_id": session})},
-        extra_headers={"X-Claude-Code-Session-Id": session}, extra_body=GREEDY)
+        extra_headers={"X-Claude-Code-Session-Id": session},
+        extra_body=GREEDY,
+    )
 
 
 def test_a_first_turn_as_claude_code_sends_it(client):

@@ -51,14 +51,22 @@ def test_chat_completion(client):
     assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
     assert r.choices[0].finish_reason in ("stop", "length")
     u = r.usage
-    assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert (
+        u.prompt_tokens > 0 and 0 < u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    )
 
 
 def test_chat_stream_with_usage(client):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -69,7 +77,9 @@ def test_chat_stream_with_usage(client):
 def test_greedy_stream_and_whole_answer_agree(client):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "same"}], max_tokens=10, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices
+    )
     assert streamed == whole
 
 
@@ -89,8 +99,11 @@ def test_sse_framing_is_exactly_openais(http):
 def test_what_the_in_process_engine_cannot_do_is_a_clear_400(client):
     # llama-cpp-python streams one choice and takes one prompt (the llama-server engine does both)
     with pytest.raises(openai.BadRequestError) as exc:
-        list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
-                                            max_tokens=2, stream=True))
+        list(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=2, stream=True
+            )
+        )
     assert exc.value.body["param"] == "n" and "streams one choice" in exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
@@ -109,17 +122,33 @@ def test_completions_whole_and_streamed(client):
 def test_response_format_reaches_the_engine(client):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=40,
+        model="tiny",
+        messages=[{"role": "user", "content": "a number"}],
+        max_tokens=40,
         response_format={"type": "json_schema", "json_schema": {"name": "num", "schema": schema}},
     )
     assert isinstance(json.loads(r.choices[0].message.content)["n"], int)
 
 
 def test_tools_reach_the_engine(client):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=40, tools=tools,
+        model="tiny",
+        messages=[{"role": "user", "content": "weather?"}],
+        max_tokens=40,
+        tools=tools,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     call = r.choices[0].message.tool_calls[0]
@@ -128,10 +157,24 @@ def test_tools_reach_the_engine(client):
 
 
 def test_a_streamed_tool_call_accumulates_to_one_call_in_the_sdk_stream_helper(client):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     with client.chat.completions.stream(
-        model="tiny", messages=[{"role": "user", "content": "weather?"}], max_tokens=40, tools=tools,
+        model="tiny",
+        messages=[{"role": "user", "content": "weather?"}],
+        max_tokens=40,
+        tools=tools,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     ) as stream:
         final = stream.get_final_completion()
@@ -150,7 +193,9 @@ def _error(r: httpx.Response) -> dict:
 
 
 def test_malformed_json_is_400(http):
-    r = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers={"Content-Type": "application/json"})
+    r = http.post(
+        "/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
 
 
@@ -186,7 +231,9 @@ def test_prompt_longer_than_context_is_400(client):
 
 def test_missing_and_wrong_keys_are_401(api_stack, user_key):
     for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic abc"}):
-        r = httpx.post(f"{api_stack.base_url}/chat/completions", headers=headers, json={"model": "tiny", "messages": []})
+        r = httpx.post(
+            f"{api_stack.base_url}/chat/completions", headers=headers, json={"model": "tiny", "messages": []}
+        )
         assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key"
     user = openai.OpenAI(base_url=api_stack.base_url, api_key=user_key, max_retries=0)
     assert user.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1).choices
@@ -204,8 +251,14 @@ def test_unknown_route_and_wrong_method(http):
 
 
 HOSTILE = [
-    b"null", b"[]", b'"string"', b"1e999999", b"{}", b'{"model": 5, "messages": []}',
-    b'{"model": "tiny", "messages": "hi"}', b'{"model": "tiny", "messages": []}',
+    b"null",
+    b"[]",
+    b'"string"',
+    b"1e999999",
+    b"{}",
+    b'{"model": 5, "messages": []}',
+    b'{"model": "tiny", "messages": "hi"}',
+    b'{"model": "tiny", "messages": []}',
     b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}',
     b'{"model": "tiny", "messages": [{"role": "user"}]}',
@@ -215,7 +268,8 @@ HOSTILE = [
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999999}',
-    b"\xff\xfe\x00garbage", b'{"model": "tiny", "messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}",
+    b"\xff\xfe\x00garbage",
+    b'{"model": "tiny", "messages": [' + b"[" * 5000 + b"]" * 5000 + b"]}",
 ]
 
 
@@ -227,7 +281,12 @@ def test_hostile_chat_bodies_are_4xx(http, body):
 
 
 def test_hostile_completion_bodies_are_4xx(http):
-    for body in (b"{}", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": ["a", "b"]}', b'{"model": "tiny", "prompt": 3}'):
+    for body in (
+        b"{}",
+        b'{"model": "tiny"}',
+        b'{"model": "tiny", "prompt": ["a", "b"]}',
+        b'{"model": "tiny", "prompt": 3}',
+    ):
         r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
 
@@ -237,13 +296,21 @@ def test_hostile_completion_bodies_are_4xx(http):
 
 def test_client_disconnect_stops_generation(api_stack, http):
     worker = api_stack.procs["worker-w1"]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1000, "stream": True,
-            "temperature": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 1000,
+        "stream": True,
+        "temperature": 0,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         rid = r.headers["Coderai-Request-Id"]
         next(r.iter_bytes())  # the stream has started; now walk away
-    wait_until(lambda: f'"request_id": "{rid}"' in worker.log_text() and '"msg": "cancel"' in worker.log_text(), 10,
-               "the worker to log the cancel")
+    wait_until(
+        lambda: f'"request_id": "{rid}"' in worker.log_text() and '"msg": "cancel"' in worker.log_text(),
+        10,
+        "the worker to log the cancel",
+    )
 
 
 def test_client_leaving_a_whole_answer_stops_generation(api_stack, admin_key):
@@ -274,9 +341,15 @@ def test_client_leaving_a_whole_answer_stops_generation(api_stack, admin_key):
         await nc.flush()
         try:
             with socket.create_connection((url.hostname, url.port)) as s:
-                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Authorization: Bearer " + admin_key.encode() + b"\r\nContent-Length: "
-                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer "
+                    + admin_key.encode()
+                    + b"\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
                 try:
                     await asyncio.wait_for(sent.wait(), 60)
                 except TimeoutError:  # no job came (a stressed run saw it once): what the gateway answered instead
@@ -302,8 +375,14 @@ def test_requests_show_in_prometheus_metrics(api_stack, client):
 
     def counted():
         text = httpx.get(url).text
-        return 'coderai_requests_total{' in text and 'key="admin"' in text and 'model="tiny"' in text and \
-            'status="ok"' in text and "coderai_request_seconds_bucket" in text
+        return (
+            "coderai_requests_total{" in text
+            and 'key="admin"' in text
+            and 'model="tiny"' in text
+            and 'status="ok"' in text
+            and "coderai_request_seconds_bucket" in text
+        )
+
     wait_until(counted, 15, "request metrics")
     assert "coderai_engine_in_flight" in httpx.get(url).text
 
@@ -320,8 +399,12 @@ def test_usage_per_key_lands_in_redis(api_stack, user_key):
 
         day = time.strftime("%Y-%m-%d", time.gmtime())
         h = f"coderai:usage:{day}:alice:tiny"
-        return r.sismember(f"coderai:usage:index:{day}", "alice\ttiny") and int(r.hget(h, "requests") or 0) >= 1 \
+        return (
+            r.sismember(f"coderai:usage:index:{day}", "alice\ttiny")
+            and int(r.hget(h, "requests") or 0) >= 1
             and int(r.hget(h, "prompt_tokens") or 0) > 0
+        )
+
     wait_until(recorded, 15, "alice's usage in Redis")
 
 
@@ -332,12 +415,15 @@ def test_files_upload_list_content_and_delete_through_the_sdk(client):
     other = client.files.create(file=("notes.txt", b"not training data"), purpose="user_data")
     listed = [f.id for f in client.files.list()]
     assert up.id in listed and other.id in listed
-    assert [f.id for f in client.files.list(purpose="fine-tune")] == [f.id for f in client.files.list() if f.purpose == "fine-tune"]
+    assert [f.id for f in client.files.list(purpose="fine-tune")] == [
+        f.id for f in client.files.list() if f.purpose == "fine-tune"
+    ]
     assert client.files.content(up.id).read() == data
     named = client.files.create(file=("données.txt", b"x"), purpose="user_data")  # a name that is not ASCII
     got = client.files.with_raw_response.content(named.id)
     assert got.content == b"x" and got.headers["content-disposition"] == (
-        "attachment; filename=\"donn_es.txt\"; filename*=UTF-8''donn%C3%A9es.txt")
+        "attachment; filename=\"donn_es.txt\"; filename*=UTF-8''donn%C3%A9es.txt"
+    )
     client.files.delete(named.id)
     # several chunks of the object store, streamed one at a time (never whole in the gateway): the same bytes back,
     # with their length said up front
@@ -365,8 +451,11 @@ def test_a_key_sees_only_its_own_files_and_trains_only_on_them(api_stack, user_k
     theirs = bob.files.create(file=("bob.jsonl", data), purpose="fine-tune")
     assert mine.id in [f.id for f in alice.files.list()] and theirs.id not in [f.id for f in alice.files.list()]
     assert mine.id not in [f.id for f in bob.files.list()]
-    for attempt in (lambda: bob.files.retrieve(mine.id), lambda: bob.files.content(mine.id),
-                    lambda: bob.files.delete(mine.id)):
+    for attempt in (
+        lambda: bob.files.retrieve(mine.id),
+        lambda: bob.files.content(mine.id),
+        lambda: bob.files.delete(mine.id),
+    ):
         with pytest.raises(openai.NotFoundError):  # as for an id that never was: no sign that it exists
             attempt()
     with pytest.raises(openai.BadRequestError) as err:  # as OpenAI answers a training_file that is not yours
@@ -382,8 +471,9 @@ def test_a_key_sees_only_its_own_files_and_trains_only_on_them(api_stack, user_k
 def test_request_ids_in_headers_are_random(client):
     ids = []
     for _ in range(4):
-        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                              max_tokens=1)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
         ids.append(raw.headers["coderai-request-id"])
     assert all(len(i) == 24 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 4
     steps = {int(b, 16) - int(a, 16) for a, b in zip(ids, ids[1:])}
@@ -407,26 +497,42 @@ def test_a_key_cannot_keep_files_or_run_batches_without_end(api_stack, other_use
     gateways are full. Past its count of files and of running batches it gets a 429; deleting or cancelling makes
     room."""
     bob = openai.OpenAI(base_url=api_stack.base_url, api_key=other_user_key, max_retries=0, timeout=30)
-    kept = [bob.files.create(file=(f"f{i}.txt", b"x"), purpose="user_data")
-            for i in range(FILE_COUNT - len(bob.files.list().data))]
+    kept = [
+        bob.files.create(file=(f"f{i}.txt", b"x"), purpose="user_data")
+        for i in range(FILE_COUNT - len(bob.files.list().data))
+    ]
     with pytest.raises(openai.RateLimitError) as err:
         bob.files.create(file=("one-more.txt", b"x"), purpose="user_data")
     assert err.value.body["code"] == "file_quota_exceeded"
     for f in kept[1:]:
         assert bob.files.delete(f.id).deleted
-    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",  # ghost: no engine, so
-                       "body": {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}}).encode() + b"\n"
+    line = (
+        json.dumps(
+            {
+                "custom_id": "a",
+                "method": "POST",
+                "url": "/v1/chat/completions",  # ghost: no engine, so
+                "body": {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]},
+            }
+        ).encode()
+        + b"\n"
+    )
     source = bob.files.create(file=("b.jsonl", line), purpose="batch")  # ... its batches keep running
-    running = [bob.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
-               for _ in range(BATCHES_PER_KEY)]
+    running = [
+        bob.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+        for _ in range(BATCHES_PER_KEY)
+    ]
     with pytest.raises(openai.RateLimitError) as err:
         bob.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert err.value.body["code"] == "batch_quota_exceeded"
     print(f"a key past {FILE_COUNT} files and {BATCHES_PER_KEY} running batches: 429 each")
     for b in running:
         bob.batches.cancel(b.id)
-    wait_until(lambda: all(bob.batches.retrieve(b.id).status == "cancelled" for b in running), 60,
-               "the batches to be cancelled")
+    wait_until(
+        lambda: all(bob.batches.retrieve(b.id).status == "cancelled" for b in running),
+        60,
+        "the batches to be cancelled",
+    )
     for f in (kept[0], source):
         assert bob.files.delete(f.id).deleted
 
@@ -444,8 +550,17 @@ def test_a_key_sees_only_its_own_video_jobs(api_stack, user_key, other_user_key,
     from coderai.gateway.video.records import VideoRecord
 
     vid = "video_" + "ab" * 12
-    rec = VideoRecord(id=vid, model="t2v", prompt="alice's secret prompt", status="queued", created_at=int(time.time()),
-                      updated_at=time.time(), size="64x64", seconds="1", key_name="alice")
+    rec = VideoRecord(
+        id=vid,
+        model="t2v",
+        prompt="alice's secret prompt",
+        status="queued",
+        created_at=int(time.time()),
+        updated_at=time.time(),
+        size="64x64",
+        seconds="1",
+        key_name="alice",
+    )
 
     async def put() -> None:
         bus = await Bus.connect(api_stack.nats_url, "test-videos")

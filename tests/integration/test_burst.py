@@ -24,10 +24,11 @@ def stack(tmp_path_factory, tiny_gguf):
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     params = {"parallel": 2, "n_ctx": 512, "n_threads": 1}
-    models = [{"name": "two-slots", "engine": "llama-server", "path": str(tiny_gguf), "params": params},
-              # a budget no queue fits in: once a job's time is known, a request that must wait is refused
-              {"name": "no-wait", "engine": "llama-server", "path": str(tiny_gguf), "params": params,
-               "queue_time_s": 0.001}]
+    models = [
+        {"name": "two-slots", "engine": "llama-server", "path": str(tiny_gguf), "params": params},
+        # a budget no queue fits in: once a job's time is known, a request that must wait is refused
+        {"name": "no-wait", "engine": "llama-server", "path": str(tiny_gguf), "params": params, "queue_time_s": 0.001},
+    ]
     with running_stack(tmp_path_factory.mktemp("burst"), models, gateway_args=("--no-auth",)) as s:
         s.wait_model_ready("no-wait")
         yield s
@@ -38,8 +39,9 @@ def _burst(stack, model: str) -> list:
 
     def one(i: int):
         try:
-            return client.chat.completions.create(model=model, max_tokens=24, temperature=0,
-                                                  messages=[{"role": "user", "content": f"count to ten, {i}"}])
+            return client.chat.completions.create(
+                model=model, max_tokens=24, temperature=0, messages=[{"role": "user", "content": f"count to ten, {i}"}]
+            )
         except openai.APIStatusError as exc:
             return exc
 

@@ -58,8 +58,10 @@ LINE_MAX = 2000
 
 # --- inputs, from the msgspec types -----------------------------------------------------------------------
 
-TEXT = st.one_of(st.text(max_size=12), st.sampled_from(["", " ", "..", "../../etc/passwd", "a.b", "*", ">", "w1",
-                                                       MODEL, "\x00", "é.*>", "x" * 300]))
+TEXT = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["", " ", "..", "../../etc/passwd", "a.b", "*", ">", "w1", MODEL, "\x00", "é.*>", "x" * 300]),
+)
 
 
 def values(t: Any, depth: int = 0) -> st.SearchStrategy:
@@ -87,11 +89,22 @@ def values(t: Any, depth: int = 0) -> st.SearchStrategy:
     if isinstance(t, mi.IntType):
         lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else None)
         hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else None)
-        return st.one_of(st.integers(lo, hi).filter(lambda i: -2**63 <= i < 2**63),
-                         st.sampled_from([x for x in (0, -1, 2**31, 2**63 - 1) if (lo is None or x >= lo) and (hi is None or x <= hi)] or [lo or 0]))
+        return st.one_of(
+            st.integers(lo, hi).filter(lambda i: -(2**63) <= i < 2**63),
+            st.sampled_from(
+                [x for x in (0, -1, 2**31, 2**63 - 1) if (lo is None or x >= lo) and (hi is None or x <= hi)]
+                or [lo or 0]
+            ),
+        )
     if isinstance(t, mi.FloatType):
-        return st.floats(t.ge if t.ge is not None else t.gt, t.le if t.le is not None else t.lt,
-                         allow_nan=False, allow_infinity=False, exclude_min=t.gt is not None, exclude_max=t.lt is not None)
+        return st.floats(
+            t.ge if t.ge is not None else t.gt,
+            t.le if t.le is not None else t.lt,
+            allow_nan=False,
+            allow_infinity=False,
+            exclude_min=t.gt is not None,
+            exclude_max=t.lt is not None,
+        )
     if isinstance(t, mi.NoneType):
         return st.none()
     if isinstance(t, (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)):
@@ -99,15 +112,25 @@ def values(t: Any, depth: int = 0) -> st.SearchStrategy:
     if isinstance(t, mi.TupleType):
         return st.tuples(*(values(x, depth + 1) for x in t.item_types)).map(list)
     if isinstance(t, (mi.DictType,)):
-        return st.dictionaries(values(t.key_type, depth + 1) if isinstance(t.key_type, mi.LiteralType) else TEXT,
-                               values(t.value_type, depth + 1), max_size=2 if depth < 3 else 0)
+        return st.dictionaries(
+            values(t.key_type, depth + 1) if isinstance(t.key_type, mi.LiteralType) else TEXT,
+            values(t.value_type, depth + 1),
+            max_size=2 if depth < 3 else 0,
+        )
     if isinstance(t, mi.DateTimeType):
         return st.datetimes().map(lambda d: d.isoformat())
     return st.one_of(st.none(), st.integers(-5, 5), TEXT)  # Any, Raw and the rest: any JSON
 
 
-OTHER = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False), TEXT, st.booleans(),
-                  st.none(), st.lists(st.integers(), max_size=3), st.dictionaries(TEXT, st.integers(), max_size=2))
+OTHER = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    TEXT,
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(TEXT, st.integers(), max_size=2),
+)
 
 
 def decodes(data: bytes, type_: Any) -> bool:
@@ -137,7 +160,7 @@ def kinds(type_: Any) -> dict[str, st.SearchStrategy]:
             except OverflowError:
                 pass
         data = to_json(v)
-        return data[:draw(st.integers(0, len(data) - 1))]
+        return data[: draw(st.integers(0, len(data) - 1))]
 
     @st.composite
     def wrong_type(draw: Any) -> bytes:
@@ -198,8 +221,10 @@ def oversized(size: int, how: str, seed: int, type_: Any) -> bytes:
 def fuzz_stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     """A whole stack with the pod-broker too, and joins on (the scheduler has a cluster token)."""
     root = tmp_path_factory.mktemp("busfuzz")
-    models = [{"name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}},
-              {"name": GHOST, "engine": "llama", "path": str(tiny_gguf), "nodes": ["evil"]}]
+    models = [
+        {"name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}},
+        {"name": GHOST, "engine": "llama", "path": str(tiny_gguf), "nodes": ["evil"]},
+    ]
     nats_server = NatsServer.secured(root / "nats", token=TOKEN).start(log_file=root / "logs" / "nats.log")
     stack = Stack(root, nats_server.service_url, extra_env={"CODERAI_SCHEDULER_CLUSTER_TOKEN": TOKEN})
     stack.nats = nats_server
@@ -229,27 +254,47 @@ def inventory(hb: Heartbeat) -> list[Target]:
     """Every subject the stack's services subscribe (the services' start() methods, by service)."""
     engine = next(e for e in hb.engines if e.model == MODEL)
     node, eid = hb.node_id, engine.engine_id
-    out = [Target(S.ROUTE_PICK, S.ROUTE_PICK(), True, read_only=True),  # router
-           Target(S.HEARTBEAT, S.HEARTBEAT(node_id="fuzz"), False, ("router", "scheduler", "metrics", "pod-broker")),
-           Target(S.EVT_REQUEST_COMPLETED, S.EVT_REQUEST_COMPLETED(), False, ("router", "metrics"))]
-    for subject in (S.CMD_SCHEDULER_NODES, S.CMD_STORE_FETCH, S.CMD_STORE_LIST, S.CMD_SCHEDULER_STAGES,  # scheduler
-                    S.CMD_SCHEDULER_MEMBERS, S.JOIN_HELLO, S.JOIN_PROVE):
+    out = [
+        Target(S.ROUTE_PICK, S.ROUTE_PICK(), True, read_only=True),  # router
+        Target(S.HEARTBEAT, S.HEARTBEAT(node_id="fuzz"), False, ("router", "scheduler", "metrics", "pod-broker")),
+        Target(S.EVT_REQUEST_COMPLETED, S.EVT_REQUEST_COMPLETED(), False, ("router", "metrics")),
+    ]
+    for subject in (
+        S.CMD_SCHEDULER_NODES,
+        S.CMD_STORE_FETCH,
+        S.CMD_STORE_LIST,
+        S.CMD_SCHEDULER_STAGES,  # scheduler
+        S.CMD_SCHEDULER_MEMBERS,
+        S.JOIN_HELLO,
+        S.JOIN_PROVE,
+    ):
         out.append(Target(subject, subject(), True, read_only=True))
-    for subject in (S.CMD_SCHEDULER_PLACE, S.CMD_SCHEDULER_ESCALATE, S.CMD_SCHEDULER_ADD, S.CMD_SCHEDULER_REMOVE,
-                    S.CMD_SCHEDULER_REVOKE, S.CMD_SCHEDULER_POD_USER, S.CMD_SCHEDULER_TRAIN, S.CMD_SCHEDULER_TRAIN_CANCEL,
-                    S.CMD_BROKER_ACQUIRE, S.CMD_BROKER_LEASE,  # pod-broker
-                    S.CMD_BLOB_WRITE):  # gateway
+    for subject in (
+        S.CMD_SCHEDULER_PLACE,
+        S.CMD_SCHEDULER_ESCALATE,
+        S.CMD_SCHEDULER_ADD,
+        S.CMD_SCHEDULER_REMOVE,
+        S.CMD_SCHEDULER_REVOKE,
+        S.CMD_SCHEDULER_POD_USER,
+        S.CMD_SCHEDULER_TRAIN,
+        S.CMD_SCHEDULER_TRAIN_CANCEL,
+        S.CMD_BROKER_ACQUIRE,
+        S.CMD_BROKER_LEASE,  # pod-broker
+        S.CMD_BLOB_WRITE,
+    ):  # gateway
         out.append(Target(subject, subject(), True))
-    out += [Target(S.TRAIN_UPLOAD, S.TRAIN_UPLOAD(job_id="fuzz", node_id=node), True),
-            Target(S.TRAIN_REPORT, S.TRAIN_REPORT(job_id="fuzz", node_id=node), False, ("scheduler",)),
-            Target(S.CMD_BROKER_STATUS, S.CMD_BROKER_STATUS(), True, read_only=True),
-            Target(S.CMD_BLOB_READ, S.CMD_BLOB_READ(), True, read_only=True),
-            Target(S.EVT_PART_DONE, S.EVT_PART_DONE(node_id=node), False, ("metrics",)),  # metrics
-            Target(S.EVT_MODEL_LOADED, S.EVT_MODEL_LOADED(node_id=node), False, ("metrics",)),
-            Target(S.EVT_MODEL_UNLOADED, S.EVT_MODEL_UNLOADED(), False, ("metrics",)),
-            Target(S.CMD_NODE_LOGS, S.CMD_NODE_LOGS(node_id=node), True, read_only=True),  # the worker
-            Target(S.CMD_NODE_DRAIN, S.CMD_NODE_DRAIN(node_id=node), True),
-            Target(S.ENGINE_CANCEL, S.ENGINE_CANCEL(node_id=node, engine_id=eid), False, (f"worker-{node}",))]
+    out += [
+        Target(S.TRAIN_UPLOAD, S.TRAIN_UPLOAD(job_id="fuzz", node_id=node), True),
+        Target(S.TRAIN_REPORT, S.TRAIN_REPORT(job_id="fuzz", node_id=node), False, ("scheduler",)),
+        Target(S.CMD_BROKER_STATUS, S.CMD_BROKER_STATUS(), True, read_only=True),
+        Target(S.CMD_BLOB_READ, S.CMD_BLOB_READ(), True, read_only=True),
+        Target(S.EVT_PART_DONE, S.EVT_PART_DONE(node_id=node), False, ("metrics",)),  # metrics
+        Target(S.EVT_MODEL_LOADED, S.EVT_MODEL_LOADED(node_id=node), False, ("metrics",)),
+        Target(S.EVT_MODEL_UNLOADED, S.EVT_MODEL_UNLOADED(), False, ("metrics",)),
+        Target(S.CMD_NODE_LOGS, S.CMD_NODE_LOGS(node_id=node), True, read_only=True),  # the worker
+        Target(S.CMD_NODE_DRAIN, S.CMD_NODE_DRAIN(node_id=node), True),
+        Target(S.ENGINE_CANCEL, S.ENGINE_CANCEL(node_id=node, engine_id=eid), False, (f"worker-{node}",)),
+    ]
     if "train" in hb.capabilities:
         for subject in (S.CMD_NODE_TRAIN, S.CMD_NODE_TRAIN_STOP, S.CMD_NODE_TRAIN_STATE):
             out.append(Target(subject, subject(node_id=node), True))
@@ -264,11 +309,20 @@ def inventory(hb: Heartbeat) -> list[Target]:
 def others(hb: Heartbeat, targets: list[Target]) -> list[str]:
     """Concrete subjects of every other Subject in contracts/subjects.py, with the stack's own ids filled in."""
     engine = next(e for e in hb.engines if e.model == MODEL)
-    ids = {"node_id": hb.node_id, "engine_id": engine.engine_id, "job_id": "fuzz", "what": "created",
-           "model_key": model_key(MODEL), "op": "embed"}
+    ids = {
+        "node_id": hb.node_id,
+        "engine_id": engine.engine_id,
+        "job_id": "fuzz",
+        "what": "created",
+        "model_key": model_key(MODEL),
+        "op": "embed",
+    }
     covered = {t.subject.pattern for t in targets}
-    return [s(**{p: ids[p] for p in s.params}) for s in vars(S).values()
-            if isinstance(s, S.Subject) and s.pattern not in covered and ">" not in s.pattern]
+    return [
+        s(**{p: ids[p] for p in s.params})
+        for s in vars(S).values()
+        if isinstance(s, S.Subject) and s.pattern not in covered and ">" not in s.pattern
+    ]
 
 
 def log_lines(stack: Stack) -> dict[str, int]:
@@ -304,9 +358,12 @@ class Client:
         except nats.errors.NoRespondersError:
             raise AssertionError(f"nobody subscribes {target.where}: the inventory is out of date") from None
         except nats.errors.TimeoutError:
-            raise AssertionError(f"no answer on {target.where} within {self.timeout:.0f} s "
-                                 f"to {data[:80]!r} ({len(data)} bytes)") from None
-        return target.subject.decode_reply(msg.data) if target.subject.reply is not None else decode(msg.data, ErrorReply)
+            raise AssertionError(
+                f"no answer on {target.where} within {self.timeout:.0f} s to {data[:80]!r} ({len(data)} bytes)"
+            ) from None
+        return (
+            target.subject.decode_reply(msg.data) if target.subject.reply is not None else decode(msg.data, ErrorReply)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -340,8 +397,14 @@ def barrage(client: Client, targets: list[Target]) -> None:
     for target in targets:
         strategies = kinds(target.subject.request)
         for kind, strategy in strategies.items():
-            @settings(max_examples=PER_KIND[kind], deadline=None, database=None, derandomize=False,
-                      suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=PER_KIND[kind],
+                deadline=None,
+                database=None,
+                derandomize=False,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(data=strategy)
             def bad(data: bytes) -> None:
                 assume(not decodes(data, target.subject.request))
@@ -349,9 +412,14 @@ def barrage(client: Client, targets: list[Target]) -> None:
 
             bad()
 
-        @settings(max_examples=PER_KIND["oversized"], deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(size=st.integers(64 * 1024, max_payload - 1024), how=st.sampled_from(["random", "key", "nested", "open"]),
-               seed=st.integers(0, 2**32))
+        @settings(
+            max_examples=PER_KIND["oversized"], deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        @given(
+            size=st.integers(64 * 1024, max_payload - 1024),
+            how=st.sampled_from(["random", "key", "nested", "open"]),
+            seed=st.integers(0, 2**32),
+        )
         def big(size: int, how: str, seed: int) -> None:
             check(target, oversized(size, how, seed, target.subject.request))
 
@@ -365,6 +433,7 @@ def hostile(client: Client, targets: list[Target]) -> int:
     type or a typed error, never `internal` (a handler that raised)."""
     sent = 0
     for target in (t for t in targets if t.read_only and t.reply):
+
         @settings(max_examples=HOSTILE, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(value=values(mi.type_info(target.subject.request)))
         def good_shape(value: Any) -> None:
@@ -400,7 +469,9 @@ def test_the_inventory_names_every_subject_a_service_subscribes(fuzz_stack, clie
 
     async def consumers() -> set[str]:
         js = client.nc.jetstream()
-        return {c.config.filter_subject or stream for stream in ("EVENTS", "WORK") for c in await js.consumers_info(stream)}
+        return {
+            c.config.filter_subject or stream for stream in ("EVENTS", "WORK") for c in await js.consumers_info(stream)
+        }
 
     pulled = client.run(consumers())
     assert pulled <= {t.where for t in targets}, pulled - {t.where for t in targets}
@@ -423,19 +494,27 @@ def test_bad_bytes_on_every_subject_are_refused_and_every_service_keeps_serving(
                 expected[name] = expected.get(name, 0) + t.sent
 
     def dropped(name: str) -> int:
-        return sum("malformed" in line for line in stack.procs[name].log_text()[before[name]:].splitlines())
+        return sum("malformed" in line for line in stack.procs[name].log_text()[before[name] :].splitlines())
 
-    wait_until(lambda: all(dropped(n) >= k for n, k in expected.items()), 30,
-               f"one 'malformed' line per dropped message: {expected}")
+    wait_until(
+        lambda: all(dropped(n) >= k for n, k in expected.items()),
+        30,
+        f"one 'malformed' line per dropped message: {expected}",
+    )
     for name, p in stack.procs.items():
         assert p.alive(), f"{name} died:\n{p.log_text()[-3000:]}"
-        new = p.log_text()[before[name]:].splitlines()
+        new = p.log_text()[before[name] :].splitlines()
         assert dropped(name) == expected.get(name, 0), (name, dropped(name), expected.get(name, 0))
-        assert not [line for line in new if '"exc"' in line or "Traceback" in line], f"{name} logged a traceback:\n" + \
-            "\n".join(line[:LINE_MAX] for line in new if '"exc"' in line or "Traceback" in line)[:4000]
-        assert max((len(line) for line in new), default=0) <= LINE_MAX, f"{name} logged a line of " \
-            f"{max(len(line) for line in new)} characters"
-        assert len(new) <= expected.get(name, 0) + 40, f"{name} logged {len(new)} lines for {expected.get(name, 0)} drops"
+        assert not [line for line in new if '"exc"' in line or "Traceback" in line], (
+            f"{name} logged a traceback:\n"
+            + "\n".join(line[:LINE_MAX] for line in new if '"exc"' in line or "Traceback" in line)[:4000]
+        )
+        assert max((len(line) for line in new), default=0) <= LINE_MAX, (
+            f"{name} logged a line of {max(len(line) for line in new)} characters"
+        )
+        assert len(new) <= expected.get(name, 0) + 40, (
+            f"{name} logged {len(new)} lines for {expected.get(name, 0)} drops"
+        )
 
     # and every service still serves
     headers = {"Authorization": f"Bearer {admin_key}"}
@@ -445,23 +524,36 @@ def test_bad_bytes_on_every_subject_are_refused_and_every_service_keeps_serving(
     status = client.run(client.nc.request(S.CMD_BROKER_STATUS(), encode(BrokerStatusRequest()), timeout=client.timeout))
     assert isinstance(S.CMD_BROKER_STATUS.decode_reply(status.data), BrokerStatus)  # the pod-broker
     assert_still_pulls_work(client)  # the worker's pull consumer outlived the bad parts
-    wait_until(lambda: 'coderai_requests_total{' in httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics",
-                                                                timeout=5).text, 30, "metrics to count a request")
+    wait_until(
+        lambda: (
+            "coderai_requests_total{" in httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
+        ),
+        30,
+        "metrics to count a request",
+    )
     wall = time.monotonic() - t0
     with capsys.disabled():
-        print(f"\nbus fuzz: {sum(t.sent for t in targets)} inputs over {len(targets)} subjects "
-              f"({well_typed} of them well-typed with hostile values) in {wall:.1f} s")
+        print(
+            f"\nbus fuzz: {sum(t.sent for t in targets)} inputs over {len(targets)} subjects "
+            f"({well_typed} of them well-typed with hostile values) in {wall:.1f} s"
+        )
 
 
 def assert_still_pulls_work(client: Client) -> None:
     """A good work part after the bad ones is answered: the worker's consumer did not die on them."""
+
     async def one() -> Any:
         reply = f"{HANDOUT_PREFIX}.fuzz{secrets.token_hex(4)}.{secrets.token_hex(8)}"
         sub = await client.nc.subscribe(reply)
-        job = ChatJob(request_id="fuzz-part", model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                      params=SamplingParams(max_tokens=1))
-        part = WorkPart(request_id="fuzz-part", model=MODEL, op="chat", part=0, parts=1, reply=reply,
-                        job=msgspec.Raw(encode(job)))
+        job = ChatJob(
+            request_id="fuzz-part",
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            params=SamplingParams(max_tokens=1),
+        )
+        part = WorkPart(
+            request_id="fuzz-part", model=MODEL, op="chat", part=0, parts=1, reply=reply, job=msgspec.Raw(encode(job))
+        )
         await client.nc.jetstream().publish(S.WORK_PART(model_key=model_key(MODEL), op="chat"), encode(part))
         try:
             while True:
@@ -481,8 +573,12 @@ def test_an_engine_that_answers_bad_bytes_gets_a_502_and_the_gateway_serves_on(f
     chunk: the client gets a 502 error, or an SSE error event, never a 500; the gateway logs one line for each."""
     stack = fuzz_stack
     real = heartbeat(client)
-    evil = msgspec.structs.replace(real, node_id="evil", seq=1, engines=[EngineStatus(
-        engine_id="evil-ghost", model=GHOST, engine="llama", ops=["chat"], state="ready")])
+    evil = msgspec.structs.replace(
+        real,
+        node_id="evil",
+        seq=1,
+        engines=[EngineStatus(engine_id="evil-ghost", model=GHOST, engine="llama", ops=["chat"], state="ready")],
+    )
     answers: list[bytes] = []
 
     @settings(max_examples=FRAMES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -504,6 +600,7 @@ def test_an_engine_that_answers_bad_bytes_gets_a_502_and_the_gateway_serves_on(f
         sub = await client.nc.subscribe(S.ENGINE_CHAT(node_id="evil", engine_id="evil-ghost"), cb=hostile_engine)
         statuses = []
         try:
+
             async def routed() -> bool:
                 await client.nc.publish(S.HEARTBEAT(node_id="evil"), encode(evil))
                 pick = RouteRequest(request_id="fuzz-pick", model=GHOST, op="chat")
@@ -515,8 +612,9 @@ def test_an_engine_that_answers_bad_bytes_gets_a_502_and_the_gateway_serves_on(f
             while not await routed():  # the router has heard of `evil` (its heartbeat came before the pick)
                 assert time.monotonic() < deadline, "the router never routed to the fake engine"
             body = {"model": GHOST, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-            async with httpx.AsyncClient(base_url=stack.base_url, headers={"Authorization": f"Bearer {admin_key}"},
-                                         timeout=60) as http:
+            async with httpx.AsyncClient(
+                base_url=stack.base_url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60
+            ) as http:
                 for i in range(len(answers)):
                     await client.nc.publish(S.HEARTBEAT(node_id="evil"), encode(evil))  # `evil` stays alive
                     r = await http.post("/chat/completions", json={**body, "stream": i % 2 == 1})

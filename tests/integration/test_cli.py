@@ -14,7 +14,9 @@ MODULES = ["gateway", "router", "scheduler", "pod_broker", "metrics", "engine_wo
 
 @pytest.mark.parametrize("module", MODULES)
 def test_python_m_service_help(module):
-    r = subprocess.run([sys.executable, "-m", f"coderai.{module}", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", f"coderai.{module}", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "--nats-url" in r.stdout and "usage:" in r.stdout
 
@@ -44,12 +46,21 @@ def test_a_bad_setting_fails_fast_naming_the_variable():
 
 
 def test_gateway_refuses_no_auth_off_loopback():
-    r = subprocess.run([sys.executable, "-m", "coderai.gateway", "--no-auth", "--host", "0.0.0.0"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "coderai.gateway", "--no-auth", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "loopback" in r.stderr
 
 
 def test_gateway_refuses_to_start_without_keys_or_no_auth():
-    r = subprocess.run([sys.executable, "-m", "coderai.gateway"], capture_output=True, text=True, timeout=30,
-                       env={k: v for k, v in __import__("os").environ.items() if not k.startswith("CODERAI_")})
+    r = subprocess.run(
+        [sys.executable, "-m", "coderai.gateway"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in __import__("os").environ.items() if not k.startswith("CODERAI_")},
+    )
     assert r.returncode == 2 and "CODERAI_GATEWAY_API_KEYS_FILE" in r.stderr

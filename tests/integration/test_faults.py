@@ -22,10 +22,14 @@ LONG = {"model": "tiny", "messages": [{"role": "user", "content": "keep going"}]
 @pytest.fixture(scope="module")
 def fault_stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 8192}}]
-    with running_stack(tmp_path_factory.mktemp("faults"), models, gateway_args=("--api-keys-file", str(keys_file)),
-                       extra_env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "2", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
-                       nats_port=free_port(),  # a fixed port, so NATS can come back on it
-                       headers={"Authorization": f"Bearer {admin_key}"}) as stack:
+    with running_stack(
+        tmp_path_factory.mktemp("faults"),
+        models,
+        gateway_args=("--api-keys-file", str(keys_file)),
+        extra_env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "2", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
+        nats_port=free_port(),  # a fixed port, so NATS can come back on it
+        headers={"Authorization": f"Bearer {admin_key}"},
+    ) as stack:
         yield stack
 
 
@@ -81,14 +85,20 @@ def test_nats_outage_is_503_then_answers_resume_within_5s(fault_stack, admin_key
     assert httpx.post(url, json=body, headers=headers, timeout=30).status_code == 200
 
     fault_stack.nats.kill()
-    r = wait_until(lambda: (resp := httpx.post(url, json=body, headers=headers, timeout=10)).status_code == 503 and resp,
-                   10, "a 503 during the outage")
+    r = wait_until(
+        lambda: (resp := httpx.post(url, json=body, headers=headers, timeout=10)).status_code == 503 and resp,
+        10,
+        "a 503 during the outage",
+    )
     assert int(r.headers["Retry-After"]) > 0 and r.json()["error"]["code"] == "no_engine"
 
     fault_stack.nats.start()
     restarted = time.monotonic()
-    wait_until(lambda: httpx.post(url, json=body, headers=headers, timeout=5).status_code == 200, 5,
-               "a normal answer within 5 s of NATS coming back")
+    wait_until(
+        lambda: httpx.post(url, json=body, headers=headers, timeout=5).status_code == 200,
+        5,
+        "a normal answer within 5 s of NATS coming back",
+    )
     assert time.monotonic() - restarted <= 5.5
     # and the stack keeps working: a streamed answer too
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=10) as s:

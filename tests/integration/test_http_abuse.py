@@ -56,22 +56,76 @@ BASES: dict[str, dict] = {  # one small valid body per JSON endpoint: one token 
 }
 UPLOADS = ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/images/edits", "/v1/files"]
 """Endpoints that take multipart/form-data."""
-FIELDS = ["model", "messages", "prompt", "input", "max_tokens", "n", "stream", "stop", "temperature", "top_p", "seed",
-          "tools", "tool_choice", "response_format", "logprobs", "top_logprobs", "logit_bias", "stream_options",
-          "system", "instructions", "format", "options", "keep_alive", "documents", "query", "voice", "size",
-          "previous_response_id", "max_output_tokens", "metadata", "thinking", "echo", "suffix", "user"]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "input",
+    "max_tokens",
+    "n",
+    "stream",
+    "stop",
+    "temperature",
+    "top_p",
+    "seed",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "stream_options",
+    "system",
+    "instructions",
+    "format",
+    "options",
+    "keep_alive",
+    "documents",
+    "query",
+    "voice",
+    "size",
+    "previous_response_id",
+    "max_output_tokens",
+    "metadata",
+    "thinking",
+    "echo",
+    "suffix",
+    "user",
+]
 
-NASTY = st.sampled_from([
-    "", "\x00", "\ud800", "\udfff\ud800", "x" * 70_000, 2**64, -(2**63) - 1, -0.0, 1e308, float("nan"), float("inf"),
-    [], {}, [None], [[]], [{}], [{"role": 1}], [{"role": "user", "content": {"x": 1}}],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}],
-    [{"role": "user", "content": [{"type": "nope"}]}], [{"role": "assistant", "tool_calls": "x"}],
-    {"type": "json_schema", "json_schema": {"schema": 3}}, [{"type": "function"}], {"num_predict": "x"},
-])
+NASTY = st.sampled_from(
+    [
+        "",
+        "\x00",
+        "\ud800",
+        "\udfff\ud800",
+        "x" * 70_000,
+        2**64,
+        -(2**63) - 1,
+        -0.0,
+        1e308,
+        float("nan"),
+        float("inf"),
+        [],
+        {},
+        [None],
+        [[]],
+        [{}],
+        [{"role": 1}],
+        [{"role": "user", "content": {"x": 1}}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}],
+        [{"role": "user", "content": [{"type": "nope"}]}],
+        [{"role": "assistant", "tool_calls": "x"}],
+        {"type": "json_schema", "json_schema": {"schema": 3}},
+        [{"type": "function"}],
+        {"num_predict": "x"},
+    ]
+)
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | NASTY,
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), kids,
-                                                              max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), kids, max_size=4)
+    ),
     max_leaves=8,
 )
 
@@ -90,7 +144,7 @@ def bodies(draw) -> tuple[str, str, bytes]:
         body = draw(st.binary(max_size=300))
     elif kind == "truncated":
         whole = _dumps(base)
-        body = whole[:draw(st.integers(0, len(whole) - 1))]
+        body = whole[: draw(st.integers(0, len(whole) - 1))]
     elif kind == "field":
         mutant = dict(base)
         mutant[draw(st.sampled_from(FIELDS))] = draw(JSON_VALUES)
@@ -139,9 +193,13 @@ def nofile():
 def stack(nofile, tmp_path_factory, tiny_gguf, keys_file, admin_key):
     """The gateway with the production defaults (a 30 s header timeout), a small body limit."""
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}}]
-    with running_stack(tmp_path_factory.mktemp("abuse"), models, gateway_args=("--api-keys-file", str(keys_file)),
-                       extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"},
-                       headers={"Authorization": f"Bearer {admin_key}"}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("abuse"),
+        models,
+        gateway_args=("--api-keys-file", str(keys_file)),
+        extra_env={"CODERAI_GATEWAY_MAX_BODY_BYTES": "65536"},
+        headers={"Authorization": f"Bearer {admin_key}"},
+    ) as s:
         yield s
 
 
@@ -149,8 +207,13 @@ def stack(nofile, tmp_path_factory, tiny_gguf, keys_file, admin_key):
 def quick_gateway(stack: Stack, keys_file) -> tuple[str, ServiceProcess]:
     """A second gateway on the same stack whose header timeout is SLOW_TIMEOUT_S, so slow clients end in seconds."""
     port = free_port()
-    p = stack.start("gateway-quick", "coderai.gateway", ["--port", str(port), "--api-keys-file", str(keys_file)],
-                    env={"CODERAI_GATEWAY_HEADER_TIMEOUT_S": str(SLOW_TIMEOUT_S)}, ready=None)
+    p = stack.start(
+        "gateway-quick",
+        "coderai.gateway",
+        ["--port", str(port), "--api-keys-file", str(keys_file)],
+        env={"CODERAI_GATEWAY_HEADER_TIMEOUT_S": str(SLOW_TIMEOUT_S)},
+        ready=None,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 60, "the second gateway")
     return url, p
@@ -164,8 +227,9 @@ def http(stack, admin_key):
 
 def chat_ok(url: str, admin_key: str, timeout_s: float = 30) -> bool:
     body = {"model": "tiny", "messages": HI, "max_tokens": 1}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {admin_key}"},
-                   timeout=timeout_s)
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {admin_key}"}, timeout=timeout_s
+    )
     return r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -225,8 +289,12 @@ def test_malformed_json_bodies_are_clean_4xx(stack, http, admin_key, capsys):
     statuses: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(bodies())
     def check(case: tuple[str, str, bytes]) -> None:
         path, kind, body = case
@@ -237,14 +305,24 @@ def test_malformed_json_bodies_are_clean_4xx(stack, http, admin_key, capsys):
 
     check()
     tried = sum(statuses.values())
-    report(capsys, f"{tried} malformed bodies on {len(BASES)} endpoints ({dict(kinds)}), statuses "
-                   f"{dict(sorted(statuses.items()))}, {sum(n for s, n in statuses.items() if s >= 500)} 5xx")
+    report(
+        capsys,
+        f"{tried} malformed bodies on {len(BASES)} endpoints ({dict(kinds)}), statuses "
+        f"{dict(sorted(statuses.items()))}, {sum(n for s, n in statuses.items() if s >= 500)} 5xx",
+    )
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) > tried // 2  # most inputs are refused
     assert chat_ok(stack.http_url, admin_key)
 
 
-CONTENT_TYPES = [None, "text/plain", "application/x-www-form-urlencoded", "application/xml", "application/jsonx",
-                 "multipart/form-data; boundary=xyz", "multipart/form-data"]
+CONTENT_TYPES = [
+    None,
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "application/xml",
+    "application/jsonx",
+    "multipart/form-data; boundary=xyz",
+    "multipart/form-data",
+]
 
 
 def test_wrong_content_types_are_clean_4xx(http, capsys):
@@ -255,16 +333,23 @@ def test_wrong_content_types_are_clean_4xx(http, capsys):
         body = _dumps(base)
         for ctype in CONTENT_TYPES:
             if path.startswith("/api/"):  # Ollama's routes read JSON whatever the type says, as Ollama does
-                ollama_served.append((path, ctype, http.post(path, content=body,
-                                                             headers={"Content-Type": ctype} if ctype else {})))
+                ollama_served.append(
+                    (path, ctype, http.post(path, content=body, headers={"Content-Type": ctype} if ctype else {}))
+                )
                 continue
             cases.append((path, {"Content-Type": ctype} if ctype else {}, body))
         # a real multipart body where JSON is expected
         req = http.build_request("POST", path, files={"file": ("a.json", body, "application/json")})
         cases.append((path, {"Content-Type": req.headers["Content-Type"]}, req.read()))
     for path in UPLOADS:
-        for ctype in [None, "application/json", "text/plain", "multipart/form-data",
-                      "multipart/form-data; boundary=xyz", "application/x-www-form-urlencoded"]:
+        for ctype in [
+            None,
+            "application/json",
+            "text/plain",
+            "multipart/form-data",
+            "multipart/form-data; boundary=xyz",
+            "application/x-www-form-urlencoded",
+        ]:
             cases.append((path, {"Content-Type": ctype} if ctype else {}, b'{"model": "tiny", "purpose": "batch"}'))
         cases.append((path, {"Content-Type": "multipart/form-data; boundary=xyz"}, b"--xyz\r\nbroken"))
     statuses: collections.Counter = collections.Counter()
@@ -274,14 +359,21 @@ def test_wrong_content_types_are_clean_4xx(http, capsys):
         statuses[r.status_code] += 1
         if (what := clean_error(path, r)) or r.status_code < 400:
             bad.append(f"POST {path} {headers}: {what or r.status_code}")
-    report(capsys, f"{tried} requests with a wrong content type, statuses {dict(sorted(statuses.items()))}, "
-                   f"{len(bad)} not a clean 4xx")
+    report(
+        capsys,
+        f"{tried} requests with a wrong content type, statuses {dict(sorted(statuses.items()))}, "
+        f"{len(bad)} not a clean 4xx",
+    )
     assert not bad, "\n".join(bad)
     # ... and answered as the same body sent as application/json is
-    as_json = {p: http.post(p, content=_dumps(BASES[p]), headers={"Content-Type": "application/json"}).status_code
-               for p in BASES if p.startswith("/api/")}
+    as_json = {
+        p: http.post(p, content=_dumps(BASES[p]), headers={"Content-Type": "application/json"}).status_code
+        for p in BASES
+        if p.startswith("/api/")
+    }
     assert as_json and all(r.status_code == as_json[p] for p, _, r in ollama_served), [
-        (p, c, r.status_code, as_json[p]) for p, c, r in ollama_served if r.status_code != as_json[p]]
+        (p, c, r.status_code, as_json[p]) for p, c, r in ollama_served if r.status_code != as_json[p]
+    ]
 
 
 def raw_request(port: int, data: bytes, timeout_s: float = 10) -> bytes:
@@ -315,11 +407,19 @@ def test_huge_headers_are_refused_and_the_gateway_keeps_serving(stack, admin_key
         "a non-ASCII Authorization": (get(b"Authorization: Bearer \xff\xfe\x80\r\n"), {401}),
         "a 100 KiB URL": (b"GET /" + b"a" * 102400 + b" HTTP/1.1\r\nHost: x\r\n\r\n", {414, 431, None}),
         "a 4 MiB head never ended": (b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (4 << 20), {431, None}),
-        "a bad Content-Length": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + auth
-                                 + b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}", {400}),
-        "a broken chunked body": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + auth
-                                  + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
-                                  b"Connection: close\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", {400}),
+        "a bad Content-Length": (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + auth
+            + b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}",
+            {400},
+        ),
+        "a broken chunked body": (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + auth
+            + b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+            {400},
+        ),
         "binary noise": (bytes(range(256)) * 64, {400, None}),
     }
     bad = []
@@ -352,8 +452,11 @@ def test_slowloris_clients_are_closed_and_others_answered(quick_gateway, admin_k
     held = connect_many(port, SLOW_BODY)
     for s in held:
         s.setblocking(True)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + admin_key.encode()
-                  + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + admin_key.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
     answers: list[bool | str] = []
     stop = threading.Event()
 
@@ -374,7 +477,7 @@ def test_slowloris_clients_are_closed_and_others_answered(quick_gateway, admin_k
             for fd, s in list(open_slow.items()):
                 try:
                     if s in slow and sent[fd] < len(head):
-                        s.send(head[sent[fd]:sent[fd] + 1])
+                        s.send(head[sent[fd] : sent[fd] + 1])
                         sent[fd] += 1
                     if s.recv(1024) == b"":
                         del open_slow[fd]
@@ -393,7 +496,9 @@ def test_slowloris_clients_are_closed_and_others_answered(quick_gateway, admin_k
         stop.set()
         client.join(30)
     try:
-        assert not open_slow, f"{len(open_slow)} of {SLOWLORIS + SILENT} slow sockets still open after {closed_after:.1f}s"
+        assert not open_slow, (
+            f"{len(open_slow)} of {SLOWLORIS + SILENT} slow sockets still open after {closed_after:.1f}s"
+        )
         assert closed_after >= SLOW_TIMEOUT_S * 0.8, f"closed after {closed_after:.1f}s, before the header timeout"
         assert answers and all(a is True for a in answers), f"the normal client's answers: {answers}"
         for s in held:  # still held, unanswered: the gateway waits for their bodies
@@ -403,16 +508,22 @@ def test_slowloris_clients_are_closed_and_others_answered(quick_gateway, admin_k
     finally:
         close_all(slow + silent + held)
     wait_until(lambda: open_fds(proc) <= baseline + 10, 15, f"the gateway's open files back to about {baseline}")
-    report(capsys, f"{SLOWLORIS} slowloris sockets ({sum(sent.values())} bytes dripped) and {SILENT} silent ones "
-                   f"closed by the gateway after {closed_after:.1f}s, {SLOW_BODY} slow bodies held, "
-                   f"{len(answers)} normal answers meanwhile, all 200")
+    report(
+        capsys,
+        f"{SLOWLORIS} slowloris sockets ({sum(sent.values())} bytes dripped) and {SILENT} silent ones "
+        f"closed by the gateway after {closed_after:.1f}s, {SLOW_BODY} slow bodies held, "
+        f"{len(answers)} normal answers meanwhile, all 200",
+    )
     assert chat_ok(url, admin_key)
 
 
 def test_ten_thousand_idle_connections_do_not_stop_answers(stack, admin_key, capsys):
     proc = stack.procs["gateway"]
-    limit = next(int(line.split()[3]) for line in Path(f"/proc/{proc.proc.pid}/limits").read_text().splitlines()
-                 if line.startswith("Max open files"))
+    limit = next(
+        int(line.split()[3])
+        for line in Path(f"/proc/{proc.proc.pid}/limits").read_text().splitlines()
+        if line.startswith("Max open files")
+    )
     if limit < IDLE + 500:
         pytest.skip(f"the gateway may open {limit} files, too few for {IDLE} idle connections")
     baseline = open_fds(proc)
@@ -428,8 +539,11 @@ def test_ten_thousand_idle_connections_do_not_stop_answers(stack, admin_key, cap
     finally:
         close_all(socks)
     wait_until(lambda: open_fds(proc) <= baseline + 10, 30, f"the gateway's open files back to about {baseline}")
-    report(capsys, f"{IDLE} idle connections (opened in {opened_s:.1f}s): a chat answered 200 in {answer_s:.2f}s; "
-                   f"the gateway's open files back to {open_fds(proc)} (baseline {baseline}) once they closed")
+    report(
+        capsys,
+        f"{IDLE} idle connections (opened in {opened_s:.1f}s): a chat answered 200 in {answer_s:.2f}s; "
+        f"the gateway's open files back to {open_fds(proc)} (baseline {baseline}) once they closed",
+    )
 
 
 def _nested(levels: int) -> dict:
@@ -449,13 +563,21 @@ def test_a_deeply_nested_schema_is_refused_before_any_engine_builds_it(stack, ad
     oa = openai.OpenAI(base_url=stack.base_url, api_key=admin_key, max_retries=0, timeout=30)
     tried = []
     with pytest.raises(openai.BadRequestError) as exc:
-        oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, response_format={
-            "type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})
+        oa.chat.completions.create(
+            model="tiny",
+            messages=HI,
+            max_tokens=1,
+            response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}},
+        )
     assert exc.value.body["code"] == "schema_too_complex" and exc.value.body["param"] == "response_format"
     tried.append("openai response_format")
     with pytest.raises(openai.BadRequestError):
-        oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": deep}}])
+        oa.chat.completions.create(
+            model="tiny",
+            messages=HI,
+            max_tokens=1,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}],
+        )
     tried.append("openai tools")
     an = anthropic.Anthropic(base_url=stack.http_url, api_key=admin_key, max_retries=0, timeout=30)
     with pytest.raises(anthropic.BadRequestError):
@@ -467,10 +589,17 @@ def test_a_deeply_nested_schema_is_refused_before_any_engine_builds_it(stack, ad
     assert oexc.value.status_code == 400
     tried.append("ollama format")
     # what agents send stays well inside the bound: a schema 10 deep is answered
-    r = oa.chat.completions.create(model="tiny", messages=HI, max_tokens=1, tools=[
-        {"type": "function", "function": {"name": "f", "parameters": _nested(10)}}])
+    r = oa.chat.completions.create(
+        model="tiny",
+        messages=HI,
+        max_tokens=1,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(10)}}],
+    )
     assert r.choices
-    report(capsys, f"a schema of 800 nested objects, sent as {', '.join(tried)}: all refused with a 400; one 10 deep answered")
+    report(
+        capsys,
+        f"a schema of 800 nested objects, sent as {', '.join(tried)}: all refused with a 400; one 10 deep answered",
+    )
 
 
 def test_the_sdk_still_answers_after_all_of_it(stack, admin_key):

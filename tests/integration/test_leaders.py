@@ -43,9 +43,13 @@ def _put_assignment(url: str, a: Assignment) -> None:
     asyncio.run(put())
 
 
-def test_the_standby_scheduler_takes_over_and_the_old_leaders_writes_are_refused(tmp_path, tiny_gguf, keys_file, admin_key):
-    models = write_models_file(tmp_path / "models.toml", [
-        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512, "n_threads": 1}}])
+def test_the_standby_scheduler_takes_over_and_the_old_leaders_writes_are_refused(
+    tmp_path, tiny_gguf, keys_file, admin_key
+):
+    models = write_models_file(
+        tmp_path / "models.toml",
+        [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512, "n_threads": 1}}],
+    )
     nats = NatsServer(tmp_path / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(tmp_path, nats.url)
     headers = {"Authorization": f"Bearer {admin_key}"}
@@ -69,24 +73,37 @@ def test_the_standby_scheduler_takes_over_and_the_old_leaders_writes_are_refused
         assert _assignment(nats.url, "w1").fence == first["token"], "assignments carry the leader's token"
         assert cluster()["nodes"][0]["node_id"] == "w1" and cluster()["nodes"][0]["models"] == ["tiny"]
 
-        standby = stack.start("scheduler-b", "coderai.scheduler", ["--models-file", str(models)],
-                              env={"CODERAI_SCHEDULER_NODE_ID": "head-b"})
+        standby = stack.start(
+            "scheduler-b",
+            "coderai.scheduler",
+            ["--models-file", str(models)],
+            env={"CODERAI_SCHEDULER_NODE_ID": "head-b"},
+        )
         standby.wait_log("standby")
         assert leader()["holder"] == first["holder"], "the standby does not take a held lease"
 
-        out = subprocess.run([sys.executable, "-m", "coderai.cli", "status", "--url", stack.http_url, "--key", admin_key],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "coderai.cli", "status", "--url", stack.http_url, "--key", admin_key],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert f"scheduler   {first['holder']}" in out.stdout and "w1: tiny" in out.stdout, out.stdout
 
         stack.procs["scheduler"].kill()  # the leader's head dies: no step-down, the lease lapses
-        standby.wait_log('leading on head-b', 60)
+        standby.wait_log("leading on head-b", 60)
         wait_until(lambda: leader()["holder"] == "head-b", 30, "the cluster page to name the new leader")
         second = leader()
         assert second["token"] > first["token"]
-        wait_until(lambda: _assignment(nats.url, "w1").fence == second["token"], 30,
-                   "the new leader to rewrite w1's assignment under its token")
-        assert httpx.post(f"{stack.base_url}/chat/completions", headers=headers, json=chat, timeout=60).status_code == 200
+        wait_until(
+            lambda: _assignment(nats.url, "w1").fence == second["token"],
+            30,
+            "the new leader to rewrite w1's assignment under its token",
+        )
+        assert (
+            httpx.post(f"{stack.base_url}/chat/completions", headers=headers, json=chat, timeout=60).status_code == 200
+        )
 
         # the old leader wakes up late and tells w1 to unload everything: refused, w1 keeps serving
         worker = stack.procs["worker-w1"]
@@ -94,15 +111,22 @@ def test_the_standby_scheduler_takes_over_and_the_old_leaders_writes_are_refused
         _put_assignment(nats.url, Assignment(node_id="w1", models=[], fence=first["token"]))
         worker.wait_log("ignoring an assignment from a former leader", 30, after=mark)
         assert "unloading tiny" not in worker.log_text()[mark:]
-        assert httpx.post(f"{stack.base_url}/chat/completions", headers=headers, json=chat, timeout=60).status_code == 200
+        assert (
+            httpx.post(f"{stack.base_url}/chat/completions", headers=headers, json=chat, timeout=60).status_code == 200
+        )
 
         def scrape() -> str:
             return httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
 
-        wait_until(lambda: 'coderai_leader{holder="head-b",role="scheduler"} 1.0' in scrape(), 30,
-                   "the metric to name the new leader")
+        wait_until(
+            lambda: 'coderai_leader{holder="head-b",role="scheduler"} 1.0' in scrape(),
+            30,
+            "the metric to name the new leader",
+        )
         text = scrape()
-        assert f'coderai_leader{{holder="{first["holder"]}",role="scheduler"}} 0.0' in text, "the former leader drops to 0"
+        assert f'coderai_leader{{holder="{first["holder"]}",role="scheduler"}} 0.0' in text, (
+            "the former leader drops to 0"
+        )
         assert f'coderai_leader_token{{role="scheduler"}} {float(second["token"])}' in text
     finally:
         stack.stop()

@@ -25,9 +25,13 @@ def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}}]
     # a long drain: the request in flight when its model is removed finishes however slow this machine is; debug
     # logs: the worker says when a job starts
-    with running_stack(tmp_path_factory.mktemp("live"), models, gateway_args=("--api-keys-file", str(keys_file)),
-                       extra_env={"CODERAI_WORKER_DRAIN_TIMEOUT_S": "300", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
-                       headers={"Authorization": f"Bearer {admin_key}"}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("live"),
+        models,
+        gateway_args=("--api-keys-file", str(keys_file)),
+        extra_env={"CODERAI_WORKER_DRAIN_TIMEOUT_S": "300", "CODERAI_WORKER_LOG_LEVEL": "DEBUG"},
+        headers={"Authorization": f"Bearer {admin_key}"},
+    ) as s:
         yield s
 
 
@@ -60,8 +64,11 @@ def test_a_model_added_over_the_admin_api_answers_within_10_s(stack, admin, clie
     assert r.json()["model"] == cfg
     assert wait_until(lambda: answers(client, "added"), 10, "the added model to answer").model == "added"
     assert "added" in {m.id for m in client.models.list()}
-    shown = wait_until(lambda: (d := admin.get("/admin/models/added").json())["nodes"] == [
-        {"node_id": "w1", "state": "ready"}] and d, 10, "the added model to show as ready on w1")
+    shown = wait_until(
+        lambda: (d := admin.get("/admin/models/added").json())["nodes"] == [{"node_id": "w1", "state": "ready"}] and d,
+        10,
+        "the added model to show as ready on w1",
+    )
     assert shown["model"] == cfg and shown["unplaced"] == ""
     assert {m.name for m in load_models(str(stack.root / "models.toml"))} == {"tiny", "added"}  # kept for a restart
 
@@ -71,8 +78,11 @@ def test_a_model_added_over_the_admin_api_answers_within_10_s(stack, admin, clie
     assert r.status_code == 400 and r.json()["error"]["param"] == "engine"
     r = admin.put("/admin/models/added", json={"engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 1024}})
     assert r.status_code == 200 and r.json()["model"]["params"] == {"n_ctx": 1024}
-    wait_until(lambda: admin.get("/admin/models/added").json()["model"]["params"] == {"n_ctx": 1024}, 10,
-               "the gateway to see the replaced config")
+    wait_until(
+        lambda: admin.get("/admin/models/added").json()["model"]["params"] == {"n_ctx": 1024},
+        10,
+        "the gateway to see the replaced config",
+    )
     assert wait_until(lambda: answers(client, "added"), 30, "the replaced model to answer again")
     assert admin.delete("/admin/models/added").status_code == 200
     assert admin.delete("/admin/models/added").status_code == 404
@@ -90,7 +100,8 @@ def test_a_model_removed_mid_request_finishes_that_request_then_is_a_404(stack, 
     def call() -> None:
         try:
             result["reply"] = client.with_options(timeout=600).chat.completions.create(
-                model="doomed", messages=[{"role": "user", "content": "go on"}], max_tokens=LONG, temperature=0)
+                model="doomed", messages=[{"role": "user", "content": "go on"}], max_tokens=LONG, temperature=0
+            )
         except openai.APIError as exc:
             result["error"] = exc
 
@@ -106,33 +117,71 @@ def test_a_model_removed_mid_request_finishes_that_request_then_is_a_404(stack, 
     assert reply is not None, result  # a 200, answered whole
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == LONG
     assert is_404(client, "doomed")
-    wait_until(lambda: not any(e["model"] == "doomed" for n in admin.get("/admin/nodes").json()["nodes"]
-                               for e in n["heartbeat"].get("engines", [])), 30, "the worker to unload doomed")
+    wait_until(
+        lambda: (
+            not any(
+                e["model"] == "doomed"
+                for n in admin.get("/admin/nodes").json()["nodes"]
+                for e in n["heartbeat"].get("engines", [])
+            )
+        ),
+        30,
+        "the worker to unload doomed",
+    )
 
 
 def test_an_edited_models_file_adds_a_model_that_answers(stack, client, tiny_gguf):
     with open(stack.root / "models.toml", "a") as fh:
-        fh.write(f'\n[[models]]  # added by hand\nname = "edited"\nengine = "llama"\npath = "{tiny_gguf}"\n'
-                 "params = { n_ctx = 512 }\n")
+        fh.write(
+            f'\n[[models]]  # added by hand\nname = "edited"\nengine = "llama"\npath = "{tiny_gguf}"\n'
+            "params = { n_ctx = 512 }\n"
+        )
     assert wait_until(lambda: answers(client, "edited"), 30, "the model added to the file to answer").model == "edited"
 
 
 def models_cli(stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coderai.cli", "models", "--data-dir", str(stack.root / "cli"), *args,
-                           "--nats-url", stack.nats_url], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coderai.cli",
+            "models",
+            "--data-dir",
+            str(stack.root / "cli"),
+            *args,
+            "--nats-url",
+            stack.nats_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_coderai_models_add_set_rm_on_the_running_stack(stack, admin, client, tiny_gguf):
-    r = models_cli(stack, "add", "by-cli", "--engine", "llama", "--path", str(tiny_gguf), "--param", "n_ctx=512",
-                   "--keep-alive", "600")
+    r = models_cli(
+        stack,
+        "add",
+        "by-cli",
+        "--engine",
+        "llama",
+        "--path",
+        str(tiny_gguf),
+        "--param",
+        "n_ctx=512",
+        "--keep-alive",
+        "600",
+    )
     assert r.returncode == 0 and "the running stack serves it" in r.stdout, r.stderr
     wait_until(lambda: answers(client, "by-cli"), 30, "the model added with the CLI to answer")
     r = models_cli(stack, "add", "by-cli", "--engine", "llama", "--path", str(tiny_gguf))
     assert r.returncode == 1 and "served already" in r.stderr
     r = models_cli(stack, "set", "by-cli", "params.n_ctx=1024", "resident=always")
     assert r.returncode == 0, r.stderr
-    wait_until(lambda: admin.get("/admin/models/by-cli").json()["model"].get("resident") == "always", 10,
-               "the change to show")
+    wait_until(
+        lambda: admin.get("/admin/models/by-cli").json()["model"].get("resident") == "always", 10, "the change to show"
+    )
     [m] = [m for m in load_models(str(stack.root / "models.toml")) if m.name == "by-cli"]
     assert (m.params, m.resident, m.keep_alive_s) == ({"n_ctx": 1024}, "always", 600.0)
     r = models_cli(stack, "rm", "by-cli")
@@ -145,9 +194,15 @@ def test_an_admin_key_cannot_pass_a_server_flag_or_a_program(stack, admin, clien
     """Attack: an admin key is not a shell. Params that would bind the child on every interface, write a file,
     run a repository's code or another program, or any flag the family does not take, are a 400 naming the param;
     nothing is added and the stack still serves."""
-    for params in ({"host": "0.0.0.0"}, {"log_file": "/tmp/coderai-pwned"}, {"trust_remote_code": True},
-                   {"python": "/tmp/evil"}, {"env": {"LD_PRELOAD": "/tmp/x.so"}}, {"extra_args": ["--host", "0.0.0.0"]},
-                   {"no_such_flag": 1}):
+    for params in (
+        {"host": "0.0.0.0"},
+        {"log_file": "/tmp/coderai-pwned"},
+        {"trust_remote_code": True},
+        {"python": "/tmp/evil"},
+        {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+        {"extra_args": ["--host", "0.0.0.0"]},
+        {"no_such_flag": 1},
+    ):
         cfg = {"name": "evil", "engine": "llama-server", "path": str(tiny_gguf), "params": params}
         for r in (admin.post("/admin/models", json=cfg), admin.put("/admin/models/evil", json=cfg)):
             name = next(iter(params))
@@ -181,11 +236,20 @@ def test_a_stuck_load_never_blocks_its_node(stack, admin, client, tiny_gguf, tmp
                 pass
         return out
 
-    stuck = {"name": "stuck", "engine": "llama-server", "path": str(fifo), "params": {"n_ctx": 256, "load_timeout_s": 600}}
+    stuck = {
+        "name": "stuck",
+        "engine": "llama-server",
+        "path": str(fifo),
+        "params": {"n_ctx": 256, "load_timeout_s": 600},
+    }
     assert admin.post("/admin/models", json=stuck).status_code == 201
     wait_until(stuck_children, 60, "the stuck model's server to start")
-    later = {"name": "later", "engine": "llama", "path": str(shutil.copy(tiny_gguf, tmp_path / "later.gguf")),
-             "params": {"n_ctx": 256}}
+    later = {
+        "name": "later",
+        "engine": "llama",
+        "path": str(shutil.copy(tiny_gguf, tmp_path / "later.gguf")),
+        "params": {"n_ctx": 256},
+    }
     assert admin.post("/admin/models", json=later).status_code == 201
     assert admin.delete("/admin/models/stuck").status_code == 200
     wait_until(lambda: not stuck_children(), 30, "the stuck model's server to be stopped once it was deleted")

@@ -33,18 +33,37 @@ def stack(tmp_path_factory, tiny_gguf, tool_gguf):
 
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
-    models = [{"name": "tiny-ls", "engine": "llama-server", "path": str(tiny_gguf),
-               # the tiny model's own context; a queue bound of its own (the default bounds only memory, 256)
-               "params": {"parallel": SLOTS, "n_ctx": 2048, "n_threads": 2, "queue": 3 * SLOTS}},
-              # overfitted to call get_weather when asked about the weather (coderai.testing.tool_gguf)
-              {"name": "tools-ls", "engine": "llama-server", "path": str(tool_gguf),
-               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}},
-              # the tiny model again (a copy: the child-counting tests look for the first one) in embedding mode
-              {"name": "embed-ls", "engine": "llama-server", "path": str(shutil.copy(tiny_gguf, tmp_path_factory.mktemp("e") / "e.gguf")),
-               "ops": ["embed"], "params": {"parallel": 1, "n_ctx": 512, "n_threads": 1}}]
+    models = [
+        {
+            "name": "tiny-ls",
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            # the tiny model's own context; a queue bound of its own (the default bounds only memory, 256)
+            "params": {"parallel": SLOTS, "n_ctx": 2048, "n_threads": 2, "queue": 3 * SLOTS},
+        },
+        # overfitted to call get_weather when asked about the weather (coderai.testing.tool_gguf)
+        {
+            "name": "tools-ls",
+            "engine": "llama-server",
+            "path": str(tool_gguf),
+            "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2},
+        },
+        # the tiny model again (a copy: the child-counting tests look for the first one) in embedding mode
+        {
+            "name": "embed-ls",
+            "engine": "llama-server",
+            "path": str(shutil.copy(tiny_gguf, tmp_path_factory.mktemp("e") / "e.gguf")),
+            "ops": ["embed"],
+            "params": {"parallel": 1, "n_ctx": 512, "n_threads": 1},
+        },
+    ]
     # the tiny model makes thousands of tokens a second: heartbeats every 0.2 s see its slots while they are busy
-    with running_stack(tmp_path_factory.mktemp("llama-server"), models, gateway_args=("--no-auth",),
-                       extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("llama-server"),
+        models,
+        gateway_args=("--no-auth",),
+        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"},
+    ) as s:
         s.wait_engines_ready([m["name"] for m in models], timeout_s=300)
         yield s
 
@@ -87,9 +106,16 @@ def test_concurrent_streams_share_the_slots(stack):
 
     def chat(i: int) -> None:
         try:
-            chunks = [c for c in client.chat.completions.create(
-                model="tiny-ls", stream=True, max_tokens=1000, messages=[{"role": "user", "content": f"story {i} {FILLER}"}])
-                if c.choices]
+            chunks = [
+                c
+                for c in client.chat.completions.create(
+                    model="tiny-ls",
+                    stream=True,
+                    max_tokens=1000,
+                    messages=[{"role": "user", "content": f"story {i} {FILLER}"}],
+                )
+                if c.choices
+            ]
             results.append(chunks[-1].choices[0].finish_reason)  # random weights may say little: it must end
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             results.append(exc)
@@ -125,8 +151,11 @@ def test_beyond_the_bounded_queue_a_request_gets_a_clean_429(stack):
 
     def ask(i: int) -> None:
         try:
-            answers.append(client.chat.completions.create(  # short answers: 16 accepted jobs are 4 rounds of 4 slots
-                model="tiny-ls", max_tokens=200, messages=[{"role": "user", "content": f"q{i} {FILLER}"}]))
+            answers.append(
+                client.chat.completions.create(  # short answers: 16 accepted jobs are 4 rounds of 4 slots
+                    model="tiny-ls", max_tokens=200, messages=[{"role": "user", "content": f"q{i} {FILLER}"}]
+                )
+            )
         except openai.APIStatusError as exc:
             answers.append(exc)
 
@@ -165,8 +194,9 @@ def test_auto_tool_choice_calls_the_tool_by_itself_and_answers_text_otherwise(st
     r = client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     _the_weather_call(r.choices[0].message.tool_calls)
-    r = client.chat.completions.create(model="tools-ls", messages=HELLO, tools=_tools(), tool_choice="auto",
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="tools-ls", messages=HELLO, tools=_tools(), tool_choice="auto", temperature=0
+    )
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content == "Hello! How can I help?"
 
@@ -178,8 +208,9 @@ def test_a_streamed_tool_call_accumulates_to_exactly_one_call(stack):
     assert final.choices[0].finish_reason == "tool_calls"
     _the_weather_call(final.choices[0].message.tool_calls)
     # the raw deltas: the id and the name come once, then only argument pieces
-    chunks = list(client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), temperature=0, stream=True)
+    )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len([d for d in deltas if d.id]) == 1 and len([d for d in deltas if d.function and d.function.name]) == 1
     assert json.loads("".join(d.function.arguments or "" for d in deltas if d.function)) == {"city": "Paris"}
@@ -187,8 +218,9 @@ def test_a_streamed_tool_call_accumulates_to_exactly_one_call(stack):
 
 def test_langchain_streams_one_tool_call(stack):
     langchain_openai = pytest.importorskip("langchain_openai")
-    llm = langchain_openai.ChatOpenAI(model="tools-ls", base_url=stack.base_url, api_key="none", temperature=0,
-                                      max_retries=0).bind_tools(_tools())
+    llm = langchain_openai.ChatOpenAI(
+        model="tools-ls", base_url=stack.base_url, api_key="none", temperature=0, max_retries=0
+    ).bind_tools(_tools())
     total = None
     for chunk in llm.stream("what is the weather in Paris"):
         total = chunk if total is None else total + chunk
@@ -202,8 +234,9 @@ def test_ollama_streams_a_tool_call_whole_before_its_last_line(stack):
     import ollama
 
     client = ollama.Client(host=stack.http_url)
-    parts = list(client.chat(model="tools-ls", messages=WEATHER, tools=_tools(), stream=True,
-                             options={"temperature": 0}))
+    parts = list(
+        client.chat(model="tools-ls", messages=WEATHER, tools=_tools(), stream=True, options={"temperature": 0})
+    )
     calls = [c for p in parts for c in (p.message.tool_calls or [])]
     assert len(parts) >= 2 and parts[-1].done and not any(p.done for p in parts[:-1])
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
@@ -214,9 +247,19 @@ def test_ollama_streams_a_tool_call_whole_before_its_last_line(stack):
 def test_ollama_timings_are_the_engines_own(stack):
     """llama-server's timings, not the gateway's clock: a whole answer's eval time is not ~0 (shown as 254,913
     tok/s by Open WebUI), and prompt and eval durations add up to no more than the total."""
-    r = httpx.post(f"{stack.http_url}/api/generate", timeout=60, headers={"Content-Type": "application/x-www-form-urlencoded"},
-                   content=json.dumps({"model": "tiny-ls", "prompt": "once upon a time", "stream": False,
-                                       "options": {"num_predict": 16, "temperature": 0}}))  # curl -d's content type
+    r = httpx.post(
+        f"{stack.http_url}/api/generate",
+        timeout=60,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        content=json.dumps(
+            {
+                "model": "tiny-ls",
+                "prompt": "once upon a time",
+                "stream": False,
+                "options": {"num_predict": 16, "temperature": 0},
+            }
+        ),
+    )  # curl -d's content type
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["eval_count"] == 16 and body["eval_duration"] > 0 and body["prompt_eval_duration"] > 0
@@ -227,8 +270,9 @@ def test_ollama_timings_are_the_engines_own(stack):
 def test_required_and_named_tool_choice_yield_a_tool_call(stack):
     client = _client(stack)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model="tools-ls", messages=WEATHER, tools=_tools(), tool_choice=choice,
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model="tools-ls", messages=WEATHER, tools=_tools(), tool_choice=choice, temperature=0
+        )
         _the_weather_call(r.choices[0].message.tool_calls)
 
 
@@ -238,10 +282,15 @@ def test_logprobs_are_filled_when_asked(stack):
     content = r.choices[0].logprobs.content
     assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert "".join(t.token for t in content).startswith("Hello")
-    assert "refusal" in r.choices[0].logprobs.model_fields_set  # OpenAI's schema requires it (null); llama-server omits it
-    chunks = list(client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0, logprobs=True,
-                                                 stream=True))
-    assert all("refusal" in c.choices[0].logprobs.model_fields_set for c in chunks if c.choices and c.choices[0].logprobs)
+    assert (
+        "refusal" in r.choices[0].logprobs.model_fields_set
+    )  # OpenAI's schema requires it (null); llama-server omits it
+    chunks = list(
+        client.chat.completions.create(model="tools-ls", messages=HELLO, temperature=0, logprobs=True, stream=True)
+    )
+    assert all(
+        "refusal" in c.choices[0].logprobs.model_fields_set for c in chunks if c.choices and c.choices[0].logprobs
+    )
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
     # llama-server lists the end-of-generation token ('') whole, not streamed
     assert [t.token for t in streamed] == [t.token for t in content if t.token]
@@ -292,8 +341,9 @@ def test_a_conversation_said_again_reads_its_prompt_from_the_cache(stack):
     assert first.usage.prompt_tokens == again.usage.prompt_tokens > 0
     cached = again.usage.prompt_tokens_details.cached_tokens  # the same engine (user affinity), the same slot
     assert 0 < cached < again.usage.prompt_tokens  # llama-server evaluates at least the last prompt token again
-    r = client.responses.create(model="tiny-ls", input=talk, max_output_tokens=2, temperature=0, user="cache-me",
-                                store=False)
+    r = client.responses.create(
+        model="tiny-ls", input=talk, max_output_tokens=2, temperature=0, user="cache-me", store=False
+    )
     assert r.usage.input_tokens_details.cached_tokens > 0
 
 
@@ -301,8 +351,9 @@ def test_logit_bias_steers_the_tokens(stack):
     client = _client(stack)
     plain = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True)
     first = plain.choices[0].logprobs.content[0].token
-    r = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True,
-                                       logit_bias={"100": 100})
+    r = client.chat.completions.create(
+        model="tiny-ls", messages=HELLO, max_tokens=3, temperature=0, logprobs=True, logit_bias={"100": 100}
+    )
     tokens = [t.token for t in r.choices[0].logprobs.content]
     assert len(tokens) == 3 and len(set(tokens)) == 1 and tokens[0] != first  # token 100, every time
     with pytest.raises(openai.BadRequestError):
@@ -311,10 +362,18 @@ def test_logit_bias_steers_the_tokens(stack):
 
 def test_a_json_schema_response_format_constrains_the_answer(stack):
     client = _client(stack)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
-    r = client.chat.completions.create(model="tiny-ls", messages=HELLO, max_tokens=64, response_format={
-        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="tiny-ls",
+        messages=HELLO,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )
     assert set(json.loads(r.choices[0].message.content)) == {"ok"}  # a random model, held to the schema
 
 
@@ -333,10 +392,23 @@ def test_embeddings_from_a_model_in_embedding_mode(stack):
 def test_an_image_part_is_a_400_on_a_model_without_a_projector(stack):
     client = _client(stack)
     png = "data:image/png;base64,iVBORw0KGgo="
-    for url, param in ((png, "messages[0].content[1]"), ("http://127.0.0.1:9/cat.png", "messages[0].content[1].image_url")):
+    for url, param in (
+        (png, "messages[0].content[1]"),
+        ("http://127.0.0.1:9/cat.png", "messages[0].content[1].image_url"),
+    ):
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny-ls", messages=[{"role": "user", "content": [
-                {"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]}])
+            client.chat.completions.create(
+                model="tiny-ls",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is it"},
+                            {"type": "image_url", "image_url": {"url": url}},
+                        ],
+                    }
+                ],
+            )
         assert err.value.body["param"] == param, err.value.body
 
 
@@ -349,12 +421,17 @@ def test_a_local_user_cannot_chat_with_the_child_directly(stack, tiny_gguf):
     assert not any("api-key" in a for a in argv), argv
     body = {"model": "tiny-ls", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for path in ("/v1/chat/completions", "/completion", "/metrics", "/slots"):
-        r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30) if path != "/metrics" and path != "/slots" \
+        r = (
+            httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30)
+            if path != "/metrics" and path != "/slots"
             else httpx.get(f"http://127.0.0.1:{port}{path}", timeout=30)
+        )
         print(f"tried {path} on the child's port {port} without its key: {r.status_code}")
         assert r.status_code == 401, (path, r.status_code, r.text[:200])
     # through coderai it still answers, and the worker still reads the child's slots (its /metrics wants the key)
-    out = _client(stack).chat.completions.create(model="tiny-ls", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    out = _client(stack).chat.completions.create(
+        model="tiny-ls", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
     assert out.choices[0].message.content is not None
     assert _engine(stack)["state"] == "ready"
 
@@ -365,9 +442,17 @@ def test_a_killed_child_ends_the_stream_with_an_error_and_is_restarted(stack, ti
         already complete by then (random weights may stop early): then the child is back, and it is tried again."""
         [pid] = wait_until(lambda: _children(str(tiny_gguf)) or None, 60, "one llama-server child")
         wait_until(lambda: _engine(stack)["state"] == "ready", 60, "the engine to be ready")
-        with httpx.stream("POST", f"{stack.base_url}/chat/completions", timeout=60, json={
-                "model": "tiny-ls", "stream": True, "max_tokens": 1800,
-                "messages": [{"role": "user", "content": "long"}]}) as r:
+        with httpx.stream(
+            "POST",
+            f"{stack.base_url}/chat/completions",
+            timeout=60,
+            json={
+                "model": "tiny-ls",
+                "stream": True,
+                "max_tokens": 1800,
+                "messages": [{"role": "user", "content": "long"}],
+            },
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             assert '"choices"' in next(line for line in lines if line.startswith("data:"))
@@ -384,8 +469,13 @@ def test_a_killed_child_ends_the_stream_with_an_error_and_is_restarted(stack, ti
     assert any('"error"' in line for line in rest), rest[-5:]
     # the supervisor started a new child; the engine was failed meanwhile, and serves again
     wait_until(lambda: _engine(stack)["state"] == "ready", 60, "the engine to be ready again")
-    r = wait_until(lambda: _client(stack).chat.completions.create(
-        model="tiny-ls", max_tokens=8, messages=[{"role": "user", "content": "again"}]), 60, "an answer after the restart")
+    r = wait_until(
+        lambda: _client(stack).chat.completions.create(
+            model="tiny-ls", max_tokens=8, messages=[{"role": "user", "content": "again"}]
+        ),
+        60,
+        "an answer after the restart",
+    )
     assert r.usage.completion_tokens >= 0 and r.choices[0].finish_reason in ("stop", "length")
 
 
@@ -396,4 +486,3 @@ def test_no_child_outlives_a_sigkilled_worker(stack, tiny_gguf):
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait(30)
     wait_until(lambda: not _children(str(tiny_gguf)), 30, "the llama-server child to die with its worker")
-

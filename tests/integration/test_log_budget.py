@@ -37,17 +37,36 @@ _REDIS_QUIET = re.compile(r"^\d+:[A-Z] .{20,30} [.-] ")  # redis-server's debug 
 def up(tmp_path_factory, tiny_gguf):
     root = tmp_path_factory.mktemp("log-budget")
     engine = "llama-server" if find_llama_server() else "llama"
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": engine, "path": str(tiny_gguf), "params": {"n_ctx": 512, "n_threads": 1}},
-        {"name": PACED, "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}},
-    ])
+    models = write_models_file(
+        root / "models.toml",
+        [
+            {"name": "tiny", "engine": engine, "path": str(tiny_gguf), "params": {"n_ctx": 512, "n_threads": 1}},
+            {"name": PACED, "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}},
+        ],
+    )
     port, out = free_port(), root / "up.log"
     env = os.environ | {"CODERAI_WORKER_FAMILIES": f"{engine},echo"}
     with open(out, "wb") as stdout:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(root / "data"), "--port", str(port),
-             "--metrics-port", str(free_port()), "--models-file", str(models)],
-            stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            [
+                sys.executable,
+                "-m",
+                "coderai.cli",
+                "up",
+                "--data-dir",
+                str(root / "data"),
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(free_port()),
+                "--models-file",
+                str(models),
+            ],
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     try:
         wait_until(lambda: "\nready" in out.read_text() or proc.poll() is not None, 180, "coderai up to print ready")
         assert proc.poll() is None, out.read_text()
@@ -106,34 +125,51 @@ def test_an_idle_stack_writes_at_most_a_line_a_minute_per_service(up):
     marks = {name: path.stat().st_size for name, path in files.items()}
 
     def written() -> dict[str, list[str]]:
-        new = {name: path.read_bytes()[marks[name]:].decode(errors="replace") for name, path in files.items()}
+        new = {name: path.read_bytes()[marks[name] :].decode(errors="replace") for name, path in files.items()}
         return {name: [line for line in text.splitlines() if loud(line)] for name, text in new.items()}
 
     # the window the budget is about, polled each second: a service over it ends the wait (and fails) at once. The
     # window is the budget's minute, not a deadline: wait_until's scale for loaded machines is taken back out
     try:
-        over = wait_until(lambda: {name: lines for name, lines in written().items() if len(lines) > 1},
-                          IDLE_WINDOW_S / deadline_scale(), "a service over its idle budget", interval_s=1.0)
+        over = wait_until(
+            lambda: {name: lines for name, lines in written().items() if len(lines) > 1},
+            IDLE_WINDOW_S / deadline_scale(),
+            "a service over its idle budget",
+            interval_s=1.0,
+        )
     except TimeoutError:
         over = {}
     assert not over, "over the idle budget of one INFO line a minute:\n" + "\n".join(
         f"{name}: {len(lines)} lines, e.g.\n  " + "\n  ".join(line[:300] for line in lines[:5])
-        for name, lines in over.items())
+        for name, lines in over.items()
+    )
 
 
 def test_a_request_is_one_json_line_when_it_completes(up):
     mark = len((up.logs / "gateway.log").read_text(errors="replace"))
-    r = httpx.post(f"{up.http}/v1/chat/completions", headers=up.headers | {"X-Client-Request-Id": "budget-ok"},
-                   json={"model": PACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
+    r = httpx.post(
+        f"{up.http}/v1/chat/completions",
+        headers=up.headers | {"X-Client-Request-Id": "budget-ok"},
+        json={"model": PACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     rid = r.headers["Coderai-Request-Id"]
-    lines = wait_until(lambda: [json.loads(x) for x in up.gateway_lines(mark) if f'"request_id": "{rid}"' in x], 10,
-                       "the completion line")
+    lines = wait_until(
+        lambda: [json.loads(x) for x in up.gateway_lines(mark) if f'"request_id": "{rid}"' in x],
+        10,
+        "the completion line",
+    )
     assert len(lines) == 1, lines
     done = lines[0]
     assert done["msg"] == "request completed" and done["level"] == "info", done
     assert (done["key_name"], done["model"], done["op"], done["status"], done["http_status"]) == (
-        "admin", PACED, "chat", "ok", 200)
+        "admin",
+        PACED,
+        "chat",
+        "ok",
+        200,
+    )
     assert done["engine"] and done["route"] and done["client_request_id"] == "budget-ok"
     assert done["completion_tokens"] == 3 and done["total_ms"] >= done["ttft_ms"] > 0
     assert up.key not in (up.logs / "gateway.log").read_text()
@@ -142,12 +178,21 @@ def test_a_request_is_one_json_line_when_it_completes(up):
 def _post(up: Up, client_id: str, stream: bool) -> socket.socket:
     """A chat request on a socket of its own, which the test closes to leave: a whole answer never sends a byte
     before it is done; a streamed one is read up to its first token by `_started`."""
-    body = json.dumps({"model": PACED, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000,
-                       "stream": stream}).encode()
+    body = json.dumps(
+        {"model": PACED, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000, "stream": stream}
+    ).encode()
     s = socket.create_connection(("127.0.0.1", up.port), timeout=30)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Authorization: Bearer " + up.key.encode() + b"\r\nX-Client-Request-Id: " + client_id.encode()
-              + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer "
+        + up.key.encode()
+        + b"\r\nX-Client-Request-Id: "
+        + client_id.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return s
 
 

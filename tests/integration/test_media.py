@@ -15,8 +15,18 @@ from coderai.testing.procs import wait_until
 from coderai.testing.stack import running_stack
 
 pytestmark = pytest.mark.slow
-for _mod in ("openai", "sentence_transformers", "diffusers", "faster_whisper", "piper", "rapidocr", "resemblyzer", "av",
-             "soundfile", "PIL"):
+for _mod in (
+    "openai",
+    "sentence_transformers",
+    "diffusers",
+    "faster_whisper",
+    "piper",
+    "rapidocr",
+    "resemblyzer",
+    "av",
+    "soundfile",
+    "PIL",
+):
     pytest.importorskip(_mod)
 
 from PIL import Image, ImageDraw, ImageFont  # noqa: E402
@@ -87,8 +97,9 @@ def test_embeddings_have_the_models_dimension_and_a_meaningful_order(client):
 
 def test_rerank_puts_the_relevant_document_first(stack):
     docs = ["Stock markets fell today.", "Cats sleep about fifteen hours a day.", "The weather in Paris is mild."]
-    r = post(stack, "/rerank", json={"model": "minilm", "query": "how long do cats sleep", "documents": docs,
-                                     "top_n": 2})
+    r = post(
+        stack, "/rerank", json={"model": "minilm", "query": "how long do cats sleep", "documents": docs, "top_n": 2}
+    )
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     assert len(results) == 2 and results[0]["index"] == 1 and results[0]["document"]["text"] == docs[1]
@@ -99,8 +110,9 @@ def test_rerank_puts_the_relevant_document_first(stack):
 
 
 def test_images_decode_at_the_asked_size_b64_and_url(client):
-    res = client.images.generate(model="sd-tiny", prompt="a red cube", size="64x64", n=2,
-                                 response_format="b64_json", extra_body={"seed": 7})
+    res = client.images.generate(
+        model="sd-tiny", prompt="a red cube", size="64x64", n=2, response_format="b64_json", extra_body={"seed": 7}
+    )
     imgs = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in res.data]
     assert [i.size for i in imgs] == [(64, 64), (64, 64)] and imgs[0].tobytes() != imgs[1].tobytes()
     again = client.images.generate(model="sd-tiny", prompt="a red cube", size="64x64", extra_body={"seed": 7})
@@ -118,8 +130,12 @@ def _png(size=(64, 64), color="white") -> bytes:
 
 
 def test_image_edit_with_a_mask_keeps_the_input_size(client):
-    res = client.images.edit(model="sd-tiny", prompt="paint it", image=("in.png", _png((96, 72)), "image/png"),
-                             mask=("mask.png", _png((96, 72), "white"), "image/png"))
+    res = client.images.edit(
+        model="sd-tiny",
+        prompt="paint it",
+        image=("in.png", _png((96, 72)), "image/png"),
+        mask=("mask.png", _png((96, 72), "white"), "image/png"),
+    )
     assert Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))).size == (96, 72)
 
 
@@ -128,8 +144,9 @@ def test_a_video_job_completes_with_frames(client):
 
     video = client.videos.create(model="t2v-tiny", prompt="a cat", size="64x64", seconds="1", extra_body={"fps": 4})
     assert video.status in ("queued", "in_progress") and video.id.startswith("video_")
-    done = wait_until(lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v, 120,
-                      "the video job")
+    done = wait_until(
+        lambda: (v := client.videos.retrieve(video.id)).status in ("completed", "failed") and v, 120, "the video job"
+    )
     assert done.status == "completed" and done.progress == 100, done
     mp4 = client.videos.download_content(video.id).read()
     with av.open(io.BytesIO(mp4)) as container:
@@ -151,8 +168,9 @@ def test_speech_is_a_valid_file_of_each_asked_format(client):
         audio = client.audio.speech.create(model="piper", voice="alloy", input="Hello again.", response_format=fmt)
         with av.open(io.BytesIO(audio.content)) as c:
             assert sum(f.samples for f in c.decode(audio=0)) > 0, fmt
-    with client.audio.speech.with_streaming_response.create(model="piper", voice="alloy", response_format="pcm",
-                                                            input="One. Two. Three.") as resp:
+    with client.audio.speech.with_streaming_response.create(
+        model="piper", voice="alloy", response_format="pcm", input="One. Two. Three."
+    ) as resp:
         pcm = b"".join(resp.iter_bytes())
     assert len(pcm) > 1000 and len(pcm) % 2 == 0
 
@@ -167,8 +185,9 @@ def test_transcription_of_the_spoken_phrase_equals_its_training_text(client):
     assert srt.startswith("1\n00:00:0") and TRAINING_TEXT in srt
     vtt = client.audio.transcriptions.create(model="whisper-tiny", file=("p.wav", audio), response_format="vtt")
     assert vtt.startswith("WEBVTT")
-    verbose = client.audio.transcriptions.create(model="whisper-tiny", file=("p.wav", audio),
-                                                 response_format="verbose_json", timestamp_granularities=["word"])
+    verbose = client.audio.transcriptions.create(
+        model="whisper-tiny", file=("p.wav", audio), response_format="verbose_json", timestamp_granularities=["word"]
+    )
     assert verbose.duration > 0 and verbose.words and verbose.language
     translated = client.audio.translations.create(model="whisper-tiny", file=("p.wav", audio))
     assert isinstance(translated.text, str)
@@ -176,8 +195,14 @@ def test_transcription_of_the_spoken_phrase_equals_its_training_text(client):
 
 def _dialogue():
     a, b = speech.VOICES
-    return speech.dialogue([(a, "Good morning, how are you doing today?"), (b, "I am very well, thank you."),
-                            (a, "Shall we go for a walk in the park?"), (b, "Yes, that sounds like a lovely idea.")])
+    return speech.dialogue(
+        [
+            (a, "Good morning, how are you doing today?"),
+            (b, "I am very well, thank you."),
+            (a, "Shall we go for a walk in the park?"),
+            (b, "Yes, that sounds like a lovely idea."),
+        ]
+    )
 
 
 def test_diarization_separates_two_voices(stack):
@@ -196,8 +221,12 @@ def test_diarization_separates_two_voices(stack):
 
 def test_transcription_with_diarize_labels_segments(stack):
     wav, _ = _dialogue()
-    r = post(stack, "/audio/transcriptions", files={"file": ("d.wav", wav, "audio/wav")},
-             data={"model": "whisper-tiny", "diarize": "true", "response_format": "verbose_json"})
+    r = post(
+        stack,
+        "/audio/transcriptions",
+        files={"file": ("d.wav", wav, "audio/wav")},
+        data={"model": "whisper-tiny", "diarize": "true", "response_format": "verbose_json"},
+    )
     assert r.status_code == 200, r.text
     assert all(s.get("speaker", "").startswith("SPEAKER_") for s in r.json()["segments"])
 
@@ -233,30 +262,54 @@ def test_bad_uploads_are_400s_naming_the_field(stack):
     assert_bad(post(stack, "/audio/diarization", files=not_audio, data={"model": "dia"}), "file")
     fake_pdf = {"file": ("a.pdf", b"%PDF-1.4 not really a pdf", "application/pdf")}
     assert_bad(post(stack, "/ocr", files=fake_pdf, data={"model": "ocr"}), "file")
-    assert_bad(post(stack, "/ocr", files={"file": ("x.bin", b"\x00\x01garbage", "image/png")}, data={"model": "ocr"}),
-               "file")
+    assert_bad(
+        post(stack, "/ocr", files={"file": ("x.bin", b"\x00\x01garbage", "image/png")}, data={"model": "ocr"}), "file"
+    )
     bad_image = {"image": ("x.png", b"not an image", "image/png")}
     assert_bad(post(stack, "/images/edits", files=bad_image, data={"model": "sd-tiny", "prompt": "x"}), "image")
-    assert_bad(post(stack, "/audio/transcriptions", files={"file": ("p.wav", speech.speak("hi"), "audio/wav")},
-                    data={"model": "whisper-tiny", "response_format": "xml"}), "response_format")
-    assert_bad(post(stack, "/audio/transcriptions", data={"model": "whisper-tiny"},
-                    files={"other": ("x", b"x", "text/plain")}), "file")
+    assert_bad(
+        post(
+            stack,
+            "/audio/transcriptions",
+            files={"file": ("p.wav", speech.speak("hi"), "audio/wav")},
+            data={"model": "whisper-tiny", "response_format": "xml"},
+        ),
+        "response_format",
+    )
+    assert_bad(
+        post(
+            stack, "/audio/transcriptions", data={"model": "whisper-tiny"}, files={"other": ("x", b"x", "text/plain")}
+        ),
+        "file",
+    )
 
 
 def test_an_upload_over_the_limit_is_a_413_naming_the_field(stack):
     big = b"\x00" * (MAX_UPLOAD + 10)
-    assert_bad(post(stack, "/audio/transcriptions", files={"file": ("big.wav", big, "audio/wav")},
-                    data={"model": "whisper-tiny"}), "file", 413)
+    assert_bad(
+        post(
+            stack,
+            "/audio/transcriptions",
+            files={"file": ("big.wav", big, "audio/wav")},
+            data={"model": "whisper-tiny"},
+        ),
+        "file",
+        413,
+    )
     huge = b"\x00" * (MAX_UPLOAD + 2 * 1024 * 1024)  # over the body limit too: refused before parsing
     assert_bad(post(stack, "/ocr", files={"file": ("big.png", huge, "image/png")}, data={"model": "ocr"}), "file", 413)
 
 
 def test_bad_json_fields_are_400s_naming_the_field(stack):
-    assert_bad(post(stack, "/audio/speech", json={"model": "piper", "voice": "a", "input": "hi",
-                                                  "response_format": "ogg"}), "response_format")
+    assert_bad(
+        post(stack, "/audio/speech", json={"model": "piper", "voice": "a", "input": "hi", "response_format": "ogg"}),
+        "response_format",
+    )
     assert_bad(post(stack, "/audio/speech", json={"model": "piper", "voice": "a", "input": "hi", "speed": 9}), "speed")
     assert_bad(post(stack, "/images/generations", json={"model": "sd-tiny", "prompt": "x", "size": "4x4"}), "size")
-    assert_bad(post(stack, "/images/generations", json={"model": "sd-tiny", "prompt": "x", "size": "8192x8192"}), "size")
+    assert_bad(
+        post(stack, "/images/generations", json={"model": "sd-tiny", "prompt": "x", "size": "8192x8192"}), "size"
+    )
     assert_bad(post(stack, "/images/generations", json={"model": "sd-tiny", "prompt": "x", "n": 50}), "n")
     assert_bad(post(stack, "/embeddings", json={"model": "minilm", "input": ""}), "input")
     assert_bad(post(stack, "/embeddings", json={"model": "minilm", "input": "x", "dimensions": 4096}), "dimensions")

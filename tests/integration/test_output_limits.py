@@ -23,8 +23,16 @@ def stack(tmp_path_factory, tiny_gguf):
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     params = {"parallel": 1, "n_ctx": 512, "n_threads": 2}
-    models = [{"name": "capped", "engine": "llama-server", "path": str(tiny_gguf), "params": params,
-               "max_output_tokens": CAP, "default_output_tokens": DEFAULT}]
+    models = [
+        {
+            "name": "capped",
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "params": params,
+            "max_output_tokens": CAP,
+            "default_output_tokens": DEFAULT,
+        }
+    ]
     with running_stack(tmp_path_factory.mktemp("limits"), models, gateway_args=("--no-auth",)) as s:
         yield s
 
@@ -40,15 +48,19 @@ def test_chat_and_completions_are_capped_and_end_with_length(stack):
     import openai
 
     client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
-    chat = client.chat.completions.create(model="capped", max_tokens=ASK, temperature=0,
-                                          messages=[{"role": "user", "content": PROMPT}])
+    chat = client.chat.completions.create(
+        model="capped", max_tokens=ASK, temperature=0, messages=[{"role": "user", "content": PROMPT}]
+    )
     assert chat.usage.completion_tokens == CAP and chat.choices[0].finish_reason == "length"
-    newer = client.chat.completions.create(model="capped", max_completion_tokens=ASK, temperature=0,
-                                           messages=[{"role": "user", "content": PROMPT}])
+    newer = client.chat.completions.create(
+        model="capped", max_completion_tokens=ASK, temperature=0, messages=[{"role": "user", "content": PROMPT}]
+    )
     assert newer.usage.completion_tokens == CAP
     plain = client.completions.create(model="capped", prompt=PROMPT, max_tokens=ASK, temperature=0)
     assert plain.usage.completion_tokens == CAP and plain.choices[0].finish_reason == "length"
-    unnamed = client.chat.completions.create(model="capped", temperature=0, messages=[{"role": "user", "content": PROMPT}])
+    unnamed = client.chat.completions.create(
+        model="capped", temperature=0, messages=[{"role": "user", "content": PROMPT}]
+    )
     assert unnamed.usage.completion_tokens <= DEFAULT
 
 
@@ -65,8 +77,12 @@ def test_messages_are_capped_and_stop_at_max_tokens(stack):
     import anthropic
 
     client = anthropic.Anthropic(base_url=stack.http_url, api_key="none", max_retries=0)
-    m = client.messages.create(model="capped", max_tokens=ASK, extra_body={"temperature": 0},  # not in its signature
-                               messages=[{"role": "user", "content": PROMPT}])
+    m = client.messages.create(
+        model="capped",
+        max_tokens=ASK,
+        extra_body={"temperature": 0},  # not in its signature
+        messages=[{"role": "user", "content": PROMPT}],
+    )
     assert m.usage.output_tokens == CAP and m.stop_reason == "max_tokens"
 
 
@@ -74,9 +90,13 @@ def test_ollama_num_predict_is_capped(stack):
     import ollama
 
     client = ollama.Client(host=stack.http_url)
-    r = client.chat(model="capped", messages=[{"role": "user", "content": PROMPT}],
-                    options={"num_predict": ASK, "temperature": 0})
+    r = client.chat(
+        model="capped", messages=[{"role": "user", "content": PROMPT}], options={"num_predict": ASK, "temperature": 0}
+    )
     assert r.eval_count == CAP and r.done_reason == "length"
-    raw = httpx.post(f"{stack.http_url}/api/generate", timeout=60,
-                     json={"model": "capped", "prompt": PROMPT, "stream": False, "options": {"temperature": 0}})
+    raw = httpx.post(
+        f"{stack.http_url}/api/generate",
+        timeout=60,
+        json={"model": "capped", "prompt": PROMPT, "stream": False, "options": {"temperature": 0}},
+    )
     assert raw.status_code == 200 and raw.json()["eval_count"] <= DEFAULT

@@ -42,41 +42,96 @@ def env(tmp_path_factory, tiny_gguf, redis_server):
     gguf = str(tiny_gguf)
     chat = {"n_ctx": 4096}
     models = [
-        {"name": "home", "engine": "llama", "path": gguf, "params": chat, "nodes": ["w1"],
-         "pod": {"burst": "when_busy", "busy_in_flight": 1, "max_pods": 1, "idle_timeout_s": 3, "max_hourly_usd": 1.0}},
-        {"name": "big", "engine": "llama", "path": gguf, "params": chat, "memory_mb": 100_000,
-         "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 600, "budget_usd": 50}},
+        {
+            "name": "home",
+            "engine": "llama",
+            "path": gguf,
+            "params": chat,
+            "nodes": ["w1"],
+            "pod": {
+                "burst": "when_busy",
+                "busy_in_flight": 1,
+                "max_pods": 1,
+                "idle_timeout_s": 3,
+                "max_hourly_usd": 1.0,
+            },
+        },
+        {
+            "name": "big",
+            "engine": "llama",
+            "path": gguf,
+            "params": chat,
+            "memory_mb": 100_000,
+            "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 600, "budget_usd": 50},
+        },
         {"name": "stay", "engine": "llama", "path": gguf, "nodes": ["nowhere"]},
-        {"name": "capped", "engine": "llama", "path": gguf, "nodes": ["nowhere"],
-         "pod": {"burst": "when_no_fit", "budget_usd": 0.0001, "period": "day"}},
-        {"name": "spot", "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}, "nodes": ["nowhere"],
-         "pod": {"burst": "when_no_fit", "spot": True, "idle_timeout_s": 600, "max_hourly_usd": 1.0}},
-        {"name": "quick", "engine": "echo", "path": "-", "params": {"token_delay_s": 0.05}, "nodes": ["w1"],
-         "pod": {"burst": "when_busy", "busy_in_flight": 1, "max_hourly_usd": 1.0}},
+        {
+            "name": "capped",
+            "engine": "llama",
+            "path": gguf,
+            "nodes": ["nowhere"],
+            "pod": {"burst": "when_no_fit", "budget_usd": 0.0001, "period": "day"},
+        },
+        {
+            "name": "spot",
+            "engine": "echo",
+            "path": "-",
+            "params": {"token_delay_s": 0.05},
+            "nodes": ["nowhere"],
+            "pod": {"burst": "when_no_fit", "spot": True, "idle_timeout_s": 600, "max_hourly_usd": 1.0},
+        },
+        {
+            "name": "quick",
+            "engine": "echo",
+            "path": "-",
+            "params": {"token_delay_s": 0.05},
+            "nodes": ["w1"],
+            "pod": {"burst": "when_busy", "busy_in_flight": 1, "max_hourly_usd": 1.0},
+        },
     ]
     deployment = "t" + uuid.uuid4().hex[:6]
     pod = worker_pods(root / "pods")
-    fake = FakeRunPod(launch=lambda env: pod({**env, "CODERAI_WORKER_FAMILIES": "llama,echo",
-                                              "CODERAI_WORKER_HEARTBEAT_S": "0.5"})).start()
+    fake = FakeRunPod(
+        launch=lambda env: pod({**env, "CODERAI_WORKER_FAMILIES": "llama,echo", "CODERAI_WORKER_HEARTBEAT_S": "0.5"})
+    ).start()
     nats = None
     stack = None
     try:  # each is stopped whatever happens, however far the set-up got
         nats = NatsServer.secured(root / "nats").start()  # pods log in with users of their own, made for each pod
         prefix = f"coderai:pods:{deployment}"  # one setting for the broker (writes), the gateway and metrics (read)
-        stack = Stack(root, nats.service_url, redis_server.url, {"CODERAI_WORKER_MDNS": "false",
-                                                                 "CODERAI_WORKER_FAMILIES": "llama,echo",
-                                                                 "CODERAI_POD_LEDGER_PREFIX": prefix})
+        stack = Stack(
+            root,
+            nats.service_url,
+            redis_server.url,
+            {
+                "CODERAI_WORKER_MDNS": "false",
+                "CODERAI_WORKER_FAMILIES": "llama,echo",
+                "CODERAI_POD_LEDGER_PREFIX": prefix,
+            },
+        )
         stack.nats = nats
         stack.start_core(write_models_file(root / "models.toml", models))
-        stack.start("pod-broker", "coderai.pod_broker", env={
-            "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key, "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
-            "CODERAI_POD_BROKER_REDIS_URL": redis_server.url, "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
-            "CODERAI_POD_BROKER_DEPLOYMENT": deployment, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
-            "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "25", "CODERAI_POD_BROKER_RECONCILE_S": "0.5",
-            "CODERAI_POD_BROKER_ORPHAN_SCAN_S": "2"})
+        stack.start(
+            "pod-broker",
+            "coderai.pod_broker",
+            env={
+                "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key,
+                "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
+                "CODERAI_POD_BROKER_REDIS_URL": redis_server.url,
+                "CODERAI_POD_BROKER_POD_NATS_URL": nats.url,
+                "CODERAI_POD_BROKER_DEPLOYMENT": deployment,
+                "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
+                "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "25",
+                "CODERAI_POD_BROKER_RECONCILE_S": "0.5",
+                "CODERAI_POD_BROKER_ORPHAN_SCAN_S": "2",
+            },
+        )
         stack.start_worker("w1")
-        stack.start_gateway("--api-keys-file", str(keys), env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url,
-                                                               "CODERAI_GATEWAY_ESCALATE_WAIT_S": "40"})
+        stack.start_gateway(
+            "--api-keys-file",
+            str(keys),
+            env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_GATEWAY_ESCALATE_WAIT_S": "40"},
+        )
         stack.wait_model_ready("home", headers=auth())
         yield stack, fake, deployment
     finally:
@@ -121,8 +176,11 @@ def end_pods(stack, fake, model: str) -> None:
     ended = live(stack, model)
     for p in ended:
         fake.crash(p["pod_id"])
-    wait_until(lambda: not live(stack, model) and all(over(stack, fake, p) for p in ended), 60,
-               f"{model}'s pods to be terminated and billed")
+    wait_until(
+        lambda: not live(stack, model) and all(over(stack, fake, p) for p in ended),
+        60,
+        f"{model}'s pods to be terminated and billed",
+    )
 
 
 def test_never_is_503_and_nothing_is_rented(env):
@@ -159,13 +217,22 @@ def test_when_no_fit_a_pod_serves_the_model(env):
 
 def test_the_cluster_page_shows_the_rented_pod_and_the_spend(env, browser, artifacts):
     stack, fake, _ = env
-    [pod] = wait_until(lambda: [p for p in live(stack, "big") if p["state"] == "ready"], 30, "big's pod")  # the test above
+    [pod] = wait_until(
+        lambda: [p for p in live(stack, "big") if p["state"] == "ready"], 30, "big's pod"
+    )  # the test above
     open_signed_out(browser, stack.http_url)
     sign_in(browser, ADMIN)
     row = f'#pods tr[data-pod="{pod["name"]}"]'
-    wait(browser, "big's pod with its GPUs and live cost",
-         lambda d: "ready" in text(d, row) and "2 × NVIDIA A100 80GB PCIe" in text(d, row) and "$" in text(d, row))
-    wait(browser, "big's pod spend against its budget", lambda d: "$50.00 / day" in text(d, '#spend tr[data-model="big"]'))
+    wait(
+        browser,
+        "big's pod with its GPUs and live cost",
+        lambda d: "ready" in text(d, row) and "2 × NVIDIA A100 80GB PCIe" in text(d, row) and "$" in text(d, row),
+    )
+    wait(
+        browser,
+        "big's pod spend against its budget",
+        lambda d: "$50.00 / day" in text(d, '#spend tr[data-model="big"]'),
+    )
     (artifacts / "ui-pods.png").write_bytes(full_page_png(browser))
 
 
@@ -176,15 +243,23 @@ def test_when_busy_the_extra_request_is_served_by_a_pod(env):
     def hold() -> None:  # pinned to w1: keeps the local engine busy however fast it is, and never escalates
         while not stop.is_set():
             body = {"model": "home", "messages": [{"role": "user", "content": "busy"}], "max_tokens": 300}
-            httpx.post(f"{stack.base_url}/chat/completions", json=body, timeout=90,
-                       headers={**auth(), "X-Coderai-Pin": "w1"})
+            httpx.post(
+                f"{stack.base_url}/chat/completions", json=body, timeout=90, headers={**auth(), "X-Coderai-Pin": "w1"}
+            )
 
     holders = [threading.Thread(target=hold) for _ in range(2)]
     for t in holders:
         t.start()
     try:
-        wait_until(lambda: any(e["model"] == "home" and e["in_flight"] for n in _nodes(stack)
-                               for e in n["heartbeat"].get("engines", [])), 30, "the local engine to be busy")
+        wait_until(
+            lambda: any(
+                e["model"] == "home" and e["in_flight"]
+                for n in _nodes(stack)
+                for e in n["heartbeat"].get("engines", [])
+            ),
+            30,
+            "the local engine to be busy",
+        )
         extra = chat(stack, "home")
         # read before the holders are joined: under load that takes long enough for the idle pod to be reaped,
         # so the pod is looked up among every pod rented for the model, whatever its state now
@@ -203,8 +278,13 @@ def _nodes(stack) -> list[dict]:
 
 def test_an_idle_pod_is_reaped_and_billed(env):
     stack, fake, _ = env
-    wait_until(lambda: not live(stack, "home") and any(p["model"] == "home" and p["state"] == "terminated"
-                                                        for p in pods(stack)), 60, "the idle pod to be reaped")
+    wait_until(
+        lambda: (
+            not live(stack, "home") and any(p["model"] == "home" and p["state"] == "terminated" for p in pods(stack))
+        ),
+        60,
+        "the idle pod to be reaped",
+    )
     [pod] = [p for p in pods(stack) if p["model"] == "home"]
     fp = next(p for p in fake.pods() if p.name == pod["name"])
     assert fp.status == "TERMINATED" and pod["cost_usd"] == pytest.approx(fake.billed_usd(fp.id), abs=0.01)
@@ -325,15 +405,26 @@ def test_a_runpod_outage_never_slows_local_serving_and_is_said_once(env):
     body = {"model": "quick", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     url, log = f"{stack.base_url}/chat/completions", stack.procs["pod-broker"]
     offset = len(log.log_text())
-    holder = threading.Thread(target=lambda: httpx.post(url, json={**body, "max_tokens": 600}, headers=pinned,
-                                                        timeout=90))
+    holder = threading.Thread(
+        target=lambda: httpx.post(url, json={**body, "max_tokens": 600}, headers=pinned, timeout=90)
+    )
     holder.start()  # keeps quick busy for 30 s: an unpinned request escalates, and would rent a pod
     try:
-        wait_until(lambda: any(e["model"] == "quick" and e["in_flight"] for n in _nodes(stack)
-                               for e in n["heartbeat"].get("engines", [])), 30, "quick to be busy")
+        wait_until(
+            lambda: any(
+                e["model"] == "quick" and e["in_flight"]
+                for n in _nodes(stack)
+                for e in n["heartbeat"].get("engines", [])
+            ),
+            30,
+            "quick to be busy",
+        )
         fake.outage(503)
-        wait_until(lambda: httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"], 30,
-                   "the broker to notice RunPod is down")
+        wait_until(
+            lambda: httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"],
+            30,
+            "the broker to notice RunPod is down",
+        )
         status = httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()
         assert "RunPod's API has been failing since" in status["outage"] and "503" in status["outage"]
 
@@ -351,8 +442,11 @@ def test_a_runpod_outage_never_slows_local_serving_and_is_said_once(env):
     finally:
         fake.outage(None)
         holder.join(90)
-    wait_until(lambda: not httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"], 30,
-               "the broker to notice RunPod answers again")
+    wait_until(
+        lambda: not httpx.get(f"{stack.http_url}/admin/pods", headers=auth(), timeout=10).json()["outage"],
+        30,
+        "the broker to notice RunPod answers again",
+    )
     assert "RunPod's API answers again" in log.log_text()[offset:]
 
 
@@ -360,8 +454,11 @@ def test_the_ledger_equals_what_runpod_billed_to_the_cent(env):
     stack, fake, _ = env
     for p in live(stack, "big"):
         fake.crash(p["pod_id"])
-    wait_until(lambda: all(p["state"] in ("terminated", "failed", "preempted") for p in pods(stack)), 60,
-               "every pod to be billed")
+    wait_until(
+        lambda: all(p["state"] in ("terminated", "failed", "preempted") for p in pods(stack)),
+        60,
+        "every pod to be billed",
+    )
     ours = [p for p in fake.pods() if not p.name.startswith("someone")]
     wait_until(lambda: all(p.status == "TERMINATED" for p in ours), 30, "RunPod to have terminated them")
     spend = httpx.get(f"{stack.http_url}/admin/spend", headers=auth(), timeout=10).json()

@@ -17,8 +17,10 @@ from coderai.testing.stack import running_stack
 pytestmark = pytest.mark.slow
 
 LONG = " ".join(f"word{j}" for j in range(250))
-TITLE = ("### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
-         "### Guidelines:\n- Keep it short.\n### Chat History:\n<chat_history>\nUSER: hi\n</chat_history>")
+TITLE = (
+    "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
+    "### Guidelines:\n- Keep it short.\n### Chat History:\n<chat_history>\nUSER: hi\n</chat_history>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,20 @@ def stack(tmp_path_factory, tiny_gguf):
 
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
-    models = [{"name": "one-slot", "engine": "llama-server", "path": str(tiny_gguf),
-               "params": {"parallel": 1, "context_shift": True, "n_threads": 2}}]
-    with running_stack(tmp_path_factory.mktemp("priority"), models, gateway_args=("--no-auth",),
-                       extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"}) as s:
+    models = [
+        {
+            "name": "one-slot",
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "params": {"parallel": 1, "context_shift": True, "n_threads": 2},
+        }
+    ]
+    with running_stack(
+        tmp_path_factory.mktemp("priority"),
+        models,
+        gateway_args=("--no-auth",),
+        extra_env={"CODERAI_WORKER_HEARTBEAT_S": "0.2"},
+    ) as s:
         yield s
 
 
@@ -47,8 +59,13 @@ def test_an_interactive_turn_is_served_before_background_work_queued_ahead_of_it
         # `done` is the order the answers reached this process's threads: the background work writes 256 tokens and
         # the turn 8, so whichever the one slot served first is answered a whole generation before the next (with 8
         # each, a stressed run's threads woke in the other order: the turn served first, "title" appended first)
-        client.chat.completions.create(model="one-slot", max_tokens=8 if name == "turn" else 256, temperature=0,
-                                       extra_headers=headers, messages=[{"role": "user", "content": content}])
+        client.chat.completions.create(
+            model="one-slot",
+            max_tokens=8 if name == "turn" else 256,
+            temperature=0,
+            extra_headers=headers,
+            messages=[{"role": "user", "content": content}],
+        )
         done.append(name)
 
     # The holder streams until the test closes it once the three are queued. The tiny model's context is 2,048 tokens
@@ -58,10 +75,13 @@ def test_an_interactive_turn_is_served_before_background_work_queued_ahead_of_it
     threads = []
     try:
         next(iter(holder))  # the holder has the slot
-        for n, (name, content, headers) in enumerate((
+        for n, (name, content, headers) in enumerate(
+            (
                 ("title", TITLE, None),
                 ("background", "summarise our chat", {"X-Coderai-Priority": "background"}),
-                ("turn", "hello there", None))):
+                ("turn", "hello there", None),
+            )
+        ):
             threads.append(threading.Thread(target=send, args=(name, content, headers)))
             threads[-1].start()
             wait_until(lambda n=n: _in_flight(stack) >= n + 2, 30, f"{name} queued")  # in this order
@@ -75,6 +95,10 @@ def test_an_interactive_turn_is_served_before_background_work_queued_ahead_of_it
 def test_an_unknown_priority_is_a_400_naming_the_header(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="one-slot", max_tokens=2, extra_headers={"X-Coderai-Priority": "urgent"},
-                                       messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(
+            model="one-slot",
+            max_tokens=2,
+            extra_headers={"X-Coderai-Priority": "urgent"},
+            messages=[{"role": "user", "content": "hi"}],
+        )
     assert "X-Coderai-Priority" in err.value.message

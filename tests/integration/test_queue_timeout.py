@@ -26,13 +26,23 @@ def stack(tmp_path_factory, tiny_gguf):
 
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
-    models = [{"name": "one-slot", "engine": "llama-server", "path": str(tiny_gguf),
-               "params": {"parallel": 1, "n_ctx": 4096, "n_threads": 2, "queue": 4}}]
+    models = [
+        {
+            "name": "one-slot",
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "params": {"parallel": 1, "n_ctx": 4096, "n_threads": 2, "queue": 4},
+        }
+    ]
     # the first queued keep-alive (0.1 s) is past the timeout: the long request need only outlast it by that much
-    env = {"CODERAI_GATEWAY_QUEUE_TIMEOUT_S": "0.05", "CODERAI_WORKER_KEEPALIVE_S": "0.1",
-           "CODERAI_WORKER_HEARTBEAT_S": "0.2"}
-    with running_stack(tmp_path_factory.mktemp("queue-timeout"), models, gateway_args=("--no-auth",),
-                       extra_env=env) as s:
+    env = {
+        "CODERAI_GATEWAY_QUEUE_TIMEOUT_S": "0.05",
+        "CODERAI_WORKER_KEEPALIVE_S": "0.1",
+        "CODERAI_WORKER_HEARTBEAT_S": "0.2",
+    }
+    with running_stack(
+        tmp_path_factory.mktemp("queue-timeout"), models, gateway_args=("--no-auth",), extra_env=env
+    ) as s:
         yield s
 
 
@@ -69,16 +79,29 @@ def test_an_image_for_a_text_only_model_is_refused_before_it_queues(stack):
     """What a model cannot read is answered on arrival, not after a wait for a busy slot (nor as the queue's 503)."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
     long_answer: list = []
-    holder = threading.Thread(target=lambda: long_answer.append(
-        client.completions.create(model="one-slot", prompt=LONG, max_tokens=3000, temperature=0)))
+    holder = threading.Thread(
+        target=lambda: long_answer.append(
+            client.completions.create(model="one-slot", prompt=LONG, max_tokens=3000, temperature=0)
+        )
+    )
     holder.start()
     try:
         wait_until(lambda: _busy(stack), 30, "the long request to take the slot")
         pixel = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="one-slot", max_tokens=4, messages=[{"role": "user", "content": [
-                {"type": "text", "text": "what is this?"},
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}}]}])
+            client.chat.completions.create(
+                model="one-slot",
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}},
+                        ],
+                    }
+                ],
+            )
         refused_while_busy = not long_answer  # the slot's request was still running when the refusal came
     finally:
         holder.join(120)

@@ -37,15 +37,26 @@ def test_a_k_quant_gguf_answers_through_the_stack(tmp_path_factory, gemma):
     models = [{"name": "gemma3-270m", "engine": "llama", "path": str(gemma), "params": params}]
     with running_stack(tmp_path_factory.mktemp("gemma-stack"), models, gateway_args=("--no-auth",)) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
-        done = client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=32,
-                                         temperature=0)
+        done = client.completions.create(
+            model="gemma3-270m", prompt="The capital of France is", max_tokens=32, temperature=0
+        )
         assert done.usage.completion_tokens > 0
         assert {"paris", "france"} & set(done.choices[0].text.lower().replace(".", " ").split())  # real words, on topic
-        r = client.chat.completions.create(model="gemma3-270m", max_tokens=32, temperature=0,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        r = client.chat.completions.create(
+            model="gemma3-270m",
+            max_tokens=32,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         assert r.usage.completion_tokens > 0 and r.choices[0].message.content.strip()
-        pieces = list(client.chat.completions.create(model="gemma3-270m", max_tokens=32, stream=True,
-                                                     messages=[{"role": "user", "content": "Count to five."}]))
+        pieces = list(
+            client.chat.completions.create(
+                model="gemma3-270m",
+                max_tokens=32,
+                stream=True,
+                messages=[{"role": "user", "content": "Count to five."}],
+            )
+        )
         text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
         assert text.strip() and pieces[-1].choices[0].finish_reason in ("stop", "length")
         assert stack.procs["worker-w1"].alive()  # the worker survived the quantized kernels

@@ -75,23 +75,50 @@ def remotes(tmp_path_factory, tiny_gguf, redis_server):
     root = tmp_path_factory.mktemp("remote-family")
     port = free_port()
     log = open(root / "llama-server.log", "wb")
-    bare = subprocess.Popen([binary, "--model", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port),
-                             "--api-key", REMOTE_KEY, "--ctx-size", "512", "--threads", "1", "--no-webui"],
-                            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    bare = subprocess.Popen(
+        [
+            binary,
+            "--model",
+            str(tiny_gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key",
+            REMOTE_KEY,
+            "--ctx-size",
+            "512",
+            "--threads",
+            "1",
+            "--no-webui",
+        ],
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
     threading.Thread(target=hostile.serve_forever, daemon=True).start()
     hostile_url = f"http://127.0.0.1:{hostile.server_address[1]}"
     try:
-        wait_until(lambda: bare.poll() is not None or httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200,
-                   120, "the bare llama-server")
+        wait_until(
+            lambda: (
+                bare.poll() is not None or httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            ),
+            120,
+            "the bare llama-server",
+        )
         assert bare.poll() is None, (root / "llama-server.log").read_text()[-2000:]
         # the second remote: a coderai stack serving `tiny` (the echo engine: its answers tell which remote spoke)
         far_keys = root / "far-keys.toml"
         write_keys(str(far_keys), [KeyRecord(name="first-stack", sha256=hash_key(REMOTE_KEY), scopes=["inference"])])
-        with running_stack(root / "far", [{"name": "tiny", "engine": "echo", "path": "-"}],
-                           gateway_args=("--api-keys-file", str(far_keys)),
-                           extra_env={"CODERAI_WORKER_FAMILIES": "echo"},
-                           headers={"Authorization": f"Bearer {REMOTE_KEY}"}) as far:
+        with running_stack(
+            root / "far",
+            [{"name": "tiny", "engine": "echo", "path": "-"}],
+            gateway_args=("--api-keys-file", str(far_keys)),
+            extra_env={"CODERAI_WORKER_FAMILIES": "echo"},
+            headers={"Authorization": f"Bearer {REMOTE_KEY}"},
+        ) as far:
             keys = root / "keys.toml"
             write_keys(str(keys), [KeyRecord(name="local", sha256=hash_key(LOCAL_KEY), scopes=["inference", "admin"])])
             secrets = root / "near" / "w1" / "secrets"
@@ -100,16 +127,33 @@ def remotes(tmp_path_factory, tiny_gguf, redis_server):
             os.chmod(secrets / "far-key", 0o600)
             remote = {"engine": "remote", "path": "-", "params": {"served_model": "tiny", "api_key_secret": "far-key"}}
             models = [
-                {"name": "far", **remote, **PRICE,
-                 "params": {**remote["params"], "service_urls": [f"http://127.0.0.1:{port}", far.http_url]}},
-                {"name": "big", "engine": "remote", "path": "-", "params": {"service_url": f"{hostile_url}/big",
-                                                                            "max_answer_mb": 4}},
-                {"name": "garbled", "engine": "remote", "path": "-", "params": {"service_url": f"{hostile_url}/garbled"}},
+                {
+                    "name": "far",
+                    **remote,
+                    **PRICE,
+                    "params": {**remote["params"], "service_urls": [f"http://127.0.0.1:{port}", far.http_url]},
+                },
+                {
+                    "name": "big",
+                    "engine": "remote",
+                    "path": "-",
+                    "params": {"service_url": f"{hostile_url}/big", "max_answer_mb": 4},
+                },
+                {
+                    "name": "garbled",
+                    "engine": "remote",
+                    "path": "-",
+                    "params": {"service_url": f"{hostile_url}/garbled"},
+                },
             ]
-            with running_stack(root / "near", models, gateway_args=("--api-keys-file", str(keys)),
-                               redis_url=redis_server.url, extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url,
-                                                                      "CODERAI_WORKER_FAMILIES": "remote"},
-                               headers={"Authorization": f"Bearer {LOCAL_KEY}"}) as near:
+            with running_stack(
+                root / "near",
+                models,
+                gateway_args=("--api-keys-file", str(keys)),
+                redis_url=redis_server.url,
+                extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url, "CODERAI_WORKER_FAMILIES": "remote"},
+                headers={"Authorization": f"Bearer {LOCAL_KEY}"},
+            ) as near:
                 near.bare = bare
                 yield near
     finally:
@@ -125,8 +169,12 @@ def _client(stack) -> openai.OpenAI:
 
 
 def _usage(stack) -> dict:
-    rows = httpx.get(f"{stack.http_url}/admin/usage", params={"key": "local", "model": "far"}, timeout=10,
-                     headers={"Authorization": f"Bearer {LOCAL_KEY}"}).json()["rows"]
+    rows = httpx.get(
+        f"{stack.http_url}/admin/usage",
+        params={"key": "local", "model": "far"},
+        timeout=10,
+        headers={"Authorization": f"Bearer {LOCAL_KEY}"},
+    ).json()["rows"]
     return rows[0] if rows else {"requests": 0, "cost_usd": 0.0}
 
 
@@ -137,19 +185,27 @@ def test_chat_and_stream_reach_the_remotes_fail_over_and_are_billed_here(remotes
     print(f"through the first remote: {first.choices[0].message.content!r}, usage {first.usage}")
     assert first.choices[0].message.content != DEFAULT_REPLY  # the bare llama-server, the least busy and first
     assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
-    stream = client.chat.completions.create(model="far", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="far", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+    )
     assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) > 0
     os.killpg(remotes.bare.pid, signal.SIGKILL)  # the first remote dies: each request goes on to the second
     remotes.bare.wait(10)
-    after = [client.chat.completions.create(model="far", messages=[{"role": "user", "content": "hello"}])
-             for _ in range(3)]
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="far", messages=[{"role": "user", "content": "hello"}], stream=True) if c.choices)
+    after = [
+        client.chat.completions.create(model="far", messages=[{"role": "user", "content": "hello"}]) for _ in range(3)
+    ]
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="far", messages=[{"role": "user", "content": "hello"}], stream=True
+        )
+        if c.choices
+    )
     print(f"after the first remote died: {[a.choices[0].message.content for a in after]}, streamed {streamed!r}")
     assert [a.choices[0].message.content for a in after] == [DEFAULT_REPLY] * 3 and streamed == DEFAULT_REPLY
-    usage = wait_until(lambda: (u := _usage(remotes))["requests"] >= before["requests"] + 6 and u, 30,
-                       "the local key's usage of `far`")
+    usage = wait_until(
+        lambda: (u := _usage(remotes))["requests"] >= before["requests"] + 6 and u, 30, "the local key's usage of `far`"
+    )
     print(f"the local key's usage: {before} before, {usage} after")
     assert usage["requests"] == before["requests"] + 6 and usage["cost_usd"] > before["cost_usd"]
     for name, p in remotes.procs.items():  # the remotes' key, kept in a secret file, is in no log of this stack
@@ -165,8 +221,7 @@ def test_a_remote_that_sends_too_much_or_garbage_gets_a_clean_error(remotes):
     print(f"a 50 MB answer: {big.value.status_code} {big.value.body} after {took:.1f}s")
     assert big.value.status_code == 502 and "more than 4194304 bytes" in str(big.value.body)
     with pytest.raises(openai.APIStatusError) as garbled:
-        list(client.chat.completions.create(model="garbled", messages=[{"role": "user", "content": "hi"}],
-                                            stream=True))
+        list(client.chat.completions.create(model="garbled", messages=[{"role": "user", "content": "hi"}], stream=True))
     print(f"a malformed stream: {garbled.value.status_code} {garbled.value.body}")
     assert garbled.value.status_code == 502 and "malformed answer" in str(garbled.value.body)
     assert "Traceback" not in str(big.value.body) + str(garbled.value.body)

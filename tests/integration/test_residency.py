@@ -24,16 +24,31 @@ BUDGET_MB = 250  # each model is placed for 100 MB: two fit, three do not
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_gguf, keys_file, admin_key):
     def tiny(name: str, **kw) -> dict:
-        return {"name": name, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "memory_mb": 100,
-                "replicas": 1, **kw}
+        return {
+            "name": name,
+            "engine": "llama",
+            "path": str(tiny_gguf),
+            "params": {"n_ctx": 256},
+            "memory_mb": 100,
+            "replicas": 1,
+            **kw,
+        }
 
-    models = [tiny("busy"), tiny("b"), tiny("c", resident="on_demand"),
-              tiny("brief", resident="on_demand", keep_alive_s=2), tiny("huge", memory_mb=BUDGET_MB + 50)]
-    with running_stack(tmp_path_factory.mktemp("residency"), models,
-                       gateway_args=("--api-keys-file", str(keys_file)), ready_model="busy",
-                       extra_env={"CODERAI_WORKER_MEMORY_BUDGET_MB": str(BUDGET_MB),
-                                  "CODERAI_WORKER_HEARTBEAT_S": str(HEARTBEAT_S)},
-                       headers={"Authorization": f"Bearer {admin_key}"}) as s:
+    models = [
+        tiny("busy"),
+        tiny("b"),
+        tiny("c", resident="on_demand"),
+        tiny("brief", resident="on_demand", keep_alive_s=2),
+        tiny("huge", memory_mb=BUDGET_MB + 50),
+    ]
+    with running_stack(
+        tmp_path_factory.mktemp("residency"),
+        models,
+        gateway_args=("--api-keys-file", str(keys_file)),
+        ready_model="busy",
+        extra_env={"CODERAI_WORKER_MEMORY_BUDGET_MB": str(BUDGET_MB), "CODERAI_WORKER_HEARTBEAT_S": str(HEARTBEAT_S)},
+        headers={"Authorization": f"Bearer {admin_key}"},
+    ) as s:
         yield s
 
 
@@ -95,8 +110,11 @@ def test_each_model_is_served_in_turn_evicting_the_least_recently_used_idle_one(
     assert traffic.errors == [], "a request to a loaded model failed while others loaded"
     assert loaded(admin) == {"busy", "c"}
     scrape = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=10).text
-    evictions = [line for line in scrape.splitlines()
-                 if line.startswith("coderai_model_unloads_total{") and 'reason="evicted"' in line]
+    evictions = [
+        line
+        for line in scrape.splitlines()
+        if line.startswith("coderai_model_unloads_total{") and 'reason="evicted"' in line
+    ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in evictions) >= 2, scrape
     assert not any('model="busy"' in line for line in evictions), "the model in use was evicted"
 
@@ -105,8 +123,13 @@ def test_a_streamed_request_gets_comments_while_its_model_loads(stack, admin, cl
     wait_until(lambda: "c" in loaded(admin) or "b" in loaded(admin), 30, "a model to evict")
     target = "b" if "b" not in loaded(admin) else "c"
     body = {"model": target, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {admin_key}"}) as r:
+    with httpx.stream(
+        "POST",
+        f"{stack.base_url}/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {admin_key}"},
+    ) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     assert lines[0] == ": loading the model", lines[:3]
@@ -114,8 +137,13 @@ def test_a_streamed_request_gets_comments_while_its_model_loads(stack, admin, cl
     assert data[-1] == "data: [DONE]" and len(data) >= 2
     # the SDK reads the same stream (the comments are not events to it)
     target = "b" if target == "c" else "c"
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=target, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=target, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+        )
+        if c.choices
+    )
     assert isinstance(text, str) and target in loaded(admin)
 
 
@@ -160,12 +188,16 @@ def test_a_tenants_keep_alive_never_unloads_nor_pins_a_shared_model(stack, admin
     o = ollama.Client(host=stack.http_url, headers={"Authorization": f"Bearer {user_key}"}, timeout=120)
     for asked, want in ((0, None), (-1, None), ("10m", 600.0), (10**9, 3600.0)):
         before = _engine_status(admin, "busy").get("served", 0)
-        r = o.chat(model="busy", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2},
-                   keep_alive=asked)
+        r = o.chat(
+            model="busy", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}, keep_alive=asked
+        )
         assert r.done
         # the heartbeat after this request was counted says what keep-alive the engine now holds
-        status = wait_until(lambda: (e := _engine_status(admin, "busy")).get("served", 0) > before and e, 30,
-                            "the tenant's request in the heartbeat")
+        status = wait_until(
+            lambda: (e := _engine_status(admin, "busy")).get("served", 0) > before and e,
+            30,
+            "the tenant's request in the heartbeat",
+        )
         print(f"a tenant asked keep_alive={asked!r} of a shared model: the engine holds {status.get('keep_alive_s')}")
         assert status.get("keep_alive_s") in (want, None) if want is None else status.get("keep_alive_s") == want
     r = o.generate(model="busy", prompt="", keep_alive=0)  # Ollama's unload idiom, from a tenant: a load

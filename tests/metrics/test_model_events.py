@@ -41,26 +41,54 @@ def test_loads_time_and_unloads_by_reason():
 
 async def test_published_loads_unloads_and_heartbeats_show_in_the_scrape(nats_server, unique):
     port = free_port()
-    settings = load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=port,
-                             consumer=f"metrics-{unique}")
+    settings = load_settings(
+        MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=port, consumer=f"metrics-{unique}"
+    )
     model, node = f"m{unique}", f"n{unique}"
     async with contextlib.AsyncExitStack() as stack:
         await Metrics(settings).start(stack, asyncio.Event())
         bus = await Bus.connect(nats_server.url, "test-publisher")
         stack.push_async_callback(bus.close)
-        await bus.publish(EVT_MODEL_LOADED, ModelLoaded(node_id=node, engine_id="e1", model=model, load_s=2.0,
-                                                        ts=time.time()), node_id=node)
+        await bus.publish(
+            EVT_MODEL_LOADED,
+            ModelLoaded(node_id=node, engine_id="e1", model=model, load_s=2.0, ts=time.time()),
+            node_id=node,
+        )
         # another node's id in the message: NATS would refuse a node this publish; the service drops it too
-        await bus.publish(EVT_MODEL_LOADED, ModelLoaded(node_id="other", engine_id="e1", model=model, load_s=9.0,
-                                                        ts=time.time()), node_id=node)
+        await bus.publish(
+            EVT_MODEL_LOADED,
+            ModelLoaded(node_id="other", engine_id="e1", model=model, load_s=9.0, ts=time.time()),
+            node_id=node,
+        )
         for reason in ("evicted", "idle"):
-            await bus.publish(EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node, model=model, reason=reason, ts=time.time()))
-        copy = EngineStatus(engine_id="e1", model=model, engine="llama", ops=["chat"], state="ready", idle_s=42.5,
-                            memory=3 * GiB, devices=[1])
-        await bus.publish(HEARTBEAT, Heartbeat(node_id=node, version="0", seq=1, ts=time.time(), host=node,
-                                               capabilities=["llama"], engines=[copy], gpus=2,
-                                               gpu_memory=[GpuMemory(total=24 * GiB, free=20 * GiB),
-                                                           GpuMemory(total=24 * GiB, free=5 * GiB)]), node_id=node)
+            await bus.publish(
+                EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node, model=model, reason=reason, ts=time.time())
+            )
+        copy = EngineStatus(
+            engine_id="e1",
+            model=model,
+            engine="llama",
+            ops=["chat"],
+            state="ready",
+            idle_s=42.5,
+            memory=3 * GiB,
+            devices=[1],
+        )
+        await bus.publish(
+            HEARTBEAT,
+            Heartbeat(
+                node_id=node,
+                version="0",
+                seq=1,
+                ts=time.time(),
+                host=node,
+                capabilities=["llama"],
+                engines=[copy],
+                gpus=2,
+                gpu_memory=[GpuMemory(total=24 * GiB, free=20 * GiB), GpuMemory(total=24 * GiB, free=5 * GiB)],
+            ),
+            node_id=node,
+        )
         engine = {"node": node, "engine": "e1", "model": model}
         expected = {
             ("coderai_model_loads_total", frozenset({"model": model, "node": node}.items())): 1,
@@ -78,8 +106,13 @@ async def test_published_loads_unloads_and_heartbeats_show_in_the_scrape(nats_se
             async with httpx.AsyncClient() as client:
                 text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
             samples.clear()
-            samples.update({(s.name, frozenset(s.labels.items())): s.value
-                            for family in text_string_to_metric_families(text) for s in family.samples})
+            samples.update(
+                {
+                    (s.name, frozenset(s.labels.items())): s.value
+                    for family in text_string_to_metric_families(text)
+                    for s in family.samples
+                }
+            )
             return all(samples.get(k) == v for k, v in expected.items())
 
         try:

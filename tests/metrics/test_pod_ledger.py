@@ -39,8 +39,9 @@ async def test_metrics_reads_the_spend_the_broker_booked_under_a_non_default_pre
 
     metrics = Metrics(load_settings(MetricsSettings, "metrics", env=env))
     metrics.redis = r
-    cfg = ModelConfig(name=model, engine="llama", path="/m.gguf",
-                      pod=PodPolicy(burst="when_busy", budget_usd=1.0, period="day"))
+    cfg = ModelConfig(
+        name=model, engine="llama", path="/m.gguf", pod=PodPolicy(burst="when_busy", budget_usd=1.0, period="day")
+    )
     pods, models = await bus.kv(BucketSpec(f"test_pods_{unique}")), await bus.kv(BucketSpec(f"test_models_{unique}"))
     await models.put(model, encode(cfg))
     metrics._pod_kvs = (pods, models)  # the census's two buckets, real ones of this test's own

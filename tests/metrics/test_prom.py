@@ -10,17 +10,37 @@ from coderai.metrics.prom import Series
 
 
 def done(**kw) -> RequestCompleted:
-    base = dict(request_id="r", ts=0.0, key_name="alice", model="m", op="chat", status="ok", http_status=200,
-                engine_id="e1", duration_s=0.3)
+    base = dict(
+        request_id="r",
+        ts=0.0,
+        key_name="alice",
+        model="m",
+        op="chat",
+        status="ok",
+        http_status=200,
+        engine_id="e1",
+        duration_s=0.3,
+    )
     return RequestCompleted(**{**base, **kw})
 
 
 def eng(eid: str, model: str = "m", in_flight: int = 0, served: int = 0) -> EngineStatus:
-    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=["chat"], state="ready", in_flight=in_flight, served=served)
+    return EngineStatus(
+        engine_id=eid, model=model, engine="llama", ops=["chat"], state="ready", in_flight=in_flight, served=served
+    )
 
 
 def beat(node: str, *engines: EngineStatus, mem_free: int = 0) -> Heartbeat:
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=["llama"], engines=list(engines), mem_free=mem_free)
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=["llama"],
+        engines=list(engines),
+        mem_free=mem_free,
+    )
 
 
 def req_labels(key="alice", model="m", kind="chat", status="ok", engine="e1"):
@@ -92,7 +112,9 @@ def test_ttft_zero_is_still_observed():
 
 def test_on_heartbeat_sets_engine_and_node_gauges():
     s = Series()
-    s.on_heartbeat(beat("n1", eng("e1", in_flight=3, served=10), eng("e2", model="x", in_flight=0, served=1), mem_free=1234))
+    s.on_heartbeat(
+        beat("n1", eng("e1", in_flight=3, served=10), eng("e2", model="x", in_flight=0, served=1), mem_free=1234)
+    )
     get = s.registry.get_sample_value
     assert get("coderai_node_memory_free_bytes", {"node": "n1"}) == 1234
     assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 3
@@ -114,7 +136,9 @@ def test_engines_that_disappear_lose_their_series():
     assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e2", "model": "m"}) is None
     assert get("coderai_engine_served", {"node": "n1", "engine": "e2", "model": "m"}) is None
     assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) == 1
-    assert get("coderai_engine_in_flight", {"node": "n2", "engine": "e9", "model": "m"}) == 4  # another node's engines stay
+    assert (
+        get("coderai_engine_in_flight", {"node": "n2", "engine": "e9", "model": "m"}) == 4
+    )  # another node's engines stay
     s.on_heartbeat(beat("n1"))
     assert get("coderai_engine_in_flight", {"node": "n1", "engine": "e1", "model": "m"}) is None
     assert b'engine="e1"' not in generate_latest(s.registry)
@@ -149,8 +173,17 @@ def test_route_decisions_are_counted_by_reason():
 
 def test_engine_prefix_cache_counters_come_from_the_heartbeat():
     s = Series()
-    e = EngineStatus(engine_id="e1", model="m", engine="llama", ops=["chat"], state="ready",
-                     prompt_tokens=1000, cached_tokens=800, prefix_hits=7, cache_bytes=4096)
+    e = EngineStatus(
+        engine_id="e1",
+        model="m",
+        engine="llama",
+        ops=["chat"],
+        state="ready",
+        prompt_tokens=1000,
+        cached_tokens=800,
+        prefix_hits=7,
+        cache_bytes=4096,
+    )
     s.on_heartbeat(beat("n1", e))
     labels = {"node": "n1", "engine": "e1", "model": "m"}
     get = s.registry.get_sample_value
@@ -180,11 +213,32 @@ def test_fanout_parts_by_worker_and_redeliveries():
     from coderai.contracts import PartDone
 
     s = Series()
-    s.on_request(RequestCompleted(request_id="r", ts=0, key_name="k", model="m", op="embed", status="ok",
-                                  http_status=200, parts=3, route_reason="fanout"))
+    s.on_request(
+        RequestCompleted(
+            request_id="r",
+            ts=0,
+            key_name="k",
+            model="m",
+            op="embed",
+            status="ok",
+            http_status=200,
+            parts=3,
+            route_reason="fanout",
+        )
+    )
     for node, status, deliveries in [("n1", "ok", 1), ("n2", "ok", 1), ("n1", "retry", 1), ("n2", "ok", 2)]:
-        s.on_part(PartDone(request_id="r", model="m", op="embed", part=0, node_id=node, engine_id="e",
-                           status=status, deliveries=deliveries))
+        s.on_part(
+            PartDone(
+                request_id="r",
+                model="m",
+                op="embed",
+                part=0,
+                node_id=node,
+                engine_id="e",
+                status=status,
+                deliveries=deliveries,
+            )
+        )
     text = generate_latest(s.registry).decode()
     assert 'coderai_fanout_parts_sent_total{kind="embed",model="m"} 3.0' in text
     assert 'coderai_fanout_parts_total{kind="embed",model="m",node="n2",status="ok"} 2.0' in text

@@ -11,18 +11,42 @@ from coderai.contracts import RequestCompleted
 from coderai.accounts.usage import day_of, increments, read, record, record_many
 
 
-def ev(key: str, model: str = "m", status: str = "ok", p: int = 10, c: int = 5, ts: float | None = None,
-       duration: float = 0.25, cost: float = 0.0) -> RequestCompleted:
-    return RequestCompleted(request_id=uuid.uuid4().hex, ts=ts or time.time(), key_name=key, model=model, op="chat", status=status,
-                            http_status=200 if status == "ok" else 502, prompt_tokens=p, completion_tokens=c,
-                            duration_s=duration, cost_usd=cost)
+def ev(
+    key: str,
+    model: str = "m",
+    status: str = "ok",
+    p: int = 10,
+    c: int = 5,
+    ts: float | None = None,
+    duration: float = 0.25,
+    cost: float = 0.0,
+) -> RequestCompleted:
+    return RequestCompleted(
+        request_id=uuid.uuid4().hex,
+        ts=ts or time.time(),
+        key_name=key,
+        model=model,
+        op="chat",
+        status=status,
+        http_status=200 if status == "ok" else 502,
+        prompt_tokens=p,
+        completion_tokens=c,
+        duration_s=duration,
+        cost_usd=cost,
+    )
 
 
 def test_increments_sum_per_day_key_and_model():
     day = day_of(time.time())
     rows = increments([ev("a"), ev("a", status="engine_failed"), ev("a", model="n"), ev("b", p=1, c=1, cost=0.5)])
-    assert rows[(day, "a", "m")] == {"requests": 2, "errors": 1, "prompt_tokens": 20, "completion_tokens": 10,
-                                     "wall_ms": 500, "cost_micro_usd": 0}
+    assert rows[(day, "a", "m")] == {
+        "requests": 2,
+        "errors": 1,
+        "prompt_tokens": 20,
+        "completion_tokens": 10,
+        "wall_ms": 500,
+        "cost_micro_usd": 0,
+    }
     assert rows[(day, "a", "n")]["requests"] == 1
     assert rows[(day, "b", "m")]["cost_micro_usd"] == 500_000
 

@@ -23,15 +23,26 @@ from coderai.runtime.settings import load_settings
 
 
 def done(key: str) -> RequestCompleted:
-    return RequestCompleted(request_id=secrets.token_hex(12), ts=time.time(), key_name=key, model="m", op="chat",
-                            status="ok", http_status=200, prompt_tokens=3, completion_tokens=2)
+    return RequestCompleted(
+        request_id=secrets.token_hex(12),
+        ts=time.time(),
+        key_name=key,
+        model="m",
+        op="chat",
+        status="ok",
+        http_status=200,
+        prompt_tokens=3,
+        completion_tokens=2,
+    )
 
 
 async def send(bus: Bus, key: str, n: int) -> None:
     """`n` request.completed events of `key`, as a gateway's outbox publishes them."""
     for _ in range(n):
         e = done(key)
-        await bus.js.publish(EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e), headers={"Nats-Msg-Id": e.request_id})
+        await bus.js.publish(
+            EVT_REQUEST_COMPLETED(), EVT_REQUEST_COMPLETED.encode(e), headers={"Nats-Msg-Id": e.request_id}
+        )
 
 
 async def requests_of(r, key: str) -> int:
@@ -52,8 +63,17 @@ async def running(nats_server, settings: MetricsSettings):
 
 
 def settings_for(nats_server, unique: str, redis_url: str, **kw) -> MetricsSettings:
-    return load_settings(MetricsSettings, "metrics", env={}, nats_url=nats_server.url, port=free_port(),
-                         consumer=f"metrics-{unique}", redis_url=redis_url, batch_linger_s=0.01, **kw)
+    return load_settings(
+        MetricsSettings,
+        "metrics",
+        env={},
+        nats_url=nats_server.url,
+        port=free_port(),
+        consumer=f"metrics-{unique}",
+        redis_url=redis_url,
+        batch_linger_s=0.01,
+        **kw,
+    )
 
 
 async def test_events_during_a_redis_outage_are_recorded_once_it_is_back(nats_server, tmp_path, unique):
@@ -76,8 +96,9 @@ async def test_events_during_a_redis_outage_are_recorded_once_it_is_back(nats_se
         redis_server.stop()
 
 
-async def test_a_batch_stored_whose_answer_was_lost_is_counted_by_prometheus_too(nats_server, tmp_path, unique,
-                                                                                 monkeypatch):
+async def test_a_batch_stored_whose_answer_was_lost_is_counted_by_prometheus_too(
+    nats_server, tmp_path, unique, monkeypatch
+):
     """Redis stores a batch and the connection breaks before its answer (Redis killed after EXEC): the retry finds
     the batch recorded. Prometheus counts it all the same, so it agrees with Redis (the soak saw it one short)."""
     from coderai.accounts import usage
@@ -107,8 +128,9 @@ async def test_a_batch_stored_whose_answer_was_lost_is_counted_by_prometheus_too
         redis_server.stop()
 
 
-async def test_a_batch_another_consumer_stored_meanwhile_is_not_counted_again(nats_server, tmp_path, unique,
-                                                                            monkeypatch):
+async def test_a_batch_another_consumer_stored_meanwhile_is_not_counted_again(
+    nats_server, tmp_path, unique, monkeypatch
+):
     """While this consumer held a batch it could not record, another stored it and counted it: this head's next
     consumer, after the lease was lost and won again (the held batch's retry runs on, shielded). The retry finds the
     batch recorded by another writer and leaves it to that one; counting it, as a batch whose answer was lost, made
@@ -142,8 +164,12 @@ async def test_a_batch_another_consumer_stored_meanwhile_is_not_counted_again(na
 
 
 def requests_seen(metrics: Metrics, key: str) -> float:
-    return metrics.series.registry.get_sample_value("coderai_requests_total", {
-        "key": key, "model": "m", "kind": "chat", "status": "ok", "engine": ""}) or 0.0
+    return (
+        metrics.series.registry.get_sample_value(
+            "coderai_requests_total", {"key": key, "model": "m", "kind": "chat", "status": "ok", "engine": ""}
+        )
+        or 0.0
+    )
 
 
 async def test_one_head_counts_usage_and_a_new_leader_recounts_what_the_last_one_held(nats_server, tmp_path, unique):
@@ -221,8 +247,9 @@ async def test_a_redis_that_lost_the_usage_gets_it_counted_again_from_events(nat
         redis_server.stop()
 
 
-async def test_a_batch_given_up_when_the_lease_lapsed_is_counted_once_the_lease_is_held_again(nats_server, tmp_path,
-                                                                                            unique):
+async def test_a_batch_given_up_when_the_lease_lapsed_is_counted_once_the_lease_is_held_again(
+    nats_server, tmp_path, unique
+):
     """A full disk: the lease's renewals are not stored, so it lapses, and Redis refuses the batch in hand. The
     consumer gives the batch up; the head leads again once renewals are stored, and starts from Redis' mark. The
     batch is counted then by Redis and Prometheus both (the soak saw Prometheus one short: the given-up batch had

@@ -8,9 +8,13 @@ from coderai.contracts import ModelConfig, PodPolicy
 from coderai.pod_broker.choosing import Offer, candidates, name_prefix, pod_env, pod_name, pod_rate
 from coderai.runtime.cluster import user_of
 
-OFFERS = [Offer("A40", "A40", 48, 0.40, 0.20), Offer("RTX4090", "4090", 24, 0.69, 0.35),
-          Offer("H100", "H100", 80, 2.99, 1.50), Offer("T4", "T4", 16, 0.10, 0.05)]
-GB = 1024 ** 3
+OFFERS = [
+    Offer("A40", "A40", 48, 0.40, 0.20),
+    Offer("RTX4090", "4090", 24, 0.69, 0.35),
+    Offer("H100", "H100", 80, 2.99, 1.50),
+    Offer("T4", "T4", 16, 0.10, 0.05),
+]
+GB = 1024**3
 
 
 def model(**pod) -> ModelConfig:

@@ -83,13 +83,15 @@ def _handler(reg: Registry) -> type[BaseHTTPRequestHandler]:
             with reg.lock:
                 granted = reg.tokens.get(auth.removeprefix("Bearer ")) == scope and auth.startswith("Bearer ")
             if not granted or repository in reg.private:
-                return self._reply(401, {"WWW-Authenticate":
-                                         f'Bearer realm="{reg.url}/token",service="{SERVICE}",scope="{scope}"'})
+                return self._reply(
+                    401, {"WWW-Authenticate": f'Bearer realm="{reg.url}/token",service="{SERVICE}",scope="{scope}"'}
+                )
             digest = reg.manifests.get((repository, tag))
             if digest is None:
                 return self._reply(404, {"Content-Type": "application/json"})
-            self._reply(200, {"Docker-Content-Digest": digest,
-                              "Content-Type": "application/vnd.oci.image.index.v1+json"})
+            self._reply(
+                200, {"Docker-Content-Digest": digest, "Content-Type": "application/vnd.oci.image.index.v1+json"}
+            )
 
     return Handler
 
@@ -103,7 +105,9 @@ def registry() -> Iterator[Registry]:
     reg.private.add(parse_image_ref(PRIVATE).repository)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(reg))
     reg.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)  # quick shutdown
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )  # quick shutdown
     thread.start()
     yield reg
     server.shutdown()
@@ -237,10 +241,13 @@ path = "/models/quiet"
     assert len(lines) == 2 and "found" in lines[1], "a model that never bursts is no problem"
 
 
-@pytest.mark.parametrize(("env", "says"), [
-    ({"CODERAI_POD_BROKER_POD_IMAGE": "ghcr.io/Bad/Name"}, "repository name part 'Bad'"),
-    ({"CODERAI_CONFIG": "/nonexistent/coderai.toml"}, "CODERAI_CONFIG=/nonexistent/coderai.toml"),
-])
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"CODERAI_POD_BROKER_POD_IMAGE": "ghcr.io/Bad/Name"}, "repository name part 'Bad'"),
+        ({"CODERAI_CONFIG": "/nonexistent/coderai.toml"}, "CODERAI_CONFIG=/nonexistent/coderai.toml"),
+    ],
+)
 def test_bad_settings_exit_2(capsys, monkeypatch, env, says):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -270,8 +277,10 @@ def test_the_pods_nats_endpoint_is_checked_for_tls_with_the_clusters_ca(registry
 
     monkeypatch.setenv("CODERAI_POD_BROKER_POD_IMAGE", FOUND)
     certs, stranger = ensure_certs(tmp_path / "certs"), ensure_certs(tmp_path / "other")
-    with NatsServer(tmp_path / "tls", port=free_port(), tls=certs).start() as nats, \
-            NatsServer(tmp_path / "plain", port=free_port()).start() as plain:
+    with (
+        NatsServer(tmp_path / "tls", port=free_port(), tls=certs).start() as nats,
+        NatsServer(tmp_path / "plain", port=free_port()).start() as plain,
+    ):
         tls_url = f"tls://127.0.0.1:{nats.port}"
         monkeypatch.setenv("CODERAI_POD_BROKER_POD_NATS_URL", tls_url)
         rc, out, _ = _check(capsys, "--registry-url", registry.url, "--ca", str(certs.ca))
@@ -282,8 +291,17 @@ def test_the_pods_nats_endpoint_is_checked_for_tls_with_the_clusters_ca(registry
         assert rc == 1 and "not signed by this cluster's CA" in out
 
         closed = _closed_port()
-        rc, out, _ = _check(capsys, "--registry-url", registry.url, "--ca", str(certs.ca), "--timeout", "5",
-                            "--pod-nats-url", f"{tls_url},nats://127.0.0.1:{closed}")
+        rc, out, _ = _check(
+            capsys,
+            "--registry-url",
+            registry.url,
+            "--ca",
+            str(certs.ca),
+            "--timeout",
+            "5",
+            "--pod-nats-url",
+            f"{tls_url},nats://127.0.0.1:{closed}",
+        )
         assert rc == 1 and f"pods' NATS 127.0.0.1:{closed}: unreachable from here" in out
         assert f"pods' NATS 127.0.0.1:{nats.port}: TLS" in out  # every server of the list is asked
 

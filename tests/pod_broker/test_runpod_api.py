@@ -6,8 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from coderai.pod_broker.runpod_api import (AuthError, CreateUncertain, NoCapacity, RunPodClient, RunPodError,
-                                           with_retry)
+from coderai.pod_broker.runpod_api import AuthError, CreateUncertain, NoCapacity, RunPodClient, RunPodError, with_retry
 from coderai.runtime.embedded import free_port
 from coderai.testing.fake_runpod import NO_CAPACITY_MESSAGE, FakeRunPod
 

@@ -39,8 +39,9 @@ async def no_sleep(_s: float) -> None:
 async def env(bus, redis_server):
     """(broker, fake): a broker that rents from the fake, with its own ledger prefix and deployment name."""
     tag = uuid.uuid4().hex[:8]
-    settings = load_settings(BrokerSettings, "pod-broker", env={}, max_hourly_usd=10.0, pod_nats_url="nats://pods:4222",
-                             deployment=f"t{tag}")
+    settings = load_settings(
+        BrokerSettings, "pod-broker", env={}, max_hourly_usd=10.0, pod_nats_url="nats://pods:4222", deployment=f"t{tag}"
+    )
 
     async def pod_user(req, _m) -> PodUser:  # the scheduler's part: the pod's own NATS login
         return PodUser(user=f"pod-{req.pod_id}", password="pw", expires_at=time.time() + req.ttl_s)
@@ -49,8 +50,11 @@ async def env(bus, redis_server):
         async with contextlib.AsyncExitStack() as cleanup:
             r = aioredis.from_url(redis_server.url)
             cleanup.push_async_callback(r.aclose)
-            broker = Broker(settings, api=RunPodClient(fake.api_key, fake.base_url, sleep=no_sleep),
-                            money=PodMoney(r, prefix=f"coderai:pods:{tag}"))
+            broker = Broker(
+                settings,
+                api=RunPodClient(fake.api_key, fake.base_url, sleep=no_sleep),
+                money=PodMoney(r, prefix=f"coderai:pods:{tag}"),
+            )
             cleanup.push_async_callback(broker.api.aclose)
             broker.bus, broker.kv = bus, await bus.kv(PODS)
             broker.models = SimpleNamespace(values={"m": SPOT})
@@ -65,8 +69,16 @@ async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):
     pod = await broker.acquire("m")
     broker.pods[pod.name] = msgspec.structs.replace(pod, created_at=pod.created_at - 60)
     engine = EngineStatus(engine_id=f"{pod.name}/m", model="m", engine="llama", ops=["chat"], state="ready")
-    hb = Heartbeat(node_id=pod.name, version="t", seq=1, ts=time.time(), host="pod", capabilities=["llama"],
-                   pod=pod.name, engines=[engine])
+    hb = Heartbeat(
+        node_id=pod.name,
+        version="t",
+        seq=1,
+        ts=time.time(),
+        host="pod",
+        capabilities=["llama"],
+        pod=pod.name,
+        engines=[engine],
+    )
     await broker._on_heartbeat(hb, None)
     await broker.reconcile()
     assert broker.pods[pod.name].state == "ready"

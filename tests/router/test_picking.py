@@ -11,14 +11,23 @@ def where(d):
     return (d.engine_id, d.node_id, d.reason)
 
 
-def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0,
-           error: str | None = None) -> EngineStatus:
-    return EngineStatus(engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight,
-                        error=error)
+def engine(
+    eid: str,
+    model: str = "m",
+    ops=("chat", "complete"),
+    state: str = "ready",
+    in_flight: int = 0,
+    error: str | None = None,
+) -> EngineStatus:
+    return EngineStatus(
+        engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight, error=error
+    )
 
 
 def hb(node: str, *engines: EngineStatus, seq: int = 1) -> Heartbeat:
-    return Heartbeat(node_id=node, version="0", seq=seq, ts=0.0, host=node, capabilities=["llama"], engines=list(engines))
+    return Heartbeat(
+        node_id=node, version="0", seq=seq, ts=0.0, host=node, capabilities=["llama"], engines=list(engines)
+    )
 
 
 def req(model: str = "m", op: str = "chat", exclude=()) -> RouteRequest:
@@ -32,11 +41,25 @@ def test_engine_view_load_counts_picks_not_yet_seen_by_a_heartbeat():
 
 def test_apply_keeps_only_ready_engines():
     t = EngineTable()
-    t.apply(hb("n1", engine("e1"), engine("e2", state="loading"), engine("e3", state="failed"),
-               engine("e4", state="unloading")), now=0.0)
+    t.apply(
+        hb(
+            "n1",
+            engine("e1"),
+            engine("e2", state="loading"),
+            engine("e3", state="failed"),
+            engine("e4", state="unloading"),
+        ),
+        now=0.0,
+    )
     assert set(t.engines) == {"e1"}
     v = t.engines["e1"]
-    assert (v.node_id, v.model, v.ops, v.in_flight, v.picks_since_hb) == ("n1", "m", frozenset({"chat", "complete"}), 0, 0)
+    assert (v.node_id, v.model, v.ops, v.in_flight, v.picks_since_hb) == (
+        "n1",
+        "m",
+        frozenset({"chat", "complete"}),
+        0,
+        0,
+    )
     assert t.node_seen == {"n1": 0.0}
 
 
@@ -81,8 +104,15 @@ def test_expire_honours_a_custom_ttl():
 
 def test_holders_filter_by_model_and_op():
     t = EngineTable()
-    t.apply(hb("n1", engine("chat-a", model="a", ops=["chat"]), engine("emb-a", model="a", ops=["embed"]),
-               engine("chat-b", model="b", ops=["chat", "complete"])), now=0.0)
+    t.apply(
+        hb(
+            "n1",
+            engine("chat-a", model="a", ops=["chat"]),
+            engine("emb-a", model="a", ops=["embed"]),
+            engine("chat-b", model="b", ops=["chat", "complete"]),
+        ),
+        now=0.0,
+    )
     assert [v.engine_id for v in t.holders("a", "chat")] == ["chat-a"]
     assert [v.engine_id for v in t.holders("a", "embed")] == ["emb-a"]
     assert [v.engine_id for v in t.holders("b", "complete")] == ["chat-b"]
@@ -109,8 +139,16 @@ def test_pick_chooses_the_least_loaded_engine():
 
 def test_pick_weighs_load_by_the_engines_slots():
     t = EngineTable()
-    many = EngineStatus(engine_id="e8", model="m", engine="llama-server", ops=["chat"], state="ready", in_flight=4,
-                        slots=8, slots_busy=4)
+    many = EngineStatus(
+        engine_id="e8",
+        model="m",
+        engine="llama-server",
+        ops=["chat"],
+        state="ready",
+        in_flight=4,
+        slots=8,
+        slots_busy=4,
+    )
     t.apply(hb("n1", engine("e1", in_flight=1)), now=0.0)  # one request on a one-at-a-time engine: full
     t.apply(hb("n2", many), now=0.0)  # four on eight slots: half full
     assert t.engines["e8"].busy_share == 0.5 and t.engines["e1"].busy_share == 1.0
@@ -228,9 +266,16 @@ def test_failed_engines_are_remembered_by_fault_reference_until_their_node_says_
 
 def test_a_node_counts_only_for_the_engines_it_was_given():
     t = EngineTable()
-    refused = t.apply(hb("n1", engine("n1-m"), engine("n1-other", model="other"),
-                         engine("n1-x", model="x", state="failed", error="https://phish.example")), now=0.0,
-                      placed=frozenset({"m"}))
+    refused = t.apply(
+        hb(
+            "n1",
+            engine("n1-m"),
+            engine("n1-other", model="other"),
+            engine("n1-x", model="x", state="failed", error="https://phish.example"),
+        ),
+        now=0.0,
+        placed=frozenset({"m"}),
+    )
     assert set(t.engines) == {"n1-m"} and t.failures("x") == []
     assert [(e.engine_id, "not placed on it" in why) for e, why in refused] == [("n1-other", True), ("n1-x", True)]
     # the model placed there, under another engine's id (a victim's, or one made up): not believed either
@@ -246,8 +291,9 @@ def test_a_node_counts_only_for_the_engines_it_was_given():
 
 def test_load_a_node_reports_is_clamped():
     t = EngineTable()
-    huge = EngineStatus(engine_id="n1-m", model="m", engine="llama", ops=["chat"], state="ready", slots=100_000,
-                        in_flight=-50)
+    huge = EngineStatus(
+        engine_id="n1-m", model="m", engine="llama", ops=["chat"], state="ready", slots=100_000, in_flight=-50
+    )
     t.apply(hb("n1", huge), now=0.0, placed=frozenset({"m"}))
     v = t.engines["n1-m"]
     assert v.slots == MAX_SLOTS and v.in_flight == 0

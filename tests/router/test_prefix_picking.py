@@ -9,22 +9,35 @@ import pytest
 
 from coderai.contracts import BusError, EngineStatus, Heartbeat, ModelConfig, RouteRequest
 from coderai.contracts.routing import AffinityEntry
-from coderai.router.picking import AFFINITY_TTL_S, EngineTable, LoadGuard, RoundRobin, affinity_keys, keys_to_record, pick
+from coderai.router.picking import (
+    AFFINITY_TTL_S,
+    EngineTable,
+    LoadGuard,
+    RoundRobin,
+    affinity_keys,
+    keys_to_record,
+    pick,
+)
 
 
 def where(d):
     """A decision's engine, node and reason (`holders` is tested on its own)."""
     return (d.engine_id, d.node_id, d.reason)
 
+
 NOW = 10_000.0
 
 
-def engine(eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0) -> EngineStatus:
+def engine(
+    eid: str, model: str = "m", ops=("chat", "complete"), state: str = "ready", in_flight: int = 0
+) -> EngineStatus:
     return EngineStatus(engine_id=eid, model=model, engine="llama", ops=list(ops), state=state, in_flight=in_flight)
 
 
 def hb(node: str, *engines: EngineStatus, seq: int = 1) -> Heartbeat:
-    return Heartbeat(node_id=node, version="0", seq=seq, ts=0.0, host=node, capabilities=["llama"], engines=list(engines))
+    return Heartbeat(
+        node_id=node, version="0", seq=seq, ts=0.0, host=node, capabilities=["llama"], engines=list(engines)
+    )
 
 
 def table(**nodes: list[EngineStatus]) -> EngineTable:
@@ -34,10 +47,19 @@ def table(**nodes: list[EngineStatus]) -> EngineTable:
     return t
 
 
-def req(model: str = "m", op: str = "chat", session: str = "", user: str = "", prefix=(), pin: str = "",
-        exclude=()) -> RouteRequest:
-    return RouteRequest(request_id="r", model=model, op=op, session=session, user=user, prefix=list(prefix), pin=pin,
-                        exclude=list(exclude))
+def req(
+    model: str = "m", op: str = "chat", session: str = "", user: str = "", prefix=(), pin: str = "", exclude=()
+) -> RouteRequest:
+    return RouteRequest(
+        request_id="r",
+        model=model,
+        op=op,
+        session=session,
+        user=user,
+        prefix=list(prefix),
+        pin=pin,
+        exclude=list(exclude),
+    )
 
 
 def at(t: EngineTable, eid: str, ts: float = NOW) -> AffinityEntry:
@@ -207,7 +229,9 @@ def test_the_load_guard_examples_via_in_flight(warm, least, moves):
     assert (d.engine_id, d.reason) == (("L", "fallback") if moves else ("W", "session"))
 
 
-@pytest.mark.parametrize(("warm", "least", "moves"), [(3, 0, False), (4, 0, False), (5, 0, True), (8, 4, False), (9, 4, True), (10, 4, True)])
+@pytest.mark.parametrize(
+    ("warm", "least", "moves"), [(3, 0, False), (4, 0, False), (5, 0, True), (8, 4, False), (9, 4, True), (10, 4, True)]
+)
 def test_the_load_guard_counts_picks_since_the_last_heartbeat(warm, least, moves):
     t = table(n1=[engine("W")], n2=[engine("L")])
     t.engines["W"].picks_since_hb = warm
@@ -409,7 +433,11 @@ def test_affinity_keys_are_strongest_first_with_prefix_longest_first():
 def test_affinity_keys_drop_empty_keys():
     assert affinity_keys(req()) == []
     assert affinity_keys(req(user="u")) == [("user", "u")]
-    assert affinity_keys(req(session="s", prefix=["h1", "", "h3"])) == [("session", "s"), ("prefix", "h3"), ("prefix", "h1")]
+    assert affinity_keys(req(session="s", prefix=["h1", "", "h3"])) == [
+        ("session", "s"),
+        ("prefix", "h3"),
+        ("prefix", "h1"),
+    ]
 
 
 def test_keys_to_record_are_session_user_and_the_first_and_last_prefix_elements():

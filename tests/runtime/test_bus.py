@@ -7,7 +7,17 @@ import asyncio
 import pytest
 
 from coderai.contracts import (
-    BusError, CancelJob, ChatJob, Chunk, ErrorReply, Final, Frame, KeepAlive, RouteDecision, RouteRequest, decode,
+    BusError,
+    CancelJob,
+    ChatJob,
+    Chunk,
+    ErrorReply,
+    Final,
+    Frame,
+    KeepAlive,
+    RouteDecision,
+    RouteRequest,
+    decode,
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, Subject
 from coderai.contracts.topology import BucketSpec
@@ -138,8 +148,14 @@ async def test_cancel_reaches_the_callee(bus, unique):
     async def send_cancel():
         await bus.publish(ENGINE_CANCEL, CancelJob(request_id="r"), node_id="n", engine_id=unique)
 
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=5,
-                              on_cancel=send_cancel, node_id="n", engine_id=unique)
+    s = await bus.open_stream(
+        ENGINE_CHAT,
+        ChatJob(request_id="r", model="m", messages=[]),
+        idle_timeout_s=5,
+        on_cancel=send_cancel,
+        node_id="n",
+        engine_id=unique,
+    )
     await s.next_raw()
     await s.cancel()
     await asyncio.wait_for(cancelled.wait(), 5)
@@ -151,7 +167,9 @@ async def test_silent_engine_times_out(bus, unique):
         return None
 
     await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=listen_only)
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=0.3, node_id="n", engine_id=unique)
+    s = await bus.open_stream(
+        ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=0.3, node_id="n", engine_id=unique
+    )
     with pytest.raises(BusError) as exc:
         await s.next_raw()
     assert exc.value.code == "engine_failed" and exc.value.retryable
@@ -159,12 +177,19 @@ async def test_silent_engine_times_out(bus, unique):
 
 async def test_a_job_nobody_acknowledges_fails_on_the_short_first_wait(bus, unique):
     """A job lost on its way (a NATS server died under it) is found by `first_timeout_s`, not the idle timeout."""
+
     async def listen_only(_m):
         return None
 
     await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=listen_only)
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=60,
-                              first_timeout_s=0.3, node_id="n", engine_id=unique)
+    s = await bus.open_stream(
+        ENGINE_CHAT,
+        ChatJob(request_id="r", model="m", messages=[]),
+        idle_timeout_s=60,
+        first_timeout_s=0.3,
+        node_id="n",
+        engine_id=unique,
+    )
     with pytest.raises(BusError) as exc:
         await asyncio.wait_for(s.next_raw(), 10)  # far sooner than the minute of the idle timeout
     assert exc.value.code == "engine_failed" and exc.value.retryable and "sent nothing within 0.3s" in exc.value.message
@@ -175,8 +200,14 @@ async def test_after_its_first_frame_a_stream_waits_the_idle_timeout(bus, unique
         await FrameWriter(bus.nc, m.reply).keepalive(True)
 
     await bus.nc.subscribe(ENGINE_CHAT(node_id="n", engine_id=unique), cb=one_keepalive)
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=1.5,
-                              first_timeout_s=0.2, node_id="n", engine_id=unique)
+    s = await bus.open_stream(
+        ENGINE_CHAT,
+        ChatJob(request_id="r", model="m", messages=[]),
+        idle_timeout_s=1.5,
+        first_timeout_s=0.2,
+        node_id="n",
+        engine_id=unique,
+    )
     assert isinstance(decode(await s.next_raw(), Frame), KeepAlive)
     assert s.first_timeout_s == 1.5  # the short wait was for the first frame only
     with pytest.raises(BusError) as exc:
@@ -185,7 +216,9 @@ async def test_after_its_first_frame_a_stream_waits_the_idle_timeout(bus, unique
 
 
 async def test_stream_to_nobody_fails_fast_as_no_engine(bus, unique):
-    s = await bus.open_stream(ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, node_id="n", engine_id=unique)
+    s = await bus.open_stream(
+        ENGINE_CHAT, ChatJob(request_id="r", model="m", messages=[]), idle_timeout_s=30, node_id="n", engine_id=unique
+    )
     with pytest.raises(BusError) as exc:
         await asyncio.wait_for(s.next_raw(), 5)
     assert exc.value.code == "no_engine"

@@ -82,7 +82,7 @@ def test_urls_with_and_without_users():
 
 
 def users_of(config: str) -> dict[str, dict]:
-    body = config[config.index("users = ") + len("users = "): config.rindex("}")]
+    body = config[config.index("users = ") + len("users = ") : config.rindex("}")]
     return {u["user"]: u for u in json.loads(body)}
 
 
@@ -118,7 +118,9 @@ def test_a_node_reaches_only_its_own_subjects():
     assert "coderai.hb.n1" in pub and not any(p.startswith("coderai.hb.") and p != "coderai.hb.n1" for p in pub)
     assert sub == ["coderai.engine.n1.>", "coderai.cmd.node.n1.>", "_N.n1.>"]
     assert not any(p.startswith("_INBOX") for p in pub + sub)
-    assert not any("PURGE" in p or p.startswith("coderai.cmd.scheduler") or p.startswith("coderai.cmd.broker") for p in pub)
+    assert not any(
+        "PURGE" in p or p.startswith("coderai.cmd.scheduler") or p.startswith("coderai.cmd.broker") for p in pub
+    )
     assert perms["allow_responses"]["max"] > 1
     assert not any(".WORK." in p and "CONSUMER" in p for p in pub)  # no model held: no fan-out parts
 
@@ -132,8 +134,9 @@ def test_a_node_pulls_only_the_parts_of_the_models_it_holds():
     [c] = work_consumers(held)
     assert f"$JS.API.CONSUMER.MSG.NEXT.WORK.{c}" in pub and f"$JS.API.CONSUMER.INFO.WORK.{c}" in pub
     assert not [p for p in pub if p.startswith("$JS.API.CONSUMER.CREATE.WORK.")]  # the scheduler makes them
-    assert [p for p in pub if ".WORK." in p and (p.endswith(".*") or p.endswith(".>"))] == \
-        [f"$JS.ACK.WORK.{c}.>"]  # the acks of its own consumer's parts, nothing wider
+    assert [p for p in pub if ".WORK." in p and (p.endswith(".*") or p.endswith(".>"))] == [
+        f"$JS.ACK.WORK.{c}.>"
+    ]  # the acks of its own consumer's parts, nothing wider
 
 
 def test_join_may_only_ask_to_join():

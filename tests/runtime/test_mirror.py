@@ -91,8 +91,11 @@ async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_w
         for i in range(60):  # past the old revisions: only the stream's creation time tells it is another
             await kv.put("fresh", encode(Rec(owner="d", n=i)))
         mirror.start()
-        await wait_for(lambda: list(mirror.values) == ["fresh"] and mirror.values["fresh"].n == 59, 10,
-                       what="the whole (new) bucket, and nothing from before")
+        await wait_for(
+            lambda: list(mirror.values) == ["fresh"] and mirror.values["fresh"].n == 59,
+            10,
+            what="the whole (new) bucket, and nothing from before",
+        )
     finally:
         mirror.stop()
 
@@ -207,8 +210,10 @@ async def test_a_batchs_answers_are_all_read_even_if_the_end_marker_comes_first(
 
     kv = await bus.kv(BucketSpec(f"test_{unique}"))
     for i in range(3):
-        await kv.put(line_key("batch_x", i), msgspec.json.encode(LineResult(index=i, custom_id=f"r{i}", id=f"l{i}",
-                                                                            request_id="q", status_code=200)))
+        await kv.put(
+            line_key("batch_x", i),
+            msgspec.json.encode(LineResult(index=i, custom_id=f"r{i}", id=f"l{i}", request_id="q", status_code=200)),
+        )
     watch = kv.watch
 
     async def marker_first(*args, **kwargs):

@@ -42,8 +42,12 @@ def heads(tmp_path):
     servers = {}
     for name, listen in routes.items():
         peers = tuple(r for n, r in routes.items() if n != name)
-        servers[name] = NatsServer(tmp_path / name, port=free_port(), tls=certs,
-                                   cluster=Routes(f"head-{name}", listen, peers, password, tls=certs))
+        servers[name] = NatsServer(
+            tmp_path / name,
+            port=free_port(),
+            tls=certs,
+            cluster=Routes(f"head-{name}", listen, peers, password, tls=certs),
+        )
     try:  # every server stopped, the ones started before one that failed to start too
         for s in servers.values():
             s.start(log_file=s.data_dir / "nats.log")
@@ -92,6 +96,7 @@ async def test_three_heads_replicate_and_survive_one(heads):
     ab = await _bus(servers, certs, "ab")
     bc = await _bus(servers, certs, "bc")
     try:
+
         async def kv_ready():  # JetStream needs its meta leader elected over the routes first
             return await ab.kv(BucketSpec("coderai_test_r3"))
 
@@ -139,6 +144,7 @@ async def test_three_heads_replicate_and_survive_one(heads):
         servers["a"].start(log_file=servers["a"].data_dir / "nats.log")  # back: it rejoins and catches up
         only_a = await _bus(servers, certs, "a")
         try:
+
             async def caught_up():
                 entry = await (await only_a.kv(BucketSpec("coderai_test_r3"))).get("after")
                 return entry.value == b"a is down"

@@ -45,8 +45,12 @@ async def test_a_streamed_answer_goes_on_across_a_users_reload(secured_nats):
 
     # the gateway's connection as the head runs it: its replies come to its own inbox, `_S.gateway`
     gateway = await nats.connect(secured_nats.service_url, inbox_prefix=members.service_inbox("gateway"))
-    node = await nats.connect(secured_nats.add_node("n1"), inbox_prefix=members.node_inbox("n1"), error_cb=on_error,
-                              disconnected_cb=on_disconnect)
+    node = await nats.connect(
+        secured_nats.add_node("n1"),
+        inbox_prefix=members.node_inbox("n1"),
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+    )
     try:
         jobs: asyncio.Queue = asyncio.Queue()
 
@@ -112,7 +116,9 @@ async def test_a_part_acked_after_a_users_reload_is_not_delivered_again(secured_
             deadline = time.monotonic() + 10
             while sub is None:  # its grant is applied a moment after the reload
                 try:
-                    sub = await node.jetstream().pull_subscribe("coderai.work.minilm.embed", durable=c, stream=WORK.name)
+                    sub = await node.jetstream().pull_subscribe(
+                        "coderai.work.minilm.embed", durable=c, stream=WORK.name
+                    )
                 except Exception:  # noqa: BLE001 - not yet
                     assert time.monotonic() < deadline, errors
                     await asyncio.sleep(0.05)  # a poll with a deadline

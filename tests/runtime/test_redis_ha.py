@@ -35,16 +35,19 @@ def test_parses_user_no_db_and_a_sentinel_password():
     assert redis_client.parse_sentinel_url("redis+sentinel://h:1/m/").db == 0
 
 
-@pytest.mark.parametrize("url, says", [
-    ("redis+sentinel://:topsecret@h:1", "no master name"),
-    ("redis+sentinel://:topsecret@/m", "no sentinel address"),
-    ("redis+sentinel://:topsecret@h:port/m", "bad sentinel port"),
-    ("redis+sentinel://:topsecret@h:1,:2/m", "empty sentinel host"),
-    ("redis+sentinel://:topsecret@h:1/m/zero", "bad database number"),
-    ("redis+sentinel://:topsecret@h:1/m/0/x", "too many path parts"),
-    ("redis+sentinel://:topsecret@h:1/m?db=2", "unknown option"),
-    ("redis://:topsecret@h:1/0", r"not a redis\+sentinel"),
-])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("redis+sentinel://:topsecret@h:1", "no master name"),
+        ("redis+sentinel://:topsecret@/m", "no sentinel address"),
+        ("redis+sentinel://:topsecret@h:port/m", "bad sentinel port"),
+        ("redis+sentinel://:topsecret@h:1,:2/m", "empty sentinel host"),
+        ("redis+sentinel://:topsecret@h:1/m/zero", "bad database number"),
+        ("redis+sentinel://:topsecret@h:1/m/0/x", "too many path parts"),
+        ("redis+sentinel://:topsecret@h:1/m?db=2", "unknown option"),
+        ("redis://:topsecret@h:1/0", r"not a redis\+sentinel"),
+    ],
+)
 def test_a_bad_url_is_a_clear_value_error_without_the_password(url, says):
     with pytest.raises(ValueError, match=says) as err:
         redis_client.parse_sentinel_url(url)
@@ -53,8 +56,10 @@ def test_a_bad_url_is_a_clear_value_error_without_the_password(url, says):
 
 
 def test_mask_hides_passwords_in_userinfo_and_query():
-    assert redis_client.mask("redis+sentinel://u:pw@a:1,b:2/m?sentinel_password=sp") == \
-        "redis+sentinel://u:***@a:1,b:2/m?sentinel_password=***"
+    assert (
+        redis_client.mask("redis+sentinel://u:pw@a:1,b:2/m?sentinel_password=sp")
+        == "redis+sentinel://u:***@a:1,b:2/m?sentinel_password=***"
+    )
     assert redis_client.mask("redis://h:1/0") == "redis://h:1/0"
 
 
@@ -70,8 +75,9 @@ def trio(tmp_path):
         replica = RedisServer(tmp_path / "replica", password=PASSWORD, replicaof=f"127.0.0.1:{master.port}")
         servers.append(replica.start(log_file=tmp_path / "replica.log"))
         # linked before the sentinel starts: it reads the replicas from the master's INFO at once, then every 10 s
-        wait_until(lambda: info.info("replication").get("slave0", {}).get("state") == "online", 15,
-                   "the replica's link")
+        wait_until(
+            lambda: info.info("replication").get("slave0", {}).get("state") == "online", 15, "the replica's link"
+        )
         info.close()
         sentinel = RedisSentinel(tmp_path / "sentinel", f"127.0.0.1:{master.port}", password=PASSWORD)
         servers.append(sentinel.start(log_file=tmp_path / "sentinel.log"))
@@ -106,8 +112,12 @@ async def test_a_sentinel_client_follows_the_master_through_a_failover(trio, blo
         assert await client.wait(1, 5000) == 1  # on the replica too, so the failover keeps it
         assert sentinel.master_address() == f"127.0.0.1:{master.port}"
         master.kill()
-        await wait_for(lambda: _write_ok(client, "after", "2"), 20, interval_s=0.1,
-                       what="a write through the same client after the failover")
+        await wait_for(
+            lambda: _write_ok(client, "after", "2"),
+            20,
+            interval_s=0.1,
+            what="a write through the same client after the failover",
+        )
         assert sentinel.master_address() == f"127.0.0.1:{replica.port}"
         assert await client.get("before") == b"1"
         assert (await client.info("replication"))["role"] == "master"

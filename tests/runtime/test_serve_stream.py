@@ -129,8 +129,13 @@ async def test_a_bus_error_raised_is_its_own_reply(bus, unique):
     await bus.serve_stream(subj, handler, spawn=Tasks())
     chunk, err = await _ask(bus, subj, _job())
     assert isinstance(chunk, Chunk) and chunk.seq == 1
-    assert (err.code, err.message, err.retryable, err.param, err.seq) == ("no_engine", "the devices went away", True,
-                                                                         "model", 2)
+    assert (err.code, err.message, err.retryable, err.param, err.seq) == (
+        "no_engine",
+        "the devices went away",
+        True,
+        "model",
+        2,
+    )
 
 
 async def test_a_crash_is_logged_and_answered_internal(bus, unique, caplog):
@@ -165,7 +170,9 @@ async def test_a_spawn_that_refuses_answers_its_error_and_never_runs_the_job(bus
 async def test_a_job_without_a_reply_subject_is_dropped(bus, unique):
     subj = _subject(unique)
     ran: list[str] = []
-    await bus.serve_stream(subj, _recording(ran))  # inline: jobs in arrival order, so the second's answer follows the first
+    await bus.serve_stream(
+        subj, _recording(ran)
+    )  # inline: jobs in arrival order, so the second's answer follows the first
     await bus.publish(subj, _job("no-reply"), model="m")
     assert isinstance((await _ask(bus, subj, _job("answered")))[-1], Final)
     assert ran == ["answered"]

@@ -35,11 +35,20 @@ def test_each_service_logs_in_as_its_own_user_with_its_own_rights():
         # into inboxes only of those whose requests it answers (an answer allowed by allow_responses alone was
         # refused once nats-server reloaded its users), never its own nor everything
         inboxes = {s for s in perms["publish"]["allow"] if s.startswith(("_INBOX", "_S.", "_N.", ">"))}
-        assert inboxes == {"router": {"_S.gateway.>"}, "pod-broker": {"_S.scheduler.>", "_S.gateway.>", "_INBOX.>"},
-                           "gateway": {"_N.*.>"}, "metrics": set()}[role]
+        assert (
+            inboxes
+            == {
+                "router": {"_S.gateway.>"},
+                "pod-broker": {"_S.scheduler.>", "_S.gateway.>", "_INBOX.>"},
+                "gateway": {"_N.*.>"},
+                "metrics": set(),
+            }[role]
+        )
         assert not any(s in (">", "coderai.>", "_INBOX.>") for s in perms["subscribe"]["allow"])
-        assert not any(s.startswith("$KV.coderai_assignments") or s.startswith("$KV.coderai_members")
-                       for s in perms["publish"]["allow"])
+        assert not any(
+            s.startswith("$KV.coderai_assignments") or s.startswith("$KV.coderai_members")
+            for s in perms["publish"]["allow"]
+        )
 
 
 def test_only_writers_may_change_a_stream():
@@ -69,8 +78,9 @@ def test_service_passwords_are_kept_across_restarts_and_made_anew_when_lost(tmp_
     third, _ = members.ensure_registry(tmp_path / "nats", secret)
     fresh = members.read_secret(secret.parent / members.service_secret("router"))
     assert fresh != kept["router"] and third.services["router"] != reg.services["router"]
-    assert {r: third.services[r] for r in members.SERVICE_ROLES if r != "router"} == \
-        {r: reg.services[r] for r in members.SERVICE_ROLES if r != "router"}
+    assert {r: third.services[r] for r in members.SERVICE_ROLES if r != "router"} == {
+        r: reg.services[r] for r in members.SERVICE_ROLES if r != "router"
+    }
 
 
 def test_a_registry_from_another_head_keeps_this_heads_service_logins(tmp_path):
@@ -96,11 +106,20 @@ def test_a_head_that_joins_by_invite_takes_the_services_passwords(tmp_path):
     reg, password = members.ensure_registry(first / "nats", first / "secrets" / "nats-service.password")
     members.save(first / "nats" / "members.json", reg)
     sec = first / "secrets"
-    invite = Invite(expires_at=0, address="10.0.0.2", heads=[], ca_pem="", ca_key_pem="", cert_pem="", key_pem="",
-                    route_password="r", service_password=password, redis_password="p",
-                    service_passwords={r: members.read_secret(sec / members.service_secret(r))
-                                       for r in members.SERVICE_ROLES},
-                    members=(first / "nats" / "members.json").read_text())
+    invite = Invite(
+        expires_at=0,
+        address="10.0.0.2",
+        heads=[],
+        ca_pem="",
+        ca_key_pem="",
+        cert_pem="",
+        key_pem="",
+        route_password="r",
+        service_password=password,
+        redis_password="p",
+        service_passwords={r: members.read_secret(sec / members.service_secret(r)) for r in members.SERVICE_ROLES},
+        members=(first / "nats" / "members.json").read_text(),
+    )
     second = tmp_path / "second"
     install(second, invite)
     joined, _ = members.ensure_registry(second / "nats", second / "secrets" / "nats-service.password")

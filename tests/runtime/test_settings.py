@@ -62,13 +62,15 @@ def test_the_service_var_beats_the_shared_var():
 
 
 def test_a_hyphenated_service_uses_underscores_in_var_names_and_toml(tmp_path):
-    cfg = toml(tmp_path, "[pod_broker]\nhost = \"0.0.0.0\"\n")
+    cfg = toml(tmp_path, '[pod_broker]\nhost = "0.0.0.0"\n')
     s = load({"CODERAI_POD_BROKER_PORT": "7000", "CODERAI_CONFIG": cfg}, service="pod-broker")
     assert (s.port, s.host) == (7000, "0.0.0.0")
 
 
 def test_toml_section_beats_top_level_and_both_beat_defaults(tmp_path):
-    cfg = toml(tmp_path, 'port = 1000\nhost = "top"\nlog_level = "DEBUG"\n\n[gateway]\nport = 2000\n\n[router]\nport = 3000\n')
+    cfg = toml(
+        tmp_path, 'port = 1000\nhost = "top"\nlog_level = "DEBUG"\n\n[gateway]\nport = 2000\n\n[router]\nport = 3000\n'
+    )
     s = load({"CODERAI_CONFIG": cfg})
     assert (s.port, s.host, s.log_level) == (2000, "top", "DEBUG")
     assert load({"CODERAI_CONFIG": cfg}, service="router").port == 3000
@@ -82,7 +84,7 @@ def test_toml_holds_typed_values(tmp_path):
 
 
 def test_env_beats_toml(tmp_path):
-    cfg = toml(tmp_path, "port = 1000\n[gateway]\nhost = \"from-toml\"\n")
+    cfg = toml(tmp_path, 'port = 1000\n[gateway]\nhost = "from-toml"\n')
     env = {"CODERAI_CONFIG": cfg, "CODERAI_PORT": "5000", "CODERAI_GATEWAY_HOST": "from-env"}
     s = load(env)
     assert (s.port, s.host) == (5000, "from-env")
@@ -110,14 +112,17 @@ def test_overrides_beat_toml(tmp_path):
     assert load({"CODERAI_CONFIG": cfg}, port=3).port == 3
 
 
-@pytest.mark.parametrize("raw, want", [
-    ("a,b,c", ["a", "b", "c"]),
-    (" a , b ,, ", ["a", "b"]),
-    ("single", ["single"]),
-    ("", []),
-    ('["x,y", "z"]', ["x,y", "z"]),
-    ("  [\"j\"]", ["j"]),
-])
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ("a,b,c", ["a", "b", "c"]),
+        (" a , b ,, ", ["a", "b"]),
+        ("single", ["single"]),
+        ("", []),
+        ('["x,y", "z"]', ["x,y", "z"]),
+        ('  ["j"]', ["j"]),
+    ],
+)
 def test_list_fields_from_commas_or_json(raw, want):
     assert load({"CODERAI_GATEWAY_ORIGINS": raw}).origins == want
 
@@ -139,8 +144,10 @@ def test_bad_json_names_the_variable(raw):
     assert str(ei.value).startswith(f"{var}: ")
 
 
-@pytest.mark.parametrize("raw, want", [("true", True), ("True", True), ("TRUE", True), ("1", True),
-                                       ("false", False), ("False", False), ("0", False)])
+@pytest.mark.parametrize(
+    "raw, want",
+    [("true", True), ("True", True), ("TRUE", True), ("1", True), ("false", False), ("False", False), ("0", False)],
+)
 def test_bool_strings_msgspec_accepts(raw, want):
     assert load({"CODERAI_GATEWAY_DEBUG": raw}).debug is want
 
@@ -251,8 +258,10 @@ def test_describe_masks_every_password_of_a_url_over_several_hosts():
         redis_url: str = ""
 
     secrets = ("pass-one", "pass-two", "redis-pass", "sentinel-pass")  # redact() takes secrets of 6 or more
-    s = S(nats_url=f"nats://service:{secrets[0]}@h1:4222,nats://service:{secrets[1]}@h2:4222",
-          redis_url=f"redis+sentinel://:{secrets[2]}@a:26379,b:26379/coderai?sentinel_password={secrets[3]}")
+    s = S(
+        nats_url=f"nats://service:{secrets[0]}@h1:4222,nats://service:{secrets[1]}@h2:4222",
+        redis_url=f"redis+sentinel://:{secrets[2]}@a:26379,b:26379/coderai?sentinel_password={secrets[3]}",
+    )
     d = describe(s)
     assert d["nats_url"] == "nats://service:***@h1:4222,nats://service:***@h2:4222"
     assert d["redis_url"] == "redis+sentinel://:***@a:26379,b:26379/coderai?sentinel_password=***"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from coderai.runtime.store_watch import StoreWatch
 
-FAILED = ("[1] 2026/12/02 06:26:01.487679 [ERR] JetStream failed to store a msg on stream '$G > EVENTS': write "
-          "/data/nats/jetstream/$G/streams/EVENTS/msgs/1.blk: no space left on device\n")
+FAILED = (
+    "[1] 2026/12/02 06:26:01.487679 [ERR] JetStream failed to store a msg on stream '$G > EVENTS': write "
+    "/data/nats/jetstream/$G/streams/EVENTS/msgs/1.blk: no space left on device\n"
+)
 
 
 def test_a_restart_is_due_after_store_failures_once_there_is_room(tmp_path):

@@ -45,8 +45,11 @@ def test_off_never_imports_opentelemetry():
         "tracing.start_span('x').end()\n"
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in (tracing.ENV_TRACE_FILE, tracing.ENV_OTLP_ENDPOINT, tracing.ENV_OTLP_TRACES_ENDPOINT)}
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in (tracing.ENV_TRACE_FILE, tracing.ENV_OTLP_ENDPOINT, tracing.ENV_OTLP_TRACES_ENDPOINT)
+    }
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -71,8 +74,19 @@ def test_file_exporter_writes_one_parented_line_per_span(clean_env, tmp_path):
     by_name = {s["name"]: s for s in lines}
     assert list(by_name) == ["router.pick", "engine.call", "POST /v1/chat/completions"]  # in the order they ended
     req, pick, call = by_name["POST /v1/chat/completions"], by_name["router.pick"], by_name["engine.call"]
-    assert set(req) == {"trace_id", "span_id", "parent_id", "name", "service", "kind", "start_ns", "end_ns",
-                        "status", "status_message", "attributes"}
+    assert set(req) == {
+        "trace_id",
+        "span_id",
+        "parent_id",
+        "name",
+        "service",
+        "kind",
+        "start_ns",
+        "end_ns",
+        "status",
+        "status_message",
+        "attributes",
+    }
     assert len(req["trace_id"]) == 32 and len(req["span_id"]) == 16 and req["parent_id"] is None
     assert {s["trace_id"] for s in lines} == {req["trace_id"]}
     assert pick["parent_id"] == req["span_id"] and call["parent_id"] == req["span_id"]

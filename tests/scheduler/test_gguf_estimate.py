@@ -24,7 +24,9 @@ def cfg(path, engine: str = "llama-server", **params) -> ModelConfig:
     return ModelConfig(name="m", engine=engine, path=str(path), params=params)
 
 
-def expected_kv(n_ctx: int, layers: int = 3, kv_heads: int = 2, head_dim: int = 16, k_bytes: float = 2, v_bytes: float = 2) -> int:
+def expected_kv(
+    n_ctx: int, layers: int = 3, kv_heads: int = 2, head_dim: int = 16, k_bytes: float = 2, v_bytes: float = 2
+) -> int:
     return int(layers * n_ctx * kv_heads * head_dim * k_bytes + layers * n_ctx * kv_heads * head_dim * v_bytes)
 
 
@@ -52,7 +54,9 @@ def test_a_quantized_cache_type_shrinks_the_kv_cache(grouped):
     path, _ = grouped
     q8 = 34 / 32
     assert estimate(cfg(path, n_ctx=512, parallel=1, cache_type_k="q8_0")).kv_cache == expected_kv(512, k_bytes=q8)
-    assert estimate(cfg(path, "llama", n_ctx=512, type_k=8, type_v=8)).kv_cache == expected_kv(512, k_bytes=q8, v_bytes=q8)
+    assert estimate(cfg(path, "llama", n_ctx=512, type_k=8, type_v=8)).kv_cache == expected_kv(
+        512, k_bytes=q8, v_bytes=q8
+    )
 
 
 def test_memory_mb_still_wins_and_a_file_size_given_keeps_the_old_rule(grouped):

@@ -22,7 +22,7 @@ from coderai.runtime.lifecycle import wait_for
 from coderai.scheduler.service import Scheduler
 from coderai.scheduler.settings import SchedulerSettings
 
-FILE = '''# the models of this box
+FILE = """# the models of this box
 [[models]]
 name = "a"  # the small one
 engine = "llama"
@@ -36,17 +36,24 @@ path = "/m/b.gguf"
 nodes = ["w1"]
 [models.params]
 n_ctx = 4096
-'''
+"""
 
 
 def test_entry_keeps_only_what_differs_from_the_defaults():
-    cfg = ModelConfig(name="m", engine="llama", path="/m", params={"n_ctx": 8}, keep_alive_s=30.0,
-                      resident="on_demand")
-    assert entry(cfg) == {"name": "m", "engine": "llama", "path": "/m", "params": {"n_ctx": 8},
-                          "resident": "on_demand", "keep_alive_s": 30.0}
+    cfg = ModelConfig(name="m", engine="llama", path="/m", params={"n_ctx": 8}, keep_alive_s=30.0, resident="on_demand")
+    assert entry(cfg) == {
+        "name": "m",
+        "engine": "llama",
+        "path": "/m",
+        "params": {"n_ctx": 8},
+        "resident": "on_demand",
+        "keep_alive_s": 30.0,
+    }
     from coderai.contracts.models import PodPolicy
 
-    assert entry(ModelConfig(name="m", engine="echo", path="", pod=PodPolicy(burst="always")))["pod"] == {"burst": "always"}
+    assert entry(ModelConfig(name="m", engine="echo", path="", pod=PodPolicy(burst="always")))["pod"] == {
+        "burst": "always"
+    }
 
 
 def test_replacing_an_entry_keeps_the_others_as_written(tmp_path):
@@ -55,8 +62,8 @@ def test_replacing_an_entry_keeps_the_others_as_written(tmp_path):
     new = ModelConfig(name="a", engine="llama", path="/m/a2.gguf", params={"n_ctx": 8, "x": {"y": [1, 2.5]}})
     set_entry(str(path), "a", entry(new))
     text = path.read_text()
-    assert text.startswith("# the models of this box\n[[models]]\nname = \"a\"\n")
-    assert text.endswith(FILE[FILE.index("# b: keep it on w1"):])  # b, its comment and its sub-table untouched
+    assert text.startswith('# the models of this box\n[[models]]\nname = "a"\n')
+    assert text.endswith(FILE[FILE.index("# b: keep it on w1") :])  # b, its comment and its sub-table untouched
     assert load_models(str(path))[0] == new
 
 
@@ -120,8 +127,13 @@ async def test_add_and_remove_change_the_bucket_and_the_file_at_once(live):
     reply = await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=c, replace=False), timeout=5)
     assert reply.model == c
     assert (await published(bus))["c"] == c and sched.models[-1] == c
-    assert tomllib.loads(path.read_text())["models"][-1] == {"name": "c", "engine": "llama", "path": "/m/c.gguf",
-                                                             "resident": "on_demand", "keep_alive_s": 20.0}
+    assert tomllib.loads(path.read_text())["models"][-1] == {
+        "name": "c",
+        "engine": "llama",
+        "path": "/m/c.gguf",
+        "resident": "on_demand",
+        "keep_alive_s": 20.0,
+    }
     assert "# b: keep it on w1" in path.read_text()
     with pytest.raises(BusError) as exc:
         await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=c, replace=False), timeout=5)
@@ -138,12 +150,14 @@ async def test_add_and_remove_change_the_bucket_and_the_file_at_once(live):
 
 async def test_an_edited_models_file_is_published_and_an_invalid_one_ignored(live, caplog):
     sched, bus, path = live
-    path.write_text(FILE.replace('path = "/m/a.gguf"', 'path = "/m/a-v2.gguf"') +
-                    '\n[[models]]\nname = "d"\nengine = "echo"\npath = ""\n')
+    path.write_text(
+        FILE.replace('path = "/m/a.gguf"', 'path = "/m/a-v2.gguf"')
+        + '\n[[models]]\nname = "d"\nengine = "echo"\npath = ""\n'
+    )
     await wait_for(lambda: _when(bus, lambda m: m.get("d") and m["a"].path == "/m/a-v2.gguf"), 10, what="the edit")
     assert set(await published(bus)) == {"a", "b", "d"} and [m.name for m in sched.models] == ["a", "b", "d"]
 
-    path.write_text(FILE + "\n[[models]]\nname = \"oops\"\nengine = \"no-such-engine\"\npath = \"\"\n")
+    path.write_text(FILE + '\n[[models]]\nname = "oops"\nengine = "no-such-engine"\npath = ""\n')
     await wait_for(lambda: _said(caplog, "is invalid"), 10, what="the scheduler to read the invalid file")
     assert set(await published(bus)) == {"a", "b", "d"}  # served as before
 
@@ -166,8 +180,14 @@ async def test_params_over_the_bus_are_the_familys_own_and_never_what_runs(live)
     param that becomes a server flag or chooses a program. Each is refused naming it; nothing is published."""
     sched, bus, path = live
     before = path.read_text()
-    for params in ({"host": "0.0.0.0"}, {"log_file": "/etc/passwd"}, {"trust_remote_code": True},
-                   {"env": {"LD_PRELOAD": "/tmp/x.so"}}, {"extra_args": ["--host", "0.0.0.0"]}, {"n_ctx": -5}):
+    for params in (
+        {"host": "0.0.0.0"},
+        {"log_file": "/etc/passwd"},
+        {"trust_remote_code": True},
+        {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+        {"extra_args": ["--host", "0.0.0.0"]},
+        {"n_ctx": -5},
+    ):
         bad = ModelConfig(name="evil", engine="llama-server", path="/m/e.gguf", params=params)
         with pytest.raises(BusError) as exc:
             await bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=bad), timeout=5)

@@ -36,13 +36,21 @@ async def head(tmp_path):
 
 
 async def _as_joiner(server) -> Bus:
-    return await Bus.connect(with_user(server.url, JOIN_USER, join_password(TOKEN)), "joiner",
-                             inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}", connect_timeout_s=5)
+    return await Bus.connect(
+        with_user(server.url, JOIN_USER, join_password(TOKEN)),
+        "joiner",
+        inbox_prefix=f"{members.JOIN_INBOX}.{nonce()}",
+        connect_timeout_s=5,
+    )
 
 
 async def _wait_login(url: str, user: str, password: str, want: bool = True) -> None:
-    await wait_for(lambda: _login_ok(url, user, password) == want, 5.0, interval_s=0.02,
-                   what=f"the login of {user} to be {'taken' if want else 'refused'}")
+    await wait_for(
+        lambda: _login_ok(url, user, password) == want,
+        5.0,
+        interval_s=0.02,
+        what=f"the login of {user} to be {'taken' if want else 'refused'}",
+    )
 
 
 async def test_a_join_gives_the_node_a_login_of_its_own(head, tmp_path):
@@ -69,19 +77,37 @@ async def test_a_replayed_or_transplanted_answer_is_refused(head):
         mine = nonce()
         ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
         ph = members.hash_password("pw-of-n3")
-        proof = JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
-                          proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph))
+        proof = JoinProof(
+            node_id="n3",
+            nonce=mine,
+            head_nonce=ch.nonce,
+            password_hash=ph,
+            proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph),
+        )
         stolen = JoinProof(node_id="n4", nonce=mine, head_nonce=ch.nonce, password_hash=ph, proof=proof.proof)
         with pytest.raises(BusError, match="no such join challenge"):  # the challenge was for n3
             await bus.request(JOIN_PROVE, stolen)
         ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
         other = members.hash_password("the attacker's")  # the answer binds the password hash too
         with pytest.raises(BusError, match="proof is wrong"):
-            await bus.request(JOIN_PROVE, JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=other,
-                                                    proof=node_proof(TOKEN, "n3", mine, "0" * 32, other)))
+            await bus.request(
+                JOIN_PROVE,
+                JoinProof(
+                    node_id="n3",
+                    nonce=mine,
+                    head_nonce=ch.nonce,
+                    password_hash=other,
+                    proof=node_proof(TOKEN, "n3", mine, "0" * 32, other),
+                ),
+            )
         ch = await bus.request(JOIN_HELLO, JoinHello(node_id="n3", nonce=mine))
-        good = JoinProof(node_id="n3", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
-                         proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph))
+        good = JoinProof(
+            node_id="n3",
+            nonce=mine,
+            head_nonce=ch.nonce,
+            password_hash=ph,
+            proof=node_proof(TOKEN, "n3", mine, ch.nonce, ph),
+        )
         assert (await bus.request(JOIN_PROVE, good)).user == "node-n3"
         with pytest.raises(BusError, match="no such join challenge"):  # the same answer again
             await bus.request(JOIN_PROVE, good)
@@ -96,7 +122,9 @@ async def test_a_revoked_node_is_cut_off_and_may_not_join_again(head, tmp_path):
     try:
         reply = await bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id="n5"))
         assert "n5" in reply.revoked and all(m.node_id != "n5" for m in reply.members)
-        await wait_for(lambda: not node.connected, 20.0, interval_s=0.02, what="the reload to disconnect a removed user")
+        await wait_for(
+            lambda: not node.connected, 20.0, interval_s=0.02, what="the reload to disconnect a removed user"
+        )
     finally:
         await close_nats(node.nc)  # while nats-py retries the refused login
     with pytest.raises(JoinRefused, match="was revoked"):
@@ -121,8 +149,17 @@ async def test_a_members_id_is_held_by_its_credential_not_claimed_with_the_token
         ph = members.hash_password("the attacker's")
         forged = member_proof(members.hash_password("a guess"), "n6", mine, ch.nonce, ph)
         with pytest.raises(BusError, match="already a member"):
-            await joiner.request(JOIN_PROVE, JoinProof(node_id="n6", nonce=mine, head_nonce=ch.nonce, password_hash=ph,
-                                                       proof=node_proof(TOKEN, "n6", mine, ch.nonce, ph), member_proof=forged))
+            await joiner.request(
+                JOIN_PROVE,
+                JoinProof(
+                    node_id="n6",
+                    nonce=mine,
+                    head_nonce=ch.nonce,
+                    password_hash=ph,
+                    proof=node_proof(TOKEN, "n6", mine, ch.nonce, ph),
+                    member_proof=forged,
+                ),
+            )
     finally:
         await joiner.close()
     assert members.load(server.members_file).members["n6"].password_hash == held
@@ -136,7 +173,9 @@ async def test_a_members_id_is_held_by_its_credential_not_claimed_with_the_token
     pending = members.new_password()
     pending_hash = members.hash_password(pending)
     creds = tmp_path / "n6" / "node-credentials.json"
-    creds.write_text(json.dumps({**json.loads(creds.read_text()), "pending": {"password": pending, "password_hash": pending_hash}}))
+    creds.write_text(
+        json.dumps({**json.loads(creds.read_text()), "pending": {"password": pending, "password_hash": pending_hash}})
+    )
     with members.file_lock(server.members_file):
         reg = members.load(server.members_file)
         reg.members["n6"].password_hash = pending_hash
@@ -176,15 +215,19 @@ async def test_over_tls_the_worker_pins_the_ca_it_was_given_and_refuses_another(
         async with contextlib.AsyncExitStack() as stack:
             bus = await Bus.connect(server.service_url, "scheduler", tls=client_context(certs.ca_pem))
             stack.push_async_callback(bus.close)
-            await Membership(bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file),
-                             ca_pem=certs.ca_pem).start(stack)
+            await Membership(
+                bus, TOKEN, str(server.members_file), str(server.users_file), str(server.pid_file), ca_pem=certs.ca_pem
+            ).start(stack)
             url, ca = await join(server.url, TOKEN, "t1", str(tmp_path / "t1"))
             assert ca == certs.ca_pem and fingerprint(ca) == certs.fingerprint
-            node = await Bus.connect(url, "t1", inbox_prefix=members.node_inbox("t1"), tls=client_context(ca),
-                                     connect_timeout_s=10)
+            node = await Bus.connect(
+                url, "t1", inbox_prefix=members.node_inbox("t1"), tls=client_context(ca), connect_timeout_s=10
+            )
             await node.close()
             # a server with the same users but a certificate of another CA (a fake head at that address) is refused
-            other = NatsServer(tmp_path / "other", users_file=server.users_file, tls=ensure_certs(tmp_path / "other-tls")).start()
+            other = NatsServer(
+                tmp_path / "other", users_file=server.users_file, tls=ensure_certs(tmp_path / "other-tls")
+            ).start()
             fake = url.replace(f":{server.port}", f":{other.port}")
             with pytest.raises(Exception, match="certificate verify failed|CERTIFICATE_VERIFY_FAILED"):
                 await asyncio.wait_for(_once(fake, tls=client_context(ca), tls_handshake_first=True), 10)

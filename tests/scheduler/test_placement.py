@@ -11,14 +11,36 @@ GB = 1 << 30
 
 
 def hb(node: str, caps: list[str] | None = None, mem_mb: int = 0, vram_mb: int = 0) -> Heartbeat:
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=caps if caps is not None else ["llama"],
-                     mem_total=mem_mb * MB, vram_total=vram_mb * MB)
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=caps if caps is not None else ["llama"],
+        mem_total=mem_mb * MB,
+        vram_total=vram_mb * MB,
+    )
 
 
-def model(name: str, engine: str = "llama", nodes: list[str] | None = None, replicas: int = 0,
-          placement: str = "spread", memory_mb: int = 0, path: str | None = None) -> ModelConfig:
-    return ModelConfig(name=name, engine=engine, path=path or f"/nonexistent/{name}", nodes=nodes or [],
-                       replicas=replicas, placement=placement, memory_mb=memory_mb)
+def model(
+    name: str,
+    engine: str = "llama",
+    nodes: list[str] | None = None,
+    replicas: int = 0,
+    placement: str = "spread",
+    memory_mb: int = 0,
+    path: str | None = None,
+) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        engine=engine,
+        path=path or f"/nonexistent/{name}",
+        nodes=nodes or [],
+        replicas=replicas,
+        placement=placement,
+        memory_mb=memory_mb,
+    )
 
 
 def names(a: Assignment) -> list[str]:
@@ -200,7 +222,11 @@ def test_spread_breaks_full_ties_by_node_id():
 
 def test_spread_counts_free_room_after_earlier_models():
     nodes = {"a": hb("a", vram_mb=20_000), "b": hb("b", vram_mb=20_000), "c": hb("c", vram_mb=20_000)}
-    models = [model("x", replicas=1, memory_mb=5_000), model("y", replicas=1, memory_mb=5_000), model("z", replicas=2, memory_mb=1_000)]
+    models = [
+        model("x", replicas=1, memory_mb=5_000),
+        model("y", replicas=1, memory_mb=5_000),
+        model("z", replicas=2, memory_mb=1_000),
+    ]
     p = plan(models, nodes)
     assert (holders(p, "x"), holders(p, "y")) == (["a"], ["b"])
     # c holds nothing; a and b hold one each with equal room left, so the id decides
@@ -208,7 +234,11 @@ def test_spread_counts_free_room_after_earlier_models():
 
 
 def test_binpack_fills_the_fullest_node_that_still_fits():
-    nodes = {"roomy": hb("roomy", vram_mb=40_000), "snug": hb("snug", vram_mb=10_000), "tiny": hb("tiny", vram_mb=2_000)}
+    nodes = {
+        "roomy": hb("roomy", vram_mb=40_000),
+        "snug": hb("snug", vram_mb=10_000),
+        "tiny": hb("tiny", vram_mb=2_000),
+    }
     models = [model(f"m{i}", replicas=1, placement="binpack", memory_mb=4_000) for i in range(3)]
     p = plan(models, nodes)
     # snug offers 9,000 MB: two 4,000 MB copies, then it is too full and the third goes to roomy; tiny never fits
@@ -220,7 +250,10 @@ def test_binpack_fills_the_fullest_node_that_still_fits():
 
 def test_binpack_ignores_how_many_models_a_node_holds():
     nodes = {"a": hb("a", vram_mb=10_000), "b": hb("b", vram_mb=20_000)}
-    models = [model("x", nodes=["a"], replicas=1, memory_mb=1_000), model("y", replicas=1, placement="binpack", memory_mb=1_000)]
+    models = [
+        model("x", nodes=["a"], replicas=1, memory_mb=1_000),
+        model("y", replicas=1, placement="binpack", memory_mb=1_000),
+    ]
     assert holders(plan(models, nodes), "y") == ["a"]  # spread would pick b, which holds nothing
 
 
@@ -265,8 +298,10 @@ def test_two_models_that_fit_alone_but_not_together_on_the_only_node():
 
 def test_the_second_model_goes_elsewhere_when_the_first_filled_the_node():
     nodes = {"big": hb("big", vram_mb=10_000), "small": hb("small", vram_mb=6_000)}
-    models = [model("x", replicas=1, placement="binpack", memory_mb=5_000),
-              model("y", replicas=1, placement="binpack", memory_mb=5_000)]
+    models = [
+        model("x", replicas=1, placement="binpack", memory_mb=5_000),
+        model("y", replicas=1, placement="binpack", memory_mb=5_000),
+    ]
     p = plan(models, nodes)
     assert holders(p, "x") == ["small"]  # the fullest that fits
     assert holders(p, "y") == ["big"]  # small has 400 MB left
@@ -305,7 +340,9 @@ def test_a_new_node_joining_moves_nothing():
 
 def test_a_config_change_reaches_a_sticky_holder():
     old = model("m", replicas=1, memory_mb=1_000)
-    new = ModelConfig(name="m", engine="llama", path="/nonexistent/m", replicas=1, memory_mb=1_000, params={"n_ctx": 8192})
+    new = ModelConfig(
+        name="m", engine="llama", path="/nonexistent/m", replicas=1, memory_mb=1_000, params={"n_ctx": 8192}
+    )
     nodes = {"a": hb("a", vram_mb=80_000), "b": hb("b", vram_mb=8_000)}
     p = plan([new], nodes, current(b=[old]))
     assert p.assignments["b"].models == [new]
@@ -380,7 +417,9 @@ def test_escalation_follows_the_models_burst_policy():
     assert not escalation_refused(m("when_no_fit"), "no_engine", True)
     assert "fits on a node" in escalation_refused(m("when_no_fit"), "no_engine", False)
     assert escalation_refused(m("when_no_fit"), "busy", False)
-    assert not escalation_refused(m("always"), "busy", False) and not escalation_refused(m("always"), "no_engine", False)
+    assert not escalation_refused(m("always"), "busy", False) and not escalation_refused(
+        m("always"), "no_engine", False
+    )
 
 
 # --- folder models and video relayed by stages ------------------------------------------------------

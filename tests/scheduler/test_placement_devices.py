@@ -11,18 +11,35 @@ from coderai.sizing import UNKNOWN_CAPACITY, capacity, pools, runs_on_cpu
 GB = 1 << 30
 
 
-def hb(node: str = "n", gpus_gb: tuple[float, ...] = (), ram_gb: float = 64, budget_gb: float = 0,
-       caps: tuple[str, ...] = ("llama", "llama-server", "embed", "vllm", "whisper", "tts")) -> Heartbeat:
+def hb(
+    node: str = "n",
+    gpus_gb: tuple[float, ...] = (),
+    ram_gb: float = 64,
+    budget_gb: float = 0,
+    caps: tuple[str, ...] = ("llama", "llama-server", "embed", "vllm", "whisper", "tts"),
+) -> Heartbeat:
     cards = [GpuMemory(total=int(g * GB), free=int(g * GB)) for g in gpus_gb]
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=list(caps),
-                     mem_total=int(ram_gb * GB), mem_free=int(ram_gb * GB), gpus=len(cards),
-                     vram_total=sum(c.total for c in cards), vram_free=sum(c.free for c in cards), gpu_memory=cards,
-                     mem_budget=int(budget_gb * GB))
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=list(caps),
+        mem_total=int(ram_gb * GB),
+        mem_free=int(ram_gb * GB),
+        gpus=len(cards),
+        vram_total=sum(c.total for c in cards),
+        vram_free=sum(c.free for c in cards),
+        gpu_memory=cards,
+        mem_budget=int(budget_gb * GB),
+    )
 
 
 def model(name: str, gb: float, engine: str = "llama-server", replicas: int = 1, **kw) -> ModelConfig:
-    return ModelConfig(name=name, engine=engine, path=f"/nonexistent/{name}.gguf", memory_mb=int(gb * 1024),
-                       replicas=replicas, **kw)
+    return ModelConfig(
+        name=name, engine=engine, path=f"/nonexistent/{name}.gguf", memory_mb=int(gb * 1024), replicas=replicas, **kw
+    )
 
 
 def copies(p, node: str = "n") -> dict[str, list[int]]:
@@ -42,7 +59,9 @@ def test_a_model_that_fits_no_single_card_but_both_gets_both():
     p = plan([model("huge", 40)], {"n": hb(gpus_gb=(16, 24))})
     assert copies(p) == {} and "huge" in p.unplaced
     # a family that cannot cut a model over cards does not get both
-    assert copies(plan([model("emb", 30, engine="embed", params={"device": "cuda"})], {"n": hb(gpus_gb=(16, 24))})) == {}
+    assert (
+        copies(plan([model("emb", 30, engine="embed", params={"device": "cuda"})], {"n": hb(gpus_gb=(16, 24))})) == {}
+    )
 
 
 def test_cards_already_holding_a_copy_are_shared_by_what_they_have_left():
@@ -52,8 +71,13 @@ def test_cards_already_holding_a_copy_are_shared_by_what_they_have_left():
 
 def test_a_cpu_model_takes_ram_and_no_vram_so_a_gpu_model_still_fits_beside_it():
     nodes = {"n": hb(gpus_gb=(8,), ram_gb=64)}
-    cpu_models = [model("cpu-llama", 7, params={"n_gpu_layers": 0}), model("on-cpu", 7, params={"device": "cpu"}),
-                  model("emb", 7, engine="embed"), model("asr", 7, engine="whisper"), model("voice", 7, engine="tts")]
+    cpu_models = [
+        model("cpu-llama", 7, params={"n_gpu_layers": 0}),
+        model("on-cpu", 7, params={"device": "cpu"}),
+        model("emb", 7, engine="embed"),
+        model("asr", 7, engine="whisper"),
+        model("voice", 7, engine="tts"),
+    ]
     p = plan(cpu_models + [model("gpu", 7)], nodes)
     assert copies(p) == {"cpu-llama": [], "on-cpu": [], "emb": [], "asr": [], "voice": [], "gpu": [0]}
     assert p.unplaced == {}
@@ -81,15 +105,25 @@ def test_devices_are_sticky_across_replans():
     a, b = model("a", 4), model("b", 4)
     first = plan([a, b], nodes)
     assert copies(first) == {"a": [0], "b": [1]}  # two equal cards: spread over them
-    moved = {"n": Assignment(node_id="n", models=[msgspec.structs.replace(a, devices=[1]),
-                                                 msgspec.structs.replace(b, devices=[0])])}
+    moved = {
+        "n": Assignment(
+            node_id="n", models=[msgspec.structs.replace(a, devices=[1]), msgspec.structs.replace(b, devices=[0])]
+        )
+    }
     again = plan([a, b], nodes, moved)
     assert copies(again) == {"a": [1], "b": [0]}  # where they are, not where a fresh plan would put them
     assert plan([a, b], nodes, first.assignments).assignments == first.assignments
     assert copies(plan([model("a", 20), b], nodes, moved)) == {"a": [1], "b": [0]}  # grown, still held by its card
     assert copies(plan([model("a", 22), b], nodes, moved)) == {"a": [0, 1], "b": [0]}  # too big for it: both cards
-    too_big = plan([model("a", 20), model("b", 20)], nodes, {"n": Assignment(node_id="n", models=[
-        msgspec.structs.replace(a, devices=[0]), msgspec.structs.replace(b, devices=[0])])})
+    too_big = plan(
+        [model("a", 20), model("b", 20)],
+        nodes,
+        {
+            "n": Assignment(
+                node_id="n", models=[msgspec.structs.replace(a, devices=[0]), msgspec.structs.replace(b, devices=[0])]
+            )
+        },
+    )
     assert copies(too_big) == {"a": [0], "b": [1]}  # b cannot stay beside a: it moves to the free card
 
 
@@ -107,7 +141,9 @@ def test_a_vllm_model_takes_one_card_per_rank():
 
 def test_a_gone_node_keeps_the_cards_of_its_everywhere_models():
     m = model("every", 4, replicas=0)
-    p = plan([m], {"other": hb("other")}, {"n": Assignment(node_id="n", models=[msgspec.structs.replace(m, devices=[1])])})
+    p = plan(
+        [m], {"other": hb("other")}, {"n": Assignment(node_id="n", models=[msgspec.structs.replace(m, devices=[1])])}
+    )
     assert p.assignments["n"].models[0].devices == [1]
 
 
@@ -124,8 +160,10 @@ def test_an_rpc_split_counts_against_ram_not_the_cards():
     from coderai.contracts.split import RpcServer
 
     rpc = RpcServer(endpoint="10.0.0.2:50052", mem_total=32 * GB, mem_free=32 * GB)
-    nodes = {"a": hb("a", gpus_gb=(8,), ram_gb=16, caps=("llama",)),
-             "b": msgspec.structs.replace(hb("b", ram_gb=32, caps=("llama",)), rpc=rpc)}
+    nodes = {
+        "a": hb("a", gpus_gb=(8,), ram_gb=16, caps=("llama",)),
+        "b": msgspec.structs.replace(hb("b", ram_gb=32, caps=("llama",)), rpc=rpc),
+    }
     p = plan([model("big", 30, engine="llama", nodes=["a"])], nodes)
     assert p.splits["big"][0] == "a" and sum(d.share for d in p.splits["big"][1].devices) > 0.99
     assert p.assignments["a"].models[0].devices == []  # on the CPU and the RPC servers: no card
@@ -142,12 +180,24 @@ def test_a_copy_goes_to_a_node_that_already_has_its_files():
     from coderai.scheduler.placement import plan
 
     def hb(node_id: str, stored: list[str]) -> Heartbeat:
-        return Heartbeat(node_id=node_id, version="t", seq=1, ts=0.0, host=node_id, capabilities=["llama"],
-                         mem_total=8 << 30, mem_free=8 << 30, stored=stored)
+        return Heartbeat(
+            node_id=node_id,
+            version="t",
+            seq=1,
+            ts=0.0,
+            host=node_id,
+            capabilities=["llama"],
+            mem_total=8 << 30,
+            mem_free=8 << 30,
+            stored=stored,
+        )
 
-    m = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/m.gguf", memory_mb=100, replicas=1)
-    folder = ModelConfig(name="f", engine="llama", path="/nowhere/f", store_path="org/f/", store_file="f.gguf",
-                         memory_mb=100, replicas=1)
+    m = ModelConfig(
+        name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/m.gguf", memory_mb=100, replicas=1
+    )
+    folder = ModelConfig(
+        name="f", engine="llama", path="/nowhere/f", store_path="org/f/", store_file="f.gguf", memory_mb=100, replicas=1
+    )
     # by name n1 would come first, and n2 holds fewer models after m: the files decide
     nodes = {"n1": hb("n1", []), "n2": hb("n2", ["org/m.gguf"]), "n3": hb("n3", ["org/f/f.gguf", "org/f/tok.json"])}
     got = plan([m, folder], nodes)

@@ -33,12 +33,23 @@ from coderai.sizing import MB, OVERHEAD, Pools
 GB = 1 << 30
 
 
-def hb(node: str = "n", gpus_gb: tuple[float, ...] = (), ram_gb: float = 64, caps: tuple[str, ...] = ("llama",),
-       **kw) -> Heartbeat:
+def hb(
+    node: str = "n", gpus_gb: tuple[float, ...] = (), ram_gb: float = 64, caps: tuple[str, ...] = ("llama",), **kw
+) -> Heartbeat:
     cards = [GpuMemory(total=int(g * GB), free=int(g * GB)) for g in gpus_gb]
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=list(caps),
-                     mem_total=int(ram_gb * GB), gpus=len(cards), vram_total=sum(c.total for c in cards),
-                     gpu_memory=cards, **kw)
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=list(caps),
+        mem_total=int(ram_gb * GB),
+        gpus=len(cards),
+        vram_total=sum(c.total for c in cards),
+        gpu_memory=cards,
+        **kw,
+    )
 
 
 def model(name: str = "m", gb: float = 1, engine: str = "llama", **kw) -> ModelConfig:
@@ -194,14 +205,17 @@ def test_shortfall_says_why_a_model_has_fewer_copies():
     assert shortfall(model(), 2, 2, GB, ["a", "b"]) == ""
     assert shortfall(model(), 1, 2, GB, ["a", "b"]) == "1 of 2 copies fit (1024 MB each)"
     assert shortfall(model(), 0, 1, GB, []) == "no live node runs its engine family"
-    assert shortfall(model(nodes=["x", "y"]), 0, 1, GB, []) == \
-        "none of its nodes (x, y) is live and runs its engine family"
+    assert (
+        shortfall(model(nodes=["x", "y"]), 0, 1, GB, [])
+        == "none of its nodes (x, y) is live and runs its engine family"
+    )
 
 
 def test_kept_for_return_holds_only_everywhere_models_of_gone_nodes_on_their_cards():
     every, one = model("every", replicas=0), model("one", replicas=1)
-    current = {"gone": Assignment(node_id="gone", models=[msgspec.structs.replace(every, devices=[1]), one,
-                                                          model("removed")]),
-               "live": Assignment(node_id="live", models=[every])}
+    current = {
+        "gone": Assignment(node_id="gone", models=[msgspec.structs.replace(every, devices=[1]), one, model("removed")]),
+        "live": Assignment(node_id="live", models=[every]),
+    }
     out = kept_for_return([every, one], {"live": hb("live")}, current)
     assert list(out) == ["gone"] and [(x.name, x.devices) for x in out["gone"].models] == [("every", [1])]

@@ -37,8 +37,9 @@ def heads(tmp_path):
     servers = {}
     for name, listen in routes.items():
         peers = tuple(r for n, r in routes.items() if n != name)
-        servers[name] = NatsServer.secured(tmp_path / name, token=TOKEN, port=free_port(),
-                                           cluster=Routes(f"head-{name}", listen, peers, password))
+        servers[name] = NatsServer.secured(
+            tmp_path / name, token=TOKEN, port=free_port(), cluster=Routes(f"head-{name}", listen, peers, password)
+        )
     first = servers["a"]
     for s in (servers["b"], servers["c"]):
         shutil.copy(first.members_file, s.members_file)
@@ -76,8 +77,12 @@ async def _connected(stack: contextlib.AsyncExitStack, server: NatsServer, name:
 
 
 async def _login(server: NatsServer, user: str, password: str, want: bool = True) -> None:
-    await wait_for(lambda: _login_ok(server.url, user, password) == want, 20.0, interval_s=0.05,
-                   what=f"{user}'s login at {server.data_dir.name} to be {'taken' if want else 'refused'}")
+    await wait_for(
+        lambda: _login_ok(server.url, user, password) == want,
+        20.0,
+        interval_s=0.05,
+        what=f"{user}'s login at {server.data_dir.name} to be {'taken' if want else 'refused'}",
+    )
 
 
 async def test_a_change_on_the_leaders_head_reaches_every_heads_nats_server(heads):

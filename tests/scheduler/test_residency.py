@@ -15,14 +15,37 @@ def model(name: str, mb: int = 1000, **kw) -> ModelConfig:
 
 def node(node_id: str = "n1", ram_gb: float = 2.5, engines: list[EngineStatus] = ()) -> Heartbeat:
     """A CPU node whose 90 % of RAM holds two 1000 MB models, not three."""
-    return Heartbeat(node_id=node_id, version="t", seq=1, ts=0.0, host=node_id, capabilities=["llama"],
-                     engines=list(engines), mem_total=int(ram_gb * GB), mem_free=int(ram_gb * GB))
+    return Heartbeat(
+        node_id=node_id,
+        version="t",
+        seq=1,
+        ts=0.0,
+        host=node_id,
+        capabilities=["llama"],
+        engines=list(engines),
+        mem_total=int(ram_gb * GB),
+        mem_free=int(ram_gb * GB),
+    )
 
 
-def engine(name: str, node_id: str = "n1", idle_s: float = 0.0, in_flight: int = 0, state: str = "ready",
-           keep_alive_s: float | None = None) -> EngineStatus:
-    return EngineStatus(engine_id=f"{node_id}-{name}", model=name, engine="llama", ops=["chat"], state=state,
-                        in_flight=in_flight, idle_s=idle_s, keep_alive_s=keep_alive_s)
+def engine(
+    name: str,
+    node_id: str = "n1",
+    idle_s: float = 0.0,
+    in_flight: int = 0,
+    state: str = "ready",
+    keep_alive_s: float | None = None,
+) -> EngineStatus:
+    return EngineStatus(
+        engine_id=f"{node_id}-{name}",
+        model=name,
+        engine="llama",
+        ops=["chat"],
+        state=state,
+        in_flight=in_flight,
+        idle_s=idle_s,
+        keep_alive_s=keep_alive_s,
+    )
 
 
 def names(plan, node_id: str = "n1") -> list[str]:
@@ -64,18 +87,21 @@ def test_a_model_asked_for_evicts_the_least_recently_used_idle_one():
 
 def test_never_evicted_busy_always_loading_or_just_used_copies_a_request_waits_for_them():
     a, b, c = model("a", resident="always"), model("b"), model("c")
-    for status in ([engine("a", idle_s=99), engine("b", idle_s=50, in_flight=1)],
-                   [engine("a", idle_s=99), engine("b", state="loading")],
-                   [engine("a", idle_s=99), engine("b", idle_s=0.5)],  # may have taken a request since
-                   [engine("a", idle_s=99)]):  # b not reported yet: it is still loading
+    for status in (
+        [engine("a", idle_s=99), engine("b", idle_s=50, in_flight=1)],
+        [engine("a", idle_s=99), engine("b", state="loading")],
+        [engine("a", idle_s=99), engine("b", idle_s=0.5)],  # may have taken a request since
+        [engine("a", idle_s=99)],
+    ):  # b not reported yet: it is still loading
         r = Residency()
         r.ask("c", now=1)
         got = r.plan([a, b, c], {"n1": node(engines=status)}, holding(a, b), now=2)
         assert names(got) == ["a", "b"], status
         assert r.waiting == {"c"} and r.no_room == {} and r.gone == {}
         # once b is idle, the next pass (on a heartbeat) evicts it for c
-        got = r.plan([a, b, c], {"n1": node(engines=[engine("a", idle_s=99), engine("b", idle_s=4)])},
-                     holding(a, b), now=3)
+        got = r.plan(
+            [a, b, c], {"n1": node(engines=[engine("a", idle_s=99), engine("b", idle_s=4)])}, holding(a, b), now=3
+        )
         assert names(got) == ["a", "c"] and r.waiting == set() and r.gone == {("b", "n1"): "evicted"}
 
 

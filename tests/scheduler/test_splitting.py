@@ -14,14 +14,28 @@ from coderai.scheduler.splitting import _layers, gate_peers, row_warning
 
 def hb(node: str, mem_mb: int, rpc: bool = False, caps: list[str] | None = None) -> Heartbeat:
     """A node with `mem_mb` of RAM (90 % usable), optionally offering an RPC server with the same free memory."""
-    server = RpcServer(endpoint=f"10.0.0.{ord(node[-1]) % 200}:50052", mem_total=mem_mb * MB, mem_free=mem_mb * MB) if rpc else None
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=caps if caps is not None else ["llama"],
-                     mem_total=mem_mb * MB, addrs=[f"192.168.1.{ord(node[-1]) % 200}"], rpc=server)
+    server = (
+        RpcServer(endpoint=f"10.0.0.{ord(node[-1]) % 200}:50052", mem_total=mem_mb * MB, mem_free=mem_mb * MB)
+        if rpc
+        else None
+    )
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=caps if caps is not None else ["llama"],
+        mem_total=mem_mb * MB,
+        addrs=[f"192.168.1.{ord(node[-1]) % 200}"],
+        rpc=server,
+    )
 
 
 def model(name: str = "big", memory_mb: int = 10_000, **kw) -> ModelConfig:
-    return ModelConfig(name=name, engine=kw.pop("engine", "llama"), path=f"/nonexistent/{name}", memory_mb=memory_mb,
-                       replicas=1, **kw)
+    return ModelConfig(
+        name=name, engine=kw.pop("engine", "llama"), path=f"/nonexistent/{name}", memory_mb=memory_mb, replicas=1, **kw
+    )
 
 
 def served(p, name: str) -> list[tuple[str, ModelConfig]]:
@@ -113,7 +127,9 @@ def test_an_rpc_server_holds_layers_of_one_split_model_at_a_time():
 
 
 def vllm(tp: int = 1, pp: int = 1, memory_mb: int = 2_000) -> ModelConfig:
-    return model("v", memory_mb=memory_mb, engine="vllm", params={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+    return model(
+        "v", memory_mb=memory_mb, engine="vllm", params={"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    )
 
 
 def gpu_node(node: str, gpus: int, mem_mb: int = 64_000) -> Heartbeat:

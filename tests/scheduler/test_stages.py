@@ -22,9 +22,19 @@ from coderai.scheduler.stages import (
 
 def hb(node: str, free_mb: int = 0, vram_free_mb: int = 0, state: str = "ready", model: str = "v") -> Heartbeat:
     eng = EngineStatus(engine_id=f"{node}-{model}", model=model, engine="video", ops=["video"], state=state)
-    return Heartbeat(node_id=node, version="0", seq=1, ts=0.0, host=node, capabilities=["video"], engines=[eng],
-                     mem_total=64_000 * MB, mem_free=free_mb * MB, vram_total=vram_free_mb * MB * 2,
-                     vram_free=vram_free_mb * MB)
+    return Heartbeat(
+        node_id=node,
+        version="0",
+        seq=1,
+        ts=0.0,
+        host=node,
+        capabilities=["video"],
+        engines=[eng],
+        mem_total=64_000 * MB,
+        mem_free=free_mb * MB,
+        vram_total=vram_free_mb * MB * 2,
+        vram_free=vram_free_mb * MB,
+    )
 
 
 def cfg(stages=True) -> ModelConfig:
@@ -106,6 +116,9 @@ def test_part_sizes_come_from_the_component_folders(tmp_path):
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDIMScheduler"}))
     parts = model_parts(str(tmp_path))
     assert parts.scheduler == "DDIMScheduler"
-    assert parts.need == {"encode": int(4 * MB * 1.2) + OVERHEAD, "denoise": int(10 * MB * 1.2) + OVERHEAD,
-                          "decode": int(2 * MB * 1.2) + OVERHEAD}
+    assert parts.need == {
+        "encode": int(4 * MB * 1.2) + OVERHEAD,
+        "denoise": int(10 * MB * 1.2) + OVERHEAD,
+        "decode": int(2 * MB * 1.2) + OVERHEAD,
+    }
     assert model_parts(str(tmp_path / "missing")).need["denoise"] == OVERHEAD

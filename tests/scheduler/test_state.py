@@ -52,8 +52,9 @@ def test_models_loaded_replaces_the_whole_set():
 
 
 def test_a_model_set_is_added_at_the_end_or_replaced_in_its_place_and_forgets_its_restage_and_layers():
-    s = State(models=[model("a"), model("b")], restaged={"a": model("a", params={"stages": True})},
-              layers={"a": 32, "b": 40})
+    s = State(
+        models=[model("a"), model("b")], restaged={"a": model("a", params={"stages": True})}, layers={"a": 32, "b": 40}
+    )
     s = applied(s, ModelSet(model("a", replicas=3)))
     assert [(m.name, m.replicas) for m in s.models] == [("a", 3), ("b", 0)]
     assert s.restaged == {} and s.layers == {"b": 40}
@@ -85,8 +86,9 @@ def test_layers_read_are_added_to_those_known():
 
 def test_planned_records_the_pass_unplaced_splits_and_restaged():
     split = SplitPlan(mode="layer", devices=[SplitDevice(node_id="a", endpoint="", share=1.0)])
-    p = Plan({"a": Assignment(node_id="a")}, unplaced={"x": "why"}, splits={"big": ("a", split)},
-             restaged={"v": model("v")})
+    p = Plan(
+        {"a": Assignment(node_id="a")}, unplaced={"x": "why"}, splits={"big": ("a", split)}, restaged={"v": model("v")}
+    )
     s = applied(State(unplaced={"old": "why"}), Planned(p))
     assert s.last_plan is p and s.unplaced == {"x": "why"} and s.splits == {"big": split}
     assert s.restaged == {"v": model("v")}

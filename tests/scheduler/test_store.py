@@ -22,9 +22,21 @@ def store(tmp_path):
     return root
 
 
-@pytest.mark.parametrize("bad", ["", "/etc/passwd", "../secret", "org/../../secret", "org/repo/../../../secret",
-                                 "./org/repo/m.gguf", "org//repo/m.gguf", ".jobs/x.json", "org/repo/.m.gguf.abc.incomplete",
-                                 "org\\repo\\m.gguf"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "/etc/passwd",
+        "../secret",
+        "org/../../secret",
+        "org/repo/../../../secret",
+        "./org/repo/m.gguf",
+        "org//repo/m.gguf",
+        ".jobs/x.json",
+        "org/repo/.m.gguf.abc.incomplete",
+        "org\\repo\\m.gguf",
+    ],
+)
 def test_paths_that_leave_the_store_or_hide_are_refused(store, bad):
     with pytest.raises(BusError) as exc:
         resolve_store_path(store, bad)

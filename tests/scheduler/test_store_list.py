@@ -42,16 +42,19 @@ def store(tmp_path):
 def test_a_folder_lists_its_files_with_size_and_sha(store):
     got = StoreFiles(store).listing(StoreList(path="org/repo"))
     sha = lambda b: hashlib.sha256(b).hexdigest()
-    assert got == StoreListing(files=[
-        StoreEntry(path="alias.gguf", size=10, sha256=sha(b"g" * 10)),
-        StoreEntry(path="model_index.json", size=2, sha256=sha(b"{}")),
-        StoreEntry(path="unet/weights.bin", size=3000, sha256=sha(b"w" * 3000)),
-    ])
+    assert got == StoreListing(
+        files=[
+            StoreEntry(path="alias.gguf", size=10, sha256=sha(b"g" * 10)),
+            StoreEntry(path="model_index.json", size=2, sha256=sha(b"{}")),
+            StoreEntry(path="unet/weights.bin", size=3000, sha256=sha(b"w" * 3000)),
+        ]
+    )
     assert StoreFiles(store).listing(StoreList(path="org/repo/unet")).files[0].path == "weights.bin"
 
 
-@pytest.mark.parametrize("bad", ["", "/etc", "../", "org/../..", "org/repo/../../..", "./org", ".cache", "org/repo/.cache",
-                                 "org\\repo"])
+@pytest.mark.parametrize(
+    "bad", ["", "/etc", "../", "org/../..", "org/repo/../../..", "./org", ".cache", "org/repo/.cache", "org\\repo"]
+)
 def test_paths_that_leave_the_store_or_hide_are_refused(store, bad):
     with pytest.raises(BusError) as exc:
         StoreFiles(store).listing(StoreList(path=bad))
@@ -60,8 +63,11 @@ def test_paths_that_leave_the_store_or_hide_are_refused(store, bad):
 
 def test_files_missing_folders_and_links_out(store):
     files = StoreFiles(store)
-    for rel, code in (("org/repo/model_index.json", "bad_request"), ("org/nope", "not_found"),
-                      ("org/repo/up", "bad_request")):
+    for rel, code in (
+        ("org/repo/model_index.json", "bad_request"),
+        ("org/nope", "not_found"),
+        ("org/repo/up", "bad_request"),
+    ):
         with pytest.raises(BusError) as exc:
             files.listing(StoreList(path=rel))
         assert exc.value.code == code, rel

@@ -19,18 +19,41 @@ SOURCED = ModelConfig(name="s", engine="llama", path="/nowhere/s.gguf", source="
 
 
 def job(status: str = "running", valid: bool = True, nodes=("a", "b")) -> FineTuneJob:
-    return FineTuneJob(id="ftjob-1", model="base", training_file="file-t", validation_file="file-v" if valid else None,
-                       status=status, created_at=1, nodes=list(nodes))
+    return FineTuneJob(
+        id="ftjob-1",
+        model="base",
+        training_file="file-t",
+        validation_file="file-v" if valid else None,
+        status=status,
+        created_at=1,
+        nodes=list(nodes),
+    )
 
 
 def test_a_node_reads_its_models_files_and_folders_only():
     granted = store_scope.grants("a", [FILE, FOLDER, SOURCED], [])
-    ok = [("org/f/f.gguf", False), ("org/d", True), ("org/d/", True), ("org/d/config.json", False),
-          ("org/d/sub/w.bin", False), ("org/d/sub", True), ("org/s/s.gguf", False)]
+    ok = [
+        ("org/f/f.gguf", False),
+        ("org/d", True),
+        ("org/d/", True),
+        ("org/d/config.json", False),
+        ("org/d/sub/w.bin", False),
+        ("org/d/sub", True),
+        ("org/s/s.gguf", False),
+    ]
     for path, folder in ok:
         assert store_scope.may_read(path, folder, granted), path
-    no = [("org/f/f.gguf", True), ("org/f", True), ("org/f/other.gguf", False), ("org", True), ("org/dd/x", False),
-          ("org/d-evil/x", False), ("org/s", True), ("finetune", True), ("other/m.gguf", False)]
+    no = [
+        ("org/f/f.gguf", True),
+        ("org/f", True),
+        ("org/f/other.gguf", False),
+        ("org", True),
+        ("org/dd/x", False),
+        ("org/d-evil/x", False),
+        ("org/s", True),
+        ("finetune", True),
+        ("other/m.gguf", False),
+    ]
     for path, folder in no:
         assert not store_scope.may_read(path, folder, granted), path
 
@@ -38,14 +61,16 @@ def test_a_node_reads_its_models_files_and_folders_only():
 def test_a_training_rank_reads_its_jobs_data_while_it_runs():
     assert store_scope.may_read("finetune/ftjob-1/train.jsonl", False, store_scope.grants("b", [], [job()]))
     assert store_scope.may_read("finetune/ftjob-1/valid.jsonl", False, store_scope.grants("a", [], [job()]))
-    assert not store_scope.may_read("finetune/ftjob-1/valid.jsonl", False,
-                                    store_scope.grants("a", [], [job(valid=False)]))
+    assert not store_scope.may_read(
+        "finetune/ftjob-1/valid.jsonl", False, store_scope.grants("a", [], [job(valid=False)])
+    )
     assert not store_scope.may_read("finetune/ftjob-1/train.jsonl", False, store_scope.grants("c", [], [job()]))
     assert not store_scope.may_read("finetune/ftjob-1", True, store_scope.grants("a", [], [job()]))
     assert not store_scope.may_read("finetune/ftjob-1/adapter.tar", False, store_scope.grants("a", [], [job()]))
     for ended in ("succeeded", "failed", "cancelled"):
-        assert not store_scope.may_read("finetune/ftjob-1/train.jsonl", False,
-                                        store_scope.grants("a", [], [job(ended)]))
+        assert not store_scope.may_read(
+            "finetune/ftjob-1/train.jsonl", False, store_scope.grants("a", [], [job(ended)])
+        )
 
 
 def test_the_asker_is_read_from_its_reply_inbox():
@@ -89,9 +114,13 @@ async def test_the_handler_refuses_before_the_store_is_read():
     await sched._may_read(_msg("_N.a.x.1"), "org/f/f.gguf", folder=False)
     await sched._may_read(_msg("_N.b.x.1"), "finetune/ftjob-1/train.jsonl", folder=False)
     await sched._may_read(_msg("_INBOX.svc.1"), "anything/at/all", folder=False)  # a service
-    for reply, path, folder in (("_N.b.x.1", "org/f/f.gguf", False), ("_N.c.x.1", "finetune", True),
-                                ("_N.c.x.1", "finetune/ftjob-1/train.jsonl", False),
-                                ("coderai.engine.a.x", "org/f/f.gguf", False), ("", "org/f/f.gguf", False)):
+    for reply, path, folder in (
+        ("_N.b.x.1", "org/f/f.gguf", False),
+        ("_N.c.x.1", "finetune", True),
+        ("_N.c.x.1", "finetune/ftjob-1/train.jsonl", False),
+        ("coderai.engine.a.x", "org/f/f.gguf", False),
+        ("", "org/f/f.gguf", False),
+    ):
         with pytest.raises(BusError) as exc:
             await sched._may_read(_msg(reply), path, folder=folder)
         assert exc.value.code == "forbidden", (reply, path)

@@ -13,14 +13,32 @@ BASE = ModelConfig(name="tiny", engine="transformers", path="/m/tiny", params={"
 OTHER = ModelConfig(name="other", engine="llama", path="/m/o.gguf")
 
 
-def job(status: str, suffix: str = "ft1", nodes: tuple[str, ...] = ("head", "node-b"), model: str = "tiny") -> FineTuneJob:
-    return FineTuneJob(id="ftjob-abc", model=model, training_file="file-1", suffix=suffix, status=status,  # type: ignore[arg-type]
-                       created_at=1, nodes=list(nodes))
+def job(
+    status: str, suffix: str = "ft1", nodes: tuple[str, ...] = ("head", "node-b"), model: str = "tiny"
+) -> FineTuneJob:
+    return FineTuneJob(
+        id="ftjob-abc",
+        model=model,
+        training_file="file-1",
+        suffix=suffix,
+        status=status,  # type: ignore[arg-type]
+        created_at=1,
+        nodes=list(nodes),
+    )
 
 
 def step(n: int, node: str = "head", rank: int = 0, job_id: str = "ftjob-abc") -> TrainReport:
-    return TrainReport(job_id=job_id, node_id=node, rank=rank, kind="step", step=n, total_steps=9, loss=1.0,
-                       tokens_per_s=5.0, trained_tokens=10 * n)
+    return TrainReport(
+        job_id=job_id,
+        node_id=node,
+        rank=rank,
+        kind="step",
+        step=n,
+        total_steps=9,
+        loss=1.0,
+        tokens_per_s=5.0,
+        trained_tokens=10 * n,
+    )
 
 
 def recorded(j: FineTuneJob, *steps: int) -> FineTuneJob:
@@ -55,8 +73,10 @@ def test_a_job_whose_base_model_is_gone_fails_saying_so():
 
 def test_the_ranks_are_rebuilt_from_the_record_with_a_fresh_grace_period():
     ranks = tp.ranks_of(job("running").nodes, 500.0)
-    assert [(r.rank, r.node_id, r.last_seen, r.done, r.failed) for r in ranks] == \
-        [(0, "head", 500.0, False, ""), (1, "node-b", 500.0, False, "")]
+    assert [(r.rank, r.node_id, r.last_seen, r.done, r.failed) for r in ranks] == [
+        (0, "head", 500.0, False, ""),
+        (1, "node-b", 500.0, False, ""),
+    ]
     assert tp.verdict(ranks, 500.0 + tp.SILENT_S) == ""  # not silent until the grace period is over
     assert tp.verdict(ranks, 500.0 + tp.SILENT_S + 1).startswith("rank 0 on node head stopped reporting")
 
@@ -65,7 +85,9 @@ def test_the_steps_of_the_gap_and_the_final_report_are_replayed_once():
     j = recorded(job("running"), 1, 2, 3)
     assert tp.last_step(j) == 3 and tp.last_step(job("running")) == 0
     done = TrainReport(job_id=j.id, node_id="head", rank=0, kind="done", digest="d" * 64)
-    state = TrainState(node_id="head", rank=0, known=True, running=False, reports=[step(2), step(3), step(4), step(5), done])
+    state = TrainState(
+        node_id="head", rank=0, known=True, running=False, reports=[step(2), step(3), step(4), step(5), done]
+    )
     got = tp.missed(j, tp.Rank(0, "head", 0.0), state)
     assert [(r.kind, r.step) for r in got] == [("step", 4), ("step", 5), ("done", 0)]
 
@@ -73,14 +95,19 @@ def test_the_steps_of_the_gap_and_the_final_report_are_replayed_once():
 def test_a_rank_still_running_hands_over_its_steps_and_nothing_else():
     state = TrainState(node_id="head", rank=0, known=True, running=True, reports=[step(1), step(2)])
     assert [r.step for r in tp.missed(job("running"), tp.Rank(0, "head", 0.0), state)] == [1, 2]
-    assert tp.missed(job("running"), tp.Rank(1, "node-b", 0.0),
-                     TrainState(node_id="node-b", rank=1, known=True, running=True)) == []
+    assert (
+        tp.missed(
+            job("running"), tp.Rank(1, "node-b", 0.0), TrainState(node_id="node-b", rank=1, known=True, running=True)
+        )
+        == []
+    )
 
 
 def test_a_rank_that_failed_in_the_gap_or_was_forgotten_fails_the_job_naming_it():
     r1 = tp.Rank(1, "node-b", 0.0)
-    failed = TrainReport(job_id="ftjob-abc", node_id="node-b", rank=1, kind="failed",
-                         message="the trainer process was killed by SIGKILL")
+    failed = TrainReport(
+        job_id="ftjob-abc", node_id="node-b", rank=1, kind="failed", message="the trainer process was killed by SIGKILL"
+    )
     got = tp.missed(job("running"), r1, TrainState(node_id="node-b", rank=1, known=True, reports=[failed]))
     assert got == [failed]
     forgot = tp.missed(job("running"), r1, TrainState(node_id="node-b"))
@@ -93,8 +120,13 @@ def test_a_rank_that_failed_in_the_gap_or_was_forgotten_fails_the_job_naming_it(
 
 
 def test_reports_of_another_rank_or_job_are_not_replayed():
-    state = TrainState(node_id="head", rank=0, known=True, running=True,
-                       reports=[step(1, job_id="ftjob-other"), step(2, node="node-b"), step(3)])
+    state = TrainState(
+        node_id="head",
+        rank=0,
+        known=True,
+        running=True,
+        reports=[step(1, job_id="ftjob-other"), step(2, node="node-b"), step(3)],
+    )
     assert [r.step for r in tp.missed(job("running"), tp.Rank(0, "head", 0.0), state)] == [3]
 
 

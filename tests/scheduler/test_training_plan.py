@@ -49,22 +49,28 @@ def test_ranks_put_holders_of_the_base_model_first_then_by_id():
 
 
 def test_a_rank_that_failed_by_itself_is_blamed_at_once():
-    ranks = [tp.Rank(0, "a", last_seen=100.0, failed="lost a peer", peer=True, failed_at=100.0),
-             tp.Rank(1, "b", last_seen=100.0, failed="the trainer exited with signal 9", failed_at=100.0)]
+    ranks = [
+        tp.Rank(0, "a", last_seen=100.0, failed="lost a peer", peer=True, failed_at=100.0),
+        tp.Rank(1, "b", last_seen=100.0, failed="the trainer exited with signal 9", failed_at=100.0),
+    ]
     assert tp.verdict(ranks, 100.5) == "rank 1 on node b failed: the trainer exited with signal 9"
 
 
 def test_a_silent_rank_is_blamed_before_the_rank_that_lost_it():
-    ranks = [tp.Rank(0, "a", last_seen=120.0, failed="lost a peer rank: connection closed", peer=True, failed_at=101.0),
-             tp.Rank(1, "b", last_seen=100.0)]
+    ranks = [
+        tp.Rank(0, "a", last_seen=120.0, failed="lost a peer rank: connection closed", peer=True, failed_at=101.0),
+        tp.Rank(1, "b", last_seen=100.0),
+    ]
     assert tp.verdict(ranks, 105.0) == ""  # b is not silent long enough yet, a's peer failure waits for it
     why = tp.verdict(ranks, 100.0 + tp.SILENT_S + 1)
     assert why.startswith("rank 1 on node b stopped reporting")
 
 
 def test_a_peer_failure_alone_is_blamed_after_the_grace():
-    ranks = [tp.Rank(0, "a", last_seen=200.0, failed="lost a peer rank", peer=True, failed_at=100.0),
-             tp.Rank(1, "b", last_seen=200.0, done=True, digest="x")]
+    ranks = [
+        tp.Rank(0, "a", last_seen=200.0, failed="lost a peer rank", peer=True, failed_at=100.0),
+        tp.Rank(1, "b", last_seen=200.0, done=True, digest="x"),
+    ]
     assert tp.verdict(ranks, 100.0 + tp.PEER_GRACE_S - 1) == ""
     assert tp.verdict(ranks, 100.0 + tp.PEER_GRACE_S + 1) == "rank 0 on node a failed: lost a peer rank"
 
@@ -88,8 +94,9 @@ def test_events_count_up_and_are_capped():
 
 
 def test_the_served_model_is_the_base_config_with_the_adapter():
-    cfg = tp.finetuned_config(BASE, "tiny:mine", "/store/finetune/j/adapter.tar", "finetune/j/adapter.tar", 7,
-                              base_bytes=100 << 20)
+    cfg = tp.finetuned_config(
+        BASE, "tiny:mine", "/store/finetune/j/adapter.tar", "finetune/j/adapter.tar", 7, base_bytes=100 << 20
+    )
     assert cfg.name == "tiny:mine" and cfg.engine == "transformers" and cfg.nodes == ["a"]
     assert cfg.path == "/store/finetune/j/adapter.tar" and cfg.store_path == "finetune/j/adapter.tar"
     assert cfg.params == {"max_tokens": 8, "base": "/m/tiny"} and cfg.created == 7
@@ -115,7 +122,9 @@ def test_a_job_file_must_be_an_uploaded_fine_tune_file_and_the_error_names_its_f
         tp.check_file(None, "file-nope", param)
     assert (exc.value.code, exc.value.param) == ("bad_request", param) and "file-nope" in exc.value.message
     with pytest.raises(BusError) as exc:
-        tp.check_file(FileRecord(id="file-2", bytes=3, created_at=1, filename="a", purpose="assistants"), "file-2", param)
+        tp.check_file(
+            FileRecord(id="file-2", bytes=3, created_at=1, filename="a", purpose="assistants"), "file-2", param
+        )
     assert (exc.value.code, exc.value.param) == ("bad_request", param) and "'assistants'" in exc.value.message
 
 

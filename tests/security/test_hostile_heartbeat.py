@@ -59,8 +59,17 @@ class EvilNode:
         seq = 0
         while True:
             seq += 1
-            hb = msgspec.structs.replace(self.template, node_id="evil", host="evil", seq=seq, ts=time.time(),
-                                         engines=list(self.engines), pod="", addrs=[], rpc=None)
+            hb = msgspec.structs.replace(
+                self.template,
+                node_id="evil",
+                host="evil",
+                seq=seq,
+                ts=time.time(),
+                engines=list(self.engines),
+                pod="",
+                addrs=[],
+                rpc=None,
+            )
             await self.nc.publish(HEARTBEAT(node_id="evil"), encode(hb))
             await asyncio.sleep(0.3)  # a node's heartbeat cadence (as CODERAI_WORKER_HEARTBEAT_S), not a wait
 
@@ -70,8 +79,17 @@ class EvilNode:
         job = decode(m.data, ChatJob)
         self.jobs.append((m.subject, job.model))
         engine = m.subject.split(".")[3]
-        await self.nc.publish(m.reply, encode(Final(seq=1, engine_id=engine, usage=self.usage, choices=[
-            Choice(index=0, message={"role": "assistant", "content": "pwned"}, finish_reason="stop")])))
+        await self.nc.publish(
+            m.reply,
+            encode(
+                Final(
+                    seq=1,
+                    engine_id=engine,
+                    usage=self.usage,
+                    choices=[Choice(index=0, message={"role": "assistant", "content": "pwned"}, finish_reason="stop")],
+                )
+            ),
+        )
 
     def close(self) -> None:
         self._beat.cancel()
@@ -92,8 +110,9 @@ async def _one_heartbeat(url: str, node: str) -> Heartbeat:
 
 
 def ready(model: str, node: str = "evil") -> EngineStatus:
-    return EngineStatus(engine_id=f"{node}-{model}", model=model, engine="llama", ops=["chat"], state="ready",
-                        slots=100_000)
+    return EngineStatus(
+        engine_id=f"{node}-{model}", model=model, engine="llama", ops=["chat"], state="ready", slots=100_000
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +122,37 @@ def attacked(tmp_path_factory, redis_server, tiny_gguf):
     write_keys(str(keys), [KeyRecord(name="admin", sha256=hash_key(ADMIN_KEY), scopes=["inference", "admin"])])
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["w1"], **PRICE},
-        {"name": "evil-model", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["evil"],
-         **PRICE},
+        {
+            "name": "evil-model",
+            "engine": "llama",
+            "path": str(tiny_gguf),
+            "params": {"n_ctx": 256},
+            "nodes": ["evil"],
+            **PRICE,
+        },
         {"name": "evil-broken", "engine": "llama", "path": str(tiny_gguf), "nodes": ["evil"]},
         {"name": "ghost", "engine": "llama", "path": str(tiny_gguf), "nodes": ["nowhere"]},
     ]
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    with running_stack(root, models, gateway_args=("--api-keys-file", str(keys)), redis_url=redis_server.url,
-                       extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url}, headers=admin) as stack:
+    with running_stack(
+        root,
+        models,
+        gateway_args=("--api-keys-file", str(keys)),
+        redis_url=redis_server.url,
+        extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url},
+        headers=admin,
+    ) as stack:
         template = asyncio.run(_one_heartbeat(stack.nats.service_url, "w1"))
         evil = EvilNode(stack.nats.add_node("evil"), template)
         try:
             # what it was given: evil-model (answered) and evil-broken (failed, with a phishing line); what it
             # claims besides: tiny (w1's alone) with 100,000 slots, and a failed engine for ghost (placed nowhere)
-            evil.engines = [ready("evil-model"), ready("tiny"),
-                            msgspec.structs.replace(ready("evil-broken"), state="failed", error=PHISH),
-                            msgspec.structs.replace(ready("ghost"), state="failed", error=PHISH)]
+            evil.engines = [
+                ready("evil-model"),
+                ready("tiny"),
+                msgspec.structs.replace(ready("evil-broken"), state="failed", error=PHISH),
+                msgspec.structs.replace(ready("ghost"), state="failed", error=PHISH),
+            ]
             stack.wait_model_ready("evil-model", headers=admin, timeout_s=60)
             stack.evil = evil
             stack.admin = admin
@@ -128,20 +162,30 @@ def attacked(tmp_path_factory, redis_server, tiny_gguf):
 
 
 def _chat(stack, key: str, model: str, max_tokens: int = 4, content: str = "hello") -> httpx.Response:
-    return httpx.post(f"{stack.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                      json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+    return httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens},
+    )
 
 
 def _new_key(stack, name: str) -> str:
-    r = httpx.post(f"{stack.http_url}/admin/keys", headers=stack.admin, timeout=30,
-                   json={"name": name, "scopes": ["inference"], "budget_usd": 10.0, "budget_period": "day"})
+    r = httpx.post(
+        f"{stack.http_url}/admin/keys",
+        headers=stack.admin,
+        timeout=30,
+        json={"name": name, "scopes": ["inference"], "budget_usd": 10.0, "budget_period": "day"},
+    )
     assert r.status_code == 201, r.text
     return r.json()["key"]
 
 
 def _usage(stack, name: str, requests: int) -> dict:
     def row():
-        rows = httpx.get(f"{stack.http_url}/admin/usage", params={"key": name}, headers=stack.admin, timeout=10).json()["rows"]
+        rows = httpx.get(f"{stack.http_url}/admin/usage", params={"key": name}, headers=stack.admin, timeout=10).json()[
+            "rows"
+        ]
         return rows[0] if rows and rows[0]["requests"] == requests else None
 
     return wait_until(row, 20, f"{name}'s usage")
@@ -155,8 +199,14 @@ def test_an_engine_claimed_for_a_model_not_placed_on_the_node_gets_no_request(at
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as c:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-            return list(await asyncio.gather(*(c.post(f"{attacked.base_url}/chat/completions", json=body,
-                                                      headers=attacked.admin) for _ in range(8))))
+            return list(
+                await asyncio.gather(
+                    *(
+                        c.post(f"{attacked.base_url}/chat/completions", json=body, headers=attacked.admin)
+                        for _ in range(8)
+                    )
+                )
+            )
 
     under_load = asyncio.run(burst())
     stolen = [model for _, model in evil.jobs[before:]]
@@ -191,15 +241,19 @@ def test_usage_a_node_reports_is_billed_only_as_far_as_the_request_allows(attack
     r = _chat(attacked, key, "evil-model", max_tokens=4)
     assert r.status_code == 200 and "pwned" in r.text, r.text
     row = _usage(attacked, "carol", 1)
-    print(f"negative usage reported: billed {row['prompt_tokens']} + {row['completion_tokens']} tokens, "
-          f"{row['cost_usd']} USD")
+    print(
+        f"negative usage reported: billed {row['prompt_tokens']} + {row['completion_tokens']} tokens, "
+        f"{row['cost_usd']} USD"
+    )
     assert row["prompt_tokens"] >= 0 and row["completion_tokens"] >= 0 and row["cost_usd"] >= 0
 
     evil.usage = Usage(prompt_tokens=10**12, completion_tokens=10**12, total_tokens=2 * 10**12)
     r = _chat(attacked, key, "evil-model", max_tokens=4)
     assert r.status_code == 200, r.text
     row = _usage(attacked, "carol", 2)
-    print(f"huge usage reported: billed {row['prompt_tokens']} + {row['completion_tokens']} tokens, {row['cost_usd']} USD")
+    print(
+        f"huge usage reported: billed {row['prompt_tokens']} + {row['completion_tokens']} tokens, {row['cost_usd']} USD"
+    )
     assert row["completion_tokens"] <= 4  # max_tokens bounds what one answer may bill
     assert row["prompt_tokens"] <= 256  # the model's context (n_ctx) bounds the prompt
     assert row["cost_usd"] <= (256 * 1000 + 4 * 2000) / 1e6
@@ -209,7 +263,10 @@ def test_usage_a_node_reports_is_billed_only_as_far_as_the_request_allows(attack
     evil.usage = Usage(prompt_tokens=9, completion_tokens=3, total_tokens=12)
     assert _chat(attacked, key, "evil-model", max_tokens=4).status_code == 200
     after = _usage(attacked, "carol", 3)
-    assert (after["prompt_tokens"] - row["prompt_tokens"], after["completion_tokens"] - row["completion_tokens"]) == (9, 3)
+    assert (after["prompt_tokens"] - row["prompt_tokens"], after["completion_tokens"] - row["completion_tokens"]) == (
+        9,
+        3,
+    )
 
 
 def test_the_head_keeps_of_a_nodes_heartbeat_only_the_engines_it_was_given(attacked):

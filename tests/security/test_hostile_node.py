@@ -36,12 +36,33 @@ def cluster(tmp_path_factory, tiny_gguf):
             (store / rel).parent.mkdir(parents=True)
         shutil.copyfile(tiny_gguf, store / GOOD_FILE)
         (store / JOB_FILE).write_text('{"messages": [{"role": "user", "content": "a tenant\'s secret"}]}\n')
-        models = write_models_file(root / "models.toml", [  # the first answers before `coderai up` says ready
-            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
-            {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
-            {"name": "good-store", "engine": "llama", "path": str(store / GOOD_FILE), "store_path": GOOD_FILE,
-             "params": {"n_ctx": 256}, "nodes": ["good"]},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [  # the first answers before `coderai up` says ready
+                {
+                    "name": "head-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 256},
+                    "nodes": ["head"],
+                },
+                {
+                    "name": "good-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 256},
+                    "nodes": ["good"],
+                },
+                {
+                    "name": "good-store",
+                    "engine": "llama",
+                    "path": str(store / GOOD_FILE),
+                    "store_path": GOOD_FILE,
+                    "params": {"n_ctx": 256},
+                    "nodes": ["good"],
+                },
+            ],
+        )
         c = LabCluster(lab, root, clean_env())
         with head_of(c, models, TOKEN):
             good = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
@@ -51,9 +72,26 @@ def cluster(tmp_path_factory, tiny_gguf):
 
 
 def test_every_attack_of_a_hostile_node_is_refused(cluster):
-    out = cluster.run("evil", "-m", "coderai.testing.hostile", "--nats-url", f"nats://{cluster.lab['head'].ip}:4222",
-                      "--token", TOKEN, "--node-id", "evil", "--victim", "good", "--data-dir", str(cluster.root / "evil"),
-                      "--store-file", GOOD_FILE, "--store-file", JOB_FILE, timeout_s=400)
+    out = cluster.run(
+        "evil",
+        "-m",
+        "coderai.testing.hostile",
+        "--nats-url",
+        f"nats://{cluster.lab['head'].ip}:4222",
+        "--token",
+        TOKEN,
+        "--node-id",
+        "evil",
+        "--victim",
+        "good",
+        "--data-dir",
+        str(cluster.root / "evil"),
+        "--store-file",
+        GOOD_FILE,
+        "--store-file",
+        JOB_FILE,
+        timeout_s=400,
+    )
     report = json.loads(out.strip().splitlines()[-1])
     for r in report["results"]:
         print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")
@@ -69,17 +107,38 @@ def test_a_fake_head_replaying_the_announcement_gets_no_credentials(cluster):
     the head's mDNS record would; a joining worker reaches it, the spy cannot answer the challenge without the
     token, and the worker gives up on it having sent nothing but the join user's password."""
     spy = cluster.lab["spy"]
-    fake = ServiceProcess("fake-head", "coderai.testing.fake_head", ["--host", spy.ip, "--port", "4222",
-                                                                      "--record", str(cluster.root / "fake.json")],
-                          cluster.env, cluster.root / "logs", prefix=spy.prefix()).start()
+    fake = ServiceProcess(
+        "fake-head",
+        "coderai.testing.fake_head",
+        ["--host", spy.ip, "--port", "4222", "--record", str(cluster.root / "fake.json")],
+        cluster.env,
+        cluster.root / "logs",
+        prefix=spy.prefix(),
+    ).start()
     cluster.procs["fake-head"] = fake
     fake.wait_log("fake head up", 30)
-    victim = ServiceProcess("worker-victim", "coderai.engine_worker",
-                            ["--cluster-token", TOKEN, "--nats-url", f"nats://{spy.ip}:4222", "--no-mdns",
-                             "--node-id", "victim", "--data-dir", str(cluster.root / "victim")],
-                            cluster.env, cluster.root / "logs", prefix=cluster.lab["good"].prefix()).start()
+    victim = ServiceProcess(
+        "worker-victim",
+        "coderai.engine_worker",
+        [
+            "--cluster-token",
+            TOKEN,
+            "--nats-url",
+            f"nats://{spy.ip}:4222",
+            "--no-mdns",
+            "--node-id",
+            "victim",
+            "--data-dir",
+            str(cluster.root / "victim"),
+        ],
+        cluster.env,
+        cluster.root / "logs",
+        prefix=cluster.lab["good"].prefix(),
+    ).start()
     cluster.procs["victim"] = victim
-    wait_until(lambda: not victim.alive() or "not our head" in victim.log_text(), 60, "the worker to refuse the fake head")
+    wait_until(
+        lambda: not victim.alive() or "not our head" in victim.log_text(), 60, "the worker to refuse the fake head"
+    )
     assert "not our head" in victim.log_text()
     seen = json.loads((cluster.root / "fake.json").read_text())
     assert seen["subjects"] == ["coderai.join.hello"], "the worker sent nothing after the unanswerable challenge"
@@ -95,10 +154,24 @@ def test_a_fake_head_replaying_the_announcement_gets_no_credentials(cluster):
     saved["head"] = f"nats://{spy.ip}:4222"
     (pinned / "node-credentials.json").write_text(json.dumps(saved))
     (pinned / "node-credentials.json").chmod(0o600)
-    fooled = ServiceProcess("worker-pinned", "coderai.engine_worker",
-                            ["--cluster-token", TOKEN, "--nats-url", f"nats://{spy.ip}:4222", "--no-mdns",
-                             "--node-id", "good", "--data-dir", str(pinned)],
-                            cluster.env, cluster.root / "logs", prefix=cluster.lab["good"].prefix()).start()
+    fooled = ServiceProcess(
+        "worker-pinned",
+        "coderai.engine_worker",
+        [
+            "--cluster-token",
+            TOKEN,
+            "--nats-url",
+            f"nats://{spy.ip}:4222",
+            "--no-mdns",
+            "--node-id",
+            "good",
+            "--data-dir",
+            str(pinned),
+        ],
+        cluster.env,
+        cluster.root / "logs",
+        prefix=cluster.lab["good"].prefix(),
+    ).start()
     cluster.procs["pinned"] = fooled
     wait_until(lambda: not fooled.alive() or "not our head" in fooled.log_text(), 90, "the pinned worker to refuse")
     log = fooled.log_text()
@@ -114,13 +187,18 @@ def test_a_revoked_node_is_cut_off_at_once_and_may_not_join_again(cluster):
     out = cluster.run("head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "revoke", "spare")
     assert '"revoked": ["spare"]' in out
     wait_until(lambda: "spare" not in cluster.nodes(), 15, "the revoked node to leave")
-    wait_until(lambda: "Authorization Violation" in spare.log_text() or "authorization violation" in spare.log_text(),
-               15, "NATS to cut the revoked node off")
+    wait_until(
+        lambda: "Authorization Violation" in spare.log_text() or "authorization violation" in spare.log_text(),
+        15,
+        "NATS to cut the revoked node off",
+    )
     members = cluster.run("head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "list")
     assert '"node_id": "good"' in members and '"node_id": "spare"' not in members
     spare.stop()
     # it still has the token, but its id may not join again
-    again = node_up(cluster.lab["evil"], "spare", cluster.lab["head"].ip, cluster.root / "again", TOKEN, cluster.env).start()
+    again = node_up(
+        cluster.lab["evil"], "spare", cluster.lab["head"].ip, cluster.root / "again", TOKEN, cluster.env
+    ).start()
     cluster.procs["spare-again"] = again
     wait_until(lambda: not again.alive() or "was revoked" in again.log_text(), 60, "the rejoin to be refused")
     assert "was revoked" in again.log_text()

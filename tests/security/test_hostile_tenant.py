@@ -28,8 +28,11 @@ pytestmark = pytest.mark.slow
 
 ALICE, BOB, ADMIN = "sk-tenant-alice-0123456789", "sk-tenant-bob-0123456789", "sk-tenant-admin-0123456789"
 # alice's system prompt: ~1,000 tokens of the tiny model, a secret in the middle
-SECRET = " ".join(f"alpha{j}" for j in range(120)) + " the discount code is ZEBRA-42 " + " ".join(
-    f"omega{j}" for j in range(120))
+SECRET = (
+    " ".join(f"alpha{j}" for j in range(120))
+    + " the discount code is ZEBRA-42 "
+    + " ".join(f"omega{j}" for j in range(120))
+)
 # bob's guesses begin with other words, so each shares with the one before it only the chat template's opening
 WRONG_1 = " ".join(f"beta{j}" for j in range(240))
 WRONG_2 = " ".join(f"gamma{j}" for j in range(240))
@@ -45,19 +48,34 @@ def tenants(tmp_path_factory, tiny_gguf):
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     root = tmp_path_factory.mktemp("tenants")
     keys = root / "keys.toml"
-    write_keys(str(keys), [KeyRecord("admin", hash_key(ADMIN), ["inference", "admin"]),
-                           KeyRecord("alice", hash_key(ALICE), ["inference"]),
-                           KeyRecord("bob", hash_key(BOB), ["inference"])])
+    write_keys(
+        str(keys),
+        [
+            KeyRecord("admin", hash_key(ADMIN), ["inference", "admin"]),
+            KeyRecord("alice", hash_key(ALICE), ["inference"]),
+            KeyRecord("bob", hash_key(BOB), ["inference"]),
+        ],
+    )
     params = {"parallel": 2, "n_ctx": 2048, "n_threads": 1}
-    models = [{"name": "ls-private", "engine": "llama-server", "path": str(tiny_gguf), "share_cache": False,
-               "params": params},
-              {"name": "ls-default", "engine": "llama-server", "path": str(tiny_gguf), "params": params},
-              {"name": "ls-shared", "engine": "llama-server", "path": str(tiny_gguf), "share_cache": True,
-               "params": params}]
+    models = [
+        {
+            "name": "ls-private",
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "share_cache": False,
+            "params": params,
+        },
+        {"name": "ls-default", "engine": "llama-server", "path": str(tiny_gguf), "params": params},
+        {"name": "ls-shared", "engine": "llama-server", "path": str(tiny_gguf), "share_cache": True, "params": params},
+    ]
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    with running_stack(root, models, gateway_args=("--api-keys-file", str(keys)), headers=admin,
-                       extra_env={"CODERAI_GATEWAY_SHARE_CACHE": "false",
-                                  "CODERAI_WORKER_FAMILIES": "llama-server"}) as s:
+    with running_stack(
+        root,
+        models,
+        gateway_args=("--api-keys-file", str(keys)),
+        headers=admin,
+        extra_env={"CODERAI_GATEWAY_SHARE_CACHE": "false", "CODERAI_WORKER_FAMILIES": "llama-server"},
+    ) as s:
         s.wait_engines_ready(list(MODELS), headers=admin, timeout_s=300)
         yield s
 
@@ -67,9 +85,17 @@ ROUTES: dict[tuple[str, str, str], str] = {}  # (key, model, system prompt's fir
 
 def _ask(stack, key: str, model: str, system: str, question: str) -> tuple[int, int]:
     """One chat of `key`: (prompt tokens, cached tokens) from its usage; its Coderai-Route header into ROUTES."""
-    r = httpx.post(f"{stack.base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": model, "max_tokens": 1, "temperature": 0,
-                         "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+    r = httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+        json={
+            "model": model,
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        },
+    )
     assert r.status_code == 200, r.text
     ROUTES[(key, model, system.split()[0])] = r.headers.get("Coderai-Route", "")
     usage = r.json()["usage"]
@@ -89,8 +115,10 @@ def _probe(stack, model: str) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize("model", ["ls-private", "ls-default"])
 def test_a_tenant_cannot_read_another_s_prompt_from_the_cache(tenants, model):
-    print(f"tried: bob guesses alice's {len(SECRET.split())}-word system prompt on {model} "
-          f"(share_cache off) and reads cached_tokens")
+    print(
+        f"tried: bob guesses alice's {len(SECRET.split())}-word system prompt on {model} "
+        f"(share_cache off) and reads cached_tokens"
+    )
     seen = _probe(tenants, model)
     prompt, right = seen["bob right"]
     wrong = seen["bob wrong 2"][1]

@@ -30,14 +30,34 @@ def box(tmp_path_factory, tiny_gguf):
     from coderai.testing.stack import write_models_file
 
     root = tmp_path_factory.mktemp("box")
-    models = write_models_file(root / "models.toml", [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf),
-                                                        "params": {"n_ctx": 256}}])
+    models = write_models_file(
+        root / "models.toml", [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}}]
+    )
     port = free_port()
     env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_KEY=RUNPOD_KEY)
-    up = ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "data"), "--port", str(port),
-                                              "--models-file", str(models), "--cluster-token", TOKEN,
-                                              "--nats-host", "127.0.0.1", "--nats-port", str(free_port()),
-                                              "--mdns-interface", "127.0.0.1"], env, root / "logs").start()
+    up = ServiceProcess(
+        "up",
+        "coderai.cli",
+        [
+            "up",
+            "--data-dir",
+            str(root / "data"),
+            "--port",
+            str(port),
+            "--models-file",
+            str(models),
+            "--cluster-token",
+            TOKEN,
+            "--nats-host",
+            "127.0.0.1",
+            "--nats-port",
+            str(free_port()),
+            "--mdns-interface",
+            "127.0.0.1",
+        ],
+        env,
+        root / "logs",
+    ).start()
     try:
         up.wait_log("\nready", 180)
         yield root / "data", f"http://127.0.0.1:{port}/v1", up
@@ -79,8 +99,14 @@ def test_redis_without_the_password_is_refused(box):
 
 def test_secrets_are_files_of_the_owner_only(box):
     data, _, _ = box
-    for path in [data / "admin.key", data / "secrets" / "nats-service.password", data / "secrets" / "redis.password",
-                 data / "nats" / "members.json", data / "nats" / "users.conf", *(data / "logs").iterdir()]:
+    for path in [
+        data / "admin.key",
+        data / "secrets" / "nats-service.password",
+        data / "secrets" / "redis.password",
+        data / "nats" / "members.json",
+        data / "nats" / "users.conf",
+        *(data / "logs").iterdir(),
+    ]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     for folder in (data / "secrets", data / "logs"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
@@ -89,15 +115,25 @@ def test_secrets_are_files_of_the_owner_only(box):
 def test_no_secret_is_in_any_log_line(box):
     data, base, up = box
     key = (data / "admin.key").read_text().strip()
-    r = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{base}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     httpx.get(f"{base}/models", headers={"Authorization": "Bearer sk-coderai-wrong"}, timeout=10)
-    secrets = {"the admin key": key, "the cluster token": TOKEN, "the RunPod key": RUNPOD_KEY,
-               "the NATS service password": (data / "secrets" / "nats-service.password").read_text().strip(),
-               "the Redis password": (data / "secrets" / "redis.password").read_text().strip(),
-               **{f"the {svc}'s NATS password": (data / "secrets" / f"nats-svc-{svc}.password").read_text().strip()
-                  for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")}}
+    secrets = {
+        "the admin key": key,
+        "the cluster token": TOKEN,
+        "the RunPod key": RUNPOD_KEY,
+        "the NATS service password": (data / "secrets" / "nats-service.password").read_text().strip(),
+        "the Redis password": (data / "secrets" / "redis.password").read_text().strip(),
+        **{
+            f"the {svc}'s NATS password": (data / "secrets" / f"nats-svc-{svc}.password").read_text().strip()
+            for svc in ("gateway", "router", "scheduler", "pod-broker", "metrics")
+        },
+    }
     logs = [*(data / "logs").iterdir(), *Path(up.log_path).parent.glob("*.log")]
     assert len(logs) >= 8
     scanned = 0
@@ -117,8 +153,12 @@ def test_nothing_in_the_data_dir_is_readable_by_another_user(box):
     hashes, usage, budgets), JetStream's files (responses, batches), logs, models. Every path is its owner's only."""
     data, base, _ = box
     key = (data / "admin.key").read_text().strip()
-    r = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{base}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text  # usage reaches Redis's append-only file
     aof = [p for p in data.rglob("*") if ".aof" in p.name]
     assert aof, sorted(str(p.relative_to(data)) for p in data.rglob("*"))[:50]
@@ -130,6 +170,8 @@ def test_nothing_in_the_data_dir_is_readable_by_another_user(box):
         checked += 1
         if stat.S_IMODE(path.lstat().st_mode) & 0o077:
             open_to_others.append(f"{oct(stat.S_IMODE(path.lstat().st_mode))} {path.relative_to(data)}")
-    print(f"looked at {checked} paths under the data dir as another user would ({len(aof)} of Redis's AOF files): "
-          f"{len(open_to_others)} readable or writable by them")
+    print(
+        f"looked at {checked} paths under the data dir as another user would ({len(aof)} of Redis's AOF files): "
+        f"{len(open_to_others)} readable or writable by them"
+    )
     assert not open_to_others, open_to_others[:20]

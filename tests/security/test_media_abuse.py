@@ -44,16 +44,38 @@ def stack(tmp_path_factory, tiny_gguf, redis_server):
     models = [
         {"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}},
         # the model's default limits: at most 1024x1024 pixels, 150 steps; n at most 4 here
-        {"name": "sd-tiny", "engine": "diffusers", "path": sd, "params": {"steps": 2, "max_n": 4},
-         "price_per_mpixel_step": PRICE},
+        {
+            "name": "sd-tiny",
+            "engine": "diffusers",
+            "path": sd,
+            "params": {"steps": 2, "max_n": 4},
+            "price_per_mpixel_step": PRICE,
+        },
         # an operator who allows big pictures and many steps: the budget is what bounds them
-        {"name": "sd-roomy", "engine": "diffusers", "path": sd,
-         "params": {"steps": 2, "max_pixels": 4096 * 4096, "max_steps": 500}, "price_per_mpixel_step": PRICE},
-        {"name": "clip", "engine": "video", "path": sd, "nodes": ["nowhere"], "params": {"max_frames": 32},
-         "price_per_mpixel_step": PRICE},  # placed nowhere: a video job never runs here
+        {
+            "name": "sd-roomy",
+            "engine": "diffusers",
+            "path": sd,
+            "params": {"steps": 2, "max_pixels": 4096 * 4096, "max_steps": 500},
+            "price_per_mpixel_step": PRICE,
+        },
+        {
+            "name": "clip",
+            "engine": "video",
+            "path": sd,
+            "nodes": ["nowhere"],
+            "params": {"max_frames": 32},
+            "price_per_mpixel_step": PRICE,
+        },  # placed nowhere: a video job never runs here
     ]
-    with running_stack(root, models, gateway_args=("--api-keys-file", str(keys)), redis_url=redis_server.url,
-                       extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url}, headers=ADMIN_HEADERS) as s:
+    with running_stack(
+        root,
+        models,
+        gateway_args=("--api-keys-file", str(keys)),
+        redis_url=redis_server.url,
+        extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url},
+        headers=ADMIN_HEADERS,
+    ) as s:
         s.wait_engines_ready(["sd-tiny", "sd-roomy"], headers=ADMIN_HEADERS, timeout_s=300)
         yield s
 
@@ -65,8 +87,12 @@ def new_key(stack, name: str, **spec) -> dict[str, str]:
 
 
 def generate(stack, headers: dict[str, str], timeout: float = 120, **body) -> httpx.Response:
-    return httpx.post(f"{stack.base_url}/images/generations", headers=headers, timeout=timeout,
-                      json={"model": "sd-tiny", "prompt": "a red cube", "size": "64x64", **body})
+    return httpx.post(
+        f"{stack.base_url}/images/generations",
+        headers=headers,
+        timeout=timeout,
+        json={"model": "sd-tiny", "prompt": "a red cube", "size": "64x64", **body},
+    )
 
 
 def still_serves(stack) -> None:
@@ -78,8 +104,10 @@ def still_serves(stack) -> None:
 
 
 def tried(what: str, r: httpx.Response, refused: bool) -> None:
-    print(f"  {what}: HTTP {r.status_code} {r.headers.get('content-type', '')} -> "
-          f"{'refused / harmless' if refused else 'SUCCEEDED'}")
+    print(
+        f"  {what}: HTTP {r.status_code} {r.headers.get('content-type', '')} -> "
+        f"{'refused / harmless' if refused else 'SUCCEEDED'}"
+    )
     assert refused, f"{what}: {r.status_code} {r.text[:300]}"
 
 
@@ -144,14 +172,20 @@ def test_a_nodes_blob_is_not_a_page_on_the_gateways_origin(stack):
         tried(f"its bare name {name}", bare, bare.status_code == 404 and PAGE not in bare.content)
         # a URL the gateway did sign over bytes a node chose (an engine's "image" that is HTML): served as a download
         expires = int(time.time()) + 600
-        signed = httpx.get(f"{stack.http_url}/v1/blobs/{name}",
-                           params={"expires": expires, "signature": _signature(stack, name, expires)}, timeout=30)
+        signed = httpx.get(
+            f"{stack.http_url}/v1/blobs/{name}",
+            params={"expires": expires, "signature": _signature(stack, name, expires)},
+            timeout=30,
+        )
         assert signed.status_code == 200
         ctype = signed.headers["content-type"]
-        harmless = ("html" not in ctype and not ctype.startswith("text/") and
-                    signed.headers.get("x-content-type-options") == "nosniff" and
-                    signed.headers.get("content-disposition", "").startswith("attachment") and
-                    "sandbox" in signed.headers.get("content-security-policy", ""))
+        harmless = (
+            "html" not in ctype
+            and not ctype.startswith("text/")
+            and signed.headers.get("x-content-type-options") == "nosniff"
+            and signed.headers.get("content-disposition", "").startswith("attachment")
+            and "sandbox" in signed.headers.get("content-security-policy", "")
+        )
         tried(f"a signed URL over its HTML bytes named *{suffix or '(no suffix)'}", signed, harmless)
     still_serves(stack)
 
@@ -161,8 +195,9 @@ def test_a_nodes_blob_is_not_a_page_on_the_gateways_origin(stack):
 
 def spent(stack, key_name: str, requests: int) -> float:
     def row():
-        rows = httpx.get(f"{stack.http_url}/admin/usage", params={"key": key_name}, headers=ADMIN_HEADERS,
-                         timeout=30).json()["rows"]
+        rows = httpx.get(
+            f"{stack.http_url}/admin/usage", params={"key": key_name}, headers=ADMIN_HEADERS, timeout=30
+        ).json()["rows"]
         return rows[0] if rows and rows[0]["requests"] >= requests else None
 
     return wait_until(row, 30, f"{key_name}'s usage")["cost_usd"]
@@ -176,8 +211,11 @@ def test_a_small_budget_refuses_a_huge_image_before_any_gpu_work(stack):
     except httpx.TimeoutException:
         print("  4096x4096 x 500 steps x 10: still running after 30 s -> SUCCEEDED (an engine took it)")
         raise
-    tried("4096x4096 x 500 steps x 10 ($83,886 of work)", r,
-          r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota")
+    tried(
+        "4096x4096 x 500 steps x 10 ($83,886 of work)",
+        r,
+        r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota",
+    )
     nodes = httpx.get(f"{stack.http_url}/admin/nodes", headers=ADMIN_HEADERS, timeout=30).json()["nodes"]
     roomy = [e for n in nodes for e in n["heartbeat"].get("engines", []) if e["model"] == "sd-roomy"]
     assert roomy and not any(e.get("in_flight") for e in roomy), roomy
@@ -195,11 +233,14 @@ def test_a_small_budget_refuses_a_huge_image_before_any_gpu_work(stack):
     still_serves(stack)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"size": "4096x4096"}, "size"),  # 16.7 Mpx, over the model's 1 Mpx
-    ({"steps": 500}, "steps"),  # over its 150
-    ({"n": 10}, "n"),  # over its max_n of 4
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"size": "4096x4096"}, "size"),  # 16.7 Mpx, over the model's 1 Mpx
+        ({"steps": 500}, "steps"),  # over its 150
+        ({"n": 10}, "n"),  # over its max_n of 4
+    ],
+)
 def test_an_image_past_the_models_limits_is_a_400_naming_the_param(stack, body, param):
     print(f"\nattack: an image past sd-tiny's limits: {body}")
     key = new_key(stack, f"limits-{param}")
@@ -214,11 +255,16 @@ def test_a_video_is_priced_and_bounded_when_it_is_asked_for(stack):
     url = f"{stack.base_url}/videos"
     body = {"model": "clip", "prompt": "a cat", "size": "256x256"}
     r = httpx.post(url, headers=key, json={**body, "num_frames": 1000}, timeout=30)
-    tried("1000 frames (the model's limit is 32)", r, r.status_code == 400 and r.json()["error"]["param"] == "num_frames")
+    tried(
+        "1000 frames (the model's limit is 32)", r, r.status_code == 400 and r.json()["error"]["param"] == "num_frames"
+    )
     # 256 x 256 x 20 steps x 32 frames = 41.9 Mpx-steps: $41.9 against a $1 budget
     r = httpx.post(url, headers=key, json={**body, "num_frames": 32}, timeout=30)
-    tried("32 frames of 256x256 at 20 steps ($41.94 of work)", r,
-          r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota")
+    tried(
+        "32 frames of 256x256 at 20 steps ($41.94 of work)",
+        r,
+        r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota",
+    )
     # within the budget (1 frame of 64x64, 2 steps): accepted as a job (it waits for an engine; none is placed)
     small = httpx.post(url, headers=key, json={**body, "size": "64x64", "num_frames": 1, "steps": 2}, timeout=30)
     assert small.status_code == 200 and small.json()["status"] == "queued", small.text

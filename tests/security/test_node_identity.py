@@ -30,8 +30,19 @@ class Cluster(LabCluster):
 
     def claim(self, victim: str, data_dir: str) -> dict:
         """The evil machine joins under `victim`'s id with the token and a data dir of its own."""
-        report = self.last_json("evil", "-m", "coderai.testing.hostile", "--nats-url", f"nats://{self.lab['head'].ip}:4222",
-                                "--token", TOKEN, "--claim", victim, "--data-dir", str(self.root / data_dir))
+        report = self.last_json(
+            "evil",
+            "-m",
+            "coderai.testing.hostile",
+            "--nats-url",
+            f"nats://{self.lab['head'].ip}:4222",
+            "--token",
+            TOKEN,
+            "--claim",
+            victim,
+            "--data-dir",
+            str(self.root / data_dir),
+        )
         r = report["results"][0]  # type: ignore[index]
         print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")
         return r
@@ -45,10 +56,25 @@ def cluster(tmp_path_factory, tiny_gguf):
         pytest.skip(str(exc))
     with lab:  # closed (every process in it killed) whatever happened, after the graceful stops below
         root = tmp_path_factory.mktemp("identity")
-        models = write_models_file(root / "models.toml", [
-            {"name": "head-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["head"]},
-            {"name": "good-tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["good"]},
-        ])
+        models = write_models_file(
+            root / "models.toml",
+            [
+                {
+                    "name": "head-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 256},
+                    "nodes": ["head"],
+                },
+                {
+                    "name": "good-tiny",
+                    "engine": "llama",
+                    "path": str(tiny_gguf),
+                    "params": {"n_ctx": 256},
+                    "nodes": ["good"],
+                },
+            ],
+        )
         c = Cluster(lab, root, clean_env())
         with head_of(c, models, TOKEN):
             c.procs["good"] = node_up(lab["good"], "good", lab["head"].ip, root, TOKEN, c.env).start()
@@ -82,7 +108,7 @@ def test_a_node_restarting_with_its_saved_credential_gets_back_in(cluster):
     again = node_up(cluster.lab["good"], "good", cluster.lab["head"].ip, cluster.root, TOKEN, cluster.env).start()
     cluster.procs["good"] = again
     wait_until(lambda: cluster.chat("good-tiny")["status"] == 200, 60, "the restarted node to serve")
-    assert "joined the cluster" not in again.log_text()[again.log_offset:] and cluster.stored_hash("good") == before
+    assert "joined the cluster" not in again.log_text()[again.log_offset :] and cluster.stored_hash("good") == before
     again.stop(timeout_s=15)
     # saved for another address of the head: it joins again, proving the credential it holds, and gets in
     creds = cluster.root / "good" / "node-credentials.json"
@@ -92,15 +118,19 @@ def test_a_node_restarting_with_its_saved_credential_gets_back_in(cluster):
     moved = node_up(cluster.lab["good"], "good", cluster.lab["head"].ip, cluster.root, TOKEN, cluster.env).start()
     cluster.procs["good"] = moved
     wait_until(lambda: cluster.chat("good-tiny")["status"] == 200, 60, "the node to rejoin with its proof and serve")
-    assert "joined the cluster" in moved.log_text()[moved.log_offset:] and cluster.stored_hash("good") != before
+    assert "joined the cluster" in moved.log_text()[moved.log_offset :] and cluster.stored_hash("good") != before
 
 
 def test_an_operator_re_admits_an_id_with_revoke_forget(cluster):
-    out = cluster.run("head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "revoke", "good", "--forget")
+    out = cluster.run(
+        "head", "-m", "coderai.cli", "nodes", "--data-dir", str(cluster.root / "head"), "revoke", "good", "--forget"
+    )
     assert '"node_id": "good"' not in out
     cluster.procs.pop("good").stop(timeout_s=15)
     # the machine lost its data dir (a reinstall): with the member record gone, its id joins afresh
-    fresh = node_up(cluster.lab["good"], "good", cluster.lab["head"].ip, cluster.root / "reinstalled", TOKEN, cluster.env).start()
+    fresh = node_up(
+        cluster.lab["good"], "good", cluster.lab["head"].ip, cluster.root / "reinstalled", TOKEN, cluster.env
+    ).start()
     cluster.procs["good"] = fresh
     wait_until(lambda: cluster.chat("good-tiny")["status"] == 200, 90, "the re-admitted node to serve")
-    assert "joined the cluster" in fresh.log_text()[fresh.log_offset:]
+    assert "joined the cluster" in fresh.log_text()[fresh.log_offset :]

@@ -47,12 +47,25 @@ def stack(tmp_path_factory, redis_server, tiny_gguf):
     models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}, "nodes": ["w1"]}]
     fake = FakeRunPod().start()  # no pod is rented here: the broker answers status and leases
     try:
-        with running_stack(root, models, gateway_args=("--api-keys-file", str(keys)), redis_url=redis_server.url,
-                           extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url}, headers=ADMIN) as s:
-            s.start("pod-broker", "coderai.pod_broker", env={
-                "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key, "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
-                "CODERAI_POD_BROKER_REDIS_URL": redis_server.url, "CODERAI_POD_BROKER_POD_NATS_URL": s.nats.url,
-                "CODERAI_POD_BROKER_DEPLOYMENT": "svcusers"})
+        with running_stack(
+            root,
+            models,
+            gateway_args=("--api-keys-file", str(keys)),
+            redis_url=redis_server.url,
+            extra_env={"CODERAI_GATEWAY_REDIS_URL": redis_server.url},
+            headers=ADMIN,
+        ) as s:
+            s.start(
+                "pod-broker",
+                "coderai.pod_broker",
+                env={
+                    "CODERAI_POD_BROKER_RUNPOD_API_KEY": fake.api_key,
+                    "CODERAI_POD_BROKER_RUNPOD_API_BASE": fake.base_url,
+                    "CODERAI_POD_BROKER_REDIS_URL": redis_server.url,
+                    "CODERAI_POD_BROKER_POD_NATS_URL": s.nats.url,
+                    "CODERAI_POD_BROKER_DEPLOYMENT": "svcusers",
+                },
+            )
             yield s
     finally:
         fake.close()
@@ -107,32 +120,43 @@ async def _state(url: str) -> tuple[Assignment, str, int]:
 
 
 def _chat(stack, **headers: str) -> httpx.Response:
-    return httpx.post(f"{stack.base_url}/chat/completions", headers=ADMIN | headers, timeout=60,
-                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    return httpx.post(
+        f"{stack.base_url}/chat/completions",
+        headers=ADMIN | headers,
+        timeout=60,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
 
 
 def test_the_gateways_user_cannot_do_what_only_other_services_may(stack):
     before = asyncio.run(_state(stack.nats.service_url))
-    succeeded = asyncio.run(_attacks(stack.nats.role_url("gateway"), "gateway", pubs={
-        f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment (the scheduler's bucket)",
-        f"$KV.{MEMBERS.name}.registry": "write the member registry every head's nats-server follows",
-        f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
-        "coderai.hb.w1": "publish node w1's heartbeat",
-        "coderai.cmd.node.w1.train": "send w1 a command only the scheduler sends",
-        "_S.scheduler.forged.reply": "answer into the scheduler's inbox, unasked",
-        "_INBOX.forged.reply": "answer into another connection's inbox, unasked",
-        "coderai.cmd.scheduler.revoke": "revoke a node (the operator's and the pod broker's command)",
-        "coderai.cmd.scheduler.pod_user": "make a pod's NATS user",
-        "$JS.API.CONSUMER.CREATE.WORK.thief.coderai.work.x.chat": "take fan-out parts from the nodes' work queue",
-        f"$JS.API.STREAM.DELETE.KV_{ASSIGNMENTS.name}": "delete the assignments bucket",
-    }, subs={
-        "coderai.engine.>": "receive every engine's jobs",
-        "coderai.cmd.scheduler.>": "answer scheduler commands in its place",
-        "coderai.route.pick": "answer route picks in the router's place",
-        "_S.scheduler.>": "read the scheduler's replies",
-        "_INBOX.>": "read other connections' replies",
-        "coderai.hb.*": "follow the nodes' heartbeats (not its job)",
-    }))
+    succeeded = asyncio.run(
+        _attacks(
+            stack.nats.role_url("gateway"),
+            "gateway",
+            pubs={
+                f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment (the scheduler's bucket)",
+                f"$KV.{MEMBERS.name}.registry": "write the member registry every head's nats-server follows",
+                f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
+                "coderai.hb.w1": "publish node w1's heartbeat",
+                "coderai.cmd.node.w1.train": "send w1 a command only the scheduler sends",
+                "_S.scheduler.forged.reply": "answer into the scheduler's inbox, unasked",
+                "_INBOX.forged.reply": "answer into another connection's inbox, unasked",
+                "coderai.cmd.scheduler.revoke": "revoke a node (the operator's and the pod broker's command)",
+                "coderai.cmd.scheduler.pod_user": "make a pod's NATS user",
+                "$JS.API.CONSUMER.CREATE.WORK.thief.coderai.work.x.chat": "take fan-out parts from the nodes' work queue",
+                f"$JS.API.STREAM.DELETE.KV_{ASSIGNMENTS.name}": "delete the assignments bucket",
+            },
+            subs={
+                "coderai.engine.>": "receive every engine's jobs",
+                "coderai.cmd.scheduler.>": "answer scheduler commands in its place",
+                "coderai.route.pick": "answer route picks in the router's place",
+                "_S.scheduler.>": "read the scheduler's replies",
+                "_INBOX.>": "read other connections' replies",
+                "coderai.hb.*": "follow the nodes' heartbeats (not its job)",
+            },
+        )
+    )
     assert succeeded == []
     assert asyncio.run(_state(stack.nats.service_url)) == before, "an attack changed the assignment or the lease"
     assert _chat(stack).status_code == 200
@@ -140,19 +164,26 @@ def test_the_gateways_user_cannot_do_what_only_other_services_may(stack):
 
 def test_the_routers_user_cannot_write_what_it_only_reads(stack):
     before = asyncio.run(_state(stack.nats.service_url))
-    succeeded = asyncio.run(_attacks(stack.nats.role_url("router"), "router", pubs={
-        f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment",
-        "$KV.coderai_models.tiny": "rewrite a model's config",
-        "$KV.coderai_keys.x": "write an API key record",
-        "$KV.coderai_nodes.w1": "write w1's membership record",
-        f"$JS.API.STREAM.UPDATE.KV_{ASSIGNMENTS.name}": "change the assignments bucket (a TTL would empty it)",
-        "$JS.API.STREAM.PURGE.KV_coderai_models": "purge the models bucket",
-        "coderai.evt.request.completed": "publish a forged usage event (billing)",
-        "coderai.engine.w1.x.chat": "send an engine a job",
-    }, subs={
-        "coderai.cmd.blob.read": "serve nodes' blob reads in the gateway's place",
-        "_S.gateway.>": "read the gateway's replies (tenants' answers)",
-    }))
+    succeeded = asyncio.run(
+        _attacks(
+            stack.nats.role_url("router"),
+            "router",
+            pubs={
+                f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment",
+                "$KV.coderai_models.tiny": "rewrite a model's config",
+                "$KV.coderai_keys.x": "write an API key record",
+                "$KV.coderai_nodes.w1": "write w1's membership record",
+                f"$JS.API.STREAM.UPDATE.KV_{ASSIGNMENTS.name}": "change the assignments bucket (a TTL would empty it)",
+                "$JS.API.STREAM.PURGE.KV_coderai_models": "purge the models bucket",
+                "coderai.evt.request.completed": "publish a forged usage event (billing)",
+                "coderai.engine.w1.x.chat": "send an engine a job",
+            },
+            subs={
+                "coderai.cmd.blob.read": "serve nodes' blob reads in the gateway's place",
+                "_S.gateway.>": "read the gateway's replies (tenants' answers)",
+            },
+        )
+    )
     assert succeeded == []
     assert asyncio.run(_state(stack.nats.service_url)) == before
     assert _chat(stack).status_code == 200
@@ -160,28 +191,42 @@ def test_the_routers_user_cannot_write_what_it_only_reads(stack):
 
 def test_metrics_user_cannot_publish_jobs_or_take_a_lease(stack):
     before = asyncio.run(_state(stack.nats.service_url))
-    succeeded = asyncio.run(_attacks(stack.nats.role_url("metrics"), "metrics", pubs={
-        "coderai.engine.w1.x.chat": "send an engine a chat job",
-        "coderai.work.tiny.embed": "queue a fan-out part",
-        "coderai.route.pick": "ask the router for an engine",
-        "coderai.evt.request.completed": "publish a forged usage event (billing)",
-        f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
-        f"$KV.{LEADERS.name}.pod-broker": "take the pod broker's leader lease",
-        "coderai.cmd.broker.acquire": "rent a pod",
-    }, subs={"coderai.engine.>": "receive every engine's jobs"}))
+    succeeded = asyncio.run(
+        _attacks(
+            stack.nats.role_url("metrics"),
+            "metrics",
+            pubs={
+                "coderai.engine.w1.x.chat": "send an engine a chat job",
+                "coderai.work.tiny.embed": "queue a fan-out part",
+                "coderai.route.pick": "ask the router for an engine",
+                "coderai.evt.request.completed": "publish a forged usage event (billing)",
+                f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
+                f"$KV.{LEADERS.name}.pod-broker": "take the pod broker's leader lease",
+                "coderai.cmd.broker.acquire": "rent a pod",
+            },
+            subs={"coderai.engine.>": "receive every engine's jobs"},
+        )
+    )
     assert succeeded == []
     assert asyncio.run(_state(stack.nats.service_url)) == before
 
 
 def test_the_pod_brokers_user_cannot_drive_nodes_or_placement(stack):
     before = asyncio.run(_state(stack.nats.service_url))
-    succeeded = asyncio.run(_attacks(stack.nats.role_url("pod-broker"), "pod-broker", pubs={
-        "coderai.cmd.node.w1.drain": "drain node w1",
-        "coderai.cmd.scheduler.place": "place a model",
-        f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment",
-        f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
-        "coderai.evt.request.completed": "publish a forged usage event (billing)",
-    }, subs={"coderai.engine.>": "receive every engine's jobs"}))
+    succeeded = asyncio.run(
+        _attacks(
+            stack.nats.role_url("pod-broker"),
+            "pod-broker",
+            pubs={
+                "coderai.cmd.node.w1.drain": "drain node w1",
+                "coderai.cmd.scheduler.place": "place a model",
+                f"$KV.{ASSIGNMENTS.name}.w1": "write w1's assignment",
+                f"$KV.{LEADERS.name}.scheduler": "take the scheduler's leader lease",
+                "coderai.evt.request.completed": "publish a forged usage event (billing)",
+            },
+            subs={"coderai.engine.>": "receive every engine's jobs"},
+        )
+    )
     assert succeeded == []
     assert asyncio.run(_state(stack.nats.service_url)) == before
 
@@ -189,8 +234,14 @@ def test_the_pod_brokers_user_cannot_drive_nodes_or_placement(stack):
 def test_control_the_shared_service_login_was_refused_none_of_it(stack):
     """The same attacks as `service` (what every service logged in as before): not refused, so the tests above
     would fail against it."""
-    succeeded = asyncio.run(_attacks(stack.nats.service_url, "", pubs={"_S.scheduler.forged.reply": "answer unasked"},
-                                     subs={"coderai.engine.>": "receive every engine's jobs"}))
+    succeeded = asyncio.run(
+        _attacks(
+            stack.nats.service_url,
+            "",
+            pubs={"_S.scheduler.forged.reply": "answer unasked"},
+            subs={"coderai.engine.>": "receive every engine's jobs"},
+        )
+    )
     assert succeeded == ["_S.scheduler.forged.reply", "coderai.engine.>"]
 
 
@@ -225,8 +276,12 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
     session = {"X-Session-Id": "service-users-session"}
     for _ in range(3):
         assert _chat(stack, **session).status_code == 200
-    r = httpx.post(f"{stack.http_url}/admin/keys", headers=ADMIN, timeout=30,
-                   json={"name": "svc-users-tenant", "scopes": ["inference"]})
+    r = httpx.post(
+        f"{stack.http_url}/admin/keys",
+        headers=ADMIN,
+        timeout=30,
+        json={"name": "svc-users-tenant", "scopes": ["inference"]},
+    )
     assert r.status_code == 201, r.text
     assert httpx.get(f"{stack.http_url}/admin/pods", headers=ADMIN, timeout=30).status_code == 200
     assert httpx.get(f"{stack.http_url}/admin/nodes", headers=ADMIN, timeout=30).status_code == 200  # heads too
@@ -234,8 +289,9 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
     async def check() -> None:
         bus = await Bus.connect(stack.nats.service_url, "test-reader")
         try:
-            assert "tiny" in {m.name for m in decode((await (await bus.kv(ASSIGNMENTS)).get("w1")).value,
-                                                      Assignment).models}
+            assert "tiny" in {
+                m.name for m in decode((await (await bus.kv(ASSIGNMENTS)).get("w1")).value, Assignment).models
+            }
             affinity = await bus.kv(AFFINITY)
             started = time.monotonic()
 
@@ -255,7 +311,9 @@ def test_each_service_still_does_its_job_under_its_own_user(stack):
             stream = await bus.js.stream_info(EVENTS.name)
 
             async def caught_up() -> bool:
-                return (await bus.js.consumer_info(EVENTS.name, "metrics")).delivered.stream_seq >= stream.state.last_seq
+                return (
+                    await bus.js.consumer_info(EVENTS.name, "metrics")
+                ).delivered.stream_seq >= stream.state.last_seq
 
             await wait_for(caught_up, left(), what="metrics' EVENTS consumer to catch up")
         finally:
@@ -276,8 +334,10 @@ def test_an_answer_to_a_request_received_before_a_reload_of_the_users_still_arri
     `acquire` was refused as the pod joined. A service may answer into its askers' inboxes outright."""
 
     async def go() -> tuple[bytes, list[str]]:
-        async with login(stack.nats.role_url("gateway"), "gateway") as gw, \
-                login(stack.nats.role_url("router"), "router") as router:
+        async with (
+            login(stack.nats.role_url("gateway"), "gateway") as gw,
+            login(stack.nats.role_url("router"), "router") as router,
+        ):
             loop = asyncio.get_running_loop()
             answer, asked = loop.create_future(), loop.create_future()
 

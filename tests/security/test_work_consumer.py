@@ -53,13 +53,21 @@ async def test_a_node_binds_the_shared_consumer_but_cannot_change_it(secured_nat
         node = await nats.connect(node_url, inbox_prefix=members.node_inbox("n1"), error_cb=on_error)
         try:
             js = node.jetstream()
-            evil = ConsumerConfig(name=c, durable_name=c, ack_policy=AckPolicy.EXPLICIT, ack_wait=0.001, max_deliver=1,
-                                  filter_subject="coderai.work.minilm.embed")
+            evil = ConsumerConfig(
+                name=c,
+                durable_name=c,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=0.001,
+                max_deliver=1,
+                filter_subject="coderai.work.minilm.embed",
+            )
             with pytest.raises(Exception) as refused:  # a permissions violation: no answer comes back
                 await js.add_consumer(WORK.name, config=evil, timeout=2)
             info = await service.js.consumer_info(WORK.name, c)
-            print(f"a holder re-making the shared consumer with a 1 ms ack wait: {type(refused.value).__name__}; "
-                  f"its ack wait is still {info.config.ack_wait} s, max deliver {info.config.max_deliver}")
+            print(
+                f"a holder re-making the shared consumer with a 1 ms ack wait: {type(refused.value).__name__}; "
+                f"its ack wait is still {info.config.ack_wait} s, max deliver {info.config.max_deliver}"
+            )
             assert (info.config.ack_wait, info.config.max_deliver) == (ACK_WAIT_S, MAX_DELIVER)
             assert any("permissions violation" in e.lower() and "consumer.create" in e.lower() for e in errors), errors
             # what a holder does need still works: bind the consumer and pull a part
@@ -81,9 +89,17 @@ async def test_the_scheduler_sets_a_tampered_consumer_back(secured_nats):
     service = await Bus.connect(secured_nats.service_url, "scheduler")
     try:
         await service.ensure_stream(WORK)
-        await service.js.add_consumer(WORK.name, config=ConsumerConfig(
-            name=c, durable_name=c, ack_policy=AckPolicy.EXPLICIT, ack_wait=0.5, max_deliver=1,
-            filter_subject="coderai.work.tiny.chat"))
+        await service.js.add_consumer(
+            WORK.name,
+            config=ConsumerConfig(
+                name=c,
+                durable_name=c,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=0.5,
+                max_deliver=1,
+                filter_subject="coderai.work.tiny.chat",
+            ),
+        )
         sched = Membership.__new__(Membership)
         sched.bus, sched.made = service, set()
         await sched.make_consumers([c])

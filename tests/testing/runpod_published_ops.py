@@ -51,7 +51,10 @@ class PublishedOp:
 
 DOCS_OPS: tuple[PublishedOp, ...] = (
     # ---- runpod/docs, sdks/graphql/manage-pods.mdx (current) ----
-    PublishedOp("docs: Create a Pod", DOCS, """
+    PublishedOp(
+        "docs: Create a Pod",
+        DOCS,
+        """
 mutation {
   podFindAndDeployOnDemand(
     input: {
@@ -79,7 +82,9 @@ mutation {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "podFindAndDeployOnDemand": {
@@ -93,8 +98,13 @@ mutation {
     }
   }
 }
-""",)),
-    PublishedOp("docs: Create a Pod, filter by CUDA version", DOCS, """
+""",
+        ),
+    ),
+    PublishedOp(
+        "docs: Create a Pod, filter by CUDA version",
+        DOCS,
+        """
 mutation {
   podFindAndDeployOnDemand(
     input: {
@@ -113,8 +123,12 @@ mutation {
     machineId
   }
 }
-"""),
-    PublishedOp("docs: Start a Pod", DOCS, """
+""",
+    ),
+    PublishedOp(
+        "docs: Start a Pod",
+        DOCS,
+        """
 mutation {
   podResume(input: { podId: "YOUR_POD_ID", gpuCount: 1 }) {
     id
@@ -122,7 +136,9 @@ mutation {
     imageName
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "podResume": {
@@ -132,8 +148,14 @@ mutation {
     }
   }
 }
-""",), needs="stopped"),
-    PublishedOp("docs: Start a Pod, filter by CUDA version", DOCS, """
+""",
+        ),
+        needs="stopped",
+    ),
+    PublishedOp(
+        "docs: Start a Pod, filter by CUDA version",
+        DOCS,
+        """
 mutation {
   podResume(input: {
     podId: "YOUR_POD_ID",
@@ -144,15 +166,22 @@ mutation {
     desiredStatus
   }
 }
-""", needs="stopped"),
-    PublishedOp("docs: Stop a Pod", DOCS, """
+""",
+        needs="stopped",
+    ),
+    PublishedOp(
+        "docs: Stop a Pod",
+        DOCS,
+        """
 mutation {
   podStop(input: { podId: "YOUR_POD_ID" }) {
     id
     desiredStatus
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "podStop": {
@@ -161,8 +190,14 @@ mutation {
     }
   }
 }
-""",), needs="pod"),
-    PublishedOp("docs: List all Pods", DOCS, """
+""",
+        ),
+        needs="pod",
+    ),
+    PublishedOp(
+        "docs: List all Pods",
+        DOCS,
+        """
 query {
   myself {
     pods {
@@ -190,7 +225,9 @@ query {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "myself": {
@@ -226,8 +263,14 @@ query {
     }
   }
 }
-""",), needs="pod"),
-    PublishedOp("docs: Get Pod by ID", DOCS, """
+""",
+        ),
+        needs="pod",
+    ),
+    PublishedOp(
+        "docs: Get Pod by ID",
+        DOCS,
+        """
 query {
   pod(input: { podId: "YOUR_POD_ID" }) {
     id
@@ -253,7 +296,9 @@ query {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "pod": {
@@ -285,8 +330,14 @@ query {
     }
   }
 }
-""",), needs="pod"),
-    PublishedOp("docs: List all GPU types", DOCS, """
+""",
+        ),
+        needs="pod",
+    ),
+    PublishedOp(
+        "docs: List all GPU types",
+        DOCS,
+        """
 query {
   gpuTypes {
     id
@@ -294,7 +345,9 @@ query {
     memoryInGb
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "gpuTypes": [
@@ -316,8 +369,13 @@ query {
     ]
   }
 }
-""",)),
-    PublishedOp("docs: Get GPU type details", DOCS, """
+""",
+        ),
+    ),
+    PublishedOp(
+        "docs: Get GPU type details",
+        DOCS,
+        """
 query {
   gpuTypes(input: { id: "NVIDIA GeForce RTX 3090" }) {
     id
@@ -330,7 +388,9 @@ query {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "gpuTypes": [
@@ -347,8 +407,13 @@ query {
     ]
   }
 }
-""",)),
-    PublishedOp("docs: Check GPU availability", DOCS, """
+""",
+        ),
+    ),
+    PublishedOp(
+        "docs: Check GPU availability",
+        DOCS,
+        """
 query {
   gpuTypes(input: { id: "NVIDIA RTX A4000" }) {
     id
@@ -360,7 +425,9 @@ query {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "gpuTypes": [
@@ -376,7 +443,8 @@ query {
     ]
   }
 }
-""", """
+""",
+            """
 {
   "data": {
     "gpuTypes": [
@@ -392,9 +460,14 @@ query {
     ]
   }
 }
-""")),
+""",
+        ),
+    ),
     # ---- runpod/docs, sdks/graphql/manage-pods.mdx (the last revision with the spot sections) ----
-    PublishedOp("docs (spot): Create a Pod, spot", DOCS_SPOT, """
+    PublishedOp(
+        "docs (spot): Create a Pod, spot",
+        DOCS_SPOT,
+        """
 mutation {
   podRentInterruptable(
     input: {
@@ -423,7 +496,9 @@ mutation {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "podRentInterruptable": {
@@ -437,8 +512,13 @@ mutation {
     }
   }
 }
-""",)),
-    PublishedOp("docs (spot): Get GPU type details, with the spot price", DOCS_SPOT, """
+""",
+        ),
+    ),
+    PublishedOp(
+        "docs (spot): Get GPU type details, with the spot price",
+        DOCS_SPOT,
+        """
 query {
   gpuTypes(input: { id: "NVIDIA GeForce RTX 3090" }) {
     id
@@ -452,7 +532,9 @@ query {
     }
   }
 }
-""", ("""
+""",
+        (
+            """
 {
   "data": {
     "gpuTypes": [
@@ -470,5 +552,7 @@ query {
     ]
   }
 }
-""",)),
+""",
+        ),
+    ),
 )

@@ -6,7 +6,10 @@ from __future__ import annotations
 from tests.testing.runpod_published_ops import POD_ID, SDK, PublishedOp
 
 SDK_OPS: tuple[PublishedOp, ...] = (
-    PublishedOp("sdk: get_gpus", SDK, """
+    PublishedOp(
+        "sdk: get_gpus",
+        SDK,
+        """
 query GpuTypes {
   gpuTypes {
     id
@@ -14,8 +17,13 @@ query GpuTypes {
     memoryInGb
   }
 }
-""", sdk=("runpod.api.queries.gpus", "QUERY_GPU_TYPES", None)),
-    PublishedOp("sdk: get_gpu", SDK, """
+""",
+        sdk=("runpod.api.queries.gpus", "QUERY_GPU_TYPES", None),
+    ),
+    PublishedOp(
+        "sdk: get_gpu",
+        SDK,
+        """
     query GpuTypes {
       gpuTypes(input: {id: "NVIDIA RTX A6000"}) {
         maxGpuCount
@@ -39,8 +47,13 @@ query GpuTypes {
         }
       }
     }
-    """, sdk=("runpod.api.queries.gpus", "generate_gpu_query", ("NVIDIA RTX A6000", 1))),
-    PublishedOp("sdk: get_pods", SDK, """
+    """,
+        sdk=("runpod.api.queries.gpus", "generate_gpu_query", ("NVIDIA RTX A6000", 1)),
+    ),
+    PublishedOp(
+        "sdk: get_pods",
+        SDK,
+        """
 query myPods {
     myself {
         pods {
@@ -79,8 +92,14 @@ query myPods {
         }
     }
 }
-""", needs="pod", sdk=("runpod.api.queries.pods", "QUERY_POD", None)),
-    PublishedOp("sdk: get_pod", SDK, """
+""",
+        needs="pod",
+        sdk=("runpod.api.queries.pods", "QUERY_POD", None),
+    ),
+    PublishedOp(
+        "sdk: get_pod",
+        SDK,
+        """
     query pod {
         pod(input: {podId: "YOUR_POD_ID"}) {
             id
@@ -117,10 +136,16 @@ query myPods {
             }
         }
     }
-    """, needs="pod", sdk=("runpod.api.queries.pods", "generate_pod_query", (POD_ID,))),
+    """,
+        needs="pod",
+        sdk=("runpod.api.queries.pods", "generate_pod_query", (POD_ID,)),
+    ),
     # runpod.create_pod("Runpod Tensorflow", "runpod/tensorflow", "NVIDIA RTX A6000",
     #                   env={"JUPYTER_PASSWORD": "your-password"}) with create_pod's defaults:
-    PublishedOp("sdk: create_pod", SDK, """
+    PublishedOp(
+        "sdk: create_pod",
+        SDK,
+        """
     mutation {
       podFindAndDeployOnDemand(
         input: {
@@ -136,19 +161,55 @@ query myPods {
         }
       }
     }
-    """, sdk=("runpod.api.mutations.pods", "generate_pod_deployment_mutation",
-              ("Runpod Tensorflow", "runpod/tensorflow", "NVIDIA RTX A6000", "ALL", True, True, None, None, 1, 0,
-               10, 1, 1, "", None, "/runpod-volume", {"JUPYTER_PASSWORD": "your-password"}, None, None, None,
-               None, None, None))),
-    PublishedOp("sdk: stop_pod", SDK, """
+    """,
+        sdk=(
+            "runpod.api.mutations.pods",
+            "generate_pod_deployment_mutation",
+            (
+                "Runpod Tensorflow",
+                "runpod/tensorflow",
+                "NVIDIA RTX A6000",
+                "ALL",
+                True,
+                True,
+                None,
+                None,
+                1,
+                0,
+                10,
+                1,
+                1,
+                "",
+                None,
+                "/runpod-volume",
+                {"JUPYTER_PASSWORD": "your-password"},
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+        ),
+    ),
+    PublishedOp(
+        "sdk: stop_pod",
+        SDK,
+        """
     mutation {
         podStop(input: { podId: "YOUR_POD_ID" }) {
             id
             desiredStatus
         }
     }
-    """, needs="pod", sdk=("runpod.api.mutations.pods", "generate_pod_stop_mutation", (POD_ID,))),
-    PublishedOp("sdk: resume_pod", SDK, """
+    """,
+        needs="pod",
+        sdk=("runpod.api.mutations.pods", "generate_pod_stop_mutation", (POD_ID,)),
+    ),
+    PublishedOp(
+        "sdk: resume_pod",
+        SDK,
+        """
     mutation {
         podResume(input: { podId: "YOUR_POD_ID", gpuCount: 1 }) {
             id
@@ -161,10 +222,19 @@ query myPods {
             }
         }
     }
-    """, needs="stopped", sdk=("runpod.api.mutations.pods", "generate_pod_resume_mutation", (POD_ID, 1))),
-    PublishedOp("sdk: terminate_pod", SDK, """
+    """,
+        needs="stopped",
+        sdk=("runpod.api.mutations.pods", "generate_pod_resume_mutation", (POD_ID, 1)),
+    ),
+    PublishedOp(
+        "sdk: terminate_pod",
+        SDK,
+        """
     mutation {
         podTerminate(input: { podId: "YOUR_POD_ID" })
     }
-    """, needs="pod", sdk=("runpod.api.mutations.pods", "generate_pod_terminate_mutation", (POD_ID,))),
+    """,
+        needs="pod",
+        sdk=("runpod.api.mutations.pods", "generate_pod_terminate_mutation", (POD_ID,)),
+    ),
 )

@@ -14,7 +14,10 @@ def test_cpu_a_child_used_counts_as_this_runs():
     hz = os.sysconf("SC_CLK_TCK")
     before = _tree_jiffies(os.getpid())
     with OutsideLoad() as load:  # a child busy for half a second of CPU, reaped: its time is ours
-        subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
-                       check=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
+            check=True,
+            timeout=120,
+        )
     assert _tree_jiffies(os.getpid()) - before >= 0.4 * hz
     assert 0.0 <= load.share <= 1.0

@@ -51,10 +51,17 @@ def post(fake: FakeRunPod, query: str, key: str | None = None, **kw) -> httpx.Re
 
 def create(fake: FakeRunPod, name: str, env: dict[str, str] | None = None) -> str:
     q = "mutation D($input: PodFindAndDeployOnDemandInput) { podFindAndDeployOnDemand(input: $input) { id } }"
-    spec = {"name": name, "imageName": "i", "gpuTypeId": A6000,
-            "env": [{"key": k, "value": v} for k, v in (env or {}).items()]}
-    r = httpx.post(f"{fake.base_url}/graphql", headers={"Authorization": f"Bearer {fake.api_key}"},
-                   json={"query": q, "variables": {"input": spec}})
+    spec = {
+        "name": name,
+        "imageName": "i",
+        "gpuTypeId": A6000,
+        "env": [{"key": k, "value": v} for k, v in (env or {}).items()],
+    }
+    r = httpx.post(
+        f"{fake.base_url}/graphql",
+        headers={"Authorization": f"Bearer {fake.api_key}"},
+        json={"query": q, "variables": {"input": spec}},
+    )
     return r.json()["data"]["podFindAndDeployOnDemand"]["id"]
 
 
@@ -135,8 +142,11 @@ def test_billing_is_rate_times_seconds_from_creation_to_termination(fake, sdk, c
 def test_launch_gets_the_pods_env_after_the_boot_delay(clock):
     launched: list[dict[str, str]] = []
     with FakeRunPod(now=clock, launch=lambda env: launched.append(env), boot_delay_s=0.3) as fake:
-        r = post(fake, 'mutation { podFindAndDeployOnDemand(input: {name: "w", imageName: "i", gpuTypeId: '
-                       '"NVIDIA RTX A6000", env: [{key: "CODERAI_NODE", value: "n1"}]}) { id runtime { uptimeInSeconds } } }')
+        r = post(
+            fake,
+            'mutation { podFindAndDeployOnDemand(input: {name: "w", imageName: "i", gpuTypeId: '
+            '"NVIDIA RTX A6000", env: [{key: "CODERAI_NODE", value: "n1"}]}) { id runtime { uptimeInSeconds } } }',
+        )
         pod = r.json()["data"]["podFindAndDeployOnDemand"]
         assert pod["runtime"] is None and launched == []  # still booting: RunPod shows no runtime yet
         started = time.monotonic()
@@ -153,8 +163,7 @@ def test_never_boot_pods_get_no_process(clock):
     with FakeRunPod(now=clock, launch=lambda env: launched.append(env["RUNPOD_POD_ID"])) as fake:
         fake.never_boot(prefix="stuck-")
         fake.never_boot(count=1)
-        ids = [create(fake, n)
-               for n in ("stuck-1", "next-1", "ok-1")]
+        ids = [create(fake, n) for n in ("stuck-1", "next-1", "ok-1")]
         fake.wait_booted(ids[2])
         assert launched == [ids[2]]
         assert fake.pod(ids[0]).booted_at is None and fake.pod(ids[1]).booted_at is None
@@ -204,7 +213,10 @@ def test_crash_and_a_dying_process_lose_the_runtime_stay_desired_running_and_kee
         proc = fake.wait_booted(pod_id).process
         fake.crash(pod_id)
         assert proc.poll() is not None and runtime(fake, pod_id) == {
-            "desiredStatus": "RUNNING", "podType": "RESERVED", "runtime": None}  # nobody stopped it
+            "desiredStatus": "RUNNING",
+            "podType": "RESERVED",
+            "runtime": None,
+        }  # nobody stopped it
         clock.t += 5
         assert fake.billed_seconds(pod_id) == 5
     with FakeRunPod(now=clock, launch=python_launcher(["-c", "pass"])) as fake:
@@ -216,12 +228,19 @@ def test_crash_and_a_dying_process_lose_the_runtime_stay_desired_running_and_kee
 @pytest.mark.slow
 def test_a_preempted_spot_pod_is_stopped_after_sigterm_and_billed_until_then(clock, tmp_path):
     ready, got = tmp_path / "ready", tmp_path / "got-sigterm"
-    trap = python_launcher(["-c", f"import pathlib, signal; signal.signal(signal.SIGTERM, lambda *_: "
-                            f"pathlib.Path({str(got)!r}).touch()); pathlib.Path({str(ready)!r}).touch(); "
-                            "signal.pause(); signal.pause()"])
+    trap = python_launcher(
+        [
+            "-c",
+            f"import pathlib, signal; signal.signal(signal.SIGTERM, lambda *_: "
+            f"pathlib.Path({str(got)!r}).touch()); pathlib.Path({str(ready)!r}).touch(); "
+            "signal.pause(); signal.pause()",
+        ]
+    )
     with FakeRunPod(now=clock, launch=trap) as fake:
-        q = ('mutation { podRentInterruptable(input: {bidPerGpu: 0.39, name: "s", imageName: "i", '
-             'gpuTypeId: "NVIDIA RTX A6000"}) { id costPerHr podType } }')
+        q = (
+            'mutation { podRentInterruptable(input: {bidPerGpu: 0.39, name: "s", imageName: "i", '
+            'gpuTypeId: "NVIDIA RTX A6000"}) { id costPerHr podType } }'
+        )
         pod = post(fake, q).json()["data"]["podRentInterruptable"]
         assert (pod["costPerHr"], pod["podType"]) == (0.39, "INTERRUPTABLE")
         proc = fake.wait_booted(pod["id"]).process

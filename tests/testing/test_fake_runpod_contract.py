@@ -60,10 +60,17 @@ def fake():
 def send(fake: FakeRunPod, op: PublishedOp, query: str) -> httpx.Response:
     """POST the operation the way its publisher does."""
     if op.source == SDK:  # runpod.api.graphql.run_graphql_query
-        return httpx.post(f"{fake.base_url}/graphql", content=json.dumps({"query": query}),
-                          headers={"Content-Type": "application/json", "Authorization": f"Bearer {fake.api_key}"})
-    return httpx.post(f"{fake.base_url}/graphql", params={"api_key": fake.api_key},  # the docs' cURL
-                      content=json.dumps({"query": query}), headers={"content-type": "application/json"})
+        return httpx.post(
+            f"{fake.base_url}/graphql",
+            content=json.dumps({"query": query}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {fake.api_key}"},
+        )
+    return httpx.post(
+        f"{fake.base_url}/graphql",
+        params={"api_key": fake.api_key},  # the docs' cURL
+        content=json.dumps({"query": query}),
+        headers={"content-type": "application/json"},
+    )
 
 
 def run_ok(fake: FakeRunPod, op: PublishedOp, pod_id: str | None = None) -> dict:
@@ -105,16 +112,28 @@ def check_selected(value, selection: SelectionSetNode, path: str) -> None:
 
 
 def json_type(v) -> str:
-    return ("null" if v is None else "boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float))
-            else "string" if isinstance(v, str) else "array" if isinstance(v, list) else "object")
+    return (
+        "null"
+        if v is None
+        else "boolean"
+        if isinstance(v, bool)
+        else "number"
+        if isinstance(v, (int, float))
+        else "string"
+        if isinstance(v, str)
+        else "array"
+        if isinstance(v, list)
+        else "object"
+    )
 
 
 def check_documented(actual, documented, path: str, pod_id: str | None) -> None:
     """Same keys at every level as the documented output, and the same JSON type where the docs show a value."""
     if documented is None:
         return
-    assert json_type(actual) == json_type(documented), \
+    assert json_type(actual) == json_type(documented), (
         f"{path}: answered {actual!r} ({json_type(actual)}), documented {documented!r} ({json_type(documented)})"
+    )
     if isinstance(documented, dict):
         assert set(actual) == set(documented), f"{path}: answered {sorted(actual)}, documented {sorted(documented)}"
         for k in documented:

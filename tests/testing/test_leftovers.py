@@ -47,8 +47,14 @@ def test_an_orphan_whose_parent_is_gone_is_found_by_its_home():
     this process, and is found all the same (its HOME is the suite's)."""
     before = snapshot()
     tag = uuid.uuid4().hex
-    shell = subprocess.run(["sh", "-c", f'{sys.executable} -c "{SLEEPER}" {tag} >/dev/null 2>&1 & echo $!'],
-                           check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    shell = subprocess.run(
+        ["sh", "-c", f'{sys.executable} -c "{SLEEPER}" {tag} >/dev/null 2>&1 & echo $!'],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     orphan = int(shell.stdout.strip())
     try:
         wait_until(lambda: processes_naming(tag), 10, "the orphan to run")
@@ -123,13 +129,21 @@ def test_a_module_that_leaves_a_process_errors_naming_it_and_the_next_module_run
         "import subprocess, sys\n\n\n"
         "def test_leaks(nats_server):\n"
         f"    subprocess.Popen([sys.executable, '-c', {SLEEPER!r}, {tag!r}], start_new_session=True)\n\n\n"
-        "def test_after_it():\n    pass\n")
+        "def test_after_it():\n    pass\n"
+    )
     (tmp_path / "test_b_next.py").write_text(
         "from coderai.testing.procs import processes_naming\n\n\n"
-        f"def test_nothing_of_the_first_runs():\n    assert not processes_naming({tag!r})\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rE", str(tmp_path)],
-                       check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       stdin=subprocess.DEVNULL)
+        f"def test_nothing_of_the_first_runs():\n    assert not processes_naming({tag!r})\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rE", str(tmp_path)],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     out = r.stdout + r.stderr
     assert "3 passed, 1 error" in out, out
     assert "ERROR at teardown of test_after_it" in out and "test_a_leaky.py left behind" in out, out

@@ -19,8 +19,10 @@ def planted():
     built-model cache. Removed afterwards."""
     outside = Path(os.environ["CODERAI_TEST_OUTSIDE_HOME"])
     tag = uuid.uuid4().hex[:8]
-    paths = [outside / ".cache" / "coderai-bench" / f"planted-{tag}",
-             outside / ".cache" / "coderai" / "models" / f"planted-{tag}-1"]
+    paths = [
+        outside / ".cache" / "coderai-bench" / f"planted-{tag}",
+        outside / ".cache" / "coderai" / "models" / f"planted-{tag}-1",
+    ]
     made = []
     for path in paths:
         try:
@@ -62,9 +64,11 @@ def test_a_file_planted_in_the_real_caches_is_not_seen(planted, suite_home):
 
 
 def test_processes_the_suite_starts_get_the_empty_home(planted, suite_home):
-    code = ("import os, pathlib; from coderai.tiny_models.cache import cache_root; "
-            "print(pathlib.Path.home()); print(cache_root()); "
-            f"print(sorted(p.name for p in cache_root().iterdir() if '{planted}' in p.name))")
+    code = (
+        "import os, pathlib; from coderai.tiny_models.cache import cache_root; "
+        "print(pathlib.Path.home()); print(cache_root()); "
+        f"print(sorted(p.name for p in cache_root().iterdir() if '{planted}' in p.name))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert Path(out[0]) == suite_home
     assert Path(out[1]).is_relative_to(suite_home)

@@ -31,11 +31,17 @@ async def _run(args: argparse.Namespace) -> int:
     store = KeyStore(r, KeyJournal(bus) if bus is not None else None, taken=_file_names(args))
     try:
         if args.cmd == "create":
-            secret, rec = await store.create(args.name, args.scope or ["inference"], models=args.models or [],
-                                             rpm=args.rpm, tpm=args.tpm, budget_usd=args.budget_usd,
-                                             budget_period=args.budget_period,
-                                             default_output_tokens=args.default_output_tokens,
-                                             max_output_tokens=args.max_output_tokens)
+            secret, rec = await store.create(
+                args.name,
+                args.scope or ["inference"],
+                models=args.models or [],
+                rpm=args.rpm,
+                tpm=args.tpm,
+                budget_usd=args.budget_usd,
+                budget_period=args.budget_period,
+                default_output_tokens=args.default_output_tokens,
+                max_output_tokens=args.max_output_tokens,
+            )
             print(json.dumps({"key": secret, **public(rec)}, indent=2))
             print("The key is shown once: store it now.", file=sys.stderr)
         elif args.cmd == "list":
@@ -74,21 +80,34 @@ async def _journal_bus(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="coderai keys", description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", default=os.environ.get("CODERAI_REDIS_URL", ""))
-    ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
-                    help="where `coderai up` left run/up.json (used when no --redis-url)")
+    ap.add_argument(
+        "--data-dir",
+        default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
+        help="where `coderai up` left run/up.json (used when no --redis-url)",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("create", help="a new key, printed once")
     c.add_argument("name")
-    c.add_argument("--scope", action="append", choices=["inference", "admin"], help="repeat for both (default inference)")
+    c.add_argument(
+        "--scope", action="append", choices=["inference", "admin"], help="repeat for both (default inference)"
+    )
     c.add_argument("--models", type=lambda s: [m for m in s.split(",") if m], help="allow-list, comma-separated")
     c.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
     c.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
     c.add_argument("--budget-usd", type=float, default=0.0, help="dollars per period (0: no budget)")
     c.add_argument("--budget-period", choices=["hour", "day", "week", "month"], default="month")
-    c.add_argument("--default-output-tokens", type=int, default=0,
-                   help="output tokens of a request that names none (0: the model's default)")
-    c.add_argument("--max-output-tokens", type=int, default=0,
-                   help="no request gets more output tokens (0: the model's ceiling alone)")
+    c.add_argument(
+        "--default-output-tokens",
+        type=int,
+        default=0,
+        help="output tokens of a request that names none (0: the model's default)",
+    )
+    c.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=0,
+        help="no request gets more output tokens (0: the model's ceiling alone)",
+    )
     sub.add_parser("list", help="every key, without secrets")
     rv = sub.add_parser("revoke", help="refuse a key from now on, on every gateway")
     rv.add_argument("name")

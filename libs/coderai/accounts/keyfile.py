@@ -60,7 +60,13 @@ def write_keys(path: str, records: list[KeyRecord]) -> None:
     for r in records:
         # JSON string escaping is valid TOML basic-string escaping
         scopes = ", ".join(json.dumps(s) for s in r.scopes)
-        lines += ["[[keys]]", f"name = {json.dumps(r.name)}", f"sha256 = {json.dumps(r.sha256)}", f"scopes = [{scopes}]", ""]
+        lines += [
+            "[[keys]]",
+            f"name = {json.dumps(r.name)}",
+            f"sha256 = {json.dumps(r.sha256)}",
+            f"scopes = [{scopes}]",
+            "",
+        ]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as fh:

@@ -71,10 +71,18 @@ def digest(key: str) -> str:
 
 def _to_hash(k: ApiKey) -> dict[str, str]:
     return {
-        "name": k.name, "sha256": k.sha256, "scopes": ",".join(k.scopes), "models": ",".join(k.models),
-        "rpm": str(k.rpm), "tpm": str(k.tpm), "budget_usd": repr(k.budget_usd), "budget_period": k.budget_period,
-        "created": repr(k.created), "revoked": "1" if k.revoked else "0",
-        "default_output_tokens": str(k.default_output_tokens), "max_output_tokens": str(k.max_output_tokens),
+        "name": k.name,
+        "sha256": k.sha256,
+        "scopes": ",".join(k.scopes),
+        "models": ",".join(k.models),
+        "rpm": str(k.rpm),
+        "tpm": str(k.tpm),
+        "budget_usd": repr(k.budget_usd),
+        "budget_period": k.budget_period,
+        "created": repr(k.created),
+        "revoked": "1" if k.revoked else "0",
+        "default_output_tokens": str(k.default_output_tokens),
+        "max_output_tokens": str(k.max_output_tokens),
         "share_cache": "" if k.share_cache is None else "1" if k.share_cache else "0",
     }
 
@@ -83,10 +91,17 @@ def _from_hash(h: dict[Any, Any]) -> ApiKey:
     d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     return ApiKey(
-        name=d["name"], sha256=d["sha256"], scopes=split(d.get("scopes", "")), models=split(d.get("models", "")),
-        rpm=int(d.get("rpm", 0)), tpm=int(d.get("tpm", 0)), budget_usd=float(d.get("budget_usd", 0)),
-        budget_period=d.get("budget_period", "month"), created=float(d.get("created", 0)),  # type: ignore[arg-type]
-        revoked=d.get("revoked") == "1", default_output_tokens=int(d.get("default_output_tokens", 0)),
+        name=d["name"],
+        sha256=d["sha256"],
+        scopes=split(d.get("scopes", "")),
+        models=split(d.get("models", "")),
+        rpm=int(d.get("rpm", 0)),
+        tpm=int(d.get("tpm", 0)),
+        budget_usd=float(d.get("budget_usd", 0)),
+        budget_period=d.get("budget_period", "month"),
+        created=float(d.get("created", 0)),  # type: ignore[arg-type]
+        revoked=d.get("revoked") == "1",
+        default_output_tokens=int(d.get("default_output_tokens", 0)),
         max_output_tokens=int(d.get("max_output_tokens", 0)),
         share_cache={"1": True, "0": False}.get(d.get("share_cache", "")),
     )
@@ -176,8 +191,9 @@ class KeyStore:
             raise KeyError_(f"scopes must be inference and/or admin, not {sorted(bad) or scopes}")
         secret = new_secret()
         rec = ApiKey(name=name, sha256=digest(secret), scopes=scopes, created=time.time(), **limits)
-        if await self.by_name(name) is not None or not await self.redis.set(f"coderai:keyname:{name}", rec.sha256,
-                                                                             nx=True):
+        if await self.by_name(name) is not None or not await self.redis.set(
+            f"coderai:keyname:{name}", rec.sha256, nx=True
+        ):
             raise KeyError_(f"a key named {name!r} exists")
         try:
             await self._keep(rec)

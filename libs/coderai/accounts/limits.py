@@ -149,8 +149,11 @@ class SpendHistory:
         from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
         from coderai.contracts.topology import EVENTS
 
-        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
-                             opt_start_time=datetime.fromtimestamp(t, timezone.utc))
+        cfg = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.fromtimestamp(t, timezone.utc),
+        )
         try:
             sub = await self.bus.js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream=EVENTS.name, config=cfg)
         except NotFoundError:
@@ -215,8 +218,9 @@ class Limiter:
         wait_ms = await self.gcra(keys=[key], args=[60_000 / per_minute, per_minute, cost, mode])
         return float(wait_ms) / 1000
 
-    async def admit(self, name: str, rpm: int, tpm: int, budget_usd: float, period: str,
-                    estimate_usd: float = 0.0) -> Reservation | None:
+    async def admit(
+        self, name: str, rpm: int, tpm: int, budget_usd: float, period: str, estimate_usd: float = 0.0
+    ) -> Reservation | None:
         """Raise Limited unless the key may start a request now; counts the request against `rpm` and reserves
         `estimate_usd` of the budget: the reservation to `refresh` while the request runs and give to `charge`
         when it ends (None without a budget)."""
@@ -231,10 +235,13 @@ class Limiter:
         if budget_usd:
             pid, end = period_id(period, time.time())
             held = Reservation(name, pid, estimate_usd)
-            got = await self._script(self.reserve, [f"coderai:spend:{name}:{pid}", held.key],
-                                     [budget_usd, estimate_usd, RESERVED_TTL_S])
+            got = await self._script(
+                self.reserve, [f"coderai:spend:{name}:{pid}", held.key], [budget_usd, estimate_usd, RESERVED_TTL_S]
+            )
             if got != b"ok" and got != "ok":
-                raise Limited(f"{period}ly budget of ${budget_usd:g} (spent and reserved ${float(got):.4f})", end - time.time())
+                raise Limited(
+                    f"{period}ly budget of ${budget_usd:g} (spent and reserved ${float(got):.4f})", end - time.time()
+                )
             return held
         return None
 
@@ -253,8 +260,9 @@ class Limiter:
         """Keep a running request's reservation from expiring (it would otherwise after RESERVED_TTL_S)."""
         await self.redis.expire(held.key, RESERVED_TTL_S)
 
-    async def charge(self, name: str, tokens: int, tpm: int, cost_usd: float, period: str,
-                     held: Reservation | None = None) -> None:
+    async def charge(
+        self, name: str, tokens: int, tpm: int, cost_usd: float, period: str, held: Reservation | None = None
+    ) -> None:
         """After a request: its tokens against `tpm`; its reservation released (in the period it was made in) and
         its real cost spent (in the period it ends in)."""
         if tpm and tokens:
@@ -262,5 +270,8 @@ class Limiter:
         if held is not None or cost_usd > 0:
             pid, end = period_id(period, time.time())
             reserved = held.key if held else f"coderai:reserved:{name}:{pid}"
-            await self._script(self.settle, [f"coderai:spend:{name}:{pid}", reserved],
-                               [held.estimate_usd if held else 0, cost_usd, int(end) + 86400])
+            await self._script(
+                self.settle,
+                [f"coderai:spend:{name}:{pid}", reserved],
+                [held.estimate_usd if held else 0, cost_usd, int(end) + 86400],
+            )

@@ -300,8 +300,9 @@ class PodMoney:
     def _base(self, pod_id: str) -> list[str]:
         return [self._rec(pod_id), f"{self.p}:rates", f"{self.p}:rate_total", f"{self.p}:booked"]
 
-    async def reserve(self, model: str, pod_id: str, rate_hr: float, amount_usd: float, caps: Caps,
-                      now: float) -> Reservation:
+    async def reserve(
+        self, model: str, pod_id: str, rate_hr: float, amount_usd: float, caps: Caps, now: float
+    ) -> Reservation:
         """Check every cap and reserve `amount_usd` and `rate_hr` for a pod about to be created, atomically.
         Raises OverBudget (nothing reserved) or ReservationError (the pod id is reserved or booked already)."""
         return await self._run("new", model, pod_id, rate_hr, amount_usd, caps, now, None)
@@ -313,24 +314,49 @@ class PodMoney:
         r = reservation
         return await self._run("extend", r.model, r.pod_id, r.rate_hr, more_usd, caps, max(now, r.until), r)
 
-    async def _run(self, mode: str, model: str, pod_id: str, rate_hr: float, amount_usd: float, caps: Caps,
-                   base: float, old: Reservation | None) -> Reservation:
+    async def _run(
+        self,
+        mode: str,
+        model: str,
+        pod_id: str,
+        rate_hr: float,
+        amount_usd: float,
+        caps: Caps,
+        base: float,
+        old: Reservation | None,
+    ) -> Reservation:
         rate, amount = to_micro(rate_hr), to_micro(amount_usd)
         if caps.max_hourly_usd is not None and rate > to_micro(caps.max_hourly_usd):
-            raise OverBudget("max_hourly", model, caps.max_hourly_usd, None,
-                             f"model {model!r} may not run a pod at {_money(rate)}/h: its max_hourly_usd is "
-                             f"{_money(to_micro(caps.max_hourly_usd))}/h")
+            raise OverBudget(
+                "max_hourly",
+                model,
+                caps.max_hourly_usd,
+                None,
+                f"model {model!r} may not run a pod at {_money(rate)}/h: its max_hourly_usd is "
+                f"{_money(to_micro(caps.max_hourly_usd))}/h",
+            )
         a = Fraction(_dec(base))
         b = a + Fraction(amount * 3600, rate) if rate else a
         until = float(b)
         checks = []  # (period, id, end, field, limit or None, micro)
-        for field, period, limit in (("m:" + model, caps.period, caps.budget_usd),
-                                     ("g", caps.global_period, caps.global_budget_usd)):
+        for field, period, limit in (
+            ("m:" + model, caps.period, caps.budget_usd),
+            ("g", caps.global_period, caps.global_budget_usd),
+        ):
             checks += [(period, pid, end, field, limit, m) for pid, end, m in _pieces(period, a, b, amount) if m]
         keys = self._base(pod_id)
-        args: list[Any] = [mode, pod_id, rate, rate if mode == "new" else 0,
-                           -1 if caps.global_max_hourly_usd is None else to_micro(caps.global_max_hourly_usd),
-                           repr(old.until) if old else "", repr(until), model, len(checks), amount]
+        args: list[Any] = [
+            mode,
+            pod_id,
+            rate,
+            rate if mode == "new" else 0,
+            -1 if caps.global_max_hourly_usd is None else to_micro(caps.global_max_hourly_usd),
+            repr(old.until) if old else "",
+            repr(until),
+            model,
+            len(checks),
+            amount,
+        ]
         for period, pid, _, field, limit, m in checks:
             keys += [f"{self.p}:spent:{period}:{pid}", f"{self.p}:reserved:{period}:{pid}"]
             args += [field, -1 if limit is None else to_micro(limit), m]
@@ -341,19 +367,34 @@ class PodMoney:
             got = [_s(x) for x in await self._reserve(keys=keys, args=args)]
         if got[0] == "rate":
             cap = to_micro(caps.global_max_hourly_usd or 0)
-            raise OverBudget("global_hourly", model, caps.global_max_hourly_usd or 0.0, None,
-                             f"a pod for model {model!r} at {_money(rate)}/h would pass the global cap of "
-                             f"{_money(cap)}/h on running pods ({_money(int(got[1]))}/h running or reserved)")
+            raise OverBudget(
+                "global_hourly",
+                model,
+                caps.global_max_hourly_usd or 0.0,
+                None,
+                f"a pod for model {model!r} at {_money(rate)}/h would pass the global cap of "
+                f"{_money(cap)}/h on running pods ({_money(int(got[1]))}/h running or reserved)",
+            )
         if got[0] == "cap":
             period, _, end, field, limit, m = checks[int(got[1]) - 1]
             used = f"{_money(int(got[2]))} spent or reserved, {_money(m)} more asked"
             if field == "g":
-                raise OverBudget("global_budget", model, limit, end,
-                                 f"a pod for model {model!r} would pass the global {_money(to_micro(limit))} "
-                                 f"{period} budget ({used}); it resets at {_utc(end)}")
-            raise OverBudget("budget", model, limit, end,
-                             f"model {model!r} has spent its {_money(to_micro(limit))} {period} budget ({used}); "
-                             f"it resets at {_utc(end)}")
+                raise OverBudget(
+                    "global_budget",
+                    model,
+                    limit,
+                    end,
+                    f"a pod for model {model!r} would pass the global {_money(to_micro(limit))} "
+                    f"{period} budget ({used}); it resets at {_utc(end)}",
+                )
+            raise OverBudget(
+                "budget",
+                model,
+                limit,
+                end,
+                f"model {model!r} has spent its {_money(to_micro(limit))} {period} budget ({used}); "
+                f"it resets at {_utc(end)}",
+            )
         if got[0] != "ok":
             raise ReservationError(f"pod {pod_id!r}: reservation {got[0]}")
         total = amount + (to_micro(old.amount_usd) if old else 0)
@@ -385,16 +426,18 @@ class PodMoney:
                 out.append(Pod(pod_id, h["model"], h["gpu"], int(h["rate"]) / 1e6, float(h["start"])))
         return out
 
-    async def book(self, pod_id: str, model: str, gpu: str, rate_hr: float, start: float, end: float,
-                   now: float) -> LedgerEntry | None:
+    async def book(
+        self, pod_id: str, model: str, gpu: str, rate_hr: float, start: float, end: float, now: float
+    ) -> LedgerEntry | None:
         """Bill a terminated pod from `start` (creation, boot included) to `end`, atomically: one ledger entry,
         spend added to every period kind (cut at boundaries) for the model and globally, its reservation and rate
         released. Booking the same pod again does nothing and returns None. With a journal, the booking is
         journalled first (a pod journalled before is booked as it was journalled)."""
         if end < start:
             raise ValueError(f"pod {pod_id!r} ends ({end}) before it starts ({start})")
-        booking = Booking(pod_id=pod_id, model=model, gpu=gpu, rate_micro=to_micro(rate_hr), start=start, end=end,
-                          booked_at=now)
+        booking = Booking(
+            pod_id=pod_id, model=model, gpu=gpu, rate_micro=to_micro(rate_hr), start=start, end=end, booked_at=now
+        )
         if self.journal is not None:
             booking = await self.journal.keep(booking)
         return await self._book(booking)
@@ -408,14 +451,23 @@ class PodMoney:
                 keys.append(f"{self.p}:spent:{period}:{pid}")
                 amounts.append(m)
         seconds = _dec(bk.end) - _dec(bk.start)
-        fields = {"pod_id": bk.pod_id, "model": bk.model, "gpu": bk.gpu, "rate": usd_str(rate),
-                  "start": repr(float(bk.start)), "end": repr(float(bk.end)), "seconds": f"{seconds:f}",
-                  "usd": usd_str(usd), "booked_at": repr(bk.booked_at)}
+        fields = {
+            "pod_id": bk.pod_id,
+            "model": bk.model,
+            "gpu": bk.gpu,
+            "rate": usd_str(rate),
+            "start": repr(float(bk.start)),
+            "end": repr(float(bk.end)),
+            "seconds": f"{seconds:f}",
+            "usd": usd_str(usd),
+            "booked_at": repr(bk.booked_at),
+        }
         flat = [x for kv in fields.items() for x in kv]
         if not await self._settle(keys=keys, args=[bk.pod_id, "book", bk.model, *amounts, *flat]):
             return None
-        return LedgerEntry("", bk.pod_id, bk.model, bk.gpu, rate / 1e6, bk.start, bk.end, float(seconds), usd / 1e6,
-                           usd)
+        return LedgerEntry(
+            "", bk.pod_id, bk.model, bk.gpu, rate / 1e6, bk.start, bk.end, float(seconds), usd / 1e6, usd
+        )
 
     async def restore(self) -> int:
         """Book into Redis every journalled booking it lacks, then mark it as holding them: on this object's first
@@ -456,8 +508,20 @@ class PodMoney:
         for rid, raw in rows:
             f = {_s(k): _s(v) for k, v in raw.items()}
             usd = to_micro(Decimal(f["usd"]))
-            out.append(LedgerEntry(_s(rid), f["pod_id"], f["model"], f["gpu"], float(f["rate"]), float(f["start"]),
-                                   float(f["end"]), float(f["seconds"]), usd / 1e6, usd))
+            out.append(
+                LedgerEntry(
+                    _s(rid),
+                    f["pod_id"],
+                    f["model"],
+                    f["gpu"],
+                    float(f["rate"]),
+                    float(f["start"]),
+                    float(f["end"]),
+                    float(f["seconds"]),
+                    usd / 1e6,
+                    usd,
+                )
+            )
         return out
 
     async def ledger_total_usd(self) -> float:

@@ -85,8 +85,9 @@ async def stored_by(redis, mark: str, top: int) -> str:
     return (got.decode() if isinstance(got, bytes) else got) or ""
 
 
-async def record_new(redis, events: list[tuple[int, RequestCompleted]], mark: str,
-                     must_exist: bool = False, writer: str = "") -> list[RequestCompleted]:
+async def record_new(
+    redis, events: list[tuple[int, RequestCompleted]], mark: str, must_exist: bool = False, writer: str = ""
+) -> list[RequestCompleted]:
     """Record the events (each with its EVENTS stream sequence) past the sequence stored at `mark`, and move the
     mark, in one transaction: a batch delivered again (its ack lost to a NATS restart after Redis took it) is not
     counted twice. The events recorded, which Prometheus then counts too. `must_exist`: the caller wrote the mark
@@ -155,7 +156,9 @@ async def read(redis, days: list[str], key: str = "", model: str = "") -> list[d
     """Rows for the given days, optionally one key and/or one model, ordered by day, key, model."""
     rows = []
     for day in days:
-        members = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(f"coderai:usage:index:{day}"))
+        members = sorted(
+            m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(f"coderai:usage:index:{day}")
+        )
         for member in members:
             k, m = member.split("\t", 1)
             if (key and k != key) or (model and m != model):

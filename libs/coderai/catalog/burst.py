@@ -50,8 +50,9 @@ class BrokerView(msgspec.Struct, frozen=True, kw_only=True):
     hf_token: str = ""
 
 
-def check_model(m: ModelConfig, *, store_root: Path, endpoint: str | None, token: str | None,
-                gpus: list[Gpu] | str) -> list[Finding]:
+def check_model(
+    m: ModelConfig, *, store_root: Path, endpoint: str | None, token: str | None, gpus: list[Gpu] | str
+) -> list[Finding]:
     """The findings for `m`: its policy, where a pod gets its weights (asking the Hub with `endpoint` and `token`,
     or looking in the head's model store at `store_root`), and whether a GPU type of `gpus` (or why there is no
     list) holds it."""
@@ -62,8 +63,12 @@ def check_model(m: ModelConfig, *, store_root: Path, endpoint: str | None, token
 def _policy(m: ModelConfig) -> Finding:
     p = m.pod
     if p.burst == "never" and not p.min_pods:
-        return Finding("policy", "no", 'pod.burst is "never" (the default) and it keeps no min_pods: it is never '
-                       "sent to a pod; set pod.burst (docs/pods.md)")
+        return Finding(
+            "policy",
+            "no",
+            'pod.burst is "never" (the default) and it keeps no min_pods: it is never '
+            "sent to a pod; set pod.burst (docs/pods.md)",
+        )
     caps = f", at most ${p.max_hourly_usd:g}/h a pod" if p.max_hourly_usd else ""
     budget = f", ${p.budget_usd:g} a {p.period}" if p.budget_usd else ""
     return Finding("policy", "ok", f"pod.burst = {p.burst}, {p.min_pods} to {p.max_pods} pods{caps}{budget}")
@@ -74,9 +79,13 @@ def _weights(m: ModelConfig, store_root: Path, endpoint: str | None, token: str 
     if not m.source:
         if m.store_path:
             return _in_store(f"store_path {m.store_path}", m.store_path, store_root)
-        return Finding("weights", "no", f"no source: a pod has no copy of {m.path}; set source = "
-                       '"hf://<org>/<repo>[/<file>][@<revision>]", a catalogue id or "store://<path>" '
-                       "(docs/pods.md)"), None
+        return Finding(
+            "weights",
+            "no",
+            f"no source: a pod has no copy of {m.path}; set source = "
+            '"hf://<org>/<repo>[/<file>][@<revision>]", a catalogue id or "store://<path>" '
+            "(docs/pods.md)",
+        ), None
     try:
         src = parse_source(m.source)
     except SourceError as exc:
@@ -92,20 +101,25 @@ def _weights(m: ModelConfig, store_root: Path, endpoint: str | None, token: str 
         return Finding("weights", "no", f"{m.source}: {exc}"), None
     size = sum(meta.size or 0 for _, meta in metas.values())
     names = ", ".join(list(metas)[:3]) + (f" and {len(metas) - 3} more" if len(metas) > 3 else "")
-    return Finding("weights", "ok", f"{m.source}: {names} on {where} ({size / GB:.2f} GB); the pod fetches and "
-                   "verifies them"), size
+    return Finding(
+        "weights", "ok", f"{m.source}: {names} on {where} ({size / GB:.2f} GB); the pod fetches and verifies them"
+    ), size
 
 
 def _in_store(what: str, path: str, root: Path) -> tuple[Finding, int | None]:
     """A file or folder ("/" at the end) of the head's model store, looked up on this machine."""
     local = root / path.removesuffix("/")
     if not local.exists():
-        return Finding("weights", "no", f"{what}: not in the head's model store {root} (run this on the head, or "
-                       "give its --data-dir)"), None
+        return Finding(
+            "weights",
+            "no",
+            f"{what}: not in the head's model store {root} (run this on the head, or give its --data-dir)",
+        ), None
     files = [f for f in local.rglob("*") if f.is_file()] if local.is_dir() else [local]
     size = sum(f.stat().st_size for f in files)
-    return Finding("weights", "ok", f"{what}: in the head's model store ({size / GB:.2f} GB); the pod fetches it "
-                   "over the bus"), size
+    return Finding(
+        "weights", "ok", f"{what}: in the head's model store ({size / GB:.2f} GB); the pod fetches it over the bus"
+    ), size
 
 
 def _size(m: ModelConfig, weights: int | None, gpus: list[Gpu] | str) -> Finding:
@@ -126,8 +140,9 @@ def _size(m: ModelConfig, weights: int | None, gpus: list[Gpu] | str) -> Finding
     if not holds:
         big = max(gpus, key=lambda g: g.memory_gb, default=None)
         largest = f" (the largest: {big.id}, {big.memory_gb:g} GB)" if big else ""
-        return Finding("size", "no", f"{needs}: no RunPod GPU type holds that in {count} GPU(s){largest}; raise "
-                       "pod.gpu_count")
+        return Finding(
+            "size", "no", f"{needs}: no RunPod GPU type holds that in {count} GPU(s){largest}; raise pod.gpu_count"
+        )
     return Finding("size", "ok", f"{needs}: {len(holds)} of {len(gpus)} RunPod GPU types hold it in {count} GPU(s)")
 
 
@@ -137,8 +152,12 @@ def runpod_gpus(view: BrokerView, timeout_s: float = 10.0) -> list[Gpu] | str:
         return "no RunPod API key (CODERAI_POD_BROKER_RUNPOD_API_KEY or RUNPOD_API_KEY)"
     url = view.runpod_api_base.rstrip("/") + "/graphql"
     try:
-        r = httpx.post(url, json={"query": _GPU_TYPES}, timeout=timeout_s,
-                       headers={"Authorization": f"Bearer {view.runpod_api_key}", "User-Agent": "coderai-models-check"})
+        r = httpx.post(
+            url,
+            json={"query": _GPU_TYPES},
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {view.runpod_api_key}", "User-Agent": "coderai-models-check"},
+        )
         body = r.json() if r.status_code == 200 else None
     except httpx.TransportError as exc:
         return f"{httpx.URL(url).host} unreachable (offline?): {type(exc).__name__}"

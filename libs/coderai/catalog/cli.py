@@ -38,8 +38,10 @@ class Bar:
 
     def __call__(self, p: Progress) -> None:
         step = int(p.percent // 10)
-        text = (f"{p.name} {p.state:<11} {p.percent:5.1f}%  {_size(p.bytes_done)}/{_size(p.bytes_total)}  "
-                f"{_size(p.rate_bps)}/s  {p.file}")
+        text = (
+            f"{p.name} {p.state:<11} {p.percent:5.1f}%  {_size(p.bytes_done)}/{_size(p.bytes_total)}  "
+            f"{_size(p.rate_bps)}/s  {p.file}"
+        )
         if self.tty:
             width = 30
             fill = int(width * p.percent / 100)
@@ -109,22 +111,48 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
 
     try:
         rec = store.get(args.name)
-        est = estimate(ModelConfig(name=rec.name, engine=rec.engine, path=str(store.model_path(rec)),  # type: ignore[arg-type]
-                                   params=rec.params, memory_mb=rec.memory_mb))
-        out: dict[str, Any] = {"name": rec.name, "repo": rec.repo, "revision": rec.revision, "commit": rec.commit,
-                               "engine": rec.engine, "kind": rec.kind, "path": str(store.model_path(rec)),
-                               "size": rec.size, "files": len(rec.files), "pulled": True}
+        est = estimate(
+            ModelConfig(
+                name=rec.name,
+                engine=rec.engine,
+                path=str(store.model_path(rec)),  # type: ignore[arg-type]
+                params=rec.params,
+                memory_mb=rec.memory_mb,
+            )
+        )
+        out: dict[str, Any] = {
+            "name": rec.name,
+            "repo": rec.repo,
+            "revision": rec.revision,
+            "commit": rec.commit,
+            "engine": rec.engine,
+            "kind": rec.kind,
+            "path": str(store.model_path(rec)),
+            "size": rec.size,
+            "files": len(rec.files),
+            "pulled": True,
+        }
     except CatalogError:
         if args.name not in BUILTIN:
             raise
         e = BUILTIN[args.name]
         est = estimate(ModelConfig(name=e.name, engine=e.engine, path="", memory_mb=e.memory_mb), e.size_mb * MB)  # type: ignore[arg-type]
-        out = {"name": e.name, "repo": e.repo, "engine": e.engine, "kind": e.kind, "size": e.size_mb * MB,
-               "pulled": False}
+        out = {
+            "name": e.name,
+            "repo": e.repo,
+            "engine": e.engine,
+            "kind": e.kind,
+            "size": e.size_mb * MB,
+            "pulled": False,
+        }
     need = est.total
     out["memory_mb"] = need // MB
-    out["memory"] = {"weights_mb": est.weights // MB, "kv_cache_mb": est.kv_cache // MB,
-                     "overhead_mb": est.overhead // MB, "from": est.source}
+    out["memory"] = {
+        "weights_mb": est.weights // MB,
+        "kv_cache_mb": est.kv_cache // MB,
+        "overhead_mb": est.overhead // MB,
+        "from": est.source,
+    }
     nodes = _nodes(args) if not args.no_nodes else "not asked (--no-nodes)"
     if isinstance(nodes, str):
         out["nodes"], out["nodes_note"] = [], nodes
@@ -134,16 +162,23 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="coderai models", description="Pull models from the Hugging Face Hub by name, "
-                                 "and add, change or stop serving models on the running stack.")
-    ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
-                    help="state directory; models go to <data-dir>/models (default ~/.coderai)")
+    ap = argparse.ArgumentParser(
+        prog="coderai models",
+        description="Pull models from the Hugging Face Hub by name, "
+        "and add, change or stop serving models on the running stack.",
+    )
+    ap.add_argument(
+        "--data-dir",
+        default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
+        help="state directory; models go to <data-dir>/models (default ~/.coderai)",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pull", help="download a catalogue name, <owner>/<repo> or <owner>/<repo>:<file>")
     p.add_argument("spec")
     p.add_argument("--name", default="", help="the model's name (default: the catalogue name or the file's stem)")
-    p.add_argument("--place", action="store_true",
-                   help="add it to the models file and, when a stack is running, serve it at once")
+    p.add_argument(
+        "--place", action="store_true", help="add it to the models file and, when a stack is running, serve it at once"
+    )
     p.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""), help="the running stack's NATS")
     p.add_argument("--models-file", default="", help="the scheduler's models file (default <data-dir>/models.toml)")
     p.add_argument("--endpoint", default="", help="a Hub mirror (default HF_ENDPOINT, else huggingface.co)")
@@ -151,34 +186,58 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("catalog", help="the built-in catalogue").add_argument("--json", action="store_true")
     stack = argparse.ArgumentParser(add_help=False)
     stack.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""), help="the running stack's NATS")
-    stack.add_argument("--models-file", default="",
-                       help="the models file edited when no stack runs (default <data-dir>/models.toml)")
-    a = sub.add_parser("add", parents=[stack], help="serve a new model: on the running stack at once (its scheduler "
-                       "writes it to its models file), else into the models file, served when the stack starts")
+    stack.add_argument(
+        "--models-file", default="", help="the models file edited when no stack runs (default <data-dir>/models.toml)"
+    )
+    a = sub.add_parser(
+        "add",
+        parents=[stack],
+        help="serve a new model: on the running stack at once (its scheduler "
+        "writes it to its models file), else into the models file, served when the stack starts",
+    )
     a.add_argument("name")
     a.add_argument("--engine", required=True, help="llama, llama-server, embed, whisper, tts, diffusers, ...")
     a.add_argument("--path", required=True, help="the model's file or folder")
     a.add_argument("--param", action="append", default=[], metavar="K=V", help="an engine parameter (repeat it)")
     a.add_argument("--resident", choices=["always", "on_demand"], help="default: loaded while it fits")
     a.add_argument("--keep-alive", type=float, metavar="S", help="idle seconds before it is unloaded")
-    a.add_argument("--set", dest="fields", action="append", default=[], metavar="FIELD=VALUE",
-                   help="any other field (repeat it); " + _FIELDS_HELP)
+    a.add_argument(
+        "--set",
+        dest="fields",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other field (repeat it); " + _FIELDS_HELP,
+    )
     s = sub.add_parser("set", parents=[stack], help="change fields of a served model (it reloads with them)")
     s.add_argument("name")
     s.add_argument("fields", nargs="+", metavar="FIELD=VALUE", help=_FIELDS_HELP)
-    r = sub.add_parser("rm", parents=[stack], help="stop serving a model: new requests get a 404 at once, requests "
-                       "in flight finish first; --files also deletes its pulled files")
+    r = sub.add_parser(
+        "rm",
+        parents=[stack],
+        help="stop serving a model: new requests get a 404 at once, requests "
+        "in flight finish first; --files also deletes its pulled files",
+    )
     r.add_argument("name")
-    r.add_argument("--files", action="store_true",
-                   help="also delete the model's files from <data-dir>/models (a model only pulled, never served: "
-                        "just that)")
-    i = sub.add_parser("info", aliases=["show"], help="size, engine, memory (weights, KV cache, overhead), and the "
-                       "live nodes it fits on")
+    r.add_argument(
+        "--files",
+        action="store_true",
+        help="also delete the model's files from <data-dir>/models (a model only pulled, never served: just that)",
+    )
+    i = sub.add_parser(
+        "info",
+        aliases=["show"],
+        help="size, engine, memory (weights, KV cache, overhead), and the live nodes it fits on",
+    )
     i.add_argument("name")
     i.add_argument("--nats-url", default=os.environ.get("CODERAI_NATS_URL", ""))
     i.add_argument("--no-nodes", action="store_true", help="do not ask the scheduler")
-    c = sub.add_parser("check", parents=[stack], help="can the model burst to a rented pod, and if not, why not: its "
-                       "policy, where a pod gets its weights (asks the Hub), and whether a RunPod GPU type holds it")
+    c = sub.add_parser(
+        "check",
+        parents=[stack],
+        help="can the model burst to a rented pod, and if not, why not: its "
+        "policy, where a pod gets its weights (asks the Hub), and whether a RunPod GPU type holds it",
+    )
     c.add_argument("name")
     c.add_argument("--endpoint", default="", help="a Hub mirror (default HF_ENDPOINT, else huggingface.co)")
     return ap
@@ -202,8 +261,10 @@ def _place_now(args: argparse.Namespace, entry: dict[str, Any]) -> str:
     return f"placed: the running stack serves {cfg.name} as soon as a node has loaded it"
 
 
-_FIELDS_HELP = ("any field of a models-file entry (docs/models.md): the value is JSON when it parses as JSON (2, true, "
-                "[\"a\"]), else a string; params.K=V sets one engine parameter; FIELD= resets a field to its default")
+_FIELDS_HELP = (
+    "any field of a models-file entry (docs/models.md): the value is JSON when it parses as JSON (2, true, "
+    '["a"]), else a string; params.K=V sets one engine parameter; FIELD= resets a field to its default'
+)
 
 
 def _fields(table: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
@@ -276,14 +337,18 @@ def _add(args: argparse.Namespace) -> str:
     table = _fields(table, [f"params.{p}" for p in args.param])
     table |= {k: v for k, v in (("resident", args.resident), ("keep_alive_s", args.keep_alive)) if v is not None}
     cfg = _config(_fields(table, args.fields))
-    reply = _on_head(args, lambda bus: bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), timeout=5.0))
+    reply = _on_head(
+        args, lambda bus: bus.request(CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), timeout=5.0)
+    )
     if isinstance(reply, BusError):
         hint = "; `coderai models set` changes it" if reply.code == "conflict" else ""
         raise CatalogError(f"{reply.message}{hint}")
     if not isinstance(reply, str):
         return f"added {cfg.name}: the running stack serves it as soon as a node has loaded it"
     if _in_file(args, cfg.name) is not None:
-        raise CatalogError(f"{_models_file(args)} has a model named {cfg.name!r} already; `coderai models set` changes it")
+        raise CatalogError(
+            f"{_models_file(args)} has a model named {cfg.name!r} already; `coderai models set` changes it"
+        )
     return f"no running stack reached ({reply}); added {cfg.name} to {_write_file(args, cfg.name, cfg)}: served when the stack starts"
 
 
@@ -325,11 +390,22 @@ def _check(args: argparse.Namespace, store: ModelStore) -> bool:
         raise CatalogError(str(exc)) from None
     if not view.runpod_api_key and os.environ.get("RUNPOD_API_KEY"):  # as `coderai up` takes it
         view = msgspec.structs.replace(view, runpod_api_key=os.environ["RUNPOD_API_KEY"])
-    findings = check_model(cfg, store_root=store.root, endpoint=args.endpoint or os.environ.get("HF_ENDPOINT") or None,
-                           token=os.environ.get("HF_TOKEN") or view.hf_token or None, gpus=runpod_gpus(view))
+    findings = check_model(
+        cfg,
+        store_root=store.root,
+        endpoint=args.endpoint or os.environ.get("HF_ENDPOINT") or None,
+        token=os.environ.get("HF_TOKEN") or view.hf_token or None,
+        gpus=runpod_gpus(view),
+    )
     ok = all(f.status != "no" for f in findings)
     skipped = sum(f.status == "skipped" for f in findings)
-    said = "cannot burst" if not ok else f"can burst, as far as was checked ({skipped} skipped)" if skipped else "can burst"
+    said = (
+        "cannot burst"
+        if not ok
+        else f"can burst, as far as was checked ({skipped} skipped)"
+        if skipped
+        else "can burst"
+    )
     print(f"{cfg.name}: {said}")
     for f in findings:
         print(f"  {f.topic:<8} {f.status:<8} {f.text}")
@@ -370,12 +446,18 @@ def _rm(args: argparse.Namespace, store: ModelStore) -> list[str]:
     from coderai.contracts.subjects import CMD_SCHEDULER_REMOVE
 
     said: list[str] = []
-    reply = _on_head(args, lambda bus: bus.request(CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=args.name), timeout=5.0))
+    reply = _on_head(
+        args, lambda bus: bus.request(CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=args.name), timeout=5.0)
+    )
     if isinstance(reply, str):
         if _in_file(args, args.name) is not None:
-            said.append(f"no running stack reached ({reply}); removed {args.name} from {_write_file(args, args.name, None)}")
+            said.append(
+                f"no running stack reached ({reply}); removed {args.name} from {_write_file(args, args.name, None)}"
+            )
         elif not args.files:
-            raise CatalogError(f"no model {args.name!r} in {_models_file(args)}, and no running stack reached ({reply})")
+            raise CatalogError(
+                f"no model {args.name!r} in {_models_file(args)}, and no running stack reached ({reply})"
+            )
     elif isinstance(reply, BusError):
         if reply.code != "not_found" or not args.files:
             raise CatalogError(reply.message)
@@ -395,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pull":
             t0 = time.monotonic()
             rec = pull(args.spec, store, Bar(), name=args.name, endpoint=args.endpoint or None)
-            print(f"pulled {rec.name} ({rec.engine}, {_size(rec.size)}) in {time.monotonic() - t0:.1f}s: "
-                  f"{store.model_path(rec)}")
+            print(
+                f"pulled {rec.name} ({rec.engine}, {_size(rec.size)}) in {time.monotonic() - t0:.1f}s: "
+                f"{store.model_path(rec)}"
+            )
             if args.place:
                 entry = model_entry(rec, store)
                 path = append_model(args.models_file or store.data / "models.toml", entry)
@@ -405,15 +489,39 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "list":
             rows = store.list()
             if args.json:
-                print(json.dumps([{"name": r.name, "repo": r.repo, "engine": r.engine, "kind": r.kind,
-                                   "size": r.size, "path": str(store.model_path(r))} for r in rows]))
+                print(
+                    json.dumps(
+                        [
+                            {
+                                "name": r.name,
+                                "repo": r.repo,
+                                "engine": r.engine,
+                                "kind": r.kind,
+                                "size": r.size,
+                                "path": str(store.model_path(r)),
+                            }
+                            for r in rows
+                        ]
+                    )
+                )
             for r in [] if args.json else rows:
                 print(f"{r.name:<32} {r.engine:<10} {r.kind:<11} {_size(r.size):>10}  {r.repo}")
         elif args.cmd == "catalog":
             for e in BUILTIN.values():
-                print(json.dumps({"name": e.name, "repo": e.repo, "engine": e.engine, "kind": e.kind,
-                                  "size_mb": e.size_mb, "memory_mb": e.memory_mb}) if args.json else
-                      f"{e.name:<28} {e.engine:<10} {e.kind:<11} ~{e.size_mb:>5} MB  {e.repo}")
+                print(
+                    json.dumps(
+                        {
+                            "name": e.name,
+                            "repo": e.repo,
+                            "engine": e.engine,
+                            "kind": e.kind,
+                            "size_mb": e.size_mb,
+                            "memory_mb": e.memory_mb,
+                        }
+                    )
+                    if args.json
+                    else f"{e.name:<28} {e.engine:<10} {e.kind:<11} ~{e.size_mb:>5} MB  {e.repo}"
+                )
         elif args.cmd == "rm":
             print("\n".join(_rm(args, store)))
         elif args.cmd in ("add", "set"):

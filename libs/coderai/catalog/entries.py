@@ -37,33 +37,107 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _gguf(name: str, repo: str, file: str, size_mb: int, memory_mb: int, n_ctx: int = 4096) -> Entry:
-    return Entry(name=name, repo=repo, files=[file], main=file, engine="llama-server", kind="chat", size_mb=size_mb,
-                 memory_mb=memory_mb, params={"n_ctx": n_ctx})
+    return Entry(
+        name=name,
+        repo=repo,
+        files=[file],
+        main=file,
+        engine="llama-server",
+        kind="chat",
+        size_mb=size_mb,
+        memory_mb=memory_mb,
+        params={"n_ctx": n_ctx},
+    )
 
 
 _ST_EXCLUDE = ["onnx/*", "openvino/*", "*.h5", "*.ot", "*.msgpack", "pytorch_model.bin", "*.onnx"]
 _CT2 = ["config.json", "model.bin", "tokenizer.json", "vocabulary.txt", "preprocessor_config.json"]
 
-BUILTIN: dict[str, Entry] = {e.name: e for e in [
-    _gguf("qwen2.5-0.5b-instruct", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf", 491, 900),
-    _gguf("qwen2.5-7b-instruct", "bartowski/Qwen2.5-7B-Instruct-GGUF", "Qwen2.5-7B-Instruct-Q4_K_M.gguf", 4680, 6400),
-    _gguf("llama-3.2-1b-instruct", "bartowski/Llama-3.2-1B-Instruct-GGUF", "Llama-3.2-1B-Instruct-Q4_K_M.gguf", 808, 1400),
-    _gguf("llama-3.2-3b-instruct", "bartowski/Llama-3.2-3B-Instruct-GGUF", "Llama-3.2-3B-Instruct-Q4_K_M.gguf", 2020, 3000),
-    _gguf("mistral-7b-instruct", "bartowski/Mistral-7B-Instruct-v0.3-GGUF", "Mistral-7B-Instruct-v0.3-Q4_K_M.gguf", 4370, 6000),
-    Entry(name="bge-small-en-v1.5", repo="BAAI/bge-small-en-v1.5", engine="embed", kind="embed", exclude=_ST_EXCLUDE,
-          size_mb=134, memory_mb=400),
-    Entry(name="all-minilm-l6-v2", repo="sentence-transformers/all-MiniLM-L6-v2", engine="embed", kind="embed",
-          exclude=_ST_EXCLUDE, size_mb=91, memory_mb=350),
-    *[Entry(name=f"whisper-{s}", repo=f"Systran/faster-whisper-{s}", engine="whisper", kind="transcribe",
-            include=_CT2, size_mb=mb, memory_mb=mem) for s, mb, mem in
-      (("tiny", 75, 400), ("base", 145, 600), ("small", 484, 1400))],
-    Entry(name="piper-en-us-lessac-medium", repo="rhasspy/piper-voices", engine="tts", kind="speech",
-          files=["en/en_US/lessac/medium/en_US-lessac-medium.onnx", "en/en_US/lessac/medium/en_US-lessac-medium.onnx.json"],
-          main="en/en_US/lessac/medium/en_US-lessac-medium.onnx", size_mb=63, memory_mb=300),
-    Entry(name="sd-turbo", repo="stabilityai/sd-turbo", engine="diffusers", kind="image", size_mb=2600, memory_mb=5000,
-          exclude=["sd_turbo*.safetensors", "*.fp16.*", "*.bin", "*.ckpt", "*.onnx", "*.png", "*.jpg"],
-          params={"steps": 1, "guidance_scale": 0.0}),
-]}
+BUILTIN: dict[str, Entry] = {
+    e.name: e
+    for e in [
+        _gguf(
+            "qwen2.5-0.5b-instruct", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf", 491, 900
+        ),
+        _gguf(
+            "qwen2.5-7b-instruct", "bartowski/Qwen2.5-7B-Instruct-GGUF", "Qwen2.5-7B-Instruct-Q4_K_M.gguf", 4680, 6400
+        ),
+        _gguf(
+            "llama-3.2-1b-instruct",
+            "bartowski/Llama-3.2-1B-Instruct-GGUF",
+            "Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+            808,
+            1400,
+        ),
+        _gguf(
+            "llama-3.2-3b-instruct",
+            "bartowski/Llama-3.2-3B-Instruct-GGUF",
+            "Llama-3.2-3B-Instruct-Q4_K_M.gguf",
+            2020,
+            3000,
+        ),
+        _gguf(
+            "mistral-7b-instruct",
+            "bartowski/Mistral-7B-Instruct-v0.3-GGUF",
+            "Mistral-7B-Instruct-v0.3-Q4_K_M.gguf",
+            4370,
+            6000,
+        ),
+        Entry(
+            name="bge-small-en-v1.5",
+            repo="BAAI/bge-small-en-v1.5",
+            engine="embed",
+            kind="embed",
+            exclude=_ST_EXCLUDE,
+            size_mb=134,
+            memory_mb=400,
+        ),
+        Entry(
+            name="all-minilm-l6-v2",
+            repo="sentence-transformers/all-MiniLM-L6-v2",
+            engine="embed",
+            kind="embed",
+            exclude=_ST_EXCLUDE,
+            size_mb=91,
+            memory_mb=350,
+        ),
+        *[
+            Entry(
+                name=f"whisper-{s}",
+                repo=f"Systran/faster-whisper-{s}",
+                engine="whisper",
+                kind="transcribe",
+                include=_CT2,
+                size_mb=mb,
+                memory_mb=mem,
+            )
+            for s, mb, mem in (("tiny", 75, 400), ("base", 145, 600), ("small", 484, 1400))
+        ],
+        Entry(
+            name="piper-en-us-lessac-medium",
+            repo="rhasspy/piper-voices",
+            engine="tts",
+            kind="speech",
+            files=[
+                "en/en_US/lessac/medium/en_US-lessac-medium.onnx",
+                "en/en_US/lessac/medium/en_US-lessac-medium.onnx.json",
+            ],
+            main="en/en_US/lessac/medium/en_US-lessac-medium.onnx",
+            size_mb=63,
+            memory_mb=300,
+        ),
+        Entry(
+            name="sd-turbo",
+            repo="stabilityai/sd-turbo",
+            engine="diffusers",
+            kind="image",
+            size_mb=2600,
+            memory_mb=5000,
+            exclude=["sd_turbo*.safetensors", "*.fp16.*", "*.bin", "*.ckpt", "*.onnx", "*.png", "*.jpg"],
+            params={"steps": 1, "guidance_scale": 0.0},
+        ),
+    ]
+}
 
 KIND = {name: spec.ops[0] for name, spec in FAMILIES.items() if not spec.test_only}  # a family's first op
 
@@ -73,8 +147,10 @@ def parse_spec(spec: str) -> tuple[str, str]:
     repo, _, file = spec.strip().partition(":")
     parts = repo.split("/")
     if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts) or ".." in file.split("/"):
-        raise CatalogError(f"{spec!r} is neither a catalogue name nor <owner>/<repo>[:<file>] "
-                           f"(known names: {', '.join(sorted(BUILTIN))})")
+        raise CatalogError(
+            f"{spec!r} is neither a catalogue name nor <owner>/<repo>[:<file>] "
+            f"(known names: {', '.join(sorted(BUILTIN))})"
+        )
     return repo, file.strip("/")
 
 
@@ -104,8 +180,11 @@ def select(entry: Entry, repo_files: list[str]) -> list[str]:
         keep = [f for f in keep if not any(fnmatch.fnmatch(f, p) for p in entry.exclude)]
     ggufs = [f for f in keep if f.endswith(".gguf")]
     if len(ggufs) > 1:
-        raise CatalogError(f"{entry.repo} holds {len(ggufs)} GGUF files; pick one as {entry.repo}:<file>: "
-                           + ", ".join(sorted(ggufs)[:12]) + (" ..." if len(ggufs) > 12 else ""))
+        raise CatalogError(
+            f"{entry.repo} holds {len(ggufs)} GGUF files; pick one as {entry.repo}:<file>: "
+            + ", ".join(sorted(ggufs)[:12])
+            + (" ..." if len(ggufs) > 12 else "")
+        )
     if ggufs:
         return ggufs
     return [f for f in keep if f not in ("README.md",) and not f.endswith((".md", ".png", ".jpg", ".gif"))]

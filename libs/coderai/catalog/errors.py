@@ -19,8 +19,10 @@ class ChecksumError(CatalogError):
     """A downloaded file's hash is not the one the Hub announced; the file was deleted."""
 
     def __init__(self, file: str, want: str, got: str) -> None:
-        super().__init__(f"{file}: checksum mismatch (the Hub says {want}, the download hashes to {got}); "
-                         "the file was deleted, pull again")
+        super().__init__(
+            f"{file}: checksum mismatch (the Hub says {want}, the download hashes to {got}); "
+            "the file was deleted, pull again"
+        )
         self.file, self.want, self.got = file, want, got
 
 

@@ -88,8 +88,15 @@ class PullJobs:
                 return j
         self.dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        job = Job(id=secrets.token_hex(8), spec=spec, name=entry.name, pid=os.getpid(), created=now,
-                  events=[{"ts": now, "state": "queued"}], progress=Progress(name=entry.name))
+        job = Job(
+            id=secrets.token_hex(8),
+            spec=spec,
+            name=entry.name,
+            pid=os.getpid(),
+            created=now,
+            events=[{"ts": now, "state": "queued"}],
+            progress=Progress(name=entry.name),
+        )
         self._save(job)
         threading.Thread(target=self._run, args=(job,), name=f"pull-{job.id}", daemon=True).start()
         return job
@@ -118,8 +125,14 @@ class PullJobs:
 
         try:
             rec = pull(job.spec, self.store, report, name=job.name, endpoint=self.endpoint, cancel=cancel)
-            job.model = {"name": rec.name, "repo": rec.repo, "engine": rec.engine, "kind": rec.kind,
-                         "path": str(self.store.model_path(rec)), "size": rec.size}
+            job.model = {
+                "name": rec.name,
+                "repo": rec.repo,
+                "engine": rec.engine,
+                "kind": rec.kind,
+                "path": str(self.store.model_path(rec)),
+                "size": rec.size,
+            }
             job.state = "done"
         except CatalogError as exc:
             job.state = "cancelled" if cancel.is_set() else "failed"

@@ -124,8 +124,16 @@ class _Bar:
         pass
 
 
-def pull(spec: str | Entry, store: ModelStore, progress_cb: ProgressCb | None = None, *, name: str = "",
-         endpoint: str | None = None, token: str | None = None, cancel: threading.Event | None = None) -> Pulled:
+def pull(
+    spec: str | Entry,
+    store: ModelStore,
+    progress_cb: ProgressCb | None = None,
+    *,
+    name: str = "",
+    endpoint: str | None = None,
+    token: str | None = None,
+    cancel: threading.Event | None = None,
+) -> Pulled:
     """Download `spec` (a catalogue name, `<repo>` or `<repo>:<file>`, or an Entry: a model's `source`) into
     `store` and record it; returns the record. Raises NotFound (unknown repo, revision or file), ChecksumError,
     Cancelled, MissingExtra, Unreachable, or CatalogError (other network and Hub errors). `endpoint` defaults to
@@ -133,8 +141,13 @@ def pull(spec: str | Entry, store: ModelStore, progress_cb: ProgressCb | None = 
     entry = spec if isinstance(spec, Entry) else resolve(spec, name)
     tracker = _Tracker(Progress(name=entry.name), progress_cb, cancel)
     try:
-        rec = _pull(entry, store, tracker, endpoint or os.environ.get("HF_ENDPOINT") or None,
-                    token or os.environ.get("HF_TOKEN") or None)
+        rec = _pull(
+            entry,
+            store,
+            tracker,
+            endpoint or os.environ.get("HF_ENDPOINT") or None,
+            token or os.environ.get("HF_TOKEN") or None,
+        )
     except CatalogError as exc:
         tracker.emit(force=True, state="failed", error=str(exc))
         raise
@@ -149,8 +162,9 @@ def plan(entry: Entry, endpoint: str | None, token: str | None) -> dict[str, tup
     with _hub_errors(entry, endpoint):
         files = list(entry.files)
         if not files:
-            info = hf.HfApi(endpoint=endpoint, token=token).model_info(entry.repo, revision=entry.revision,
-                                                                        files_metadata=True)
+            info = hf.HfApi(endpoint=endpoint, token=token).model_info(
+                entry.repo, revision=entry.revision, files_metadata=True
+            )
             files = select(entry, [s.rfilename for s in info.siblings or []])
             if not files:
                 raise NotFound(f"{entry.repo} has no files to pull (after include/exclude)")
@@ -164,8 +178,9 @@ def plan(entry: Entry, endpoint: str | None, token: str | None) -> dict[str, tup
 def _pull(entry: Entry, store: ModelStore, t: _Tracker, endpoint: str | None, token: str | None) -> Pulled:
     metas = plan(entry, endpoint, token)
     files = list(metas)
-    t.emit(force=True, state="downloading", files_total=len(files),
-           bytes_total=sum(m.size or 0 for _, m in metas.values()))
+    t.emit(
+        force=True, state="downloading", files_total=len(files), bytes_total=sum(m.size or 0 for _, m in metas.values())
+    )
     known = {(r.repo, f): fr.etag for r in store.list() for f, fr in r.files.items()}
     records: dict[str, FileRecord] = {}
     for i, (f, (url, meta)) in enumerate(metas.items()):
@@ -179,15 +194,29 @@ def _pull(entry: Entry, store: ModelStore, t: _Tracker, endpoint: str | None, to
         engine, kind, guessed_main = guess_engine(files)
         main = main or guessed_main
         if not engine:
-            raise CatalogError(f"pulled {entry.repo}, but cannot tell which engine serves it; "
-                               "add it to the models file by hand")
+            raise CatalogError(
+                f"pulled {entry.repo}, but cannot tell which engine serves it; add it to the models file by hand"
+            )
     commit = next((m.commit_hash for _, m in metas.values() if m.commit_hash), "") or ""
-    return store.add(Pulled(name=entry.name, repo=entry.repo, revision=entry.revision, commit=commit, files=records,
-                            main=main, engine=engine, kind=kind, params=dict(entry.params), memory_mb=entry.memory_mb))
+    return store.add(
+        Pulled(
+            name=entry.name,
+            repo=entry.repo,
+            revision=entry.revision,
+            commit=commit,
+            files=records,
+            main=main,
+            engine=engine,
+            kind=kind,
+            params=dict(entry.params),
+            memory_mb=entry.memory_mb,
+        )
+    )
 
 
-def _fetch(store: ModelStore, repo: str, f: str, url: str, meta: Any, etag: str, recorded: bool,
-           t: _Tracker, token: str | None) -> int:
+def _fetch(
+    store: ModelStore, repo: str, f: str, url: str, meta: Any, etag: str, recorded: bool, t: _Tracker, token: str | None
+) -> int:
     """One file into place (skipped when it is already there and verified); returns its size."""
     dest = store.file_path(repo, f)
     in_place = dest.is_file() and (meta.size is None or dest.stat().st_size == meta.size)
@@ -291,7 +320,9 @@ def _unreachable(exc: BaseException) -> bool:
     if isinstance(exc, ConnectionError):
         return True
     name = type(exc).__name__
-    return name in ("ConnectError", "ConnectTimeout") or (name == "ConnectionError" and "requests" in type(exc).__module__)
+    return name in ("ConnectError", "ConnectTimeout") or (
+        name == "ConnectionError" and "requests" in type(exc).__module__
+    )
 
 
 def _first_line(exc: BaseException) -> str:

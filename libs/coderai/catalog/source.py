@@ -49,8 +49,15 @@ class Source:
             return msgspec.structs.replace(BUILTIN[self.text], name=name)
         if self.kind != "hf":
             raise SourceError(f"{self.text!r} is not fetched from the Hub")
-        return Entry(name=name, repo=self.repo, engine=engine, kind="", files=[self.file] if self.file else [],
-                     main=self.file, revision=self.revision)
+        return Entry(
+            name=name,
+            repo=self.repo,
+            engine=engine,
+            kind="",
+            files=[self.file] if self.file else [],
+            main=self.file,
+            revision=self.revision,
+        )
 
 
 def parse_source(text: str) -> Source:
@@ -63,8 +70,10 @@ def parse_source(text: str) -> Source:
         if text in BUILTIN:
             return Source("catalog", text)
         hint = f"; a Hub repo is written hf://{text}" if text.count("/") >= 1 else ""
-        raise SourceError(f"{text!r} is not hf://<org>/<repo>[/<file>][@<revision>], store://<path>, nor a catalogue "
-                          f"id (known: {', '.join(sorted(BUILTIN))}){hint}")
+        raise SourceError(
+            f"{text!r} is not hf://<org>/<repo>[/<file>][@<revision>], store://<path>, nor a catalogue "
+            f"id (known: {', '.join(sorted(BUILTIN))}){hint}"
+        )
     if scheme == "store":
         try:
             check_store_path(rest.removesuffix("/"))

@@ -129,7 +129,7 @@ class ModelStore:
         repo_dir = self.repo_dir(rec.repo)
         if repo_dir.is_dir() and not any(r.repo == rec.repo for r in index.values()):
             shutil.rmtree(repo_dir, ignore_errors=True)
-        for parent in (repo_dir.parent, ):  # an owner folder left empty
+        for parent in (repo_dir.parent,):  # an owner folder left empty
             with contextlib.suppress(OSError):
                 parent.rmdir()
         return rec
@@ -158,7 +158,13 @@ def fits(model_bytes: int, nodes: list[Any]) -> list[dict[str, Any]]:
         cap = capacity(hb)
         free = hb.vram_free if hb.vram_total else hb.mem_free
         known = cap != UNKNOWN_CAPACITY
-        out.append({"node": hb.node_id, "capacity_mb": cap // MB if known else None,
-                    "free_mb": free // MB if known else None, "fits": cap >= model_bytes,
-                    "fits_now": (free >= model_bytes) if known else True})
+        out.append(
+            {
+                "node": hb.node_id,
+                "capacity_mb": cap // MB if known else None,
+                "free_mb": free // MB if known else None,
+                "fits": cap >= model_bytes,
+                "fits_now": (free >= model_bytes) if known else True,
+            }
+        )
     return out

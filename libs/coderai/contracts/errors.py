@@ -38,8 +38,14 @@ class ErrorReply(Message, frozen=True, kw_only=True, tag="error", tag_field="t")
 class BusError(Exception):
     """Raised on the calling side when a bus reply was an ErrorReply, or no reply came."""
 
-    def __init__(self, code: ErrorCode, message: str, retryable: bool = False, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        retryable: bool = False,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -54,5 +60,11 @@ class BusError(Exception):
 
     def to_reply(self, seq: int = 0) -> ErrorReply:
         """Put this error back on the wire."""
-        return ErrorReply(code=self.code, message=self.message, retryable=self.retryable, seq=seq, param=self.param,
-                          retry_after_s=self.retry_after_s)
+        return ErrorReply(
+            code=self.code,
+            message=self.message,
+            retryable=self.retryable,
+            seq=seq,
+            param=self.param,
+            retry_after_s=self.retry_after_s,
+        )

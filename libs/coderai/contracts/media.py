@@ -217,8 +217,9 @@ class VideoResult(Message, frozen=True, kw_only=True, tag="video", tag_field="ki
     seed: int = 0
 
 
-Output = Union[EmbedResult, RerankResult, ImageResult, SpeechResult, TranscribeResult, DiarizeResult, OcrResult,
-               VideoResult]
+Output = Union[
+    EmbedResult, RerankResult, ImageResult, SpeechResult, TranscribeResult, DiarizeResult, OcrResult, VideoResult
+]
 """What a media engine's `Final` carries."""
 
 MediaJob = Union[EmbedJob, RerankJob, ImageJob, SpeechJob, TranscribeJob, DiarizeJob, OcrJob, VideoJob]

@@ -92,8 +92,12 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # for it and unloads after `keep_alive_s` idle; "" (auto): loaded while it fits, else loaded on demand and
     # evicted (least recently used first) to make room for another
     resident: Literal["", "always", "on_demand"] = ""
-    keep_alive_s: float | None = None  # idle seconds before unloading; None: 300 for on_demand, never otherwise; < 0 never
-    min_replicas: int = 0  # copies kept loaded across the cluster whatever the demand (never evicted, never idle-unloaded)
+    keep_alive_s: float | None = (
+        None  # idle seconds before unloading; None: 300 for on_demand, never otherwise; < 0 never
+    )
+    min_replicas: int = (
+        0  # copies kept loaded across the cluster whatever the demand (never evicted, never idle-unloaded)
+    )
     max_replicas: int = 0  # at most this many copies across the cluster (0: no cap beyond `replicas`)
     devices: list[int] = []  # set by the scheduler in an assignment only: the GPUs (indices on the node) of this copy
     # a request is admitted to an engine of it while its expected wait for a slot (jobs ahead per slot x the recent
@@ -127,4 +131,3 @@ class ModelConfig(Message, frozen=True, kw_only=True):
         if k is None and self.resident == "on_demand":
             k = ON_DEMAND_KEEP_ALIVE_S
         return None if k is None or k < 0 or self.resident == "always" else k
-

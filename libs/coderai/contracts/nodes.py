@@ -36,7 +36,9 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     backend: str = ""  # where its layers run: "cpu", "cuda", ... ("" not reported)
     gpu_layers: int = 0  # layers offloaded to the GPU
     idle_s: float = 0.0  # seconds since its last job ended (or since it loaded); 0 while a job runs
-    keep_alive_s: float | None = None  # idle seconds before it may be unloaded, as the last request set it (None: the model's)
+    keep_alive_s: float | None = (
+        None  # idle seconds before it may be unloaded, as the last request set it (None: the model's)
+    )
     memory: int = 0  # bytes this copy was placed for (the scheduler's estimate)
     devices: list[int] = []  # the GPUs it was started on (indices on the node); [] the engine's default or the CPU
 

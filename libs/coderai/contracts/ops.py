@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coderai.contracts.jobs import ChatJob, CompletionJob, EngineOp, Frame
-from coderai.contracts.media import DiarizeJob, EmbedJob, ImageJob, OcrJob, RerankJob, SpeechJob, TranscribeJob, VideoJob
+from coderai.contracts.media import (
+    DiarizeJob,
+    EmbedJob,
+    ImageJob,
+    OcrJob,
+    RerankJob,
+    SpeechJob,
+    TranscribeJob,
+    VideoJob,
+)
 from coderai.contracts.subject import Subject
 
 # each op's engine subject, declared here with its op (not in subjects.py, which imports this module)
@@ -45,19 +54,29 @@ class OpSpec:
     blobs: bool = False
 
 
-OPS: dict[str, OpSpec] = {s.name: s for s in (
-    OpSpec("chat", ChatJob, ENGINE_CHAT, "POST /v1/chat/completions", "chat", llm=True, batch=True),
-    OpSpec("complete", CompletionJob, ENGINE_COMPLETE, "POST /v1/completions", "completion", llm=True),
-    OpSpec("embed", EmbedJob, ENGINE_EMBED, "POST /v1/embeddings", "embedding", fanout=True, batch=True),
-    OpSpec("rerank", RerankJob, ENGINE_RERANK, "POST /v1/rerank", "rerank", fanout=True),
-    OpSpec("image", ImageJob, ENGINE_IMAGE, "POST /v1/images", "image", fanout=True, blobs=True),
-    OpSpec("speech", SpeechJob, ENGINE_SPEECH, "POST /v1/audio/speech", "speech", fanout=True),
-    OpSpec("transcribe", TranscribeJob, ENGINE_TRANSCRIBE, "POST /v1/audio/transcriptions", "transcription",
-           fanout=True, blobs=True),
-    OpSpec("diarize", DiarizeJob, ENGINE_DIARIZE, "POST /v1/audio/diarization", "diarization", blobs=True),
-    OpSpec("ocr", OcrJob, ENGINE_OCR, "POST /v1/ocr", "ocr", fanout=True, blobs=True),
-    OpSpec("video", VideoJob, ENGINE_VIDEO, "POST /v1/videos", "video"),
-)}
+OPS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        OpSpec("chat", ChatJob, ENGINE_CHAT, "POST /v1/chat/completions", "chat", llm=True, batch=True),
+        OpSpec("complete", CompletionJob, ENGINE_COMPLETE, "POST /v1/completions", "completion", llm=True),
+        OpSpec("embed", EmbedJob, ENGINE_EMBED, "POST /v1/embeddings", "embedding", fanout=True, batch=True),
+        OpSpec("rerank", RerankJob, ENGINE_RERANK, "POST /v1/rerank", "rerank", fanout=True),
+        OpSpec("image", ImageJob, ENGINE_IMAGE, "POST /v1/images", "image", fanout=True, blobs=True),
+        OpSpec("speech", SpeechJob, ENGINE_SPEECH, "POST /v1/audio/speech", "speech", fanout=True),
+        OpSpec(
+            "transcribe",
+            TranscribeJob,
+            ENGINE_TRANSCRIBE,
+            "POST /v1/audio/transcriptions",
+            "transcription",
+            fanout=True,
+            blobs=True,
+        ),
+        OpSpec("diarize", DiarizeJob, ENGINE_DIARIZE, "POST /v1/audio/diarization", "diarization", blobs=True),
+        OpSpec("ocr", OcrJob, ENGINE_OCR, "POST /v1/ocr", "ocr", fanout=True, blobs=True),
+        OpSpec("video", VideoJob, ENGINE_VIDEO, "POST /v1/videos", "video"),
+    )
+}
 
 ENGINE_OPS: dict[str, Subject] = {name: s.subject for name, s in OPS.items()}
 LLM_OPS = frozenset(name for name, s in OPS.items() if s.llm)

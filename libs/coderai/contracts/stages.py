@@ -158,21 +158,28 @@ def check_handoff(handoff: Handoff | None, job: StageJob) -> None:
         raise HandoffMismatch(f"the {stage.kind} stage needs a handoff from the stage before it")
     v = job.job
     if handoff.job_id != job.request_id or handoff.model != v.model:
-        raise HandoffMismatch(f"the handoff belongs to {handoff.job_id} ({handoff.model}), "
-                              f"not {job.request_id} ({v.model})")
+        raise HandoffMismatch(
+            f"the handoff belongs to {handoff.job_id} ({handoff.model}), not {job.request_id} ({v.model})"
+        )
     if (handoff.width, handoff.height, handoff.num_frames) != (v.width, v.height, v.num_frames):
-        raise HandoffMismatch(f"the handoff is for {handoff.num_frames} frames of {handoff.width}x{handoff.height}, "
-                              f"the job asks {v.num_frames} of {v.width}x{v.height}")
+        raise HandoffMismatch(
+            f"the handoff is for {handoff.num_frames} frames of {handoff.width}x{handoff.height}, "
+            f"the job asks {v.num_frames} of {v.width}x{v.height}"
+        )
     if v.seed is not None and handoff.seed != v.seed:
         raise HandoffMismatch(f"the handoff was made with seed {handoff.seed}, the job has {v.seed}", param="seed")
     sched = handoff.scheduler
     if sched.steps != job.steps or len(sched.timesteps) != job.steps:
-        raise HandoffMismatch(f"the handoff's scheduler has {len(sched.timesteps)} of {sched.steps} steps, "
-                              f"the plan {job.steps}", param="steps")
+        raise HandoffMismatch(
+            f"the handoff's scheduler has {len(sched.timesteps)} of {sched.steps} steps, the plan {job.steps}",
+            param="steps",
+        )
     want_done = stage.start if stage.kind == "denoise" else job.steps
     if sched.step_index != want_done:
-        raise HandoffMismatch(f"the handoff has {sched.step_index} steps done; the {stage.kind} stage needs "
-                              f"{want_done} (steps must follow on without a gap or a repeat)")
+        raise HandoffMismatch(
+            f"the handoff has {sched.step_index} steps done; the {stage.kind} stage needs "
+            f"{want_done} (steps must follow on without a gap or a repeat)"
+        )
     if stage.kind == "denoise" and not 0 <= stage.start < stage.end <= job.steps:
         raise HandoffMismatch(f"denoise range {stage.start}..{stage.end} is outside 0..{job.steps}")
     for name, rank in NEEDS[stage.kind].items():

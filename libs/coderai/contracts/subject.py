@@ -68,7 +68,11 @@ class Subject(Generic[Req]):
 
     def parse(self, subject: str) -> dict[str, str]:
         """The placeholder values of a concrete subject of this pattern."""
-        regex = "^" + _PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(self.pattern).replace(r"\{", "{").replace(r"\}", "}")) + "$"
+        regex = (
+            "^"
+            + _PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(self.pattern).replace(r"\{", "{").replace(r"\}", "}"))
+            + "$"
+        )
         m = re.match(regex, subject)
         if not m:
             raise ValueError(f"{subject!r} does not match {self.pattern}")

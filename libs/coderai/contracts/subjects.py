@@ -117,7 +117,9 @@ CMD_BLOB_WRITE = Subject("coderai.cmd.blob.write", BlobWrite, BlobWritten)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 CMD_STORE_LIST = Subject("coderai.cmd.store.list", StoreList, StoreListing)
 
-ENGINE_STAGE = Subject("coderai.engine.{node_id}.{engine_id}.stage", StageJob, StageFrame)  # one stage of a relayed video
+ENGINE_STAGE = Subject(
+    "coderai.engine.{node_id}.{engine_id}.stage", StageJob, StageFrame
+)  # one stage of a relayed video
 CMD_SCHEDULER_STAGES = Subject("coderai.cmd.scheduler.stages", StagePlanRequest, StagePlan)
 
 CMD_SCHEDULER_TRAIN = Subject("coderai.cmd.scheduler.train", FineTuneCreate, FineTuneReply)
@@ -127,4 +129,3 @@ CMD_NODE_TRAIN_STOP = Subject("coderai.cmd.node.{node_id}.train_stop", TrainStop
 CMD_NODE_TRAIN_STATE = Subject("coderai.cmd.node.{node_id}.train_state", TrainStateAsk, TrainState)
 TRAIN_REPORT = Subject("coderai.train.report.{job_id}.{node_id}", TrainReport, bind=("job_id", "node_id"))
 TRAIN_UPLOAD = Subject("coderai.train.upload.{job_id}.{node_id}", AdapterChunk, AdapterAck, bind=("job_id", "node_id"))
-

@@ -36,8 +36,14 @@ def consumer_config(consumer: str) -> object:
     from nats.js.api import AckPolicy, ConsumerConfig  # here only: importing the contracts never loads a bus client
 
     mk, op = consumer.removeprefix("work-").rsplit("-", 1)
-    return ConsumerConfig(name=consumer, durable_name=consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
-                          max_deliver=MAX_DELIVER, filter_subject=f"coderai.work.{mk}.{op}")
+    return ConsumerConfig(
+        name=consumer,
+        durable_name=consumer,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ACK_WAIT_S,
+        max_deliver=MAX_DELIVER,
+        filter_subject=f"coderai.work.{mk}.{op}",
+    )
 
 
 def work_consumer(model: str, op: str) -> str:
@@ -50,4 +56,3 @@ def work_consumers(models: list[ModelConfig]) -> list[str]:
     Fan-out parts and batch lines of one (model, op) share a consumer."""
     queued = FANOUT_OPS | BATCH_OPS
     return sorted({work_consumer(m.name, op) for m in models for op in m.serves() if op in queued})
-

@@ -123,12 +123,22 @@ class BlobProxy(BlobStore):
 
         upload, off, waits = secrets.token_urlsafe(16), 0, 0
         while True:
-            piece = data[off: off + PIECE]
+            piece = data[off : off + PIECE]
             last = off + len(piece) >= len(data)
             try:
-                ack = await self.bus.request(CMD_BLOB_WRITE, BlobWrite(upload=upload, offset=off, data=piece, last=last,
-                                                                       content_type=content_type, filename=filename,
-                                                                       suffix=suffix), timeout=30.0)
+                ack = await self.bus.request(
+                    CMD_BLOB_WRITE,
+                    BlobWrite(
+                        upload=upload,
+                        offset=off,
+                        data=piece,
+                        last=last,
+                        content_type=content_type,
+                        filename=filename,
+                        suffix=suffix,
+                    ),
+                    timeout=30.0,
+                )
             except BusError as exc:  # the gateway holds as many unfinished uploads as it may: wait for room
                 if exc.code != "busy" or waits >= 30:
                     raise
@@ -149,7 +159,9 @@ class BlobProxy(BlobStore):
         out, size = bytearray(), None
         while size is None or len(out) < size:
             try:
-                piece = await self.bus.request(CMD_BLOB_READ, BlobRead(name=blob.name, offset=len(out), limit=PIECE), timeout=30.0)
+                piece = await self.bus.request(
+                    CMD_BLOB_READ, BlobRead(name=blob.name, offset=len(out), limit=PIECE), timeout=30.0
+                )
             except BusError as exc:
                 if exc.code == "not_found":
                     raise BlobMissing(f"blob {blob.name} is gone (expired?)") from None
@@ -188,8 +200,10 @@ class BlobService:
     async def start(self, bus: Any) -> list[Any]:
         from coderai.contracts.subjects import CMD_BLOB_READ, CMD_BLOB_WRITE
 
-        return [await bus.serve(CMD_BLOB_READ, self.read, queue="blobs"),
-                await bus.serve(CMD_BLOB_WRITE, self.write, queue="blobs")]
+        return [
+            await bus.serve(CMD_BLOB_READ, self.read, queue="blobs"),
+            await bus.serve(CMD_BLOB_WRITE, self.write, queue="blobs"),
+        ]
 
     async def read(self, req: Any, _m: Any) -> Any:
         from coderai.contracts import BusError
@@ -205,7 +219,7 @@ class BlobService:
             while len(self._recent) > 4:
                 self._recent.pop(next(iter(self._recent)))
         limit = max(1, min(req.limit, PIECE))
-        return BlobPiece(data=data[req.offset: req.offset + limit], size=len(data))
+        return BlobPiece(data=data[req.offset : req.offset + limit], size=len(data))
 
     async def write(self, req: Any, m: Any) -> Any:
         import time
@@ -223,10 +237,13 @@ class BlobService:
             raise BusError("bad_request", "blob too large", retryable=False)
         if not req.last:
             sender = sender_of(m)
-            if req.upload not in self._uploads and \
-                    sum(1 for s in self._senders.values() if s == sender) >= self.MAX_OPEN_PER_SENDER:
-                raise BusError("busy", f"{self.MAX_OPEN_PER_SENDER} unfinished blob uploads of this sender already",
-                               retryable=True)
+            if (
+                req.upload not in self._uploads
+                and sum(1 for s in self._senders.values() if s == sender) >= self.MAX_OPEN_PER_SENDER
+            ):
+                raise BusError(
+                    "busy", f"{self.MAX_OPEN_PER_SENDER} unfinished blob uploads of this sender already", retryable=True
+                )
             if sum(len(b) for b, _ in self._uploads.values()) + len(req.data) > self.MAX_OPEN_BYTES:
                 raise BusError("busy", "the gateway holds as many unfinished blob uploads as it may", retryable=True)
         buf += req.data

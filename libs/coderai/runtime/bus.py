@@ -45,8 +45,12 @@ _REFUSED: Any = object()  # queued when the server refused to carry the request 
 
 
 def _refused(subject: str) -> BusError:
-    return BusError("internal", f"NATS refused to carry a request to {subject}: this connection's credentials "
-                                "(its cluster role) may not publish there", retryable=False)
+    return BusError(
+        "internal",
+        f"NATS refused to carry a request to {subject}: this connection's credentials "
+        "(its cluster role) may not publish there",
+        retryable=False,
+    )
 
 
 class _Tick:
@@ -85,8 +89,9 @@ DONE: Any = object()
 """Put on a job's queue once the job's thread has returned (or raised)."""
 
 
-async def pump(queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any,
-               queued: Callable[[], bool] | None = None) -> None:
+async def pump(
+    queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any, queued: Callable[[], bool] | None = None
+) -> None:
     """Hand what a job's thread puts on `queue` to `await send(item)` until `DONE`, with a keep-alive frame on
     `writer` whenever nothing came for `keepalive_s`: the caller tells a slow job from a dead worker by it, and
     a queued one (`queued()` true: it waits for a slot) from a running one."""
@@ -124,8 +129,12 @@ class FrameStream:
         data = await get_or_timeout(self.queue, self.first_timeout_s)
         if data is TIMED_OUT:
             if self.first_timeout_s < self.idle_timeout_s:
-                raise Silence("engine_failed", f"the engine sent nothing within {self.first_timeout_s:g}s of the job "
-                              "(lost on its way, or the engine is stalled)", retryable=True)
+                raise Silence(
+                    "engine_failed",
+                    f"the engine sent nothing within {self.first_timeout_s:g}s of the job "
+                    "(lost on its way, or the engine is stalled)",
+                    retryable=True,
+                )
             raise Silence("engine_failed", f"engine went silent for {self.idle_timeout_s:.0f}s", retryable=True)
         self.first_timeout_s = self.idle_timeout_s
         if data is None:  # this process' own connection dropped, not the engine: "try again" (a 503), as request()
@@ -286,7 +295,9 @@ class Bus:
             raise BusError.from_reply(out)
         return out
 
-    async def publish(self, subject: Subject, msg: Any, *, headers: dict[str, str] | None = None, **params: str) -> None:
+    async def publish(
+        self, subject: Subject, msg: Any, *, headers: dict[str, str] | None = None, **params: str
+    ) -> None:
         await self.nc.publish(subject(**params), subject.encode(msg), headers=headers)
 
     async def serve(
@@ -306,7 +317,11 @@ class Bus:
             if not subject.bound_to(m.subject, req):
                 log.warning("dropping a message on %s that speaks for another sender", m.subject)
                 if m.reply:
-                    await m.respond(encode(ErrorReply(code="forbidden", message="the message names another sender than its subject")))
+                    await m.respond(
+                        encode(
+                            ErrorReply(code="forbidden", message="the message names another sender than its subject")
+                        )
+                    )
                 return
             try:
                 out = await handler(req, m)
@@ -322,7 +337,12 @@ class Bus:
         return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
 
     async def serve_stream(
-        self, subject: Subject, handler: StreamHandler, *, queue: str = "", subject_str: str | None = None,
+        self,
+        subject: Subject,
+        handler: StreamHandler,
+        *,
+        queue: str = "",
+        subject_str: str | None = None,
         spawn: Spawn | None = None,
     ) -> Any:
         """Subscribe `handler(job, writer, msg)` for jobs answered with a stream of frames on the job's reply subject.
@@ -347,8 +367,9 @@ class Bus:
             except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log, answer typed
                 rid = (m.headers or {}).get(HDR_REQUEST_ID, "")
                 log.exception("stream handler for %s failed", m.subject, extra={"request_id": rid})
-                await writer.answer(ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}",
-                                               seq=writer.next_seq()))
+                await writer.answer(
+                    ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}", seq=writer.next_seq())
+                )
 
         nc = self.nc
 
@@ -363,8 +384,13 @@ class Bus:
                 return
             if not subject.bound_to(m.subject, job):
                 log.warning("dropping a message on %s that speaks for another sender", m.subject)
-                await writer.answer(ErrorReply(code="forbidden", seq=writer.next_seq(),
-                                               message="the message names another sender than its subject"))
+                await writer.answer(
+                    ErrorReply(
+                        code="forbidden",
+                        seq=writer.next_seq(),
+                        message="the message names another sender than its subject",
+                    )
+                )
                 return
             if spawn is None:
                 await _run(job, writer, m)
@@ -381,7 +407,9 @@ class Bus:
 
         return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
 
-    async def listen(self, subject: Subject, handler: Callable[[Any, Msg], Awaitable[None]], *, subject_str: str | None = None) -> Any:
+    async def listen(
+        self, subject: Subject, handler: Callable[[Any, Msg], Awaitable[None]], *, subject_str: str | None = None
+    ) -> Any:
         """Subscribe `handler(message, msg)` to a publish-only subject; a malformed message is logged and dropped,
         so one bad publisher cannot stop a service."""
 

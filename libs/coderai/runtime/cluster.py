@@ -43,8 +43,13 @@ def token_bits(token: str) -> float:
         return 0.0
     if set(token) <= set(string.hexdigits.lower()) or set(token) <= set(string.digits + "ABCDEF"):
         return len(token) * 4.0
-    classes = [string.digits, string.ascii_lowercase, string.ascii_uppercase, "-_",
-               "".join(c for c in string.punctuation + " " if c not in "-_")]
+    classes = [
+        string.digits,
+        string.ascii_lowercase,
+        string.ascii_uppercase,
+        "-_",
+        "".join(c for c in string.punctuation + " " if c not in "-_"),
+    ]
     alphabet = sum(len(c) for c in classes if any(ch in c for ch in token))
     alphabet += len({ch for ch in token if not any(ch in c for c in classes)})  # anything else (unicode)
     return len(token) * math.log2(max(alphabet, 2))
@@ -53,8 +58,10 @@ def token_bits(token: str) -> float:
 def check_token(token: str) -> str:
     """The token, or WeakToken saying how to make a good one."""
     if token_bits(token) < MIN_TOKEN_BITS:
-        raise WeakToken(f"the cluster token is too weak (about {token_bits(token):.0f} bits; at least {MIN_TOKEN_BITS} "
-                        "are needed): make one with `coderai token new` and give the same token to every machine")
+        raise WeakToken(
+            f"the cluster token is too weak (about {token_bits(token):.0f} bits; at least {MIN_TOKEN_BITS} "
+            "are needed): make one with `coderai token new` and give the same token to every machine"
+        )
     return token
 
 
@@ -120,4 +127,6 @@ def user_of(url: str) -> tuple[str, str]:
 def without_user(url: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
-    return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, parts.query, parts.fragment))
+    return urlunsplit(
+        (parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, parts.query, parts.fragment)
+    )

@@ -32,12 +32,20 @@ class Announcement:
     caps: tuple[str, ...] = ()
 
     def properties(self) -> dict[str, str]:
-        return {"name": self.name, "id": self.node_id, "ver": __version__, "nats": str(self.nats_port or ""),
-                "caps": ",".join(self.caps), "fp": self.fp}
+        return {
+            "name": self.name,
+            "id": self.node_id,
+            "ver": __version__,
+            "nats": str(self.nats_port or ""),
+            "caps": ",".join(self.caps),
+            "fp": self.fp,
+        }
 
 
 def _zeroconf(interfaces: list[str]) -> AsyncZeroconf:
-    return AsyncZeroconf(interfaces=list(interfaces) if interfaces else InterfaceChoice.All, ip_version=IPVersion.V4Only)
+    return AsyncZeroconf(
+        interfaces=list(interfaces) if interfaces else InterfaceChoice.All, ip_version=IPVersion.V4Only
+    )
 
 
 class Announcer:
@@ -71,7 +79,9 @@ class Announcer:
 
 def _local_addresses() -> list[str]:
     try:
-        return sorted({ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}) or ["127.0.0.1"]
+        return sorted(
+            {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+        ) or ["127.0.0.1"]
     except OSError:
         return ["127.0.0.1"]
 

@@ -129,20 +129,28 @@ class Routes:
     tls: Any = None
 
     def conf(self) -> str:
-        auth = f"  authorization {{ user: route, password: {json.dumps(self.password)}, timeout: 2 }}\n" if self.password else ""
+        auth = (
+            f"  authorization {{ user: route, password: {json.dumps(self.password)}, timeout: 2 }}\n"
+            if self.password
+            else ""
+        )
         cred = f"route:{self.password}@" if self.password else ""
         routes = ", ".join(json.dumps(f"nats-route://{cred}{p}") for p in self.peers)
         tls = ""
         if self.tls is not None:
-            tls = (f"  tls {{ cert_file: {json.dumps(str(self.tls.cert))}, key_file: {json.dumps(str(self.tls.key))}, "
-                   f"ca_file: {json.dumps(str(self.tls.ca))}, verify: true, timeout: 2 }}\n")
+            tls = (
+                f"  tls {{ cert_file: {json.dumps(str(self.tls.cert))}, key_file: {json.dumps(str(self.tls.key))}, "
+                f"ca_file: {json.dumps(str(self.tls.ca))}, verify: true, timeout: 2 }}\n"
+            )
         # a route whose peer went silent (its link cut, not closed) is dropped after 3 missed 2 s pings: until then
         # its queue subscribers stay eligible, and a direct KV get (a queue group over the bucket's replicas) sent
         # there is lost; nats-server's default (2 min x 2) left survivors' reads timing out for a minute or more
-        return (f"server_name: {json.dumps(self.name)}\n"
-                f"cluster {{\n  name: {json.dumps(self.cluster)}\n  listen: {json.dumps(self.listen)}\n{auth}{tls}"
-                f"  ping_interval: \"{ROUTE_PING_S}s\"\n  ping_max: {ROUTE_PINGS_MAX}\n"
-                f"  routes: [{routes}]\n}}\n")
+        return (
+            f"server_name: {json.dumps(self.name)}\n"
+            f"cluster {{\n  name: {json.dumps(self.cluster)}\n  listen: {json.dumps(self.listen)}\n{auth}{tls}"
+            f'  ping_interval: "{ROUTE_PING_S}s"\n  ping_max: {ROUTE_PINGS_MAX}\n'
+            f"  routes: [{routes}]\n}}\n"
+        )
 
 
 STORE_SHARE = 2  # JetStream may take 1/STORE_SHARE of what its disk has for it
@@ -168,8 +176,16 @@ class NatsServer(_Server):
     (runtime/members.py), which the server then requires of every client and reads again on SIGHUP (its pid is
     in `pid_file`); `auth` is such a block as text, written to `<data_dir>/auth.conf`."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1", auth: str = "",
-                 users_file: str | os.PathLike | None = None, tls=None, cluster: "Routes | None" = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        auth: str = "",
+        users_file: str | os.PathLike | None = None,
+        tls=None,
+        cluster: "Routes | None" = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.tls = tls  # runtime/tls.TlsFiles: every client must then speak TLS
         self.cluster = cluster  # one head of several: routes to the others, JetStream replicated over them
@@ -243,8 +259,20 @@ class NatsServer(_Server):
         ports_dir.mkdir(parents=True, exist_ok=True)
         for old in ports_dir.glob("*.ports"):
             old.unlink()
-        cmd = [self.binary, "-a", self.host, "-p", str(self.port or -1), "-js", "-sd", str(store), "--ports_file_dir", str(ports_dir),
-               "-P", str(self.pid_file)]
+        cmd = [
+            self.binary,
+            "-a",
+            self.host,
+            "-p",
+            str(self.port or -1),
+            "-js",
+            "-sd",
+            str(store),
+            "--ports_file_dir",
+            str(ports_dir),
+            "-P",
+            str(self.pid_file),
+        ]
         conf = self.users_file
         if self.auth:
             conf = self.data_dir / "auth.conf"
@@ -256,8 +284,10 @@ class NatsServer(_Server):
         text = f"include {json.dumps(os.path.relpath(conf, self.data_dir))}\n" if conf is not None else ""
         text += f"jetstream {{\n  max_file_store: {store_limit(store)}\n}}\n"
         if self.tls is not None:
-            text += (f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
-                     "  handshake_first: true\n}\n")
+            text += (
+                f"tls {{\n  cert_file: {json.dumps(str(self.tls.cert))}\n  key_file: {json.dumps(str(self.tls.key))}\n"
+                "  handshake_first: true\n}\n"
+            )
         if self.cluster is not None:
             text += self.cluster.conf()
         fd = os.open(main, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the route password
@@ -266,15 +296,18 @@ class NatsServer(_Server):
         conf = main
         cmd += ["-c", str(conf)]
         out = open_log(log_file)
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(
+            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent()
+        )
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own copy
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise EmbeddedServerError(f"nats-server exited with {self.proc.returncode} (see {log_file or 'its output'})")
+                raise EmbeddedServerError(
+                    f"nats-server exited with {self.proc.returncode} (see {log_file or 'its output'})"
+                )
             if ports_file.exists():
                 try:
                     self.url = json.loads(ports_file.read_text())["nats"][0]
@@ -300,7 +333,9 @@ def _login_ok(url: str, user: str, password: str) -> bool:
     try:
         with socket.create_connection((parts.hostname, parts.port), timeout=2) as sock:
             sock.recv(4096)  # INFO
-            sock.sendall(b"CONNECT " + json.dumps({"user": user, "pass": password, "verbose": True}).encode() + b"\r\nPING\r\n")
+            sock.sendall(
+                b"CONNECT " + json.dumps({"user": user, "pass": password, "verbose": True}).encode() + b"\r\nPING\r\n"
+            )
             answer = b""
             while b"\r\n" not in answer:
                 chunk = sock.recv(4096)
@@ -318,8 +353,15 @@ class RedisServer(_Server):
     without it (tests, benchmarks) nothing is written to disk. `replicaof` ("host:port") starts it as a replica of
     that master (with `password` also the master's: a replica may be promoted, and a master demoted, by Sentinel)."""
 
-    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, host: str = "127.0.0.1",
-                 durable: bool = False, password: str = "", replicaof: str = "") -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        durable: bool = False,
+        password: str = "",
+        replicaof: str = "",
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
@@ -343,20 +385,33 @@ class RedisServer(_Server):
                 fh.write(f'masterauth "{self.password}"\n')  # as a replica, now or after a failover
             cmd.append(str(conf))
         # a replica gets its first copy at once (a master waits 5 s by default, for more replicas to share one)
-        cmd += ["--port", str(self.port), "--bind", self.host, "--save", "", *persistence, "--repl-diskless-sync-delay", "0",
-                "--dir", str(self.data_dir), "--protected-mode", "yes"]
+        cmd += [
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            *persistence,
+            "--repl-diskless-sync-delay",
+            "0",
+            "--dir",
+            str(self.data_dir),
+            "--protected-mode",
+            "yes",
+        ]
         if self.replicaof:
             master_host, _, master_port = self.replicaof.rpartition(":")
             cmd += ["--replicaof", master_host, master_port]
         out = open_log(log_file)
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(
+            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent()
+        )
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own copy
         self.url = f"redis://{self.host}:{self.port}/0"
         _await_pong(self, "redis-server", timeout_s)
         return self
-
 
     def wait_synced(self, timeout_s: float = 60.0, check_s: float = 2.0) -> None:
         """As a replica: return once it holds the master's data and follows it (`master_link_status:up`).
@@ -369,12 +424,15 @@ class RedisServer(_Server):
         host, _, port = self.replicaof.rpartition(":")
         not_master_since: float | None = None
         next_check = time.monotonic() + check_s
-        with redis.Redis(host=self.host, port=self.port, password=self.password or None, socket_timeout=2,
-                         decode_responses=True) as r:
+        with redis.Redis(
+            host=self.host, port=self.port, password=self.password or None, socket_timeout=2, decode_responses=True
+        ) as r:
             while r.info("replication").get("master_link_status") != "up":
                 now = time.monotonic()
                 if now > deadline:
-                    raise EmbeddedServerError(f"redis-server did not copy its master {self.replicaof} within {timeout_s}s")
+                    raise EmbeddedServerError(
+                        f"redis-server did not copy its master {self.replicaof} within {timeout_s}s"
+                    )
                 if host and now >= next_check:
                     next_check = now + 0.5
                     if _is_master(host, int(port), self.password):
@@ -382,8 +440,9 @@ class RedisServer(_Server):
                     elif not_master_since is None:
                         not_master_since = now
                     elif now - not_master_since >= check_s:
-                        raise EmbeddedServerError(f"redis-server's master {self.replicaof} is no master (a replica, "
-                                                  "or not answering)")
+                        raise EmbeddedServerError(
+                            f"redis-server's master {self.replicaof} is no master (a replica, or not answering)"
+                        )
                 time.sleep(0.05)
 
 
@@ -392,8 +451,14 @@ def _is_master(host: str, port: int, password: str) -> bool:
     import redis
 
     try:
-        with redis.Redis(host=host, port=port, password=password or None, socket_timeout=1,
-                         socket_connect_timeout=1, decode_responses=True) as m:
+        with redis.Redis(
+            host=host,
+            port=port,
+            password=password or None,
+            socket_timeout=1,
+            socket_connect_timeout=1,
+            decode_responses=True,
+        ) as m:
             return m.info("replication").get("role") == "master"
     except redis.RedisError:
         return False
@@ -426,9 +491,18 @@ class RedisSentinel(_Server):
     sentinel itself asks none. Sentinel rewrites its own config file (in `data_dir`, 0600) as it learns the
     replicas and the current master. `url` is the Sentinel URL a client connects with (runtime/redis_client)."""
 
-    def __init__(self, data_dir: str | os.PathLike, master: str, name: str = "coderai", port: int | None = None,
-                 host: str = "127.0.0.1", password: str = "", quorum: int = 1, down_after_ms: int = 300,
-                 failover_timeout_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        master: str,
+        name: str = "coderai",
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str = "",
+        quorum: int = 1,
+        down_after_ms: int = 300,
+        failover_timeout_ms: int = 2000,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.master = master
         self.name = name
@@ -445,12 +519,16 @@ class RedisSentinel(_Server):
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port(self.host)
         master_host, _, master_port = self.master.rpartition(":")
-        lines = [f"port {self.port}", f"bind {self.host}", f"dir {json.dumps(str(self.data_dir))}",
-                 f"sentinel monitor {self.name} {master_host} {master_port} {self.quorum}",
-                 f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}",
-                 f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}",
-                 f"sentinel parallel-syncs {self.name} 1",
-                 f"sentinel myid {self._myid()}"]
+        lines = [
+            f"port {self.port}",
+            f"bind {self.host}",
+            f"dir {json.dumps(str(self.data_dir))}",
+            f"sentinel monitor {self.name} {master_host} {master_port} {self.quorum}",
+            f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}",
+            f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}",
+            f"sentinel parallel-syncs {self.name} 1",
+            f"sentinel myid {self._myid()}",
+        ]
         if self.password:
             lines.append(f'sentinel auth-pass {self.name} "{self.password}"')
         conf = self.data_dir / "sentinel.conf"
@@ -459,8 +537,14 @@ class RedisSentinel(_Server):
         with os.fdopen(fd, "w") as fh:
             fh.write("\n".join(lines) + "\n")
         out = open_log(log_file)
-        self.proc = subprocess.Popen([self.binary, str(conf), "--sentinel"], stdout=out, stderr=out,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(
+            [self.binary, str(conf), "--sentinel"],
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
         if out is not subprocess.DEVNULL:
             out.close()  # the child has its own copy
         self.url = f"redis+sentinel://{self.host}:{self.port}/{self.name}"

@@ -71,7 +71,9 @@ def metadata(path: str | os.PathLike, keys: set[str] | None = None) -> dict[str,
     return out
 
 
-SMALL_ARRAY = 4096  # number arrays up to this long are kept by `layout`: per-layer values (head_count_kv), not vocabularies
+SMALL_ARRAY = (
+    4096  # number arrays up to this long are kept by `layout`: per-layer values (head_count_kv), not vocabularies
+)
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,17 @@ def held_passwords(data_dir: str, node_id: str) -> list[tuple[str, str]]:
         return []
     if not isinstance(saved, dict) or saved.get("node_id") != node_id:
         return []
-    out = [(str(c.get("password", "")), str(c.get("password_hash", ""))) for c in (saved, saved.get("pending") or {})
-           if isinstance(c, dict)]
+    out = [
+        (str(c.get("password", "")), str(c.get("password_hash", "")))
+        for c in (saved, saved.get("pending") or {})
+        if isinstance(c, dict)
+    ]
     return [c for c in out if c[0]]
 
 
-def held_proof(held: list[tuple[str, str]], salt: str, node_id: str, worker_nonce: str, head_nonce: str,
-               password_hash: str) -> str:
+def held_proof(
+    held: list[tuple[str, str]], salt: str, node_id: str, worker_nonce: str, head_nonce: str, password_hash: str
+) -> str:
     """The proof that this node holds the credential the head keeps for its id (`salt` is that hash's), or ''."""
     import bcrypt
 
@@ -116,8 +120,9 @@ async def _first_contact(url: str, name: str, inbox: str, timeout_s: float) -> B
                     raise
 
 
-async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0,
-               wait_s: float = 300.0) -> tuple[str, str]:
+async def join(
+    url: str, token: str, node_id: str, data_dir: str, timeout_s: float = 30.0, wait_s: float = 300.0
+) -> tuple[str, str]:
     """Join the head at `url`; (the URL with this node's own credentials, the CA to pin: '' without TLS), saved
     for the next start. The first contact takes any certificate: the token authenticates the answers, and the
     CA the head seals in its welcome is the only one trusted from then on. An id that is already a member joins
@@ -153,9 +158,18 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         if not isinstance(saved, dict) or saved.get("node_id") != node_id:
             saved = {"node_id": node_id}
         _save(data_dir, {**saved, "pending": {"password": password, "password_hash": password_hash}})
-        welcome = await bus.request(JOIN_PROVE, JoinProof(node_id=node_id, nonce=mine, head_nonce=challenge.nonce,
-                                                          password_hash=password_hash, proof=proof,
-                                                          member_proof=mine_too), timeout=10)
+        welcome = await bus.request(
+            JOIN_PROVE,
+            JoinProof(
+                node_id=node_id,
+                nonce=mine,
+                head_nonce=challenge.nonce,
+                password_hash=password_hash,
+                proof=proof,
+                member_proof=mine_too,
+            ),
+            timeout=10,
+        )
     except BusError as exc:
         raise JoinRefused(f"the head refused the join: {exc.message}") from None
     finally:
@@ -164,9 +178,23 @@ async def join(url: str, token: str, node_id: str, data_dir: str, timeout_s: flo
         raise JoinRefused("the head's welcome is not sealed with the cluster token")
     if welcome.tls_fingerprint and not same(fingerprint(welcome.ca_pem), welcome.tls_fingerprint):
         raise JoinRefused("the head's CA does not match the fingerprint it sealed")
-    _save(data_dir, {"head": without_user(url), "node_id": node_id, "user": welcome.user, "password": password,
-                     "password_hash": password_hash, "tls_fingerprint": welcome.tls_fingerprint, "ca_pem": welcome.ca_pem,
-                     "heads": welcome.heads})
-    log.info("joined the cluster at %s as %s%s", without_user(url), welcome.user,
-             f"; pinned its CA {welcome.tls_fingerprint[:16]}" if welcome.tls_fingerprint else "")
+    _save(
+        data_dir,
+        {
+            "head": without_user(url),
+            "node_id": node_id,
+            "user": welcome.user,
+            "password": password,
+            "password_hash": password_hash,
+            "tls_fingerprint": welcome.tls_fingerprint,
+            "ca_pem": welcome.ca_pem,
+            "heads": welcome.heads,
+        },
+    )
+    log.info(
+        "joined the cluster at %s as %s%s",
+        without_user(url),
+        welcome.user,
+        f"; pinned its CA {welcome.tls_fingerprint[:16]}" if welcome.tls_fingerprint else "",
+    )
     return with_user(url, welcome.user, password), welcome.ca_pem

@@ -52,7 +52,7 @@ async def _subjects(kv: Any) -> list[str]:
         req = msgspec.json.encode({"subjects_filter": pre + ">", "offset": len(keys)})
         resp = await js._api_request(f"{js._prefix}.STREAM.INFO.{kv._stream}", req, timeout=js._timeout)  # noqa: SLF001
         page = (resp.get("state") or {}).get("subjects") or {}
-        keys.extend(subject[len(pre):] for subject in page)
+        keys.extend(subject[len(pre) :] for subject in page)
         if not page or len(keys) >= int(resp.get("total") or 0):
             return keys
 
@@ -71,7 +71,7 @@ async def _entries(kv: Any, prefix: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for i in range(0, len(keys), 64):
-        chunk = keys[i:i + 64]
+        chunk = keys[i : i + 64]
         for key, entry in zip(chunk, await asyncio.gather(*(one(k) for k in chunk))):
             if entry is not None:
                 out[key] = entry
@@ -185,9 +185,16 @@ class KeyWatch:
         inbox = self.bus.nc.new_inbox()
         self._sub = await self.bus.nc.subscribe(inbox)
         self.name = "watch-" + secrets.token_hex(8)
-        cfg = ConsumerConfig(name=self.name, filter_subject=self.subject, deliver_subject=inbox,
-                             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE,
-                             idle_heartbeat=self.HEARTBEAT_S, inactive_threshold=60.0, mem_storage=True)
+        cfg = ConsumerConfig(
+            name=self.name,
+            filter_subject=self.subject,
+            deliver_subject=inbox,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            idle_heartbeat=self.HEARTBEAT_S,
+            inactive_threshold=60.0,
+            mem_storage=True,
+        )
         await self.bus.js.add_consumer(self.stream, cfg)
         return self
 

@@ -37,8 +37,15 @@ class Leader:
     """The lease of `role` for `holder` (a head's id). Run `run()` as a task; read `held` and `token` before
     acting; `on_change(held)` (a function or a coroutine function) is called when leadership is won or lost."""
 
-    def __init__(self, bus: Bus, role: str, holder: str, *, spec: BucketSpec = LEADERS,
-                 on_change: Callable[[bool], Any] | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        role: str,
+        holder: str,
+        *,
+        spec: BucketSpec = LEADERS,
+        on_change: Callable[[bool], Any] | None = None,
+    ) -> None:
         self.bus = bus
         self.role = role
         self.holder = holder
@@ -96,8 +103,10 @@ class Leader:
                     limit = max(0.01, min(limit, self._valid_until - time.monotonic()))
                 deadline = time.monotonic() + limit
                 kv = await asyncio.wait_for(self.bus.kv(self.spec), limit)
-                await asyncio.wait_for(self._renew(kv, sent) if self.token else self._try_win(kv, sent),
-                                       max(0.01, deadline - time.monotonic()))
+                await asyncio.wait_for(
+                    self._renew(kv, sent) if self.token else self._try_win(kv, sent),
+                    max(0.01, deadline - time.monotonic()),
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the bus is down or slow: `held` lapses by itself if it lasts
@@ -122,8 +131,9 @@ class Leader:
             if theirs is None or theirs.holder != self.holder:
                 return
             # our own record, from before this process restarted on this head: take it over with a new token
-            rev = await kv.update(self.role, encode(LeaderRecord(holder=self.holder, since=now, renewed=now)),
-                                  last=entry.revision)
+            rev = await kv.update(
+                self.role, encode(LeaderRecord(holder=self.holder, since=now, renewed=now)), last=entry.revision
+            )
         self.token = self._rev = rev
         self._since = now
         self._valid_until = sent + self.ttl_s * 0.75
@@ -142,8 +152,12 @@ class Leader:
             mine = _record(entry)
             if mine is None or mine.holder != self.holder or (mine.token or entry.revision) != self.token:
                 self.leader = mine.holder if mine else ""
-                log.warning("%s: %s lost the lease (%s)", self.role, self.holder,
-                            f"{self.leader} took it" if self.leader else "it lapsed")
+                log.warning(
+                    "%s: %s lost the lease (%s)",
+                    self.role,
+                    self.holder,
+                    f"{self.leader} took it" if self.leader else "it lapsed",
+                )
                 self.token = 0
                 return
             # our last renewal was stored but its reply was lost: renew on top of it
@@ -183,8 +197,15 @@ async def leaders(kv: Any, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderIn
         if rec is None:
             out.append(LeaderInfo(role=role))
             continue
-        out.append(LeaderInfo(role=role, holder=rec.holder, token=rec.token or entry.revision, since=rec.since,
-                              age_s=round(max(0.0, time.time() - rec.renewed), 3)))
+        out.append(
+            LeaderInfo(
+                role=role,
+                holder=rec.holder,
+                token=rec.token or entry.revision,
+                since=rec.since,
+                age_s=round(max(0.0, time.time() - rec.renewed), 3),
+            )
+        )
     return out
 
 
@@ -215,8 +236,12 @@ def singleton(role: str, settings: Any, make_start: Callable[[Leader], Starter],
         bus = await Bus.connect_as(settings, f"{role}-lease")
         stack.push_async_callback(bus.close)
         changed = asyncio.Event()
-        leader = Leader(bus, role, holder or stable_node_id(settings.data_dir, settings.node_id),
-                        on_change=lambda _held: changed.set())
+        leader = Leader(
+            bus,
+            role,
+            holder or stable_node_id(settings.data_dir, settings.node_id),
+            on_change=lambda _held: changed.set(),
+        )
         inner: list[contextlib.AsyncExitStack] = []
 
         async def lead() -> None:

@@ -22,7 +22,9 @@ async def stop_task(task: asyncio.Task) -> None:
         await task
 
 
-async def serve_until_stopped(start: Starter, *, drain_timeout_s: float = 10.0, stop: asyncio.Event | None = None) -> None:
+async def serve_until_stopped(
+    start: Starter, *, drain_timeout_s: float = 10.0, stop: asyncio.Event | None = None
+) -> None:
     """Run `start(stack, stop)`, which opens resources onto `stack`, then wait for a signal (or `stop`).
 
     Resources close in reverse order of opening, so a service that subscribes last stops intake first,
@@ -57,7 +59,9 @@ async def serve_until_stopped(start: Starter, *, drain_timeout_s: float = 10.0, 
             loop.remove_signal_handler(s)
 
 
-async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> None:
+async def wait_for(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, interval_s: float = 0.05, what: str = "condition"
+) -> None:
     """Poll `predicate` until true, or raise TimeoutError after `timeout_s` naming `what`."""
     deadline = loop_time() + timeout_s
     while True:

@@ -185,8 +185,11 @@ def node_permissions(node_id: str, work: list[str] | tuple[str, ...] = ()) -> di
         f"$JS.API.STREAM.INFO.{WORK.name}",
     ]
     for c in work:  # `work-<model key>-<op>` (contracts/work.py); its acks outright, as its answers (above)
-        publish += [f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}", f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}",
-                    f"$JS.ACK.{WORK.name}.{c}.>"]
+        publish += [
+            f"$JS.API.CONSUMER.INFO.{WORK.name}.{c}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{WORK.name}.{c}",
+            f"$JS.ACK.{WORK.name}.{c}.>",
+        ]
     subscribe = [f"coderai.engine.{node_id}.>", f"coderai.cmd.node.{node_id}.>", f"{node_inbox(node_id)}.>"]
     return {
         "publish": {"allow": publish},
@@ -199,12 +202,20 @@ def _stream_read(stream: str) -> list[str]:
     """Bind a stream (made if missing), read its messages by subject and through consumers of its own (KV watches
     and key listings, object store reads, a durable pull consumer)."""
     api = "$JS.API"
-    return [f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
-            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-            f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
-            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>", f"{api}.CONSUMER.INFO.{stream}.>",
-            f"{api}.CONSUMER.DELETE.{stream}.>", f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
-            f"$JS.FC.{stream}.>"]  # flow control of its watches, granted outright (see `_REPLIES_TO`)
+    return [
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.STREAM.CREATE.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"{api}.CONSUMER.CREATE.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api}.CONSUMER.INFO.{stream}.>",
+        f"{api}.CONSUMER.DELETE.{stream}.>",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]  # flow control of its watches, granted outright (see `_REPLIES_TO`)
 
 
 def _manage(stream: str) -> list[str]:
@@ -223,8 +234,12 @@ def _kv_write(spec: BucketSpec, keys: str = ">") -> list[str]:
 def _objects(spec: BucketSpec) -> list[str]:
     # nats-py reads an object through a consumer on its chunks' subject without naming the stream, so the client
     # first asks which stream holds that subject (STREAM.NAMES: the names of streams, nothing in them)
-    return (_stream_read(f"OBJ_{spec.name}") + _manage(f"OBJ_{spec.name}") + [f"$O.{spec.name}.>"]
-            + ["$JS.API.STREAM.NAMES"])
+    return (
+        _stream_read(f"OBJ_{spec.name}")
+        + _manage(f"OBJ_{spec.name}")
+        + [f"$O.{spec.name}.>"]
+        + ["$JS.API.STREAM.NAMES"]
+    )
 
 
 _REPLIES_TO = {
@@ -260,31 +275,63 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
       tenants keep (keys journal, files, responses, batches, videos, fine-tuning records, blobs). WORK: only its consumers' info (how many holders pull a model), never a
       consumer of its own (a work queue's consumer that acked would take parts from the nodes)."""
     if role == "router":
-        publish = (_kv_write(AFFINITY) + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
-                   + ["coderai.evt.engine.ready.*"])
+        publish = (
+            _kv_write(AFFINITY)
+            + [r for b in (NODES, ASSIGNMENTS, MODELS, PODS) for r in _kv_read(b)]
+            + ["coderai.evt.engine.ready.*"]
+        )
         return publish, ["coderai.hb.*", "coderai.evt.request.completed", "coderai.route.pick"]
     if role == "metrics":
-        publish = (_stream_read(EVENTS.name) + _kv_write(LEADERS, "metrics") + _kv_read(PODS) + _kv_read(MODELS)
-                   + [f"$JS.ACK.{EVENTS.name}.metrics.>"])  # its durable consumer's acks (no other consumer's)
-        return publish, ["coderai.hb.*", "coderai.evt.work.part.*", "coderai.evt.model.loaded.*",
-                         "coderai.evt.model.unloaded"]
+        publish = (
+            _stream_read(EVENTS.name)
+            + _kv_write(LEADERS, "metrics")
+            + _kv_read(PODS)
+            + _kv_read(MODELS)
+            + [f"$JS.ACK.{EVENTS.name}.metrics.>"]
+        )  # its durable consumer's acks (no other consumer's)
+        return publish, [
+            "coderai.hb.*",
+            "coderai.evt.work.part.*",
+            "coderai.evt.model.loaded.*",
+            "coderai.evt.model.unloaded",
+        ]
     if role == "pod-broker":
-        publish = (["coderai.cmd.scheduler.pod_user", "coderai.cmd.scheduler.revoke", "coderai.evt.pod.*"]
-                   + _kv_write(PODS) + _kv_write(POD_LEDGER) + _kv_write(LEADERS, "pod-broker") + _kv_read(MODELS))
+        publish = (
+            ["coderai.cmd.scheduler.pod_user", "coderai.cmd.scheduler.revoke", "coderai.evt.pod.*"]
+            + _kv_write(PODS)
+            + _kv_write(POD_LEDGER)
+            + _kv_write(LEADERS, "pod-broker")
+            + _kv_read(MODELS)
+        )
         return publish, ["coderai.cmd.broker.>", "coderai.hb.*"]
     if role == "gateway":
         scheduler = ("escalate", "nodes", "place", "add", "remove", "stages", "train", "train_cancel")
-        publish = (["coderai.route.pick", "coderai.engine.*.*.*", "coderai.work.*.*", "coderai.evt.request.completed",
-                    "coderai.cmd.broker.status", "coderai.cmd.broker.lease", "coderai.cmd.node.*.logs",
-                    "coderai.cmd.node.*.drain"]
-                   + [f"coderai.cmd.scheduler.{verb}" for verb in scheduler]
-                   + _stream_read(EVENTS.name)
-                   + [f"$JS.API.STREAM.INFO.{WORK.name}", f"$JS.API.CONSUMER.INFO.{WORK.name}.*"]
-                   + [r for b in (NODES, MODELS, LEADERS, HEADS) for r in _kv_read(b)]
-                   + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
-                   + _objects(BLOBS) + _objects(FILES)
-                   + ["_N.*.>"])  # answers to nodes' blob reads and writes (see `_REPLIES_TO`)
-        return publish, ["coderai.cmd.blob.read", "coderai.cmd.blob.write", "coderai.reply.>", "coderai.evt.engine.ready.*"]
+        publish = (
+            [
+                "coderai.route.pick",
+                "coderai.engine.*.*.*",
+                "coderai.work.*.*",
+                "coderai.evt.request.completed",
+                "coderai.cmd.broker.status",
+                "coderai.cmd.broker.lease",
+                "coderai.cmd.node.*.logs",
+                "coderai.cmd.node.*.drain",
+            ]
+            + [f"coderai.cmd.scheduler.{verb}" for verb in scheduler]
+            + _stream_read(EVENTS.name)
+            + [f"$JS.API.STREAM.INFO.{WORK.name}", f"$JS.API.CONSUMER.INFO.{WORK.name}.*"]
+            + [r for b in (NODES, MODELS, LEADERS, HEADS) for r in _kv_read(b)]
+            + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
+            + _objects(BLOBS)
+            + _objects(FILES)
+            + ["_N.*.>"]
+        )  # answers to nodes' blob reads and writes (see `_REPLIES_TO`)
+        return publish, [
+            "coderai.cmd.blob.read",
+            "coderai.cmd.blob.write",
+            "coderai.reply.>",
+            "coderai.evt.engine.ready.*",
+        ]
     raise ValueError(f"no allow-list for service {role!r}")
 
 
@@ -321,14 +368,21 @@ def render(reg: Registry, now: float | None = None) -> str:
     for role in SERVICE_ROLES:
         if role in reg.services:
             perms = service_permissions(role)
-            users.append({"user": service_user(role), "password": reg.services[role]} | ({"permissions": perms} if perms else {}))
+            users.append(
+                {"user": service_user(role), "password": reg.services[role]} | ({"permissions": perms} if perms else {})
+            )
     if reg.join_hash:
         users.append({"user": JOIN_USER, "password": reg.join_hash, "permissions": join_permissions()})
     for m in sorted(reg.members.values(), key=lambda m: m.node_id):
         if m.expires_at and m.expires_at <= now:
             continue
-        users.append({"user": node_user(m.node_id, m.kind), "password": m.password_hash,
-                      "permissions": node_permissions(m.node_id, m.work)})
+        users.append(
+            {
+                "user": node_user(m.node_id, m.kind),
+                "password": m.password_hash,
+                "permissions": node_permissions(m.node_id, m.work),
+            }
+        )
     # nats-server's config accepts JSON values, so json.dumps quotes every string safely
     return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
 
@@ -379,7 +433,9 @@ def new_registry(join_token: str = "") -> tuple[Registry, str]:
     from coderai.runtime.cluster import join_password
 
     password = new_password()
-    return Registry(service_hash=hash_password(password), join_hash=hash_password(join_password(join_token)) if join_token else ""), password
+    return Registry(
+        service_hash=hash_password(password), join_hash=hash_password(join_password(join_token)) if join_token else ""
+    ), password
 
 
 def add_services(reg: Registry, roles: tuple[str, ...] = SERVICE_ROLES) -> dict[str, str]:
@@ -411,7 +467,9 @@ def ensure_services(reg: Registry, secrets_dir: Path) -> dict[str, str]:
 def add_node(reg: Registry, node_id: str, kind: str = "node") -> str:
     """Make `node_id` a member with a new password, returned (for the head's own worker, which needs no join)."""
     password = new_password()
-    reg.members[node_id] = Member(node_id=node_id, kind=kind, password_hash=hash_password(password), joined_at=time.time())
+    reg.members[node_id] = Member(
+        node_id=node_id, kind=kind, password_hash=hash_password(password), joined_at=time.time()
+    )
     return password
 
 
@@ -424,8 +482,13 @@ def ensure_registry(folder: Path, secret: Path, token: str = "") -> tuple[Regist
     reg = load(reg_path)
     if reg is None or not secret.exists():
         fresh, password = new_registry()
-        reg = fresh if reg is None else Registry(service_hash=fresh.service_hash, services=reg.services,
-                                                 members=reg.members, revoked=reg.revoked)
+        reg = (
+            fresh
+            if reg is None
+            else Registry(
+                service_hash=fresh.service_hash, services=reg.services, members=reg.members, revoked=reg.revoked
+            )
+        )
         _write_private(secret, password + "\n")
     reg.join_hash = new_registry(token)[0].join_hash if token else ""
     ensure_services(reg, secret.parent)

@@ -38,8 +38,16 @@ class KVMirror(Generic[T]):
     strings, say).
     """
 
-    def __init__(self, bus: Bus, spec: BucketSpec, type_: type[T], on_change: Callable[[str, T | None], None] | None = None,
-                 *, max_entries: int = 0, shrink: Callable[[T], T] | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        spec: BucketSpec,
+        type_: type[T],
+        on_change: Callable[[str, T | None], None] | None = None,
+        *,
+        max_entries: int = 0,
+        shrink: Callable[[T], T] | None = None,
+    ) -> None:
         self.bus = bus
         self.spec = spec
         self.type = type_
@@ -152,9 +160,14 @@ class KVMirror(Generic[T]):
             queue.put_nowait(msg)
 
         sub = await self.bus.js.subscribe(
-            f"{kv._pre}>", stream=kv._stream, cb=arrived, ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
-                                  inactive_threshold=300))
+            f"{kv._pre}>",
+            stream=kv._stream,
+            cb=arrived,
+            ordered_consumer=True,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq, inactive_threshold=300
+            ),
+        )
         self.synced.set()
         try:
             if queue.empty() and (await sub.consumer_info()).num_pending == 0:
@@ -163,7 +176,7 @@ class KVMirror(Generic[T]):
                 msg = await queue.get()
                 headers = msg.headers or {}
                 op = headers.get("KV-Operation") or ("PURGE" if "Nats-Marker-Reason" in headers else None)
-                self._apply(_Change(msg.subject[len(kv._pre):], msg.data, msg.metadata.sequence.stream, op))
+                self._apply(_Change(msg.subject[len(kv._pre) :], msg.data, msg.metadata.sequence.stream, op))
                 if msg.metadata.num_pending == 0:  # caught up with what changed while away
                     self.current.set()
         finally:

@@ -93,8 +93,9 @@ async def connect(
                 # node's refused JetStream API call is a warning; any other refusal is an error
                 probe = user.startswith(("node-", "pod-")) and subject.lower().startswith("$js.api.")
                 level = logging.WARNING if probe else logging.ERROR
-                log.log(level, "NATS refused %s %s to %r: this login (%s) has no right to it", name, what, subject,
-                        user)
+                log.log(
+                    level, "NATS refused %s %s to %r: this login (%s) has no right to it", name, what, subject, user
+                )
         elif "authorization" in text.lower() or "permissions" in text.lower():  # a wrong token: say it once
             if text != said:
                 said = text
@@ -108,30 +109,39 @@ async def connect(
 
     # the login as options too: nats-py sends a URL's credentials only to that URL's server, and none to the servers
     # it learns from the cluster (every other head), which a reconnect after a head's death must reach
-    login = next(((unquote(p.username), unquote(p.password)) for p in map(urlsplit, split_urls(url))
-                  if p.username and p.password), None)
+    login = next(
+        (
+            (unquote(p.username), unquote(p.password))
+            for p in map(urlsplit, split_urls(url))
+            if p.username and p.password
+        ),
+        None,
+    )
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
             # nats-py retries a refused login forever inside connect(); the deadline bounds that too
-            return await asyncio.wait_for(nats.connect(
-                split_urls(url) if "," in url else url,  # several heads' URLs
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,
-                ping_interval=5,
-                max_outstanding_pings=2,
-                drain_timeout=5,  # nats-py's default (30 s) outlives any service's shutdown deadline
-                reconnected_cb=_reconnected,
-                disconnected_cb=_disconnected,
-                error_cb=_error,
-                **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
-                **({"user": login[0], "password": login[1]} if login else {}),
-                # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
-                **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
-            ), max(1.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(
+                nats.connect(
+                    split_urls(url) if "," in url else url,  # several heads' URLs
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25,
+                    ping_interval=5,
+                    max_outstanding_pings=2,
+                    drain_timeout=5,  # nats-py's default (30 s) outlives any service's shutdown deadline
+                    reconnected_cb=_reconnected,
+                    disconnected_cb=_disconnected,
+                    error_cb=_error,
+                    **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
+                    **({"user": login[0], "password": login[1]} if login else {}),
+                    # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
+                    **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
+                ),
+                max(1.0, deadline - time.monotonic()),
+            )
         except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
             if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
                 said = str(exc)

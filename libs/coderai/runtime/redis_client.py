@@ -56,8 +56,10 @@ def mask(url: str) -> str:
         user, colon, _ = userinfo.partition(":")
         before_query = f"{user}{':***' if colon else ''}@{hosts}"
     if q:
-        query = "&".join(f"{k}=***" if "password" in k.lower() else f"{k}={v}" if eq else k
-                         for k, eq, v in (part.partition("=") for part in query.split("&")))
+        query = "&".join(
+            f"{k}=***" if "password" in k.lower() else f"{k}={v}" if eq else k
+            for k, eq, v in (part.partition("=") for part in query.split("&"))
+        )
     return f"{scheme}://{before_query}{q}{query}"
 
 
@@ -88,7 +90,7 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     ValueError (the password masked) when it is not one."""
     if not is_sentinel(url):
         raise ValueError(f"not a {SCHEME}:// URL: {mask(url)}")
-    rest = url[len(SCHEME) + 3:]
+    rest = url[len(SCHEME) + 3 :]
     rest, _, query = rest.partition("?")
     userinfo, at, rest = rest.rpartition("@")  # the last @: a password may hold one unencoded
     hosts, slash, path = rest.partition("/")
@@ -151,15 +153,20 @@ def connection_pool(url: str, *, blocking: bool = False, **pool_opts: Any) -> An
     from redis.asyncio.sentinel import Sentinel
 
     parsed = parse_sentinel_url(url)
-    sentinel_kwargs: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S,
-                                       "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+    }
     if parsed.sentinel_password:
         sentinel_kwargs["password"] = parsed.sentinel_password
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
 
-    conn: dict[str, Any] = {"db": parsed.db, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-                            "retry": Retry(ExponentialWithJitterBackoff(**FAILOVER_BACKOFF_S), FAILOVER_RETRIES)}
+    conn: dict[str, Any] = {
+        "db": parsed.db,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "retry": Retry(ExponentialWithJitterBackoff(**FAILOVER_BACKOFF_S), FAILOVER_RETRIES),
+    }
     if parsed.username:
         conn["username"] = parsed.username
     if parsed.password is not None:

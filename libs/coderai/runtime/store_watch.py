@@ -20,8 +20,13 @@ FAILURES = (b"failed to store a msg", b"Critical write error", b"out of File res
 
 
 class StoreWatch:
-    def __init__(self, log_file: str | os.PathLike, store_dir: str | os.PathLike, min_free_bytes: int = 64 << 20,
-                 min_gap_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        log_file: str | os.PathLike,
+        store_dir: str | os.PathLike,
+        min_free_bytes: int = 64 << 20,
+        min_gap_s: float = 30.0,
+    ) -> None:
         self.log_file = Path(log_file)
         self.store_dir = Path(store_dir)
         self.min_free_bytes = min_free_bytes
@@ -67,5 +72,8 @@ class StoreWatch:
         self.last_restart = time.monotonic()
         self.restarts += 1
         self.offset = self._size()
-        log.warning("restarted nats-server: its JetStream store had failed writes (a full disk) and there is room "
-                    "again (restart %d)", self.restarts)
+        log.warning(
+            "restarted nats-server: its JetStream store had failed writes (a full disk) and there is room "
+            "again (restart %d)",
+            self.restarts,
+        )

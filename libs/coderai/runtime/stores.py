@@ -44,9 +44,15 @@ async def key_value(bus: Any, spec: BucketSpec) -> Any:
     try:
         kv = await bus.js.key_value(spec.name)
     except BucketNotFoundError:
-        cfg = KeyValueConfig(bucket=spec.name, ttl=spec.ttl_s or None, history=spec.history, description=spec.description,
-                             storage=StorageType.FILE, direct=True,  # direct: a node reads its own key by name
-                             replicas=bus.replicas)
+        cfg = KeyValueConfig(
+            bucket=spec.name,
+            ttl=spec.ttl_s or None,
+            history=spec.history,
+            description=spec.description,
+            storage=StorageType.FILE,
+            direct=True,  # direct: a node reads its own key by name
+            replicas=bus.replicas,
+        )
         return await bus.js.create_key_value(cfg)
     await fit_replicas(bus, f"KV_{spec.name}")
     return kv
@@ -61,9 +67,15 @@ async def ensure_stream(bus: Any, spec: StreamSpec) -> None:
         await bus.js.stream_info(spec.name)
     except NotFoundError:
         retention = RetentionPolicy.WORK_QUEUE if spec.name == "WORK" else RetentionPolicy.LIMITS
-        cfg = StreamConfig(name=spec.name, subjects=list(spec.subjects), max_age=spec.max_age_s or None,
-                           retention=retention, description=spec.description, storage=StorageType.FILE,
-                           num_replicas=bus.replicas)
+        cfg = StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            max_age=spec.max_age_s or None,
+            retention=retention,
+            description=spec.description,
+            storage=StorageType.FILE,
+            num_replicas=bus.replicas,
+        )
         try:
             await bus.js.add_stream(cfg)
         except Exception as exc:  # noqa: BLE001 - another service may have created it a moment ago
@@ -89,8 +101,13 @@ async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_
         await fit_replicas(bus, f"OBJ_{spec.name}")
         return store
     while True:
-        cfg = ObjectStoreConfig(bucket=spec.name, ttl=spec.ttl_s or None, description=spec.description,
-                                max_bytes=max_bytes or None, replicas=bus.replicas)
+        cfg = ObjectStoreConfig(
+            bucket=spec.name,
+            ttl=spec.ttl_s or None,
+            description=spec.description,
+            max_bytes=max_bytes or None,
+            replicas=bus.replicas,
+        )
         try:
             return await js.create_object_store(spec.name, config=cfg)
         except ServerError as exc:
@@ -98,8 +115,12 @@ async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_
             # disk the store is made with half the cap, down to 64 MiB, rather than not at all
             if exc.err_code != INSUFFICIENT_STORAGE or not max_bytes or max_bytes // 2 < 64 << 20:
                 raise
-            log.warning("the %s store's cap of %d MiB does not fit this server's disk; trying %d MiB",
-                        spec.name, max_bytes >> 20, max_bytes >> 21)
+            log.warning(
+                "the %s store's cap of %d MiB does not fit this server's disk; trying %d MiB",
+                spec.name,
+                max_bytes >> 20,
+                max_bytes >> 21,
+            )
             max_bytes //= 2
         except BadRequestError as exc:  # another service created it a moment ago, with other limits: bind it
             log.debug("create_object_store %s: %s", spec.name, exc)
@@ -126,8 +147,9 @@ async def object_chunks(bus: Any, spec: BucketSpec, store: Any, name: str) -> tu
     async def chunks():
         if not info.size:
             return
-        sub = await bus.js.subscribe(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=spec.name, obj=info.nuid),
-                                     ordered_consumer=True)
+        sub = await bus.js.subscribe(
+            OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=spec.name, obj=info.nuid), ordered_consumer=True
+        )
         digest, got = sha256(), 0
         try:
             async for msg in sub.messages:

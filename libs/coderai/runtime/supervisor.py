@@ -15,6 +15,7 @@ from coderai.runtime.embedded import die_with_parent, open_log
 
 log = logging.getLogger("coderai.up")
 
+
 def signal_group(proc: subprocess.Popen | None, sig: int) -> None:
     """Signal the process group a child leads (it was started in a session of its own); gone is fine."""
     if proc is None:
@@ -40,8 +41,13 @@ class Child:
     def start(self) -> None:
         out = open_log(self.log_path)
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent(),
+            self.argv,
+            env=self.env,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         out.close()
         self.started = time.monotonic()

@@ -102,8 +102,13 @@ def setup_tracing(service_name: str, node_id: str = "") -> bool:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            log.warning("%s is set but %s is not installed; spans are not exported to %s "
-                        "(pip install %s, or coderai[otel])", ENV_OTLP_ENDPOINT, OTLP_PACKAGE, endpoint, OTLP_PACKAGE)
+            log.warning(
+                "%s is set but %s is not installed; spans are not exported to %s (pip install %s, or coderai[otel])",
+                ENV_OTLP_ENDPOINT,
+                OTLP_PACKAGE,
+                endpoint,
+                OTLP_PACKAGE,
+            )
         else:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # reads the OTEL_* variables itself
             exporters += 1

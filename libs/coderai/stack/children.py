@@ -27,20 +27,27 @@ def common_env(plan: Plan, servers: Servers) -> Env:
     """What every child is given: `coderai up`'s own environment less its secrets, and where the stack answers."""
     redis_url, metrics_port = servers.redis_url(plan.redis_password), plan.metrics_port
     scrape_token = ensure_scrape_token(plan.data)
-    return {k: v for k, v in os.environ.items()
-            if k not in SECRET_ENV and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")} | {
-        "CODERAI_NATS_URL": servers.nats.url,
-        "CODERAI_DATA_DIR": str(plan.data),
-        "CODERAI_NODE_ID": plan.worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
-        "CODERAI_LOG_FORMAT": "json",
-        "CODERAI_METRICS_REDIS_URL": redis_url,
-        "CODERAI_METRICS_PORT": str(metrics_port),
-        "CODERAI_METRICS_SCRAPE_TOKEN": scrape_token,
-        "CODERAI_GATEWAY_REDIS_URL": redis_url,
-        "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
-        "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
-    } | ({"CODERAI_NATS_CA": str(plan.tls.ca)} if plan.tls else {}) | (
-        {"CODERAI_NATS_REPLICAS": str(heads.replicas(servers.known))} if plan.me is not None else {})
+    return (
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k not in SECRET_ENV and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")
+        }
+        | {
+            "CODERAI_NATS_URL": servers.nats.url,
+            "CODERAI_DATA_DIR": str(plan.data),
+            "CODERAI_NODE_ID": plan.worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
+            "CODERAI_LOG_FORMAT": "json",
+            "CODERAI_METRICS_REDIS_URL": redis_url,
+            "CODERAI_METRICS_PORT": str(metrics_port),
+            "CODERAI_METRICS_SCRAPE_TOKEN": scrape_token,
+            "CODERAI_GATEWAY_REDIS_URL": redis_url,
+            "CODERAI_GATEWAY_METRICS_URL": f"http://127.0.0.1:{metrics_port}/metrics",
+            "CODERAI_GATEWAY_SCRAPE_TOKEN": scrape_token,
+        }
+        | ({"CODERAI_NATS_CA": str(plan.tls.ca)} if plan.tls else {})
+        | ({"CODERAI_NATS_REPLICAS": str(heads.replicas(servers.known))} if plan.me is not None else {})
+    )
 
 
 def worker_env(plan: Plan, env: Env, nats: NatsServer) -> Env | None:
@@ -48,12 +55,22 @@ def worker_env(plan: Plan, env: Env, nats: NatsServer) -> Env | None:
     by invite it joins with the cluster token like any node (the leader, on whichever head, makes its user), and
     without a token that head runs none (None)."""
     if not plan.own_worker:
-        return (env | {"CODERAI_NATS_URL": nats.url, "CODERAI_CLUSTER_TOKEN": plan.token,
-                       "CODERAI_WORKER_NODE_ID": plan.worker_id, "CODERAI_WORKER_MDNS": "false"}
-                if plan.token and not plan.args.no_worker else None)
-    out = env | {"CODERAI_NATS_URL": with_user(nats.url, members.node_user(plan.worker_id), plan.worker_password),
-                 "CODERAI_WORKER_NODE_ID": plan.worker_id,
-                 "CODERAI_WORKER_BUS_EXEC": "true"}  # its models come from this box's own models file
+        return (
+            env
+            | {
+                "CODERAI_NATS_URL": nats.url,
+                "CODERAI_CLUSTER_TOKEN": plan.token,
+                "CODERAI_WORKER_NODE_ID": plan.worker_id,
+                "CODERAI_WORKER_MDNS": "false",
+            }
+            if plan.token and not plan.args.no_worker
+            else None
+        )
+    out = env | {
+        "CODERAI_NATS_URL": with_user(nats.url, members.node_user(plan.worker_id), plan.worker_password),
+        "CODERAI_WORKER_NODE_ID": plan.worker_id,
+        "CODERAI_WORKER_BUS_EXEC": "true",
+    }  # its models come from this box's own models file
     if plan.token:  # this box's worker tells the LAN where to join (the fingerprint names the cluster)
         out["CODERAI_WORKER_ANNOUNCE_NATS_PORT"] = str(nats.port)
         out["CODERAI_WORKER_ANNOUNCE_FINGERPRINT"] = fingerprint(plan.token)
@@ -70,20 +87,25 @@ def start(sup: Supervisor, plan: Plan, servers: Servers) -> Path:
     gateway_args = ["--host", args.host, "--port", str(args.port)]
     gateway_args += ["--no-auth"] if args.no_auth else ["--api-keys-file", str(plan.keys_file)]
     # the scheduler keeps the member registry: joins (it alone holds the token), revocations, pods' users
-    scheduler_env = env | {"CODERAI_CLUSTER_TOKEN": plan.token,
-                           "CODERAI_SCHEDULER_MEMBERS_FILE": str(data / "nats" / "members.json"),
-                           "CODERAI_SCHEDULER_NATS_USERS_FILE": str(data / "nats" / "users.conf"),
-                           "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)}
+    scheduler_env = env | {
+        "CODERAI_CLUSTER_TOKEN": plan.token,
+        "CODERAI_SCHEDULER_MEMBERS_FILE": str(data / "nats" / "members.json"),
+        "CODERAI_SCHEDULER_NATS_USERS_FILE": str(data / "nats" / "users.conf"),
+        "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file),
+    }
     # the broker alone holds the RunPod key, and runs only with one: its ledger, reservations and budgets are
     # in this box's Redis (without a key, /admin/pods says why no pods are rented)
-    broker_env = env | {"CODERAI_POD_BROKER_RUNPOD_API_KEY": plan.runpod_key,
-                        "CODERAI_POD_BROKER_REDIS_URL": env["CODERAI_GATEWAY_REDIS_URL"]}
+    broker_env = env | {
+        "CODERAI_POD_BROKER_RUNPOD_API_KEY": plan.runpod_key,
+        "CODERAI_POD_BROKER_REDIS_URL": env["CODERAI_GATEWAY_REDIS_URL"],
+    }
     if args.pod_nats_url:
         broker_env["CODERAI_POD_BROKER_POD_NATS_URL"] = args.pod_nats_url
     # each service logs in as its own user, with its own password and rights (members.service_permissions);
     # none is handed the `service` login, which has every right (this process's own bootstrap keeps it)
-    passwords = {role: members.read_secret(data / "secrets" / members.service_secret(role))
-                 for role in members.SERVICE_ROLES}
+    passwords = {
+        role: members.read_secret(data / "secrets" / members.service_secret(role)) for role in members.SERVICE_ROLES
+    }
     for name, module, extra, child_env in [
         ("router", "coderai.router", [], env),
         ("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], scheduler_env),

@@ -28,7 +28,9 @@ def runpod_api_key(key_file: str) -> str:
 def port_free(host: str, port: int) -> bool:
     """Whether `host:port` can be bound now, as the servers bind it."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed socket's TIME_WAIT is free
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as the servers bind: a closed socket's TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError:
@@ -45,7 +47,9 @@ def ensure_default_model(data: Path) -> Path:
             from coderai.defaults import default_models
             from coderai.models_file import write_models_file
         except ImportError:
-            raise SystemExit("coderai up: building the default model needs the llama extra: pip install 'coderai[llama]'")
+            raise SystemExit(
+                "coderai up: building the default model needs the llama extra: pip install 'coderai[llama]'"
+            )
         models = default_models(data, say=lambda m: print(m, flush=True))
         write_models_file(models_file, models)
         text = models_file.read_text()
@@ -96,8 +100,12 @@ def ensure_members(data: Path, token: str, worker_id: str, own_worker: bool = Tr
     secret = data / "secrets" / "worker.password"
     mine = reg.members.get(worker_id)
     worker_password = members.read_secret(secret) if secret.exists() else ""
-    if (mine is None or mine.kind != "node" or not worker_password
-            or not bcrypt.checkpw(worker_password.encode(), mine.password_hash.encode())):
+    if (
+        mine is None
+        or mine.kind != "node"
+        or not worker_password
+        or not bcrypt.checkpw(worker_password.encode(), mine.password_hash.encode())
+    ):
         worker_password = members.add_node(reg, worker_id)
         members.write_secret(secret, worker_password)
     members.save(data / "nats" / "members.json", reg)

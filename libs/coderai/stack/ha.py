@@ -46,7 +46,6 @@ async def client_urls(bus: Any) -> list[str]:
     return urls(await known(bus))
 
 
-
 async def _keys(kv: Any, prefix: str) -> list[str]:
     from nats.js.errors import NoKeysError
 
@@ -116,8 +115,11 @@ async def take_place(service_url: str, tls: Any, me: Head, data: Path) -> list[H
             except Exception as exc:  # noqa: BLE001 - no JetStream leader yet while the cluster forms
                 if time.monotonic() - said > 10:
                     said = time.monotonic()
-                    print(f"waiting for the cluster's JetStream ({exc}); a first head waits for a second "
-                          "(coderai heads invite --address ADDR --out FILE)", flush=True)
+                    print(
+                        f"waiting for the cluster's JetStream ({exc}); a first head waits for a second "
+                        "(coderai heads invite --address ADDR --out FILE)",
+                        flush=True,
+                    )
                 await asyncio.sleep(0.5)
         return await _settle(bus, data, found)
     finally:
@@ -132,9 +134,17 @@ def sentinel_for(data: Path, heads: list[Head], master: str, me: Head, password:
     failover then took over 16 s (tests/ha/test_failover_clients)."""
     from coderai.runtime.embedded import RedisSentinel
 
-    return RedisSentinel(data / "sentinel", master, name=REDIS_MASTER_NAME, port=me.sentinel_port, host=me.address,
-                         password=password, quorum=sentinel_quorum(heads), down_after_ms=2000,
-                         failover_timeout_ms=2000)
+    return RedisSentinel(
+        data / "sentinel",
+        master,
+        name=REDIS_MASTER_NAME,
+        port=me.sentinel_port,
+        host=me.address,
+        password=password,
+        quorum=sentinel_quorum(heads),
+        down_after_ms=2000,
+        failover_timeout_ms=2000,
+    )
 
 
 def _sentinel(h: Head) -> Any:
@@ -142,8 +152,9 @@ def _sentinel(h: Head) -> Any:
     import redis
 
     host, _, port = h.sentinel.rpartition(":")
-    return redis.Redis(host=host.strip("[]"), port=int(port), socket_timeout=1, socket_connect_timeout=1,
-                       decode_responses=True)
+    return redis.Redis(
+        host=host.strip("[]"), port=int(port), socket_timeout=1, socket_connect_timeout=1, decode_responses=True
+    )
 
 
 def sentinel_master(heads: list[Head], exclude: str = "") -> str | None:
@@ -200,8 +211,12 @@ class Keeper(threading.Thread):
         from coderai.runtime.bus import Bus
         from coderai.runtime.tls import client_context
 
-        bus = await Bus.connect(self.service_url, f"head:{self.me.node_id}", connect_timeout_s=5,
-                                tls=client_context(self.tls.ca_pem) if self.tls else None)
+        bus = await Bus.connect(
+            self.service_url,
+            f"head:{self.me.node_id}",
+            connect_timeout_s=5,
+            tls=client_context(self.tls.ca_pem) if self.tls else None,
+        )
         try:
             await _settle(bus, self.data, await known(bus))
         finally:

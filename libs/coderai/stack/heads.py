@@ -144,12 +144,19 @@ def install(data: Path, invite: Invite) -> None:
     dir already has are kept: a head restarted with the same invite keeps its own state."""
     tls = data / "nats" / "tls"
     tls.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name, text, mode in (("ca.pem", invite.ca_pem, 0o644), ("ca-key.pem", invite.ca_key_pem, 0o600),
-                             ("server.pem", invite.cert_pem, 0o644), ("server-key.pem", invite.key_pem, 0o600)):
+    for name, text, mode in (
+        ("ca.pem", invite.ca_pem, 0o644),
+        ("ca-key.pem", invite.ca_key_pem, 0o600),
+        ("server.pem", invite.cert_pem, 0o644),
+        ("server-key.pem", invite.key_pem, 0o600),
+    ):
         write_private(tls / name, text.encode())
         (tls / name).chmod(mode)
-    for name, value in (("nats-service.password", invite.service_password), ("redis.password", invite.redis_password),
-                        ("route.password", invite.route_password)):
+    for name, value in (
+        ("nats-service.password", invite.service_password),
+        ("redis.password", invite.redis_password),
+        ("route.password", invite.route_password),
+    ):
         members.write_secret(data / "secrets" / name, value)
     for role, password in invite.service_passwords.items():
         if role in members.SERVICE_ROLES:
@@ -169,8 +176,6 @@ def install(data: Path, invite: Invite) -> None:
     save(data, merge(load(data), invite.heads))
 
 
-
 def urls(heads: list[Head]) -> list[str]:
     """The heads' NATS URLs, as a worker dials them."""
     return [f"nats://{_host(h.address)}:{h.nats_port}" for h in heads]
-

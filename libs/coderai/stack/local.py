@@ -17,25 +17,35 @@ from coderai.runtime.tls import client_context
 from coderai.stack.heads import Head
 
 
-def write_record(data: Path, base: str, nats_url: str, redis_url: str, metrics_port: int, pids: dict[str, int],
-                 heads: list[Head]) -> None:
+def write_record(
+    data: Path, base: str, nats_url: str, redis_url: str, metrics_port: int, pids: dict[str, int], heads: list[Head]
+) -> None:
     """Write `run/up.json`: where the running stack answers and its processes' ids (what `service_urls` and the
     tests read back)."""
     run = data / "run"
     run.mkdir(exist_ok=True)
-    (run / "up.json").write_text(json.dumps({
-        "pid": os.getpid(), "base_url": base, "nats_url": nats_url,  # no secrets: see secrets/
-        "redis_url": redis_url,
-        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
-        "pids": pids,
-        "heads": [msgspec.to_builtins(h) for h in heads],
-    }, indent=2))
+    (run / "up.json").write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "base_url": base,
+                "nats_url": nats_url,  # no secrets: see secrets/
+                "redis_url": redis_url,
+                "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics",
+                "pids": pids,
+                "heads": [msgspec.to_builtins(h) for h in heads],
+            },
+            indent=2,
+        )
+    )
 
 
 def service_urls(data: Path) -> tuple[str, str]:
     """(NATS URL as a service, Redis URL with its password) of the `coderai up` running on `data`, for the CLI."""
     up = json.loads((data / "run" / "up.json").read_text())
-    nats_url = with_user(up["nats_url"], members.SERVICE_USER, members.read_secret(data / "secrets" / "nats-service.password"))
+    nats_url = with_user(
+        up["nats_url"], members.SERVICE_USER, members.read_secret(data / "secrets" / "nats-service.password")
+    )
     redis_password = members.read_secret(data / "secrets" / "redis.password")
     return nats_url, up["redis_url"].replace("://", f"://:{redis_password}@", 1)
 
@@ -52,6 +62,9 @@ async def head_bus(name: str, nats_url: str = "", data: Path | None = None) -> B
     from the environment, else the `coderai up` running on `data`."""
     if not nats_url:
         return await service_bus(data, name)
-    settings = CommonSettings(nats_url=nats_url, nats_password_file=os.environ.get("CODERAI_NATS_PASSWORD_FILE", ""),
-                              nats_ca=os.environ.get("CODERAI_NATS_CA", ""))
+    settings = CommonSettings(
+        nats_url=nats_url,
+        nats_password_file=os.environ.get("CODERAI_NATS_PASSWORD_FILE", ""),
+        nats_ca=os.environ.get("CODERAI_NATS_CA", ""),
+    )
     return await Bus.connect_as(settings, name, connect_timeout_s=5.0)

@@ -40,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         servers.start(p)
         models_file = children.start(sup, p, servers)
         base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
-        local.write_record(data, base, servers.nats.url, servers.redis_url(""), p.metrics_port,
-                           {c.name: c.proc.pid for c in sup.children} | servers.pids(), servers.known)
+        local.write_record(
+            data,
+            base,
+            servers.nats.url,
+            servers.redis_url(""),
+            p.metrics_port,
+            {c.name: c.proc.pid for c in sup.children} | servers.pids(),
+            servers.known,
+        )
         served = [m.name for m in load_models(str(models_file))]
         try:
             chat = any(c.name == "worker" for c in sup.children)  # without a worker here, the gateway answering
@@ -51,8 +58,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"coderai up: {exc}; see the logs in {data / 'logs'}", file=sys.stderr)
                 return 1
         if not stopping.is_set():
-            print(banner(base, p.key, served[0], servers.nats.url, p.metrics_port, data, tuple(served[1:]),
-                         pods=bool(p.runpod_key)), flush=True)
+            print(
+                banner(
+                    base,
+                    p.key,
+                    served[0],
+                    servers.nats.url,
+                    p.metrics_port,
+                    data,
+                    tuple(served[1:]),
+                    pods=bool(p.runpod_key),
+                ),
+                flush=True,
+            )
             if p.token:
                 print(cluster_hint(p.token, servers.nats.port), flush=True)
         store = StoreWatch(data / "logs" / "nats.log", data / "nats")

@@ -32,7 +32,11 @@ class StackError(Exception):
 def parser() -> argparse.ArgumentParser:
     """`coderai up`'s arguments."""
     ap = argparse.ArgumentParser(prog="coderai up", description=DESCRIPTION)
-    ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"), help="state directory (default ~/.coderai)")
+    ap.add_argument(
+        "--data-dir",
+        default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"),
+        help="state directory (default ~/.coderai)",
+    )
     ap.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     ap.add_argument("--nats-port", type=int, default=0, help="NATS port (default: a free one)")
@@ -40,26 +44,51 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (default 9464, else a free one)")
     ap.add_argument("--models-file", help="TOML of [[models]] to serve (default: the built-in tiny model)")
     ap.add_argument("--no-auth", action="store_true", help="no API key (only with a loopback --host)")
-    ap.add_argument("--cluster-token", default=os.environ.get("CODERAI_CLUSTER_TOKEN", ""),
-                    help="let other machines join: NATS then requires credentials derived from this token and "
-                         "listens on --nats-host; workers started with the same token find this head by mDNS")
-    ap.add_argument("--nats-host", default="", help="NATS listen address (default: 0.0.0.0 with a token, else 127.0.0.1)")
+    ap.add_argument(
+        "--cluster-token",
+        default=os.environ.get("CODERAI_CLUSTER_TOKEN", ""),
+        help="let other machines join: NATS then requires credentials derived from this token and "
+        "listens on --nats-host; workers started with the same token find this head by mDNS",
+    )
+    ap.add_argument(
+        "--nats-host", default="", help="NATS listen address (default: 0.0.0.0 with a token, else 127.0.0.1)"
+    )
     ap.add_argument("--mdns-interface", action="append", default=[], help="address to announce mDNS on (repeat)")
     ap.add_argument("--node-id", default="", help="this machine's node id (default: made once, kept in the data dir)")
     ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the first answer")
-    ap.add_argument("--runpod-key-file", default=os.environ.get("CODERAI_RUNPOD_KEY_FILE", ""),
-                    help="a file holding a RunPod API key (else RUNPOD_API_KEY): with one, the pod broker runs, with "
-                         "this box's Redis for its ledger and budgets; without one, it is not started")
-    ap.add_argument("--pod-nats-url", default=os.environ.get("CODERAI_POD_BROKER_POD_NATS_URL", ""),
-                    help="how a rented pod reaches this head's NATS (a public address); pods stay off without it")
-    ap.add_argument("--head", action="store_true",
-                    help="be one head of several (docs/ha.md): NATS routed to the other heads, Redis with a replica and "
-                         "a sentinel on each; needs --address")
-    ap.add_argument("--address", default="", help="with --head: this head's address, as the other heads and workers reach it")
+    ap.add_argument(
+        "--runpod-key-file",
+        default=os.environ.get("CODERAI_RUNPOD_KEY_FILE", ""),
+        help="a file holding a RunPod API key (else RUNPOD_API_KEY): with one, the pod broker runs, with "
+        "this box's Redis for its ledger and budgets; without one, it is not started",
+    )
+    ap.add_argument(
+        "--pod-nats-url",
+        default=os.environ.get("CODERAI_POD_BROKER_POD_NATS_URL", ""),
+        help="how a rented pod reaches this head's NATS (a public address); pods stay off without it",
+    )
+    ap.add_argument(
+        "--head",
+        action="store_true",
+        help="be one head of several (docs/ha.md): NATS routed to the other heads, Redis with a replica and "
+        "a sentinel on each; needs --address",
+    )
+    ap.add_argument(
+        "--address", default="", help="with --head: this head's address, as the other heads and workers reach it"
+    )
     ap.add_argument("--join", default="", help="with --head: the invite `coderai heads invite` made on a running head")
-    ap.add_argument("--route-port", type=int, default=heads.ROUTE_PORT, help="with --head: NATS route port (default 6222)")
-    ap.add_argument("--sentinel-port", type=int, default=heads.SENTINEL_PORT, help="with --head: Redis Sentinel port (default 26379)")
-    ap.add_argument("--no-worker", action="store_true", help="run no worker on this machine (a head of the control plane only)")
+    ap.add_argument(
+        "--route-port", type=int, default=heads.ROUTE_PORT, help="with --head: NATS route port (default 6222)"
+    )
+    ap.add_argument(
+        "--sentinel-port",
+        type=int,
+        default=heads.SENTINEL_PORT,
+        help="with --head: Redis Sentinel port (default 26379)",
+    )
+    ap.add_argument(
+        "--no-worker", action="store_true", help="run no worker on this machine (a head of the control plane only)"
+    )
     return ap
 
 
@@ -146,19 +175,48 @@ def make(args: argparse.Namespace, data: Path) -> Plan:
     redis_password = members.ensure_secret(data / "secrets" / "redis.password")
     keys_file, key = ensure_api_key(data) if not args.no_auth else (None, "")  # before an invite can be made
     address = invite.address if invite else args.address
-    tls = (ensure_certs(data / "nats" / "tls", names=[address] if address else None)
-           if nats_host not in ("127.0.0.1", "localhost", "::1") else None)
-    plan = Plan(args=args, data=data, metrics_port=metrics_port, token=token, runpod_key=runpod_key,
-                nats_host=nats_host, nats_port=nats_port, worker_id=worker_id, joined=joined, own_worker=own_worker,
-                service_password=service_password, worker_password=worker_password, redis_password=redis_password,
-                keys_file=keys_file, key=key, tls=tls, invite=invite)
+    tls = (
+        ensure_certs(data / "nats" / "tls", names=[address] if address else None)
+        if nats_host not in ("127.0.0.1", "localhost", "::1")
+        else None
+    )
+    plan = Plan(
+        args=args,
+        data=data,
+        metrics_port=metrics_port,
+        token=token,
+        runpod_key=runpod_key,
+        nats_host=nats_host,
+        nats_port=nats_port,
+        worker_id=worker_id,
+        joined=joined,
+        own_worker=own_worker,
+        service_password=service_password,
+        worker_password=worker_password,
+        redis_password=redis_password,
+        keys_file=keys_file,
+        key=key,
+        tls=tls,
+        invite=invite,
+    )
     if args.head:
-        plan.me = heads.Head(worker_id, address, nats_port=nats_port, route_port=args.route_port,
-                             redis_port=args.redis_port or heads.REDIS_PORT, sentinel_port=args.sentinel_port)
+        plan.me = heads.Head(
+            worker_id,
+            address,
+            nats_port=nats_port,
+            route_port=args.route_port,
+            redis_port=args.redis_port or heads.REDIS_PORT,
+            sentinel_port=args.sentinel_port,
+        )
         plan.known = heads.merge(heads.load(data), [plan.me])
         heads.save(data, plan.known)  # what an invite made here names, before this head's JetStream answers
         # its own route too: nats-server skips a route to itself, and JetStream's cluster mode wants one even
         # on the first head, whose peers connect to it later
-        plan.cluster = Routes(worker_id, plan.me.route, tuple(h.route for h in plan.known),
-                              members.ensure_secret(data / "secrets" / "route.password"), tls=tls)
+        plan.cluster = Routes(
+            worker_id,
+            plan.me.route,
+            tuple(h.route for h in plan.known),
+            members.ensure_secret(data / "secrets" / "route.password"),
+            tls=tls,
+        )
     return plan

@@ -32,8 +32,12 @@ def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: floa
     last = ""
     while time.monotonic() < deadline:
         sup.tick()
-        req = urllib.request.Request(f"{base}/chat/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        req = urllib.request.Request(
+            f"{base}/chat/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 if r.status == 200:
@@ -46,8 +50,16 @@ def wait_ready(base: str, key: str, model: str, sup: Supervisor, timeout_s: floa
     raise TimeoutError(f"the stack did not answer a chat request within {timeout_s:.0f}s (last: {last})")
 
 
-def banner(base: str, key: str, model: str, nats_url: str, metrics_port: int, data: Path,
-           others: tuple[str, ...] = (), pods: bool = False) -> str:
+def banner(
+    base: str,
+    key: str,
+    model: str,
+    nats_url: str,
+    metrics_port: int,
+    data: Path,
+    others: tuple[str, ...] = (),
+    pods: bool = False,
+) -> str:
     """What `coderai up` prints once it answers: the base URL, where the key is, the models, an SDK example."""
     # the key itself is not printed (terminals and their scrollback, CI logs and screen shares keep what is)
     shown_key = f"in {data / 'admin.key'}" if key else "anything (auth is off)"
@@ -60,9 +72,9 @@ coderai is up.
   API key    {shown_key}
   model      {model}{also}
   NATS       {nats_url}
-  metrics    {base[:-3]}/metrics (admin key, or the token in {data / 'scrape.token'})
+  metrics    {base[:-3]}/metrics (admin key, or the token in {data / "scrape.token"})
   pods       {"RunPod, through the pod broker (GET /admin/pods)" if pods else "off: no RunPod API key (--runpod-key-file)"}
-  logs       {data / 'logs'}
+  logs       {data / "logs"}
 
 Try it with the official SDK:
 
@@ -77,5 +89,7 @@ ready"""
 
 def cluster_hint(token: str, nats_port: int) -> str:
     """How another machine joins this cluster (the fingerprint names it; the token itself is not printed)."""
-    return (f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
-            f" (found by mDNS), or add --nats-url nats://<this host>:{nats_port}")
+    return (
+        f"\ncluster {fingerprint(token)[:8]}: on another machine run `coderai worker --cluster-token <token>`"
+        f" (found by mDNS), or add --nats-url nats://<this host>:{nats_port}"
+    )

@@ -31,9 +31,14 @@ class Servers:
         that does not start is a `StackError`."""
         data = plan.data
         try:
-            self.nats = NatsServer(data / "nats", port=plan.nats_port, host=plan.nats_host,
-                                   users_file=data / "nats" / "users.conf", tls=plan.tls,
-                                   cluster=plan.cluster).start(log_file=self.logs / "nats.log")
+            self.nats = NatsServer(
+                data / "nats",
+                port=plan.nats_port,
+                host=plan.nats_host,
+                users_file=data / "nats" / "users.conf",
+                tls=plan.tls,
+                cluster=plan.cluster,
+            ).start(log_file=self.logs / "nats.log")
         except EmbeddedServerError as exc:
             raise StackError(str(exc)) from None
         self.service_url = with_user(self.nats.url, members.SERVICE_USER, plan.service_password)
@@ -41,19 +46,25 @@ class Servers:
         if plan.me is not None:
             self._head_redis(plan, plan.me)
         else:
-            self.redis = RedisServer(data / "redis", port=plan.args.redis_port or None, durable=True,
-                                     password=plan.redis_password)
+            self.redis = RedisServer(
+                data / "redis", port=plan.args.redis_port or None, durable=True, password=plan.redis_password
+            )
         try:
             self.redis.start(log_file=self.logs / "redis.log")
-            if self.redis.replicaof:  # its services start once it holds the master's data, so a failover finds it current
+            if (
+                self.redis.replicaof
+            ):  # its services start once it holds the master's data, so a failover finds it current
                 try:
                     self.redis.wait_synced()
                 except EmbeddedServerError as exc:
                     # the master the sentinels named may have moved on (a failover while this head was down): the
                     # sentinels, this head's among them, point this replica at the master there is; the services
                     # reach the master through the sentinels whatever this replica holds, so the head starts
-                    print(f"coderai up: {exc}; starting anyway: the sentinels point it at the current master",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"coderai up: {exc}; starting anyway: the sentinels point it at the current master",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if self.sentinel is not None:
                 self.sentinel.start(log_file=self.logs / "sentinel.log")
                 ha.set_quorum(self.known, plan.worker_id)
@@ -70,20 +81,30 @@ class Servers:
         if master is None and plan.joined:  # no sentinel answers: the heads the invite named have the master
             master = next((h.redis for h in self.known if h.node_id != plan.worker_id), None)
         replicaof = master if master and master != me.redis else ""
-        self.redis = RedisServer(plan.data / "redis", port=me.redis_port, host=me.address, durable=True,
-                                 password=plan.redis_password, replicaof=replicaof)
+        self.redis = RedisServer(
+            plan.data / "redis",
+            port=me.redis_port,
+            host=me.address,
+            durable=True,
+            password=plan.redis_password,
+            replicaof=replicaof,
+        )
         self.sentinel = ha.sentinel_for(plan.data, self.known, master or me.redis, me, plan.redis_password)
 
     def redis_url(self, password: str) -> str:
         """The Redis URL the services use, with `password` (a head's: every head's sentinel; "": none in it)."""
-        url = (heads.sentinel_url(self.known, password) if self.sentinel is not None
-               else self.redis.url.replace("redis://", f"redis://:{password}@", 1))
+        url = (
+            heads.sentinel_url(self.known, password)
+            if self.sentinel is not None
+            else self.redis.url.replace("redis://", f"redis://:{password}@", 1)
+        )
         return url if password else url.replace(":@", "", 1)
 
     def pids(self) -> dict[str, int]:
         """The servers' process ids, by name."""
-        return ({"nats": self.nats.proc.pid, "redis": self.redis.proc.pid}
-                | ({"sentinel": self.sentinel.proc.pid} if self.sentinel else {}))
+        return {"nats": self.nats.proc.pid, "redis": self.redis.proc.pid} | (
+            {"sentinel": self.sentinel.proc.pid} if self.sentinel else {}
+        )
 
     def keep_up(self, store: StoreWatch) -> None:
         """`keep_up` on these servers."""
@@ -101,8 +122,11 @@ def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path,
     JetStream store failed on a full disk that has room again (`StoreWatch`): the services reconnect by themselves.
     A head's Redis comes back as it was configured; if another head's was promoted meanwhile, the sentinels make
     this one its replica."""
-    for name, server, log in (("nats-server", nats, "nats"), ("redis-server", redis, "redis"),
-                              ("redis-sentinel", sentinel, "sentinel")):
+    for name, server, log in (
+        ("nats-server", nats, "nats"),
+        ("redis-server", redis, "redis"),
+        ("redis-sentinel", sentinel, "sentinel"),
+    ):
         if server is None:
             continue
         if server.proc is not None and server.proc.poll() is not None:

@@ -15,9 +15,17 @@ from typing import Any
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 # The probe's flags (env notes): without the background-networking ones Chromium keeps dialling out on a closed network.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1440,1000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1440,1000",
+]
 DEADLINE_S = 60
 
 
@@ -26,8 +34,10 @@ def missing() -> str:
     gone = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if not gone:
         return ""
-    return (f"{' and '.join(gone)} missing: the cluster page tests need Debian's chromium and chromium-driver "
-            "(apt-get install chromium chromium-driver, or scripts/setup llama,dev)")
+    return (
+        f"{' and '.join(gone)} missing: the cluster page tests need Debian's chromium and chromium-driver "
+        "(apt-get install chromium chromium-driver, or scripts/setup llama,dev)"
+    )
 
 
 @contextlib.contextmanager
@@ -52,8 +62,9 @@ def wait(driver, what: str, predicate: Callable[[Any], Any], deadline_s: float =
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, deadline_s, ignored_exceptions=(StaleElementReferenceException,)) \
-        .until(predicate, f"the cluster page to show {what} within {deadline_s} s")
+    return WebDriverWait(driver, deadline_s, ignored_exceptions=(StaleElementReferenceException,)).until(
+        predicate, f"the cluster page to show {what} within {deadline_s} s"
+    )
 
 
 def open_signed_out(driver, http_url: str) -> None:
@@ -86,5 +97,7 @@ def text(driver, selector: str) -> str:
 def full_page_png(driver) -> bytes:
     size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
     clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 6000), "scale": 1}
-    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip})
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip}
+    )
     return base64.b64decode(shot["data"])

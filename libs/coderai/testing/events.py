@@ -18,8 +18,9 @@ async def read_completed(nats_url: str, batch: int = 1000) -> list[RequestComple
     nc = await nats.connect(nats_url, connect_timeout=5, allow_reconnect=False)
     try:
         js = nc.jetstream()
-        sub = await js.pull_subscribe(EVT_REQUEST_COMPLETED(), stream=EVENTS.name,
-                                      config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        sub = await js.pull_subscribe(
+            EVT_REQUEST_COMPLETED(), stream=EVENTS.name, config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+        )
         left = (await sub.consumer_info()).num_pending
         out: list[RequestCompleted] = []
         while len(out) < left:

@@ -32,8 +32,12 @@ async def serve(host: str, port: int, record: Path, root: Path) -> None:
         payloads.append(m.data.decode(errors="replace"))
         record.write_text(json.dumps({"subjects": seen, "payloads": payloads}))
         if m.subject == "coderai.join.hello" and m.reply:  # a proof made without the token
-            await nc.publish(m.reply, json.dumps({"t": "join.challenge", "nonce": secrets.token_hex(16),
-                                                  "proof": secrets.token_hex(32)}).encode())
+            await nc.publish(
+                m.reply,
+                json.dumps(
+                    {"t": "join.challenge", "nonce": secrets.token_hex(16), "proof": secrets.token_hex(32)}
+                ).encode(),
+            )
 
     await nc.subscribe(">", cb=on_any)
     record.write_text(json.dumps({"subjects": [], "payloads": []}))

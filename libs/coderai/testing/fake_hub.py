@@ -174,8 +174,14 @@ def _handler(hub: FakeHub):
 def hub_env(hub: FakeHub, hf_home: str) -> dict[str, str]:
     """The environment that points huggingface_hub (in this process or a child) at `hub`, online (the engines'
     tests set HF_HUB_OFFLINE), with no telemetry, no Xet transfers and no progress bars; HF_HOME under `hf_home`."""
-    return {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HOME": hf_home}
+    return {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HOME": hf_home,
+    }
 
 
 def blob(n: int, seed: int = 1) -> bytes:

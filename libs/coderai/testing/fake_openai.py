@@ -103,21 +103,38 @@ class _Handler(BaseHTTPRequestHandler):
         last = text.split()[-1] if text.split() else ""
         if last.startswith("fail:"):
             code = int(last[5:])
-            return self._json(code, {"error": {"message": f"failed as asked ({code})", "param": "messages", "code": code}})
+            return self._json(
+                code, {"error": {"message": f"failed as asked ({code})", "param": "messages", "code": code}}
+            )
         n = int(body.get("max_tokens") or len(fake.reply))
         prompt_tokens = len(text.split())
         cached = prompt_tokens if text in fake.prompts else 0
         fake.prompts.add(text)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         finish = "stop" if n == len(fake.reply) else "length"
         if body.get("stream"):
             return self._stream(body, chat, n, finish, usage)
         content = " ".join(fake.words(n))
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": content, "finish_reason": finish})
-        self._json(200, {"id": "fake-1", "object": "chat.completion" if chat else "text_completion",
-                         "model": body.get("model"), "choices": [choice], "usage": usage})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": content, "finish_reason": finish}
+        )
+        self._json(
+            200,
+            {
+                "id": "fake-1",
+                "object": "chat.completion" if chat else "text_completion",
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": usage,
+            },
+        )
 
     def _stream(self, body: dict[str, Any], chat: bool, n: int, finish: str, usage: dict[str, Any]) -> None:
         self.send_response(200)

@@ -43,8 +43,9 @@ from graphql import GraphQLError, build_schema, graphql_sync
 
 from coderai.runtime.embedded import die_with_parent
 
-NO_CAPACITY_MESSAGE = ("There are no longer any instances available with the requested specifications. "
-                       "Please refresh and try again.")
+NO_CAPACITY_MESSAGE = (
+    "There are no longer any instances available with the requested specifications. Please refresh and try again."
+)
 RESUME_NO_CAPACITY_MESSAGE = "There are not enough free GPUs on the host machine to start this pod."
 _ECHOED = ("containerDiskInGb", "volumeInGb", "volumeMountPath", "ports", "dockerArgs")
 log = logging.getLogger("coderai.testing.fake_runpod")
@@ -147,11 +148,19 @@ def python_launcher(args: list[str], log_path: str | None = None) -> Launch:
     def launch(env: dict[str, str]) -> subprocess.Popen:
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
-            return subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, stdout=out, stderr=out,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
+            return subprocess.Popen(
+                [sys.executable, *args],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
         finally:
             if log_path:
                 out.close()
+
     return launch
 
 
@@ -164,7 +173,9 @@ def worker_pods(pod_dir: str | os.PathLike) -> Launch:
     def launch(env: dict[str, str]) -> subprocess.Popen:
         name = env.get("CODERAI_NODE_ID") or env["RUNPOD_POD_ID"]
         return python_launcher(["-m", "coderai.engine_worker"], str(root / f"{name}.log"))(
-            {**env, "CODERAI_DATA_DIR": str(root / name)})
+            {**env, "CODERAI_DATA_DIR": str(root / name)}
+        )
+
     return launch
 
 
@@ -190,9 +201,16 @@ def kill_process(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
 class FakeRunPod:
     """RunPod's GraphQL API on http://127.0.0.1:<random port>/graphql; use as a context manager or start()/close()."""
 
-    def __init__(self, *, api_key: str = "fake-runpod-key", gpu_types: Iterable[FakeGpuType] = DEFAULT_GPU_TYPES,
-                 launch: Launch | None = None, boot_delay_s: float = 0.0, now: Callable[[], float] = time.time,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        *,
+        api_key: str = "fake-runpod-key",
+        gpu_types: Iterable[FakeGpuType] = DEFAULT_GPU_TYPES,
+        launch: Launch | None = None,
+        boot_delay_s: float = 0.0,
+        now: Callable[[], float] = time.time,
+        host: str = "127.0.0.1",
+    ):
         self.api_key = api_key
         self.host = host  # another address of this machine's: one a test's network namespaces reach
         self.gpu_types = {g.id: FakeGpuType(**vars(g)) for g in gpu_types}
@@ -313,8 +331,7 @@ class FakeRunPod:
     def billed_seconds(self, pod_id: str) -> float:
         """Seconds billed so far: creation (boot included) to stop or termination, or to now while running."""
         with self._lock:
-            return sum((end if end is not None else self.now()) - start
-                       for start, end in self._pods[pod_id].intervals)
+            return sum((end if end is not None else self.now()) - start for start, end in self._pods[pod_id].intervals)
 
     def billed_usd(self, pod_id: str) -> float:
         """The pod's spend: rate_hr / 3600 x billed seconds."""
@@ -343,8 +360,12 @@ class FakeRunPod:
         if url.path != "/graphql":
             return self._reply(req, 404, {"errors": [{"message": "Not Found"}]})
         if injected is not None:
-            return self._reply(req, injected, {"errors": [{"message": f"injected HTTP {injected}"}]},
-                               {"Retry-After": "1"} if injected == 429 else None)
+            return self._reply(
+                req,
+                injected,
+                {"errors": [{"message": f"injected HTTP {injected}"}]},
+                {"Retry-After": "1"} if injected == 429 else None,
+            )
         auth = req.headers.get("Authorization", "")
         key = auth[7:] if auth.startswith("Bearer ") else (parse_qs(url.query).get("api_key") or [""])[0]
         if key != self.api_key:
@@ -355,8 +376,13 @@ class FakeRunPod:
             payload = None
         if not isinstance(payload, dict):
             return self._reply(req, 400, {"errors": [{"message": "POST body must be a JSON object"}]})
-        result = graphql_sync(SCHEMA, payload.get("query") or "", root_value=self._root,
-                              variable_values=payload.get("variables"), operation_name=payload.get("operationName"))
+        result = graphql_sync(
+            SCHEMA,
+            payload.get("query") or "",
+            root_value=self._root,
+            variable_values=payload.get("variables"),
+            operation_name=payload.get("operationName"),
+        )
         self._reply(req, 400 if result.data is None and result.errors else 200, result.formatted)
 
     @staticmethod
@@ -372,10 +398,16 @@ class FakeRunPod:
 
     @property
     def _root(self) -> dict:
-        return {"gpuTypes": self._q_gpu_types, "pod": self._q_pod, "myself": self._q_myself,
-                "podFindAndDeployOnDemand": lambda _i, input: self._create(input, None),
-                "podRentInterruptable": lambda _i, input: self._create(input, input["bidPerGpu"]),
-                "podStop": self._m_stop, "podResume": self._m_resume, "podTerminate": self._m_terminate}
+        return {
+            "gpuTypes": self._q_gpu_types,
+            "pod": self._q_pod,
+            "myself": self._q_myself,
+            "podFindAndDeployOnDemand": lambda _i, input: self._create(input, None),
+            "podRentInterruptable": lambda _i, input: self._create(input, input["bidPerGpu"]),
+            "podStop": self._m_stop,
+            "podResume": self._m_resume,
+            "podTerminate": self._m_terminate,
+        }
 
     def _q_gpu_types(self, _info, input=None) -> list[dict]:
         ids = None if not input else ([input["id"]] if input.get("id") else input.get("ids"))
@@ -386,13 +418,29 @@ class FakeRunPod:
         stock = None if g.capacity <= 0 else "Low" if g.capacity < 3 else "Medium" if g.capacity < 10 else "High"
 
         def lowest(_info, input=None):  # prices stay per GPU-hour whatever gpuCount asks
-            return {"minimumBidPrice": g.spot_price_hr, "uninterruptablePrice": g.price_hr,
-                    "stockStatus": stock, "gpuTypeId": g.id,
-                    "availableGpuCounts": list(range(1, g.max_gpu_count + 1)) if g.capacity > 0 else []}
-        return {"id": g.id, "displayName": g.display_name, "memoryInGb": g.memory_gb, "maxGpuCount": g.max_gpu_count,
-                "manufacturer": "Nvidia", "cudaCores": 0, "secureCloud": True, "communityCloud": True,
-                "securePrice": g.price_hr, "communityPrice": g.price_hr, "secureSpotPrice": g.spot_price_hr,
-                "communitySpotPrice": g.spot_price_hr, "lowestPrice": lowest}
+            return {
+                "minimumBidPrice": g.spot_price_hr,
+                "uninterruptablePrice": g.price_hr,
+                "stockStatus": stock,
+                "gpuTypeId": g.id,
+                "availableGpuCounts": list(range(1, g.max_gpu_count + 1)) if g.capacity > 0 else [],
+            }
+
+        return {
+            "id": g.id,
+            "displayName": g.display_name,
+            "memoryInGb": g.memory_gb,
+            "maxGpuCount": g.max_gpu_count,
+            "manufacturer": "Nvidia",
+            "cudaCores": 0,
+            "secureCloud": True,
+            "communityCloud": True,
+            "securePrice": g.price_hr,
+            "communityPrice": g.price_hr,
+            "secureSpotPrice": g.spot_price_hr,
+            "communitySpotPrice": g.spot_price_hr,
+            "lowestPrice": lowest,
+        }
 
     def _q_pod(self, _info, input) -> dict | None:
         with self._lock:
@@ -401,23 +449,43 @@ class FakeRunPod:
 
     def _q_myself(self, _info) -> dict:
         with self._lock:
-            return {"id": "fake-user", "pods": [self._pod_view(p) for p in self._pods.values()
-                                                 if p.terminated_at is None]}
+            return {
+                "id": "fake-user",
+                "pods": [self._pod_view(p) for p in self._pods.values() if p.terminated_at is None],
+            }
 
     def _pod_view(self, pod: FakePod) -> dict:
         self._refresh(pod)
         up = None if pod.booted_at is None else int(self.now() - pod.booted_at)
-        return {"id": pod.id, "name": pod.name, "desiredStatus": pod.status, "imageName": pod.image,
-                "env": [f"{k}={v}" for k, v in pod.env.items()], "machineId": f"m-{pod.id}",
-                "costPerHr": pod.rate_hr, "gpuCount": pod.gpu_count,
-                "podType": "INTERRUPTABLE" if pod.spot else "RESERVED", "uptimeSeconds": up or 0,
-                "runtime": None if up is None else {
-                    "uptimeInSeconds": up, "ports": [], "container": {"cpuPercent": 0, "memoryPercent": 0},
-                    "gpus": [{"id": f"GPU-{pod.id}-{i}", "gpuUtilPercent": 0, "memoryUtilPercent": 0}
-                             for i in range(pod.gpu_count)]},
-                "machine": {"podHostId": f"{pod.id}-fake", "gpuTypeId": pod.gpu_type_id,
-                            "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name},
-                **{k: pod.spec.get(k) for k in _ECHOED}}
+        return {
+            "id": pod.id,
+            "name": pod.name,
+            "desiredStatus": pod.status,
+            "imageName": pod.image,
+            "env": [f"{k}={v}" for k, v in pod.env.items()],
+            "machineId": f"m-{pod.id}",
+            "costPerHr": pod.rate_hr,
+            "gpuCount": pod.gpu_count,
+            "podType": "INTERRUPTABLE" if pod.spot else "RESERVED",
+            "uptimeSeconds": up or 0,
+            "runtime": None
+            if up is None
+            else {
+                "uptimeInSeconds": up,
+                "ports": [],
+                "container": {"cpuPercent": 0, "memoryPercent": 0},
+                "gpus": [
+                    {"id": f"GPU-{pod.id}-{i}", "gpuUtilPercent": 0, "memoryUtilPercent": 0}
+                    for i in range(pod.gpu_count)
+                ],
+            },
+            "machine": {
+                "podHostId": f"{pod.id}-fake",
+                "gpuTypeId": pod.gpu_type_id,
+                "gpuDisplayName": self.gpu_types[pod.gpu_type_id].display_name,
+            },
+            **{k: pod.spec.get(k) for k in _ECHOED},
+        }
 
     def _create(self, spec: dict, bid: float | None) -> dict:
         with self._lock:
@@ -436,10 +504,19 @@ class FakeRunPod:
             gpu.capacity -= 1
             pod_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(14))
             now = self.now()
-            pod = FakePod(id=pod_id, name=spec["name"], image=spec["imageName"], gpu_type_id=gpu.id,
-                          env={e["key"]: e["value"] for e in spec.get("env") or []}, gpu_count=count,
-                          rate_hr=(gpu.spot_price_hr if bid is not None else gpu.price_hr) * count,
-                          spot=bid is not None, created_at=now, intervals=[[now, None]], spec=spec)
+            pod = FakePod(
+                id=pod_id,
+                name=spec["name"],
+                image=spec["imageName"],
+                gpu_type_id=gpu.id,
+                env={e["key"]: e["value"] for e in spec.get("env") or []},
+                gpu_count=count,
+                rate_hr=(gpu.spot_price_hr if bid is not None else gpu.price_hr) * count,
+                spot=bid is not None,
+                created_at=now,
+                intervals=[[now, None]],
+                spec=spec,
+            )
             self._pods[pod_id] = pod
             self._schedule_boot(pod)
             return self._pod_view(pod)

@@ -36,8 +36,9 @@ class Link:
         if os.geteuid() != 0 or not shutil.which("ip"):
             raise NetnsUnavailable("network namespaces need root and iproute2")
         n = subnet if subnet is not None else os.getpid() % 250
-        link = cls(ns=f"crsoak{tag}", host_dev=f"sk{tag}h", ns_dev=f"sk{tag}n",
-                   host_ip=f"10.232.{n}.1", ns_ip=f"10.232.{n}.2")
+        link = cls(
+            ns=f"crsoak{tag}", host_dev=f"sk{tag}h", ns_dev=f"sk{tag}n", host_ip=f"10.232.{n}.1", ns_ip=f"10.232.{n}.2"
+        )
         subprocess.run(["ip", "netns", "del", link.ns], capture_output=True)  # a leftover of a crashed run
         subprocess.run(["ip", "link", "del", link.host_dev], capture_output=True)
         try:
@@ -74,9 +75,11 @@ class Link:
         if not shutil.which("nft"):
             raise NetnsUnavailable("packet loss without netem needs nftables (apt-get install nftables)")
         n = int(loss_pct)
-        rules = (f"table inet coderai_soak {{\n chain in {{ type filter hook input priority 0; "
-                 f"iifname \"{self.ns_dev}\" numgen random mod 100 < {n} drop; }}\n"
-                 f" chain out {{ type filter hook output priority 0; oifname \"{self.ns_dev}\" numgen random mod 100 < {n} drop; }}\n}}\n")
+        rules = (
+            f"table inet coderai_soak {{\n chain in {{ type filter hook input priority 0; "
+            f'iifname "{self.ns_dev}" numgen random mod 100 < {n} drop; }}\n'
+            f' chain out {{ type filter hook output priority 0; oifname "{self.ns_dev}" numgen random mod 100 < {n} drop; }}\n}}\n'
+        )
         r = subprocess.run([*self.prefix(), "nft", "-f", "-"], input=rules, capture_output=True, text=True)
         if r.returncode != 0:
             raise NetnsUnavailable(f"nft: {r.stderr.strip()}")
@@ -102,12 +105,20 @@ class Link:
 def has_netem() -> bool:
     """Whether this kernel has sch_netem (some VM kernels are built without it)."""
     probe = f"nq{os.getpid() % 100000}"
-    if subprocess.run(["ip", "link", "add", probe, "type", "veth", "peer", "name", probe + "p"],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["ip", "link", "add", probe, "type", "veth", "peer", "name", probe + "p"], capture_output=True
+        ).returncode
+        != 0
+    ):
         return False
     try:
-        return subprocess.run(["tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"], capture_output=True
+            ).returncode
+            == 0
+        )
     finally:
         subprocess.run(["ip", "link", "del", probe], capture_output=True)
 
@@ -205,8 +216,11 @@ class Tmpfs:
     def __init__(self, path: Path, size_mb: int) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(self.path)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(self.path)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise NetnsUnavailable(f"mount tmpfs: {r.stderr.strip()}")
         self.filler = self.path / ".soak-filler"
@@ -225,7 +239,7 @@ class Tmpfs:
                         raise
                     if len(block) == 1:
                         return written
-                    block = block[:max(1, len(block) // 16)]  # the last free pages too, a smaller block at a time
+                    block = block[: max(1, len(block) // 16)]  # the last free pages too, a smaller block at a time
         finally:
             os.close(fd)
 
@@ -298,5 +312,5 @@ def fd_targets(pid: int) -> list[str]:
 def _addr(hexaddr: str) -> str:
     ip, port = hexaddr.split(":")
     if len(ip) == 8:
-        ip = ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+        ip = ".".join(str(int(ip[i : i + 2], 16)) for i in (6, 4, 2, 0))
     return f"{ip}:{int(port, 16)}"

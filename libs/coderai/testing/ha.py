@@ -43,11 +43,37 @@ class Cluster:
         """`coderai up --head` on `name` (started; `ready`: waited for): the control plane only, its gateway on port
         8000."""
         ip = self.lab[name].ip
-        p = ServiceProcess(f"up-{name}", "coderai.cli", [
-            "up", "--head", "--address", ip, "--data-dir", str(self.root / name), "--node-id", name,
-            "--host", "0.0.0.0", "--port", "8000", "--metrics-port", "9464", "--cluster-token", TOKEN, "--no-worker",
-            "--models-file", str(self.models), "--runpod-key-file", str(self.root / "runpod.key"), *extra],
-            self.env, self.root / "logs", prefix=self.lab[name].prefix())
+        p = ServiceProcess(
+            f"up-{name}",
+            "coderai.cli",
+            [
+                "up",
+                "--head",
+                "--address",
+                ip,
+                "--data-dir",
+                str(self.root / name),
+                "--node-id",
+                name,
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "8000",
+                "--metrics-port",
+                "9464",
+                "--cluster-token",
+                TOKEN,
+                "--no-worker",
+                "--models-file",
+                str(self.models),
+                "--runpod-key-file",
+                str(self.root / "runpod.key"),
+                *extra,
+            ],
+            self.env,
+            self.root / "logs",
+            prefix=self.lab[name].prefix(),
+        )
         self.procs[name] = p.start()
         if ready:
             p.wait_log("\nready", 180)
@@ -58,8 +84,23 @@ class Cluster:
         out = self.root / f"invite-{name}.json"
 
         def make():
-            r = self.lab.run("h1", [sys.executable, "-m", "coderai.cli", "heads", "invite", "--data-dir",
-                                    str(self.root / "h1"), "--address", self.lab[name].ip, "--out", str(out)], env=self.env)
+            r = self.lab.run(
+                "h1",
+                [
+                    sys.executable,
+                    "-m",
+                    "coderai.cli",
+                    "heads",
+                    "invite",
+                    "--data-dir",
+                    str(self.root / "h1"),
+                    "--address",
+                    self.lab[name].ip,
+                    "--out",
+                    str(out),
+                ],
+                env=self.env,
+            )
             assert "not a head's data dir" in r.stderr or r.returncode == 0, r.stdout + r.stderr
             return r.returncode == 0
 
@@ -70,8 +111,9 @@ class Cluster:
         return f"http://{self.lab[name].ip}:8000"
 
     def get(self, name: str, path: str, **params) -> dict:
-        r = httpx.get(f"{self.base(name)}{path}", params=params, timeout=10,
-                      headers={"Authorization": f"Bearer {self.admin}"})
+        r = httpx.get(
+            f"{self.base(name)}{path}", params=params, timeout=10, headers={"Authorization": f"Bearer {self.admin}"}
+        )
         r.raise_for_status()
         return r.json()
 
@@ -101,8 +143,11 @@ class Cluster:
                     with contextlib.suppress(OSError):
                         if modules[role].encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                             os.kill(pid, signal.SIGTERM)
-            wait_until(lambda: all(self.leaders(target)[r].get("holder") not in ("", h) for r, h in elsewhere.items()),
-                       30, f"{', '.join(elsewhere)} led again after a step-down")
+            wait_until(
+                lambda: all(self.leaders(target)[r].get("holder") not in ("", h) for r, h in elsewhere.items()),
+                30,
+                f"{', '.join(elsewhere)} led again after a step-down",
+            )
         raise AssertionError(f"{target} did not come to lead {roles}")
 
     def pid_of(self, host: str, needle: str) -> int | None:
@@ -123,9 +168,12 @@ class Cluster:
     def serving(self, name: str, key: str) -> bool:
         """Whether head `name`'s gateway answers a chat now."""
         try:
-            r = httpx.post(f"{self.base(name)}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                           timeout=30, json={"model": MODEL, "messages": [{"role": "user", "content": "up?"}],
-                                             "max_tokens": 2})
+            r = httpx.post(
+                f"{self.base(name)}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=30,
+                json={"model": MODEL, "messages": [{"role": "user", "content": "up?"}], "max_tokens": 2},
+            )
         except httpx.HTTPError:
             return False
         return r.status_code == 200
@@ -154,8 +202,10 @@ class Cluster:
         bus = await Bus.connect(self.nats_url(via), "test", connect_timeout_s=10, tls=client_context(ca))
         try:
             assigned = await read_all(await bus.kv(ASSIGNMENTS), Assignment)
-            return ({k: sorted(m.name for m in a.models) for k, a in assigned.items()},
-                    set(await list_keys(await bus.kv(AFFINITY))))
+            return (
+                {k: sorted(m.name for m in a.models) for k, a in assigned.items()},
+                set(await list_keys(await bus.kv(AFFINITY))),
+            )
         finally:
             await bus.close()
 
@@ -240,13 +290,31 @@ def three_heads(root: Path, tiny_gguf: Path, embed: bool = True) -> Iterator[Clu
     lab = Lab([*HEADS, *WORKERS], reach=True)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(lab.close)
-        models = [{"name": MODEL, "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 512},
-                   "nodes": list(WORKERS), "replicas": 2, "price_completion_per_mtok": 1000.0}]
+        models = [
+            {
+                "name": MODEL,
+                "engine": "llama",
+                "path": str(tiny_gguf),
+                "params": {"n_ctx": 512},
+                "nodes": list(WORKERS),
+                "replicas": 2,
+                "price_completion_per_mtok": 1000.0,
+            }
+        ]
         if embed:
             copy = root / "embed.gguf"
             copy.write_bytes(Path(tiny_gguf).read_bytes())
-            models.append({"name": EMBED_MODEL, "engine": "llama", "path": str(copy), "ops": ["embed"],
-                           "params": {"n_ctx": 512, "embedding": True}, "nodes": list(WORKERS), "replicas": 2})
+            models.append(
+                {
+                    "name": EMBED_MODEL,
+                    "engine": "llama",
+                    "path": str(copy),
+                    "ops": ["embed"],
+                    "params": {"n_ctx": 512, "embedding": True},
+                    "nodes": list(WORKERS),
+                    "replicas": 2,
+                }
+            )
         fake = FakeRunPod(host=lab.root_ip).start()  # every head's broker leads against it in turn; no pod is rented
         cleanup.callback(fake.close)
         (root / "runpod.key").write_text(fake.api_key + "\n")
@@ -342,18 +410,29 @@ class SdkLoad:
                 with contextlib.suppress(Exception):
                     said = response.read().decode(errors="replace")[:200]
             with self.lock:
-                self.answers.append(Answer(head, kind, time.monotonic(), response.status_code,
-                                           response.headers.get("retry-after"), said))
+                self.answers.append(
+                    Answer(
+                        head, kind, time.monotonic(), response.status_code, response.headers.get("retry-after"), said
+                    )
+                )
                 if response.status_code != 200 and current:
                     current[0].refused += 1
 
         if kind == "anthropic":  # the Anthropic SDK runs on httpx2, a fork with httpx's hooks
             import httpx2
 
-            return anthropic.Anthropic(base_url=self.cluster.base(head), api_key=self.key, max_retries=self.max_retries,
-                                       http_client=httpx2.Client(timeout=60, event_hooks={"response": [seen]}))
-        return openai.OpenAI(base_url=f"{self.cluster.base(head)}/v1", api_key=self.key, max_retries=self.max_retries,
-                             http_client=httpx.Client(timeout=60, event_hooks={"response": [seen]}))
+            return anthropic.Anthropic(
+                base_url=self.cluster.base(head),
+                api_key=self.key,
+                max_retries=self.max_retries,
+                http_client=httpx2.Client(timeout=60, event_hooks={"response": [seen]}),
+            )
+        return openai.OpenAI(
+            base_url=f"{self.cluster.base(head)}/v1",
+            api_key=self.key,
+            max_retries=self.max_retries,
+            http_client=httpx.Client(timeout=60, event_hooks={"response": [seen]}),
+        )
 
     def _run(self, i: int) -> None:
         sdks: dict[tuple[str, str], object] = {}
@@ -371,23 +450,36 @@ class SdkLoad:
                 sdk = sdks.get((head, kind)) or sdks.setdefault((head, kind), self._clients(head, kind, current))
                 if kind == "chat":
                     r = sdk.chat.completions.create(  # type: ignore[attr-defined]
-                        model=MODEL, messages=[{"role": "user", "content": f"hello {i} {n}"}], max_tokens=4,
-                        extra_headers=tag)
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"hello {i} {n}"}],
+                        max_tokens=4,
+                        extra_headers=tag,
+                    )
                     assert r.choices, r
                 elif kind == "stream":
                     for chunk in sdk.chat.completions.create(  # type: ignore[attr-defined]
-                            model=MODEL, messages=[{"role": "user", "content": f"stream {i} {n}"}], max_tokens=4,
-                            stream=True, extra_headers=tag):
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"stream {i} {n}"}],
+                        max_tokens=4,
+                        stream=True,
+                        extra_headers=tag,
+                    ):
                         if call.first_token is None and chunk.choices:
                             call.first_token = time.monotonic()
                 elif kind == "embed":
-                    r = sdk.embeddings.create(model=EMBED_MODEL, input=[f"a {n}", f"b {n}", f"c {n}"],  # type: ignore[attr-defined]
-                                              extra_headers=tag)
+                    r = sdk.embeddings.create(
+                        model=EMBED_MODEL,
+                        input=[f"a {n}", f"b {n}", f"c {n}"],  # type: ignore[attr-defined]
+                        extra_headers=tag,
+                    )
                     assert len(r.data) == 3, r
                 else:
                     r = sdk.messages.create(  # type: ignore[attr-defined]
-                        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": f"hi {i} {n}"}],
-                        extra_headers=tag)
+                        model=MODEL,
+                        max_tokens=4,
+                        messages=[{"role": "user", "content": f"hi {i} {n}"}],
+                        extra_headers=tag,
+                    )
                     assert r.content is not None, r
                 call.ok = True
             except Exception as exc:  # noqa: BLE001 - every failure is an outcome the test judges

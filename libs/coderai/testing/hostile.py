@@ -80,7 +80,6 @@ class Node:
             return True, "answered with an error: " + data[:120].decode(errors="replace")
         return False, "answered: " + data[:120].decode(errors="replace")
 
-
     async def request_on_own_subject(self, subject: str, payload: bytes, node_id: str) -> tuple[bool, str]:
         """A request whose answer goes to a subject the node may subscribe to but that is not its inbox
         (`coderai.engine.<id>.x`): a service that judged the asker by "not a node inbox, so a service" would serve
@@ -111,16 +110,30 @@ async def _login_refused(url: str, user: str, password: str) -> bool:
         pass
 
     try:  # TLS first, as the head's NATS speaks (the certificate is not what is tried here)
-        nc = await nats.connect(with_user(url, user, password), connect_timeout=2, allow_reconnect=False,
-                                max_reconnect_attempts=0, error_cb=quiet, tls=client_context(), tls_handshake_first=True)
+        nc = await nats.connect(
+            with_user(url, user, password),
+            connect_timeout=2,
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            error_cb=quiet,
+            tls=client_context(),
+            tls_handshake_first=True,
+        )
     except Exception:  # noqa: BLE001 - any refusal to log in is what we want
         return True
     await nc.close()
     return False
 
 
-async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: str, ca_pem: str = "",
-                  store_files: tuple[str, ...] = ()) -> list[dict]:
+async def attacks(
+    url: str,
+    token: str,
+    node_id: str,
+    victim: str,
+    joined_url: str,
+    ca_pem: str = "",
+    store_files: tuple[str, ...] = (),
+) -> list[dict]:
     """Every attack, each as {attack, refused, detail}. `store_files`: files of the head's store that belong to
     models and jobs of other nodes (they exist, so only a scope keeps them from this node)."""
     errors: list[str] = []
@@ -130,8 +143,14 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
 
     base_url = url
     tls = client_context(ca_pem) if ca_pem else None
-    nc = await nats.connect(joined_url, inbox_prefix=f"_N.{node_id}", error_cb=on_error, connect_timeout=5, tls=tls,
-                            tls_handshake_first=tls is not None)
+    nc = await nats.connect(
+        joined_url,
+        inbox_prefix=f"_N.{node_id}",
+        error_cb=on_error,
+        connect_timeout=5,
+        tls=tls,
+        tls_handshake_first=tls is not None,
+    )
     me = Node(nc, errors)
     out: list[dict] = []
 
@@ -139,87 +158,173 @@ async def attacks(url: str, token: str, node_id: str, victim: str, joined_url: s
         out.append({"attack": name, "refused": bool(result[0]), "detail": result[1]})
 
     # 1. credentials: nothing the token gives logs in as a service or as another node
-    guesses = [join_password(token), token,
-               hmac.new(token.encode(), b"coderai-nats-service-v1", hashlib.sha256).hexdigest()]
-    await tried("derive the service credential from the token",
-                (all([await _login_refused(base_url, "service", g) for g in guesses]), "every guess refused"))
+    guesses = [
+        join_password(token),
+        token,
+        hmac.new(token.encode(), b"coderai-nats-service-v1", hashlib.sha256).hexdigest(),
+    ]
+    await tried(
+        "derive the service credential from the token",
+        (all([await _login_refused(base_url, "service", g) for g in guesses]), "every guess refused"),
+    )
     my_password = user_of(joined_url)[1]
     assert not await _login_refused(base_url, f"node-{node_id}", my_password), "the control: its own login must work"
     await tried("log in as another node", (await _login_refused(base_url, f"node-{victim}", my_password), "refused"))
-    await tried("log in as `join` with a made-up password", (await _login_refused(base_url, "join", secrets.token_hex(16)), "refused"))
+    await tried(
+        "log in as `join` with a made-up password",
+        (await _login_refused(base_url, "join", secrets.token_hex(16)), "refused"),
+    )
 
     # 2. eavesdropping
-    for subject in ("_INBOX.>", f"coderai.engine.{victim}.>", "coderai.engine.>", f"coderai.cmd.node.{victim}.>",
-                    "coderai.hb.*", "coderai.evt.>", "coderai.work.>", "coderai.reply.>", f"_N.{victim}.>", ">",
-                    "coderai.join.>", "_JOIN.>"):
+    for subject in (
+        "_INBOX.>",
+        f"coderai.engine.{victim}.>",
+        "coderai.engine.>",
+        f"coderai.cmd.node.{victim}.>",
+        "coderai.hb.*",
+        "coderai.evt.>",
+        "coderai.work.>",
+        "coderai.reply.>",
+        f"_N.{victim}.>",
+        ">",
+        "coderai.join.>",
+        "_JOIN.>",
+    ):
         await tried(f"subscribe {subject}", await me.sub_refused(subject))
 
     # 3. forging: gateway inboxes, another node's heartbeat and events, training uploads and reports
-    await tried("publish into a gateway inbox", await me.pub_refused(f"_INBOX.{secrets.token_hex(11)}.{secrets.token_hex(8)}"))
+    await tried(
+        "publish into a gateway inbox", await me.pub_refused(f"_INBOX.{secrets.token_hex(11)}.{secrets.token_hex(8)}")
+    )
     await tried("publish another node's heartbeat", await me.pub_refused(f"coderai.hb.{victim}"))
     await tried("publish another node's model-loaded event", await me.pub_refused(f"coderai.evt.model.loaded.{victim}"))
-    await tried("publish a request-completed event (usage, spend)", await me.pub_refused("coderai.evt.request.completed"))
+    await tried(
+        "publish a request-completed event (usage, spend)", await me.pub_refused("coderai.evt.request.completed")
+    )
     await tried("publish a fan-out part into the work queue", await me.pub_refused("coderai.work.m.embed"))
-    await tried("upload an adapter as another rank", await me.request_refused(
-        f"coderai.train.upload.ftjob-x.{victim}", b'{"job_id":"ftjob-x","node_id":"%s","offset":0}' % victim.encode()))
-    await tried("upload an adapter for a job it is not rank 0 of", await me.request_refused(
-        f"coderai.train.upload.ftjob-x.{node_id}", b'{"job_id":"ftjob-x","node_id":"%s","offset":0}' % node_id.encode()))
+    await tried(
+        "upload an adapter as another rank",
+        await me.request_refused(
+            f"coderai.train.upload.ftjob-x.{victim}",
+            b'{"job_id":"ftjob-x","node_id":"%s","offset":0}' % victim.encode(),
+        ),
+    )
+    await tried(
+        "upload an adapter for a job it is not rank 0 of",
+        await me.request_refused(
+            f"coderai.train.upload.ftjob-x.{node_id}",
+            b'{"job_id":"ftjob-x","node_id":"%s","offset":0}' % node_id.encode(),
+        ),
+    )
     await tried("forge another rank's training report", await me.pub_refused(f"coderai.train.report.ftjob-x.{victim}"))
 
     # 4. blobs: no listing, reading without the name, purging, or the object store at all
     await tried("list the blob store", await me.request_refused("$JS.API.STREAM.INFO.OBJ_coderai_blobs", b""))
-    await tried("read any blob's metadata (a wildcard as the name)", await me.request_refused(
-        "$JS.API.DIRECT.GET.OBJ_coderai_blobs.$O.coderai_blobs.M.*", b""))
-    await tried("read blob chunks by stream sequence", await me.request_refused(
-        "$JS.API.STREAM.MSG.GET.OBJ_coderai_blobs", b'{"seq":1}'))
-    await tried("read blobs through a consumer on every chunk", await me.request_refused(
-        "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs", b'{"stream_name":"OBJ_coderai_blobs","config":{"filter_subject":"$O.coderai_blobs.C.>"}}'))
+    await tried(
+        "read any blob's metadata (a wildcard as the name)",
+        await me.request_refused("$JS.API.DIRECT.GET.OBJ_coderai_blobs.$O.coderai_blobs.M.*", b""),
+    )
+    await tried(
+        "read blob chunks by stream sequence",
+        await me.request_refused("$JS.API.STREAM.MSG.GET.OBJ_coderai_blobs", b'{"seq":1}'),
+    )
+    await tried(
+        "read blobs through a consumer on every chunk",
+        await me.request_refused(
+            "$JS.API.CONSUMER.CREATE.OBJ_coderai_blobs",
+            b'{"stream_name":"OBJ_coderai_blobs","config":{"filter_subject":"$O.coderai_blobs.C.>"}}',
+        ),
+    )
     await tried("purge the blob store", await me.request_refused("$JS.API.STREAM.PURGE.OBJ_coderai_blobs", b"{}"))
-    await tried("overwrite a blob's metadata", await me.pub_refused(
-        "$O.coderai_blobs.M." + base64.urlsafe_b64encode(b"guess").decode()))
-    await tried("read a blob whose name it was not given", await me.request_refused(
-        "coderai.cmd.blob.read", msgspec.json.encode({"name": secrets.token_urlsafe(24)})))
+    await tried(
+        "overwrite a blob's metadata",
+        await me.pub_refused("$O.coderai_blobs.M." + base64.urlsafe_b64encode(b"guess").decode()),
+    )
+    await tried(
+        "read a blob whose name it was not given",
+        await me.request_refused("coderai.cmd.blob.read", msgspec.json.encode({"name": secrets.token_urlsafe(24)})),
+    )
 
     # 5. state: another node's assignment, the model registry, JetStream administration
     kv = "$JS.API.DIRECT.GET.KV_coderai_assignments.$KV.coderai_assignments"
     await tried("read another node's assignment", await me.request_refused(f"{kv}.{victim}", b""))
     await tried("read every assignment (a wildcard as the key)", await me.request_refused(f"{kv}.*", b""))
-    await tried("watch another node's assignment", await me.request_refused(
-        f"$JS.API.CONSUMER.CREATE.KV_coderai_assignments.w.$KV.coderai_assignments.{victim}",
-        b'{"stream_name":"KV_coderai_assignments","config":{"name":"w","filter_subject":"$KV.coderai_assignments.%s"}}' % victim.encode()))
-    await tried("watch every assignment", await me.request_refused(
-        "$JS.API.CONSUMER.CREATE.KV_coderai_assignments", b'{"stream_name":"KV_coderai_assignments","config":{}}'))
+    await tried(
+        "watch another node's assignment",
+        await me.request_refused(
+            f"$JS.API.CONSUMER.CREATE.KV_coderai_assignments.w.$KV.coderai_assignments.{victim}",
+            b'{"stream_name":"KV_coderai_assignments","config":{"name":"w","filter_subject":"$KV.coderai_assignments.%s"}}'
+            % victim.encode(),
+        ),
+    )
+    await tried(
+        "watch every assignment",
+        await me.request_refused(
+            "$JS.API.CONSUMER.CREATE.KV_coderai_assignments", b'{"stream_name":"KV_coderai_assignments","config":{}}'
+        ),
+    )
     await tried("write an assignment", await me.pub_refused(f"$KV.coderai_assignments.{node_id}"))
     await tried("read the model registry", await me.request_refused("$JS.API.STREAM.INFO.KV_coderai_models", b""))
     await tried("delete the WORK stream", await me.request_refused("$JS.API.STREAM.DELETE.WORK", b""))
-    await tried("create a stream", await me.request_refused("$JS.API.STREAM.CREATE.EVIL", b'{"name":"EVIL","subjects":[">"]}'))
-    await tried("pull the fan-out parts of a model it does not hold", await me.request_refused(
-        "$JS.API.CONSUMER.MSG.NEXT.WORK.work-good-tiny-embed", b'{"batch":1}'))
-    await tried("widen a shared work consumer to every part", await me.request_refused(
-        "$JS.API.CONSUMER.CREATE.WORK.work-good-tiny-embed.coderai.work.>",
-        b'{"stream_name":"WORK","config":{"name":"work-good-tiny-embed","filter_subject":"coderai.work.>"}}'))
-    await tried("fetch a file outside the model store", await me.request_refused(
-        "coderai.cmd.store.fetch", b'{"path":"../../../../etc/passwd","offset":0}'))
+    await tried(
+        "create a stream", await me.request_refused("$JS.API.STREAM.CREATE.EVIL", b'{"name":"EVIL","subjects":[">"]}')
+    )
+    await tried(
+        "pull the fan-out parts of a model it does not hold",
+        await me.request_refused("$JS.API.CONSUMER.MSG.NEXT.WORK.work-good-tiny-embed", b'{"batch":1}'),
+    )
+    await tried(
+        "widen a shared work consumer to every part",
+        await me.request_refused(
+            "$JS.API.CONSUMER.CREATE.WORK.work-good-tiny-embed.coderai.work.>",
+            b'{"stream_name":"WORK","config":{"name":"work-good-tiny-embed","filter_subject":"coderai.work.>"}}',
+        ),
+    )
+    await tried(
+        "fetch a file outside the model store",
+        await me.request_refused("coderai.cmd.store.fetch", b'{"path":"../../../../etc/passwd","offset":0}'),
+    )
 
     # 6. the head's model store: only the files of the models it holds and the jobs it trains
     for path in store_files:
-        await tried(f"fetch {path} from the store (not its model's or job's)", await me.request_refused(
-            "coderai.cmd.store.fetch", msgspec.json.encode({"path": path, "offset": 0, "length": 64})))
+        await tried(
+            f"fetch {path} from the store (not its model's or job's)",
+            await me.request_refused(
+                "coderai.cmd.store.fetch", msgspec.json.encode({"path": path, "offset": 0, "length": 64})
+            ),
+        )
         folder = path.rsplit("/", 1)[0]
-        await tried(f"list the store folder {folder}", await me.request_refused(
-            "coderai.cmd.store.list", msgspec.json.encode({"path": folder})))
-        await tried(f"fetch {path} with the answer sent to a subject of its own, not its inbox",
-                    await me.request_on_own_subject("coderai.cmd.store.fetch",
-                                                    msgspec.json.encode({"path": path, "length": 64}), node_id))
-    await tried("list the fine-tuning folder", await me.request_refused(
-        "coderai.cmd.store.list", msgspec.json.encode({"path": "finetune"})))
+        await tried(
+            f"list the store folder {folder}",
+            await me.request_refused("coderai.cmd.store.list", msgspec.json.encode({"path": folder})),
+        )
+        await tried(
+            f"fetch {path} with the answer sent to a subject of its own, not its inbox",
+            await me.request_on_own_subject(
+                "coderai.cmd.store.fetch", msgspec.json.encode({"path": path, "length": 64}), node_id
+            ),
+        )
+    await tried(
+        "list the fine-tuning folder",
+        await me.request_refused("coderai.cmd.store.list", msgspec.json.encode({"path": "finetune"})),
+    )
 
     # 7. commands meant for services
-    for subject in ("coderai.cmd.scheduler.add", "coderai.cmd.scheduler.place", "coderai.cmd.scheduler.revoke",
-                    "coderai.cmd.scheduler.pod_user", "coderai.cmd.scheduler.members", "coderai.cmd.scheduler.nodes",
-                    "coderai.cmd.scheduler.train", "coderai.cmd.broker.acquire", "coderai.cmd.broker.lease",
-                    "coderai.cmd.broker.status", "coderai.route.pick", f"coderai.cmd.node.{victim}.drain",
-                    "coderai.join.hello"):
+    for subject in (
+        "coderai.cmd.scheduler.add",
+        "coderai.cmd.scheduler.place",
+        "coderai.cmd.scheduler.revoke",
+        "coderai.cmd.scheduler.pod_user",
+        "coderai.cmd.scheduler.members",
+        "coderai.cmd.scheduler.nodes",
+        "coderai.cmd.scheduler.train",
+        "coderai.cmd.broker.acquire",
+        "coderai.cmd.broker.lease",
+        "coderai.cmd.broker.status",
+        "coderai.route.pick",
+        f"coderai.cmd.node.{victim}.drain",
+        "coderai.join.hello",
+    ):
         await tried(f"request {subject}", await me.request_refused(subject, b"{}"))
     await nc.close()
     return out
@@ -238,10 +343,13 @@ async def claim(url: str, token: str, victim: str, data_dir: str) -> dict:
     except (JoinRefused, BusError) as exc:
         return {"attack": name, "refused": True, "detail": str(exc)}
     tls = client_context(ca_pem) if ca_pem else None
-    nc = await nats.connect(joined, inbox_prefix=f"_N.{victim}", connect_timeout=30, tls=tls,
-                            tls_handshake_first=tls is not None)
+    nc = await nats.connect(
+        joined, inbox_prefix=f"_N.{victim}", connect_timeout=30, tls=tls, tls_handshake_first=tls is not None
+    )
     try:
-        msg = await nc.request(f"$JS.API.DIRECT.GET.KV_coderai_assignments.$KV.coderai_assignments.{victim}", b"", timeout=5)
+        msg = await nc.request(
+            f"$JS.API.DIRECT.GET.KV_coderai_assignments.$KV.coderai_assignments.{victim}", b"", timeout=5
+        )
         got = msg.data[:120].decode(errors="replace")
     except Exception as exc:  # noqa: BLE001 - the login alone is the takeover; the assignment is what it shows
         got = f"(no assignment read: {type(exc).__name__})"
@@ -257,8 +365,9 @@ async def run(args: argparse.Namespace) -> dict:
         r = await claim(args.nats_url, args.token, args.claim, args.data_dir)
         return {"tried": 1, "succeeded": [] if r["refused"] else [r], "results": [r]}
     joined, ca_pem = await join(args.nats_url, args.token, args.node_id, args.data_dir)
-    results = await attacks(args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem,
-                            tuple(args.store_file))
+    results = await attacks(
+        args.nats_url, args.token, args.node_id, args.victim, joined, ca_pem, tuple(args.store_file)
+    )
     return {"tried": len(results), "succeeded": [r for r in results if not r["refused"]], "results": results}
 
 
@@ -269,8 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-id", default="evil")
     ap.add_argument("--victim", default="")
     ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--store-file", action="append", default=[], metavar="PATH",
-                    help="a file of the head's store this node is not given (repeatable): it tries to read it")
+    ap.add_argument(
+        "--store-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file of the head's store this node is not given (repeatable): it tries to read it",
+    )
     ap.add_argument("--claim", default="", metavar="ID", help="only try to join under member ID's id (its takeover)")
     args = ap.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))

@@ -19,8 +19,12 @@ from pathlib import Path
 from coderai.testing.netns import delete_namespace, noted_namespaces
 
 # helpers a library starts once and keeps for the life of the process that loaded it: not a test's leftover
-LIBRARY_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "joblib.externals.loky",
-                   "torch/_inductor/compile_worker")
+LIBRARY_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "joblib.externals.loky",
+    "torch/_inductor/compile_worker",
+)
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,16 @@ class Snapshot:
 
     def minus(self, *others: Snapshot) -> Snapshot:
         """What this holds and none of `others` does."""
-        return Snapshot({k: v for k, v in self.processes.items() if not any(k in o.processes for o in others)},
-                        self.namespaces.difference(*(o.namespaces for o in others)),
-                        {k: v for k, v in self.listening.items() if not any(k in o.listening for o in others)})
+        return Snapshot(
+            {k: v for k, v in self.processes.items() if not any(k in o.processes for o in others)},
+            self.namespaces.difference(*(o.namespaces for o in others)),
+            {k: v for k, v in self.listening.items() if not any(k in o.listening for o in others)},
+        )
 
     def plus(self, other: Snapshot) -> Snapshot:
-        return Snapshot(self.processes | other.processes, self.namespaces | other.namespaces,
-                        self.listening | other.listening)
+        return Snapshot(
+            self.processes | other.processes, self.namespaces | other.namespaces, self.listening | other.listening
+        )
 
     def describe(self) -> str:
         lines = [f"process {pid}: {cmd[:300]}" for (pid, _), cmd in sorted(self.processes.items())]
@@ -63,7 +70,7 @@ def proc_stats() -> dict[int, list[str]]:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        out[int(entry.name)] = stat[stat.rfind(")") + 2:].split()
+        out[int(entry.name)] = stat[stat.rfind(")") + 2 :].split()
     return out
 
 
@@ -73,8 +80,9 @@ def snapshot(home: str | None = None) -> Snapshot:
     listening TCP sockets. Reads /proc only: it starts nothing, so it never sees itself."""
     home_entry = f"HOME={home or os.environ.get('HOME', '')}".encode()
     me = os.getpid()
-    stats = {pid: (int(f[1]), int(f[19])) for pid, f in proc_stats().items()
-             if f[0] not in ("Z", "X")}  # pid -> (ppid, start time), live processes only
+    stats = {
+        pid: (int(f[1]), int(f[19])) for pid, f in proc_stats().items() if f[0] not in ("Z", "X")
+    }  # pid -> (ppid, start time), live processes only
     ours: set[int] = set()
     for pid in stats:
         chain, p = [], pid
@@ -178,4 +186,4 @@ def _start_time(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rfind(")") + 2:].split()[19])
+    return int(stat[stat.rfind(")") + 2 :].split()[19])

@@ -131,13 +131,23 @@ class Lab:
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
 
-    def run(self, host: str, argv: list[str], timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.hosts[host].prefix() + argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    def run(
+        self, host: str, argv: list[str], timeout_s: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.hosts[host].prefix() + argv, capture_output=True, text=True, timeout=timeout_s, env=env
+        )
 
     def popen(self, host: str, argv: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `argv` on `host` in the background, its output appended to the file `log`."""
-        return subprocess.Popen(self.hosts[host].prefix() + argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return subprocess.Popen(
+            self.hosts[host].prefix() + argv,
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
 
     def pids(self, host: str) -> list[int]:
         r = subprocess.run(["ip", "netns", "pids", self.hosts[host].name], capture_output=True, text=True)

@@ -33,7 +33,10 @@ ECHO, TEXT_ONLY = "echo", "tiny"
 REPLY = "Hello from the coderai echo engine, streamed word by word."
 # A catalogue name, served by the fake Hub with the tiny GGUF's bytes (the catalogue keeps its repo and file).
 CATALOGUE_NAME, CATALOGUE_REPO, CATALOGUE_FILE = (
-    "qwen2.5-0.5b-instruct", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf")
+    "qwen2.5-0.5b-instruct",
+    "Qwen/Qwen2.5-0.5B-Instruct-GGUF",
+    "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+)
 
 
 def models(tiny_gguf: Path, token_delay_s: float = 0.0) -> list[dict]:
@@ -42,10 +45,20 @@ def models(tiny_gguf: Path, token_delay_s: float = 0.0) -> list[dict]:
     # Open WebUI's title, tags and follow-up tasks ask for 1,000 tokens each; a ceiling keeps them short, as
     # docs/clients.md advises for small models (paced at 0.15 s a token, 1,000 would take 150 s)
     return [
-        {"name": ECHO, "engine": "echo", "path": "-", "max_output_tokens": 16,
-         "params": {"reply": REPLY, "token_delay_s": token_delay_s}},
-        {"name": TEXT_ONLY, "engine": "llama-server", "path": str(tiny_gguf), "max_output_tokens": 8,
-         "params": {"n_ctx": 2048, "parallel": 1, "n_threads": 2}},
+        {
+            "name": ECHO,
+            "engine": "echo",
+            "path": "-",
+            "max_output_tokens": 16,
+            "params": {"reply": REPLY, "token_delay_s": token_delay_s},
+        },
+        {
+            "name": TEXT_ONLY,
+            "engine": "llama-server",
+            "path": str(tiny_gguf),
+            "max_output_tokens": 8,
+            "params": {"n_ctx": 2048, "parallel": 1, "n_threads": 2},
+        },
     ]
 
 
@@ -54,8 +67,13 @@ def installed_version(venv: Path = VENV) -> str:
     python = venv / "bin" / "python"
     if not python.exists():
         return ""
-    r = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('open-webui'))"],
-                       capture_output=True, text=True, check=False, timeout=120)
+    r = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('open-webui'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     return r.stdout.strip() if r.returncode == 0 else ""
 
 
@@ -64,8 +82,11 @@ def ensure_installed(venv: Path = VENV, version: str = VERSION, timeout_s: float
     if installed_version(venv) != version:
         if not (venv / "bin" / "python").exists():
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", f"open-webui=={version}"],
-                       check=True, timeout=timeout_s)
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", f"open-webui=={version}"],
+            check=True,
+            timeout=timeout_s,
+        )
     return venv / "bin" / "open-webui"
 
 
@@ -83,7 +104,9 @@ def env(root: Path, gateway: str, key: str) -> dict[str, str]:
         "RAG_EMBEDDING_MODEL": "",  # no SentenceTransformer is loaded (or downloaded) at start
         "BYPASS_EMBEDDING_AND_RETRIEVAL": "true",
         "ENABLE_WEB_SEARCH": "false",
-        "ANONYMIZED_TELEMETRY": "false", "DO_NOT_TRACK": "true", "SCARF_NO_ANALYTICS": "true",
+        "ANONYMIZED_TELEMETRY": "false",
+        "DO_NOT_TRACK": "true",
+        "SCARF_NO_ANALYTICS": "true",
         "ENABLE_OLLAMA_API": "true",
         "OLLAMA_BASE_URLS": gateway,
         "OLLAMA_API_CONFIGS": json.dumps({"0": {"key": key}}),
@@ -102,9 +125,14 @@ def serving(root: Path, gateway: str, key: str, venv: Path = VENV, timeout_s: fl
     port = free_port()
     log_path = root / "open-webui.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([str(venv / "bin" / "open-webui"), "serve", "--host", "127.0.0.1", "--port", str(port)],
-                                env=env(root, gateway, key), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(venv / "bin" / "open-webui"), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env(root, gateway, key),
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:

@@ -43,10 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     body = {"model": a.model, "messages": [{"role": "user", "content": a.prompt}], "max_tokens": a.max_tokens}
     if a.temperature is not None:
         body["temperature"] = a.temperature
-    r = httpx.post(f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {a.key}"}, timeout=30, json=body)
+    r = httpx.post(
+        f"{a.base_url}/chat/completions", headers={"Authorization": f"Bearer {a.key}"}, timeout=30, json=body
+    )
     content = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None
-    print(json.dumps({"status": r.status_code, "engine": r.headers.get("Coderai-Engine", ""), "body": r.text[:300],
-                      "content": content}))
+    print(
+        json.dumps(
+            {
+                "status": r.status_code,
+                "engine": r.headers.get("Coderai-Engine", ""),
+                "body": r.text[:300],
+                "content": content,
+            }
+        )
+    )
     return 0
 
 

@@ -28,8 +28,16 @@ class ProcessDied(RuntimeError):
 class ServiceProcess:
     """One `python -m <module>` child in its own process group (so granian's workers stop with it)."""
 
-    def __init__(self, name: str, module: str, args: list[str], env: dict[str, str], log_dir: Path,
-                 prefix: list[str] | None = None, python: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        prefix: list[str] | None = None,
+        python: str = "",
+    ) -> None:
         self.name = name
         self.python = python or sys.executable  # another checkout's venv runs that checkout's code (bench baselines)
         self.module = module
@@ -45,8 +53,12 @@ class ServiceProcess:
         self.log_offset = len(self.log_text())  # a restarted service appends: wait only on what it writes
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [*self.prefix, self.python, "-m", self.module, *self.args], env=self.env, stdout=out, stderr=out,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                [*self.prefix, self.python, "-m", self.module, *self.args],
+                env=self.env,
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         return self
 
@@ -124,14 +136,16 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
 
 
-def run_interruptible(argv: list[str], timeout_s: float, cwd: str | os.PathLike | None = None,
-                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_interruptible(
+    argv: list[str], timeout_s: float, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)` for a bench or a soak, except how it
     ends one that overruns: when the timeout passes, or the test is stopped meanwhile (pytest's own timeout), the
     child gets SIGINT and a minute for its `finally` (stop the servers it started, remove its namespaces and mounts)
     before SIGKILL. `subprocess.run` kills at once, which leaves a bench's servers running."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     finally:

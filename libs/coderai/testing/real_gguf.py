@@ -47,8 +47,13 @@ def smoke(timeout_s: float = 300.0) -> tuple[bool, str]:
     except ImportError:
         return True, f"skipped: {MISSING}"
     try:
-        r = subprocess.run([sys.executable, "-c", _GENERATE, str(model)], capture_output=True, text=True,
-                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [sys.executable, "-c", _GENERATE, str(model)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return False, f"no answer within {timeout_s:.0f}s"
     if r.returncode != 0:

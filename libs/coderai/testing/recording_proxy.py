@@ -16,8 +16,20 @@ from typing import Any
 import httpx
 
 # Credentials never reach a recording; hop-by-hop and per-connection headers say nothing about the request.
-DROPPED_HEADERS = {"authorization", "x-api-key", "cookie", "host", "content-length", "connection", "keep-alive",
-                   "transfer-encoding", "accept-encoding", "te", "upgrade", "proxy-authorization"}
+DROPPED_HEADERS = {
+    "authorization",
+    "x-api-key",
+    "cookie",
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "accept-encoding",
+    "te",
+    "upgrade",
+    "proxy-authorization",
+}
 ANSWER_BYTES = 4096  # enough of an answer to read its shape in a recording, small enough to commit
 
 
@@ -83,10 +95,14 @@ def _handler(proxy: RecordingProxy):
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
             # identity answers, so the recorded head is readable
-            headers = {k: v for k, v in self.headers.items()
-                       if k.lower() not in {"host", "connection", "keep-alive", "accept-encoding"}}
+            headers = {
+                k: v
+                for k, v in self.headers.items()
+                if k.lower() not in {"host", "connection", "keep-alive", "accept-encoding"}
+            }
             record: dict[str, Any] = {
-                "method": self.command, "path": self.path,
+                "method": self.command,
+                "path": self.path,
                 "headers": {k.lower(): v for k, v in self.headers.items() if k.lower() not in DROPPED_HEADERS},
                 "body": body_for_record(raw, self.headers.get("Content-Type", "")),
             }
@@ -109,16 +125,18 @@ def _handler(proxy: RecordingProxy):
                 self.end_headers()
                 for chunk in resp.iter_raw():
                     if len(head) < ANSWER_BYTES:
-                        head += chunk[:ANSWER_BYTES - len(head)]
+                        head += chunk[: ANSWER_BYTES - len(head)]
                     self.wfile.write(chunk)
                     self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client left; the record keeps what came back until then
             finally:
                 resp.close()
-                record["response"] = {"status": resp.status_code,
-                                      "content_type": resp.headers.get("content-type", ""),
-                                      "head": head.decode(errors="replace")}
+                record["response"] = {
+                    "status": resp.status_code,
+                    "content_type": resp.headers.get("content-type", ""),
+                    "head": head.decode(errors="replace"),
+                }
 
         do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _forward
 

@@ -14,16 +14,22 @@ from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 
 
-SERVICE_MODULES = {"coderai.gateway": "gateway", "coderai.router": "router", "coderai.scheduler": "scheduler",
-                   "coderai.pod_broker": "pod-broker", "coderai.metrics": "metrics"}
+SERVICE_MODULES = {
+    "coderai.gateway": "gateway",
+    "coderai.router": "router",
+    "coderai.scheduler": "scheduler",
+    "coderai.pod_broker": "pod-broker",
+    "coderai.metrics": "metrics",
+}
 """Each head service's module and its role (members.SERVICE_ROLES)."""
 
 
 class Stack:
     """Services started one by one; `stop()` ends them all. Env vars in `extra_env` reach every service."""
 
-    def __init__(self, root: Path, nats_url: str, redis_url: str = "", extra_env: dict[str, str] | None = None,
-                 python: str = "") -> None:
+    def __init__(
+        self, root: Path, nats_url: str, redis_url: str = "", extra_env: dict[str, str] | None = None, python: str = ""
+    ) -> None:
         self.root = Path(root)
         self.python = python  # empty: this interpreter
         self.nats_url = nats_url
@@ -39,16 +45,24 @@ class Stack:
         self.gateway_port = 0
         self.metrics_port = 0
 
-    def start(self, name: str, module: str, args: list[str] | None = None, env: dict[str, str] | None = None,
-              ready: str | None = '"msg": "ready"', timeout_s: float = 60.0) -> ServiceProcess:
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        ready: str | None = '"msg": "ready"',
+        timeout_s: float = 60.0,
+    ) -> ServiceProcess:
         """Start `module` as `name`. On a secured NATS (`stack.nats`, NatsServer.secured) a head service logs in
         as its own user with its own rights, as under `coderai up`, unless `env` names a NATS URL of its own."""
         role = SERVICE_MODULES.get(module, "")
         nats = getattr(self, "nats", None)
         if role and getattr(nats, "service_passwords", None) and "CODERAI_NATS_URL" not in (env or {}):
             env = {**(env or {}), "CODERAI_NATS_URL": nats.role_url(role)}
-        p = ServiceProcess(name, module, args or [], {**self.env, **(env or {})}, self.root / "logs",
-                           python=self.python).start()
+        p = ServiceProcess(
+            name, module, args or [], {**self.env, **(env or {})}, self.root / "logs", python=self.python
+        ).start()
         self.procs[name] = p
         if ready:
             p.wait_log(ready, timeout_s)
@@ -58,9 +72,15 @@ class Stack:
         """Router, scheduler and metrics: everything but workers and the gateway."""
         self.start("router", "coderai.router")
         nats = getattr(self, "nats", None)
-        members = {"CODERAI_SCHEDULER_MEMBERS_FILE": str(nats.members_file), "CODERAI_SCHEDULER_NATS_USERS_FILE":
-                   str(nats.users_file), "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file)} \
-            if getattr(nats, "members_file", None) else {}
+        members = (
+            {
+                "CODERAI_SCHEDULER_MEMBERS_FILE": str(nats.members_file),
+                "CODERAI_SCHEDULER_NATS_USERS_FILE": str(nats.users_file),
+                "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file),
+            }
+            if getattr(nats, "members_file", None)
+            else {}
+        )
         self.start("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], env=members)
         self.metrics_port = free_port()
         env = {"CODERAI_METRICS_PORT": str(self.metrics_port)}
@@ -79,8 +99,13 @@ class Stack:
     def start_gateway(self, *args: str, env: dict[str, str] | None = None) -> ServiceProcess:
         self.gateway_port = free_port()
         p = self.start("gateway", "coderai.gateway", ["--port", str(self.gateway_port), *args], env=env, ready=None)
-        wait_until(lambda: p.alive() and httpx.get(f"{self.http_url}/healthz", timeout=1).status_code == 200
-                   or (_raise_if_dead(p)), 60, "gateway /healthz")
+        wait_until(
+            lambda: (
+                p.alive() and httpx.get(f"{self.http_url}/healthz", timeout=1).status_code == 200 or (_raise_if_dead(p))
+            ),
+            60,
+            "gateway /healthz",
+        )
         return p
 
     @property
@@ -94,18 +119,30 @@ class Stack:
     def wait_model_ready(self, model: str, headers: dict[str, str] | None = None, timeout_s: float = 60) -> None:
         """A one-token chat through the gateway answers 200: the model is placed, loaded and routable."""
         body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-        wait_until(lambda: httpx.post(f"{self.base_url}/chat/completions", json=body, headers=headers, timeout=10).status_code == 200,
-                   timeout_s, f"model {model} to answer")
+        wait_until(
+            lambda: (
+                httpx.post(f"{self.base_url}/chat/completions", json=body, headers=headers, timeout=10).status_code
+                == 200
+            ),
+            timeout_s,
+            f"model {model} to answer",
+        )
 
-    def wait_engines_ready(self, models: list[str], headers: dict[str, str] | None = None, timeout_s: float = 120) -> None:
+    def wait_engines_ready(
+        self, models: list[str], headers: dict[str, str] | None = None, timeout_s: float = 120
+    ) -> None:
         """Every model in `models` has a ready engine on some node (any op: no request is sent). Needs an admin
         key in `headers`, or a gateway started with --no-auth."""
 
         def ready() -> bool:
             nodes = httpx.get(f"{self.http_url}/admin/nodes", headers=headers, timeout=5).json()["nodes"]
             up = {e["model"] for n in nodes for e in n["heartbeat"].get("engines", []) if e.get("state") == "ready"}
-            failed = {e["model"]: e.get("error") for n in nodes for e in n["heartbeat"].get("engines", [])
-                      if e.get("state") == "failed"}
+            failed = {
+                e["model"]: e.get("error")
+                for n in nodes
+                for e in n["heartbeat"].get("engines", [])
+                if e.get("state") == "failed"
+            }
             if failed:
                 raise ProcessDied(f"engines failed to load: {failed}")
             return set(models) <= up
@@ -123,9 +160,16 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(
-    root: Path, models: list[dict], *, workers: tuple[str, ...] = ("w1",), gateway_args: tuple[str, ...] = (),
-    redis_url: str = "", extra_env: dict[str, str] | None = None, nats_port: int | None = None,
-    ready_model: str = "", headers: dict[str, str] | None = None,
+    root: Path,
+    models: list[dict],
+    *,
+    workers: tuple[str, ...] = ("w1",),
+    gateway_args: tuple[str, ...] = (),
+    redis_url: str = "",
+    extra_env: dict[str, str] | None = None,
+    nats_port: int | None = None,
+    ready_model: str = "",
+    headers: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
     """A NATS server of its own, core services, workers and a gateway; `ready_model` answers before it yields.
     `stack.nats` is the server, for tests that kill and restart it (give `nats_port` so it comes back there)."""
@@ -161,17 +205,59 @@ def clean_env(**extra: str) -> dict[str, str]:
 def head_up(host, root: Path, models: Path, token: str, env: dict[str, str], port: int = 8000) -> ServiceProcess:
     """`coderai up` as the head of a cluster on a test host (a `netns.Host`), node id "head", data under
     `root/head`, logs under `root/logs`, mDNS on the host's address only. Returned unstarted."""
-    return ServiceProcess("up", "coderai.cli", ["up", "--data-dir", str(root / "head"), "--port", str(port),
-                                                "--cluster-token", token, "--mdns-interface", host.ip, "--node-id", "head",
-                                                "--models-file", str(models)], env, root / "logs", prefix=host.prefix())
+    return ServiceProcess(
+        "up",
+        "coderai.cli",
+        [
+            "up",
+            "--data-dir",
+            str(root / "head"),
+            "--port",
+            str(port),
+            "--cluster-token",
+            token,
+            "--mdns-interface",
+            host.ip,
+            "--node-id",
+            "head",
+            "--models-file",
+            str(models),
+        ],
+        env,
+        root / "logs",
+        prefix=host.prefix(),
+    )
 
 
-def node_up(host, node_id: str, head_ip: str, root: Path, token: str, env: dict[str, str], *extra: str,
-            wrap: list[str] | None = None) -> ServiceProcess:
+def node_up(
+    host,
+    node_id: str,
+    head_ip: str,
+    root: Path,
+    token: str,
+    env: dict[str, str],
+    *extra: str,
+    wrap: list[str] | None = None,
+) -> ServiceProcess:
     """A worker `node_id` on a test host (a `netns.Host`), joining the head at `head_ip` by URL (no mDNS), data
     under `root/<node_id>`. `wrap` goes between the namespace prefix and the command (e.g. a mount namespace).
     Returned unstarted."""
-    return ServiceProcess(f"worker-{node_id}", "coderai.engine_worker",
-                          ["--cluster-token", token, "--nats-url", f"nats://{head_ip}:4222", "--no-mdns",
-                           "--node-id", node_id, "--data-dir", str(root / node_id), *extra],
-                          env, root / "logs", prefix=host.prefix() + (wrap or []))
+    return ServiceProcess(
+        f"worker-{node_id}",
+        "coderai.engine_worker",
+        [
+            "--cluster-token",
+            token,
+            "--nats-url",
+            f"nats://{head_ip}:4222",
+            "--no-mdns",
+            "--node-id",
+            node_id,
+            "--data-dir",
+            str(root / node_id),
+            *extra,
+        ],
+        env,
+        root / "logs",
+        prefix=host.prefix() + (wrap or []),
+    )

@@ -64,8 +64,11 @@ def build_tiny_hf_llama(
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     # a generation config naming the chat end token lets servers stop at it without guessing
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+        )
+    )
     return {"out": str(out), "vocab": len(tok), "head_dim": dim // heads}
 
 

@@ -29,13 +29,25 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "get":
         print(json.dumps(client.get(f"/videos/{a.id}").json()))
     elif a.cmd == "wait":
-        rec = wait_until(lambda: (v := client.get(f"/videos/{a.id}").json())["status"] in ("completed", "failed") and v,
-                         a.timeout, f"video {a.id} to end", interval_s=0.2)
+        rec = wait_until(
+            lambda: (v := client.get(f"/videos/{a.id}").json())["status"] in ("completed", "failed") and v,
+            a.timeout,
+            f"video {a.id} to end",
+            interval_s=0.2,
+        )
         print(json.dumps(rec))
     elif a.cmd == "engines":
         nodes = client.get(a.base_url.removesuffix("/v1") + "/admin/nodes").json()["nodes"]
-        print(json.dumps({n["heartbeat"]["node_id"]: sorted(e["model"] for e in n["heartbeat"].get("engines", [])
-                                                            if e.get("state") == "ready") for n in nodes}))
+        print(
+            json.dumps(
+                {
+                    n["heartbeat"]["node_id"]: sorted(
+                        e["model"] for e in n["heartbeat"].get("engines", []) if e.get("state") == "ready"
+                    )
+                    for n in nodes
+                }
+            )
+        )
     else:
         r = client.get(f"/videos/{a.id}/content")
         with open(a.out, "wb") as fh:

@@ -43,15 +43,23 @@ def clip_tokenizer(merges_count: int = 768) -> Any:
     # train with CLIP's own normalizer and word splitting, so the merges fit what CLIPTokenizer feeds them
     trainer_tok = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
     trainer_tok.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-    trainer_tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""),
-                             behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+    )
+    trainer_tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""), behavior="removed", invert=True
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     symbols = list(bytes_to_unicode().values())
-    trainer = trainers.BpeTrainer(vocab_size=2 * len(symbols) + merges_count, initial_alphabet=symbols,
-                                  end_of_word_suffix="</w>", show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=2 * len(symbols) + merges_count,
+        initial_alphabet=symbols,
+        end_of_word_suffix="</w>",
+        show_progress=False,
+    )
     trainer_tok.train_from_iterator(_corpus(), trainer=trainer)
     raw = json.loads(trainer_tok.to_str())["model"]["merges"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in raw][:merges_count]
@@ -64,25 +72,50 @@ def clip_tokenizer(merges_count: int = 768) -> Any:
 def _text_encoder(tok: Any) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    return CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=MAX_TOKENS, projection_dim=HIDDEN, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    return CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=MAX_TOKENS,
+            projection_dim=HIDDEN,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
 
 
 def _vae(**extra: Any) -> Any:
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64),
-                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                         layers_per_block=1, norm_num_groups=32, sample_size=64, **extra)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=32,
+        sample_size=64,
+        **extra,
+    )
 
 
 def _scheduler() -> Any:
     from diffusers import DDIMScheduler
 
-    return DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                         set_alpha_to_one=False, steps_offset=1)
+    return DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
 
 
 def build_tiny_sd(out: Path) -> None:
@@ -93,12 +126,27 @@ def build_tiny_sd(out: Path) -> None:
     torch.manual_seed(0)
     tok = clip_tokenizer()
     unet = UNet2DConditionModel(
-        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=HIDDEN, attention_head_dim=8, norm_num_groups=32)
-    pipe = StableDiffusionPipeline(vae=_vae(), text_encoder=_text_encoder(tok), tokenizer=tok, unet=unet,
-                                   scheduler=_scheduler(), safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=HIDDEN,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=_vae(),
+        text_encoder=_text_encoder(tok),
+        tokenizer=tok,
+        unet=unet,
+        scheduler=_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(out)
 
 
@@ -110,12 +158,25 @@ def build_tiny_t2v(out: Path) -> None:
     torch.manual_seed(0)
     tok = clip_tokenizer()
     unet = UNet3DConditionModel(
-        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"), up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
-        cross_attention_dim=HIDDEN, attention_head_dim=8, norm_num_groups=32)
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+        cross_attention_dim=HIDDEN,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
     # no attention in the VAE's middle: it decodes every frame, and attention there is what costs on CPU
-    pipe = TextToVideoSDPipeline(vae=_vae(mid_block_add_attention=False), text_encoder=_text_encoder(tok),
-                                 tokenizer=tok, unet=unet, scheduler=_scheduler())
+    pipe = TextToVideoSDPipeline(
+        vae=_vae(mid_block_add_attention=False),
+        text_encoder=_text_encoder(tok),
+        tokenizer=tok,
+        unet=unet,
+        scheduler=_scheduler(),
+    )
     pipe.save_pretrained(out)
 
 

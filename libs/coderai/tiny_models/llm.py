@@ -150,8 +150,11 @@ def build_tiny_gguf(
 def tensor_names(layers: int) -> list[str]:
     """The GGUF tensor names of a llama of `layers` blocks, in the order build_tiny_gguf writes them."""
     block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    return (["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in block]
-            + ["output_norm.weight", "output.weight"])
+    return (
+        ["token_embd.weight"]
+        + [f"blk.{i}.{t}.weight" for i in range(layers) for t in block]
+        + ["output_norm.weight", "output.weight"]
+    )
 
 
 def weights_from_hf(state: dict, heads: int, kv_heads: int) -> dict:
@@ -164,11 +167,22 @@ def weights_from_hf(state: dict, heads: int, kv_heads: int) -> dict:
     def get(key: str):
         return state[key].detach().float().cpu().numpy()
 
-    out = {"token_embd.weight": get("model.embed_tokens.weight"), "output_norm.weight": get("model.norm.weight"),
-           "output.weight": get("lm_head.weight")}
-    hf = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    out = {
+        "token_embd.weight": get("model.embed_tokens.weight"),
+        "output_norm.weight": get("model.norm.weight"),
+        "output.weight": get("lm_head.weight"),
+    }
+    hf = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     i = 0
     while f"model.layers.{i}.input_layernorm.weight" in state:
         for ours, theirs in hf.items():

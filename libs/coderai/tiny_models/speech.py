@@ -17,7 +17,8 @@ def speak_pcm(text: str, *, voice: str = "en-us", speed: int = 150, pitch: int =
     """`text` spoken by espeak-ng, as int16 samples at 16 kHz."""
     wav = subprocess.run(
         ["espeak-ng", "-v", voice, "-s", str(speed), "-p", str(pitch), "--stdout", text],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     ).stdout
     with wave.open(io.BytesIO(wav)) as w:
         rate, frames = w.getframerate(), w.readframes(w.getnframes())

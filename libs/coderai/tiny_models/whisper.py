@@ -30,12 +30,105 @@ RECIPE_VERSION = "2"  # bump whenever the recipe changes: cached builds are keye
 
 # Whisper's language tokens, in its order (the 99 of the v1/v2 multilingual models)
 LANGUAGES = (
-    "en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr", "pl", "ca", "nl", "ar", "sv", "it", "id", "hi",
-    "fi", "vi", "he", "uk", "el", "ms", "cs", "ro", "da", "hu", "ta", "no", "th", "ur", "hr", "bg", "lt", "la",
-    "mi", "ml", "cy", "sk", "te", "fa", "lv", "bn", "sr", "az", "sl", "kn", "et", "mk", "br", "eu", "is", "hy",
-    "ne", "mn", "bs", "kk", "sq", "sw", "gl", "mr", "pa", "si", "km", "sn", "yo", "so", "af", "oc", "ka", "be",
-    "tg", "sd", "gu", "am", "yi", "lo", "uz", "fo", "ht", "ps", "tk", "nn", "mt", "sa", "lb", "my", "bo", "tl",
-    "mg", "as", "tt", "haw", "ln", "ha", "ba", "jw", "su",
+    "en",
+    "zh",
+    "de",
+    "es",
+    "ru",
+    "ko",
+    "fr",
+    "ja",
+    "pt",
+    "tr",
+    "pl",
+    "ca",
+    "nl",
+    "ar",
+    "sv",
+    "it",
+    "id",
+    "hi",
+    "fi",
+    "vi",
+    "he",
+    "uk",
+    "el",
+    "ms",
+    "cs",
+    "ro",
+    "da",
+    "hu",
+    "ta",
+    "no",
+    "th",
+    "ur",
+    "hr",
+    "bg",
+    "lt",
+    "la",
+    "mi",
+    "ml",
+    "cy",
+    "sk",
+    "te",
+    "fa",
+    "lv",
+    "bn",
+    "sr",
+    "az",
+    "sl",
+    "kn",
+    "et",
+    "mk",
+    "br",
+    "eu",
+    "is",
+    "hy",
+    "ne",
+    "mn",
+    "bs",
+    "kk",
+    "sq",
+    "sw",
+    "gl",
+    "mr",
+    "pa",
+    "si",
+    "km",
+    "sn",
+    "yo",
+    "so",
+    "af",
+    "oc",
+    "ka",
+    "be",
+    "tg",
+    "sd",
+    "gu",
+    "am",
+    "yi",
+    "lo",
+    "uz",
+    "fo",
+    "ht",
+    "ps",
+    "tk",
+    "nn",
+    "mt",
+    "sa",
+    "lb",
+    "my",
+    "bo",
+    "tl",
+    "mg",
+    "as",
+    "tt",
+    "haw",
+    "ln",
+    "ha",
+    "ba",
+    "jw",
+    "su",
 )
 BASE_VOCAB = 50257  # ordinary tokens before <|endoftext|>, as in Whisper's multilingual tokenizer
 TRAINED_VOCAB = 4096  # what BPE actually learns; the rest are unreachable fillers to reach BASE_VOCAB
@@ -88,8 +181,9 @@ def _whisper_tokenizer() -> Any:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TRAINED_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TRAINED_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     bpe.train_from_iterator(_corpus(), trainer=trainer)
     learned = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = dict(learned["vocab"])
@@ -102,12 +196,13 @@ def _whisper_tokenizer() -> Any:
     vocab[""] = len(vocab)
 
     tok = WhisperTokenizer(vocab=vocab, merges=merges)
-    specials = (["<|endoftext|>", "<|startoftranscript|>"] + [f"<|{code}|>" for code in LANGUAGES]
-                + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
-                   "<|notimestamps|>"])
+    specials = (
+        ["<|endoftext|>", "<|startoftranscript|>"]
+        + [f"<|{code}|>" for code in LANGUAGES]
+        + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+    )
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
-    tok.add_tokens([AddedToken(f"<|{i * TIME_STEP:.2f}|>", special=False, normalized=False)
-                    for i in range(TIMESTAMPS)])
+    tok.add_tokens([AddedToken(f"<|{i * TIME_STEP:.2f}|>", special=False, normalized=False) for i in range(TIMESTAMPS)])
     if tok.convert_tokens_to_ids("<|endoftext|>") != BASE_VOCAB or len(tok) != BASE_VOCAB + len(specials) + TIMESTAMPS:
         raise RuntimeError("tiny whisper tokenizer: special tokens did not land at Whisper's ids")
     return tok
@@ -120,17 +215,35 @@ def _random_model(tok: Any, d_model: int = 64, layers: int = 2, heads: int = 4) 
     eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
     suppress_begin = [ids("Ġ"), eot]  # Whisper's own rule: never start with a bare space or end at once
     cfg = WhisperConfig(
-        vocab_size=len(tok), num_mel_bins=80, d_model=d_model,
-        encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
-        encoder_ffn_dim=4 * d_model, decoder_ffn_dim=4 * d_model, max_source_positions=1500, max_target_positions=448,
-        pad_token_id=eot, bos_token_id=eot, eos_token_id=eot, decoder_start_token_id=sot,
-        begin_suppress_tokens=suppress_begin, suppress_tokens=[],
+        vocab_size=len(tok),
+        num_mel_bins=80,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=4 * d_model,
+        decoder_ffn_dim=4 * d_model,
+        max_source_positions=1500,
+        max_target_positions=448,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=sot,
+        begin_suppress_tokens=suppress_begin,
+        suppress_tokens=[],
     )
     model = WhisperForConditionalGeneration(cfg)
     # CTranslate2 reads language ids and alignment heads (for word timestamps) from the generation config
     model.generation_config = GenerationConfig(
-        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot, max_length=448,
-        begin_suppress_tokens=suppress_begin, suppress_tokens=[], is_multilingual=True,
+        decoder_start_token_id=sot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        max_length=448,
+        begin_suppress_tokens=suppress_begin,
+        suppress_tokens=[],
+        is_multilingual=True,
         no_timestamps_token_id=ids("<|notimestamps|>"),
         lang_to_id={f"<|{code}|>": ids(f"<|{code}|>") for code in LANGUAGES},
         task_to_id={"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")},
@@ -226,5 +339,6 @@ def _check(out: Path, pcm: np.ndarray, text: str) -> None:
         segments, info = model.transcribe(pcm, temperature=0.0, **options)
         got = " ".join("".join(s.text for s in segments).split())
         if got != want or info.language != "en":
-            raise RuntimeError(f"tiny whisper did not learn its phrase: got {got!r} (language {info.language!r}, "
-                               f"options {options})")
+            raise RuntimeError(
+                f"tiny whisper did not learn its phrase: got {got!r} (language {info.language!r}, options {options})"
+            )

@@ -25,7 +25,8 @@ EXPLICIT_ONLY = frozenset(name for name, spec in SPECS.items() if spec.test_only
 def available_families() -> list[str]:
     """Engine families whose libraries are installed on this machine (test engines left out)."""
     return [
-        fam for fam, (probe, _) in FAMILIES.items()
+        fam
+        for fam, (probe, _) in FAMILIES.items()
         if fam not in EXPLICIT_ONLY and ((probe and importlib.util.find_spec(probe) is not None) or _external(fam))
     ]
 
@@ -38,8 +39,19 @@ def _external(family: str) -> bool:
 
 
 # what only the llama-server family reads; dropped when a model falls back to the in-process engine
-SERVER_ONLY_PARAMS = frozenset({"parallel", "cache_ram_mb", "queue", "load_timeout_s", "extra_args", "env", "mmproj",
-                                "chat_template", "n_gpu_layers_draft"})
+SERVER_ONLY_PARAMS = frozenset(
+    {
+        "parallel",
+        "cache_ram_mb",
+        "queue",
+        "load_timeout_s",
+        "extra_args",
+        "env",
+        "mmproj",
+        "chat_template",
+        "n_gpu_layers_draft",
+    }
+)
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
@@ -47,10 +59,14 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
     runs on the in-process llama engine instead, one request at a time, with a warning saying so."""
     if cfg.engine != "llama-server" or find_llama_server() is not None or importlib.util.find_spec("llama_cpp") is None:
         return cfg
-    log.warning("%s: no llama-server binary here (scripts/setup builds it; or set CODERAI_LLAMA_SERVER): serving it "
-                "on the in-process llama engine, one request at a time", cfg.name)
-    return msgspec.structs.replace(cfg, engine="llama", params={
-        k: v for k, v in cfg.params.items() if k not in SERVER_ONLY_PARAMS})
+    log.warning(
+        "%s: no llama-server binary here (scripts/setup builds it; or set CODERAI_LLAMA_SERVER): serving it "
+        "on the in-process llama engine, one request at a time",
+        cfg.name,
+    )
+    return msgspec.structs.replace(
+        cfg, engine="llama", params={k: v for k, v in cfg.params.items() if k not in SERVER_ONLY_PARAMS}
+    )
 
 
 def engine_class(family: str) -> type[Engine]:
@@ -60,5 +76,13 @@ def engine_class(family: str) -> type[Engine]:
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["BadInput", "Engine", "EngineLoadError", "EXPLICIT_ONLY", "FAMILIES", "available_families", "engine_class",
-           "resolve"]
+__all__ = [
+    "BadInput",
+    "Engine",
+    "EngineLoadError",
+    "EXPLICIT_ONLY",
+    "FAMILIES",
+    "available_families",
+    "engine_class",
+    "resolve",
+]

@@ -63,9 +63,15 @@ def wav_header(rate: int, data_bytes: int | None = None, *, channels: int = 1, b
     block = channels * bits // 8
     data = _UNKNOWN if data_bytes is None else data_bytes
     riff = _UNKNOWN if data_bytes is None else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE"
-            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, rate, rate * block, block, bits)
-            + b"data" + struct.pack("<I", data))
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, channels, rate, rate * block, block, bits)
+        + b"data"
+        + struct.pack("<I", data)
+    )
 
 
 class Encoder:

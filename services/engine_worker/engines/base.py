@@ -31,9 +31,11 @@ def refuse_media(messages: list[dict], model: str, takes: frozenset[str] = froze
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in MEDIA_PARTS and kind not in takes:
-                raise BadInput(f"model '{model}' does not take {MEDIA_PARTS[kind]} (messages[{i}].content[{j}] is "
-                               f"{kind}); a GGUF model reads images only with a projector (`mmproj` in its entry)",
-                               f"messages[{i}].content[{j}]")
+                raise BadInput(
+                    f"model '{model}' does not take {MEDIA_PARTS[kind]} (messages[{i}].content[{j}] is "
+                    f"{kind}); a GGUF model reads images only with a projector (`mmproj` in its entry)",
+                    f"messages[{i}].content[{j}]",
+                )
 
 
 class BadInput(ValueError):
@@ -50,8 +52,9 @@ def unhonoured(engine: Engine, job: Any) -> BadInput | None:
     name, family = engine.config.name, engine.family or type(engine).__name__
     params = job.params
     if params.n > 1 and job.stream and not engine.streams_choices:
-        return BadInput(f"model '{name}' ({family}) streams one choice: send n > 1 without stream, or one "
-                        "request per choice", "n")
+        return BadInput(
+            f"model '{name}' ({family}) streams one choice: send n > 1 without stream, or one request per choice", "n"
+        )
     if isinstance(getattr(job, "prompt", None), list) and not engine.prompt_lists:
         return BadInput(f"model '{name}' ({family}) takes one prompt per request", "prompt")
     if params.logit_bias and not engine.logit_bias:

@@ -45,11 +45,22 @@ class ChildServer:
     `label` names the server in messages, `name` (the model) prefixes log lines, `serving` is what a failed start
     was loading. `headers` go with every health probe (a server whose key guards its health route)."""
 
-    def __init__(self, command: Command, *, label: str = "the server", name: str = "", serving: str = "",
-                 ready_path: str = "/health", death_signal: int = signal.SIGTERM,
-                 headers: dict[str, str] | None = None, start_timeout_s: float = 600.0, log_name: str = "server",
-                 port_for: Callable[[], int] = free_port, crash_limit: int = CRASH_LIMIT,
-                 crash_window_s: float = CRASH_WINDOW_S) -> None:
+    def __init__(
+        self,
+        command: Command,
+        *,
+        label: str = "the server",
+        name: str = "",
+        serving: str = "",
+        ready_path: str = "/health",
+        death_signal: int = signal.SIGTERM,
+        headers: dict[str, str] | None = None,
+        start_timeout_s: float = 600.0,
+        log_name: str = "server",
+        port_for: Callable[[], int] = free_port,
+        crash_limit: int = CRASH_LIMIT,
+        crash_window_s: float = CRASH_WINDOW_S,
+    ) -> None:
         self.command = command
         # a server that dies `crash_limit` times within `crash_window_s` is parked, not restarted again: a crash
         # loop costs a restart's load time every time and hides why; it runs again when its model is placed anew
@@ -84,9 +95,15 @@ class ChildServer:
             with os.fdopen(fd, "wb") as out:
                 try:
                     # a session of its own lets stop() reach the server's own children too
-                    self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                 env=env, start_new_session=True,
-                                                 preexec_fn=die_with_parent(self.death_signal))  # noqa: PLW1509
+                    self.proc = subprocess.Popen(
+                        cmd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent(self.death_signal),
+                    )  # noqa: PLW1509
                 except OSError as exc:
                     self._drop_log()
                     raise EngineLoadError(f"cannot start {self.label} ({cmd[0]}): {exc}") from exc
@@ -176,18 +193,33 @@ class ChildServer:
         if thread is not None and thread is not threading.current_thread():
             thread.join(10)
 
-    def supervise(self, on_alive: Callable[[httpx.Client], None] | None = None,
-                  on_exit: Callable[[str], None] | None = None, on_restart: Callable[[], None] | None = None,
-                  poll_s: float = POLL_S, backoff_s: Sequence[float] = RESTART_BACKOFF_S) -> None:
+    def supervise(
+        self,
+        on_alive: Callable[[httpx.Client], None] | None = None,
+        on_exit: Callable[[str], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
+        poll_s: float = POLL_S,
+        backoff_s: Sequence[float] = RESTART_BACKOFF_S,
+    ) -> None:
         """Watch the child from a thread of its own: `on_alive(probe)` every `poll_s` while it runs (a client with
         the headers, for the server's own load probes); when it dies, `on_exit(why)`, then restarts with backoff
         until one is healthy, and `on_restart()` (with the new child in place, before anything else may change it)."""
-        self._supervisor = threading.Thread(target=self._watch, args=(on_alive, on_exit, on_restart, poll_s, backoff_s),
-                                            name=f"{self.log_name}-{self.name}", daemon=True)
+        self._supervisor = threading.Thread(
+            target=self._watch,
+            args=(on_alive, on_exit, on_restart, poll_s, backoff_s),
+            name=f"{self.log_name}-{self.name}",
+            daemon=True,
+        )
         self._supervisor.start()
 
-    def _watch(self, on_alive: Callable[[httpx.Client], None] | None, on_exit: Callable[[str], None] | None,
-               on_restart: Callable[[], None] | None, poll_s: float, backoff_s: Sequence[float]) -> None:
+    def _watch(
+        self,
+        on_alive: Callable[[httpx.Client], None] | None,
+        on_exit: Callable[[str], None] | None,
+        on_restart: Callable[[], None] | None,
+        poll_s: float,
+        backoff_s: Sequence[float],
+    ) -> None:
         probe = httpx.Client(timeout=2.0, headers=self.headers)
         try:
             while not self._closing.wait(poll_s):
@@ -201,9 +233,11 @@ class ChildServer:
                 now = time.monotonic()
                 self.crashes = [t for t in self.crashes if now - t <= self.crash_window_s] + [now]
                 if len(self.crashes) >= self.crash_limit:
-                    self.quarantined = (f"quarantined: {self.label} died {len(self.crashes)} times within "
-                                        f"{self.crash_window_s:.0f} s and is not restarted again until its model is "
-                                        "placed anew (unplace and place it, or replace its config); " + why)
+                    self.quarantined = (
+                        f"quarantined: {self.label} died {len(self.crashes)} times within "
+                        f"{self.crash_window_s:.0f} s and is not restarted again until its model is "
+                        "placed anew (unplace and place it, or replace its config); " + why
+                    )
                     why = self.quarantined
                 log.error("%s: %s", self.name, why)
                 if on_exit is not None:

@@ -67,8 +67,9 @@ class DiarizeEngine(Engine):
             from resemblyzer import VoiceEncoder
             from speaker_diarize_lite import Diarizer
         except ImportError as exc:
-            raise EngineLoadError("diarization needs resemblyzer and speaker-diarize-lite: "
-                                  "pip install 'coderai[diarize]'") from exc
+            raise EngineLoadError(
+                "diarization needs resemblyzer and speaker-diarize-lite: pip install 'coderai[diarize]'"
+            ) from exc
         params = dict(self.config.params)
         self.threads = int(params.get("threads", 1))
         self.max_audio_s = float(params.get("max_audio_s", DEFAULT_MAX_AUDIO_S))
@@ -86,8 +87,9 @@ class DiarizeEngine(Engine):
             raise EngineLoadError(f"speaker-embedding weights not found: {weights}")
         try:
             with _torch_threads(self.threads):
-                self.encoder = VoiceEncoder(torch_device(self.config, params.get("device", "cpu")), verbose=False,
-                                            weights_fpath=weights)
+                self.encoder = VoiceEncoder(
+                    torch_device(self.config, params.get("device", "cpu")), verbose=False, weights_fpath=weights
+                )
         except Exception as exc:  # noqa: BLE001 - torch.load and Resemblyzer raise bare Exception and kin
             raise EngineLoadError(f"could not load the speaker-embedding model: {exc}") from exc
 

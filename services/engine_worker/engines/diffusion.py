@@ -56,8 +56,12 @@ class _DiffusionEngine(Engine):
         self.pipe: Any = None
         params = config.params
         lim = limits(params)  # the gateway checks jobs against the same limits before they get here
-        self.max_pixels, self.default_steps, self.max_steps, self.max_frames = \
-            lim.max_pixels, lim.default_steps, lim.max_steps, lim.max_frames
+        self.max_pixels, self.default_steps, self.max_steps, self.max_frames = (
+            lim.max_pixels,
+            lim.default_steps,
+            lim.max_steps,
+            lim.max_frames,
+        )
         self.guidance = float(params.get("guidance_scale", self.default_guidance))
 
     def _pipeline_class(self) -> Any:
@@ -217,8 +221,11 @@ class ImageEngine(_DiffusionEngine):
         pipe, kwargs = self._prepare(job)
         if "strength" in kwargs:  # edits run int(steps * strength) steps: at least one
             steps = max(steps, math.ceil(1 / kwargs["strength"]))
-        kwargs.update(prompt=job.prompt, num_inference_steps=steps,
-                      guidance_scale=self.guidance if job.guidance_scale is None else job.guidance_scale)
+        kwargs.update(
+            prompt=job.prompt,
+            num_inference_steps=steps,
+            guidance_scale=self.guidance if job.guidance_scale is None else job.guidance_scale,
+        )
         if job.negative_prompt:
             kwargs["negative_prompt"] = job.negative_prompt
         images: list[Blob] = []
@@ -238,7 +245,7 @@ class ImageEngine(_DiffusionEngine):
             except _Cancelled:
                 break
             images.append(_png(out.images[0]))
-        return ImageResult(images=images, seeds=seeds[:len(images)]), self._usage(job.prompt, len(images))
+        return ImageResult(images=images, seeds=seeds[: len(images)]), self._usage(job.prompt, len(images))
 
     def _prepare(self, job: ImageJob) -> tuple[Any, dict[str, Any]]:
         """The pipeline for the job and its size/image arguments, every input checked."""
@@ -309,8 +316,9 @@ class VideoEngine(_DiffusionEngine):
         """(width, height, steps) of a job whose every setting is checked against this model's limits."""
         width, height = self._size(job.width, job.height)
         if not 1 <= job.num_frames <= self.max_frames:
-            raise BadInput(f"num_frames must be between 1 and {self.max_frames}, got {job.num_frames}",
-                           param="num_frames")
+            raise BadInput(
+                f"num_frames must be between 1 and {self.max_frames}, got {job.num_frames}", param="num_frames"
+            )
         if not 1 <= job.fps <= 120:
             raise BadInput(f"fps must be between 1 and 120, got {job.fps}", param="fps")
         return width, height, self._steps(job.steps)
@@ -346,10 +354,19 @@ class VideoEngine(_DiffusionEngine):
                 emit(progress=reported)
 
         try:
-            out = self.pipe(prompt=job.prompt, negative_prompt=job.negative_prompt or None,
-                            num_frames=job.num_frames, width=width, height=height, num_inference_steps=steps,
-                            guidance_scale=self.guidance, generator=_generator(seed), output_type="np",
-                            callback=on_step, callback_steps=1)
+            out = self.pipe(
+                prompt=job.prompt,
+                negative_prompt=job.negative_prompt or None,
+                num_frames=job.num_frames,
+                width=width,
+                height=height,
+                num_inference_steps=steps,
+                guidance_scale=self.guidance,
+                generator=_generator(seed),
+                output_type="np",
+                callback=on_step,
+                callback_steps=1,
+            )
         except _Cancelled:
             return VideoResult(video=Blob(), frames=0, width=width, height=height, fps=job.fps, seed=seed), Usage()
         if emit is not None and reported < 1.0:  # a multi-order scheduler may stop its callbacks short of the end

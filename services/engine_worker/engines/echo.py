@@ -90,7 +90,9 @@ class EchoEngine(Engine):
         self._pace(len(pieces))
         text = "".join(pieces)
         n = max(1, job.params.n)
-        choices = [Choice(index=i, message={"role": "assistant", "content": text}, finish_reason=finish) for i in range(n)]
+        choices = [
+            Choice(index=i, message={"role": "assistant", "content": text}, finish_reason=finish) for i in range(n)
+        ]
         return choices, _usage(prompt, len(pieces) * n)
 
     def _scripted(self, job: ChatJob, prompt: int, emit: Emit | None) -> tuple[list[Choice], Usage]:
@@ -100,14 +102,22 @@ class EchoEngine(Engine):
         name = next((n for n in self.script or {} if n in offered), None)
         if result is None and name is not None and job.tool_choice != "none":
             args = self.script[name]
-            call = {"index": 0, "id": f"call_{job.request_id[-12:]}", "type": "function",
-                    "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
+            call = {
+                "index": 0,
+                "id": f"call_{job.request_id[-12:]}",
+                "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
             if emit is not None:
                 emit({"role": "assistant"}, None, None)
                 emit({"tool_calls": [call]}, None, None)
                 emit(None, None, "tool_calls")
                 return [], _usage(prompt, 1)
-            message = {"role": "assistant", "content": None, "tool_calls": [{k: v for k, v in call.items() if k != "index"}]}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{k: v for k, v in call.items() if k != "index"}],
+            }
             return [Choice(index=0, message=message, finish_reason="tool_calls")], _usage(prompt, 1)
         words = list(self.words) + (_text(result.get("content")).split() if result is not None else [])
         cap = job.params.max_tokens
@@ -119,8 +129,10 @@ class EchoEngine(Engine):
                 emit({"content": piece}, None, None)
             emit(None, None, finish)
             return [], _usage(prompt, len(pieces))
-        return ([Choice(index=0, message={"role": "assistant", "content": "".join(pieces)}, finish_reason=finish)],
-                _usage(prompt, len(pieces)))
+        return (
+            [Choice(index=0, message={"role": "assistant", "content": "".join(pieces)}, finish_reason=finish)],
+            _usage(prompt, len(pieces)),
+        )
 
     def complete(self, job: CompletionJob, cancel: Any, emit: Emit | None) -> tuple[list[Choice], Usage]:
         max_tokens = 16 if job.params.max_tokens is None else job.params.max_tokens  # OpenAI's default

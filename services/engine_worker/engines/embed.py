@@ -42,7 +42,7 @@ def resolve_model_path(path: str) -> str:
     package is not installed."""
     if not path.startswith(PACKAGE_PREFIX):
         return os.path.expanduser(path)
-    name = path[len(PACKAGE_PREFIX):].strip()
+    name = path[len(PACKAGE_PREFIX) :].strip()
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
@@ -70,8 +70,9 @@ def check_dimensions(dimensions: int | None, model_dim: int) -> int:
     if dimensions is None:
         return model_dim
     if not 1 <= dimensions <= model_dim:
-        raise BadInput(f"'dimensions' must be between 1 and {model_dim} for this model, got {dimensions}",
-                       param="dimensions")
+        raise BadInput(
+            f"'dimensions' must be between 1 and {model_dim} for this model, got {dimensions}", param="dimensions"
+        )
     return dimensions
 
 
@@ -176,8 +177,10 @@ class EmbedEngine(Engine):
         docs = list(job.documents)
         if self.ranker is not None:
             pairs = [(job.query, d) for d in docs]
-            scores = np.asarray(self.ranker.predict(pairs, batch_size=self.batch_size, show_progress_bar=False,
-                                                    convert_to_numpy=True), dtype=np.float32).reshape(len(docs), -1)
+            scores = np.asarray(
+                self.ranker.predict(pairs, batch_size=self.batch_size, show_progress_bar=False, convert_to_numpy=True),
+                dtype=np.float32,
+            ).reshape(len(docs), -1)
             # a classifier with several labels scores relevance as its last label, as rerankers trained so do
             return RerankResult(scores=[float(s) for s in scores[:, -1]]), _usage(self._count_pairs(pairs))
         vecs = normalise(self._encode([job.query, *docs], cancel))
@@ -196,9 +199,15 @@ class EmbedEngine(Engine):
         for start in range(0, len(texts), self.batch_size):
             if cancel:
                 break  # nobody reads the answer any more; a short one is as good as a whole one
-            chunk = texts[start:start + self.batch_size]
-            rows.append(np.asarray(self.model.encode(chunk, batch_size=self.batch_size, show_progress_bar=False,
-                                                     convert_to_numpy=True), dtype=np.float32))
+            chunk = texts[start : start + self.batch_size]
+            rows.append(
+                np.asarray(
+                    self.model.encode(
+                        chunk, batch_size=self.batch_size, show_progress_bar=False, convert_to_numpy=True
+                    ),
+                    dtype=np.float32,
+                )
+            )
         return np.concatenate(rows) if rows else np.zeros((0, self._dim()), np.float32)
 
     def _count(self, texts: Sequence[str]) -> int:
@@ -213,5 +222,5 @@ def _tokens_read(model: Any, inputs: list) -> int:
     prep = getattr(model, "preprocess", None) or model.tokenize  # `tokenize` is the pre-6 name
     total = 0
     for start in range(0, len(inputs), 256):  # bounded padding: one long text must not pad thousands of rows
-        total += int(prep(inputs[start:start + 256])["attention_mask"].sum())
+        total += int(prep(inputs[start : start + 256])["attention_mask"].sum())
     return total

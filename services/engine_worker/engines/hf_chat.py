@@ -151,8 +151,9 @@ class TransformersEngine(Engine):
             usage = _add(usage, len(ids), n)
         return ([] if emit is not None else choices), usage
 
-    def _generate(self, ids: list[int], params: SamplingParams, cancel: CancelFlag,
-                  on_piece: Callable[[str], None] | None) -> tuple[str, str, int]:
+    def _generate(
+        self, ids: list[int], params: SamplingParams, cancel: CancelFlag, on_piece: Callable[[str], None] | None
+    ) -> tuple[str, str, int]:
         """Decode token by token with the KV cache: (text, finish_reason, tokens made). Temperature 0 (or below)
         is greedy; stop strings end the text before them."""
         import torch
@@ -194,13 +195,13 @@ class TransformersEngine(Engine):
                 if cut >= 0:
                     text, finish = text[:cut], "stop"
                 if on_piece is not None and len(text) > len(sent) and not text.endswith("\ufffd"):
-                    on_piece(text[len(sent):])
+                    on_piece(text[len(sent) :])
                     sent = text
                 if finish == "stop":
                     break
                 step_in = torch.tensor([[token]], device=self.device)
         if on_piece is not None and len(text) > len(sent):
-            on_piece(text[len(sent):])
+            on_piece(text[len(sent) :])
         return text, finish, len(made)
 
 
@@ -219,5 +220,8 @@ def _with_max(params: SamplingParams, n: int) -> SamplingParams:
 
 
 def _add(usage: Usage, prompt: int, completion: int) -> Usage:
-    return Usage(prompt_tokens=usage.prompt_tokens + prompt, completion_tokens=usage.completion_tokens + completion,
-                 total_tokens=usage.total_tokens + prompt + completion)
+    return Usage(
+        prompt_tokens=usage.prompt_tokens + prompt,
+        completion_tokens=usage.completion_tokens + completion,
+        total_tokens=usage.total_tokens + prompt + completion,
+    )

@@ -53,8 +53,9 @@ def gpu_params(devices: list[int], params: dict[str, Any], free: list[int]) -> d
     out: dict[str, Any] = {"n_gpu_layers": -1, "main_gpu": devices[0], "split_mode": LLAMA_SPLIT_MODE_NONE}
     if len(devices) > 1:
         out["split_mode"] = LLAMA_SPLIT_MODE_LAYER
-        out["tensor_split"] = [float(free[i] if i < len(free) else 1) if i in devices else 0.0
-                               for i in range(max(devices) + 1)]
+        out["tensor_split"] = [
+            float(free[i] if i < len(free) else 1) if i in devices else 0.0 for i in range(max(devices) + 1)
+        ]
     return {k: v for k, v in out.items() if k not in params}
 
 
@@ -78,8 +79,11 @@ class _Meter:
         return scores
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
 
 
 def _sampling(p: SamplingParams) -> dict[str, Any]:
@@ -183,8 +187,9 @@ class LlamaEngine(Engine):
     def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
         """One normalised vector per input text, in order; usage counts the tokens llama.cpp read."""
         if not self.embedding:
-            raise BadInput(f"model {job.model!r} is not loaded for embeddings (its params need embedding = true)",
-                           param="model")
+            raise BadInput(
+                f"model {job.model!r} is not loaded for embeddings (its params need embedding = true)", param="model"
+            )
         check_texts(job.input)
         dim = check_dimensions(job.dimensions, self.llm.n_embd())
         vectors: list[list[float]] = []
@@ -192,7 +197,7 @@ class LlamaEngine(Engine):
         for start in range(0, len(job.input), EMBED_CHUNK):
             if cancel:
                 break  # nobody reads the answer any more
-            got, n = self.llm.embed(list(job.input[start:start + EMBED_CHUNK]), return_count=True)
+            got, n = self.llm.embed(list(job.input[start : start + EMBED_CHUNK]), return_count=True)
             vectors.extend(got)
             tokens += n
         if not vectors:
@@ -243,8 +248,11 @@ class LlamaEngine(Engine):
         refuse_media(job.messages, self.config.name)
         self._enter_scope(job.cache_scope)
         if job.params.logprobs:
-            raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
-                           "the llama-server engine does", "logprobs")
+            raise BadInput(
+                f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
+                "the llama-server engine does",
+                "logprobs",
+            )
         kwargs = _sampling(job.params)
         if job.tools:
             kwargs["tools"] = job.tools
@@ -273,8 +281,11 @@ class LlamaEngine(Engine):
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         if job.params.logprobs:
-            raise BadInput(f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
-                           "the llama-server engine does", "logprobs")
+            raise BadInput(
+                f"model '{self.config.name}' runs on the in-process llama engine, which gives no logprobs; "
+                "the llama-server engine does",
+                "logprobs",
+            )
         self._enter_scope(job.cache_scope)
         kwargs = _sampling(job.params)
         kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
@@ -294,9 +305,15 @@ class LlamaEngine(Engine):
 
     # --- shared -----------------------------------------------------------------------------------
 
-    def _generate(self, run: Callable, n: int, cancel: CancelFlag, emit: Emit | None,
-                  piece: Callable[[dict], tuple[dict | None, str | None]],
-                  whole: Callable[[int, dict], Choice]) -> tuple[list[Choice], Usage]:
+    def _generate(
+        self,
+        run: Callable,
+        n: int,
+        cancel: CancelFlag,
+        emit: Emit | None,
+        piece: Callable[[dict], tuple[dict | None, str | None]],
+        whole: Callable[[int, dict], Choice],
+    ) -> tuple[list[Choice], Usage]:
         """Streamed: emit each piece, stop early on cancel, count usage with the meter. Whole: `n` answers
         (llama.cpp makes one per call), usage as llama-cpp-python reports it."""
         before = self._perf()

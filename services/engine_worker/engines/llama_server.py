@@ -44,8 +44,21 @@ from coderai.engine_worker.engines.prompt_heads import MIN_HEAD_CHARS, HeadSnaps
 from coderai.engine_worker.engines.slot_scope import ALL, Chain, Plan, SlotBook
 
 # the command line's names, as they were found here before llama_server_args
-__all__ = ["DEFAULT_N_CTX", "DEFAULT_PARALLEL", "NAMED", "OWN_PARAMS", "LlamaServerEngine", "available", "cache_ram_mb",
-           "default_cache_ram_mb", "find_binary", "offload_of", "server_args", "server_env", "slot_load"]
+__all__ = [
+    "DEFAULT_N_CTX",
+    "DEFAULT_PARALLEL",
+    "NAMED",
+    "OWN_PARAMS",
+    "LlamaServerEngine",
+    "available",
+    "cache_ram_mb",
+    "default_cache_ram_mb",
+    "find_binary",
+    "offload_of",
+    "server_args",
+    "server_env",
+    "slot_load",
+]
 
 log = logging.getLogger("coderai.engine_worker")
 MAX_QUEUED = 256  # jobs waiting for a slot at most, unless the model's `queue` says otherwise
@@ -80,15 +93,21 @@ class LlamaServerEngine(OpenAIServerEngine):
         mb = config.params.get("head_snapshots_mb")
         mb = DEFAULT_HEAD_SNAPSHOTS_MB if mb is None else int(mb)
         self.heads = HeadSnapshots(mb << 20) if mb > 0 and self.slots > 1 and config.share_cache is not False else None
-        self.book = SlotBook(self.slots, isolated=config.share_cache is False, ram_cache=cache_ram_mb(config) > 0,
-                             place_shared=self.heads is not None)
+        self.book = SlotBook(
+            self.slots,
+            isolated=config.share_cache is False,
+            ram_cache=cache_ram_mb(config) > 0,
+            place_shared=self.heads is not None,
+        )
         self._plan = threading.local()
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         binary = find_binary()
         if not binary:
-            raise EngineLoadError("llama-server not found: run scripts/setup (it builds .venv/bin/llama-server), "
-                                  "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path")
+            raise EngineLoadError(
+                "llama-server not found: run scripts/setup (it builds .venv/bin/llama-server), "
+                "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path"
+            )
         heads = ["--slot-save-path", self.heads.dir] if self.heads is not None else []
         return [binary, *server_args(self.config, port), *heads], server_env(self.config, dict(os.environ))
 
@@ -130,17 +149,20 @@ class LlamaServerEngine(OpenAIServerEngine):
             return super().complete(job, cancel, emit)
 
     @contextlib.contextmanager
-    def _placed(self, scope: str, several: bool, chain: Chain = (), head: int | None = None,
-                head_chars: int = 0) -> Iterator[None]:
+    def _placed(
+        self, scope: str, several: bool, chain: Chain = (), head: int | None = None, head_chars: int = 0
+    ) -> Iterator[None]:
         """The request runs where the slot book places it (a slot of its own scope, or one without reuse; a shared
         request, on a server with head snapshots, where its prompt lies, the head restored there if it is not)."""
         shared_before = not self.book.no_reuse
         plan = self.book.take(scope, several, chain if self.heads is not None else None)
         if shared_before and self.book.no_reuse:
-            log.warning("%s: a request whose prompt cache is its key's own came to a server with a host RAM cache "
-                        "shared by every slot: prompt reuse is off on this server from now on (give the model "
-                        "share_cache = false, or the worker CODERAI_SHARE_CACHE=false, for per-key reuse)",
-                        self.config.name)
+            log.warning(
+                "%s: a request whose prompt cache is its key's own came to a server with a host RAM cache "
+                "shared by every slot: prompt reuse is off on this server from now on (give the model "
+                "share_cache = false, or the worker CODERAI_SHARE_CACHE=false, for per-key reuse)",
+                self.config.name,
+            )
         shared = self._shared_book()
         heads = self.heads if plan.slot not in (None, ALL) and not scope and shared else None
         if heads is not None and head is not None and plan.shared < head_chars and heads.has(head):
@@ -154,8 +176,9 @@ class LlamaServerEngine(OpenAIServerEngine):
         finally:
             self._plan.value = None
             if save:  # the slot stays taken until its prompt is saved; the answer is not held up
-                threading.Thread(target=self._save_head, args=(plan, chain, head), daemon=True,
-                                 name=f"save-head-{self.config.name}").start()
+                threading.Thread(
+                    target=self._save_head, args=(plan, chain, head), daemon=True, name=f"save-head-{self.config.name}"
+                ).start()
             else:
                 self.book.give(plan, scope, chain)
 
@@ -206,20 +229,31 @@ class LlamaServerEngine(OpenAIServerEngine):
     def embed(self, job: EmbedJob, cancel: CancelFlag, emit: Any) -> tuple[EmbedResult, Usage]:
         """One normalised vector per input, from the server's /v1/embeddings (a model served with `embedding`)."""
         if "embed" not in self.config.serves():
-            raise BadInput(f"model {job.model!r} does not serve embeddings (give it ops = [\"embed\"])", "model")
+            raise BadInput(f'model {job.model!r} does not serve embeddings (give it ops = ["embed"])', "model")
         check_texts(job.input)
-        answer = self.post_json("/v1/embeddings", {"model": self.config.name, "input": list(job.input),
-                                                   "encoding_format": "float"}, job.request_id)
+        answer = self.post_json(
+            "/v1/embeddings",
+            {"model": self.config.name, "input": list(job.input), "encoding_format": "float"},
+            job.request_id,
+        )
         rows = sorted(answer["data"], key=lambda d: d["index"])
         tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
-        return embed_result([d["embedding"] for d in rows], job.dimensions), Usage(prompt_tokens=tokens,
-                                                                                   total_tokens=tokens)
+        return embed_result([d["embedding"] for d in rows], job.dimensions), Usage(
+            prompt_tokens=tokens, total_tokens=tokens
+        )
 
     def stats(self) -> dict[str, Any]:
         heads = self.heads
-        return {**super().stats(), "slots": self.slots, "slots_busy": self.slots_busy, "queued": self.queued,
-                "backend": self.backend, "gpu_layers": self.gpu_layers,
-                "head_saves": heads.saves if heads else 0, "head_restores": heads.restores if heads else 0}
+        return {
+            **super().stats(),
+            "slots": self.slots,
+            "slots_busy": self.slots_busy,
+            "queued": self.queued,
+            "backend": self.backend,
+            "gpu_layers": self.gpu_layers,
+            "head_saves": heads.saves if heads else 0,
+            "head_restores": heads.restores if heads else 0,
+        }
 
     def close(self) -> None:
         super().close()
@@ -251,4 +285,3 @@ class LlamaServerEngine(OpenAIServerEngine):
 def available() -> bool:
     """Whether this machine has a llama-server to run (the family's probe)."""
     return find_binary() is not None
-

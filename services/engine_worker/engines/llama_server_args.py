@@ -24,10 +24,33 @@ from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import param_flags
 from coderai.runtime.embedded import find_llama_server
 
-NAMED = {"n_threads": "--threads", "n_threads_batch": "--threads-batch", "n_batch": "--batch-size", "n_ubatch": "--ubatch-size",
-         "chat_template": "--chat-template", "mmproj": "--mmproj"}
-OWN_PARAMS = frozenset({"parallel", "n_ctx", "n_gpu_layers", "cache_ram_mb", "queue", "load_timeout_s", "extra_args",
-                        "env", "prompt_cache_mb", "head_snapshots_mb", "crash_limit", "crash_window_s"}) | NAMED.keys()
+NAMED = {
+    "n_threads": "--threads",
+    "n_threads_batch": "--threads-batch",
+    "n_batch": "--batch-size",
+    "n_ubatch": "--ubatch-size",
+    "chat_template": "--chat-template",
+    "mmproj": "--mmproj",
+}
+OWN_PARAMS = (
+    frozenset(
+        {
+            "parallel",
+            "n_ctx",
+            "n_gpu_layers",
+            "cache_ram_mb",
+            "queue",
+            "load_timeout_s",
+            "extra_args",
+            "env",
+            "prompt_cache_mb",
+            "head_snapshots_mb",
+            "crash_limit",
+            "crash_window_s",
+        }
+    )
+    | NAMED.keys()
+)
 DEFAULT_PARALLEL = 4
 DEFAULT_N_CTX = 2048
 DEFAULT_HEAD_SNAPSHOTS_MB = 2048
@@ -76,11 +99,28 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
     parallel = int(p.get("parallel") or DEFAULT_PARALLEL)
     n_ctx = int(p.get("n_ctx") or DEFAULT_N_CTX)
     ngl = p.get("n_gpu_layers")
-    args = ["--model", os.path.expanduser(config.path), "--host", "127.0.0.1", "--port", str(port),
-            "--alias", config.name, "--parallel", str(parallel), "--ctx-size", str(n_ctx * parallel),
-            "--jinja", "--metrics", "--slots", "--no-webui",
-            "--n-gpu-layers", str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
-            "--cache-ram", str(cache_ram_mb(config))]
+    args = [
+        "--model",
+        os.path.expanduser(config.path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        config.name,
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(n_ctx * parallel),
+        "--jinja",
+        "--metrics",
+        "--slots",
+        "--no-webui",
+        "--n-gpu-layers",
+        str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
+        "--cache-ram",
+        str(cache_ram_mb(config)),
+    ]
     for key, flag in NAMED.items():
         if p.get(key) not in (None, ""):
             value = p[key]

@@ -114,19 +114,31 @@ class SplitLlamaEngine(Engine):
         from coderai.runtime.embedded import die_with_parent
 
         env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # an abort must not wait for gdb to print a backtrace
-        self.proc = subprocess.Popen([sys.executable, "-m", "coderai.engine_worker.engines.llama_split"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coderai.engine_worker.engines.llama_split"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            preexec_fn=die_with_parent(),
+        )
         _write(self.proc.stdin, self._lock, {"config": encode(self.config)})  # type: ignore[arg-type]
         ready = _read(self.proc.stdout)  # type: ignore[arg-type]
         if not ready or "error" in ready:
             self._stop_child()
-            raise EngineLoadError((ready or {}).get("error") or f"the split model's process exited ({self.proc.wait()})")
+            raise EngineLoadError(
+                (ready or {}).get("error") or f"the split model's process exited ({self.proc.wait()})"
+            )
         self.note = ready.get("note", "")
         if self.note and self.note not in self.warning:
             log.warning("%s: %s", self.config.name, self.note)
             self.warning = "; ".join(w for w in (self.warning, self.note) if w)
-        log.info("%s split over %s", self.config.name,
-                 ", ".join(f"{d.node_id}{'@' + d.endpoint if d.endpoint else ' (local)'} {d.share:.0%}" for d in self.plan.devices))
+        log.info(
+            "%s split over %s",
+            self.config.name,
+            ", ".join(
+                f"{d.node_id}{'@' + d.endpoint if d.endpoint else ' (local)'} {d.share:.0%}" for d in self.plan.devices
+            ),
+        )
         threading.Thread(target=self._reader, args=(self.proc,), name=f"split-{self.config.name}", daemon=True).start()
 
     def _link_warning(self, probe: Any) -> str:
@@ -304,8 +316,10 @@ def _load(cfg: ModelConfig) -> tuple[Any, str]:
         try:
             return engine(True), ""
         except EngineLoadError:
-            note = ("llama.cpp's RPC backend cannot split rows (its devices offer no split buffers): "
-                    "serving a layer split instead")
+            note = (
+                "llama.cpp's RPC backend cannot split rows (its devices offer no split buffers): "
+                "serving a layer split instead"
+            )
     return engine(False), note
 
 

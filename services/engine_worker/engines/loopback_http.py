@@ -36,9 +36,16 @@ class Answer:
 
 
 class LoopbackClient:
-    def __init__(self, host: str, port: int, connect_timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None, tls: bool = False, read_timeout_s: float | None = None,
-                 max_body: int = 0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        connect_timeout_s: float = 30.0,
+        headers: dict[str, str] | None = None,
+        tls: bool = False,
+        read_timeout_s: float | None = None,
+        max_body: int = 0,
+    ) -> None:
         """`read_timeout_s`: the longest silence of an answer (None: none, a long generation is silent until it
         ends); `max_body`: the most bytes an answer (whole, or a stream in all) may have (0: no limit), for a
         server elsewhere whose answers are input from the internet."""
@@ -76,8 +83,9 @@ class LoopbackClient:
         if getattr(self._local, "conn", None) is conn:
             self._local.conn = None
 
-    def _send(self, path: str, body: bytes | None, headers: dict[str, str],
-              method: str = "POST") -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _send(
+        self, path: str, body: bytes | None, headers: dict[str, str], method: str = "POST"
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         hdrs = {**self.headers, **headers}
         conn, reused = self._conn()
         try:
@@ -99,8 +107,9 @@ class LoopbackClient:
         """A whole answer to a GET (a health probe: its connection is not kept)."""
         return self.post(path, None, headers or {}, keep=False, method="GET")
 
-    def post(self, path: str, body: bytes | None, headers: dict[str, str], keep: bool = True,
-             method: str = "POST") -> Answer:
+    def post(
+        self, path: str, body: bytes | None, headers: dict[str, str], keep: bool = True, method: str = "POST"
+    ) -> Answer:
         """A whole answer. `keep=False` from a thread that ends after it: its connection is closed, not kept for
         a next request that never comes (every kept connection stays open until `close`)."""
         conn, resp = self._send(path, body, headers, method)

@@ -124,7 +124,7 @@ class OcrEngine(Engine):
         self._check_count(count)
 
         def decode() -> Iterator[Any]:
-            for frame in (ImageSequence.Iterator(img) if multi else [img]):
+            for frame in ImageSequence.Iterator(img) if multi else [img]:
                 try:
                     frame.draft("RGB", (self.max_side, self.max_side))  # JPEG: decode already scaled down
                     yield _flatten(ImageOps.exif_transpose(frame))
@@ -170,6 +170,7 @@ def _flatten(img: Any) -> Any:
 def reading_order(lines: list[OcrLine]) -> list[OcrLine]:
     """Lines sorted into rows top to bottom, each row left to right. Two lines share a row when their vertical
     centres are closer than half the shorter one's height, so a slightly tilted scan still reads across."""
+
     def span(ln: OcrLine) -> tuple[float, float, float]:
         ys = [p[1] for p in ln.box]
         return (min(ys) + max(ys)) / 2, max(ys) - min(ys), min(p[0] for p in ln.box)

@@ -59,8 +59,12 @@ class PromptCounters:
 
     def stats(self) -> dict[str, Any]:
         """The heartbeat's cache counters (no I/O: it reads them on the event loop)."""
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "prefix_hits": self.prefix_hits, "cache_bytes": 0}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefix_hits": self.prefix_hits,
+            "cache_bytes": 0,
+        }
 
 
 def _chat_piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
@@ -69,8 +73,12 @@ def _chat_piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
 
 def _chat_whole(c: dict[str, Any]) -> Choice:
     msg = {k: v for k, v in c["message"].items() if v is not None}
-    return Choice(index=c.get("index", 0), message=msg, finish_reason=finish_reason(c.get("finish_reason")),
-                  logprobs=choice_logprobs(c))
+    return Choice(
+        index=c.get("index", 0),
+        message=msg,
+        finish_reason=finish_reason(c.get("finish_reason")),
+        logprobs=choice_logprobs(c),
+    )
 
 
 def _text_piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
@@ -78,16 +86,30 @@ def _text_piece(c: dict[str, Any]) -> tuple[dict | None, str | None]:
 
 
 def _text_whole(c: dict[str, Any]) -> Choice:
-    return Choice(index=c.get("index", 0), text=c.get("text") or "", finish_reason=finish_reason(c.get("finish_reason")),
-                  logprobs=choice_logprobs(c))
+    return Choice(
+        index=c.get("index", 0),
+        text=c.get("text") or "",
+        finish_reason=finish_reason(c.get("finish_reason")),
+        logprobs=choice_logprobs(c),
+    )
 
 
 class OpenAIClient:
     """Jobs as requests to one OpenAI-compatible server at `base_url`, answering as the model named `model`."""
 
-    def __init__(self, base_url: str, model: str, *, headers: dict[str, str] | None = None, label: str = "the server",
-                 counters: PromptCounters | None = None, state: Callable[[], str] | None = None,
-                 connect_timeout_s: float = 30.0, read_timeout_s: float | None = None, max_body: int = 0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        headers: dict[str, str] | None = None,
+        label: str = "the server",
+        counters: PromptCounters | None = None,
+        state: Callable[[], str] | None = None,
+        connect_timeout_s: float = 30.0,
+        read_timeout_s: float | None = None,
+        max_body: int = 0,
+    ) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
@@ -99,21 +121,30 @@ class OpenAIClient:
         self.prefix = url.path.rstrip("/")
         tls = url.scheme == "https"
         # no read timeout unless given: a long generation is silent until it ends; cancel cuts a stream short
-        self.http = LoopbackClient(url.hostname, url.port or (443 if tls else 80), connect_timeout_s,
-                                   headers=headers, tls=tls, read_timeout_s=read_timeout_s, max_body=max_body)
+        self.http = LoopbackClient(
+            url.hostname,
+            url.port or (443 if tls else 80),
+            connect_timeout_s,
+            headers=headers,
+            tls=tls,
+            read_timeout_s=read_timeout_s,
+            max_body=max_body,
+        )
 
     def close(self) -> None:
         self.http.close()
 
-    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None,
-             body: dict[str, Any] | None = None) -> tuple[list[Choice], Usage]:
+    def chat(
+        self, job: ChatJob, cancel: CancelFlag, emit: Emit | None, body: dict[str, Any] | None = None
+    ) -> tuple[list[Choice], Usage]:
         """A chat completion: whole choices, or streamed deltas through `emit` (then no choices). `body` is the
         request when the caller made its own (chat_request's, with what its server takes beyond OpenAI)."""
         body = body if body is not None else chat_request(self.model, job, emit is not None)
         return self._run("/v1/chat/completions", body, job.request_id, cancel, emit, _chat_piece, _chat_whole)
 
-    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None,
-                 body: dict[str, Any] | None = None) -> tuple[list[Choice], Usage]:
+    def complete(
+        self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None, body: dict[str, Any] | None = None
+    ) -> tuple[list[Choice], Usage]:
         """A text completion: whole choices, or streamed text through `emit` (then no choices)."""
         body = body if body is not None else completion_request(self.model, job, emit is not None)
         return self._run("/v1/completions", body, job.request_id, cancel, emit, _text_piece, _text_whole)
@@ -136,8 +167,16 @@ class OpenAIClient:
         state = self.state() if self.state is not None else ""
         return RuntimeError(f"{self.label} unreachable ({exc})" + (f"; {state}" if state else ""))
 
-    def _run(self, path: str, body: dict[str, Any], request_id: str, cancel: CancelFlag, emit: Emit | None,
-             piece: Piece, whole: Callable[[dict], Choice]) -> tuple[list[Choice], Usage]:
+    def _run(
+        self,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        cancel: CancelFlag,
+        emit: Emit | None,
+        piece: Piece,
+        whole: Callable[[dict], Choice],
+    ) -> tuple[list[Choice], Usage]:
         if emit is None and ((body.get("n") or 1) > 1 or isinstance(body.get("prompt"), list)):
             # llama-server's whole answer over several choices counts the tokens of one of them: streamed, each
             # is counted, and the choices are put together here
@@ -153,8 +192,9 @@ class OpenAIClient:
         except TransportError as exc:
             raise self._unreachable(exc) from exc
 
-    def _stream(self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit,
-                piece: Piece) -> Usage:
+    def _stream(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], cancel: CancelFlag, emit: Emit, piece: Piece
+    ) -> Usage:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         usages: list[dict[str, Any]] = []  # llama-server sends one per choice (n > 1, a list of prompts)
         timings: Any = None  # llama-server's, on its last events

@@ -55,11 +55,18 @@ class OpenAIServerEngine(Engine):
         self.api_key = secrets.token_urlsafe(32)
         self.counters = PromptCounters()  # across restarts, each of which makes a new client
         self.client: OpenAIClient | None = None
-        self.child = ChildServer(self._keyed_command, label=self.label, name=config.name, serving=config.path,
-                                 ready_path=self.ready_path, death_signal=self.death_signal,
-                                 headers=self.auth_headers(), log_name=self.family or "server",
-                                 crash_limit=int(config.params.get("crash_limit") or CRASH_LIMIT),
-                                 crash_window_s=float(config.params.get("crash_window_s") or CRASH_WINDOW_S))
+        self.child = ChildServer(
+            self._keyed_command,
+            label=self.label,
+            name=config.name,
+            serving=config.path,
+            ready_path=self.ready_path,
+            death_signal=self.death_signal,
+            headers=self.auth_headers(),
+            log_name=self.family or "server",
+            crash_limit=int(config.params.get("crash_limit") or CRASH_LIMIT),
+            crash_window_s=float(config.params.get("crash_window_s") or CRASH_WINDOW_S),
+        )
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -100,8 +107,17 @@ class OpenAIServerEngine(Engine):
 
     def connect(self) -> None:
         """A client for the child where it listens now (after a restart, on another port)."""
-        old, self.client = self.client, OpenAIClient(self.child.base_url, self.config.name, headers=self.auth_headers(),
-                                                     label=self.label, counters=self.counters, state=self.child.state)
+        old, self.client = (
+            self.client,
+            OpenAIClient(
+                self.child.base_url,
+                self.config.name,
+                headers=self.auth_headers(),
+                label=self.label,
+                counters=self.counters,
+                state=self.child.state,
+            ),
+        )
         if old is not None:
             old.close()
 

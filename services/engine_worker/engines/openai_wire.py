@@ -33,19 +33,31 @@ def _sampling(p: SamplingParams) -> dict[str, Any]:
 
 def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
     """The OpenAI `/v1/chat/completions` body for a chat job (its `options` too: reasoning_effort, ...)."""
-    extras = {"tools": job.tools or None, "tool_choice": job.tool_choice, "response_format": job.response_format or None,
-              **(job.options or {})}
+    extras = {
+        "tools": job.tools or None,
+        "tool_choice": job.tool_choice,
+        "response_format": job.response_format or None,
+        **(job.options or {}),
+    }
     if job.params.logprobs:
         extras["logprobs"] = True
         extras["top_logprobs"] = job.params.top_logprobs
-    return {"model": model, "messages": job.messages, **_sampling(job.params),
-            **{k: v for k, v in extras.items() if v is not None}}
+    return {
+        "model": model,
+        "messages": job.messages,
+        **_sampling(job.params),
+        **{k: v for k, v in extras.items() if v is not None},
+    }
 
 
 def completion_request(model: str, job: CompletionJob, stream: bool) -> dict[str, Any]:
     """The OpenAI `/v1/completions` body for a completion job."""
-    body: dict[str, Any] = {"model": model, "prompt": job.prompt, "max_tokens": 16,  # OpenAI's default
-                            **_sampling(job.params)}
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": job.prompt,
+        "max_tokens": 16,  # OpenAI's default
+        **_sampling(job.params),
+    }
     if job.params.logprobs:
         body["logprobs"] = job.params.top_logprobs or 0
     return {**body, "echo": True} if job.echo else body
@@ -121,8 +133,9 @@ class Assembly:
         self.chat = chat
         self.parts: dict[int, dict[str, Any]] = {}
 
-    def add(self, delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None,
-            index: int = 0) -> None:
+    def add(
+        self, delta: dict | None, text: str | None, finish: str | None, logprobs: dict | None = None, index: int = 0
+    ) -> None:
         c = self.parts.setdefault(index, {"message": {}, "text": "", "finish": None, "logprobs": None})
         if text:
             c["text"] += text
@@ -150,8 +163,14 @@ class Assembly:
         out = []
         for i, c in sorted(self.parts.items()):
             if self.chat:
-                out.append(Choice(index=i, message={"role": "assistant", "content": None, **c["message"]},
-                                  finish_reason=c["finish"] or "stop", logprobs=c["logprobs"]))
+                out.append(
+                    Choice(
+                        index=i,
+                        message={"role": "assistant", "content": None, **c["message"]},
+                        finish_reason=c["finish"] or "stop",
+                        logprobs=c["logprobs"],
+                    )
+                )
             else:
                 out.append(Choice(index=i, text=c["text"], finish_reason=c["finish"] or "stop", logprobs=c["logprobs"]))
         return out
@@ -166,8 +185,13 @@ def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
     def total(name: str, of: Callable[[dict], Any] = lambda u: u) -> int:
         return sum(int((of(u) or {}).get(name) or 0) for u in usages)
 
-    return {"prompt_tokens": total("prompt_tokens") // n, "completion_tokens": total("completion_tokens"),
-            "prompt_tokens_details": {"cached_tokens": total("cached_tokens", lambda u: u.get("prompt_tokens_details")) // n}}
+    return {
+        "prompt_tokens": total("prompt_tokens") // n,
+        "completion_tokens": total("completion_tokens"),
+        "prompt_tokens_details": {
+            "cached_tokens": total("cached_tokens", lambda u: u.get("prompt_tokens_details")) // n
+        },
+    }
 
 
 def usage_of(u: dict[str, Any] | None, timings: Any = None) -> Usage:
@@ -178,8 +202,14 @@ def usage_of(u: dict[str, Any] | None, timings: Any = None) -> Usage:
     details = u.get("prompt_tokens_details")
     cached = int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0)
     t = timings if isinstance(timings, dict) else {}
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=min(max(cached, 0), p),
-                 prompt_ms=_ms(t.get("prompt_ms")), generate_ms=_ms(t.get("predicted_ms")))
+    return Usage(
+        prompt_tokens=p,
+        completion_tokens=c,
+        total_tokens=p + c,
+        cached_tokens=min(max(cached, 0), p),
+        prompt_ms=_ms(t.get("prompt_ms")),
+        generate_ms=_ms(t.get("predicted_ms")),
+    )
 
 
 def _ms(value: Any) -> float:

@@ -69,7 +69,7 @@ def chat_chain(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
 
 def text_chain(prompt: str) -> Chain:
     """The chain of a raw prompt: its text in chunks of TEXT_CHUNK characters."""
-    return _chain(prompt[i:i + TEXT_CHUNK].encode() for i in range(0, len(prompt), TEXT_CHUNK))
+    return _chain(prompt[i : i + TEXT_CHUNK].encode() for i in range(0, len(prompt), TEXT_CHUNK))
 
 
 class HeadSnapshots:

@@ -90,8 +90,16 @@ class RemoteEngine(Engine):
         limit = int(float(p.get("max_answer_mb") or 16) * MB)
         for url in self.urls():
             try:
-                client = OpenAIClient(url, model, headers=headers, label=f"remote {url}", counters=self.counters,
-                                      connect_timeout_s=min(timeout, 10.0), read_timeout_s=timeout, max_body=limit)
+                client = OpenAIClient(
+                    url,
+                    model,
+                    headers=headers,
+                    label=f"remote {url}",
+                    counters=self.counters,
+                    connect_timeout_s=min(timeout, 10.0),
+                    read_timeout_s=timeout,
+                    max_body=limit,
+                )
             except ValueError as exc:
                 raise EngineLoadError(f"params.service_url: {exc}") from None
             self.endpoints.append(Endpoint(url, client))

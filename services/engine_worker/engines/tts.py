@@ -36,8 +36,9 @@ def _voice_files(path: str, params: dict[str, Any]) -> tuple[str, str]:
             module = importlib.import_module(name)
             return str(module.model_path()), str(module.config_path())
         except (ImportError, AttributeError) as exc:
-            raise EngineLoadError(f"voice package {name!r} is not installed or has no model_path()/config_path(): "
-                                  f"{exc}") from exc
+            raise EngineLoadError(
+                f"voice package {name!r} is not installed or has no model_path()/config_path(): {exc}"
+            ) from exc
     model = os.path.expanduser(path)
     config = os.path.expanduser(params.get("config_path") or f"{model}.json")
     for what, file in (("voice model", model), ("voice config", config)):
@@ -118,7 +119,7 @@ def _send(emit: Emit, data: bytes) -> None:
     """Emit `data` in pieces that each fit one bus message."""
     view = memoryview(data)
     for i in range(0, len(view), PIECE_BYTES):
-        emit(data=bytes(view[i:i + PIECE_BYTES]))
+        emit(data=bytes(view[i : i + PIECE_BYTES]))
 
 
 __all__ = ["PiperEngine"]

@@ -70,13 +70,15 @@ def unpack_tensor(name: str, data: bytes, shape: list[int], dtype: str, sha256: 
     for d in shape:
         count *= d
     if len(data) != count * tdtype.itemsize:
-        raise HandoffMismatch(f"tensor {name!r} has {len(data)} bytes, shape {shape} of {dtype} needs "
-                              f"{count * tdtype.itemsize}")
+        raise HandoffMismatch(
+            f"tensor {name!r} has {len(data)} bytes, shape {shape} of {dtype} needs {count * tdtype.itemsize}"
+        )
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tdtype).reshape(shape)
 
 
 def read_parts(path: str) -> tuple[str, int, int]:
     """(scheduler class, UNet input channels, VAE scale factor) from the model folder's configs."""
+
     def cfg(sub: str, name: str) -> dict[str, Any]:
         with open(os.path.join(path, sub, name), encoding="utf-8") as fh:
             return json.load(fh)
@@ -100,10 +102,14 @@ class StagedVideo:
         if kind not in self._parts:
             from diffusers import TextToVideoSDPipeline
 
-            skip = {"encode": ("unet", "vae"), "denoise": ("text_encoder", "tokenizer", "vae"),
-                    "decode": ("text_encoder", "tokenizer", "unet")}[kind]
-            pipe = TextToVideoSDPipeline.from_pretrained(self.path, local_files_only=True, dtype=self.dtype,
-                                                         **{k: None for k in skip})
+            skip = {
+                "encode": ("unet", "vae"),
+                "denoise": ("text_encoder", "tokenizer", "vae"),
+                "decode": ("text_encoder", "tokenizer", "unet"),
+            }[kind]
+            pipe = TextToVideoSDPipeline.from_pretrained(
+                self.path, local_files_only=True, dtype=self.dtype, **{k: None for k in skip}
+            )
             pipe.set_progress_bar_config(disable=True)
             self._parts[kind] = pipe.to(self.device)
         return self._parts[kind]
@@ -121,8 +127,17 @@ class StagedVideo:
         sched.set_timesteps(steps, device=self.device)
         return sched, [float(t) for t in sched.timesteps]
 
-    def encode(self, prompt: str, negative: str | None, guidance: float, seed: int, num_frames: int, width: int,
-               height: int, steps: int) -> tuple[dict[str, Any], SchedulerState, int]:
+    def encode(
+        self,
+        prompt: str,
+        negative: str | None,
+        guidance: float,
+        seed: int,
+        num_frames: int,
+        width: int,
+        height: int,
+        steps: int,
+    ) -> tuple[dict[str, Any], SchedulerState, int]:
         """Prompt embeddings (negative first when guided), the seed's initial latents, the generator after
         drawing them; the scheduler's state at step 0; the prompt's token count."""
         import torch
@@ -143,8 +158,15 @@ class StagedVideo:
         state = SchedulerState(name=type(sched).__name__, steps=steps, timesteps=timesteps, step_index=0)
         return {"prompt_embeds": embeds, "latents": latents, "generator": gen.get_state()}, state, tokens
 
-    def denoise(self, tensors: dict[str, Any], state: SchedulerState, guidance: float, start: int, end: int,
-                on_step: Callable[[int], None]) -> tuple[dict[str, Any], SchedulerState]:
+    def denoise(
+        self,
+        tensors: dict[str, Any],
+        state: SchedulerState,
+        guidance: float,
+        start: int,
+        end: int,
+        on_step: Callable[[int], None],
+    ) -> tuple[dict[str, Any], SchedulerState]:
         """Steps `start` .. `end` (exclusive) of the schedule in `state`; `on_step(i)` after each (it may raise
         to stop). The latents and generator go on; the prompt embeddings are handed on unchanged."""
         import torch
@@ -152,8 +174,9 @@ class StagedVideo:
         pipe = self._part("denoise")
         sched, timesteps = self._scheduler(state.steps)
         if type(sched).__name__ != state.name:
-            raise HandoffMismatch(f"the handoff was made with {state.name}; this node's model uses "
-                                  f"{type(sched).__name__}")
+            raise HandoffMismatch(
+                f"the handoff was made with {state.name}; this node's model uses {type(sched).__name__}"
+            )
         if timesteps != state.timesteps:
             raise HandoffMismatch("the handoff's timesteps differ from this node's schedule for the same steps")
         if start > 0 and state.name not in RESUMABLE:
@@ -209,15 +232,23 @@ class StageOutput:
     tokens: int = 0
 
 
-def run_stage(staged: StagedVideo, job: StageJob, inputs: dict[str, Tensor], guidance: float, seed: int,
-              cancel: Any, on_step: Callable[[int], None]) -> StageOutput:
+def run_stage(
+    staged: StagedVideo,
+    job: StageJob,
+    inputs: dict[str, Tensor],
+    guidance: float,
+    seed: int,
+    cancel: Any,
+    on_step: Callable[[int], None],
+) -> StageOutput:
     """One stage of `job` from the handoff's tensors `inputs` (already fetched, not yet checked against their
     checksums). The handoff itself was checked by the caller (`check_handoff`)."""
     v, stage = job.job, job.stage
     loaded = {name: unpack_tensor(name, t.data, t.shape, t.dtype, t.sha256) for name, t in inputs.items()}
     if stage.kind == "encode":
-        tensors, state, tokens = staged.encode(v.prompt, v.negative_prompt, guidance, seed, v.num_frames, v.width,
-                                               v.height, job.steps)
+        tensors, state, tokens = staged.encode(
+            v.prompt, v.negative_prompt, guidance, seed, v.num_frames, v.width, v.height, job.steps
+        )
         return StageOutput({k: pack_tensor(t) for k, t in tensors.items()}, state, seed, guidance, tokens=tokens)
     assert job.handoff is not None  # check_handoff made sure
     if job.handoff.guidance != guidance:
@@ -243,8 +274,20 @@ class StageCancelled(Exception):
 def make_handoff(job: StageJob, out: StageOutput, node: str, objects: dict[str, str]) -> Handoff:
     """The handoff a finished stage leaves: `objects` names where each of `out.tensors` was stored."""
     v = job.job
-    refs = {k: TensorRef(object=objects[k], shape=t.shape, dtype=t.dtype, sha256=t.sha256)
-            for k, t in out.tensors.items()}
-    return Handoff(job_id=job.request_id, model=v.model, produced_by=job.stage.kind, node=node, tensors=refs,
-                   seed=out.seed, guidance=out.guidance, width=v.width, height=v.height, num_frames=v.num_frames,
-                   fps=v.fps, scheduler=out.scheduler)
+    refs = {
+        k: TensorRef(object=objects[k], shape=t.shape, dtype=t.dtype, sha256=t.sha256) for k, t in out.tensors.items()
+    }
+    return Handoff(
+        job_id=job.request_id,
+        model=v.model,
+        produced_by=job.stage.kind,
+        node=node,
+        tensors=refs,
+        seed=out.seed,
+        guidance=out.guidance,
+        width=v.width,
+        height=v.height,
+        num_frames=v.num_frames,
+        fps=v.fps,
+        scheduler=out.scheduler,
+    )

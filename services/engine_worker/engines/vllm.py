@@ -25,14 +25,26 @@ from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 
-OWN_PARAMS = frozenset({"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit",
-                        "crash_window_s"})
+OWN_PARAMS = frozenset(
+    {"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit", "crash_window_s"}
+)
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
     """The argv that starts vLLM's OpenAI server for one model on loopback."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+    ]
     return cmd + param_flags(params, OWN_PARAMS)
 
 
@@ -48,7 +60,11 @@ class VllmEngine(OpenAIServerEngine):
         params = dict(self.config.params)
         python = params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
-        return cmd, {**os.environ, **visible_devices(self.config), **{k: str(v) for k, v in (params.get("env") or {}).items()}}
+        return cmd, {
+            **os.environ,
+            **visible_devices(self.config),
+            **{k: str(v) for k, v in (params.get("env") or {}).items()},
+        }
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         body = super().chat_body(job, stream)

@@ -54,15 +54,43 @@ def ray_env(addr: str, interface: str = "") -> dict[str, str]:
 
 
 def ray_head_command(python: str, addr: str, port: int, ranks: int, gpus: int) -> list[str]:
-    return [python, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address", addr,
-            "--port", str(port), "--num-cpus", str(max(1, ranks)), "--num-gpus", str(gpus),
-            "--include-dashboard=false", "--disable-usage-stats"]
+    return [
+        python,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        addr,
+        "--port",
+        str(port),
+        "--num-cpus",
+        str(max(1, ranks)),
+        "--num-gpus",
+        str(gpus),
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
 
 
 def ray_member_command(python: str, head: str, port: int, addr: str, ranks: int, gpus: int) -> list[str]:
-    return [python, "-m", "ray.scripts.scripts", "start", "--block", "--address", f"{head}:{port}",
-            "--node-ip-address", addr, "--num-cpus", str(max(1, ranks)), "--num-gpus", str(gpus),
-            "--disable-usage-stats"]
+    return [
+        python,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--block",
+        "--address",
+        f"{head}:{port}",
+        "--node-ip-address",
+        addr,
+        "--num-cpus",
+        str(max(1, ranks)),
+        "--num-gpus",
+        str(gpus),
+        "--disable-usage-stats",
+    ]
 
 
 def vllm_ray_params(config: ModelConfig, plan: SplitPlan) -> dict[str, Any]:
@@ -93,8 +121,15 @@ def _start(cmd: list[str], env: dict[str, str], what: str) -> tuple[subprocess.P
     fd, log_path = tempfile.mkstemp(prefix=f"coderai-{what}-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **env}, start_new_session=True, preexec_fn=die_with_parent())
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **env},
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
         except OSError as exc:
             raise EngineLoadError(f"cannot start {what}: {exc}") from exc
     return proc, log_path
@@ -115,8 +150,11 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 def alive_nodes_script(address: str) -> list[str]:
     """A one-liner (run under vLLM's interpreter) printing how many Ray nodes are alive at `address`."""
-    return ["-c", f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
-                  "print(sum(1 for n in ray.nodes() if n['Alive']))"]
+    return [
+        "-c",
+        f"import ray; ray.init(address={address!r}, logging_level='ERROR'); "
+        "print(sum(1 for n in ray.nodes() if n['Alive']))",
+    ]
 
 
 class VllmRayEngine(VllmEngine):
@@ -137,8 +175,13 @@ class VllmRayEngine(VllmEngine):
         deadline = time.monotonic() + float(self.config.params.get("ray_join_timeout_s") or JOIN_TIMEOUT_S)
         want = len(self.plan.devices)
         while True:  # every planned node must have joined before vLLM places its ranks
-            r = subprocess.run([python, *alive_nodes_script(address)], capture_output=True, text=True,
-                               env={**os.environ, **env}, timeout=120)
+            r = subprocess.run(
+                [python, *alive_nodes_script(address)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, **env},
+                timeout=120,
+            )
             alive = int(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else 0
             if alive >= want:
                 break
@@ -181,12 +224,13 @@ class RayMember(Engine):
         python, port = python_for(self.config), ray_port(self.config)
         env = ray_env(me.endpoint, interface_of(me.endpoint))
         # the serving node waits until this node has joined; a member that cannot join fails its load there
-        self.proc, _ = _start(ray_member_command(python, head.endpoint, port, me.endpoint, me.ranks, 0), env, "ray-member")
+        self.proc, _ = _start(
+            ray_member_command(python, head.endpoint, port, me.endpoint, me.ranks, 0), env, "ray-member"
+        )
 
     def close(self) -> None:
         _stop(self.proc)
         self.proc = None
 
 
-__all__ = ["RayMember", "VllmRayEngine", "ray_env", "ray_head_command", "ray_member_command",
-           "vllm_ray_params"]
+__all__ = ["RayMember", "VllmRayEngine", "ray_env", "ray_head_command", "ray_member_command", "vllm_ray_params"]

@@ -33,10 +33,22 @@ Emit = Callable[..., None]
 RATE = 16000
 DEFAULT_MAX_AUDIO_S = 4 * 3600.0
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # Whisper's own schedule, what OpenAI's temperature 0 uses
-DECODE_PARAMS = ("beam_size", "best_of", "patience", "length_penalty", "repetition_penalty",
-                 "no_repeat_ngram_size", "compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold",
-                 "condition_on_previous_text", "vad_filter", "vad_parameters", "hallucination_silence_threshold",
-                 "chunk_length")
+DECODE_PARAMS = (
+    "beam_size",
+    "best_of",
+    "patience",
+    "length_penalty",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "compression_ratio_threshold",
+    "log_prob_threshold",
+    "no_speech_threshold",
+    "condition_on_previous_text",
+    "vad_filter",
+    "vad_parameters",
+    "hallucination_silence_threshold",
+    "chunk_length",
+)
 
 
 def _param(params: dict[str, Any], name: str, default: float, cast: Callable[[Any], Any] = int) -> Any:
@@ -69,25 +81,35 @@ class WhisperEngine(Engine):
         if not os.path.isfile(os.path.join(path, "model.bin")):
             raise EngineLoadError(f"not a CTranslate2 Whisper folder (no model.bin): {path}")
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            raise EngineLoadError(f"no tokenizer.json in {path}: convert with "
-                                  "--copy_files tokenizer.json preprocessor_config.json")
+            raise EngineLoadError(
+                f"no tokenizer.json in {path}: convert with --copy_files tokenizer.json preprocessor_config.json"
+            )
         params = dict(self.config.params)
         threads = _param(params, "threads", os.cpu_count() or 1)
         self.max_audio_s = _param(params, "max_audio_s", DEFAULT_MAX_AUDIO_S, float)
         self.options = {k: params[k] for k in DECODE_PARAMS if k in params}
         try:
-            pinned = {"device": "cuda", "device_index": self.config.devices[0]} if self.config.devices else \
-                {"device": params.get("device", "cpu")}
-            self.model = WhisperModel(path, **pinned,
-                                      compute_type=params.get("compute_type", "int8"), cpu_threads=threads,
-                                      num_workers=self.max_concurrency, local_files_only=True)
+            pinned = (
+                {"device": "cuda", "device_index": self.config.devices[0]}
+                if self.config.devices
+                else {"device": params.get("device", "cpu")}
+            )
+            self.model = WhisperModel(
+                path,
+                **pinned,
+                compute_type=params.get("compute_type", "int8"),
+                cpu_threads=threads,
+                num_workers=self.max_concurrency,
+                local_files_only=True,
+            )
         except (RuntimeError, ValueError, OSError) as exc:
             raise EngineLoadError(f"faster-whisper could not load {path}: {exc}") from exc
         if self.model.model.is_multilingual:
             # faster-whisper lists every code it knows; a model has tokens for 99 or 100 of them
             tok = self.model.hf_tokenizer
-            self.languages = frozenset(c for c in self.model.supported_languages
-                                       if tok.token_to_id(f"<|{c}|>") is not None)
+            self.languages = frozenset(
+                c for c in self.model.supported_languages if tok.token_to_id(f"<|{c}|>") is not None
+            )
         else:
             self.languages = frozenset({"en"})
 
@@ -101,15 +123,19 @@ class WhisperEngine(Engine):
         code = requested.strip().lower()
         if code not in self.languages:
             if self.languages == {"en"}:
-                raise BadInput(f"language {requested!r} is not available: this model is English-only ('en').",
-                               param="language")
-            raise BadInput(f"language {requested!r} is not a language this model knows; give an ISO-639-1 "
-                           "code such as 'en', 'fr' or 'de', or leave it out to have the language detected.",
-                           param="language")
+                raise BadInput(
+                    f"language {requested!r} is not available: this model is English-only ('en').", param="language"
+                )
+            raise BadInput(
+                f"language {requested!r} is not a language this model knows; give an ISO-639-1 "
+                "code such as 'en', 'fr' or 'de', or leave it out to have the language detected.",
+                param="language",
+            )
         return code
 
-    def transcribe(self, job: TranscribeJob, cancel: CancelFlag, emit: Emit | None = None
-                   ) -> tuple[TranscribeResult, Usage]:
+    def transcribe(
+        self, job: TranscribeJob, cancel: CancelFlag, emit: Emit | None = None
+    ) -> tuple[TranscribeResult, Usage]:
         """Text of `job.audio` in its own language (`task` transcribe) or in English (`task` translate), with
         timed segments and, when `word_timestamps` is set, timed words."""
         language = self._language(job.language)  # before decoding: a bad field costs nothing
@@ -120,9 +146,13 @@ class WhisperEngine(Engine):
         except audio.AudioDecodeError as exc:
             raise BadInput(str(exc), param="file") from exc
         pieces, info = self.model.transcribe(
-            samples, task=job.task, language=language, initial_prompt=job.prompt or None,
+            samples,
+            task=job.task,
+            language=language,
+            initial_prompt=job.prompt or None,
             temperature=job.temperature if job.temperature > 0 else FALLBACK_TEMPERATURES,
-            word_timestamps=job.word_timestamps, **self.options,
+            word_timestamps=job.word_timestamps,
+            **self.options,
         )
         segments: list[Segment] = []
         for piece in pieces:  # a generator: each window is decoded only when asked for
@@ -132,19 +162,33 @@ class WhisperEngine(Engine):
             if cancel:
                 break
         produced = sum(len(s.tokens) for s in segments)
-        result = TranscribeResult(text="".join(s.text for s in segments).strip(), language=info.language,
-                                  duration_s=round(float(info.duration), 3), segments=segments)
+        result = TranscribeResult(
+            text="".join(s.text for s in segments).strip(),
+            language=info.language,
+            duration_s=round(float(info.duration), 3),
+            segments=segments,
+        )
         return result, Usage(completion_tokens=produced, total_tokens=produced)
 
 
 def _segment(index: int, s: Any) -> Segment:
     """faster-whisper's segment as ours, numbered from 0 as OpenAI numbers them (faster-whisper counts from 1)."""
-    words = [Word(word=w.word, start=round(float(w.start), 3), end=round(float(w.end), 3),
-                  probability=float(w.probability)) for w in (s.words or [])]
-    return Segment(id=index, start=round(float(s.start), 3), end=round(float(s.end), 3), text=s.text,
-                   avg_logprob=float(s.avg_logprob), no_speech_prob=float(s.no_speech_prob),
-                   compression_ratio=float(s.compression_ratio), temperature=float(s.temperature or 0.0),
-                   tokens=[int(t) for t in s.tokens], words=words)
+    words = [
+        Word(word=w.word, start=round(float(w.start), 3), end=round(float(w.end), 3), probability=float(w.probability))
+        for w in (s.words or [])
+    ]
+    return Segment(
+        id=index,
+        start=round(float(s.start), 3),
+        end=round(float(s.end), 3),
+        text=s.text,
+        avg_logprob=float(s.avg_logprob),
+        no_speech_prob=float(s.no_speech_prob),
+        compression_ratio=float(s.compression_ratio),
+        temperature=float(s.temperature or 0.0),
+        tokens=[int(t) for t in s.tokens],
+        words=words,
+    )
 
 
 __all__ = ["WhisperEngine"]

@@ -82,5 +82,18 @@ class CatalogController(AdminController):
     async def pulled(self) -> Response:
         """What the model store holds: name, repo, engine, kind, size, path."""
         store = self.pulls.jobs().store
-        return json_response({"models": [{"name": r.name, "repo": r.repo, "engine": r.engine, "kind": r.kind,
-                                          "size": r.size, "path": str(store.model_path(r))} for r in store.list()]})
+        return json_response(
+            {
+                "models": [
+                    {
+                        "name": r.name,
+                        "repo": r.repo,
+                        "engine": r.engine,
+                        "kind": r.kind,
+                        "size": r.size,
+                        "path": str(store.model_path(r)),
+                    }
+                    for r in store.list()
+                ]
+            }
+        )

@@ -49,8 +49,12 @@ class _Limits(msgspec.Struct, forbid_unknown_fields=True):
 
 def _store(gw: Gateway) -> KeyStore:
     if gw.redis is None:
-        raise ApiError(503, "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.", type="service_unavailable",
-                       code="no_redis")
+        raise ApiError(
+            503,
+            "API keys and usage need Redis: set CODERAI_GATEWAY_REDIS_URL.",
+            type="service_unavailable",
+            code="no_redis",
+        )
     return KeyStore(gw.redis, KeyJournal(gw.bus), taken=frozenset(r.name for r in (gw.auth.keys or {}).values()))
 
 
@@ -62,16 +66,22 @@ async def _change(name: str, fn: Callable[[str], Awaitable[ApiKey]]) -> Response
 
 
 class KeysController(AdminController):
-
     @post("/keys", status_code=201)
     async def create_key(self, request: Request) -> Response:
         spec = await read_json(request, _NewKey)
         try:
-            secret, rec = await _store(self.gw).create(spec.name, spec.scopes, models=spec.models, rpm=spec.rpm, tpm=spec.tpm,
-                                                  budget_usd=spec.budget_usd, budget_period=spec.budget_period,
-                                                  default_output_tokens=spec.default_output_tokens,
-                                                  max_output_tokens=spec.max_output_tokens,
-                                                  share_cache=spec.share_cache)
+            secret, rec = await _store(self.gw).create(
+                spec.name,
+                spec.scopes,
+                models=spec.models,
+                rpm=spec.rpm,
+                tpm=spec.tpm,
+                budget_usd=spec.budget_usd,
+                budget_period=spec.budget_period,
+                default_output_tokens=spec.default_output_tokens,
+                max_output_tokens=spec.max_output_tokens,
+                share_cache=spec.share_cache,
+            )
         except KeyError_ as exc:
             raise ApiError(409 if "exists" in str(exc) else 400, str(exc), code="key_conflict") from None
         return json_response({"key": secret, **public(rec), "note": "shown once: store it now"}, 201)
@@ -105,8 +115,11 @@ class KeysController(AdminController):
             w = csv.DictWriter(out, fieldnames=["day", "key", "model", *USAGE_FIELDS[:-1], "cost_usd"])
             w.writeheader()
             w.writerows(rows)
-            return Response(content=out.getvalue(), media_type="text/csv",
-                            headers={"Content-Disposition": 'attachment; filename="coderai-usage.csv"'})
+            return Response(
+                content=out.getvalue(),
+                media_type="text/csv",
+                headers={"Content-Disposition": 'attachment; filename="coderai-usage.csv"'},
+            )
         return json_response({"rows": rows})
 
 

@@ -29,6 +29,7 @@ class MetricsController(GatewayController):
         try:
             text = await asyncio.to_thread(fetch)
         except OSError as exc:
-            raise ApiError(502, f"The metrics service did not answer: {exc}", type="engine_error",
-                           code="metrics_unavailable") from None
+            raise ApiError(
+                502, f"The metrics service did not answer: {exc}", type="engine_error", code="metrics_unavailable"
+            ) from None
         return Response(content=text, media_type="text/plain; version=0.0.4; charset=utf-8")

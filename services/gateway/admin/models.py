@@ -30,8 +30,12 @@ def checked_name(name: str) -> str:
     if not name:
         raise ApiError(400, "A model needs a non-empty 'name'.", param="name", code="invalid_value")
     if name in RESERVED:
-        raise ApiError(400, f"A model may not be named {name!r}: /admin/models/{name} is the catalogue's route.",
-                       param="name", code="invalid_value")
+        raise ApiError(
+            400,
+            f"A model may not be named {name!r}: /admin/models/{name} is the catalogue's route.",
+            param="name",
+            code="invalid_value",
+        )
     return name
 
 
@@ -47,8 +51,12 @@ async def change_model(gw: Gateway, subject: Subject, msg: Any, name: str) -> di
         if exc.code == "not_found":
             raise _not_found(name) from None
         if exc.code == "conflict":
-            raise ApiError(409, f"A model named '{name}' exists already; PUT /admin/models/{name} replaces it.",
-                           param="name", code="model_exists") from None
+            raise ApiError(
+                409,
+                f"A model named '{name}' exists already; PUT /admin/models/{name} replaces it.",
+                param="name",
+                code="model_exists",
+            ) from None
         raise from_bus(exc, gw.settings.retry_after_s) from None
     return msgspec.to_builtins(reply.model)
 
@@ -61,17 +69,23 @@ class LiveModelsController(AdminController):
         """A new model, served at once; 409 if the name is taken."""
         cfg = await read_json(request, ModelConfig)
         name = checked_name(cfg.name)
-        return json_response({"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), name)}, 201)
+        return json_response(
+            {"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg, replace=False), name)},
+            201,
+        )
 
     @put("/{name:str}", status_code=200)
     async def replace(self, request: Request, name: FromPath[str]) -> Response:
         """Create or replace model `name`; the body may leave `name` out, and may not name another model."""
         doc = await read_json(request, dict[str, Any])
         if doc.setdefault("name", name) != name:
-            raise ApiError(400, f"The body names model {doc['name']!r}, the path {name!r}.", param="name",
-                           code="invalid_value")
+            raise ApiError(
+                400, f"The body names model {doc['name']!r}, the path {name!r}.", param="name", code="invalid_value"
+            )
         cfg = parse(msgspec.json.encode(doc), ModelConfig)
-        return json_response({"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg), name)})
+        return json_response(
+            {"model": await change_model(self.gw, CMD_SCHEDULER_ADD, AddModelRequest(model=cfg), name)}
+        )
 
     @delete("/{name:str}", status_code=200)
     async def remove(self, name: FromPath[str]) -> Response:
@@ -88,7 +102,14 @@ class LiveModelsController(AdminController):
         if cfg is None:
             raise _not_found(name)
         reply = await ask(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
-        nodes = [{"node_id": n.heartbeat.node_id,
-                  "state": next((e.state for e in n.heartbeat.engines if e.model == name), "assigned")}
-                 for n in reply.nodes if name in n.assigned]
-        return json_response({"model": msgspec.to_builtins(cfg), "nodes": nodes, "unplaced": reply.unplaced.get(name, "")})
+        nodes = [
+            {
+                "node_id": n.heartbeat.node_id,
+                "state": next((e.state for e in n.heartbeat.engines if e.model == name), "assigned"),
+            }
+            for n in reply.nodes
+            if name in n.assigned
+        ]
+        return json_response(
+            {"model": msgspec.to_builtins(cfg), "nodes": nodes, "unplaced": reply.unplaced.get(name, "")}
+        )

@@ -12,7 +12,14 @@ from litestar.params import FromPath
 from coderai import heads
 from coderai.contracts import BusError
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
-from coderai.contracts.subjects import CMD_NODE_DRAIN, CMD_NODE_LOGS, CMD_SCHEDULER_NODES, CMD_SCHEDULER_PLACE, Subject, check_token
+from coderai.contracts.subjects import (
+    CMD_NODE_DRAIN,
+    CMD_NODE_LOGS,
+    CMD_SCHEDULER_NODES,
+    CMD_SCHEDULER_PLACE,
+    Subject,
+    check_token,
+)
 from coderai.contracts.topology import LEADERS
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, read_json
@@ -47,7 +54,6 @@ class _Target(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class NodesController(AdminController):
-
     @get("/nodes")
     async def nodes(self) -> Response:
         return await relay(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
@@ -61,16 +67,34 @@ class NodesController(AdminController):
         except BusError as exc:
             raise from_bus(exc, self.gw.settings.retry_after_s) from None
         except Exception as exc:  # noqa: BLE001 - the bus is down or its JetStream not ready
-            raise ApiError(503, f"the bus did not answer: {type(exc).__name__}", type="service_unavailable",
-                           code="bus_unavailable", headers={"Retry-After": str(self.gw.settings.retry_after_s)}) from None
-        nodes = [{"node_id": hb.node_id, "pod": hb.pod, "models": sorted({e.model for e in hb.engines}),
-                  "in_flight": sum(e.in_flight for e in hb.engines)} for hb in self.gw.copies.live()]
+            raise ApiError(
+                503,
+                f"the bus did not answer: {type(exc).__name__}",
+                type="service_unavailable",
+                code="bus_unavailable",
+                headers={"Retry-After": str(self.gw.settings.retry_after_s)},
+            ) from None
+        nodes = [
+            {
+                "node_id": hb.node_id,
+                "pod": hb.pod,
+                "models": sorted({e.model for e in hb.engines}),
+                "in_flight": sum(e.in_flight for e in hb.engines),
+            }
+            for hb in self.gw.copies.live()
+        ]
         try:  # several heads (docs/ha.md): each as it recorded itself; none with one head
             urls = await heads.client_urls(self.gw.bus)
         except Exception:  # noqa: BLE001 - the heads' bucket not answering leaves the rest of the answer useful
             urls = []
-        return json_response({"object": "cluster", "leaders": [msgspec.to_builtins(i) for i in held],
-                              "nodes": sorted(nodes, key=lambda n: n["node_id"]), "heads": urls})
+        return json_response(
+            {
+                "object": "cluster",
+                "leaders": [msgspec.to_builtins(i) for i in held],
+                "nodes": sorted(nodes, key=lambda n: n["node_id"]),
+                "heads": urls,
+            }
+        )
 
     @get("/splits")
     async def splits(self) -> Response:
@@ -81,10 +105,20 @@ class NodesController(AdminController):
         def warning(name: str, p: Any) -> str:  # the plan's (configured link) and the engine's (measured link)
             return "; ".join(w for w in (p.warning, engine_warnings.get((p.devices[0].node_id, name), "")) if w)
 
-        data = [{"model": name, "serving_node": p.devices[0].node_id, "mode": p.mode, "n_layers": p.n_layers,
-                 "warning": warning(name, p), "devices": [{"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share,
-                                                           "layers": d.layers} for d in p.devices]}
-                for name, p in sorted(reply.splits.items())]
+        data = [
+            {
+                "model": name,
+                "serving_node": p.devices[0].node_id,
+                "mode": p.mode,
+                "n_layers": p.n_layers,
+                "warning": warning(name, p),
+                "devices": [
+                    {"node_id": d.node_id, "endpoint": d.endpoint, "share": d.share, "layers": d.layers}
+                    for d in p.devices
+                ],
+            }
+            for name, p in sorted(reply.splits.items())
+        ]
         return json_response({"object": "list", "data": data})
 
     @get("/nodes/{nid:str}/logs")

@@ -78,8 +78,14 @@ async def write(records: Any, rec: BatchRecord, spool: Spool) -> tuple[str | Non
             continue
         fh, size = got
         with fh:
-            meta = FileRecord(id=file_id, bytes=size, created_at=int(time.time()),
-                              filename=f"{rec.id}_{what}.jsonl", purpose="batch_output", owner=rec.key_name)
+            meta = FileRecord(
+                id=file_id,
+                bytes=size,
+                created_at=int(time.time()),
+                filename=f"{rec.id}_{what}.jsonl",
+                purpose="batch_output",
+                owner=rec.key_name,
+            )
             await (await records.files()).put(file_id, fh)
         await (await records.kv()).put(file_id, encode(meta))
         ids.append(file_id)

@@ -47,8 +47,15 @@ async def send(gw: Gateway, lane: Lane, op: str, job: Any, headers: dict[str, st
     timeout_s = gw.settings.part_timeout_s
     stream, reply = await gw.bus.expect_stream(timeout_s / 2)
     try:
-        part = WorkPart(request_id=job.request_id, model=job.model, op=op, part=0, parts=1, reply=reply,  # type: ignore[arg-type]
-                        job=msgspec.Raw(encode(job)))
+        part = WorkPart(
+            request_id=job.request_id,
+            model=job.model,
+            op=op,
+            part=0,
+            parts=1,
+            reply=reply,  # type: ignore[arg-type]
+            job=msgspec.Raw(encode(job)),
+        )
         await gw.bus.js.publish(WORK_PART(model_key=model_key(job.model), op=op), encode(part), headers=headers)
         mine = time.monotonic()
         lane.heard = max(lane.heard, mine)  # a lane idle for long is not taken for a dead one
@@ -61,8 +68,11 @@ async def send(gw: Gateway, lane: Lane, op: str, job: Any, headers: dict[str, st
                     continue  # still queued behind the lane's other lines, which are being answered
                 if not exc.retryable:
                     raise
-                raise BusError("engine_failed", f"the line was not answered within {now - mine:.0f}s (every "
-                                                "worker it went to stopped)", False) from None
+                raise BusError(
+                    "engine_failed",
+                    f"the line was not answered within {now - mine:.0f}s (every worker it went to stopped)",
+                    False,
+                ) from None
             mine = lane.heard = time.monotonic()
             if isinstance(frame, Final):
                 return frame

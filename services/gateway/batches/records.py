@@ -21,8 +21,7 @@ from coderai.contracts.base import Message
 from coderai.gateway.takeover import Tenure
 from coderai.runtime.kv import replay
 
-Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-                 "cancelled"]
+Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
 WINDOWS = {"24h": 24 * 3600}  # OpenAI's only completion window
 MAX_TAKEOVERS = 5
@@ -100,17 +99,34 @@ def batch_json(rec: BatchRecord) -> dict[str, Any]:
     OpenAI's schema has no null for them (the SDK reads a missing one as None)."""
     errors = {"object": "list", "data": [msgspec.to_builtins(e) for e in rec.errors]} if rec.errors else None
     body = {
-        "id": rec.id, "object": "batch", "endpoint": rec.endpoint, "errors": errors,
-        "input_file_id": rec.input_file_id, "completion_window": rec.completion_window, "status": rec.status,
-        "output_file_id": rec.output_file_id, "error_file_id": rec.error_file_id, "created_at": rec.created_at,
-        "in_progress_at": rec.in_progress_at, "expires_at": rec.expires_at, "finalizing_at": rec.finalizing_at,
-        "completed_at": rec.completed_at, "failed_at": rec.failed_at, "expired_at": rec.expired_at,
-        "cancelling_at": rec.cancelling_at, "cancelled_at": rec.cancelled_at,
+        "id": rec.id,
+        "object": "batch",
+        "endpoint": rec.endpoint,
+        "errors": errors,
+        "input_file_id": rec.input_file_id,
+        "completion_window": rec.completion_window,
+        "status": rec.status,
+        "output_file_id": rec.output_file_id,
+        "error_file_id": rec.error_file_id,
+        "created_at": rec.created_at,
+        "in_progress_at": rec.in_progress_at,
+        "expires_at": rec.expires_at,
+        "finalizing_at": rec.finalizing_at,
+        "completed_at": rec.completed_at,
+        "failed_at": rec.failed_at,
+        "expired_at": rec.expired_at,
+        "cancelling_at": rec.cancelling_at,
+        "cancelled_at": rec.cancelled_at,
         "request_counts": {"total": rec.total, "completed": rec.completed, "failed": rec.failed},
-        "metadata": rec.metadata, "model": rec.model,
-        "usage": {"input_tokens": rec.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": rec.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": rec.prompt_tokens + rec.completion_tokens},
+        "metadata": rec.metadata,
+        "model": rec.model,
+        "usage": {
+            "input_tokens": rec.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": rec.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": rec.prompt_tokens + rec.completion_tokens,
+        },
     }
     return {k: v for k, v in body.items() if v is not None or k == "metadata"}
 
@@ -124,10 +140,13 @@ def due(rec: BatchRecord, quiet_s: float, after_s: float) -> bool:
 def claim(rec: BatchRecord, runner: str, now: float, max_takeovers: int = MAX_TAKEOVERS) -> BatchRecord:
     """The record as the replica taking the batch over writes it; past the takeover bound it is failed instead."""
     if rec.takeovers >= max_takeovers:
-        err = LineError(code="runner_lost", message=f"The gateway running this batch stopped {rec.takeovers + 1} "
-                                                    "times; it is not taken over again.")
-        return msgspec.structs.replace(rec, status="failed", failed_at=int(now), updated_at=now, runner=runner,
-                                       errors=[*rec.errors, err])
+        err = LineError(
+            code="runner_lost",
+            message=f"The gateway running this batch stopped {rec.takeovers + 1} times; it is not taken over again.",
+        )
+        return msgspec.structs.replace(
+            rec, status="failed", failed_at=int(now), updated_at=now, runner=runner, errors=[*rec.errors, err]
+        )
     return msgspec.structs.replace(rec, runner=runner, takeovers=rec.takeovers + 1, updated_at=now)
 
 
@@ -181,8 +200,12 @@ class Tally:
         self.completion_tokens += res.completion_tokens
 
     def counts(self) -> dict[str, int]:
-        return dict(completed=self.completed, failed=self.failed, prompt_tokens=self.prompt_tokens,
-                    completion_tokens=self.completion_tokens)
+        return dict(
+            completed=self.completed,
+            failed=self.failed,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+        )
 
 
 async def store_line(kv: Any, batch_id: str, res: LineResult) -> bool:

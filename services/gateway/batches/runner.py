@@ -24,7 +24,16 @@ from coderai.gateway import takeover
 from coderai.gateway.auth import Caller
 from coderai.gateway.batches import output, queue, validation
 from coderai.gateway.batches.records import (
-    RUNNING, BatchRecord, BatchTenure, LineError, LineResult, claim, due, Tally, each_line, store_line,
+    RUNNING,
+    BatchRecord,
+    BatchTenure,
+    LineError,
+    LineResult,
+    claim,
+    due,
+    Tally,
+    each_line,
+    store_line,
 )
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import new_request_id
@@ -60,8 +69,14 @@ class BatchRunner(Takeovers[BatchRecord]):
 
     async def resume(self, kv: Any, was: BatchRecord, taken: BatchRecord, revision: int) -> None:
         if taken.status != "failed":
-            log.warning("batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
-                        taken.id, was.runner or "?", taken.takeovers, was.completed + was.failed, was.total)
+            log.warning(
+                "batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
+                taken.id,
+                was.runner or "?",
+                taken.takeovers,
+                was.completed + was.failed,
+                was.total,
+            )
             self.spawn(BatchTenure(kv, taken, revision), None, None)
 
     async def kv(self, spec: Any = BATCHES) -> Any:
@@ -145,8 +160,16 @@ class BatchRunner(Takeovers[BatchRecord]):
             data = (await (await self.records.files()).get(rec.input_file_id)).data or b""
             lines, errors = await self.parse(data, rec.endpoint)
         except Exception as exc:  # noqa: BLE001 - the input file was deleted, or the key store is down
-            errors, lines, who = [LineError(code="input_unavailable", message=f"The batch could not be resumed: "
-                                                                              f"its input file could not be read ({exc}).")], [], None
+            errors, lines, who = (
+                [
+                    LineError(
+                        code="input_unavailable",
+                        message=f"The batch could not be resumed: its input file could not be read ({exc}).",
+                    )
+                ],
+                [],
+                None,
+            )
         if errors:
             await tenure.save(status="failed", failed_at=int(time.time()), errors=[*rec.errors, *errors[:100]])
             return None, None
@@ -167,8 +190,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             await tenure.save(status="cancelling", cancelling_at=int(now_s))
         return True
 
-    async def run_lines(self, tenure: BatchTenure, todo: list[validation.Line], who: Caller,
-                        tally: Tally) -> None:
+    async def run_lines(self, tenure: BatchTenure, todo: list[validation.Line], who: Caller, tally: Tally) -> None:
         """Every line not answered yet, in order, a bounded number on the queue at a time."""
         tasks: set[asyncio.Task] = set()
         try:
@@ -192,16 +214,21 @@ class BatchRunner(Takeovers[BatchRecord]):
             for task in tasks:
                 task.cancel()
 
-    async def one(self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane,
-                  tally: Tally) -> None:
+    async def one(
+        self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane, tally: Tally
+    ) -> None:
         try:
             res = await self.answer(line, who, lane)
         finally:
             lane.slots.release()
         limit = self.gw.bus.nc.max_payload - HEADROOM
         if len(msgspec.json.encode(res)) > limit:  # a KV value is one bus message
-            err = ApiError(500, f"The answer is over the {limit} bytes one kept line holds; send fewer inputs per "
-                                "line.", type="server_error", code="response_too_large")
+            err = ApiError(
+                500,
+                f"The answer is over the {limit} bytes one kept line holds; send fewer inputs per line.",
+                type="server_error",
+                code="response_too_large",
+            )
             res = msgspec.structs.replace(res, status_code=500, body=msgspec.Raw(err.encode()))
         if await store_line(await self.kv(BATCH_LINES), tenure.rec.id, res):
             tally.add(res)
@@ -213,8 +240,9 @@ class BatchRunner(Takeovers[BatchRecord]):
         attempt = 0
         while True:
             rid = new_request_id()
-            call = Call(self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid),
-                        client_id=line.custom_id)
+            call = Call(
+                self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid), client_id=line.custom_id
+            )
             try:
                 final = await call.queued(partial(queue.send, self.gw, lane, line.op))
                 body = line.render(final, rid, call.created)
@@ -223,16 +251,35 @@ class BatchRunner(Takeovers[BatchRecord]):
                 if err.code == "rate_limit_exceeded" or (err.status == 503 and attempt < ATTEMPTS):
                     await asyncio.sleep(float(err.headers.get("Retry-After", 1)))  # the key's rate, or a blink
                     continue
-                return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid,
-                                  status_code=err.status, body=msgspec.Raw(err.encode()))
+                return LineResult(
+                    index=line.index,
+                    custom_id=line.custom_id,
+                    id=line_id,
+                    request_id=rid,
+                    status_code=err.status,
+                    body=msgspec.Raw(err.encode()),
+                )
             except Exception as exc:  # noqa: BLE001 - one line's bug fails that line, not the batch
                 log.exception("batch line %s failed", line.custom_id)
                 err = ApiError(500, f"Internal error: {type(exc).__name__}", type="server_error", code="internal")
-                return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid,
-                                  status_code=500, body=msgspec.Raw(err.encode()))
-            return LineResult(index=line.index, custom_id=line.custom_id, id=line_id, request_id=rid, status_code=200,
-                              body=msgspec.Raw(encode(body)), prompt_tokens=final.usage.prompt_tokens,
-                              completion_tokens=final.usage.completion_tokens)
+                return LineResult(
+                    index=line.index,
+                    custom_id=line.custom_id,
+                    id=line_id,
+                    request_id=rid,
+                    status_code=500,
+                    body=msgspec.Raw(err.encode()),
+                )
+            return LineResult(
+                index=line.index,
+                custom_id=line.custom_id,
+                id=line_id,
+                request_id=rid,
+                status_code=200,
+                body=msgspec.Raw(encode(body)),
+                prompt_tokens=final.usage.prompt_tokens,
+                completion_tokens=final.usage.completion_tokens,
+            )
 
     async def count(self, tenure: BatchTenure, tally: Tally) -> None:
         counts = tally.counts()
@@ -252,14 +299,24 @@ class BatchRunner(Takeovers[BatchRecord]):
             if end == "expired":
                 for ln in lines:
                     if ln.index not in spool.at:
-                        spool.add(LineResult(
-                            index=ln.index, custom_id=ln.custom_id, id="batch_req_" + secrets.token_hex(16),
-                            error_code="batch_expired",
-                            error_message="This request could not be executed before the completion window expired."))
+                        spool.add(
+                            LineResult(
+                                index=ln.index,
+                                custom_id=ln.custom_id,
+                                id="batch_req_" + secrets.token_hex(16),
+                                error_code="batch_expired",
+                                error_message="This request could not be executed before the completion window expired.",
+                            )
+                        )
             out_id, err_id = await output.write(self.records, tenure.rec, spool)
             ok, total = spool.completed, len(spool.at)
         finally:
             spool.close()
-        await tenure.save(status=end, **{f"{end}_at": int(time.time())}, output_file_id=out_id, error_file_id=err_id,
-                          completed=ok, failed=total - ok)
-
+        await tenure.save(
+            status=end,
+            **{f"{end}_at": int(time.time())},
+            output_file_id=out_id,
+            error_file_id=err_id,
+            completed=ok,
+            failed=total - ok,
+        )

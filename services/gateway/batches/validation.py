@@ -46,14 +46,16 @@ def parse(data: bytes, endpoint: str, check_model: Callable[[str, str], Any]) ->
         if not raw.strip():
             continue
         if index >= MAX_LINES:
-            errors.append(LineError(code="too_many_requests", message=f"A batch holds at most {MAX_LINES} requests.",
-                                    line=number))
+            errors.append(
+                LineError(code="too_many_requests", message=f"A batch holds at most {MAX_LINES} requests.", line=number)
+            )
             break
         try:
             line = _line(raw, endpoint, op, index, seen, check_model)
         except ApiError as err:
-            errors.append(LineError(code=err.code or "invalid_request", message=err.message, param=err.param,
-                                    line=number))
+            errors.append(
+                LineError(code=err.code or "invalid_request", message=err.message, param=err.param, line=number)
+            )
         else:
             lines.append(line)
         index += 1
@@ -66,7 +68,9 @@ def _bad(code: str, message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def _line(raw: bytes, endpoint: str, op: str, index: int, seen: set[str], check_model: Callable[[str, str], Any]) -> Line:
+def _line(
+    raw: bytes, endpoint: str, op: str, index: int, seen: set[str], check_model: Callable[[str, str], Any]
+) -> Line:
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError:
@@ -77,8 +81,11 @@ def _line(raw: bytes, endpoint: str, op: str, index: int, seen: set[str], check_
     if not isinstance(custom_id, str) or not custom_id:
         raise _bad("missing_required_parameter", "custom_id is required (a non-empty string).", "custom_id")
     if custom_id in seen:
-        raise _bad("duplicate_custom_id", f"The custom_id '{custom_id}' is used on an earlier line; each line's "
-                                          "custom_id must be unique.", "custom_id")
+        raise _bad(
+            "duplicate_custom_id",
+            f"The custom_id '{custom_id}' is used on an earlier line; each line's custom_id must be unique.",
+            "custom_id",
+        )
     seen.add(custom_id)
     if obj.get("method") != "POST":
         raise _bad("invalid_method", "method must be POST.", "method")
@@ -122,13 +129,17 @@ def _responses(body: dict[str, Any]) -> tuple[Any, Render]:
 
     req = rt.parse_request(body)
     if req.previous_response_id:
-        raise _bad("unsupported_parameter", "previous_response_id is not supported in a batch: send the whole "
-                                            "conversation as input.", "previous_response_id")
+        raise _bad(
+            "unsupported_parameter",
+            "previous_response_id is not supported in a batch: send the whole conversation as input.",
+            "previous_response_id",
+        )
     job, _ = rt.response_job(req, "pending")
 
     def render(f: Final, rid: str, created: int) -> dict[str, Any]:
         choice = f.choices[0]
-        return rt.response_body(rt.new_id("resp"), created, req, rt.from_choice(choice), f.usage,
-                                rt.final_status(choice.finish_reason))
+        return rt.response_body(
+            rt.new_id("resp"), created, req, rt.from_choice(choice), f.usage, rt.final_status(choice.finish_reason)
+        )
 
     return job, render

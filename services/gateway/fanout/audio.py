@@ -35,11 +35,11 @@ def split_sentences(text: str) -> list[str]:
     start = 0
     for m in _SENTENCE_END.finditer(text):
         if m.group(1) == "." and m.end() < len(text):
-            words = text[start:m.start()].split()
+            words = text[start : m.start()].split()
             last = words[-1].lstrip("(\"'\u201c\u2018").lower() if words else ""
             if last in _ABBREVIATIONS or (len(last) == 1 and last.isalpha()):
                 continue
-        if piece := text[start:m.end()].strip():
+        if piece := text[start : m.end()].strip():
             out.append(piece)
         start = m.end()
     if tail := text[start:].strip():
@@ -72,7 +72,7 @@ def plan_speech(job: Any, count: Callable[[int], int]) -> Plan | None:
     # TTS time follows text length, so groups are balanced by characters rather than by sentence count
     jobs, start = [], 0
     for size in group_sizes([len(s) for s in sentences], k):
-        jobs.append(replace(job, input=" ".join(sentences[start:start + size]), stream=False))
+        jobs.append(replace(job, input=" ".join(sentences[start : start + size]), stream=False))
         start += size
     return Plan(jobs, [0.0] * k)
 
@@ -113,8 +113,12 @@ def merge_speech(job: Any, plan: Plan, outputs: list) -> SpeechResult:
 
 
 def _too_long(seconds: float, max_s: float) -> ApiError:
-    return ApiError(400, f"The audio is over {seconds:.0f} s long; at most {max_s:.0f} s are transcribed.",
-                    param="file", code="audio_too_long")
+    return ApiError(
+        400,
+        f"The audio is over {seconds:.0f} s long; at most {max_s:.0f} s are transcribed.",
+        param="file",
+        code="audio_too_long",
+    )
 
 
 def _decode(data: bytes, max_s: float = MAX_AUDIO_S) -> Any:
@@ -152,8 +156,8 @@ def silence_cuts(pcm: Any, parts: int, rate: int = STT_RATE) -> list[int]:
     energy = np.empty(n_blocks)
     step = 4096  # blocks per slice: bounds the float copies for hour-long uploads
     for i in range(0, n_blocks, step):
-        b = pcm[i * hop:min(i + step, n_blocks) * hop].reshape(-1, hop).astype(np.float32) / 32768.0
-        energy[i:i + len(b)] = np.einsum("ij,ij->i", b, b)
+        b = pcm[i * hop : min(i + step, n_blocks) * hop].reshape(-1, hop).astype(np.float32) / 32768.0
+        energy[i : i + len(b)] = np.einsum("ij,ij->i", b, b)
     cs = np.concatenate(([0.0], np.cumsum(energy)))
     windows = cs[per_window:] - cs[:-per_window] if n_blocks >= per_window else np.zeros(0)
     centres = np.arange(len(windows)) * hop + hop * per_window // 2
@@ -187,8 +191,9 @@ def plan_transcribe(job: Any, count: Callable[[int], int]) -> Plan | None:
     jobs = []
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         data = _wav(pcm[a:b].tobytes(), STT_RATE)
-        jobs.append(replace(job, audio=Blob(data=data, size=len(data), content_type="audio/wav",
-                                            filename=f"part-{i}.wav")))
+        jobs.append(
+            replace(job, audio=Blob(data=data, size=len(data), content_type="audio/wav", filename=f"part-{i}.wav"))
+        )
     return Plan(jobs, [a / STT_RATE for a in bounds[:-1]])
 
 
@@ -198,10 +203,10 @@ def merge_transcribe(job: Any, plan: Plan, outputs: list) -> TranscribeResult:
         for s in out.segments:
             # milliseconds, like the engine's own timestamps (and no 12.340000000000002 from the float offset)
             words = [replace(w, start=round(w.start + off, 3), end=round(w.end + off, 3)) for w in s.words]
-            segments.append(replace(s, id=len(segments), start=round(s.start + off, 3), end=round(s.end + off, 3),
-                                    words=words))
+            segments.append(
+                replace(s, id=len(segments), start=round(s.start + off, 3), end=round(s.end + off, 3), words=words)
+            )
     text = " ".join(t for t in (o.text.strip() for o in outputs) if t)
-    return TranscribeResult(text=text, language=outputs[0].language, duration_s=sum(o.duration_s for o in outputs),
-                            segments=segments)
-
-
+    return TranscribeResult(
+        text=text, language=outputs[0].language, duration_s=sum(o.duration_s for o in outputs), segments=segments
+    )

@@ -20,7 +20,13 @@ from msgspec.structs import replace
 
 from coderai.contracts import Distribute, Usage
 from coderai.contracts.media import (
-    Blob, EmbedResult, ImageResult, OcrResult, RerankResult, SpeechResult, TranscribeResult,
+    Blob,
+    EmbedResult,
+    ImageResult,
+    OcrResult,
+    RerankResult,
+    SpeechResult,
+    TranscribeResult,
 )
 from coderai.gateway.fanout import audio
 from coderai.gateway.fanout.parts import MergeError, Plan, chunk_sizes
@@ -60,8 +66,11 @@ def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list) -> tuple[A
         if not isinstance(out, kind):
             raise MergeError(f"{op}: part {i} answered {type(out).__name__}, not {kind.__name__}")
     us = [u for u in usages if u is not None]  # a part that reported no usage counts as zero
-    total = Usage(prompt_tokens=sum(u.prompt_tokens for u in us),
-                  completion_tokens=sum(u.completion_tokens for u in us), total_tokens=sum(u.total_tokens for u in us))
+    total = Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in us),
+        completion_tokens=sum(u.completion_tokens for u in us),
+        total_tokens=sum(u.total_tokens for u in us),
+    )
     return merger(job, plan, outputs), total
 
 
@@ -89,7 +98,7 @@ def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | Non
         return None
     jobs, start = [], 0
     for size in chunk_sizes(len(items), k):
-        jobs.append(replace(job, **{field: items[start:start + size]}))
+        jobs.append(replace(job, **{field: items[start : start + size]}))
         start += size
     return Plan(jobs, [0.0] * k)
 
@@ -150,8 +159,11 @@ def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
             part.save(buf)
             part.close()
             body = buf.getvalue()
-            jobs.append(replace(job, file=Blob(data=body, size=len(body), content_type="application/pdf",
-                                               filename=f"part-{i}.pdf")))
+            jobs.append(
+                replace(
+                    job, file=Blob(data=body, size=len(body), content_type="application/pdf", filename=f"part-{i}.pdf")
+                )
+            )
             start += size
         return Plan(jobs, [0.0] * k)
     finally:

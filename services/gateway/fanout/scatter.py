@@ -45,15 +45,23 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
             sub = await gw.blobs.pack(sub)
             stream, reply = await gw.bus.expect_stream(gw.settings.part_timeout_s / 2)  # wakes to check siblings
             streams.append(stream)
-            part = WorkPart(request_id=job.request_id, model=job.model, op=op, part=i, parts=n, reply=reply,  # type: ignore[arg-type]
-                            job=msgspec.Raw(encode(sub)))
+            part = WorkPart(
+                request_id=job.request_id,
+                model=job.model,
+                op=op,
+                part=i,
+                parts=n,
+                reply=reply,  # type: ignore[arg-type]
+                job=msgspec.Raw(encode(sub)),
+            )
             # a healthy stream acks in milliseconds; one whose leader died with its head does not for seconds, and
             # the caller sends the job whole to one engine sooner than it would elect one
             await gw.bus.js.publish(subject, encode(part), headers=headers, timeout=PUBLISH_TIMEOUT_S)
         queued = time.monotonic()
         activity, heard = [queued], [False] * n
-        gathered = asyncio.gather(*(_final(s, i, n, gw.settings.part_timeout_s, activity, heard)
-                                    for i, s in enumerate(streams)))
+        gathered = asyncio.gather(
+            *(_final(s, i, n, gw.settings.part_timeout_s, activity, heard) for i, s in enumerate(streams))
+        )
         try:
             finals = await _unless_stalled(gw, job.model, op, gathered, activity, heard)
         finally:
@@ -69,12 +77,18 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
     except plans.MergeError as exc:  # engines answered parts in shapes that do not fit together
         raise BusError("engine_failed", f"the parts' answers could not be merged: {exc}") from None
     engines = sorted({f.engine_id for f in finals})
-    return Final(seq=0, engine_id=",".join(engines), output=output, usage=usage,
-                 ttft_s=min((f.ttft_s for f in finals if f.ttft_s is not None), default=None))
+    return Final(
+        seq=0,
+        engine_id=",".join(engines),
+        output=output,
+        usage=usage,
+        ttft_s=min((f.ttft_s for f in finals if f.ttft_s is not None), default=None),
+    )
 
 
-async def _unless_stalled(gw: Gateway, model: str, op: str, gathered: asyncio.Future, activity: list[float],
-                          heard: list[bool]) -> Any:
+async def _unless_stalled(
+    gw: Gateway, model: str, op: str, gathered: asyncio.Future, activity: list[float], heard: list[bool]
+) -> Any:
     """What `gathered` gives; a retryable `no_engine` BusError (the caller sends the job whole to one engine) once
     no part was heard from for `STALL_S` (a worker says so the moment it takes a part, then answers or keeps alive
     each second) and either the shared consumer does not answer (its leader died with a NATS server and its RAFT
@@ -91,14 +105,16 @@ async def _unless_stalled(gw: Gateway, model: str, op: str, gathered: asyncio.Fu
             async with asyncio.timeout(INFO_TIMEOUT_S):
                 info = await gw.bus.js.consumer_info(WORK.name, work_consumer(model, op))
         except (NatsError, TimeoutError) as exc:
-            raise BusError("no_engine", f"the work queue of {model} does not move ({exc or type(exc).__name__})",
-                           True) from None
+            raise BusError(
+                "no_engine", f"the work queue of {model} does not move ({exc or type(exc).__name__})", True
+            ) from None
         if not info.num_pending and not all(heard):
             raise BusError("no_engine", "a part of this request went to a worker that never took it", True)
 
 
-async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity: list[float],
-                 heard: list[bool]) -> Final:
+async def _final(
+    stream: FrameStream, i: int, n: int, timeout_s: float, activity: list[float], heard: list[bool]
+) -> Final:
     """Part `i`'s final frame; its error as a BusError that names the part. A part may wait in the queue while
     other parts run, so it is given up on only when no part of the request has been heard for `timeout_s`."""
     while True:
@@ -109,8 +125,11 @@ async def _final(stream: FrameStream, i: int, n: int, timeout_s: float, activity
                 raise
             if time.monotonic() - activity[0] < timeout_s:
                 continue  # this part is still queued, but its siblings are being answered
-            raise BusError("engine_failed", f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s "
-                                            "(every worker it went to stopped)", False) from None
+            raise BusError(
+                "engine_failed",
+                f"part {i + 1} of {n} was not answered within {timeout_s:.0f}s (every worker it went to stopped)",
+                False,
+            ) from None
         activity[0], heard[i] = time.monotonic(), True
         if isinstance(frame, Final):
             return frame

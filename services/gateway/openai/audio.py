@@ -21,8 +21,14 @@ from coderai.gateway.openai.forms import Form, NonEmpty, blob, read_form
 from coderai.gateway.pipeline import Call, answer, relay_stream
 from coderai.gateway.state import Gateway, InferenceController
 
-AUDIO_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
-               "pcm": "audio/pcm"}
+AUDIO_TYPES = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
 TRANSCRIPT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 
 
@@ -44,10 +50,17 @@ class AudioController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, SpeechRequest)
         if req.stream_format == "sse":
-            raise ApiError(400, "stream_format 'sse' is not supported; use 'audio'.", param="stream_format",
-                           code="invalid_value")
-        job = SpeechJob(request_id=new_request_id(), model=req.model, input=req.input, voice=req.voice,
-                        response_format=req.response_format, speed=req.speed)
+            raise ApiError(
+                400, "stream_format 'sse' is not supported; use 'audio'.", param="stream_format", code="invalid_value"
+            )
+        job = SpeechJob(
+            request_id=new_request_id(),
+            model=req.model,
+            input=req.input,
+            voice=req.voice,
+            response_format=req.response_format,
+            speed=req.speed,
+        )
         call = Call(self.gw, who, "speech", job)
         await call.admit()
         first = await until_disconnect(request, call.open(stream=True))  # fanned out: whole; one engine: streamed
@@ -79,8 +92,12 @@ class AudioController(InferenceController):
     async def diarization(self, request: Request) -> Response:
         who = self.caller(request)
         form = await read_form(request, self.gw.settings.max_upload_bytes)
-        job = DiarizeJob(request_id=new_request_id(), model=form.require("model"), audio=blob(form.file("file")),  # type: ignore[arg-type]
-                         num_speakers=form.number("num_speakers", int, 1, 32))
+        job = DiarizeJob(
+            request_id=new_request_id(),
+            model=form.require("model"),
+            audio=blob(form.file("file")),  # type: ignore[arg-type]
+            num_speakers=form.number("num_speakers", int, 1, 32),
+        )
         call = Call(self.gw, who, "diarize", job)
         final = await answer(call, request)
         return json_response(formats.diarization(final.output, job.model), headers=call.response_headers())
@@ -91,20 +108,30 @@ async def _transcribe(gw: Gateway, who: Caller, request: Request, task: str) -> 
     fmt = form.choice("response_format", TRANSCRIPT_FORMATS, "json")
     grains = _granularities(form, fmt)
     job = TranscribeJob(
-        request_id=new_request_id(), model=form.require("model"), audio=blob(form.file("file")), task=task,  # type: ignore[arg-type]
-        language=form.get("language") if task == "transcribe" else None, prompt=form.get("prompt"),
-        temperature=form.number("temperature", float, 0.0, 1.0, 0.0), word_timestamps="word" in grains,
+        request_id=new_request_id(),
+        model=form.require("model"),
+        audio=blob(form.file("file")),
+        task=task,  # type: ignore[arg-type]
+        language=form.get("language") if task == "transcribe" else None,
+        prompt=form.get("prompt"),
+        temperature=form.number("temperature", float, 0.0, 1.0, 0.0),
+        word_timestamps="word" in grains,
     )
     call = Call(gw, who, "transcribe", job)
     if not form.flag("diarize"):
         result = (await answer(call, request)).output
     else:
-        djob = DiarizeJob(request_id=new_request_id(), model=await _diarizer(gw, form.get("diarization_model")),
-                          audio=job.audio, num_speakers=form.number("num_speakers", int, 1, 32))
+        djob = DiarizeJob(
+            request_id=new_request_id(),
+            model=await _diarizer(gw, form.get("diarization_model")),
+            audio=job.audio,
+            num_speakers=form.number("num_speakers", int, 1, 32),
+        )
         both = asyncio.gather(answer(call), answer(Call(gw, who, "diarize", djob)))
         final, dfinal = await until_disconnect(request, both)
-        result = msgspec.structs.replace(final.output, segments=formats.assign_speakers(
-            final.output.segments, dfinal.output.segments))
+        result = msgspec.structs.replace(
+            final.output, segments=formats.assign_speakers(final.output.segments, dfinal.output.segments)
+        )
     body, media_type = formats.transcription(result, fmt, task, grains, result.duration_s)
     content = body if isinstance(body, bytes) else msgspec.json.encode(body)
     return Response(content=content, media_type=media_type, headers=call.response_headers())
@@ -114,11 +141,19 @@ def _granularities(form: Form, fmt: str) -> list[str]:
     grains = form.getall("timestamp_granularities")
     for g in grains:
         if g not in ("word", "segment"):
-            raise ApiError(400, f"timestamp_granularities takes 'word' and 'segment', not {g!r}.",
-                           param="timestamp_granularities", code="invalid_value")
+            raise ApiError(
+                400,
+                f"timestamp_granularities takes 'word' and 'segment', not {g!r}.",
+                param="timestamp_granularities",
+                code="invalid_value",
+            )
     if grains and fmt != "verbose_json":
-        raise ApiError(400, "timestamp_granularities needs response_format verbose_json.",
-                       param="timestamp_granularities", code="invalid_value")
+        raise ApiError(
+            400,
+            "timestamp_granularities needs response_format verbose_json.",
+            param="timestamp_granularities",
+            code="invalid_value",
+        )
     return grains
 
 
@@ -129,6 +164,10 @@ async def _diarizer(gw: Gateway, name: str | None) -> str:
         raise gw.not_ready()
     cfg = gw.first_model("diarize")
     if cfg is None:
-        raise ApiError(400, "diarize=true needs a diarization model, and none is served.", param="diarize",
-                       code="no_diarization_model")
+        raise ApiError(
+            400,
+            "diarize=true needs a diarization model, and none is served.",
+            param="diarize",
+            code="no_diarization_model",
+        )
     return cfg.name

@@ -34,14 +34,17 @@ class BatchRequest(msgspec.Struct, kw_only=True):
 
 def _check(req: BatchRequest) -> None:
     if req.endpoint not in ENDPOINTS:
-        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint",
-                       code="invalid_value")
+        raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint", code="invalid_value")
     if req.completion_window not in WINDOWS:
         raise ApiError(400, "completion_window must be 24h.", param="completion_window", code="invalid_value")
     meta = req.metadata or {}
     if len(meta) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in meta.items()):
-        raise ApiError(400, "metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters.",
-                       param="metadata", code="invalid_value")
+        raise ApiError(
+            400,
+            "metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters.",
+            param="metadata",
+            code="invalid_value",
+        )
 
 
 class BatchesController(InferenceController):
@@ -58,27 +61,50 @@ class BatchesController(InferenceController):
         await self.gw.accounts.admit(who, None)  # rates and a spent budget; each line is admitted as it runs
         most = self.gw.settings.batches_per_key
         if most:
-            running = sum(1 for r in (await read_all(await self.batches.kv(), BatchRecord)).values()
-                          if r.key_name == who.key_name and r.status in RUNNING)
+            running = sum(
+                1
+                for r in (await read_all(await self.batches.kv(), BatchRecord)).values()
+                if r.key_name == who.key_name and r.status in RUNNING
+            )
             if running >= most:
-                raise ApiError(429, f"This key runs {running} batches already, its most; wait for one to end or "
-                                    "cancel one.", type="rate_limit_error", code="batch_quota_exceeded",
-                               headers={"Retry-After": str(self.gw.settings.retry_after_s)})
+                raise ApiError(
+                    429,
+                    f"This key runs {running} batches already, its most; wait for one to end or cancel one.",
+                    type="rate_limit_error",
+                    code="batch_quota_exceeded",
+                    headers={"Retry-After": str(self.gw.settings.retry_after_s)},
+                )
         file = await self.records.own_file(who, req.input_file_id, "input_file_id")
         if file.purpose != "batch":
-            raise ApiError(400, f"The file {file.id} has purpose '{file.purpose}'; a batch reads a file uploaded with "
-                                "purpose 'batch'.", param="input_file_id", code="invalid_value")
+            raise ApiError(
+                400,
+                f"The file {file.id} has purpose '{file.purpose}'; a batch reads a file uploaded with purpose 'batch'.",
+                param="input_file_id",
+                code="invalid_value",
+            )
         data = (await (await self.records.files()).get(file.id)).data or b""
         lines, errors = await self.batches.parse(data, req.endpoint)
         now = int(time.time())
         models = {ln.job.model for ln in lines}
-        rec = BatchRecord(id="batch_" + secrets.token_hex(16), key_name=who.key_name, endpoint=req.endpoint,
-                          input_file_id=file.id, completion_window=req.completion_window, created_at=now,
-                          expires_at=now + WINDOWS[req.completion_window], updated_at=time.time(),
-                          metadata=req.metadata, model=models.pop() if len(models) == 1 else None,
-                          out_id="file-" + secrets.token_hex(12), err_id="file-" + secrets.token_hex(12),
-                          **({"status": "failed", "failed_at": now, "errors": errors[:MAX_ERRORS]} if errors else
-                             {"status": "in_progress", "in_progress_at": now, "total": len(lines)}))
+        rec = BatchRecord(
+            id="batch_" + secrets.token_hex(16),
+            key_name=who.key_name,
+            endpoint=req.endpoint,
+            input_file_id=file.id,
+            completion_window=req.completion_window,
+            created_at=now,
+            expires_at=now + WINDOWS[req.completion_window],
+            updated_at=time.time(),
+            metadata=req.metadata,
+            model=models.pop() if len(models) == 1 else None,
+            out_id="file-" + secrets.token_hex(12),
+            err_id="file-" + secrets.token_hex(12),
+            **(
+                {"status": "failed", "failed_at": now, "errors": errors[:MAX_ERRORS]}
+                if errors
+                else {"status": "in_progress", "in_progress_at": now, "total": len(lines)}
+            ),
+        )
         rec = await self.batches.start(rec, lines, who)
         return json_response(batch_json(rec))
 
@@ -102,8 +128,9 @@ class BatchesController(InferenceController):
         """Lines not started are not run; answered ones still land in the output file."""
         rec = await self._own(self.caller(request), batch_id)
         if rec.status in ("completed", "failed", "expired"):
-            raise ApiError(409, f"Cannot cancel a batch with status '{rec.status}'.", param="batch_id",
-                           code="invalid_state")
+            raise ApiError(
+                409, f"Cannot cancel a batch with status '{rec.status}'.", param="batch_id", code="invalid_state"
+            )
         return json_response(batch_json(await self.batches.cancel(rec)))
 
     async def _own(self, who: Caller, batch_id: str) -> BatchRecord:

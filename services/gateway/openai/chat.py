@@ -14,7 +14,13 @@ from coderai.gateway import affinity
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import (
-    HARNESS_SESSION_HEADERS, PIN_HEADER, SESSION_HEADER, STREAM_HEADERS, json_response, new_request_id, read_json,
+    HARNESS_SESSION_HEADERS,
+    PIN_HEADER,
+    SESSION_HEADER,
+    STREAM_HEADERS,
+    json_response,
+    new_request_id,
+    read_json,
 )
 from coderai.gateway.openai import sse
 from coderai.gateway.openai.chat_types import (
@@ -29,7 +35,6 @@ from coderai.gateway.state import InferenceController
 
 
 class ChatController(InferenceController):
-
     @post("/v1/chat/completions", status_code=200)
     async def chat(self, request: Request) -> Response | Stream:
         who = self.caller(request)
@@ -47,16 +52,19 @@ class ChatController(InferenceController):
         return await _serve(Call(self.gw, who, "complete", job, route), request, include_usage(req))
 
 
-def chat_route(request: Request, who: Caller, job: ChatJob, user: str | None,
-               session: str | None = None) -> RouteRequest:
+def chat_route(
+    request: Request, who: Caller, job: ChatJob, user: str | None, session: str | None = None
+) -> RouteRequest:
     """A chat job's route (chat completions, Responses, Anthropic Messages alike): keyed on the prefix chain of its
     whole conversation, so a conversation's next turn returns to the engine whose cache holds it."""
-    return route_request(request, who, job, "chat", user, affinity.chat_chain(job.model, job.messages, job.tools),
-                         session)
+    return route_request(
+        request, who, job, "chat", user, affinity.chat_chain(job.model, job.messages, job.tools), session
+    )
 
 
-def route_request(request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str],
-                  session: str | None = None) -> RouteRequest:
+def route_request(
+    request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str], session: str | None = None
+) -> RouteRequest:
     """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin.
     `session` is one a harness names in its own way (Claude Code's header or metadata); `X-Session-Id` wins, and
     without either a harness's session header (`HARNESS_SESSION_HEADERS`: Open WebUI's chat id, ...) is the key."""
@@ -64,11 +72,20 @@ def route_request(request: Request, who: Caller, job: Any, op: str, user: str | 
     pin = headers.get(PIN_HEADER, "")
     if pin and "admin" not in who.scopes:
         raise ApiError(403, f"The {PIN_HEADER} header needs an admin key.", code="forbidden")
-    named = headers.get(SESSION_HEADER) or session or next(
-        (v for h in HARNESS_SESSION_HEADERS if (v := headers.get(h))), None)
-    return RouteRequest(request_id=job.request_id, model=job.model, op=op, pin=pin, prefix=prefix,  # type: ignore[arg-type]
-                        session=affinity.session_key(job.model, named),
-                        user=affinity.user_key(job.model, user))
+    named = (
+        headers.get(SESSION_HEADER)
+        or session
+        or next((v for h in HARNESS_SESSION_HEADERS if (v := headers.get(h))), None)
+    )
+    return RouteRequest(
+        request_id=job.request_id,
+        model=job.model,
+        op=op,
+        pin=pin,
+        prefix=prefix,  # type: ignore[arg-type]
+        session=affinity.session_key(job.model, named),
+        user=affinity.user_key(job.model, user),
+    )
 
 
 async def _serve(call: Call, request: Request, want_usage: bool) -> Response | Stream:
@@ -77,8 +94,9 @@ async def _serve(call: Call, request: Request, want_usage: bool) -> Response | S
     if not job.stream:
         final = await answer(call, request)
         build = sse.chat_response if chat else sse.completion_response
-        return json_response(build(job.request_id, call.created, job.model, final.choices, final.usage),
-                             headers=call.response_headers())
+        return json_response(
+            build(job.request_id, call.created, job.model, final.choices, final.usage), headers=call.response_headers()
+        )
     chunk = partial(sse.chat_chunk if chat else sse.completion_chunk, job.request_id, call.created, job.model)
 
     async def final(frame: Final) -> bytes:

@@ -91,16 +91,31 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages[{i}].role", code="invalid_request")
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of {sorted(ROLES)}.",
+                param=f"messages[{i}].role",
+                code="invalid_request",
+            )
         content = m.get("content")
         if isinstance(content, list):
             _check_parts(content, i)
             if all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
         elif content is not None and not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.", param=f"messages[{i}].content", code="invalid_request")
+            raise ApiError(
+                400,
+                f"messages[{i}].content must be a string or a list of parts.",
+                param=f"messages[{i}].content",
+                code="invalid_request",
+            )
         elif content is None and role != "assistant":
-            raise ApiError(400, f"messages[{i}].content is required for role '{role}'.", param=f"messages[{i}].content", code="invalid_request")
+            raise ApiError(
+                400,
+                f"messages[{i}].content is required for role '{role}'.",
+                param=f"messages[{i}].content",
+                code="invalid_request",
+            )
         if m.get("tool_calls") is not None:
             _check_calls(m["tool_calls"], i)
         out.append(m)
@@ -110,18 +125,32 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _check_calls(calls: Any, i: int) -> None:
     """An assistant message's earlier tool calls: function calls (`custom` ones have no chat template)."""
     if not isinstance(calls, list):
-        raise ApiError(400, f"messages[{i}].tool_calls must be a list.", param=f"messages[{i}].tool_calls",
-                       code="invalid_request")
+        raise ApiError(
+            400, f"messages[{i}].tool_calls must be a list.", param=f"messages[{i}].tool_calls", code="invalid_request"
+        )
     for j, c in enumerate(calls):
         where = f"messages[{i}].tool_calls[{j}]"
         kind = c.get("type", "function") if isinstance(c, dict) else None
         if kind != "function":
-            raise ApiError(400, f"{where} must be a function call ({{\"type\": \"function\", \"function\": ...}}); "
-                                f"{kind!r} calls are not supported.", param=where, code="unsupported_tool_call")
+            raise ApiError(
+                400,
+                f'{where} must be a function call ({{"type": "function", "function": ...}}); '
+                f"{kind!r} calls are not supported.",
+                param=where,
+                code="unsupported_tool_call",
+            )
         fn = c.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
-            raise ApiError(400, f"{where}.function needs a name and arguments (a JSON string).", param=f"{where}.function",
-                           code="invalid_request")
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), str)
+        ):
+            raise ApiError(
+                400,
+                f"{where}.function needs a name and arguments (a JSON string).",
+                param=f"{where}.function",
+                code="invalid_request",
+            )
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -136,10 +165,17 @@ def _check_parts(parts: list[Any], i: int) -> None:
         image = p.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str) or not url:
-            raise ApiError(400, f"{where}.image_url.url is required.", param=f"{where}.image_url", code="invalid_request")
+            raise ApiError(
+                400, f"{where}.image_url.url is required.", param=f"{where}.image_url", code="invalid_request"
+            )
         if not url.startswith("data:"):
-            raise ApiError(400, f"{where}.image_url must be a data: URL (data:image/png;base64,...); this server does "
-                                "not fetch remote images.", param=f"{where}.image_url", code="invalid_image_url")
+            raise ApiError(
+                400,
+                f"{where}.image_url must be a data: URL (data:image/png;base64,...); this server does "
+                "not fetch remote images.",
+                param=f"{where}.image_url",
+                code="invalid_image_url",
+            )
 
 
 def _logprobs(req: ChatCompletionRequest) -> tuple[bool, int | None]:
@@ -159,15 +195,21 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
         raise ApiError(400, "logit_bias may name at most 1024 tokens.", param="logit_bias", code="invalid_request")
     for token in bias:
         if not token.isdigit():
-            raise ApiError(400, f"logit_bias keys are token ids; '{token}' is not one.", param="logit_bias",
-                           code="invalid_request")
+            raise ApiError(
+                400, f"logit_bias keys are token ids; '{token}' is not one.", param="logit_bias", code="invalid_request"
+            )
     return bias
 
 
 def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
     rf = req.response_format
     if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise ApiError(400, "response_format.type must be text, json_object or json_schema.", param="response_format", code="invalid_request")
+        raise ApiError(
+            400,
+            "response_format.type must be text, json_object or json_schema.",
+            param="response_format",
+            code="invalid_request",
+        )
     logprobs, top_logprobs = _logprobs(req)
     params = SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -182,8 +224,11 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
         top_logprobs=top_logprobs,
         logit_bias=_logit_bias(req.logit_bias),
     )
-    options = {"reasoning_effort": req.reasoning_effort, "chat_template_kwargs": req.chat_template_kwargs,
-               "parallel_tool_calls": req.parallel_tool_calls}
+    options = {
+        "reasoning_effort": req.reasoning_effort,
+        "chat_template_kwargs": req.chat_template_kwargs,
+        "parallel_tool_calls": req.parallel_tool_calls,
+    }
     return ChatJob(
         request_id=RequestId(request_id),
         model=req.model,
@@ -204,19 +249,35 @@ def _prompt(req: CompletionRequest) -> str | list[str]:
     if not req.prompt:
         raise ApiError(400, "prompt must not be an empty list.", param="prompt", code="invalid_request")
     if len(req.prompt) * req.n > MAX_CHOICES:
-        raise ApiError(400, f"At most {MAX_CHOICES} choices (prompts x n) per request.", param="prompt",
-                       code="invalid_request")
+        raise ApiError(
+            400, f"At most {MAX_CHOICES} choices (prompts x n) per request.", param="prompt", code="invalid_request"
+        )
     return req.prompt[0] if len(req.prompt) == 1 else list(req.prompt)
 
 
 def completion_job(req: CompletionRequest, request_id: str) -> CompletionJob:
     prompt = _prompt(req)
     params = SamplingParams(
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=_stops(req.stop),
-        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, n=req.n,
-        logprobs=req.logprobs is not None, top_logprobs=req.logprobs, logit_bias=_logit_bias(req.logit_bias),
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=_stops(req.stop),
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        n=req.n,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs,
+        logit_bias=_logit_bias(req.logit_bias),
     )
-    return CompletionJob(request_id=RequestId(request_id), model=req.model, prompt=prompt, params=params, echo=req.echo, stream=req.stream)
+    return CompletionJob(
+        request_id=RequestId(request_id),
+        model=req.model,
+        prompt=prompt,
+        params=params,
+        echo=req.echo,
+        stream=req.stream,
+    )
 
 
 def include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -50,15 +50,16 @@ def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
 
 
 class EmbeddingsController(InferenceController):
-
     @post("/v1/embeddings", status_code=200)
     async def embeddings(self, request: Request) -> Response:
         who = self.caller(request)
         req = await read_json(request, EmbeddingRequest)
         call = Call(self.gw, who, "embed", embed_job(req, new_request_id()))
         final = await answer(call, request)
-        return json_response(formats.embeddings(final.output, req.model, req.encoding_format, final.usage),
-                             headers=call.response_headers())
+        return json_response(
+            formats.embeddings(final.output, req.model, req.encoding_format, final.usage),
+            headers=call.response_headers(),
+        )
 
     @post("/v1/rerank", status_code=200)
     async def rerank(self, request: Request) -> Response:
@@ -68,6 +69,7 @@ class EmbeddingsController(InferenceController):
         job = RerankJob(request_id=new_request_id(), model=req.model, query=req.query, documents=docs)
         call = Call(self.gw, who, "rerank", job)
         final = await answer(call, request)
-        body = formats.rerank(job.request_id, final.output.scores, docs, req.model, req.top_n, req.return_documents,
-                              final.usage)
+        body = formats.rerank(
+            job.request_id, final.output.scores, docs, req.model, req.top_n, req.return_documents, final.usage
+        )
         return json_response(body, headers=call.response_headers())

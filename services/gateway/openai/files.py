@@ -32,8 +32,15 @@ PURPOSES = ("fine-tune", "assistants", "batch", "user_data", "vision", "evals")
 
 
 def file_json(rec: FileRecord) -> dict[str, Any]:
-    return {"object": "file", "id": rec.id, "bytes": rec.bytes, "created_at": rec.created_at, "filename": rec.filename,
-            "purpose": rec.purpose, "status": "processed"}  # no expiry: OpenAI leaves `expires_at` out then
+    return {
+        "object": "file",
+        "id": rec.id,
+        "bytes": rec.bytes,
+        "created_at": rec.created_at,
+        "filename": rec.filename,
+        "purpose": rec.purpose,
+        "status": "processed",
+    }  # no expiry: OpenAI leaves `expires_at` out then
 
 
 def mine(who: Caller, owner: str) -> bool:
@@ -45,7 +52,7 @@ def page(items: list[Any], after: str | None, limit: int) -> tuple[list[Any], bo
     """The `limit` items after the one with id `after` (from the start without it), and whether more follow."""
     if after:
         ids = [x.id for x in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
+        items = items[ids.index(after) + 1 :] if after in ids else []
     return items[:limit], len(items) > limit
 
 
@@ -72,7 +79,7 @@ class Records:
         from nats.js.errors import KeyNotFoundError
 
         missing = ApiError(404, f"No {what} '{key}'.", param=param, code="not_found")
-        if not key.startswith(prefix) or not key[len(prefix):].isalnum():
+        if not key.startswith(prefix) or not key[len(prefix) :].isalnum():
             raise missing
         try:
             entry = await (await self.kv()).get(key)
@@ -132,22 +139,39 @@ class FilesController(InferenceController):
                 examples = len(parse_examples(up.data))
             except BadTrainingFile as exc:
                 named = f" {up.filename}" if up.filename else ""
-                raise ApiError(400, f"Invalid fine-tuning file{named}: {exc}", param="file",
-                               code="invalid_file_format") from None
+                raise ApiError(
+                    400, f"Invalid fine-tuning file{named}: {exc}", param="file", code="invalid_file_format"
+                ) from None
         quota, most = self.gw.settings.file_quota_bytes, self.gw.settings.file_quota_count
         if quota or most:
             own = [r.bytes for r in await self.records.all("file-", FileRecord) if r.owner == who.key_name]
             kept = sum(own)
             if quota and kept + len(up.data) > quota:
-                raise ApiError(429, f"This key keeps {kept} bytes of files; {len(up.data)} more would pass its quota of "
-                                    f"{quota} bytes. Delete files it no longer needs.", type="insufficient_quota",
-                               param="file", code="file_quota_exceeded")
+                raise ApiError(
+                    429,
+                    f"This key keeps {kept} bytes of files; {len(up.data)} more would pass its quota of "
+                    f"{quota} bytes. Delete files it no longer needs.",
+                    type="insufficient_quota",
+                    param="file",
+                    code="file_quota_exceeded",
+                )
             if most and len(own) >= most:
-                raise ApiError(429, f"This key keeps {len(own)} files, its quota. Delete files it no longer needs.",
-                               type="insufficient_quota", param="file", code="file_quota_exceeded")
-        rec = FileRecord(id="file-" + secrets.token_hex(12), bytes=len(up.data), created_at=int(time.time()),
-                         filename=up.filename or "upload.jsonl", purpose=purpose, examples=examples,
-                         owner=who.key_name)
+                raise ApiError(
+                    429,
+                    f"This key keeps {len(own)} files, its quota. Delete files it no longer needs.",
+                    type="insufficient_quota",
+                    param="file",
+                    code="file_quota_exceeded",
+                )
+        rec = FileRecord(
+            id="file-" + secrets.token_hex(12),
+            bytes=len(up.data),
+            created_at=int(time.time()),
+            filename=up.filename or "upload.jsonl",
+            purpose=purpose,
+            examples=examples,
+            owner=who.key_name,
+        )
         await (await self.records.files()).put(rec.id, up.data)
         await (await self.records.kv()).put(rec.id, encode(rec))
         return json_response(file_json(rec))
@@ -158,13 +182,23 @@ class FilesController(InferenceController):
         who = self.caller(request)
         q = request.query_params
         limit = query_int(request, "limit", 10000, 1, 10000)
-        recs = [r for r in await self.records.all("file-", FileRecord)
-                if mine(who, r.owner) and (not q.get("purpose") or r.purpose == q["purpose"])]
+        recs = [
+            r
+            for r in await self.records.all("file-", FileRecord)
+            if mine(who, r.owner) and (not q.get("purpose") or r.purpose == q["purpose"])
+        ]
         if q.get("order", "desc") == "asc":
             recs.reverse()
         data, more = page(recs, q.get("after"), limit)
-        return json_response({"object": "list", "data": [file_json(r) for r in data], "has_more": more,
-                              "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
+        return json_response(
+            {
+                "object": "list",
+                "data": [file_json(r) for r in data],
+                "has_more": more,
+                "first_id": data[0].id if data else None,
+                "last_id": data[-1].id if data else None,
+            }
+        )
 
     @get("/{file_id:str}")
     async def retrieve(self, request: Request, file_id: FromPath[str]) -> Response:
@@ -177,8 +211,11 @@ class FilesController(InferenceController):
         rec = await self.records.own_file(who, file_id)
         # streamed chunk by chunk from the object store: a 1 GiB file is never whole in the gateway's memory
         size, chunks = await object_chunks(self.gw.bus, FILES, await self.records.files(), rec.id)
-        return Stream(chunks, media_type="application/octet-stream",
-                      headers={"Content-Disposition": attachment(rec.filename), "Content-Length": str(size)})
+        return Stream(
+            chunks,
+            media_type="application/octet-stream",
+            headers={"Content-Disposition": attachment(rec.filename), "Content-Length": str(size)},
+        )
 
     @delete("/{file_id:str}", status_code=200)
     async def remove(self, request: Request, file_id: FromPath[str]) -> Response:

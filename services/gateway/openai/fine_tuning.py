@@ -49,7 +49,7 @@ def _number(hp: dict[str, Any], name: str, kind: type, lo: float, hi: float, aut
     if value is None or value == "auto":
         return auto
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise _bad(f"hyperparameters.{name} must be \"auto\" or a number.", f"hyperparameters.{name}")
+        raise _bad(f'hyperparameters.{name} must be "auto" or a number.', f"hyperparameters.{name}")
     if not lo <= value <= hi:
         raise _bad(f"hyperparameters.{name} must be between {lo:g} and {hi:g}.", f"hyperparameters.{name}")
     return kind(value)
@@ -67,8 +67,11 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         if kind in ("lora", "qlora"):
             method = kind
         elif kind != "supervised":
-            raise _bad(f"method type {kind!r} is not supported; use \"supervised\" (or coderai's \"lora\", \"qlora\").",
-                       "method", "unsupported_method")
+            raise _bad(
+                f'method type {kind!r} is not supported; use "supervised" (or coderai\'s "lora", "qlora").',
+                "method",
+                "unsupported_method",
+            )
         inner = req.method.get(kind) or {}
         if not isinstance(inner, dict):
             raise _bad(f"method.{kind} must be an object.", f"method.{kind}")
@@ -77,7 +80,7 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
             raise _bad(f"method.{kind}.hyperparameters must be an object.", f"method.{kind}.hyperparameters")
         hp = {**hp, **extra}
     if method not in ("lora", "qlora"):
-        raise _bad(f"method must be \"lora\" or \"qlora\", not {method!r}.", "method", "unsupported_method")
+        raise _bad(f'method must be "lora" or "qlora", not {method!r}.', "method", "unsupported_method")
     unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier"}
     if unknown:
         raise _bad(f"unknown hyperparameters {sorted(unknown)}.", "hyperparameters")
@@ -85,10 +88,17 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         if not lo <= getattr(req, name) <= hi:
             raise _bad(f"{name} must be between {lo} and {hi}.", name)
     return FineTuneCreate(
-        job_id=job_id, model=req.model, training_file=req.training_file, validation_file=req.validation_file or None,
+        job_id=job_id,
+        model=req.model,
+        training_file=req.training_file,
+        validation_file=req.validation_file or None,
         suffix=req.suffix or "",
-        method=method, nodes=req.nodes, lora_rank=req.lora_rank, lora_alpha=req.lora_alpha,  # type: ignore[arg-type]
-        seed=req.seed if req.seed is not None else 42, key_name=key_name,
+        method=method,
+        nodes=req.nodes,
+        lora_rank=req.lora_rank,
+        lora_alpha=req.lora_alpha,  # type: ignore[arg-type]
+        seed=req.seed if req.seed is not None else 42,
+        key_name=key_name,
         hyperparameters=Hyperparameters(
             n_epochs=_number(hp, "n_epochs", int, 1, 100, 3),
             batch_size=_number(hp, "batch_size", int, 1, 256, 1),
@@ -100,20 +110,41 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
 def job_json(job: FineTuneJob) -> dict[str, Any]:
     """OpenAI's `fine_tuning.job`, plus coderai's `method` extension fields under `coderai` (and there the last
     validation loss, `valid_loss`, when the job has a validation file)."""
-    hp = {"n_epochs": job.hyperparameters.n_epochs, "batch_size": job.hyperparameters.batch_size,
-          "learning_rate_multiplier": job.hyperparameters.learning_rate_multiplier}
+    hp = {
+        "n_epochs": job.hyperparameters.n_epochs,
+        "batch_size": job.hyperparameters.batch_size,
+        "learning_rate_multiplier": job.hyperparameters.learning_rate_multiplier,
+    }
     return {
-        "object": "fine_tuning.job", "id": job.id, "model": job.model, "created_at": job.created_at,
-        "finished_at": job.finished_at, "fine_tuned_model": job.fine_tuned_model, "organization_id": "coderai",
-        "result_files": [], "status": job.status, "validation_file": job.validation_file,
+        "object": "fine_tuning.job",
+        "id": job.id,
+        "model": job.model,
+        "created_at": job.created_at,
+        "finished_at": job.finished_at,
+        "fine_tuned_model": job.fine_tuned_model,
+        "organization_id": "coderai",
+        "result_files": [],
+        "status": job.status,
+        "validation_file": job.validation_file,
         "training_file": job.training_file,
-        "hyperparameters": hp, "trained_tokens": job.trained_tokens, "seed": job.seed, "estimated_finish": None,
-        "integrations": [], "user_provided_suffix": job.suffix or None, "metadata": None,
-        "error": ({"code": job.error.code, "message": job.error.message, "param": job.error.param}
-                  if job.error else None),
+        "hyperparameters": hp,
+        "trained_tokens": job.trained_tokens,
+        "seed": job.seed,
+        "estimated_finish": None,
+        "integrations": [],
+        "user_provided_suffix": job.suffix or None,
+        "metadata": None,
+        "error": (
+            {"code": job.error.code, "message": job.error.message, "param": job.error.param} if job.error else None
+        ),
         "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
-        "coderai": {"method": job.method, "nodes": job.nodes, "lora_rank": job.lora_rank, "lora_alpha": job.lora_alpha,
-                    "valid_loss": job.valid_loss},
+        "coderai": {
+            "method": job.method,
+            "nodes": job.nodes,
+            "lora_rank": job.lora_rank,
+            "lora_alpha": job.lora_alpha,
+            "valid_loss": job.valid_loss,
+        },
     }
 
 
@@ -122,10 +153,20 @@ def events_page(job: FineTuneJob, after: str | None, limit: int) -> dict[str, An
     events = list(reversed(job.events))
     if after:
         ids = [e.id for e in events]
-        events = events[ids.index(after) + 1:] if after in ids else []
+        events = events[ids.index(after) + 1 :] if after in ids else []
     page = events[:limit]
-    data = [{"object": "fine_tuning.job.event", "id": e.id, "created_at": e.created_at, "level": e.level,
-             "message": e.message, "type": e.type, "data": e.data or None} for e in page]
+    data = [
+        {
+            "object": "fine_tuning.job.event",
+            "id": e.id,
+            "created_at": e.created_at,
+            "level": e.level,
+            "message": e.message,
+            "type": e.type,
+            "data": e.data or None,
+        }
+        for e in page
+    ]
     return {"object": "list", "data": data, "has_more": len(events) > limit}
 
 
@@ -144,8 +185,12 @@ class FineTuningController(InferenceController):
                 try:
                     await self.records.own_file(who, file_id, param)
                 except ApiError:
-                    raise ApiError(400, f"{param} {file_id!r} is not one of your files (upload it with "
-                                        "purpose=fine-tune).", param=param, code="invalid_file") from None
+                    raise ApiError(
+                        400,
+                        f"{param} {file_id!r} is not one of your files (upload it with purpose=fine-tune).",
+                        param=param,
+                        code="invalid_file",
+                    ) from None
         msg = resolve(req, "ftjob-" + secrets.token_hex(12), who.key_name)
         return json_response(job_json(await _ask(self.gw, CMD_SCHEDULER_TRAIN, msg)))
 
@@ -165,7 +210,9 @@ class FineTuningController(InferenceController):
     async def events(self, request: Request, job_id: FromPath[str]) -> Response:
         who = self.caller(request)
         job = await self.records.own_job(who, job_id)
-        return json_response(events_page(job, request.query_params.get("after"), query_int(request, "limit", 20, 1, 100)))
+        return json_response(
+            events_page(job, request.query_params.get("after"), query_int(request, "limit", 20, 1, 100))
+        )
 
     @post("/{job_id:str}/cancel", status_code=200)
     async def cancel(self, request: Request, job_id: FromPath[str]) -> Response:

@@ -22,7 +22,7 @@ from coderai.contracts import (
 def rows(result: EmbedResult) -> list[bytes]:
     """Each vector's float32 little-endian bytes, in input order."""
     row = result.dim * 4
-    return [result.vectors[i * row:(i + 1) * row] for i in range(result.count)]
+    return [result.vectors[i * row : (i + 1) * row] for i in range(result.count)]
 
 
 def vectors(result: EmbedResult) -> list[list[float]]:
@@ -32,15 +32,27 @@ def vectors(result: EmbedResult) -> list[list[float]]:
 def embeddings(result: EmbedResult, model: str, encoding_format: str, usage: Usage) -> dict[str, Any]:
     """`/v1/embeddings`: float lists, or base64 of each vector's float32 little-endian bytes (what the openai
     SDK asks for by default and decodes with numpy)."""
-    vecs: list[Any] = ([base64.b64encode(raw).decode() for raw in rows(result)] if encoding_format == "base64"
-                       else vectors(result))
+    vecs: list[Any] = (
+        [base64.b64encode(raw).decode() for raw in rows(result)] if encoding_format == "base64" else vectors(result)
+    )
     data = [{"object": "embedding", "index": i, "embedding": vec} for i, vec in enumerate(vecs)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }
 
 
-def rerank(request_id: str, scores: list[float], documents: list[str], model: str, top_n: int | None,
-           return_documents: bool, usage: Usage) -> dict[str, Any]:
+def rerank(
+    request_id: str,
+    scores: list[float],
+    documents: list[str],
+    model: str,
+    top_n: int | None,
+    return_documents: bool,
+    usage: Usage,
+) -> dict[str, Any]:
     """`/v1/rerank` (the Jina/Cohere shape vLLM and LocalAI answer): best first, `top_n` of them."""
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if top_n is not None:
@@ -51,8 +63,13 @@ def rerank(request_id: str, scores: list[float], documents: list[str], model: st
         if return_documents:
             item["document"] = {"text": documents[i]}
         results.append(item)
-    return {"id": request_id, "object": "list", "model": model, "results": results,
-            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}}
+    return {
+        "id": request_id,
+        "object": "list",
+        "model": model,
+        "results": results,
+        "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens},
+    }
 
 
 # --- transcription ------------------------------------------------------------------------------------
@@ -74,17 +91,25 @@ def assign_speakers(segments: list[Segment], turns: list[Turn]) -> list[Segment]
 
 def _segment_json(s: Segment) -> dict[str, Any]:
     d: dict[str, Any] = {
-        "id": s.id, "seek": 0, "start": round(s.start, 3), "end": round(s.end, 3), "text": s.text,
-        "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-        "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
+        "id": s.id,
+        "seek": 0,
+        "start": round(s.start, 3),
+        "end": round(s.end, 3),
+        "text": s.text,
+        "tokens": s.tokens,
+        "temperature": s.temperature,
+        "avg_logprob": s.avg_logprob,
+        "compression_ratio": s.compression_ratio,
+        "no_speech_prob": s.no_speech_prob,
     }
     if s.speaker is not None:
         d["speaker"] = s.speaker
     return d
 
 
-def transcription(result: TranscribeResult, response_format: str, task: str, granularities: list[str],
-                  usage_seconds: float) -> tuple[bytes | dict[str, Any], str]:
+def transcription(
+    result: TranscribeResult, response_format: str, task: str, granularities: list[str], usage_seconds: float
+) -> tuple[bytes | dict[str, Any], str]:
     """The body and media type of `/v1/audio/transcriptions` or `/translations` in `response_format`."""
     text = result.text.strip()
     speakers = any(s.speaker for s in result.segments)
@@ -95,18 +120,27 @@ def transcription(result: TranscribeResult, response_format: str, task: str, gra
     if response_format == "vtt":
         return vtt(result.segments).encode(), "text/vtt; charset=utf-8"
     if response_format == "verbose_json":
-        body: dict[str, Any] = {"task": task, "language": result.language, "duration": round(result.duration_s, 3),
-                                "text": text}
+        body: dict[str, Any] = {
+            "task": task,
+            "language": result.language,
+            "duration": round(result.duration_s, 3),
+            "text": text,
+        }
         if not granularities or "segment" in granularities:
             body["segments"] = [_segment_json(s) for s in result.segments]
         if "word" in granularities:
-            body["words"] = [{"word": w.word.strip(), "start": round(w.start, 3), "end": round(w.end, 3)}
-                             for s in result.segments for w in s.words]
+            body["words"] = [
+                {"word": w.word.strip(), "start": round(w.start, 3), "end": round(w.end, 3)}
+                for s in result.segments
+                for w in s.words
+            ]
         return body, "application/json"
     body = {"text": text, "usage": {"type": "duration", "seconds": int(round(usage_seconds))}}
     if speakers:  # diarize=true: the speakers need somewhere to go even in the short format
-        body["segments"] = [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text, "speaker": s.speaker}
-                            for s in result.segments]
+        body["segments"] = [
+            {"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text, "speaker": s.speaker}
+            for s in result.segments
+        ]
     return body, "application/json"
 
 
@@ -124,28 +158,42 @@ def _cue_text(s: Segment) -> str:
 
 def srt(segments: list[Segment]) -> str:
     """SubRip: numbered cues, `HH:MM:SS,mmm` times, a blank line after each."""
-    return "".join(f"{i}\n{_stamp(s.start, ',')} --> {_stamp(s.end, ',')}\n{_cue_text(s)}\n\n"
-                   for i, s in enumerate(segments, 1))
+    return "".join(
+        f"{i}\n{_stamp(s.start, ',')} --> {_stamp(s.end, ',')}\n{_cue_text(s)}\n\n" for i, s in enumerate(segments, 1)
+    )
 
 
 def vtt(segments: list[Segment]) -> str:
     """WebVTT: a header, then `HH:MM:SS.mmm` cues."""
-    return "WEBVTT\n\n" + "".join(f"{_stamp(s.start, '.')} --> {_stamp(s.end, '.')}\n{_cue_text(s)}\n\n"
-                                  for s in segments)
+    return "WEBVTT\n\n" + "".join(
+        f"{_stamp(s.start, '.')} --> {_stamp(s.end, '.')}\n{_cue_text(s)}\n\n" for s in segments
+    )
 
 
 # --- diarization, OCR ---------------------------------------------------------------------------------
 
 
 def diarization(result: DiarizeResult, model: str) -> dict[str, Any]:
-    return {"object": "diarization", "model": model, "duration": round(result.duration_s, 3),
-            "speakers": result.speakers,
-            "segments": [{"start": round(t.start, 3), "end": round(t.end, 3), "speaker": t.speaker}
-                         for t in result.segments]}
+    return {
+        "object": "diarization",
+        "model": model,
+        "duration": round(result.duration_s, 3),
+        "speakers": result.speakers,
+        "segments": [
+            {"start": round(t.start, 3), "end": round(t.end, 3), "speaker": t.speaker} for t in result.segments
+        ],
+    }
 
 
 def ocr(result: OcrResult, model: str) -> dict[str, Any]:
-    pages = [{"index": p.index, "width": p.width, "height": p.height, "text": p.text,
-              "lines": [{"text": ln.text, "box": ln.box, "score": round(ln.score, 4)} for ln in p.lines]}
-             for p in result.pages]
+    pages = [
+        {
+            "index": p.index,
+            "width": p.width,
+            "height": p.height,
+            "text": p.text,
+            "lines": [{"text": ln.text, "box": ln.box, "score": round(ln.score, 4)} for ln in p.lines],
+        }
+        for p in result.pages
+    ]
     return {"object": "ocr", "model": model, "text": "\n\n".join(p.text for p in result.pages), "pages": pages}

@@ -28,11 +28,14 @@ def parse_size(size: str | None, default: tuple[int, int], *, lo: int = 64, hi: 
         raise ApiError(400, f"size must look like '512x512', not {size!r}.", param="size", code="invalid_size")
     w, h = int(m.group(1)), int(m.group(2))
     if not (lo <= w <= hi and lo <= h <= hi):
-        raise ApiError(400, f"size {size} is out of range: width and height must be {lo} to {hi}.", param="size",
-                       code="invalid_size")
+        raise ApiError(
+            400,
+            f"size {size} is out of range: width and height must be {lo} to {hi}.",
+            param="size",
+            code="invalid_size",
+        )
     if w % 8 or h % 8:
-        raise ApiError(400, f"size {size}: width and height must be multiples of 8.", param="size",
-                       code="invalid_size")
+        raise ApiError(400, f"size {size}: width and height must be multiples of 8.", param="size", code="invalid_size")
     return w, h
 
 
@@ -91,8 +94,9 @@ class Form:
     def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
         value = self.get(name) or default
         if value not in allowed:
-            raise ApiError(400, f"'{name}' must be one of {', '.join(allowed)}; got {value!r}.", param=name,
-                           code="invalid_value")
+            raise ApiError(
+                400, f"'{name}' must be one of {', '.join(allowed)}; got {value!r}.", param=name, code="invalid_value"
+            )
         return value
 
 
@@ -108,8 +112,12 @@ async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -
         raise
     except Exception as exc:  # noqa: BLE001 - litestar's parser raises several types for a broken body
         if getattr(exc, "status_code", None) == 413:
-            raise ApiError(413, f"The upload in '{upload}' is over the {max_upload_bytes / 1e6:.0f} MB limit.",
-                           param=upload, code="upload_too_large") from None
+            raise ApiError(
+                413,
+                f"The upload in '{upload}' is over the {max_upload_bytes / 1e6:.0f} MB limit.",
+                param=upload,
+                code="upload_too_large",
+            ) from None
         raise ApiError(400, f"The multipart body could not be read: {exc}", code="invalid_multipart") from None
     out = Form()
     for name, value in form.multi_items():
@@ -117,9 +125,13 @@ async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -
         if hasattr(value, "read"):
             data = await value.read()
             if len(data) > max_upload_bytes:
-                raise ApiError(413, f"The file in '{key}' is {len(data) / 1e6:.1f} MB, over the "
-                                    f"{max_upload_bytes / 1e6:.0f} MB upload limit.", param=key,
-                               code="upload_too_large")
+                raise ApiError(
+                    413,
+                    f"The file in '{key}' is {len(data) / 1e6:.1f} MB, over the "
+                    f"{max_upload_bytes / 1e6:.0f} MB upload limit.",
+                    param=key,
+                    code="upload_too_large",
+                )
             out.files[key] = Upload(data, value.filename or "", value.content_type or "application/octet-stream")
         else:
             out.fields.setdefault(key, []).append(str(value))

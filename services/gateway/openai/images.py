@@ -21,8 +21,10 @@ from coderai.gateway.pipeline import Call, answer
 from coderai.gateway.state import GatewayController, InferenceController
 from coderai.runtime.blobs import BlobMissing
 
-MEDIA_TYPES = {"png": ("image/png", lambda d: d[:8] == b"\x89PNG\r\n\x1a\n"),
-               "mp4": ("video/mp4", lambda d: d[4:8] == b"ftyp")}
+MEDIA_TYPES = {
+    "png": ("image/png", lambda d: d[:8] == b"\x89PNG\r\n\x1a\n"),
+    "mp4": ("video/mp4", lambda d: d[4:8] == b"ftyp"),
+}
 """What a blob is served as, by its name's suffix, when its bytes start as that type does: the media the API makes.
 Anything else is a download (a node's bytes are never rendered on the gateway's origin, whatever they hold)."""
 NO_RENDER = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": "default-src 'none'; sandbox"}
@@ -44,15 +46,23 @@ class ImageRequest(msgspec.Struct, kw_only=True):
 
 
 class ImagesController(InferenceController):
-
     @post("/v1/images/generations", status_code=200)
     async def generations(self, request: Request) -> Response:
         who = self.caller(request)
         req = await read_json(request, ImageRequest)
         w, h = parse_size(req.size, (512, 512))
-        job = ImageJob(request_id=new_request_id(), model=req.model, prompt=req.prompt, n=req.n, width=w, height=h,
-                       seed=req.seed, steps=req.steps, guidance_scale=req.guidance_scale,
-                       negative_prompt=req.negative_prompt)
+        job = ImageJob(
+            request_id=new_request_id(),
+            model=req.model,
+            prompt=req.prompt,
+            n=req.n,
+            width=w,
+            height=h,
+            seed=req.seed,
+            steps=req.steps,
+            guidance_scale=req.guidance_scale,
+            negative_prompt=req.negative_prompt,
+        )
         return await _images(Call(self.gw, who, "image", job), request, req.response_format)
 
     @post("/v1/images/edits", status_code=200)
@@ -64,14 +74,20 @@ class ImagesController(InferenceController):
         size = form.get("size")
         w, h = parse_size(size, (0, 0)) if size else (0, 0)
         job = ImageJob(
-            request_id=new_request_id(), model=form.require("model"), prompt=form.require("prompt"),
-            n=form.number("n", int, 1, 10, 1), width=w, height=h, seed=form.number("seed", int, 0, 2**63 - 1),
-            steps=form.number("steps", int, 1, 500), strength=form.number("strength", float, 0.0, 1.0),
-            image=blob(image), mask=blob(mask) if mask else None,  # type: ignore[arg-type]
+            request_id=new_request_id(),
+            model=form.require("model"),
+            prompt=form.require("prompt"),
+            n=form.number("n", int, 1, 10, 1),
+            width=w,
+            height=h,
+            seed=form.number("seed", int, 0, 2**63 - 1),
+            steps=form.number("steps", int, 1, 500),
+            strength=form.number("strength", float, 0.0, 1.0),
+            image=blob(image),
+            mask=blob(mask) if mask else None,  # type: ignore[arg-type]
         )
         fmt = form.choice("response_format", ("b64_json", "url"), "b64_json")
         return await _images(Call(self.gw, who, "image", job), request, fmt)
-
 
 
 class BlobsController(GatewayController):

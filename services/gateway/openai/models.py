@@ -23,9 +23,17 @@ def model_json(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any
     """OpenAI's model object, plus `kind` (its first op's kind), `capabilities` (every op's), `engine` and `coderai`
     (`residency`)."""
     ops = m.serves()
-    return {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by,
-            "kind": kind_of(ops[0]) if ops else "unknown", "capabilities": [kind_of(o) for o in ops],
-            "engine": m.engine, "coderai": residency(m, copies, admin), **output_limits(m)}
+    return {
+        "id": m.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": m.owned_by,
+        "kind": kind_of(ops[0]) if ops else "unknown",
+        "capabilities": [kind_of(o) for o in ops],
+        "engine": m.engine,
+        "coderai": residency(m, copies, admin),
+        **output_limits(m),
+    }
 
 
 def output_limits(m: ModelConfig) -> dict[str, int]:
@@ -42,8 +50,12 @@ def residency(m: ModelConfig, copies: list[Copy], admin: bool) -> dict[str, Any]
     ready), `loading` (one is being loaded now), `resident` (how it is held: always, on_demand or auto) and, for an
     admin key only (a tenant need not learn the cluster's machines), the `nodes` holding a ready copy."""
     ready = [c for c in copies if c.status.state == "ready"]
-    out: dict[str, Any] = {"loaded": bool(ready), "copies": len(ready),
-                           "loading": any(c.status.state == "loading" for c in copies), "resident": m.resident or "auto"}
+    out: dict[str, Any] = {
+        "loaded": bool(ready),
+        "copies": len(ready),
+        "loading": any(c.status.state == "loading" for c in copies),
+        "resident": m.resident or "auto",
+    }
     if admin:
         out["nodes"] = sorted({c.node_id for c in ready})
     return out
@@ -73,7 +85,12 @@ class ModelsController(InferenceController):
         who = self.caller(request)
         m = await self.gw.visible_model(who, model_id.lstrip("/"))
         if not m.owner:
-            raise ApiError(403, f"'{m.name}' is not a fine-tuned model of this key; the operator removes it with "
-                                "DELETE /admin/models/{name}.", type="invalid_request_error", code="model_not_deletable")
+            raise ApiError(
+                403,
+                f"'{m.name}' is not a fine-tuned model of this key; the operator removes it with "
+                "DELETE /admin/models/{name}.",
+                type="invalid_request_error",
+                code="model_not_deletable",
+            )
         await change_model(self.gw, CMD_SCHEDULER_REMOVE, RemoveModelRequest(name=m.name), m.name)
         return json_response({"id": m.name, "object": "model", "deleted": True})

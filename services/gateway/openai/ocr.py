@@ -13,7 +13,6 @@ from coderai.gateway.state import InferenceController
 
 
 class OcrController(InferenceController):
-
     @post("/v1/ocr", status_code=200)
     async def ocr(self, request: Request) -> Response:
         who = self.caller(request)

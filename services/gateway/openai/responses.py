@@ -34,7 +34,14 @@ from coderai.gateway.openai.files import page
 from coderai.gateway.openai.responses_store import Responses, ResponseTenure, StoredResponse, with_ids
 from coderai.gateway.openai.responses_stream import EventStream
 from coderai.gateway.openai.responses_types import (
-    WARNING_HEADER, ResponseRequest, assistant_message, dropped_tools, final_body, input_items, new_id, response_body,
+    WARNING_HEADER,
+    ResponseRequest,
+    assistant_message,
+    dropped_tools,
+    final_body,
+    input_items,
+    new_id,
+    response_body,
     response_job,
 )
 from coderai.gateway.pipeline import Call, answer, relay_stream
@@ -63,8 +70,14 @@ class ResponsesController(InferenceController):
             await self.responses.admit(who, bool(req.background))
         dropped = dropped_tools(req)
         warn = {WARNING_HEADER: f"tools dropped, this server cannot run them: {', '.join(dropped)}"} if dropped else {}
-        rec = StoredResponse(id=new_id("resp"), owner=who.key_name, created_at=call.created, response={},
-                             input_items=with_ids(input_items(req)), messages=conversation)
+        rec = StoredResponse(
+            id=new_id("resp"),
+            owner=who.key_name,
+            created_at=call.created,
+            response={},
+            input_items=with_ids(input_items(req)),
+            messages=conversation,
+        )
         if req.background:
             return await self._background(call, req, rec, warn)
         if job.stream:
@@ -91,8 +104,9 @@ class ResponsesController(InferenceController):
         rec.messages = [*rec.messages, assistant_message(body["output"])]
         await self.responses.put(rec)
 
-    async def _stream(self, call: Call, req: ResponseRequest, rec: StoredResponse, request: Request,
-                      warn: dict[str, str]) -> Stream:
+    async def _stream(
+        self, call: Call, req: ResponseRequest, rec: StoredResponse, request: Request, warn: dict[str, str]
+    ) -> Stream:
         await call.admit()
         first = await until_disconnect(request, call.open())
         events = EventStream(rec.id, rec.created_at, req)
@@ -117,11 +131,13 @@ class ResponsesController(InferenceController):
             finally:
                 await pieces.aclose()  # type: ignore[attr-defined]  # a client gone: the relay stops the engine
 
-        return Stream(framed(), media_type="text/event-stream",
-                      headers={**call.response_headers(), **STREAM_HEADERS, **warn})
+        return Stream(
+            framed(), media_type="text/event-stream", headers={**call.response_headers(), **STREAM_HEADERS, **warn}
+        )
 
-    async def _background(self, call: Call, req: ResponseRequest, rec: StoredResponse,
-                          warn: dict[str, str]) -> Response:
+    async def _background(
+        self, call: Call, req: ResponseRequest, rec: StoredResponse, warn: dict[str, str]
+    ) -> Response:
         """Admitted now (a refused key hears it at once), stored as queued, run as a task of this process."""
         await call.admit()
         queued = response_body(rec.id, rec.created_at, req, [], None, "queued")
@@ -140,8 +156,9 @@ class ResponsesController(InferenceController):
                 raise
             except Exception as exc:  # noqa: BLE001 - nobody awaits this task: the record says how it ended
                 message = exc.message if isinstance(exc, ApiError) else "Internal error; see the gateway log."
-                failed = response_body(rec.id, rec.created_at, req, [], None, "failed",
-                                       {"code": "server_error", "message": message})
+                failed = response_body(
+                    rec.id, rec.created_at, req, [], None, "failed", {"code": "server_error", "message": message}
+                )
                 await update(rec.id, failed)
                 return
             body = final_body(rec.id, rec.created_at, req, final)
@@ -171,8 +188,15 @@ class ResponsesController(InferenceController):
         limit = query_int(request, "limit", 20, 1, 100)
         items = [_Item(it) for it in (rec.input_items if order == "asc" else reversed(rec.input_items))]
         data, more = page(items, q.get("after"), limit)
-        return json_response({"object": "list", "data": [it.item for it in data], "has_more": more,
-                              "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None})
+        return json_response(
+            {
+                "object": "list",
+                "data": [it.item for it in data],
+                "has_more": more,
+                "first_id": data[0].id if data else None,
+                "last_id": data[-1].id if data else None,
+            }
+        )
 
     @post("/{response_id:str}/cancel", status_code=200)
     async def cancel(self, request: Request, response_id: FromPath[str]) -> Response:

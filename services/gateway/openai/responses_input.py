@@ -16,8 +16,16 @@ if TYPE_CHECKING:
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # The items that record a hosted tool's run in a conversation sent back: nothing the chat template can show.
-HOSTED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
-                          "tool_search_call", "tool_search_output"})
+HOSTED_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "image_generation_call",
+        "code_interpreter_call",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_request") -> ApiError:
@@ -53,12 +61,19 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
             if not isinstance(url, str) or not url:
                 raise _bad(f"{at}.image_url is required (file_id images are not supported).", f"{at}.image_url")
             if not url.startswith("data:"):
-                raise _bad(f"{at}.image_url must be a data: URL (data:image/png;base64,...); this server does not "
-                           "fetch remote images.", f"{at}.image_url", "invalid_image_url")
+                raise _bad(
+                    f"{at}.image_url must be a data: URL (data:image/png;base64,...); this server does not "
+                    "fetch remote images.",
+                    f"{at}.image_url",
+                    "invalid_image_url",
+                )
             out.append({"type": "image_url", "image_url": {"url": url, "detail": p.get("detail") or "auto"}})
         else:
-            raise _bad(f"{at}.type {kind!r} is not supported; send input_text, output_text or input_image parts.",
-                       f"{at}.type", "unsupported_content")
+            raise _bad(
+                f"{at}.type {kind!r} is not supported; send input_text, output_text or input_image parts.",
+                f"{at}.type",
+                "unsupported_content",
+            )
     if all(p["type"] == "text" for p in out):
         return "".join(p["text"] for p in out)
     return out
@@ -120,7 +135,10 @@ def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[
         elif kind in HOSTED_ITEMS:
             continue
         else:
-            raise _bad(f"{where}.type {kind!r} is not supported; send message, function_call, function_call_output, "
-                       "custom_tool_call, custom_tool_call_output or reasoning items.", f"{where}.type",
-                       "unsupported_input")
+            raise _bad(
+                f"{where}.type {kind!r} is not supported; send message, function_call, function_call_output, "
+                "custom_tool_call, custom_tool_call_output or reasoning items.",
+                f"{where}.type",
+                "unsupported_input",
+            )
     return out

@@ -107,18 +107,31 @@ class Responses:
         """429 before any work when the key keeps as many stored responses (or bytes of them) as it may, or runs
         as many background responses in this process."""
         s = self.gw.settings
-        if background and s.background_per_key and \
-                sum(o == who.key_name for o in self.owners.values()) >= s.background_per_key:
-            raise ApiError(429, f"This key runs {s.background_per_key} background responses already; wait for one "
-                                "to finish.", type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(s.retry_after_s)})
+        if (
+            background
+            and s.background_per_key
+            and sum(o == who.key_name for o in self.owners.values()) >= s.background_per_key
+        ):
+            raise ApiError(
+                429,
+                f"This key runs {s.background_per_key} background responses already; wait for one to finish.",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(s.retry_after_s)},
+            )
         if self.gw.redis is None or not (s.responses_quota_count or s.responses_quota_bytes):
             return
         count, size = await self._kept(who.key_name)
-        if (s.responses_quota_count and count >= s.responses_quota_count) or \
-                (s.responses_quota_bytes and size >= s.responses_quota_bytes):
-            raise ApiError(429, f"This key keeps {count} stored responses ({size} bytes), its quota; delete some, or "
-                                "send store: false.", type="insufficient_quota", code="responses_quota_exceeded")
+        if (s.responses_quota_count and count >= s.responses_quota_count) or (
+            s.responses_quota_bytes and size >= s.responses_quota_bytes
+        ):
+            raise ApiError(
+                429,
+                f"This key keeps {count} stored responses ({size} bytes), its quota; delete some, or "
+                "send store: false.",
+                type="insufficient_quota",
+                code="responses_quota_exceeded",
+            )
 
     async def _note(self, rec: StoredResponse, size: int) -> None:
         if self.gw.redis is not None:
@@ -158,17 +171,25 @@ class Responses:
 
         if not rec.runner or rec.response.get("status") not in RUNNING or time.time() - rec.updated_at < LOST_S:
             return rec
-        error = {"code": "server_error", "message": "The gateway running this background response stopped before it "
-                                                    "finished; nothing was billed. Create it again."}
-        failed = msgspec.structs.replace(rec, response={**rec.response, "status": "failed", "error": error},
-                                         runner="", updated_at=time.time())
+        error = {
+            "code": "server_error",
+            "message": "The gateway running this background response stopped before it "
+            "finished; nothing was billed. Create it again.",
+        }
+        failed = msgspec.structs.replace(
+            rec, response={**rec.response, "status": "failed", "error": error}, runner="", updated_at=time.time()
+        )
         try:
             await (await self.kv()).update(rec.id, encode(failed), last=revision)
         except KeyWrongLastSequenceError:  # touched or ended meanwhile: as it is now
             found = await self._entry(rec.id)
             return found[0] if found is not None else rec
-        log.warning("background response %s: its gateway %s stopped touching it %.0f s ago; marked failed", rec.id,
-                    rec.runner, time.time() - rec.updated_at)
+        log.warning(
+            "background response %s: its gateway %s stopped touching it %.0f s ago; marked failed",
+            rec.id,
+            rec.runner,
+            time.time() - rec.updated_at,
+        )
         return failed
 
     async def prior(self, who: Caller, resp_id: str) -> StoredResponse:
@@ -179,8 +200,12 @@ class Responses:
         except ApiError:
             rec = None
         if rec is None or rec.response.get("status") not in ("completed", "incomplete"):
-            raise ApiError(400, f"Previous response with id '{resp_id}' not found.", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise ApiError(
+                400,
+                f"Previous response with id '{resp_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         return rec
 
     async def put(self, rec: StoredResponse) -> int:
@@ -190,8 +215,15 @@ class Responses:
         await self._note(rec, len(data))
         return revision
 
-    async def update(self, resp_id: str, response: dict[str, Any], messages: list[dict[str, Any]] | None = None,
-                     *, unless_cancelled: bool = True, runner: str = "") -> bool:
+    async def update(
+        self,
+        resp_id: str,
+        response: dict[str, Any],
+        messages: list[dict[str, Any]] | None = None,
+        *,
+        unless_cancelled: bool = True,
+        runner: str = "",
+    ) -> bool:
         """Write a background response's new state, unless it was cancelled meanwhile (compare-and-set on the
         revision, so a cancel from another gateway process is never overwritten), or, from `runner`, unless it is
         no longer that runner's (found lost and failed). Whether it was written."""
@@ -240,8 +272,9 @@ class Responses:
             return True
 
         async def guarded() -> None:
-            keep = asyncio.create_task(keepalive(tenure, asyncio.current_task(), REVOKE_CHECK_S,
-                                                 "background response", revoked))
+            keep = asyncio.create_task(
+                keepalive(tenure, asyncio.current_task(), REVOKE_CHECK_S, "background response", revoked)
+            )
             try:
                 await work
             except asyncio.CancelledError:
@@ -260,8 +293,9 @@ class Responses:
         this process; in another, its result is dropped when it ends). Cancelling a finished one is a no-op."""
         rec = await self.get(who, resp_id)
         if not rec.response.get("background"):
-            raise ApiError(400, "Only a background response can be cancelled.", param="response_id",
-                           code="invalid_request")
+            raise ApiError(
+                400, "Only a background response can be cancelled.", param="response_id", code="invalid_request"
+            )
         if rec.response.get("status") not in RUNNING:
             return rec.response
         found = await self._entry(resp_id)

@@ -16,8 +16,17 @@ import msgspec
 from coderai.contracts import Chunk, Usage
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.responses_types import (
-    ResponseRequest, call_item, final_status, message_item, new_id, reasoning_item, response_body, restored,
-    seal_reasoning, sealed, tool_names,
+    ResponseRequest,
+    call_item,
+    final_status,
+    message_item,
+    new_id,
+    reasoning_item,
+    response_body,
+    restored,
+    seal_reasoning,
+    sealed,
+    tool_names,
 )
 
 _enc = msgspec.json.Encoder()
@@ -44,8 +53,9 @@ class EventStream:
         return response_body(self.resp_id, self.created, self.req, self.output, usage, status, error)
 
     def start(self) -> bytes:
-        return (self._event("response.created", response=self.body("in_progress"))
-                + self._event("response.in_progress", response=self.body("in_progress")))
+        return self._event("response.created", response=self.body("in_progress")) + self._event(
+            "response.in_progress", response=self.body("in_progress")
+        )
 
     # --- items -------------------------------------------------------------------------------------------
 
@@ -86,18 +96,24 @@ class EventStream:
             if item["type"] == "custom_tool_call":
                 out += self._event("response.custom_tool_call_input.done", **where, input=item["input"])
             else:
-                out += self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                   arguments=item["arguments"])
+                out += self._event(
+                    "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+                )
         self.kind, self.call_index = "", None
         return out + self._event("response.output_item.done", output_index=where["output_index"], item=item)
 
     def _text(self, text: str) -> bytes:
         out = b""
         if self.kind != "message":
-            out = self._open("message", message_item(new_id("msg"), ""), {"type": "output_text", "text": "",
-                                                                         "annotations": [], "logprobs": []})
+            out = self._open(
+                "message",
+                message_item(new_id("msg"), ""),
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            )
         self.output[-1]["content"][0]["text"] += text
-        return out + self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+        return out + self._event(
+            "response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[]
+        )
 
     def _reasoning(self, text: str) -> bytes:
         out = b""
@@ -111,8 +127,9 @@ class EventStream:
         index = tc.get("index", 0)
         out = b""
         if self.kind != "call" or self.call_index != index:
-            out = self._open("call", call_item(new_id("fc"), tc.get("id") or new_id("call"), fn.get("name") or "", ""),
-                             None)
+            out = self._open(
+                "call", call_item(new_id("fc"), tc.get("id") or new_id("call"), fn.get("name") or "", ""), None
+            )
             self.call_index = index
         elif fn.get("name"):
             self.output[-1]["name"] += fn["name"]
@@ -153,13 +170,18 @@ class EventStream:
         return out + self._event(f"response.{status}", response=body), body
 
     def _empty_message(self) -> bytes:
-        out = self._open("message", message_item(new_id("msg"), ""), {"type": "output_text", "text": "",
-                                                                     "annotations": [], "logprobs": []})
+        out = self._open(
+            "message",
+            message_item(new_id("msg"), ""),
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        )
         return out + self._close()
 
     def fail(self, err: ApiError) -> tuple[bytes, dict[str, Any]]:
         """An engine failure after the headers: OpenAI's `error` event, then response.failed."""
         self.kind = ""  # an item cut off stays as far as it got
         body = self.body("failed", error={"code": "server_error", "message": err.message})
-        return (self._event("error", code=err.code, message=err.message, param=err.param)
-                + self._event("response.failed", response=body)), body
+        return (
+            self._event("error", code=err.code, message=err.message, param=err.param)
+            + self._event("response.failed", response=body)
+        ), body

@@ -15,9 +15,21 @@ if TYPE_CHECKING:
 TOOL_CHOICES = ("auto", "none", "required")
 # Tools OpenAI runs on its side. Nothing here can run them, and agents (Codex) send some that cannot be turned
 # off: they are dropped, and the response says so in a `Coderai-Warning` header, rather than a 400.
-HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-                          "code_interpreter", "computer_use_preview", "computer_use", "computer", "image_generation",
-                          "local_shell", "tool_search"})
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "computer_use_preview",
+        "computer_use",
+        "computer",
+        "image_generation",
+        "local_shell",
+        "tool_search",
+    }
+)
 NS_SEP = "__"  # a namespace's tool as the template sees it: `<namespace>__<tool>`
 
 
@@ -39,8 +51,11 @@ def _function(t: dict[str, Any], name: str, where: str) -> dict[str, Any]:
         fn["parameters"] = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
         return {"type": "function", "function": fn}
     if t.get("type") != "function":
-        raise _bad(f"{where}.type {t.get('type')!r} is not supported; send function, custom or namespace tools.",
-                   f"{where}.type", "unsupported_tool")
+        raise _bad(
+            f"{where}.type {t.get('type')!r} is not supported; send function, custom or namespace tools.",
+            f"{where}.type",
+            "unsupported_tool",
+        )
     if t.get("description"):
         fn["description"] = t["description"]
     fn["parameters"] = t.get("parameters") or {"type": "object", "properties": {}}
@@ -86,11 +101,23 @@ def echoed(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if not isinstance(t, dict):
             continue
         callers = t.get("allowed_callers")
-        bad = {k for k, ok in (
-            ("allowed_callers", callers is None or (isinstance(callers, list) and all(c in CALLERS for c in callers)
-                                                   and (bool(callers) or t.get("type") != "custom"))),
-            ("defer_loading", isinstance(t.get("defer_loading", False), bool)),
-            ("description", t.get("description") is None or isinstance(t.get("description"), str))) if not ok}
+        bad = {
+            k
+            for k, ok in (
+                (
+                    "allowed_callers",
+                    callers is None
+                    or (
+                        isinstance(callers, list)
+                        and all(c in CALLERS for c in callers)
+                        and (bool(callers) or t.get("type") != "custom")
+                    ),
+                ),
+                ("defer_loading", isinstance(t.get("defer_loading", False), bool)),
+                ("description", t.get("description") is None or isinstance(t.get("description"), str)),
+            )
+            if not ok
+        }
         out.append({k: v for k, v in t.items() if k not in bad} if bad else t)
     return out
 
@@ -108,19 +135,26 @@ def dropped_tools(req: ResponseRequest) -> list[str]:
 
 def tool_names(req: ResponseRequest) -> dict[str, tuple[str, str | None, bool]]:
     """The template's tool names, each as (its name in the request, its namespace, whether it is custom)."""
-    return {flat: (t.get("name", ""), ns, t.get("type") == "custom") for flat, t, ns, _ in _flat(req.tools)
-            if flat != t.get("name") or ns is not None or t.get("type") == "custom"}
+    return {
+        flat: (t.get("name", ""), ns, t.get("type") == "custom")
+        for flat, t, ns, _ in _flat(req.tools)
+        if flat != t.get("name") or ns is not None or t.get("type") == "custom"
+    }
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     """Responses' `tool_choice` as chat's: a mode as is, a function or custom tool (a namespace's flattened) by name."""
     if choice is None or choice in TOOL_CHOICES:
         return choice
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") in ("function", "custom")
+        and isinstance(choice.get("name"), str)
+    ):
         ns = choice.get("namespace")
         name = ns + NS_SEP + choice["name"] if isinstance(ns, str) and ns else choice["name"]
         return {"type": "function", "function": {"name": name}}
-    raise _bad("tool_choice must be auto, none, required or {\"type\": \"function\", \"name\": ...}.", "tool_choice")
+    raise _bad('tool_choice must be auto, none, required or {"type": "function", "name": ...}.', "tool_choice")
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

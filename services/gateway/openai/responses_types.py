@@ -19,20 +19,67 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.openai.chat_types import PositiveInt, Prob, Temperature
 from coderai.gateway.openai.responses_input import HOSTED_ITEMS, ROLES, input_items, to_messages
 from coderai.gateway.openai.responses_output import (
-    assistant_message, call_item, custom_input, final_body, final_status, from_choice, message_item, new_id,
-    output_items, reasoning_item, response_body, restored, seal_reasoning, sealed, usage_json,
+    assistant_message,
+    call_item,
+    custom_input,
+    final_body,
+    final_status,
+    from_choice,
+    message_item,
+    new_id,
+    output_items,
+    reasoning_item,
+    response_body,
+    restored,
+    seal_reasoning,
+    sealed,
+    usage_json,
 )
 from coderai.gateway.openai.responses_tools import (
-    CALLERS, HOSTED_TOOLS, NS_SEP, TOOL_CHOICES, chat_tool_choice, chat_tools, dropped_tools, echoed,
-    response_format, tool_names,
+    CALLERS,
+    HOSTED_TOOLS,
+    NS_SEP,
+    TOOL_CHOICES,
+    chat_tool_choice,
+    chat_tools,
+    dropped_tools,
+    echoed,
+    response_format,
+    tool_names,
 )
 
 __all__ = [
-    "CALLERS", "EFFORTS", "HOSTED_ITEMS", "HOSTED_TOOLS", "NS_SEP", "ROLES", "TOOL_CHOICES", "WARNING_HEADER",
-    "ResponseRequest", "assistant_message", "call_item", "custom_input", "dropped_tools", "echoed", "final_body",
-    "final_status", "from_choice", "input_items", "message_item", "new_id", "output_items", "parse_request",
-    "reasoning_item", "response_body", "response_job", "restored", "seal_reasoning", "sealed", "to_messages",
-    "tool_names", "usage_json",
+    "CALLERS",
+    "EFFORTS",
+    "HOSTED_ITEMS",
+    "HOSTED_TOOLS",
+    "NS_SEP",
+    "ROLES",
+    "TOOL_CHOICES",
+    "WARNING_HEADER",
+    "ResponseRequest",
+    "assistant_message",
+    "call_item",
+    "custom_input",
+    "dropped_tools",
+    "echoed",
+    "final_body",
+    "final_status",
+    "from_choice",
+    "input_items",
+    "message_item",
+    "new_id",
+    "output_items",
+    "parse_request",
+    "reasoning_item",
+    "response_body",
+    "response_job",
+    "restored",
+    "seal_reasoning",
+    "sealed",
+    "to_messages",
+    "tool_names",
+    "usage_json",
 ]
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -90,21 +137,25 @@ def _check(req: ResponseRequest) -> None:
         raise _bad("model is required.", "model")
     if req.conversation is not None or req.prompt is not None:
         field = "conversation" if req.conversation is not None else "prompt"
-        raise _bad(f"{field} is not supported here; continue with previous_response_id.", field, "unsupported_parameter")
+        raise _bad(
+            f"{field} is not supported here; continue with previous_response_id.", field, "unsupported_parameter"
+        )
     if req.background and not req.store:
         raise _bad("background responses must be stored (store: true).", "background")
     if req.background and req.stream:
         raise _bad("stream with background is not supported; poll GET /v1/responses/{id}.", "stream")
-    if req.metadata is not None and (len(req.metadata) > 16 or any(
-            len(k) > 64 or len(v) > 512 for k, v in req.metadata.items())):
+    if req.metadata is not None and (
+        len(req.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in req.metadata.items())
+    ):
         raise _bad("metadata holds at most 16 pairs, keys up to 64 and values up to 512 characters.", "metadata")
     effort = (req.reasoning or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}.", "reasoning.effort")
 
 
-def response_job(body: dict[str, Any] | ResponseRequest, request_id: str,
-                 prior: list[dict[str, Any]] | None = None) -> tuple[ChatJob, list[dict[str, Any]]]:
+def response_job(
+    body: dict[str, Any] | ResponseRequest, request_id: str, prior: list[dict[str, Any]] | None = None
+) -> tuple[ChatJob, list[dict[str, Any]]]:
     """The chat job of a Responses request, and the conversation it continues (without the instructions, which
     a continuation does not inherit): `prior` (a stored response's messages) plus this input's messages."""
     req = parse_request(body)
@@ -116,9 +167,14 @@ def response_job(body: dict[str, Any] | ResponseRequest, request_id: str,
     effort = (req.reasoning or {}).get("effort")
     options = {"reasoning_effort": effort, "parallel_tool_calls": req.parallel_tool_calls}
     job = ChatJob(
-        request_id=RequestId(request_id), model=req.model, messages=system + conversation,
+        request_id=RequestId(request_id),
+        model=req.model,
+        messages=system + conversation,
         params=SamplingParams(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p),
-        tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
-        response_format=response_format(req.text), stream=req.stream,
-        options={k: v for k, v in options.items() if v is not None} or None)
+        tools=chat_tools(req.tools),
+        tool_choice=chat_tool_choice(req.tool_choice),
+        response_format=response_format(req.text),
+        stream=req.stream,
+        options={k: v for k, v in options.items() if v is not None} or None,
+    )
     return job, conversation

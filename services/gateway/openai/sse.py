@@ -19,8 +19,12 @@ def sse(obj: Any) -> bytes:
 
 def usage_json(u: Usage) -> dict[str, Any]:
     """OpenAI's usage; `prompt_tokens_details.cached_tokens` is what the engine reused from its prompt cache."""
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
 def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any) -> dict[str, Any]:
@@ -30,27 +34,68 @@ def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-    return _body("chatcmpl", "chat.completion", rid, created, model, choices=[
-        {"index": c.index, "message": {"role": "assistant", "content": None, "refusal": None, **(c.message or {})},
-         "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-        for c in choices
-    ], usage=usage_json(usage))
+    return _body(
+        "chatcmpl",
+        "chat.completion",
+        rid,
+        created,
+        model,
+        choices=[
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": None, "refusal": None, **(c.message or {})},
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        usage=usage_json(usage),
+    )
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], usage: Usage) -> dict[str, Any]:
-    return _body("cmpl", "text_completion", rid, created, model, choices=[
-        {"index": c.index, "text": c.text or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason} for c in choices
-    ], usage=usage_json(usage))
+    return _body(
+        "cmpl",
+        "text_completion",
+        rid,
+        created,
+        model,
+        choices=[
+            {"index": c.index, "text": c.text or "", "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for c in choices
+        ],
+        usage=usage_json(usage),
+    )
 
 
 def chat_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
-    return sse(_body("chatcmpl", "chat.completion.chunk", rid, created, model, choices=[
-        {"index": ch.index, "delta": ch.delta or {}, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}]))
+    return sse(
+        _body(
+            "chatcmpl",
+            "chat.completion.chunk",
+            rid,
+            created,
+            model,
+            choices=[
+                {"index": ch.index, "delta": ch.delta or {}, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+            ],
+        )
+    )
 
 
 def completion_chunk(rid: str, created: int, model: str, ch: Chunk) -> bytes:
-    return sse(_body("cmpl", "text_completion", rid, created, model, choices=[
-        {"index": ch.index, "text": ch.text or "", "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}]))
+    return sse(
+        _body(
+            "cmpl",
+            "text_completion",
+            rid,
+            created,
+            model,
+            choices=[
+                {"index": ch.index, "text": ch.text or "", "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+            ],
+        )
+    )
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Usage) -> bytes:

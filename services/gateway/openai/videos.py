@@ -53,13 +53,24 @@ def video_json(rec: VideoRecord, now: float) -> dict[str, Any]:
     elif rec.status == "failed":
         error = {"code": rec.error_code or "engine_failed", "message": rec.error or "The job failed."}
     return {
-        "id": rec.id, "object": "video", "model": rec.model, "status": status, "progress": rec.progress,
-        "created_at": rec.created_at, "completed_at": rec.completed_at,
+        "id": rec.id,
+        "object": "video",
+        "model": rec.model,
+        "status": status,
+        "progress": rec.progress,
+        "created_at": rec.created_at,
+        "completed_at": rec.completed_at,
         "expires_at": (rec.completed_at + int(BLOBS.ttl_s)) if rec.completed_at else None,
-        "size": rec.size, "seconds": rec.seconds, "prompt": rec.prompt, "error": error,
-        "stage": rec.stage, "node": rec.node,  # extensions: where a relayed job is, and where it has been
-        "stages": [{"kind": s.kind, "start": s.start, "end": s.end, "node": s.node, "duration_s": s.duration_s}
-                   for s in rec.stages],
+        "size": rec.size,
+        "seconds": rec.seconds,
+        "prompt": rec.prompt,
+        "error": error,
+        "stage": rec.stage,
+        "node": rec.node,  # extensions: where a relayed job is, and where it has been
+        "stages": [
+            {"kind": s.kind, "start": s.start, "end": s.end, "node": s.node, "duration_s": s.duration_s}
+            for s in rec.stages
+        ],
         "takeovers": rec.takeovers,  # extension: how many times another gateway took the job over
     }
 
@@ -73,8 +84,9 @@ def plan(req: VideoRequest) -> tuple[int, int, int, str]:
         try:
             secs = float(req.seconds) if req.seconds is not None else 1.0
         except ValueError:
-            raise ApiError(400, f"seconds must be a number, not {req.seconds!r}.", param="seconds",
-                           code="invalid_value") from None
+            raise ApiError(
+                400, f"seconds must be a number, not {req.seconds!r}.", param="seconds", code="invalid_value"
+            ) from None
         if not 0 < secs <= 60:
             raise ApiError(400, "seconds must be more than 0 and at most 60.", param="seconds", code="invalid_value")
         frames = max(1, math.ceil(secs * req.fps))
@@ -84,12 +96,21 @@ def plan(req: VideoRequest) -> tuple[int, int, int, str]:
 
 def _from_form(form: Form) -> VideoRequest:
     if "input_reference" in form.files:
-        raise ApiError(400, "input_reference (image-to-video) is not supported yet; send a text prompt.",
-                       param="input_reference", code="unsupported_parameter")
+        raise ApiError(
+            400,
+            "input_reference (image-to-video) is not supported yet; send a text prompt.",
+            param="input_reference",
+            code="unsupported_parameter",
+        )
     return VideoRequest(
-        model=form.require("model"), prompt=form.require("prompt"), seconds=form.get("seconds"), size=form.get("size"),
-        fps=form.number("fps", int, 1, 60, 8), num_frames=form.number("num_frames", int, 1, 1024),
-        seed=form.number("seed", int, 0, 2**63 - 1), steps=form.number("steps", int, 1, 500),
+        model=form.require("model"),
+        prompt=form.require("prompt"),
+        seconds=form.get("seconds"),
+        size=form.get("size"),
+        fps=form.number("fps", int, 1, 60, 8),
+        num_frames=form.number("num_frames", int, 1, 1024),
+        seed=form.number("seed", int, 0, 2**63 - 1),
+        steps=form.number("steps", int, 1, 500),
         negative_prompt=form.get("negative_prompt"),
     )
 
@@ -111,13 +132,32 @@ class VideosController(InferenceController):
         allowed(who, req.model, cfg.owner)
         # the job's own id, random, as every request id: a key cannot guess its neighbours' videos
         request_id = RequestId(new_request_id())
-        job = VideoJob(request_id=request_id, model=req.model, prompt=req.prompt, num_frames=frames, width=w, height=h,
-                       fps=req.fps, seed=req.seed, steps=req.steps, negative_prompt=req.negative_prompt)
+        job = VideoJob(
+            request_id=request_id,
+            model=req.model,
+            prompt=req.prompt,
+            num_frames=frames,
+            width=w,
+            height=h,
+            fps=req.fps,
+            seed=req.seed,
+            steps=req.steps,
+            negative_prompt=req.negative_prompt,
+        )
         checked_work(cfg, job)  # frames x pixels x steps within the model's limits (a 400 naming the param)
         await self.gw.accounts.check_budget(who, cfg, job)  # and within the key's budget now: a 429, not a failed job
         now = time.time()
-        rec = VideoRecord(id=f"video_{request_id}", model=req.model, prompt=req.prompt, status="queued",
-                          created_at=int(now), updated_at=now, size=f"{w}x{h}", seconds=seconds, key_name=who.key_name)
+        rec = VideoRecord(
+            id=f"video_{request_id}",
+            model=req.model,
+            prompt=req.prompt,
+            status="queued",
+            created_at=int(now),
+            updated_at=now,
+            size=f"{w}x{h}",
+            seconds=seconds,
+            key_name=who.key_name,
+        )
         await self.videos.create(rec, job, who)
         return json_response(video_json(rec, now))
 
@@ -131,8 +171,12 @@ class VideosController(InferenceController):
         who = self.caller(request)
         rec = await _own(self.videos, who, video_id)
         if rec.status != "completed":
-            raise ApiError(409 if rec.status != "failed" else 400, f"Video {video_id} is {rec.status}, not completed.",
-                           param="video_id", code="video_not_ready")
+            raise ApiError(
+                409 if rec.status != "failed" else 400,
+                f"Video {video_id} is {rec.status}, not completed.",
+                param="video_id",
+                code="video_not_ready",
+            )
         try:
             data = await self.gw.blobs.get(Blob(name=rec.blob))
         except BlobMissing:

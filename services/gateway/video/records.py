@@ -64,9 +64,14 @@ def claim(rec: VideoRecord, runner: str, now: float, max_takeovers: int = MAX_TA
     failed instead (written the same revision-checked way, so only one replica fails it)."""
     if rec.takeovers >= max_takeovers:
         return msgspec.structs.replace(
-            rec, status="failed", error_code="runner_lost", updated_at=now, runner=runner,
+            rec,
+            status="failed",
+            error_code="runner_lost",
+            updated_at=now,
+            runner=runner,
             error=f"The gateway running this job stopped {rec.takeovers + 1} times; it was taken over "
-                  f"{rec.takeovers} times and is not taken over again.")
+            f"{rec.takeovers} times and is not taken over again.",
+        )
     return msgspec.structs.replace(rec, runner=runner, takeovers=rec.takeovers + 1, updated_at=now)
 
 

@@ -25,7 +25,16 @@ from coderai.contracts import (
 )
 from coderai.contracts.media import VideoJob
 from coderai.contracts.models import ModelConfig
-from coderai.contracts.stages import Handoff, Stage, StageDone, StageFrame, StageJob, StagePlan, StagePlanRequest, StageRun
+from coderai.contracts.stages import (
+    Handoff,
+    Stage,
+    StageDone,
+    StageFrame,
+    StageJob,
+    StagePlan,
+    StagePlanRequest,
+    StageRun,
+)
 from coderai.contracts.subjects import CMD_SCHEDULER_STAGES, ENGINE_STAGE
 from coderai.gateway.auth import Caller
 from coderai.gateway.pipeline import Call
@@ -69,11 +78,18 @@ async def _plan(gw: Gateway, job: VideoJob, exclude: list[str], headers: dict[st
     return await gw.bus.request(CMD_SCHEDULER_STAGES, req, timeout=PLAN_TIMEOUT_S, headers=headers)
 
 
-async def _run_stage(gw: Gateway, sj: StageJob, headers: dict[str, str],
-                     on_chunk: Callable[[Chunk], Awaitable[None]]) -> StageDone:
+async def _run_stage(
+    gw: Gateway, sj: StageJob, headers: dict[str, str], on_chunk: Callable[[Chunk], Awaitable[None]]
+) -> StageDone:
     """One stage on its engine: its progress chunks to `on_chunk`, its `StageDone`; a typed error is raised."""
-    stream = await gw.bus.open_stream(ENGINE_STAGE, sj, idle_timeout_s=gw.settings.idle_timeout_s, headers=headers,
-                                      node_id=sj.stage.node, engine_id=sj.stage.engine_id)
+    stream = await gw.bus.open_stream(
+        ENGINE_STAGE,
+        sj,
+        idle_timeout_s=gw.settings.idle_timeout_s,
+        headers=headers,
+        node_id=sj.stage.node,
+        engine_id=sj.stage.engine_id,
+    )
     try:
         while True:
             frame = await stream.next(StageFrame)
@@ -89,8 +105,14 @@ async def _run_stage(gw: Gateway, sj: StageJob, headers: dict[str, str],
         stream.close()
 
 
-async def run(gw: Gateway, who: Caller, job: VideoJob, update: Update, handoff: Handoff | None = None,
-              history: list[StageRun] | None = None) -> StageDone:
+async def run(
+    gw: Gateway,
+    who: Caller,
+    job: VideoJob,
+    update: Update,
+    handoff: Handoff | None = None,
+    history: list[StageRun] | None = None,
+) -> StageDone:
     """The whole relayed job; the decode stage's `StageDone` (its `video` is the stored MP4). `handoff` and
     `history`: where a job stopped before, to go on from."""
     call = Call(gw, who, "video", job)
@@ -110,15 +132,24 @@ async def run(gw: Gateway, who: Caller, job: VideoJob, update: Update, handoff: 
         plan = await _plan(gw, job, excluded, headers)
         i = 0
         if handoff is not None:
-            done_upto = Stage(index=0, kind="decode" if handoff.scheduler.step_index >= steps else "denoise",
-                              start=handoff.scheduler.step_index, node="", engine_id="")
+            done_upto = Stage(
+                index=0,
+                kind="decode" if handoff.scheduler.step_index >= steps else "denoise",
+                start=handoff.scheduler.step_index,
+                node="",
+                engine_id="",
+            )
             i = resume_at(plan, done_upto)
         last_write = [0.0]
         done: StageDone | None = None
         while i < len(plan.stages):
             stage = plan.stages[i]
-            await update(status="in_progress", stage=stage.kind, node=stage.node,
-                         progress=percent(steps, stage.kind, stage.start))
+            await update(
+                status="in_progress",
+                stage=stage.kind,
+                node=stage.node,
+                progress=percent(steps, stage.kind, stage.start),
+            )
 
             async def on_chunk(chunk: Chunk, stage: Stage = stage) -> None:
                 now = time.time()
@@ -135,15 +166,29 @@ async def run(gw: Gateway, who: Caller, job: VideoJob, update: Update, handoff: 
                 if not exc.retryable or len(excluded) >= MAX_REPLANS:
                     raise
                 excluded.append(stage.node)
-                log.warning("stage %s of %s on %s failed (%s); planning it elsewhere from the last handoff",
-                            stage.kind, job.request_id, stage.node, exc.message)
+                log.warning(
+                    "stage %s of %s on %s failed (%s); planning it elsewhere from the last handoff",
+                    stage.kind,
+                    job.request_id,
+                    stage.node,
+                    exc.message,
+                )
                 plan = await _plan(gw, job, excluded, headers)
                 i = resume_at(plan, stage)
                 continue
-            history.append(StageRun(kind=stage.kind, start=stage.start, end=stage.end, node=done.node,
-                                    duration_s=round(time.monotonic() - t0, 3)))
-            usage = Usage(prompt_tokens=usage.prompt_tokens + done.usage.prompt_tokens,
-                          total_tokens=usage.total_tokens + done.usage.total_tokens)
+            history.append(
+                StageRun(
+                    kind=stage.kind,
+                    start=stage.start,
+                    end=stage.end,
+                    node=done.node,
+                    duration_s=round(time.monotonic() - t0, 3),
+                )
+            )
+            usage = Usage(
+                prompt_tokens=usage.prompt_tokens + done.usage.prompt_tokens,
+                total_tokens=usage.total_tokens + done.usage.total_tokens,
+            )
             if done.handoff is not None:
                 handoff = done.handoff
             await update(handoff=handoff, stages=list(history), progress=percent(steps, stage.kind, stage.end))

@@ -59,8 +59,9 @@ class VideoJobs(Takeovers[VideoRecord]):
     def spawn(self, tenure: VideoTenure, job: VideoJob, who: Caller) -> None:
         self.track(tenure.rec.id, asyncio.create_task(self.work(tenure, job, who)))
 
-    async def keepalive(self, tenure: VideoTenure, job_task: asyncio.Task, who: Caller | None = None,
-                        revoked: list[bool] | None = None) -> None:
+    async def keepalive(
+        self, tenure: VideoTenure, job_task: asyncio.Task, who: Caller | None = None, revoked: list[bool] | None = None
+    ) -> None:
         """Touch the record while the job runs (`takeover.keepalive`), and ask after its key at each tick: a revoked
         key's job is stopped (`revoked` says so to the job)."""
 
@@ -95,8 +96,9 @@ class VideoJobs(Takeovers[VideoRecord]):
                 else:
                     final = await answer(Call(gw, who, "video", job), on_chunk=on_chunk)
                     stored_name = (await gw.blobs.put(final.output.video.data, "video/mp4", suffix=".mp4")).name
-                end: dict[str, Any] = dict(status="completed", progress=100, blob=stored_name,
-                                           completed_at=int(time.time()))
+                end: dict[str, Any] = dict(
+                    status="completed", progress=100, blob=stored_name, completed_at=int(time.time())
+                )
             except Superseded:
                 raise
             except asyncio.CancelledError:
@@ -120,14 +122,22 @@ class VideoJobs(Takeovers[VideoRecord]):
         if taken.status == "failed":
             log.warning("video job %s lost its gateway again; failed after %d takeovers", taken.id, was.takeovers)
             return
-        log.warning("video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
-                    taken.id, was.runner or "?", taken.takeovers, len(taken.stages))
+        log.warning(
+            "video job %s: its gateway %s stopped; taken over (takeover %d, %d stages done)",
+            taken.id,
+            was.runner or "?",
+            taken.takeovers,
+            len(taken.stages),
+        )
         tenure = VideoTenure(kv, taken, revision)
         try:
             who = await takeover.caller_for(self.gw.auth, taken.key_name)
         except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
-            await tenure.save(status="failed", error=f"Could not look up key {taken.key_name}: {exc}",
-                              error_code="key_store_unavailable")
+            await tenure.save(
+                status="failed",
+                error=f"Could not look up key {taken.key_name}: {exc}",
+                error_code="key_store_unavailable",
+            )
             return
         assert taken.job is not None
         self.spawn(tenure, taken.job, who)
