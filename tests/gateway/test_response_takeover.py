@@ -13,7 +13,8 @@ import pytest
 
 from coderai.gateway.auth import Caller
 from coderai.gateway.openai import responses_store
-from coderai.gateway.openai.responses_store import LOST_S, Responses, ResponseTenure, StoredResponse
+from coderai.gateway.openai.responses_record import ResponseTenure, StoredResponse
+from coderai.gateway.openai.responses_store import LOST_S, Responses
 from coderai.runtime.lifecycle import wait_for
 
 WHO = Caller("tenant", frozenset({"inference"}))

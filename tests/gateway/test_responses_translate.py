@@ -10,7 +10,7 @@ from pydantic import TypeAdapter
 
 from coderai.contracts import Choice, Chunk, Usage
 from coderai.gateway.errors import ApiError
-from coderai.gateway.openai.responses_store import with_ids
+from coderai.gateway.openai.responses_record import with_ids
 from coderai.gateway.openai.responses_stream import EventStream
 from coderai.gateway.openai.responses_types import (
     assistant_message,

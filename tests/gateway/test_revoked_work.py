@@ -12,7 +12,8 @@ import types
 
 from coderai.gateway.auth import Caller
 from coderai.gateway.openai import responses_store
-from coderai.gateway.openai.responses_store import Responses, StoredResponse
+from coderai.gateway.openai.responses_record import StoredResponse
+from coderai.gateway.openai.responses_store import Responses
 from coderai.gateway.video.takeover import VideoJobs
 
 WHO = Caller("tenant", frozenset({"inference"}))

@@ -31,7 +31,8 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.http import STREAM_HEADERS, json_response, new_request_id, query_int, read_json, until_disconnect
 from coderai.gateway.openai.chat import chat_route
 from coderai.gateway.openai.files import page
-from coderai.gateway.openai.responses_store import Responses, ResponseTenure, StoredResponse, with_ids
+from coderai.gateway.openai.responses_record import ResponseTenure, StoredResponse, with_ids
+from coderai.gateway.openai.responses_store import Responses
 from coderai.gateway.openai.responses_stream import EventStream
 from coderai.gateway.openai.responses_types import (
     WARNING_HEADER,
