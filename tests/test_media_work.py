@@ -84,7 +84,7 @@ def test_a_video_is_frames_x_pixels_x_steps_within_the_models_limits():
 
 def test_the_models_price_reserves_and_bills_the_work():
     from coderai.contracts import Usage
-    from coderai.gateway.accounting import checked_work, estimate_cost, price
+    from coderai.gateway.pricing import checked_work, estimate_cost, price
 
     cfg = ModelConfig(name="m", engine="diffusers", path="/x", price_per_mpixel_step=2.0, params={"steps": 2})
     huge = img(width=1024, height=1024, n=10, steps=150)

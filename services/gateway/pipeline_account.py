@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from nats.errors import Error as NatsError
 
 from coderai.contracts import BusError, Final, RequestCompleted, Usage
-from coderai.gateway.accounting import checked_usage, price, usage_ceiling
+from coderai.gateway.pricing import checked_usage, price, usage_ceiling
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.media_work import Work
 

@@ -18,7 +18,8 @@ from coderai.accounts.limits import REFRESH_EVERY_S, Reservation
 from coderai.contracts import ModelConfig
 from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.gateway import affinity
-from coderai.gateway.accounting import NO_TRACE, allowed, checked_work
+from coderai.gateway.accounting import NO_TRACE, allowed
+from coderai.gateway.pricing import checked_work
 from coderai.gateway.bounds import check_schemas
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import priority_var

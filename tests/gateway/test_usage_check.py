@@ -8,7 +8,7 @@ import pytest
 from coderai.contracts import ChatJob, CompletionJob, ModelConfig, Usage
 from coderai.contracts.jobs import SamplingParams
 from coderai.contracts.media import EmbedJob
-from coderai.gateway.accounting import PROMPT_SLACK, UNBOUNDED_OUTPUT, checked_usage, usage_ceiling
+from coderai.gateway.pricing import PROMPT_SLACK, UNBOUNDED_OUTPUT, checked_usage, usage_ceiling
 
 
 def cfg(**params) -> ModelConfig:

@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
-from functools import partial
 from typing import Any
 
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
 
-from coderai.contracts import encode
 from coderai.contracts.topology import BATCH_LINES, BATCHES
 from coderai.gateway import takeover
 from coderai.gateway.auth import Caller
+from coderai.gateway.batches import line as line_run
 from coderai.gateway.batches import output, queue, validation
 from coderai.gateway.batches.records import (
     RUNNING,
     BatchRecord,
     BatchTenure,
     LineError,
-    LineResult,
     claim,
     due,
     Tally,
@@ -36,14 +33,11 @@ from coderai.gateway.batches.records import (
     store_line,
 )
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import new_request_id
-from coderai.gateway.pipeline import HEADROOM, Call
+from coderai.gateway.pipeline import HEADROOM
 from coderai.gateway.state import Gateway
 from coderai.gateway.takeover import Superseded, Takeovers, caller_for
 
 log = logging.getLogger("coderai.gateway")
-
-ATTEMPTS = 3  # a line refused as unavailable (503: no engine, a lost bus) is tried this many times
 
 
 class BatchRunner(Takeovers[BatchRecord]):
@@ -218,68 +212,13 @@ class BatchRunner(Takeovers[BatchRecord]):
         self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane, tally: Tally
     ) -> None:
         try:
-            res = await self.answer(line, who, lane)
+            res = await line_run.answer(self.gw, line, who, lane)
         finally:
             lane.slots.release()
-        limit = self.gw.bus.nc.max_payload - HEADROOM
-        if len(msgspec.json.encode(res)) > limit:  # a KV value is one bus message
-            err = ApiError(
-                500,
-                f"The answer is over the {limit} bytes one kept line holds; send fewer inputs per line.",
-                type="server_error",
-                code="response_too_large",
-            )
-            res = msgspec.structs.replace(res, status_code=500, body=msgspec.Raw(err.encode()))
+        res = line_run.within(res, self.gw.bus.nc.max_payload - HEADROOM)
         if await store_line(await self.kv(BATCH_LINES), tenure.rec.id, res):
             tally.add(res)
             await self.count(tenure, tally)
-
-    async def answer(self, line: validation.Line, who: Caller, lane: queue.Lane) -> LineResult:
-        """The line run as a request of `who`'s: its answer, or the error a request would have got."""
-        line_id = "batch_req_" + secrets.token_hex(16)
-        attempt = 0
-        while True:
-            rid = new_request_id()
-            call = Call(
-                self.gw, who, line.op, msgspec.structs.replace(line.job, request_id=rid), client_id=line.custom_id
-            )
-            try:
-                final = await call.queued(partial(queue.send, self.gw, lane, line.op))
-                body = line.render(final, rid, call.created)
-            except ApiError as err:
-                attempt += err.status == 503
-                if err.code == "rate_limit_exceeded" or (err.status == 503 and attempt < ATTEMPTS):
-                    await asyncio.sleep(float(err.headers.get("Retry-After", 1)))  # the key's rate, or a blink
-                    continue
-                return LineResult(
-                    index=line.index,
-                    custom_id=line.custom_id,
-                    id=line_id,
-                    request_id=rid,
-                    status_code=err.status,
-                    body=msgspec.Raw(err.encode()),
-                )
-            except Exception as exc:  # noqa: BLE001 - one line's bug fails that line, not the batch
-                log.exception("batch line %s failed", line.custom_id)
-                err = ApiError(500, f"Internal error: {type(exc).__name__}", type="server_error", code="internal")
-                return LineResult(
-                    index=line.index,
-                    custom_id=line.custom_id,
-                    id=line_id,
-                    request_id=rid,
-                    status_code=500,
-                    body=msgspec.Raw(err.encode()),
-                )
-            return LineResult(
-                index=line.index,
-                custom_id=line.custom_id,
-                id=line_id,
-                request_id=rid,
-                status_code=200,
-                body=msgspec.Raw(encode(body)),
-                prompt_tokens=final.usage.prompt_tokens,
-                completion_tokens=final.usage.completion_tokens,
-            )
 
     async def count(self, tenure: BatchTenure, tally: Tally) -> None:
         counts = tally.counts()
@@ -299,15 +238,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             if end == "expired":
                 for ln in lines:
                     if ln.index not in spool.at:
-                        spool.add(
-                            LineResult(
-                                index=ln.index,
-                                custom_id=ln.custom_id,
-                                id="batch_req_" + secrets.token_hex(16),
-                                error_code="batch_expired",
-                                error_message="This request could not be executed before the completion window expired.",
-                            )
-                        )
+                        spool.add(line_run.expired(ln))
             out_id, err_id = await output.write(self.records, tenure.rec, spool)
             ok, total = spool.completed, len(spool.at)
         finally:
