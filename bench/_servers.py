@@ -322,6 +322,7 @@ def start_router(root: Path, exe: Path, name: str, policy: str, replicas: list[T
         str(free_port()),
         "--log-level",
         "warn" if sub else "warning",
+        "--disable-retries",  # both routers retry a failed send 5 times by default; the docstring's "retries off"
     ]
     proc = Proc(name, cmd, root / "logs")
     base = f"http://127.0.0.1:{port}/v1"

@@ -165,3 +165,19 @@ def versions(litellm: Path | None) -> dict[str, str]:
         r = subprocess.run([wrk, "-v"], capture_output=True, text=True)
         out["wrk"] = (r.stdout or r.stderr).split("[")[0].replace("wrk", "").strip()
     return out
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat: two readings give how busy the machine was."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def load_note(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """How loaded the machine was between two `cpu_times()` readings, and its load average now: printed beside
+    each table, so a number taken on a busy machine says so."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    one, five, _ = os.getloadavg()
+    share = 100 * busy / total if total else float("nan")
+    return f"machine during this part: CPUs {share:.0f} % busy (every process, the bench's own included); load average {one:.2f} (1 min), {five:.2f} (5 min)"

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+import _setup
 from _servers import Coderai, Proc, Target
 from coderai.runtime.embedded import find_llama_server, free_port
 
@@ -54,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, help="a GGUF (default: Gemma 3 270M Q4_K_M from its PyPI package)")
     ap.add_argument("--concurrency", default="1,8,32", help="loops per cell (default 1,8,32)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per cell (default 20)")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median round is shown (default 3)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir with every server's log")
     ap.add_argument("--slots", type=int, default=8, help="llama-server --parallel, bare and coderai (default 8)")
     ap.add_argument("--n-ctx", type=int, default=512, help="context per slot (default 512)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, every path (default 2)")
@@ -63,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write every cell to this file")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.duration, a.concurrency, a.max_tokens, a.slots = 1.0, "1,2", 16, 2
+        a.duration, a.concurrency, a.max_tokens, a.slots, a.rounds = 1.0, "1,2", 16, 2, 1
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c.strip()]
     return a
 
@@ -171,10 +174,15 @@ async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str)
     )
 
 
-def table(cells: dict[tuple[str, int], Cell], order: list[str], concs: list[int]) -> str:
+def table(
+    cells: dict[tuple[str, int], Cell],
+    spread: dict[tuple[str, int], tuple[float, float]],
+    order: list[str],
+    concs: list[int],
+) -> str:
     out = [
-        "| path | conc | tokens/s | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | conc | tokens/s | rounds' range | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for conc in concs:
         base = cells.get(("bare", conc))
@@ -185,14 +193,14 @@ def table(cells: dict[tuple[str, int], Cell], order: list[str], concs: list[int]
             ratio = f"{c.tps / base.tps:.2f}x" if base and base.tps else "n/a"
             plus = f"{c.p50_ms - base.p50_ms:+.1f}" if base else "n/a"
             out.append(
-                f"| {name} | {conc} | {c.tps:.1f} | {ratio} | {c.p50_ms:.1f} | {plus} | {c.p90_ms:.1f} | "
+                f"| {name} | {conc} | {c.tps:.1f} | {spread[(name, conc)][0]:.0f}–{spread[(name, conc)][1]:.0f} | {ratio} | {c.p50_ms:.1f} | {plus} | {c.p90_ms:.1f} | "
                 f"{c.requests} | {c.errors} |"
             )
     return "\n".join(out)
 
 
 def targets_check(cells: dict[tuple[str, int], Cell], concs: list[int]) -> list[str]:
-    """Issue 20's targets, ticked or not, from this run."""
+    """The engine path's targets (issues 20 and 42), ticked or not, from this run."""
     lines = []
     for conc in concs:
         bare, server, inproc = (cells.get((p, conc)) for p in ("bare", "server", "inproc"))
@@ -225,13 +233,18 @@ def main(argv: list[str] | None = None) -> int:
 
         gguf = Path(build_tiny_gguf(work / "tiny.gguf")["out"])
     else:
-        from coderai.testing.real_gguf import gemma3_q4km
+        from coderai.testing.real_gguf import MISSING, gemma3_q4km
 
-        gguf = gemma3_q4km()
+        try:
+            gguf = gemma3_q4km()
+        except ImportError:
+            print(f"{MISSING}; or pass --model FILE.gguf", file=sys.stderr)
+            return 2
     started: list[Proc] = []
     coderai: Coderai | None = None
     t0 = time.monotonic()
-    cells: dict[tuple[str, int], Cell] = {}
+    rounds: dict[tuple[str, int], list[Cell]] = {}
+    cpu_before = _setup.cpu_times()
     try:
         targets: list[Target] = []
         if "bare" in paths:
@@ -248,19 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             for conc in a.concurrency:
                 for t in targets if r % 2 == 0 else targets[::-1]:
                     c = asyncio.run(_cell(t, conc, a.duration, a.max_tokens, f"r{r}"))
-                    prev = cells.get((t.name, conc))
-                    if prev is not None:  # rounds add up: tokens and time, latency of the later round
-                        c = Cell(
-                            c.path,
-                            conc,
-                            prev.seconds + c.seconds,
-                            prev.requests + c.requests,
-                            prev.tokens + c.tokens,
-                            prev.errors + c.errors,
-                            c.p50_ms,
-                            c.p90_ms,
-                        )
-                    cells[(t.name, conc)] = c
+                    rounds.setdefault((t.name, conc), []).append(c)
                     print(
                         f"[bench] {t.name:7} c={conc:<3} {c.tps:7.1f} tok/s p50 {c.p50_ms:8.1f} ms errors {c.errors}",
                         file=sys.stderr,
@@ -271,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             coderai.stop()
         for p in started:
             p.stop()
+    load = _setup.load_note(cpu_before, _setup.cpu_times())
+    # each cell's median round by tokens/s (its latency with it); the spread is the rounds' range around it
+    cells = {k: sorted(v, key=lambda c: c.tps)[len(v) // 2] for k, v in rounds.items()}
+    spread = {k: (min(c.tps for c in v), max(c.tps for c in v)) for k, v in rounds.items()}
     order = [p for p in ("bare", "server", "inproc") if p in paths]
     print(f"# coderai engine bench ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
     print(
@@ -278,16 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.n_ctx} tokens a slot; {a.threads} threads; {a.duration:g} s cells x {a.rounds} rounds; "
         f"{os.cpu_count()} CPUs\n"
     )
-    print(table(cells, order, a.concurrency))
+    print(f"_{load}_\n")
+    print(table(cells, spread, order, a.concurrency))
     checks = targets_check(cells, a.concurrency)
     if checks and not a.smoke:
-        print("\n## Issue 20 targets\n")
+        print("\n## Targets\n")
         print("\n".join(checks))
     if a.json:
         a.json.write_text(json.dumps([asdict(c) | {"tps": c.tps} for c in cells.values()], indent=2))
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)
+    if a.keep:
+        print(f"\nwork dir (logs): {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="a few requests per path; no installs; seconds, not minutes")
     ap.add_argument("--parts", default="real,pure,routers", help="which parts to run (default: real,pure,routers)")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per wrk cell (default 5)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell (default 2)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds per cell; the median is shown (default 3)"
+    )
     ap.add_argument("--concurrency", type=_csv_ints, default=[1, 8, 64], help="real part (default 1,8,64)")
     ap.add_argument("--pure-concurrency", type=_csv_ints, default=[1, 64], help="pure part (default 1,64)")
     ap.add_argument("--stream-requests", type=int, default=40, help="streamed requests per path and round for TTFT/gap")
@@ -144,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         notes.append("no wrk: load came from the Python fallback client (its numbers are not comparable)")
     bare_ok = _setup.llama_server_ready(install) if "real" in parts else "real part not asked for"
-    litellm = _setup.litellm_bin(install)
-    if not isinstance(litellm, Path):
+    # LiteLLM is a baseline of the real and pure parts only: the routers part neither installs nor starts it
+    litellm = _setup.litellm_bin(install) if parts & {"real", "pure"} else None
+    if isinstance(litellm, str):
         notes.append(f"LiteLLM skipped: {litellm}")
         litellm = None
     if "real" in parts and bare_ok is not True:
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         base = Coderai(work / "base", python=str(python))
     t_start = time.monotonic()
+    quiet = os.getloadavg()
+    notes.append(f"load average before anything started: {quiet[0]:.2f} (1 min), {quiet[1]:.2f} (5 min)")
     out: dict = {"machine": _setup.machine(), "versions": _setup.versions(litellm), "args": sys.argv[1:]}
     try:
         gguf = None
@@ -219,16 +224,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] everything up in {time.monotonic() - t_start:.0f}s; measuring", file=sys.stderr, flush=True)
 
         tables: list[str] = []
-        real = pure = {}
-        real_probes: dict = {}
+        pure: dict = {}
+        routed: dict = {}
+        router_probes: dict = {}
 
         def measure(part: str, title: str, targets: list, conc, baseline: str, note: str = "") -> tuple[dict, dict]:
             """Run one part, add its load and streaming tables, record it in the JSON output."""
+            cpu_before = _setup.cpu_times()
             rows, probes, tokens = runner.part(part, targets, conc)
+            load = _setup.load_note(cpu_before, _setup.cpu_times())
             order = [t.name for t in targets]
             tables.extend(
                 [
                     f"## {title}; baseline: {baseline}{note}",
+                    "",
+                    f"_{load}_",
                     "",
                     _report.load_table(rows, order, baseline),
                     "",
@@ -242,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": _rows_json(rows),
                 "probes": {k: asdict(v) for k, v in probes.items()},
                 "tokens": tokens,
+                "load": load,
             }
             return rows, probes
 
@@ -249,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             targets = [t for t in (bare, lite if bare else None, coderai.target("coderai", "tiny")) if t is not None]
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
-            real, real_probes = measure("real", "Real engine (tiny llama.cpp GGUF)", targets, a.concurrency, "bare")
+            measure("real", "Real engine (tiny llama.cpp GGUF)", targets, a.concurrency, "bare")
         if "routers" in parts:
             bare_ls = Target("ls-bare", replicas[0].base_url, "bench", pids=[replicas[0].pids[0]])
             targets = [bare_ls]
@@ -261,14 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(coderai.target("coderai-ls", "tiny-ls"))
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
-            rows, _ = measure(
+            routed, router_probes = measure(
                 "routers",
                 "Rust routers and coderai in front of llama-server replicas",
                 targets,
                 a.concurrency,
                 "ls-bare",
             )
-            out["router_checks"] = _report.router_targets(rows)
         if "pure" in parts:
             echo_lite = Target("litellm", lite.base_url, "echo", lite.headers, [lite.pids[0]]) if lite else None
             targets = [
@@ -283,11 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             pure, _ = measure(
                 "pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm", " (mock_response)"
             )
-        checks = _report.acceptance(real, pure, real_probes)
-        if checks and not a.smoke and wrk:
-            tables += ["## Issue 14 targets", "", *checks, ""]
-        if out.get("router_checks") and not a.smoke and wrk:
-            tables += ["## Issue 20 targets (routers)", "", *out["router_checks"], ""]
+        out["targets"] = _report.targets(pure, routed, router_probes)
+        if out["targets"] and not a.smoke and wrk:
+            tables += ["## Targets of the hot path (issue 42)", "", *out["targets"], ""]
     finally:
         coderai.stop()
         if base is not None:

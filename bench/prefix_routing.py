@@ -2,7 +2,8 @@
 
 16 concurrent conversations x 6 turns, each with its own ~1,000-token system prompt, on a ~70 MB model
 (dim 512, 8 layers). Every engine has the same prompt-cache budget (`--cache-mb`, default 192 MB): enough for
-the eight conversations prefix routing gives each replica, not for all sixteen. Modes, one after another in one run:
+the eight conversations prefix routing gives each replica, not for all sixteen. Modes, interleaved over rounds
+(ABC, CBA, ...; `--rounds`, default 3), each started afresh every round:
 
   prefix       2 workers (1 thread each), router policy "prefix"
   round_robin  2 workers (1 thread each), router policy "round_robin"
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -244,13 +246,27 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--cache-mb", type=float, default=192)
     ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns, one round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved (ABC, CBA, ...)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (models, logs)")
     ap.add_argument(
         "--modes", default="prefix,round_robin,warm,prefix_ls,sglang_round_robin,sglang_cache_aware,vllm_cache_aware"
     )
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="coderai-prefix-"))
+    try:
+        return run(a, root)
+    finally:
+        if a.keep:
+            print(f"work dir (logs): {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, root: Path) -> int:
+    cpu_before = _setup.cpu_times()
     if a.smoke:
+        a.rounds = 1
         a.conversations, a.turns, a.words, a.max_tokens, a.cache_mb = 2, 2, 50, 4, 32
         model = build_tiny_gguf(root / "bench.gguf")["out"]
     else:
@@ -265,23 +281,33 @@ def main() -> int:
             modes = [m for m in modes if m not in ROUTER_MODES and (m != "prefix_ls" or find_llama_server())]
         else:
             exes = found
-    runs = {
-        mode: (run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a))
-        for mode in modes
-    }
-    results = {m: r[0] for m, r in runs.items()}
+    # every mode once per round, the order reversed each round, so a slow minute of the machine hits them alike
+    runs: dict[str, tuple[list[float], dict]] = {}
+    round_p50: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(a.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            got = (
+                run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a)
+            )
+            round_p50[mode].append(statistics.median(got[0]))
+            kept = runs.setdefault(mode, ([], got[1]))
+            kept[0].extend(got[0])
+            print(f"[bench] round {r + 1} {mode}: TTFT p50 {round_p50[mode][-1] * 1000:.0f} ms", file=sys.stderr)
+    results = {m: runs[m][0] for m in modes}
 
     p50 = {m: statistics.median(v) for m, v in results.items()}
     print(
         f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica"
     )
-    print("| mode | TTFT p50 ms | TTFT p95 ms | p50 vs prefix | prompt cache | route reasons |")
-    print("|---|---|---|---|---|---|")
+    print(f"{a.rounds} rounds, interleaved; {_setup.load_note(cpu_before, _setup.cpu_times())}\n")
+    print("| mode | TTFT p50 ms | rounds' p50 range ms | TTFT p95 ms | p50 vs prefix | prompt cache | route reasons |")
+    print("|---|---|---|---|---|---|---|")
     for m, v in results.items():
         extra = dict(runs[m][1])
         cache = extra.pop("cache")
         vs = f"{p50[m] / p50['prefix']:.2f}x" if "prefix" in p50 else ""
-        print(f"| {m} | {p50[m] * 1000:.0f} | {pct(v, 0.95) * 1000:.0f} | {vs} | {cache} | {extra} |")
+        spread = f"{min(round_p50[m]) * 1000:.0f}–{max(round_p50[m]) * 1000:.0f}"
+        print(f"| {m} | {p50[m] * 1000:.0f} | {spread} | {pct(v, 0.95) * 1000:.0f} | {vs} | {cache} | {extra} |")
     if {"prefix", "round_robin", "warm"} <= set(p50):
         print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
         print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
