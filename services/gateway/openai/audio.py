@@ -12,7 +12,17 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 from msgspec import Meta
 
-from coderai.contracts import Chunk, DiarizeJob, Final, SpeechJob, TranscribeJob
+from coderai.contracts import (
+    Chunk,
+    DiarizeJob,
+    DiarizeResult,
+    Final,
+    RequestId,
+    SpeechJob,
+    SpeechResult,
+    TranscribeJob,
+    TranscribeResult,
+)
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json, until_disconnect
@@ -54,7 +64,7 @@ class AudioController(InferenceController):
                 400, "stream_format 'sse' is not supported; use 'audio'.", param="stream_format", code="invalid_value"
             )
         job = SpeechJob(
-            request_id=new_request_id(),
+            request_id=RequestId(new_request_id()),
             model=req.model,
             input=req.input,
             voice=req.voice,
@@ -67,14 +77,18 @@ class AudioController(InferenceController):
         media_type = AUDIO_TYPES[req.response_format]
         if isinstance(first, Final) and call.parts:
             await call.finish(first)
-            return Stream(iter([first.output.audio.data]), media_type=media_type, headers=call.response_headers())
+            audio = formats.result(first, SpeechResult).audio
+            data = audio.data if audio is not None else b""
+            return Stream(iter([data]), media_type=media_type, headers=call.response_headers())
 
         def chunk(frame: Chunk) -> bytes:
             return frame.data or b""
 
         async def final(frame: Final) -> bytes:
             out = frame.output  # an engine that answered whole
-            return await self.gw.blobs.get(out.audio) if out is not None and out.audio is not None else b""
+            return (
+                await self.gw.blobs.get(out.audio) if isinstance(out, SpeechResult) and out.audio is not None else b""
+            )
 
         return Stream(relay_stream(call, first, chunk, final), media_type=media_type, headers=call.response_headers())
 
@@ -93,25 +107,27 @@ class AudioController(InferenceController):
         who = self.caller(request)
         form = await read_form(request, self.gw.settings.max_upload_bytes)
         job = DiarizeJob(
-            request_id=new_request_id(),
+            request_id=RequestId(new_request_id()),
             model=form.require("model"),
-            audio=blob(form.file("file")),  # type: ignore[arg-type]
+            audio=blob(form.file("file")),
             num_speakers=form.number("num_speakers", int, 1, 32),
         )
         call = Call(self.gw, who, "diarize", job)
         final = await answer(call, request)
-        return json_response(formats.diarization(final.output, job.model), headers=call.response_headers())
+        return json_response(
+            formats.diarization(formats.result(final, DiarizeResult), job.model), headers=call.response_headers()
+        )
 
 
-async def _transcribe(gw: Gateway, who: Caller, request: Request, task: str) -> Response:
+async def _transcribe(gw: Gateway, who: Caller, request: Request, task: Literal["transcribe", "translate"]) -> Response:
     form = await read_form(request, gw.settings.max_upload_bytes)
     fmt = form.choice("response_format", TRANSCRIPT_FORMATS, "json")
     grains = _granularities(form, fmt)
     job = TranscribeJob(
-        request_id=new_request_id(),
+        request_id=RequestId(new_request_id()),
         model=form.require("model"),
         audio=blob(form.file("file")),
-        task=task,  # type: ignore[arg-type]
+        task=task,
         language=form.get("language") if task == "transcribe" else None,
         prompt=form.get("prompt"),
         temperature=form.number("temperature", float, 0.0, 1.0, 0.0),
@@ -119,19 +135,18 @@ async def _transcribe(gw: Gateway, who: Caller, request: Request, task: str) -> 
     )
     call = Call(gw, who, "transcribe", job)
     if not form.flag("diarize"):
-        result = (await answer(call, request)).output
+        result = formats.result(await answer(call, request), TranscribeResult)
     else:
         djob = DiarizeJob(
-            request_id=new_request_id(),
+            request_id=RequestId(new_request_id()),
             model=await _diarizer(gw, form.get("diarization_model")),
             audio=job.audio,
             num_speakers=form.number("num_speakers", int, 1, 32),
         )
         both = asyncio.gather(answer(call), answer(Call(gw, who, "diarize", djob)))
         final, dfinal = await until_disconnect(request, both)
-        result = msgspec.structs.replace(
-            final.output, segments=formats.assign_speakers(final.output.segments, dfinal.output.segments)
-        )
+        words, turns = formats.result(final, TranscribeResult), formats.result(dfinal, DiarizeResult)
+        result = msgspec.structs.replace(words, segments=formats.assign_speakers(words.segments, turns.segments))
     body, media_type = formats.transcription(result, fmt, task, grains, result.duration_s)
     content = body if isinstance(body, bytes) else msgspec.json.encode(body)
     return Response(content=content, media_type=media_type, headers=call.response_headers())

@@ -4,12 +4,11 @@ routing hints (session, user, prompt prefix, an admin's pin) the router's cache 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from coderai.contracts import ChatJob, Final, RouteRequest
+from coderai.contracts import ChatJob, CompletionJob, Final, Op, RouteRequest
 from coderai.gateway import affinity
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
@@ -63,7 +62,13 @@ def chat_route(
 
 
 def route_request(
-    request: Request, who: Caller, job: Any, op: str, user: str | None, prefix: list[str], session: str | None = None
+    request: Request,
+    who: Caller,
+    job: ChatJob | CompletionJob,
+    op: Op,
+    user: str | None,
+    prefix: list[str],
+    session: str | None = None,
 ) -> RouteRequest:
     """What the router is asked: the model, and the affinity keys (gateway/affinity.py) and an admin's pin.
     `session` is one a harness names in its own way (Claude Code's header or metadata); `X-Session-Id` wins, and
@@ -82,7 +87,7 @@ def route_request(
         model=job.model,
         op=op,
         pin=pin,
-        prefix=prefix,  # type: ignore[arg-type]
+        prefix=prefix,
         session=affinity.session_key(job.model, named),
         user=affinity.user_key(job.model, user),
     )
@@ -92,10 +97,10 @@ async def _serve(call: Call, request: Request, want_usage: bool) -> Response | S
     """The whole completion object, or its chunks as SSE (`data: {...}` ... `data: [DONE]`)."""
     job, chat = call.job, call.op == "chat"
     if not job.stream:
-        final = await answer(call, request)
+        whole = await answer(call, request)
         build = sse.chat_response if chat else sse.completion_response
         return json_response(
-            build(job.request_id, call.created, job.model, final.choices, final.usage), headers=call.response_headers()
+            build(job.request_id, call.created, job.model, whole.choices, whole.usage), headers=call.response_headers()
         )
     chunk = partial(sse.chat_chunk if chat else sse.completion_chunk, job.request_id, call.created, job.model)
 

@@ -122,7 +122,7 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _check_calls(calls: Any, i: int) -> None:
+def _check_calls(calls: object, i: int) -> None:
     """An assistant message's earlier tool calls: function calls (`custom` ones have no chat template)."""
     if not isinstance(calls, list):
         raise ApiError(
@@ -153,7 +153,7 @@ def _check_calls(calls: Any, i: int) -> None:
             )
 
 
-def _check_parts(parts: list[Any], i: int) -> None:
+def _check_parts(parts: list[object], i: int) -> None:
     """Content parts: text, and images as data URLs. A remote image URL is refused: fetching it would let any
     key make the head reach any address (and no engine fetches it itself)."""
     for j, p in enumerate(parts):

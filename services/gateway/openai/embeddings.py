@@ -9,7 +9,7 @@ import msgspec
 from litestar import Request, Response, post
 from msgspec import Meta
 
-from coderai.contracts import EmbedJob, RerankJob
+from coderai.contracts import EmbedJob, EmbedResult, RequestId, RerankJob, RerankResult
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.openai import formats
@@ -39,14 +39,15 @@ class RerankRequest(msgspec.Struct, kw_only=True):
 
 
 def embed_job(req: EmbeddingRequest, request_id: str) -> EmbedJob:
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    if not texts:
+    given = [req.input] if isinstance(req.input, str) else req.input
+    if not given:
         raise ApiError(400, "'input' must not be empty.", param="input", code="invalid_value")
-    if not all(isinstance(t, str) for t in texts):
+    texts = [t for t in given if isinstance(t, str)]
+    if len(texts) < len(given):
         raise ApiError(400, "Token-id input is not supported here; send the text.", param="input", code="invalid_value")
     if any(not t for t in texts):
         raise ApiError(400, "'input' must not contain empty strings.", param="input", code="invalid_value")
-    return EmbedJob(request_id=request_id, model=req.model, input=texts, dimensions=req.dimensions)  # type: ignore[arg-type]
+    return EmbedJob(request_id=RequestId(request_id), model=req.model, input=texts, dimensions=req.dimensions)
 
 
 class EmbeddingsController(InferenceController):
@@ -57,7 +58,7 @@ class EmbeddingsController(InferenceController):
         call = Call(self.gw, who, "embed", embed_job(req, new_request_id()))
         final = await answer(call, request)
         return json_response(
-            formats.embeddings(final.output, req.model, req.encoding_format, final.usage),
+            formats.embeddings(formats.result(final, EmbedResult), req.model, req.encoding_format, final.usage),
             headers=call.response_headers(),
         )
 
@@ -66,10 +67,16 @@ class EmbeddingsController(InferenceController):
         who = self.caller(request)
         req = await read_json(request, RerankRequest)
         docs = [d if isinstance(d, str) else d.text for d in req.documents]
-        job = RerankJob(request_id=new_request_id(), model=req.model, query=req.query, documents=docs)
+        job = RerankJob(request_id=RequestId(new_request_id()), model=req.model, query=req.query, documents=docs)
         call = Call(self.gw, who, "rerank", job)
         final = await answer(call, request)
         body = formats.rerank(
-            job.request_id, final.output.scores, docs, req.model, req.top_n, req.return_documents, final.usage
+            job.request_id,
+            formats.result(final, RerankResult).scores,
+            docs,
+            req.model,
+            req.top_n,
+            req.return_documents,
+            final.usage,
         )
         return json_response(body, headers=call.response_headers())

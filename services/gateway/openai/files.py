@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import quote
 
 import msgspec
@@ -27,7 +27,28 @@ from coderai.runtime.kv import read_all
 from coderai.runtime.stores import object_chunks
 from coderai.training_data import BadTrainingFile, parse_examples
 
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+    from nats.js.object_store import ObjectStore
+
+
+class HasId(Protocol):
+    """What `page` pages by."""
+
+    @property
+    def id(self) -> str: ...
+
+
+class Dated(HasId, Protocol):
+    """A record `Records.all` lists, newest first."""
+
+    @property
+    def created_at(self) -> float: ...
+
+
 T = TypeVar("T")
+Item = TypeVar("Item", bound=HasId)
+D = TypeVar("D", bound=Dated)
 PURPOSES = ("fine-tune", "assistants", "batch", "user_data", "vision", "evals")
 
 
@@ -48,7 +69,7 @@ def mine(who: Caller, owner: str) -> bool:
     return "admin" in who.scopes or owner == who.key_name
 
 
-def page(items: list[Any], after: str | None, limit: int) -> tuple[list[Any], bool]:
+def page(items: list[Item], after: str | None, limit: int) -> tuple[list[Item], bool]:
     """The `limit` items after the one with id `after` (from the start without it), and whether more follow."""
     if after:
         ids = [x.id for x in items]
@@ -61,18 +82,21 @@ class Records:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self._kv: Any = None
-        self._files: Any = None
+        self._kv: KeyValue | None = None
+        self._files: ObjectStore | None = None
 
-    async def kv(self) -> Any:
-        if self._kv is None:
-            self._kv = await self.gw.bus.kv(FINETUNE)
-        return self._kv
+    async def kv(self) -> KeyValue:
+        kv = self._kv
+        if kv is None:
+            kv = self._kv = await self.gw.bus.kv(FINETUNE)
+        return kv
 
-    async def files(self) -> Any:
-        if self._files is None:
-            self._files = await self.gw.bus.object_store(FILES, create=True, max_bytes=self.gw.settings.files_max_bytes)
-        return self._files
+    async def files(self) -> ObjectStore:
+        store = self._files
+        if store is None:
+            max_bytes = self.gw.settings.files_max_bytes
+            store = self._files = await self.gw.bus.object_store(FILES, create=True, max_bytes=max_bytes)
+        return store
 
     async def get(self, key: str, prefix: str, type_: type[T], what: str, param: str) -> T:
         """The record `key` (`prefix` + letters and digits), else a 404 naming `param`."""
@@ -89,10 +113,10 @@ class Records:
             raise missing
         return msgspec.json.decode(entry.value, type=type_)
 
-    async def all(self, prefix: str, type_: type[T]) -> list[T]:
+    async def all(self, prefix: str, type_: type[D]) -> list[D]:
         """Every record whose key starts with `prefix`, newest first."""
         out = list((await read_all(await self.kv(), type_, prefix=prefix)).values())
-        out.sort(key=lambda r: (r.created_at, r.id), reverse=True)  # type: ignore[attr-defined]
+        out.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         return out
 
     async def own_file(self, who: Caller, file_id: str, param: str = "file_id") -> FileRecord:

@@ -9,13 +9,14 @@ Job records are written by the scheduler, which runs the jobs, and read here fro
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai.contracts import BusError
+from coderai.contracts.subject import Subject
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
 from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, Hyperparameters
 from coderai.gateway.accounting import allowed
@@ -23,6 +24,10 @@ from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
 from coderai.gateway.openai.files import Records, mine, page
 from coderai.gateway.state import Gateway, InferenceController
+
+
+N = TypeVar("N", int, float)
+M = TypeVar("M", FineTuneCreate, FineTuneCancel)
 
 
 class JobRequest(msgspec.Struct, kw_only=True):
@@ -44,7 +49,7 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def _number(hp: dict[str, Any], name: str, kind: type, lo: float, hi: float, auto: Any) -> Any:
+def _number(hp: dict[str, Any], name: str, kind: type[N], lo: float, hi: float, auto: N) -> N:
     value = hp.get(name, "auto")
     if value is None or value == "auto":
         return auto
@@ -96,7 +101,7 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         method=method,
         nodes=req.nodes,
         lora_rank=req.lora_rank,
-        lora_alpha=req.lora_alpha,  # type: ignore[arg-type]
+        lora_alpha=req.lora_alpha,
         seed=req.seed if req.seed is not None else 42,
         key_name=key_name,
         hyperparameters=Hyperparameters(
@@ -221,7 +226,7 @@ class FineTuningController(InferenceController):
         return json_response(job_json(await _ask(self.gw, CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
 
 
-async def _ask(gw: Gateway, subject: Any, msg: Any) -> FineTuneJob:
+async def _ask(gw: Gateway, subject: Subject[M], msg: M) -> FineTuneJob:
     try:
         reply = await gw.bus.request(subject, msg, timeout=30.0)
     except BusError as exc:

@@ -4,19 +4,34 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from coderai.contracts import (
     DiarizeResult,
     EmbedResult,
+    Final,
     OcrResult,
+    Output,
     Segment,
     TranscribeResult,
     Turn,
     Usage,
 )
+from coderai.gateway.errors import ApiError
+
+R = TypeVar("R", bound=Output)
+
+
+def result(final: Final, kind: type[R]) -> R:
+    """`final`'s output, which an engine of the op answers with a `kind`; a 502 when it answered with none."""
+    out = final.output
+    if not isinstance(out, kind):
+        raise ApiError(
+            502, f"The engine answered without a {kind.__name__}.", type="engine_error", code="engine_failed"
+        )
+    return out
 
 
 def rows(result: EmbedResult) -> list[bytes]:

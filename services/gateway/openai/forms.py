@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Literal, TypeVar, overload
 
+from litestar import Request
+from litestar.datastructures import UploadFile
 from msgspec import Meta
 
 from coderai.contracts import Blob
@@ -14,6 +16,7 @@ from coderai.gateway.errors import ApiError
 from coderai.gateway.http import number
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
+N = TypeVar("N", int, float)
 
 
 SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -69,6 +72,10 @@ class Form:
             raise ApiError(400, f"The field '{name}' is required.", param=name, code="missing_field")
         return value
 
+    @overload
+    def file(self, name: str, *, required: Literal[True] = True) -> Upload: ...
+    @overload
+    def file(self, name: str, *, required: bool) -> Upload | None: ...
     def file(self, name: str, *, required: bool = True) -> Upload | None:
         up = self.files.get(name)
         if up is None and required:
@@ -77,7 +84,11 @@ class Form:
             raise ApiError(400, f"The file in '{name}' is empty.", param=name, code="empty_file")
         return up
 
-    def number(self, name: str, kind: type, lo: float, hi: float, default: Any = None) -> Any:
+    @overload
+    def number(self, name: str, kind: type[N], lo: float, hi: float) -> N | None: ...
+    @overload
+    def number(self, name: str, kind: type[N], lo: float, hi: float, default: N) -> N: ...
+    def number(self, name: str, kind: type[N], lo: float, hi: float, default: N | None = None) -> N | None:
         raw = self.get(name)
         if raw is None or raw == "":
             return default
@@ -100,7 +111,7 @@ class Form:
         return value
 
 
-async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -> Form:
+async def read_form(request: Request, max_upload_bytes: int, upload: str = "file") -> Form:
     """Parse a multipart/form-data body; a file over `max_upload_bytes` is a 413 naming its field (`upload`
     when the whole body was over the route's limit before any field could be read)."""
     ctype = request.headers.get("content-type", "")
@@ -110,7 +121,7 @@ async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -
         form = await request.form()
     except ApiError:
         raise
-    except Exception as exc:  # noqa: BLE001 - litestar's parser raises several types for a broken body
+    except Exception as exc:  # litestar's parser raises several types for a broken body
         if getattr(exc, "status_code", None) == 413:
             raise ApiError(
                 413,
@@ -122,7 +133,7 @@ async def read_form(request: Any, max_upload_bytes: int, upload: str = "file") -
     out = Form()
     for name, value in form.multi_items():
         key = name[:-2] if name.endswith("[]") else name
-        if hasattr(value, "read"):
+        if isinstance(value, UploadFile):
             data = await value.read()
             if len(data) > max_upload_bytes:
                 raise ApiError(

@@ -12,10 +12,11 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from msgspec import Meta
 
-from coderai.contracts import Blob, ImageJob
+from coderai.contracts import Blob, ImageJob, ImageResult, RequestId
 from coderai.gateway import blob_urls
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
+from coderai.gateway.openai import formats
 from coderai.gateway.openai.forms import NonEmpty, blob, parse_size, read_form
 from coderai.gateway.pipeline import Call, answer
 from coderai.gateway.state import GatewayController, InferenceController
@@ -52,7 +53,7 @@ class ImagesController(InferenceController):
         req = await read_json(request, ImageRequest)
         w, h = parse_size(req.size, (512, 512))
         job = ImageJob(
-            request_id=new_request_id(),
+            request_id=RequestId(new_request_id()),
             model=req.model,
             prompt=req.prompt,
             n=req.n,
@@ -74,7 +75,7 @@ class ImagesController(InferenceController):
         size = form.get("size")
         w, h = parse_size(size, (0, 0)) if size else (0, 0)
         job = ImageJob(
-            request_id=new_request_id(),
+            request_id=RequestId(new_request_id()),
             model=form.require("model"),
             prompt=form.require("prompt"),
             n=form.number("n", int, 1, 10, 1),
@@ -84,7 +85,7 @@ class ImagesController(InferenceController):
             steps=form.number("steps", int, 1, 500),
             strength=form.number("strength", float, 0.0, 1.0),
             image=blob(image),
-            mask=blob(mask) if mask else None,  # type: ignore[arg-type]
+            mask=blob(mask) if mask else None,
         )
         fmt = form.choice("response_format", ("b64_json", "url"), "b64_json")
         return await _images(Call(self.gw, who, "image", job), request, fmt)
@@ -116,7 +117,7 @@ class BlobsController(GatewayController):
 
 async def _images(call: Call, request: Request, response_format: str) -> Response:
     final = await answer(call, request)
-    out = final.output
+    out = formats.result(final, ImageResult)
     data = []
     for img, seed in zip(out.images, out.seeds or [None] * len(out.images)):
         item: dict[str, Any] = {"revised_prompt": call.job.prompt}

@@ -17,8 +17,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -118,11 +118,15 @@ class ResponsesController(InferenceController):
             if req.store:
                 try:
                     await self._keep(rec, body)
-                except Exception as exc:  # noqa: BLE001 - the answer is out already; only its copy is lost
+                except Exception as exc:  # the answer is out already; only its copy is lost
                     log.warning("could not store response %s: %s", rec.id, exc)
             return tail
 
-        pieces = relay_stream(call, first, events.chunk, final, error=lambda err: events.fail(err)[0])
+        # relay_stream's iterator is an async generator (its annotation says only AsyncIterator): it can be closed
+        pieces = cast(
+            AsyncGenerator[bytes, None],
+            relay_stream(call, first, events.chunk, final, error=lambda err: events.fail(err)[0]),
+        )
 
         async def framed() -> AsyncIterator[bytes]:
             try:
@@ -130,7 +134,7 @@ class ResponsesController(InferenceController):
                 async for piece in pieces:
                     yield piece
             finally:
-                await pieces.aclose()  # type: ignore[attr-defined]  # a client gone: the relay stops the engine
+                await pieces.aclose()  # a client gone: the relay stops the engine
 
         return Stream(
             framed(), media_type="text/event-stream", headers={**call.response_headers(), **STREAM_HEADERS, **warn}
@@ -155,7 +159,7 @@ class ResponsesController(InferenceController):
             except asyncio.CancelledError:
                 call.abandon()  # accounted once, wherever it was
                 raise
-            except Exception as exc:  # noqa: BLE001 - nobody awaits this task: the record says how it ended
+            except Exception as exc:  # nobody awaits this task: the record says how it ended
                 message = exc.message if isinstance(exc, ApiError) else "Internal error; see the gateway log."
                 failed = response_body(
                     rec.id, rec.created_at, req, [], None, "failed", {"code": "server_error", "message": message}

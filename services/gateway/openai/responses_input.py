@@ -41,7 +41,7 @@ def input_items(req: ResponseRequest) -> list[dict[str, Any]]:
     return req.input
 
 
-def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _parts(content: object, where: str) -> str | list[dict[str, Any]]:
     """A message item's content as chat content: a string when it is all text, else chat parts."""
     if isinstance(content, str):
         return content
@@ -79,7 +79,7 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
     return out
 
 
-def _output_text(output: Any, where: str) -> str:
+def _output_text(output: object, where: str) -> str:
     if isinstance(output, str):
         return output
     text = _parts(output, where)
@@ -101,7 +101,8 @@ def to_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[
             raise _bad(f"{where} must be an object.", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            raw_role = item.get("role")
+            role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
                 raise _bad(f"{where}.role must be one of user, assistant, system, developer.", f"{where}.role")
             out.append({"role": role, "content": _parts(item.get("content"), where)})

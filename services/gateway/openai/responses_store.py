@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -26,6 +26,9 @@ from coderai.gateway.openai.files import mine
 from coderai.gateway.openai.responses_record import RUNNING, ResponseTenure, StoredResponse, not_found
 from coderai.gateway.takeover import keepalive, runner_id
 from coderai.gateway.state import Gateway
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
 
 log = logging.getLogger("coderai.gateway")
 
@@ -45,7 +48,7 @@ class Responses:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self._kv: Any = None
+        self._kv: KeyValue | None = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.owners: dict[str, str] = {}  # a running background response's id -> its key
         self.me = runner_id(getattr(getattr(gw, "settings", None), "node_id", ""))
@@ -95,10 +98,11 @@ class Responses:
             await self.gw.redis.zadd(ids, {rec.id: rec.created_at})
             await self.gw.redis.hset(ids + ":bytes", rec.id, size)
 
-    async def kv(self) -> Any:
-        if self._kv is None:
-            self._kv = await self.gw.bus.kv(RESPONSES)
-        return self._kv
+    async def kv(self) -> KeyValue:
+        kv = self._kv
+        if kv is None:
+            kv = self._kv = await self.gw.bus.kv(RESPONSES)
+        return kv
 
     async def _entry(self, resp_id: str) -> tuple[StoredResponse, int] | None:
         from nats.js.errors import KeyNotFoundError
@@ -111,6 +115,7 @@ class Responses:
             return None
         if entry is None or not entry.value:
             return None
+        assert entry.revision is not None  # an entry read from the bucket has its revision
         return msgspec.json.decode(entry.value, type=StoredResponse), entry.revision
 
     async def get(self, who: Caller, resp_id: str) -> StoredResponse:
@@ -228,14 +233,14 @@ class Responses:
             return True
 
         async def guarded() -> None:
-            keep = asyncio.create_task(
-                keepalive(tenure, asyncio.current_task(), REVOKE_CHECK_S, "background response", revoked)
-            )
+            me = asyncio.current_task()
+            assert me is not None  # guarded runs as a task (below)
+            keep = asyncio.create_task(keepalive(tenure, me, REVOKE_CHECK_S, "background response", revoked))
             try:
                 await work
             except asyncio.CancelledError:
                 pass
-            except Exception as exc:  # noqa: BLE001 - the outermost edge of a task nobody awaits
+            except Exception as exc:  # the outermost edge of a task nobody awaits
                 log.warning("background response %s failed: %s", resp_id, exc)
             finally:
                 keep.cancel()

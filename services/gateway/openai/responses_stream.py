@@ -44,7 +44,7 @@ class EventStream:
         self.finish_reason: str | None = None
         self.names = tool_names(req)  # namespace and custom tools, as the template names them
 
-    def _event(self, type_: str, **fields: Any) -> bytes:
+    def _event(self, type_: str, **fields: object) -> bytes:
         data = _enc.encode({"type": type_, "sequence_number": self.seq, **fields})
         self.seq += 1
         return b"event: " + type_.encode() + b"\ndata: " + data + b"\n\n"

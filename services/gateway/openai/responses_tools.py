@@ -130,7 +130,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 def dropped_tools(req: ResponseRequest) -> list[str]:
     """The hosted tools of a request, which the model cannot run and the job leaves out."""
-    return sorted({t.get("type") for t in req.tools or [] if t.get("type") in HOSTED_TOOLS})  # type: ignore[misc]
+    return sorted({t["type"] for t in req.tools or [] if t.get("type") in HOSTED_TOOLS})
 
 
 def tool_names(req: ResponseRequest) -> dict[str, tuple[str, str | None, bool]]:

@@ -94,12 +94,12 @@ class ResponseRequest(msgspec.Struct, kw_only=True):
     instructions: str | None = None
     previous_response_id: str | None = None
     background: bool | None = False
-    conversation: Any = None
+    conversation: object = None  # refused when given (as `prompt` is)
     include: list[str] | None = None
     max_output_tokens: PositiveInt | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
-    prompt: Any = None
+    prompt: object = None
     prompt_cache_key: str | None = None
     reasoning: dict[str, Any] | None = None
     store: bool | None = True
@@ -174,7 +174,7 @@ def response_job(
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         response_format=response_format(req.text),
-        stream=req.stream,
+        stream=bool(req.stream),  # null became False in __post_init__
         options={k: v for k, v in options.items() if v is not None} or None,
     )
     return job, conversation

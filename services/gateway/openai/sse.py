@@ -13,7 +13,7 @@ LOADING = b": loading the model\n\n"  # an SSE comment: clients skip it; it keep
 _enc = msgspec.json.Encoder()
 
 
-def sse(obj: Any) -> bytes:
+def sse(obj: object) -> bytes:
     return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
@@ -27,7 +27,7 @@ def usage_json(u: Usage) -> dict[str, Any]:
     }
 
 
-def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: Any) -> dict[str, Any]:
+def _body(prefix: str, obj: str, rid: str, created: int, model: str, **rest: object) -> dict[str, Any]:
     """The envelope every OpenAI chat/completion object and chunk shares, key order as OpenAI sends it (no
     `system_fingerprint`: OpenAI's schema has no null for it, and an engine has none to give)."""
     return {"id": f"{prefix}-{rid}", "object": obj, "created": created, "model": model, **rest}
