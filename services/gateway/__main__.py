@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from granian import Granian
     from granian.constants import HTTPModes, Interfaces
     from granian.http import HTTP1Settings
+    from granian.log import LogLevels
 
     from coderai.runtime.logging import setup_logging
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         http1_settings=HTTP1Settings(header_read_timeout=max(1, round(settings.header_timeout_s * 1000))),
         workers=settings.workers,
         backpressure=connection_limit(settings.max_connections),
-        log_level="warning",
+        log_level=LogLevels.warning,
         backlog=2048,
         log_dictconfig=GRANIAN_LOGGING,
     )

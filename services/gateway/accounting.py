@@ -172,7 +172,7 @@ class Accounts:
                     key.budget_period,
                     admission.held,
                 )
-            except Exception as exc:  # noqa: BLE001 - a lost charge must not fail an answered request
+            except Exception as exc:  # a lost charge must not fail an answered request
                 log.warning("could not charge key %s: %s", key.name, exc)
         trace.end(done)
         self.outbox.put(done)

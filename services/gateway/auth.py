@@ -86,7 +86,7 @@ class Authenticator:
             return False
         try:
             stored = await self.store.get(who.key.sha256)
-        except Exception:  # noqa: BLE001 - the key store blinked
+        except Exception:  # the key store blinked
             return False
         return stored is None or stored.revoked
 
@@ -96,7 +96,7 @@ class Authenticator:
             return False
         try:
             stored = await self.store.by_name(name)
-        except Exception:  # noqa: BLE001 - the key store blinked
+        except Exception:  # the key store blinked
             return False
         return stored is None or stored.revoked
 

@@ -66,12 +66,12 @@ class JSONAnswer:
         if self.headers:
             raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": self.status, "headers": raw})
-        await send({"type": "http.response.body", "body": self.body})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """`obj` as a JSON answer (the one JSON helper of the gateway)."""
-    return JSONAnswer(obj, status, headers)  # type: ignore[return-value]  # a Response to litestar
+    return JSONAnswer(obj, status, headers)  # type: ignore[return-value]  # litestar sends it by to_asgi_response
 
 
 def error_response(exc: ApiError) -> Response:
@@ -186,11 +186,11 @@ def _param_of(text: str) -> str | None:
 def number(name: str, raw: str, kind: type[N], lo: float, hi: float) -> N:
     """`raw` (a query or form field `name`) as a `kind` in [lo, hi]; a 400 naming it otherwise."""
     try:
-        value = kind(raw)  # type: ignore[call-arg]
+        value = kind(raw)
     except ValueError:
         what = "a whole number" if kind is int else "a number"
         raise ApiError(400, f"'{name}' must be {what}, not {raw!r}.", param=name, code="invalid_value") from None
-    if not lo <= value <= hi:  # type: ignore[operator]
+    if not lo <= value <= hi:
         raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}.", param=name, code="invalid_value")
     return value
 
@@ -211,12 +211,13 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     the handler is what the server logs as an application crash, with its traceback. A cancellation that is not
     the watch's alone (the server stopping) stays one."""
     task = asyncio.current_task()
-    watch = _Watch(request, task)  # type: ignore[arg-type]
+    assert task is not None  # a handler runs in a task
+    watch = _Watch(request, task)
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
     try:
         return await work
     except asyncio.CancelledError:
-        if watch.gone and task is not None and task.uncancel() == 0:
+        if watch.gone and task.uncancel() == 0:
             raise ClientGone() from None
         raise
     finally:

@@ -26,7 +26,9 @@ from coderai.gateway.ollama_answers import (
     ndjson_stream,
     ollama_tool_calls,
 )
-from coderai.gateway.ollama_models import FOREVER, OllamaModelRoutes, model_json, running_json  # noqa: F401 - FOREVER, model_json, running_json: imported from here too
+from coderai.gateway.ollama_models import FOREVER as FOREVER  # re-exported, as running_json: tests import them here
+from coderai.gateway.ollama_models import OllamaModelRoutes
+from coderai.gateway.ollama_models import running_json as running_json
 from coderai.gateway.ollama_types import (
     NDJSON,
     ChatRequest,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Request
@@ -62,11 +63,13 @@ class ToolCalls:
     def __init__(self) -> None:
         self.calls: dict[int, dict[str, Any]] = {}
 
-    def add(self, deltas: Any) -> None:
+    def add(self, deltas: object) -> None:
         for d in deltas if isinstance(deltas, list) else ():
             if not isinstance(d, dict):
                 continue
-            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            fn = d.get("function")
+            if not isinstance(fn, dict):
+                fn = {}
             call = self.calls.setdefault(int(d.get("index") or 0), {"function": {"name": "", "arguments": ""}})
             for part in ("name", "arguments"):
                 if isinstance(fn.get(part), str):
@@ -113,7 +116,13 @@ def generate_piece(model: str, frame: Chunk) -> bytes:
     )
 
 
-async def ndjson_stream(call: Call, request: Request, chunk: Any, head: Any, before_last: Any = None) -> Stream:
+async def ndjson_stream(
+    call: Call,
+    request: Request,
+    chunk: Callable[[Chunk], bytes],
+    head: Callable[[Final], dict[str, Any]],
+    before_last: Callable[[], bytes] | None = None,
+) -> Stream:
     """NDJSON: an object per piece, then (`before_last()`: the tool calls) one with `done` and the counts; an engine
     failure mid-stream is a last `{"error": ...}` line, as Ollama writes it."""
     reason: list[str | None] = [None]  # a streamed answer's finish reason rides on its last chunk

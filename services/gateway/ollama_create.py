@@ -23,6 +23,7 @@ from litestar.response import Stream
 
 from coderai.catalog.store import ModelStore
 from coderai.contracts import GGUF_FAMILIES, ModelConfig
+from coderai.contracts.families import EngineFamily
 from coderai.contracts.admin import AddModelRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ADD
 from coderai.gateway.admin.models import change_model, checked_name
@@ -178,10 +179,10 @@ class OllamaCreateRoutes(InferenceController):
             part.unlink(missing_ok=True)
         return Response(content=b"", status_code=201)
 
-    def _gguf_engine(self) -> str:
+    def _gguf_engine(self) -> EngineFamily:
         """The llama.cpp family a GGUF made here is served by: the one the served GGUF models use when they agree
         (what this cluster's nodes run), else llama-server, as the catalogue's GGUFs are."""
-        families = {m.engine for m in self.gw.catalog.models.values() if m.engine in GGUF_FAMILIES}
+        families: set[EngineFamily] = {m.engine for m in self.gw.catalog.models.values() if m.engine in GGUF_FAMILIES}
         return families.pop() if len(families) == 1 else "llama-server"
 
     def _from_blobs(self, name: str, digests: list[str]) -> tuple[ModelConfig, list[str]]:
@@ -220,7 +221,7 @@ class OllamaCreateRoutes(InferenceController):
         cfg = ModelConfig(
             name=name,
             engine=self._gguf_engine(),
-            path=str(main),  # type: ignore[arg-type]  # a str of GGUF_FAMILIES
+            path=str(main),
             store_path=str(main.relative_to(store.root)),
             params={"mmproj": str(projector)} if projector else {},
         )

@@ -145,7 +145,7 @@ class Journal:
                     events.append(decode(body[1:], RequestCompleted))
                 elif body[:1] == b"A":
                     acked.update(json.loads(body[1:]))
-            except Exception:  # noqa: BLE001 - signed but unreadable: an older version's shape
+            except Exception:  # signed but unreadable: an older version's shape
                 log.warning("journal %s: a line that does not read, skipped", path.name)
         if forged:
             log.warning(

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from coderai.contracts import Chunk, Final, ModelConfig, RouteRequest, Usage
+from coderai.contracts.jobs import EngineOp
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway import pipeline_account, pipeline_admit, pipeline_route, seal
@@ -78,7 +79,7 @@ class Call:
         self,
         gw: Gateway,
         who: Caller,
-        op: str,
+        op: EngineOp,
         job: Any,
         route: RouteRequest | None = None,
         keep_alive_s: float | None = None,
@@ -88,11 +89,12 @@ class Call:
         `keep_alive_s`: how long the model should then stay loaded idle (Ollama's keep_alive), None: its own;
         `client_id`: the client's own id for it, kept with its usage (None: the HTTP request's
         X-Client-Request-Id)."""
-        self.gw, self.who, self.op, self.job = gw, who, op, job
+        self.gw, self.who, self.job = gw, who, job
+        self.op: EngineOp = op
         self.client_id = client_request_id_var.get() if client_id is None else client_id
         self.keep_alive_s = keep_alive_s
         self.on_loading: Callable[[], None] | None = None  # called if the model must first be loaded on demand
-        self.route = route or RouteRequest(request_id=job.request_id, model=job.model, op=op)  # type: ignore[arg-type]
+        self.route = route or RouteRequest(request_id=job.request_id, model=job.model, op=op)
         self.spec = OPS[op]
         self.started = time.monotonic()
         self.created = int(time.time())

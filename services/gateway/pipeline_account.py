@@ -50,7 +50,7 @@ async def finish(call: Call, final: Final | None = None, usage: Usage | None = N
         op=call.op,
         status=call.status,
         http_status=call.http_status,
-        engine_id=call.engine_id,  # type: ignore[arg-type]
+        engine_id=call.engine_id,
         node_id=call.node_id,
         duration_s=time.monotonic() - call.started,
         ttft_s=call.ttft_s,

@@ -160,5 +160,5 @@ async def _refresh(call: Call, held: Reservation) -> None:
         await asyncio.sleep(REFRESH_EVERY_S)
         try:
             await call.gw.accounts.refresh(held)
-        except Exception as exc:  # noqa: BLE001 - Redis blinked: the next tick tries again
+        except Exception as exc:  # Redis blinked: the next tick tries again
             log.warning("could not refresh the budget reservation of %s: %s", call.job.request_id, exc)

@@ -67,7 +67,8 @@ def relay_stream(
         try:
             while not isinstance(frame, Final):  # per token: `Call.next` inlined
                 yield chunk(frame)
-                frame = await next_frame(stream)  # type: ignore[arg-type]
+                assert stream is not None  # a chunk came on it (a fan-out's answer is one Final)
+                frame = await next_frame(stream)
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
             last, ended = frame, True

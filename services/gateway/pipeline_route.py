@@ -111,7 +111,8 @@ async def queued(call: Call, send: Callable[[Any, dict[str, str]], Awaitable[Fin
 
 async def next_after(call: Call) -> Chunk | Final:
     """The frame after the first ones; an engine's error is raised as a BusError."""
-    frame = await next_frame(call.stream)  # type: ignore[arg-type]
+    assert call.stream is not None  # the frames before came on it (a fan-out's answer is one Final)
+    frame = await next_frame(call.stream)
     if isinstance(frame, ErrorReply):
         raise BusError.from_reply(frame)
     return frame

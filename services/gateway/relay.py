@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -86,7 +86,7 @@ class Relay:
         self,
         req: RouteRequest,
         headers: dict[str, str],
-        reason: str,
+        reason: Literal["no_engine", "busy"],
         fallback: RouteDecision | BusError,
         on_loading: Callable[[], None] | None = None,
     ) -> RouteDecision:
@@ -113,7 +113,7 @@ class Relay:
         self,
         req: RouteRequest,
         headers: dict[str, str],
-        reason: str,
+        reason: Literal["no_engine", "busy"],
         fallback: RouteDecision | BusError,
         announced: asyncio.Event,
         on_loading: Callable[[], None] | None,
@@ -121,7 +121,7 @@ class Relay:
         try:
             reply = await self.bus.request(
                 CMD_SCHEDULER_ESCALATE,
-                EscalateRequest(model=req.model, reason=reason),  # type: ignore[arg-type]
+                EscalateRequest(model=req.model, reason=reason),
                 timeout=self.settings.route_timeout_s + 15.0,
                 headers=headers,
             )

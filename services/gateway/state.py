@@ -71,7 +71,7 @@ class Gateway:
         # metrics service (which made it before) is down, and a publish always has a stream to ack it
         try:
             await self.bus.ensure_stream(EVENTS)
-        except Exception as exc:  # noqa: BLE001 - JetStream not ready: the outbox keeps the events until it is
+        except Exception as exc:  # JetStream not ready: the outbox keeps the events until it is
             log.warning("could not create the EVENTS stream yet (%s)", exc)
         self.accounts.start()
         self.catalog = Catalog(self.bus)
@@ -83,7 +83,7 @@ class Gateway:
         # workers store large outputs there but may not create it: it must exist before the first one answers
         try:
             await self.blobs.store()
-        except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: the first upload here creates it
+        except Exception as exc:  # JetStream not ready yet: the first upload here creates it
             log.warning("could not create the blob store yet (%s); the first upload will", exc)
         await BlobService(self.blobs).start(self.bus)  # nodes read and write blobs only through this, by name
         log.info("gateway listening on http://%s:%d", self.settings.host, self.settings.port)

@@ -22,18 +22,41 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
+from coderai.contracts.topology import BucketSpec
 from coderai.gateway.auth import Authenticator, Caller
 from coderai.gateway.state import Gateway
 from coderai.runtime.mirror import KVMirror
 
 log = logging.getLogger("coderai.gateway")
 
-R = TypeVar("R", bound=msgspec.Struct)  # a record: it has `id`, `runner` and `updated_at`
+
+class Record(Protocol):
+    """What this module reads of a record (a msgspec Struct: `VideoRecord`, `BatchRecord`, `StoredResponse`)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def runner(self) -> str: ...
+
+    @property
+    def updated_at(self) -> float: ...
+
+
+R = TypeVar("R", bound=Record)
+
+
+def replace(rec: R, **changes: Any) -> R:
+    """`msgspec.structs.replace` for a record: a record is a Struct with `Record`'s fields, which no one type says
+    (a Protocol cannot also be a Struct), so it goes through as the Struct it is."""
+    return cast(R, msgspec.structs.replace(cast(msgspec.Struct, rec), **changes))
+
 
 RACES = 5  # write races a runner loses in a row before it takes the record for lost
 
@@ -46,9 +69,9 @@ class Tenure(Generic[R]):
     """One gateway's hold on one record (`rec`, at `revision`): each write names the revision it replaces. The
     keep-alive and the job's own writes never interleave (`lock`)."""
 
-    record: ClassVar[type]  # the records' struct, to read them back
+    record: type[R]  # the records' struct, to read them back (set on the subclass)
 
-    def __init__(self, kv: Any, rec: R, revision: int) -> None:
+    def __init__(self, kv: KeyValue, rec: R, revision: int) -> None:
         self.kv, self.rec, self.revision = kv, rec, revision
         self.lock = asyncio.Lock()
 
@@ -62,7 +85,7 @@ class Tenure(Generic[R]):
         """Change the record (and `updated_at`) and write it; `Superseded` when another runner holds it now."""
         async with self.lock:
             for _ in range(RACES):
-                rec = msgspec.structs.replace(self.rec, **changes, updated_at=time.time())
+                rec = replace(self.rec, **changes, updated_at=time.time())
                 try:
                     self.revision = await self.kv.update(rec.id, msgspec.json.encode(rec), last=self.revision)
                     self.rec = rec
@@ -74,6 +97,7 @@ class Tenure(Generic[R]):
     async def reread(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Take the record as it is now (when `lost` accepts the change that made it so); the lock is held."""
         entry = await self.kv.get(self.rec.id)
+        assert entry.value is not None and entry.revision is not None  # `get` of a live key has both
         current = msgspec.json.decode(entry.value, type=self.record)
         if current.runner != self.rec.runner:
             raise Superseded(f"{self.rec.id} is now run by {current.runner or 'another gateway'}")
@@ -83,7 +107,7 @@ class Tenure(Generic[R]):
 
 
 async def keepalive(
-    tenure: Tenure[Any],
+    tenure: Tenure[R],
     work: asyncio.Task,
     every_s: float,
     what: str,
@@ -105,7 +129,7 @@ async def keepalive(
             log.warning("%s %s: %s; stopping here", what, tenure.rec.id, exc)
             work.cancel()
             return
-        except Exception as exc:  # noqa: BLE001 - the bus blinked: try again at the next tick
+        except Exception as exc:  # the bus blinked: try again at the next tick
             log.warning("%s %s: could not touch its record (%s)", what, tenure.rec.id, exc)
 
 
@@ -130,8 +154,8 @@ class Takeovers(Generic[R]):
     """Enter `lifespan` after the gateway's own (the bus must be up); leaving it stops the jobs running here,
     which another replica (or this gateway, restarted) then takes over."""
 
-    bucket: ClassVar[Any]  # the KV bucket's spec
-    record: ClassVar[type]  # its records' struct
+    bucket: ClassVar[BucketSpec]  # the KV bucket's spec
+    record: type[R]  # its records' struct (set on the subclass)
     what: ClassVar[str]  # "batch", "video job": for the logs
 
     def __init__(self, gw: Gateway, after_s: float) -> None:
@@ -153,11 +177,11 @@ class Takeovers(Generic[R]):
     def claim(self, rec: R) -> R:
         raise NotImplementedError
 
-    async def resume(self, kv: Any, was: R, taken: R, revision: int) -> None:
+    async def resume(self, kv: KeyValue, was: R, taken: R, revision: int) -> None:
         """Run a record this gateway just claimed (`taken`, at `revision`; `was` as its last runner left it)."""
         raise NotImplementedError
 
-    async def kv(self) -> Any:
+    async def kv(self) -> KeyValue:
         raise NotImplementedError
 
     def track(self, rec_id: str, task: asyncio.Task) -> None:
@@ -187,7 +211,7 @@ class Takeovers(Generic[R]):
                 await self.sweep()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the bus blinked: sweep again at the next tick
+            except Exception as exc:  # the bus blinked: sweep again at the next tick
                 log.warning("%s sweep failed: %s", self.what, exc)
 
     @contextlib.asynccontextmanager

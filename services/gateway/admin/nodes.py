@@ -3,14 +3,14 @@ and model placement. Each route is a thin bridge to one bus command; the schedul
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 
 from coderai import heads
-from coderai.contracts import BusError
+from coderai.contracts import BusError, SplitPlan
 from coderai.contracts.admin import DrainRequest, NodeLogsRequest, NodesRequest, PlaceRequest
 from coderai.contracts.subjects import (
     CMD_NODE_DRAIN,
@@ -27,19 +27,22 @@ from coderai.gateway.state import AdminController, Gateway
 from coderai.runtime.leader import leaders
 
 
-async def ask(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Any:
-    """A bus command's reply; its errors as the API's (a node that does not answer: 404)."""
+async def ask(gw: Gateway, subject: Subject, msg: msgspec.Struct, node_id: str | None = None) -> Any:
+    """A bus command's reply (to a node's subject with `node_id`); its errors as the API's (a node that does not
+    answer: 404)."""
     try:
-        return await gw.bus.request(subject, msg, timeout=5.0, **params)
+        if node_id is None:
+            return await gw.bus.request(subject, msg, timeout=5.0)
+        return await gw.bus.request(subject, msg, timeout=5.0, node_id=node_id)
     except BusError as exc:
-        if exc.code == "no_engine" and "node_id" in params:
-            raise ApiError(404, f"node {params['node_id']!r} is not reachable", code="node_not_found") from None
+        if exc.code == "no_engine" and node_id is not None:
+            raise ApiError(404, f"node {node_id!r} is not reachable", code="node_not_found") from None
         raise from_bus(exc, gw.settings.retry_after_s) from None
 
 
-async def relay(gw: Gateway, subject: Subject, msg: Any, **params: str) -> Response:
+async def relay(gw: Gateway, subject: Subject, msg: msgspec.Struct, node_id: str | None = None) -> Response:
     """The command's reply as the answer's JSON."""
-    return json_response(msgspec.to_builtins(await ask(gw, subject, msg, **params)))
+    return json_response(msgspec.to_builtins(await ask(gw, subject, msg, node_id)))
 
 
 def _node(value: str) -> str:
@@ -66,7 +69,7 @@ class NodesController(AdminController):
             held = await leaders(kv)
         except BusError as exc:
             raise from_bus(exc, self.gw.settings.retry_after_s) from None
-        except Exception as exc:  # noqa: BLE001 - the bus is down or its JetStream not ready
+        except Exception as exc:  # the bus is down or its JetStream not ready
             raise ApiError(
                 503,
                 f"the bus did not answer: {type(exc).__name__}",
@@ -85,7 +88,7 @@ class NodesController(AdminController):
         ]
         try:  # several heads (docs/ha.md): each as it recorded itself; none with one head
             urls = await heads.client_urls(self.gw.bus)
-        except Exception:  # noqa: BLE001 - the heads' bucket not answering leaves the rest of the answer useful
+        except Exception:  # the heads' bucket not answering leaves the rest of the answer useful
             urls = []
         return json_response(
             {
@@ -102,7 +105,7 @@ class NodesController(AdminController):
         reply = await ask(self.gw, CMD_SCHEDULER_NODES, NodesRequest())
         engine_warnings = {(n.heartbeat.node_id, e.model): e.warning for n in reply.nodes for e in n.heartbeat.engines}
 
-        def warning(name: str, p: Any) -> str:  # the plan's (configured link) and the engine's (measured link)
+        def warning(name: str, p: SplitPlan) -> str:  # the plan's (configured link) and the engine's (measured link)
             return "; ".join(w for w in (p.warning, engine_warnings.get((p.devices[0].node_id, name), "")) if w)
 
         data = [
@@ -143,6 +146,6 @@ class NodesController(AdminController):
         return await _placement(request, self.gw, model, "unplace")
 
 
-async def _placement(request: Request, gw: Gateway, model: str, action: str) -> Response:
+async def _placement(request: Request, gw: Gateway, model: str, action: Literal["place", "unplace"]) -> Response:
     target = await read_json(request, _Target, empty=b"{}")
-    return await relay(gw, CMD_SCHEDULER_PLACE, PlaceRequest(model=model, node=target.node, action=action))  # type: ignore[arg-type]
+    return await relay(gw, CMD_SCHEDULER_PLACE, PlaceRequest(model=model, node=target.node, action=action))

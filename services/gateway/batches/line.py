@@ -48,7 +48,7 @@ async def answer(gw: Gateway, line: validation.Line, who: Caller, lane: queue.La
                 status_code=err.status,
                 body=msgspec.Raw(err.encode()),
             )
-        except Exception as exc:  # noqa: BLE001 - one line's bug fails that line, not the batch
+        except Exception as exc:  # one line's bug fails that line, not the batch
             log.exception("batch line %s failed", line.custom_id)
             err = ApiError(500, f"Internal error: {type(exc).__name__}", type="server_error", code="internal")
             return LineResult(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, encode, model_key
+from coderai.contracts.jobs import EngineOp
 from coderai.contracts.subjects import WORK_PART
 from coderai.runtime.bus import Silence
 
@@ -42,7 +43,7 @@ class Lanes:
         return self.lanes.setdefault((model, op), Lane())
 
 
-async def send(gw: Gateway, lane: Lane, op: str, job: Any, headers: dict[str, str]) -> Final:
+async def send(gw: Gateway, lane: Lane, op: EngineOp, job: Any, headers: dict[str, str]) -> Final:
     """Publish `job` as a one-part `WorkPart` and wait for its `Final` (its error as a BusError)."""
     timeout_s = gw.settings.part_timeout_s
     stream, reply = await gw.bus.expect_stream(timeout_s / 2)
@@ -53,7 +54,7 @@ async def send(gw: Gateway, lane: Lane, op: str, job: Any, headers: dict[str, st
             op=op,
             part=0,
             parts=1,
-            reply=reply,  # type: ignore[arg-type]
+            reply=reply,
             job=msgspec.Raw(encode(job)),
         )
         await gw.bus.js.publish(WORK_PART(model_key=model_key(job.model), op=op), encode(part), headers=headers)

@@ -126,7 +126,9 @@ class BatchRunner(Takeovers[BatchRecord]):
         await takeover.keepalive(tenure, work, self.touch_every_s, self.what, cancelled)
 
     async def work(self, tenure: BatchTenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
-        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task()))  # type: ignore[arg-type]
+        me = asyncio.current_task()
+        assert me is not None  # `spawn` runs the batch as its own task
+        keep = asyncio.create_task(self.keepalive(tenure, me))
         try:
             if lines is None or who is None:  # taken over: the lines and the caller again, from the record
                 lines, who = await self.reload(tenure)
@@ -153,7 +155,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             who = await caller_for(self.gw.auth, rec.key_name)
             data = (await (await self.records.files()).get(rec.input_file_id)).data or b""
             lines, errors = await self.parse(data, rec.endpoint)
-        except Exception as exc:  # noqa: BLE001 - the input file was deleted, or the key store is down
+        except Exception as exc:  # the input file was deleted, or the key store is down
             errors, lines, who = (
                 [
                     LineError(

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from coderai.contracts import Final
+from coderai.contracts import ChatJob, EmbedJob, Final
+from coderai.contracts.jobs import EngineOp
 from coderai.gateway.batches.records import LineError
 from coderai.gateway.errors import ApiError
 from coderai.gateway.openai import formats, sse
 from coderai.gateway.openai.chat_types import ChatCompletionRequest, chat_job
 from coderai.gateway.openai.embeddings import EmbeddingRequest, embed_job
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embed", "/v1/responses": "chat"}
+ENDPOINTS: dict[str, EngineOp] = {"/v1/chat/completions": "chat", "/v1/embeddings": "embed", "/v1/responses": "chat"}
 MAX_LINES = 50_000  # OpenAI's bound on one batch
 
 Render = Callable[[Final, str, int], dict[str, Any]]  # (answer, request id, created) -> the response body
@@ -29,12 +30,12 @@ class Line:
 
     index: int
     custom_id: str
-    op: str
-    job: Any
+    op: EngineOp
+    job: ChatJob | EmbedJob
     render: Render
 
 
-def parse(data: bytes, endpoint: str, check_model: Callable[[str, str], Any]) -> tuple[list[Line], list[LineError]]:
+def parse(data: bytes, endpoint: str, check_model: Callable[[str, str], object]) -> tuple[list[Line], list[LineError]]:
     """The file's requests, and what is wrong with the others (each error names its line, from 1).
     `check_model(model, op)` raises the ApiError a request for that model would get."""
     op = ENDPOINTS[endpoint]
@@ -69,7 +70,7 @@ def _bad(code: str, message: str, param: str | None = None) -> ApiError:
 
 
 def _line(
-    raw: bytes, endpoint: str, op: str, index: int, seen: set[str], check_model: Callable[[str, str], Any]
+    raw: bytes, endpoint: str, op: EngineOp, index: int, seen: set[str], check_model: Callable[[str, str], object]
 ) -> Line:
     try:
         obj = msgspec.json.decode(raw)
@@ -104,14 +105,17 @@ def _line(
     return Line(index=index, custom_id=custom_id, op=op, job=job, render=render)
 
 
-def _request(body: dict[str, Any], type_: type) -> Any:
+T = TypeVar("T")
+
+
+def _request(body: dict[str, Any], type_: type[T]) -> T:
     try:
         return msgspec.convert(body, type_)
     except msgspec.ValidationError as exc:
         raise _bad("invalid_request", f"Invalid request: {exc}") from None
 
 
-def _job(endpoint: str, body: dict[str, Any]) -> tuple[Any, Render]:
+def _job(endpoint: str, body: dict[str, Any]) -> tuple[ChatJob | EmbedJob, Render]:
     """The job (with a request id drawn again when the line runs) and how its answer becomes the body."""
     if endpoint == "/v1/chat/completions":
         chat = _request(body, ChatCompletionRequest)
@@ -124,7 +128,7 @@ def _job(endpoint: str, body: dict[str, Any]) -> tuple[Any, Render]:
     return _responses(body)
 
 
-def _responses(body: dict[str, Any]) -> tuple[Any, Render]:
+def _responses(body: dict[str, Any]) -> tuple[ChatJob, Render]:
     from coderai.gateway.openai import responses_types as rt  # its own module; imported where it is used
 
     req = rt.parse_request(body)

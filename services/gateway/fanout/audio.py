@@ -8,13 +8,16 @@ import itertools
 import re
 import wave
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from msgspec.structs import replace
 
-from coderai.contracts.media import Blob, SpeechResult, TranscribeResult
+from coderai.contracts.media import Blob, SpeechJob, SpeechResult, TranscribeJob, TranscribeResult
 from coderai.gateway.errors import ApiError
 from coderai.gateway.fanout.parts import MergeError, Plan
+
+if TYPE_CHECKING:
+    import numpy as np
 
 STT_RATE = 16000  # what Whisper-family models resample to anyway, so pieces lose nothing they would have kept
 STT_PIECE_S = 30.0  # Whisper decodes 30 s windows: a shorter piece costs a whole window and loses context
@@ -60,7 +63,7 @@ def group_sizes(weights: list[int], parts: int) -> list[int]:
     return [b - a for a, b in itertools.pairwise(cuts)]
 
 
-def plan_speech(job: Any, count: Callable[[int], int]) -> Plan | None:
+def plan_speech(job: SpeechJob, count: Callable[[int], int]) -> Plan | None:
     # wav joins exactly; pcm (resampled to 24 kHz by each part's engine) joins with under a sample of phase shift
     # per cut, in the silence between sentences; compressed formats would need re-encoding, and their frames click
     if job.response_format not in ("wav", "pcm"):
@@ -89,6 +92,8 @@ def _join_wav(parts: list[bytes]) -> bytes:
                 frames.append(r.readframes(r.getnframes()))
     except (wave.Error, EOFError) as e:
         raise MergeError(f"speech: a part is not a PCM WAV: {e}") from e
+    if params is None:
+        raise MergeError("speech: no parts to join")
     return _wav(b"".join(frames), params[2], channels=params[0], width=params[1])
 
 
@@ -100,9 +105,9 @@ def _wav(frames: bytes, rate: int, *, channels: int = 1, width: int = 2) -> byte
     return buf.getvalue()
 
 
-def merge_speech(job: Any, plan: Plan, outputs: list) -> SpeechResult:
-    audios = [o.audio for o in outputs]
-    if any(a is None or (not a.data and a.name) for a in audios):
+def merge_speech(job: SpeechJob, plan: Plan, outputs: list[SpeechResult]) -> SpeechResult:
+    audios = [o.audio for o in outputs if o.audio is not None and (o.audio.data or not o.audio.name)]
+    if len(audios) != len(outputs):
         raise MergeError("speech: every part's audio must be inline bytes (fetch stored blobs before merging)")
     data = b"".join(a.data for a in audios) if job.response_format == "pcm" else _join_wav([a.data for a in audios])
     audio = replace(audios[0], data=data, size=len(data), name="")
@@ -121,16 +126,17 @@ def _too_long(seconds: float, max_s: float) -> ApiError:
     )
 
 
-def _decode(data: bytes, max_s: float = MAX_AUDIO_S) -> Any:
+def _decode(data: bytes, max_s: float = MAX_AUDIO_S) -> np.ndarray | None:
     """`data` (any container ffmpeg reads) as int16 mono at STT_RATE, or None where it cannot be decoded. Past
     `max_s` of audio a 400: by the length the container says before anything is decoded, and by the samples as
     they come (a small file of silence can decode to gigabytes, whatever its header claims)."""
     import av
+    import av.error
     import numpy as np
 
     chunks, samples, limit = [], 0, int(max_s * STT_RATE)
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if container.duration and container.duration / av.time_base > max_s:
                 raise _too_long(container.duration / av.time_base, max_s)
             resampler = av.AudioResampler(format="s16", layout="mono", rate=STT_RATE)
@@ -141,12 +147,12 @@ def _decode(data: bytes, max_s: float = MAX_AUDIO_S) -> Any:
                 if samples > limit:
                     raise _too_long(samples / STT_RATE, max_s)
             chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
-    except (av.FFmpegError, IndexError, ValueError):
+    except (av.error.FFmpegError, IndexError, ValueError):
         return None  # the engine gets the whole upload and reports the error in its own words
     return np.concatenate(chunks).astype("<i2") if chunks else None
 
 
-def silence_cuts(pcm: Any, parts: int, rate: int = STT_RATE) -> list[int]:
+def silence_cuts(pcm: np.ndarray, parts: int, rate: int = STT_RATE) -> list[int]:
     """`parts - 1` sample indices that cut `pcm` into pieces of roughly equal length, each at the quietest 100 ms
     window within +-20% of a piece's length from its ideal point (the nearest such window on a tie)."""
     import numpy as np
@@ -175,7 +181,7 @@ def silence_cuts(pcm: Any, parts: int, rate: int = STT_RATE) -> list[int]:
     return cuts
 
 
-def plan_transcribe(job: Any, count: Callable[[int], int]) -> Plan | None:
+def plan_transcribe(job: TranscribeJob, count: Callable[[int], int]) -> Plan | None:
     if not job.audio.data:
         return None  # stored by name: the engine fetches it; cutting it here would mean fetching it twice
     try:
@@ -197,7 +203,7 @@ def plan_transcribe(job: Any, count: Callable[[int], int]) -> Plan | None:
     return Plan(jobs, [a / STT_RATE for a in bounds[:-1]])
 
 
-def merge_transcribe(job: Any, plan: Plan, outputs: list) -> TranscribeResult:
+def merge_transcribe(job: TranscribeJob, plan: Plan, outputs: list[TranscribeResult]) -> TranscribeResult:
     segments = []
     for off, out in zip(plan.offsets, outputs):
         for s in out.segments:

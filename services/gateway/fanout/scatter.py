@@ -17,6 +17,7 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from coderai.contracts import BusError, ErrorReply, Final, Frame, WorkPart, encode, model_key
+from coderai.contracts.jobs import EngineOp
 from coderai.contracts.subjects import WORK_PART
 from coderai.contracts.topology import WORK
 from coderai.contracts.work import work_consumer
@@ -34,7 +35,7 @@ INFO_TIMEOUT_S = 0.5  # a consumer with a leader says how it is in milliseconds
 SLOW_S = 2.0  # a fan-out slower than this is logged (a queue that stalled: a head's death, workers all busy)
 
 
-async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dict[str, str]) -> Final:
+async def scatter(gw: Gateway, op: EngineOp, job: Any, plan: plans.Plan, headers: dict[str, str]) -> Final:
     """Run every part of `plan` on whichever workers pull them; the merged answer as one `Final`."""
     n = len(plan.jobs)
     streams: list[FrameStream] = []
@@ -51,7 +52,7 @@ async def scatter(gw: Gateway, op: str, job: Any, plan: plans.Plan, headers: dic
                 op=op,
                 part=i,
                 parts=n,
-                reply=reply,  # type: ignore[arg-type]
+                reply=reply,
                 job=msgspec.Raw(encode(sub)),
             )
             # a healthy stream acks in milliseconds; one whose leader died with its head does not for seconds, and

@@ -23,7 +23,7 @@ from coderai.contracts import (
     KeepAlive,
     Usage,
 )
-from coderai.contracts.media import VideoJob
+from coderai.contracts.media import Blob, VideoJob
 from coderai.contracts.models import ModelConfig
 from coderai.contracts.stages import (
     Handoff,
@@ -112,9 +112,9 @@ async def run(
     update: Update,
     handoff: Handoff | None = None,
     history: list[StageRun] | None = None,
-) -> StageDone:
-    """The whole relayed job; the decode stage's `StageDone` (its `video` is the stored MP4). `handoff` and
-    `history`: where a job stopped before, to go on from."""
+) -> Blob:
+    """The whole relayed job; the stored MP4 its decode stage left. `handoff` and `history`: where a job stopped
+    before, to go on from."""
     call = Call(gw, who, "video", job)
     await call.admit()
     headers = call.bus_headers()
@@ -143,7 +143,7 @@ async def run(
         last_write = [0.0]
         done: StageDone | None = None
         while i < len(plan.stages):
-            stage = plan.stages[i]
+            stage: Stage = plan.stages[i]
             await update(
                 status="in_progress",
                 stage=stage.kind,
@@ -195,8 +195,9 @@ async def run(
             i += 1
         if done is None or done.video is None:
             raise BusError("internal", "the plan ended without a decode stage")
+        video = done.video
     except BaseException as exc:
         raise await call.fail(exc) from None
     call.engine_id = done.engine_id
     await call.finish(usage=usage)
-    return done
+    return video

@@ -10,8 +10,9 @@ import time
 from typing import Any
 
 import msgspec
+from nats.js.kv import KeyValue
 
-from coderai.contracts import Chunk, VideoJob
+from coderai.contracts import Chunk, VideoJob, VideoResult
 from coderai.contracts.topology import VIDEOS
 from coderai.gateway.auth import Caller
 from coderai.gateway.errors import ApiError
@@ -35,7 +36,9 @@ class VideoJobs(Takeovers[VideoRecord]):
 
     def __init__(self, gw: Gateway) -> None:
         super().__init__(gw, min(max(1.0, gw.settings.video_takeover_s), STALE_S / 2))
-        self.bucket_kv: list[Any] = []  # bound once: every progress write and GET would otherwise ask JetStream for it
+        self.bucket_kv: list[
+            KeyValue
+        ] = []  # bound once: every progress write and GET would otherwise ask JetStream for it
 
     def live(self, rec: VideoRecord) -> bool:
         return records.running(rec)
@@ -46,7 +49,7 @@ class VideoJobs(Takeovers[VideoRecord]):
     def claim(self, rec: VideoRecord) -> VideoRecord:
         return claim(rec, self.me, time.time())
 
-    async def kv(self) -> Any:
+    async def kv(self) -> Any:  # a KeyValue (openai/videos.py reads its entries as they come)
         if not self.bucket_kv:
             self.bucket_kv.append(await self.gw.bus.kv(VIDEOS))
         return self.bucket_kv[0]
@@ -78,7 +81,9 @@ class VideoJobs(Takeovers[VideoRecord]):
     async def work(self, tenure: VideoTenure, job: VideoJob, who: Caller) -> None:
         gw, rec = self.gw, tenure.rec
         revoked: list[bool] = []
-        keep = asyncio.create_task(self.keepalive(tenure, asyncio.current_task(), who, revoked))
+        me = asyncio.current_task()
+        assert me is not None  # `spawn` runs the job as its own task
+        keep = asyncio.create_task(self.keepalive(tenure, me, who, revoked))
         last = [0.0]
 
         async def on_chunk(chunk: Chunk) -> None:
@@ -91,11 +96,16 @@ class VideoJobs(Takeovers[VideoRecord]):
         try:
             try:
                 if relay.is_staged(await gw.find_model(job.model, "video")):
-                    done = await relay.run(gw, who, job, tenure.save, handoff=rec.handoff, history=list(rec.stages))
-                    stored_name = done.video.name  # the decode node stored the MP4
+                    video = await relay.run(gw, who, job, tenure.save, handoff=rec.handoff, history=list(rec.stages))
+                    stored_name = video.name  # the decode node stored the MP4
                 else:
                     final = await answer(Call(gw, who, "video", job), on_chunk=on_chunk)
-                    stored_name = (await gw.blobs.put(final.output.video.data, "video/mp4", suffix=".mp4")).name
+                    out = final.output
+                    if not isinstance(out, VideoResult):
+                        raise ApiError(
+                            502, "The engine answered without a VideoResult.", type="engine_error", code="engine_failed"
+                        )
+                    stored_name = (await gw.blobs.put(out.video.data, "video/mp4", suffix=".mp4")).name
                 end: dict[str, Any] = dict(
                     status="completed", progress=100, blob=stored_name, completed_at=int(time.time())
                 )
@@ -104,11 +114,11 @@ class VideoJobs(Takeovers[VideoRecord]):
             except asyncio.CancelledError:
                 if not revoked:  # the gateway stops: another takes the job over
                     raise
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                me.uncancel()
                 end = dict(status="failed", error="This API key has been revoked.", error_code="key_revoked")
             except ApiError as exc:
                 end = dict(status="failed", error=exc.message, error_code=exc.code)
-            except Exception as exc:  # noqa: BLE001 - the outermost edge of a background job: record it
+            except Exception as exc:  # the outermost edge of a background job: record it
                 log.exception("video job %s failed", rec.id)
                 end = dict(status="failed", error=f"{type(exc).__name__}: {exc}")
             keep.cancel()
@@ -118,7 +128,7 @@ class VideoJobs(Takeovers[VideoRecord]):
         finally:
             keep.cancel()
 
-    async def resume(self, kv: Any, was: VideoRecord, taken: VideoRecord, revision: int) -> None:
+    async def resume(self, kv: KeyValue, was: VideoRecord, taken: VideoRecord, revision: int) -> None:
         if taken.status == "failed":
             log.warning("video job %s lost its gateway again; failed after %d takeovers", taken.id, was.takeovers)
             return
@@ -132,7 +142,7 @@ class VideoJobs(Takeovers[VideoRecord]):
         tenure = VideoTenure(kv, taken, revision)
         try:
             who = await takeover.caller_for(self.gw.auth, taken.key_name)
-        except Exception as exc:  # noqa: BLE001 - the key store is down: fail the job rather than hang it
+        except Exception as exc:  # the key store is down: fail the job rather than hang it
             await tenure.save(
                 status="failed",
                 error=f"Could not look up key {taken.key_name}: {exc}",
