@@ -3,6 +3,8 @@
 import importlib.abc
 import importlib.machinery
 import sys
+from types import ModuleType
+from typing import cast
 
 __version__ = "0.1.0"
 
@@ -22,7 +24,9 @@ class _NatsWithoutAiohttp(importlib.abc.MetaPathFinder):
         real = spec.loader.exec_module
 
         def exec_module(module) -> None:
-            sys.modules["aiohttp"] = None  # `import aiohttp` raises ImportError: the transport goes without it
+            # `import aiohttp` raises ImportError: the transport goes without it (None in sys.modules means that;
+            # typeshed's sys.modules holds modules only)
+            cast("dict[str, ModuleType | None]", sys.modules)["aiohttp"] = None
             try:
                 real(module)
             finally:

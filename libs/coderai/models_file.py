@@ -108,9 +108,12 @@ def set_entry(path: str, name: str, table: dict[str, Any] | None) -> None:
         models = tomllib.loads(text).get("models", [])
     except tomllib.TOMLDecodeError as exc:
         raise ModelsFileError(f"{path}: {exc}") from None
-    want = [table if m.get("name") == name else m for m in models if table or m.get("name") != name]
-    if table and all(m.get("name") != name for m in models):
-        want.append(table)
+    if table:
+        want = [table if m.get("name") == name else m for m in models]
+        if all(m.get("name") != name for m in models):
+            want.append(table)
+    else:
+        want = [m for m in models if m.get("name") != name]
     out = _edited(text, name, table)
     try:
         ok = tomllib.loads(out).get("models", []) == want

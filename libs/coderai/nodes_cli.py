@@ -36,7 +36,7 @@ def nodes_main(argv: list[str] | None = None) -> int:
     from coderai.contracts.admin import MembersRequest, RevokeRequest
     from coderai.contracts.subjects import CMD_SCHEDULER_MEMBERS, CMD_SCHEDULER_REVOKE
 
-    ap = argparse.ArgumentParser(prog="coderai nodes", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="coderai nodes", description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--data-dir", default=os.environ.get("CODERAI_DATA_DIR", "~/.coderai"))
     ap.add_argument("--nats-url", default="")
     sub = ap.add_subparsers(dest="cmd", required=True)

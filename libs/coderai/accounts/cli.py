@@ -78,7 +78,7 @@ async def _journal_bus(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="coderai keys", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="coderai keys", description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--redis-url", default=os.environ.get("CODERAI_REDIS_URL", ""))
     ap.add_argument(
         "--data-dir",

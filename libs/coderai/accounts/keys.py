@@ -17,7 +17,8 @@ import hashlib
 import logging
 import secrets
 import time
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, cast
 
 import msgspec
 
@@ -87,19 +88,26 @@ def _to_hash(k: ApiKey) -> dict[str, str]:
     }
 
 
-def _from_hash(h: dict[Any, Any]) -> ApiKey:
-    d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in h.items()}
-    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _split(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _from_hash(h: Mapping[bytes | str, bytes | str]) -> ApiKey:
+    d = {_text(k): _text(v) for k, v in h.items()}
     return ApiKey(
         name=d["name"],
         sha256=d["sha256"],
-        scopes=split(d.get("scopes", "")),
-        models=split(d.get("models", "")),
+        scopes=_split(d.get("scopes", "")),
+        models=_split(d.get("models", "")),
         rpm=int(d.get("rpm", 0)),
         tpm=int(d.get("tpm", 0)),
         budget_usd=float(d.get("budget_usd", 0)),
-        budget_period=d.get("budget_period", "month"),
-        created=float(d.get("created", 0)),  # type: ignore[arg-type]
+        budget_period=cast(Period, d.get("budget_period", "month")),  # _to_hash wrote an ApiKey's own period
+        created=float(d.get("created", 0)),
         revoked=d.get("revoked") == "1",
         default_output_tokens=int(d.get("default_output_tokens", 0)),
         max_output_tokens=int(d.get("max_output_tokens", 0)),

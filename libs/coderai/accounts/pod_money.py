@@ -234,11 +234,11 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
-def _dec(x: float) -> Decimal:
+def _dec(x: float | Decimal) -> Decimal:
     return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
 
 
-def to_micro(usd: float) -> int:
+def to_micro(usd: float | Decimal) -> int:
     """Dollars (as written, e.g. 0.1 is exactly a tenth) to whole micro-dollars, half to even."""
     return round(Fraction(_dec(usd)) * 1_000_000)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from coderai.catalog.entries import BUILTIN
 from coderai.catalog.errors import CatalogError
@@ -107,6 +107,7 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
     """`info` (or `show`): what a model is, what one copy needs (as the scheduler estimates it: a pulled GGUF from
     its header, with the params it was pulled with), and where it fits."""
     from coderai.contracts import ModelConfig
+    from coderai.contracts.families import EngineFamily
     from coderai.sizing import estimate
 
     try:
@@ -114,8 +115,8 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
         est = estimate(
             ModelConfig(
                 name=rec.name,
-                engine=rec.engine,
-                path=str(store.model_path(rec)),  # type: ignore[arg-type]
+                engine=cast(EngineFamily, rec.engine),  # a family's name, as the pull guessed it: only sized here
+                path=str(store.model_path(rec)),
                 params=rec.params,
                 memory_mb=rec.memory_mb,
             )
@@ -136,7 +137,8 @@ def _info(args: argparse.Namespace, store: ModelStore) -> dict[str, Any]:
         if args.name not in BUILTIN:
             raise
         e = BUILTIN[args.name]
-        est = estimate(ModelConfig(name=e.name, engine=e.engine, path="", memory_mb=e.memory_mb), e.size_mb * MB)  # type: ignore[arg-type]
+        engine = cast(EngineFamily, e.engine)  # a catalogue entry's: one of the built-in families
+        est = estimate(ModelConfig(name=e.name, engine=engine, path="", memory_mb=e.memory_mb), e.size_mb * MB)
         out = {
             "name": e.name,
             "repo": e.repo,

@@ -47,7 +47,7 @@ class BusError(Exception):
         retry_after_s: float | None = None,
     ) -> None:
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code: ErrorCode = code
         self.message = message
         self.retryable = retryable
         self.param = param

@@ -198,7 +198,12 @@ class Bus:
         if role and not kw.get("inbox_prefix"):
             kw["inbox_prefix"] = service_inbox(role)
         made: list[Bus] = []  # the error callback is wired before the Bus exists
-        bus = cls(await connect(url, name, on_refused=lambda subject: made and made[0].refuse(subject), **kw))
+
+        def on_refused(subject: str) -> None:
+            if made:
+                made[0].refuse(subject)
+
+        bus = cls(await connect(url, name, on_refused=on_refused, **kw))
         bus.role = role
         made.append(bus)
         return bus

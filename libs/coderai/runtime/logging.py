@@ -36,6 +36,11 @@ class _ContextFilter(logging.Filter):
         return True
 
 
+def _context(record: logging.LogRecord, name: str) -> str | None:
+    """A field `_ContextFilter` set on the record (LogRecord declares none of them)."""
+    return getattr(record, name, None)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         cached = record.__dict__.get("_coderai_json")
@@ -44,9 +49,9 @@ class JsonFormatter(logging.Formatter):
         doc = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
-            "service": record.service,
-            "node_id": record.node_id,
-            "request_id": record.request_id,
+            "service": _context(record, "service"),
+            "node_id": _context(record, "node_id"),
+            "request_id": _context(record, "request_id"),
             "logger": record.name,
             "msg": record.getMessage(),
         }
@@ -62,10 +67,12 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         t = time.strftime("%H:%M:%S", time.localtime(record.created))
-        rid = f" [{record.request_id}]" if record.request_id else ""
+        request_id = _context(record, "request_id")
+        rid = f" [{request_id}]" if request_id else ""
         extra = getattr(record, "fields", None)
         tail = " " + " ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
-        line = f"{t} {record.levelname[0]} {record.service}{rid} {record.getMessage()}{tail}"
+        service = _context(record, "service")
+        line = f"{t} {record.levelname[0]} {service}{rid} {record.getMessage()}{tail}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return redact(line)

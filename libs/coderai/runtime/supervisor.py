@@ -49,7 +49,8 @@ class Child:
             start_new_session=True,
             preexec_fn=die_with_parent(),
         )
-        out.close()
+        if not isinstance(out, int):  # not DEVNULL: the child has its own copy
+            out.close()
         self.started = time.monotonic()
 
     def alive(self) -> bool:
@@ -66,6 +67,7 @@ class Supervisor:
     def add(self, child: Child) -> Child:
         self.children.append(child)
         child.start()
+        assert child.proc is not None  # start() just set it
         log.info("started %s (pid %d)", child.name, child.proc.pid)
         return child
 

@@ -82,11 +82,9 @@ def ensure_certs(folder: Path, names: list[str] | None = None) -> TlsFiles:
     )
     cert, key = _leaf(ca, ca_key, [socket.gethostname(), *(names or [])])
     pem = serialization.Encoding.PEM
-    private = dict(
-        encoding=pem, format=serialization.PrivateFormat.PKCS8, encryption_algorithm=serialization.NoEncryption()
-    )
-    _write(folder / "ca-key.pem", ca_key.private_bytes(**private), 0o600)
-    _write(files.key, key.private_bytes(**private), 0o600)
+    pkcs8, clear = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    _write(folder / "ca-key.pem", ca_key.private_bytes(pem, pkcs8, clear), 0o600)
+    _write(files.key, key.private_bytes(pem, pkcs8, clear), 0o600)
     _write(files.cert, cert.public_bytes(pem), 0o644)
     _write(files.ca, ca.public_bytes(pem), 0o644)
     return files

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 def span_record(span: ReadableSpan, service: str) -> dict[str, Any]:
     """One finished span as plain JSON-able data: ids in lowercase hex as in `traceparent`, times in ns."""
     ctx = span.context
+    assert ctx is not None  # every span the SDK finishes has one (None only for a ReadableSpan built by hand)
     parent = span.parent
     return {
         "trace_id": f"{ctx.trace_id:032x}",

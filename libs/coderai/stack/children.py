@@ -34,7 +34,7 @@ def common_env(plan: Plan, servers: Servers) -> Env:
             if k not in SECRET_ENV and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")
         }
         | {
-            "CODERAI_NATS_URL": servers.nats.url,
+            "CODERAI_NATS_URL": servers.started_nats.url,
             "CODERAI_DATA_DIR": str(plan.data),
             "CODERAI_NODE_ID": plan.worker_id,  # this head's id: what its scheduler and pod broker hold their leases as
             "CODERAI_LOG_FORMAT": "json",
@@ -81,7 +81,7 @@ def worker_env(plan: Plan, env: Env, nats: NatsServer) -> Env | None:
 
 def start(sup: Supervisor, plan: Plan, servers: Servers) -> Path:
     """Add every service this machine runs to `sup` (which starts each); the models file they serve."""
-    args, data, nats = plan.args, plan.data, servers.nats
+    args, data, nats = plan.args, plan.data, servers.started_nats
     models_file = Path(args.models_file).resolve() if args.models_file else ensure_default_model(data)
     env = common_env(plan, servers)
     gateway_args = ["--host", args.host, "--port", str(args.port)]

@@ -57,7 +57,7 @@ async def service_bus(data: Path, name: str) -> Bus:
     return await Bus.connect(service_urls(data)[0], name, connect_timeout_s=5.0, tls=tls)
 
 
-async def head_bus(name: str, nats_url: str = "", data: Path | None = None) -> Bus:
+async def head_bus(name: str, nats_url: str, data: Path) -> Bus:
     """The CLI's connection to a head as a service: `nats_url` with CODERAI_NATS_PASSWORD_FILE and CODERAI_NATS_CA
     from the environment, else the `coderai up` running on `data`."""
     if not nats_url:

@@ -39,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         p = plan.make(args, data)
         servers.start(p)
         models_file = children.start(sup, p, servers)
+        nats = servers.started_nats
         base = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/v1"
         local.write_record(
             data,
             base,
-            servers.nats.url,
+            nats.url,
             servers.redis_url(""),
             p.metrics_port,
-            {c.name: c.proc.pid for c in sup.children} | servers.pids(),
+            {c.name: c.proc.pid for c in sup.children if c.proc is not None} | servers.pids(),
             servers.known,
         )
         served = [m.name for m in load_models(str(models_file))]
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                     base,
                     p.key,
                     served[0],
-                    servers.nats.url,
+                    nats.url,
                     p.metrics_port,
                     data,
                     tuple(served[1:]),
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if p.token:
-                print(cluster_hint(p.token, servers.nats.port), flush=True)
+                print(cluster_hint(p.token, nats.started_port()), flush=True)
         store = StoreWatch(data / "logs" / "nats.log", data / "nats")
         if p.me is not None:
             keeper = ha.Keeper(servers.service_url, p.tls, p.me, data)

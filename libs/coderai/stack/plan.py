@@ -203,7 +203,7 @@ def make(args: argparse.Namespace, data: Path) -> Plan:
         plan.me = heads.Head(
             worker_id,
             address,
-            nats_port=nats_port,
+            nats_port=nats_port or heads.NATS_PORT,  # never None for a head (above)
             route_port=args.route_port,
             redis_port=args.redis_port or heads.REDIS_PORT,
             sentinel_port=args.sentinel_port,

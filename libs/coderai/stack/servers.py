@@ -44,18 +44,17 @@ class Servers:
         self.service_url = with_user(self.nats.url, members.SERVICE_USER, plan.service_password)
         self.known = plan.known
         if plan.me is not None:
-            self._head_redis(plan, plan.me)
+            redis = self._head_redis(plan, plan.me)
         else:
-            self.redis = RedisServer(
+            redis = RedisServer(
                 data / "redis", port=plan.args.redis_port or None, durable=True, password=plan.redis_password
             )
+        self.redis = redis
         try:
-            self.redis.start(log_file=self.logs / "redis.log")
-            if (
-                self.redis.replicaof
-            ):  # its services start once it holds the master's data, so a failover finds it current
+            redis.start(log_file=self.logs / "redis.log")
+            if redis.replicaof:  # its services start once it holds the master's data, so a failover finds it current
                 try:
-                    self.redis.wait_synced()
+                    redis.wait_synced()
                 except EmbeddedServerError as exc:
                     # the master the sentinels named may have moved on (a failover while this head was down): the
                     # sentinels, this head's among them, point this replica at the master there is; the services
@@ -71,9 +70,9 @@ class Servers:
         except EmbeddedServerError as exc:
             raise StackError(str(exc)) from None
 
-    def _head_redis(self, plan: Plan, me: heads.Head) -> None:
-        """A head's Redis (the master's replica when another head has it) and its sentinel, once the head took its
-        place among the others."""
+    def _head_redis(self, plan: Plan, me: heads.Head) -> RedisServer:
+        """A head's Redis (the master's replica when another head has it), returned, and its sentinel, once the head
+        took its place among the others."""
         self.known = asyncio.run(ha.take_place(self.service_url, plan.tls, me, plan.data))
         if plan.invite is not None:
             members.write_secret(plan.data / "secrets" / "joined", plan.args.join)
@@ -81,7 +80,7 @@ class Servers:
         if master is None and plan.joined:  # no sentinel answers: the heads the invite named have the master
             master = next((h.redis for h in self.known if h.node_id != plan.worker_id), None)
         replicaof = master if master and master != me.redis else ""
-        self.redis = RedisServer(
+        redis = RedisServer(
             plan.data / "redis",
             port=me.redis_port,
             host=me.address,
@@ -90,25 +89,39 @@ class Servers:
             replicaof=replicaof,
         )
         self.sentinel = ha.sentinel_for(plan.data, self.known, master or me.redis, me, plan.redis_password)
+        return redis
+
+    @property
+    def started_nats(self) -> NatsServer:
+        """The nats-server `start` made (a StackError before it did)."""
+        if self.nats is None:
+            raise StackError("nats-server is not started")
+        return self.nats
+
+    @property
+    def started_redis(self) -> RedisServer:
+        """The redis-server `start` made (a StackError before it did)."""
+        if self.redis is None:
+            raise StackError("redis-server is not started")
+        return self.redis
 
     def redis_url(self, password: str) -> str:
         """The Redis URL the services use, with `password` (a head's: every head's sentinel; "": none in it)."""
         url = (
             heads.sentinel_url(self.known, password)
             if self.sentinel is not None
-            else self.redis.url.replace("redis://", f"redis://:{password}@", 1)
+            else self.started_redis.url.replace("redis://", f"redis://:{password}@", 1)
         )
         return url if password else url.replace(":@", "", 1)
 
     def pids(self) -> dict[str, int]:
         """The servers' process ids, by name."""
-        return {"nats": self.nats.proc.pid, "redis": self.redis.proc.pid} | (
-            {"sentinel": self.sentinel.proc.pid} if self.sentinel else {}
-        )
+        servers = {"nats": self.nats, "redis": self.redis, "sentinel": self.sentinel}
+        return {name: server.proc.pid for name, server in servers.items() if server and server.proc}
 
     def keep_up(self, store: StoreWatch) -> None:
         """`keep_up` on these servers."""
-        keep_up(self.nats, self.redis, store, self.logs, self.sentinel)
+        keep_up(self.started_nats, self.started_redis, store, self.logs, self.sentinel)
 
     def stop(self) -> None:
         """Stop whichever servers started: the sentinel, Redis, then NATS."""
@@ -117,7 +130,9 @@ class Servers:
                 server.stop()
 
 
-def keep_up(nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path, sentinel=None) -> None:
+def keep_up(
+    nats: NatsServer, redis: RedisServer, store: StoreWatch, logs: Path, sentinel: RedisSentinel | None = None
+) -> None:
     """Start nats-server, redis-server or a head's sentinel again on its port if it died, and nats-server once its
     JetStream store failed on a full disk that has room again (`StoreWatch`): the services reconnect by themselves.
     A head's Redis comes back as it was configured; if another head's was promoted meanwhile, the sentinels make

@@ -21,7 +21,7 @@ async def read_completed(nats_url: str, batch: int = 1000) -> list[RequestComple
         sub = await js.pull_subscribe(
             EVT_REQUEST_COMPLETED(), stream=EVENTS.name, config=ConsumerConfig(ack_policy=AckPolicy.NONE)
         )
-        left = (await sub.consumer_info()).num_pending
+        left = (await sub.consumer_info()).num_pending or 0
         out: list[RequestCompleted] = []
         while len(out) < left:
             msgs = await sub.fetch(batch=min(batch, left - len(out)), timeout=5)

@@ -20,10 +20,11 @@ async def serve(host: str, port: int, record: Path, root: Path) -> None:
     from coderai.runtime.tls import client_context, ensure_certs
 
     # TLS with a CA of its own, as an impostor at the head's address would have: any certificate but the head's
-    server = NatsServer(root, port=port, host=host, tls=ensure_certs(root / "tls")).start()
+    tls = ensure_certs(root / "tls")
+    server = NatsServer(root, port=port, host=host, tls=tls).start()
     seen: list[str] = []
     payloads: list[str] = []
-    nc = await nats.connect(server.url, tls=client_context(server.tls.ca_pem), tls_handshake_first=True)
+    nc = await nats.connect(server.url, tls=client_context(tls.ca_pem), tls_handshake_first=True)
 
     async def on_any(m) -> None:
         if m.subject.startswith(("_INBOX", "_JOIN", "$JS", "_N.")):

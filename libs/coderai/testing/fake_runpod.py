@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from graphql import GraphQLError, build_schema, graphql_sync
@@ -158,7 +158,7 @@ def python_launcher(args: list[str], log_path: str | None = None) -> Launch:
                 preexec_fn=die_with_parent(),
             )
         finally:
-            if log_path:
+            if not isinstance(out, int):  # not DEVNULL: the child has its own copy
                 out.close()
 
     return launch
@@ -241,9 +241,9 @@ class FakeRunPod:
             def log_message(self, *_args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer((self.host, 0), Handler)
-        self._server.daemon_threads = True
-        serve = lambda: self._server.serve_forever(poll_interval=0.02)  # shutdown() waits one poll
+        server = self._server = ThreadingHTTPServer((self.host, 0), Handler)
+        server.daemon_threads = True
+        serve = lambda: server.serve_forever(poll_interval=0.02)  # shutdown() waits one poll
         for name, target in (("http", serve), ("boot", self._boot_loop)):
             t = threading.Thread(target=target, name=f"fake-runpod-{name}", daemon=True)
             t.start()
@@ -253,6 +253,8 @@ class FakeRunPod:
     @property
     def base_url(self) -> str:
         """What RUNPOD_API_BASE_URL (or the client's base_url) should be; the API is at `{base_url}/graphql`."""
+        if self._server is None:
+            raise RuntimeError("the fake RunPod API is not started")
         return f"http://{self.host}:{self._server.server_address[1]}"
 
     def close(self) -> None:
@@ -331,7 +333,11 @@ class FakeRunPod:
     def billed_seconds(self, pod_id: str) -> float:
         """Seconds billed so far: creation (boot included) to stop or termination, or to now while running."""
         with self._lock:
-            return sum((end if end is not None else self.now()) - start for start, end in self._pods[pod_id].intervals)
+            total = 0.0
+            for start, end in self._pods[pod_id].intervals:
+                assert start is not None  # only an interval's end is ever None (open)
+                total += (end if end is not None else self.now()) - start
+            return total
 
     def billed_usd(self, pod_id: str) -> float:
         """The pod's spend: rate_hr / 3600 x billed seconds."""
@@ -386,7 +392,9 @@ class FakeRunPod:
         self._reply(req, 400 if result.data is None and result.errors else 200, result.formatted)
 
     @staticmethod
-    def _reply(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+    def _reply(
+        req: BaseHTTPRequestHandler, status: int, body: Mapping[str, object], headers: dict | None = None
+    ) -> None:
         data = json.dumps(body).encode()
         req.send_response(status)
         req.send_header("Content-Type", "application/json")

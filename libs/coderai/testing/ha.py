@@ -16,12 +16,19 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from coderai.testing.netns import Lab
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import clean_env, node_up, write_models_file
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+
+    from coderai.testing.fake_runpod import FakeRunPod
 
 TOKEN = "correct horse battery staple ha"
 HEADS = ("h1", "h2", "h3")
@@ -38,6 +45,7 @@ class Cluster:
         self.procs: dict[str, ServiceProcess] = {}
         self.admin = ""
         self.placed: dict[str, list[str]] = {}  # what the workers were given once the cluster was up
+        self.fake: FakeRunPod | None = None  # the RunPod API its pod brokers talk to, where a test runs one
 
     def head(self, name: str, *extra: str, ready: bool = True) -> ServiceProcess:
         """`coderai up --head` on `name` (started; `ready`: waited for): the control plane only, its gateway on port
@@ -223,6 +231,8 @@ class Cluster:
                 return f"not reached: {exc!r}"
             try:
                 info = await bus.js.stream_info("KV_coderai_leaders")
+                if info.cluster is None:
+                    return f"no cluster info, replicas {info.config.num_replicas}"
                 peers = [(r.name, r.current, r.lag, r.active) for r in info.cluster.replicas or []]
                 return f"leader {info.cluster.leader}, replicas {info.config.num_replicas}, others {peers}"
             except Exception as exc:  # noqa: BLE001
@@ -320,7 +330,7 @@ def three_heads(root: Path, tiny_gguf: Path, embed: bool = True) -> Iterator[Clu
         (root / "runpod.key").write_text(fake.api_key + "\n")
         env = clean_env(CODERAI_POD_BROKER_RUNPOD_API_BASE=fake.base_url)
         c = Cluster(lab, root, env, write_models_file(root / "models.toml", models))
-        c.fake = fake  # type: ignore[attr-defined]
+        c.fake = fake
         cleanup.callback(lambda: [p.kill() for p in c.procs.values()])
         first = c.head("h1", ready=False)  # its JetStream answers once a second head is in
         c.head("h2", "--join", str(c.invite("h2")))
@@ -400,11 +410,12 @@ class SdkLoad:
                 raise AssertionError(f"no call succeeded: {[c.error for c in self.calls[:4]]}")
         return False
 
-    def _clients(self, head: str, kind: str, current: list[Call]):
+    def _clients(self, head: str, kind: str, current: list[Call]) -> openai.OpenAI | anthropic.Anthropic:
         import anthropic
+        import httpx2
         import openai
 
-        def seen(response) -> None:  # an httpx or httpx2 response
+        def seen(response: httpx2.Response) -> None:
             said = ""
             if response.status_code != 200:
                 with contextlib.suppress(Exception):
@@ -418,9 +429,7 @@ class SdkLoad:
                 if response.status_code != 200 and current:
                     current[0].refused += 1
 
-        if kind == "anthropic":  # the Anthropic SDK runs on httpx2, a fork with httpx's hooks
-            import httpx2
-
+        if kind == "anthropic":  # the SDKs run on httpx2, a fork with httpx's hooks
             return anthropic.Anthropic(
                 base_url=self.cluster.base(head),
                 api_key=self.key,
@@ -431,11 +440,13 @@ class SdkLoad:
             base_url=f"{self.cluster.base(head)}/v1",
             api_key=self.key,
             max_retries=self.max_retries,
-            http_client=httpx.Client(timeout=60, event_hooks={"response": [seen]}),
+            http_client=httpx2.Client(timeout=60, event_hooks={"response": [seen]}),
         )
 
     def _run(self, i: int) -> None:
-        sdks: dict[tuple[str, str], object] = {}
+        import anthropic
+
+        sdks: dict[tuple[str, str], openai.OpenAI | anthropic.Anthropic] = {}
         current: list[Call] = []  # the call this thread makes now, for the answers its SDK gets
         n = 0
         while not self.stop.is_set():
@@ -448,8 +459,16 @@ class SdkLoad:
             tag = {"X-Client-Request-Id": f"ha-{i}-{n}-{uuid.uuid4().hex[:6]}"}
             try:
                 sdk = sdks.get((head, kind)) or sdks.setdefault((head, kind), self._clients(head, kind, current))
-                if kind == "chat":
-                    r = sdk.chat.completions.create(  # type: ignore[attr-defined]
+                if isinstance(sdk, anthropic.Anthropic):  # kind "anthropic"
+                    r = sdk.messages.create(
+                        model=MODEL,
+                        max_tokens=4,
+                        messages=[{"role": "user", "content": f"hi {i} {n}"}],
+                        extra_headers=tag,
+                    )
+                    assert r.content is not None, r
+                elif kind == "chat":
+                    r = sdk.chat.completions.create(
                         model=MODEL,
                         messages=[{"role": "user", "content": f"hello {i} {n}"}],
                         max_tokens=4,
@@ -457,7 +476,7 @@ class SdkLoad:
                     )
                     assert r.choices, r
                 elif kind == "stream":
-                    for chunk in sdk.chat.completions.create(  # type: ignore[attr-defined]
+                    for chunk in sdk.chat.completions.create(
                         model=MODEL,
                         messages=[{"role": "user", "content": f"stream {i} {n}"}],
                         max_tokens=4,
@@ -466,21 +485,13 @@ class SdkLoad:
                     ):
                         if call.first_token is None and chunk.choices:
                             call.first_token = time.monotonic()
-                elif kind == "embed":
+                else:  # embed
                     r = sdk.embeddings.create(
                         model=EMBED_MODEL,
-                        input=[f"a {n}", f"b {n}", f"c {n}"],  # type: ignore[attr-defined]
+                        input=[f"a {n}", f"b {n}", f"c {n}"],
                         extra_headers=tag,
                     )
                     assert len(r.data) == 3, r
-                else:
-                    r = sdk.messages.create(  # type: ignore[attr-defined]
-                        model=MODEL,
-                        max_tokens=4,
-                        messages=[{"role": "user", "content": f"hi {i} {n}"}],
-                        extra_headers=tag,
-                    )
-                    assert r.content is not None, r
                 call.ok = True
             except Exception as exc:  # noqa: BLE001 - every failure is an outcome the test judges
                 call.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from coderai.models_file import write_models_file  # noqa: F401 - tests and benches take it from here too
+from coderai.models_file import write_models_file as write_models_file  # tests and benches take it from here too
 from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 
@@ -44,6 +44,7 @@ class Stack:
         }
         self.gateway_port = 0
         self.metrics_port = 0
+        self.nats: NatsServer | None = None  # the server, where the test made it (running_stack does)
 
     def start(
         self,
@@ -57,8 +58,8 @@ class Stack:
         """Start `module` as `name`. On a secured NATS (`stack.nats`, NatsServer.secured) a head service logs in
         as its own user with its own rights, as under `coderai up`, unless `env` names a NATS URL of its own."""
         role = SERVICE_MODULES.get(module, "")
-        nats = getattr(self, "nats", None)
-        if role and getattr(nats, "service_passwords", None) and "CODERAI_NATS_URL" not in (env or {}):
+        nats = self.nats
+        if role and nats is not None and nats.service_passwords and "CODERAI_NATS_URL" not in (env or {}):
             env = {**(env or {}), "CODERAI_NATS_URL": nats.role_url(role)}
         p = ServiceProcess(
             name, module, args or [], {**self.env, **(env or {})}, self.root / "logs", python=self.python
@@ -71,14 +72,14 @@ class Stack:
     def start_core(self, models_file: Path) -> None:
         """Router, scheduler and metrics: everything but workers and the gateway."""
         self.start("router", "coderai.router")
-        nats = getattr(self, "nats", None)
+        nats = self.nats
         members = (
             {
                 "CODERAI_SCHEDULER_MEMBERS_FILE": str(nats.members_file),
                 "CODERAI_SCHEDULER_NATS_USERS_FILE": str(nats.users_file),
                 "CODERAI_SCHEDULER_NATS_PID_FILE": str(nats.pid_file),
             }
-            if getattr(nats, "members_file", None)
+            if nats is not None and nats.members_file is not None
             else {}
         )
         self.start("scheduler", "coderai.scheduler", ["--models-file", str(models_file)], env=members)
@@ -91,8 +92,8 @@ class Stack:
     def start_worker(self, node_id: str) -> ServiceProcess:
         """A worker; on a secured NATS (NatsServer.secured) it logs in as a node of its own, as a joined one does."""
         env = {"CODERAI_DATA_DIR": str(self.root / node_id)}
-        nats = getattr(self, "nats", None)
-        if getattr(nats, "members_file", None):
+        nats = self.nats
+        if nats is not None and nats.members_file is not None:
             env["CODERAI_NATS_URL"] = nats.add_node(node_id)
         return self.start(f"worker-{node_id}", "coderai.engine_worker", ["--node-id", node_id], env=env)
 

@@ -56,13 +56,13 @@ def build_tiny_hf_llama(
         num_attention_heads=heads,
         num_key_value_heads=heads,
         max_position_embeddings=ctx,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        bos_token_id=_token_id(tok.bos_token_id),
+        eos_token_id=_token_id(tok.eos_token_id),
+        pad_token_id=_token_id(tok.pad_token_id),
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    LlamaForCausalLM(cfg).bfloat16().save_pretrained(out)
     # a generation config naming the chat end token lets servers stop at it without guessing
     (out / "generation_config.json").write_text(
         json.dumps(
@@ -70,6 +70,13 @@ def build_tiny_hf_llama(
         )
     )
     return {"out": str(out), "vocab": len(tok), "head_dim": dim // heads}
+
+
+def _token_id(token_id: object) -> int:
+    """A special token's id (transformers types it as any form a token may take)."""
+    if not isinstance(token_id, int):
+        raise TypeError(f"not a token id: {token_id!r}")
+    return token_id
 
 
 def tiny_hf_llama() -> Path:
@@ -81,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: build the folder at a path, or print the cached one's path."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m coderai.testing.tiny_hf_llama", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m coderai.testing.tiny_hf_llama", description=(__doc__ or "").partition("\n")[0]
+    )
     ap.add_argument("out", nargs="?", help="a folder to write; without it, the cached build's path is printed")
     a = ap.parse_args(argv)
     print(json.dumps(build_tiny_hf_llama(a.out)) if a.out else tiny_hf_llama())

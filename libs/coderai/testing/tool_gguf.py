@@ -159,7 +159,7 @@ def _train(samples, n_vocab: int, steps: int, seed: int):
         num_key_value_heads=HEADS,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)

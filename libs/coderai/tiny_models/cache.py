@@ -24,7 +24,7 @@ def cache_root() -> Path:
     return path
 
 
-def cached_build(name: str, version: str, build: Callable[[Path], None]) -> Path:
+def cached_build(name: str, version: str, build: Callable[[Path], object]) -> Path:
     """The folder of model `name` at recipe `version`, running `build(folder)` once if it is not there yet.
 
     `build` writes into the empty folder it is given; change `version` whenever the recipe changes.

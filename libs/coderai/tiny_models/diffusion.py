@@ -15,16 +15,36 @@ import glob
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from coderai.tiny_models.cache import cached_build
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.schedulers.scheduling_ddim import DDIMScheduler
+    from transformers import CLIPTextModel, CLIPTokenizer
 
 RECIPE = "1"  # change whenever a builder below changes: cached folders are keyed by it
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 MAX_TOKENS = 77
 HIDDEN = 32
+
+T = TypeVar("T")
+
+
+def _loosely(make: Callable[..., T]) -> Callable[..., T]:
+    """`make` called without the checks of its parameters' annotations: for the library classes below, whose
+    annotations refuse what they document (each call says which)."""
+    return make
+
+
+def _token_id(token_id: object) -> int:
+    """A special token's id (transformers types it as any form a token may take)."""
+    if not isinstance(token_id, int):
+        raise TypeError(f"not a token id: {token_id!r}")
+    return token_id
 
 
 def _corpus(max_files: int = 80) -> Iterator[str]:
@@ -34,7 +54,7 @@ def _corpus(max_files: int = 80) -> Iterator[str]:
             yield fh.read()
 
 
-def clip_tokenizer(merges_count: int = 768) -> Any:
+def clip_tokenizer(merges_count: int = 768) -> CLIPTokenizer:
     """A deterministic CLIPTokenizer with `merges_count` BPE merges trained offline (about 1,300 tokens)."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import CLIPTokenizer
@@ -66,10 +86,11 @@ def clip_tokenizer(merges_count: int = 768) -> Any:
     vocab: dict[str, int] = {}
     for token in symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [BOS, EOS]:
         vocab.setdefault(token, len(vocab))
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=MAX_TOKENS)
+    # transformers annotates `merges` as strings, but hands them to tokenizers' BPE, which takes these pairs
+    return _loosely(CLIPTokenizer)(vocab=vocab, merges=merges, model_max_length=MAX_TOKENS)
 
 
-def _text_encoder(tok: Any) -> Any:
+def _text_encoder(tok: CLIPTokenizer) -> CLIPTextModel:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     return CLIPTextModel(
@@ -81,17 +102,18 @@ def _text_encoder(tok: Any) -> Any:
             num_attention_heads=4,
             max_position_embeddings=MAX_TOKENS,
             projection_dim=HIDDEN,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
+            bos_token_id=_token_id(tok.bos_token_id),
+            eos_token_id=_token_id(tok.eos_token_id),
+            pad_token_id=_token_id(tok.pad_token_id),
         )
     )
 
 
-def _vae(**extra: Any) -> Any:
-    from diffusers import AutoencoderKL
+def _vae(**extra: object) -> AutoencoderKL:
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
-    return AutoencoderKL(
+    # diffusers annotates the block tuples `Tuple[int]`, `Tuple[str]`: one element; they take one per block
+    return _loosely(AutoencoderKL)(
         in_channels=3,
         out_channels=3,
         latent_channels=4,
@@ -105,8 +127,8 @@ def _vae(**extra: Any) -> Any:
     )
 
 
-def _scheduler() -> Any:
-    from diffusers import DDIMScheduler
+def _scheduler() -> DDIMScheduler:
+    from diffusers.schedulers.scheduling_ddim import DDIMScheduler
 
     return DDIMScheduler(
         beta_start=0.00085,
@@ -121,7 +143,8 @@ def _scheduler() -> Any:
 def build_tiny_sd(out: Path) -> None:
     """Write a tiny random StableDiffusionPipeline (4-channel UNet, no safety checker) into folder `out`."""
     import torch
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers.models.unets.unet_2d_condition import UNet2DConditionModel
+    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import StableDiffusionPipeline
 
     torch.manual_seed(0)
     tok = clip_tokenizer()
@@ -137,7 +160,10 @@ def build_tiny_sd(out: Path) -> None:
         attention_head_dim=8,
         norm_num_groups=32,
     )
-    pipe = StableDiffusionPipeline(
+    # diffusers annotates the safety checker and its feature extractor as required (None, with
+    # requires_safety_checker=False, is its documented way to go without them) and the scheduler as the enum of
+    # scheduler names
+    pipe = _loosely(StableDiffusionPipeline)(
         vae=_vae(),
         text_encoder=_text_encoder(tok),
         tokenizer=tok,
@@ -153,7 +179,10 @@ def build_tiny_sd(out: Path) -> None:
 def build_tiny_t2v(out: Path) -> None:
     """Write a tiny random TextToVideoSDPipeline (3D UNet over a 2D VAE) into folder `out`."""
     import torch
-    from diffusers import TextToVideoSDPipeline, UNet3DConditionModel
+    from diffusers.models.unets.unet_3d_condition import UNet3DConditionModel
+    from diffusers.pipelines.deprecated.text_to_video_synthesis.pipeline_text_to_video_synth import (
+        TextToVideoSDPipeline,
+    )
 
     torch.manual_seed(0)
     tok = clip_tokenizer()
@@ -170,7 +199,7 @@ def build_tiny_t2v(out: Path) -> None:
         norm_num_groups=32,
     )
     # no attention in the VAE's middle: it decodes every frame, and attention there is what costs on CPU
-    pipe = TextToVideoSDPipeline(
+    pipe = _loosely(TextToVideoSDPipeline)(  # its scheduler annotated as the enum of scheduler names
         vae=_vae(mid_block_add_attention=False),
         text_encoder=_text_encoder(tok),
         tokenizer=tok,

@@ -199,7 +199,9 @@ def weights_from_hf(state: dict, heads: int, kv_heads: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m coderai.tiny_models.llm", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m coderai.tiny_models.llm", description=(__doc__ or "").partition("\n")[0]
+    )
     ap.add_argument("out")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)

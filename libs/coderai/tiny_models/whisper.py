@@ -175,8 +175,8 @@ def _corpus(max_files: int = 300) -> list[str]:
 
 def _whisper_tokenizer() -> Any:
     """A transformers WhisperTokenizer on a freshly trained BPE, with Whisper's special tokens at Whisper's ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import WhisperTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AddedToken, WhisperTokenizer  # tokenizers' AddedToken, as transformers annotates it
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -273,14 +273,14 @@ def _overfit(model: Any, tok: Any, pcm: np.ndarray, text: str, max_steps: int, t
         head = [sot, ids("<|en|>"), ids(task)]
         rows += [head + said + [eot], head + [no_timestamps] + words + [eot]]
 
-    def targets(row: list[int]) -> list[int]:
+    def row_targets(row: list[int]) -> list[int]:
         out = row[1:]
         out[1] = -100  # the task token is the caller's choice, not something to predict
         return [-100 if t == no_timestamps else t for t in out]  # so is <|notimestamps|>
 
     width = max(map(len, rows))
     decoder_input = torch.tensor([r[:-1] + [eot] * (width - len(r)) for r in rows])
-    labels = torch.tensor([targets(r) + [-100] * (width - len(r)) for r in rows])
+    labels = torch.tensor([row_targets(r) + [-100] * (width - len(r)) for r in rows])
 
     # the exact features faster-whisper computes: its own log-mel, padded with zeros to 30 s in feature space
     # (Hugging Face's extractor pads the audio instead, and a decoder trained on that misreads at inference)
