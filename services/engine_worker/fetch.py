@@ -18,8 +18,9 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import Protocol, overload
 
 import msgspec
 from coderai.contracts import (
@@ -35,12 +36,21 @@ from coderai.contracts import (
 from coderai.contracts.store import CHUNK_BYTES
 from coderai.contracts.subjects import CMD_STORE_FETCH, CMD_STORE_LIST
 from coderai.engine_worker.engines import EngineLoadError
+from coderai.runtime.bus import Bus
 from coderai.runtime.files import sha256_file
 
 log = logging.getLogger("coderai.engine_worker")
 
-# one callable for both questions: a StoreFetch gets a StoreChunk, a StoreList a StoreListing
-Request = Callable[[StoreFetch | StoreList, float], Awaitable[StoreChunk | StoreListing]]
+
+class Request(Protocol):
+    """One callable for both questions, with a timeout in seconds: a StoreFetch gets a StoreChunk, a StoreList a
+    StoreListing."""
+
+    @overload
+    def __call__(self, req: StoreFetch, timeout: float, /) -> Awaitable[StoreChunk]: ...
+    @overload
+    def __call__(self, req: StoreList, timeout: float, /) -> Awaitable[StoreListing]: ...
+
 
 FIRST_TIMEOUT_S = 600.0  # the head hashes a file on its first request: minutes for a big model
 CHUNK_TIMEOUT_S = 60.0
@@ -51,10 +61,14 @@ class FetchError(EngineLoadError):
     """The file could not be fetched from the head (unreachable, missing there, or corrupted on the way)."""
 
 
-def bus_request(bus) -> Request:
+def bus_request(bus: Bus) -> Request:
     """A `Request` over `bus`."""
 
-    async def _request(req: StoreFetch | StoreList, timeout: float) -> StoreChunk | StoreListing:
+    @overload
+    async def _request(req: StoreFetch, timeout: float, /) -> StoreChunk: ...
+    @overload
+    async def _request(req: StoreList, timeout: float, /) -> StoreListing: ...
+    async def _request(req: StoreFetch | StoreList, timeout: float, /) -> StoreChunk | StoreListing:
         subject = CMD_STORE_LIST if isinstance(req, StoreList) else CMD_STORE_FETCH
         return await bus.request(subject, req, timeout=timeout)
 
@@ -139,7 +153,7 @@ async def _fetch_into(request: Request, store_path: str, dest: Path, size: int, 
         log.info("fetching %s (%d bytes) from the head's model store", store_path, size)
     t0 = last = time.monotonic()
     start = done
-    with open(partial, "ab") as fh:  # noqa: ASYNC230 - 512 KB appends: cheaper inline than a thread each
+    with open(partial, "ab") as fh:  # 512 KB appends: cheaper inline than a thread each
         while done < size:
             try:
                 part = await request(StoreFetch(path=store_path, offset=done, length=chunk), CHUNK_TIMEOUT_S)

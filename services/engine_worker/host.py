@@ -9,9 +9,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+from nats.aio.msg import Msg
 
 from coderai.contracts import (
     GGUF_FAMILIES,
@@ -27,6 +28,7 @@ from coderai.contracts import (
     model_key,
 )
 from coderai.contracts.ops import BATCH_OPS, ENGINE_OPS, FANOUT_OPS, LLM_OPS
+from coderai.contracts.nodes import EngineState
 from coderai.contracts.subjects import ENGINE_CANCEL, EVT_MODEL_FETCH
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_REQUEST_ID
 from coderai.engine_worker import stage_host
@@ -46,6 +48,7 @@ from coderai.runtime.logging import request_id_var
 from coderai.sizing import estimate_bytes
 
 log = logging.getLogger("coderai.engine_worker")
+JobOutcome = Literal["ok", "failed", "retry"]  # how a job ended (a fan-out part's PartDone.status)
 EARLY_CANCELS = 1024  # cancels kept for jobs not arrived yet
 # a job is admitted while its expected wait for a slot is under this (a model's `queue_time_s` overrides it): a
 # burst of an agent's subagents, or a UI's tasks beside a turn, queues; a queue that would take minutes says so
@@ -88,7 +91,7 @@ class EngineHost:
         self.config = config
         self.engine_id = engine_id_for(node_id, config.name)
         self.keepalive_s = keepalive_s
-        self.state = "loading"
+        self.state: EngineState = "loading"
         self.error: str | None = None
         self.in_flight = 0
         self.served = 0
@@ -117,7 +120,7 @@ class EngineHost:
             model=self.config.name,
             engine=self.config.engine,
             ops=[] if self.member else self.config.serves(),  # a Ray member answers nothing itself
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,
             in_flight=self.in_flight,
             served=self.served,
             error=self.error,
@@ -165,8 +168,14 @@ class EngineHost:
                 if cfg.share_cache is None and not self.share_cache:  # private by this node's default
                     cfg = msgspec.structs.replace(cfg, share_cache=False)
                 self.engine = engine_class(cfg.engine)(cfg)
-            self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._lost, why)
-            self.engine.on_back = lambda: loop.call_soon_threadsafe(self._back)
+
+            def lost(why: str) -> None:
+                loop.call_soon_threadsafe(self._lost, why)
+
+            def back() -> None:
+                loop.call_soon_threadsafe(self._back)
+
+            self.engine.on_lost, self.engine.on_back = lost, back
             if self.engine.max_concurrency > 1:  # an engine that batches by itself (vLLM) takes jobs side by side
                 self._executor = ThreadPoolExecutor(
                     self.engine.max_concurrency, thread_name_prefix=f"engine-{self.config.name}"
@@ -276,7 +285,7 @@ class EngineHost:
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone at shutdown
+            except Exception:  # connection may be gone at shutdown
                 pass
         self._subs = []
         if self._tasks:
@@ -330,7 +339,7 @@ class EngineHost:
         """The `serve_stream` handler of one op: the job runs with the request id and trace context of its headers."""
         return lambda job, writer, m: self._run(op, job, writer, m.headers or {})
 
-    async def _on_cancel(self, req: CancelJob, _m: Any) -> None:
+    async def _on_cancel(self, req: CancelJob, _m: Msg) -> None:
         flag = self._cancels.get(req.request_id)
         if flag is None:
             if len(self._early_cancels) >= EARLY_CANCELS:
@@ -342,11 +351,13 @@ class EngineHost:
 
     async def _run(
         self, op: str, job: Any, writer: FrameWriter, headers: dict[str, str], give_back: bool = False
-    ) -> str:
+    ) -> JobOutcome:
         """Run one job, its frames to `writer`: "ok", or "failed" once an error was answered. With `give_back`
         (a fan-out part that another worker may still take) an engine failure is not answered: "retry". The
         request id is the one in `headers` (HDR_REQUEST_ID), else the job's."""
-        request_id = headers.get(HDR_REQUEST_ID, job.request_id)
+        request_id: str = headers[HDR_REQUEST_ID] if HDR_REQUEST_ID in headers else job.request_id
+        engine = self.engine
+        assert engine is not None, "a job comes only once its engine is loaded (its ops are subscribed then)"
         request_id_var.set(request_id)
         if HDR_KEEP_ALIVE in headers:  # as Ollama: the latest request says how long its model stays loaded idle
             self.keep_alive_s = keep_alive_header(headers[HDR_KEEP_ALIVE], self.keep_alive_s)
@@ -354,7 +365,7 @@ class EngineHost:
             # answers), and the request's keep-alive above says how long it stays; nothing to generate
             await writer.send(Final(seq=writer.next_seq(), engine_id=self.engine_id, choices=[], usage=Usage()))
             return "ok"
-        if op in LLM_OPS and (refused := unhonoured(self.engine, job)) is not None:
+        if op in LLM_OPS and (refused := unhonoured(engine, job)) is not None:
             await writer.send(
                 ErrorReply(code="bad_request", message=str(refused), param=refused.param, seq=writer.next_seq())
             )
@@ -415,7 +426,7 @@ class EngineHost:
 
             sink = emit_llm if job.stream else None
 
-        fn = getattr(self.engine, op)
+        fn = getattr(engine, op)
         started = threading.Event()  # set when an engine thread takes the job: before that it is queued
 
         def run(*args: Any) -> Any:
@@ -429,13 +440,13 @@ class EngineHost:
                 took = time.monotonic() - began
                 self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
 
-        if self.engine.blocking:  # type: ignore[union-attr]
+        if engine.blocking:
             fut = asyncio.ensure_future(self._gated(getattr(job, "priority", 0), run, job, flag, sink))
         else:
             fut = loop.create_future()
             try:
                 fut.set_result(run(job, flag, sink))
-            except Exception as exc:  # noqa: BLE001 - delivered below exactly as a thread's failure would be
+            except Exception as exc:  # delivered below exactly as a thread's failure would be
                 fut.set_exception(exc)
         fut.add_done_callback(lambda _: queue.put_nowait(DONE))
 
@@ -489,7 +500,7 @@ class EngineHost:
                 return "retry"
             await writer.send(ErrorReply(code="no_engine", message=str(exc), retryable=True, seq=writer.next_seq()))
             return "failed"
-        except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log it, answer typed
+        except Exception as exc:  # outermost edge of a job: log it, answer typed
             log.exception("%s job failed", op)
             tracing.set_error(span, f"engine_failed: {type(exc).__name__}: {exc}")
             if give_back:

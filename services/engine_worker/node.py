@@ -57,7 +57,7 @@ class GpuProbe:
         self.count = len(self.devices())
 
     @staticmethod
-    def _load_nvml():
+    def _load_nvml() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL("libnvidia-ml.so.1")
             if lib.nvmlInit_v2() != 0:
@@ -69,7 +69,7 @@ class GpuProbe:
     def devices(self) -> list[tuple[int, int]]:
         """(total, free) bytes per GPU."""
         if self._nvml is not None:
-            return self._nvml_devices()
+            return self._nvml_devices(self._nvml)
         if self._smi and time.monotonic() - self._smi_at >= self.SMI_EVERY_S:
             self._smi_at = time.monotonic()
             try:
@@ -84,8 +84,9 @@ class GpuProbe:
                 self._smi_last = []
         return self._smi_last
 
-    def _nvml_devices(self) -> list[tuple[int, int]]:
-        lib, n = self._nvml, ctypes.c_uint(0)
+    @staticmethod
+    def _nvml_devices(lib: ctypes.CDLL) -> list[tuple[int, int]]:
+        n = ctypes.c_uint(0)
         if lib.nvmlDeviceGetCount_v2(ctypes.byref(n)) != 0:
             return []
         out = []

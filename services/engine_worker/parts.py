@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from coderai.contracts import PartDone, WorkPart, decode, model_key, why_malformed
 from coderai.contracts.ops import ENGINE_OPS
@@ -23,6 +24,9 @@ from coderai.contracts.subjects import EVT_PART_DONE, WORK_PART
 from coderai.contracts.topology import HDR_REQUEST_ID, WORK
 from coderai.contracts.work import ACK_WAIT_S, MAX_DELIVER, work_consumer
 from coderai.runtime.bus import FrameWriter
+
+if TYPE_CHECKING:
+    from coderai.engine_worker.host import EngineHost
 
 __all__ = ["PartPuller", "consumer_name"]
 
@@ -39,7 +43,9 @@ consumer_name = work_consumer
 class PartPuller:
     """Pulls one (model, op)'s parts, one at a time, and runs them on the host's engine."""
 
-    def __init__(self, host: Any, op: str, ack_wait_s: float = ACK_WAIT_S, max_deliver: int = MAX_DELIVER) -> None:
+    def __init__(
+        self, host: EngineHost, op: str, ack_wait_s: float = ACK_WAIT_S, max_deliver: int = MAX_DELIVER
+    ) -> None:
         self.host = host
         self.op = op
         self.ack_wait_s = ack_wait_s
@@ -71,7 +77,7 @@ class PartPuller:
                     subject, durable=consumer_name(self.host.config.name, self.op), stream=WORK.name, config=cfg
                 )
                 return
-            except Exception as exc:  # noqa: BLE001 - the head creates WORK; until then, wait for it
+            except Exception as exc:  # the head creates WORK; until then, wait for it
                 if self._stopping:  # a cancel inside a nats-py request can come out as its own error
                     raise asyncio.CancelledError from None
                 log.info("no work queue for %s/%s yet (%s); retrying", self.host.config.name, self.op, exc)
@@ -98,7 +104,7 @@ class PartPuller:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - reconnecting; the next fetch retries
+            except Exception as exc:  # reconnecting; the next fetch retries
                 if self._stopping:
                     raise asyncio.CancelledError from None
                 log.warning("fetching parts for %s/%s failed: %s", self.host.config.name, self.op, exc)
@@ -114,7 +120,7 @@ class PartPuller:
                 else:
                     self._backoff_s = MIN_BACKOFF_S
 
-    async def _one(self, msg: Any) -> str:
+    async def _one(self, msg: Msg) -> str:
         host = self.host
         try:
             part = decode(msg.data, WorkPart)
@@ -148,7 +154,7 @@ class PartPuller:
             node_id=host.node_id,
             engine_id=host.engine_id,
             status=status,
-            deliveries=deliveries,  # type: ignore[arg-type]
+            deliveries=deliveries,
             duration_s=time.monotonic() - t0,
             ts=time.time(),
         )
@@ -156,7 +162,7 @@ class PartPuller:
             await host.bus.publish(EVT_PART_DONE, evt, node_id=host.node_id)
         return status
 
-    async def _in_progress(self, msg: Any) -> None:
+    async def _in_progress(self, msg: Msg) -> None:
         """Keep the part ours while it runs (a long image or transcription outlasts `ack_wait_s`)."""
         while True:
             await asyncio.sleep(min(PROGRESS_S, self.ack_wait_s / 3))

@@ -191,7 +191,7 @@ class RpcService:
 
     def __init__(self, host: str, port: int, threads: int = 0) -> None:
         self.host, self.port, self.threads = host, port, threads
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.gate: RpcGate | None = None
         self.device, self.mem_total, self.mem_free = "CPU", 0, 0
 
@@ -207,7 +207,9 @@ class RpcService:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent()
         )
-        line = await asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline)  # type: ignore[union-attr]
+        out = self.proc.stdout
+        assert out is not None, "started with stdout=PIPE"
+        line = await asyncio.get_running_loop().run_in_executor(None, out.readline)
         info = json.loads(line or b"{}")
         if "device" not in info:
             raise RuntimeError(f"the RPC server did not start: {info.get('error') or 'no output'}")

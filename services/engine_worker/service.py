@@ -86,11 +86,21 @@ class Worker:
         self.weights = weights_store(settings)
         add_secret(os.environ.get("HF_TOKEN", ""))  # the pull reads it from the environment; no log line shows it
 
+    @property
+    def _bus(self) -> Bus:
+        """The bus `start` connected (assignments, loads and their events come only after)."""
+        if self.bus is None:
+            raise RuntimeError("the worker is not started: no bus yet")
+        return self.bus
+
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
         self.bus = await self._connect()
         stack.push_async_callback(self.bus.close)
-        bus_url = self.bus.nc.connected_url.geturl()  # the server this node reached
+        reached = self.bus.nc.connected_url  # the server this node reached
+        if reached is None:
+            raise RuntimeError("the bus connection was lost as soon as it was made")
+        bus_url = reached.geturl()
         self.addrs = addresses(cluster_address(bus_url))
         if s.rpc:
             self.rpc = RpcService(gate_address(s.rpc_bind, bus_url, s.rpc_allow_any), s.rpc_port, s.rpc_threads)
@@ -224,7 +234,7 @@ class Worker:
         while True:
             try:
                 await self.publish_heartbeat()
-            except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried on the next tick
+            except Exception as exc:  # a missed heartbeat is retried on the next tick
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_s)
 
@@ -270,7 +280,7 @@ class Worker:
                     await self.converge(assignment)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the watch is restarted; the bus may be reconnecting
+            except Exception as exc:  # the watch is restarted; the bus may be reconnecting
                 log.warning("assignment watch ended (%s); restarting", exc or type(exc).__name__)
                 await asyncio.sleep(0.5)
             finally:
@@ -318,7 +328,7 @@ class Worker:
             for name, cfg in wanted.items():
                 if name not in self.hosts:
                     host = self.hosts[name] = EngineHost(
-                        self.bus,
+                        self._bus,
                         self.node_id,
                         cfg,
                         self.settings.keepalive_s,
@@ -362,7 +372,7 @@ class Worker:
             evt = ModelLoaded(
                 node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time()
             )
-            await self.bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
+            await self._bus.publish(EVT_MODEL_LOADED, evt, node_id=self.node_id)
         await self.publish_heartbeat()
 
     async def _cancel_load(self, host: EngineHost) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from coderai.contracts import decode
 from coderai.contracts.training import BASE_LEARNING_RATE, TrainSpec
+from coderai.engine_worker.engines.base import to_device
 from coderai.training_data import parse_examples
 
 MARK = "@@coderai "
@@ -56,7 +57,7 @@ def _die_with_parent() -> None:
 def _collective(fn, *args, **kw):
     try:
         return fn(*args, **kw)
-    except Exception as exc:  # noqa: BLE001 - gloo/nccl raise several types for a lost peer
+    except Exception as exc:  # gloo/nccl raise several types for a lost peer
         raise PeerFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -174,7 +175,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         if spec.method == "qlora":
             model = prepare_model_for_kbit_training(model)
         elif cuda:
-            model = model.to(device)
+            to_device(model, device)  # in place, as nn.Module.to is
         torch.manual_seed(spec.seed)
         lora = LoraConfig(
             r=spec.lora_rank,
@@ -207,13 +208,17 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                 ids, mask, labels = _batch(torch, seqs, pad, device)
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
                 loss.backward()
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                grads: list[torch.Tensor] = []
+                for p in params:
+                    assert p.grad is not None, "backward() gives every trainable (LoRA) weight its gradient"
+                    grads.append(p.grad)
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 _collective(dist.all_reduce, flat)  # one message a step: the whole LoRA gradient
                 flat /= spec.world_size
                 off = 0
-                for p in params:
-                    n = p.numel()
-                    p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                for g in grads:
+                    n = g.numel()
+                    g.copy_(flat[off : off + n].view_as(g))
                     off += n
                 opt.step()
                 opt.zero_grad(set_to_none=False)
@@ -241,7 +246,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                 )
         digest = adapter_digest(model)
         tmp = out / f".adapter.{os.getpid()}"
-        model.save_pretrained(tmp)
+        model.save_pretrained(str(tmp))
         final = out / "adapter"
         if final.exists():
             import shutil
@@ -253,13 +258,15 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group may refuse to be destroyed; the process ends anyway
+        except Exception:  # a broken group may refuse to be destroyed; the process ends anyway
             pass
 
 
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
-    ap = argparse.ArgumentParser(prog="python -m coderai.engine_worker.trainer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m coderai.engine_worker.trainer", description=(__doc__ or "").partition("\n")[0]
+    )
     ap.add_argument("--spec", required=True, help="the TrainSpec as JSON, in a file")
     ap.add_argument("--data", required=True, help="the training JSONL file")
     ap.add_argument("--valid", default="", help="the validation JSONL file (optional)")
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         say(event="failed", message=str(exc.code))
         return 1
-    except Exception as exc:  # noqa: BLE001 - the outermost edge of the trainer: report it, typed
+    except Exception as exc:  # the outermost edge of the trainer: report it, typed
         say(event="failed", message=f"{type(exc).__name__}: {exc}")
         return 1
     return 0

@@ -31,6 +31,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from nats.aio.msg import Msg
 from coderai.contracts import BusError, encode
 from coderai.contracts.store import CHUNK_BYTES
 from coderai.contracts.subjects import (
@@ -43,6 +44,7 @@ from coderai.contracts.subjects import (
 from coderai.contracts.training import (
     MAX_EVENTS,
     AdapterChunk,
+    ReportKind,
     TrainReport,
     TrainSpec,
     TrainStarted,
@@ -53,6 +55,7 @@ from coderai.contracts.training import (
 )
 from coderai.engine_worker.fetch import FetchError, bus_request, fetch_file, local_path
 from coderai.engine_worker.trainer import MARK
+from coderai.runtime.bus import Bus
 
 log = logging.getLogger("coderai.engine_worker")
 
@@ -145,7 +148,7 @@ class TrainingHost:
     """The trainer children of this worker, by job id."""
 
     def __init__(
-        self, bus: Any, node_id: str, data_dir: Path, *, train_addr: str = "", mdns_interfaces: list[str] | None = None
+        self, bus: Bus, node_id: str, data_dir: Path, *, train_addr: str = "", mdns_interfaces: list[str] | None = None
     ) -> None:
         self.bus = bus
         self.node_id = node_id
@@ -166,12 +169,13 @@ class TrainingHost:
         stack.push_async_callback(self.stop_all)
 
     def _bus_local(self) -> str:
+        transport: Any = self.bus.nc._transport  # nats-py has no public way to ask
         try:
-            return self.bus.nc._transport.get_extra_info("sockname")[0]  # nats-py has no public way to ask
-        except Exception:  # noqa: BLE001 - no transport info: fall back to the interfaces
+            return transport.get_extra_info("sockname")[0]
+        except Exception:  # no transport info: fall back to the interfaces
             return ""
 
-    async def _train(self, spec: TrainSpec, _m: Any) -> TrainStarted:
+    async def _train(self, spec: TrainSpec, _m: Msg) -> TrainStarted:
         if spec.job_id in self.runs and not self.runs[spec.job_id].stopped:
             raise BusError("bad_request", f"job {spec.job_id} already runs on {self.node_id}")
         ifaces = await asyncio.to_thread(interface_addresses)
@@ -194,7 +198,7 @@ class TrainingHost:
             node_id=self.node_id, rank=spec.rank, master_addr=spec.master_addr, master_port=spec.master_port
         )
 
-    async def _stop(self, req: TrainStop, _m: Any) -> TrainStopped:
+    async def _stop(self, req: TrainStop, _m: Msg) -> TrainStopped:
         run = self.runs.get(req.job_id)
         if run is None or run.stopped:
             return TrainStopped(node_id=self.node_id, was_running=False)
@@ -202,7 +206,7 @@ class TrainingHost:
         await self._end(run)
         return TrainStopped(node_id=self.node_id, was_running=True)
 
-    async def _state(self, req: TrainStateAsk, _m: Any) -> TrainState:
+    async def _state(self, req: TrainStateAsk, _m: Msg) -> TrainState:
         """What this rank published so far, for a scheduler that restarted while it ran (it missed some)."""
         run = self.runs.get(req.job_id)
         if run is None:
@@ -227,8 +231,8 @@ class TrainingHost:
         for run in list(self.runs.values()):
             await self._end(run)
 
-    async def _report(self, spec: TrainSpec, kind: str, **fields: Any) -> None:
-        rep = TrainReport(job_id=spec.job_id, node_id=self.node_id, rank=spec.rank, kind=kind, **fields)  # type: ignore[arg-type]
+    async def _report(self, spec: TrainSpec, kind: ReportKind, **fields: Any) -> None:
+        rep = TrainReport(job_id=spec.job_id, node_id=self.node_id, rank=spec.rank, kind=kind, **fields)
         run = self.runs.get(spec.job_id)
         if run is not None and run.spec is spec:  # kept: a restarted scheduler asks for what it missed
             if kind == "step":
@@ -237,7 +241,7 @@ class TrainingHost:
                 run.final = rep
         try:
             await self.bus.publish(TRAIN_REPORT, rep, job_id=spec.job_id, node_id=self.node_id)
-        except Exception as exc:  # noqa: BLE001 - the next report (alive every second) tries again
+        except Exception as exc:  # the next report (alive every second) tries again
             log.warning("could not report %s for job %s: %s", kind, spec.job_id, exc)
 
     async def _alive(self, spec: TrainSpec) -> None:
@@ -252,7 +256,7 @@ class TrainingHost:
             await self._run_child(run, ifaces)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the outermost edge of a rank: report it, typed
+        except Exception as exc:  # the outermost edge of a rank: report it, typed
             log.exception("training job %s failed on this node", spec.job_id)
             if not run.stopped:
                 await self._report(spec, "failed", message=f"{type(exc).__name__}: {exc}")
@@ -412,7 +416,7 @@ def exit_reason(rc: int, stderr_tail: list[str]) -> str:
 
 async def _tail(stream: Any, keep: list[str], path: Path) -> None:
     """Keep the trainer's stderr in a file beside its job, and its last lines for the failure message."""
-    with open(path, "ab") as fh:  # noqa: ASYNC230 - small appends of log lines
+    with open(path, "ab") as fh:  # small appends of log lines
         async for raw in stream:
             fh.write(raw)
             line = raw.decode(errors="replace").strip()

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Literal, cast
 
 import msgspec
 from coderai.catalog import CatalogError, Entry, ModelStore, Progress, Pulled, pull
@@ -30,6 +31,7 @@ log = logging.getLogger("coderai.engine_worker")
 
 PROGRESS_EVERY_S = 2.0  # between the events of each state, file and 10 % step
 Publish = Callable[[ModelFetch], Awaitable[None]]
+FetchState = Literal["resolving", "downloading", "verifying", "done", "failed"]  # ModelFetch.state
 
 
 async def ensure_weights(
@@ -74,10 +76,12 @@ async def _pull(entry: Entry, store: ModelStore, report: _Reporter) -> Path:
     queue: asyncio.Queue[Progress | None] = asyncio.Queue()
     relay = asyncio.create_task(report.relay(queue))
     cancel = threading.Event()
+
+    def progress(p: Progress) -> None:  # called in the pull's thread
+        loop.call_soon_threadsafe(queue.put_nowait, p)
+
     try:
-        rec = await asyncio.to_thread(
-            pull, entry, store, lambda p: loop.call_soon_threadsafe(queue.put_nowait, p), cancel=cancel
-        )
+        rec = await asyncio.to_thread(pull, entry, store, progress, cancel=cancel)
     finally:
         cancel.set()
         queue.put_nowait(None)
@@ -117,9 +121,9 @@ class _Reporter:
             node_id=self.node_id,
             model=self.config.name,
             source=self.config.source,
-            state=p.state,
+            state=cast(FetchState, p.state),  # a pull's Progress.state is one of these (a plain str in its struct)
             file=p.file,
-            bytes_done=p.bytes_done,  # type: ignore[arg-type]
+            bytes_done=p.bytes_done,
             bytes_total=p.bytes_total,
             rate_bps=p.rate_bps,
             error=p.error,
@@ -129,5 +133,5 @@ class _Reporter:
             log.error("fetching the weights of %s failed: %s", self.config.name, p.error)
         try:
             await self.publish(evt)
-        except Exception as exc:  # noqa: BLE001 - a lost progress event must not fail the fetch it reports
+        except Exception as exc:  # a lost progress event must not fail the fetch it reports
             log.warning("could not publish the fetch progress of %s: %s", self.config.name, exc)

@@ -18,6 +18,7 @@ from prometheus_client import make_wsgi_app
 
 import time
 
+from nats.aio.msg import Msg
 from coderai.accounts.keys import KeyStore
 from coderai.accounts.limits import period_id
 from coderai.contracts import Heartbeat, RequestCompleted, decode, why_malformed
@@ -100,7 +101,7 @@ class Metrics:
             await stop_task(task)
             log.info("usage counting stopped on this head")
 
-    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         self.series.on_heartbeat(hb)
         self._live[hb.node_id] = (time.monotonic(), hb)
 
@@ -122,13 +123,13 @@ class Metrics:
             try:
                 self._leaders_kv = self._leaders_kv or await self.bus.kv(LEADERS)
                 self.series.on_leaders(await leaders(self._leaders_kv))
-            except Exception as exc:  # noqa: BLE001 - retried on the next round
+            except Exception as exc:  # retried on the next round
                 log.debug("leaders not read: %s", exc)
             if self.redis is not None:
                 try:
                     await self._budgets()
                     await self._pods()
-                except Exception as exc:  # noqa: BLE001 - retried on the next round
+                except Exception as exc:  # retried on the next round
                     log.debug("budgets not read: %s", exc)
             await asyncio.sleep(5)
 
@@ -142,17 +143,16 @@ class Metrics:
         if self._pod_kvs is None:  # bound once, not every census round
             self._pod_kvs = (await self.bus.kv(PODS), await self.bus.kv(MODELS))
         pods_kv, models_kv = self._pod_kvs
-        for kv, type_ in ((pods_kv, PodInfo), (models_kv, ModelConfig)):
-            for value in (await read_all(kv, type_)).values():
-                if type_ is PodInfo:
-                    counts[(value.model, value.state)] = counts.get((value.model, value.state), 0) + 1
-                elif value.pod.burst != "never":
-                    money, period = PodMoney(self.redis, prefix=self.settings.pod_ledger_prefix), value.pod.period
-                    spent = await money.spend(value.name, period)
-                    self.series.pod_spend.labels(value.name, period).set(spent)
-                    if value.pod.budget_usd:
-                        left = value.pod.budget_usd - spent - await money.reserved(value.name, period)
-                        self.series.pod_budget_left.labels(value.name, period).set(max(0.0, left))
+        for pod in (await read_all(pods_kv, PodInfo)).values():
+            counts[(pod.model, pod.state)] = counts.get((pod.model, pod.state), 0) + 1
+        for model in (await read_all(models_kv, ModelConfig)).values():
+            if model.pod.burst != "never":
+                money, period = PodMoney(self.redis, prefix=self.settings.pod_ledger_prefix), model.pod.period
+                spent = await money.spend(model.name, period)
+                self.series.pod_spend.labels(model.name, period).set(spent)
+                if model.pod.budget_usd:
+                    left = model.pod.budget_usd - spent - await money.reserved(model.name, period)
+                    self.series.pod_budget_left.labels(model.name, period).set(max(0.0, left))
         self.series.on_pods(counts)
 
     async def _budgets(self) -> None:
@@ -176,7 +176,7 @@ class Metrics:
             cfg.deliver_policy, cfg.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_seq
         try:
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
-        except Exception as exc:  # noqa: BLE001 - a consumer made by an older release with per-message acks
+        except Exception as exc:  # a consumer made by an older release with per-message acks
             log.info("recreating consumer %s (%s)", name, exc)
             await js.delete_consumer(EVENTS.name, name)
             return await js.pull_subscribe(EVT_REQUEST_COMPLETED(), durable=name, stream=EVENTS.name, config=cfg)
@@ -216,7 +216,7 @@ class Metrics:
                 return fresh
             except usage.MarkLost:
                 raise
-            except Exception as exc:  # noqa: BLE001 - Redis down or restarting: hold the batch, try again
+            except Exception as exc:  # Redis down or restarting: hold the batch, try again
                 unsure = True
                 if self.leader is not None and (not self.leader.held or self.leader.token != token):
                     log.warning(
@@ -269,7 +269,7 @@ class Metrics:
                     for m in msgs:
                         try:
                             events.append((m.metadata.sequence.stream, decode(m.data, RequestCompleted)))
-                        except Exception as exc:  # noqa: BLE001 - a malformed event is dropped, not retried forever
+                        except Exception as exc:  # a malformed event is dropped, not retried forever
                             log.warning("dropping malformed event: %s", why_malformed(exc))
                     # a lost lease or a stop cancels this task: the batch's usage and its Prometheus counts are
                     # taken whole or not at all, so Redis and Prometheus keep agreeing
@@ -295,7 +295,7 @@ class Metrics:
                     "from the start of the EVENTS stream"
                 )
                 resume, self._marked = True, False
-            except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting; resubscribe
+            except Exception as exc:  # the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)
             finally:

@@ -147,7 +147,10 @@ class PodRecord:
 
 def _pod(d: dict[str, Any]) -> PodRecord:
     machine = d.get("machine") or {}
-    env = dict(item.split("=", 1) if "=" in item else (item, "") for item in d.get("env") or [])
+    env: dict[str, str] = {}
+    for item in d.get("env") or []:  # "KEY=value" (a bare "KEY": empty)
+        key, _, value = item.partition("=")
+        env[key] = value
     return PodRecord(
         id=d["id"],
         name=d.get("name") or "",

@@ -24,9 +24,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+from nats.aio.msg import Msg
 
 from coderai.contracts import BusError, ModelConfig, encode
 from coderai.contracts.events import PodEvent
@@ -63,6 +64,7 @@ log = logging.getLogger("coderai.pod_broker")
 
 LIVE = ("creating", "booting", "ready")
 MB = 1024 * 1024
+PodWhat = Literal["created", "ready", "billed", "stopped"]  # PodEvent.what
 DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
 
 
@@ -146,13 +148,13 @@ class Broker:
         await self.kv.put(info.name, encode(info))
         return info
 
-    async def _event(self, what: str, p: PodInfo, **kw: Any) -> None:
+    async def _event(self, what: PodWhat, p: PodInfo, **kw: Any) -> None:
         evt = PodEvent(
             what=what,
             name=p.name,
             model=p.model,
             pod_id=p.pod_id,
-            gpu_type=p.gpu_type,  # type: ignore[arg-type]
+            gpu_type=p.gpu_type,
             hourly_usd=p.hourly_usd,
             ts=time.time(),
             **kw,
@@ -171,7 +173,7 @@ class Broker:
 
     # --- commands -----------------------------------------------------------------------------------
 
-    async def _status(self, _req: BrokerStatusRequest, _m: Any) -> BrokerStatus:
+    async def _status(self, _req: BrokerStatusRequest, _m: Msg) -> BrokerStatus:
         now = time.time()
         pods = [self._with_live_cost(p, now) for p in sorted(self.pods.values(), key=lambda p: p.created_at)]
         spent = await self.money.ledger_total_usd() if self.money is not None else 0.0
@@ -196,7 +198,7 @@ class Broker:
             return msgspec.structs.replace(p, cost_usd=round(p.hourly_usd * (now - p.created_at) / 3600, 6))
         return p
 
-    async def _lease(self, req: LeaseRequest, _m: Any) -> LeaseReply:
+    async def _lease(self, req: LeaseRequest, _m: Msg) -> LeaseReply:
         self._model(req.model)
         until = time.time() + req.ttl_s
         self.leases[req.model] = (max(0, req.pods), until)
@@ -205,7 +207,7 @@ class Broker:
         )
         return LeaseReply(model=req.model, pods=req.pods, until=until)
 
-    async def _acquire(self, req: AcquireRequest, _m: Any) -> AcquireReply:
+    async def _acquire(self, req: AcquireRequest, _m: Msg) -> AcquireReply:
         if not self.fence.admits(req.fence):
             raise BusError(
                 "stale_leader",
@@ -239,7 +241,8 @@ class Broker:
         s = self.settings
         try:
             offers = [
-                choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr, g.spot_price_hr)
+                # an unpriced type (None) is 0: never a candidate; no spot price, no spot
+                choosing.Offer(g.id, g.name, g.memory_gb, g.price_hr or 0.0, g.spot_price_hr or 0.0)
                 for g in await self.api.gpu_types()
             ]
         except RunPodError as exc:
@@ -352,7 +355,7 @@ class Broker:
 
     # --- watching -----------------------------------------------------------------------------------
 
-    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         if hb.pod:
             self.hbs[hb.node_id] = (time.monotonic(), hb)
 
@@ -362,7 +365,7 @@ class Broker:
                 await self.reconcile()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - retried on the next round
+            except Exception as exc:  # retried on the next round
                 log.warning("reconcile failed: %s", exc)
             await asyncio.sleep(self.settings.reconcile_s)
 
@@ -504,7 +507,7 @@ class Broker:
                 p,
                 state=state,
                 ended_at=end,
-                cost_usd=usd,  # type: ignore[arg-type]
+                cost_usd=usd,
                 error="" if state == "terminated" else reason,
             )
         )
@@ -521,7 +524,7 @@ class Broker:
             return []
         try:
             listed = await self.api.list_pods()
-        except Exception as exc:  # noqa: BLE001 - the next scan retries
+        except Exception as exc:  # the next scan retries
             log.warning("listing pods failed: %s", exc)
             return []
         reaped = []

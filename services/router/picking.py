@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest
 from coderai.contracts.nodes import EngineStatus
-from coderai.contracts.routing import AffinityEntry
+from coderai.contracts.routing import AffinityEntry, RouteReason
 from coderai.runtime.claims import claim_fault
 
 AFFINITY_TTL_S = 1800.0
@@ -184,9 +184,10 @@ class LoadGuard:
         return warm.load >= warm.slots and warm.load > max(least.load * self.ratio, least.load + self.slack)
 
 
-def affinity_keys(req: RouteRequest) -> list[tuple[str, str]]:
+def affinity_keys(req: RouteRequest) -> list[tuple[RouteReason, str]]:
     """(reason, key) pairs, strongest first; prefix elements from the longest down."""
-    keys = [("session", req.session), ("user", req.user)] + [("prefix", k) for k in reversed(req.prefix)]
+    prefixes: list[tuple[RouteReason, str]] = [("prefix", k) for k in reversed(req.prefix)]
+    keys: list[tuple[RouteReason, str]] = [("session", req.session), ("user", req.user), *prefixes]
     return [(r, k) for r, k in keys if k]
 
 
@@ -206,11 +207,11 @@ def _busy(model: ModelConfig | None, v: EngineView) -> bool:
 
 
 def _decide(
-    table: EngineTable, v: EngineView, reason: str, holders: int = 1, model: ModelConfig | None = None
+    table: EngineTable, v: EngineView, reason: RouteReason, holders: int = 1, model: ModelConfig | None = None
 ) -> RouteDecision:
     busy = _busy(model, v) and reason != "pin"
     table.chose(v)
-    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders, busy=busy)  # type: ignore[arg-type]
+    return RouteDecision(engine_id=v.engine_id, node_id=v.node_id, reason=reason, holders=holders, busy=busy)
 
 
 def pick(
@@ -241,8 +242,9 @@ def pick(
         return None
     least = table.least_busy(candidates)
     by_id = {v.engine_id: v for v in candidates}
-    for reason, key in affinity_keys(req) if affinity else ():
-        entry = affinity.get(key)
+    known: Mapping[str, AffinityEntry] = affinity or {}
+    for reason, key in affinity_keys(req) if known else ():
+        entry = known.get(key)
         if entry is None or now - entry.ts > ttl_s:
             continue
         warm = by_id.get(entry.engine_id)

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from nats.aio.msg import Msg
 from coderai.contracts import (
     BusError,
     EngineReady,
@@ -96,15 +97,22 @@ class Router:
         stack.push_async_callback(pick_sub.unsubscribe)
         log.info("routing with policy %s; %d affinity entries", self.settings.policy, len(self.affinity.values))
 
+    @property
+    def _bus(self) -> Bus:
+        """The bus `start` connected (heartbeats and announcements come only after)."""
+        if self.bus is None:
+            raise RuntimeError("the router is not started: no bus yet")
+        return self.bus
+
     async def _seed_engines(self) -> None:
         """Start from the last heartbeats the scheduler recorded in `coderai_nodes` (at most a TTL old), so a
         restarted router routes at once instead of answering "no engine" until the next heartbeats arrive."""
-        records = await read_all(await self.bus.kv(NODES), Heartbeat)
+        records = await read_all(await self._bus.kv(NODES), Heartbeat)
         now = time.monotonic()
         for key, hb in records.items():
             try:
                 self._apply(hb, now)
-            except Exception as exc:  # noqa: BLE001 - one bad record must not stop the start
+            except Exception as exc:  # one bad record must not stop the start
                 log.warning("ignoring node record %s: %s", key, exc)
 
     async def _on_reconnect(self) -> None:
@@ -167,8 +175,8 @@ class Router:
 
     async def _publish_ready(self, e: EngineReady) -> None:
         try:
-            await self.bus.publish(EVT_ENGINE_READY, e, model_key=model_key(e.model))  # type: ignore[union-attr]  # set when announced
-        except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting: a waiting request asks again later anyway
+            await self._bus.publish(EVT_ENGINE_READY, e, model_key=model_key(e.model))
+        except Exception as exc:  # the bus may be reconnecting: a waiting request asks again later anyway
             log.debug("could not announce engine %s: %s", e.engine_id, exc)
 
     def _faults(self, hb: Heartbeat, refused: list[tuple[EngineStatus, str]]) -> None:
@@ -200,13 +208,13 @@ class Router:
         self._logged.add(what)
         log.warning(msg, *args)
 
-    async def _on_heartbeat(self, hb: Heartbeat, _m: Any) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         self._apply(hb, time.monotonic())
 
-    async def _on_completed(self, e: RequestCompleted, _m: Any) -> None:
+    async def _on_completed(self, e: RequestCompleted, _m: Msg) -> None:
         self.table.completed(e.engine_id)
 
-    async def _on_pick(self, req: RouteRequest, m: Any) -> RouteDecision:
+    async def _on_pick(self, req: RouteRequest, m: Msg) -> RouteDecision:
         if not tracing.enabled():
             return self._pick(req)
         with tracing.start_span(
@@ -283,11 +291,11 @@ class Router:
                 try:
                     new_rev = await (kv.update(key, encode(entry), last=rev) if rev else kv.create(key, encode(entry)))
                     self.affinity.remember(key, entry, new_rev)
-                except Exception as exc:  # noqa: BLE001 - lost a race (or the bus is down): adopt the winner
+                except Exception as exc:  # lost a race (or the bus is down): adopt the winner
                     try:
                         theirs = await kv.get(key)
                         self.affinity.remember(key, decode(theirs.value, AffinityEntry), theirs.revision)
-                    except Exception:  # noqa: BLE001 - nothing to adopt; the watch corrects the local guess
+                    except Exception:  # nothing to adopt; the watch corrects the local guess
                         log.debug("affinity write for %s failed: %s", key, exc)
                         self._latest.pop(key, None)
                         return

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from nats.aio.msg import Msg
 from coderai import engine_params
 from coderai.contracts import BusError, ModelConfig, encode, model_key
 from coderai.contracts.admin import AddModelRequest, PlaceReply, RemoveModelRequest
@@ -54,13 +55,13 @@ class LiveModels:
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         for subject, handler in ((CMD_SCHEDULER_ADD, self._add), (CMD_SCHEDULER_REMOVE, self._remove)):
-            sub = await self.sched.bus.serve(subject, handler, queue="scheduler")
+            sub = await self.sched.connected_bus.serve(subject, handler, queue="scheduler")
             stack.push_async_callback(sub.unsubscribe)
         if self.path:
             task = asyncio.create_task(self._watch())
             stack.callback(task.cancel)
 
-    async def _add(self, req: AddModelRequest, _m: Any) -> PlaceReply:
+    async def _add(self, req: AddModelRequest, _m: Msg) -> PlaceReply:
         return await self.add(req.model, req.replace)
 
     async def add(self, new: ModelConfig, replace: bool = True) -> PlaceReply:
@@ -81,7 +82,7 @@ class LiveModels:
         log.info("%s model %s (%s)", "replaced" if old else "added", new.name, new.engine)
         return PlaceReply(model=new)
 
-    async def _remove(self, req: RemoveModelRequest, _m: Any) -> PlaceReply:
+    async def _remove(self, req: RemoveModelRequest, _m: Msg) -> PlaceReply:
         """Stop serving `req.name`; the reply is the config it had."""
         async with self._lock:
             old = self._served(req.name)
@@ -151,7 +152,7 @@ class LiveModels:
                     continue
                 try:
                     await self.publish(changes)
-                except Exception as exc:  # noqa: BLE001 - the bus may be reconnecting: read the file again
+                except Exception as exc:  # the bus may be reconnecting: read the file again
                     log.warning("publishing the models file's changes failed (%s); retrying", exc)
                     self._stat = None
                     continue

@@ -12,9 +12,11 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig
 from coderai import heads
 from coderai.contracts import BusError
 from coderai.contracts.admin import (
@@ -41,6 +43,7 @@ from coderai.contracts.topology import WORK
 from coderai.contracts.work import consumer_config, work_consumers
 from coderai.runtime import members
 from coderai.runtime.cluster import head_proof, member_proof, node_proof, nonce, same, welcome_proof
+from coderai.runtime.bus import Bus
 from coderai.runtime.tls import fingerprint
 from coderai.scheduler.registry_sync import HeadFiles, Publisher
 
@@ -56,13 +59,13 @@ class Membership:
 
     def __init__(
         self,
-        bus: Any,
+        bus: Bus,
         token: str,
         members_file: str,
         auth_file: str,
         pid_file: str,
         ca_pem: str = "",
-        on_revoke: Any = None,
+        on_revoke: Callable[[str], None] | None = None,
     ) -> None:
         self.bus = bus
         self.token = token
@@ -111,7 +114,7 @@ class Membership:
 
     # --- the join handshake ----------------------------------------------------------------------
 
-    async def _hello(self, req: JoinHello, _m: Any) -> JoinChallenge:
+    async def _hello(self, req: JoinHello, _m: Msg) -> JoinChallenge:
         node_id = _node_id(req.node_id)
         if len(req.nonce) < 16:
             raise BusError("bad_request", "the join nonce is too short", retryable=False)
@@ -127,7 +130,7 @@ class Membership:
             nonce=head_nonce, proof=head_proof(self.token, node_id, req.nonce, head_nonce), member_salt=salt
         )
 
-    async def _prove(self, req: JoinProof, _m: Any) -> JoinWelcome:
+    async def _prove(self, req: JoinProof, _m: Msg) -> JoinWelcome:
         node_id = _node_id(req.node_id)
         held = self.pending.pop(req.head_nonce, None)  # one answer per challenge: a replay finds nothing
         if held is None or held[2] < time.monotonic() or held[0] != node_id or not same(held[1], req.nonce):
@@ -180,7 +183,7 @@ class Membership:
         user = members.node_user(node_id)
         try:  # the heads bucket's keys are listed through a consumer: seconds on a busy head
             urls = self._head_urls = await asyncio.wait_for(heads.client_urls(self.bus), 5)
-        except Exception as exc:  # noqa: BLE001 - the list read last, else this head's own file of the heads
+        except Exception as exc:  # the list read last, else this head's own file of the heads
             # (without one, the worker reaches the others only through the head it joined while that one lives)
             urls = self._head_urls or heads.urls(heads.load(self.members_file.parent.parent))
             log.info(
@@ -200,10 +203,10 @@ class Membership:
 
     # --- operator commands and the pod-broker ----------------------------------------------------
 
-    async def _list(self, _req: MembersRequest, _m: Any) -> MembersReply:
+    async def _list(self, _req: MembersRequest, _m: Msg) -> MembersReply:
         return _reply(self.registry())
 
-    async def _revoke(self, req: RevokeRequest, _m: Any) -> MembersReply:
+    async def _revoke(self, req: RevokeRequest, _m: Msg) -> MembersReply:
         node_id = _node_id(req.node_id)
         async with self._lock:
             with members.file_lock(self.members_file):
@@ -227,7 +230,7 @@ class Membership:
             self.on_revoke(node_id)
         return _reply(reg)
 
-    async def _pod_user(self, req: PodUserRequest, _m: Any) -> PodUser:
+    async def _pod_user(self, req: PodUserRequest, _m: Msg) -> PodUser:
         node_id = _node_id(req.pod_id)
         password = members.new_password()
         expires = time.time() + max(60.0, req.ttl_s)
@@ -256,8 +259,10 @@ class Membership:
             if c in self.made:
                 continue
             try:
-                await self.bus.js.add_consumer(WORK.name, config=consumer_config(c))
-            except Exception as exc:  # noqa: BLE001 - made at the next grant; until then its holders wait for it
+                config = consumer_config(c)
+                assert isinstance(config, ConsumerConfig)  # typed `object` there: the contracts never import nats
+                await self.bus.js.add_consumer(WORK.name, config=config)
+            except Exception as exc:  # made at the next grant; until then its holders wait for it
                 log.warning("cannot make the work consumer %s: %s", c, exc)
                 continue
             self.made.add(c)

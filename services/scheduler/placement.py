@@ -260,7 +260,8 @@ def add_copies(room: Room, m: ModelConfig, b: int, candidates: list[str], want: 
     else:
         rest.sort(key=lambda n: (fetch_first(m, room.nodes[n]), len(room.placed[n]), -free_for(m, room.free[n]), n))
     for n in rest[: max(0, want - len(have))]:
-        put(room, m, n, take(m, b, room.free[n], room.full[n]))  # type: ignore[arg-type]
+        if (t := take(m, b, room.free[n], room.full[n])) is not None:  # it does: `rest` holds the nodes it fits
+            put(room, m, n, t)
     return sum(holds(room, n, m.name) for n in candidates)
 
 

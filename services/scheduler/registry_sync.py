@@ -17,14 +17,18 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.js.errors import KeyNotFoundError
 
 from coderai.contracts.topology import MEMBERS
 from coderai.runtime import members
+from coderai.runtime.bus import Bus
 from coderai.runtime.mirror import KVMirror
+
+if TYPE_CHECKING:
+    from coderai.scheduler.settings import SchedulerSettings
 
 log = logging.getLogger("coderai.scheduler.membership")
 
@@ -67,7 +71,7 @@ class Publisher:
     """The leader's side: the newest registry, put into the bucket by one task, in order, tried again while the
     bus is away (a change made during a NATS restart still reaches the other heads)."""
 
-    def __init__(self, bus: Any) -> None:
+    def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._latest: members.Registry | None = None
         self._wake = asyncio.Event()
@@ -89,6 +93,8 @@ class Publisher:
             if theirs is not None and local.version <= theirs.version:  # changed here, outside any term: newer now
                 with members.file_lock(files.members_file):
                     local = members.load(files.members_file)
+                    if local is None:  # the file went away since: nothing of this head's to publish
+                        return
                     local.version = theirs.version + 1
                     members.save(files.members_file, local)
             await kv.put(REGISTRY_KEY, msgspec.json.encode(local))
@@ -110,7 +116,7 @@ class Publisher:
                 wait = 0.25
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the bus is away: the newest registry goes once it is back
+            except Exception as exc:  # the bus is away: the newest registry goes once it is back
                 log.warning("member registry not published (%s); trying again in %.1fs", exc, wait)
                 if self._latest is reg:
                     self._wake.set()
@@ -125,7 +131,7 @@ def _membership(reg: members.Registry) -> tuple:
 class Follower:
     """Every head's side: this head's files follow the bucket's registry."""
 
-    def __init__(self, bus: Any, files: HeadFiles) -> None:
+    def __init__(self, bus: Bus, files: HeadFiles) -> None:
         self.files = files
         self.mirror: KVMirror = KVMirror(bus, MEMBERS, members.Registry, on_change=self._changed)
         self.applied = 0  # registries written to this head's files
@@ -146,15 +152,13 @@ class Follower:
             if self.files.write(reg):
                 self.applied += 1
                 log.info("member registry updated from the cluster: %d members", len(reg.members))
-        except Exception as exc:  # noqa: BLE001 - a nats-server not running yet reads the file when it starts
+        except Exception as exc:  # a nats-server not running yet reads the file when it starts
             log.warning("member registry written, nats-server not reloaded: %s", exc)
 
 
-async def follow(settings: Any, stack: contextlib.AsyncExitStack) -> Follower:
+async def follow(settings: SchedulerSettings, stack: contextlib.AsyncExitStack) -> Follower:
     """This head's files following the cluster's registry, on a connection of their own (a standby scheduler
     holds none), for as long as `stack` is open."""
-    from coderai.runtime.bus import Bus
-
     follower: Follower | None = None
 
     async def reconnected() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
@@ -68,7 +69,9 @@ def in_use(status: EngineStatus | None) -> bool:
 class Residency:
     demand: dict[str, float] = field(default_factory=dict)  # model -> when a request last asked for it unloaded
     parked: set[Pair] = field(default_factory=set)  # copies unloaded for idleness or eviction, until asked for
-    gone: dict[Pair, str] = field(default_factory=dict)  # why a copy left its node: idle, evicted (for ModelUnloaded)
+    gone: dict[Pair, Literal["idle", "evicted"]] = field(
+        default_factory=dict
+    )  # why a copy left its node: idle, evicted (for ModelUnloaded)
     no_room: dict[str, str] = field(default_factory=dict)  # model asked for -> why it could not be placed
     waiting: set[str] = field(default_factory=set)  # models asked for that fit once copies in use go idle
 
@@ -93,11 +96,11 @@ class Residency:
         for n, a in current.items():
             for x in a.models:
                 m, s = by_name.get(x.name), status.get((x.name, n))
-                if m is None or n not in nodes or (x.name, n) in self.parked or not idle(s):
+                if m is None or s is None or n not in nodes or (x.name, n) in self.parked or not idle(s):
                     continue
                 k = keep_alive(m, s)
-                if k is not None and s.idle_s > k:  # type: ignore[union-attr]
-                    out.append((-s.idle_s, (x.name, n)))  # type: ignore[union-attr]
+                if k is not None and s.idle_s > k:
+                    out.append((-s.idle_s, (x.name, n)))
         gone: list[Pair] = []
         for _, (name, n) in sorted(out):
             if copies.get(name, 0) > by_name[name].min_replicas:

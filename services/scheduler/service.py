@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 
 from coderai.contracts import (
     GGUF_FAMILIES,
@@ -95,6 +96,13 @@ class Scheduler:
         self._given_at: dict[str, dict[str, float]] = {}  # node id -> model -> when it was last given the node
         self._faults: set[tuple[str, str, str]] = set()  # (node, engine id, model) claims already logged
         self.store = StoreFiles(os.path.join(os.path.expanduser(settings.data_dir), "models"))
+
+    @property
+    def connected_bus(self) -> Bus:
+        """The bus `start` connected (heartbeats, commands and passes come only after)."""
+        if self.bus is None:
+            raise RuntimeError("the scheduler is not started: no bus yet")
+        return self.bus
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "scheduler", on_reconnect=self._on_reconnect)
@@ -221,7 +229,7 @@ class Scheduler:
 
     # --- operator commands ------------------------------------------------------------------------
 
-    async def _list_nodes(self, _req: NodesRequest, _m: Any) -> NodesReply:
+    async def _list_nodes(self, _req: NodesRequest, _m: Msg) -> NodesReply:
         now = time.monotonic()
         assigned = self.assignments.values
         infos = [
@@ -234,7 +242,7 @@ class Scheduler:
         ]
         return NodesReply(nodes=infos, unplaced=dict(self.unplaced), splits=dict(self.splits))
 
-    async def _place(self, req: PlaceRequest, _m: Any) -> PlaceReply:
+    async def _place(self, req: PlaceRequest, _m: Msg) -> PlaceReply:
         """Edit a model's `nodes` (and `replicas`, so an added node really gets a copy); lasts until the
         scheduler restarts from a models file, which stays the source of truth."""
         m = next((x for x in self.models if x.name == req.model), None)
@@ -257,17 +265,17 @@ class Scheduler:
         self._dirty.set()
         return PlaceReply(model=new)
 
-    async def _store_fetch(self, req: StoreFetch, m: Any) -> StoreChunk:
+    async def _store_fetch(self, req: StoreFetch, m: Msg) -> StoreChunk:
         """A node lacks a model file: hand it a range of the file from this head's model store."""
         await self._may_read(m, req.path, folder=False)
         return await asyncio.to_thread(self.store.read, req)
 
-    async def _store_list(self, req: StoreList, m: Any) -> StoreListing:
+    async def _store_list(self, req: StoreList, m: Msg) -> StoreListing:
         """A node lacks a model folder: the files in it, which it then fetches one by one."""
         await self._may_read(m, req.path, folder=True)
         return await asyncio.to_thread(self.store.listing, req)
 
-    async def _may_read(self, m: Any, path: str, folder: bool) -> None:
+    async def _may_read(self, m: Msg, path: str, folder: bool) -> None:
         """A service reads any store file; a node or pod only those of the models it holds and the jobs it trains
         (store_scope.py), judged from the mirrors and, when they say no, from the buckets themselves (a worker
         can see its new assignment a moment before this head's mirror does). Anything else is refused."""
@@ -307,14 +315,14 @@ class Scheduler:
         """`_grants` from the buckets: the node's assignment, its pod record, and the job a `finetune/<job>/` path
         names."""
         assignment = await read_key(self.kv_assign, node_id, Assignment)
-        pod = await read_key(await self.bus.kv(PODS), node_id, PodInfo)
+        pod = await read_key(await self.connected_bus.kv(PODS), node_id, PodInfo)
         job = None
         parts = path.split("/")
         if len(parts) > 2 and parts[0] == "finetune" and self.training is not None:
             job = await self.training.read_job(parts[1])
         return self._grants(node_id, assignment, pod, (job,) if job is not None else ())
 
-    async def _stages(self, req: StagePlanRequest, _m: Any) -> StagePlan:
+    async def _stages(self, req: StagePlanRequest, _m: Msg) -> StagePlan:
         """Where each stage of one relayed video runs (coderai.scheduler.stages), from live heartbeats."""
         m = next((x for x in self.models if x.name == req.model), None)
         if m is None:
@@ -337,7 +345,7 @@ class Scheduler:
         )
         return out
 
-    async def _escalate(self, req: EscalateRequest, _m: Any) -> EscalateReply:
+    async def _escalate(self, req: EscalateRequest, _m: Msg) -> EscalateReply:
         """The gateway found no engine, or only busy ones: load the model on demand (evicting idle ones for it) or,
         when no node can make room, rent a pod if the model's policy allows it now."""
         m = next((x for x in self.models if x.name == req.model), None)
@@ -352,7 +360,7 @@ class Scheduler:
                 why = f"{m.name!r} cannot be loaded now: {room}; {why}"
             return EscalateReply(action="refused", code="no_engine", why=why)
         try:
-            reply = await self.bus.request(
+            reply = await self.connected_bus.request(
                 CMD_BROKER_ACQUIRE, AcquireRequest(model=m.name, reason=req.reason, fence=self.fence), timeout=15.0
             )
         except BusError as exc:
@@ -413,14 +421,14 @@ class Scheduler:
         for a in (assignment, planned):
             given.update((x.name, now) for x in (a.models if a is not None else ()))
         if hb.pod:
-            pod = await read_key(await self.bus.kv(PODS), hb.node_id, PodInfo)
+            pod = await read_key(await self.connected_bus.kv(PODS), hb.node_id, PodInfo)
             if pod is not None and pod.state in LIVE_POD:
                 given[pod.model] = now
         for name in [n for n, t in given.items() if now - t > NODE_TTL_S]:
             del given[name]
         return frozenset(given)
 
-    async def _on_heartbeat(self, hb: Heartbeat, m: Any) -> None:
+    async def _on_heartbeat(self, hb: Heartbeat, m: Msg) -> None:
         now = time.monotonic()
         if not heard(self.state, hb, now, NODE_TTL_S):
             return  # sent before its revocation: a re-admitted node is heard again a heartbeat timeout later
@@ -444,7 +452,7 @@ class Scheduler:
             self._dirty.set()  # a copy here went idle past its keep-alive: unloaded within a heartbeat
         try:
             await self.node_records.put(hb.node_id, m.data if not refused else encode(hb))
-        except Exception as exc:  # noqa: BLE001 - refreshed on the next heartbeat
+        except Exception as exc:  # refreshed on the next heartbeat
             log.warning("could not record node %s: %s", hb.node_id, exc)
 
     async def _assign_loop(self) -> None:
@@ -513,7 +521,7 @@ class Scheduler:
                         await self.membership.grant_work(node_id, assignment.models)
                     if await put_if_changed(self.kv_assign, node_id, encode(assignment)):
                         log.info("assigned %s -> %s", node_id, [m.name for m in assignment.models])
-            except Exception as exc:  # noqa: BLE001 - retried: the bus may be reconnecting
+            except Exception as exc:  # retried: the bus may be reconnecting
                 log.warning("writing assignments failed (%s); retrying", exc)
                 self._dirty.set()
                 await asyncio.sleep(0.5)
@@ -536,9 +544,9 @@ class Scheduler:
                 )
                 log.info("unloading %s from %s (%s)", x.name, node_id, reason)
                 with contextlib.suppress(BusError):
-                    await self.bus.publish(
+                    await self.connected_bus.publish(
                         EVT_MODEL_UNLOADED, ModelUnloaded(node_id=node_id, model=x.name, reason=reason, ts=time.time())
-                    )  # type: ignore[arg-type]
+                    )
 
 
 def escalation_refused(m: ModelConfig, reason: str, unplaced: bool) -> str:

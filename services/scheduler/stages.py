@@ -70,9 +70,8 @@ def structure(steps: int, parts: int) -> list[tuple[StageKind, int, int]]:
     """(kind, start, end) of every stage: encode, `parts` denoise ranges as even as can be, decode."""
     parts = max(1, min(parts, steps))
     cuts = [round(i * steps / parts) for i in range(parts + 1)]
-    out: list[tuple[StageKind, int, int]] = [("encode", 0, 0)]
-    out += [("denoise", a, b) for a, b in itertools.pairwise(cuts)]
-    return out + [("decode", steps, steps)]
+    denoise: list[tuple[StageKind, int, int]] = [("denoise", a, b) for a, b in itertools.pairwise(cuts)]
+    return [("encode", 0, 0), *denoise, ("decode", steps, steps)]
 
 
 def room(hb: Heartbeat) -> int:

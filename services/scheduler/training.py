@@ -29,9 +29,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from nats.aio.msg import Msg
 from coderai.accounts.keys import KeyJournal
 from coderai.contracts import BusError, ModelConfig, decode, encode
 from coderai.contracts.subjects import (
@@ -62,7 +63,11 @@ from coderai.contracts.training import (
 )
 from coderai.runtime.files import sha256_file
 from coderai.runtime.kv import read_all
+from coderai.runtime.bus import Bus
 from coderai.scheduler import training_plan as tp
+
+if TYPE_CHECKING:
+    from coderai.scheduler.service import Scheduler
 
 log = logging.getLogger("coderai.scheduler")
 
@@ -89,15 +94,15 @@ class _Live:
 
 
 class Training:
-    def __init__(self, sched: Any) -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.live: dict[str, _Live] = {}
         self.jobs: dict[str, FineTuneJob] = {}
         self._tasks: set[asyncio.Task] = set()
 
     @property
-    def bus(self) -> Any:
-        return self.sched.bus
+    def bus(self) -> Bus:
+        return self.sched.connected_bus
 
     @property
     def root(self) -> Path:
@@ -192,7 +197,7 @@ class Training:
                 r.last_seen = time.monotonic()
                 for rep in tp.missed(self.jobs[job_id], r, state):
                     await self._apply(live, r, rep)
-        except Exception:  # noqa: BLE001 - the live reports and the silence rule still decide the job
+        except Exception:  # the live reports and the silence rule still decide the job
             log.exception("catching up on fine-tuning job %s failed", job_id)
         finally:
             live.lock.release()
@@ -221,7 +226,7 @@ class Training:
 
     # --- create / cancel --------------------------------------------------------------------------
 
-    async def _create(self, req: FineTuneCreate, _m: Any) -> FineTuneReply:
+    async def _create(self, req: FineTuneCreate, _m: Msg) -> FineTuneReply:
         base = next((m for m in self.sched.models if m.name == req.model), None)
         if base is None:
             raise BusError("bad_request", f"The model '{req.model}' does not exist.", param="model")
@@ -280,7 +285,7 @@ class Training:
             decode(entry.value, FileRecord) if entry is not None and entry.value else None, file_id, param
         )
 
-    async def _cancel(self, req: FineTuneCancel, _m: Any) -> FineTuneReply:
+    async def _cancel(self, req: FineTuneCancel, _m: Msg | None) -> FineTuneReply:
         job = self.jobs.get(req.job_id) or await self.read_job(req.job_id)
         if job is None:
             raise BusError("not_found", f"No fine-tuning job '{req.job_id}'.", param="fine_tuning_job_id")
@@ -373,7 +378,7 @@ class Training:
             where = ", ".join(f"{n} (rank {i})" for i, n in enumerate(job.nodes))
             said = f"Training on {where}; rendezvous at {first.master_addr}:{first.master_port}"
             job = await self._save(tp.add_event(msgspec.structs.replace(self.jobs[job.id], status="running"), said))
-        except Exception as exc:  # noqa: BLE001 - the outermost edge of a job's start: fail it, typed
+        except Exception as exc:  # the outermost edge of a job's start: fail it, typed
             log.exception("starting fine-tuning job %s failed", job.id)
             await self._fail(job.id, "start_failed", f"{type(exc).__name__}: {exc}")
 
@@ -400,7 +405,7 @@ class Training:
             fh.write(data)
         os.replace(tmp, dest)
 
-    async def _on_report(self, rep: TrainReport, _m: Any) -> None:
+    async def _on_report(self, rep: TrainReport, _m: Msg) -> None:
         live = self.live.get(rep.job_id)
         job = self.jobs.get(rep.job_id)
         if live is None or job is None or job.status in TERMINAL or not 0 <= rep.rank < len(live.ranks):
@@ -462,7 +467,7 @@ class Training:
             for job_id in list(self.live):
                 try:
                     await self._check(job_id)
-                except Exception as exc:  # noqa: BLE001 - checked again on the next tick
+                except Exception as exc:  # checked again on the next tick
                     log.warning("checking fine-tuning job %s failed: %s", job_id, exc)
             if time.monotonic() - keys_checked >= KEYS_EVERY_S:
                 keys_checked = time.monotonic()
@@ -475,7 +480,7 @@ class Training:
         for job in [j for j in self.jobs.values() if j.status not in TERMINAL and j.key_name]:
             try:
                 rec = await journal.by_name(job.key_name)
-            except Exception as exc:  # noqa: BLE001 - asked again at the next round
+            except Exception as exc:  # asked again at the next round
                 log.debug("cannot read key %s from the journal: %s", job.key_name, exc)
                 continue
             if rec is None or not rec.revoked:
@@ -520,7 +525,7 @@ class Training:
 
     # --- the adapter upload -----------------------------------------------------------------------
 
-    async def _upload(self, chunk: AdapterChunk, _m: Any) -> AdapterAck:
+    async def _upload(self, chunk: AdapterChunk, _m: Msg) -> AdapterAck:
         """Rank 0 appends the adapter tar chunk by chunk; the last one names size and sha256, and only a file that
         matches both is renamed to its final name. Writes for jobs not running here are refused."""
         live = self.live.get(chunk.job_id)

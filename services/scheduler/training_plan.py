@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 from coderai.contracts import BusError, Heartbeat, ModelConfig
@@ -139,8 +140,8 @@ def add_event(
     job: FineTuneJob,
     message: str,
     *,
-    level: str = "info",
-    type_: str = "message",
+    level: Literal["info", "warn", "error"] = "info",
+    type_: Literal["message", "metrics"] = "message",
     data: dict | None = None,
     now: float | None = None,
 ) -> FineTuneJob:
@@ -154,7 +155,7 @@ def add_event(
         message=message,
         type=type_,
         data=data or {},
-    )  # type: ignore[arg-type]
+    )
     return msgspec.structs.replace(job, events=[*job.events, evt][-MAX_EVENTS:], updated_at=now)
 
 

@@ -239,6 +239,7 @@ def decode(data: bytes, rate: int = 16000, *, max_s: float | None = None) -> np.
     Raises AudioDecodeError when the bytes hold no readable audio, or more than `max_s` seconds of it.
     """
     import av
+    from av.error import FFmpegError
 
     if not data:
         raise AudioDecodeError("the file is empty")
@@ -259,7 +260,7 @@ def decode(data: bytes, rate: int = 16000, *, max_s: float | None = None) -> np.
             parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
     except AudioDecodeError:
         raise
-    except (av.FFmpegError, ValueError, EOFError) as exc:  # ValueError: a stream whose format changes midway
+    except (FFmpegError, ValueError, EOFError) as exc:  # ValueError: a stream whose format changes midway
         reason = getattr(exc, "strerror", None) or str(exc)  # FFmpeg's words, without its errno and file name
         raise AudioDecodeError(f"the file is not audio that can be decoded ({reason})") from exc
     samples = np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coderai.contracts import ModelConfig
+from coderai.contracts import ChatJob, CompletionJob, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineLoadError(Exception):
@@ -47,7 +50,22 @@ class BadInput(ValueError):
         self.param = param
 
 
-def unhonoured(engine: Engine, job: Any) -> BadInput | None:
+def one_prompt(engine: Engine, job: CompletionJob) -> str:
+    """The prompt of a completion job for an engine without `prompt_lists` (the worker refuses a list before it runs,
+    as `unhonoured` says; this is that refusal again where the engine reads it)."""
+    if isinstance(job.prompt, list):
+        family = engine.family or type(engine).__name__
+        raise BadInput(f"model '{engine.config.name}' ({family}) takes one prompt per request", "prompt")
+    return job.prompt
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)` for a transformers model, seen as the nn.Module it is: transformers wraps its `to` with
+    functools.wraps, which a type checker cannot bind as a method."""
+    return model.to(device)
+
+
+def unhonoured(engine: Engine, job: ChatJob | CompletionJob) -> BadInput | None:
     """What of a chat or completion job `engine` cannot honour, as the 400 to answer; None if it can do it all."""
     name, family = engine.config.name, engine.family or type(engine).__name__
     params = job.params

@@ -103,7 +103,7 @@ class ChildServer:
                         env=env,
                         start_new_session=True,
                         preexec_fn=die_with_parent(self.death_signal),
-                    )  # noqa: PLW1509
+                    )
                 except OSError as exc:
                     self._drop_log()
                     raise EngineLoadError(f"cannot start {self.label} ({cmd[0]}): {exc}") from exc

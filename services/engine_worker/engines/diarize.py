@@ -87,10 +87,13 @@ class DiarizeEngine(Engine):
             raise EngineLoadError(f"speaker-embedding weights not found: {weights}")
         try:
             with _torch_threads(self.threads):
-                self.encoder = VoiceEncoder(
-                    torch_device(self.config, params.get("device", "cpu")), verbose=False, weights_fpath=weights
+                device = torch_device(self.config, params.get("device", "cpu"))
+                self.encoder = (
+                    VoiceEncoder(device, verbose=False)  # its built-in weights
+                    if weights is None
+                    else VoiceEncoder(device, verbose=False, weights_fpath=weights)
                 )
-        except Exception as exc:  # noqa: BLE001 - torch.load and Resemblyzer raise bare Exception and kin
+        except Exception as exc:  # torch.load and Resemblyzer raise bare Exception and kin
             raise EngineLoadError(f"could not load the speaker-embedding model: {exc}") from exc
 
     def close(self) -> None:

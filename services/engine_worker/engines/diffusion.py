@@ -69,8 +69,8 @@ class _DiffusionEngine(Engine):
 
     def load(self) -> None:
         try:
-            import diffusers  # noqa: F401 - fail here, with the install hint, rather than inside _pipeline_class
-            import torch  # noqa: F401 - likewise
+            import diffusers  # noqa: F401  -- imported to fail here, with the install hint, not inside _pipeline_class
+            import torch  # noqa: F401  -- likewise: imported to fail here, with the install hint
         except ImportError as exc:
             raise EngineLoadError("diffusers is not installed: pip install 'coderai[diffusers]'") from exc
         path, device, dtype = self._placement()
@@ -190,7 +190,7 @@ class ImageEngine(_DiffusionEngine):
         self._edit_pipes: dict[str, Any] = {}
 
     def _pipeline_class(self) -> Any:
-        from diffusers import AutoPipelineForText2Image
+        from diffusers.pipelines.auto_pipeline import AutoPipelineForText2Image
 
         return AutoPipelineForText2Image
 
@@ -201,7 +201,7 @@ class ImageEngine(_DiffusionEngine):
     def _edit_pipe(self, kind: str) -> Any:
         """The img2img or inpainting pipeline over the loaded weights (no second copy in memory)."""
         if kind not in self._edit_pipes:
-            from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+            from diffusers.pipelines.auto_pipeline import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
             auto = AutoPipelineForInpainting if kind == "inpaint" else AutoPipelineForImage2Image
             try:
@@ -284,7 +284,9 @@ class VideoEngine(_DiffusionEngine):
         self.staged: Any = None  # the parts, loaded stage by stage, of a stage-relay model
 
     def _pipeline_class(self) -> Any:
-        from diffusers import TextToVideoSDPipeline
+        from diffusers.pipelines.deprecated.text_to_video_synthesis.pipeline_text_to_video_synth import (
+            TextToVideoSDPipeline,
+        )
 
         return TextToVideoSDPipeline
 
@@ -297,7 +299,7 @@ class VideoEngine(_DiffusionEngine):
         from coderai.engine_worker.engines.video_stages import StagedVideo
 
         try:
-            import diffusers  # noqa: F401
+            import diffusers  # noqa: F401  -- imported to fail here, with the install hint
         except ImportError as exc:
             raise EngineLoadError("diffusers is not installed: pip install 'coderai[diffusers]'") from exc
         path, device, dtype = self._placement()
@@ -339,8 +341,10 @@ class VideoEngine(_DiffusionEngine):
 
     def video(self, job: VideoJob, cancel: CancelFlag, emit: Emit | None) -> tuple[VideoResult, Usage]:
         width, height, steps = self._check(job)
-        if self.pipe is None:  # a stage-relay model asked for a whole video: load all of it now
+        pipe = self.pipe
+        if pipe is None:  # a stage-relay model asked for a whole video: load all of it now
             super().load()
+            pipe = self.pipe
         seed = self._seeds(job.seed, 1)[0]
         reported = 0.0
 
@@ -354,7 +358,7 @@ class VideoEngine(_DiffusionEngine):
                 emit(progress=reported)
 
         try:
-            out = self.pipe(
+            out = pipe(
                 prompt=job.prompt,
                 negative_prompt=job.negative_prompt or None,
                 num_frames=job.num_frames,

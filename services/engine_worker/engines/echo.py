@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
-from coderai.engine_worker.engines.base import Engine
+from coderai.contracts.jobs import FinishReason
+from coderai.engine_worker.engines.base import CancelFlag, Engine, one_prompt
 
-Emit = Callable[[dict[str, Any] | None, str | None, str | None], None]
+Emit = Callable[[dict[str, Any] | None, str | None, FinishReason | None], None]
 """emit(chat_delta, text_piece, finish_reason), as for the real engines"""
 
 DEFAULT_REPLY = "This is the echo test engine answering without any model."
@@ -63,18 +64,19 @@ class EchoEngine(Engine):
         if self.token_delay_s:
             time.sleep(self.token_delay_s * tokens)
 
-    def _pieces(self, max_tokens: int | None) -> tuple[list[str], str]:
+    def _pieces(self, max_tokens: int | None) -> tuple[list[str], FinishReason]:
         words = self.words or DEFAULT_REPLY.split()
+        finish: FinishReason
         if max_tokens is None:
             n, finish = len(words), "stop"
         else:
             n, finish = max(0, max_tokens), "length"
         return [(w if i == 0 else " " + w) for i, w in ((i, words[i % len(words)]) for i in range(n))], finish
 
-    def chat(self, job: ChatJob, cancel: Any, emit: Emit | None) -> tuple[list[Choice], Usage]:
+    def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         prompt = sum(len(m["content"].split()) for m in job.messages if isinstance(m.get("content"), str))
         if self.script is not None:
-            return self._scripted(job, prompt, emit)
+            return self._scripted(job, self.script, prompt, emit)
         pieces, finish = self._pieces(job.params.max_tokens)
         if emit is not None:
             emit({"role": "assistant"}, None, None)
@@ -95,13 +97,15 @@ class EchoEngine(Engine):
         ]
         return choices, _usage(prompt, len(pieces) * n)
 
-    def _scripted(self, job: ChatJob, prompt: int, emit: Emit | None) -> tuple[list[Choice], Usage]:
+    def _scripted(
+        self, job: ChatJob, script: dict[str, Any], prompt: int, emit: Emit | None
+    ) -> tuple[list[Choice], Usage]:
         """One scripted agent turn (see the class): a tool call, or the reply with the last tool result."""
         offered = [t.get("function", {}).get("name") for t in job.tools or [] if isinstance(t, dict)]
         result = _tool_result(job.messages)
-        name = next((n for n in self.script or {} if n in offered), None)
+        name = next((n for n in script if n in offered), None)
         if result is None and name is not None and job.tool_choice != "none":
-            args = self.script[name]
+            args = script[name]
             call = {
                 "index": 0,
                 "id": f"call_{job.request_id[-12:]}",
@@ -121,7 +125,7 @@ class EchoEngine(Engine):
             return [Choice(index=0, message=message, finish_reason="tool_calls")], _usage(prompt, 1)
         words = list(self.words) + (_text(result.get("content")).split() if result is not None else [])
         cap = job.params.max_tokens
-        finish = "length" if cap is not None and cap < len(words) else "stop"
+        finish: FinishReason = "length" if cap is not None and cap < len(words) else "stop"
         pieces = [(w if i == 0 else " " + w) for i, w in enumerate(words[:cap] if cap is not None else words)]
         if emit is not None:
             emit({"role": "assistant"}, None, None)
@@ -134,14 +138,15 @@ class EchoEngine(Engine):
             _usage(prompt, len(pieces)),
         )
 
-    def complete(self, job: CompletionJob, cancel: Any, emit: Emit | None) -> tuple[list[Choice], Usage]:
+    def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         max_tokens = 16 if job.params.max_tokens is None else job.params.max_tokens  # OpenAI's default
         pieces, finish = self._pieces(max_tokens)
-        prompt = len(job.prompt.split())
+        text_in = one_prompt(self, job)
+        prompt = len(text_in.split())
         if emit is not None:
             sent = 0
             if job.echo:
-                emit(None, job.prompt, None)
+                emit(None, text_in, None)
             for piece in pieces:
                 if cancel:
                     break
@@ -151,7 +156,7 @@ class EchoEngine(Engine):
             emit(None, "", finish if sent == len(pieces) else "stop")
             return [], _usage(prompt, sent)
         self._pace(len(pieces))
-        text = (job.prompt if job.echo else "") + "".join(pieces)
+        text = (text_in if job.echo else "") + "".join(pieces)
         n = max(1, job.params.n)
         return [Choice(index=i, text=text, finish_reason=finish) for i in range(n)], _usage(prompt, len(pieces) * n)
 

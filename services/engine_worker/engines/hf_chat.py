@@ -27,9 +27,10 @@ from coderai.contracts import (
     SamplingParams,
     Usage,
 )
-from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadError
+from coderai.contracts.jobs import FinishReason
+from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadError, one_prompt, to_device
 
-Emit = Callable[[dict | None, str | None, str | None], None]
+Emit = Callable[[dict | None, str | None, FinishReason | None], None]
 
 
 def extract_data(tar: tarfile.TarFile, dest: Path) -> None:
@@ -44,7 +45,7 @@ def extract_data(tar: tarfile.TarFile, dest: Path) -> None:
         target = (root / m.name).resolve()
         if not (m.isfile() or m.isdir()) or os.path.isabs(m.name) or not target.is_relative_to(root):
             raise ValueError(f"refusing {m.name!r} in {tar.name}: only plain files and folders inside it")
-    tar.extractall(dest, members=members)  # noqa: S202 - every member checked above
+    tar.extractall(dest, members=members)  # every member checked above
 
 
 def unpack_adapter(path: Path) -> Path:
@@ -104,7 +105,7 @@ class TransformersEngine(Engine):
             except (OSError, ValueError, tarfile.TarError) as exc:
                 raise EngineLoadError(f"could not load the adapter {adapter}: {exc}") from None
         self.device = torch.device("cuda", (self.config.devices or [0])[0]) if cuda else torch.device("cpu")
-        self.model = model.to(self.device).eval()
+        self.model = to_device(model, self.device).eval()
         # transformers 5 renamed the KV cache argument (`past_key_values` -> `cache`)
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -118,7 +119,7 @@ class TransformersEngine(Engine):
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         try:
             prompt = self.tok.apply_chat_template(job.messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - jinja raises its own types for messages a template refuses
+        except Exception as exc:  # jinja raises its own types for messages a template refuses
             raise ValueError(f"the model's chat template refused these messages: {exc}") from None
         ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
         if emit is not None:  # one choice, streamed: the first delta names the role
@@ -139,21 +140,27 @@ class TransformersEngine(Engine):
         return choices, usage
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        ids = self.tok(job.prompt)["input_ids"]
+        prompt = one_prompt(self, job)
+        ids = self.tok(prompt)["input_ids"]
         params = job.params if job.params.max_tokens else _with_max(job.params, 16)  # OpenAI's default for completions
         choices, usage = [], Usage()
+
+        def piece(t: str) -> None:
+            if emit is not None:
+                emit(None, t, None)
+
+        on_piece = piece if emit is not None else None
         for i in range(1 if emit is not None else max(1, job.params.n)):
-            on_piece = (lambda t: emit(None, t, None)) if emit is not None else None  # type: ignore[misc]
             text, finish, n = self._generate(ids, params, cancel, on_piece)
             if emit is not None:
                 emit(None, "", finish)
-            choices.append(Choice(index=i, text=(job.prompt + text) if job.echo else text, finish_reason=finish))
+            choices.append(Choice(index=i, text=(prompt + text) if job.echo else text, finish_reason=finish))
             usage = _add(usage, len(ids), n)
         return ([] if emit is not None else choices), usage
 
     def _generate(
         self, ids: list[int], params: SamplingParams, cancel: CancelFlag, on_piece: Callable[[str], None] | None
-    ) -> tuple[str, str, int]:
+    ) -> tuple[str, FinishReason, int]:
         """Decode token by token with the KV cache: (text, finish_reason, tokens made). Temperature 0 (or below)
         is greedy; stop strings end the text before them."""
         import torch
@@ -168,7 +175,7 @@ class TransformersEngine(Engine):
             gen.manual_seed(params.seed)
         made: list[int] = []
         sent = text = ""
-        finish = "length"
+        finish: FinishReason = "length"
         past = None
         step_in = torch.tensor([ids], device=self.device)
         with torch.inference_mode():

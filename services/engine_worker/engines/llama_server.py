@@ -136,8 +136,13 @@ class LlamaServerEngine(OpenAIServerEngine):
         return self._placed_body(super().completion_body(job, stream))
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        chain, head_chars = chat_chain(job.messages, job.tools) if self.heads is not None else ((), 0)
-        head = chain[0][0] if head_chars >= MIN_HEAD_CHARS else None
+        chain: Chain = ()
+        head_chars = 0
+        head: int | None = None
+        if self.heads is not None:
+            chain, head_chars = chat_chain(job.messages, job.tools)
+            if head_chars >= MIN_HEAD_CHARS:
+                head = chain[0][0]
         with self._placed(job.cache_scope, job.params.n > 1, chain, head, head_chars):
             return super().chat(job, cancel, emit)
 
@@ -208,7 +213,7 @@ class LlamaServerEngine(OpenAIServerEngine):
             return False
         try:
             r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}), keep=keep)
-        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: the request goes on without it
+        except Exception as exc:  # a snapshot is an optimisation: the request goes on without it
             log.debug("%s: slot %s %s failed: %s", self.config.name, slot, action, exc)
             return False
         if r.status != 200:

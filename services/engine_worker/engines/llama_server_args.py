@@ -161,7 +161,7 @@ def gguf_pooling(path: str) -> str:
         arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         field = reader.fields.get(f"{arch}.pooling_type")
         return POOLING_TYPES.get(int(field.parts[-1][0]), "mean") if field is not None else "mean"
-    except Exception:  # noqa: BLE001 - unreadable here: llama.cpp itself will say what is wrong with the file
+    except Exception:  # unreadable here: llama.cpp itself will say what is wrong with the file
         return "mean"
 
 

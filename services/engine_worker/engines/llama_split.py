@@ -31,7 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import msgspec
 
@@ -49,14 +49,14 @@ _JOBS = {"chat": ChatJob, "complete": CompletionJob}
 LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW = 1, 2
 
 
-def _write(out: BinaryIO, lock: threading.Lock, msg: dict) -> None:
+def _write(out: IO[bytes], lock: threading.Lock, msg: dict) -> None:
     data = msgspec.msgpack.encode(msg)
     with lock:
         out.write(struct.pack(">I", len(data)) + data)
         out.flush()
 
 
-def _read(inp: BinaryIO) -> dict | None:
+def _read(inp: IO[bytes]) -> dict | None:
     head = inp.read(4)
     if len(head) < 4:
         return None
@@ -92,7 +92,7 @@ class SplitLlamaEngine(Engine):
         if config.shards is None:
             raise EngineLoadError(f"{config.name} has no split plan")
         self.plan: SplitPlan = config.shards
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.lost: str | None = None
         self.note = ""
         self._lock = threading.Lock()
@@ -121,8 +121,8 @@ class SplitLlamaEngine(Engine):
             env=env,
             preexec_fn=die_with_parent(),
         )
-        _write(self.proc.stdin, self._lock, {"config": encode(self.config)})  # type: ignore[arg-type]
-        ready = _read(self.proc.stdout)  # type: ignore[arg-type]
+        _write(self._stdin(), self._lock, {"config": encode(self.config)})
+        ready = _read(_stdout(self.proc))
         if not ready or "error" in ready:
             self._stop_child()
             raise EngineLoadError(
@@ -172,14 +172,14 @@ class SplitLlamaEngine(Engine):
         self._waiting[jid] = q
         cancelled = False
         try:
-            _write(self.proc.stdin, self._lock, {"id": jid, "op": op, "job": encode(job)})  # type: ignore[union-attr,arg-type]
+            _write(self._stdin(), self._lock, {"id": jid, "op": op, "job": encode(job)})
             while True:
                 try:
                     msg = q.get(timeout=0.1)
                 except queue.Empty:
                     if cancel and not cancelled:
                         cancelled = True
-                        _write(self.proc.stdin, self._lock, {"cancel": jid})  # type: ignore[union-attr,arg-type]
+                        _write(self._stdin(), self._lock, {"cancel": jid})
                     continue
                 if msg is _DEAD:
                     raise EngineLost(self.lost or "the split model's process ended")
@@ -196,8 +196,14 @@ class SplitLlamaEngine(Engine):
         finally:
             self._waiting.pop(jid, None)
 
-    def _reader(self, proc: subprocess.Popen) -> None:
-        while (msg := _read(proc.stdout)) is not None:  # type: ignore[arg-type]
+    def _stdin(self) -> IO[bytes]:
+        """The child's input; EngineLost when there is no child."""
+        if self.proc is None or self.proc.stdin is None:
+            raise EngineLost(self.lost or "the split model's process is gone")
+        return self.proc.stdin
+
+    def _reader(self, proc: subprocess.Popen[bytes]) -> None:
+        while (msg := _read(_stdout(proc))) is not None:
             q = self._waiting.get(msg.get("id", -1))
             if q is not None:
                 q.put(msg)
@@ -266,7 +272,8 @@ class SplitLlamaEngine(Engine):
         self._closed.set()
         if self.proc is not None:
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr] - the child's end of input: it finishes and exits
+                if self.proc.stdin is not None:  # the child's end of input: it finishes and exits
+                    self.proc.stdin.close()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
@@ -323,6 +330,12 @@ def _load(cfg: ModelConfig) -> tuple[Any, str]:
     return engine(False), note
 
 
+def _stdout(proc: subprocess.Popen[bytes]) -> IO[bytes]:
+    """The child's output, a pipe: `_start_child` starts it with stdout=PIPE."""
+    assert proc.stdout is not None, "started with stdout=PIPE"
+    return proc.stdout
+
+
 def child_main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything the libraries print goes to stderr, never into the frames
@@ -334,7 +347,7 @@ def child_main() -> int:
     cfg = decode(init["config"], ModelConfig)
     try:
         eng, note = _load(cfg)
-    except Exception as exc:  # noqa: BLE001 - reported to the worker, which fails the load with it
+    except Exception as exc:  # reported to the worker, which fails the load with it
         _write(out, lock, {"error": f"{type(exc).__name__}: {exc}"})
         return 1
     _write(out, lock, {"ready": True, "note": note})
@@ -361,7 +374,7 @@ def child_main() -> int:
             _write(out, lock, {"id": jid, "choices": encode(choices), "usage": encode(usage), "stats": eng.stats()})
         except ValueError as exc:
             _write(out, lock, {"id": jid, "error": str(exc), "bad": True})
-        except Exception as exc:  # noqa: BLE001 - one job's failure is that job's answer
+        except Exception as exc:  # one job's failure is that job's answer
             _write(out, lock, {"id": jid, "error": f"{type(exc).__name__}: {exc}"})
         finally:
             flags.pop(jid, None)

@@ -102,7 +102,7 @@ class OcrEngine(Engine):
                     w, h = page.get_size()  # points
                     # a poster-sized page at the asked scale would be a bitmap of hundreds of MB: cap its side
                     scale = min(self.scale, self.max_side / max(w, h, 1.0))
-                    yield page.render(scale=scale).to_pil().convert("RGB")
+                    yield _render(page, scale).to_pil().convert("RGB")
                     page.close()
             finally:
                 pdf.close()
@@ -119,8 +119,9 @@ class OcrEngine(Engine):
         except Image.DecompressionBombError as exc:
             raise BadInput(f"'file' is an image too large to read ({exc})", param="file") from exc
         # multi-page TIFFs are scanned documents; other animations (GIF, WebP) are read by their first frame
-        multi = img.format == "TIFF" and getattr(img, "n_frames", 1) > 1
-        count = img.n_frames if multi else 1
+        frames: int = getattr(img, "n_frames", 1)  # only a multi-frame format's image has n_frames
+        multi = img.format == "TIFF" and frames > 1
+        count = frames if multi else 1
         self._check_count(count)
 
         def decode() -> Iterator[Any]:
@@ -183,3 +184,9 @@ def reading_order(lines: list[OcrLine]) -> list[OcrLine]:
         else:
             rows.append([(centre, height, left, ln)])
     return [item[3] for row in rows for item in sorted(row, key=lambda it: it[2])]
+
+
+def _render(page: Any, scale: float) -> Any:
+    """`page.render(scale=scale)` of a pypdfium2 PdfPage: the library leaves `scale` unannotated with a default of 1, so
+    a type checker takes it for an int; it is a float (pixels per point)."""
+    return page.render(scale=scale)

@@ -109,7 +109,7 @@ class RemoteEngine(Engine):
                 answer = e.client.http.get(e.client.prefix + "/v1/models")
                 if answer.status >= 400:
                     raise RuntimeError(f"GET /v1/models answered {answer.status}")
-            except Exception as exc:  # noqa: BLE001 - anything an endpoint does wrong marks it down, no more
+            except Exception as exc:  # anything an endpoint does wrong marks it down, no more
                 self._down(e, exc)
         if all(e.down_until for e in self.endpoints):
             reasons = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
@@ -151,7 +151,7 @@ class RemoteEngine(Engine):
                 return getattr(e.client, op)(job, cancel, relayed if emit is not None else None)
             except BadInput:
                 raise  # the request's own fault, as the endpoint says: another one would say the same
-            except Exception as exc:  # noqa: BLE001 - an endpoint's failure: the next one, unless already answering
+            except Exception as exc:  # an endpoint's failure: the next one, unless already answering
                 if started or cancel:
                     raise RuntimeError(_plain(e, exc)) from None
                 self._down(e, exc)

@@ -91,7 +91,8 @@ class PiperEngine(Engine):
             # relative to the voice's own pace: some voices ship a length_scale other than 1
             length_scale=float(self.voice.config.length_scale) / job.speed,
         )
-        streamed = job.stream and emit is not None
+        stream_to = emit if job.stream else None  # where the audio goes as it is made, if streamed
+        streamed = stream_to is not None
         enc = audio.encoder(job.response_format, self.sample_rate, streamed=streamed)
         samples = 0
         for chunk in self.voice.synthesize(job.input, syn_config=syn):
@@ -100,16 +101,16 @@ class PiperEngine(Engine):
             pcm = chunk.audio_int16_array
             samples += len(pcm)
             data = enc.write(pcm)
-            if streamed and data:
-                _send(emit, data)
+            if stream_to is not None and data:
+                _send(stream_to, data)
         if samples == 0 and not cancel:
             raise BadInput("input has nothing speakable in it (no words this voice can pronounce)", param="input")
         tail = enc.finish()
         usage = Usage(prompt_tokens=len(job.input), total_tokens=len(job.input))
         result = {"sample_rate": enc.rate, "duration_s": round(samples / self.sample_rate, 3)}
-        if streamed:
+        if stream_to is not None:
             if tail:
-                _send(emit, tail)
+                _send(stream_to, tail)
             return SpeechResult(audio=None, **result), usage
         blob = Blob(data=tail, size=len(tail), content_type=enc.content_type, filename=f"speech.{job.response_format}")
         return SpeechResult(audio=blob, **result), usage

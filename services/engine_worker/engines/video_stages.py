@@ -100,7 +100,9 @@ class StagedVideo:
     def _part(self, kind: str) -> Any:
         """A pipeline holding only what `kind` needs (diffusers skips a component given as None)."""
         if kind not in self._parts:
-            from diffusers import TextToVideoSDPipeline
+            from diffusers.pipelines.deprecated.text_to_video_synthesis.pipeline_text_to_video_synth import (
+                TextToVideoSDPipeline,
+            )
 
             skip = {
                 "encode": ("unet", "vae"),
