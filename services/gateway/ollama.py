@@ -15,7 +15,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from coderai.contracts import ChatJob, CompletionJob, EmbedJob, RequestId
+from coderai.contracts import ChatJob, CompletionJob, EmbedJob, EmbedResult, RequestId
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import json_response, new_request_id, read_json
 from coderai.gateway.ollama_answers import (
@@ -189,7 +189,7 @@ class OllamaController(OllamaModelRoutes):
         return json_response(
             {
                 "model": req.model,
-                "embeddings": formats.vectors(final.output),
+                "embeddings": formats.vectors(formats.result(final, EmbedResult)),
                 "total_duration": int((time.monotonic() - call.started) * 1e9),
                 "load_duration": 0,
                 "prompt_eval_count": final.usage.prompt_tokens,
@@ -206,4 +206,6 @@ class OllamaController(OllamaModelRoutes):
         job = EmbedJob(request_id=RequestId(new_request_id()), model=req.model, input=[req.prompt])
         call = Call(self.gw, self.caller(request), "embed", job, keep_alive_s=keep_alive(req.keep_alive))
         final = await answer(call, request)
-        return json_response({"embedding": formats.vectors(final.output)[0]}, headers=call.response_headers())
+        return json_response(
+            {"embedding": formats.vectors(formats.result(final, EmbedResult))[0]}, headers=call.response_headers()
+        )

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -96,7 +96,7 @@ class Relay:
         streamed answer starts its keep-alives then)."""
         announced = asyncio.Event()
 
-        async def on_ready(_e: Any, _m: Any) -> None:
+        async def on_ready(_e: object, _m: object) -> None:
             announced.set()
 
         # listening before the scheduler is asked: the engine it starts cannot be announced before this hears it
@@ -250,7 +250,7 @@ class Relay:
         assert last is not None
         raise last
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run `coro` detached from the request (it may be cancelled), keeping a reference until done."""
         t = asyncio.create_task(coro)
         self._background.add(t)

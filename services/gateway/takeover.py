@@ -22,9 +22,10 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
+from typing import ClassVar, Generic, Protocol, TypeVar, cast
 
 import msgspec
+from litestar import Litestar
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -52,7 +53,7 @@ class Record(Protocol):
 R = TypeVar("R", bound=Record)
 
 
-def replace(rec: R, **changes: Any) -> R:
+def replace(rec: R, **changes: object) -> R:
     """`msgspec.structs.replace` for a record: a record is a Struct with `Record`'s fields, which no one type says
     (a Protocol cannot also be a Struct), so it goes through as the Struct it is."""
     return cast(R, msgspec.structs.replace(cast(msgspec.Struct, rec), **changes))
@@ -75,13 +76,13 @@ class Tenure(Generic[R]):
         self.kv, self.rec, self.revision = kv, rec, revision
         self.lock = asyncio.Lock()
 
-    def lost(self, current: R, changes: dict[str, Any]) -> dict[str, Any]:
+    def lost(self, current: R, changes: dict[str, object]) -> dict[str, object]:
         """A write lost its race to `current` (still this runner's record): the changes to try again on it, or
         `Superseded` when that change means the job is no longer this runner's to write. By default the other
         change is kept and the write goes on."""
         return changes
 
-    async def save(self, **changes: Any) -> None:
+    async def save(self, **changes: object) -> None:
         """Change the record (and `updated_at`) and write it; `Superseded` when another runner holds it now."""
         async with self.lock:
             for _ in range(RACES):
@@ -94,7 +95,7 @@ class Tenure(Generic[R]):
                     changes = await self.reread(changes)
             raise Superseded(f"{self.rec.id}: lost {RACES} write races in a row")
 
-    async def reread(self, changes: dict[str, Any]) -> dict[str, Any]:
+    async def reread(self, changes: dict[str, object]) -> dict[str, object]:
         """Take the record as it is now (when `lost` accepts the change that made it so); the lock is held."""
         entry = await self.kv.get(self.rec.id)
         assert entry.value is not None and entry.revision is not None  # `get` of a live key has both
@@ -215,7 +216,7 @@ class Takeovers(Generic[R]):
                 log.warning("%s sweep failed: %s", self.what, exc)
 
     @contextlib.asynccontextmanager
-    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+    async def lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         def changed(key: str, rec: R | None) -> None:
             if rec is None or not self.live(rec):
                 self.seen.pop(key, None)

@@ -6,16 +6,20 @@ from the bucket to the store through temporary files (`Spool`): a batch's answer
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import tempfile
 import time
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from coderai.contracts import encode
 from coderai.contracts.training import FileRecord
 from coderai.gateway.batches.records import BatchRecord, LineResult
+
+if TYPE_CHECKING:
+    from coderai.gateway.openai.files import Records
 
 
 def line_json(res: LineResult) -> dict[str, Any]:
@@ -44,7 +48,7 @@ class Spool:
         self.at[res.index] = (self.fh.tell(), len(data), res.ok)
         self.fh.write(data)
 
-    def file(self, ok: bool) -> tuple[IO[bytes], int] | None:
+    def file(self, ok: bool) -> tuple[io.BufferedRandom, int] | None:
         """The lines of one kind (answered, or not), in input order, in a temporary file read from its start,
         and its size; None when there are none. Blocking: run it in a thread."""
         out = tempfile.TemporaryFile()
@@ -68,7 +72,7 @@ class Spool:
         self.fh.close()
 
 
-async def write(records: Any, rec: BatchRecord, spool: Spool) -> tuple[str | None, str | None]:
+async def write(records: Records, rec: BatchRecord, spool: Spool) -> tuple[str | None, str | None]:
     """Keep both files (an empty one is not kept: its id stays None); their ids."""
     ids = []
     for file_id, ok, what in ((rec.out_id, True, "output"), (rec.err_id, False, "error")):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from coderai.contracts.base import Message
 from coderai.gateway.takeover import Tenure
@@ -160,7 +161,7 @@ class BatchTenure(Tenure[BatchRecord]):
     def cancelling(self) -> bool:
         return self.rec.status == "cancelling"
 
-    def lost(self, current: BatchRecord, changes: dict[str, Any]) -> dict[str, Any]:
+    def lost(self, current: BatchRecord, changes: dict[str, object]) -> dict[str, object]:
         if current.status == "cancelling" and changes.get("status") == "in_progress":
             return {k: v for k, v in changes.items() if k not in ("status", "in_progress_at")}
         return changes
@@ -171,7 +172,7 @@ class BatchTenure(Tenure[BatchRecord]):
             await self.reread({})
 
 
-async def each_line(kv: Any, batch_id: str, take: Callable[[LineResult], None]) -> None:
+async def each_line(kv: KeyValue, batch_id: str, take: Callable[[LineResult], None]) -> None:
     """Every stored result of a batch's lines, handed to `take` one by one as one watch replays the batch's keys:
     never all of them in memory at once (a batch's answers can be far larger than a gateway's memory)."""
     watcher = await kv.watch(f"{batch_id}.*", ignore_deletes=True)
@@ -208,7 +209,7 @@ class Tally:
         )
 
 
-async def store_line(kv: Any, batch_id: str, res: LineResult) -> bool:
+async def store_line(kv: KeyValue, batch_id: str, res: LineResult) -> bool:
     """Keep a line's result unless one is kept already; whether this one was."""
     try:
         await kv.create(line_key(batch_id, res.index), msgspec.json.encode(res))

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
-from coderai.contracts.topology import BATCH_LINES, BATCHES
+from coderai.contracts.topology import BATCH_LINES, BATCHES, BucketSpec
 from coderai.gateway import takeover
 from coderai.gateway.auth import Caller
 from coderai.gateway.batches import line as line_run
@@ -37,6 +38,9 @@ from coderai.gateway.pipeline import HEADROOM
 from coderai.gateway.state import Gateway
 from coderai.gateway.takeover import Superseded, Takeovers, caller_for
 
+if TYPE_CHECKING:
+    from coderai.gateway.openai.files import Records
+
 log = logging.getLogger("coderai.gateway")
 
 
@@ -46,11 +50,11 @@ class BatchRunner(Takeovers[BatchRecord]):
 
     bucket, record, what = BATCHES, BatchRecord, "batch"
 
-    def __init__(self, gw: Gateway, records: Any) -> None:
+    def __init__(self, gw: Gateway, records: Records) -> None:
         super().__init__(gw, max(1.0, gw.settings.video_takeover_s))  # the background jobs' takeover threshold
         self.records = records  # the files' (openai/files.py), for the input and output files
         self.lanes = queue.Lanes()
-        self._kv: dict[str, Any] = {}
+        self._kv: dict[str, KeyValue] = {}
 
     def live(self, rec: BatchRecord) -> bool:
         return rec.status in RUNNING
@@ -61,7 +65,7 @@ class BatchRunner(Takeovers[BatchRecord]):
     def claim(self, rec: BatchRecord) -> BatchRecord:
         return claim(rec, self.me, time.time())
 
-    async def resume(self, kv: Any, was: BatchRecord, taken: BatchRecord, revision: int) -> None:
+    async def resume(self, kv: KeyValue, was: BatchRecord, taken: BatchRecord, revision: int) -> None:
         if taken.status != "failed":
             log.warning(
                 "batch %s: its gateway %s stopped; taken over (takeover %d, %d of %d lines answered)",
@@ -73,7 +77,7 @@ class BatchRunner(Takeovers[BatchRecord]):
             )
             self.spawn(BatchTenure(kv, taken, revision), None, None)
 
-    async def kv(self, spec: Any = BATCHES) -> Any:
+    async def kv(self, spec: BucketSpec = BATCHES) -> KeyValue:
         if spec.name not in self._kv:
             self._kv[spec.name] = await self.gw.bus.kv(spec)
         return self._kv[spec.name]
@@ -98,6 +102,7 @@ class BatchRunner(Takeovers[BatchRecord]):
         kv = await self.kv()
         for _ in range(10):
             entry = await kv.get(rec.id)
+            assert entry.value is not None  # `get` of a live key has its value
             rec = msgspec.json.decode(entry.value, type=BatchRecord)
             if rec.status not in ("validating", "in_progress"):
                 return rec

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from coderai.contracts import ChatJob, EmbedJob, Final
+from coderai.contracts import ChatJob, EmbedJob, EmbedResult, Final
 from coderai.contracts.jobs import EngineOp
 from coderai.gateway.batches.records import LineError
 from coderai.gateway.errors import ApiError
@@ -124,7 +124,9 @@ def _job(endpoint: str, body: dict[str, Any]) -> tuple[ChatJob | EmbedJob, Rende
     if endpoint == "/v1/embeddings":
         emb = _request(body, EmbeddingRequest)
         job = embed_job(emb, "pending")
-        return job, lambda f, rid, created: formats.embeddings(f.output, emb.model, emb.encoding_format, f.usage)
+        return job, lambda f, rid, created: formats.embeddings(
+            formats.result(f, EmbedResult), emb.model, emb.encoding_format, f.usage
+        )
     return _responses(body)
 
 

@@ -21,9 +21,14 @@ from msgspec.structs import replace
 from coderai.contracts import Distribute, Usage
 from coderai.contracts.media import (
     Blob,
+    EmbedJob,
     EmbedResult,
+    ImageJob,
     ImageResult,
+    OcrJob,
     OcrResult,
+    Output,
+    RerankJob,
     RerankResult,
     SpeechResult,
     TranscribeResult,
@@ -55,7 +60,7 @@ def plan(op: str, job: Any, parts_hint: int, d: Distribute) -> Plan | None:
     return planner(job, count)
 
 
-def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list) -> tuple[Any, Usage]:
+def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list[Usage | None]) -> tuple[Output, Usage]:
     """The parts' outputs (in part order) into the single answer `job` would have had; usage summed."""
     if len(outputs) != len(plan.jobs):
         raise MergeError(f"{op}: {len(outputs)} answers for {len(plan.jobs)} parts")
@@ -77,7 +82,7 @@ def merge(op: str, job: Any, plan: Plan, outputs: list, usages: list) -> tuple[A
 # --- item lists: image, embed, rerank ---------------------------------------------------------------------------
 
 
-def _plan_image(job: Any, count: Callable[[int], int]) -> Plan | None:
+def _plan_image(job: ImageJob, count: Callable[[int], int]) -> Plan | None:
     k = count(job.n)
     if not k:
         return None
@@ -91,7 +96,7 @@ def _plan_image(job: Any, count: Callable[[int], int]) -> Plan | None:
     return Plan(jobs, [0.0] * k)
 
 
-def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | None:
+def _split_list(job: EmbedJob | RerankJob, field: str, count: Callable[[int], int]) -> Plan | None:
     items = getattr(job, field)
     k = count(len(items))
     if not k:
@@ -103,7 +108,7 @@ def _split_list(job: Any, field: str, count: Callable[[int], int]) -> Plan | Non
     return Plan(jobs, [0.0] * k)
 
 
-def _merge_image(job: Any, plan: Plan, outputs: list) -> ImageResult:
+def _merge_image(job: ImageJob, plan: Plan, outputs: list[ImageResult]) -> ImageResult:
     images, seeds = [], []
     for part, out in zip(plan.jobs, outputs):
         if len(out.images) != part.n:
@@ -114,7 +119,7 @@ def _merge_image(job: Any, plan: Plan, outputs: list) -> ImageResult:
     return ImageResult(images=images, seeds=seeds)
 
 
-def _merge_embed(job: Any, plan: Plan, outputs: list) -> EmbedResult:
+def _merge_embed(job: EmbedJob, plan: Plan, outputs: list[EmbedResult]) -> EmbedResult:
     dims = {o.dim for o in outputs}
     if len(dims) != 1:
         raise MergeError(f"embed: parts answered different dimensions {sorted(dims)}")
@@ -125,7 +130,7 @@ def _merge_embed(job: Any, plan: Plan, outputs: list) -> EmbedResult:
     return EmbedResult(vectors=b"".join(o.vectors for o in outputs), count=sum(o.count for o in outputs), dim=dim)
 
 
-def _merge_rerank(job: Any, plan: Plan, outputs: list) -> RerankResult:
+def _merge_rerank(job: RerankJob, plan: Plan, outputs: list[RerankResult]) -> RerankResult:
     for part, out in zip(plan.jobs, outputs):
         if len(out.scores) != len(part.documents):
             raise MergeError(f"rerank: a part of {len(part.documents)} documents answered {len(out.scores)} scores")
@@ -135,7 +140,7 @@ def _merge_rerank(job: Any, plan: Plan, outputs: list) -> RerankResult:
 # --- OCR: PDF page ranges ---------------------------------------------------------------------------------------
 
 
-def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
+def _plan_ocr(job: OcrJob, count: Callable[[int], int]) -> Plan | None:
     data = job.file.data
     if not data.startswith(b"%PDF"):
         return None  # an image is one page; a stored blob is read by the engine
@@ -170,13 +175,15 @@ def _plan_ocr(job: Any, count: Callable[[int], int]) -> Plan | None:
         src.close()
 
 
-def _merge_ocr(job: Any, plan: Plan, outputs: list) -> OcrResult:
+def _merge_ocr(job: OcrJob, plan: Plan, outputs: list[OcrResult]) -> OcrResult:
     pages = [p for o in outputs for p in o.pages]
     return OcrResult(pages=[replace(p, index=i) for i, p in enumerate(pages)])
 
 
 # op -> (planner, merger, the result type every part must answer)
-_OPS: dict[str, tuple[Callable[[Any, Callable[[int], int]], Plan | None], Callable[[Any, Plan, list], Any], type]] = {
+_OPS: dict[
+    str, tuple[Callable[[Any, Callable[[int], int]], Plan | None], Callable[[Any, Plan, list], Output], type]
+] = {
     "image": (_plan_image, _merge_image, ImageResult),
     "embed": (lambda job, count: _split_list(job, "input", count), _merge_embed, EmbedResult),
     "rerank": (lambda job, count: _split_list(job, "documents", count), _merge_rerank, RerankResult),

@@ -88,8 +88,8 @@ async def scatter(gw: Gateway, op: EngineOp, job: Any, plan: plans.Plan, headers
 
 
 async def _unless_stalled(
-    gw: Gateway, model: str, op: str, gathered: asyncio.Future, activity: list[float], heard: list[bool]
-) -> Any:
+    gw: Gateway, model: str, op: str, gathered: asyncio.Future[list[Final]], activity: list[float], heard: list[bool]
+) -> list[Final]:
     """What `gathered` gives; a retryable `no_engine` BusError (the caller sends the job whole to one engine) once
     no part was heard from for `STALL_S` (a worker says so the moment it takes a part, then answers or keeps alive
     each second) and either the shared consumer does not answer (its leader died with a NATS server and its RAFT

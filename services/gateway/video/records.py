@@ -11,7 +11,7 @@ learns at its next write that the job moved on and stops, instead of racing the 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -81,7 +81,7 @@ class VideoTenure(Tenure[VideoRecord]):
 
     record = VideoRecord
 
-    def lost(self, current: VideoRecord, changes: dict[str, Any]) -> dict[str, Any]:
+    def lost(self, current: VideoRecord, changes: dict[str, object]) -> dict[str, object]:
         if not running(current):
             raise Superseded(f"{current.id} is now run by {current.runner or 'another gateway'}")
         return changes

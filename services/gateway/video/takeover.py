@@ -49,7 +49,7 @@ class VideoJobs(Takeovers[VideoRecord]):
     def claim(self, rec: VideoRecord) -> VideoRecord:
         return claim(rec, self.me, time.time())
 
-    async def kv(self) -> Any:  # a KeyValue (openai/videos.py reads its entries as they come)
+    async def kv(self) -> Any:  # the bucket's KeyValue (openai/videos.py decodes its entries' values unchecked)
         if not self.bucket_kv:
             self.bucket_kv.append(await self.gw.bus.kv(VIDEOS))
         return self.bucket_kv[0]
@@ -106,7 +106,7 @@ class VideoJobs(Takeovers[VideoRecord]):
                             502, "The engine answered without a VideoResult.", type="engine_error", code="engine_failed"
                         )
                     stored_name = (await gw.blobs.put(out.video.data, "video/mp4", suffix=".mp4")).name
-                end: dict[str, Any] = dict(
+                end: dict[str, object] = dict(
                     status="completed", progress=100, blob=stored_name, completed_at=int(time.time())
                 )
             except Superseded:
