@@ -16,7 +16,7 @@ MAX_SCHEMA_BYTES = 256 * 1024  # one response_format's schema, encoded
 MAX_TOOLS_BYTES = 1024 * 1024  # every tool of a request, encoded (Claude Code's ~20 tools are ~60 KB)
 
 
-def depth(value: Any, limit: int) -> int:
+def depth(value: object, limit: int) -> int:
     """How deep `value`'s objects and arrays nest, counted without recursion and up to `limit + 1` at most."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -30,7 +30,7 @@ def depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def _bounded(value: Any, param: str, max_bytes: int) -> None:
+def _bounded(value: object, param: str, max_bytes: int) -> None:
     size = len(msgspec.json.encode(value))
     if size > max_bytes:
         raise ApiError(

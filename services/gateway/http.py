@@ -53,12 +53,12 @@ class JSONAnswer:
 
     __slots__ = ("body", "status", "headers")
 
-    def __init__(self, obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, obj: object, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self.body = _enc.encode(obj)
         self.status = status
         self.headers = headers
 
-    def to_asgi_response(self, *_args: Any, **_kwargs: Any) -> JSONAnswer:
+    def to_asgi_response(self, *_args: object, **_kwargs: object) -> JSONAnswer:
         return self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,7 +69,7 @@ class JSONAnswer:
         await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """`obj` as a JSON answer (the one JSON helper of the gateway)."""
     return JSONAnswer(obj, status, headers)  # type: ignore[return-value]  # litestar sends it by to_asgi_response
 

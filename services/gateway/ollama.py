@@ -66,7 +66,7 @@ class OllamaController(OllamaModelRoutes):
     async def version(self) -> Response:
         return json_response({"version": VERSION})
 
-    async def _touch(self, request: Request, model: str, keep: Any, stream: bool, chat: bool) -> Response:
+    async def _touch(self, request: Request, model: str, keep: object, stream: bool, chat: bool) -> Response:
         """Ollama's idioms for loading a model (no messages, or an empty prompt) and unloading it (the same with
         `keep_alive: 0`): the model is loaded (by an empty job any of its engines answers at once, loading it on
         demand first), its keep-alive set as the request says, and nothing generated."""

@@ -87,7 +87,7 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
-def keep_alive(value: Any) -> float | None:
+def keep_alive(value: object) -> float | None:
     """Ollama's `keep_alive` in seconds: a number of seconds or a Go duration ("5m", "1h30m", "-1s"); negative
     keeps the model loaded for good, 0 unloads it once idle. None when the request sets none."""
     if value is None or value == "":
@@ -111,7 +111,7 @@ def keep_alive(value: Any) -> float | None:
     return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
-def response_format(fmt: Any) -> dict[str, Any] | None:
+def response_format(fmt: object) -> dict[str, Any] | None:
     if fmt in (None, ""):
         return None
     if fmt == "json":

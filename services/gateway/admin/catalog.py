@@ -7,7 +7,6 @@ in `<data_dir>/models/.jobs/`, so every gateway worker sharing the data dir answ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from litestar import Request, Response, get, post
@@ -44,7 +43,7 @@ class Pulls:
         return self._jobs
 
 
-def _job_or_404(fn: Callable[[str], Any], job_id: str) -> Response:
+def _job_or_404(fn: Callable[[str], object], job_id: str) -> Response:
     try:
         return json_response(fn(job_id))
     except NotFound as exc:

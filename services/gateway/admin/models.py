@@ -43,7 +43,7 @@ def _not_found(name: str) -> ApiError:
     return unknown_model(name, param="name")
 
 
-async def change_model(gw: Gateway, subject: Subject, msg: Any, name: str) -> dict[str, Any]:
+async def change_model(gw: Gateway, subject: Subject, msg: msgspec.Struct, name: str) -> dict[str, Any]:
     """The scheduler's answer to a change: the config it now serves (or just removed)."""
     try:
         reply = await gw.bus.request(subject, msg, timeout=5.0)
