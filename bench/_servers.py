@@ -231,7 +231,7 @@ class Coderai:
         try:
             self.redis = RedisServer(self.root / "redis").start()
             redis_url = self.redis.url
-        except Exception as exc:  # noqa: BLE001 - usage counters are optional; say so and go on
+        except Exception as exc:  # usage counters are optional; say so and go on
             print(f"[bench] coderai runs without Redis: {exc}", file=sys.stderr)
         keys = self.root / "keys.toml"
         write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])

@@ -127,7 +127,7 @@ def classify_status(r: httpx.Response) -> tuple[str, str]:
     try:
         err = r.json().get("error") or {}
         code = err.get("code") or err.get("type") or ""
-    except Exception:  # noqa: BLE001 - a body that is not our error JSON is itself bad
+    except Exception:  # a body that is not our error JSON is itself bad
         return "bad", f"{r.status_code} without error JSON"
     if r.status_code in (429, 503):
         return (

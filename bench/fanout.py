@@ -403,7 +403,7 @@ def run(root: Path, a: argparse.Namespace) -> dict[str, tuple[Phase, Phase]]:
                     a,
                     cpu,
                     lambda: before.update(parts_settled(stack, model, 2 * a.warmup)),
-                )  # noqa: B023
+                )
                 after = parts_settled(stack, model, 2 * (a.warmup + len(two[m].latencies)))
                 two[m].parts = {n: after[n] - before.get(n, 0.0) for n in sorted(after)}
                 print(

@@ -245,7 +245,7 @@ async def run_cell(path: Store, rate: float, seconds: float) -> Cell:
             cell.errors += 1
             cell.first_error = cell.first_error or f"timed out after {CHECK_TIMEOUT_S:g} s"
             return
-        except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
+        except Exception as exc:  # counted and shown, the run goes on
             cell.errors += 1
             cell.first_error = cell.first_error or f"{type(exc).__name__}: {exc}"[:200]
             return
@@ -296,7 +296,7 @@ async def _until(predicate: Callable[[], Awaitable[Any]], timeout_s: float, what
             got = await predicate()
             if got:
                 return got
-        except Exception as exc:  # noqa: BLE001 - remembered for the timeout message
+        except Exception as exc:  # remembered for the timeout message
             last = exc
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{what} not ready within {timeout_s}s (last error: {last!r})")
@@ -414,7 +414,7 @@ async def nats_paths(servers: list[NatsServer], keys: int, want: set[str]) -> tu
         try:
             await _until(lambda: js.add_stream(config), 60, "the counter stream")
             await _until(lambda: js.publish("rl.warm", b"", headers={"Nats-Incr": "1"}), 30, "a counter increment")
-        except Exception as exc:  # noqa: BLE001 - an older server without counters: said in the report
+        except Exception as exc:  # an older server without counters: said in the report
             skipped.append(f"kv-counter: this nats-server has no counters ({exc})")
             await nc.close()
         else:

@@ -58,7 +58,8 @@ def serve_rpc(ip: str, port: int, peer: str) -> int:
             stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent(),
         )
-        bare.stdout.readline()  # type: ignore[union-attr] - printed just before it listens
+        assert bare.stdout is not None  # stdout=PIPE
+        bare.stdout.readline()  # printed just before it listens
         print("rpc ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         bare.kill()
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             text=True,
             env=env,
         )
-        line = server.stdout.readline()  # type: ignore[union-attr]
+        assert server.stdout is not None and server.stdin is not None  # both PIPE
+        line = server.stdout.readline()
         if "rpc ready" not in line:
             raise SystemExit(f"node-b's RPC service did not start: {line!r}")
         r = subprocess.run(
@@ -235,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"measuring failed:\n{r.stderr[-4000:]}")
         data = json.loads(r.stdout.strip().splitlines()[-1])
     finally:
-        if server is not None:
-            server.stdin.close()  # type: ignore[union-attr]
+        if server is not None and server.stdin is not None:
+            server.stdin.close()
             server.wait(30)
         lab.close()
     res, same = data["results"], data["same_text"]
