@@ -22,7 +22,7 @@ ADMIN = {"Authorization": "Bearer admin"}
 def client(tmp_path, hf_env):
     auth = Authenticator({hash_key("admin"): KeyRecord("admin", hash_key("admin"), ["admin"])})
     gw = SimpleNamespace(settings=SimpleNamespace(data_dir=str(tmp_path / "data"), max_body_bytes=1 << 20), auth=auth)
-    pulls = Pulls(gw)  # type: ignore[arg-type]
+    pulls = Pulls(gw)
     app = Litestar(
         route_handlers=[bound(CatalogController, {"gw": gw, "pulls": pulls})],
         exception_handlers={

@@ -40,12 +40,12 @@ from coderai.testing.stack import running_stack
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.core.failures import FailureGroup  # noqa: E402
-from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import response_schema_conformance
 
 pytestmark = pytest.mark.slow
 KEY, ADMIN = "sk-conformance-0123456789", "sk-conformance-admin-0123456789"
@@ -247,7 +247,7 @@ def test_claimed_operation_conforms(stack, objects, document, schema, method, pa
         statuses[response.status_code] += 1
         try:
             case.validate_response(response, checks=[not_a_server_error, response_schema_conformance, openai_error])
-        except (Exception, FailureGroup) as exc:  # noqa: BLE001 - every failure is reported at the end, none shrunk
+        except (Exception, FailureGroup) as exc:  # every failure is reported at the end, none shrunk
             failures.append(
                 f"-> {response.status_code}: {exc}"[:2500] + f"\n  from: {case.as_curl_command(headers=AUTH)}"[:1000]
             )

@@ -16,10 +16,10 @@ def _host(queue_time_s: float = 0.0, slots: int = 2, queue_limit: int = 0) -> En
     h = EngineHost(
         None,
         "n",
-        ModelConfig(name="m", engine="echo", path="-", queue_time_s=queue_time_s),  # type: ignore[arg-type]
+        ModelConfig(name="m", engine="echo", path="-", queue_time_s=queue_time_s),
         keepalive_s=1.0,
     )
-    h.engine = SimpleNamespace(max_concurrency=slots, queue_limit=queue_limit)  # type: ignore[assignment]
+    h.engine = SimpleNamespace(max_concurrency=slots, queue_limit=queue_limit)
     return h
 
 

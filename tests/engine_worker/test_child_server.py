@@ -119,7 +119,7 @@ def test_a_crashed_child_is_restarted_and_close_stops_the_watch(closing):
     assert child.running() and child.proc.pid != first and child.restarts == 1
     assert exits[0].startswith("fake exited with code -9; its log ends:\nfake OpenAI server on port")
     assert httpx.get(f"{child.base_url}/health").status_code == 200
-    watcher, pid = child._supervisor, child.proc.pid  # noqa: SLF001
+    watcher, pid = child._supervisor, child.proc.pid
     child.close()
     assert not watcher.is_alive() and child.proc is None and gone(pid) and child.restarts == 1
 
@@ -139,7 +139,7 @@ def test_a_child_that_dies_again_and_again_is_parked_not_restarted_forever(closi
         if death < 2:
             assert restarted.acquire(timeout=60), f"death {death + 1} was not followed by a restart"
     wait_until(lambda: len(exits) == 3, 30, "the third death to be seen")
-    watcher = child._supervisor  # noqa: SLF001
+    watcher = child._supervisor
     watcher.join(10)
     print(f"the third death: {exits[-1][:160]!r}")
     assert not watcher.is_alive() and child.restarts == 2 and not child.running()

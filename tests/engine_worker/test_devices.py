@@ -55,9 +55,9 @@ def test_in_process_torch_engines_load_on_the_first_assigned_card():
 
 def test_the_status_reports_the_bytes_placed_for_and_the_cards():
     pinned = cfg(devices=[1])
-    status = EngineHost(None, "n1", pinned, 1.0).status()  # type: ignore[arg-type]
+    status = EngineHost(None, "n1", pinned, 1.0).status()
     assert status.devices == [1] and status.memory == estimate_bytes(pinned) > 0
-    assert EngineHost(None, "n1", cfg(), 1.0).status().devices == []  # type: ignore[arg-type]
+    assert EngineHost(None, "n1", cfg(), 1.0).status().devices == []
 
 
 def test_the_memory_budget_setting_becomes_the_heartbeats_mem_budget_in_bytes():

@@ -132,7 +132,7 @@ async def test_a_failed_fetch_fails_the_engine_with_a_clear_error(tmp_path):
             raise BusError("no_engine", "nobody serves coderai.cmd.store.fetch", retryable=True)
 
     cfg = ModelConfig(name="m", engine="llama", path="/nowhere/m.gguf", store_path="org/repo/m.gguf")
-    host = EngineHost(NoHead(), "n1", cfg, 1.0, models_dir=tmp_path)  # type: ignore[arg-type]
+    host = EngineHost(NoHead(), "n1", cfg, 1.0, models_dir=tmp_path)
     assert await host.load() is False
     st = host.status()
     assert st.state == "failed" and "cannot fetch org/repo/m.gguf from the head's model store" in (st.error or "")

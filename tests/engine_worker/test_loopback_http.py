@@ -59,7 +59,7 @@ def test_answers_come_back_on_one_kept_connection(server):
     for i in range(3):
         a = c.post("/x", json.dumps({"i": i}).encode(), {"X-Request-Id": f"r{i}"})
         assert a.status == 200 and json.loads(a.body) == {"echo": {"i": i}, "rid": f"r{i}"}
-    assert len(c._all) == 1  # noqa: SLF001 - one connection served all three
+    assert len(c._all) == 1  # one connection served all three
     c.close()
 
 
@@ -73,7 +73,7 @@ def test_a_post_not_kept_leaves_no_connection_behind_its_thread(server):
         t = threading.Thread(target=lambda keep=keep: answers.append(c.post("/x", b'{"i": 1}', {}, keep=keep)))
         t.start()
         t.join(10)
-        assert len(c._all) == (1 if not keep else 2)  # noqa: SLF001 - kept, the ended thread's stays open
+        assert len(c._all) == (1 if not keep else 2)  # kept, the ended thread's stays open
     assert [a.status for a in answers] == [200, 200]
     c.close()
 
@@ -94,7 +94,7 @@ def test_a_stream_read_to_its_end_and_one_left_early(server):
     assert status == 200 and got == [f"data: {i}\n".encode() for i in range(5)]
     with c.stream("/stream", b'{"n": 50}', {}) as (status, lines):
         assert next(lines) == b"data: 0\n"
-    assert not c._all  # noqa: SLF001 - left early: its connection was closed, as an abort tells the server
+    assert not c._all  # left early: its connection was closed, as an abort tells the server
     assert json.loads(c.post("/x", b"{}", {}).body)["echo"] == {}  # and a new one serves the next request
     c.close()
 

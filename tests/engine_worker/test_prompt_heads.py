@@ -176,7 +176,7 @@ def test_a_second_session_started_while_the_first_is_busy_reads_the_head_from_it
         if t.name.startswith("save-head-"):
             t.join(30)
     # the save ran on a thread of its own that has ended: no connection of an ended thread is left open
-    assert not [c for c in with_snapshots.client.http._all if not made_by[c].is_alive()]  # noqa: SLF001
+    assert not [c for c in with_snapshots.client.http._all if not made_by[c].is_alive()]
     assert os.listdir(with_snapshots.heads.dir) == [
         with_snapshots.heads.name(chat_chain([SYSTEM, _user("x")], None)[0][0][0])
     ]

@@ -162,7 +162,7 @@ async def test_the_worker_default_makes_a_model_that_does_not_say_private(monkey
     monkeypatch.setattr("coderai.engine_worker.host.engine_class", lambda family: Stop)
     for default, own in ((False, None), (True, None), (False, True)):
         cfg = ModelConfig(name="m", engine="echo", path="-", share_cache=own)
-        assert await EngineHost(None, "n1", cfg, 1.0, share_cache=default).load() is False  # type: ignore[arg-type]
+        assert await EngineHost(None, "n1", cfg, 1.0, share_cache=default).load() is False
     assert [c.share_cache for c in seen] == [False, None, True]
 
 

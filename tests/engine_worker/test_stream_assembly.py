@@ -69,7 +69,7 @@ def test_an_engine_refuses_what_it_cannot_honour_by_name():
     engine.streams_choices = True
     assert unhonoured(engine, job) is None
     biased = ChatJob(request_id="r", model="m", messages=[], params=SamplingParams(logit_bias={"1": 2.0}))
-    assert unhonoured(engine, biased).param == "logit_bias"  # type: ignore[union-attr]
+    assert unhonoured(engine, biased).param == "logit_bias"
 
 
 def test_a_conversation_llama_server_cannot_parse_is_the_clients_mistake():

@@ -17,7 +17,7 @@ GiB = 1024**3
 
 
 def engine(model: str, state: str = "ready", **kw) -> EngineStatus:
-    return EngineStatus(engine_id=f"{model}-e", model=model, engine="llama", ops=["chat"], state=state, **kw)  # type: ignore[arg-type]
+    return EngineStatus(engine_id=f"{model}-e", model=model, engine="llama", ops=["chat"], state=state, **kw)
 
 
 def cfg(**kw) -> ModelConfig:

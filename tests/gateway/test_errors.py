@@ -62,7 +62,7 @@ def test_only_unavailable_and_busy_codes_carry_retry_after():
 
 
 def test_an_unknown_bus_code_is_a_502():
-    err = from_bus(BusError("weird", "m"), 1)  # type: ignore[arg-type]
+    err = from_bus(BusError("weird", "m"), 1)
     assert (err.status, err.type, err.code, err.headers) == (502, "engine_error", "weird", {})
 
 

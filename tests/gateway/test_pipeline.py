@@ -129,7 +129,7 @@ async def rig(nats_server, redis_server, unique):
         nats_url=nats_server.url, redis_url=redis_server.url, no_auth=True, idle_timeout_s=5.0, retry_after_s=3
     )
     gw = Gateway(settings)
-    async with gw.lifespan(None):  # type: ignore[arg-type]
+    async with gw.lifespan(None):
         engines = {"e1": Engine("e1"), "e2": Engine("e2")}
         side = await Bus.connect(nats_server.url, "test-side")
         for e in engines.values():
@@ -227,7 +227,7 @@ async def test_a_client_leaving_a_whole_answer_cancels_the_engine_job(rig, uniqu
     engine.mode = "hang"
     who = budgeted(unique)
     call, client = rig.call(who), Client()
-    task = asyncio.create_task(answer(call, client))  # type: ignore[arg-type]
+    task = asyncio.create_task(answer(call, client))
     await wait_for(lambda: call.request_id in engine.jobs, 10, what="the engine to get the job")
     assert await rig.reserved(who) > 0  # held while it runs
     client.gone.set()

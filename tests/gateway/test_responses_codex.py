@@ -251,20 +251,20 @@ def test_streamed_namespace_and_custom_calls_are_openais_events():
 
 
 def _route(session: str = "") -> RouteRequest:
-    return RouteRequest(request_id=RequestId("r"), model="m", op="chat", session=session)  # type: ignore[arg-type]
+    return RouteRequest(request_id=RequestId("r"), model="m", op="chat", session=session)
 
 
 def test_the_session_an_agent_names_keys_the_affinity():
     req = parse_request(codex_body())
-    by_header = _with_session(_route(), SimpleNamespace(headers={"session-id": "s1"}), req)  # type: ignore[arg-type]
-    by_thread = _with_session(_route(), SimpleNamespace(headers={"thread-id": "s1"}), req)  # type: ignore[arg-type]
-    by_key = _with_session(_route(), SimpleNamespace(headers={}), req)  # type: ignore[arg-type]
+    by_header = _with_session(_route(), SimpleNamespace(headers={"session-id": "s1"}), req)
+    by_thread = _with_session(_route(), SimpleNamespace(headers={"thread-id": "s1"}), req)
+    by_key = _with_session(_route(), SimpleNamespace(headers={}), req)
     assert by_header.session and by_header.session == by_thread.session != by_key.session
-    again = _with_session(_route(), SimpleNamespace(headers={}), parse_request(codex_body()))  # type: ignore[arg-type]
+    again = _with_session(_route(), SimpleNamespace(headers={}), parse_request(codex_body()))
     assert by_key.session == again.session  # the prompt_cache_key, the same every turn
     assert _with_session(_route("x-session"), SimpleNamespace(headers={"session-id": "s1"}), req).session == "x-session"
     plain = parse_request({"model": "m", "input": "x"})
-    assert _with_session(_route(), SimpleNamespace(headers={}), plain).session == ""  # type: ignore[arg-type]
+    assert _with_session(_route(), SimpleNamespace(headers={}), plain).session == ""
 
 
 def _capped(max_tokens: int | None, default: int, params: dict) -> int | None:
@@ -280,7 +280,7 @@ def _capped(max_tokens: int | None, default: int, params: dict) -> int | None:
         messages=[{"role": "user", "content": "x"}],
         params=SamplingParams(max_tokens=max_tokens),
     )
-    return asyncio.run(ResponsesController._capped(me, job)).params.max_tokens  # type: ignore[arg-type]
+    return asyncio.run(ResponsesController._capped(me, job)).params.max_tokens
 
 
 def test_no_max_output_tokens_gets_the_default_cap_within_the_context():

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow
 for _mod in ("sentence_transformers", "diffusers", "rapidocr", "PIL"):
     pytest.importorskip(_mod)
 
-import numpy as np  # noqa: E402
-from PIL import Image, ImageDraw, ImageFont  # noqa: E402
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
-from coderai.testing import speech  # noqa: E402
+from coderai.testing import speech
 
 WORKERS = ("w1", "w2", "w3")
 

@@ -29,9 +29,9 @@ for _mod in (
 ):
     pytest.importorskip(_mod)
 
-from PIL import Image, ImageDraw, ImageFont  # noqa: E402
+from PIL import Image, ImageDraw, ImageFont
 
-from coderai.testing import speech  # noqa: E402
+from coderai.testing import speech
 
 MAX_UPLOAD = 2 * 1024 * 1024
 MODELS = ["minilm", "sd-tiny", "t2v-tiny", "whisper-tiny", "piper", "dia", "ocr"]

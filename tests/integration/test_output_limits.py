@@ -41,7 +41,7 @@ def test_the_limits_are_stated_in_the_model_list(stack):
     import openai
 
     m = openai.OpenAI(base_url=stack.base_url, api_key="none").models.retrieve("capped")
-    assert (m.max_output_tokens, m.default_output_tokens, m.context_length) == (CAP, DEFAULT, 512)  # type: ignore[attr-defined]
+    assert (m.max_output_tokens, m.default_output_tokens, m.context_length) == (CAP, DEFAULT, 512)
 
 
 def test_chat_and_completions_are_capped_and_end_with_length(stack):

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("graphql")
 pytest.importorskip("llama_cpp")
 
-from coderai.testing.browser import full_page_png, open_signed_out, sign_in, text, wait  # noqa: E402
-from coderai.testing.fake_runpod import FakeRunPod, worker_pods  # noqa: E402
+from coderai.testing.browser import full_page_png, open_signed_out, sign_in, text, wait
+from coderai.testing.fake_runpod import FakeRunPod, worker_pods
 
 ADMIN = "sk-pods-admin-0123456789"
 

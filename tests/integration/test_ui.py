@@ -136,7 +136,7 @@ def test_sign_in_shows_both_nodes_and_a_nodes_log_tail(browser, ui_stack, admin_
 
 def test_a_wrong_key_shows_an_error_and_stays_on_the_form(browser, ui_stack, user_key, artifacts):
     open_signed_out(browser, ui_stack.http_url)
-    error = lambda d: d.find_element(By.ID, "signin-error")  # noqa: E731
+    error = lambda d: d.find_element(By.ID, "signin-error")
 
     sign_in(browser, "sk-not-a-real-key-0000")
     wait(browser, "the wrong-key error", lambda d: error(d).is_displayed() and "not accepted" in error(d).text)

@@ -85,7 +85,7 @@ async def test_a_node_cannot_fill_the_gateways_memory_with_unfinished_uploads():
     from coderai.contracts.media import BlobWrite
     from coderai.runtime.blobs import BlobService
 
-    svc = BlobService(None)  # type: ignore[arg-type]  # no store: nothing here finishes an upload
+    svc = BlobService(None)  # no store: nothing here finishes an upload
     evil, good = SimpleNamespace(reply="_N.evil.abc"), SimpleNamespace(reply="_N.good.def")
     piece = b"x" * (1 << 20)
     refused = 0

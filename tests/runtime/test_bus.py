@@ -296,7 +296,7 @@ async def test_a_cancelled_close_still_cancels():
             started.set()
             await asyncio.Event().wait()
 
-    task = asyncio.create_task(close_nats(_SlowClose()))  # type: ignore[arg-type]
+    task = asyncio.create_task(close_nats(_SlowClose()))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

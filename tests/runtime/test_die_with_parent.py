@@ -20,7 +20,9 @@ def _start_from_a_thread(sig: int | None, script: str) -> subprocess.Popen:
 
     def starter():
         preexec = die_with_parent(sig) if sig is not None else die_with_parent()
-        started.append(subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, preexec_fn=preexec))  # noqa: PLW1509 - prctl only
+        started.append(
+            subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, preexec_fn=preexec)
+        )  # prctl only
         started[0].stdout.readline()  # the child is past its signal set-up before the thread ends
 
     t = threading.Thread(target=starter)

@@ -70,7 +70,7 @@ async def test_a_restarted_watch_reads_only_what_changed_and_all_again_after_a_w
     kv = await mirror.bind()
     applied: list[str] = []
     apply = mirror._apply
-    mirror._apply = lambda e: (applied.append(e.key), apply(e))  # type: ignore[method-assign]
+    mirror._apply = lambda e: (applied.append(e.key), apply(e))
     mirror.start()
     try:
         for i in range(50):

@@ -28,7 +28,7 @@ def _once_it_answers(check):
     async def predicate() -> bool:
         try:
             return bool(await check())
-        except Exception:  # noqa: BLE001 - no meta leader yet, or a stream's leader moving
+        except Exception:  # no meta leader yet, or a stream's leader moving
             return False
 
     return predicate

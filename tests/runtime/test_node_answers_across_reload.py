@@ -119,7 +119,7 @@ async def test_a_part_acked_after_a_users_reload_is_not_delivered_again(secured_
                     sub = await node.jetstream().pull_subscribe(
                         "coderai.work.minilm.embed", durable=c, stream=WORK.name
                     )
-                except Exception:  # noqa: BLE001 - not yet
+                except Exception:  # not yet
                     assert time.monotonic() < deadline, errors
                     await asyncio.sleep(0.05)  # a poll with a deadline
             await scheduler.js.publish("coderai.work.minilm.embed", b"part")

@@ -224,7 +224,7 @@ def test_an_empty_config_var_means_no_file():
 def test_settings_are_frozen():
     s = load({})
     with pytest.raises(AttributeError):
-        s.port = 1  # type: ignore[misc]
+        s.port = 1
 
 
 def test_describe_masks_secrets_that_are_set():

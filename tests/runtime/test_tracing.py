@@ -115,7 +115,7 @@ def test_otlp_endpoint_receives_the_spans(clean_env):
     got: list[tuple[str, bytes]] = []
 
     class Collector(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        def do_POST(self) -> None:  # the http.server API
             got.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")

@@ -67,7 +67,7 @@ async def _connected(stack: contextlib.AsyncExitStack, server: NatsServer, name:
         try:
             await bus.js.account_info()
             return True
-        except Exception:  # noqa: BLE001 - still forming
+        except Exception:  # still forming
             return False
 
     bus = await Bus.connect(server.service_url, name)

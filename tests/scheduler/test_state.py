@@ -96,7 +96,7 @@ def test_planned_records_the_pass_unplaced_splits_and_restaged():
 
 def test_anything_else_is_not_an_event():
     with pytest.raises(TypeError):
-        apply(State(), "model added")  # type: ignore[arg-type]  # a wrong event, on purpose
+        apply(State(), "model added")  # a wrong event, on purpose
 
 
 def test_a_revoked_node_is_not_heard_for_a_heartbeat_timeout():

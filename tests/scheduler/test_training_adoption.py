@@ -21,7 +21,7 @@ def job(
         model=model,
         training_file="file-1",
         suffix=suffix,
-        status=status,  # type: ignore[arg-type]
+        status=status,
         created_at=1,
         nodes=list(nodes),
     )

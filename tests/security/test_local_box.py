@@ -71,7 +71,7 @@ async def _refused(url: str) -> bool:
 
     try:
         nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet)
-    except Exception:  # noqa: BLE001 - a refused login is the point
+    except Exception:  # a refused login is the point
         return True
     await nc.close()
     return False

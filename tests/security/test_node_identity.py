@@ -43,7 +43,7 @@ class Cluster(LabCluster):
             "--data-dir",
             str(self.root / data_dir),
         )
-        r = report["results"][0]  # type: ignore[index]
+        r = report["results"][0]
         print(f"{'refused' if r['refused'] else 'SUCCEEDED'}: {r['attack']} ({r['detail']})")
         return r
 
