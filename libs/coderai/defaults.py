@@ -68,7 +68,7 @@ def default_models(data: Path, say: Callable[[str], None] = print) -> list[dict[
         say(f"building the default {engine} model {name} (offline, once) ...")
         try:
             path = getattr(importlib.import_module(module), fn)()
-        except Exception as exc:  # noqa: BLE001 - an optional default must not stop the stack from starting
+        except Exception as exc:  # an optional default must not stop the stack from starting
             say(f"warning: {name} not built ({type(exc).__name__}: {exc}); {engine} is not served")
             continue
         models.append({"name": name, "engine": engine, "path": str(path)})

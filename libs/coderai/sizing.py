@@ -90,7 +90,8 @@ def _layout(path: str, _size: int, _mtime: float):
 
 
 def _cache_bytes(p: dict, name: str) -> float:
-    kind = p.get(f"cache_type_{name}") or GGML_TYPES.get(p.get(f"type_{name}"), "f16")  # type: ignore[arg-type]
+    ggml = p.get(f"type_{name}")  # llama-cpp-python's `type_k`: a ggml type number
+    kind = p.get(f"cache_type_{name}") or (GGML_TYPES.get(ggml, "f16") if isinstance(ggml, int) else "f16")
     return CACHE_TYPE_BYTES.get(str(kind).lower(), 2.0)
 
 

@@ -218,7 +218,7 @@ class KeyStore:
         if self.journal is not None:
             try:
                 rec = await self.journal.get(sha256)
-            except Exception as exc:  # noqa: BLE001 - the bus away: an unknown key stays unknown (a 401, not a 503)
+            except Exception as exc:  # the bus away: an unknown key stays unknown (a 401, not a 503)
                 log.debug("key journal not read: %s", exc)
         if rec is not None:  # Redis lost it: put it back for every gateway
             await self._to_redis(rec)

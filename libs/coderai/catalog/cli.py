@@ -90,7 +90,7 @@ def _on_head(args: argparse.Namespace, work: Callable[[Any], Awaitable[Any]]) ->
         return asyncio.run(run())
     except BusError as exc:
         return f"the scheduler did not answer (BusError: {exc})" if exc.code in ("no_engine", "timeout") else exc
-    except Exception as exc:  # noqa: BLE001 - the caller still has its answer without the cluster
+    except Exception as exc:  # the caller still has its answer without the cluster
         return f"the scheduler did not answer ({type(exc).__name__}: {exc})"
 
 

@@ -137,7 +137,7 @@ class PullJobs:
         except CatalogError as exc:
             job.state = "cancelled" if cancel.is_set() else "failed"
             job.error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a background thread: the job file is the only place to tell
+        except Exception as exc:  # a background thread: the job file is the only place to tell
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"
         job.events.append({"ts": time.time(), "state": job.state})
         self._save(job)

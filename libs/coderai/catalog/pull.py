@@ -117,7 +117,7 @@ class _Bar:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> _Bar:  # noqa: PYI034 - not subclassed
+    def __enter__(self) -> _Bar:
         return self
 
     def __exit__(self, *exc: object) -> None:

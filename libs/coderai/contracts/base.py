@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NewType, TypeVar
+from typing import NewType, TypeVar, cast
 
 import msgspec
 
@@ -19,16 +19,16 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 _encoder = msgspec.json.Encoder()
-_decoders: dict[Any, msgspec.json.Decoder] = {}
+_decoders: dict[object, msgspec.json.Decoder] = {}
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: object) -> bytes:
     """Encode a message (or any msgspec-encodable value) to JSON bytes."""
     return _encoder.encode(msg)
 
 
-def decode(data: bytes | str, type_: type[T] | Any) -> T:
-    """Decode JSON bytes into `type_`, raising msgspec.ValidationError / DecodeError on bad input.
+def decode(data: bytes | str, type_: type[T] | object) -> T:
+    """Decode JSON bytes into `type_` (a class, or a Union of them: any type msgspec decodes), raising msgspec.ValidationError / DecodeError on bad input.
 
     Decoders are cached per type: building one costs more than decoding a small message. JSON nested deeper
     than msgspec recurses (a `[[[[...` in a field of any JSON) is a DecodeError too, not a RecursionError that
@@ -38,7 +38,7 @@ def decode(data: bytes | str, type_: type[T] | Any) -> T:
     if dec is None:
         dec = _decoders[type_] = msgspec.json.Decoder(type_)
     try:
-        return dec.decode(data)
+        return cast(T, dec.decode(data))  # the decoder of `type_` makes a `type_`: msgspec's types cannot say so
     except RecursionError:
         raise msgspec.DecodeError("JSON is nested too deeply") from None
 

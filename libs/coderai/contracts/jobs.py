@@ -44,10 +44,10 @@ class ChatJob(Message, frozen=True, kw_only=True):
     messages: list[dict[str, Any]]
     params: SamplingParams = SamplingParams()
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, object] | None = None  # a mode ("auto", "none", "required") or a named tool
+    response_format: dict[str, object] | None = None
     stream: bool = False
-    options: dict[str, Any] | None = None  # passed to engines that take them: reasoning_effort, chat_template_kwargs
+    options: dict[str, object] | None = None  # passed to engines that take them: reasoning_effort, chat_template_kwargs
     priority: int = 0  # INTERACTIVE, or BACKGROUND: waits behind the interactive jobs queued for the same engine
     # set by the gateway only: "" when the prompt cache is shared by every key, else an opaque digest of the key; an
     # engine never serves a prompt from a prefix another scope left in its cache
@@ -94,7 +94,7 @@ class Choice(Message, frozen=True, kw_only=True):
     message: dict[str, Any] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
-    logprobs: dict[str, Any] | None = None  # OpenAI's choice `logprobs` object, when asked for
+    logprobs: dict[str, object] | None = None  # OpenAI's choice `logprobs` object, when asked for
 
 
 class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
@@ -108,7 +108,7 @@ class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
     finish_reason: FinishReason | None = None
     data: bytes | None = None
     progress: float | None = None
-    logprobs: dict[str, Any] | None = None  # the logprobs of this delta's tokens, when asked for
+    logprobs: dict[str, object] | None = None  # the logprobs of this delta's tokens, when asked for
 
 
 class KeepAlive(Message, frozen=True, kw_only=True, tag="keepalive", tag_field="t"):

@@ -23,16 +23,20 @@ from coderai.contracts.media import (
 from coderai.contracts.subject import Subject
 
 # each op's engine subject, declared here with its op (not in subjects.py, which imports this module)
-ENGINE_CHAT = Subject("coderai.engine.{node_id}.{engine_id}.chat", ChatJob, Frame)
-ENGINE_COMPLETE = Subject("coderai.engine.{node_id}.{engine_id}.complete", CompletionJob, Frame)
-ENGINE_EMBED = Subject("coderai.engine.{node_id}.{engine_id}.embed", EmbedJob, Frame)
-ENGINE_RERANK = Subject("coderai.engine.{node_id}.{engine_id}.rerank", RerankJob, Frame)
-ENGINE_IMAGE = Subject("coderai.engine.{node_id}.{engine_id}.image", ImageJob, Frame)
-ENGINE_SPEECH = Subject("coderai.engine.{node_id}.{engine_id}.speech", SpeechJob, Frame)
-ENGINE_TRANSCRIBE = Subject("coderai.engine.{node_id}.{engine_id}.transcribe", TranscribeJob, Frame)
-ENGINE_DIARIZE = Subject("coderai.engine.{node_id}.{engine_id}.diarize", DiarizeJob, Frame)
-ENGINE_OCR = Subject("coderai.engine.{node_id}.{engine_id}.ocr", OcrJob, Frame)
-ENGINE_VIDEO = Subject("coderai.engine.{node_id}.{engine_id}.video", VideoJob, Frame)
+ENGINE_CHAT: Subject[ChatJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.chat", ChatJob, Frame)
+ENGINE_COMPLETE: Subject[CompletionJob, Frame] = Subject(
+    "coderai.engine.{node_id}.{engine_id}.complete", CompletionJob, Frame
+)
+ENGINE_EMBED: Subject[EmbedJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.embed", EmbedJob, Frame)
+ENGINE_RERANK: Subject[RerankJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.rerank", RerankJob, Frame)
+ENGINE_IMAGE: Subject[ImageJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.image", ImageJob, Frame)
+ENGINE_SPEECH: Subject[SpeechJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.speech", SpeechJob, Frame)
+ENGINE_TRANSCRIBE: Subject[TranscribeJob, Frame] = Subject(
+    "coderai.engine.{node_id}.{engine_id}.transcribe", TranscribeJob, Frame
+)
+ENGINE_DIARIZE: Subject[DiarizeJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.diarize", DiarizeJob, Frame)
+ENGINE_OCR: Subject[OcrJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.ocr", OcrJob, Frame)
+ENGINE_VIDEO: Subject[VideoJob, Frame] = Subject("coderai.engine.{node_id}.{engine_id}.video", VideoJob, Frame)
 
 
 @dataclass(frozen=True)

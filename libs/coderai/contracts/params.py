@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 EXEC_PARAMS = frozenset({"python", "env", "extra_args", "trust_remote_code"})
 """Params that choose a program, its environment or arguments, or run a repository's code: the operator's only."""
@@ -21,7 +20,7 @@ class P:
     kind: str
     lo: float | None = None
     hi: float | None = None
-    choices: tuple[Any, ...] = ()
+    choices: tuple[str | int | float | bool, ...] = ()
     size: int = MAX_TEXT
 
 
@@ -33,7 +32,7 @@ def num(lo: float, hi: float) -> P:
     return P("float", lo, hi)
 
 
-def choice(*choices: Any) -> P:
+def choice(*choices: str | int | float | bool) -> P:
     return P("choice", choices=choices)
 
 

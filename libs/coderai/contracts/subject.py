@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, Union
+
+from typing_extensions import TypeVar
 
 from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
 
-Req = TypeVar("Req")
+# both read only (`encode` checks its message at run time), so any subject is a Subject[object, object]; `Rep`
+# defaults to Any for a Subject[X] that leaves its replies untyped
+Req = TypeVar("Req", covariant=True)
+Rep = TypeVar("Rep", covariant=True, default=Any)
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _BAD_TOKEN = re.compile(r"[.*>\s]")
@@ -28,21 +33,29 @@ def check_token(value: str, what: str = "token") -> str:
 
 
 @dataclass(frozen=True)
-class Subject(Generic[Req]):
-    """A subject pattern such as `coderai.hb.{node_id}` with its request type and reply type (None: no reply)."""
+class Subject(Generic[Req, Rep]):
+    """A subject pattern such as `coderai.hb.{node_id}` with its request type and reply type (None: no reply).
+
+    `request` and `reply` are classes or Unions of them (what msgspec decodes); a subject whose request or reply is a
+    Union names its types in its declaration (`X: Subject[ChatJob, Frame] = ...`): a checker infers them from
+    classes only."""
 
     pattern: str
-    request: type[Req] | Any
-    reply: Any = None
+    request: type[Req] | object
+    reply: type[Rep] | object = None
     bind: tuple[str, ...] = ()
     """Placeholders that name the sender (e.g. `node_id`): NATS lets a node publish only under its own id, and a
     message whose field of that name says another id is dropped (`bound_to`), so no node speaks for another."""
     params: tuple[str, ...] = field(init=False)
+    # made once, by __post_init__: the types a request may be, the reply's type (or an ErrorReply), and the concrete
+    # subjects made so far (a few per engine; bounded, for subjects that name a job)
+    _request_types: tuple[type, ...] = field(init=False, repr=False, compare=False)
+    _reply_type: object = field(init=False, repr=False, compare=False)
+    _made: dict[tuple[tuple[str, str], ...], str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(_PLACEHOLDER.findall(self.pattern)))
-        # what every message on the hot path would otherwise build again: the types checked and decoded, and the
-        # concrete subjects made so far (a few per engine; bounded, for subjects that name a job)
+        # what every message on the hot path would otherwise build again
         object.__setattr__(self, "_request_types", _types(self.request))
         object.__setattr__(self, "_reply_type", Union[self.reply, ErrorReply])
         object.__setattr__(self, "_made", {})
@@ -50,15 +63,15 @@ class Subject(Generic[Req]):
     def __call__(self, **values: str) -> str:
         """The concrete subject; every placeholder must be given a valid token."""
         key = tuple(values.items())
-        made = self._made.get(key)  # type: ignore[attr-defined]
+        made = self._made.get(key)
         if made is not None:
             return made
         if set(values) != set(self.params):
             raise TypeError(f"{self.pattern} needs {self.params}, got {tuple(values)}")
         made = self.pattern.format(**{k: check_token(v, k) for k, v in values.items()})
-        if len(self._made) >= _MADE_MAX:  # type: ignore[attr-defined]
-            self._made.clear()  # type: ignore[attr-defined]
-        self._made[key] = made  # type: ignore[attr-defined]
+        if len(self._made) >= _MADE_MAX:
+            self._made.clear()
+        self._made[key] = made
         return made
 
     def wildcard(self, **values: str) -> str:
@@ -78,7 +91,7 @@ class Subject(Generic[Req]):
             raise ValueError(f"{subject!r} does not match {self.pattern}")
         return m.groupdict()
 
-    def bound_to(self, subject: str, msg: Any) -> bool:
+    def bound_to(self, subject: str, msg: object) -> bool:
         """True when every bound placeholder of `subject` equals the same-named field of `msg`."""
         if not self.bind:
             return True
@@ -88,19 +101,23 @@ class Subject(Generic[Req]):
             return False
         return all(getattr(msg, name, None) == values.get(name) for name in self.bind)
 
-    def encode(self, msg: Req) -> bytes:
-        if not isinstance(msg, self._request_types):  # type: ignore[attr-defined]
+    def encode(self, msg: object) -> bytes:
+        if not isinstance(msg, self._request_types):
             raise TypeError(f"{self.pattern} carries {self.request}, not {type(msg).__name__}")
         return encode(msg)
 
     def decode(self, data: bytes) -> Req:
         return decode(data, self.request)
 
-    def decode_reply(self, data: bytes) -> Any:
+    def decode_reply(self, data: bytes) -> Rep | ErrorReply:
         """A reply of this subject: its reply type, or an ErrorReply."""
-        return decode(data, self._reply_type)  # type: ignore[attr-defined]
+        return decode(data, self._reply_type)
 
 
-def _types(t: Any) -> tuple[type, ...]:
+def _types(t: object) -> tuple[type, ...]:
     args = getattr(t, "__args__", None)
-    return tuple(args) if args else (t,)
+    if args:
+        return tuple(args)
+    if not isinstance(t, type):
+        raise TypeError(f"a subject carries a class or a Union of classes, not {t!r}")
+    return (t,)

@@ -86,7 +86,7 @@ from coderai.contracts.training import (
 ROUTE_PICK = Subject("coderai.route.pick", RouteRequest, RouteDecision)
 ENGINE_CANCEL = Subject("coderai.engine.{node_id}.{engine_id}.cancel", CancelJob)
 HEARTBEAT = Subject("coderai.hb.{node_id}", Heartbeat, bind=("node_id",))
-EVENTS_ALL = Subject("coderai.evt.>", Event)
+EVENTS_ALL: Subject[Event, None] = Subject("coderai.evt.>", Event)
 EVT_REQUEST_COMPLETED = Subject("coderai.evt.request.completed", RequestCompleted)
 EVT_MODEL_LOADED = Subject("coderai.evt.model.loaded.{node_id}", ModelLoaded, bind=("node_id",))
 EVT_MODEL_FETCH = Subject("coderai.evt.model.fetch.{node_id}", ModelFetch, bind=("node_id",))
@@ -117,7 +117,7 @@ CMD_BLOB_WRITE = Subject("coderai.cmd.blob.write", BlobWrite, BlobWritten)
 CMD_STORE_FETCH = Subject("coderai.cmd.store.fetch", StoreFetch, StoreChunk)
 CMD_STORE_LIST = Subject("coderai.cmd.store.list", StoreList, StoreListing)
 
-ENGINE_STAGE = Subject(
+ENGINE_STAGE: Subject[StageJob, StageFrame] = Subject(
     "coderai.engine.{node_id}.{engine_id}.stage", StageJob, StageFrame
 )  # one stage of a relayed video
 CMD_SCHEDULER_STAGES = Subject("coderai.cmd.scheduler.stages", StagePlanRequest, StagePlan)

@@ -15,11 +15,12 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError
 from nats.errors import Error as NatsError
 
@@ -28,12 +29,22 @@ from coderai.contracts.subjects import Subject
 from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
 from coderai.runtime.nats_conn import close_nats, connect, split_urls, url_user
 
+if TYPE_CHECKING:
+    from coderai.runtime.settings import CommonSettings
+
 log = logging.getLogger("coderai.bus")
 
-Handler = Callable[[Any, Msg], Awaitable[Any]]
+T = TypeVar("T")
+Rep = TypeVar("Rep")
+AnySubject = Subject[object, object]
+"""Every subject (a Subject's types are read only)."""
+
+# a handler takes the request its subject carries, whichever that is: Any, as object would refuse a handler of one
+Handler = Callable[[Any, Msg], Awaitable[object]]
+"""handler(request, msg) of `Bus.serve`: its return value (if any) is the reply."""
 StreamHandler = Callable[[Any, "FrameWriter", Msg], Awaitable[None]]
 """handler(job, writer, msg) of `Bus.serve_stream`: runs the job, its frames written with `writer`."""
-Spawn = Callable[[Coroutine[Any, Any, None]], Any]
+Spawn = Callable[[Coroutine[Any, Any, None]], object]
 """spawn(coro) of `Bus.serve_stream`: starts one job's coroutine, or raises BusError to refuse the job."""
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -90,7 +101,11 @@ DONE: Any = object()
 
 
 async def pump(
-    queue: asyncio.Queue, writer: "FrameWriter", keepalive_s: float, send: Any, queued: Callable[[], bool] | None = None
+    queue: asyncio.Queue,
+    writer: "FrameWriter",
+    keepalive_s: float,
+    send: Callable[[Any], Awaitable[object]],
+    queued: Callable[[], bool] | None = None,
 ) -> None:
     """Hand what a job's thread puts on `queue` to `await send(item)` until `DONE`, with a keep-alive frame on
     `writer` whenever nothing came for `keepalive_s`: the caller tells a slow job from a dead worker by it, and
@@ -145,7 +160,7 @@ class FrameStream:
             raise _refused(self.subject)
         return data
 
-    async def next(self, type_: Any) -> Any:
+    async def next(self, type_: type[T] | object) -> T:
         """The next frame, decoded as `type_`. One that does not decode ends the stream as an `engine_failed`
         BusError, logged in one line: a broken or hostile engine fails its own request, never its caller."""
         data = await self.next_raw()
@@ -162,7 +177,7 @@ class FrameStream:
             self.done = True
             try:
                 await self.on_cancel()
-            except Exception as exc:  # noqa: BLE001 - best effort: the callee also stops on its own deadline
+            except Exception as exc:  # best effort: the callee also stops on its own deadline
                 log.debug("cancel failed: %s", exc)
         self.close()
 
@@ -217,7 +232,7 @@ class Bus:
                 s.queue.put_nowait(_REFUSED)
 
     @classmethod
-    async def connect_as(cls, settings: Any, name: str, url: str = "", **kw: Any) -> "Bus":
+    async def connect_as(cls, settings: CommonSettings, name: str, url: str = "", **kw: Any) -> "Bus":
         """Connect a service with the credentials in its settings' NATS URL (or the password file it names: a
         service's own file, `nats-svc-<role>.password`, logs in as `svc-<role>`; any other as `service`)."""
         url = url or settings.nats_url or DEFAULT_NATS_URL
@@ -249,7 +264,7 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await close_nats(self.nc, drain=True)
-            except Exception:  # noqa: BLE001 - a connection already down cannot drain
+            except Exception:  # a connection already down cannot drain
                 await close_nats(self.nc)
 
     def fail_streams(self) -> None:
@@ -260,8 +275,14 @@ class Bus:
     # --- request / reply -------------------------------------------------------------------------
 
     async def request(
-        self, subject: Subject, msg: Any, *, timeout: float = 5.0, headers: dict[str, str] | None = None, **params: str
-    ) -> Any:
+        self,
+        subject: Subject[object, Rep],
+        msg: object,
+        *,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+        **params: str,
+    ) -> Rep:
         """Send `msg` on `subject(**params)` and return the typed reply; an ErrorReply is raised as BusError.
 
         The reply comes through the same inbox subscription as streamed frames: no SUB, no task, no
@@ -301,13 +322,18 @@ class Bus:
         return out
 
     async def publish(
-        self, subject: Subject, msg: Any, *, headers: dict[str, str] | None = None, **params: str
+        self, subject: AnySubject, msg: object, *, headers: dict[str, str] | None = None, **params: str
     ) -> None:
         await self.nc.publish(subject(**params), subject.encode(msg), headers=headers)
 
     async def serve(
-        self, subject: Subject, handler: Handler, *, queue: str = "", subject_str: str | None = None
-    ) -> Any:
+        self,
+        subject: AnySubject,
+        handler: Handler,
+        *,
+        queue: str = "",
+        subject_str: str | None = None,
+    ) -> Subscription:
         """Subscribe `handler(request, msg)`; its return value (if any) is the reply, exceptions become ErrorReply."""
 
         async def _cb(m: Msg) -> None:
@@ -332,7 +358,7 @@ class Bus:
                 out = await handler(req, m)
             except BusError as exc:
                 out = exc.to_reply()
-            except Exception as exc:  # noqa: BLE001 - outermost edge of a handler: log, answer typed
+            except Exception as exc:  # outermost edge of a handler: log, answer typed
                 rid = (m.headers or {}).get(HDR_REQUEST_ID, "")
                 log.exception("handler for %s failed", m.subject, extra={"request_id": rid})
                 out = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
@@ -343,13 +369,13 @@ class Bus:
 
     async def serve_stream(
         self,
-        subject: Subject,
+        subject: AnySubject,
         handler: StreamHandler,
         *,
         queue: str = "",
         subject_str: str | None = None,
         spawn: Spawn | None = None,
-    ) -> Any:
+    ) -> Subscription:
         """Subscribe `handler(job, writer, msg)` for jobs answered with a stream of frames on the job's reply subject.
 
         The handler runs the job and writes its frames (keep-alives included) with `writer`, a `FrameWriter` on
@@ -364,12 +390,12 @@ class Bus:
         answered as above.
         """
 
-        async def _run(job: Any, writer: FrameWriter, m: Msg) -> None:
+        async def _run(job: object, writer: FrameWriter, m: Msg) -> None:
             try:
                 await handler(job, writer, m)
             except BusError as exc:
                 await writer.answer(exc.to_reply(writer.next_seq()))
-            except Exception as exc:  # noqa: BLE001 - outermost edge of a job: log, answer typed
+            except Exception as exc:  # outermost edge of a job: log, answer typed
                 rid = (m.headers or {}).get(HDR_REQUEST_ID, "")
                 log.exception("stream handler for %s failed", m.subject, extra={"request_id": rid})
                 await writer.answer(
@@ -413,8 +439,12 @@ class Bus:
         return await self.nc.subscribe(subject_str or subject.wildcard(), queue=queue, cb=_cb)
 
     async def listen(
-        self, subject: Subject, handler: Callable[[Any, Msg], Awaitable[None]], *, subject_str: str | None = None
-    ) -> Any:
+        self,
+        subject: AnySubject,
+        handler: Callable[[Any, Msg], Awaitable[None]],
+        *,
+        subject_str: str | None = None,
+    ) -> Subscription:
         """Subscribe `handler(message, msg)` to a publish-only subject; a malformed message is logged and dropped,
         so one bad publisher cannot stop a service."""
 
@@ -449,8 +479,8 @@ class Bus:
 
     async def open_stream(
         self,
-        subject: Subject,
-        msg: Any,
+        subject: AnySubject,
+        msg: object,
         *,
         idle_timeout_s: float,
         first_timeout_s: float = 0.0,
@@ -522,7 +552,7 @@ class FrameWriter:
         self.seq += 1
         return self.seq
 
-    async def send(self, frame: Any) -> None:
+    async def send(self, frame: object) -> None:
         self.last_sent = time.monotonic()
         await self.nc.publish(self.reply, encode(frame))
 

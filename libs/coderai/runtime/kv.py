@@ -26,7 +26,7 @@ async def replay(watcher: Any) -> AsyncIterator[Any]:
     handed on (deletes, with `ignore_deletes`), when nothing came for a second and the server has nothing pending."""
     import nats.errors
 
-    sub = watcher._sub  # noqa: SLF001 - nats-py's watcher: its ordered consumer
+    sub = watcher._sub  # nats-py's watcher: its ordered consumer
     info = await sub.consumer_info()
     initial, seen = info.delivered.consumer_seq + info.num_pending, 0
     while seen < initial:
@@ -46,11 +46,11 @@ async def _subjects(kv: Any) -> list[str]:
     stream's own subject listing, page by page. nats-py's `keys()` reads them through a watcher instead, whose
     initial replay can end early: a listing came back short, or empty as NoKeysError, with the keys there
     (nats-io/nats.py#842; CI read a bucket of placements as empty, a test of three keys saw fewer)."""
-    js, pre = kv._js, kv._pre  # noqa: SLF001 - nats-py's KeyValue: its JetStream context and "$KV.<bucket>."
+    js, pre = kv._js, kv._pre  # nats-py's KeyValue: its JetStream context and "$KV.<bucket>."
     keys: list[str] = []
     while True:
         req = msgspec.json.encode({"subjects_filter": pre + ">", "offset": len(keys)})
-        resp = await js._api_request(f"{js._prefix}.STREAM.INFO.{kv._stream}", req, timeout=js._timeout)  # noqa: SLF001
+        resp = await js._api_request(f"{js._prefix}.STREAM.INFO.{kv._stream}", req, timeout=js._timeout)
         page = (resp.get("state") or {}).get("subjects") or {}
         keys.extend(subject[len(pre) :] for subject in page)
         if not page or len(keys) >= int(resp.get("total") or 0):
@@ -154,7 +154,7 @@ class RevisionCache:
         try:
             self.revs[key] = await self.kv.create(key, value)
             return
-        except Exception:  # noqa: BLE001 - exists already (or expired and recreated): fall through to re-read
+        except Exception:  # exists already (or expired and recreated): fall through to re-read
             pass
         try:
             entry = await self.kv.get(key)

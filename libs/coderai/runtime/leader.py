@@ -109,7 +109,7 @@ class Leader:
                 )
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the bus is down or slow: `held` lapses by itself if it lasts
+            except Exception as exc:  # the bus is down or slow: `held` lapses by itself if it lasts
                 log.debug("%s lease: %s", self.role, exc)
             if self.token and not self.held:
                 log.warning("%s: %s lost the lease (no renewal for %.1f s)", self.role, self.holder, self.ttl_s * 0.75)
@@ -266,7 +266,7 @@ def singleton(role: str, settings: Any, make_start: Callable[[Leader], Starter],
                     if leader.held and not inner:
                         try:
                             await lead()
-                        except Exception as exc:  # noqa: BLE001 - tried again on the next change (or renewal)
+                        except Exception as exc:  # tried again on the next change (or renewal)
                             log.warning("%s: starting as the leader failed (%s); trying again", role, exc)
                             await asyncio.sleep(1.0)
                             changed.set()

@@ -90,7 +90,7 @@ class RingHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.lines.append(self.format(record))
-        except Exception:  # noqa: BLE001 - a log line must never break the caller
+        except Exception:  # a log line must never break the caller
             self.handleError(record)
 
     def tail(self, n: int) -> list[str]:

@@ -115,7 +115,7 @@ class KVMirror(Generic[T]):
                         self._apply(entry)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - restarted; the mirror keeps serving what it has
+            except Exception as exc:  # restarted; the mirror keeps serving what it has
                 self.current.clear()
                 log.warning("watch of %s ended (%s); restarting", self.spec.name, exc)
                 await asyncio.sleep(0.5)

@@ -142,7 +142,7 @@ async def connect(
                 ),
                 max(1.0, deadline - time.monotonic()),
             )
-        except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried until the deadline
+        except Exception as exc:  # any failure to reach NATS is retried until the deadline
             if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
                 said = str(exc)
                 log.warning("cannot connect to NATS at %s: %s", safe_url, said or type(exc).__name__)

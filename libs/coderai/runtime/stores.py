@@ -30,7 +30,7 @@ async def fit_replicas(bus: Any, stream: str) -> None:
             cfg.num_replicas = bus.replicas
             await bus.js.update_stream(cfg)
             log.info("stream %s raised to %d replicas", stream, bus.replicas)
-    except Exception as exc:  # noqa: BLE001 - tried again by the next connection (a restart, another head)
+    except Exception as exc:  # tried again by the next connection (a restart, another head)
         bus.fitted.discard(stream)
         log.warning("stream %s not raised to %d replicas: %s", stream, bus.replicas, exc)
 
@@ -78,7 +78,7 @@ async def ensure_stream(bus: Any, spec: StreamSpec) -> None:
         )
         try:
             await bus.js.add_stream(cfg)
-        except Exception as exc:  # noqa: BLE001 - another service may have created it a moment ago
+        except Exception as exc:  # another service may have created it a moment ago
             log.debug("add_stream %s: %s", spec.name, exc)
             await bus.js.stream_info(spec.name)
         return

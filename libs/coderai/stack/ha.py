@@ -112,7 +112,7 @@ async def take_place(service_url: str, tls: Any, me: Head, data: Path) -> list[H
             try:
                 found = await announce(bus, me)
                 break
-            except Exception as exc:  # noqa: BLE001 - no JetStream leader yet while the cluster forms
+            except Exception as exc:  # no JetStream leader yet while the cluster forms
                 if time.monotonic() - said > 10:
                     said = time.monotonic()
                     print(
@@ -204,7 +204,7 @@ class Keeper(threading.Thread):
         while not self.stop.wait(self.every_s):
             try:
                 asyncio.run(self._round())
-            except Exception as exc:  # noqa: BLE001 - NATS away for a moment: the next round tries again
+            except Exception as exc:  # NATS away for a moment: the next round tries again
                 print(f"heads: {type(exc).__name__}: {exc}", flush=True)
 
     async def _round(self) -> None:

@@ -60,7 +60,7 @@ def invite_main(argv: list[str]) -> int:
 
     try:
         heads = asyncio.run(go())
-    except Exception:  # noqa: BLE001 - a first head's JetStream answers once a second head is up: it alone, then
+    except Exception:  # a first head's JetStream answers once a second head is up: it alone, then
         heads = []
     models, keys = data / "models.toml", data / "keys.toml"
     invite = Invite(

@@ -551,7 +551,7 @@ class FakeRunPod:
                 env = {"RUNPOD_POD_ID": pod.id, "RUNPOD_GPU_COUNT": str(pod.gpu_count), **pod.env}
             try:
                 proc = self.launch(env) if self.launch is not None else None
-            except Exception:  # noqa: BLE001 - like a container that cannot start; other pods still boot
+            except Exception:  # like a container that cannot start; other pods still boot
                 log.exception("fake RunPod: launching pod %s failed", pod.id)
                 with self._lock:
                     pod.status = "EXITED" if pod.status == "RUNNING" else pod.status

@@ -227,7 +227,7 @@ class Cluster:
             ca = (self.root / "h1" / "nats" / "tls" / "ca.pem").read_text()
             try:
                 bus = await Bus.connect(self.nats_url(name), "test", connect_timeout_s=5, tls=client_context(ca))
-            except Exception as exc:  # noqa: BLE001 - a diagnosis reports what it cannot reach
+            except Exception as exc:  # a diagnosis reports what it cannot reach
                 return f"not reached: {exc!r}"
             try:
                 info = await bus.js.stream_info("KV_coderai_leaders")
@@ -235,7 +235,7 @@ class Cluster:
                     return f"no cluster info, replicas {info.config.num_replicas}"
                 peers = [(r.name, r.current, r.lag, r.active) for r in info.cluster.replicas or []]
                 return f"leader {info.cluster.leader}, replicas {info.config.num_replicas}, others {peers}"
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 return f"no stream info: {exc!r}"
             finally:
                 await bus.close()
@@ -493,7 +493,7 @@ class SdkLoad:
                     )
                     assert len(r.data) == 3, r
                 call.ok = True
-            except Exception as exc:  # noqa: BLE001 - every failure is an outcome the test judges
+            except Exception as exc:  # every failure is an outcome the test judges
                 call.error = f"{type(exc).__name__}: {exc}"[:300]
             call.end = time.monotonic()
             with self.lock:

@@ -119,7 +119,7 @@ async def _login_refused(url: str, user: str, password: str) -> bool:
             tls=client_context(),
             tls_handshake_first=True,
         )
-    except Exception:  # noqa: BLE001 - any refusal to log in is what we want
+    except Exception:  # any refusal to log in is what we want
         return True
     await nc.close()
     return False
@@ -351,7 +351,7 @@ async def claim(url: str, token: str, victim: str, data_dir: str) -> dict:
             f"$JS.API.DIRECT.GET.KV_coderai_assignments.$KV.coderai_assignments.{victim}", b"", timeout=5
         )
         got = msg.data[:120].decode(errors="replace")
-    except Exception as exc:  # noqa: BLE001 - the login alone is the takeover; the assignment is what it shows
+    except Exception as exc:  # the login alone is the takeover; the assignment is what it shows
         got = f"(no assignment read: {type(exc).__name__})"
     finally:
         await nc.close()

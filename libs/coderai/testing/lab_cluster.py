@@ -36,10 +36,14 @@ class LabCluster:
         return self.last_json("head", "-m", "coderai.testing.probe", *args, timeout_s=self.probe_timeout_s)
 
     def nodes(self) -> list[str]:
-        return self.probe("nodes", "--data-dir", str(self.root / "head"))  # type: ignore[return-value]
+        nodes = self.probe("nodes", "--data-dir", str(self.root / "head"))
+        assert isinstance(nodes, list), nodes
+        return nodes
 
     def chat(self, model: str) -> dict:
-        return self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)  # type: ignore[return-value]
+        answer = self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)
+        assert isinstance(answer, dict), answer
+        return answer
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
                 return value
         except ProcessDied:
             raise
-        except Exception as exc:  # noqa: BLE001 - remembered for the timeout message
+        except Exception as exc:  # remembered for the timeout message
             last_exc = exc
         time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})")
