@@ -120,7 +120,7 @@ class Events:
     def chunk(self, frame: Chunk) -> bytes:
         out = [self._head()]
         delta = frame.delta or {}
-        if thought := delta.get("reasoning_content"):
+        if isinstance(thought := delta.get("reasoning_content"), str) and thought:
             if self.open != "thinking":
                 out.append(self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
             out.append(self._delta(self.index, {"type": "thinking_delta", "thinking": thought}))
@@ -129,7 +129,8 @@ class Events:
             if self.open != "text":
                 out.append(self._start("text", {"type": "text", "text": ""}))
             out.append(self._delta(self.index, {"type": "text_delta", "text": text}))
-        for call in delta.get("tool_calls") or []:
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
             n = call.get("index", 0)
             fn = call.get("function") or {}
             if n not in self.tools:

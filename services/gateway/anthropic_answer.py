@@ -48,19 +48,13 @@ def message_body(
     """The whole answer as Anthropic's `message`: thinking, text, then tool_use blocks."""
     msg = (choice.message if choice else None) or {}
     content: list[dict[str, Any]] = []
-    if msg.get("reasoning_content"):
-        content.append(
-            {
-                "type": "thinking",
-                "thinking": msg["reasoning_content"],
-                "signature": sealer().sign(msg["reasoning_content"]),
-            }
-        )
+    if isinstance(thought := msg.get("reasoning_content"), str) and thought:
+        content.append({"type": "thinking", "thinking": thought, "signature": sealer().sign(thought)})
     if msg.get("content"):
         text = msg["content"] if isinstance(msg["content"], str) else joined_text(msg["content"], "content")
         content.append({"type": "text", "text": text})
-    calls = msg.get("tool_calls") or []
-    for c in calls:
+    calls = msg.get("tool_calls")
+    for c in calls if isinstance(calls, list) else ():
         fn = c.get("function") or {}
         content.append(
             {

@@ -139,9 +139,8 @@ class OllamaController(OllamaModelRoutes):
             )
             op = "complete"
         else:
-            messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
-                {"role": "user", "content": req.prompt}
-            ]
+            messages: list[dict[str, object]] = [{"role": "system", "content": req.system}] if req.system else []
+            messages.append({"role": "user", "content": req.prompt})
             job = ChatJob(
                 request_id=rid,
                 model=req.model,

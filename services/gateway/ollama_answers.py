@@ -19,8 +19,9 @@ from coderai.gateway.ollama_types import now as _now
 from coderai.gateway.pipeline import Call, open_stream
 
 
-def ollama_tool_calls(calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if not calls:
+def ollama_tool_calls(calls: object) -> list[dict[str, Any]] | None:
+    """OpenAI's tool calls (a list, from an answer's message) as Ollama's: arguments as JSON, not text."""
+    if not isinstance(calls, list) or not calls:
         return None
     out = []
     for c in calls:

@@ -119,8 +119,9 @@ def capabilities(m: ModelConfig, gguf: GgufFacts | None) -> list[str]:
     """What Ollama's clients gate features on: completion, embedding, tools (the chat template handles them),
     vision (a projector is configured), thinking (the template has a thinking switch or block)."""
     caps = {"completion" if kind_of(op) in ("chat", "completion") else kind_of(op) for op in m.serves()}
-    template = m.params.get("chat_template") if isinstance(m.params.get("chat_template"), str) else ""
-    template = template or (gguf.template if gguf else "")
+    template = m.params.get("chat_template")
+    if not isinstance(template, str) or not template:
+        template = gguf.template if gguf else ""
     if "completion" in caps and "tools" in template:
         caps.add("tools")
     if "completion" in caps and ("enable_thinking" in template or "<think>" in template):
