@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError
 from nats.errors import Error as NatsError
+from nats.js.kv import KeyValue
 
 from coderai.contracts import BusError, ErrorReply, KeepAlive, decode, encode, why_malformed
 from coderai.contracts.subjects import Subject
@@ -520,7 +521,7 @@ class Bus:
 
     # --- JetStream topology ----------------------------------------------------------------------
 
-    async def kv(self, spec: BucketSpec) -> Any:
+    async def kv(self, spec: BucketSpec) -> KeyValue:
         """Bind a KV bucket, creating it when missing; see `stores.key_value`."""
         from coderai.runtime.stores import key_value
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from coderai.contracts import decode, encode
 from coderai.contracts.leaders import SINGLETONS, LeaderInfo, LeaderRecord
@@ -29,6 +30,7 @@ from coderai.contracts.topology import LEADER_TTL_S, LEADERS, BucketSpec
 from coderai.runtime.bus import Bus
 from coderai.runtime.lifecycle import Starter, stop_task
 from coderai.runtime.node_id import stable_node_id
+from coderai.runtime.settings import CommonSettings
 
 log = logging.getLogger("coderai.leader")
 
@@ -120,7 +122,7 @@ class Leader:
                 wait = min(wait, max(0.0, self._valid_until - time.monotonic()))
             await asyncio.sleep(wait)
 
-    async def _try_win(self, kv: Any, sent: float) -> None:
+    async def _try_win(self, kv: KeyValue, sent: float) -> None:
         now = time.time()
         try:
             rev = await kv.create(self.role, encode(LeaderRecord(holder=self.holder, since=now, renewed=now)))
@@ -141,7 +143,7 @@ class Leader:
         self.won += 1
         log.info("%s: %s is the leader (token %d)", self.role, self.holder, rev)
 
-    async def _renew(self, kv: Any, sent: float) -> None:
+    async def _renew(self, kv: KeyValue, sent: float) -> None:
         record = LeaderRecord(holder=self.holder, token=self.token, since=self._since, renewed=time.time())
         try:
             self._rev = await kv.update(self.role, encode(record), last=self._rev)
@@ -180,7 +182,7 @@ class Leader:
                 await result
 
 
-def _record(entry: Any) -> LeaderRecord | None:
+def _record(entry: KeyValue.Entry | None) -> LeaderRecord | None:
     if entry is None or not entry.value or entry.operation in ("DEL", "PURGE"):
         return None
     try:
@@ -189,7 +191,7 @@ def _record(entry: Any) -> LeaderRecord | None:
         return None
 
 
-async def leaders(kv: Any, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderInfo]:
+async def leaders(kv: KeyValue, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderInfo]:
     """Who holds each of `roles` now, read from the `coderai_leaders` bucket `kv` (for `/admin/cluster`,
     `coderai status` and the metric)."""
     out = []
@@ -206,7 +208,7 @@ async def leaders(kv: Any, roles: tuple[str, ...] = SINGLETONS) -> list[LeaderIn
             LeaderInfo(
                 role=role,
                 holder=rec.holder,
-                token=rec.token or entry.revision,
+                token=rec.token or entry.revision or 0,
                 since=rec.since,
                 age_s=round(max(0.0, time.time() - rec.renewed), 3),
             )
@@ -228,7 +230,9 @@ class Fence:
         return True
 
 
-def singleton(role: str, settings: Any, make_start: Callable[[Leader], Starter], holder: str = "") -> Starter:
+def singleton(
+    role: str, settings: CommonSettings, make_start: Callable[[Leader], Starter], holder: str = ""
+) -> Starter:
     """A service `make_start(leader)` makes, run only while this process holds `role`'s lease.
 
     Every head runs it; one leads. The others wait as standbys. A leader that loses the lease stops the service

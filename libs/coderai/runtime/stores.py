@@ -5,16 +5,31 @@ cap fitted to what the server's disk can hold."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
 
 from coderai.contracts.topology import BucketSpec, StreamSpec
+
+if TYPE_CHECKING:
+    from nats.js.client import JetStreamContext
+    from nats.js.kv import KeyValue
+    from nats.js.object_store import ObjectStore
+
+
+class JetStreamBus(Protocol):
+    """What these functions use of a `runtime.bus.Bus` (which imports this module)."""
+
+    js: JetStreamContext
+    replicas: int  # streams and buckets made (or found with fewer) get this many
+    fitted: set[str]  # streams whose replica count this connection has checked
+
 
 log = logging.getLogger("coderai.bus")
 
 INSUFFICIENT_STORAGE = 10047  # JetStream's error code: a stream or store asks for more than the server may keep
 
 
-async def fit_replicas(bus: Any, stream: str) -> None:
+async def fit_replicas(bus: JetStreamBus, stream: str) -> None:
     """Raise `stream` to the bus's replica count, once per connection; nats-server moves its data online. Left as
     it is where the caller may not (a node's rights name no stream API, a service's only those of the streams it
     writes: members.manages; the heads' Keeper raises the rest) or the cluster has too few servers."""
@@ -35,7 +50,7 @@ async def fit_replicas(bus: Any, stream: str) -> None:
         log.warning("stream %s not raised to %d replicas: %s", stream, bus.replicas, exc)
 
 
-async def key_value(bus: Any, spec: BucketSpec) -> Any:
+async def key_value(bus: JetStreamBus, spec: BucketSpec) -> KeyValue:
     """Bind a KV bucket, creating it (idempotently) with its spec's TTL and history, on disk (file storage, in
     the server's store dir), so what it holds survives a restart of the server."""
     from nats.js.api import KeyValueConfig, StorageType
@@ -58,7 +73,7 @@ async def key_value(bus: Any, spec: BucketSpec) -> Any:
     return kv
 
 
-async def ensure_stream(bus: Any, spec: StreamSpec) -> None:
+async def ensure_stream(bus: JetStreamBus, spec: StreamSpec) -> None:
     """Create a stream if missing (an existing one keeps its limits), on disk like every bucket."""
     from nats.js.api import RetentionPolicy, StorageType, StreamConfig
     from nats.js.errors import NotFoundError
@@ -85,7 +100,7 @@ async def ensure_stream(bus: Any, spec: StreamSpec) -> None:
     await fit_replicas(bus, spec.name)
 
 
-async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> Any:
+async def object_store(bus: JetStreamBus, spec: BucketSpec, *, create: bool = False, max_bytes: int = 0) -> ObjectStore:
     """Bind the object store `spec` names (`BLOBS`, `FILES`). Missing: created with its spec's TTL and
     description and at most `max_bytes` (0: no cap) when `create`, else nats-py's BucketNotFoundError."""
     from nats.js.api import ObjectStoreConfig
@@ -130,8 +145,11 @@ async def object_store(bus: Any, spec: BucketSpec, *, create: bool = False, max_
                 raise exc from None
 
 
-async def object_chunks(bus: Any, spec: BucketSpec, store: Any, name: str) -> tuple[int, Any]:
-    """The size of object `name` in `store` (the object store `spec` names) and an async iterator of its chunks as JetStream holds them (128 KiB
+async def object_chunks(
+    bus: JetStreamBus, spec: BucketSpec, store: ObjectStore, name: str
+) -> tuple[int, AsyncIterator[bytes]]:
+    """The size of object `name` in `store` (the object store `spec` names) and an async iterator of its chunks as
+    JetStream holds them (128 KiB
     each by default), read one at a time from an ordered consumer: a download of a large file never holds the
     whole of it, where nats-py's `get` gathers it into one bytes. The digest is checked at the end; a mismatch
     raises (the download ends cut short rather than whole and wrong). nats-py's ObjectNotFoundError when missing."""
@@ -144,7 +162,7 @@ async def object_chunks(bus: Any, spec: BucketSpec, store: Any, name: str) -> tu
     if info.is_link():
         raise ValueError(f"object {name} is a link")
 
-    async def chunks():
+    async def chunks() -> AsyncIterator[bytes]:
         if not info.size:
             return
         sub = await bus.js.subscribe(
@@ -164,4 +182,4 @@ async def object_chunks(bus: Any, spec: BucketSpec, store: Any, name: str) -> tu
         if got != info.size or (want and digest.digest() != urlsafe_b64decode(want + "=" * (-len(want) % 4))):
             raise ValueError(f"object {name}: {got} bytes read of {info.size}, or its digest differs")
 
-    return info.size, chunks()
+    return info.size or 0, chunks()
