@@ -16,7 +16,9 @@ Installs what it lacks: Debian's `wrk` (as root) and `py-spy` from PyPI into thi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
+import re
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _load
@@ -86,6 +89,38 @@ def short(frame: str) -> str:
     return f"{name} ({keep})"
 
 
+ID = re.compile(r"^(?:[0-9a-f]{8,}|[A-Za-z0-9_-]{20,}|\d+|_INBOX|[A-Za-z0-9]{22})$")
+
+
+def pattern(subject: str) -> str:
+    """A subject with its ids as `*` (inboxes, request ids, node ids), so one request's messages group by kind."""
+    if subject.startswith("_INBOX."):
+        return "_INBOX.> (replies)"
+    return ".".join("*" if ID.match(t) else t for t in subject.split("."))
+
+
+def count_messages(nats_url: str, run: Callable[[], _load.Cell]) -> tuple[collections.Counter, _load.Cell]:
+    """Every message on the bus while `run` puts load on the stack, by subject pattern: how many messages one
+    request costs, a number that does not depend on how busy the machine is."""
+    import nats
+
+    async def go() -> tuple[collections.Counter, _load.Cell]:
+        seen: collections.Counter = collections.Counter()
+        nc = await nats.connect(nats_url)
+
+        async def on(msg) -> None:
+            seen[pattern(msg.subject)] += 1
+
+        await nc.subscribe(">", cb=on)
+        await nc.flush()
+        cell = await asyncio.to_thread(run)
+        await nc.flush()
+        await nc.drain()
+        return seen, cell
+
+    return asyncio.run(go())
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     wrk = _setup.ensure_wrk(not a.smoke)
@@ -136,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu = {n: tree_cpu_s([p]) - cpu0[n] for n, p in (pids | others).items()}
         for s in spies.values():
             s.wait(timeout=a.duration + 60)
+        assert coderai.nats is not None
+        seen, counted = count_messages(coderai.nats.url, lambda: load(min(3.0, a.duration)))
     finally:
         coderai.stop()
     req = max(1, cell.requests)
@@ -150,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     for n in cpu:
         print(f"| {n} | {1e3 * cpu[n] / req:.3f} |")
     print(f"| all | {1e3 * sum(cpu.values()) / req:.3f} |\n")
+    per = max(1, counted.requests)
+    print(f"Bus messages per request ({counted.requests} requests, a separate cell with a subscriber on `>`):\n")
+    print("| subject | messages/request |")
+    print("|---|---:|")
+    for subj, n in seen.most_common(20):
+        print(f"| `{subj}` | {n / per:.2f} |")
+    print(f"| all | {sum(seen.values()) / per:.2f} |\n")
     for n in pids:
         stacks = work / f"{n}.txt"
         if not stacks.exists():
@@ -171,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             "own": own.most_common(40),
             "inclusive": incl.most_common(60),
         }
+    out["bus_messages_per_request"] = {k: v / per for k, v in seen.items()}
     out["cell"] = {"requests": cell.requests, "seconds": cell.seconds, "p50_ms": cell.p50_ms}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
