@@ -89,7 +89,7 @@ def _layout(path: str, _size: int, _mtime: float):
     return layout(path)
 
 
-def _cache_bytes(p: dict, name: str) -> float:
+def _cache_bytes(p: dict[str, object], name: str) -> float:
     ggml = p.get(f"type_{name}")  # llama-cpp-python's `type_k`: a ggml type number
     kind = p.get(f"cache_type_{name}") or (GGML_TYPES.get(ggml, "f16") if isinstance(ggml, int) else "f16")
     return CACHE_TYPE_BYTES.get(str(kind).lower(), 2.0)
@@ -119,12 +119,12 @@ def gguf_estimate(m: ModelConfig, path: str) -> Estimate | None:
     )
     v_len = int(meta.get(f"{arch}.attention.value_length") or k_len)
     if m.engine == "llama-server":
-        n_ctx = int(p.get("n_ctx") or DEFAULT_N_CTX) * int(p.get("parallel") or SERVER_PARALLEL)
-    else:
-        n_ctx = int(p.get("n_ctx", DEFAULT_N_CTX) or meta.get(f"{arch}.context_length") or DEFAULT_N_CTX)
+        n_ctx = (m.param_int("n_ctx") or DEFAULT_N_CTX) * (m.param_int("parallel") or SERVER_PARALLEL)
+    else:  # n_ctx 0: the model's own context length
+        n_ctx = m.param_int("n_ctx", DEFAULT_N_CTX) or int(meta.get(f"{arch}.context_length") or DEFAULT_N_CTX)
     elements = n_ctx * sum(int(h) for h in per_layer)
     kv = int(elements * k_len * _cache_bytes(p, "k") + elements * v_len * _cache_bytes(p, "v"))
-    ubatch = min(int(p.get("n_ubatch") or DEFAULT_UBATCH), int(p.get("n_batch") or DEFAULT_UBATCH), n_ctx)
+    ubatch = min(m.param_int("n_ubatch") or DEFAULT_UBATCH, m.param_int("n_batch") or DEFAULT_UBATCH, n_ctx)
     logits = lay.lengths.get("tokenizer.ggml.tokens", 0) * ubatch * 4
     return Estimate(
         weights=max(0, st.st_size - lay.data_offset), kv_cache=kv, overhead=OVERHEAD + logits, source="gguf"
@@ -158,7 +158,7 @@ def runs_on_cpu(m: ModelConfig) -> bool:
     device = str(m.params.get("device") or "").lower()
     if m.engine in CPU_FAMILIES or device.startswith("cpu"):
         return True
-    if m.engine in GGUF_FAMILIES and m.params.get("n_gpu_layers") is not None and int(m.params["n_gpu_layers"]) == 0:
+    if m.engine in GGUF_FAMILIES and m.param_int("n_gpu_layers") == 0:
         return True
     return m.engine in CPU_UNLESS_ASKED and not device.startswith("cuda")
 

@@ -27,7 +27,7 @@ def estimate_cost(cfg: ModelConfig, job: Any) -> float:
     text = msgspec.json.encode(job.messages if hasattr(job, "messages") else job.prompt)
     prompt = len(text) / 2 + 16
     n = max(1, job.params.n) * (len(job.prompt) if isinstance(getattr(job, "prompt", None), list) else 1)
-    completion = (job.params.max_tokens or int(cfg.params.get("n_ctx", 4096))) * n
+    completion = (job.params.max_tokens or cfg.param_int("n_ctx", 4096)) * n
     return (prompt * n * cfg.price_prompt_per_mtok + completion * cfg.price_completion_per_mtok) / 1e6
 
 
@@ -41,7 +41,7 @@ a media op's usage may reach beyond its request's size."""
 
 def _context(cfg: ModelConfig) -> int:
     try:
-        return max(0, int(cfg.params.get("n_ctx") or 0))
+        return max(0, cfg.param_int("n_ctx") or 0)
     except (TypeError, ValueError):
         return 0
 

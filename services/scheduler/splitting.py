@@ -139,8 +139,7 @@ def place_split(
 
 def world_size(m: ModelConfig) -> int:
     """vLLM ranks the model asks for: tensor parallel x pipeline parallel."""
-    p = m.params
-    return max(1, int(p.get("tensor_parallel_size", 1) or 1)) * max(1, int(p.get("pipeline_parallel_size", 1) or 1))
+    return max(1, m.param_int("tensor_parallel_size") or 1) * max(1, m.param_int("pipeline_parallel_size") or 1)
 
 
 def node_ranks(hb: Heartbeat) -> int:

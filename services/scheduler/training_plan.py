@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 from coderai.contracts import BusError, Heartbeat, ModelConfig
+from coderai.contracts.params import as_int
 from coderai.contracts.training import (
     MAX_EVENTS,
     TERMINAL,
@@ -237,7 +238,9 @@ def adoption(job: FineTuneJob, models: list[ModelConfig]) -> Adoption:
 
 def last_step(job: FineTuneJob) -> int:
     """The highest step a metrics event of `job` records (0: none yet)."""
-    return max((int(e.data.get("step", 0)) for e in job.events if e.type == "metrics"), default=0)
+    return max(
+        (as_int(e.data.get("step", 0), "a metrics event's step") for e in job.events if e.type == "metrics"), default=0
+    )
 
 
 def missed(job: FineTuneJob, rank: Rank, state: TrainState) -> list[TrainReport]:

@@ -7,7 +7,7 @@ engine from a dead one), and exactly one terminal frame, `Final` or `ErrorReply`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Literal, Union
 
 from coderai.contracts.base import Message, RequestId
 from coderai.contracts.errors import ErrorReply
@@ -41,9 +41,9 @@ class ChatJob(Message, frozen=True, kw_only=True):
 
     request_id: RequestId
     model: str
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, object]]
     params: SamplingParams = SamplingParams()
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None  # a mode ("auto", "none", "required") or a named tool
     response_format: dict[str, object] | None = None
     stream: bool = False
@@ -91,7 +91,7 @@ class Choice(Message, frozen=True, kw_only=True):
     """A finished choice: `message` for chat (OpenAI message JSON), `text` for completions."""
 
     index: int = 0
-    message: dict[str, Any] | None = None
+    message: dict[str, object] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
     logprobs: dict[str, object] | None = None  # OpenAI's choice `logprobs` object, when asked for
@@ -103,7 +103,7 @@ class Chunk(Message, frozen=True, kw_only=True, tag="chunk", tag_field="t"):
 
     seq: int
     index: int = 0
-    delta: dict[str, Any] | None = None
+    delta: dict[str, object] | None = None
     text: str | None = None
     finish_reason: FinishReason | None = None
     data: bytes | None = None

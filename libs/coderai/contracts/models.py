@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, overload
 
 from coderai.contracts.base import Message
 from coderai.contracts.jobs import Op
 from coderai.contracts.families import DEFAULT_OPS, EngineFamily
+from coderai.contracts.params import as_float, as_int, as_str, as_strs, as_table
 from coderai.contracts.split import SplitMode, SplitPlan
 
 ON_DEMAND_KEEP_ALIVE_S = 300.0  # an on_demand model's keep_alive when neither it nor a request says (Ollama's default)
@@ -47,7 +48,9 @@ class PodPolicy(Message, frozen=True, kw_only=True):
 
 
 class ModelConfig(Message, frozen=True, kw_only=True):
-    """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...).
+    """One servable model. `params` go to the engine's constructor unchanged (n_ctx, n_threads, ...); the code that
+    reads one itself does it with `param_int`, `param_float`, `param_str`, `param_bool`, `param_strs` or
+    `param_table`, which convert it as int(), float(), ... would, and name it when its value is of another kind.
 
     `nodes` restricts placement to the named nodes; empty means every node that runs the engine family.
     """
@@ -63,7 +66,7 @@ class ModelConfig(Message, frozen=True, kw_only=True):
     # where a node without `path` (a rented pod) fetches the weights: hf://org/repo[/file][@revision], a catalogue
     # id, or store://<path in the head's model store> (coderai.catalog.source)
     source: str = ""
-    params: dict[str, Any] = {}
+    params: dict[str, object] = {}
     ops: list[Op] = []
     nodes: list[str] = []
     replicas: int = 0  # 0: every node that can run it and has room; N: N copies, re-placed when a holder leaves
@@ -131,3 +134,54 @@ class ModelConfig(Message, frozen=True, kw_only=True):
         if k is None and self.resident == "on_demand":
             k = ON_DEMAND_KEEP_ALIVE_S
         return None if k is None or k < 0 or self.resident == "always" else k
+
+    # --- reading one param: a param that is absent, null or "" is unset (as coderai.engine_params checks them), and
+    # gives `default`; without a default, None (`cfg.param_int("parallel") or DEFAULT_PARALLEL` when 0 means unset too)
+
+    def _param(self, key: str) -> object:
+        value = self.params.get(key)
+        return None if value is None or value == "" else value
+
+    @overload
+    def param_int(self, key: str) -> int | None: ...
+    @overload
+    def param_int(self, key: str, default: int) -> int: ...
+    def param_int(self, key: str, default: int | None = None) -> int | None:
+        """int() of param `key` (a number, truncated, or a numeric string); a value of another kind: TypeError or
+        ValueError naming it."""
+        value = self._param(key)
+        return default if value is None else as_int(value, f"params.{key}")
+
+    @overload
+    def param_float(self, key: str) -> float | None: ...
+    @overload
+    def param_float(self, key: str, default: float) -> float: ...
+    def param_float(self, key: str, default: float | None = None) -> float | None:
+        """float() of param `key` (a number or a numeric string); a value of another kind: TypeError or ValueError
+        naming it."""
+        value = self._param(key)
+        return default if value is None else as_float(value, f"params.{key}")
+
+    @overload
+    def param_str(self, key: str) -> str | None: ...
+    @overload
+    def param_str(self, key: str, default: str) -> str: ...
+    def param_str(self, key: str, default: str | None = None) -> str | None:
+        """Param `key`, a string; a value of another kind: TypeError naming it."""
+        value = self._param(key)
+        return default if value is None else as_str(value, f"params.{key}")
+
+    def param_bool(self, key: str, default: bool = False) -> bool:
+        """Whether param `key` is set to a true value (its truthiness: false, 0, [] are false)."""
+        value = self._param(key)
+        return default if value is None else bool(value)
+
+    def param_strs(self, key: str) -> list[str]:
+        """Param `key`, a list of strings ([] when unset); a value of another kind: TypeError naming it."""
+        value = self._param(key)
+        return [] if value is None else as_strs(value, f"params.{key}")
+
+    def param_table(self, key: str) -> dict[str, object]:
+        """Param `key`, a table ({} when unset); a value of another kind: TypeError naming it."""
+        value = self._param(key)
+        return {} if value is None else as_table(value, f"params.{key}")

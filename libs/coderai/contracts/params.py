@@ -46,3 +46,55 @@ CTX = whole(16, 1 << 24)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 ENV = P("table", size=MAX_NESTED)
 ARGS = P("list", size=MAX_NESTED)
+
+
+# --- reading a value ------------------------------------------------------------------------------------------------
+# The engines read a param as int(), float() or str() of its value: these do the same conversion, and name the param
+# in the error when a value is not of the kind (a list where a number belongs, a word where a number belongs).
+
+
+def as_int(value: object, what: str) -> int:
+    """int() of `value`: a number (a float is truncated, a bool is 0 or 1) or a numeric string; else a TypeError or
+    ValueError naming `what`."""
+    if not isinstance(value, (int, float, str)):
+        raise TypeError(f"{what} must be a whole number, not {_shown(value)}")
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{what} must be a whole number, not {_shown(value)}") from None
+
+
+def as_float(value: object, what: str) -> float:
+    """float() of `value`: a number (a bool is 0.0 or 1.0) or a numeric string; else a TypeError or ValueError
+    naming `what`."""
+    if not isinstance(value, (int, float, str)):
+        raise TypeError(f"{what} must be a number, not {_shown(value)}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, not {_shown(value)}") from None
+
+
+def as_str(value: object, what: str) -> str:
+    """`value`, a string; else a TypeError naming `what`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {_shown(value)}")
+    return value
+
+
+def as_strs(value: object, what: str) -> list[str]:
+    """`value`, a list of strings; else a TypeError naming `what`."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{what} must be a list of strings, not {_shown(value)}")
+    return [v for v in value if isinstance(v, str)]
+
+
+def as_table(value: object, what: str) -> dict[str, object]:
+    """`value`, a table (a JSON object: string keys); else a TypeError naming `what`."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{what} must be a table, not {_shown(value)}")
+    return {str(k): v for k, v in value.items()}
+
+
+def _shown(value: object) -> str:
+    return f"{type(value).__name__} {str(value)[:80]!r}"

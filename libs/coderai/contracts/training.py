@@ -8,7 +8,7 @@ gateway replica answers a GET; the scheduler is the only writer of job records, 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from coderai.contracts.base import Message
 
@@ -57,7 +57,7 @@ class JobEvent(Message, frozen=True, kw_only=True):
     level: Literal["info", "warn", "error"] = "info"
     message: str
     type: Literal["message", "metrics"] = "message"
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
 
 
 class FineTuneJob(Message, frozen=True, kw_only=True):

@@ -71,8 +71,8 @@ class DiarizeEngine(Engine):
                 "diarization needs resemblyzer and speaker-diarize-lite: pip install 'coderai[diarize]'"
             ) from exc
         params = dict(self.config.params)
-        self.threads = int(params.get("threads", 1))
-        self.max_audio_s = float(params.get("max_audio_s", DEFAULT_MAX_AUDIO_S))
+        self.threads = self.config.param_int("threads", 1)
+        self.max_audio_s = self.config.param_float("max_audio_s", DEFAULT_MAX_AUDIO_S)
         # The library's default separation (6.0) split one espeak-ng voice into two speakers within a 3 s
         # sentence; 8.0 kept every test dialogue right (2 voices -> 2, 1 -> 1) without merging distinct voices.
         self.options = {"separation_threshold": 8.0, **{k: params[k] for k in PIPELINE_PARAMS if k in params}}
@@ -87,7 +87,7 @@ class DiarizeEngine(Engine):
             raise EngineLoadError(f"speaker-embedding weights not found: {weights}")
         try:
             with _torch_threads(self.threads):
-                device = torch_device(self.config, params.get("device", "cpu"))
+                device = torch_device(self.config, self.config.param_str("device", "cpu"))
                 self.encoder = (
                     VoiceEncoder(device, verbose=False)  # its built-in weights
                     if weights is None

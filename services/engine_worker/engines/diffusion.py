@@ -62,7 +62,7 @@ class _DiffusionEngine(Engine):
             lim.max_steps,
             lim.max_frames,
         )
-        self.guidance = float(params.get("guidance_scale", self.default_guidance))
+        self.guidance = config.param_float("guidance_scale", self.default_guidance)
 
     def _pipeline_class(self) -> Any:
         raise NotImplementedError
@@ -88,12 +88,12 @@ class _DiffusionEngine(Engine):
         path = os.path.expanduser(self.config.path)
         if not os.path.isdir(path):
             raise EngineLoadError(f"diffusers model folder not found: {path}")
-        params = self.config.params
-        if params.get("threads"):
-            torch.set_num_threads(int(params["threads"]))
-        device = torch_device(self.config, params.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = params.get("dtype") or ("float16" if device.startswith("cuda") else "float32")
-        dtype = getattr(torch, str(dtype_name), None)
+        cfg = self.config
+        if threads := cfg.param_int("threads"):
+            torch.set_num_threads(threads)
+        device = torch_device(cfg, cfg.param_str("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype_name = cfg.param_str("dtype") or ("float16" if device.startswith("cuda") else "float32")
+        dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype):
             raise EngineLoadError(f"unknown dtype {dtype_name!r} in the model's params (float32, float16, bfloat16)")
         return path, device, dtype

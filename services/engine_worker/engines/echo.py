@@ -47,9 +47,9 @@ class EchoEngine(Engine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.words: list[str] = []
-        self.token_delay_s = float(config.params.get("token_delay_s") or 0.0)
+        self.token_delay_s = config.param_float("token_delay_s", 0.0)
         if self.token_delay_s > 0:  # paced: off the event loop, and not one job after another
-            self.blocking, self.max_concurrency = True, int(config.params.get("slots") or 8)
+            self.blocking, self.max_concurrency = True, config.param_int("slots") or 8
 
     def load(self) -> None:
         text = str(self.config.params.get("reply") or DEFAULT_REPLY)
@@ -74,7 +74,7 @@ class EchoEngine(Engine):
         return [(w if i == 0 else " " + w) for i, w in ((i, words[i % len(words)]) for i in range(n))], finish
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        prompt = sum(len(m["content"].split()) for m in job.messages if isinstance(m.get("content"), str))
+        prompt = sum(len(c.split()) for m in job.messages if isinstance(c := m.get("content"), str))
         if self.script is not None:
             return self._scripted(job, self.script, prompt, emit)
         pieces, finish = self._pieces(job.params.max_tokens)
@@ -101,7 +101,7 @@ class EchoEngine(Engine):
         self, job: ChatJob, script: dict[str, Any], prompt: int, emit: Emit | None
     ) -> tuple[list[Choice], Usage]:
         """One scripted agent turn (see the class): a tool call, or the reply with the last tool result."""
-        offered = [t.get("function", {}).get("name") for t in job.tools or [] if isinstance(t, dict)]
+        offered = [f.get("name") for t in job.tools or [] if isinstance(f := t.get("function"), dict)]
         result = _tool_result(job.messages)
         name = next((n for n in script if n in offered), None)
         if result is None and name is not None and job.tool_choice != "none":
@@ -161,7 +161,7 @@ class EchoEngine(Engine):
         return [Choice(index=i, text=text, finish_reason=finish) for i in range(n)], _usage(prompt, len(pieces) * n)
 
 
-def _tool_result(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _tool_result(messages: list[dict[str, object]]) -> dict[str, object] | None:
     """The last tool result of the turn the user began last, if any: a user message that comes straight after a
     tool result (an agent's reminder beside the result, as Claude Code sends) does not begin a turn."""
     for i in range(len(messages) - 1, -1, -1):
@@ -173,7 +173,7 @@ def _tool_result(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
-def _text(content: Any) -> str:
+def _text(content: object) -> str:
     """A message's text: its string, or its text parts joined."""
     if isinstance(content, str):
         return content

@@ -135,9 +135,9 @@ class EmbedEngine(Engine):
         except ImportError as exc:
             raise EngineLoadError("sentence-transformers is not installed: pip install 'coderai[embed]'") from exc
         params = self.config.params
-        torch.set_num_threads(max(1, int(params.get("threads") or os.cpu_count() or 1)))
-        self.batch_size = max(1, int(params.get("batch_size", 32)))
-        device = torch_device(self.config, str(params.get("device", "cpu")))
+        torch.set_num_threads(max(1, self.config.param_int("threads") or os.cpu_count() or 1))
+        self.batch_size = max(1, self.config.param_int("batch_size", 32))
+        device = torch_device(self.config, self.config.param_str("device", "cpu"))
         path = resolve_model_path(self.config.path)
         if not os.path.isdir(path):
             raise EngineLoadError(f"model folder not found: {path}")

@@ -168,7 +168,7 @@ class TransformersEngine(Engine):
         limit = int(getattr(self.model.config, "max_position_embeddings", 2048))
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most {limit}")
-        max_new = min(params.max_tokens or int(self.config.params.get("max_tokens", 256)), limit - len(ids))
+        max_new = min(params.max_tokens or self.config.param_int("max_tokens", 256), limit - len(ids))
         temp = 1.0 if params.temperature is None else float(params.temperature)
         gen = torch.Generator(device=self.device)
         if params.seed is not None:

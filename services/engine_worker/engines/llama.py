@@ -148,12 +148,17 @@ class LlamaEngine(Engine):
         if not os.path.isfile(path):
             raise EngineLoadError(f"model file not found: {path}")
         params = dict(self.config.params)
-        cache_mb = float(params.pop("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB))
+        params.pop("prompt_cache_mb", None)
+        cache_mb = self.config.param_float("prompt_cache_mb", DEFAULT_PROMPT_CACHE_MB)
         if self.config.share_cache is False:
             cache_mb = 0  # one pool for every key: it would hand one key's saved prompt to another
         embedding = params.pop("embedding", None)
         self.embedding = bool(embedding) if embedding is not None else "embed" in self.config.serves()
         pooling = params.pop("pooling", params.pop("pooling_type", None))
+        if pooling is not None and not isinstance(pooling, (str, int)):
+            raise EngineLoadError(
+                f"pooling {pooling!r} is neither a name ({', '.join(POOLINGS)}) nor llama.cpp's number"
+            )
         kwargs = {**DEFAULTS, "n_threads": max(1, os.cpu_count() or 1), **params}
         free = [f for _, f in GpuProbe().devices()] if len(self.config.devices) > 1 else []
         kwargs.update(gpu_params(self.config.devices, params, free))

@@ -75,13 +75,12 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.slots = int(config.params.get("parallel") or DEFAULT_PARALLEL)
-        queue = config.params.get("queue")
+        self.slots = config.param_int("parallel") or DEFAULT_PARALLEL
         # one engine thread a slot: the worker's queue is the queue (a queued job is known as such, its keep-alives
         # say so and the gateway can time it out), and the server never holds jobs of its own
         self.max_concurrency = self.slots
         # beyond: `busy` (429). Admission is by expected wait (`queue_time_s`, the worker's); this only bounds memory
-        self.queue_limit = self.slots + int(queue if queue is not None else MAX_QUEUED)
+        self.queue_limit = self.slots + config.param_int("queue", MAX_QUEUED)
         self.slots_busy = 0
         self.queued = 0
         self.backend = ""  # "cpu", or the GPU backend the layers went to ("cuda", ...), read from the log
@@ -90,8 +89,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         # this engine thread runs, for its body
         # snapshots of long prompt heads (prompt_heads): on a shared cache with more than one slot; the book then
         # places shared requests itself, so that it knows which slot holds which prompt
-        mb = config.params.get("head_snapshots_mb")
-        mb = DEFAULT_HEAD_SNAPSHOTS_MB if mb is None else int(mb)
+        mb = config.param_int("head_snapshots_mb", DEFAULT_HEAD_SNAPSHOTS_MB)
         self.heads = HeadSnapshots(mb << 20) if mb > 0 and self.slots > 1 and config.share_cache is not False else None
         self.book = SlotBook(
             self.slots,

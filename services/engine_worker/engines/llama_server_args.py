@@ -96,9 +96,9 @@ def offload_of(log: str) -> tuple[str, int]:
 def server_args(config: ModelConfig, port: int) -> list[str]:
     """The flags that start llama-server for `config` on 127.0.0.1:`port` (the binary not included)."""
     p = dict(config.params)
-    parallel = int(p.get("parallel") or DEFAULT_PARALLEL)
-    n_ctx = int(p.get("n_ctx") or DEFAULT_N_CTX)
-    ngl = p.get("n_gpu_layers")
+    parallel = config.param_int("parallel") or DEFAULT_PARALLEL
+    n_ctx = config.param_int("n_ctx") or DEFAULT_N_CTX
+    ngl = config.param_int("n_gpu_layers")
     args = [
         "--model",
         os.path.expanduser(config.path),
@@ -117,7 +117,7 @@ def server_args(config: ModelConfig, port: int) -> list[str]:
         "--slots",
         "--no-webui",
         "--n-gpu-layers",
-        str(999 if ngl is None or int(ngl) < 0 else int(ngl)),
+        str(999 if ngl is None or ngl < 0 else ngl),
         "--cache-ram",
         str(cache_ram_mb(config)),
     ]
@@ -138,15 +138,15 @@ def cache_ram_mb(config: ModelConfig) -> int:
     node's default."""
     if config.share_cache is False:
         return 0
-    p = config.params
-    return int(p["cache_ram_mb"]) if p.get("cache_ram_mb") is not None else default_cache_ram_mb()
+    mb = config.param_int("cache_ram_mb")
+    return default_cache_ram_mb() if mb is None else mb
 
 
 def server_env(config: ModelConfig, base: dict[str, str]) -> dict[str, str]:
     """The child's environment: `base` (the worker's), pinned to the copy's GPUs when the scheduler gave it some
     (the server's main GPU is then the first, and it splits a model over the rest by itself), then the model's
     own `env`, which an operator may use to pin it otherwise."""
-    return {**base, **visible_devices(config), **{k: str(v) for k, v in (config.params.get("env") or {}).items()}}
+    return {**base, **visible_devices(config), **{k: str(v) for k, v in config.param_table("env").items()}}
 
 
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum; 0 (none) and 4 (rank) give no vector a text

@@ -32,22 +32,21 @@ class OcrEngine(Engine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.reader: Any = None
-        params = config.params
-        self.scale = float(params.get("scale", 2.0))
-        self.max_pages = int(params.get("max_pages", 50))
-        self.max_side = int(params.get("max_side", 4096))
+        self.scale = config.param_float("scale", 2.0)
+        self.max_pages = config.param_int("max_pages", 50)
+        self.max_side = config.param_int("max_side", 4096)
 
     def load(self) -> None:
         try:
             from rapidocr import RapidOCR
         except ImportError as exc:
             raise EngineLoadError("rapidocr is not installed: pip install 'coderai[ocr]'") from exc
-        threads = max(1, int(self.config.params.get("threads") or os.cpu_count() or 1))
+        threads = max(1, self.config.param_int("threads") or os.cpu_count() or 1)
         options = {
             "Global.log_level": "error",  # its info lines name model files on every start; blank pages warn
             "EngineConfig.onnxruntime.intra_op_num_threads": threads,
             "EngineConfig.onnxruntime.inter_op_num_threads": 1,
-            **dict(self.config.params.get("rapidocr") or {}),
+            **self.config.param_table("rapidocr"),
         }
         try:
             self.reader = RapidOCR(params=options)

@@ -64,8 +64,8 @@ class OpenAIServerEngine(Engine):
             death_signal=self.death_signal,
             headers=self.auth_headers(),
             log_name=self.family or "server",
-            crash_limit=int(config.params.get("crash_limit") or CRASH_LIMIT),
-            crash_window_s=float(config.params.get("crash_window_s") or CRASH_WINDOW_S),
+            crash_limit=config.param_int("crash_limit") or CRASH_LIMIT,
+            crash_window_s=config.param_float("crash_window_s") or CRASH_WINDOW_S,
         )
 
     @property
@@ -93,7 +93,7 @@ class OpenAIServerEngine(Engine):
         return {"Authorization": f"Bearer {self.api_key}"} if self.key_env else {}
 
     def load_timeout_s(self) -> float:
-        return float(self.config.params.get("load_timeout_s") or 600.0)
+        return self.config.param_float("load_timeout_s") or 600.0
 
     def load(self) -> None:
         """Start the server and wait for `ready_path`; fail with the server's log tail if it exits or times out."""

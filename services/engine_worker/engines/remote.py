@@ -68,26 +68,26 @@ class RemoteEngine(Engine):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        p = config.params
-        self.max_concurrency = int(p.get("concurrency") or 64)
-        self.down_s = float(p.get("down_s") or 30.0)
+        self.max_concurrency = config.param_int("concurrency") or 64
+        self.down_s = config.param_float("down_s") or 30.0
         self.counters = PromptCounters()
         self.endpoints: list[Endpoint] = []
         self._lock = threading.Lock()
 
     def urls(self) -> list[str]:
-        p = self.config.params
-        urls = list(p.get("service_urls") or []) + ([p["service_url"]] if p.get("service_url") else [])
+        one = self.config.param_str("service_url")
+        urls = self.config.param_strs("service_urls") + ([one] if one else [])
         if not urls:
             raise EngineLoadError("a remote model needs params.service_url or params.service_urls")
-        return [str(u) for u in urls]
+        return urls
 
     def load(self) -> None:
-        p = self.config.params
-        headers = {"Authorization": f"Bearer {read_key(str(p['api_key_secret']))}"} if p.get("api_key_secret") else {}
-        model = str(p.get("served_model") or self.config.name)
-        timeout = float(p.get("timeout_s") or 300.0)
-        limit = int(float(p.get("max_answer_mb") or 16) * MB)
+        cfg = self.config
+        secret = cfg.param_str("api_key_secret")
+        headers = {"Authorization": f"Bearer {read_key(secret)}"} if secret else {}
+        model = cfg.param_str("served_model") or cfg.name
+        timeout = cfg.param_float("timeout_s") or 300.0
+        limit = int((cfg.param_float("max_answer_mb") or 16) * MB)
         for url in self.urls():
             try:
                 client = OpenAIClient(

@@ -58,12 +58,12 @@ class VllmEngine(OpenAIServerEngine):
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
-        python = params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
+        python = self.config.param_str("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
         return cmd, {
             **os.environ,
             **visible_devices(self.config),
-            **{k: str(v) for k, v in (params.get("env") or {}).items()},
+            **{k: str(v) for k, v in self.config.param_table("env").items()},
         }
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:

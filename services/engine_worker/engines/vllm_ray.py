@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import msgspec
 
@@ -37,11 +36,11 @@ RAY_PARAMS = frozenset({"ray_port", "ray_join_timeout_s"})
 
 
 def python_for(config: ModelConfig) -> str:
-    return config.params.get("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
+    return config.param_str("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
 
 
 def ray_port(config: ModelConfig) -> int:
-    return int(config.params.get("ray_port") or DEFAULT_RAY_PORT)
+    return config.param_int("ray_port") or DEFAULT_RAY_PORT
 
 
 def ray_env(addr: str, interface: str = "") -> dict[str, str]:
@@ -93,12 +92,12 @@ def ray_member_command(python: str, head: str, port: int, addr: str, ranks: int,
     ]
 
 
-def vllm_ray_params(config: ModelConfig, plan: SplitPlan) -> dict[str, Any]:
+def vllm_ray_params(config: ModelConfig, plan: SplitPlan) -> dict[str, object]:
     """The model's vLLM params with the Ray backend; Ray's own params taken out (they are not vLLM flags)."""
     params = {k: v for k, v in config.params.items() if k not in RAY_PARAMS}
     world = sum(d.ranks for d in plan.devices)
-    tp = int(params.get("tensor_parallel_size", 1) or 1)
-    pp = int(params.get("pipeline_parallel_size", 1) or 1)
+    tp = config.param_int("tensor_parallel_size") or 1
+    pp = config.param_int("pipeline_parallel_size") or 1
     if tp * pp != world:
         raise EngineLoadError(f"the plan has {world} ranks but the model asks for tensor {tp} x pipeline {pp}")
     return params | {"distributed_executor_backend": "ray"}
@@ -172,7 +171,7 @@ class VllmRayEngine(VllmEngine):
         env = ray_env(me.endpoint, interface_of(me.endpoint))
         self.ray, log_path = _start(ray_head_command(python, me.endpoint, port, me.ranks, 0), env, "ray-head")
         address = f"{me.endpoint}:{port}"
-        deadline = time.monotonic() + float(self.config.params.get("ray_join_timeout_s") or JOIN_TIMEOUT_S)
+        deadline = time.monotonic() + (self.config.param_float("ray_join_timeout_s") or JOIN_TIMEOUT_S)
         want = len(self.plan.devices)
         while True:  # every planned node must have joined before vLLM places its ranks
             r = subprocess.run(
@@ -189,7 +188,7 @@ class VllmRayEngine(VllmEngine):
                 _stop(self.ray)
                 raise EngineLoadError(f"Ray at {address} has {alive} of {want} nodes (log: {log_path})")
         params = vllm_ray_params(self.config, self.plan)
-        params["env"] = {**(params.get("env") or {}), **env, "RAY_ADDRESS": address}
+        params["env"] = {**self.config.param_table("env"), **env, "RAY_ADDRESS": address}
         self.config = msgspec.structs.replace(self.config, params=params)
         try:
             super().load()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from coderai.contracts import ModelConfig, Usage
 from coderai.contracts.media import Segment, TranscribeJob, TranscribeResult, Word
@@ -51,12 +51,17 @@ DECODE_PARAMS = (
 )
 
 
-def _param(params: dict[str, Any], name: str, default: float, cast: Callable[[Any], Any] = int) -> Any:
-    """A positive number from the model's params; a bad one fails the load, naming it."""
+@overload
+def _param(config: ModelConfig, name: str, default: int) -> int: ...
+@overload
+def _param(config: ModelConfig, name: str, default: float) -> float: ...
+def _param(config: ModelConfig, name: str, default: float) -> float:
+    """A positive number from the model's params (a whole one when `default` is an int); a bad one fails the load,
+    naming it."""
     try:
-        value = cast(params.get(name, default))
+        value = config.param_int(name, default) if isinstance(default, int) else config.param_float(name, default)
     except (TypeError, ValueError) as exc:
-        raise EngineLoadError(f"whisper param {name} must be a number, not {params.get(name)!r}") from exc
+        raise EngineLoadError(f"whisper param {name} must be a number, not {config.params.get(name)!r}") from exc
     if value <= 0:
         raise EngineLoadError(f"whisper param {name} must be positive, not {value}")
     return value
@@ -68,7 +73,7 @@ class WhisperEngine(Engine):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         # read before load: the worker sizes this engine's thread pool from it
-        self.max_concurrency = _param(dict(config.params), "workers", 1)
+        self.max_concurrency = _param(config, "workers", 1)
         self.model: Any = None
         self.languages: frozenset[str] = frozenset()
 
@@ -85,19 +90,19 @@ class WhisperEngine(Engine):
                 f"no tokenizer.json in {path}: convert with --copy_files tokenizer.json preprocessor_config.json"
             )
         params = dict(self.config.params)
-        threads = _param(params, "threads", os.cpu_count() or 1)
-        self.max_audio_s = _param(params, "max_audio_s", DEFAULT_MAX_AUDIO_S, float)
+        threads = _param(self.config, "threads", os.cpu_count() or 1)
+        self.max_audio_s = _param(self.config, "max_audio_s", DEFAULT_MAX_AUDIO_S)
         self.options = {k: params[k] for k in DECODE_PARAMS if k in params}
+        # the GPU the scheduler gave this copy, else the `device` param (faster-whisper's device_index defaults to 0)
+        device, index = (
+            ("cuda", self.config.devices[0]) if self.config.devices else (self.config.param_str("device", "cpu"), 0)
+        )
         try:
-            pinned = (
-                {"device": "cuda", "device_index": self.config.devices[0]}
-                if self.config.devices
-                else {"device": params.get("device", "cpu")}
-            )
             self.model = WhisperModel(
                 path,
-                **pinned,
-                compute_type=params.get("compute_type", "int8"),
+                device=device,
+                device_index=index,
+                compute_type=self.config.param_str("compute_type", "int8"),
                 cpu_threads=threads,
                 num_workers=self.max_concurrency,
                 local_files_only=True,

@@ -152,11 +152,12 @@ class EventStream:
         if ch.finish_reason:
             self.finish_reason = ch.finish_reason
         out = b""
-        if d.get("reasoning_content"):
-            out += self._reasoning(d["reasoning_content"])
-        if d.get("content"):
-            out += self._text(d["content"])
-        for tc in d.get("tool_calls") or []:
+        if isinstance(thought := d.get("reasoning_content"), str) and thought:
+            out += self._reasoning(thought)
+        if isinstance(text := d.get("content"), str) and text:
+            out += self._text(text)
+        calls = d.get("tool_calls")
+        for tc in calls if isinstance(calls, list) else ():
             out += self._call(tc)
         return out
 

@@ -163,7 +163,7 @@ def response_job(
     conversation = [*(prior or []), *to_messages(input_items(req))]
     if not any(m["role"] == "user" for m in conversation):
         raise _bad("input needs at least one user message.", "input")
-    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    system: list[dict[str, object]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     effort = (req.reasoning or {}).get("effort")
     options = {"reasoning_effort": effort, "parallel_tool_calls": req.parallel_tool_calls}
     job = ChatJob(

@@ -121,7 +121,7 @@ async def run(
     if job.seed is None:  # every stage must draw from the same seed: fix it here, once
         job = msgspec.structs.replace(job, seed=handoff.seed if handoff else secrets.randbelow(2**31))
     if job.steps is None:
-        job = msgspec.structs.replace(job, steps=int(call.cfg.params.get("steps", 20)))
+        job = msgspec.structs.replace(job, steps=call.cfg.param_int("steps", 20))
     steps = int(job.steps or 1)
     history = list(history or [])
     usage = Usage()
