@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.engines.loopback_http import LoopbackClient
 
 
@@ -15,6 +16,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     drop_after_answer = False  # close the socket after each answer without saying so: the next reuse is stale
     seen: list[str] = []
+    release = threading.Event()  # a silent stream's handler waits for it (set at teardown)
 
     def log_message(self, *args):
         pass
@@ -22,6 +24,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).seen.append(self.path)
+        if self.path == "/silent":  # one line, then nothing and no end: a server stuck in the middle of an answer
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            line = b"data: 0\n\n"
+            self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+            self.wfile.flush()
+            type(self).release.wait(60)
+            return
         if self.path == "/stream":
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
@@ -46,10 +57,12 @@ class _Handler(BaseHTTPRequestHandler):
 def server():
     _Handler.seen = []
     _Handler.drop_after_answer = False
+    _Handler.release = threading.Event()
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv
+    _Handler.release.set()
     srv.shutdown()
     srv.server_close()
 
@@ -110,3 +123,38 @@ def test_an_sse_stream_that_ends_without_done_is_an_error_unless_cancelled():
     cancelled = CancelFlag()
     cancelled.set()
     assert list(sse_events(iter(whole[:2]), cancelled)) == []
+
+
+def test_cancel_ends_a_stream_whose_server_went_silent(server):
+    """A thread blocked reading a server that never ends its answer (llama-server with an empty prompt and n > 1)
+    is woken by the request's cancel: the lines end, the thread returns and the connection is dropped."""
+    c = LoopbackClient("127.0.0.1", server.server_address[1])
+    cancel = CancelFlag()
+    first, got, ended = threading.Event(), [], threading.Event()
+
+    def read() -> None:
+        with c.stream("/silent", b"{}", {}, cancel) as (status, lines):
+            for line in lines:
+                got.append(line)
+                first.set()
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert first.wait(10), "the silent server's first line never came"
+    assert not ended.is_set()
+    cancel.set()
+    reader.join(10)
+    assert ended.is_set(), "cancel did not wake the thread blocked on the silent stream"
+    assert got[0].startswith(b"data: 0")
+    assert not c._all  # the cut connection is not kept for a next request
+
+
+def test_a_hook_on_a_flag_set_already_runs_at_once_and_a_removed_one_never():
+    flag, ran = CancelFlag(), []
+    remove = flag.on_set(lambda: ran.append("kept"))
+    flag.on_set(lambda: ran.append("removed"))()  # removed before the flag is set
+    flag.set()
+    flag.on_set(lambda: ran.append("late"))
+    remove()  # after it ran: nothing to remove
+    assert ran == ["kept", "late"]

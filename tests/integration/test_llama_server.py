@@ -333,6 +333,21 @@ def test_a_list_of_prompts_is_answered_choice_by_choice(stack):
     assert [streamed[0], streamed[1]] == [c.text for c in both.choices]
 
 
+def test_an_empty_prompt_with_n_choices_is_a_400_and_the_engine_goes_on(stack):
+    """llama-server never ends a completion whose prompts hold "" with n > 1 (the empty prompt's slot is let go
+    without a result): the worker refuses it at once, and the engine still answers the next request (before,
+    the request hung and took every slot with it)."""
+    client = _client(stack).with_options(max_retries=0, timeout=60)
+    for prompt in (["", "once upon"], ""):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny-ls", prompt=prompt, n=2, max_tokens=3)
+        assert refused.value.body["param"] == "prompt" and "n = 1" in refused.value.body["message"]
+    alone = client.completions.create(model="tiny-ls", prompt=["", "once upon"], max_tokens=3, temperature=0)
+    assert [c.index for c in alone.choices] == [0, 1]
+    two = client.completions.create(model="tiny-ls", prompt="once upon", n=2, max_tokens=3)
+    assert len(two.choices) == 2
+
+
 def test_a_conversation_said_again_reads_its_prompt_from_the_cache(stack):
     client = _client(stack)
     talk = [{"role": "user", "content": "a long first turn that the engine keeps in its slot " * 4}]

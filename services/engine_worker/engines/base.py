@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,15 @@ def unhonoured(engine: Engine, job: ChatJob | CompletionJob) -> BadInput | None:
         )
     if isinstance(getattr(job, "prompt", None), list) and not engine.prompt_lists:
         return BadInput(f"model '{name}' ({family}) takes one prompt per request", "prompt")
+    prompt = getattr(job, "prompt", None)
+    if (
+        params.n > 1
+        and not engine.empty_prompt_choices
+        and (prompt == "" or (isinstance(prompt, list) and "" in prompt))
+    ):
+        return BadInput(
+            f"model '{name}' ({family}) cannot answer an empty prompt with n > 1: send it with n = 1", "prompt"
+        )
     if params.logit_bias and not engine.logit_bias:
         return BadInput(f"model '{name}' ({family}) does not apply logit_bias", "logit_bias")
     takes = engine.media_takes()
@@ -104,6 +114,7 @@ class Engine:
     streams_choices = False  # `n > 1` streamed (its emit names each delta's choice `index`)
     prompt_lists = False  # a completion job's `prompt` as a list of prompts
     logit_bias = False
+    empty_prompt_choices = True  # an empty completion prompt with n > 1 (llama-server never ends that request)
 
     def media_takes(self) -> frozenset[str] | None:
         """The chat content parts beyond text it reads (`image_url`, `input_audio`, `file`); the worker refuses the
@@ -145,13 +156,35 @@ def torch_device(config: ModelConfig, default: str) -> str:
 
 
 class CancelFlag:
-    """A per-request flag the engine checks between tokens."""
+    """A per-request flag the engine checks between tokens; `on_set` hooks cut a blocking wait short (a thread
+    blocked reading a silent server's socket never gets to check the flag)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
 
     def set(self) -> None:
-        self._event.set()
+        with self._lock:
+            self._event.set()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            with contextlib.suppress(Exception):  # a hook unblocks a reader; one that fails leaves the flag set
+                hook()
+
+    def on_set(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Run `hook` when the flag is set (at once if it is set already); returns the call that removes it."""
+        with self._lock:
+            if not self._event.is_set():
+                self._hooks.append(hook)
+                return lambda: self._remove(hook)
+        hook()
+        return lambda: None
+
+    def _remove(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
 
     def __bool__(self) -> bool:
         return self._event.is_set()

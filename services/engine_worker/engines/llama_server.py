@@ -72,6 +72,9 @@ class LlamaServerEngine(OpenAIServerEngine):
     label = "llama-server"
     key_env = "LLAMA_API_KEY"  # /health and /v1/models stay open; chat, /metrics and /slots want the key
     death_signal = signal.SIGKILL  # once its cleanup began, a second signal was needed to end it (CI, 2026-12-01)
+    # a completion whose prompt is "" (alone or in a list) with n > 1 is never ended by llama-server: the empty
+    # prompt's slot is released without a result, so the request waits forever (refused with a 400 instead)
+    empty_prompt_choices = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

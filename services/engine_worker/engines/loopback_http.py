@@ -10,10 +10,13 @@ that the client went away and frees the slot. The same client speaks TLS (`tls=T
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 # what a kept connection the server closed meanwhile looks like, before any byte of an answer
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.CannotSendRequest)
@@ -23,6 +26,21 @@ TransportError = (OSError, http.client.HTTPException)
 class AnswerTooBig(ValueError):
     """A server's answer (a whole body, or a stream in all) past the client's `max_body`: cut, its connection
     closed."""
+
+
+class Cancellable(Protocol):
+    """A request's cancel flag (engines/base.py CancelFlag): true once set, and a hook run when it is."""
+
+    def __bool__(self) -> bool: ...
+
+    def on_set(self, hook: Callable[[], None]) -> Callable[[], None]: ...
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """Wake a thread blocked reading `conn` (from another thread): its read returns at the end of the stream."""
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 class Answer:
@@ -125,9 +143,14 @@ class LoopbackClient:
         return Answer(resp.status, data)
 
     @contextmanager
-    def stream(self, path: str, body: bytes, headers: dict[str, str]) -> Iterator[tuple[int, Iterator[bytes]]]:
-        """(status, the answer's lines); leaving early closes the connection (the server aborts the request)."""
+    def stream(
+        self, path: str, body: bytes, headers: dict[str, str], cancel: Cancellable | None = None
+    ) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """(status, the answer's lines); leaving early closes the connection (the server aborts the request).
+        `cancel` set while the server is silent shuts the connection down, which ends the lines: a thread blocked
+        reading a server that never answers (or never ends its answer) is not left there forever."""
         conn, resp = self._send(path, body, headers)
+        unhook = cancel.on_set(lambda: _shut(conn)) if cancel is not None else None
 
         def lines() -> Iterator[bytes]:
             left = self.max_body
@@ -144,8 +167,10 @@ class LoopbackClient:
         done = False
         try:
             yield resp.status, lines()
-            done = resp.isclosed() and not resp.will_close
+            done = resp.isclosed() and not resp.will_close and not cancel
         finally:
+            if unhook is not None:
+                unhook()
             if not done:
                 self._drop(conn)
 

@@ -199,7 +199,7 @@ class OpenAIClient:
         usages: list[dict[str, Any]] = []  # llama-server sends one per choice (n > 1, a list of prompts)
         timings: Any = None  # llama-server's, on its last events
         pieces = 0
-        with self.http.stream(self.prefix + path, _enc.encode(body), headers) as (status, lines):
+        with self.http.stream(self.prefix + path, _enc.encode(body), headers, cancel) as (status, lines):
             if status != 200:
                 raise_error(error_body(b"".join(lines)), status, self.label)
             for event in sse_events((line.decode("utf-8", "replace") for line in lines), cancel, self.label):
