@@ -37,6 +37,5 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     rpc_bind: str = ""  # the RPC gate's address; empty: the cluster interface
     rpc_allow_any: bool = False  # allow binding the RPC gate to every interface (0.0.0.0, ::)
     rpc_threads: int = 0  # 0: every core
-    memory_budget_mb: int = (
-        0  # RAM (MB) the models placed here may use in all (the heartbeat's mem_budget); 0: 90 % of it
-    )
+    # RAM (MB) the models placed here may use in all (the heartbeat's mem_budget); 0: 90 % of it
+    memory_budget_mb: int = 0

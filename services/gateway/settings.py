@@ -48,9 +48,8 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     # whether API keys share the engines' prompt caches for a model that does not say (ModelConfig.share_cache):
     # true suits one tenant (a common prefix is computed once for all); false scopes affinity and cache reuse by key
     share_cache: bool = True
-    video_takeover_s: float = (
-        20.0  # a running video job whose gateway wrote nothing this long is taken over by another replica
-    )
+    # a running video job whose gateway wrote nothing this long is taken over by another replica
+    video_takeover_s: float = 20.0
 
 
 def check_auth_settings(settings: GatewaySettings) -> None:

@@ -13,6 +13,5 @@ class RouterSettings(CommonSettings, frozen=True, kw_only=True):
     guard_ratio: float = 2.0  # see picking.LoadGuard
     guard_slack: int = 4
     affinity_refresh_s: float = 60.0  # a hit older than this rewrites its entry, sliding the 30 min TTL
-    affinity_max_entries: int = (
-        100_000  # affinity keys kept in memory (~240 B each, ~23 MiB); past it the oldest go first
-    )
+    # affinity keys kept in memory (~240 B each, ~23 MiB); past it the oldest go first
+    affinity_max_entries: int = 100_000
