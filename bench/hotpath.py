@@ -6,9 +6,9 @@ workers, router, the serving worker, metrics, scheduler). Prints, per service: t
 (from /proc, its children included) and its top frames by own samples and by inclusive samples. Writes the raw
 collapsed stacks under the work dir (`--keep`), which flame-graph tools read.
 
-  python bench/profile.py                        # echo engine (pure orchestration), c=64, 10 s
-  python bench/profile.py --model ls --conc 1    # the tiny GGUF on two llama-server workers, c=1
-  python bench/profile.py --stream --keep        # streamed; keep the stacks and the logs
+  python bench/hotpath.py                        # echo engine (pure orchestration), c=64, 10 s
+  python bench/hotpath.py --model ls --conc 1    # the tiny GGUF on two llama-server workers, c=1
+  python bench/hotpath.py --stream --keep        # streamed; keep the stacks and the logs
 
 Installs what it lacks: Debian's `wrk` (as root) and `py-spy` from PyPI into this venv.
 """
