@@ -301,9 +301,13 @@ def start_llama_replica(
     return proc, Target(name, f"http://127.0.0.1:{port}/v1", "bench", pids=[proc.pid])
 
 
-def start_router(root: Path, exe: Path, name: str, policy: str, replicas: list[Target]) -> tuple[Proc, Target]:
-    """`sglang-router launch` or `vllm-router` with `policy` in front of `replicas`, retries off (as coderai's
-    gateway does not retry a request that reached an engine), its Prometheus exporter on a free port."""
+def start_router(
+    root: Path, exe: Path, name: str, policy: str, replicas: list[Target], retries: bool = True
+) -> tuple[Proc, Target]:
+    """`sglang-router launch` or `vllm-router` with `policy` in front of `replicas`, its Prometheus exporter on a
+    free port. `retries=False` (bench/overhead.py) turns their retries off, as coderai's gateway does not retry a
+    request that reached an engine: a failed send is then an error wrk counts. With retries on (their default)
+    a send on a connection the replica had closed is sent again, as people run them."""
     port = free_port()
     urls = [r.base_url.removesuffix("/v1") for r in replicas]
     sub = ["launch"] if exe.name == "sglang-router" else []
@@ -322,7 +326,7 @@ def start_router(root: Path, exe: Path, name: str, policy: str, replicas: list[T
         str(free_port()),
         "--log-level",
         "warn" if sub else "warning",
-        "--disable-retries",  # both routers retry a failed send 5 times by default; the docstring's "retries off"
+        *([] if retries else ["--disable-retries"]),  # both retry a failed send 5 times by default
     ]
     proc = Proc(name, cmd, root / "logs")
     base = f"http://127.0.0.1:{port}/v1"

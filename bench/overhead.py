@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             bare_ls = Target("ls-bare", replicas[0].base_url, "bench", pids=[replicas[0].pids[0]])
             targets = [bare_ls]
             for name, kind, policy in ROUTER_PATHS if routers else ():
-                proc, t = start_router(work, routers[kind], name, policy, replicas)
+                proc, t = start_router(work, routers[kind], name, policy, replicas, retries=False)
                 started.append(proc)
                 t.pids += [r.pids[0] for r in replicas]
                 targets.append(t)
