@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from coderai.contracts import EngineStatus, Heartbeat, RequestCompleted
 from coderai.metrics.prom import Series
+from coderai.testing.heartbeats import heartbeat
 
 
 def done(**kw) -> RequestCompleted:
@@ -31,16 +32,7 @@ def eng(eid: str, model: str = "m", in_flight: int = 0, served: int = 0) -> Engi
 
 
 def beat(node: str, *engines: EngineStatus, mem_free: int = 0) -> Heartbeat:
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=["llama"],
-        engines=list(engines),
-        mem_free=mem_free,
-    )
+    return heartbeat(node, engines=list(engines), mem_free=mem_free)
 
 
 def req_labels(key="alice", model="m", kind="chat", status="ok", engine="e1"):

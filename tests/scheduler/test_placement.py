@@ -6,21 +6,13 @@ from __future__ import annotations
 from coderai.contracts import Assignment, Heartbeat, ModelConfig
 from coderai.scheduler.placement import Plan, plan
 from coderai.sizing import MB, OVERHEAD, UNKNOWN_CAPACITY, capacity, estimate_bytes
+from coderai.testing.heartbeats import heartbeat
 
 GB = 1 << 30
 
 
 def hb(node: str, caps: list[str] | None = None, mem_mb: int = 0, vram_mb: int = 0) -> Heartbeat:
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=caps if caps is not None else ["llama"],
-        mem_total=mem_mb * MB,
-        vram_total=vram_mb * MB,
-    )
+    return heartbeat(node, caps if caps is not None else ["llama"], mem_total=mem_mb * MB, vram_total=vram_mb * MB)
 
 
 def model(

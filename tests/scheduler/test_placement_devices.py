@@ -7,6 +7,7 @@ import msgspec
 from coderai.contracts import Assignment, GpuMemory, Heartbeat, ModelConfig
 from coderai.scheduler.placement import plan
 from coderai.sizing import UNKNOWN_CAPACITY, capacity, pools, runs_on_cpu
+from coderai.testing.heartbeats import heartbeat
 
 GB = 1 << 30
 
@@ -19,13 +20,9 @@ def hb(
     caps: tuple[str, ...] = ("llama", "llama-server", "embed", "vllm", "whisper", "tts"),
 ) -> Heartbeat:
     cards = [GpuMemory(total=int(g * GB), free=int(g * GB)) for g in gpus_gb]
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=list(caps),
+    return heartbeat(
+        node,
+        caps,
         mem_total=int(ram_gb * GB),
         mem_free=int(ram_gb * GB),
         gpus=len(cards),

@@ -29,6 +29,7 @@ from coderai.scheduler.placement import (
     wanted,
 )
 from coderai.sizing import MB, OVERHEAD, Pools
+from coderai.testing.heartbeats import heartbeat
 
 GB = 1 << 30
 
@@ -37,13 +38,9 @@ def hb(
     node: str = "n", gpus_gb: tuple[float, ...] = (), ram_gb: float = 64, caps: tuple[str, ...] = ("llama",), **kw
 ) -> Heartbeat:
     cards = [GpuMemory(total=int(g * GB), free=int(g * GB)) for g in gpus_gb]
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=list(caps),
+    return heartbeat(
+        node,
+        caps,
         mem_total=int(ram_gb * GB),
         gpus=len(cards),
         vram_total=sum(c.total for c in cards),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coderai.contracts import Assignment, EngineStatus, Heartbeat, ModelConfig
 from coderai.contracts.models import ON_DEMAND_KEEP_ALIVE_S
 from coderai.scheduler.residency import Residency, keep_alive
+from coderai.testing.heartbeats import heartbeat
 
 GB = 1 << 30
 
@@ -15,13 +16,9 @@ def model(name: str, mb: int = 1000, **kw) -> ModelConfig:
 
 def node(node_id: str = "n1", ram_gb: float = 2.5, engines: list[EngineStatus] = ()) -> Heartbeat:
     """A CPU node whose 90 % of RAM holds two 1000 MB models, not three."""
-    return Heartbeat(
-        node_id=node_id,
+    return heartbeat(
+        node_id,
         version="t",
-        seq=1,
-        ts=0.0,
-        host=node_id,
-        capabilities=["llama"],
         engines=list(engines),
         mem_total=int(ram_gb * GB),
         mem_free=int(ram_gb * GB),

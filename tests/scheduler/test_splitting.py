@@ -10,6 +10,7 @@ from coderai.contracts.split import RpcServer
 from coderai.scheduler.placement import plan
 from coderai.sizing import MB
 from coderai.scheduler.splitting import _layers, gate_peers, row_warning
+from coderai.testing.heartbeats import heartbeat
 
 
 def hb(node: str, mem_mb: int, rpc: bool = False, caps: list[str] | None = None) -> Heartbeat:
@@ -19,13 +20,9 @@ def hb(node: str, mem_mb: int, rpc: bool = False, caps: list[str] | None = None)
         if rpc
         else None
     )
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=caps if caps is not None else ["llama"],
+    return heartbeat(
+        node,
+        caps if caps is not None else ["llama"],
         mem_total=mem_mb * MB,
         addrs=[f"192.168.1.{ord(node[-1]) % 200}"],
         rpc=server,

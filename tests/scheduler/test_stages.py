@@ -18,17 +18,14 @@ from coderai.scheduler.stages import (
     plan_stages,
     structure,
 )
+from coderai.testing.heartbeats import heartbeat
 
 
 def hb(node: str, free_mb: int = 0, vram_free_mb: int = 0, state: str = "ready", model: str = "v") -> Heartbeat:
     eng = EngineStatus(engine_id=f"{node}-{model}", model=model, engine="video", ops=["video"], state=state)
-    return Heartbeat(
-        node_id=node,
-        version="0",
-        seq=1,
-        ts=0.0,
-        host=node,
-        capabilities=["video"],
+    return heartbeat(
+        node,
+        ["video"],
         engines=[eng],
         mem_total=64_000 * MB,
         mem_free=free_mb * MB,
