@@ -36,6 +36,16 @@ from _servers import Coderai, tree_cpu_s
 SERVICES = ("gateway", "router", "worker-echo", "worker-ls1", "worker-ls2", "metrics", "scheduler")
 
 
+def own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` itself (all its threads), without its children."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    rest = stat[stat.rfind(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ensure_py_spy() -> str:
     found = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if found:
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         load(3)  # warm: connections, caches
         cpu0 = {n: tree_cpu_s([p]) for n, p in (pids | others).items()}
+        own0 = {n: own_cpu_s(p) for n, p in (pids | others).items()}
         spies = {
             n: subprocess.Popen(
                 [py_spy, "record", "--format", "raw", "--nonblocking", "--subprocesses", "-r", str(a.rate)]
@@ -169,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         cell = load(a.duration)
         cpu = {n: tree_cpu_s([p]) - cpu0[n] for n, p in (pids | others).items()}
+        own = {n: own_cpu_s(p) - own0[n] for n, p in (pids | others).items()}
         for s in spies.values():
             s.wait(timeout=a.duration + 60)
         assert coderai.nats is not None
@@ -182,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{cell.requests / cell.seconds:,.0f} req/s, p50 {cell.p50_ms:.2f} ms over {cell.seconds:.1f} s; "
         f"load average {load[0]:.2f} after; py-spy at {a.rate} Hz (its own cost is in the CPU column)\n"
     )
-    print("| service | CPU ms/req |")
-    print("|---|---:|")
+    print("| service | CPU ms/req, with its children | of which its children's |")
+    print("|---|---:|---:|")
     for n in cpu:
-        print(f"| {n} | {1e3 * cpu[n] / req:.3f} |")
-    print(f"| all | {1e3 * sum(cpu.values()) / req:.3f} |\n")
+        print(f"| {n} | {1e3 * cpu[n] / req:.3f} | {1e3 * max(0.0, cpu[n] - own[n]) / req:.3f} |")
+    print(
+        f"| all | {1e3 * sum(cpu.values()) / req:.3f} | {1e3 * max(0.0, sum(cpu.values()) - sum(own.values())) / req:.3f} |\n"
+    )
+    print("(children: a worker's `llama-server`, the gateway's granian workers)\n")
     per = max(1, counted.requests)
     print(f"Bus messages per request ({counted.requests} requests, a separate cell with a subscriber on `>`):\n")
     print("| subject | messages/request |")
@@ -211,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         out["services"][n] = {
             "cpu_ms_per_req": 1e3 * cpu[n] / req,
+            "children_cpu_ms_per_req": 1e3 * max(0.0, cpu[n] - own[n]) / req,
             "samples": total,
             "own": own.most_common(40),
             "inclusive": incl.most_common(60),
