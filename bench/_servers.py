@@ -267,10 +267,20 @@ class Coderai:
 
 
 def start_llama_replica(
-    root: Path, binary: str, gguf: Path, name: str, threads: int, slots: int, n_ctx: int, cache_mb: int
+    root: Path,
+    binary: str,
+    gguf: Path,
+    name: str,
+    threads: int,
+    slots: int,
+    n_ctx: int,
+    cache_mb: int,
+    alias: str = "bench",
+    metrics: bool = True,
 ) -> tuple[Proc, Target]:
     """A bare `llama-server` replica, as the Rust routers are put in front of: the same flags coderai's
-    llama-server engine gives it (slots, context per slot, threads, host prompt cache)."""
+    llama-server engine gives it (slots, context per slot, threads, host prompt cache), serving the model as
+    `alias`; `metrics=False` leaves its Prometheus endpoint off."""
     port = free_port()
     cmd = [
         binary,
@@ -281,7 +291,7 @@ def start_llama_replica(
         "--port",
         str(port),
         "--alias",
-        "bench",
+        alias,
         "--parallel",
         str(slots),
         "--ctx-size",
@@ -293,12 +303,12 @@ def start_llama_replica(
         "--cache-ram",
         str(cache_mb),
         "--jinja",
-        "--metrics",
+        *(["--metrics"] if metrics else []),
         "--no-webui",
     ]
     proc = Proc(name, cmd, root / "logs")
     proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
-    return proc, Target(name, f"http://127.0.0.1:{port}/v1", "bench", pids=[proc.pid])
+    return proc, Target(name, f"http://127.0.0.1:{port}/v1", alias, pids=[proc.pid])
 
 
 def start_router(

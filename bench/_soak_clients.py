@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 from coderai.contracts.topology import HDR_REQUEST_ID
+from _words import WORDS
 
 if TYPE_CHECKING:
     from soak import Soak
@@ -47,28 +48,6 @@ MODEL_OF = {
 }
 CLIENT_ID = "X-Client-Request-Id"  # each request's own id, which the server keeps with its usage event
 _ids = itertools.count(1)  # next() on it is atomic under the GIL: an id per request across every client thread
-WORDS = (
-    "cache",
-    "routing",
-    "engine",
-    "token",
-    "prefix",
-    "replica",
-    "latency",
-    "cluster",
-    "model",
-    "stream",
-    "queue",
-    "budget",
-    "memory",
-    "worker",
-    "gateway",
-    "router",
-    "bus",
-    "prompt",
-    "turn",
-    "answer",
-)
 
 
 # --- what the clients saw ---------------------------------------------------------------------------------------

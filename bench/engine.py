@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 import _setup
-from _servers import Coderai, Proc, Target
-from coderai.runtime.embedded import find_llama_server, free_port
+from _servers import Coderai, Proc, Target, start_llama_replica
+from coderai.runtime.embedded import find_llama_server
 
 
 @dataclass
@@ -72,33 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def start_bare(work: Path, binary: str, gguf: Path, a: argparse.Namespace) -> tuple[Proc, Target]:
-    port = free_port()
-    cmd = [
-        binary,
-        "--model",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--alias",
-        "m",
-        "--parallel",
-        str(a.slots),
-        "--ctx-size",
-        str(a.n_ctx * a.slots),
-        "--threads",
-        str(a.threads),
-        "--threads-batch",
-        str(a.threads),
-        "--cache-ram",
-        "256",
-        "--no-webui",
-        "--jinja",
-    ]
-    proc = Proc("bare", cmd, work / "logs")
-    proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
-    return proc, Target("bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
+    return start_llama_replica(work, binary, gguf, "bare", a.threads, a.slots, a.n_ctx, 256, alias="m", metrics=False)
 
 
 def start_coderai(work: Path, gguf: Path, a: argparse.Namespace, paths: set[str]) -> Coderai:

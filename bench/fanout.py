@@ -38,33 +38,12 @@ from pathlib import Path
 
 import httpx
 from _servers import CLK_TCK, tree_cpu_s
+from _words import WORDS
 from coderai.runtime.embedded import NatsServer
 from coderai.testing.procs import ServiceProcess, wait_until
 from coderai.testing.stack import Stack, write_models_file
 
 MODELS = {"embeddings": "minilm", "ocr": "ocr", "images": "sd"}
-WORDS = (
-    "cache",
-    "routing",
-    "engine",
-    "token",
-    "prefix",
-    "replica",
-    "latency",
-    "cluster",
-    "model",
-    "stream",
-    "queue",
-    "budget",
-    "memory",
-    "worker",
-    "gateway",
-    "router",
-    "bus",
-    "prompt",
-    "turn",
-    "answer",
-)
 READY = '"msg": "ready"'
 
 

@@ -36,32 +36,10 @@ import httpx
 
 import _setup
 from _servers import start_llama_replica, start_router
+from _words import WORDS
 from coderai.runtime.embedded import NatsServer, find_llama_server
 from coderai.testing.stack import Stack, write_models_file
 from coderai.tiny_models.llm import build_tiny_gguf
-
-WORDS = (
-    "cache",
-    "routing",
-    "engine",
-    "token",
-    "prefix",
-    "replica",
-    "latency",
-    "cluster",
-    "model",
-    "stream",
-    "queue",
-    "budget",
-    "memory",
-    "worker",
-    "gateway",
-    "router",
-    "bus",
-    "prompt",
-    "turn",
-    "answer",
-)
 
 
 def system_prompt(i: int, words: int) -> str:
