@@ -22,43 +22,13 @@ from coderai.gateway.openai.responses_types import (
     response_body,
     response_job,
 )
+from coderai.testing.codex import MCP, PATCH, SHELL, WEB_SEARCH
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
-SHELL = {
-    "type": "function",
-    "name": "shell",
-    "description": "Run a command",
-    "strict": False,
-    "parameters": {
-        "type": "object",
-        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
-        "required": ["command"],
-    },
-}
-PATCH = {
-    "type": "custom",
-    "name": "apply_patch",
-    "description": "Edit files",
-    "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch"},
-}
-MCP = {
-    "type": "namespace",
-    "name": "mcp__files",
-    "description": "An MCP server",
-    "tools": [
-        {
-            "type": "function",
-            "name": "read",
-            "description": "Read a file",
-            "strict": False,
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
-        }
-    ],
-}
 CODEX_TOOLS = [
     SHELL,
     PATCH,
-    {"type": "web_search", "external_web_access": False},
+    WEB_SEARCH,
     MCP,
     {"type": "web_search_preview"},
     {"type": "image_generation"},

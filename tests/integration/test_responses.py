@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from coderai.accounts.keyfile import KeyRecord, hash_key, write_keys
+from coderai.testing.codex import MCP, PATCH, SHELL, WEB_SEARCH
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import running_stack
 
@@ -261,40 +262,7 @@ def test_an_agent_with_one_function_tool_runs_to_completion(stack, streamed):
 # What Codex CLI 0.171 sends (docs/api.md, Responses): tools it cannot turn off (a namespace of MCP tools, a custom
 # apply_patch, web_search), developer items, store false, include, prompt_cache_key, no max_output_tokens, and
 # its session headers.
-CODEX_TOOLS = [
-    {
-        "type": "function",
-        "name": "shell",
-        "description": "Run a command",
-        "strict": False,
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "array", "items": {"type": "string"}}},
-            "required": ["command"],
-        },
-    },
-    {
-        "type": "custom",
-        "name": "apply_patch",
-        "description": "Edit files",
-        "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"},
-    },
-    {"type": "web_search", "external_web_access": False},
-    {
-        "type": "namespace",
-        "name": "mcp__files",
-        "description": "An MCP server",
-        "tools": [
-            {
-                "type": "function",
-                "name": "read",
-                "description": "Read a file",
-                "strict": False,
-                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
-            }
-        ],
-    },
-]
+CODEX_TOOLS = [SHELL, PATCH, WEB_SEARCH, MCP]
 CODEX_INPUT = [
     {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]},
