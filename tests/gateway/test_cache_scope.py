@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from coderai.contracts import EngineStatus, Heartbeat, ModelConfig, RouteRequest
+from coderai.contracts import EngineStatus, ModelConfig, RouteRequest
 from coderai.contracts.routing import AffinityEntry
 from coderai.gateway.affinity import cache_scope, chat_chain, scoped, session_key, user_key
 from coderai.router.picking import EngineTable, keys_to_record, pick
+from coderai.testing.heartbeats import heartbeat
 
 SYSTEM = {"role": "system", "content": "You are the support bot of ACME. Secret discount code: ZEBRA-42."}
 USER = {"role": "user", "content": "hi"}
@@ -85,27 +86,11 @@ def test_the_router_never_steers_key_b_to_key_a_s_warm_engine():
     to A."""
     t = EngineTable()
     t.apply(
-        Heartbeat(
-            node_id="n1",
-            version="0",
-            seq=1,
-            ts=0.0,
-            host="n1",
-            capabilities=["llama-server"],
-            engines=[_engine("A", 1)],
-        ),
+        heartbeat("n1", ["llama-server"], engines=[_engine("A", 1)]),
         now=0.0,
     )
     t.apply(
-        Heartbeat(
-            node_id="n2",
-            version="0",
-            seq=1,
-            ts=0.0,
-            host="n2",
-            capabilities=["llama-server"],
-            engines=[_engine("B", 0)],
-        ),
+        heartbeat("n2", ["llama-server"], engines=[_engine("B", 0)]),
         now=0.0,
     )
     cfg = ModelConfig(name="m", engine="llama-server", path="/m.gguf", share_cache=False)

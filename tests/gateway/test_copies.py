@@ -6,12 +6,13 @@ from __future__ import annotations
 import datetime
 import time
 
-from coderai.contracts import EngineStatus, Heartbeat, ModelConfig, encode
+from coderai.contracts import EngineStatus, ModelConfig, encode
 from coderai.contracts.topology import NODE_TTL_S, NODES
 from coderai.gateway.copies import Copies, Copy
 from coderai.gateway.ollama import FOREVER, running_json
 from coderai.gateway.openai.models import model_json
 from coderai.runtime.lifecycle import wait_for
+from coderai.testing.heartbeats import heartbeat
 
 GiB = 1024**3
 
@@ -30,15 +31,7 @@ async def test_the_mirror_lists_copies_of_live_nodes_only(bus, unique):
     copies.start()
     try:
         kv = await bus.kv(NODES)
-        hb = Heartbeat(
-            node_id=node,
-            version="0",
-            seq=1,
-            ts=time.time(),
-            host=node,
-            capabilities=["llama"],
-            engines=[engine(a), engine(b, "loading")],
-        )
+        hb = heartbeat(node, ts=time.time(), engines=[engine(a), engine(b, "loading")])
         await kv.put(node, encode(hb))
         await wait_for(lambda: a in copies.by_model(), 5, what="the node record in the mirror")
         seen = copies.by_model()

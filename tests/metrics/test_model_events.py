@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coderai.contracts import EngineStatus, GpuMemory, Heartbeat, ModelLoaded, ModelUnloaded
+from coderai.contracts import EngineStatus, GpuMemory, ModelLoaded, ModelUnloaded
 from coderai.contracts.subjects import EVT_MODEL_LOADED, EVT_MODEL_UNLOADED, HEARTBEAT
 from coderai.metrics.prom import Series
 from coderai.metrics.service import Metrics
@@ -20,6 +20,7 @@ from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import free_port
 from coderai.runtime.lifecycle import wait_for
 from coderai.runtime.settings import load_settings
+from coderai.testing.heartbeats import heartbeat
 
 GiB = 1024**3
 
@@ -76,13 +77,9 @@ async def test_published_loads_unloads_and_heartbeats_show_in_the_scrape(nats_se
         )
         await bus.publish(
             HEARTBEAT,
-            Heartbeat(
-                node_id=node,
-                version="0",
-                seq=1,
+            heartbeat(
+                node,
                 ts=time.time(),
-                host=node,
-                capabilities=["llama"],
                 engines=[copy],
                 gpus=2,
                 gpu_memory=[GpuMemory(total=24 * GiB, free=20 * GiB), GpuMemory(total=24 * GiB, free=5 * GiB)],
