@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Generic, Union
+from typing import Generic, Union
 
 from typing_extensions import TypeVar
 
@@ -14,9 +14,9 @@ from coderai.contracts.base import decode, encode
 from coderai.contracts.errors import ErrorReply
 
 # both read only (`encode` checks its message at run time), so any subject is a Subject[object, object]; `Rep`
-# defaults to Any for a Subject[X] that leaves its replies untyped
+# defaults to object for a Subject[X] that leaves its replies untyped (a reply read from it must be narrowed)
 Req = TypeVar("Req", covariant=True)
-Rep = TypeVar("Rep", covariant=True, default=Any)
+Rep = TypeVar("Rep", covariant=True, default=object)
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _BAD_TOKEN = re.compile(r"[.*>\s]")

@@ -18,7 +18,7 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.subject import Subject
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
-from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, Hyperparameters
+from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, FineTuneReply, Hyperparameters
 from coderai.gateway.accounting import allowed
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
@@ -226,7 +226,7 @@ class FineTuningController(InferenceController):
         return json_response(job_json(await _ask(self.gw, CMD_SCHEDULER_TRAIN_CANCEL, FineTuneCancel(job_id=job_id))))
 
 
-async def _ask(gw: Gateway, subject: Subject[M], msg: M) -> FineTuneJob:
+async def _ask(gw: Gateway, subject: Subject[M, FineTuneReply], msg: M) -> FineTuneJob:
     try:
         reply = await gw.bus.request(subject, msg, timeout=30.0)
     except BusError as exc:
