@@ -14,7 +14,7 @@ from litestar import Request, Response, delete, get, post, put
 from litestar.params import FromPath
 
 from coderai.contracts import BusError, ModelConfig
-from coderai.contracts.admin import AddModelRequest, NodesRequest, RemoveModelRequest
+from coderai.contracts.admin import AddModelRequest, NodesRequest, PlaceReply, RemoveModelRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ADD, CMD_SCHEDULER_NODES, CMD_SCHEDULER_REMOVE, Subject
 from coderai.gateway.admin.nodes import ask
 from coderai.gateway.errors import ApiError, from_bus, unknown_model
@@ -43,7 +43,9 @@ def _not_found(name: str) -> ApiError:
     return unknown_model(name, param="name")
 
 
-async def change_model(gw: Gateway, subject: Subject, msg: msgspec.Struct, name: str) -> dict[str, Any]:
+async def change_model(
+    gw: Gateway, subject: Subject[AddModelRequest | RemoveModelRequest, PlaceReply], msg: msgspec.Struct, name: str
+) -> dict[str, Any]:
     """The scheduler's answer to a change: the config it now serves (or just removed)."""
     try:
         reply = await gw.bus.request(subject, msg, timeout=5.0)
