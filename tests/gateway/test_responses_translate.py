@@ -174,6 +174,17 @@ def test_a_tool_is_echoed_less_fields_of_a_type_openai_does_not_allow():
     assert got[2] == sent[2]  # a tool of the right types comes back as it was sent
 
 
+def test_a_namespace_echoes_its_own_tools_cleaned_alike():
+    """Schemathesis (its examples re-drawn when the test file was reformatted) sent a namespace whose tools had
+    `allowed_callers: 1386`: the namespace's tools are cleaned as a top-level tool is."""
+    from coderai.gateway.openai.responses_types import echoed
+
+    inner = [{**TOOL, "allowed_callers": 1386}, {**TOOL, "name": "b", "allowed_callers": ["direct"]}]
+    got = echoed([{"type": "namespace", "name": "crm", "description": "d", "tools": inner}])
+    assert got[0]["tools"] == [TOOL, inner[1]]
+    assert got[0]["name"] == "crm" and inner[0]["allowed_callers"] == 1386  # what was sent is not changed
+
+
 def test_a_chat_answer_becomes_output_items_that_the_sdk_reads():
     message = {
         "role": "assistant",

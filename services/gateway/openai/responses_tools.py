@@ -94,8 +94,8 @@ CALLERS = ("direct", "programmatic")
 
 def echoed(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The request's tools as the response echoes them, less optional fields whose type OpenAI's schema does not
-    allow (schemathesis sent `allowed_callers: -27179572`, and the echo broke the response schema). Nothing is
-    refused for them: agents send fields of their own, and a tool the model can call is what matters."""
+    allow (schemathesis sent `allowed_callers: -27179572`, and the echo broke the response schema), a namespace's
+    own tools included. Nothing is refused for them: agents send fields of their own, and a tool the model can call is what matters."""
     out = []
     for t in tools or []:
         if not isinstance(t, dict):
@@ -118,7 +118,10 @@ def echoed(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
             )
             if not ok
         }
-        out.append({k: v for k, v in t.items() if k not in bad} if bad else t)
+        kept = {k: v for k, v in t.items() if k not in bad} if bad else t
+        if t.get("type") == "namespace" and isinstance(t.get("tools"), list):  # its tools, each cleaned alike
+            kept = {**kept, "tools": echoed(t["tools"])}
+        out.append(kept)
     return out
 
 
