@@ -13,6 +13,7 @@ checked against the scheduler's assignment and the gateway's own counts:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -50,14 +51,16 @@ class EvilNode:
         self.thread.start()
         self.nc: Any = self.call(nats.connect(url, inbox_prefix="_N.evil"))
         self.call(self.nc.subscribe("coderai.engine.evil.>", cb=self._job))
+        self._stop = self.call(_event())
         self._beat = asyncio.run_coroutine_threadsafe(self._beats(), self.loop)
 
     def call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     async def _beats(self) -> None:
+        """A heartbeat every 0.3 s (a node's cadence, as CODERAI_WORKER_HEARTBEAT_S) until `close`."""
         seq = 0
-        while True:
+        while not self._stop.is_set():
             seq += 1
             hb = msgspec.structs.replace(
                 self.template,
@@ -71,7 +74,8 @@ class EvilNode:
                 rpc=None,
             )
             await self.nc.publish(HEARTBEAT(node_id="evil"), encode(hb))
-            await asyncio.sleep(0.3)  # a node's heartbeat cadence (as CODERAI_WORKER_HEARTBEAT_S), not a wait
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 0.3)
 
     async def _job(self, m: Any) -> None:
         if m.subject.endswith(".cancel") or not m.reply:
@@ -92,12 +96,20 @@ class EvilNode:
         )
 
     def close(self) -> None:
-        self._beat.cancel()
+        self.loop.call_soon_threadsafe(self._stop.set)
+        try:
+            self._beat.result(5)
+        except Exception:  # the beat loop's own failure does not keep the node open
+            self._beat.cancel()
         try:
             self.call(self.nc.close())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()  # made on the node's own loop
 
 
 async def _one_heartbeat(url: str, node: str) -> Heartbeat:
