@@ -86,19 +86,29 @@ class Proc:
                 continue
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm)" (comm may hold spaces), or None for a process gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` itself (all its threads), without its children."""
+    rest = _stat(pid)
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK if rest else 0.0
+
+
 def tree_cpu_s(roots: list[int]) -> float:
     """User + system CPU seconds of the processes `roots` and all their descendants (reaped children included)."""
     parent: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or (rest := _stat(entry.name)) is None:
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2 :].split()  # fields after "pid (comm)"; comm may hold spaces
         pid = int(entry.name)
         parent[pid] = int(rest[1])
         ticks[pid] = int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14])  # utime stime cutime cstime

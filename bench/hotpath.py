@@ -31,19 +31,9 @@ from pathlib import Path
 
 import _load
 import _setup
-from _servers import Coderai, tree_cpu_s
+from _servers import Coderai, own_cpu_s, tree_cpu_s
 
 SERVICES = ("gateway", "router", "worker-echo", "worker-ls1", "worker-ls2", "metrics", "scheduler")
-
-
-def own_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` itself (all its threads), without its children."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    rest = stat[stat.rfind(")") + 2 :].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ensure_py_spy() -> str:
