@@ -6,15 +6,9 @@ Each test prints how many inputs or connections it tried (shown without -s too).
 from __future__ import annotations
 
 import collections
-import contextlib
-import errno
 import json
-import os
 import resource
-import selectors
 import select
-import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -26,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coderai.runtime.embedded import free_port
+from coderai.testing.fuzz import FIELDS, JSON_VALUES, dumps
 from coderai.testing.procs import ServiceProcess, deadline_scale, wait_until
+from coderai.testing.sockets import close_all, connect_many, open_fds, raw_request, status_of
 from coderai.testing.stack import Stack, running_stack
 
 pytestmark = pytest.mark.slow
@@ -56,83 +52,6 @@ BASES: dict[str, dict] = {  # one small valid body per JSON endpoint: one token 
 }
 UPLOADS = ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/images/edits", "/v1/files"]
 """Endpoints that take multipart/form-data."""
-FIELDS = [
-    "model",
-    "messages",
-    "prompt",
-    "input",
-    "max_tokens",
-    "n",
-    "stream",
-    "stop",
-    "temperature",
-    "top_p",
-    "seed",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "stream_options",
-    "system",
-    "instructions",
-    "format",
-    "options",
-    "keep_alive",
-    "documents",
-    "query",
-    "voice",
-    "size",
-    "previous_response_id",
-    "max_output_tokens",
-    "metadata",
-    "thinking",
-    "echo",
-    "suffix",
-    "user",
-]
-
-NASTY = st.sampled_from(
-    [
-        "",
-        "\x00",
-        "\ud800",
-        "\udfff\ud800",
-        "x" * 70_000,
-        2**64,
-        -(2**63) - 1,
-        -0.0,
-        1e308,
-        float("nan"),
-        float("inf"),
-        [],
-        {},
-        [None],
-        [[]],
-        [{}],
-        [{"role": 1}],
-        [{"role": "user", "content": {"x": 1}}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}],
-        [{"role": "user", "content": [{"type": "nope"}]}],
-        [{"role": "assistant", "tool_calls": "x"}],
-        {"type": "json_schema", "json_schema": {"schema": 3}},
-        [{"type": "function"}],
-        {"num_predict": "x"},
-    ]
-)
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | NASTY,
-    lambda kids: (
-        st.lists(kids, max_size=4) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), kids, max_size=4)
-    ),
-    max_leaves=8,
-)
-
-
-def _dumps(obj: object) -> bytes:
-    """JSON text as a careless client would write it (NaN and lone surrogates included)."""
-    return json.dumps(obj).encode("utf-8", "surrogatepass")
 
 
 @st.composite
@@ -143,14 +62,14 @@ def bodies(draw) -> tuple[str, str, bytes]:
     if kind == "bytes":
         body = draw(st.binary(max_size=300))
     elif kind == "truncated":
-        whole = _dumps(base)
+        whole = dumps(base)
         body = whole[: draw(st.integers(0, len(whole) - 1))]
     elif kind == "field":
         mutant = dict(base)
         mutant[draw(st.sampled_from(FIELDS))] = draw(JSON_VALUES)
-        body = _dumps(mutant)
+        body = dumps(mutant)
     else:
-        body = _dumps(draw(JSON_VALUES))
+        body = dumps(draw(JSON_VALUES))
     return path, kind, body
 
 
@@ -233,58 +152,6 @@ def chat_ok(url: str, admin_key: str, timeout_s: float = 30) -> bool:
     return r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
-def open_fds(proc: ServiceProcess) -> int:
-    """Open files of a gateway: the process started and granian's workers (its children hold the sockets)."""
-    pids = [proc.proc.pid]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                # field 4 of stat is the parent; the name in field 2 may hold spaces, so split after its ")"
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.proc.pid:
-                    pids.append(int(entry.name))
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            total += len(os.listdir(f"/proc/{pid}/fd"))
-    return total
-
-
-def connect_many(port: int, n: int) -> list[socket.socket]:
-    """`n` connected TCP sockets to 127.0.0.1:`port`, connected without blocking (a full accept queue delays
-    a blocking connect by a SYN retry); each closes with a reset, so no TIME_WAIT is left to eat the ports."""
-    sel = selectors.DefaultSelector()
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            s.setblocking(False)
-            rc = s.connect_ex(("127.0.0.1", port))
-            if rc == errno.EINPROGRESS:
-                sel.register(s, selectors.EVENT_WRITE)
-            elif rc != 0:
-                raise OSError(rc, os.strerror(rc))
-        deadline = time.monotonic() + 30 * deadline_scale()
-        while sel.get_map() and time.monotonic() < deadline:
-            for key, _ in sel.select(timeout=1):
-                sel.unregister(key.fileobj)
-                if rc := key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    raise OSError(rc, os.strerror(rc))
-        assert not sel.get_map(), f"{len(sel.get_map())} of {n} connections not accepted (the server holds no more)"
-        return socks
-    except BaseException:
-        close_all(socks)
-        raise
-    finally:
-        sel.close()
-
-
-def close_all(socks: list[socket.socket]) -> None:
-    for s in socks:
-        s.close()
-
-
 def test_malformed_json_bodies_are_clean_4xx(stack, http, admin_key, capsys):
     statuses: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
@@ -330,7 +197,7 @@ def test_wrong_content_types_are_clean_4xx(http, capsys):
     cases: list[tuple[str, dict[str, str], bytes]] = []
     ollama_served = []
     for path, base in BASES.items():
-        body = _dumps(base)
+        body = dumps(base)
         for ctype in CONTENT_TYPES:
             if path.startswith("/api/"):  # Ollama's routes read JSON whatever the type says, as Ollama does
                 ollama_served.append(
@@ -367,29 +234,13 @@ def test_wrong_content_types_are_clean_4xx(http, capsys):
     assert not bad, "\n".join(bad)
     # ... and answered as the same body sent as application/json is
     as_json = {
-        p: http.post(p, content=_dumps(BASES[p]), headers={"Content-Type": "application/json"}).status_code
+        p: http.post(p, content=dumps(BASES[p]), headers={"Content-Type": "application/json"}).status_code
         for p in BASES
         if p.startswith("/api/")
     }
     assert as_json and all(r.status_code == as_json[p] for p, _, r in ollama_served), [
         (p, c, r.status_code, as_json[p]) for p, c, r in ollama_served if r.status_code != as_json[p]
     ]
-
-
-def raw_request(port: int, data: bytes, timeout_s: float = 10) -> bytes:
-    """Send `data` on a fresh connection and read until the server closes; a reset mid-send reads as closed."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            s.sendall(data)
-        out = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := s.recv(65536):
-                out += chunk
-        return out
-
-
-def status_of(answer: bytes) -> int | None:
-    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
 
 
 def test_huge_headers_are_refused_and_the_gateway_keeps_serving(stack, admin_key, capsys):
