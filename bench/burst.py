@@ -48,26 +48,26 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from coderai.contracts import Heartbeat, ModelFetch, ModelLoaded, PodEvent
-from coderai.contracts.subjects import EVT_MODEL_FETCH, EVT_MODEL_LOADED, EVT_POD, HEARTBEAT
+from coderai.contracts import ModelFetch
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer, RedisServer
 from coderai.testing.stack import Stack, write_models_file
 
+from _burst_report import Round, loadavg, report
+from _burst_requests import Answer, plain_download, stream_chat
+from _burst_seen import Seen, pod_launcher
+
 SHAPES = {"small": {"dim": 64, "layers": 2, "heads": 4}, "1gb": {"dim": 2048, "layers": 10, "heads": 16, "ff": 5632}}
 RECIPE = "1"  # bump when SHAPES or the builder change: the cached GGUFs are rebuilt
-PHASES = ("rent", "boot", "join", "fetch", "load", "first_token")
 FILE = "model.gguf"
 VOLUME = "bench-volume"  # the network volume id the `*-vol-*` models name
 
@@ -158,204 +158,7 @@ def plan(a: argparse.Namespace) -> list[Planned]:
     return out
 
 
-# --- what the bus and the fake saw ------------------------------------------------------------------------------
-
-
-@dataclass
-class Seen:
-    """Every event this run cares about, as it arrives: first heartbeat per node, fetch progress per node, loads
-    per node, pods created per model."""
-
-    first_hb: dict[str, float] = field(default_factory=dict)
-    fetches: dict[str, list[ModelFetch]] = field(default_factory=dict)
-    loaded: dict[str, ModelLoaded] = field(default_factory=dict)
-    created: dict[str, PodEvent] = field(default_factory=dict)
-    billed: set[str] = field(default_factory=set)  # pods the broker has terminated and billed
-    failed: dict[str, str] = field(default_factory=dict)  # model -> why its pod cannot serve it
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def listen(self, bus: Bus) -> None:
-        async def on_hb(hb: Heartbeat, _m) -> None:
-            self.first_hb.setdefault(hb.node_id, hb.ts)
-            for e in hb.engines:
-                if e.state == "failed":
-                    self.failed.setdefault(e.model, f"{hb.node_id}: engine failed: {e.error}")
-            self.changed.set()
-
-        async def on_fetch(evt: ModelFetch, _m) -> None:
-            self.fetches.setdefault(evt.node_id, []).append(evt)
-            if evt.state == "failed":
-                self.failed.setdefault(evt.model, f"{evt.node_id}: fetch failed: {evt.error}")
-            self.changed.set()
-
-        async def on_loaded(evt: ModelLoaded, _m) -> None:
-            self.loaded.setdefault(evt.node_id, evt)
-            self.changed.set()
-
-        async def on_pod(evt: PodEvent, _m) -> None:
-            if evt.what == "created":
-                self.created.setdefault(evt.model, evt)
-            elif evt.what == "billed":
-                self.billed.add(evt.name)
-            self.changed.set()
-
-        for subject, handler in (
-            (HEARTBEAT, on_hb),
-            (EVT_MODEL_FETCH, on_fetch),
-            (EVT_MODEL_LOADED, on_loaded),
-            (EVT_POD, on_pod),
-        ):
-            await bus.listen(subject, handler, subject_str=subject.wildcard())
-
-    async def until(self, predicate, timeout_s: float, what: str):
-        """`predicate()`'s value once it is truthy, woken by each event; TimeoutError naming `what` after
-        `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not (got := predicate()):
-            self.changed.clear()
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError(f"no {what} within {timeout_s:.0f}s")
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
-        return got
-
-
-def pod_launcher(pod_dir: Path, volume_dir: Path, hub, started: dict[str, float]):
-    """The fake's `launch`: a real engine worker per pod (`worker_pods`), pointed at the local Hub, recording
-    when its process was started. A network volume (mounted at /workspace on RunPod) is `volume_dir` here, one
-    folder every pod shares."""
-    from coderai.testing.fake_hub import hub_env
-    from coderai.testing.fake_runpod import worker_pods
-
-    inner = worker_pods(pod_dir)
-
-    def launch(env: dict[str, str]):
-        name = env.get("CODERAI_NODE_ID") or env["RUNPOD_POD_ID"]
-        env = {**env, **hub_env(hub, str(pod_dir / name / "hf"))}
-        if "CODERAI_WORKER_WEIGHTS_DIR" in env:
-            env["CODERAI_WORKER_WEIGHTS_DIR"] = str(volume_dir / env["CODERAI_WORKER_WEIGHTS_DIR"].lstrip("/"))
-        proc = inner(env)
-        started[name] = time.time()
-        return proc
-
-    return launch
-
-
-# --- requests ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Answer:
-    sent: float
-    first: float
-    engine: str
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first - self.sent
-
-
-def _content(line: str) -> str:
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return ""
-    choices = json.loads(line[6:]).get("choices") or [{}]
-    return (choices[0].get("delta") or {}).get("content") or ""
-
-
-async def stream_chat(http: httpx.AsyncClient, model: str, max_tokens: int) -> Answer:
-    """One streamed chat, read to its end; when it was sent and when its first content arrived (wall clock, as
-    the events' timestamps). Each prompt starts with a word of its own, so a warm engine evaluates it whole
-    instead of reusing the last request's cached prefix, as a cold one must."""
-    content = f"{uuid.uuid4().hex[:8]}: say hello."
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    first = None
-    sent = time.time()
-    async with http.stream("POST", "/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{model}: HTTP {r.status_code}: {(await r.aread())[:500]!r}")
-        engine = r.headers.get("coderai-engine", "")
-        async for line in r.aiter_lines():
-            if first is None and _content(line):
-                first = time.time()
-    if first is None:
-        raise RuntimeError(f"{model}: the streamed answer carried no content")
-    return Answer(sent, first, engine)
-
-
-PLAIN_GET = """
-import hashlib, sys, time, httpx
-url, dest = sys.argv[1:3]
-with httpx.Client(timeout=300) as client:  # made before the clock starts, as the pull's session is
-    t = time.perf_counter()
-    with client.stream("GET", url) as r, open(dest, "wb") as fh:
-        r.raise_for_status()
-        for chunk in r.iter_bytes(1 << 20):
-            fh.write(chunk)
-    got = time.perf_counter() - t
-with open(dest, "rb") as fh:
-    hashlib.file_digest(fh, "sha256")
-print(got, time.perf_counter() - t)
-"""
-
-
-def plain_download(url: str, dest: Path) -> tuple[float, float]:
-    """GET `url` into `dest` with a plain httpx client in a process of its own (as a pod's worker is: the Hub-like
-    server runs in this one); seconds for the download, and for the download plus a sha256 of the file. The file
-    is kept, as a pod keeps its weights: deleting a gigabyte, or not, changes how fast the next one is written."""
-    r = subprocess.run(
-        [sys.executable, "-c", PLAIN_GET, url, str(dest)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"plain download of {url} failed:\n{r.stderr[-2000:]}")
-    got, both = (float(x) for x in r.stdout.split())
-    return got, both
-
-
 # --- one cold start ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Round:
-    """One cold start: its milestones (wall clock) and what they split into, and its baselines."""
-
-    kind: str
-    group: str  # the report's row
-    model: str
-    pod: str
-    gpu_type: str
-    engine: str
-    milestones: dict[str, float]
-    phases: dict[str, float]
-    total_s: float
-    other_s: float
-    downloaded: bool  # the pod downloaded (and hashed) the file; False: it found it verified on the volume
-    fetch_resolve_s: float
-    fetch_download_s: float
-    fetch_verify_s: float
-    fetch_bytes: int
-    fetch_progress: list[tuple[float, int]]  # (seconds since the download began, bytes done) per event
-    load_s: float  # the worker's own measure of the engine load (ModelLoaded.load_s, the fetch not included)
-    warm_ttft_s: list[float]
-    plain_get_s: float
-    plain_get_sha_s: float
-
-    @property
-    def warm_s(self) -> float:
-        return statistics.median(self.warm_ttft_s)
 
 
 async def first_of(answer, seen: Seen, model: str, fake, timeout_s: float, pod_dir: Path) -> Answer:
@@ -586,96 +389,6 @@ def run(root: Path, a: argparse.Namespace) -> list[Round]:
         hub.close()
         redis.stop()
         nats.stop()
-
-
-# --- report -----------------------------------------------------------------------------------------------------
-
-
-def loadavg() -> str:
-    """The machine's 1-minute load average: other work on a shared box shows in every phase."""
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def report(
-    rounds: list[Round], files: dict[str, int], a: argparse.Namespace, wall_s: float, load: tuple[str, str]
-) -> str:
-    of: dict[str, list[Round]] = {}
-    for r in rounds:
-        of.setdefault(r.group, []).append(r)
-    size = {r.group: files[r.kind] for r in rounds}
-    out = [
-        f"## Burst cold start ({'smoke' if a.smoke else 'full'} run, {wall_s:.0f}s)",
-        "",
-        f"Machine: {os.cpu_count()} CPUs, load average {load[0]} before the run and {load[1]} after. Fake RunPod "
-        "API (pods are local engine-worker processes, no image pull), weights from a local Hub-like server. "
-        "Median of the cold starts in each row, each on a fresh pod (n); the volume rows are pods that found the "
-        "weights on the network volume an earlier pod filled. Warm: median of "
-        f"{a.warm} streamed requests per round to the pod once warm, each prompt new. Seconds; `max_tokens` "
-        f"{a.max_tokens}.",
-        "",
-        "| model | n | GGUF MB | rent | boot | join | fetch | load | first token | other | total (request → "
-        "first token) | best total | warm TTFT | cold / warm |",
-        "|---|---:|---:|" + "---:|" * 11,
-    ]
-    for k, rs in of.items():
-        ph = {p: med([r.phases[p] for r in rs]) for p in PHASES}
-        total, warm = med([r.total_s for r in rs]), med([r.warm_s for r in rs])
-        out.append(
-            f"| {k} | {len(rs)} | {size[k] / 1e6:.1f} | "
-            + " | ".join(f"{ph[p]:.3f}" for p in PHASES)
-            + f" | {med([r.other_s for r in rs]):.3f} | {total:.2f} | {min(r.total_s for r in rs):.2f} "
-            f"| {warm:.3f} | {total / warm:.0f}x |"
-        )
-    out += [
-        "",
-        "Fetch against a plain download of the same file from the same server, by a process of its own, "
-        "right before or after each cold start, alternately (median of rounds, and the best download against "
-        "the best GET). The "
-        "fetch's parts: resolve (Hub metadata: model info and a HEAD of the file, huggingface_hub imported), "
-        "download, verify (sha256) and store. MB/s over the file's size:",
-        "",
-        "| model | fetch | resolve | download | verify + store | plain GET | plain GET + sha256 "
-        "| fetch / (GET + sha256) | download / GET | best download / best GET | fetch MB/s | GET MB/s |",
-        "|---|" + "---:|" * 11,
-    ]
-    for k, rs in of.items():
-        if not all(r.plain_get_s for r in rs):
-            continue  # the weights were on the volume: nothing was downloaded
-        fetch, res, dl, ver = (
-            med([r.phases["fetch"] for r in rs]),
-            med([r.fetch_resolve_s for r in rs]),
-            med([r.fetch_download_s for r in rs]),
-            med([r.fetch_verify_s for r in rs]),
-        )
-        get, get_sha = med([r.plain_get_s for r in rs]), med([r.plain_get_sha_s for r in rs])
-        best = min(r.fetch_download_s for r in rs) / min(r.plain_get_s for r in rs)
-        mb = size[k] / 1e6
-        out.append(
-            f"| {k} | {fetch:.3f} | {res:.3f} | {dl:.3f} | {ver:.3f} | {get:.3f} | {get_sha:.3f} "
-            f"| {fetch / get_sha:.2f}x | {dl / get:.2f}x | {best:.2f}x | {mb / fetch:.0f} | {mb / get:.0f} |"
-        )
-    out += [
-        "",
-        "Each cold start (a 0 plain GET: the weights were on the volume, none was made):",
-        "",
-        "| model | pod | GPU type | rent | boot | join | fetch | load | first token | total | warm TTFT "
-        "| fetch's download | plain GET |",
-        "|---|---|---|" + "---:|" * 10,
-    ]
-    for r in rounds:
-        out.append(
-            f"| {r.model} | {r.pod} | {r.gpu_type} | "
-            + " | ".join(f"{r.phases[p]:.3f}" for p in PHASES)
-            + f" | {r.total_s:.2f} | {r.warm_s:.3f} | {r.fetch_download_s:.3f} | {r.plain_get_s:.3f} |"
-        )
-    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
