@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+from coderai.runtime.embedded import NatsServer, free_port
+from coderai.runtime.embedded_redis import RedisServer
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import Stack, write_models_file
 

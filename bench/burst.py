@@ -59,7 +59,8 @@ import httpx
 
 from coderai.contracts import ModelFetch
 from coderai.runtime.bus import Bus
-from coderai.runtime.embedded import NatsServer, RedisServer
+from coderai.runtime.embedded import NatsServer
+from coderai.runtime.embedded_redis import RedisServer
 from coderai.testing.stack import Stack, write_models_file
 
 from _burst_report import Round, loadavg, report

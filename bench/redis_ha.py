@@ -45,7 +45,8 @@ from typing import Any, Awaitable, Callable
 
 from coderai.accounts.limits import Limited, Limiter, period_id
 from coderai.runtime import redis_client
-from coderai.runtime.embedded import NatsServer, RedisSentinel, RedisServer, Routes, free_port
+from coderai.runtime.embedded import NatsServer, Routes, free_port
+from coderai.runtime.embedded_redis import RedisSentinel, RedisServer
 
 PATHS = ("redis", "sentinel", "kv-cas", "kv-counter")
 # every limit on, none ever reached: each check does all of its work and is let through

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import httpx
 from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
-from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+from coderai.runtime.embedded import NatsServer, free_port
+from coderai.runtime.embedded_redis import RedisServer
 from coderai.runtime.store_watch import StoreWatch
 from coderai.testing import faults as fx
 from coderai.testing.procs import ServiceProcess, wait_until

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from coderai.runtime.embedded import NatsServer, RedisServer
+from coderai.runtime.embedded import NatsServer
+from coderai.runtime.embedded_redis import RedisServer
 from coderai.testing.leftovers import Snapshot, clean, left_behind, snapshot
 
 # settings that name a cache or a data dir: dropped, so their defaults (under the empty home) apply

@@ -7,7 +7,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from coderai.runtime.bus import Bus
-from coderai.runtime.embedded import NatsServer, RedisServer, free_port
+from coderai.runtime.embedded import NatsServer, free_port
+from coderai.runtime.embedded_redis import RedisServer
 
 
 @pytest.fixture

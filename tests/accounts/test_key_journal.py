@@ -9,7 +9,8 @@ import redis.asyncio as aioredis
 
 from coderai.accounts.keys import KeyError_, KeyJournal, KeyStore, digest
 from coderai.contracts.topology import KEYS
-from coderai.runtime.embedded import RedisServer, free_port
+from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded_redis import RedisServer
 
 
 async def test_keys_and_revocations_come_back_to_an_emptied_redis(own_bus, tmp_path):

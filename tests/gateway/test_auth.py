@@ -80,7 +80,7 @@ async def test_a_key_with_the_scope_passes(auth):
 @pytest.fixture
 def own_redis(tmp_path):
     """A redis-server of this test's own: it is stopped (SIGSTOP) as a master that died without closing is."""
-    from coderai.runtime.embedded import RedisServer
+    from coderai.runtime.embedded_redis import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     yield server

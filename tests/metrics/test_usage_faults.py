@@ -17,7 +17,8 @@ from coderai.contracts.subjects import EVT_REQUEST_COMPLETED
 from coderai.metrics.service import Metrics
 from coderai.metrics.settings import MetricsSettings
 from coderai.runtime.bus import Bus
-from coderai.runtime.embedded import RedisServer, free_port
+from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded_redis import RedisServer
 from coderai.runtime.lifecycle import wait_for
 from coderai.runtime.settings import load_settings
 

@@ -10,7 +10,8 @@ import redis
 from redis.exceptions import RedisError
 
 from coderai.runtime import redis_client
-from coderai.runtime.embedded import RedisSentinel, RedisServer, free_port
+from coderai.runtime.embedded import free_port
+from coderai.runtime.embedded_redis import RedisSentinel, RedisServer
 from coderai.runtime.lifecycle import wait_for
 from coderai.testing.procs import wait_until
 

@@ -132,7 +132,7 @@ def sentinel_for(data: Path, heads: list[Head], master: str, me: Head, password:
     that a slow moment is not one). Its failover timeout is short too: a sentinel that took part in an election
     nobody won (two survivors voting for themselves) tries again only after twice that, and with 10 s a Redis
     failover then took over 16 s (tests/ha/test_failover_clients)."""
-    from coderai.runtime.embedded import RedisSentinel
+    from coderai.runtime.embedded_redis import RedisSentinel
 
     return RedisSentinel(
         data / "sentinel",

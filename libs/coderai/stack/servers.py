@@ -9,7 +9,8 @@ from pathlib import Path
 
 from coderai.runtime import members
 from coderai.runtime.cluster import with_user
-from coderai.runtime.embedded import EmbeddedServerError, NatsServer, RedisSentinel, RedisServer
+from coderai.runtime.embedded import EmbeddedServerError, NatsServer
+from coderai.runtime.embedded_redis import RedisSentinel, RedisServer
 from coderai.runtime.store_watch import StoreWatch
 from coderai.stack import ha, heads
 from coderai.stack.plan import Plan, StackError

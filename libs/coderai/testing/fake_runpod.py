@@ -1,8 +1,8 @@
 """A local fake of RunPod's GraphQL API (the one paid outside service tests may fake), served over HTTP.
 
-It answers the operations the `runpod` 1.12 SDK sends (string-built, so every field it selects is in the schema
-below) and the same operations sent with proper GraphQL variables (`coderai.pod_broker.runpod_api`). A pod is a
-record that is billed by the second from creation (boot included) to termination, and, after `boot_delay_s`, a real
+It answers the operations the `runpod` 1.12 SDK sends (string-built, so every field it selects is in the schema,
+`fake_runpod_schema`) and the same operations sent with proper GraphQL variables (`coderai.pod_broker.runpod_api`).
+A pod is a record that is billed by the second from creation (boot included) to termination, and, after `boot_delay_s`, a real
 process started by the `launch(env)` callable the test gives (e.g. an engine worker). What is simplified:
 
 - A stopped pod bills 0 (RunPod bills its volume storage while stopped; we do not model storage).
@@ -25,23 +25,22 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-import os
 import secrets
-import signal
 import string
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from graphql import GraphQLError, build_schema, graphql_sync
+from graphql import GraphQLError, graphql_sync
 
-from coderai.runtime.embedded import die_with_parent
+from coderai.testing.fake_runpod_launch import Launch, kill_process
+from coderai.testing.fake_runpod_launch import python_launcher as python_launcher  # importable from here too
+from coderai.testing.fake_runpod_launch import worker_pods as worker_pods
+from coderai.testing.fake_runpod_schema import SCHEMA
 
 NO_CAPACITY_MESSAGE = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."
@@ -49,54 +48,6 @@ NO_CAPACITY_MESSAGE = (
 RESUME_NO_CAPACITY_MESSAGE = "There are not enough free GPUs on the host machine to start this pod."
 _ECHOED = ("containerDiskInGb", "volumeInGb", "volumeMountPath", "ports", "dockerArgs")
 log = logging.getLogger("coderai.testing.fake_runpod")
-Launch = Callable[[dict[str, str]], subprocess.Popen]
-
-_DEPLOY_FIELDS = """name: String imageName: String cloudType: CloudTypeEnum gpuTypeId: String gpuCount: Int
-  volumeInGb: Int containerDiskInGb: Int minVcpuCount: Int minMemoryInGb: Int dockerArgs: String ports: String
-  volumeMountPath: String env: [EnvironmentVariableInput] startSsh: Boolean startJupyter: Boolean
-  supportPublicIp: Boolean dataCenterId: String countryCode: String templateId: String networkVolumeId: String
-  allowedCudaVersions: [String] minDownload: Int minUpload: Int"""
-SCHEMA = build_schema(f"""
-scalar Void
-enum CloudTypeEnum {{ ALL SECURE COMMUNITY }}
-enum PodStatus {{ CREATED RUNNING RESTARTING EXITED PAUSED DEAD TERMINATED }}
-enum PodType {{ INTERRUPTABLE RESERVED BID BACKGROUND }}
-input GpuTypeFilter {{ id: String ids: [String] }}
-input GpuLowestPriceInput {{ gpuCount: Int secureCloud: Boolean dataCenterId: String minMemoryInGb: Int
-  minVcpuCount: Int }}
-input PodFilter {{ podId: String! }}
-input EnvironmentVariableInput {{ key: String! value: String! }}
-input PodFindAndDeployOnDemandInput {{ {_DEPLOY_FIELDS} }}
-input PodRentInterruptableInput {{ bidPerGpu: Float! {_DEPLOY_FIELDS} }}
-input PodStopInput {{ podId: String! incrementVersion: Boolean }}
-input PodResumeInput {{ podId: String! gpuCount: Int allowedCudaVersions: [String] }}
-input PodTerminateInput {{ podId: String! }}
-type LowestPrice {{ minimumBidPrice: Float uninterruptablePrice: Float stockStatus: String gpuTypeId: String
-  availableGpuCounts: [Int] }}
-type GpuType {{ id: String! displayName: String memoryInGb: Int maxGpuCount: Int manufacturer: String
-  cudaCores: Int secureCloud: Boolean communityCloud: Boolean securePrice: Float communityPrice: Float
-  oneWeekPrice: Float oneMonthPrice: Float threeMonthPrice: Float secureSpotPrice: Float communitySpotPrice: Float
-  lowestPrice(input: GpuLowestPriceInput): LowestPrice }}
-type PodRuntimePorts {{ ip: String isIpPublic: Boolean privatePort: Int publicPort: Int type: String }}
-type PodRuntimeGpus {{ id: String gpuUtilPercent: Int memoryUtilPercent: Int }}
-type PodRuntimeContainer {{ cpuPercent: Int memoryPercent: Int }}
-type PodRuntime {{ uptimeInSeconds: Int ports: [PodRuntimePorts] gpus: [PodRuntimeGpus]
-  container: PodRuntimeContainer }}
-type PodMachineInfo {{ podHostId: String gpuDisplayName: String gpuTypeId: String }}
-type Pod {{ id: String! name: String desiredStatus: PodStatus imageName: String env: [String] machineId: String
-  costPerHr: Float gpuCount: Int podType: PodType containerDiskInGb: Int volumeInGb: Int volumeMountPath: String
-  dockerArgs: String dockerId: String lastStatusChange: String memoryInGb: Float vcpuCount: Float port: Int
-  ports: String uptimeSeconds: Int runtime: PodRuntime machine: PodMachineInfo }}
-type User {{ id: String pods: [Pod] }}
-type Query {{ gpuTypes(input: GpuTypeFilter): [GpuType] pod(input: PodFilter): Pod myself: User }}
-type Mutation {{
-  podFindAndDeployOnDemand(input: PodFindAndDeployOnDemandInput): Pod
-  podRentInterruptable(input: PodRentInterruptableInput!): Pod
-  podStop(input: PodStopInput!): Pod
-  podResume(input: PodResumeInput!): Pod
-  podTerminate(input: PodTerminateInput!): Void
-}}
-""")
 
 
 @dataclass
@@ -139,63 +90,6 @@ class FakePod:
     process: subprocess.Popen | None = None
     spec: dict = field(default_factory=dict)
     intervals: list[list[float | None]] = field(default_factory=list)
-
-
-def python_launcher(args: list[str], log_path: str | None = None) -> Launch:
-    """A `launch` callable running `python <args>` with the pod's env over os.environ, in its own process group,
-    dying with the fake (PDEATHSIG), output to `log_path` (or discarded)."""
-
-    def launch(env: dict[str, str]) -> subprocess.Popen:
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        try:
-            return subprocess.Popen(
-                [sys.executable, *args],
-                env={**os.environ, **env},
-                stdout=out,
-                stderr=out,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-        finally:
-            if not isinstance(out, int):  # not DEVNULL: the child has its own copy
-                out.close()
-
-    return launch
-
-
-def worker_pods(pod_dir: str | os.PathLike) -> Launch:
-    """A `launch` that runs each pod as a real engine worker (`python -m coderai.engine_worker`) with the pod's
-    env, its data dir and log under `pod_dir` (named after the pod)."""
-    root = Path(pod_dir)
-    root.mkdir(parents=True, exist_ok=True)
-
-    def launch(env: dict[str, str]) -> subprocess.Popen:
-        name = env.get("CODERAI_NODE_ID") or env["RUNPOD_POD_ID"]
-        return python_launcher(["-m", "coderai.engine_worker"], str(root / f"{name}.log"))(
-            {**env, "CODERAI_DATA_DIR": str(root / name)}
-        )
-
-    return launch
-
-
-def kill_process(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
-    """SIGTERM a pod's process (its whole group when it leads one), SIGKILL after `grace_s`, and reap it."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 class FakeRunPod:
