@@ -368,13 +368,3 @@ def _login_ok(url: str, user: str, password: str) -> bool:
             return answer.startswith(b"+OK")
     except OSError:
         return False
-
-
-def __getattr__(name: str) -> object:
-    """`RedisServer` and `RedisSentinel` live in `embedded_redis` (which imports this module's helpers, so this one
-    cannot import it at load); still importable from here."""
-    if name in ("RedisServer", "RedisSentinel"):
-        from coderai.runtime import embedded_redis
-
-        return getattr(embedded_redis, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
