@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -16,6 +15,7 @@ from litestar.types import Receive, Scope, Send
 
 from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.gateway.errors import ApiError, ClientGone
+from coderai.runtime import ids
 from coderai.runtime.logging import request_id_var
 
 T = TypeVar("T")
@@ -80,7 +80,7 @@ def error_response(exc: ApiError) -> Response:
 
 def new_request_id() -> str:
     """A request id: random (no id in a response header says anything about another request's)."""
-    rid = secrets.token_hex(12)
+    rid = ids.token_hex(12)
     request_id_var.set(rid)
     return rid
 

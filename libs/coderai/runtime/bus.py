@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -28,6 +27,7 @@ from nats.js.kv import KeyValue
 from coderai.contracts import BusError, ErrorReply, KeepAlive, decode, encode, why_malformed
 from coderai.contracts.subjects import Subject
 from coderai.contracts.topology import HDR_REQUEST_ID, BucketSpec, StreamSpec
+from coderai.runtime import ids
 from coderai.runtime.nats_conn import close_nats, connect, split_urls, url_user
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ class Bus:
         if not self.nc.is_connected:
             raise BusError("no_engine", "message bus unavailable", retryable=True)
         await self._ensure_mux()
-        token = secrets.token_hex(8)  # unguessable: a reply subject names one request, never its neighbours
+        token = ids.token_hex(8)  # unguessable: a reply subject names one request, never its neighbours
         where = subject(**params)
         pending = FrameStream(self, token, timeout, where)
         self._streams[token] = pending
@@ -514,7 +514,7 @@ class Bus:
         await self._ensure_mux()
         if self._handout_sub is None:  # only callers that hand replies out subscribe here (gateways)
             self._handout_sub = await self.nc.subscribe(self._handout + ".*", cb=self._dispatch)
-        token = secrets.token_hex(8)
+        token = ids.token_hex(8)
         stream = FrameStream(self, token, idle_timeout_s)
         self._streams[token] = stream
         return stream, f"{self._handout}.{token}"
