@@ -31,7 +31,7 @@ from coderai.contracts.ops import BATCH_OPS, ENGINE_OPS, FANOUT_OPS, LLM_OPS
 from coderai.contracts.nodes import EngineState
 from coderai.contracts.subjects import ENGINE_CANCEL, EVT_MODEL_FETCH
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_REQUEST_ID
-from coderai.engine_worker import stage_host
+from coderai.engine_worker import handover, stage_host
 from coderai.engine_worker.engines import Engine, EngineLoadError, engine_class, resolve
 from coderai.engine_worker.engines.base import EngineLost, unhonoured
 from coderai.engine_worker.engines.base import CancelFlag
@@ -110,6 +110,10 @@ class EngineHost:
         self._tasks: set[asyncio.Task] = set()
         self.blobs = BlobProxy(bus)  # a node reaches blobs only through the gateway's blob service, by name
         self._pullers: list[PartPuller] = []
+        self.settled = asyncio.Event()  # its load ended (either way), or it was dropped: handed-over jobs stop waiting
+        self._intake: list[Any] = []  # its op subscriptions, which a replace keeps open (handover.py)
+        self._successor: EngineHost | None = None  # what replaces it on purpose: new jobs wait for it, run there
+        self._predecessor: EngineHost | None = None  # what it replaces: its intake closes once this one listens
 
     def status(self) -> EngineStatus:
         stats = self.engine.stats() if self.engine is not None and self.state == "ready" else {}
@@ -185,11 +189,13 @@ class EngineHost:
         except EngineLoadError as exc:
             self.state, self.error = "failed", str(exc)
             log.error("load of %s failed: %s", self.config.name, exc)
+            await self.let_go()
             return False
         self.load_s = time.monotonic() - t0
         self.used_at = time.monotonic()
         await self.subscribe()
         self.state = "ready"
+        self.settled.set()
         log.info("loaded %s as %s in %.2fs", self.config.name, self.engine_id, self.load_s)
         return True
 
@@ -209,11 +215,13 @@ class EngineHost:
                 ENGINE_OPS[op],
                 self._job(op),
                 spawn=self._admit,
+                queue=handover.INTAKE_QUEUE,  # shared with the host it replaces, while both listen
                 subject_str=ENGINE_OPS[op](node_id=self.node_id, engine_id=self.engine_id),
             )
             for op in self.config.serves()
             if op in ENGINE_OPS
         ]
+        self._intake = list(self._subs)
         if stage_host.serves_stages(self):  # a relayed video's stages (the cancel subscription stays last)
             self._subs.append(await stage_host.subscribe(self))
         self._subs.append(
@@ -228,6 +236,9 @@ class EngineHost:
         self._pullers = [PartPuller(self, op) for op in self.config.serves() if op in queued]
         for p in self._pullers:
             p.start()
+        old, self._predecessor = self._predecessor, None
+        if old is not None:  # this one listens now: the intake the replaced host kept open for it closes
+            await old._unsubscribe()
 
     async def _stop_pullers(self) -> None:
         for p in self._pullers:
@@ -258,7 +269,7 @@ class EngineHost:
         await self._stop_pullers()
         for sub in self._subs[:-1]:  # keep the cancel subscription: running jobs may still be cancelled
             await sub.unsubscribe()
-        self._subs = self._subs[-1:]
+        self._subs, self._intake = self._subs[-1:], []
 
     async def pause(self) -> None:
         """Drain: take no new jobs (jobs already here finish); the router stops sending on the next heartbeat."""
@@ -275,25 +286,46 @@ class EngineHost:
         """A load in progress stopped: the engine closed from a thread of its own (its executor's thread is busy
         loading), which stops a server child that is still starting."""
         self.state = "unloading"
+        await self.let_go()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
 
-    async def unload(self, timeout_s: float) -> None:
-        """Stop intake, let in-flight jobs finish (bounded), then free the model."""
-        self.state = "unloading"
-        await self._stop_pullers()
+    async def let_go(self) -> None:
+        """Its load ended, or it is dropped: jobs handed over to it stop waiting, and the intake of the host it
+        replaces closes (an idempotent step)."""
+        self.settled.set()
+        old, self._predecessor = self._predecessor, None
+        if old is not None:
+            await old._unsubscribe()
+
+    async def _unsubscribe(self, keep: list[Any] | None = None) -> None:
         for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection may be gone at shutdown
-                pass
-        self._subs = []
+            if keep is None or sub not in keep:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # connection may be gone at shutdown
+                    pass
+        self._subs = list(keep or [])
+
+    async def unload(self, timeout_s: float, successor: EngineHost | None = None) -> None:
+        """Stop intake, let in-flight jobs finish (bounded), then free the model. `successor`: the host that replaces
+        it on purpose (its model reloaded with other params): the intake stays open meanwhile, and a job that comes
+        waits for the successor to load and runs there (handover.py)."""
+        self.state = "unloading"
+        await self.let_go()
+        if successor is not None:
+            self._successor, successor._predecessor = successor, self
+        await self._stop_pullers()
+        cancels = self._subs[-1:]  # the cancel subscription stays while jobs finish: they may still be cancelled
+        await self._unsubscribe(cancels + (self._intake if successor is not None else []))
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
             for flag in self._cancels.values():
                 flag.set()
             for t in pending:
                 t.cancel()
+        if successor is None:  # else its successor closes the rest once it listens (or its load ends)
+            await self._unsubscribe()
         if self.engine is not None:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close)
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -313,7 +345,11 @@ class EngineHost:
     def _admit(self, coro: Any) -> None:
         """Start a job (`Bus.serve_stream`'s spawn), or refuse it as `busy`: when its expected wait for a slot is
         past the model's queue-time budget (`queue_time_s`), or its queue is at the engine's hard limit. The
-        refusal carries the expected wait, which the client gets as `Retry-After`."""
+        refusal carries the expected wait, which the client gets as `Retry-After`. Replaced on purpose, it hands
+        the job to its successor (handover.py)."""
+        if self._successor is not None:
+            handover.admit(self._successor, getattr(self.engine, "queue_limit", 0), coro)
+            return
         jobs = len(self._tasks)
         limit = getattr(self.engine, "queue_limit", 0)
         if limit and jobs >= limit:  # a bounded queue: beyond it the client is told to slow down
@@ -337,7 +373,14 @@ class EngineHost:
 
     def _job(self, op: str) -> Any:
         """The `serve_stream` handler of one op: the job runs with the request id and trace context of its headers."""
-        return lambda job, writer, m: self._run(op, job, writer, m.headers or {})
+
+        async def handle(job: Any, writer: FrameWriter, m: Msg) -> None:
+            if (successor := self._successor) is not None:  # replaced on purpose: it waits for the new engine
+                await handover.run_after_load(self, successor, op, job, writer, m.headers or {})
+            else:
+                await self._run(op, job, writer, m.headers or {})
+
+        return handle
 
     async def _on_cancel(self, req: CancelJob, _m: Msg) -> None:
         flag = self._cancels.get(req.request_id)

@@ -314,6 +314,7 @@ class Worker:
             for m in assignment.models:
                 if m.engine not in self.families:
                     log.error("assigned %s needs engine family %s, which this worker lacks", m.name, m.engine)
+            going: list[EngineHost] = []
             for name, host in list(self.hosts.items()):
                 if wanted.get(name) != host.config:
                     del self.hosts[name]
@@ -322,24 +323,35 @@ class Worker:
                         await self._cancel_load(host)
                     elif host.state == "loading":  # queued, not started: nothing to free
                         log.info("dropping the queued load of %s", name)
+                        await host.let_go()
                     else:
-                        log.info("unloading %s", name)
-                        await host.unload(self.settings.drain_timeout_s)
-            for name, cfg in wanted.items():
-                if name not in self.hosts:
-                    host = self.hosts[name] = EngineHost(
-                        self._bus,
-                        self.node_id,
-                        cfg,
-                        self.settings.keepalive_s,
-                        models_dir=self.models_dir,
-                        weights=self.weights,
-                        share_cache=self.settings.share_cache,
-                    )
-                    self._to_load.put_nowait(host)
+                        going.append(host)
+            new = [self._host(cfg) for name, cfg in wanted.items() if name not in self.hosts]
+            if going:  # what is unloaded no longer shows while it drains
+                await self.publish_heartbeat()
+            for host in going:
+                # reloaded with another config (a deliberate replace): the jobs that come meanwhile wait for the
+                # new copy, those running finish (bounded) before the old one is freed
+                successor = self.hosts.get(host.config.name)
+                log.info("%s %s", "reloading" if successor is not None else "unloading", host.config.name)
+                await host.unload(self.settings.drain_timeout_s, successor=successor)
+            for host in new:
+                self._to_load.put_nowait(host)
             if self._loader is None or self._loader.done():
                 self._loader = asyncio.create_task(self._load_in_turn(), name="model-loader")
         await self.publish_heartbeat()
+
+    def _host(self, cfg: ModelConfig) -> EngineHost:
+        host = self.hosts[cfg.name] = EngineHost(
+            self._bus,
+            self.node_id,
+            cfg,
+            self.settings.keepalive_s,
+            models_dir=self.models_dir,
+            weights=self.weights,
+            share_cache=self.settings.share_cache,
+        )
+        return host
 
     async def _load_in_turn(self) -> None:
         """Load the queued models one at a time (two loads at once could need the memory of both), skipping any
@@ -355,6 +367,7 @@ class Worker:
             finally:
                 self._loading, task = None, self._load_task
                 self._load_task = None
+                await host.let_go()  # however its load ended: jobs handed over to it stop waiting
             if self.hosts.get(host.config.name) is not host:  # removed while it loaded: free what it holds
                 await host.unload(0)
             elif task is not None and task.cancelled():
