@@ -153,9 +153,9 @@ class RemoteEngine(Engine):
                 raise  # the request's own fault, as the endpoint says: another one would say the same
             except Exception as exc:  # an endpoint's failure: the next one, unless already answering
                 if started or cancel:
-                    raise RuntimeError(_plain(e, exc)) from None
+                    raise RuntimeError(plain_failure(f"remote {e.url}", exc)) from None
                 self._down(e, exc)
-                failures.append(_plain(e, exc))
+                failures.append(plain_failure(f"remote {e.url}", exc))
             finally:
                 with self._lock:
                     e.in_flight -= 1
@@ -168,10 +168,11 @@ class RemoteEngine(Engine):
         return self._relay("complete", job, cancel, emit)
 
 
-def _plain(e: Endpoint, exc: BaseException) -> str:
-    """An endpoint's failure in one line: a malformed or oversized answer said as such, not as our bug."""
+def plain_failure(who: str, exc: BaseException) -> str:
+    """A server's failure in one line (`who`: "remote <url>"): a malformed or oversized answer said as such, not as
+    our bug."""
     if isinstance(exc, AnswerTooBig):
-        return f"remote {e.url} sent {exc}"
+        return f"{who} sent {exc}"
     if isinstance(exc, (ValueError, KeyError, TypeError, IndexError)):
-        return f"remote {e.url} sent a malformed answer ({type(exc).__name__})"
+        return f"{who} sent a malformed answer ({type(exc).__name__})"
     return str(exc)[:500]
