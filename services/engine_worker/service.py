@@ -24,6 +24,7 @@ from coderai.engine_worker.host import EngineHost
 from coderai.engine_worker.node import GpuProbe, addresses, build_heartbeat, memory
 from coderai.engine_worker.rpc import RpcService, cluster_address, gate_address
 from coderai.engine_worker.settings import WorkerSettings
+from coderai.engine_worker.thermal import Thermal, thermal_for
 from coderai.engine_worker.training import TrainingHost, training_capabilities
 from coderai.contracts import BusError
 from coderai.runtime.joining import JoinRefused, join, saved_url
@@ -84,6 +85,7 @@ class Worker:
         self.rpc: RpcService | None = None
         self.stored: list[str] = []  # model files fetched from the head's store (fetch.stored_files), for placement
         self.weights = weights_store(settings)
+        self.thermal: Thermal | None = None  # a GPU (or this machine) too hot for new work pauses engines (start)
         add_secret(os.environ.get("HF_TOKEN", ""))  # the pull reads it from the environment; no log line shows it
 
     @property
@@ -135,6 +137,10 @@ class Worker:
         self.stored = await asyncio.to_thread(stored_files, self.models_dir)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
+        self.thermal = await asyncio.to_thread(thermal_for, s.thermal_file, s.thermal_limit_c, s.thermal_resume_c)
+        if self.thermal is not None:
+            watch = asyncio.create_task(self.thermal.run(s.thermal_poll_s, self.hold), name="thermal")
+            stack.callback(watch.cancel)
         if s.models_json:  # a rented pod: its models came with it, nobody reassigns them
             fixed = decode(s.models_json, list[ModelConfig])
             self._watch_task = asyncio.create_task(self.converge(Assignment(node_id=self.node_id, models=fixed)))
@@ -182,15 +188,25 @@ class Worker:
         return NodeLogs(node_id=self.node_id, lines=ring.tail(req.lines))
 
     async def _drain(self, req: DrainRequest, _m) -> NodeState:
-        """Drain or undrain every engine; new models loaded while draining start drained too."""
+        """Drain or undrain every engine (those a hot card holds stay paused until it cools); new models loaded
+        while draining start drained too."""
         self.draining = req.drain
-        for h in self.hosts.values():
-            await (h.pause() if req.drain else h.resume())
         log.info("node %s", "draining: taking no new work" if req.drain else "taking work again")
-        await self.publish_heartbeat()
+        await self.hold()
         return NodeState(
             node_id=self.node_id, draining=self.draining, in_flight=sum(h.in_flight for h in self.hosts.values())
         )
+
+    def held(self, host: EngineHost) -> bool:
+        """Whether `host` may take no new work now: the node drains, or a card it runs on (or the machine) is hot."""
+        return self.draining or (self.thermal is not None and self.thermal.holds(list(host.config.devices)))
+
+    async def hold(self) -> None:
+        """Pause the engines held (`held`), resume the others (paused by a drain or the heat that ended), and say so
+        in a heartbeat; engines in flight finish either way."""
+        for h in list(self.hosts.values()):
+            await (h.pause() if self.held(h) else h.resume())
+        await self.publish_heartbeat()
 
     async def _discover(self) -> str:
         """Browse mDNS until a head with our token's fingerprint shows up (a stranger's cluster never matches)."""
@@ -228,6 +244,8 @@ class Worker:
             mem_budget=self.settings.memory_budget_mb << 20,
             stored=self.stored,
         )
+        if self.thermal is not None and self.thermal.hot:
+            hb = msgspec.structs.replace(hb, hot=self.thermal.hot_temps())
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
 
     async def _heartbeat_loop(self) -> None:
@@ -380,7 +398,7 @@ class Worker:
         if host.config.store_path or host.config.source:  # it may have fetched files
             self.stored = await asyncio.to_thread(stored_files, self.models_dir)
         if loaded and self.hosts.get(name) is host:
-            if self.draining:
+            if self.held(host):  # the node drains, or its card is hot: it starts paused
                 await host.pause()
             evt = ModelLoaded(
                 node_id=self.node_id, engine_id=host.engine_id, model=name, load_s=host.load_s, ts=time.time()

@@ -8,6 +8,8 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
 
     heartbeat_s: float = 2.0
     keepalive_s: float = 1.0  # a frame at least this often while a job is queued or prefilling
+    # how long in-flight jobs may take to finish when their model is unloaded (evicted, removed, moved) or reloaded
+    # with another config (jobs that come meanwhile wait for the new copy), or on SIGTERM
     drain_timeout_s: float = 15.0
     families: list[str] = []  # engine families to offer; empty: every one whose library is installed
     mdns: bool = True  # with a cluster token: announce this node, and find the head when no NATS URL is given
@@ -39,3 +41,21 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     rpc_threads: int = 0  # 0: every core
     # RAM (MB) the models placed here may use in all (the heartbeat's mem_budget); 0: 90 % of it
     memory_budget_mb: int = 0
+    # thermal supervision (docs/reliability.md): a GPU (or the machine, read from its thermal zones) at or over this
+    # many °C takes no new work until it is below `thermal_resume_c`; read from NVML, else nvidia-smi, else
+    # /sys/class/thermal. 0: not watched
+    thermal_limit_c: float = 90.0
+    thermal_resume_c: float = 80.0  # °C below which a hot GPU (or machine) takes work again
+    thermal_poll_s: float = 5.0  # how often temperatures are read
+    # read temperatures from this file instead (a test, or a sensor of your own): a JSON number (the machine, °C)
+    # or an object of sensors, a GPU's index or "node", to °C, e.g. {"0": 91.5}
+    thermal_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.thermal_limit_c > 0 and self.thermal_resume_c >= self.thermal_limit_c:
+            raise ValueError(
+                f"CODERAI_WORKER_THERMAL_RESUME_C ({self.thermal_resume_c:g}) must be below "
+                f"CODERAI_WORKER_THERMAL_LIMIT_C ({self.thermal_limit_c:g})"
+            )
+        if self.thermal_poll_s <= 0:
+            raise ValueError(f"CODERAI_WORKER_THERMAL_POLL_S must be over 0 (is {self.thermal_poll_s:g})")

@@ -110,6 +110,13 @@ class Series:
         )
         self._leader_labels: set[tuple[str, str]] = set()
         self.mem_free = Gauge("coderai_node_memory_free_bytes", "free RAM per node", ["node"], registry=r)
+        self.hot = Gauge(
+            "coderai_node_hot",
+            "sensors of a node (its GPUs, or the machine) over the worker's temperature limit: its engines there "
+            "take no new work until they cool (0: none)",
+            ["node"],
+            registry=r,
+        )
         self.gpu_free = Gauge(
             "coderai_node_gpu_memory_free_bytes", "free memory per GPU of a node", ["node", "gpu"], registry=r
         )
@@ -204,6 +211,7 @@ class Series:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         self.mem_free.labels(hb.node_id).set(hb.mem_free)
+        self.hot.labels(hb.node_id).set(len(hb.hot))
         for i, gpu in enumerate(hb.gpu_memory):
             self.gpu_free.labels(hb.node_id, str(i)).set(gpu.free)
         now = {(hb.node_id, e.engine_id, e.model) for e in hb.engines}

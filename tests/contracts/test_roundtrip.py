@@ -78,6 +78,7 @@ SAMPLES = [
         engines=[EngineStatus(engine_id="e", model="m", engine="llama", ops=["chat"], state="loading")],
         mem_total=10,
         mem_free=5,
+        hot={"0": 91.5},
     ),
     MODEL,
     Assignment(node_id="n", models=[MODEL]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -236,3 +238,11 @@ def test_fanout_parts_by_worker_and_redeliveries():
     assert 'coderai_fanout_parts_total{kind="embed",model="m",node="n2",status="ok"} 2.0' in text
     assert 'coderai_fanout_parts_total{kind="embed",model="m",node="n1",status="retry"} 1.0' in text
     assert 'coderai_fanout_redelivered_total{kind="embed",model="m"} 1.0' in text
+
+
+def test_a_hot_node_shows_how_many_of_its_sensors_are_over_the_limit():
+    s = Series()
+    s.on_heartbeat(msgspec.structs.replace(beat("n1"), hot={"0": 92.0, "1": 95.5}))
+    assert s.registry.get_sample_value("coderai_node_hot", {"node": "n1"}) == 2
+    s.on_heartbeat(beat("n1"))  # cooled: the heartbeat leaves `hot` out
+    assert s.registry.get_sample_value("coderai_node_hot", {"node": "n1"}) == 0

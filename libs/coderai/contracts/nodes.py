@@ -72,6 +72,9 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     gpu_memory: list[GpuMemory] = []  # per GPU, in device order (vram_total/vram_free are their sums)
     stored: list[str] = []  # store paths of the model files this node fetched from the head (placement prefers them)
     mem_budget: int = 0  # bytes of RAM the operator lets models use here (CODERAI_WORKER_MEMORY_BUDGET_MB); 0: 90 %
+    # sensors over the worker's temperature limit, with their last reading (°C): a GPU's index ("0"), or "node" for
+    # the machine; the engines they hold report `draining` until they cool (empty, and left out, while none is hot)
+    hot: dict[str, float] = {}
 
 
 class Assignment(Message, frozen=True, kw_only=True):
