@@ -45,17 +45,13 @@ class WorkerSettings(CommonSettings, frozen=True, kw_only=True):
     # many °C takes no new work until it is below `thermal_resume_c`; read from NVML, else nvidia-smi, else
     # /sys/class/thermal. 0: not watched
     thermal_limit_c: float = 90.0
-    thermal_resume_c: float = 80.0  # °C below which a hot GPU (or machine) takes work again
+    # °C below which a hot GPU (or machine) takes work again; at or over the limit: as soon as it is below the limit
+    thermal_resume_c: float = 80.0
     thermal_poll_s: float = 5.0  # how often temperatures are read
     # read temperatures from this file instead (a test, or a sensor of your own): a JSON number (the machine, °C)
     # or an object of sensors, a GPU's index or "node", to °C, e.g. {"0": 91.5}
     thermal_file: str = ""
 
     def __post_init__(self) -> None:
-        if self.thermal_limit_c > 0 and self.thermal_resume_c >= self.thermal_limit_c:
-            raise ValueError(
-                f"CODERAI_WORKER_THERMAL_RESUME_C ({self.thermal_resume_c:g}) must be below "
-                f"CODERAI_WORKER_THERMAL_LIMIT_C ({self.thermal_limit_c:g})"
-            )
         if self.thermal_poll_s <= 0:
             raise ValueError(f"CODERAI_WORKER_THERMAL_POLL_S must be over 0 (is {self.thermal_poll_s:g})")

@@ -247,9 +247,8 @@ class Thermal:
     """Which sensors are hot, with hysteresis: hot at or over `limit_c`, cool again only below `resume_c`."""
 
     def __init__(self, source: Source, limit_c: float, resume_c: float) -> None:
-        if resume_c >= limit_c:
-            raise ValueError(f"the resume temperature ({resume_c:g} °C) must be below the limit ({limit_c:g} °C)")
-        self.source, self.limit_c, self.resume_c = source, limit_c, resume_c
+        # a resume mark at or over the limit is no hysteresis: cool again as soon as it is below the limit
+        self.source, self.limit_c, self.resume_c = source, limit_c, min(resume_c, limit_c)
         self.temps: Readings = {}
         self.hot: set[str] = set()
         self._problems: set[str] = set()
@@ -321,5 +320,13 @@ def thermal_for(file: str, limit_c: float, resume_c: float) -> Thermal | None:
     if source is None:
         log.info("no temperature to watch on this machine (no NVML, nvidia-smi or thermal zone)")
         return None
-    log.info("watching temperatures from %s: limit %g °C, resume below %g °C", source.name, limit_c, resume_c)
-    return Thermal(source, limit_c, resume_c)
+    if resume_c >= limit_c:
+        log.warning(
+            "CODERAI_WORKER_THERMAL_RESUME_C (%g) is not below CODERAI_WORKER_THERMAL_LIMIT_C (%g): a hot card takes "
+            "work again as soon as it is below the limit",
+            resume_c,
+            limit_c,
+        )
+    t = Thermal(source, limit_c, resume_c)
+    log.info("watching temperatures from %s: limit %g °C, resume below %g °C", source.name, limit_c, t.resume_c)
+    return t
