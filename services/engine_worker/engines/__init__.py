@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import msgspec
 
@@ -34,8 +33,13 @@ def available_families() -> list[str]:
 def _external(family: str) -> bool:
     if family == "llama-server":  # llama.cpp's server binary (scripts/setup builds it), else the in-process engine
         return find_llama_server() is not None or importlib.util.find_spec("llama_cpp") is not None
-    # vLLM pins its own torch, so a worker may keep it in another venv and name that interpreter instead
-    return family == "vllm" and bool(os.environ.get("CODERAI_VLLM_PYTHON"))
+    if family != "vllm":
+        return False
+    # vLLM pins its own torch, so a worker keeps it in a venv of its own: CODERAI_VLLM_PYTHON, or the one scripts/setup
+    # links as .venv/vllm (imported here only when asked: the engine modules load when a model of theirs is placed)
+    from coderai.engine_worker.engines.vllm import find_vllm_python
+
+    return find_vllm_python() is not None
 
 
 # what only the llama-server family reads; dropped when a model falls back to the in-process engine

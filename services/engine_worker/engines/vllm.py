@@ -1,7 +1,8 @@
 """vLLM through its own OpenAI server, run as a child process: chat (tools, JSON schema) and completions.
 
-The server runs under its own interpreter (`params["python"]`, else `CODERAI_VLLM_PYTHON`, else this one),
-because vLLM pins a torch build that rarely matches the worker's; a worker keeps it in a separate venv.
+The server runs under its own interpreter, because vLLM pins a torch build that rarely matches the worker's: a
+worker keeps it in a separate venv. Which one: `params["python"]`, else `find_vllm_python()` (`CODERAI_VLLM_PYTHON`,
+else the venv `scripts/setup` links as `vllm/` inside this interpreter's venv), else this interpreter.
 The engine translates jobs to OpenAI requests on loopback; vLLM batches concurrent requests itself, so the
 engine keeps no lock. Streaming reads the server's SSE and stops on cancel: closing the response drops the
 connection, and vLLM aborts a request whose client went away, freeing its KV cache. A whole (non-streamed)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from coderai.contracts import ChatJob, CompletionJob
@@ -28,6 +30,16 @@ from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, para
 OWN_PARAMS = frozenset(
     {"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit", "crash_window_s"}
 )
+
+
+def find_vllm_python() -> str | None:
+    """The interpreter of a venv of vLLM's own: `CODERAI_VLLM_PYTHON`, else `<this venv>/vllm/bin/python` (where
+    `scripts/setup` links the one it makes), else None. A worker offers the vllm family when there is one."""
+    named = os.environ.get("CODERAI_VLLM_PYTHON")
+    if named:
+        return named
+    beside = Path(sys.prefix) / "vllm" / "bin" / "python"
+    return str(beside) if beside.exists() else None
 
 
 def server_command(python: str, model_path: str, name: str, port: int, params: dict[str, Any]) -> list[str]:
@@ -44,6 +56,8 @@ def server_command(python: str, model_path: str, name: str, port: int, params: d
         str(port),
         "--served-model-name",
         name,
+        # usage then says how many prompt tokens came from the prefix cache: the heartbeat's cache counters
+        "--enable-prompt-tokens-details",
     ]
     return cmd + param_flags(params, OWN_PARAMS)
 
@@ -58,7 +72,7 @@ class VllmEngine(OpenAIServerEngine):
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
-        python = self.config.param_str("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
+        python = self.config.param_str("python") or find_vllm_python() or sys.executable
         cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
         return cmd, {
             **os.environ,

@@ -6,7 +6,7 @@ puts the model in every planned node's assignment. The worker then runs:
 - on the serving node, `VllmRayEngine`: `ray start --head` on its cluster address, waits until every planned
   node has joined, then the usual vLLM engine with the Ray backend and the ranks of the plan;
 - on the others, `RayMember`: `ray start --address <head>` kept running; it answers no requests.
-Ray and vLLM run under vLLM's interpreter (`params["python"]` or `CODERAI_VLLM_PYTHON`), where both live.
+Ray and vLLM run under vLLM's interpreter (as `VllmEngine`'s: `params["python"]`, else `find_vllm_python()`).
 Ray's ports: GCS `params["ray_port"]` (default 6385: 6379, Ray's own default, is Redis's), the rest Ray picks.
 
 The commands and environment are pure functions (unit-tested); every process runs in its own session so
@@ -28,7 +28,7 @@ import msgspec
 from coderai.contracts import ModelConfig
 from coderai.contracts.split import SplitPlan
 from coderai.engine_worker.engines.base import Engine, EngineLoadError
-from coderai.engine_worker.engines.vllm import VllmEngine
+from coderai.engine_worker.engines.vllm import VllmEngine, find_vllm_python
 
 DEFAULT_RAY_PORT = 6385
 JOIN_TIMEOUT_S = 300.0
@@ -36,7 +36,7 @@ RAY_PARAMS = frozenset({"ray_port", "ray_join_timeout_s"})
 
 
 def python_for(config: ModelConfig) -> str:
-    return config.param_str("python") or os.environ.get("CODERAI_VLLM_PYTHON") or sys.executable
+    return config.param_str("python") or find_vllm_python() or sys.executable
 
 
 def ray_port(config: ModelConfig) -> int:
