@@ -54,6 +54,7 @@ from coderai.contracts.subjects import (
 )
 from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
 from coderai.pod_broker import choosing
+from coderai.pod_broker.serverless import Serverless
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
@@ -81,6 +82,7 @@ class Broker:
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_orphan_scan = 0.0
         self.redis: Any = None
+        self.serverless = Serverless(self)  # models whose policy names a serverless endpoint (serverless.py)
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
@@ -104,6 +106,7 @@ class Broker:
 
             self.api = RunPodClient(api_key=s.runpod_api_key, base_url=s.runpod_api_base)
             stack.push_async_callback(self.api.aclose)
+        await self.serverless.start(stack)
         for subject, handler in (
             (CMD_BROKER_STATUS, self._status),
             (CMD_BROKER_ACQUIRE, self._acquire),
@@ -194,7 +197,7 @@ class Broker:
 
     @staticmethod
     def _with_live_cost(p: PodInfo, now: float) -> PodInfo:
-        if p.state in LIVE and p.created_at:
+        if p.state in LIVE and p.created_at and not p.serverless:  # a relay's cost is its requests
             return msgspec.structs.replace(p, cost_usd=round(p.hourly_usd * (now - p.created_at) / 3600, 6))
         return p
 
@@ -233,6 +236,8 @@ class Broker:
         from coderai.accounts.pod_money import OverBudget
         from coderai.pod_broker.runpod_api import NoCapacity, RunPodError
 
+        if m.pod.serverless_endpoint:
+            return await self.serverless.create(m)
         if not self.configured:
             raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._why_off()}")
         down = self.api.outage
@@ -397,7 +402,8 @@ class Broker:
                 if await self._idle(p, now):
                     await self.end(p, "terminated", "idle")
                     continue
-            await self._keep_reserved(p, now)
+            if not p.serverless:  # a relay's requests reserve their own money
+                await self._keep_reserved(p, now)
         await self._floors()
         if now - self._last_orphan_scan >= self.settings.orphan_scan_s:
             self._last_orphan_scan = now
@@ -473,7 +479,7 @@ class Broker:
         now = time.time()
         for m in list(self.models.values.values()):
             want = self._floor(m, now)
-            if want and len(self._live(m.name)) < want and self.configured:
+            if want and len(self._live(m.name)) < want and (self.configured or m.pod.serverless_endpoint):
                 try:
                     async with self._locks.setdefault(m.name, asyncio.Lock()):
                         if len(self._live(m.name)) < want:
@@ -488,6 +494,9 @@ class Broker:
         """Terminate the pod (retried) and bill it from creation to now, boot included, or to `billed_until` when
         RunPod stopped billing it before (a preempted spot pod)."""
         from coderai.pod_broker.runpod_api import RunPodError
+
+        if p.serverless:
+            return await self.serverless.end(p, state, reason)
 
         p = await self._save(msgspec.structs.replace(p, state="stopping"))
         t0 = time.time()

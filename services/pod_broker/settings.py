@@ -10,6 +10,7 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     runpod_api_key: str = ""
     hf_token: str = ""  # given to each pod as HF_TOKEN, for the gated or private weights of a model's source
     runpod_api_base: str = "https://api.runpod.io"  # POST <base>/graphql
+    runpod_serverless_base: str = "https://api.runpod.ai"  # serverless endpoints: <base>/v2/<endpoint id>/...
     redis_url: str = ""  # the spend ledger, reservations and caps; pods are off without it
     pod_credentials_ttl_s: float = 7 * 24 * 3600  # a pod's NATS user ends with the pod, or after this long
     pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it

@@ -176,6 +176,7 @@ class Booking(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     start: float
     end: float
     booked_at: float
+    usd_micro: int | None = None  # the charge itself (a serverless request's), instead of rate x (end - start)
 
 
 class PodJournal:
@@ -427,23 +428,40 @@ class PodMoney:
         return out
 
     async def book(
-        self, pod_id: str, model: str, gpu: str, rate_hr: float, start: float, end: float, now: float
+        self,
+        pod_id: str,
+        model: str,
+        gpu: str,
+        rate_hr: float,
+        start: float,
+        end: float,
+        now: float,
+        usd: float | None = None,
     ) -> LedgerEntry | None:
         """Bill a terminated pod from `start` (creation, boot included) to `end`, atomically: one ledger entry,
         spend added to every period kind (cut at boundaries) for the model and globally, its reservation and rate
         released. Booking the same pod again does nothing and returns None. With a journal, the booking is
-        journalled first (a pod journalled before is booked as it was journalled)."""
+        journalled first (a pod journalled before is booked as it was journalled). `usd`: the charge, when it is not
+        the rate x the time (a serverless request's: its seconds rounded up, plus a price per request)."""
         if end < start:
             raise ValueError(f"pod {pod_id!r} ends ({end}) before it starts ({start})")
         booking = Booking(
-            pod_id=pod_id, model=model, gpu=gpu, rate_micro=to_micro(rate_hr), start=start, end=end, booked_at=now
+            pod_id=pod_id,
+            model=model,
+            gpu=gpu,
+            rate_micro=to_micro(rate_hr),
+            start=start,
+            end=end,
+            booked_at=now,
+            usd_micro=None if usd is None else to_micro(usd),
         )
         if self.journal is not None:
             booking = await self.journal.keep(booking)
         return await self._book(booking)
 
     async def _book(self, bk: Booking) -> LedgerEntry | None:
-        rate, usd = bk.rate_micro, _cost_micro(bk.rate_micro, bk.start, bk.end)
+        rate = bk.rate_micro
+        usd = bk.usd_micro if bk.usd_micro is not None else _cost_micro(rate, bk.start, bk.end)
         a, b = Fraction(_dec(bk.start)), Fraction(_dec(bk.end))
         keys, amounts = self._base(bk.pod_id) + [f"{self.p}:ledger"], []
         for period in PERIODS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal, overload
 
 from coderai.contracts.base import Message
@@ -10,6 +11,8 @@ from coderai.contracts.families import DEFAULT_OPS, EngineFamily
 from coderai.contracts.params import as_float, as_int, as_str, as_strs, as_table
 from coderai.contracts.split import SplitMode, SplitPlan
 
+SERVERLESS_ENDPOINT_ID = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
+"""A RunPod serverless endpoint id as RunPod makes them: it becomes a path segment of api.runpod.ai/v2/<id>/..."""
 ON_DEMAND_KEEP_ALIVE_S = 300.0  # an on_demand model's keep_alive when neither it nor a request says (Ollama's default)
 
 
@@ -45,6 +48,25 @@ class PodPolicy(Message, frozen=True, kw_only=True):
     # a RunPod network volume id: attached to each pod (at /workspace), where its worker keeps the weights it
     # fetches by the model's `source`, so the next pod finds them there and starts warm
     volume: str = ""
+    # RunPod serverless (docs/pods.md#serverless): escalate to this endpoint (its id) instead of renting a pod; its
+    # OpenAI route serves the requests, each booked at `serverless_usd_per_s` x its seconds (RunPod bills flex
+    # workers by the second, rounded up) + `serverless_usd_per_request`, under the same caps and budgets
+    serverless_endpoint: str = ""
+    serverless_model: str = ""  # the model name the endpoint serves; empty: this model's name
+    serverless_usd_per_s: float = 0.0
+    serverless_usd_per_request: float = 0.0
+    serverless_max_s: float = 300.0  # a request's longest run: each reserves its price for this long, then is cut
+
+    def __post_init__(self) -> None:
+        if self.serverless_endpoint and not SERVERLESS_ENDPOINT_ID.match(self.serverless_endpoint):
+            raise ValueError(
+                f"pod.serverless_endpoint {self.serverless_endpoint[:80]!r} is not a RunPod endpoint id "
+                "(lowercase letters and digits, inner hyphens, at most 64)"
+            )
+        if min(self.serverless_usd_per_s, self.serverless_usd_per_request) < 0:
+            raise ValueError("pod.serverless_usd_per_s and pod.serverless_usd_per_request may not be negative")
+        if not 0 < self.serverless_max_s <= 3600:
+            raise ValueError("pod.serverless_max_s must be above 0 and at most 3600")
 
 
 class ModelConfig(Message, frozen=True, kw_only=True):

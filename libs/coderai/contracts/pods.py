@@ -34,6 +34,9 @@ class PodInfo(Message, frozen=True, kw_only=True):
     reserved_usd: float = 0.0
     cost_usd: float = 0.0  # live while it runs, final once billed
     error: str = ""
+    # a RunPod serverless endpoint's id: this record is the broker's relay to it, no rented pod (docs/pods.md);
+    # its requests are billed one by one, `cost_usd` is their sum
+    serverless: str = ""
 
 
 class BrokerStatus(Message, frozen=True, kw_only=True, tag="broker.status", tag_field="t"):

@@ -41,6 +41,7 @@ from coderai.testing.fake_runpod_launch import Launch, kill_process
 from coderai.testing.fake_runpod_launch import python_launcher as python_launcher  # importable from here too
 from coderai.testing.fake_runpod_launch import worker_pods as worker_pods
 from coderai.testing.fake_runpod_schema import SCHEMA
+from coderai.testing.fake_runpod_serverless import FakeServerless
 
 NO_CAPACITY_MESSAGE = (
     "There are no longer any instances available with the requested specifications. Please refresh and try again."
@@ -123,6 +124,9 @@ class FakeRunPod:
         self._closed = False
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
+        # serverless endpoints (`/v2/<id>/...`, fake_runpod_serverless), on the same port: point the broker's
+        # runpod_serverless_base at `base_url`
+        self.serverless = FakeServerless(api_key, now)
 
     def start(self) -> FakeRunPod:
         """Bind a random port on `host` and serve, and start the thread that boots pods."""
@@ -131,6 +135,13 @@ class FakeRunPod:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 fake._handle(self)
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                if url.path.startswith("/v2/"):
+                    fake.serverless.handle(self, "GET", url, b"")
+                else:
+                    fake._reply(self, 404, {"errors": [{"message": "Not Found"}]})
 
             def log_message(self, *_args) -> None:
                 pass
@@ -165,6 +176,7 @@ class FakeRunPod:
         for pod in pods:
             if pod.terminated_at is None:
                 self._halt(pod.id, "TERMINATED")
+        self.serverless.close()
 
     def __enter__(self) -> FakeRunPod:
         return self.start()
@@ -254,6 +266,8 @@ class FakeRunPod:
     def _handle(self, req: BaseHTTPRequestHandler) -> None:
         url = urlsplit(req.path)
         body = req.rfile.read(int(req.headers.get("Content-Length") or 0))
+        if url.path.startswith("/v2/"):
+            return self.serverless.handle(req, "POST", url, body)
         with self._lock:
             self.request_count += 1
             injected = self._failures.pop(0) if self._failures else self._outage
