@@ -119,3 +119,43 @@ async def test_a_request_waiting_for_a_reload_that_fails_is_told_so(bus, worker)
     assert all(isinstance(f, KeepAlive) for f in frames[:-1])
     await reload
     await wait_for(lambda: worker.hosts["echo"].state == "failed", 30, what="the failed load")
+
+
+@pytest.mark.slow
+async def test_a_llama_server_reloaded_with_other_params_finishes_the_stream_it_serves(bus, worker, tiny_gguf):
+    """The same on a real llama-server child: the old server is stopped only after its stream ended whole."""
+    from coderai.engine_worker.engines import llama_server
+
+    if llama_server.find_binary() is None:
+        pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
+    worker.families.append("llama-server")
+
+    def cfg(parallel: int) -> ModelConfig:
+        params = {"parallel": parallel, "n_ctx": 2048, "n_threads": 1}
+        return ModelConfig(name="echo", engine="llama-server", path=str(tiny_gguf), params=params)
+
+    await worker.converge(Assignment(node_id=worker.node_id, models=[cfg(1)]))
+    old = await _ready(worker)
+    server = old.engine
+    assert isinstance(server, llama_server.LlamaServerEngine)
+    eos = server.post_json("/tokenize", {"content": "<|im_end|>", "parse_special": True}, "t")["tokens"]
+    job = ChatJob(
+        request_id="long",
+        model="echo",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        params=SamplingParams(max_tokens=1500, temperature=0, logit_bias={str(eos[0]): -100.0}),  # no end of turn
+    )
+    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=60, node_id=worker.node_id, engine_id=old.engine_id)
+    first: list = []
+    while not _text(first):
+        first.append(decode(await stream.next_raw(), Frame))
+    reload = asyncio.create_task(worker.converge(Assignment(node_id=worker.node_id, models=[cfg(2)])))
+    await wait_for(lambda: old.state == "unloading", 10, what="the reload to begin")
+    assert old.in_flight == 1 and server.child.running()  # the reload waits for the stream; the server still runs
+    frames = await _rest(stream, first)
+    assert isinstance(frames[-1], Final), frames[-1]
+    assert frames[-1].usage.completion_tokens == 1500
+    await reload
+    new = await _ready(worker)
+    assert new.config.params["parallel"] == 2 and not server.child.running()
