@@ -15,6 +15,9 @@ RunPod stopped billing it then, and replaced only as any ended pod is, by a warm
 RunPod's API fails (the client's `outage`), renting is refused at once, so a request falls back to a busy engine or
 gets its 503 without waiting out RunPod's retries; local serving never waits on RunPod.
 
+A model whose policy names a RunPod serverless endpoint escalates to a relay to that endpoint instead of a pod, its
+requests billed one by one (`serverless.py`).
+
 Run one broker per cluster: the reconcile loop is not shared between replicas.
 """
 
