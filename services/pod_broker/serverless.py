@@ -272,7 +272,7 @@ class Serverless:
         await self._stop(name)
         with contextlib.suppress(BusError):  # its credentials end with it (else with their ttl)
             await self.b.bus.request(CMD_SCHEDULER_REVOKE, RevokeRequest(node_id=name, forget=True), timeout=5.0)
-        shutil.rmtree(self._dir(name), ignore_errors=True)
+        shutil.rmtree(self._dir(name) / "secrets", ignore_errors=True)  # its worker.log stays, for the operator
 
     # --- money (the proxy's Meter) ------------------------------------------------------------------------
 
