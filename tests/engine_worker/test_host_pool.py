@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from coderai.contracts import ChatJob, ModelConfig, SamplingParams
@@ -31,6 +32,7 @@ from coderai.models_file import load_models
 from coderai.runtime.embedded import free_port
 from coderai.testing.fake_host import alive, release, stats
 from coderai.testing.procs import wait_until
+from coderai.testing.stack import running_stack
 
 HELPER = [sys.executable, "-m", "coderai.testing.fake_host"]
 
@@ -119,13 +121,14 @@ def chat(text: str = "hi", stream: bool = False) -> ChatJob:
     return ChatJob(request_id="r1", model="m", messages=messages, stream=stream, params=SamplingParams(max_tokens=3))
 
 
-def answer(eng: HostPoolEngine, stream: bool = False) -> str:
+def answer(eng: HostPoolEngine, stream: bool = False, text: str = "hi") -> str:
+    """The answer's text (a host started with --hold holds a request saying `hold`)."""
     if not stream:
-        choices, _ = eng.chat(chat(), CancelFlag(), None)
+        choices, _ = eng.chat(chat(text), CancelFlag(), None)
         return str(choices[0].message["content"])
     pieces: list[str] = []
     eng.chat(
-        chat(stream=True),
+        chat(text, stream=True),
         CancelFlag(),
         lambda delta, text, finish, **_: pieces.append((delta or {}).get("content") or ""),
     )
@@ -157,7 +160,7 @@ def test_load_goes_to_the_host_with_fewest_requests_in_flight(lab):
     wait_until(lambda: lab.healthy("alpha") and lab.healthy("beta"), 30, "both hosts up")
     eng = lab.engine()
     with ThreadPoolExecutor(4) as ex:
-        futures = [ex.submit(answer, eng, i % 2 == 0) for i in range(4)]
+        futures = [ex.submit(answer, eng, i % 2 == 0, "hold") for i in range(4)]
         wait_until(lambda: stats(lab.url("alpha"))["held"] + stats(lab.url("beta"))["held"] == 4, 30, "4 held")
         assert stats(lab.url("alpha"))["held"] == stats(lab.url("beta"))["held"] == 2
         release(lab.url("alpha"))
@@ -172,7 +175,7 @@ def test_a_host_killed_mid_request_hands_it_to_another_started_for_it_then_idle_
     lab.write([lab.host("alpha", hold=True, idle_stop_s=0.3), lab.host("beta", idle_stop_s=0.3)])
     eng = lab.engine()
     with ThreadPoolExecutor(1) as ex:
-        pending = ex.submit(answer, eng, stream)
+        pending = ex.submit(answer, eng, stream, "hold")
         wait_until(lambda: lab.healthy("alpha") and stats(lab.url("alpha"))["held"] == 1, 30, "alpha holds it")
         assert lab.events() == ["start alpha"]  # busy, it is not stopped for being idle
         os.kill(lab.pid("alpha"), signal.SIGKILL)
@@ -183,9 +186,16 @@ def test_a_host_killed_mid_request_hands_it_to_another_started_for_it_then_idle_
     assert lab.events().count("start beta") == 1
 
 
+def hang(lab: Lab) -> list[str]:
+    """A start command that never ends, its pid in the lab's `stuck.pid` (a shell only because the test says so:
+    it writes its pid within milliseconds, then becomes the sleep)."""
+    return ["/bin/sh", "-c", f"echo $$ > {lab.pidfile('stuck')}; exec sleep 3600"]
+
+
 def test_a_hanging_start_command_is_killed_at_its_timeout_and_the_next_host_serves(lab):
-    hang = [*HELPER, "hang", "--pidfile", lab.pidfile("stuck")]
-    lab.write([{"url": f"http://127.0.0.1:{free_port()}", "start_cmd": hang, "cmd_timeout_s": 1}, lab.host("beta")])
+    lab.write(
+        [{"url": f"http://127.0.0.1:{free_port()}", "start_cmd": hang(lab), "cmd_timeout_s": 2}, lab.host("beta")]
+    )
     eng = lab.engine()
     began = time.monotonic()
     assert answer(eng) == "beta beta beta"
@@ -195,11 +205,10 @@ def test_a_hanging_start_command_is_killed_at_its_timeout_and_the_next_host_serv
 
 
 def test_no_host_that_can_start_is_a_clean_retryable_error(lab):
-    hang = [*HELPER, "hang", "--pidfile", lab.pidfile("stuck")]
     fails = [sys.executable, "-c", "raise SystemExit(3)"]
     lab.write(
         [
-            {"url": f"http://127.0.0.1:{free_port()}", "start_cmd": hang, "cmd_timeout_s": 1},
+            {"url": f"http://127.0.0.1:{free_port()}", "start_cmd": hang(lab), "cmd_timeout_s": 2},
             {"url": f"http://127.0.0.1:{free_port()}", "start_cmd": fails},
             {"url": f"http://127.0.0.1:{free_port()}"},
         ]
@@ -208,8 +217,21 @@ def test_no_host_that_can_start_is_a_clean_retryable_error(lab):
     with pytest.raises(EngineLost) as got:
         answer(eng)
     msg = str(got.value)
-    assert "still running after 1s, killed" in msg and "exited 3" in msg and "no start_cmd" in msg
+    assert "still running after 2s, killed" in msg and "exited 3" in msg and "no start_cmd" in msg
     wait_until(lambda: not alive(lab.pid("stuck")), 10, "the hanging command killed")
+
+
+def test_a_request_cancelled_while_its_host_starts_stops_waiting(lab):
+    lab.write([{"url": f"http://127.0.0.1:{free_port()}", "start_cmd": hang(lab), "cmd_timeout_s": 60}])
+    eng = lab.engine()
+    cancel = CancelFlag()
+    with ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(eng.chat, chat(), cancel, None)
+        wait_until(lambda: alive(lab.pid("stuck")), 10, "the start command running")
+        cancel.set()
+        with pytest.raises(EngineLost, match="cancelled"):
+            pending.result(timeout=10)
+    os.kill(lab.pid("stuck"), signal.SIGKILL)  # the start goes on without it; ended here, not at its timeout
 
 
 def test_commands_are_never_model_params():
@@ -282,3 +304,33 @@ def test_the_docs_examples_are_what_the_loaders_take(tmp_path):
     [pool] = parse_pools(pools).values()
     assert [h.url for h in pool.hosts] == ["http://10.0.0.5:8080", "http://10.0.0.6:8080"]
     assert pool.hosts[0].stop_cmd and pool.hosts[1].stop_cmd is None
+
+
+@pytest.mark.slow
+def test_through_a_stack_a_host_killed_mid_request_hands_it_on_and_the_idle_host_stops(tmp_path):
+    """The same, end to end: a worker reads the pools file of its own data dir, the gateway's stream is answered by
+    the host started for it after the first was killed, and the idle one gets its stop_cmd."""
+    (tmp_path / "w1").mkdir()
+    lab = Lab(tmp_path / "w1")  # the stack's worker w1 keeps its data in <root>/w1
+    lab.write([lab.host("alpha", hold=True), lab.host("beta", idle_stop_s=0.5)])
+    models = [{"name": "pooled", "engine": "host", "path": "-", "params": {"pool": "p", "served_model": "x"}}]
+    try:
+        with running_stack(tmp_path, models, gateway_args=("--no-auth",)) as stack:
+            assert lab.events() == ["start alpha"]  # the stack's own first chat started one host
+            client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+
+            def streamed() -> str:
+                messages: Any = [{"role": "user", "content": "please hold"}]
+                chunks = client.chat.completions.create(model="pooled", messages=messages, max_tokens=3, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+            with ThreadPoolExecutor(1) as ex:
+                pending = ex.submit(streamed)
+                wait_until(lambda: stats(lab.url("alpha"))["held"] == 1, 30, "alpha holds the request")
+                os.kill(lab.pid("alpha"), signal.SIGKILL)
+                assert pending.result(timeout=60) == "beta beta beta"
+            assert lab.events() == ["start alpha", "start beta"]
+            wait_until(lambda: "stop beta" in lab.events(), 30, "beta stopped when idle")
+            assert not lab.healthy("beta")
+    finally:
+        lab.close()

@@ -5,15 +5,16 @@
   in a session of its own and returns at once (as `systemctl start` or `ssh host ...` would), appending
   `start N` to the record file R.
 - `... stop --pidfile F --name N --record R`: SIGTERM to the server of the pidfile, waited for; `stop N` appended.
-- `... hang --pidfile F`: a command that never ends (its pid in F), for the test of a command's timeout.
-- The server answers `GET /stats` with `{"name", "requests", "held"}`; started with `--hold`, it holds every
-  completion request until `POST /release` (so a test can kill it mid-request, or see where requests went).
+- The server answers `GET /stats` with `{"name", "requests", "held"}`; started with `--hold`, it holds each
+  completion request that says `hold` until `POST /release` lets those held go on (so a test can kill it mid-request, or see where
+  requests went).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
@@ -41,14 +42,19 @@ class _HostHandler(_Handler):
     def do_POST(self) -> None:
         s = self.state
         if self.path == "/release":
-            s.release.set()
+            with s.lock:  # the requests held now go on; later ones are held again
+                s.release.set()
+                s.release = threading.Event()
             return self._json(200, {"released": True})
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.rfile = io.BytesIO(raw)  # read again by the fake server's handler
+        hold = s.hold and b"hold" in raw
         with s.lock:
             s.requests += 1
-        if s.hold:
-            with s.lock:
-                s.held += 1
-            s.release.wait()
+            gate = s.release
+            s.held += hold
+        if hold:
+            gate.wait()
             with s.lock:
                 s.held -= 1
         super().do_POST()
@@ -122,21 +128,16 @@ def _stop(a: argparse.Namespace) -> None:
     Path(a.pidfile).unlink(missing_ok=True)
 
 
-def _hang(a: argparse.Namespace) -> None:
-    Path(a.pidfile).write_text(str(os.getpid()))
-    threading.Event().wait()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m coderai.testing.fake_host")
-    p.add_argument("what", choices=["start", "serve", "stop", "hang"])
+    p.add_argument("what", choices=["start", "serve", "stop"])
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--pidfile", required=True)
     p.add_argument("--name", default="host")
     p.add_argument("--record", default=os.devnull)
     p.add_argument("--hold", action="store_true")
     a = p.parse_args()
-    {"start": _start, "serve": _serve, "stop": _stop, "hang": _hang}[a.what](a)
+    {"start": _start, "serve": _serve, "stop": _stop}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ class HostPool:
         self.cond = threading.Condition()
         self.closed = threading.Event()
         self.users = 0
+        self.waiting = 0  # requests waiting for a host
         self._starter: threading.Thread | None = None
         self._idler = threading.Thread(target=self._idle_loop, name=f"host-pool-{name}-idle", daemon=True)
         self._idler.start()
@@ -163,26 +164,37 @@ class HostPool:
         up; NoHost when none comes up in time, or once `cancelled()` (after a `wake`)."""
         deadline = time.monotonic() + self.wait_s
         with self.cond:
-            while True:
-                if self.closed.is_set():
-                    raise NoHost(f"host pool {self.name} is closed (its model was unloaded)")
-                if cancelled():
-                    raise NoHost("cancelled while waiting for a host")
-                up = [h for h in self.hosts if h.state == UP and h not in attempt.failed]
-                if up:
-                    h = min(up, key=lambda h: h.in_flight)
-                    h.in_flight += 1
-                    return h
-                if self._starter is None:
-                    cand = self._candidate(attempt)
-                    if cand is None:
-                        raise NoHost(self._none_left())
-                    attempt.triggered.add(cand)
-                    self._start(cand)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NoHost(f"no host of pool {self.name} came up within {self.wait_s - 1:g}s")
+            try:
+                return self._acquire(attempt, cancelled, deadline)
+            finally:
+                self.cond.notify_all()  # one waiter less: the idle timer may run again
+
+    def _acquire(self, attempt: Attempt, cancelled: Callable[[], bool], deadline: float) -> Host:
+        """`acquire`, under the condition."""
+        while True:
+            if self.closed.is_set():
+                raise NoHost(f"host pool {self.name} is closed (its model was unloaded)")
+            if cancelled():
+                raise NoHost("cancelled while waiting for a host")
+            up = [h for h in self.hosts if h.state == UP and h not in attempt.failed]
+            if up:
+                h = min(up, key=lambda h: h.in_flight)
+                h.in_flight += 1
+                return h
+            if self._starter is None:
+                cand = self._candidate(attempt)
+                if cand is None:
+                    raise NoHost(self._none_left())
+                attempt.triggered.add(cand)
+                self._start(cand)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoHost(f"no host of pool {self.name} came up within {self.wait_s - 1:g}s")
+            self.waiting += 1  # while a request waits, no host is stopped for being idle
+            try:
                 self.cond.wait(left)
+            finally:
+                self.waiting -= 1
 
     def wake(self) -> None:
         """Have the requests waiting for a host look again (one was cancelled)."""
@@ -317,6 +329,8 @@ class HostPool:
 
     def _due(self) -> tuple[Host | None, float | None]:
         """The host to stop now for being idle, or how long until the next one may be (None: no timer)."""
+        if self.waiting:  # a request is about to take a host that is up: none is idle (notified when it has)
+            return None, None
         now = time.monotonic()
         soonest: float | None = None
         for h in self.hosts:
