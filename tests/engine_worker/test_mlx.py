@@ -314,7 +314,7 @@ def test_a_folder_that_is_no_model_fails_the_load_at_once_with_the_log_tail(tmp_
     started = time.monotonic()
     with pytest.raises(EngineLoadError) as err:
         e.load()
-    e.close()
+    assert e.proc is None and e.hub_cache == ""  # nothing of it is left, closed or not
     message = str(err.value)
     assert "exited with code 3" in message and "its log ends" in message
     assert "generation thread died" in message

@@ -91,12 +91,19 @@ class MlxEngine(OpenAIServerEngine):
                 f"no such model folder: {self.config.path} (the mlx family loads a Hugging Face or MLX model folder)"
             )
         self.hub_cache = tempfile.mkdtemp(prefix="coderai-mlx-hub-")
-        self.start_server()
+        try:
+            self.start_server()
+        except EngineLoadError:
+            self._drop_hub_cache()  # whether or not the worker closes an engine that failed to load
+            raise
         # the supervisor restarts a child that dies (and starts every later one, which then dies with it)
         self.child.supervise(on_exit=self._lost, on_restart=self._restarted)
 
     def close(self) -> None:
         super().close()
+        self._drop_hub_cache()
+
+    def _drop_hub_cache(self) -> None:
         if self.hub_cache:
             shutil.rmtree(self.hub_cache, ignore_errors=True)
             self.hub_cache = ""
