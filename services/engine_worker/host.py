@@ -167,6 +167,11 @@ class EngineHost:
 
                 serving = cfg.shards.devices[0].node_id == self.node_id
                 self.engine = VllmRayEngine(cfg) if serving else RayMember(cfg, self.node_id)
+            elif cfg.shards is not None and cfg.shards.mode == "ranks":  # SGLang's ranks over several nodes
+                from coderai.engine_worker.engines.sglang import SGLangEngine, SGLangMember
+
+                serving = cfg.shards.devices[0].node_id == self.node_id
+                self.engine = SGLangEngine(cfg, self.node_id) if serving else SGLangMember(cfg, self.node_id)
             else:
                 cfg = resolve(cfg)
                 if cfg.share_cache is None and not self.share_cache:  # private by this node's default

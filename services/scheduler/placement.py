@@ -159,13 +159,13 @@ def take(m: ModelConfig, b: int, r: Pools, full: list[int], keep: list[int] | No
         return {RAM: b} if r.ram >= b else None
     if not r.indexed:  # a node that reported only its total: one pool, no card to pin
         return {0: b} if r.gpus[0] >= b else None
-    ranks = world_size(m) if m.engine == "vllm" else 1
+    ranks = world_size(m)
     if keep and all(0 <= i < len(r.gpus) for i in keep):
         if ranks == 1 and (got := shared(b, r.gpus, keep)) is not None:
             return got
         if ranks > 1 and len(keep) == ranks and all(r.gpus[i] >= b // ranks for i in keep):
             return {i: b // ranks for i in keep}
-    if ranks > 1:  # vLLM: one card per rank, an equal share on each
+    if ranks > 1:  # vLLM, SGLang: one card per rank, an equal share on each
         ok = sorted((i for i, f in enumerate(r.gpus) if f >= b // ranks), key=lambda i: (-r.gpus[i], i))
         return {i: b // ranks for i in sorted(ok[:ranks])} if len(ok) >= ranks else None
     whole = [i for i, f in enumerate(r.gpus) if f >= b]
@@ -227,7 +227,7 @@ def split_copy(
 
 
 def ray_copy(room: Room, m: ModelConfig, b: int, candidates: list[str]) -> str:
-    """Place `m` over several nodes' vLLM ranks; "" on success, else why not."""
+    """Place `m` over several nodes' vLLM or SGLang ranks; "" on success, else why not."""
     got = place_ray(m, b, candidates, room.nodes, {n: free_for(m, room.free[n]) for n in room.nodes})
     if not isinstance(got, Split):
         return got

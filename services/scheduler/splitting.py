@@ -137,9 +137,18 @@ def place_split(
 # --- vLLM over Ray ----------------------------------------------------------------------------------------
 
 
+RANKED = frozenset({"vllm", "sglang"})
+"""Families that run one rank per card and can spread their ranks over several nodes."""
+
+
 def world_size(m: ModelConfig) -> int:
-    """vLLM ranks the model asks for: tensor parallel x pipeline parallel."""
-    return max(1, m.param_int("tensor_parallel_size") or 1) * max(1, m.param_int("pipeline_parallel_size") or 1)
+    """Ranks the model asks for: tensor parallel x pipeline parallel (vLLM's and SGLang's own names); 1 for
+    families that run on one card."""
+    if m.engine == "vllm":
+        return max(1, m.param_int("tensor_parallel_size") or 1) * max(1, m.param_int("pipeline_parallel_size") or 1)
+    if m.engine == "sglang":
+        return max(1, m.param_int("tp_size") or 1) * max(1, m.param_int("pp_size") or 1)
+    return 1
 
 
 def node_ranks(hb: Heartbeat) -> int:
@@ -147,8 +156,8 @@ def node_ranks(hb: Heartbeat) -> int:
 
 
 def needs_ray(m: ModelConfig, nodes: dict[str, Heartbeat], candidates: list[str]) -> bool:
-    """A vLLM model with more ranks than any one of its nodes has."""
-    return m.engine == "vllm" and bool(candidates) and world_size(m) > max(node_ranks(nodes[n]) for n in candidates)
+    """A vLLM or SGLang model with more ranks than any one of its nodes has."""
+    return m.engine in RANKED and bool(candidates) and world_size(m) > max(node_ranks(nodes[n]) for n in candidates)
 
 
 def place_ray(
@@ -160,25 +169,45 @@ def place_ray(
     taken: set[str] | frozenset[str] = frozenset(),
 ) -> Split | str:
     """Nodes for one vLLM copy over Ray: the node with the most ranks (then room) heads it, the next ones join
-    until the ranks add up. Each node must hold its share of the weights (need x its ranks / world)."""
+    until the ranks add up; for SGLang, the fewest nodes with the same ranks each. Each node must hold its share
+    of the weights (need x its ranks / world)."""
     world = world_size(m)
     pool = sorted((n for n in candidates if n not in taken), key=lambda n: (-node_ranks(nodes[n]), -free[n], n))
-    chosen: list[tuple[str, int]] = []
-    left = world
-    for n in pool:
-        if left <= 0:
-            break
-        r = min(node_ranks(nodes[n]), left)
-        if free[n] < need * r // world:
-            continue
-        chosen.append((n, r))
-        left -= r
-    if left > 0:
-        have = sum(r for _, r in chosen)
-        return f"needs {world} vLLM ranks; the nodes with room have {have}"
+    if m.engine == "sglang":  # SGLang splits its ranks evenly: the fewest nodes that each hold world / nodes
+        chosen = _even(world, need, pool, nodes, free)
+    else:
+        chosen = []
+        left = world
+        for n in pool:
+            if left <= 0:
+                break
+            r = min(node_ranks(nodes[n]), left)
+            if free[n] < need * r // world:
+                continue
+            chosen.append((n, r))
+            left -= r
+    if sum(r for _, r in chosen) < world:
+        label = "SGLang" if m.engine == "sglang" else "vLLM"
+        have = sum(r for _, r in chosen) if m.engine != "sglang" else len(chosen)
+        even = " (as many on each node)" if m.engine == "sglang" else ""
+        return f"needs {world} {label} ranks{even}; the nodes with room have {have}"
     devices = [
         SplitDevice(node_id=n, endpoint=(nodes[n].addrs or [""])[0], share=round(r / world, 4), ranks=r)
         for n, r in chosen
     ]
-    plan = SplitPlan(mode="ray", devices=devices)
+    plan = SplitPlan(mode="ranks" if m.engine == "sglang" else "ray", devices=devices)
     return Split(chosen[0][0], plan, {n: need * r // world for n, r in chosen})
+
+
+def _even(
+    world: int, need: int, pool: list[str], nodes: dict[str, Heartbeat], free: dict[str, int]
+) -> list[tuple[str, int]]:
+    """The fewest nodes of `pool` that each run `world / count` ranks with room for that share ([] if none)."""
+    for count in range(1, world + 1):
+        if world % count:
+            continue
+        each = world // count
+        fit = [n for n in pool if node_ranks(nodes[n]) >= each and free[n] >= need * each // world]
+        if len(fit) >= count:
+            return [(n, each) for n in fit[:count]]
+    return []

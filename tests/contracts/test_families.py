@@ -42,7 +42,7 @@ def test_only_families_that_start_a_program_take_params_that_choose_it():
     """EXEC params (a program, its environment, its arguments, remote code) are for the families that run a child
     server; a family that runs in the worker's own process has no use for them."""
     takers = {name for name, spec in FAMILIES.items() if EXEC_PARAMS & set(spec.params)}
-    assert takers == {"llama-server", "vllm", "mlx"}
+    assert takers == {"llama-server", "vllm", "sglang", "mlx"}
 
 
 def _import_with(plugins: str, tmp_path) -> subprocess.CompletedProcess:

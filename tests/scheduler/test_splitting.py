@@ -152,3 +152,32 @@ def test_cpu_nodes_count_one_rank_and_a_model_that_fits_one_node_is_not_spread()
     assert sorted(n for n, _ in held) == ["a", "b"] and held[0][1].shards.mode == "ray"
     p = plan([vllm(pp=3)], nodes)
     assert served(p, "v") == [] and "needs 3 vLLM ranks" in p.unplaced["v"]
+
+
+# --- SGLang over nodes (--nnodes / --node-rank) --------------------------------------------------------------
+
+
+def sglang(tp: int = 1, pp: int = 1) -> ModelConfig:
+    return model("s", memory_mb=2_000, engine="sglang", params={"tp_size": tp, "pp_size": pp})
+
+
+def sglang_node(node: str, gpus: int) -> Heartbeat:
+    return msgspec.structs.replace(hb(node, 64_000, caps=["sglang"]), gpus=gpus, vram_total=gpus * 24_000 * MB)
+
+
+def test_an_sglang_model_is_spread_evenly_over_the_fewest_nodes_that_hold_its_ranks():
+    nodes = {"a": sglang_node("a", 2), "b": sglang_node("b", 2), "c": sglang_node("c", 1)}
+    p = plan([sglang(tp=4)], nodes)  # 4 ranks: two nodes of 2 (c's one card would make it uneven)
+    held = served(p, "s")
+    assert sorted(n for n, _ in held) == ["a", "b"]
+    shards = held[0][1].shards
+    assert shards.mode == "ranks" and [d.ranks for d in shards.devices] == [2, 2]
+    assert all(m.shards == shards for _, m in held) and p.splits["s"][0] == shards.devices[0].node_id
+
+
+def test_sglang_ranks_that_cannot_be_even_are_not_placed_and_say_why():
+    nodes = {"a": sglang_node("a", 2), "b": sglang_node("b", 2)}
+    p = plan([sglang(tp=3)], nodes)  # 3 ranks: one node of 3 or three of 1; there are two nodes of 2
+    assert served(p, "s") == [] and "needs 3 SGLang ranks (as many on each node)" in p.unplaced["s"]
+    [(_, m)] = served(plan([sglang(tp=2)], nodes), "s")  # fits one node: not spread
+    assert m.shards is None

@@ -34,11 +34,12 @@ class SplitDevice(Message, frozen=True, kw_only=True):
     endpoint: str = ""
     share: float  # fraction of the model's layers (layer split) or rows (row split) on this device
     layers: list[int] = []  # the block indices it holds (layer split), for the admin view
-    ranks: int = 0  # vLLM ranks (one per GPU, one on a CPU-only node) it runs: Ray plans only
+    ranks: int = 0  # vLLM or SGLang ranks (one per GPU, one on a CPU-only node) it runs: ray and ranks plans only
 
 
 class SplitPlan(Message, frozen=True, kw_only=True):
-    mode: SplitMode | Literal["ray"] = "layer"
+    # ray: vLLM over a Ray cluster; ranks: SGLang, each node its `--node-rank` of `--nnodes`
+    mode: SplitMode | Literal["ray", "ranks"] = "layer"
     devices: list[SplitDevice]  # the serving node's own device first
     n_layers: int = 0  # blocks in the model, when the scheduler could read them from the GGUF
     warning: str = ""  # e.g. row split over a link slower than 10 GbE

@@ -33,6 +33,10 @@ def available_families() -> list[str]:
 def _external(family: str) -> bool:
     if family == "llama-server":  # llama.cpp's server binary (scripts/setup builds it), else the in-process engine
         return find_llama_server() is not None or importlib.util.find_spec("llama_cpp") is not None
+    if family == "sglang":  # likewise in a venv of its own (CODERAI_SGLANG_PYTHON, or .venv/sglang)
+        from coderai.engine_worker.engines.sglang import find_sglang_python
+
+        return find_sglang_python() is not None
     if family != "vllm":
         return False
     # vLLM pins its own torch, so a worker keeps it in a venv of its own: CODERAI_VLLM_PYTHON, or the one scripts/setup

@@ -15,12 +15,9 @@ closing the engine stops Ray's raylet, GCS and workers too.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import msgspec
@@ -28,6 +25,7 @@ import msgspec
 from coderai.contracts import ModelConfig
 from coderai.contracts.split import SplitPlan
 from coderai.engine_worker.engines.base import Engine, EngineLoadError
+from coderai.engine_worker.engines.processes import start_process, stop_process
 from coderai.engine_worker.engines.vllm import VllmEngine, find_vllm_python
 
 DEFAULT_RAY_PORT = 6385
@@ -114,39 +112,6 @@ def interface_of(addr: str) -> str:
     return ""
 
 
-def _start(cmd: list[str], env: dict[str, str], what: str) -> tuple[subprocess.Popen, str]:
-    from coderai.runtime.embedded import die_with_parent
-
-    fd, log_path = tempfile.mkstemp(prefix=f"coderai-{what}-", suffix=".log")
-    with os.fdopen(fd, "wb") as log:
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **env},
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-        except OSError as exc:
-            raise EngineLoadError(f"cannot start {what}: {exc}") from exc
-    return proc, log_path
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def alive_nodes_script(address: str) -> list[str]:
     """A one-liner (run under vLLM's interpreter) printing how many Ray nodes are alive at `address`."""
     return [
@@ -169,7 +134,7 @@ class VllmRayEngine(VllmEngine):
         me = self.plan.devices[0]
         python, port = python_for(self.config), ray_port(self.config)
         env = ray_env(me.endpoint, interface_of(me.endpoint))
-        self.ray, log_path = _start(ray_head_command(python, me.endpoint, port, me.ranks, 0), env, "ray-head")
+        self.ray, log_path = start_process(ray_head_command(python, me.endpoint, port, me.ranks, 0), env, "ray-head")
         address = f"{me.endpoint}:{port}"
         deadline = time.monotonic() + (self.config.param_float("ray_join_timeout_s") or JOIN_TIMEOUT_S)
         want = len(self.plan.devices)
@@ -185,7 +150,7 @@ class VllmRayEngine(VllmEngine):
             if alive >= want:
                 break
             if self.ray.poll() is not None or time.monotonic() > deadline:
-                _stop(self.ray)
+                stop_process(self.ray)
                 raise EngineLoadError(f"Ray at {address} has {alive} of {want} nodes (log: {log_path})")
         params = vllm_ray_params(self.config, self.plan)
         params["env"] = {**self.config.param_table("env"), **env, "RAY_ADDRESS": address}
@@ -193,12 +158,12 @@ class VllmRayEngine(VllmEngine):
         try:
             super().load()
         except EngineLoadError:
-            _stop(self.ray)
+            stop_process(self.ray)
             raise
 
     def close(self) -> None:
         super().close()
-        _stop(self.ray)
+        stop_process(self.ray)
         self.ray = None
 
 
@@ -223,12 +188,12 @@ class RayMember(Engine):
         python, port = python_for(self.config), ray_port(self.config)
         env = ray_env(me.endpoint, interface_of(me.endpoint))
         # the serving node waits until this node has joined; a member that cannot join fails its load there
-        self.proc, _ = _start(
+        self.proc, _ = start_process(
             ray_member_command(python, head.endpoint, port, me.endpoint, me.ranks, 0), env, "ray-member"
         )
 
     def close(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         self.proc = None
 
 
