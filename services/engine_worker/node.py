@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import socket
 import subprocess
@@ -40,21 +41,42 @@ def parse_smi_memory(text: str) -> list[tuple[int, int]]:
     return out
 
 
-class GpuProbe:
-    """NVIDIA GPUs on this machine and their memory, for the heartbeat (placement fits models by it).
+VULKAN_DEVICE = re.compile(r"^\s*Vulkan(\d+): .*\((\d+) MiB, (\d+) MiB free\)\s*$")
 
-    NVML through ctypes (the driver's own library, microseconds a call) when it loads; otherwise `nvidia-smi`,
-    asked at most every `SMI_EVERY_S` since a process start costs tens of milliseconds. No driver: no GPUs.
+
+def parse_vulkan_devices(text: str) -> list[tuple[int, int]]:
+    """(total, free) bytes per Vulkan device from `llama-server --list-devices` (lines like `Vulkan0: Radeon RX
+    7900 XTX (RADV NAVI31) (24560 MiB, 24000 MiB free)`), in device order; other lines (the CPU) skipped."""
+    found: dict[int, tuple[int, int]] = {}
+    for line in text.splitlines():
+        m = VULKAN_DEVICE.match(line)
+        if m and len(found) < 64:
+            found[int(m[1])] = (int(m[2]) << 20, min(int(m[3]), int(m[2])) << 20)
+    return [found[i] for i in sorted(found)]
+
+
+class GpuProbe:
+    """The GPUs on this machine and their memory, for the heartbeat (placement fits models by it).
+
+    NVIDIA: NVML through ctypes (the driver's own library, microseconds a call) when it loads; otherwise
+    `nvidia-smi`. Without either, and with a Vulkan build of llama-server (scripts/setup with
+    `CODERAI_LLAMA_BACKEND=vulkan`: AMD and Intel cards), the Vulkan devices it lists. A program is asked at most
+    every `SMI_EVERY_S`, since a process start costs tens of milliseconds. No driver: no GPUs. `api` says which:
+    "cuda", "vulkan" or "".
     """
 
     SMI_EVERY_S = 10.0
 
-    def __init__(self) -> None:
+    def __init__(self, vulkan_server: str | None = None) -> None:
         self._nvml = self._load_nvml()
         self._smi = None if self._nvml is not None else shutil.which("nvidia-smi")
+        self._vulkan = vulkan_server if self._nvml is None and self._smi is None else None
         self._smi_at = -1e9
         self._smi_last: list[tuple[int, int]] = []
         self.count = len(self.devices())
+        if self._vulkan and not self.count:  # a CPU build (or no Vulkan device): not asked again
+            self._vulkan = None
+        self.api = "cuda" if self._nvml is not None or self._smi else "vulkan" if self._vulkan and self.count else ""
 
     @staticmethod
     def _load_nvml() -> ctypes.CDLL | None:
@@ -70,16 +92,19 @@ class GpuProbe:
         """(total, free) bytes per GPU."""
         if self._nvml is not None:
             return self._nvml_devices(self._nvml)
-        if self._smi and time.monotonic() - self._smi_at >= self.SMI_EVERY_S:
+        program = self._smi or self._vulkan
+        if program and time.monotonic() - self._smi_at >= self.SMI_EVERY_S:
             self._smi_at = time.monotonic()
-            try:
-                out = subprocess.run(
+            if self._smi:
+                argv, parse = (
                     [self._smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                ).stdout
-                self._smi_last = parse_smi_memory(out)
+                    parse_smi_memory,
+                )
+            else:
+                argv, parse = [program, "--list-devices"], parse_vulkan_devices
+            try:
+                out = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+                self._smi_last = parse(out.stdout + out.stderr)
             except (OSError, subprocess.TimeoutExpired):
                 self._smi_last = []
         return self._smi_last
@@ -152,6 +177,7 @@ def build_heartbeat(
         vram_total=vram_total,
         vram_free=vram_free,
         gpu_memory=[GpuMemory(total=t, free=f) for t, f in devices],
+        gpu_api=gpu.api if gpu is not None else "",
         mem_budget=mem_budget,
         stored=stored or [],
     )

@@ -34,6 +34,7 @@ from coderai.runtime.tls import ca_text, client_context
 from coderai.runtime.cluster import check_token as check_cluster_token
 from coderai.runtime.cluster import fingerprint, user_of
 from coderai.runtime.discovery import Announcement, Announcer, find_head
+from coderai.runtime.embedded import find_llama_server
 from coderai.runtime.kv import KeyWatch
 from coderai.runtime.leader import Fence
 from coderai.runtime.logging import add_secret, ring
@@ -78,7 +79,8 @@ class Worker:
         self.draining = False
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
         self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
-        self.gpu = GpuProbe()  # NVIDIA GPUs and their memory, for placement
+        # NVIDIA GPUs and their memory, for placement; without them, the Vulkan devices a Vulkan llama-server lists
+        self.gpu = GpuProbe(find_llama_server())
         # the scheduler pins copies to GPUs by NVML's index, which counts in PCI bus order; CUDA's own default
         # (fastest first) may not, so engines in this process and its children count as NVML does
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")

@@ -70,6 +70,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     rpc: RpcServer | None = None  # a ggml RPC server this node offers to hold layers of others' models
     gpus: int = 0  # GPUs this node has (vLLM runs one rank on each; a CPU-only node runs one rank)
     gpu_memory: list[GpuMemory] = []  # per GPU, in device order (vram_total/vram_free are their sums)
+    gpu_api: str = ""  # how those GPUs are driven: "cuda" (NVIDIA), "vulkan" (AMD, Intel: llama.cpp's Vulkan build)
     stored: list[str] = []  # store paths of the model files this node fetched from the head (placement prefers them)
     mem_budget: int = 0  # bytes of RAM the operator lets models use here (CODERAI_WORKER_MEMORY_BUDGET_MB); 0: 90 %
     # sensors over the worker's temperature limit, with their last reading (°C): a GPU's index ("0"), or "node" for

@@ -143,10 +143,13 @@ class Engine:
 
 def visible_devices(config: ModelConfig) -> dict[str, str]:
     """The environment that pins a child server to the GPUs the scheduler gave this copy (`devices`): CUDA then
-    numbers them 0.. among themselves, counted in PCI bus order as the heartbeat's NVML does; {} for none."""
+    numbers them 0.. among themselves, counted in PCI bus order as the heartbeat's NVML does; ggml's Vulkan backend
+    likewise, in the order the heartbeat listed them (which also shows it a CPU-type device such as lavapipe,
+    hidden unless named); {} for none."""
     if not config.devices:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in config.devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    ids = ",".join(str(i) for i in config.devices)
+    return {"CUDA_VISIBLE_DEVICES": ids, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GGML_VK_VISIBLE_DEVICES": ids}
 
 
 def torch_device(config: ModelConfig, default: str) -> str:
