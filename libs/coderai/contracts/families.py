@@ -49,6 +49,7 @@ BuiltinFamily = Literal[
     "embed",
     "diffusers",
     "whisper",
+    "whispercpp",
     "tts",
     "diarize",
     "ocr",
@@ -218,6 +219,9 @@ FAMILIES: dict[str, FamilySpec] = {
                 "max_num_batched_tokens": whole(1, 1 << 24),
                 "enable_prefix_caching": BOOL,
                 "enable_chunked_prefill": BOOL,
+                # tool calls: a named or "required" tool_choice needs a parser too (the call is guided decoding)
+                "tool_call_parser": P("str", size=64),
+                "enable_auto_tool_choice": BOOL,
                 "seed": whole(0, 2**32 - 1),
                 "swap_space": num(0, 1 << 20),
                 "cpu_offload_gb": num(0, 1 << 20),
@@ -362,6 +366,25 @@ FAMILIES: dict[str, FamilySpec] = {
                 "vad_parameters": P("table"),
                 "hallucination_silence_threshold": num(0, 3600),
                 "chunk_length": whole(1, 3600),
+            },
+        ),
+        # whisper.cpp in the worker's process (engines/whispercpp.py); the PyPI wheel is built for the CPU only
+        FamilySpec(
+            "whispercpp",
+            f"{_ENGINES}.whispercpp:WhisperCppEngine",
+            "pywhispercpp",
+            ("transcribe",),
+            device="cpu",
+            params={
+                "threads": THREADS,
+                "max_audio_s": num(1, 7 * 86_400),
+                "beam_size": whole(1, 8),  # whisper.cpp runs at most 8 decoders
+                "best_of": whole(1, 8),
+                "condition_on_previous_text": BOOL,
+                "entropy_threshold": num(0, 100),
+                "log_prob_threshold": num(-100, 100),
+                "no_speech_threshold": num(0, 1),
+                "suppress_non_speech": BOOL,
             },
         ),
         FamilySpec(
