@@ -1,4 +1,4 @@
-"""A stand-in OpenAI-compatible server: `/health`, `/v1/chat/completions` and `/v1/completions`, whole or streamed
+"""A stand-in OpenAI-compatible server: `/health`, `/v1/models`, `/v1/chat/completions` and `/v1/completions`, whole or streamed
 (SSE over chunked HTTP/1.1), answering a fixed reply word by word. Run it in a thread (`FakeOpenAI().start()`) or as
 a child process (`python -m coderai.testing.fake_openai PORT`, its key from `$FAKE_OPENAI_KEY`).
 
@@ -8,6 +8,7 @@ a child process (`python -m coderai.testing.fake_openai PORT`, its key from `$FA
 - A last message (or prompt) `fail:400` or `fail:500` gets that error answer, naming the param `messages`.
 - A prompt seen before is reported cached in full (`prompt_tokens_details.cached_tokens`), as a prompt cache would.
 - Every request is kept in `seen` (path, headers, body); a stream whose client went away sets `dropped`.
+- `usage=False`: a server that reports no usage (no `usage` in a whole answer, none in a stream, even when asked).
 Any path that ends in one of the routes is served, so a base URL with a prefix can be tested.
 """
 
@@ -26,8 +27,9 @@ REPLY = "Hello from the fake server"
 class FakeOpenAI:
     """The server; `base_url` is its root (the routes start with /v1)."""
 
-    def __init__(self, port: int = 0, key: str = "", reply: str = REPLY) -> None:
+    def __init__(self, port: int = 0, key: str = "", reply: str = REPLY, usage: bool = True) -> None:
         self.key = key
+        self.usage = usage
         self.reply = reply.split()
         self.seen: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.prompts: set[str] = set()
@@ -84,6 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._json(200, {"status": "ok"})
+        elif self.path.endswith("/v1/models"):
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "fake"}]})
         else:
             self._json(404, {"error": {"message": f"no route {self.path}", "code": 404}})
 
@@ -132,7 +136,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "object": "chat.completion" if chat else "text_completion",
                 "model": body.get("model"),
                 "choices": [choice],
-                "usage": usage,
+                **({"usage": usage} if fake.usage else {}),
             },
         )
 
@@ -156,7 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
             for i, word in enumerate(self.fake.words(n)):
                 self._chunk(event([piece(("" if i == 0 else " ") + word, None, first=i == 0)]))
             self._chunk(event([piece(None, finish)]))
-            if (body.get("stream_options") or {}).get("include_usage"):
+            if self.fake.usage and (body.get("stream_options") or {}).get("include_usage"):
                 self._chunk(event([], usage=usage))
             self._chunk(b"data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")

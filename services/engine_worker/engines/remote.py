@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError
 from coderai.engine_worker.engines.loopback_http import AnswerTooBig
@@ -162,10 +164,49 @@ class RemoteEngine(Engine):
         raise RuntimeError("no endpoint of this remote model answered: " + "; ".join(failures))
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        return self._relay("chat", job, cancel, emit)
+        tap = _Counted(emit) if emit is not None else None
+        return counted(job, *self._relay("chat", job, cancel, tap), tap)
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        return self._relay("complete", job, cancel, emit)
+        tap = _Counted(emit) if emit is not None else None
+        return counted(job, *self._relay("complete", job, cancel, tap), tap)
+
+
+class _Counted:
+    """An `emit` that also keeps the characters it passed on, for `counted` when the endpoint says no usage."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.emit, self.chars = emit, 0
+
+    def __call__(self, delta: dict[str, Any] | None, text: str | None, *rest: Any, **kw: Any) -> None:
+        self.chars += len(text or "") + (len(msgspec.json.encode(delta)) if delta else 0)
+        self.emit(delta, text, *rest, **kw)
+
+
+def _tokens(chars: int) -> int:
+    """Tokens in `chars` characters, as most tokenizers make them: about four characters each (at least one)."""
+    return max(1, -(-chars // 4)) if chars else 0
+
+
+def counted(
+    job: ChatJob | CompletionJob, choices: list[Choice], usage: Usage, tap: _Counted | None = None
+) -> tuple[list[Choice], Usage]:
+    """The answer, with usage counted here when the endpoint reported none (a server that sends no usage, a stream
+    without its usage event: no prompt tokens, which a real prompt never has): an answer must never be free because
+    its server kept quiet. Estimated at four characters a token, of the prompt as sent and of what came back (a
+    stream's pieces, where the relay counted them); an endpoint's own counts always win."""
+    if usage.prompt_tokens:
+        return choices, usage
+    sent = job.messages if isinstance(job, ChatJob) else job.prompt
+    prompt = _tokens(len(msgspec.json.encode(sent)))
+    if tap is not None:
+        answer = tap.chars
+    else:
+        answer = sum(len(c.text or "") + (len(msgspec.json.encode(c.message)) if c.message else 0) for c in choices)
+    completion = usage.completion_tokens or _tokens(answer)
+    return choices, msgspec.structs.replace(
+        usage, prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 def plain_failure(who: str, exc: BaseException) -> str:
