@@ -351,3 +351,46 @@ async def test_the_watch_polls_by_itself_and_a_drain_outlasts_the_heat(bus, hot_
 
 def _text(frames: list) -> str:
     return "".join(f.delta.get("content", "") for f in frames if isinstance(f, Chunk) and f.delta)
+
+
+@pytest.mark.slow
+async def test_a_real_llama_server_on_a_hot_card_finishes_its_stream_and_serves_again_when_cool(
+    bus, unique, tmp_path, tiny_gguf
+):
+    """The same, on a real child server (llama-server on the tiny GGUF): a long stream in flight when its card
+    turns hot finishes whole, a new job is refused, and the server serves again once the card cools."""
+    from coderai.runtime.embedded import find_llama_server
+
+    if find_llama_server() is None:
+        pytest.fail("no llama-server binary: scripts/setup builds it")
+    temps = tmp_path / "temps.json"
+    temps.write_text('{"0": 50}')
+    s = WorkerSettings(families=["llama-server"], mdns=False, thermal_file=str(temps), thermal_poll_s=0.05)
+    w = Worker(s, f"n{unique}")
+    w.bus = bus
+    w.thermal = thermal.thermal_for(s.thermal_file, s.thermal_limit_c, s.thermal_resume_c)
+    cfg = ModelConfig(
+        name="ls0", engine="llama-server", path=str(tiny_gguf), params={"n_ctx": 512, "parallel": 2}, devices=[0]
+    )
+    try:
+        [host] = await _load(w, cfg)
+        running = await _ask(bus, w, "ls0", tokens=200)
+        first = decode(await running.next_raw(), Frame)
+        assert isinstance(first, Chunk)
+        temps.write_text('{"0": 97}')
+        assert await w.thermal.poll() is True
+        await w.hold()
+        assert host.state == "draining"
+        with pytest.raises(BusError) as refused:
+            await _answer(await _ask(bus, w, "ls0"))
+        assert refused.value.code == "no_engine"
+        done = [first, *await _answer(running)]
+        assert isinstance(done[-1], Final) and done[-1].usage.completion_tokens > 1  # finished, not cut
+        temps.write_text('{"0": 60}')
+        assert await w.thermal.poll() is True
+        await w.hold()
+        assert host.state == "ready"
+        again = await _answer(await _ask(bus, w, "ls0", tokens=4))
+        assert isinstance(again[-1], Final) and again[-1].usage.completion_tokens > 0
+    finally:
+        await w._unload_all()
