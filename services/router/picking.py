@@ -3,13 +3,18 @@
 Order: a pin (per request, then per model) beats everything; then the engine that the longest affinity key
 points at (session, user, then the prefix chain from its longest element down), unless that engine is dead,
 no longer holds the model, was excluded, or is overloaded against the least-busy holder (see `LoadGuard`);
-then the least-busy holder.
+then the least-busy holder, one whose KV cache has room first.
+
+Everything a node says about its engines is its own word: each figure is clamped, and none can make an engine
+look less busy than an idle one that says nothing (a negative count is 0, a KV share that is not a number is not
+known).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,6 +28,9 @@ MAX_SLOTS = 1024
 """The most requests one engine is believed to run at once, whatever its node says (llama-server's --parallel
 and vLLM's batch stay far below): a node claiming 100,000 slots is not thereby the least busy forever."""
 MAX_IN_FLIGHT = 65_536
+KV_FULL = 0.9
+"""An engine whose running requests hold this share of its KV cache takes a new conversation only when every other
+holder is as full: the new one would wait for memory (or, on vLLM, push a running one out)."""
 ERROR_CAP = 500
 """Characters of a node's `error` text kept for the operator's log; tenants never see the text (see `fault_ref`)."""
 
@@ -45,12 +53,20 @@ class EngineView:
     picks_since_hb: int = 0
     done_since_hb: int = 0
     slots: int = 1  # requests it runs at once (llama-server's --parallel); 1 where the engine reports none
+    reported: int = 0  # what the engine's server said it runs and holds waiting (slots_busy + queued)
+    kv_used: float = 0.0  # the share of its KV cache its running requests hold, 0..1 (0: not known)
 
     @property
     def load(self) -> int:
-        """In flight now, estimated: the heartbeat's count (up to ~2 s old), plus requests routed here since,
-        minus requests that finished here since (from `request.completed` events)."""
-        return max(0, self.in_flight + self.picks_since_hb - self.done_since_hb)
+        """In flight now, estimated: the heartbeat's count (up to ~2 s old), or the engine's own count of what it
+        runs and queues when that is more (it sees requests the worker's count may miss), plus requests routed
+        here since, minus requests that finished here since (from `request.completed` events)."""
+        return max(0, max(self.in_flight, self.reported) + self.picks_since_hb - self.done_since_hb)
+
+    @property
+    def kv_full(self) -> bool:
+        """Its KV cache is nearly full (`KV_FULL`): busy for a new conversation, whatever its slots say."""
+        return self.kv_used >= KV_FULL
 
     @property
     def busy_share(self) -> float:
@@ -73,9 +89,10 @@ class EngineTable:
     )  # each node's last, applied again when its placement changes
 
     def least_busy(self, candidates: list[EngineView]) -> EngineView:
-        """Lowest load per slot; among equals the one picked least recently (never picked first), then the lowest
-        id, so idle engines take new conversations in turn instead of all landing on one."""
-        return min(candidates, key=lambda v: (v.busy_share, self.last_pick.get(v.engine_id, 0), v.engine_id))
+        """Lowest load per slot among the engines whose KV cache has room (all of them when none has); among equals
+        the one picked least recently (never picked first), then the lowest id, so idle engines take new
+        conversations in turn instead of all landing on one."""
+        return min(candidates, key=lambda v: (v.kv_full, v.busy_share, self.last_pick.get(v.engine_id, 0), v.engine_id))
 
     def chose(self, v: EngineView) -> None:
         self.picks += 1
@@ -88,7 +105,7 @@ class EngineTable:
         A node's word counts only for the engines it was given: with `placed` (the models the scheduler's
         assignment or the pod broker's lease puts on this node), an engine for any other model, or under an id
         that is not that model's on this node, is left out and returned with why (a node fault for the caller
-        to log). None: unchecked (a table built by hand). Load figures are clamped to sane bounds."""
+        to log). None: unchecked (a table built by hand). Load figures are clamped to sane bounds (`_view`)."""
         node = hb.node_id
         self.node_seen[node] = now
         self.heartbeats[node] = hb
@@ -99,14 +116,7 @@ class EngineTable:
             if why:
                 refused.append((e, why))
             elif e.state == "ready":
-                self.engines[e.engine_id] = EngineView(
-                    e.engine_id,
-                    node,
-                    e.model,
-                    frozenset(e.ops),
-                    min(max(0, e.in_flight), MAX_IN_FLIGHT),
-                    slots=min(max(1, e.slots), MAX_SLOTS),
-                )
+                self.engines[e.engine_id] = _view(node, e)
             elif e.state == "failed":
                 self.failed[e.engine_id] = (node, e.model, fault_ref(node, e.engine_id, e.error or ""))
         return refused
@@ -165,6 +175,29 @@ class EngineTable:
         return [v for v in self.engines.values() if v.model == model and op in v.ops]
 
 
+def _count(n: int, most: int) -> int:
+    return min(max(0, n), most)
+
+
+def _share(x: float) -> float:
+    """A node's fraction, 0..1; NaN is 0 (not known), so a lie can only make its engine look fuller."""
+    return min(1.0, max(0.0, x)) if not math.isnan(x) else 0.0
+
+
+def _view(node: str, e: EngineStatus) -> EngineView:
+    """What the router believes of a ready engine: the node's figures, each clamped to what one engine can be."""
+    return EngineView(
+        e.engine_id,
+        node,
+        e.model,
+        frozenset(e.ops),
+        _count(e.in_flight, MAX_IN_FLIGHT),
+        slots=_count(e.slots, MAX_SLOTS) or 1,
+        reported=min(_count(e.slots_busy, MAX_IN_FLIGHT) + _count(e.queued, MAX_IN_FLIGHT), MAX_IN_FLIGHT),
+        kv_used=_share(e.kv_used),
+    )
+
+
 @dataclass(frozen=True)
 class LoadGuard:
     """When a warm engine is too busy to keep its conversations.
@@ -173,15 +206,19 @@ class LoadGuard:
     `ratio` times the least-busy holder's load and that load plus `slack`. A cold prefill costs one request
     once; queueing behind a hot engine costs every request queued, so the guard only trips on a clear gap:
     with the defaults, 4 vs 0 stays warm, 5 vs 0 moves; 8 vs 4 stays, 9 vs 4 moves. An engine with slots to
-    spare is never passed over: 6 in flight on 8 slots stays warm whatever the others carry.
+    spare is never passed over: 6 in flight on 8 slots stays warm whatever the others carry, unless its KV cache
+    is nearly full (`KV_FULL`): then no slot of it is really free, and the load gap alone decides. The least-busy
+    holder it is weighed against is one with room in its cache, when there is one (`EngineTable.least_busy`).
     """
 
     ratio: float = 2.0
     slack: int = 4
 
     def overloaded(self, warm: EngineView, least: EngineView) -> bool:
-        # an engine with a free slot (llama-server's --parallel) takes the conversation at once: never passed over
-        return warm.load >= warm.slots and warm.load > max(least.load * self.ratio, least.load + self.slack)
+        # an engine with a free slot (llama-server's --parallel) and room in its cache takes the conversation at
+        # once: never passed over
+        free = warm.load < warm.slots and not warm.kv_full
+        return not free and warm.load > max(least.load * self.ratio, least.load + self.slack)
 
 
 def affinity_keys(req: RouteRequest) -> list[tuple[RouteReason, str]]:

@@ -33,6 +33,7 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     slots: int = 0  # requests the engine runs at once (llama-server's --parallel); 0: not reported
     slots_busy: int = 0  # of those, running now
     queued: int = 0  # requests the engine holds waiting for a slot
+    kv_used: float = 0.0  # share of its KV cache its running requests hold (0..1), as the server says; 0: not known
     backend: str = ""  # where its layers run: "cpu", "cuda", ... ("" not reported)
     gpu_layers: int = 0  # layers offloaded to the GPU
     idle_s: float = 0.0  # seconds since its last job ended (or since it loaded); 0 while a job runs
