@@ -41,6 +41,7 @@ from coderai.engine_worker.engines.llama_server_args import (
 )
 from coderai.engine_worker.engines.openai_server import Emit, OpenAIServerEngine
 from coderai.engine_worker.engines.prompt_heads import MIN_HEAD_CHARS, HeadSnapshots, chat_chain, text_chain
+from coderai.engine_worker.engines.server_load import ServerLoad, read_llama
 from coderai.engine_worker.engines.slot_scope import ALL, Chain, Plan, SlotBook
 
 # the command line's names, as they were found here before llama_server_args
@@ -84,8 +85,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         self.max_concurrency = self.slots
         # beyond: `busy` (429). Admission is by expected wait (`queue_time_s`, the worker's); this only bounds memory
         self.queue_limit = self.slots + config.param_int("queue", MAX_QUEUED)
-        self.slots_busy = 0
-        self.queued = 0
+        self.server_load = ServerLoad()  # running, waiting and KV share, as the server last said (`_read_load`)
         self.backend = ""  # "cpu", or the GPU backend the layers went to ("cuda", ...), read from the log
         self.gpu_layers = 0
         # which key's prompt each slot holds, once a request's cache is scoped (slot_scope); the plan of the request
@@ -253,8 +253,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         return {
             **super().stats(),
             "slots": self.slots,
-            "slots_busy": self.slots_busy,
-            "queued": self.queued,
+            **self.server_load.stats(),
             "backend": self.backend,
             "gpu_layers": self.gpu_layers,
             "head_saves": heads.saves if heads else 0,
@@ -268,14 +267,12 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     def _read_load(self, probe: httpx.Client) -> None:
         try:
-            r = probe.get(f"{self.child.base_url}/metrics")
-            if r.status_code == 200:
-                self.slots_busy, self.queued = slot_load(r.text)
+            self.server_load = read_llama(probe, self.child.base_url)
         except httpx.HTTPError:
             pass  # the next poll sees whether it died
 
     def _lost(self, why: str) -> None:
-        self.slots_busy = self.queued = 0
+        self.server_load = ServerLoad()
         if self.on_lost is not None:
             self.on_lost(why)
 

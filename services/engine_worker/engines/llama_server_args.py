@@ -22,6 +22,7 @@ import re
 from coderai.contracts import ModelConfig
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import param_flags
+from coderai.engine_worker.engines.server_load import llama_load
 from coderai.runtime.embedded import find_llama_server
 
 NAMED = {
@@ -167,10 +168,5 @@ def gguf_pooling(path: str) -> str:
 
 def slot_load(metrics_text: str) -> tuple[int, int]:
     """(requests running in a slot, requests waiting for one) from the server's Prometheus text."""
-    busy = queued = 0
-    for line in metrics_text.splitlines():
-        if line.startswith("llamacpp:requests_processing "):
-            busy = int(float(line.split()[1]))
-        elif line.startswith("llamacpp:requests_deferred "):
-            queued = int(float(line.split()[1]))
-    return busy, queued
+    load = llama_load(metrics_text)
+    return load.running, load.waiting

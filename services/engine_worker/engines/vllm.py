@@ -26,6 +26,7 @@ from typing import Any
 from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
+from coderai.engine_worker.engines.server_load import LoadPoll, read_vllm
 
 OWN_PARAMS = frozenset(
     {"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit", "crash_window_s"}
@@ -69,6 +70,20 @@ class VllmEngine(OpenAIServerEngine):
     label = "vLLM"
     key_env = "VLLM_API_KEY"  # vLLM guards its /v1 routes with it; /health stays open
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: vLLM batches them
+    load_poll: LoadPoll | None = None  # its requests running and waiting and its KV share, for the heartbeat
+
+    def load(self) -> None:
+        super().load()
+        self.load_poll = LoadPoll(self.child, read_vllm)
+
+    def stats(self) -> dict[str, Any]:
+        poll = self.load_poll
+        return {**super().stats(), **poll.load.stats()} if poll is not None else super().stats()
+
+    def close(self) -> None:
+        if self.load_poll is not None:
+            self.load_poll.stop()
+        super().close()
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
