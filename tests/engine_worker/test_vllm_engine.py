@@ -94,6 +94,14 @@ def test_vllm_counts_as_available_with_an_external_python(monkeypatch):
     assert "vllm" in available_families()
 
 
+def test_a_short_prompt_first_is_answered(engine):
+    """The server's first request has a one-token prompt. On a CPU with AMX, vLLM 0.32's CPU attention then ran AMX
+    instructions Linux had not granted (a longer first prompt had oneDNN ask first) and its worker died of SIGILL;
+    scripts/setup's venv asks for them at every interpreter's start (coderai-amx.pth)."""
+    choices, usage = engine.complete(completion("def"), CancelFlag(), None)
+    assert choices[0].text and usage.prompt_tokens <= 2
+
+
 def test_chat_answers_with_usage(engine):
     choices, usage = engine.chat(chat(), CancelFlag(), None)
     assert len(choices) == 1 and choices[0].message["role"] == "assistant"

@@ -219,7 +219,8 @@ FAMILIES: dict[str, FamilySpec] = {
                 "max_num_batched_tokens": whole(1, 1 << 24),
                 "enable_prefix_caching": BOOL,
                 "enable_chunked_prefill": BOOL,
-                # tool calls: a named or "required" tool_choice needs a parser too (the call is guided decoding)
+                # tools: vLLM takes a tool_choice other than "none" only with both set (a named or "required" one is
+                # then guided decoding, whatever the model)
                 "tool_call_parser": P("str", size=64),
                 "enable_auto_tool_choice": BOOL,
                 "seed": whole(0, 2**32 - 1),

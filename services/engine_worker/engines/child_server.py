@@ -26,6 +26,9 @@ import httpx
 from coderai.engine_worker.engines.base import EngineLoadError
 from coderai.runtime.embedded import die_with_parent, free_port
 
+EXITED = "it exited"
+"""`ChildServer.state` of a child that is gone: a request it was answering may be answered by another engine."""
+
 log = logging.getLogger("coderai.engine_worker")
 
 Command = Callable[[int], tuple[list[str], dict[str, str]]]
@@ -141,9 +144,17 @@ class ChildServer:
         proc = self.proc
         return proc is not None and proc.poll() is None
 
-    def state(self) -> str:
-        """Whether the child runs, for a message about a request that could not reach it."""
-        return "it is running" if self.running() else "it exited"
+    def state(self, grace_s: float = 1.0) -> str:
+        """Whether the child runs, for a message about a request that could not reach it. A killed process closes
+        its sockets before it can be reaped, so a child whose connection just broke has `grace_s` to be seen gone."""
+        proc = self.proc
+        if proc is None:
+            return EXITED
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return "it is running"
+        return EXITED
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         """The end of the child's output (where a server says why it stopped)."""

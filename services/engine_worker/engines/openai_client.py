@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, Usage
-from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.engines.base import CancelFlag, EngineLost
+from coderai.engine_worker.engines.child_server import EXITED
 from coderai.engine_worker.engines.loopback_http import Answer, LoopbackClient, TransportError
 from coderai.engine_worker.engines.openai_wire import (
     Assembly,
@@ -165,7 +166,10 @@ class OpenAIClient:
 
     def _unreachable(self, exc: Exception) -> RuntimeError:
         state = self.state() if self.state is not None else ""
-        return RuntimeError(f"{self.label} unreachable ({exc})" + (f"; {state}" if state else ""))
+        message = f"{self.label} unreachable ({exc})" + (f"; {state}" if state else "")
+        # its child server died under the request (killed, crashed): another engine of the model may answer it, so
+        # the worker answers it retryable and the gateway fails over (before the first token)
+        return EngineLost(message) if state == EXITED else RuntimeError(message)
 
     def _run(
         self,

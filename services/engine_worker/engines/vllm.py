@@ -4,7 +4,8 @@ The server runs under its own interpreter, because vLLM pins a torch build that 
 worker keeps it in a separate venv. Which one: `params["python"]`, else `find_vllm_python()` (`CODERAI_VLLM_PYTHON`,
 else the venv `scripts/setup` links as `vllm/` inside this interpreter's venv), else this interpreter.
 The engine translates jobs to OpenAI requests on loopback; vLLM batches concurrent requests itself, so the
-engine keeps no lock. Streaming reads the server's SSE and stops on cancel: closing the response drops the
+engine keeps no lock. A server that dies is restarted (child_server's supervisor, `crash_limit` deaths within
+`crash_window_s` park it). Streaming reads the server's SSE and stops on cancel: closing the response drops the
 connection, and vLLM aborts a request whose client went away, freeing its KV cache. A whole (non-streamed)
 answer is one blocking request, so cancel cannot cut it short.
 
@@ -74,6 +75,9 @@ class VllmEngine(OpenAIServerEngine):
 
     def load(self) -> None:
         super().load()
+        # the supervisor restarts a server that dies (the engine is reported failed meanwhile, a request it was
+        # answering goes to another copy); it starts every later server, which then dies with it
+        self.child.supervise(on_exit=self._lost, on_restart=self._restarted)
         self.load_poll = LoadPoll(self.child, read_vllm)
 
     def stats(self) -> dict[str, Any]:
@@ -94,6 +98,19 @@ class VllmEngine(OpenAIServerEngine):
             **visible_devices(self.config),
             **{k: str(v) for k, v in self.config.param_table("env").items()},
         }
+
+    @property
+    def restarts(self) -> int:
+        return self.child.restarts
+
+    def _lost(self, why: str) -> None:
+        if self.on_lost is not None:
+            self.on_lost(why)
+
+    def _restarted(self) -> None:
+        self.connect()
+        if self.on_back is not None:
+            self.on_back()
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         body = super().chat_body(job, stream)
