@@ -59,7 +59,8 @@ OTHER_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "CODERAI_VLLM_PYTHON": (
         ("worker",),
-        "interpreter of a separate venv that has vLLM; makes the worker offer the `vllm` family",
+        "interpreter of a separate venv that has vLLM (default: `vllm/bin/python` in the worker's own venv, where "
+        "`scripts/setup` links the one it makes); makes the worker offer the `vllm` family",
     ),
     "CODERAI_MODEL_CACHE": (
         ("up",),
