@@ -19,6 +19,7 @@ from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParam
 from coderai.engine_worker.engines import BadInput, EngineLoadError, available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
 from coderai.engine_worker.engines.vllm import find_vllm_python
+from coderai.testing.procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -27,6 +28,7 @@ if VLLM_PYTHON is None:
     pytest.skip("no vLLM venv: scripts/setup makes one (.venv/vllm) with the dev extra", allow_module_level=True)
 
 MAX_MODEL_LEN = 2048  # room for a stream far longer than it takes to notice a cancel
+EOS = "2"  # the tiny llama's end of sequence: biased away, so a request runs its whole max_tokens
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # never the hub; a small KV cache on CPU
 
 
@@ -35,6 +37,7 @@ def config(path: str) -> ModelConfig:
         "python": VLLM_PYTHON,
         "dtype": "bfloat16",
         "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 2,  # a batch of two: a third request waits in vLLM's own queue (the load test below)
         "enforce_eager": True,
         "enable_log_requests": True,
         "load_timeout_s": 600,
@@ -174,6 +177,52 @@ def test_missing_model_path_fails_with_the_server_log_tail():
     assert e.proc is None
 
 
+def test_a_vllm_engine_reports_its_running_and_waiting_requests_and_kv_share(engine):
+    """Its load in the heartbeat (issue 44, item 3): with two sequences a batch and five requests at once, its stats
+    say two running, the rest waiting and a KV share, read from vLLM's own /metrics by the engine's poll; idle
+    again, zeros."""
+    eng = engine
+    cancel = CancelFlag()
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        job = CompletionJob(
+            request_id=f"r{i}",
+            model="tiny",
+            prompt="def f():" * 50,
+            params=SamplingParams(max_tokens=1200, temperature=0, logit_bias={EOS: -100.0}),
+        )
+        try:
+            eng.complete(job, cancel, lambda *_a, **_k: None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def busy():
+        if errors:
+            raise AssertionError(f"a request failed: {errors[0]!r}")
+        s = eng.stats()
+        return s if s["slots_busy"] == 2 and s["queued"] >= 1 and s["kv_used"] > 0 else None
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(5)]
+    try:
+        for t in threads:
+            t.start()
+        stats = wait_until(busy, 120, "two running, the rest waiting and a KV share, in the engine's stats")
+        print(
+            f"vLLM with five asking two: {stats['slots_busy']} running, {stats['queued']} waiting, kv {stats['kv_used']}"
+        )
+        assert 0 < stats["kv_used"] <= 1 and stats["queued"] <= 3
+        cancel.set()  # the streams are dropped: vLLM aborts them
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        wait_until(
+            lambda: (eng.stats()["slots_busy"], eng.stats()["queued"], eng.stats()["kv_used"]) == (0, 0, 0), 60, "idle"
+        )
+    finally:
+        cancel.set()
+
+
 def test_close_ends_the_server_and_its_children(engine):
     # last in the file: it closes the shared engine (close is idempotent, so the fixture's teardown is fine)
     group = engine.proc.pid
@@ -188,3 +237,5 @@ def test_close_ends_the_server_and_its_children(engine):
 
     wait_for(group_gone, 60)
     assert engine.proc is None and engine.client is None
+    poll = engine.load_poll  # the load poll ends with it
+    assert poll is not None and not poll._thread.is_alive()
