@@ -20,11 +20,13 @@ CAPS = Caps(budget_usd=5.0, period="day", global_budget_usd=50.0, global_period=
 @pytest.fixture
 async def r(redis_server):
     # a bounded pool: a thousand concurrent calls queue for 32 connections instead of opening a thousand. They wait
-    # as long as it takes (the pool's own default gives up after 20 s, which a loaded 2-core machine reached: a
-    # "No connection available" that is no finding about the money); the test's timeout bounds a real hang
-    client = aioredis.Redis(
-        connection_pool=aioredis.BlockingConnectionPool.from_url(redis_server.url, max_connections=32, timeout=None)
+    # as long as it takes: with a thousand tasks on this loop, a connect's 5 s default (redis-py's) and the pool's
+    # 20 s wait were both reached on a loaded 2-core machine ("Timeout connecting to server", no finding about the
+    # money: the loop had not come round to it); the test's own timeout bounds a real hang
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_server.url, max_connections=32, timeout=None, socket_connect_timeout=120, socket_timeout=120
     )
+    client = aioredis.Redis(connection_pool=pool)
     yield client
     await client.aclose()
 
