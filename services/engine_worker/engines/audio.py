@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from coderai.engine_worker.engines.base import BadInput
+
 FORMATS = ("wav", "mp3", "opus", "flac", "aac", "pcm")
 CONTENT_TYPES = {
     "wav": "audio/wav",
@@ -267,3 +269,22 @@ def decode(data: bytes, rate: int = 16000, *, max_s: float | None = None) -> np.
     if samples.size == 0:
         raise AudioDecodeError("the file holds no audio samples")
     return samples
+
+
+def model_language(requested: str | None, languages: frozenset[str]) -> str | None:
+    """A transcription job's language as the model's code (`languages`: the codes it knows), None to detect it;
+    BadInput on `language` when the model has no such code."""
+    if requested is None or not requested.strip():
+        return None
+    code = requested.strip().lower()
+    if code not in languages:
+        if languages == {"en"}:
+            raise BadInput(
+                f"language {requested!r} is not available: this model is English-only ('en').", param="language"
+            )
+        raise BadInput(
+            f"language {requested!r} is not a language this model knows; give an ISO-639-1 "
+            "code such as 'en', 'fr' or 'de', or leave it out to have the language detected.",
+            param="language",
+        )
+    return code

@@ -119,11 +119,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         self.backend, self.gpu_layers = offload_of(self.child.log_head())
         # the supervisor reads the slot load while the child lives and restarts it when it dies; it starts every
         # later child, so each dies with it (PR_SET_PDEATHSIG)
-        self.child.supervise(on_alive=self._read_load, on_exit=self._lost, on_restart=self._restarted)
-
-    @property
-    def restarts(self) -> int:
-        return self.child.restarts
+        self.supervise(on_alive=self._read_load)
 
     def media_takes(self) -> frozenset[str]:
         # without a projector the server answers a 500 for an image; the client's mistake is a 400 naming the part
@@ -273,16 +269,13 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     def _lost(self, why: str) -> None:
         self.server_load = ServerLoad()
-        if self.on_lost is not None:
-            self.on_lost(why)
+        super()._lost(why)
 
     def _restarted(self) -> None:
-        self.connect()
         self.book.reset()  # the new server's slots are empty
         if self.heads is not None:
             self.heads.clear()
-        if self.on_back is not None:
-            self.on_back()
+        super()._restarted()
 
 
 def available() -> bool:

@@ -97,7 +97,7 @@ class MlxEngine(OpenAIServerEngine):
             self._drop_hub_cache()  # whether or not the worker closes an engine that failed to load
             raise
         # the supervisor restarts a child that dies (and starts every later one, which then dies with it)
-        self.child.supervise(on_exit=self._lost, on_restart=self._restarted)
+        self.supervise()
 
     def close(self) -> None:
         super().close()
@@ -107,10 +107,6 @@ class MlxEngine(OpenAIServerEngine):
         if self.hub_cache:
             shutil.rmtree(self.hub_cache, ignore_errors=True)
             self.hub_cache = ""
-
-    @property
-    def restarts(self) -> int:
-        return self.child.restarts
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         refuse_media(job.messages, self.config.name, self.media_takes())
@@ -144,12 +140,3 @@ class MlxEngine(OpenAIServerEngine):
         for key in DROPPED:
             body.pop(key, None)
         return {**body, "model": model_folder(self.config)}
-
-    def _lost(self, why: str) -> None:
-        if self.on_lost is not None:
-            self.on_lost(why)
-
-    def _restarted(self) -> None:
-        self.connect()
-        if self.on_back is not None:
-            self.on_back()

@@ -14,7 +14,10 @@ from __future__ import annotations
 import secrets
 import signal
 import subprocess
+from collections.abc import Callable
 from typing import Any
+
+import httpx
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
 from coderai.engine_worker.engines.base import CancelFlag, Engine
@@ -104,6 +107,25 @@ class OpenAIServerEngine(Engine):
         self.child.start_timeout_s = self.load_timeout_s()
         self.child.start(port)
         self.connect()
+
+    def supervise(self, on_alive: Callable[[httpx.Client], None] | None = None) -> None:
+        """Have the child restarted when it dies (`child_server`'s supervisor, which starts every later child,
+        so each dies with it): the engine is reported lost meanwhile, so a request it was answering goes to
+        another copy, and back once a new child answers; `on_alive(probe)` runs on every poll while it lives."""
+        self.child.supervise(on_alive=on_alive, on_exit=self._lost, on_restart=self._restarted)
+
+    @property
+    def restarts(self) -> int:
+        return self.child.restarts
+
+    def _lost(self, why: str) -> None:
+        if self.on_lost is not None:
+            self.on_lost(why)
+
+    def _restarted(self) -> None:
+        self.connect()
+        if self.on_back is not None:
+            self.on_back()
 
     def connect(self) -> None:
         """A client for the child where it listens now (after a restart, on another port)."""

@@ -106,6 +106,10 @@ class SGLangEngine(OpenAIServerEngine):
         super().__init__(config)
         self.node_id = node_id
 
+    def load(self) -> None:
+        super().load()
+        self.supervise()  # restarted when it dies, parked after crash_limit deaths (child_server)
+
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         cfg = self.config
         plan = cfg.shards

@@ -77,7 +77,7 @@ class VllmEngine(OpenAIServerEngine):
         super().load()
         # the supervisor restarts a server that dies (the engine is reported failed meanwhile, a request it was
         # answering goes to another copy); it starts every later server, which then dies with it
-        self.child.supervise(on_exit=self._lost, on_restart=self._restarted)
+        self.supervise()
         self.load_poll = LoadPoll(self.child, read_vllm)
 
     def stats(self) -> dict[str, Any]:
@@ -98,19 +98,6 @@ class VllmEngine(OpenAIServerEngine):
             **visible_devices(self.config),
             **{k: str(v) for k, v in self.config.param_table("env").items()},
         }
-
-    @property
-    def restarts(self) -> int:
-        return self.child.restarts
-
-    def _lost(self, why: str) -> None:
-        if self.on_lost is not None:
-            self.on_lost(why)
-
-    def _restarted(self) -> None:
-        self.connect()
-        if self.on_back is not None:
-            self.on_back()
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         body = super().chat_body(job, stream)

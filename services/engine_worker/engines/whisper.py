@@ -121,29 +121,12 @@ class WhisperEngine(Engine):
     def close(self) -> None:
         self.model = None
 
-    def _language(self, requested: str | None) -> str | None:
-        """The job's language as the model's code, None to detect it; BadInput when the model has no such code."""
-        if requested is None or not requested.strip():
-            return None
-        code = requested.strip().lower()
-        if code not in self.languages:
-            if self.languages == {"en"}:
-                raise BadInput(
-                    f"language {requested!r} is not available: this model is English-only ('en').", param="language"
-                )
-            raise BadInput(
-                f"language {requested!r} is not a language this model knows; give an ISO-639-1 "
-                "code such as 'en', 'fr' or 'de', or leave it out to have the language detected.",
-                param="language",
-            )
-        return code
-
     def transcribe(
         self, job: TranscribeJob, cancel: CancelFlag, emit: Emit | None = None
     ) -> tuple[TranscribeResult, Usage]:
         """Text of `job.audio` in its own language (`task` transcribe) or in English (`task` translate), with
         timed segments and, when `word_timestamps` is set, timed words."""
-        language = self._language(job.language)  # before decoding: a bad field costs nothing
+        language = audio.model_language(job.language, self.languages)  # before decoding: a bad field costs nothing
         if job.temperature < 0 or job.temperature > 1:
             raise BadInput(f"temperature must be between 0 and 1, not {job.temperature}", param="temperature")
         try:
