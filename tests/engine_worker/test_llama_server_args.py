@@ -97,3 +97,32 @@ def test_an_embedding_model_is_started_in_embedding_mode():
     no_file = server_args(ModelConfig(name="e", engine="llama-server", path="/none.gguf", ops=["embed"]), 1)
     assert no_file[no_file.index("--pooling") + 1] == "mean"  # unreadable or unnamed: mean
     assert "--embedding" not in server_args(_cfg(), 1)
+
+
+def test_a_quiet_build_s_offload_is_what_it_was_asked_on_the_devices_it_lists(tmp_path, tiny_gguf):
+    """llama.cpp from 0.5 logs neither device nor offload at its default verbosity: the engine then says what the
+    build can do (the first GPU device `--list-devices` names) with the layers it asked for."""
+    from coderai.contracts import ModelConfig
+    from coderai.engine_worker.engines.llama_server_args import offload
+    from coderai.runtime.embedded import find_llama_server
+    from coderai.runtime.gguf_meta import block_count
+
+    vulkan = tmp_path / "llama-server-vulkan"
+    vulkan.write_text(
+        "#!/bin/sh\necho 'Available devices:'\necho '  Vulkan0: llvmpipe (LLVM 15) (2048 MiB, 2048 MiB free)'\n"
+    )
+    vulkan.chmod(0o755)
+    quiet_log = "srv load_model: loading model\nsrv llama_server: model loaded\n"
+    blocks = block_count(tiny_gguf)
+    assert blocks > 0
+
+    def cfg(**params) -> ModelConfig:
+        return ModelConfig(name="m", engine="llama-server", path=str(tiny_gguf), params=params)
+
+    assert offload(cfg(), quiet_log, str(vulkan), {}) == ("vulkan", blocks + 1)  # all: its blocks and the output
+    assert offload(cfg(n_gpu_layers=1), quiet_log, str(vulkan), {"GGML_VK_VISIBLE_DEVICES": "0"}) == ("vulkan", 1)
+    assert offload(cfg(n_gpu_layers=0), quiet_log, str(vulkan), {}) == ("cpu", 0)  # asked for none
+    said = "load_tensors: offloaded 3/19 layers to GPU\nusing device CUDA0 (x)"
+    assert offload(cfg(), said, str(vulkan), {}) == ("cuda", 3)  # the log's word wins where it speaks
+    cpu_build = find_llama_server()
+    assert cpu_build is not None and offload(cfg(), quiet_log, cpu_build, {}) == ("cpu", 0)  # lists no GPU

@@ -34,6 +34,7 @@ from coderai.engine_worker.engines.llama_server_args import (
     cache_ram_mb,
     default_cache_ram_mb,
     find_binary,
+    offload,
     offload_of,
     server_args,
     server_env,
@@ -116,7 +117,8 @@ class LlamaServerEngine(OpenAIServerEngine):
         if not os.path.exists(os.path.expanduser(self.config.path)):
             raise EngineLoadError(f"no such model file: {self.config.path}")
         self.start_server()
-        self.backend, self.gpu_layers = offload_of(self.child.log_head())
+        cmd, env = self.command(0)
+        self.backend, self.gpu_layers = offload(self.config, self.child.log_head(), cmd[0], env)
         # the supervisor reads the slot load while the child lives and restarts it when it dies; it starts every
         # later child, so each dies with it (PR_SET_PDEATHSIG)
         self.supervise(on_alive=self._read_load)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 
 from coderai.contracts import ModelConfig
 from coderai.engine_worker.engines.base import visible_devices
 from coderai.engine_worker.engines.openai_server import param_flags
 from coderai.engine_worker.engines.server_load import llama_load
 from coderai.runtime.embedded import find_llama_server
+from coderai.runtime.gguf_meta import block_count
 
 NAMED = {
     "n_threads": "--threads",
@@ -92,6 +94,46 @@ def offload_of(log: str) -> tuple[str, int]:
     d = _DEVICE.search(log)
     name = (d.group(1) or d.group(2)) if d else "gpu"
     return name.lower(), layers
+
+
+_LISTED = re.compile(r"^\s*([A-Za-z]+)\d+: ", re.MULTILINE)
+_LISTS: dict[tuple[str, str], str] = {}
+
+
+def build_backend(binary: str, env: dict[str, str]) -> str:
+    """The GPU backend this llama-server build sees with the child's environment ("vulkan", "cuda", ...; "" none):
+    the first device `--list-devices` names, asked once per binary and visible-device setting."""
+    key = (binary, "|".join(env.get(k, "") for k in ("GGML_VK_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")))
+    if key not in _LISTS:
+        try:
+            out = subprocess.run(
+                [binary, "--list-devices"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+                stdin=subprocess.DEVNULL,
+            )
+            m = _LISTED.search(out.stdout + out.stderr)
+            _LISTS[key] = m.group(1).lower() if m else ""
+        except (OSError, subprocess.TimeoutExpired):
+            _LISTS[key] = ""
+    return _LISTS[key]
+
+
+def offload(config: ModelConfig, log: str, binary: str, env: dict[str, str]) -> tuple[str, int]:
+    """(backend, layers on the GPU) of a started llama-server: from its log where it says (builds that log their
+    offload at the default verbosity), else from what it was asked and can do (llama.cpp from 0.5 logs neither
+    device nor offload unless verbose, which writes ~35 lines a request): the build's first GPU backend, and
+    `n_gpu_layers` of the model's blocks plus its output layer ("all" when not given)."""
+    said = offload_of(log)
+    if said[1] or (ngl := config.param_int("n_gpu_layers")) == 0:
+        return said
+    backend = build_backend(binary, env)
+    if not backend:
+        return said
+    total = block_count(os.path.expanduser(config.path)) + 1
+    return backend, total if ngl is None or ngl < 0 or ngl >= total else ngl
 
 
 def server_args(config: ModelConfig, port: int) -> list[str]:
