@@ -62,6 +62,11 @@ OTHER_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
         "interpreter of a separate venv that has vLLM (default: `vllm/bin/python` in the worker's own venv, where "
         "`scripts/setup` links the one it makes); makes the worker offer the `vllm` family",
     ),
+    "CODERAI_SGLANG_PYTHON": (
+        ("worker",),
+        "interpreter of a separate venv that has SGLang (default: `sglang/bin/python` in the worker's own venv); "
+        "makes the worker offer the `sglang` family (engines/sglang.py)",
+    ),
     "CODERAI_MODEL_CACHE": (
         ("up",),
         "where `coderai up` keeps the tiny default models it builds (tiny_models/cache.py); "
