@@ -83,8 +83,28 @@ def _client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _mine(pid: int) -> bool:
+    """Whether `pid` descends from this test process (its stack's workers started it): another test run on the
+    same machine has vLLM servers of the same model name, which this module must neither count nor kill."""
+    me = os.getpid()
+    for _ in range(64):
+        pid = _parent(pid)
+        if pid == me:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def _children() -> dict[int, list[str]]:
-    """argv of each live vLLM OpenAI server of the model, by pid."""
+    """argv of each live vLLM OpenAI server of the model that this test's stack started, by pid."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -94,7 +114,7 @@ def _children() -> dict[int, list[str]]:
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and "vllm.entrypoints.openai.api_server" in argv and MODEL in argv:
+        if state != "Z" and "vllm.entrypoints.openai.api_server" in argv and MODEL in argv and _mine(int(entry)):
             out[int(entry)] = argv
     return out
 
