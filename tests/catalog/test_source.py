@@ -122,7 +122,12 @@ def test_the_models_in_docs_pods_md_load(tmp_path):
     doc = Path(__file__).resolve().parents[2] / "docs" / "pods.md"
     blocks = [b for b in re.findall(r"```toml\n(.*?)```", doc.read_text(), flags=re.S) if "[[models]]" in b]
     assert len(blocks) >= 2
+    sourced = 0
     for i, block in enumerate(blocks):
         (tmp_path / f"{i}.toml").write_text(block)
         [m] = load_models(str(tmp_path / f"{i}.toml"))
+        if m.pod.serverless_endpoint:  # a serverless endpoint serves its own weights: no source to fetch
+            continue
         assert parse_source(m.source).kind == "hf"
+        sourced += 1
+    assert sourced >= 2
