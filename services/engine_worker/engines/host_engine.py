@@ -18,11 +18,11 @@ import threading
 from typing import Any
 
 from coderai.contracts import ChatJob, Choice, CompletionJob, ModelConfig, Usage
-from coderai.engine_worker.engines.base import BadInput, CancelFlag, Engine, EngineLoadError, EngineLost
+from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadError, EngineLost
 from coderai.engine_worker.engines.host_pool import Attempt, HostPool, NoHost, open_pool, release_pool
 from coderai.engine_worker.engines.host_pools_file import POOL_NAME, PoolsError, pools_path, read_pools
 from coderai.engine_worker.engines.openai_client import Emit, OpenAIClient, PromptCounters
-from coderai.engine_worker.engines.remote import MB, plain_failure, read_key, worker_data_dir
+from coderai.engine_worker.engines.remote import NotStarted, relay_clients, relay_once, worker_data_dir
 
 
 class HostPoolEngine(Engine):
@@ -55,22 +55,7 @@ class HostPoolEngine(Engine):
         decl = pools.get(name)
         if decl is None:
             raise EngineLoadError(f"no pool {name!r} in {path} (it declares {', '.join(sorted(pools)) or 'none'})")
-        secret = cfg.param_str("api_key_secret")
-        headers = {"Authorization": f"Bearer {read_key(secret)}"} if secret else {}
-        timeout = cfg.param_float("timeout_s") or 300.0
-        for host in decl.hosts:
-            self.clients.append(
-                OpenAIClient(
-                    host.url,
-                    cfg.param_str("served_model") or cfg.name,
-                    headers=headers,
-                    label=f"host {host.url}",
-                    counters=self.counters,
-                    connect_timeout_s=min(timeout, 10.0),
-                    read_timeout_s=timeout,
-                    max_body=int((cfg.param_float("max_answer_mb") or 16) * MB),
-                )
-            )
+        self.clients = relay_clients(cfg, [host.url for host in decl.hosts], "host", self.counters)
         with self._lock:
             if self._closed:  # closed from another thread while it loaded (a load aborted)
                 return
@@ -103,24 +88,12 @@ class HostPoolEngine(Engine):
                 raise EngineLost("; ".join([str(exc), *failures])) from None
             finally:
                 unhook()
-            started = False  # a piece reached the client: past that, a failure is the request's
-
-            def relayed(*args: Any, **kw: Any) -> None:
-                nonlocal started
-                started = True
-                if emit is not None:  # given only when it is (below)
-                    emit(*args, **kw)
-
             try:
-                return getattr(self.clients[h.index], op)(job, cancel, relayed if emit is not None else None)
-            except BadInput:
-                raise  # the request's own fault, as the host says: another one would say the same
-            except Exception as exc:  # the host's failure: another host, unless already answering
-                if started or cancel:
-                    raise RuntimeError(plain_failure(f"host {h.url}", exc)) from None
-                pool.failed(h, exc)
+                return relay_once(self.clients[h.index], f"host {h.url}", op, job, cancel, emit)
+            except NotStarted as failed:  # the host's failure: another host
+                pool.failed(h, failed.cause)
                 attempt.failed.add(h)
-                failures.append(plain_failure(f"host {h.url}", exc))
+                failures.append(str(failed))
             finally:
                 pool.release(h)
         raise EngineLost("cancelled before a host took the request")

@@ -62,6 +62,67 @@ class Endpoint:
     last_error: str = ""
 
 
+def relay_clients(cfg: ModelConfig, urls: list[str], what: str, counters: PromptCounters) -> list[OpenAIClient]:
+    """An OpenAI client for each of `urls` with the model's relay params: `served_model` (default its name), the
+    key in secret `api_key_secret`, `timeout_s` of silence (300) and `max_answer_mb` per answer (16). `what`
+    names the endpoint kind in messages ("remote", "host"); a bad URL is a ValueError."""
+    secret = cfg.param_str("api_key_secret")
+    headers = {"Authorization": f"Bearer {read_key(secret)}"} if secret else {}
+    timeout = cfg.param_float("timeout_s") or 300.0
+    made: list[OpenAIClient] = []
+    try:
+        for url in urls:
+            made.append(
+                OpenAIClient(
+                    url,
+                    cfg.param_str("served_model") or cfg.name,
+                    headers=headers,
+                    label=f"{what} {url}",
+                    counters=counters,
+                    connect_timeout_s=min(timeout, 10.0),
+                    read_timeout_s=timeout,
+                    max_body=int((cfg.param_float("max_answer_mb") or 16) * MB),
+                )
+            )
+    except ValueError:
+        for client in made:
+            client.close()
+        raise
+    return made
+
+
+class NotStarted(Exception):
+    """An endpoint failed before any of its answer reached the client: the request may go to another one."""
+
+    def __init__(self, cause: BaseException, why: str) -> None:
+        super().__init__(why)
+        self.cause = cause
+
+
+def relay_once(
+    client: OpenAIClient, who: str, op: str, job: Any, cancel: CancelFlag, emit: Emit | None
+) -> tuple[list[Choice], Usage]:
+    """`op` of `job` on one endpoint (`who` names it in messages). Its BadInput is the request's own fault (another
+    endpoint would say the same) and passes as is; a failure once a piece reached the client (or on cancel) is the
+    request's RuntimeError; one before that is NotStarted, for the caller to try another endpoint."""
+    started = False
+
+    def relayed(*args: Any, **kw: Any) -> None:
+        nonlocal started
+        started = True
+        if emit is not None:  # given only when it is (below)
+            emit(*args, **kw)
+
+    try:
+        return getattr(client, op)(job, cancel, relayed if emit is not None else None)
+    except BadInput:
+        raise
+    except Exception as exc:
+        if started or cancel:
+            raise RuntimeError(plain_failure(who, exc)) from None
+        raise NotStarted(exc, plain_failure(who, exc)) from None
+
+
 class RemoteEngine(Engine):
     """Jobs relayed to the least busy of the model's endpoints, failing over before the first token."""
 
@@ -84,27 +145,12 @@ class RemoteEngine(Engine):
         return urls
 
     def load(self) -> None:
-        cfg = self.config
-        secret = cfg.param_str("api_key_secret")
-        headers = {"Authorization": f"Bearer {read_key(secret)}"} if secret else {}
-        model = cfg.param_str("served_model") or cfg.name
-        timeout = cfg.param_float("timeout_s") or 300.0
-        limit = int((cfg.param_float("max_answer_mb") or 16) * MB)
-        for url in self.urls():
-            try:
-                client = OpenAIClient(
-                    url,
-                    model,
-                    headers=headers,
-                    label=f"remote {url}",
-                    counters=self.counters,
-                    connect_timeout_s=min(timeout, 10.0),
-                    read_timeout_s=timeout,
-                    max_body=limit,
-                )
-            except ValueError as exc:
-                raise EngineLoadError(f"params.service_url: {exc}") from None
-            self.endpoints.append(Endpoint(url, client))
+        urls = self.urls()
+        try:
+            clients = relay_clients(self.config, urls, "remote", self.counters)
+        except ValueError as exc:
+            raise EngineLoadError(f"params.service_url: {exc}") from None
+        self.endpoints.extend(Endpoint(url, client) for url, client in zip(urls, clients, strict=True))
         # each endpoint asked once now: a model whose every endpoint is unreachable fails to load, saying why
         for e in self.endpoints:
             try:
@@ -139,25 +185,13 @@ class RemoteEngine(Engine):
     def _relay(self, op: str, job: Any, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
         failures: list[str] = []
         for e in self._order():
-            started = False  # a piece reached the client: past that, a failure is the request's
-
-            def relayed(*args: Any, **kw: Any) -> None:
-                nonlocal started
-                started = True
-                if emit is not None:  # given only when it is (below)
-                    emit(*args, **kw)
-
             with self._lock:
                 e.in_flight += 1
             try:
-                return getattr(e.client, op)(job, cancel, relayed if emit is not None else None)
-            except BadInput:
-                raise  # the request's own fault, as the endpoint says: another one would say the same
-            except Exception as exc:  # an endpoint's failure: the next one, unless already answering
-                if started or cancel:
-                    raise RuntimeError(plain_failure(f"remote {e.url}", exc)) from None
-                self._down(e, exc)
-                failures.append(plain_failure(f"remote {e.url}", exc))
+                return relay_once(e.client, f"remote {e.url}", op, job, cancel, emit)
+            except NotStarted as failed:  # an endpoint's failure: the next one
+                self._down(e, failed.cause)
+                failures.append(str(failed))
             finally:
                 with self._lock:
                     e.in_flight -= 1
