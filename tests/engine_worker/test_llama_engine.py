@@ -10,6 +10,7 @@ import pytest
 from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines import EngineLoadError, available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.testing import jobs as testing_jobs
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.slow
@@ -26,8 +27,7 @@ def engine(tiny_gguf):
 
 
 def chat(content: str = "hi", **kw) -> ChatJob:
-    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **kw.pop("params", {})})
-    return ChatJob(request_id="r", model="t", messages=[{"role": "user", "content": content}], params=params, **kw)
+    return testing_jobs.chat(content, model="t", **kw)
 
 
 def test_llama_is_an_available_family():

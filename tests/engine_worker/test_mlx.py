@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 
-from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
+from coderai.contracts import ChatJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines import BadInput, EngineLoadError, available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.testing.jobs import chat, completion
 
 pytest.importorskip("mlx.core", reason="the mlx extra is not installed")
 pytest.importorskip("mlx_lm", reason="the mlx extra is not installed")
@@ -47,16 +48,6 @@ def engine(model_dir):
     e.load()
     yield e
     e.close()
-
-
-def chat(content: str = "hi", **kw) -> ChatJob:
-    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **kw.pop("params", {})})
-    return ChatJob(request_id="r", model="tiny", messages=[{"role": "user", "content": content}], params=params, **kw)
-
-
-def completion(prompt: str = "def f():", **kw) -> CompletionJob:
-    params = SamplingParams(**{"max_tokens": 5, "temperature": 0.0, **kw.pop("params", {})})
-    return CompletionJob(**{"request_id": "r", **kw}, model="tiny", prompt=prompt, params=params)
 
 
 def wait_for(check, timeout_s: float = 30.0):

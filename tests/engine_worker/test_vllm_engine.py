@@ -15,9 +15,10 @@ import uuid
 import httpx
 import pytest
 
-from coderai.contracts import ChatJob, CompletionJob, ModelConfig, SamplingParams
+from coderai.contracts import CompletionJob, ModelConfig, SamplingParams
 from coderai.engine_worker.engines import BadInput, EngineLoadError, available_families, engine_class
 from coderai.engine_worker.engines.base import CancelFlag
+from coderai.testing.jobs import chat, completion
 from coderai.engine_worker.engines.vllm import find_vllm_python
 from coderai.testing.procs import wait_until
 
@@ -55,16 +56,6 @@ def engine():
     e.load()
     yield e
     e.close()
-
-
-def chat(content: str = "hi", **kw) -> ChatJob:
-    params = SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **kw.pop("params", {})})
-    return ChatJob(request_id="r", model="tiny", messages=[{"role": "user", "content": content}], params=params, **kw)
-
-
-def completion(prompt: str = "def f():", **kw) -> CompletionJob:
-    params = SamplingParams(**{"max_tokens": 5, "temperature": 0.0, **kw.pop("params", {})})
-    return CompletionJob(**{"request_id": "r", **kw}, model="tiny", prompt=prompt, params=params)
 
 
 def wait_for(check, timeout_s: float = 30.0):
