@@ -28,7 +28,7 @@ from coderai.contracts.pods import EscalateReply, EscalateRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, EVT_ENGINE_READY, ROUTE_PICK
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
-from coderai.runtime.bus import Bus, FrameStream
+from coderai.runtime.bus import Bus, FrameStream, Silence
 from coderai.runtime.tracing import NO_SPAN
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ class Relay:
             else:
                 stream = await self._open(op, job, decision, headers, encoded)
             try:
-                frame = await next_frame(stream, self.settings.queue_timeout_s, job.model)
+                frame = await self._heard(stream, route, [*tried, decision.engine_id], headers, job.model)
                 if isinstance(frame, ErrorReply):
                     raise BusError.from_reply(frame)
                 return stream, frame, decision
@@ -249,6 +249,31 @@ class Relay:
                 last = exc
         assert last is not None
         raise last
+
+    async def _heard(
+        self, stream: FrameStream, route: RouteRequest, tried: list[str], headers: dict[str, str], model: str
+    ) -> Chunk | Final | ErrorReply:
+        """The first real frame of `stream`. An engine that sends nothing within the accept timeout is given up
+        (a retryable Silence) when another engine could take the job. With none (`tried`: those already used,
+        this one too), it may be only slow to say it has the job, as a worker starved of CPU by its own engine
+        is, so it gets the idle timeout, as an engine that had spoken would: giving it up would fail the request."""
+        try:
+            return await next_frame(stream, self.settings.queue_timeout_s, model)
+        except Silence:
+            if stream.first_timeout_s >= stream.idle_timeout_s or await self._another(route, tried, headers):
+                raise
+        log.info("the engine is slow to take the job and no other engine can: waiting for it")
+        stream.first_timeout_s = stream.idle_timeout_s
+        return await next_frame(stream, self.settings.queue_timeout_s, model)
+
+    async def _another(self, route: RouteRequest, tried: list[str], headers: dict[str, str]) -> bool:
+        """Whether the router has an engine for the request other than `tried`: False only when it says it has
+        none (a router that cannot be asked may have one)."""
+        try:
+            await self.route(route, tried, headers)
+        except BusError as exc:
+            return exc.code != "no_engine"
+        return True
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run `coro` detached from the request (it may be cancelled), keeping a reference until done."""

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from coderai.accounts.keys import ApiKey
 from coderai.accounts.limits import period_id
 from coderai.contracts import (
+    BusError,
     CancelJob,
     ChatJob,
     Choice,
@@ -41,6 +42,8 @@ from coderai.runtime.bus import Bus, FrameWriter
 from coderai.runtime.lifecycle import wait_for
 
 PRICE = 1000.0  # USD per million tokens: a reservation is visible in Redis
+ACCEPT_S = 0.3  # the gateway's accept timeout here
+SLOW_ACCEPT_S = 1.0  # how long a "slow_accept" engine says nothing: past the accept timeout, within the idle one
 
 
 class Engine:
@@ -72,6 +75,8 @@ class Engine:
 
     async def run(self, job: ChatJob, w: FrameWriter, _msg) -> None:
         self.jobs.append(job.request_id)
+        if self.mode == "slow_accept":  # silent past the gateway's accept timeout (a worker starved of CPU)
+            await asyncio.sleep(SLOW_ACCEPT_S)
         if self.mode == "fail_first":  # retryable, before any frame: the gateway tries another engine
             await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="GPU fell off", retryable=True))
             return
@@ -98,6 +103,7 @@ class Rig:
         self.gw, self.engines, self.redis = gw, engines, redis
         self.events: list[RequestCompleted] = []
         self.picks: list[list[str]] = []
+        self.unknown: set[str] = set()  # engines the router does not offer
 
     def count(self, rid: str) -> int:
         return Counter(e.request_id for e in self.events)[rid]
@@ -126,7 +132,12 @@ class Rig:
 @pytest.fixture
 async def rig(nats_server, redis_server, unique):
     settings = GatewaySettings(
-        nats_url=nats_server.url, redis_url=redis_server.url, no_auth=True, idle_timeout_s=5.0, retry_after_s=3
+        nats_url=nats_server.url,
+        redis_url=redis_server.url,
+        no_auth=True,
+        idle_timeout_s=5.0,
+        accept_timeout_s=ACCEPT_S,
+        retry_after_s=3,
     )
     gw = Gateway(settings)
     async with gw.lifespan(None):
@@ -140,7 +151,9 @@ async def rig(nats_server, redis_server, unique):
 
         async def pick(req: RouteRequest, _m) -> RouteDecision:
             r.picks.append(list(req.exclude))
-            engine = next(e for e in engines if e not in req.exclude)
+            engine = next((e for e in engines if e not in req.exclude and e not in r.unknown), None)
+            if engine is None:
+                raise BusError("no_engine", f"no live engine serves chat for model {req.model!r}", retryable=True)
             return RouteDecision(engine_id=engine, node_id="n1", reason="least_busy")
 
         await side.serve(ROUTE_PICK, pick)
@@ -177,6 +190,32 @@ async def test_a_whole_answer_fails_over_before_the_first_frame(rig, unique):
     assert (event.status, event.engine_id, event.prompt_tokens, event.completion_tokens) == ("ok", "e2", 3, 2)
     assert event.cost_usd == pytest.approx(5 * PRICE / 1e6)
     assert await rig.reserved(who) == pytest.approx(0.0, abs=1e-9)  # the reservation was settled
+
+
+async def test_an_engine_slow_to_take_the_job_is_given_up_for_another(rig, unique):
+    """An engine silent past the accept timeout may have lost the job (a NATS server died under it): with another
+    engine to ask, the job goes there, and the silent one is told to stop."""
+    rig.engines["e1"].mode = "slow_accept"
+    call = rig.call(budgeted(unique))
+    final = await answer(call)
+    assert final.engine_id == "e2"
+    assert rig.picks == [[], ["e1"], ["e1"]]  # whether another could take it, then which (a rare path: one more ask)
+    await wait_for(lambda: call.request_id in rig.engines["e1"].cancelled, 10, what="the cancel of the silent job")
+
+
+async def test_an_engine_slow_to_take_the_job_is_waited_for_when_no_other_can(rig, unique):
+    """The only engine of the model, slow to say it has the job (its worker starved of CPU by its engine, as a
+    vLLM answer on a loaded 2-core machine does), still answers: the gateway does not give up the one engine that
+    can, it waits the idle timeout for it."""
+    rig.unknown = {"e2"}
+    rig.engines["e1"].mode = "slow_accept"
+    call = rig.call(budgeted(unique))
+    final = await answer(call)
+    assert final.engine_id == "e1" and final.choices[0].message["content"] == "hi"
+    assert rig.picks == [[], ["e1"]]  # asked whether another engine could take it: none
+    assert call.request_id not in rig.engines["e1"].cancelled
+    event = await rig.one_event(call.request_id)
+    assert (event.status, event.engine_id) == ("ok", "e1")
 
 
 async def test_an_error_mid_stream_ends_the_sse_with_an_error_event(rig, unique):
