@@ -21,6 +21,7 @@ from coderai.engine_worker.engines.base import CancelFlag
 from coderai.testing.jobs import chat, completion
 from coderai.engine_worker.engines.vllm import find_vllm_python
 from coderai.testing.procs import wait_until
+from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -30,7 +31,6 @@ if VLLM_PYTHON is None:
 
 MAX_MODEL_LEN = 2048  # room for a stream far longer than it takes to notice a cancel
 EOS = "2"  # the tiny llama's end of sequence: biased away, so a request runs its whole max_tokens
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # never the hub; a small KV cache on CPU
 
 
 def config(path: str) -> ModelConfig:
@@ -42,7 +42,7 @@ def config(path: str) -> ModelConfig:
         "enforce_eager": True,
         "enable_log_requests": True,
         "load_timeout_s": 600,
-        "env": SERVER_ENV,
+        "env": VLLM_CPU_ENV,
     }
     return ModelConfig(name="tiny", engine="vllm", path=path, params=params)
 

@@ -23,13 +23,12 @@ import pytest
 
 from coderai.testing.procs import wait_until
 from coderai.testing.stack import running_stack
+from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MODEL = "tiny-vllm"
 MAX_MODEL_LEN = 2048
-# never the hub; a small KV cache (vLLM on CPU takes 4 GB by default)
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -73,7 +72,7 @@ def stack(tmp_path_factory):
         [model],
         workers=("w1", "w2"),
         gateway_args=("--no-auth",),
-        extra_env={**WORKER_ENV, "CODERAI_WORKER_HEARTBEAT_S": "0.5"},
+        extra_env={**VLLM_CPU_ENV, "CODERAI_WORKER_HEARTBEAT_S": "0.5"},
     ) as s:
         wait_until(lambda: [e["state"] for e in _engines(s)] == ["ready", "ready"], 300, "both vLLM copies")
         yield s
@@ -123,12 +122,10 @@ def _url(argv: list[str]) -> str:
     return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
 
 
-def _metric(name: str, pid: int | None = None) -> float:
-    """A counter of vLLM's own Prometheus `/metrics`, summed over its series and servers (or of server `pid`)."""
+def _metric(name: str, servers: dict[int, list[str]] | None = None) -> float:
+    """A counter of vLLM's own Prometheus `/metrics`, summed over its series and servers (those given, else all)."""
     total = 0.0
-    for p, argv in _children().items():
-        if pid is not None and p != pid:
-            continue
+    for argv in (servers if servers is not None else _children()).values():
         text = httpx.get(f"{_url(argv)}/metrics", timeout=10).text
         found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.MULTILINE)
         assert found, f"{name} not in vLLM's /metrics"
@@ -145,7 +142,11 @@ def _tokenizer():
 
 
 def _engines(stack) -> list[dict]:
-    nodes = httpx.get(f"{stack.http_url}/admin/nodes", timeout=10).json()["nodes"]
+    def answered() -> tuple[list[dict]] | None:  # a 503 with Retry-After when the scheduler is slow (a loaded box)
+        r = httpx.get(f"{stack.http_url}/admin/nodes", timeout=10)
+        return (r.json()["nodes"],) if r.status_code == 200 else None
+
+    (nodes,) = wait_until(answered, 30, "the cluster's nodes", interval_s=0.5)
     found = [e for n in nodes for e in n["heartbeat"].get("engines", []) if e["model"] == MODEL]
     return sorted(found, key=lambda e: e["engine_id"])
 
@@ -263,15 +264,17 @@ def test_a_killed_server_fails_over_to_the_other_copy(stack):
             except openai.APIError as exc:
                 answer["error"] = exc
 
+        servers = _children()
         t = threading.Thread(target=ask)
         t.start()
 
         def making_it() -> int:
             """The pid of the server making the answer; -1 once the answer is there."""
-            pid = next((p for p in _children() if _metric("vllm:num_requests_running", p) > 0), 0)
+            pid = next((p for p, a in servers.items() if _metric("vllm:num_requests_running", {p: a}) > 0), 0)
             return pid or (-1 if not t.is_alive() else 0)
 
-        busy = wait_until(making_it, 30, "a vLLM server to be making the answer")
+        # not polled hard: on 2 cores the poll itself would starve the workers it watches
+        busy = wait_until(making_it, 30, "a vLLM server to be making the answer", interval_s=0.25)
         if busy > 0:
             os.kill(busy, signal.SIGKILL)
         t.join(120)

@@ -79,6 +79,19 @@ def _token_id(token_id: object) -> int:
     return token_id
 
 
+# What a vLLM server of the tests runs with on a CPU: never the hub, a small KV cache (it takes 4 GB by default),
+# and one unbound thread. By default each server binds a spinning OpenMP thread to every core: two of them on
+# 2 cores starved every other process of the machine for 4 s at a time while they answered (measured: a 10 ms
+# sleeper woke 3.9-4.0 s late, the heads lost their leases, a worker's keep-alive came after the gateway's accept
+# timeout); unbound, under 1 s.
+VLLM_CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+
+
 def tiny_hf_llama() -> Path:
     """The default tiny HF llama, built once into the model cache (`coderai.tiny_models.cache`)."""
     return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
