@@ -169,10 +169,11 @@ class TrainingHost:
         stack.push_async_callback(self.stop_all)
 
     def _bus_local(self) -> str:
-        transport: Any = self.bus.nc._transport  # nats-py has no public way to ask
+        # nats-py has no public way to ask: its TCP transport's stream writer knows (a websocket one has none)
+        writer: Any = getattr(self.bus.nc._transport, "_io_writer", None)
         try:
-            return transport.get_extra_info("sockname")[0]
-        except Exception:  # no transport info: fall back to the interfaces
+            return str(writer.get_extra_info("sockname")[0])
+        except Exception:  # no such writer or socket: the interfaces decide
             return ""
 
     async def _train(self, spec: TrainSpec, _m: Msg) -> TrainStarted:

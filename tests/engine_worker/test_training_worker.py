@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from coderai.contracts import decode, encode
 from coderai.contracts.subjects import CMD_NODE_TRAIN, TRAIN_REPORT, TRAIN_UPLOAD
@@ -119,6 +121,16 @@ def test_the_rendezvous_address_follows_setting_then_mdns_then_bus_then_interfac
     assert pick_address(IFACES, bus_local="127.0.0.1") == "172.17.0.1"  # loopback never; then by interface name
     assert pick_address({"lo": ["127.0.0.1"]}) == "127.0.0.1"
     assert interface_of(IFACES, "10.231.5.2") == "eth1" and interface_of(IFACES, "1.2.3.4") == ""
+
+
+async def test_the_bus_address_is_the_one_this_worker_reaches_the_bus_from(bus):
+    """The bus connection's own local address (its peers reach the master there): loopback to a loopback bus."""
+    from types import SimpleNamespace
+
+    from coderai.engine_worker.training import TrainingHost
+
+    host: Any = SimpleNamespace(bus=bus)  # only its bus is read
+    assert TrainingHost._bus_local(host) == "127.0.0.1"
 
 
 def test_the_adapter_tar_is_the_same_bytes_for_the_same_folder(tmp_path):
