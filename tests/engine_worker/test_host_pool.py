@@ -54,19 +54,20 @@ class Lab:
     def pidfile(self, name: str) -> str:
         return str(self.root / f"{name}.pid")
 
-    def start_cmd(self, name: str, hold: bool = False) -> list[str]:
+    def start_cmd(self, name: str, hold: bool = False, usage: bool = True) -> list[str]:
         port = self.ports.setdefault(name, free_port())
         return [*HELPER, "start", "--port", str(port), "--pidfile", self.pidfile(name), "--name", name] + [
             "--record",
             str(self.record),
             *(["--hold"] if hold else []),
+            *([] if usage else ["--no-usage"]),
         ]
 
     def stop_cmd(self, name: str) -> list[str]:
         return [*HELPER, "stop", "--pidfile", self.pidfile(name), "--name", name, "--record", str(self.record)]
 
-    def host(self, name: str, hold: bool = False, **extra: Any) -> dict[str, Any]:
-        start = self.start_cmd(name, hold)
+    def host(self, name: str, hold: bool = False, usage: bool = True, **extra: Any) -> dict[str, Any]:
+        start = self.start_cmd(name, hold, usage)
         return {"url": self.url(name), "start_cmd": start, "stop_cmd": self.stop_cmd(name), **extra}
 
     def write(self, hosts: list[dict[str, Any]], down_s: float = 30) -> None:
@@ -150,6 +151,18 @@ def test_with_no_host_up_the_first_requests_start_exactly_one_and_unload_stops_i
     eng.close()
     assert lab.events() == ["start alpha", "stop alpha"]
     assert not lab.healthy("alpha")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_host_that_reports_no_usage_is_billed_all_the_same(lab, stream):
+    """A host's server that sends no usage (whole or streamed) leaves the answer counted here (about four
+    characters a token), as a remote endpoint's is: never free because its server kept quiet."""
+    lab.write([lab.host("quiet", usage=False)])
+    eng = lab.engine()
+    emit = (lambda *_a, **_k: None) if stream else None
+    _, usage = eng.chat(chat("how warm is it in Lisbon in May", stream), CancelFlag(), emit)
+    assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_load_goes_to_the_host_with_fewest_requests_in_flight(lab):

@@ -97,7 +97,7 @@ def _record(path: str, line: str) -> None:
 
 
 def _serve(a: argparse.Namespace) -> None:
-    fake = FakeOpenAI(a.port, reply=a.name)
+    fake = FakeOpenAI(a.port, reply=a.name, usage=not a.no_usage)
     state = _State(a.name, a.hold)
     fake.server.RequestHandlerClass = type("Handler", (_HostHandler,), {"fake": fake, "state": state})
     Path(a.pidfile).write_text(str(os.getpid()))
@@ -109,6 +109,7 @@ def _serve(a: argparse.Namespace) -> None:
 def _start(a: argparse.Namespace) -> None:
     argv = [sys.executable, "-m", "coderai.testing.fake_host", "serve", "--port", str(a.port)]
     argv += ["--pidfile", a.pidfile, "--name", a.name] + (["--hold"] if a.hold else [])
+    argv += ["--no-usage"] if a.no_usage else []
     log = open(Path(a.pidfile).with_suffix(".log"), "ab")
     subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     _record(a.record, f"start {a.name}")
@@ -136,6 +137,7 @@ def main() -> None:
     p.add_argument("--name", default="host")
     p.add_argument("--record", default=os.devnull)
     p.add_argument("--hold", action="store_true")
+    p.add_argument("--no-usage", action="store_true", help="report no usage (as some servers do)")
     a = p.parse_args()
     {"start": _start, "serve": _serve, "stop": _stop}[a.what](a)
 

@@ -22,7 +22,13 @@ from coderai.engine_worker.engines.base import CancelFlag, Engine, EngineLoadErr
 from coderai.engine_worker.engines.host_pool import Attempt, HostPool, NoHost, open_pool, release_pool
 from coderai.engine_worker.engines.host_pools_file import POOL_NAME, PoolsError, pools_path, read_pools
 from coderai.engine_worker.engines.openai_client import Emit, OpenAIClient, PromptCounters
-from coderai.engine_worker.engines.remote import NotStarted, relay_clients, relay_once, worker_data_dir
+from coderai.engine_worker.engines.remote import (
+    NotStarted,
+    relay_clients,
+    relay_counted,
+    relay_once,
+    worker_data_dir,
+)
 
 
 class HostPoolEngine(Engine):
@@ -99,7 +105,7 @@ class HostPoolEngine(Engine):
         raise EngineLost("cancelled before a host took the request")
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        return self._relay("chat", job, cancel, emit)
+        return relay_counted(self._relay, "chat", job, cancel, emit)
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        return self._relay("complete", job, cancel, emit)
+        return relay_counted(self._relay, "complete", job, cancel, emit)

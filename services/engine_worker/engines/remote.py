@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,12 +199,10 @@ class RemoteEngine(Engine):
         raise RuntimeError("no endpoint of this remote model answered: " + "; ".join(failures))
 
     def chat(self, job: ChatJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        tap = _Counted(emit) if emit is not None else None
-        return counted(job, *self._relay("chat", job, cancel, tap), tap)
+        return relay_counted(self._relay, "chat", job, cancel, emit)
 
     def complete(self, job: CompletionJob, cancel: CancelFlag, emit: Emit | None) -> tuple[list[Choice], Usage]:
-        tap = _Counted(emit) if emit is not None else None
-        return counted(job, *self._relay("complete", job, cancel, tap), tap)
+        return relay_counted(self._relay, "complete", job, cancel, emit)
 
 
 class _Counted:
@@ -241,6 +240,17 @@ def counted(
     return choices, msgspec.structs.replace(
         usage, prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
+
+
+Relay = Callable[[str, Any, CancelFlag, "Emit | None"], tuple[list[Choice], Usage]]
+
+
+def relay_counted(
+    relay: Relay, op: str, job: ChatJob | CompletionJob, cancel: CancelFlag, emit: Emit | None
+) -> tuple[list[Choice], Usage]:
+    """`relay(op, job, cancel, emit)`'s answer, with usage `counted` when the server reported none."""
+    tap = _Counted(emit) if emit is not None else None
+    return counted(job, *relay(op, job, cancel, tap), tap)
 
 
 def plain_failure(who: str, exc: BaseException) -> str:
