@@ -495,7 +495,7 @@ def test_a_keys_files_have_a_quota(api_stack, other_user_key):
 def test_a_key_cannot_keep_files_or_run_batches_without_end(api_stack, other_user_key):
     """Attack: one key uploads small files (each a record and an object) or starts batches until the store or the
     gateways are full. Past its count of files and of running batches it gets a 429; deleting or cancelling makes
-    room."""
+    room (a cancel stops the lines in flight: these wait for a model that never comes, and held it 90 s)."""
     bob = openai.OpenAI(base_url=api_stack.base_url, api_key=other_user_key, max_retries=0, timeout=30)
     kept = [
         bob.files.create(file=(f"f{i}.txt", b"x"), purpose="user_data")

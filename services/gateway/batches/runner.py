@@ -9,6 +9,7 @@ a cancel, or the completion window passed) the output and error files are writte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from coderai.gateway.openai.files import Records
 
 log = logging.getLogger("coderai.gateway")
+
+CANCEL_WATCH_S = 0.5  # how often a batch with lines in flight looks for a cancel
 
 
 class BatchRunner(Takeovers[BatchRecord]):
@@ -123,12 +126,23 @@ class BatchRunner(Takeovers[BatchRecord]):
         wrote shows in the mirror first."""
 
         async def cancelled() -> bool:
-            seen = self.mirror.values.get(tenure.rec.id) if self.mirror else None
-            if seen is not None and seen.status == "cancelling" and not tenure.cancelling:
-                await tenure.refresh()
+            await self.cancel_seen(tenure)
             return False
 
         await takeover.keepalive(tenure, work, self.touch_every_s, self.what, cancelled)
+
+    async def cancel_seen(self, tenure: BatchTenure) -> bool:
+        """Whether the batch is cancelling: its own record says so, or, read again, after the mirror showed a
+        cancel that another gateway wrote."""
+        seen = self.mirror.values.get(tenure.rec.id) if self.mirror else None
+        if seen is not None and seen.status == "cancelling" and not tenure.cancelling:
+            await tenure.refresh()
+        return tenure.cancelling
+
+    async def until_cancelled(self, tenure: BatchTenure) -> None:
+        """Return once the batch is cancelling (looked at every `CANCEL_WATCH_S`)."""
+        while not await self.cancel_seen(tenure):
+            await asyncio.sleep(CANCEL_WATCH_S)
 
     async def work(self, tenure: BatchTenure, lines: list[validation.Line] | None, who: Caller | None) -> None:
         me = asyncio.current_task()
@@ -210,10 +224,28 @@ class BatchRunner(Takeovers[BatchRecord]):
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             if tasks:
-                await asyncio.gather(*tasks)
+                await self.last_lines(tenure, tasks)
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def last_lines(self, tenure: BatchTenure, tasks: set[asyncio.Task]) -> None:
+        """Wait for the lines in flight (their first failure raised), unless the batch is cancelled meanwhile:
+        then they stop too (their engines with them), and the batch ends now with what was answered, not when the
+        slowest line ends (a line waiting for a model that never comes held a cancel for 90 s)."""
+        lines = asyncio.gather(*tasks)
+        watch = asyncio.create_task(self.until_cancelled(tenure))
+        try:
+            await asyncio.wait({lines, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if lines.done():
+            lines.result()
+            return
+        log.info("batch %s cancelled: stopping its %d lines in flight", tenure.rec.id, len(tasks))
+        lines.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lines
 
     async def one(
         self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane, tally: Tally
