@@ -199,10 +199,13 @@ class Relay:
         frame and the engine that sent it."""
         tried: list[str] = []
         last: BusError | None = None
+        elsewhere: RouteDecision | None = None  # the router's pick already made for the next attempt
         traced = trace.on
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
-                if first is not None and attempt == 1:
+                if elsewhere is not None:
+                    decision, elsewhere = elsewhere, None
+                elif first is not None and attempt == 1:
                     decision = first
                 elif traced:
                     with tracing.start_span(
@@ -245,6 +248,8 @@ class Relay:
                 log.warning(
                     "engine %s failed before the first token (%s); trying another", decision.engine_id, exc.message
                 )
+                if isinstance(exc, _Elsewhere):
+                    elsewhere = exc.decision
                 tried.append(decision.engine_id)
                 last = exc
         assert last is not None
@@ -254,26 +259,25 @@ class Relay:
         self, stream: FrameStream, route: RouteRequest, tried: list[str], headers: dict[str, str], model: str
     ) -> Chunk | Final | ErrorReply:
         """The first real frame of `stream`. An engine that sends nothing within the accept timeout is given up
-        (a retryable Silence) when another engine could take the job. With none (`tried`: those already used,
-        this one too), it may be only slow to say it has the job, as a worker starved of CPU by its own engine
-        is, so it gets the idle timeout, as an engine that had spoken would: giving it up would fail the request."""
+        (`_Elsewhere`, with the router's next pick) when another engine can take the job. With none (`tried`: those
+        already used, this one too), it may be only slow to say it has the job, as a worker starved of CPU by its
+        own engine is, so it gets the idle timeout, as an engine that had spoken would: giving it up would fail the
+        request. A router that cannot be asked fails the attempt, as the next pick would have."""
         try:
             return await next_frame(stream, self.settings.queue_timeout_s, model)
-        except Silence:
-            if stream.first_timeout_s >= stream.idle_timeout_s or await self._another(route, tried, headers):
+        except Silence as silence:
+            if stream.first_timeout_s >= stream.idle_timeout_s:
                 raise
+            try:
+                other = await self.route(route, tried, headers)
+            except BusError as exc:
+                if exc.code != "no_engine":
+                    raise
+            else:
+                raise _Elsewhere(silence, other) from None
         log.info("the engine is slow to take the job and no other engine can: waiting for it")
         stream.first_timeout_s = stream.idle_timeout_s
         return await next_frame(stream, self.settings.queue_timeout_s, model)
-
-    async def _another(self, route: RouteRequest, tried: list[str], headers: dict[str, str]) -> bool:
-        """Whether the router has an engine for the request other than `tried`: False only when it says it has
-        none (a router that cannot be asked may have one)."""
-        try:
-            await self.route(route, tried, headers)
-        except BusError as exc:
-            return exc.code != "no_engine"
-        return True
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run `coro` detached from the request (it may be cancelled), keeping a reference until done."""
@@ -297,3 +301,11 @@ async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: s
                 f"every slot of {model or 'the model'} stayed busy for {queue_timeout_s:g} s "
                 "while this request waited (CODERAI_GATEWAY_QUEUE_TIMEOUT_S); try again later",
             )
+
+
+class _Elsewhere(Silence):
+    """An engine silent past the accept timeout, given up for `decision`: another engine that can take the job."""
+
+    def __init__(self, silence: Silence, decision: RouteDecision) -> None:
+        super().__init__(silence.code, silence.message, retryable=True)
+        self.decision = decision
