@@ -230,13 +230,7 @@ class Training:
         base = next((m for m in self.sched.models if m.name == req.model), None)
         if base is None:
             raise BusError("bad_request", f"The model '{req.model}' does not exist.", param="model")
-        if base.engine != "transformers":
-            raise BusError(
-                "bad_request",
-                f"The model '{req.model}' runs on engine {base.engine}; fine-tuning needs a "
-                'Hugging Face model served by engine "transformers".',
-                param="model",
-            )
+        tp.check_base(base)
         tp.check_suffix(req.suffix)
         name = tp.finetuned_name(base.name, req.suffix, req.job_id)
         taken = {m.name for m in self.sched.models} | {live.name for live in self.live.values()}

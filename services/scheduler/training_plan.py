@@ -109,6 +109,21 @@ def finetuned_name(base: str, suffix: str, job_id: str) -> str:
     return f"{base}:{suffix}-{job_id.removeprefix('ftjob-')[:8]}"
 
 
+FINE_TUNABLE = ("transformers", "vllm")  # engines that serve a base model with a LoRA adapter (`params.base`)
+
+
+def check_base(base: ModelConfig) -> None:
+    """A model fine-tuning can start from: a Hugging Face folder on an engine that serves it with the adapter."""
+    if base.engine not in FINE_TUNABLE:
+        engines = " or ".join(f'"{e}"' for e in FINE_TUNABLE)
+        raise BusError(
+            "bad_request",
+            f"The model '{base.name}' runs on engine {base.engine}; fine-tuning needs a Hugging Face model served "
+            f"by engine {engines}.",
+            param="model",
+        )
+
+
 def check_suffix(suffix: str) -> None:
     if suffix and not SUFFIX.match(suffix):
         raise BusError("bad_request", "suffix may hold only letters, digits, '-' and '_', at most 64", param="suffix")

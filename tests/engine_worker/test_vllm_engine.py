@@ -6,6 +6,7 @@ vLLM lives in a venv of its own: the one `scripts/setup` makes with the dev extr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -212,6 +213,41 @@ def test_a_vllm_engine_reports_its_running_and_waiting_requests_and_kv_share(eng
         )
     finally:
         cancel.set()
+
+
+def test_a_fine_tuned_model_is_the_base_with_its_adapter_under_its_own_name(engine, tmp_path):
+    """A fine-tuned model (`base:suffix`, the job's adapter tar as its path, `params.base` the base folder) runs
+    the base with vLLM's LoRA on: answers of the adapter, not of the base, to requests naming the model."""
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_lora_tar
+
+    adapter = tiny_lora_tar(tmp_path / "adapter.tar")
+    base = config(str(tiny_hf_llama()))
+    ft = ModelConfig(
+        name="tiny:pirate-1a2b3c4d", engine="vllm", path=str(adapter), params={**base.params, "base": base.path}
+    )
+    e = engine_class("vllm")(ft)
+    e.load()
+    try:
+        asked = completion("hello there", model=ft.name, params={"max_tokens": 8})
+        tuned, _ = e.complete(asked, CancelFlag(), None)
+        plain, _ = engine.complete(completion("hello there", params={"max_tokens": 8}), CancelFlag(), None)
+        assert tuned[0].text and tuned[0].text != plain[0].text  # greedy both: the adapter changed the answer
+        served = {m["id"] for m in httpx.get(f"{e.base_url}/v1/models", headers=e.auth_headers()).json()["data"]}
+        assert ft.name in served  # the adapter, under the model's own name
+    finally:
+        e.close()
+
+
+def test_the_lora_flags_take_vllms_rank_that_holds_the_adapter(tmp_path):
+    from coderai.engine_worker.engines.vllm import lora_flags
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 12}))
+    flags = lora_flags("m:x", tmp_path)
+    assert flags[:3] == ["--enable-lora", "--max-lora-rank", "16"]
+    assert json.loads(flags[4]) == {"name": "m:x", "path": str(tmp_path)}
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(EngineLoadError, match="not a peft LoRA adapter"):
+        lora_flags("m:x", tmp_path)
 
 
 def test_close_ends_the_server_and_its_children(engine):

@@ -135,3 +135,13 @@ def test_step_events_carry_the_validation_loss_only_when_there_is_one():
     said, data = tp.step_event(6, 6, 2.0, 850.0, 240, 2.25)
     assert said == "Step 6/6: training loss=2.0000, validation loss=2.2500, 850 tokens/s"
     assert data["valid_loss"] == data["full_valid_loss"] == 2.25 and data["train_loss"] == 2.0
+
+
+def test_a_vllm_model_can_be_fine_tuned_and_its_adapter_is_served_by_vllm():
+    vllm_base = ModelConfig(name="tiny", engine="vllm", path="/m/tiny", params={"dtype": "bfloat16"})
+    tp.check_base(vllm_base)
+    cfg = tp.finetuned_config(vllm_base, "tiny:mine", "/store/ft.tar", "finetune/j/adapter.tar", 1)
+    assert (cfg.engine, cfg.path, cfg.params) == ("vllm", "/store/ft.tar", {"dtype": "bfloat16", "base": "/m/tiny"})
+    with pytest.raises(BusError) as exc:
+        tp.check_base(ModelConfig(name="g", engine="llama-server", path="/m/g.gguf"))
+    assert exc.value.param == "model" and '"transformers" or "vllm"' in exc.value.message

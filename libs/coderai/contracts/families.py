@@ -239,6 +239,7 @@ FAMILIES: dict[str, FamilySpec] = {
                 "env": ENV,
                 "extra_args": ARGS,
                 "trust_remote_code": BOOL,
+                "base": PATH,  # a fine-tuned model: `path` is its LoRA adapter, this the base model's folder
                 **_SUPERVISED,
             },
         ),

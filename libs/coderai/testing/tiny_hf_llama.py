@@ -97,6 +97,33 @@ def tiny_hf_llama() -> Path:
     return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
 
 
+def tiny_lora_tar(dest: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A peft LoRA adapter of the tiny HF llama, packed as a fine-tuning job stores one (`dest`, a tar of the peft
+    folder). Its B matrices are random, not peft's zeros, so that it changes what the model says."""
+    import tarfile
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_hf_llama()))
+    lora = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    with tempfile.TemporaryDirectory() as folder:
+        lora.save_pretrained(folder)
+        with tarfile.open(dest, "w") as tar:
+            for f in sorted(Path(folder).iterdir()):
+                tar.add(f, arcname=f.name)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: build the folder at a path, or print the cached one's path."""
     import argparse

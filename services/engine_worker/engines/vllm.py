@@ -12,6 +12,9 @@ answer is one blocking request, so cancel cannot cut it short.
 Model params: `dtype`, `max_model_len`, `gpu_memory_utilization`, `tensor_parallel_size` and any other key
 become `--kebab-case value` server flags (`True` a bare flag); `extra_args` is a list appended as is; `env` a
 dict added to the server's environment; `python` and `load_timeout_s` (default 600) are the engine's own.
+With `params.base` (a fine-tuned model, docs/finetuning.md), `path` is a peft LoRA adapter (the job's tar, or a
+folder) and `base` the model folder: the server runs the base with `--enable-lora`, the adapter answering to this
+model's name.
 
 A request whose prompt cache is scoped to its key (ChatJob.cache_scope) carries it as vLLM's `cache_salt` (vLLM 0.9
 and later): its prefix-cache blocks are then hashed with the salt, so one key never hits another's cached prefix.
@@ -19,19 +22,32 @@ and later): its prefix-cache blocks are then hashed with the salt, so one key ne
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from coderai.contracts import ChatJob, CompletionJob
-from coderai.engine_worker.engines.base import visible_devices
+from coderai.engine_worker.engines.base import EngineLoadError, visible_devices
+from coderai.engine_worker.engines.hf_chat import unpack_adapter
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.engine_worker.engines.server_load import LoadPoll, read_vllm
 
 OWN_PARAMS = frozenset(
-    {"python", "load_timeout_s", "extra_args", "env", "ray_port", "ray_join_timeout_s", "crash_limit", "crash_window_s"}
+    {
+        "python",
+        "load_timeout_s",
+        "extra_args",
+        "env",
+        "ray_port",
+        "ray_join_timeout_s",
+        "crash_limit",
+        "crash_window_s",
+        "base",
+    }
 )
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
 
 
 def find_vllm_python() -> str | None:
@@ -64,6 +80,20 @@ def server_command(python: str, model_path: str, name: str, port: int, params: d
     return cmd + param_flags(params, OWN_PARAMS)
 
 
+def lora_flags(name: str, adapter: Path) -> list[str]:
+    """vLLM's flags serving the peft adapter folder `adapter` as model `name` (a request naming `name` runs the
+    base with it), at the smallest rank vLLM takes that holds the adapter's."""
+    try:
+        rank = int(json.loads((adapter / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineLoadError(f"{adapter} is not a peft LoRA adapter (its adapter_config.json: {exc})") from None
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise EngineLoadError(f"the adapter's rank {rank} is over vLLM's largest, {LORA_RANKS[-1]}")
+    module = json.dumps({"name": name, "path": str(adapter)})
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--lora-modules", module]
+
+
 class VllmEngine(OpenAIServerEngine):
     """One model served by a vLLM OpenAI server that this engine starts, owns and stops."""
 
@@ -92,7 +122,12 @@ class VllmEngine(OpenAIServerEngine):
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
         python = self.config.param_str("python") or find_vllm_python() or sys.executable
-        cmd = server_command(python, os.path.expanduser(self.config.path), self.config.name, port, params)
+        base, name = self.config.param_str("base"), self.config.name
+        if base:  # a fine-tuned model: the base served with the adapter, which answers to this model's name
+            cmd = server_command(python, os.path.expanduser(base), f"{name}#base", port, params)
+            cmd += lora_flags(name, unpack_adapter(Path(os.path.expanduser(self.config.path))))
+        else:
+            cmd = server_command(python, os.path.expanduser(self.config.path), name, port, params)
         return cmd, {
             **os.environ,
             **visible_devices(self.config),
