@@ -145,27 +145,40 @@ def test_concurrent_streams_share_the_slots(stack):
 
 
 def test_beyond_the_bounded_queue_a_request_gets_a_clean_429(stack):
+    """17 requests at once on 4 slots with a queue of 12: the one beyond gets a 429 `busy` with Retry-After, the
+    others their answers. All 17 must be in at once, which a loaded machine may not manage (its client threads
+    start more slowly than the tiny model answers): a burst answered whole is tried again, at most 3 times."""
     client = _client(stack)
-    answers: list[object] = []
-    # long distinct prompts: their prefill keeps every slot and the queue full while all 17 arrive
 
-    def ask(i: int) -> None:
-        try:
-            answers.append(
-                client.chat.completions.create(  # short answers: 16 accepted jobs are 4 rounds of 4 slots
-                    model="tiny-ls", max_tokens=200, messages=[{"role": "user", "content": f"q{i} {FILLER}"}]
+    def burst(round_: int) -> list[object]:
+        answers: list[object] = []
+        # long distinct prompts: their prefill keeps every slot and the queue full while all 17 arrive
+
+        def ask(i: int) -> None:
+            try:
+                answers.append(
+                    client.chat.completions.create(  # short answers: 16 accepted jobs are 4 rounds of 4 slots
+                        model="tiny-ls",
+                        max_tokens=200,
+                        messages=[{"role": "user", "content": f"r{round_} q{i} {FILLER}"}],
+                    )
                 )
-            )
-        except openai.APIStatusError as exc:
-            answers.append(exc)
+            except openai.APIStatusError as exc:
+                answers.append(exc)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4 * SLOTS + 1)]  # slots + 3 x slots queued
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180 * deadline_scale())
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4 * SLOTS + 1)]  # slots + 3 x slots queued
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180 * deadline_scale())
+        assert len(answers) == 4 * SLOTS + 1, "a request got no answer"
+        return answers
+
+    answers = next(
+        (a for a in (burst(r) for r in range(3)) if any(isinstance(x, openai.APIStatusError) for x in a)), None
+    )
+    assert answers is not None, "no request was refused beyond the queue in 3 bursts"
     refused = [a for a in answers if isinstance(a, openai.APIStatusError)]
-    assert len(answers) == 4 * SLOTS + 1 and refused, "no request was refused beyond the queue"
     for exc in refused:
         assert exc.status_code == 429 and exc.code == "busy", exc.body
         assert int(exc.response.headers["retry-after"]) >= 1
