@@ -15,7 +15,7 @@ from litestar import Request
 from coderai.contracts import BusError, Chunk, ErrorReply, Final
 from coderai.gateway.errors import ApiError, ClientGone, from_bus
 from coderai.gateway.http import until_disconnect
-from coderai.gateway.relay import next_frame
+from coderai.gateway.frames import next_frame
 
 if TYPE_CHECKING:
     from coderai.gateway.pipeline import Call

@@ -22,7 +22,7 @@ from coderai.contracts import BusError, Chunk, ErrorReply, Final, RouteDecision
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.pipeline_admit import check_size
-from coderai.gateway.relay import next_frame
+from coderai.gateway.frames import next_frame
 
 if TYPE_CHECKING:
     from coderai.gateway.pipeline import Call

@@ -17,8 +17,6 @@ from coderai.contracts import (
     Chunk,
     ErrorReply,
     Final,
-    Frame,
-    KeepAlive,
     RouteDecision,
     RouteRequest,
     model_key,
@@ -26,6 +24,7 @@ from coderai.contracts import (
 from coderai.contracts.ops import ENGINE_OPS
 from coderai.contracts.pods import EscalateReply, EscalateRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_ESCALATE, ENGINE_CANCEL, EVT_ENGINE_READY, ROUTE_PICK
+from coderai.gateway.frames import next_frame
 from coderai.gateway.settings import GatewaySettings
 from coderai.runtime import tracing
 from coderai.runtime.bus import Bus, FrameStream, Silence
@@ -284,23 +283,6 @@ class Relay:
         t = asyncio.create_task(coro)
         self._background.add(t)
         t.add_done_callback(self._background.discard)
-
-
-async def next_frame(stream: FrameStream, queue_timeout_s: float = 0.0, model: str = "") -> Chunk | Final | ErrorReply:
-    """The next frame that is not a keep-alive (keep-alives only prove the engine is alive). With
-    `queue_timeout_s`, a job whose keep-alives still say it waits for a slot after that long is an `overloaded`
-    BusError (a 503 with Retry-After): the client is told, never left hanging on a queue."""
-    start = time.monotonic()
-    while True:
-        frame = await stream.next(Frame)
-        if not isinstance(frame, KeepAlive):
-            return frame
-        if frame.queued and queue_timeout_s and time.monotonic() - start > queue_timeout_s:
-            raise BusError(
-                "overloaded",
-                f"every slot of {model or 'the model'} stayed busy for {queue_timeout_s:g} s "
-                "while this request waited (CODERAI_GATEWAY_QUEUE_TIMEOUT_S); try again later",
-            )
 
 
 class _Elsewhere(Silence):
