@@ -43,7 +43,6 @@ from coderai.runtime.lifecycle import wait_for
 
 PRICE = 1000.0  # USD per million tokens: a reservation is visible in Redis
 ACCEPT_S = 0.3  # the gateway's accept timeout here
-SLOW_ACCEPT_S = 1.0  # how long a "slow_accept" engine says nothing: past the accept timeout, within the idle one
 
 
 class Engine:
@@ -54,6 +53,7 @@ class Engine:
         self.jobs: list[str] = []
         self.cancelled: set[str] = set()
         self.release = asyncio.Event()
+        self.speak = asyncio.Event()  # a "slow_accept" engine is silent until the gateway asked the router again
 
     async def start(self, bus: Bus) -> None:
         tasks: set[asyncio.Task] = set()
@@ -76,7 +76,7 @@ class Engine:
     async def run(self, job: ChatJob, w: FrameWriter, _msg) -> None:
         self.jobs.append(job.request_id)
         if self.mode == "slow_accept":  # silent past the gateway's accept timeout (a worker starved of CPU)
-            await asyncio.sleep(SLOW_ACCEPT_S)
+            await asyncio.wait_for(self.speak.wait(), 10)  # past the accept timeout, within the idle one
         if self.mode == "fail_first":  # retryable, before any frame: the gateway tries another engine
             await w.send(ErrorReply(seq=w.next_seq(), code="engine_failed", message="GPU fell off", retryable=True))
             return
@@ -151,6 +151,9 @@ async def rig(nats_server, redis_server, unique):
 
         async def pick(req: RouteRequest, _m) -> RouteDecision:
             r.picks.append(list(req.exclude))
+            if req.exclude:  # the accept timeout passed: a silent engine may speak now
+                for e in engines.values():
+                    e.speak.set()
             engine = next((e for e in engines if e not in req.exclude and e not in r.unknown), None)
             if engine is None:
                 raise BusError("no_engine", f"no live engine serves chat for model {req.model!r}", retryable=True)
