@@ -9,7 +9,6 @@ a cancel, or the completion window passed) the output and error files are writte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -244,8 +243,12 @@ class BatchRunner(Takeovers[BatchRecord]):
             return
         log.info("batch %s cancelled: stopping its %d lines in flight", tenure.rec.id, len(tasks))
         lines.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await lines
+        except asyncio.CancelledError:  # the lines' own; the batch's task itself being cancelled goes on up
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
 
     async def one(
         self, tenure: BatchTenure, line: validation.Line, who: Caller, lane: queue.Lane, tally: Tally
