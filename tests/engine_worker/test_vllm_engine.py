@@ -218,9 +218,11 @@ def test_a_vllm_engine_reports_its_running_and_waiting_requests_and_kv_share(eng
 def test_a_fine_tuned_model_is_the_base_with_its_adapter_under_its_own_name(engine, tmp_path):
     """A fine-tuned model (`base:suffix`, the job's adapter tar as its path, `params.base` the base folder) runs
     the base with vLLM's LoRA on: answers of the adapter, not of the base, to requests naming the model."""
-    from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_lora_tar
+    from coderai.engine_worker.training import tar_folder
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_lora
 
-    adapter = tiny_lora_tar(tmp_path / "adapter.tar")
+    adapter = tmp_path / "adapter.tar"  # packed as the job packs the adapter it uploads
+    adapter.write_bytes(tar_folder(tiny_lora(tmp_path / "adapter")))
     base = config(str(tiny_hf_llama()))
     ft = ModelConfig(
         name="tiny:pirate-1a2b3c4d", engine="vllm", path=str(adapter), params={**base.params, "base": base.path}

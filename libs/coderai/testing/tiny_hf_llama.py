@@ -97,12 +97,9 @@ def tiny_hf_llama() -> Path:
     return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
 
 
-def tiny_lora_tar(dest: Path, rank: int = 8, seed: int = 0) -> Path:
-    """A peft LoRA adapter of the tiny HF llama, packed as a fine-tuning job stores one (`dest`, a tar of the peft
-    folder). Its B matrices are random, not peft's zeros, so that it changes what the model says."""
-    import tarfile
-    import tempfile
-
+def tiny_lora(dest: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A peft LoRA adapter of the tiny HF llama, saved as the folder `dest` (as a fine-tuning job's trainer saves
+    one). Its B matrices are random, not peft's zeros, so that it changes what the model says."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -116,11 +113,7 @@ def tiny_lora_tar(dest: Path, rank: int = 8, seed: int = 0) -> Path:
         for name, p in lora.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    with tempfile.TemporaryDirectory() as folder:
-        lora.save_pretrained(folder)
-        with tarfile.open(dest, "w") as tar:
-            for f in sorted(Path(folder).iterdir()):
-                tar.add(f, arcname=f.name)
+    lora.save_pretrained(str(dest))
     return dest
 
 
