@@ -155,7 +155,12 @@ class LoopbackClient:
         def lines() -> Iterator[bytes]:
             left = self.max_body
             while True:
-                line = resp.readline(left + 1) if self.max_body else resp.readline()
+                try:
+                    line = resp.readline(left + 1) if self.max_body else resp.readline()
+                except OSError:
+                    if cancel:  # the server reset the connection the cancel shut down: the stream's end, as EOF is
+                        return
+                    raise
                 if not line:
                     return
                 if self.max_body:
