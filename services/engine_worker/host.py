@@ -156,12 +156,10 @@ class EngineHost:
                     cfg, bus_request(self.bus), self.models_dir, self.weights, self._fetch_event, self.node_id
                 )
                 t0 = time.monotonic()  # load_s is the engine's own load, not the fetch
-            if (
-                cfg.shards is not None and cfg.engine in GGUF_FAMILIES
-            ):  # split over other nodes' RPC servers (in process)
-                from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
+            if cfg.shards is not None and cfg.engine in GGUF_FAMILIES:  # llama-server over other nodes' RPC servers
+                from coderai.engine_worker.engines.llama_split import SplitServerEngine
 
-                self.engine = SplitLlamaEngine(cfg)
+                self.engine = SplitServerEngine(cfg)
             elif cfg.shards is not None and cfg.shards.mode == "ray":  # vLLM ranks over several nodes
                 from coderai.engine_worker.engines.vllm_ray import RayMember, VllmRayEngine
 

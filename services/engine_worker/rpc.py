@@ -1,20 +1,26 @@
-"""This node's ggml RPC server, behind a gate that lets in only the nodes serving split models.
+"""This node's ggml RPC server (llama.cpp's `rpc-server`), behind a gate that lets in only the nodes serving split
+models here.
 
-ggml RPC has no authentication at all: whoever connects can read and write the device's memory. So the
-server itself listens on loopback only (a child process, `rpc_child`), and the address other nodes see is a
-small TCP relay here, bound to the cluster interface, that accepts a connection only from an address the
-scheduler named in this node's assignment (`rpc_peers`) and closes every other at once. It relays nothing
-until the peer sends its first byte, so the serving node's liveness probe (connect, close) costs the server
-nothing. Binding the gate to every interface (`0.0.0.0`, `::`) is refused unless explicitly allowed.
+ggml RPC has no authentication at all: whoever connects can read and write the device's memory. So:
+- the server runs only while a split is placed on this node (the scheduler names its peers in this node's
+  assignment, `rpc_peers`), on a fresh loopback port each time, and is stopped when no split needs it;
+- the address other nodes see is a small TCP relay here, bound to the cluster interface, that accepts a
+  connection only from an address the scheduler named and closes every other at once, and drops a peer's
+  open relays the moment the scheduler stops naming it;
+- it relays nothing until the peer sends its first byte, so the serving node's liveness probe (connect, close)
+  costs the server nothing. Binding the gate to every interface (`0.0.0.0`, `::`) is refused unless explicitly
+  allowed.
+What this does not protect: a peer the scheduler named (the node serving the split) can do anything the protocol
+allows to this node's RPC device while it is named, and the link itself is not encrypted (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +35,7 @@ ANY = ("0.0.0.0", "::", "")
 CHUNK = 1 << 16
 LINK_PROBE = b"CODERAI-LINK-PROBE\n"  # ggml RPC's first byte is a small command number, never "C"
 PROBE_BYTES = 4 << 20
+UPSTREAM_WAIT_S = 30.0
 
 
 class RpcConfigError(ValueError):
@@ -69,7 +76,11 @@ class RpcGate:
         self.refused = 0
         self._sock: socket.socket | None = None
         self._open: set[socket.socket] = set()
+        self._peers: dict[socket.socket, str] = {}  # each relayed connection's peer address
         self._lock = threading.Lock()
+        self.upstream_ready = threading.Event()  # set while a server listens behind the gate
+        if upstream_port:
+            self.upstream_ready.set()
 
     async def start(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -82,6 +93,17 @@ class RpcGate:
         if new != self.allowed:
             log.info("RPC gate on %s:%d admits %s", self.host, self.port, sorted(new) or "nobody")
         self.allowed = new
+        with self._lock:
+            gone = [c for c, peer in self._peers.items() if peer not in new]
+        for c in gone:  # a node no longer named loses what it had open at once, not at its next connect
+            _close(c)
+
+    def drop_relays(self) -> None:
+        """Close every relayed connection (the server behind the gate is going)."""
+        with self._lock:
+            conns = list(self._peers)
+        for c in conns:
+            _close(c)
 
     async def close(self) -> None:
         if self._sock is not None:
@@ -105,15 +127,17 @@ class RpcGate:
                 log.warning("RPC gate refused %s: not a node serving a split model here", addr[0])
                 _close(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"rpc-gate-{addr[0]}", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, addr[0]), name=f"rpc-gate-{addr[0]}", daemon=True).start()
 
     def _track(self, *socks: socket.socket) -> None:
         with self._lock:
             self._open.update(socks)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         up = None
         self._track(conn)
+        with self._lock:
+            self._peers[conn] = peer
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             first = conn.recv(CHUNK)
@@ -124,6 +148,9 @@ class RpcGate:
                 while data := conn.recv(CHUNK):
                     got += len(data)
                 conn.sendall(got.to_bytes(8, "big"))
+                return
+            # a peer named a moment before its server was started waits for it (bounded)
+            if not self.upstream_ready.wait(UPSTREAM_WAIT_S) or peer not in self.allowed:
                 return
             up = socket.create_connection(("127.0.0.1", self.upstream_port))
             up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -140,6 +167,7 @@ class RpcGate:
                 if c is not None:
                     with self._lock:
                         self._open.discard(c)
+                        self._peers.pop(c, None)
                     _close(c)
 
 
@@ -186,65 +214,101 @@ def link_gbps(endpoint: str, nbytes: int = PROBE_BYTES, timeout_s: float = 10.0)
     return nbytes * 8 / elapsed / 1e9
 
 
+def find_rpc_server() -> str | None:
+    """llama.cpp's `rpc-server`: `CODERAI_RPC_SERVER`, the one beside this interpreter (`scripts/setup` builds it
+    into `.venv/bin` from the source and flags of `llama-server`, so both ends speak one protocol version), or one
+    on PATH."""
+    named = os.environ.get("CODERAI_RPC_SERVER")
+    if named:
+        return named
+    beside = os.path.join(os.path.dirname(sys.executable), "rpc-server")
+    return beside if os.path.exists(beside) else shutil.which("rpc-server")
+
+
 class RpcService:
-    """The child RPC server plus its gate; `info()` is what the heartbeat announces."""
+    """The gate, always open on its port, and llama.cpp's `rpc-server` behind it, which runs only while a split
+    is placed here: started on a fresh loopback port when the scheduler first names a peer (`admit`), stopped
+    when it names none. `info()` is what the heartbeat announces."""
 
     def __init__(self, host: str, port: int, threads: int = 0) -> None:
         self.host, self.port, self.threads = host, port, threads
         self.proc: subprocess.Popen[bytes] | None = None
         self.gate: RpcGate | None = None
-        self.device, self.mem_total, self.mem_free = "CPU", 0, 0
+        self.device = "CPU"
+        self.binary = find_rpc_server()
 
     async def start(self) -> None:
-        inner = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "coderai.engine_worker.rpc_child",
-            f"127.0.0.1:{inner}",
-            str(self.threads or max(1, os.cpu_count() or 1)),
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent()
-        )
-        out = self.proc.stdout
-        assert out is not None, "started with stdout=PIPE"
-        line = await asyncio.get_running_loop().run_in_executor(None, out.readline)
-        info = json.loads(line or b"{}")
-        if "device" not in info:
-            raise RuntimeError(f"the RPC server did not start: {info.get('error') or 'no output'}")
-        self.device, self.mem_total, self.mem_free = info["device"], info["mem_total"], info["mem_free"]
-        await _until_listening(inner, self.proc)
-        self.gate = RpcGate(self.host, self.port, inner)
+        if self.binary is None:
+            raise RuntimeError(
+                "rpc-server not found: run scripts/setup (it builds .venv/bin/rpc-server beside llama-server), "
+                "or set CODERAI_RPC_SERVER to its path"
+            )
+        self.gate = RpcGate(self.host, self.port, 0)
         await self.gate.start()
-        log.info("RPC server (%s) offered on %s:%d", self.device, self.host, self.gate.port)
+        log.info("RPC gate (%s) offered on %s:%d", self.device, self.host, self.gate.port)
 
-    def info(self, mem_free: int) -> RpcServer:
+    async def admit(self, peers: list[str]) -> None:
+        """Let `peers` in: the server is started when there are some and it was not running, and stopped when
+        there are none."""
+        assert self.gate is not None, "started"
+        self.gate.allow(peers)  # a peer that connects before the server listens is held until it does
+        if peers and (self.proc is None or self.proc.poll() is not None):
+            await self._start_server()
+        if not peers and self.proc is not None:
+            await self._stop_server()
+
+    async def _start_server(self) -> None:
+        assert self.binary is not None and self.gate is not None
+        inner = free_port()
+        cmd = [self.binary, "--host", "127.0.0.1", "--port", str(inner)]
+        cmd += ["--threads", str(self.threads or max(1, os.cpu_count() or 1))]
+        # started on the event loop's thread, which lives as long as the worker: the server dies with the worker
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
+        )
+        await until_listening(inner, self.proc)
+        self.gate.upstream_port = inner
+        self.gate.upstream_ready.set()
+        log.info("RPC server started for a split on loopback port %d (pid %d)", inner, self.proc.pid)
+
+    async def _stop_server(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if self.gate is not None:
+            self.gate.upstream_ready.clear()
+            self.gate.upstream_port = 0
+            self.gate.drop_relays()
+        if proc.poll() is None:
+            proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+        log.info("RPC server stopped: no split is placed here")
+
+    def info(self, mem_total: int, mem_free: int) -> RpcServer:
         assert self.gate is not None
         return RpcServer(
-            endpoint=f"{self.host}:{self.gate.port}", device=self.device, mem_total=self.mem_total, mem_free=mem_free
+            endpoint=f"{self.host}:{self.gate.port}", device=self.device, mem_total=mem_total, mem_free=mem_free
         )
 
     async def close(self) -> None:
         if self.gate is not None:
             await self.gate.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.get_running_loop().run_in_executor(None, self.proc.wait, 5)
-            if self.proc.poll() is None:
-                self.proc.kill()
+        await self._stop_server()
 
 
-async def _until_listening(port: int, proc: subprocess.Popen, deadline_s: float = 30.0) -> None:
-    """The child printed its line just before listening: wait for the port to accept (bounded)."""
+async def until_listening(port: int, proc: subprocess.Popen, deadline_s: float = 30.0, host: str = "127.0.0.1") -> None:
+    """Wait (bounded) until the server just started on `host:port` accepts a connection."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the RPC server exited with {proc.returncode}")
         try:
-            _, w = await asyncio.open_connection("127.0.0.1", port)
+            _, w = await asyncio.open_connection(host, port)
         except OSError:
             if loop.time() > end:
                 raise RuntimeError("the RPC server did not listen within 30 s") from None

@@ -241,7 +241,7 @@ class Worker:
             [h.status() for h in self.hosts.values()],
             pod=self.settings.pod,
             addrs=self.addrs,
-            rpc=self.rpc.info(memory()[1]) if self.rpc is not None else None,
+            rpc=self.rpc.info(*memory()) if self.rpc is not None else None,
             gpu=self.gpu,
             mem_budget=self.settings.memory_budget_mb << 20,
             stored=self.stored,
@@ -329,7 +329,7 @@ class Worker:
         assignment = msgspec.structs.replace(assignment, models=[self._trusted(m) for m in assignment.models])
         async with self._converge_lock:
             if self.rpc is not None and self.rpc.gate is not None:
-                self.rpc.gate.allow(assignment.rpc_peers)
+                await self.rpc.admit(assignment.rpc_peers)
             wanted: dict[str, ModelConfig] = {m.name: m for m in assignment.models if m.engine in self.families}
             for m in assignment.models:
                 if m.engine not in self.families:

@@ -1,5 +1,5 @@
-"""One GGUF split over two machines (network namespaces): the head serves it with its CPU plus node-b's ggml
-RPC server. Answers at temperature 0 equal the whole model's on one machine; killing node-b makes the model
+"""One GGUF split over two machines (network namespaces): the head's llama-server serves it with its CPU plus
+node-b's llama.cpp rpc-server, which runs only while the split is placed there. Answers at temperature 0 equal the whole model's on one machine; killing node-b makes the model
 answer 503 within 10 s, and the scheduler re-places it on the head alone, where it serves again; once node-b is
 back, the model is split over it again."""
 
@@ -38,14 +38,20 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
     procs: list[ServiceProcess] = []
     try:  # the lab is closed (every process in it killed) whatever fails, set-up included
         root = tmp_path
-        params = {"n_ctx": 512, "n_threads": 1}
+        params = {"n_ctx": 512, "n_threads": 1, "parallel": 2}
         models = write_models_file(
             root / "models.toml",
             [
-                {"name": "whole", "engine": "llama", "path": str(layered_gguf), "params": params, "nodes": ["head"]},
+                {
+                    "name": "whole",
+                    "engine": "llama-server",
+                    "path": str(layered_gguf),
+                    "params": params,
+                    "nodes": ["head"],
+                },
                 {
                     "name": "split",
-                    "engine": "llama",
+                    "engine": "llama-server",
                     "path": str(layered_gguf),
                     "params": params,
                     "nodes": ["head"],
@@ -60,7 +66,9 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         procs.append(up.start())
         up.wait_log("\nready", 120)
         key = (root / "head" / "admin.key").read_text().strip()
-        node = node_up(nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama")
+        node = node_up(
+            nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama-server"
+        )
         procs.append(node.start())
 
         def chat(model: str, prompt: str = PROMPTS[0]) -> dict:
@@ -128,6 +136,7 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
         assert devices[1]["endpoint"] == f"{nb.ip}:50052" and devices[0]["endpoint"] == ""
         assert sorted(devices[0]["layers"] + devices[1]["layers"]) == [0, 1, 2, 3] and devices[1]["layers"]
         assert "RPC gate" in node.log_text() and head.ip in node.log_text()  # only the head is admitted
+        assert "RPC server started for a split" in node.log_text()  # started once the split was placed
         assert f"link to node-b ({nb.ip}:50052) measured at" in head_worker_log()  # the short probe through the gate
 
         node.kill()
@@ -146,7 +155,7 @@ def test_a_model_split_over_an_rpc_node_answers_like_one_machine_and_survives_it
 
         procs.append(
             node_up(
-                nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama"
+                nb, "node-b", head.ip, root, TOKEN, env, "--rpc", "--rpc-port", "50052", "--families", "llama-server"
             ).start()
         )  # node-b is back: the pinned split comes back too
 

@@ -1,5 +1,7 @@
-"""The RPC side of a split model: the gate admits only named peers, binding to every interface needs a flag, the
-split engine answers like the whole model over a real ggml RPC server, and loses itself the moment the server dies."""
+"""The RPC side of a split model: the gate admits only named peers (and drops one the moment it is no longer named),
+binding to every interface needs a flag, llama.cpp's rpc-server runs only while a split is placed, and the split
+engine (llama-server --rpc) answers like the whole model, is lost the moment its RPC server dies and serves again
+when it is back."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ import asyncio
 import socket
 import threading
 
+import msgspec
 import pytest
 
 from coderai.contracts import ChatJob, ModelConfig, SamplingParams
 from coderai.contracts.split import SplitDevice, SplitPlan
-from coderai.engine_worker.engines.base import CancelFlag, EngineLost
-from coderai.engine_worker.engines.llama_split import LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, split_params
+from coderai.engine_worker.engines.base import CancelFlag
+from coderai.engine_worker.engines.llama_split import link_warning, on_server, split_params
 from coderai.engine_worker.rpc import RpcConfigError, RpcGate, cluster_address, gate_address
 from coderai.runtime.gguf_meta import block_count
 from coderai.testing.procs import wait_until
@@ -31,13 +34,15 @@ def plan(mode: str = "layer", layers: bool = True) -> SplitPlan:
 
 
 def test_split_params_offload_the_remote_layers_shared_by_tensor_split():
-    assert split_params(plan(), 4, row=False) == {
-        "n_gpu_layers": 2,
-        "split_mode": LLAMA_SPLIT_MODE_LAYER,
-        "tensor_split": [0.5, 0.5],
-    }
+    assert split_params(plan(), 4, row=False) == {"n_gpu_layers": 2, "split_mode": "layer", "tensor_split": "0.5,0.5"}
     assert split_params(plan(layers=False), 8, row=False)["n_gpu_layers"] == 4  # by shares when no layer map
-    assert split_params(plan("row"), 4, row=True)["split_mode"] == LLAMA_SPLIT_MODE_ROW
+    assert split_params(plan("row"), 4, row=True)["split_mode"] == "row"
+
+
+def test_a_split_model_of_the_in_process_family_runs_on_llama_server_with_the_params_both_take():
+    cfg = ModelConfig(name="m", engine="llama", path="/x.gguf", params={"n_ctx": 512, "use_mmap": True})
+    served = on_server(cfg)
+    assert served.engine == "llama-server" and served.params == {"n_ctx": 512}
 
 
 def test_the_gate_is_never_bound_to_every_interface_without_the_flag():
@@ -109,35 +114,43 @@ def test_block_count_reads_the_gguf_header(tiny_gguf, tmp_path):
 
 @pytest.mark.slow
 def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_server_dies_and_comes_back(tmp_path):
-    pytest.importorskip("llama_cpp")
-    from coderai.engine_worker.engines import engine_class
-    from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
-    from coderai.engine_worker.rpc import RpcService
+    from coderai.engine_worker.engines.llama_server import LlamaServerEngine
+    from coderai.engine_worker.engines.llama_split import SplitServerEngine
+    from coderai.engine_worker.rpc import RpcService, find_rpc_server
     from coderai.tiny_models.llm import build_tiny_gguf
 
+    if find_rpc_server() is None:
+        pytest.skip("no rpc-server here: scripts/setup builds it")
     path = tmp_path / "four.gguf"
     build_tiny_gguf(path, dim=128, layers=4, heads=4)
-    base = ModelConfig(name="m", engine="llama", path=str(path), params={"n_ctx": 512, "n_threads": 1})
+    params = {"n_ctx": 512, "n_threads": 1, "parallel": 2, "head_snapshots_mb": 0}
+    base = ModelConfig(name="m", engine="llama-server", path=str(path), params=params)
     job = ChatJob(
         request_id="r",
         model="m",
         messages=[{"role": "user", "content": "once upon a time"}],
         params=SamplingParams(max_tokens=12, temperature=0.0),
     )
-    whole = engine_class("llama")(base)
+    whole = LlamaServerEngine(base)
     whole.load()
     expected = whole.chat(job, CancelFlag(), None)[0][0].message
     whole.close()
 
-    async def start() -> RpcService:
-        svc = RpcService("127.0.0.1", 0, threads=1)
-        await svc.start()
-        svc.gate.allow(["127.0.0.1"])
-        return svc
-
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    svc = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def start(port: int) -> RpcService:
+        svc = RpcService("127.0.0.1", port, threads=1)
+        await svc.start()
+        return svc
+
+    svc = on_loop(start(0))
+    assert svc.proc is None  # no split placed here yet: no RPC server runs
+    on_loop(svc.admit(["127.0.0.1"]))
+    assert svc.proc is not None and svc.proc.poll() is None
     plan = SplitPlan(
         n_layers=4,
         devices=[
@@ -145,7 +158,7 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
             SplitDevice(node_id="there", endpoint=f"127.0.0.1:{svc.gate.port}", share=0.5, layers=[2, 3]),
         ],
     )
-    engine = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path=str(path), params=base.params, shards=plan))
+    engine = SplitServerEngine(msgspec.structs.replace(base, shards=plan))
     lost = threading.Event()
     reasons: list[str] = []
     engine.on_lost = lambda why: (reasons.append(why), lost.set())
@@ -153,35 +166,64 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
     engine.on_back = back.set
     try:
         engine.load()
+        assert "--rpc" in engine.child.proc.args and engine.gpu_layers in (0, 2)
         assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
         streamed: list[dict] = []
         stream_job = ChatJob(request_id="s", model="m", messages=job.messages, params=job.params, stream=True)
         engine.chat(stream_job, CancelFlag(), lambda d, t, f: streamed.append(d or {}))
         assert "".join(d.get("content", "") for d in streamed) == expected["content"]
         port = svc.gate.port
-        asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
+        on_loop(svc.close())
         assert lost.wait(15), "the engine did not notice its RPC server was gone"
         assert "unreachable" in reasons[0] and "there" in reasons[0]
-        with pytest.raises(EngineLost, match="unreachable"):
+        with pytest.raises(Exception, match="unreachable|exited"):
             engine.chat(job, CancelFlag(), None)
 
-        async def again() -> RpcService:  # the node restarted quickly: same gate, a fresh server behind it
-            svc = RpcService("127.0.0.1", port, threads=1)
-            await svc.start()
-            svc.gate.allow(["127.0.0.1"])
-            return svc
-
-        svc = asyncio.run_coroutine_threadsafe(again(), loop).result(60)
-        assert back.wait(30), "the engine did not load again once its RPC server answered"
-        assert engine.lost is None and engine.chat(job, CancelFlag(), None)[0][0].message == expected
+        svc = on_loop(start(port))  # the node restarted quickly: same gate, a fresh server behind it
+        on_loop(svc.admit(["127.0.0.1"]))
+        assert back.wait(60), "the engine did not load again once its RPC server answered"
+        assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
+        on_loop(svc.admit([]))  # the split is re-placed elsewhere: the server stops, the gate lets nobody in
+        assert svc.proc is None and svc.gate.allowed == frozenset()
     finally:
         engine.close()
-        asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
+        on_loop(svc.close())
         loop.call_soon_threadsafe(loop.stop)
 
 
+async def test_a_peer_no_longer_named_loses_its_open_relay_at_once():
+    held = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.set()
+        await reader.read()  # until the gate closes its side
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    gate = RpcGate("127.0.0.1", 0, server.sockets[0].getsockname()[1])
+    await gate.start()
+    gate.allow(["127.0.0.1"])
+    loop = asyncio.get_running_loop()
+    try:
+        s = socket.create_connection(("127.0.0.1", gate.port), timeout=10)
+        s.sendall(b"\x01")  # a first byte: relayed
+        await asyncio.wait_for(held.wait(), 10)
+        gate.allow([])  # the scheduler stopped naming it
+
+        def rest() -> bytes:
+            try:
+                return s.recv(16)
+            except ConnectionResetError:
+                return b""
+
+        assert await loop.run_in_executor(None, rest) == b""  # its relay is closed, not left open
+        s.close()
+    finally:
+        await gate.close()
+        server.close()
+
+
 async def test_the_gate_answers_a_link_probe_itself_and_the_row_split_warning_names_slow_links():
-    from coderai.engine_worker.engines.llama_split import SplitLlamaEngine
     from coderai.engine_worker.rpc import link_gbps
 
     upstream: list[int] = []
@@ -203,9 +245,7 @@ async def test_the_gate_answers_a_link_probe_itself_and_the_row_split_warning_na
     finally:
         await gate.close()
         server.close()
-    row = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path="/x.gguf", shards=plan("row")))
     speeds = {"10.0.0.2:50052": 0.94, "10.0.0.3:50052": 25.0}
-    warning = row._link_warning(lambda ep: speeds[ep])
+    warning = link_warning("m", plan("row"), lambda ep: speeds[ep])
     assert "b 0.94 Gb/s" in warning and "c " not in warning
-    layer = SplitLlamaEngine(ModelConfig(name="m", engine="llama", path="/x.gguf", shards=plan("layer")))
-    assert layer._link_warning(lambda ep: 0.5) == ""  # a layer split moves little: no warning
+    assert link_warning("m", plan("layer"), lambda ep: 0.5) == ""  # a layer split moves little: no warning

@@ -31,6 +31,14 @@ def test_the_installed_llama_cpp_answers_on_a_k_quant_model_in_a_child():
     assert not said.startswith("skipped") and int(said.split()[0]) > 0
 
 
+def test_the_built_llama_server_answers_on_a_k_quant_model():  # setup's smoke run of a native build, on this one
+    from coderai.testing.real_gguf import smoke_server
+
+    ok, said = smoke_server()
+    assert ok, said
+    assert not said.startswith("skipped") and int(said.split()[0]) > 0
+
+
 def test_a_k_quant_gguf_answers_through_the_stack(tmp_path_factory, gemma):
     # the base model's GGUF has no chat template: chat goes through llama-cpp-python's gemma format
     params = {"n_ctx": 1024, "n_threads": 2, "chat_format": "gemma"}

