@@ -18,7 +18,7 @@ very text the whole model did (at c=1, temperature 0). Every server runs `--para
 each RPC server one thread, so each host stands for a one-core machine; the link is a veth pair (no bandwidth
 cap: a fast LAN, not a 1 GbE one).
 
-Usage: python bench/split.py [--dim 512 --layers 8] [--rounds 3] [--tokens 64] [--smoke]
+Usage: python bench/split.py [--dim 512 --layers 8 | --real] [--rounds 3] [--tokens 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="a tiny model and two short rounds: proves the script runs")
+    ap.add_argument(
+        "--real", action="store_true", help="the real K-quant GGUF (Gemma 3 270M Q4_K_M, the dev extra) instead"
+    )
     ap.add_argument("--serve-rpc", nargs=3, metavar=("IP", "PORT", "PEER"), help=argparse.SUPPRESS)
     ap.add_argument("--measure", nargs=3, metavar=("MODEL", "ENDPOINT", "LAYERS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -192,7 +195,16 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="coderai-split-bench-"))  # removed at the end
     model = work / "model.gguf"
-    shape = build_tiny_gguf(model, dim=a.dim, layers=a.layers, heads=max(4, a.dim // 64))
+    if a.real:
+        from coderai.runtime.gguf_meta import block_count
+        from coderai.testing.real_gguf import gemma3_q4km
+
+        model = gemma3_q4km()
+        a.layers = block_count(str(model))
+        described = f"Gemma 3 270M Q4_K_M, {a.layers} layers, {model.stat().st_size / 1e6:.1f} MB"
+    else:
+        shape = build_tiny_gguf(model, dim=a.dim, layers=a.layers, heads=max(4, a.dim // 64))
+        described = f"tiny GGUF dim {a.dim}, {a.layers} layers, {shape['bytes'] / 1e6:.1f} MB (f16)"
     lab = Lab(["head", "node-b"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = None
@@ -241,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     times.append(cpu_times())
     res, same = data["results"], data["same_text"]
     print(
-        f"model: tiny GGUF dim {a.dim}, {a.layers} layers, {shape['bytes'] / 1e6:.1f} MB (f16); {a.rounds} rounds of "
+        f"model: {described}; {a.rounds} rounds of "
         f"{a.tokens}-token completions, temperature 0; --threads 1 per server and per RPC server\n{load_note(*times)}\n"
     )
     print(
