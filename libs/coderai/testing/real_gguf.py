@@ -65,11 +65,12 @@ def smoke(timeout_s: float = 300.0) -> tuple[bool, str]:
 def smoke_server(timeout_s: float = 300.0) -> tuple[bool, str]:
     """Load the real GGUF in this machine's llama-server and generate 32 tokens."""
     import json
-    import time
+    import tempfile
     import urllib.error
     import urllib.request
 
     from coderai.runtime.embedded import find_llama_server, free_port
+    from coderai.testing.procs import ProcessDied, wait_until
 
     binary = find_llama_server()
     if binary is None:
@@ -80,26 +81,27 @@ def smoke_server(timeout_s: float = 300.0) -> tuple[bool, str]:
         return True, f"skipped: {MISSING}"
     port = free_port()
     cmd = [binary, "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--ctx-size", "512"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url, end = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+    log = tempfile.TemporaryFile()  # the server's chatter, read back only if it dies (a pipe could fill and block it)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            log.seek(0)
+            raise ProcessDied(f"{how}: {log.read().decode(errors='replace')[-500:]}")
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status == 200
+
     try:
-        while True:
-            if proc.poll() is not None:
-                how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-                return False, f"{how}: {(proc.stderr.read() if proc.stderr else b'').decode(errors='replace')[-500:]}"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > end:
-                return False, f"not healthy within {timeout_s:.0f}s"
-            time.sleep(0.2)
+        try:
+            wait_until(healthy, timeout_s, "llama-server to be healthy", interval_s=0.2)
+        except (ProcessDied, TimeoutError) as exc:
+            return False, str(exc)
         body = json.dumps({"prompt": "The capital of France is", "n_predict": 32, "temperature": 0}).encode()
         req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=max(1.0, end - time.monotonic())) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 out = json.loads(r.read())
         except (urllib.error.URLError, OSError) as exc:
             return False, f"no completion: {exc} (server {'gone' if proc.poll() is not None else 'alive'})"
@@ -107,6 +109,7 @@ def smoke_server(timeout_s: float = 300.0) -> tuple[bool, str]:
     finally:
         proc.kill()
         proc.wait()
+        log.close()
 
 
 if __name__ == "__main__":
