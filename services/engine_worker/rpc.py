@@ -257,6 +257,15 @@ class RpcService:
         if not peers and self.proc is not None:
             await self._stop_server()
 
+    async def tend(self) -> None:
+        """Start the server again if it died while a split is placed here (each heartbeat asks)."""
+        if self.gate is not None and self.gate.allowed and self.proc is not None and self.proc.poll() is not None:
+            log.warning(
+                "RPC server exited with %s while a split is placed here: starting it again", self.proc.returncode
+            )
+            await self._stop_server()
+            await self._start_server()
+
     async def _start_server(self) -> None:
         assert self.binary is not None and self.gate is not None
         inner = free_port()
@@ -286,7 +295,7 @@ class RpcService:
         if proc.poll() is None:
             proc.kill()
         await asyncio.get_running_loop().run_in_executor(None, proc.wait)
-        log.info("RPC server stopped: no split is placed here")
+        log.info("RPC server stopped")
 
     def info(self, mem_total: int, mem_free: int) -> RpcServer:
         assert self.gate is not None

@@ -253,6 +253,8 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
+                if self.rpc is not None:
+                    await self.rpc.tend()
                 await self.publish_heartbeat()
             except Exception as exc:  # a missed heartbeat is retried on the next tick
                 log.warning("heartbeat failed: %s", exc)

@@ -6,6 +6,7 @@ when it is back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -182,6 +183,16 @@ def test_the_split_engine_answers_like_the_whole_model_is_lost_when_its_rpc_serv
         svc = on_loop(start(port))  # the node restarted quickly: same gate, a fresh server behind it
         on_loop(svc.admit(["127.0.0.1"]))
         assert back.wait(60), "the engine did not load again once its RPC server answered"
+        assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
+
+        back.clear()  # the RPC server itself dies while the split is placed: the next heartbeat starts it again
+        svc.proc.kill()
+        svc.proc.wait()
+        on_loop(svc.tend())
+        assert svc.proc.poll() is None
+        with contextlib.suppress(Exception):  # the split's server finds its RPC connection gone, and restarts
+            engine.chat(job, CancelFlag(), None)
+        assert back.wait(60), "the engine did not serve again once the RPC server was started again"
         assert engine.chat(job, CancelFlag(), None)[0][0].message == expected
         on_loop(svc.admit([]))  # the split is re-placed elsewhere: the server stops, the gate lets nobody in
         assert svc.proc is None and svc.gate.allowed == frozenset()
