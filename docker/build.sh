@@ -22,8 +22,8 @@ declare -A FILE=(
 declare -A ARGS=(
   [cpu]=""
   [llama-cuda]=""
-  [media]="EXTRAS=llama,media"
-  [media-cpu]="EXTRAS=llama,media TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+  [media]="EXTRAS=llama-python,media"
+  [media-cpu]="EXTRAS=llama-python,media TORCH_INDEX=https://download.pytorch.org/whl/cpu"
   [diffusers]="EXTRAS=diffusers"
   [whisper]="EXTRAS=whisper,diarize,tts"
   [vllm]=""
