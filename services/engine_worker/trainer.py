@@ -32,7 +32,6 @@ from coderai.engine_worker.engines.base import to_device
 from coderai.training_data import parse_examples
 
 MARK = "@@coderai "
-MAX_TOKENS = 512  # an example longer than this is cut: tiny test models and CPU training stay bounded
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank that is gone is noticed sooner: its socket closes, or the scheduler sees silence
 
 
@@ -73,30 +72,86 @@ def adapter_digest(model) -> str:
     return h.hexdigest()
 
 
-def _encode(tok, examples: list[list[dict]]) -> list[list[int]]:
-    out = []
+Example = tuple[list[int], list[int]]
+"""(token ids, labels): a label is the id where the loss counts, IGNORE where it does not"""
+IGNORE = -100  # what transformers' loss skips
+
+
+def encode_example(tok, messages: list[dict], max_len: int, train_on: str = "assistant") -> tuple[Example, bool]:
+    """One conversation as the model sees it (its chat template) and the tokens it learns: with `train_on`
+    "assistant", only the assistant turns' own tokens (what the template adds after each, such as its end
+    token, included) count in the loss, never the system or user text nor the template's role headers; with
+    "all", every token. Cut to `max_len` tokens; the second value says whether it was cut.
+
+    The turns are found by rendering the conversation's prefixes: an assistant turn is what rendering it adds
+    to the text before it with the generation prompt. A template whose prefixes are not prefixes of the whole
+    (one that rewrites earlier turns) gets the whole conversation's loss instead, as "all" does."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=train_on != "all")
+    ids: list[int] = enc["input_ids"]
+    labels = list(ids)
+    if train_on != "all":
+        spans = _assistant_spans(tok, messages, text)
+        if spans is not None:
+            labels = [
+                t if any(a <= start < b for a, b in spans) else IGNORE
+                for t, (start, _) in zip(ids, enc["offset_mapping"], strict=True)
+            ]
+    cut = len(ids) > max_len
+    return (ids[:max_len], labels[:max_len]), cut
+
+
+def _assistant_spans(tok, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+    """The character spans of the assistant turns in `text`, or None when the template's prefixes do not line up."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(upto) and upto.startswith(before)):
+            return None
+        spans.append((len(before), len(upto)))
+    return spans
+
+
+def _encode(tok, examples: list[list[dict]], max_len: int, train_on: str) -> tuple[list[Example], int, int]:
+    """The examples encoded, how many were cut to `max_len`, and how many were left out because nothing they
+    would teach is left within it (their assistant turns lie past the cut)."""
+    out, cut, empty = [], 0, 0
     for messages in examples:
-        text = tok.apply_chat_template(messages, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"][:MAX_TOKENS]
-        out.append(ids)
-    return out
+        example, was_cut = encode_example(tok, messages, max_len, train_on)
+        cut += was_cut
+        if any(t != IGNORE for t in example[1][1:]):  # the first token is never predicted
+            out.append(example)
+        else:
+            empty += 1
+    return out, cut, empty
 
 
-def _batch(torch, seqs: list[list[int]], pad: int, device):
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    labels = torch.full((len(seqs), n), -100, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-        labels[i, : len(s)] = torch.tensor(s)
+def context_of(model, tok) -> int:
+    """The longest sequence the model takes: its config's positions, else the tokenizer's limit, else 2048."""
+    for n in (getattr(model.config, "max_position_embeddings", None), getattr(tok, "model_max_length", None)):
+        if isinstance(n, int) and 0 < n < 10**7:
+            return n
+    return 2048
+
+
+def _batch(torch, examples: list[Example], pad: int, device):
+    n = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(examples), n), dtype=torch.long)
+    labels = torch.full((len(examples), n), IGNORE, dtype=torch.long)
+    for i, (seq, lab) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, : len(lab)] = torch.tensor(lab)
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def validation_loss(model, seqs: list[list[int]], device) -> tuple[float, int]:
-    """(summed token loss, predicted tokens) of `seqs`, one example at a time (no padding to account for), without
-    gradients; the model is put back in the train/eval mode it was in. Examples under two tokens predict nothing."""
+def validation_loss(model, examples: list[Example], device) -> tuple[float, int]:
+    """(summed token loss, predicted tokens) of `examples`, one at a time (no padding to account for), over the
+    tokens their labels count, without gradients; the model is put back in the train/eval mode it was in."""
     import torch
 
     was_training = model.training
@@ -104,12 +159,13 @@ def validation_loss(model, seqs: list[list[int]], device) -> tuple[float, int]:
     total, count = 0.0, 0
     try:
         with torch.no_grad():
-            for s in seqs:
-                if len(s) < 2:
+            for seq, lab in examples:
+                n = sum(1 for t in lab[1:] if t != IGNORE)  # the model shifts the labels: the first predicts nothing
+                if n == 0:
                     continue
-                ids = torch.tensor([s], dtype=torch.long, device=device)
-                n = len(s) - 1  # the model shifts the labels: every token but the first is predicted
-                total += model(input_ids=ids, labels=ids).loss.float().item() * n
+                ids = torch.tensor([seq], dtype=torch.long, device=device)
+                labels = torch.tensor([lab], dtype=torch.long, device=device)
+                total += model(input_ids=ids, labels=labels).loss.float().item() * n
                 count += n
     finally:
         model.train(was_training)
@@ -188,15 +244,32 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # one start for every rank, whatever their RNGs did
             _collective(dist.broadcast, p.data, src=0)
-        examples = _encode(tok, parse_examples(data_path.read_bytes()))
-        valid = _encode(tok, parse_examples(valid_path.read_bytes())) if valid_path else []
-        mine = valid[spec.rank :: spec.world_size]  # this rank's share of the validation examples
         hp = spec.hyperparameters
+        context = context_of(model, tok)
+        max_len = min(hp.max_seq_len or context, context)
+        examples, cut, empty = _encode(tok, parse_examples(data_path.read_bytes()), max_len, hp.train_on)
+        if not examples:
+            raise SystemExit(
+                f"no training example has an assistant token within the first {max_len} tokens "
+                "(hyperparameters.max_seq_len): nothing to learn"
+            )
+        valid = _encode(tok, parse_examples(valid_path.read_bytes()), max_len, hp.train_on)[0] if valid_path else []
+        mine = valid[spec.rank :: spec.world_size]  # this rank's share of the validation examples
         per_epoch, total = plan_steps(len(examples), spec.world_size, hp.batch_size, hp.n_epochs)
         opt = torch.optim.AdamW(params, lr=BASE_LEARNING_RATE * hp.learning_rate_multiplier, weight_decay=0.0)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         model.train()
-        say(event="started", total_steps=total, examples=len(examples), valid_examples=len(valid), backend=backend)
+        say(
+            event="started",
+            total_steps=total,
+            examples=len(examples),
+            valid_examples=len(valid),
+            backend=backend,
+            max_seq_len=max_len,
+            cut_examples=cut,
+            left_out=empty,
+            train_on=hp.train_on,
+        )
         step = 0
         trained = 0
         for epoch in range(hp.n_epochs):

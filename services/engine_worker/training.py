@@ -321,7 +321,19 @@ class TrainingHost:
                 continue
             evt = json.loads(line[len(MARK) :])
             kind = evt.pop("event")
-            if kind == "step" and spec.rank == 0:
+            if kind == "started":
+                log.info(
+                    "training job %s: rank %d trains on %s examples (%s cut to %s tokens, %s left out with "
+                    "nothing to learn within them), loss on %s tokens",
+                    spec.job_id,
+                    spec.rank,
+                    evt.get("examples"),
+                    evt.get("cut_examples"),
+                    evt.get("left_out"),
+                    evt.get("max_seq_len"),
+                    evt.get("train_on"),
+                )
+            elif kind == "step" and spec.rank == 0:
                 await self._report(
                     spec,
                     "step",

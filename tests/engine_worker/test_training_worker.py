@@ -170,10 +170,118 @@ def test_the_validation_loss_is_the_mean_token_loss_without_gradients():
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_llama(), dtype=torch.float32)
     model.train()
     seqs = [[5, 9, 13, 2], [7, 8, 9, 10, 11, 12], [4]]  # the last one predicts nothing
-    total, count = validation_loss(model, seqs, torch.device("cpu"))
+    total, count = validation_loss(model, [(s, s) for s in seqs], torch.device("cpu"))
     assert count == 3 + 5 and model.training and all(p.grad is None for p in model.parameters())
     with torch.no_grad():
         model.eval()
         each = [model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss.item() for s in seqs[:2]]
     assert total / count == pytest.approx((each[0] * 3 + each[1] * 5) / 8, rel=1e-5)
     assert validation_loss(model, [], torch.device("cpu")) == (0.0, 0) and not model.training  # eval stays eval
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "What colour is the sky?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass?"},
+    {"role": "assistant", "content": "Green."},
+]
+
+
+def test_only_the_assistant_turns_are_learned_checked_by_the_gradient_on_prompt_tokens():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from coderai.engine_worker.trainer import IGNORE, encode_example
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    (ids, labels), cut = encode_example(tok, CONVERSATION, 4096)
+    assert not cut and len(ids) == len(labels)
+    learned = tok.decode([t for t in labels if t != IGNORE])
+    assert learned == "Blue.<|im_end|>\nGreen.<|im_end|>\n"  # the answers and their end, nothing of the prompt
+    assert encode_example(tok, CONVERSATION, 4096, "all")[0][1] == ids  # "all": every token counts
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_llama(), dtype=torch.float32)
+    out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
+    out.logits.retain_grad()
+    out.loss.backward()
+    grad = out.logits.grad[0].abs().sum(-1)  # position t predicts token t + 1
+    predicts_prompt = [t for t in range(len(ids) - 1) if labels[t + 1] == IGNORE]
+    predicts_answer = [t for t in range(len(ids) - 1) if labels[t + 1] != IGNORE]
+    assert predicts_prompt and predicts_answer
+    assert all(grad[t].item() == 0.0 for t in predicts_prompt)  # no prompt token moves the weights
+    assert all(grad[t].item() > 0.0 for t in predicts_answer)
+
+
+def test_a_long_example_is_cut_to_the_sequence_length_and_says_so():
+    pytest.importorskip("transformers")
+    from coderai.engine_worker.trainer import encode_example
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    long = [{"role": "user", "content": "word " * 800}, {"role": "assistant", "content": "ok " * 400}]
+    (ids, labels), cut = encode_example(tok, long, 1024)
+    assert cut and len(ids) == len(labels) == 1024
+    assert encode_example(tok, long, 100_000)[1] is False
+
+
+@pytest.mark.slow
+def test_one_rank_learns_a_1024_token_conversation_and_leaves_out_one_with_nothing_left_to_learn(tmp_path):
+    """The trainer process itself (one rank, gloo on loopback): a 1,024-token limit, a conversation that fills
+    it, one whose answer lies past it (left out, and said), and the loss on the answers going down."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    from coderai.contracts.training import Hyperparameters, TrainSpec
+    from coderai.runtime.embedded import free_port
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    words = "the cluster serves every model it holds " * 200
+    ids = tok(words, add_special_tokens=False)["input_ids"]
+    fills = tok.decode(ids[:950])  # with the template and the answer: just under 1,024 tokens
+    past = tok.decode(ids[:1500])
+    answer = {"role": "assistant", "content": "Seven."}
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "\n".join(
+            json.dumps({"messages": m})
+            for m in (
+                [{"role": "system", "content": fills}, {"role": "user", "content": "How many?"}, answer],
+                [{"role": "user", "content": past}, answer],  # its answer is cut away: nothing to learn
+                [{"role": "user", "content": "How many?"}, answer],
+            )
+        )
+    )
+    spec = TrainSpec(
+        job_id="ftjob-long",
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        base_path=str(tiny_hf_llama()),
+        data_store_path="",
+        adapter_store_path="",
+        hyperparameters=Hyperparameters(n_epochs=4, batch_size=2, learning_rate_multiplier=20, max_seq_len=1024),
+    )
+    (tmp_path / "spec.json").write_bytes(encode(spec))
+    r = subprocess.run(
+        [sys.executable, "-m", "coderai.engine_worker.trainer", "--spec", str(tmp_path / "spec.json")]
+        + ["--data", str(data), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    events = [json.loads(ln.split(" ", 1)[1]) for ln in r.stdout.splitlines() if ln.startswith("@@coderai ")]
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    started = events[0]
+    assert started["event"] == "started" and started["max_seq_len"] == 1024 and started["train_on"] == "assistant"
+    assert (started["examples"], started["cut_examples"], started["left_out"]) == (2, 1, 1)
+    losses = [e["loss"] for e in events if e["event"] == "step"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert events[-1]["event"] == "done" and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()

@@ -96,6 +96,13 @@ def test_coderai_extensions_and_openai_method_object():
     assert c.method == "lora" and c.hyperparameters.n_epochs == 5
 
 
+def test_sequence_length_and_what_the_loss_counts_are_hyperparameters():
+    c = resolve(req(), "ftjob-1")
+    assert (c.hyperparameters.max_seq_len, c.hyperparameters.train_on) == (0, "assistant")  # the model's context
+    c = resolve(req(hyperparameters={"max_seq_len": 1024, "train_on": "all"}), "ftjob-1")
+    assert (c.hyperparameters.max_seq_len, c.hyperparameters.train_on) == (1024, "all")
+
+
 @pytest.mark.parametrize(
     "kw, param",
     [
@@ -105,6 +112,8 @@ def test_coderai_extensions_and_openai_method_object():
         ({"hyperparameters": {"batch_size": 1.5}}, "hyperparameters.batch_size"),
         ({"hyperparameters": {"learning_rate_multiplier": "fast"}}, "hyperparameters.learning_rate_multiplier"),
         ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
+        ({"hyperparameters": {"max_seq_len": -1}}, "hyperparameters.max_seq_len"),
+        ({"hyperparameters": {"train_on": "user"}}, "hyperparameters.train_on"),
         ({"lora_rank": 0}, "lora_rank"),
         ({"nodes": -1}, "nodes"),
         ({"method": {"type": "supervised", "supervised": "x"}}, "method.supervised"),

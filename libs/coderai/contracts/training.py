@@ -13,6 +13,7 @@ from typing import Literal
 from coderai.contracts.base import Message
 
 Method = Literal["lora", "qlora"]
+TrainOn = Literal["assistant", "all"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[JobStatus] = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -29,6 +30,10 @@ class Hyperparameters(Message, frozen=True, kw_only=True):
     n_epochs: int = 3
     batch_size: int = 1
     learning_rate_multiplier: float = 1.0
+    # coderai's: the longest example trained on, in tokens (longer ones are cut; 0: the model's own context),
+    # and whose tokens the loss counts ("assistant": the assistant turns only; "all": every token)
+    max_seq_len: int = 0
+    train_on: TrainOn = "assistant"
 
 
 class FileRecord(Message, frozen=True, kw_only=True):

@@ -18,7 +18,14 @@ from litestar.params import FromPath
 from coderai.contracts import BusError
 from coderai.contracts.subject import Subject
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
-from coderai.contracts.training import FineTuneCancel, FineTuneCreate, FineTuneJob, FineTuneReply, Hyperparameters
+from coderai.contracts.training import (
+    FineTuneCancel,
+    FineTuneCreate,
+    FineTuneJob,
+    FineTuneReply,
+    Hyperparameters,
+    TrainOn,
+)
 from coderai.gateway.accounting import allowed
 from coderai.gateway.errors import ApiError, from_bus
 from coderai.gateway.http import json_response, query_int, read_json
@@ -86,7 +93,7 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         hp = {**hp, **extra}
     if method not in ("lora", "qlora"):
         raise _bad(f'method must be "lora" or "qlora", not {method!r}.', "method", "unsupported_method")
-    unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier"}
+    unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier", "max_seq_len", "train_on"}
     if unknown:
         raise _bad(f"unknown hyperparameters {sorted(unknown)}.", "hyperparameters")
     for name, lo, hi in (("nodes", 0, 64), ("lora_rank", 1, 256), ("lora_alpha", 1, 1024)):
@@ -108,8 +115,18 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
             n_epochs=_number(hp, "n_epochs", int, 1, 100, 3),
             batch_size=_number(hp, "batch_size", int, 1, 256, 1),
             learning_rate_multiplier=_number(hp, "learning_rate_multiplier", float, 1e-4, 1000, 1.0),
+            max_seq_len=_number(hp, "max_seq_len", int, 0, 1 << 20, 0),
+            train_on=_train_on(hp.get("train_on", "auto")),
         ),
     )
+
+
+def _train_on(value: object) -> TrainOn:
+    if value in ("auto", "assistant"):
+        return "assistant"
+    if value == "all":
+        return "all"
+    raise _bad('hyperparameters.train_on must be "assistant" (the default) or "all".', "hyperparameters.train_on")
 
 
 def job_json(job: FineTuneJob) -> dict[str, Any]:
@@ -119,6 +136,8 @@ def job_json(job: FineTuneJob) -> dict[str, Any]:
         "n_epochs": job.hyperparameters.n_epochs,
         "batch_size": job.hyperparameters.batch_size,
         "learning_rate_multiplier": job.hyperparameters.learning_rate_multiplier,
+        "max_seq_len": job.hyperparameters.max_seq_len,
+        "train_on": job.hyperparameters.train_on,
     }
     return {
         "object": "fine_tuning.job",
