@@ -35,6 +35,24 @@ MARK = "@@coderai "
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank that is gone is noticed sooner: its socket closes, or the scheduler sees silence
 
 
+BNB_CPU_SINCE = (0, 47)  # bitsandbytes quantizes and computes 4-bit layers on the CPU from this version on
+
+
+def qlora_backend(cuda: bool) -> str:
+    """Where QLoRA would run here ("cuda", "cpu"), or why it cannot: bitsandbytes must be installed, and without
+    a CUDA GPU be one whose CPU backend runs 4-bit layers. Reads the installed version only (no import)."""
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if cuda:
+        return "cuda"
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    return "cpu" if parts >= BNB_CPU_SINCE else ""
+
+
 class PeerFailed(RuntimeError):
     """A collective failed: another rank went away (or never came)."""
 
@@ -191,15 +209,11 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()
-    if spec.method == "qlora":
-        import importlib.util
-
-        if not cuda or importlib.util.find_spec("bitsandbytes") is None:
-            raise SystemExit(
-                "QLoRA needs bitsandbytes and a CUDA GPU on every training node; this node lacks "
-                + ("a CUDA GPU" if not cuda else "bitsandbytes")
-                + ' (use method "lora")'
-            )
+    if spec.method == "qlora" and not qlora_backend(cuda):
+        raise SystemExit(
+            "QLoRA needs bitsandbytes on every training node (0.47 or later to run on the CPU, else a CUDA GPU); "
+            'this node has neither (use method "lora")'
+        )
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -225,7 +239,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                 "quantization_config": BitsAndBytesConfig(
                     load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
                 ),
-                "device_map": {"": 0},
+                "device_map": {"": 0 if cuda else "cpu"},
             }
         model = AutoModelForCausalLM.from_pretrained(spec.base_path, **kwargs)
         if spec.method == "qlora":

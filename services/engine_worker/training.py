@@ -54,7 +54,7 @@ from coderai.contracts.training import (
     TrainStopped,
 )
 from coderai.engine_worker.fetch import FetchError, bus_request, fetch_file, local_path
-from coderai.engine_worker.trainer import MARK
+from coderai.engine_worker.trainer import MARK, qlora_backend
 from coderai.runtime.bus import Bus
 
 log = logging.getLogger("coderai.engine_worker")
@@ -68,11 +68,12 @@ UPLOAD_PATIENCE_S = 300.0
 
 def training_capabilities() -> list[str]:
     """What this node adds to its heartbeat's capabilities: `train` (LoRA: torch, transformers and peft are
-    installed) and `qlora` (also bitsandbytes and a CUDA device node). Cheap: nothing is imported."""
+    installed) and `qlora` (also bitsandbytes, with a CUDA device node or a version that runs on the CPU).
+    Cheap: nothing is imported."""
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "peft")):
         return []
     caps = ["train"]
-    if importlib.util.find_spec("bitsandbytes") is not None and os.path.exists("/dev/nvidiactl"):
+    if qlora_backend(os.path.exists("/dev/nvidiactl")):
         caps.append("qlora")
     return caps
 

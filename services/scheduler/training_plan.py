@@ -48,8 +48,8 @@ def eligible_nodes(nodes: dict[str, Heartbeat], base: ModelConfig, method: Metho
         if not q:
             raise BusError(
                 "bad_request",
-                "QLoRA needs bitsandbytes and a CUDA GPU on the training nodes; none of "
-                f'{", ".join(can)} has both. Use method "lora".',
+                "QLoRA needs bitsandbytes on the training nodes (0.47 or later runs it on the CPU; before, only "
+                f'on a CUDA GPU); none of {", ".join(can)} has it. Use method "lora".',
                 param="method",
             )
         return q

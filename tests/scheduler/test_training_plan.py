@@ -26,7 +26,7 @@ def test_only_owned_nodes_with_the_train_capability_are_eligible():
     assert tp.eligible_nodes(NODES, BASE, "lora") == ["a", "b"]
 
 
-def test_qlora_needs_a_node_with_bitsandbytes_and_a_gpu():
+def test_qlora_needs_a_node_with_bitsandbytes():
     assert tp.eligible_nodes(NODES, BASE, "qlora") == ["b"]
     with pytest.raises(BusError) as exc:
         tp.eligible_nodes({"a": NODES["a"]}, BASE, "qlora")
