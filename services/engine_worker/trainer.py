@@ -103,12 +103,14 @@ def encode_example(tok, messages: list[dict], max_len: int, train_on: str = "ass
 
     The turns are found by rendering the conversation's prefixes: an assistant turn is what rendering it adds
     to the text before it with the generation prompt. A template whose prefixes are not prefixes of the whole
-    (one that rewrites earlier turns) gets the whole conversation's loss instead, as "all" does."""
+    (one that rewrites earlier turns), and a tokenizer without character offsets (not a "fast" one), get the
+    whole conversation's loss instead, as "all" does."""
     text = tok.apply_chat_template(messages, tokenize=False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=train_on != "all")
+    masked = train_on != "all" and getattr(tok, "is_fast", False)  # offsets come with the fast tokenizers only
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=masked)
     ids: list[int] = enc["input_ids"]
     labels = list(ids)
-    if train_on != "all":
+    if masked:
         spans = _assistant_spans(tok, messages, text)
         if spans is not None:
             labels = [
@@ -120,13 +122,17 @@ def encode_example(tok, messages: list[dict], max_len: int, train_on: str = "ass
 
 
 def _assistant_spans(tok, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
-    """The character spans of the assistant turns in `text`, or None when the template's prefixes do not line up."""
+    """The character spans of the assistant turns in `text`, or None when the template's prefixes do not line up
+    (or it refuses to render one: some templates want a conversation to end on a given role)."""
     spans = []
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        try:
+            before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+        except Exception:  # jinja2's TemplateError and whatever a template raises itself
+            return None
         if not (text.startswith(upto) and upto.startswith(before)):
             return None
         spans.append((len(before), len(upto)))

@@ -202,6 +202,22 @@ def test_only_the_assistant_turns_are_learned_checked_by_the_gradient_on_prompt_
     assert learned == "Blue.<|im_end|>\nGreen.<|im_end|>\n"  # the answers and their end, nothing of the prompt
     assert encode_example(tok, CONVERSATION, 4096, "all")[0][1] == ids  # "all": every token counts
 
+    class Strict:  # a template that refuses to render a conversation ending on the assistant's turn
+        is_fast = True
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def __call__(self, *a, **kw):
+            return tok(*a, **kw)
+
+        def apply_chat_template(self, messages, **kw):
+            if len(messages) < len(CONVERSATION) and messages[-1]["role"] == "assistant":
+                raise ValueError("conversations must end with a user turn")
+            return tok.apply_chat_template(messages, **kw)
+
+    assert encode_example(Strict(), CONVERSATION, 4096)[0] == (ids, ids)  # the whole conversation, not a crash
+
     model = AutoModelForCausalLM.from_pretrained(tiny_hf_llama(), dtype=torch.float32)
     out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]))
     out.logits.retain_grad()
