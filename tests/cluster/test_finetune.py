@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("peft")
 
+from coderai.contracts.training import TERMINAL
 from coderai.models_file import load_models, write_models_file
 from coderai.runtime.cluster import new_token
 from coderai.testing.netns import Lab, NetnsUnavailable
@@ -168,14 +169,13 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
             wait_until(accepted, 90, f"job {suffix} on two nodes to be accepted", interval_s=1)
             return created["id"]
 
+        def finished(jid: str, timeout_s: float, what: str) -> dict:
+            """The job and its events once it has ended (succeeded, failed or cancelled)."""
+            wait_until(lambda: job(jid)["job"]["status"] in TERMINAL, timeout_s, what, interval_s=1)
+            return job(jid)
+
         job_id = start("ft1", "3", valid_id)
-        wait_until(
-            lambda: job(job_id)["job"]["status"] in ("succeeded", "failed", "cancelled"),
-            180,
-            "the fine-tuning job to end",
-            interval_s=1,
-        )
-        got = job(job_id)
+        got = finished(job_id, 180, "the fine-tuning job to end")
         j, events = got["job"], got["events"]
         assert j["status"] == "succeeded", (j, [e["message"] for e in events], node.log_text()[-3000:])
         ft1 = j["fine_tuned_model"]  # the suffix and the job's own id: no other key's choice of suffix meets it
@@ -227,14 +227,7 @@ def test_two_hosts_train_a_lora_and_serve_it_and_a_lost_rank_fails_the_job(tmp_p
         assert client("delete", "tiny", as_key=tenant)["status"] == 403  # nor may it delete the operator's model
 
         # QLoRA runs for real on these CPUs: bitsandbytes (0.47 on) quantizes the base to 4 bits and computes there
-        q_id = start("q", "1", method="qlora")
-        wait_until(
-            lambda: job(q_id)["job"]["status"] in ("succeeded", "failed", "cancelled"),
-            240,
-            "the QLoRA job to end",
-            interval_s=1,
-        )
-        q = job(q_id)
+        q = finished(start("q", "1", method="qlora"), 240, "the QLoRA job to end")
         assert q["job"]["status"] == "succeeded", (q["job"], [e["message"] for e in q["events"]])
         assert q["job"]["coderai"]["method"] == "qlora" and q["job"]["trained_tokens"] > 0
 
