@@ -76,18 +76,23 @@ def test_answers_come_back_on_one_kept_connection(server):
     c.close()
 
 
-def test_a_post_not_kept_leaves_no_connection_behind_its_thread(server):
-    """A thread that ends after one request (a prompt head's snapshot save) posts with keep=False: with the
-    connection kept, each such thread left one open for good (the soak's fd growth: one per save)."""
+def test_connections_number_the_requests_at_once_not_the_threads_that_ran_them(server):
+    """A connection belongs to no thread: one freed by a thread that ended serves the next request of any other
+    (tied to its thread, each engine thread an executor ever started kept one open for good: the soak's fd
+    growth on a worker whose pool grew after warm-up). Two streams at once need two; after them, twenty
+    requests from twenty threads one after another reuse those two."""
     c = LoopbackClient("127.0.0.1", server.server_address[1])
-    c.post("/x", b'{"i": 0}', {})  # this thread's kept connection
+    with c.stream("/stream", b'{"n": 2}', {}) as (_, a), c.stream("/stream", b'{"n": 2}', {}) as (_, b):
+        assert len(list(a)) == len(list(b)) == 4  # two events, each a line and a blank one
+    assert len(c._all) == 2
     answers = []
-    for keep in (False, True):
-        t = threading.Thread(target=lambda keep=keep: answers.append(c.post("/x", b'{"i": 1}', {}, keep=keep)))
+    for i in range(20):
+        t = threading.Thread(target=lambda i=i: answers.append(c.post("/x", json.dumps({"i": i}).encode(), {})))
         t.start()
         t.join(10)
-        assert len(c._all) == (1 if not keep else 2)  # kept, the ended thread's stays open
-    assert [a.status for a in answers] == [200, 200]
+    assert [json.loads(a.body)["echo"]["i"] for a in answers] == list(range(20))
+    assert len(c._all) == 2
+    assert c.post("/x", b"{}", {}, keep=False).status == 200 and len(c._all) == 1  # a probe's is not kept
     c.close()
 
 

@@ -203,20 +203,19 @@ class LlamaServerEngine(OpenAIServerEngine):
     def _save_head(self, plan: Plan, chain: Chain, head: int) -> None:
         assert self.heads is not None
         try:
-            # a thread of its own, ending after the save: its connection goes with it (kept, one leaked per save)
-            ok = self._slot_action(plan.slot, "save", self.heads.name(head), keep=False)
+            ok = self._slot_action(plan.slot, "save", self.heads.name(head))
             self.heads.saved(head, ok and self._shared_book())
         finally:
             self.book.give(plan, "", chain)
 
-    def _slot_action(self, slot: int | None, action: str, filename: str, keep: bool = True) -> bool:
+    def _slot_action(self, slot: int | None, action: str, filename: str) -> bool:
         """`save` or `restore` slot `slot` to or from `filename` in the snapshot folder; False when it failed (then
         the request prefills as it would have)."""
         client = self.client
         if client is None:
             return False
         try:
-            r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}), keep=keep)
+            r = client.post(f"/slots/{slot}?action={action}", msgspec.json.encode({"filename": filename}))
         except Exception as exc:  # a snapshot is an optimisation: the request goes on without it
             log.debug("%s: slot %s %s failed: %s", self.config.name, slot, action, exc)
             return False
