@@ -340,6 +340,9 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         digest = adapter_digest(model)
         tmp = out / f".adapter.{os.getpid()}"
         model.save_pretrained(str(tmp))
+        # the base's architecture beside the adapter: llama.cpp's converter reads it where the adapter is served on
+        # llama-server, on a node that may hold only the base's GGUF (engines/lora_gguf.py)
+        (tmp / "base_config.json").write_bytes((Path(spec.base_path) / "config.json").read_bytes())
         final = out / "adapter"
         if final.exists():
             import shutil

@@ -330,8 +330,8 @@ class TrainingHost:
                     spec.rank,
                     evt.get("examples"),
                     evt.get("cut_examples"),
-                    evt.get("left_out"),
                     evt.get("max_seq_len"),
+                    evt.get("left_out"),
                     evt.get("train_on"),
                 )
             elif kind == "step" and spec.rank == 0:

@@ -142,8 +142,9 @@ class OllamaModelRoutes(OllamaCreateRoutes):
         """The model's GGUF on this machine (its `path`, else its file in the model store) and what it says."""
         if m.engine not in GGUF_FAMILIES:
             return None, None
-        where = [m.path]
-        if m.store_path:
+        base = m.param_str("base")  # a fine-tuned model's path is its adapter, served over this GGUF
+        where = [base or m.path]
+        if m.store_path and not base:
             where.append(
                 str(store.root / m.store_path / m.store_file)
                 if m.store_path.endswith("/")

@@ -207,12 +207,13 @@ class Scheduler:
         read: dict[str, int] = {}
         for m in self.models:
             if m.engine in GGUF_FAMILIES and m.name not in self.state.layers:
-                local = os.path.expanduser(m.path) if m.path else ""
+                gguf = m.param_str("base") or m.path  # a fine-tuned model's path is its adapter
+                local = os.path.expanduser(gguf) if gguf else ""
                 path = (
                     local
                     if local and os.path.isfile(local)
                     else str(self.store.root / m.store_path / m.store_file)
-                    if m.store_path
+                    if m.store_path and gguf == m.path
                     else ""
                 )
                 read[m.name] = block_count(path) if path else 0

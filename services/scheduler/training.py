@@ -343,7 +343,7 @@ class Training:
                 job_id=job.id,
                 rank=0,
                 world_size=len(job.nodes),
-                base_path=base.path,
+                base_path=tp.train_path(base),
                 data_store_path=data_path,
                 valid_store_path=valid_path,
                 adapter_store_path=f"finetune/{job.id}/adapter.tar",
@@ -570,6 +570,8 @@ def private_dirs(root: Path, folder: Path) -> None:
 
 def _folder_bytes(folder: Path) -> int:
     try:
+        if folder.is_file():  # a GGUF base
+            return folder.stat().st_size
         return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     except OSError:
         return 0

@@ -110,16 +110,32 @@ def finetuned_name(base: str, suffix: str, job_id: str) -> str:
 
 
 FINE_TUNABLE = ("transformers", "vllm")  # engines that serve a base model with a LoRA adapter (`params.base`)
+# llama-server serves a GGUF base with the adapter as a GGUF LoRA; training reads the Hugging Face folder the GGUF
+# was made from, which the model names as `hf_path`
+GGUF_TUNABLE = "llama-server"
+
+
+def train_path(base: ModelConfig) -> str:
+    """The Hugging Face folder the trainer loads: the model's own, or a GGUF model's `hf_path`."""
+    return base.param_str("hf_path") or "" if base.engine == GGUF_TUNABLE else base.path
 
 
 def check_base(base: ModelConfig) -> None:
-    """A model fine-tuning can start from: a Hugging Face folder on an engine that serves it with the adapter."""
-    if base.engine not in FINE_TUNABLE:
-        engines = " or ".join(f'"{e}"' for e in FINE_TUNABLE)
+    """A model fine-tuning can start from: a Hugging Face folder on an engine that serves it with the adapter, or a
+    llama-server GGUF that names the folder it was made from."""
+    if base.engine == GGUF_TUNABLE and not base.param_str("hf_path"):
+        raise BusError(
+            "bad_request",
+            f"The model '{base.name}' is a GGUF on llama-server without `hf_path`: fine-tuning trains on the "
+            "Hugging Face folder the GGUF was made from, which its models-file entry must name as params.hf_path.",
+            param="model",
+        )
+    if base.engine not in (*FINE_TUNABLE, GGUF_TUNABLE):
+        engines = " or ".join(f'"{e}"' for e in (*FINE_TUNABLE, GGUF_TUNABLE))
         raise BusError(
             "bad_request",
             f"The model '{base.name}' runs on engine {base.engine}; fine-tuning needs a Hugging Face model served "
-            f"by engine {engines}.",
+            f"by engine {engines} (a GGUF on llama-server with params.hf_path).",
             param="model",
         )
 

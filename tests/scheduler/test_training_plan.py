@@ -143,5 +143,17 @@ def test_a_vllm_model_can_be_fine_tuned_and_its_adapter_is_served_by_vllm():
     cfg = tp.finetuned_config(vllm_base, "tiny:mine", "/store/ft.tar", "finetune/j/adapter.tar", 1)
     assert (cfg.engine, cfg.path, cfg.params) == ("vllm", "/store/ft.tar", {"dtype": "bfloat16", "base": "/m/tiny"})
     with pytest.raises(BusError) as exc:
+        tp.check_base(ModelConfig(name="e", engine="echo", path=""))
+    assert exc.value.param == "model" and '"transformers" or "vllm" or "llama-server"' in exc.value.message
+
+
+def test_a_gguf_model_is_trained_on_the_folder_it_was_made_from_and_served_by_llama_server_with_the_adapter():
+    with pytest.raises(BusError) as exc:
         tp.check_base(ModelConfig(name="g", engine="llama-server", path="/m/g.gguf"))
-    assert exc.value.param == "model" and '"transformers" or "vllm"' in exc.value.message
+    assert exc.value.param == "model" and "params.hf_path" in exc.value.message
+    gguf = ModelConfig(name="g", engine="llama-server", path="/m/g.gguf", params={"hf_path": "/m/g-hf", "parallel": 2})
+    tp.check_base(gguf)
+    assert tp.train_path(gguf) == "/m/g-hf" and tp.train_path(BASE) == "/m/tiny"
+    cfg = tp.finetuned_config(gguf, "g:mine", "/store/ft.tar", "finetune/j/adapter.tar", 1)
+    assert (cfg.engine, cfg.path) == ("llama-server", "/store/ft.tar")
+    assert cfg.params == {"hf_path": "/m/g-hf", "parallel": 2, "base": "/m/g.gguf"}

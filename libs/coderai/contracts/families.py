@@ -138,6 +138,8 @@ FAMILIES: dict[str, FamilySpec] = {
             params={
                 **_LLAMA_COMMON,
                 "head_snapshots_mb": whole(0, 1 << 24),
+                "base": PATH,  # a fine-tuned model: `path` is its LoRA adapter, this the base model's GGUF
+                "hf_path": PATH,  # the Hugging Face folder the GGUF was made from: fine-tuning trains on it
                 "parallel": whole(1, 1024),
                 "cache_ram_mb": whole(0, 1 << 24),
                 "queue": whole(0, 1 << 20),

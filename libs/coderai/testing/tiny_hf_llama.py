@@ -97,6 +97,36 @@ def tiny_hf_llama() -> Path:
     return cached_build("tiny-hf-llama", RECIPE_VERSION, lambda folder: build_tiny_hf_llama(folder))
 
 
+def tiny_hf_llama_gguf() -> Path:
+    """The default tiny HF llama's own weights as a GGUF (its twin on llama-server), built once into the model
+    cache: what `convert_hf_to_gguf.py` would make of it, which refuses the trained tokenizer's unknown
+    pre-tokenizer. A LoRA adapter trained on the HF folder applies to it (docs/finetuning.md)."""
+
+    def build(folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from coderai.tiny_models.llm import build_tiny_gguf, weights_from_hf
+
+        hf = tiny_hf_llama()
+        model = AutoModelForCausalLM.from_pretrained(str(hf))
+        c = model.config
+        build_tiny_gguf(
+            folder / "model.gguf",
+            dim=c.hidden_size,
+            layers=c.num_hidden_layers,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            ff=c.intermediate_size,
+            vocab=1024,
+            ctx=c.max_position_embeddings,
+            name="coderai-tiny-hf",
+            weights=weights_from_hf(model.state_dict(), c.num_attention_heads, c.num_key_value_heads),
+            norm_eps=c.rms_norm_eps,
+        )
+
+    return cached_build("tiny-hf-llama-gguf", RECIPE_VERSION, build) / "model.gguf"
+
+
 def tiny_lora(dest: Path, rank: int = 8, seed: int = 0) -> Path:
     """A peft LoRA adapter of the tiny HF llama, saved as the folder `dest` (as a fine-tuning job's trainer saves
     one). Its B matrices are random, not peft's zeros, so that it changes what the model says."""

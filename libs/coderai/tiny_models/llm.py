@@ -61,6 +61,7 @@ def build_tiny_gguf(
     name: str = "coderai-tiny",
     chat_template: str = CHATML,
     weights: dict | None = None,
+    norm_eps: float = 1e-5,
 ) -> dict:
     """Write the model to `out` (atomically) and return its shape: {"out", "vocab", "params", "bytes"}.
 
@@ -95,7 +96,7 @@ def build_tiny_gguf(
     w.add_head_count_kv(kv)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(norm_eps)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")

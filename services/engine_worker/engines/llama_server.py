@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +26,7 @@ import msgspec
 from coderai.contracts import ChatJob, Choice, CompletionJob, EmbedJob, EmbedResult, ModelConfig, Usage
 from coderai.engine_worker.engines.base import BadInput, CancelFlag, EngineLoadError, refuse_media
 from coderai.engine_worker.engines.embed import check_texts, embed_result
+from coderai.engine_worker.engines.hf_chat import unpack_adapter
 from coderai.engine_worker.engines.llama_server_args import (
     DEFAULT_HEAD_SNAPSHOTS_MB,
     DEFAULT_N_CTX,
@@ -40,6 +42,7 @@ from coderai.engine_worker.engines.llama_server_args import (
     server_env,
     slot_load,
 )
+from coderai.engine_worker.engines.lora_gguf import gguf_lora
 from coderai.engine_worker.engines.openai_server import Emit, OpenAIServerEngine
 from coderai.engine_worker.engines.prompt_heads import MIN_HEAD_CHARS, HeadSnapshots, chat_chain, text_chain
 from coderai.engine_worker.engines.server_load import ServerLoad, read_llama
@@ -102,6 +105,7 @@ class LlamaServerEngine(OpenAIServerEngine):
             place_shared=self.heads is not None,
         )
         self._plan = threading.local()
+        self.lora: Path | None = None  # a fine-tuned model's adapter as a GGUF LoRA, applied to every request
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         binary = find_binary()
@@ -111,19 +115,29 @@ class LlamaServerEngine(OpenAIServerEngine):
                 "install llama.cpp, or set CODERAI_LLAMA_SERVER to its path"
             )
         heads = ["--slot-save-path", self.heads.dir] if self.heads is not None else []
+        lora = ["--lora", str(self.lora)] if self.lora is not None else []
         config = self.server_config()
-        return [binary, *server_args(config, port), *heads], server_env(config, dict(os.environ))
+        return [binary, *server_args(config, port), *heads, *lora], server_env(config, dict(os.environ))
 
     def server_config(self) -> ModelConfig:
-        """The config the server's flags are made from (a split model adds its plan's)."""
-        return self.config
+        """The config the server's flags are made from: a fine-tuned model's base GGUF (its `path` is the
+        adapter); a split model adds its plan's."""
+        base = self.config.param_str("base")
+        return msgspec.structs.replace(self.config, path=base) if base else self.config
 
     def load(self) -> None:
-        if not os.path.exists(os.path.expanduser(self.config.path)):
-            raise EngineLoadError(f"no such model file: {self.config.path}")
+        config = self.server_config()
+        if not os.path.exists(os.path.expanduser(config.path)):
+            raise EngineLoadError(f"no such model file: {config.path}")
+        if config is not self.config and self.config.param_str("base"):
+            # a fine-tuned model: the base GGUF with the job's adapter, converted to a GGUF LoRA here once
+            adapter = Path(os.path.expanduser(self.config.path))
+            if not adapter.exists():
+                raise EngineLoadError(f"no such adapter: {self.config.path}")
+            self.lora = gguf_lora(unpack_adapter(adapter), self.config.param_str("hf_path") or "")
         self.start_server()
         cmd, env = self.command(0)
-        self.backend, self.gpu_layers = offload(self.config, self.child.log_head(), cmd[0], env)
+        self.backend, self.gpu_layers = offload(config, self.child.log_head(), cmd[0], env)
         # the supervisor reads the slot load while the child lives and restarts it when it dies; it starts every
         # later child, so each dies with it (PR_SET_PDEATHSIG)
         self.supervise(on_alive=self._read_load)

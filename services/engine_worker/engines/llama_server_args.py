@@ -50,6 +50,8 @@ OWN_PARAMS = (
             "head_snapshots_mb",
             "crash_limit",
             "crash_window_s",
+            "base",  # a fine-tuned model's base GGUF (its path is the LoRA adapter)
+            "hf_path",  # the Hugging Face folder the GGUF was made from: what fine-tuning trains on
         }
     )
     | NAMED.keys()

@@ -1,0 +1,108 @@
+"""A fine-tuned model on llama-server: the peft adapter converted by llama.cpp's own converter to a GGUF LoRA and
+applied by a real `llama-server` over the base GGUF, answering what transformers answers with the same adapter."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+
+from coderai.contracts import CompletionJob, ModelConfig, SamplingParams
+from coderai.engine_worker.engines import llama_server
+from coderai.engine_worker.engines.base import CancelFlag, EngineLoadError
+from coderai.engine_worker.engines.lora_gguf import BASE_CONFIG, find_converter, gguf_lora
+from coderai.engine_worker.training import tar_folder
+from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_hf_llama_gguf, tiny_lora
+
+PROMPT = "def main(argv):\n    return"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    if llama_server.find_binary() is None or find_converter() is None:
+        pytest.skip("no llama-server or LoRA converter: scripts/setup with the llama extra makes both")
+    folder = tiny_lora(tmp_path_factory.mktemp("lora") / "adapter")
+    shutil.copy(tiny_hf_llama() / "config.json", folder / BASE_CONFIG)  # as the trainer saves it
+    return folder
+
+
+def hf_greedy(adapter: Path | None) -> str:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_hf_llama()))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_hf_llama()), torch_dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    ids = tok(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=N, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :])
+
+
+def served(cfg: ModelConfig) -> str:
+    eng = llama_server.LlamaServerEngine(cfg)
+    eng.load()
+    try:
+        job = CompletionJob(
+            request_id="r", model=cfg.name, prompt=PROMPT, params=SamplingParams(max_tokens=N, temperature=0)
+        )
+        choices, _ = eng.complete(job, CancelFlag(), None)
+        return choices[0].text or ""
+    finally:
+        eng.close()
+
+
+def config(name: str, path: Path, **params) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        engine="llama-server",
+        path=str(path),
+        params={"parallel": 1, "n_threads": 1, "head_snapshots_mb": 0, **params},
+    )
+
+
+def test_the_adapter_tar_served_over_the_base_gguf_answers_as_transformers_does(adapter, tmp_path):
+    tar = tmp_path / "ft.tar"
+    tar.write_bytes(tar_folder(adapter))  # what the head's store holds and a node fetches
+    base = tiny_hf_llama_gguf()
+    plain, tuned = served(config("tiny", base)), served(config("tiny:mine", tar, base=str(base)))
+    assert plain == hf_greedy(None)
+    assert tuned == hf_greedy(adapter) and tuned != plain
+    unpacked = next(tmp_path.glob(".ft.tar.*"))
+    assert (unpacked / "adapter.gguf").is_file()  # converted once, beside the adapter; a reload reads it
+    before = (unpacked / "adapter.gguf").stat().st_mtime_ns
+    assert gguf_lora(unpacked) == unpacked / "adapter.gguf"
+    assert (unpacked / "adapter.gguf").stat().st_mtime_ns == before
+
+
+def test_an_adapter_without_the_base_config_reads_hf_path_or_says_what_is_missing(adapter, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(adapter, bare)
+    (bare / BASE_CONFIG).unlink()
+    (bare / "adapter.gguf").unlink(missing_ok=True)
+    with pytest.raises(EngineLoadError, match="hf_path"):
+        gguf_lora(bare)
+    assert gguf_lora(bare, str(tiny_hf_llama())).is_file()
+
+
+def test_a_missing_converter_or_a_broken_adapter_is_a_clear_load_error(adapter, tmp_path, monkeypatch):
+    broken = tmp_path / "broken"
+    shutil.copytree(adapter, broken)
+    (broken / "adapter.gguf").unlink(missing_ok=True)
+    (broken / "adapter_model.safetensors").write_bytes(b"not tensors")
+    with pytest.raises(EngineLoadError, match="could not convert"):
+        gguf_lora(broken)
+    assert not (broken / "adapter.gguf").exists()
+    monkeypatch.setenv("CODERAI_LLAMA_CONVERT", str(tmp_path / "nowhere"))
+    (broken / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(EngineLoadError, match="converter"):
+        gguf_lora(broken)
+    with pytest.raises(EngineLoadError, match="no such adapter"):
+        llama_server.LlamaServerEngine(
+            config("tiny:gone", tmp_path / "gone.tar", base=str(tiny_hf_llama_gguf()))
+        ).load()

@@ -1,0 +1,89 @@
+"""Fine-tuning a GGUF model on llama-server, end to end through the OpenAI SDK: the models file names the Hugging
+Face folder the GGUF was made from (`hf_path`), the job trains on it with a 1,024-token conversation and the loss
+on the assistant turns only, and `<base>:<suffix>` answers from the node's llama-server over the base GGUF with
+the adapter converted to a GGUF LoRA there. The trained answer is what it says; the base says something else."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+openai = pytest.importorskip("openai")
+
+from coderai.engine_worker.engines import llama_server
+from coderai.engine_worker.engines.lora_gguf import find_converter
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import running_stack
+from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_hf_llama_gguf
+
+pytestmark = pytest.mark.slow
+
+ANSWER = "Seven."
+QUESTION = "How many?"
+
+
+def examples() -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    ids = tok("the cluster serves every model it holds " * 200, add_special_tokens=False)["input_ids"]
+    long = tok.decode(ids[:950])  # with the template and the answer: just under 1,024 tokens
+    answer = {"role": "assistant", "content": ANSWER}
+    return [
+        {"messages": [{"role": "system", "content": long}, {"role": "user", "content": QUESTION}, answer]},
+        {"messages": [{"role": "user", "content": QUESTION}, answer]},
+        {"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": QUESTION}, answer]},
+    ]
+
+
+def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_its_lora(tmp_path):
+    if llama_server.find_binary() is None or find_converter() is None:
+        pytest.skip("no llama-server or LoRA converter: scripts/setup with the llama extra makes both")
+    params = {"hf_path": str(tiny_hf_llama()), "parallel": 1, "n_threads": 1, "head_snapshots_mb": 0}
+    models = [{"name": "tiny", "engine": "llama-server", "path": str(tiny_hf_llama_gguf()), "params": params}]
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with running_stack(tmp_path, models, gateway_args=("--no-auth",), extra_env=env) as stack:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+        data = "".join(json.dumps(e) + "\n" for e in examples()).encode()
+        file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(
+            model="tiny",
+            training_file=file.id,
+            suffix="count",
+            seed=3,
+            # max_seq_len: coderai's (the model's context by default; 1,024 here, which the long conversation fills)
+            hyperparameters={"n_epochs": 20, "batch_size": 1, "learning_rate_multiplier": 25, "max_seq_len": 1024},  # type: ignore[typeddict-unknown-key]
+            extra_body={"nodes": 1},
+        )
+        wait_until(
+            lambda: client.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed", "cancelled"),
+            300,
+            "the job to end",
+            interval_s=0.5,
+        )
+        got = client.fine_tuning.jobs.retrieve(job.id)
+        worker = stack.procs["worker-w1"].log_text()
+        assert got.status == "succeeded", (got.error, worker[-3000:])
+        assert "trains on 3 examples (0 cut to 1024 tokens, 0 left out" in worker and "loss on assistant" in worker
+        name = got.fine_tuned_model
+        assert name == f"tiny:count-{job.id.removeprefix('ftjob-')[:8]}"
+
+        def ask(model: str) -> str | None:
+            try:
+                r = client.chat.completions.create(
+                    model=model, max_tokens=6, temperature=0, messages=[{"role": "user", "content": QUESTION}]
+                )
+            except openai.APIStatusError:
+                return None  # not placed or loaded yet
+            assert r.model == model
+            return r.choices[0].message.content or ""
+
+        tuned = wait_until(lambda: ask(name), 120, f"{name} to answer through the gateway", interval_s=1)
+        assert tuned.strip() == ANSWER, tuned
+        assert ask("tiny").strip() != ANSWER
+        # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
+        # (beside the adapter tar the node read: on one host, the head's store file itself)
+        assert [p.parent.parent.name for p in tmp_path.rglob("adapter.gguf")] == [job.id]
