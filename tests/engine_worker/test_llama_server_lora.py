@@ -106,3 +106,26 @@ def test_a_missing_converter_or_a_broken_adapter_is_a_clear_load_error(adapter, 
         llama_server.LlamaServerEngine(
             config("tiny:gone", tmp_path / "gone.tar", base=str(tiny_hf_llama_gguf()))
         ).load()
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def test_an_adapter_with_pickled_weights_is_refused_before_anything_reads_them(adapter, tmp_path, monkeypatch):
+    """An adapter tar comes from a node (rank 0's upload): weights as a pickle (`adapter_model.bin`, which the
+    converter would torch.load) are refused, never loaded."""
+    import pickle
+
+    evil = tmp_path / "evil"
+    shutil.copytree(adapter, evil)
+    (evil / "adapter_model.safetensors").unlink()
+    (evil / "adapter.gguf").unlink(missing_ok=True)
+    (evil / "adapter_model.bin").write_bytes(pickle.dumps(_Payload()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(EngineLoadError, match="no adapter_model.safetensors"):
+        gguf_lora(evil)
+    assert not (tmp_path / "pwned").exists() and not (evil / "adapter.gguf").exists()

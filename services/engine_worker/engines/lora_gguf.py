@@ -39,6 +39,10 @@ def gguf_lora(adapter: Path, hf_base: str = "") -> Path:
         return out
     if not (adapter / "adapter_config.json").is_file():
         raise EngineLoadError(f"{adapter} is not a peft LoRA adapter (no adapter_config.json)")
+    if not (adapter / "adapter_model.safetensors").is_file():
+        # the converter would torch.load an adapter_model.bin instead: a pickle, which an adapter a node uploaded
+        # must never be read as (the trainer always writes safetensors)
+        raise EngineLoadError(f"the adapter {adapter.name} has no adapter_model.safetensors (a .bin is not read)")
     config = adapter / BASE_CONFIG
     if not config.is_file():
         config = Path(os.path.expanduser(hf_base)) / "config.json" if hf_base else config
