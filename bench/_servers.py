@@ -180,8 +180,9 @@ def start_litellm(root: Path, exe: Path, bare_base: str | None, mock_reply: str)
 class Coderai:
     """The whole coderai stack as in production: API keys, metrics with Redis, JSON logs at INFO."""
 
-    def __init__(self, root: Path, python: str = "") -> None:
+    def __init__(self, root: Path, python: str = "", extra_env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.extra_env = extra_env or {}  # every service's environment (a worker's children inherit it)
         self.python = python  # another checkout's venv python: that checkout's services (a baseline)
         self.nats: NatsServer | None = None
         self.redis: RedisServer | None = None
@@ -247,7 +248,11 @@ class Coderai:
         keys = self.root / "keys.toml"
         write_keys(str(keys), [KeyRecord(name="bench", sha256=hash_key(BENCH_KEY), scopes=["inference"])])
         self.stack = Stack(
-            self.root, self.nats.url, redis_url, extra_env={"CODERAI_LOG_LEVEL": "INFO"}, python=self.python
+            self.root,
+            self.nats.url,
+            redis_url,
+            extra_env={"CODERAI_LOG_LEVEL": "INFO", **self.extra_env},
+            python=self.python,
         )
         self.stack.start_core(write_models_file(self.root / "models.toml", models))
         for w in workers:

