@@ -13,6 +13,10 @@ the eight conversations prefix routing gives each replica, not for all sixteen. 
                the Rust routers from PyPI (`sglang-router`, `vllm-router`) in front of two bare `llama-server`
                replicas with the same flags as prefix_ls's (slots, context, 1 thread, --cache-ram)
 
+`--workload skewed`: a few hot conversations (`--hot`, default 4) of 3x `--turns` turns each among many cold
+ones of 2 turns, all at once: what a cache-aware router must not do is let the cold ones push the hot ones'
+prefixes out of the engine they live on, or pile the hot ones onto one replica.
+
 TTFT is measured at the client (first streamed content chunk), over every turn. Prints p50/p95 per mode and
 the ratios the acceptance asks for. `--smoke` runs a tiny version (seconds) so CI keeps the script working.
 
@@ -89,6 +93,14 @@ async def conversation(
         messages.append({"role": "assistant", "content": "".join(text) or "ok"})
 
 
+def turns_of(a: argparse.Namespace, i: int) -> int:
+    """Conversation `i`'s turns: every one `--turns` (uniform), or 3x that for the first `--hot` and 2 for the
+    rest (skewed)."""
+    if a.workload == "skewed":
+        return 3 * a.turns if i < a.hot else 2
+    return a.turns
+
+
 def _slots(a: argparse.Namespace) -> int:
     return max(1, a.conversations // 2)  # every conversation a replica gets has a slot of its own
 
@@ -124,7 +136,7 @@ def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, ex
             async with httpx.AsyncClient(base_url=router.base_url, timeout=600) as client:
                 await asyncio.gather(
                     *(
-                        conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons, cache)
+                        conversation(client, i, turns_of(a, i), a.words, a.max_tokens, ttfts, reasons, cache)
                         for i in range(a.conversations)
                     )
                 )
@@ -175,7 +187,7 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
                 await asyncio.gather(
                     *(
-                        conversation(client, i, a.turns, a.words, a.max_tokens, ttfts, reasons)
+                        conversation(client, i, turns_of(a, i), a.words, a.max_tokens, ttfts, reasons)
                         for i in range(a.conversations)
                     )
                 )
@@ -224,6 +236,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--cache-mb", type=float, default=192)
     ap.add_argument("--threads", type=int, default=0, help="threads per engine (0: 2 cores over the workers)")
+    ap.add_argument("--workload", choices=("uniform", "skewed"), default="uniform", help="see above")
+    ap.add_argument("--hot", type=int, default=4, help="skewed: the hot conversations (3x --turns turns each)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 conversations x 2 turns, one round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved (ABC, CBA, ...)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (models, logs)")
@@ -274,9 +288,12 @@ def run(a: argparse.Namespace, root: Path) -> int:
     results = {m: runs[m][0] for m in modes}
 
     p50 = {m: statistics.median(v) for m, v in results.items()}
-    print(
-        f"\n{a.conversations} conversations x {a.turns} turns, system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica"
+    shape = (
+        f"skewed: {min(a.hot, a.conversations)} hot x {3 * a.turns} turns, {max(0, a.conversations - a.hot)} cold x 2"
+        if a.workload == "skewed"
+        else f"{a.conversations} conversations x {a.turns} turns"
     )
+    print(f"\n{shape}; system prompts ~{a.words} words, cache {a.cache_mb:.0f} MB per replica")
     print(f"{a.rounds} rounds, interleaved; {_setup.load_note(cpu_before, _setup.cpu_times())}\n")
     print("| mode | TTFT p50 ms | rounds' p50 range ms | TTFT p95 ms | p50 vs prefix | prompt cache | route reasons |")
     print("|---|---|---|---|---|---|---|")
