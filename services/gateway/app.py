@@ -26,6 +26,7 @@ from coderai.gateway.openai.chat import ChatController
 from coderai.gateway.openai.embeddings import EmbeddingsController
 from coderai.gateway.openai.files import FilesController, Records
 from coderai.gateway.openai.fine_tuning import FineTuningController
+from coderai.gateway.openai.loras import LorasController
 from coderai.gateway.openai.images import BlobsController, ImagesController
 from coderai.gateway.openai.models import ModelsController
 from coderai.gateway.openai.ocr import OcrController
@@ -56,6 +57,7 @@ CONTROLLERS: list[type[GatewayController]] = [
     VideosController,
     FilesController,
     FineTuningController,
+    LorasController,
     AnthropicController,
     BatchesController,
     OllamaController,

@@ -77,14 +77,17 @@ def _first_text(content: Any) -> str:
 TENANT_KEEP_ALIVE_MAX_S = 3600.0  # the longest a tenant's keep_alive holds a model, unless the model's own is longer
 
 
-def tenant_keep_alive(cfg: ModelConfig, asked: float) -> float | None:
+def tenant_keep_alive(cfg: ModelConfig, asked: float, own: bool = False) -> float | None:
     """What a key without the admin scope may ask of Ollama's `keep_alive`: to keep the model loaded a while, up to
-    the longer of the model's own idle time and an hour. Never to unload it (0: other tenants may be using it) nor to
-    pin it for good (< 0); either is taken as not asked, and the model keeps its own policy."""
+    the longer of the model's own idle time and an hour. Never to unload it (0: other tenants may be using it),
+    unless the model is its `own` (a fine-tuned model no other key can use), nor to pin it for good (< 0); either
+    is taken as not asked, and the model keeps its own policy."""
+    if asked == 0 and own:
+        return 0.0
     if asked <= 0:
         return None
-    own = cfg.keep_alive()
-    return min(asked, max(TENANT_KEEP_ALIVE_MAX_S, own if own is not None else 0.0))
+    idle = cfg.keep_alive()
+    return min(asked, max(TENANT_KEEP_ALIVE_MAX_S, idle if idle is not None else 0.0))
 
 
 async def admit(call: Call) -> ModelConfig:
@@ -94,7 +97,9 @@ async def admit(call: Call) -> ModelConfig:
     cfg = await call.gw.find_model(call.job.model, call.op)
     allowed(call.who, cfg.name, cfg.owner)  # another key's fine-tuned model is as absent, too
     if call.keep_alive_s is not None and "admin" not in call.who.scopes:
-        call.keep_alive_s = tenant_keep_alive(cfg, call.keep_alive_s)
+        call.keep_alive_s = tenant_keep_alive(
+            cfg, call.keep_alive_s, own=bool(cfg.owner) and cfg.owner == call.who.key_name
+        )
     key = call.who.key
     if call.spec.llm and (
         cfg.default_output_tokens

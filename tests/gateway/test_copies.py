@@ -92,3 +92,14 @@ def test_a_running_model_in_ollama_ps():
     assert shown["expires_at"] == "2026-01-01T00:01:10Z"  # the last copy to go
     one = running_json(m, [Copy("n1", engine("m", idle_s=30.0, memory=GiB, keep_alive_s=-1))], now)
     assert one["size_vram"] == 0 and one["expires_at"] == (now + FOREVER).isoformat().replace("+00:00", "Z")
+
+
+def test_a_tenant_may_unload_only_its_own_model_and_keep_one_loaded_a_bounded_while():
+    from coderai.gateway.pipeline_admit import TENANT_KEEP_ALIVE_MAX_S, tenant_keep_alive
+
+    shared = cfg(resident="on_demand")
+    assert tenant_keep_alive(shared, 0) is None  # others may be using it: not asked
+    assert tenant_keep_alive(shared, 0, own=True) == 0.0  # its fine-tuned model: no other key can use it
+    assert tenant_keep_alive(shared, -1, own=True) is None  # never pinned for good
+    assert tenant_keep_alive(shared, 10 * TENANT_KEEP_ALIVE_MAX_S) == TENANT_KEEP_ALIVE_MAX_S
+    assert tenant_keep_alive(shared, 30) == 30

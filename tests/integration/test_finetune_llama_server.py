@@ -1,12 +1,16 @@
 """Fine-tuning a GGUF model on llama-server, end to end through the OpenAI SDK: the models file names the Hugging
 Face folder the GGUF was made from (`hf_path`), the job trains on it with a 1,024-token conversation and the loss
 on the assistant turns only, and `<base>:<suffix>` answers from the node's llama-server over the base GGUF with
-the adapter converted to a GGUF LoRA there. The trained answer is what it says; the base says something else."""
+the adapter converted to a GGUF LoRA there. The trained answer is what it says; the base says something else.
+Then `/v1/loras` as its owner, another tenant and an admin see it: listed, loaded and unloaded, deleted by its
+owner only; to anyone else it is absent."""
 
 from __future__ import annotations
 
 import io
 import json
+
+import httpx
 
 import pytest
 
@@ -39,14 +43,18 @@ def examples() -> list[dict]:
     ]
 
 
-def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_its_lora(tmp_path):
+def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_its_lora(
+    tmp_path, keys_file, admin_key, user_key, other_user_key
+):
     if llama_server.find_binary() is None or find_converter() is None:
         pytest.skip("no llama-server or LoRA converter: scripts/setup with the llama extra makes both")
     params = {"hf_path": str(tiny_hf_llama()), "parallel": 1, "n_threads": 1, "head_snapshots_mb": 0}
     models = [{"name": "tiny", "engine": "llama-server", "path": str(tiny_hf_llama_gguf()), "params": params}]
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with running_stack(tmp_path, models, gateway_args=("--no-auth",), extra_env=env) as stack:
-        client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+    keys = ("--api-keys-file", str(keys_file))
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    with running_stack(tmp_path, models, gateway_args=keys, extra_env=env, headers=admin) as stack:
+        client = openai.OpenAI(base_url=stack.base_url, api_key=user_key, max_retries=0, timeout=60)
         data = "".join(json.dumps(e) + "\n" for e in examples()).encode()
         file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(
@@ -87,3 +95,33 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
         # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
         # (beside the adapter tar the node read: on one host, the head's store file itself)
         assert [p.parent.parent.name for p in tmp_path.rglob("adapter.gguf")] == [job.id]
+        loras(stack.base_url, name, {"alice": user_key, "bob": other_user_key, "admin": admin_key})
+
+
+def loras(base_url: str, name: str, keys: dict[str, str]) -> None:
+    """`/v1/loras` as the adapter's owner (alice, who trained it), another tenant (bob) and an admin."""
+
+    def call(who: str, method: str, path: str = "", **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {keys[who]}"}
+        return httpx.request(method, f"{base_url}/loras{path}", headers=headers, timeout=120, **kw)
+
+    mine = call("alice", "GET").json()["data"]
+    assert [(a["id"], a["object"], a["base"], a["engine"]) for a in mine] == [(name, "lora", "tiny", "llama-server")]
+    assert mine[0]["coderai"]["loaded"] is True and "owner" not in mine[0] and "nodes" not in mine[0]["coderai"]
+    assert call("alice", "GET", "/tiny").status_code == 404  # the base is no adapter
+    assert call("admin", "GET", f"/{name}").json()["owner"] == "alice"
+    # to another tenant it does not exist: not listed, and every route a 404 like a missing one
+    assert call("bob", "GET").json()["data"] == []
+    for method, path in (("GET", ""), ("POST", "/load"), ("POST", "/unload"), ("DELETE", "")):
+        r = call("bob", method, f"/{name}{path}")
+        assert r.status_code == 404 and r.json()["error"]["code"] in ("model_not_found", "lora_not_found"), r.text
+    assert call("alice", "POST", f"/{name}/load", json={"keep_alive": -1}).status_code == 400
+    # its owner unloads it (no other key can use it) and loads it again
+    assert call("alice", "POST", f"/{name}/unload").status_code == 200
+    wait_until(lambda: not call("alice", "GET", f"/{name}").json()["coderai"]["loaded"], 60, "the unload")
+    loaded = call("alice", "POST", f"/{name}/load", json={"keep_alive": 600})
+    assert loaded.status_code == 200 and loaded.json()["coderai"]["loaded"] is True, loaded.text
+    gone = call("alice", "DELETE", f"/{name}")
+    assert gone.status_code == 200 and gone.json() == {"id": name, "object": "lora", "deleted": True}
+    wait_until(lambda: call("alice", "GET", f"/{name}").status_code == 404, 30, "the adapter's removal")
+    assert call("alice", "GET").json()["data"] == []
