@@ -202,6 +202,41 @@ def plan_steps(n_examples: int, world: int, batch_size: int, n_epochs: int) -> t
     return per_epoch, per_epoch * n_epochs
 
 
+BUCKET_WINDOW_STEPS = 64  # steps whose examples are sorted by length together: batches of like lengths, still mixed
+
+
+def epoch_order(lengths: list[int], seed: int, epoch: int, batch_size: int, world: int, bucket: bool) -> list[int]:
+    """The epoch's example order, the same on every rank (seeded). Shuffled; with `bucket`, each window of
+    BUCKET_WINDOW_STEPS steps is then sorted by length and cut into steps (`batch_size` examples on each of `world`
+    ranks, which `rank_batch` shares out), and the steps are shuffled: a batch holds examples of like lengths, so
+    little of it is padding, and the order of lengths is still random."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    group = batch_size * world
+    if not bucket or batch_size == 1:
+        return order
+    window = group * BUCKET_WINDOW_STEPS
+    out: list[int] = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w : w + window], key=lambda i: lengths[i])
+        steps = [chunk[k : k + group] for k in range(0, len(chunk), group)]
+        rng.shuffle(steps)
+        out += [i for step in steps for i in step]
+    return out
+
+
+def padding_share(order: list[int], lengths: list[int], per_epoch: int, batch_size: int, world: int) -> float:
+    """The share of an epoch's batch positions that are padding, over every rank."""
+    real = padded = 0
+    for s in range(per_epoch):
+        for rank in range(world):
+            batch = [lengths[i] for i in rank_batch(order, s, rank, world, batch_size)]
+            real += sum(batch)
+            padded += max(batch) * len(batch)
+    return 1 - real / padded if padded else 0.0
+
+
 def rank_batch(order: list[int], step_in_epoch: int, rank: int, world: int, batch_size: int) -> list[int]:
     """The example indices rank `rank` trains on at this step: a strided share of the epoch's order, wrapping
     round when the examples do not divide evenly (every rank always has a full batch)."""
@@ -292,9 +327,13 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         )
         step = 0
         trained = 0
+        lengths = [len(ids) for ids, _ in examples]
+        bucket = hp.batching == "bucket"
         for epoch in range(hp.n_epochs):
-            order = list(range(len(examples)))
-            random.Random(spec.seed * 1000 + epoch).shuffle(order)  # the same order on every rank
+            order = epoch_order(lengths, spec.seed, epoch, hp.batch_size, spec.world_size, bucket)
+            if epoch == 0:
+                waste = padding_share(order, lengths, per_epoch, hp.batch_size, spec.world_size)
+                say(event="batching", batching=hp.batching, padding=round(waste, 4))
             for s in range(per_epoch):
                 t0 = time.monotonic()
                 seqs = [examples[i] for i in rank_batch(order, s, spec.rank, spec.world_size, hp.batch_size)]

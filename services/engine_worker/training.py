@@ -334,6 +334,14 @@ class TrainingHost:
                     evt.get("left_out"),
                     evt.get("train_on"),
                 )
+            elif kind == "batching":
+                log.info(
+                    "training job %s: rank %d batches by %s, %.1f %% of the first epoch's batches padding",
+                    spec.job_id,
+                    spec.rank,
+                    evt.get("batching"),
+                    100 * float(evt.get("padding") or 0),
+                )
             elif kind == "step" and spec.rank == 0:
                 await self._report(
                     spec,

@@ -14,6 +14,7 @@ from coderai.contracts.base import Message
 
 Method = Literal["lora", "qlora"]
 TrainOn = Literal["assistant", "all"]
+Batching = Literal["bucket", "shuffle"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[JobStatus] = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -34,6 +35,9 @@ class Hyperparameters(Message, frozen=True, kw_only=True):
     # and whose tokens the loss counts ("assistant": the assistant turns only; "all": every token)
     max_seq_len: int = 0
     train_on: TrainOn = "assistant"
+    # how an epoch's examples make batches: "bucket" (of similar lengths, so little of a batch is padding; the
+    # steps in random order), "shuffle" (in random order, whatever their lengths)
+    batching: Batching = "bucket"
 
 
 class FileRecord(Message, frozen=True, kw_only=True):

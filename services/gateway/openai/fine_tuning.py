@@ -19,6 +19,7 @@ from coderai.contracts import BusError
 from coderai.contracts.subject import Subject
 from coderai.contracts.subjects import CMD_SCHEDULER_TRAIN, CMD_SCHEDULER_TRAIN_CANCEL
 from coderai.contracts.training import (
+    Batching,
     FineTuneCancel,
     FineTuneCreate,
     FineTuneJob,
@@ -93,7 +94,7 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
         hp = {**hp, **extra}
     if method not in ("lora", "qlora"):
         raise _bad(f'method must be "lora" or "qlora", not {method!r}.', "method", "unsupported_method")
-    unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier", "max_seq_len", "train_on"}
+    unknown = set(hp) - {"n_epochs", "batch_size", "learning_rate_multiplier", "max_seq_len", "train_on", "batching"}
     if unknown:
         raise _bad(f"unknown hyperparameters {sorted(unknown)}.", "hyperparameters")
     for name, lo, hi in (("nodes", 0, 64), ("lora_rank", 1, 256), ("lora_alpha", 1, 1024)):
@@ -117,6 +118,7 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
             learning_rate_multiplier=_number(hp, "learning_rate_multiplier", float, 1e-4, 1000, 1.0),
             max_seq_len=_number(hp, "max_seq_len", int, 0, 1 << 20, 0),
             train_on=_train_on(hp.get("train_on", "auto")),
+            batching=_batching(hp.get("batching", "auto")),
         ),
     )
 
@@ -129,6 +131,14 @@ def _train_on(value: object) -> TrainOn:
     raise _bad('hyperparameters.train_on must be "assistant" (the default) or "all".', "hyperparameters.train_on")
 
 
+def _batching(value: object) -> Batching:
+    if value in ("auto", "bucket"):
+        return "bucket"
+    if value == "shuffle":
+        return "shuffle"
+    raise _bad('hyperparameters.batching must be "bucket" (the default) or "shuffle".', "hyperparameters.batching")
+
+
 def job_json(job: FineTuneJob) -> dict[str, Any]:
     """OpenAI's `fine_tuning.job`, plus coderai's `method` extension fields under `coderai` (and there the last
     validation loss, `valid_loss`, when the job has a validation file)."""
@@ -138,6 +148,7 @@ def job_json(job: FineTuneJob) -> dict[str, Any]:
         "learning_rate_multiplier": job.hyperparameters.learning_rate_multiplier,
         "max_seq_len": job.hyperparameters.max_seq_len,
         "train_on": job.hyperparameters.train_on,
+        "batching": job.hyperparameters.batching,
     }
     return {
         "object": "fine_tuning.job",
