@@ -117,7 +117,9 @@ GGUF_TUNABLE = "llama-server"
 
 def train_path(base: ModelConfig) -> str:
     """The Hugging Face folder the trainer loads: the model's own, or a GGUF model's `hf_path`."""
-    return base.param_str("hf_path") or "" if base.engine == GGUF_TUNABLE else base.path
+    if base.engine == GGUF_TUNABLE:
+        return base.param_str("hf_path") or ""
+    return base.path
 
 
 def check_base(base: ModelConfig) -> None:
