@@ -125,16 +125,22 @@ class LlamaServerEngine(OpenAIServerEngine):
         base = self.config.param_str("base")
         return msgspec.structs.replace(self.config, path=base) if base else self.config
 
-    def load(self) -> None:
-        config = self.server_config()
-        if not os.path.exists(os.path.expanduser(config.path)):
-            raise EngineLoadError(f"no such model file: {config.path}")
-        if config is not self.config and self.config.param_str("base"):
-            # a fine-tuned model: the base GGUF with the job's adapter, converted to a GGUF LoRA here once
+    def model_file(self) -> str:
+        """The GGUF the server loads, checked to be there; a fine-tuned model's adapter is converted to a GGUF LoRA
+        here once (`self.lora`), to run over its base GGUF."""
+        gguf = os.path.expanduser(self.config.param_str("base") or self.config.path)
+        if not os.path.exists(gguf):
+            raise EngineLoadError(f"no such model file: {gguf}")
+        if self.config.param_str("base"):
             adapter = Path(os.path.expanduser(self.config.path))
             if not adapter.exists():
                 raise EngineLoadError(f"no such adapter: {self.config.path}")
             self.lora = gguf_lora(unpack_adapter(adapter), self.config.param_str("hf_path") or "")
+        return gguf
+
+    def load(self) -> None:
+        self.model_file()
+        config = self.server_config()
         self.start_server()
         cmd, env = self.command(0)
         self.backend, self.gpu_layers = offload(config, self.child.log_head(), cmd[0], env)

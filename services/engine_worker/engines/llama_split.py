@@ -19,7 +19,6 @@ supervisor's restart loads the model again by itself and the engine serves again
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -94,8 +93,9 @@ class SplitServerEngine(LlamaServerEngine):
         super().__init__(on_server(config))
 
     def server_config(self) -> ModelConfig:
-        params = {**self.config.params, **split_params(self.plan, self.n_layers, self.row)}
-        return msgspec.structs.replace(self.config, params=params, shards=None)
+        own = super().server_config()  # a fine-tuned model's base GGUF
+        params = {**own.params, **split_params(self.plan, self.n_layers, self.row)}
+        return msgspec.structs.replace(own, params=params, shards=None)
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         cmd, env = super().command(port)
@@ -106,9 +106,7 @@ class SplitServerEngine(LlamaServerEngine):
         from coderai.engine_worker.rpc import link_gbps
         from coderai.runtime.gguf_meta import block_count
 
-        path = os.path.expanduser(self.config.path)
-        if not os.path.exists(path):
-            raise EngineLoadError(f"no such model file: {self.config.path}")
+        path = self.model_file()
         self.n_layers = self.n_layers or block_count(path)
         if self.n_layers <= 0:
             raise EngineLoadError(f"cannot read the block count of {path}")
