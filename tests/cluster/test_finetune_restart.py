@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("peft")
 openai = pytest.importorskip("openai")
 
-from coderai.testing.procs import wait_until
+from coderai.testing.procs import fine_tune_ended, wait_until
 from coderai.testing.stack import running_stack
 from coderai.testing.tiny_hf_llama import tiny_hf_llama
 
@@ -68,13 +68,7 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
         )
         sched.start()
         sched.wait_log('"msg": "ready"', 60)
-        wait_until(
-            lambda: client.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed", "cancelled"),
-            90,
-            "the adopted job to end",
-            interval_s=0.5,
-        )
-        got = client.fine_tuning.jobs.retrieve(job.id)
+        got = fine_tune_ended(client, job.id, 90, "the adopted job to end")
         events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
         said = [e.message for e in events]
         assert got.status == "succeeded", (got.error, said, worker.log_text()[-3000:])

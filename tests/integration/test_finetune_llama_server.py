@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from coderai.engine_worker.engines import llama_server
 from coderai.engine_worker.engines.lora_gguf import find_converter
-from coderai.testing.procs import wait_until
+from coderai.testing.procs import fine_tune_ended, wait_until
 from coderai.testing.stack import running_stack
 from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_hf_llama_gguf
 
@@ -66,13 +66,7 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
             hyperparameters={"n_epochs": 20, "batch_size": 1, "learning_rate_multiplier": 25, "max_seq_len": 1024},  # type: ignore[typeddict-unknown-key]
             extra_body={"nodes": 1},
         )
-        wait_until(
-            lambda: client.fine_tuning.jobs.retrieve(job.id).status in ("succeeded", "failed", "cancelled"),
-            300,
-            "the job to end",
-            interval_s=0.5,
-        )
-        got = client.fine_tuning.jobs.retrieve(job.id)
+        got = fine_tune_ended(client, job.id, 300)
         worker = stack.procs["worker-w1"].log_text()
         assert got.status == "succeeded", (got.error, worker[-3000:])
         assert "trains on 3 examples (0 cut to 1024 tokens, 0 left out" in worker and "loss on assistant" in worker

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from coderai.runtime.supervisor import signal_group
@@ -171,3 +172,17 @@ def processes_naming(text: str) -> list[str]:
             if text in cmdline:
                 found.append(cmdline)
     return found
+
+
+FINE_TUNE_ENDED = ("succeeded", "failed", "cancelled")
+
+
+def fine_tune_ended(client: Any, job_id: str, timeout_s: float, what: str = "the fine-tuning job to end") -> Any:
+    """The OpenAI SDK's fine-tuning job `job_id` once it has ended (succeeded, failed or cancelled), polled twice
+    a second; TimeoutError naming `what` otherwise."""
+    return wait_until(
+        lambda: (j := client.fine_tuning.jobs.retrieve(job_id)).status in FINE_TUNE_ENDED and j,
+        timeout_s,
+        what,
+        interval_s=0.5,
+    )

@@ -124,19 +124,20 @@ def resolve(req: JobRequest, job_id: str, key_name: str = "") -> FineTuneCreate:
 
 
 def _train_on(value: object) -> TrainOn:
-    if value in ("auto", "assistant"):
-        return "assistant"
-    if value == "all":
-        return "all"
-    raise _bad('hyperparameters.train_on must be "assistant" (the default) or "all".', "hyperparameters.train_on")
+    return "all" if _one_of(value, "train_on", "assistant", "all") == "all" else "assistant"
 
 
 def _batching(value: object) -> Batching:
-    if value in ("auto", "bucket"):
-        return "bucket"
-    if value == "shuffle":
-        return "shuffle"
-    raise _bad('hyperparameters.batching must be "bucket" (the default) or "shuffle".', "hyperparameters.batching")
+    return "shuffle" if _one_of(value, "batching", "bucket", "shuffle") == "shuffle" else "bucket"
+
+
+def _one_of(value: object, name: str, default: str, other: str) -> str:
+    """`default` for "auto" or itself, `other` for itself; else a 400 naming `hyperparameters.<name>`."""
+    if value in ("auto", default):
+        return default
+    if value == other:
+        return other
+    raise _bad(f'hyperparameters.{name} must be "{default}" (the default) or "{other}".', f"hyperparameters.{name}")
 
 
 def job_json(job: FineTuneJob) -> dict[str, Any]:
