@@ -250,13 +250,13 @@ async def hot_worker(bus, unique, tmp_path):
     await w._unload_all()
 
 
-async def _ask(bus: Bus, w: Worker, model: str, tokens: int = 2):
+async def _ask(bus: Bus, w: Worker, model: str, tokens: int = 2, logit_bias: dict[str, float] | None = None):
     job = ChatJob(
         request_id=f"r-{model}-{tokens}",
         model=model,
         messages=[{"role": "user", "content": "hi"}],
         stream=True,
-        params=SamplingParams(max_tokens=tokens),
+        params=SamplingParams(max_tokens=tokens, logit_bias=logit_bias),
     )
     return await bus.open_stream(
         ENGINE_CHAT, job, idle_timeout_s=20, node_id=w.node_id, engine_id=engine_id_for(w.node_id, model)
@@ -374,7 +374,9 @@ async def test_a_real_llama_server_on_a_hot_card_finishes_its_stream_and_serves_
     )
     try:
         [host] = await _load(w, cfg)
-        running = await _ask(bus, w, "ls0", tokens=200)
+        # the end of turn biased away: a stream the tiny model ended after one token would prove nothing
+        eos = host.engine.post_json("/tokenize", {"content": "<|im_end|>", "parse_special": True}, "t")["tokens"]
+        running = await _ask(bus, w, "ls0", tokens=200, logit_bias={str(eos[0]): -100.0})
         first = decode(await running.next_raw(), Frame)
         assert isinstance(first, Chunk)
         temps.write_text('{"0": 97}')
