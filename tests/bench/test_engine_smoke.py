@@ -21,6 +21,6 @@ def test_engine_bench_smoke_prints_its_table():
         pytest.skip("no llama-server: scripts/setup builds it into .venv/bin")
     r = run_interruptible([sys.executable, str(ROOT / "bench" / "engine.py"), "--smoke"], 280, cwd=ROOT)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}"
-    assert "| path | conc | tokens/s | rounds' range | vs bare |" in r.stdout
+    assert "| path | conc | tokens/s | rounds' range | vs baseline |" in r.stdout
     for path in ("bare", "server", "inproc"):
         assert f"| {path} | 1 |" in r.stdout and f"| {path} | 2 |" in r.stdout
