@@ -73,11 +73,25 @@ def test_the_adapter_tar_served_over_the_base_gguf_answers_as_transformers_does(
     plain, tuned = served(config("tiny", base)), served(config("tiny:mine", tar, base=str(base)))
     assert plain == hf_greedy(None)
     assert tuned == hf_greedy(adapter) and tuned != plain
-    unpacked = next(tmp_path.glob(".ft.tar.*"))
-    assert (unpacked / "adapter.gguf").is_file()  # converted once, beside the adapter; a reload reads it
-    before = (unpacked / "adapter.gguf").stat().st_mtime_ns
-    assert gguf_lora(unpacked) == unpacked / "adapter.gguf"
-    assert (unpacked / "adapter.gguf").stat().st_mtime_ns == before
+    [unpacked] = [p for p in tmp_path.glob(".ft.tar.*") if p.is_dir()]
+    converted = unpacked.with_name(unpacked.name + ".gguf")
+    assert converted.is_file()  # converted once, beside the unpacked tar; a reload reads it
+    before = converted.stat().st_mtime_ns
+    assert gguf_lora(unpacked, out=converted) == converted and converted.stat().st_mtime_ns == before
+
+
+def test_a_gguf_inside_an_adapter_tar_is_never_what_llama_server_loads(adapter, tmp_path):
+    """An adapter tar is a node's upload: a GGUF it brings along (a crafted file for llama.cpp's parser) is
+    ignored; the engine converts the adapter's safetensors itself, beside the tar's folder."""
+    smuggled = tmp_path / "smuggled"
+    shutil.copytree(adapter, smuggled)
+    (smuggled / "adapter.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    tar = tmp_path / "ft.tar"
+    tar.write_bytes(tar_folder(smuggled))
+    eng = llama_server.LlamaServerEngine(config("tiny:mine", tar, base=str(tiny_hf_llama_gguf())))
+    eng.model_file()
+    assert eng.lora is not None and eng.lora.parent == tmp_path and eng.lora.read_bytes()[:4] == b"GGUF"
+    assert eng.lora.stat().st_size > 1000  # the real conversion, not the tar's 68 bytes
 
 
 def test_an_adapter_without_the_base_config_reads_hf_path_or_says_what_is_missing(adapter, tmp_path):

@@ -87,8 +87,9 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
         assert tuned.strip() == ANSWER, tuned
         assert ask("tiny").strip() != ANSWER
         # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
-        # (beside the adapter tar the node read: on one host, the head's store file itself)
-        assert [p.parent.parent.name for p in tmp_path.rglob("adapter.gguf")] == [job.id]
+        # (beside the folder the node unpacked the adapter tar into: on one host, the head's store file itself)
+        converted = [p for p in tmp_path.rglob(".adapter.tar.*.gguf")]
+        assert [p.parent.name for p in converted] == [job.id], converted
         loras(stack.base_url, name, {"alice": user_key, "bob": other_user_key, "admin": admin_key})
 
 

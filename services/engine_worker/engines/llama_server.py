@@ -135,7 +135,10 @@ class LlamaServerEngine(OpenAIServerEngine):
             adapter = Path(os.path.expanduser(self.config.path))
             if not adapter.exists():
                 raise EngineLoadError(f"no such adapter: {self.config.path}")
-            self.lora = gguf_lora(unpack_adapter(adapter), self.config.param_str("hf_path") or "")
+            folder = unpack_adapter(adapter)
+            # a tar's (a node's upload): the GGUF goes beside its folder, never one the tar brought along
+            out = None if adapter.is_dir() else folder.with_name(f"{folder.name}.gguf")
+            self.lora = gguf_lora(folder, self.config.param_str("hf_path") or "", out)
         return gguf
 
     def load(self) -> None:

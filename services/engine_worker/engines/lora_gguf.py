@@ -5,7 +5,8 @@ from (linked as `<venv>/llama.cpp-convert`; `CODERAI_LLAMA_CONVERT` names anothe
 interpreter (it needs torch, safetensors and numpy: the `finetune` extra). It reads the base model's Hugging Face
 `config.json` for the architecture and the Q/K layout: the trainer keeps a copy in the adapter as
 `base_config.json`, so the node that serves the adapter needs no Hugging Face folder of the base; a model's
-`hf_path` param is read otherwise. The GGUF is written once into the adapter's folder, beside the adapter.
+`hf_path` param is read otherwise. The GGUF is written once: beside the folder an adapter tar was unpacked into
+(never inside it, where the tar could have put a GGUF of its own), or into an adapter folder given as such.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ def find_converter() -> Path | None:
     return folder if (folder / "convert_lora_to_gguf.py").is_file() else None
 
 
-def gguf_lora(adapter: Path, hf_base: str = "") -> Path:
-    """The GGUF of the peft adapter folder `adapter`, converted once (written whole, then renamed into place).
-    `hf_base`: a Hugging Face folder of the base, read when the adapter has no `base_config.json`."""
-    out = adapter / GGUF_NAME
+def gguf_lora(adapter: Path, hf_base: str = "", out: Path | None = None) -> Path:
+    """The GGUF of the peft adapter folder `adapter`, converted once into `out` (default: `adapter.gguf` in the
+    folder), written whole, then renamed into place. `hf_base`: a Hugging Face folder of the base, read when the
+    adapter has no `base_config.json`. An adapter unpacked from a tar (a node's upload) gets an `out` outside its
+    folder: a GGUF the tar brought along is never what llama-server loads."""
+    out = out or adapter / GGUF_NAME
     if out.is_file():
         return out
     if not (adapter / "adapter_config.json").is_file():
@@ -57,7 +60,7 @@ def gguf_lora(adapter: Path, hf_base: str = "") -> Path:
             "llama.cpp's LoRA converter (convert_lora_to_gguf.py) is not installed: run scripts/setup with the "
             "llama extra, or set CODERAI_LLAMA_CONVERT to a llama.cpp source folder"
         )
-    with tempfile.TemporaryDirectory(prefix=".convert-", dir=adapter) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
         base = Path(tmp) / "base"
         base.mkdir()
         (base / "config.json").write_bytes(config.read_bytes())
