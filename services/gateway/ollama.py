@@ -43,7 +43,7 @@ from coderai.gateway.ollama_types import (
 from coderai.gateway.ollama_types import line as _line
 from coderai.gateway.ollama_types import now as _now
 from coderai.gateway.openai import formats
-from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.pipeline import Call, answer, touch
 
 VERSION = "0.12.0"  # the Ollama API version these routes follow (clients gate features on it)
 
@@ -70,10 +70,7 @@ class OllamaController(OllamaModelRoutes):
         """Ollama's idioms for loading a model (no messages, or an empty prompt) and unloading it (the same with
         `keep_alive: 0`): the model is loaded (by an empty job any of its engines answers at once, loading it on
         demand first), its keep-alive set as the request says, and nothing generated."""
-        keep_s = keep_alive(keep)
-        job = ChatJob(request_id=RequestId(new_request_id()), model=model, messages=[])
-        call = Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_s)
-        await answer(call, request)
+        call = await touch(self.gw, self.caller(request), model, keep_alive(keep), request)
         reason = (
             "unload" if call.keep_alive_s == 0 else "load"
         )  # a tenant's 0 is not applied (pipeline_admit.tenant_keep_alive)

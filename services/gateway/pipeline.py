@@ -21,14 +21,14 @@ from typing import Any
 
 import msgspec
 
-from coderai.contracts import Chunk, Final, ModelConfig, RouteRequest, Usage
+from coderai.contracts import ChatJob, Chunk, Final, ModelConfig, RequestId, RouteRequest, Usage
 from coderai.contracts.jobs import EngineOp
 from coderai.contracts.ops import OPS
 from coderai.contracts.topology import HDR_KEEP_ALIVE, HDR_KEY_NAME, HDR_REQUEST_ID
 from coderai.gateway import pipeline_account, pipeline_admit, pipeline_route, seal
 from coderai.gateway.accounting import NO_TRACE, Admission, Trace
 from coderai.gateway.auth import Caller
-from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var
+from coderai.gateway.http import ENGINE_HEADER, ROUTE_HEADER, client_request_id_var, new_request_id
 from coderai.gateway.pipeline_admit import HEADROOM, output_limited
 from coderai.gateway.pipeline_answer import answer, open_stream, relay_stream
 from coderai.gateway.state import Gateway
@@ -36,7 +36,7 @@ from coderai.media_work import Work
 from coderai.runtime import tracing
 from coderai.runtime.bus import FrameStream
 
-__all__ = ["HEADROOM", "Call", "answer", "open_stream", "output_limited", "relay_stream"]
+__all__ = ["HEADROOM", "Call", "answer", "open_stream", "output_limited", "relay_stream", "touch"]
 
 NOT_ADMITTED = Admission(None)
 
@@ -177,3 +177,13 @@ class Call:
     async def fail(self, exc: BaseException) -> BaseException:
         """Account for a call that ends in `exc`; what to raise in its place (the client's ApiError)."""
         return await pipeline_account.fail(self, exc)
+
+
+async def touch(gw: Gateway, who: Caller, model: str, keep_alive_s: float | None, request: Any) -> Call:
+    """Load `model` without generating: an empty chat job any of its engines answers at once (loading it on demand
+    first), with the keep-alive asked (0: let it go once idle; a tenant's is bounded in `pipeline_admit`). The call,
+    for its response headers and the keep-alive it was given."""
+    job = ChatJob(request_id=RequestId(new_request_id()), model=model, messages=[])
+    call = Call(gw, who, "chat", job, keep_alive_s=keep_alive_s)
+    await answer(call, request)
+    return call

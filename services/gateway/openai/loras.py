@@ -22,14 +22,14 @@ import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
 
-from coderai.contracts import ChatJob, ModelConfig, RequestId
+from coderai.contracts import ModelConfig
 from coderai.contracts.admin import RemoveModelRequest
 from coderai.contracts.subjects import CMD_SCHEDULER_REMOVE
 from coderai.gateway.admin.models import change_model
 from coderai.gateway.errors import ApiError
-from coderai.gateway.http import json_response, new_request_id, read_json
+from coderai.gateway.http import json_response, read_json
 from coderai.gateway.openai.models import residency
-from coderai.gateway.pipeline import Call, answer
+from coderai.gateway.pipeline import touch
 from coderai.gateway.state import InferenceController
 
 
@@ -77,25 +77,19 @@ class LorasController(InferenceController):
         m, admin = await self._adapter(request, name)
         return json_response(self._json(m, admin))
 
-    async def _touch(self, request: Request, m: ModelConfig, keep_alive_s: float | None) -> None:
-        """An empty chat job for the adapter's model (loaded first where it is not), its keep-alive as asked: as
-        Ollama loads and unloads a model (gateway/ollama.py)."""
-        job = ChatJob(request_id=RequestId(new_request_id()), model=m.name, messages=[])
-        await answer(Call(self.gw, self.caller(request), "chat", job, keep_alive_s=keep_alive_s), request)
-
     @post("/{name:str}/load", status_code=200)
     async def load(self, request: Request, name: FromPath[str]) -> Response:
         m, admin = await self._adapter(request, name)
         req = await read_json(request, LoadRequest, empty=b"{}")
         if req.keep_alive is not None and req.keep_alive < 0:
             raise ApiError(400, "keep_alive must be 0 or more seconds", param="keep_alive")
-        await self._touch(request, m, req.keep_alive)
+        await touch(self.gw, self.caller(request), m.name, req.keep_alive, request)
         return json_response(self._json(m, admin))
 
     @post("/{name:str}/unload", status_code=200)
     async def unload(self, request: Request, name: FromPath[str]) -> Response:
         m, admin = await self._adapter(request, name)
-        await self._touch(request, m, 0.0)
+        await touch(self.gw, self.caller(request), m.name, 0.0, request)
         return json_response(self._json(m, admin))
 
     @delete("/{name:str}", status_code=200)
