@@ -19,6 +19,7 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from coderai.contracts import BusError, Chunk, ErrorReply, Final, RouteDecision
+from coderai.contracts.work import work_consumer
 from coderai.gateway.fanout import plans
 from coderai.gateway.fanout.scatter import scatter
 from coderai.gateway.pipeline_admit import check_size
@@ -69,6 +70,8 @@ async def _fan_out(call: Call) -> tuple[Final | None, RouteDecision | None]:
         plan = await asyncio.to_thread(plans.plan, call.op, call.job, decision.holders, call.cfg.distribute)
     if plan is None:
         return None, decision
+    if not call.gw.queue_gate.open(work_consumer(call.job.model, call.op)):
+        return None, decision  # its queue took no parts lately (fanout/gate.py): whole to one engine, at once
     call.route_reason, call.parts = "fanout", len(plan.jobs)
     try:
         final = await scatter(call.gw, call.op, call.job, plan, call.bus_headers())

@@ -21,6 +21,7 @@ from coderai.accounts.keyfile import load_keys
 from coderai.gateway.auth import CALLER, Authenticator, Caller, admin_guard, inference_guard
 from coderai.gateway.catalog import Catalog
 from coderai.gateway.copies import Copies
+from coderai.gateway.fanout.gate import QueueGate
 from coderai.gateway.errors import ApiError, unknown_model
 from coderai.gateway.relay import Relay
 from coderai.gateway.settings import GatewaySettings
@@ -37,6 +38,7 @@ class Gateway:
     catalog: Catalog
     copies: Copies
     relay: Relay
+    queue_gate: QueueGate
     blobs: BlobStore
     accounts: Accounts
 
@@ -79,6 +81,7 @@ class Gateway:
         self.copies = Copies(self.bus)
         self.copies.start()
         self.relay = Relay(self.bus, self.settings)
+        self.queue_gate = QueueGate(self.bus)
         self.blobs = BlobStore(self.bus, create=True, max_bytes=self.settings.blobs_max_bytes)
         # workers store large outputs there but may not create it: it must exist before the first one answers
         try:
@@ -92,6 +95,7 @@ class Gateway:
         finally:
             self.catalog.stop()
             self.copies.stop()
+            self.queue_gate.stop()
             await self.accounts.close()  # the last request.completed events sent before the bus drains
             await self.bus.close()
             if self.redis is not None:

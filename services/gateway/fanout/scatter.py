@@ -40,6 +40,7 @@ async def scatter(gw: Gateway, op: EngineOp, job: Any, plan: plans.Plan, headers
     n = len(plan.jobs)
     streams: list[FrameStream] = []
     subject = WORK_PART(model_key=model_key(job.model), op=op)
+    consumer = work_consumer(job.model, op)
     t0 = time.monotonic()
     try:
         for i, sub in enumerate(plan.jobs):
@@ -57,14 +58,18 @@ async def scatter(gw: Gateway, op: EngineOp, job: Any, plan: plans.Plan, headers
             )
             # a healthy stream acks in milliseconds; one whose leader died with its head does not for seconds, and
             # the caller sends the job whole to one engine sooner than it would elect one
-            await gw.bus.js.publish(subject, encode(part), headers=headers, timeout=PUBLISH_TIMEOUT_S)
+            try:
+                await gw.bus.js.publish(subject, encode(part), headers=headers, timeout=PUBLISH_TIMEOUT_S)
+            except (NatsError, TimeoutError) as exc:
+                gw.queue_gate.failed(consumer, str(exc) or type(exc).__name__)
+                raise
         queued = time.monotonic()
         activity, heard = [queued], [False] * n
         gathered = asyncio.gather(
             *(_final(s, i, n, gw.settings.part_timeout_s, activity, heard) for i, s in enumerate(streams))
         )
         try:
-            finals = await _unless_stalled(gw, job.model, op, gathered, activity, heard)
+            finals = await _unless_stalled(gw, consumer, gathered, activity, heard)
         finally:
             gathered.cancel()
     finally:
@@ -88,7 +93,7 @@ async def scatter(gw: Gateway, op: EngineOp, job: Any, plan: plans.Plan, headers
 
 
 async def _unless_stalled(
-    gw: Gateway, model: str, op: str, gathered: asyncio.Future[list[Final]], activity: list[float], heard: list[bool]
+    gw: Gateway, consumer: str, gathered: asyncio.Future[list[Final]], activity: list[float], heard: list[bool]
 ) -> list[Final]:
     """What `gathered` gives; a retryable `no_engine` BusError (the caller sends the job whole to one engine) once
     no part was heard from for `STALL_S` (a worker says so the moment it takes a part, then answers or keeps alive
@@ -104,11 +109,11 @@ async def _unless_stalled(
             continue
         try:
             async with asyncio.timeout(INFO_TIMEOUT_S):
-                info = await gw.bus.js.consumer_info(WORK.name, work_consumer(model, op))
+                info = await gw.bus.js.consumer_info(WORK.name, consumer)
         except (NatsError, TimeoutError) as exc:
-            raise BusError(
-                "no_engine", f"the work queue of {model} does not move ({exc or type(exc).__name__})", True
-            ) from None
+            why = str(exc) or type(exc).__name__
+            gw.queue_gate.failed(consumer, why)
+            raise BusError("no_engine", f"the work queue {consumer} does not move ({why})", True) from None
         if not info.num_pending and not all(heard):
             raise BusError("no_engine", "a part of this request went to a worker that never took it", True)
 
