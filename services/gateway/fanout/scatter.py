@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("coderai.gateway")
 
 PUBLISH_TIMEOUT_S = 2.0
-STALL_S = 1.0  # no part heard from this long: is the queue moving at all?
+STALL_S = 0.5  # no part heard from this long: is the queue moving at all? (a worker says so in milliseconds)
 INFO_TIMEOUT_S = 0.5  # a consumer with a leader says how it is in milliseconds
 SLOW_S = 2.0  # a fan-out slower than this is logged (a queue that stalled: a head's death, workers all busy)
 
