@@ -250,15 +250,42 @@ def keep_held(
             put(room, m, n, t)
 
 
-def add_copies(room: Room, m: ModelConfig, b: int, candidates: list[str], want: int) -> int:
-    """Place the copies of `m` still missing on the candidates that fit, best first (`spread`: a node that has
-    its files, then the fewest models, then the most room; `binpack`: the fullest); how many copies it has now."""
+def lora_hosts(m: ModelConfig, models: list[ModelConfig]) -> list[str]:
+    """The vLLM models whose server a fine-tuned vLLM model `m` can load its adapter into at run time: its base
+    with LoRA on, and the other fine-tuned models of the same base (engines/vllm.py)."""
+    base = m.param_str("base") if m.engine == "vllm" else None
+    if not base:
+        return []
+    return [
+        x.name
+        for x in models
+        if x.engine == "vllm"
+        and x.name != m.name
+        and (x.param_str("base") == base or (x.path == base and x.param_bool("enable_lora")))
+    ]
+
+
+def add_copies(
+    room: Room, m: ModelConfig, b: int, candidates: list[str], want: int, near: list[str] | None = None
+) -> int:
+    """Place the copies of `m` still missing on the candidates that fit, best first (a node holding one of `near`,
+    whose server it shares; then `spread`: a node that has its files, then the fewest models, then the most room;
+    `binpack`: the fullest); how many copies it has now."""
     have = [n for n in candidates if holds(room, n, m.name)]
     rest = [n for n in candidates if n not in have and take(m, b, room.free[n], room.full[n]) is not None]
+    apart = {n: not any(holds(room, n, x) for x in near or ()) for n in rest}
     if m.placement == "binpack":
-        rest.sort(key=lambda n: (fetch_first(m, room.nodes[n]), free_for(m, room.free[n]), n))
+        rest.sort(key=lambda n: (apart[n], fetch_first(m, room.nodes[n]), free_for(m, room.free[n]), n))
     else:
-        rest.sort(key=lambda n: (fetch_first(m, room.nodes[n]), len(room.placed[n]), -free_for(m, room.free[n]), n))
+        rest.sort(
+            key=lambda n: (
+                apart[n],
+                fetch_first(m, room.nodes[n]),
+                len(room.placed[n]),
+                -free_for(m, room.free[n]),
+                n,
+            )
+        )
     for n in rest[: max(0, want - len(have))]:
         if (t := take(m, b, room.free[n], room.full[n])) is not None:  # it does: `rest` holds the nodes it fits
             put(room, m, n, t)
@@ -330,7 +357,7 @@ def plan(
         keep_held(room, m, need[m.name], candidates[m.name], current, wants[m.name])
     for m in free:  # then the missing copies
         want, cands = wants[m.name], candidates[m.name]
-        got = add_copies(room, m, need[m.name], cands, want)
+        got = add_copies(room, m, need[m.name], cands, want, lora_hosts(m, models))
         if got == 0 and want > 0 and can_split(m) and cands:
             if why := split_copy(
                 room, m, need[m.name], cands, current, layers.get(m.name, 0)

@@ -42,6 +42,7 @@ def config(path: str) -> ModelConfig:
         "max_num_seqs": 2,  # a batch of two: a third request waits in vLLM's own queue (the load test below)
         "enforce_eager": True,
         "enable_log_requests": True,
+        "enable_lora": True,  # fine-tuned models of it load into this server at run time
         "load_timeout_s": 600,
         "env": VLLM_CPU_ENV,
     }
@@ -215,29 +216,77 @@ def test_a_vllm_engine_reports_its_running_and_waiting_requests_and_kv_share(eng
         cancel.set()
 
 
-def test_a_fine_tuned_model_is_the_base_with_its_adapter_under_its_own_name(engine, tmp_path):
-    """A fine-tuned model (`base:suffix`, the job's adapter tar as its path, `params.base` the base folder) runs
-    the base with vLLM's LoRA on: answers of the adapter, not of the base, to requests naming the model."""
+def _fine_tuned(tmp_path, base: str, name: str, seed: int) -> ModelConfig:
+    """A fine-tuned model (`base:suffix`): the job's adapter tar as its path, `params.base` the base folder."""
     from coderai.engine_worker.training import tar_folder
-    from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_lora
+    from coderai.testing.tiny_hf_llama import tiny_lora
 
-    adapter = tmp_path / "adapter.tar"  # packed as the job packs the adapter it uploads
-    adapter.write_bytes(tar_folder(tiny_lora(tmp_path / "adapter")))
-    base = config(str(tiny_hf_llama()))
-    ft = ModelConfig(
-        name="tiny:pirate-1a2b3c4d", engine="vllm", path=str(adapter), params={**base.params, "base": base.path}
-    )
-    e = engine_class("vllm")(ft)
-    e.load()
+    adapter = tmp_path / f"{name}.tar"  # packed as the job packs the adapter it uploads
+    adapter.write_bytes(tar_folder(tiny_lora(tmp_path / name, seed=seed)))
+    return ModelConfig(name=name, engine="vllm", path=str(adapter), params={**config(base).params, "base": base})
+
+
+def _says(e, name: str) -> str:
+    out, _ = e.complete(completion("hello there", model=name, params={"max_tokens": 8}), CancelFlag(), None)
+    return out[0].text
+
+
+def _served(e) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{e.base_url}/v1/models", headers=e.auth_headers()).json()["data"]}
+
+
+def test_fine_tuned_models_load_into_their_bases_server_at_run_time_and_unload(engine, tmp_path):
+    """Two fine-tuned models of the module's base (LoRA on): each adapter is loaded into the base's running server
+    (no second server), answers under its own name with what the adapter makes it say, and is unloaded from the
+    server when its model is, the other going on as before."""
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+
+    base = str(tiny_hf_llama())
+    plain = _says(engine, "tiny")
+    a = engine_class("vllm")(_fine_tuned(tmp_path, base, "tiny:pirate-1a2b3c4d", 1))
+    b = engine_class("vllm")(_fine_tuned(tmp_path, base, "tiny:poet-5e6f7a8b", 2))
+    a.load()
+    b.load()
     try:
-        asked = completion("hello there", model=ft.name, params={"max_tokens": 8})
-        tuned, _ = e.complete(asked, CancelFlag(), None)
-        plain, _ = engine.complete(completion("hello there", params={"max_tokens": 8}), CancelFlag(), None)
-        assert tuned[0].text and tuned[0].text != plain[0].text  # greedy both: the adapter changed the answer
-        served = {m["id"] for m in httpx.get(f"{e.base_url}/v1/models", headers=e.auth_headers()).json()["data"]}
-        assert ft.name in served  # the adapter, under the model's own name
+        assert a.proc is None and b.proc is None  # neither started a server
+        assert a.base_url == b.base_url == engine.base_url
+        assert {"tiny", a.config.name, b.config.name} <= _served(engine)
+        said_a, said_b = _says(a, a.config.name), _says(b, b.config.name)
+        assert said_a and said_b and len({plain, said_a, said_b}) == 3  # greedy all: each adapter's own answer
+        a.close()
+        assert a.config.name not in _served(engine) and b.config.name in _served(engine)
+        assert _says(b, b.config.name) == said_b and _says(engine, "tiny") == plain
     finally:
-        e.close()
+        a.close()
+        b.close()
+    assert b.config.name not in _served(engine)
+
+
+def test_a_fine_tuned_model_without_its_bases_server_runs_its_own_and_others_ride_on_it(tmp_path):
+    """No server of its base on this worker (here: a copy of the base folder): the fine-tuned model starts one,
+    the base with `--enable-lora` and its adapter; a second fine-tuned model of that base loads into it, and is
+    reported lost when the server's model is unloaded (it is re-placed and starts its own)."""
+    import shutil
+
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+
+    base = str(shutil.copytree(tiny_hf_llama(), tmp_path / "base"))
+    first = engine_class("vllm")(_fine_tuned(tmp_path, base, "copy:one-1a2b3c4d", 3))
+    second = engine_class("vllm")(_fine_tuned(tmp_path, base, "copy:two-5e6f7a8b", 4))
+    lost: list[str] = []
+    second.on_lost = lost.append
+    first.load()
+    try:
+        assert first.proc is not None and first.config.name in _served(first)  # the adapter, under its own name
+        second.load()
+        assert second.proc is None and second.base_url == first.base_url
+        assert {first.config.name, second.config.name} <= _served(first)
+        assert _says(first, first.config.name) != _says(second, second.config.name)
+        first.close()
+        assert lost and "unloaded" in lost[0]
+    finally:
+        first.close()
+        second.close()
 
 
 def test_the_lora_flags_take_vllms_rank_that_holds_the_adapter(tmp_path):

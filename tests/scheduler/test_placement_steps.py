@@ -17,6 +17,7 @@ from coderai.scheduler.placement import (
     holds,
     keep_held,
     kept_for_return,
+    lora_hosts,
     on_gpu,
     put,
     ray_copy,
@@ -24,6 +25,7 @@ from coderai.scheduler.placement import (
     shortfall,
     sized,
     split_copy,
+    plan,
     take,
     use,
     wanted,
@@ -216,3 +218,19 @@ def test_kept_for_return_holds_only_everywhere_models_of_gone_nodes_on_their_car
     }
     out = kept_for_return([every, one], {"live": hb("live")}, current)
     assert list(out) == ["gone"] and [(x.name, x.devices) for x in out["gone"].models] == [("every", [1])]
+
+
+def test_a_fine_tuned_vllm_model_goes_to_the_node_whose_server_of_its_base_can_load_its_adapter():
+    """vLLM loads a fine-tuned model's adapter into a running server of its base (LoRA on) at run time: the copy
+    goes to the node holding that server, though spread alone would pick the emptier node."""
+    nodes = {n: hb(n, caps=("vllm",)) for n in ("a", "b")}
+    base = model("tiny", engine="vllm", replicas=1, params={"enable_lora": True})
+    tuned = [model(f"tiny:t{i}-1a2b3c4d", engine="vllm", replicas=1, params={"base": base.path}) for i in (1, 2)]
+    other = model("solo", engine="vllm", replicas=1)  # a model of its own: spread as before
+    assert lora_hosts(tuned[0], [base, *tuned, other]) == ["tiny", "tiny:t2-1a2b3c4d"]
+    assert lora_hosts(base, [base, *tuned]) == [] and lora_hosts(other, [base, *tuned]) == []
+    placed = plan([base, other, *tuned], nodes).assignments
+    where = {m.name: n for n, a in placed.items() for m in a.models}
+    assert where["tiny"] == where["tiny:t1-1a2b3c4d"] == where["tiny:t2-1a2b3c4d"] != where["solo"]
+    no_lora = msgspec.structs.replace(base, params={})  # its server takes no adapters: no pull towards it
+    assert lora_hosts(tuned[0], [no_lora, tuned[0]]) == []

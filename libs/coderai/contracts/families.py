@@ -242,6 +242,11 @@ FAMILIES: dict[str, FamilySpec] = {
                 "extra_args": ARGS,
                 "trust_remote_code": BOOL,
                 "base": PATH,  # a fine-tuned model: `path` is its LoRA adapter, this the base model's folder
+                # LoRA on: fine-tuned models of this base on the same node load into this server at run time
+                "enable_lora": BOOL,
+                "max_lora_rank": choice(8, 16, 32, 64, 128, 256, 320, 512),
+                "max_loras": whole(1, 1024),
+                "max_cpu_loras": whole(1, 1 << 16),
                 **_SUPERVISED,
             },
         ),

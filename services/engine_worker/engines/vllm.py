@@ -13,8 +13,13 @@ Model params: `dtype`, `max_model_len`, `gpu_memory_utilization`, `tensor_parall
 become `--kebab-case value` server flags (`True` a bare flag); `extra_args` is a list appended as is; `env` a
 dict added to the server's environment; `python` and `load_timeout_s` (default 600) are the engine's own.
 With `params.base` (a fine-tuned model, docs/finetuning.md), `path` is a peft LoRA adapter (the job's tar, or a
-folder) and `base` the model folder: the server runs the base with `--enable-lora`, the adapter answering to this
-model's name.
+folder) and `base` the model folder. When this worker already runs a vLLM server of that base with LoRA on (a base
+model with `params.enable_lora`, or another fine-tuned model of it), the adapter is loaded into that server at run
+time (`/v1/load_lora_adapter`; unloaded when the model is) and answers to this model's name there: no second
+server. Otherwise the engine starts a server of its own, the base with `--enable-lora` and the adapter, and later
+fine-tuned models of the same base load into it. A server whose engine closes while adapters ride on it takes them
+down with it (each is reported failed and re-placed, then starts a server of its own); one that restarts loads
+them again before they take jobs.
 
 A request whose prompt cache is scoped to its key (ChatJob.cache_scope) carries it as vLLM's `cache_salt` (vLLM 0.9
 and later): its prefix-cache blocks are then hashed with the salt, so one key never hits another's cached prefix.
@@ -23,16 +28,23 @@ and later): its prefix-cache blocks are then hashed with the salt, so one key ne
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import EngineLoadError, visible_devices
 from coderai.engine_worker.engines.hf_chat import unpack_adapter
+from coderai.engine_worker.engines.openai_client import OpenAIClient
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.engine_worker.engines.server_load import LoadPoll, read_vllm
+
+log = logging.getLogger("coderai.engine_worker")
 
 OWN_PARAMS = frozenset(
     {
@@ -48,6 +60,15 @@ OWN_PARAMS = frozenset(
     }
 )
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # /v1/load_lora_adapter and unload answer
+ADAPTER_CALL_TIMEOUT_S = 120.0  # loading an adapter reads its weights
+
+_lora_servers: dict[str, VllmEngine] = {}  # a base folder (resolved) -> the engine whose server runs it, LoRA on
+_lora_servers_lock = threading.Lock()
+
+
+def _base_key(path: str) -> str:
+    return str(Path(os.path.expanduser(path)).resolve())
 
 
 def find_vllm_python() -> str | None:
@@ -103,18 +124,145 @@ class VllmEngine(OpenAIServerEngine):
     max_concurrency = 64  # jobs a worker may run on this engine at once, from as many threads: vLLM batches them
     load_poll: LoadPoll | None = None  # its requests running and waiting and its KV share, for the heartbeat
 
+    server: VllmEngine | None = None  # the engine whose server this adapter rides on, if not its own
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.riders: dict[str, tuple[VllmEngine, Path]] = {}  # adapters loaded into this server at run time
+        self._riders_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def base_key(self) -> str:
+        """The base folder this engine's server runs (a fine-tuned model's `base`, else its path), resolved."""
+        return _base_key(self.config.param_str("base") or self.config.path)
+
+    @property
+    def lora_on(self) -> bool:
+        return bool(self.config.param_str("base")) or self.config.param_bool("enable_lora")
+
     def load(self) -> None:
+        if self.config.param_str("base"):
+            with _lora_servers_lock:
+                server = _lora_servers.get(self.base_key)
+            try:
+                if server is not None and server.adopt(self):
+                    log.info("%s: its adapter rides on the vLLM server of %s", self.config.name, server.config.name)
+                    return
+            except EngineLoadError as exc:  # say a rank over the server's --max-lora-rank: a server of its own
+                log.info("%s: not loaded into its base's server (%s); starting its own", self.config.name, exc)
         super().load()
         # the supervisor restarts a server that dies (the engine is reported failed meanwhile, a request it was
         # answering goes to another copy); it starts every later server, which then dies with it
         self.supervise()
         self.load_poll = LoadPoll(self.child, read_vllm)
+        if self.lora_on:
+            with _lora_servers_lock:
+                _lora_servers.setdefault(self.base_key, self)
+
+    def adopt(self, rider: VllmEngine) -> bool:
+        """Load `rider`'s adapter into this server under `rider`'s name and connect `rider` to it; False when this
+        server is going (`rider` then starts its own). EngineLoadError if vLLM refuses the adapter."""
+        adapter = unpack_adapter(Path(os.path.expanduser(rider.config.path)))
+        with self._riders_lock:
+            if self._closed or self.client is None:
+                return False
+            self.riders[rider.config.name] = (rider, adapter)
+        try:
+            self._adapter_call("/v1/load_lora_adapter", {"lora_name": rider.config.name, "lora_path": str(adapter)})
+        except EngineLoadError:
+            with self._riders_lock:
+                self.riders.pop(rider.config.name, None)
+            raise
+        rider.server = self
+        rider.connect()
+        return True
+
+    def _adapter_call(self, path: str, body: dict[str, str]) -> None:
+        try:
+            r = httpx.post(
+                f"{self.child.base_url}{path}", json=body, headers=self.auth_headers(), timeout=ADAPTER_CALL_TIMEOUT_S
+            )
+        except httpx.HTTPError as exc:
+            raise EngineLoadError(f"vLLM did not answer {path} ({exc})") from None
+        if r.status_code != 200:
+            raise EngineLoadError(f"vLLM refused {path} for {body['lora_name']}: {r.status_code} {r.text[:500]}")
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url if self.server is not None else super().base_url
+
+    def connect(self) -> None:
+        server = self.server
+        if server is None:
+            return super().connect()
+        old, self.client = (
+            self.client,
+            OpenAIClient(
+                server.child.base_url,
+                self.config.name,
+                headers=server.auth_headers(),
+                label=self.label,
+                counters=self.counters,
+                state=server.child.state,
+            ),
+        )
+        if old is not None:
+            old.close()
+
+    def auth_headers(self) -> dict[str, str]:
+        return self.server.auth_headers() if self.server is not None else super().auth_headers()
+
+    def _lost(self, why: str) -> None:
+        super()._lost(why)
+        for rider, _ in self._rider_list():
+            rider._lost(why)
+
+    def _restarted(self) -> None:
+        """A new server: the adapters loaded at run time are loaded again before any of them takes jobs."""
+        self.connect()
+        for rider, adapter in self._rider_list():
+            try:
+                self._adapter_call("/v1/load_lora_adapter", {"lora_name": rider.config.name, "lora_path": str(adapter)})
+            except EngineLoadError as exc:
+                log.error("%s: its adapter could not be loaded again after a restart: %s", rider.config.name, exc)
+                continue
+            rider.connect()
+            if rider.on_back is not None:
+                rider.on_back()
+        if self.on_back is not None:
+            self.on_back()
+
+    def _rider_list(self) -> list[tuple[VllmEngine, Path]]:
+        with self._riders_lock:
+            return list(self.riders.values())
 
     def stats(self) -> dict[str, Any]:
-        poll = self.load_poll
+        poll = self.load_poll if self.server is None else self.server.load_poll
         return {**super().stats(), **poll.load.stats()} if poll is not None else super().stats()
 
     def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:  # an adapter riding on another engine's server: unload it there
+            with server._riders_lock:
+                server.riders.pop(self.config.name, None)
+            try:
+                server._adapter_call("/v1/unload_lora_adapter", {"lora_name": self.config.name})
+            except EngineLoadError as exc:  # the server went meanwhile: nothing is left to unload
+                log.info("%s: %s", self.config.name, exc)
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+            return
+        with _lora_servers_lock:
+            if _lora_servers.get(self.base_key) is self:
+                del _lora_servers[self.base_key]
+        with self._riders_lock:
+            self._closed = True
+            riders, self.riders = list(self.riders.values()), {}
+        for rider, _ in riders:  # their server goes with this engine: each is re-placed, then starts its own
+            rider.server = None
+            rider._lost(f"the vLLM server it rode on ({self.config.name}) was unloaded")
         if self.load_poll is not None:
             self.load_poll.stop()
         super().close()
@@ -124,6 +272,7 @@ class VllmEngine(OpenAIServerEngine):
         python = self.config.param_str("python") or find_vllm_python() or sys.executable
         base, name = self.config.param_str("base"), self.config.name
         if base:  # a fine-tuned model: the base served with the adapter, which answers to this model's name
+            params = {k: v for k, v in params.items() if k not in ("enable_lora", "max_lora_rank")}
             cmd = server_command(python, os.path.expanduser(base), f"{name}#base", port, params)
             cmd += lora_flags(name, unpack_adapter(Path(os.path.expanduser(self.config.path))))
         else:
@@ -131,6 +280,7 @@ class VllmEngine(OpenAIServerEngine):
         return cmd, {
             **os.environ,
             **visible_devices(self.config),
+            **(RUNTIME_LORA_ENV if self.lora_on else {}),
             **{k: str(v) for k, v in self.config.param_table("env").items()},
         }
 
