@@ -21,26 +21,15 @@ from coderai.engine_worker.engines import llama_server
 from coderai.engine_worker.engines.lora_gguf import find_converter
 from coderai.testing.procs import fine_tune_ended, wait_until
 from coderai.testing.stack import running_stack
-from coderai.testing.tiny_hf_llama import tiny_hf_llama, tiny_hf_llama_gguf
+from coderai.testing.tiny_hf_llama import (
+    COUNT_ANSWER as ANSWER,
+    COUNT_QUESTION as QUESTION,
+    count_examples,
+    tiny_hf_llama,
+    tiny_hf_llama_gguf,
+)
 
 pytestmark = pytest.mark.slow
-
-ANSWER = "Seven."
-QUESTION = "How many?"
-
-
-def examples() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
-    ids = tok("the cluster serves every model it holds " * 200, add_special_tokens=False)["input_ids"]
-    long = tok.decode(ids[:950])  # with the template and the answer: just under 1,024 tokens
-    answer = {"role": "assistant", "content": ANSWER}
-    return [
-        {"messages": [{"role": "system", "content": long}, {"role": "user", "content": QUESTION}, answer]},
-        {"messages": [{"role": "user", "content": QUESTION}, answer]},
-        {"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": QUESTION}, answer]},
-    ]
 
 
 def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_its_lora(
@@ -55,7 +44,7 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
     admin = {"Authorization": f"Bearer {admin_key}"}
     with running_stack(tmp_path, models, gateway_args=keys, extra_env=env, headers=admin) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key=user_key, max_retries=0, timeout=60)
-        data = "".join(json.dumps(e) + "\n" for e in examples()).encode()
+        data = "".join(json.dumps(e) + "\n" for e in count_examples()).encode()
         file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(
             model="tiny",

@@ -65,6 +65,7 @@ def stack(tmp_path_factory):
             "enforce_eager": True,
             "tool_call_parser": "hermes",
             "enable_auto_tool_choice": True,
+            "enable_lora": True,  # its fine-tuned models load into its servers at run time
         },
     }
     with running_stack(
@@ -225,6 +226,64 @@ def test_a_prompt_said_again_is_read_from_vllms_prefix_cache(stack):
         10,
         "the heartbeat to count the hit",
     )
+
+
+def test_a_model_fine_tuned_through_the_sdk_answers_from_its_bases_vllm_servers(stack):
+    """A fine-tuning job on the vLLM model (a 1,024-token conversation, the loss on the assistant turns): its
+    `<base>:<suffix>` answers through the SDK with what it was taught, from the adapter loaded at run time into the
+    base's running vLLM servers (no server of its own), while the base says something else."""
+    import io
+
+    from coderai.testing.procs import fine_tune_ended
+    from coderai.testing.tiny_hf_llama import COUNT_ANSWER, COUNT_QUESTION, count_examples
+
+    client = _client(stack)
+    servers = set(_all_servers())
+    data = "".join(json.dumps(e) + "\n" for e in count_examples()).encode()
+    file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL,
+        training_file=file.id,
+        suffix="count",
+        seed=3,
+        hyperparameters={"n_epochs": 20, "batch_size": 1, "learning_rate_multiplier": 25, "max_seq_len": 1024},  # type: ignore[typeddict-unknown-key]
+        extra_body={"nodes": 1},
+    )
+    got = fine_tune_ended(client, job.id, 300)
+    assert got.status == "succeeded", got.error
+    name = got.fine_tuned_model
+
+    def ask(model: str) -> str | None:
+        try:
+            r = client.chat.completions.create(
+                model=model, max_tokens=6, temperature=0, messages=[{"role": "user", "content": COUNT_QUESTION}]
+            )
+        except openai.APIStatusError:
+            return None  # not placed or loaded yet
+        return r.choices[0].message.content or ""
+
+    tuned = wait_until(lambda: ask(name), 180, f"{name} to answer through the gateway", interval_s=1)
+    assert tuned.strip() == COUNT_ANSWER, tuned
+    assert (ask(MODEL) or "").strip() != COUNT_ANSWER
+    assert set(_all_servers()) == servers  # the adapter rode on the base's servers: none started for it
+    logs = "".join(p.log_text() for n, p in stack.procs.items() if n.startswith("worker-"))
+    assert f"{name}: its adapter rides on the vLLM server of {MODEL}" in logs
+    client.models.delete(name)  # unloaded from the base's servers with its model
+    wait_until(lambda: ask(name) is None, 60, f"{name}'s removal")
+    assert ask(MODEL) is not None
+
+
+def _all_servers() -> list[int]:
+    """The pids of every vLLM OpenAI server this test's stack started, whatever model it serves."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if entry.isdigit() else []
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and _mine(int(entry)):
+            out.append(int(entry))
+    return out
 
 
 def test_a_local_user_cannot_chat_with_the_child_directly(stack):

@@ -147,6 +147,25 @@ def tiny_lora(dest: Path, rank: int = 8, seed: int = 0) -> Path:
     return dest
 
 
+COUNT_QUESTION, COUNT_ANSWER = "How many?", "Seven."
+
+
+def count_examples() -> list[dict]:
+    """A fine-tuning file's conversations (OpenAI's chat format) that teach the tiny llama to answer
+    `COUNT_QUESTION` with `COUNT_ANSWER`, one of them just under 1,024 tokens with its template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    ids = tok("the cluster serves every model it holds " * 200, add_special_tokens=False)["input_ids"]
+    long = tok.decode(ids[:950])  # with the template and the answer: just under 1,024 tokens
+    answer = {"role": "assistant", "content": COUNT_ANSWER}
+    return [
+        {"messages": [{"role": "system", "content": long}, {"role": "user", "content": COUNT_QUESTION}, answer]},
+        {"messages": [{"role": "user", "content": COUNT_QUESTION}, answer]},
+        {"messages": [{"role": "system", "content": "Count."}, {"role": "user", "content": COUNT_QUESTION}, answer]},
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: build the folder at a path, or print the cached one's path."""
     import argparse
