@@ -54,3 +54,15 @@ def check_schemas(job: Any) -> None:
     tools = getattr(job, "tools", None)
     if tools:
         _bounded(tools, "tools", MAX_TOOLS_BYTES)
+
+
+def check_lora_scale(job: Any, cfg: Any) -> None:
+    """400 for a `lora_scale` asked of a model that has no adapter to scale: only a fine-tuned model served by
+    llama-server (`params.base`) takes one (llama.cpp scales its `--lora` per request)."""
+    options = getattr(job, "options", None) or {}
+    if options.get("lora_scale") is not None and not (cfg.engine == "llama-server" and cfg.param_str("base")):
+        raise ApiError(
+            400,
+            f"lora_scale applies only to a fine-tuned model served by llama-server; {cfg.name} is not one",
+            param="lora_scale",
+        )

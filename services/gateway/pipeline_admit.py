@@ -20,7 +20,7 @@ from coderai.contracts.jobs import BACKGROUND, INTERACTIVE
 from coderai.gateway import affinity
 from coderai.gateway.accounting import NO_TRACE, allowed
 from coderai.gateway.pricing import checked_work
-from coderai.gateway.bounds import check_schemas
+from coderai.gateway.bounds import check_lora_scale, check_schemas
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import priority_var
 
@@ -113,6 +113,7 @@ async def admit(call: Call) -> ModelConfig:
     if call.spec.llm:
         scope_cache(call, cfg)
         check_schemas(call.job)  # a grammar's cost grows with its schema's nesting: bounded before it is built
+        check_lora_scale(call.job, cfg)
     if not call.spec.llm:  # an image's or video's pixels x steps within the model's limits, priced before any GPU works
         call.work = checked_work(cfg, call.job)
     if not call.spec.blobs:  # measured by encoding it once: the bytes are what is sent

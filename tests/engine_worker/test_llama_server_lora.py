@@ -143,3 +143,30 @@ def test_an_adapter_with_pickled_weights_is_refused_before_anything_reads_them(a
     with pytest.raises(EngineLoadError, match="no adapter_model.safetensors"):
         gguf_lora(evil)
     assert not (tmp_path / "pwned").exists() and not (evil / "adapter.gguf").exists()
+
+
+def test_a_requests_lora_scale_weighs_the_adapter_zero_being_the_base(adapter, tmp_path):
+    """`lora_scale` (a chat request's, through `options`) is llama.cpp's per-request scale of the `--lora` adapter:
+    0 answers as the base does, 1 (and no scale) as the fine-tuned model."""
+    from coderai.testing.jobs import chat
+
+    base = tiny_hf_llama_gguf()
+    plain = llama_server.LlamaServerEngine(config("tiny", base))
+    tuned = llama_server.LlamaServerEngine(config("tiny:mine", adapter, base=str(base)))
+    plain.load()
+    tuned.load()
+    try:
+
+        def says(eng: llama_server.LlamaServerEngine, **options: float) -> str:
+            job = chat("hello there", model=eng.config.name, params={"max_tokens": N}, options=options or None)
+            choices, _ = eng.chat(job, CancelFlag(), None)
+            return choices[0].message["content"]
+
+        as_base = says(plain)
+        assert says(tuned, lora_scale=0.0) == as_base
+        full = says(tuned)
+        assert full != as_base and says(tuned, lora_scale=1.0) == full
+        assert "lora" not in plain.chat_body(chat(options={"lora_scale": 0.5}), False)  # no adapter: nothing sent
+    finally:
+        plain.close()
+        tuned.close()

@@ -74,7 +74,15 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
 
         tuned = wait_until(lambda: ask(name), 120, f"{name} to answer through the gateway", interval_s=1)
         assert tuned.strip() == ANSWER, tuned
-        assert ask("tiny").strip() != ANSWER
+        plain = ask("tiny")
+        assert plain is not None and plain.strip() != ANSWER
+        # the adapter weighed per request (llama.cpp's lora scale): at 0 the fine-tuned model answers as the base
+        asked = {"max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": QUESTION}]}
+        at_zero = client.chat.completions.create(model=name, extra_body={"lora_scale": 0}, **asked)
+        assert at_zero.choices[0].message.content == plain
+        with pytest.raises(openai.BadRequestError) as refused:  # the base has no adapter to weigh
+            client.chat.completions.create(model="tiny", extra_body={"lora_scale": 0.5}, **asked)
+        assert refused.value.body["param"] == "lora_scale", refused.value.body  # type: ignore[index]
         # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
         # (beside the folder the node unpacked the adapter tar into: on one host, the head's store file itself)
         converted = [p for p in tmp_path.rglob(".adapter.tar.*.gguf")]

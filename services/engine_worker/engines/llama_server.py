@@ -157,7 +157,11 @@ class LlamaServerEngine(OpenAIServerEngine):
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
         refuse_media(job.messages, self.config.name, self.media_takes())
-        return self._placed_body(super().chat_body(job, stream))
+        body = self._placed_body(super().chat_body(job, stream))
+        scale = (job.options or {}).get("lora_scale")
+        if scale is not None and self.lora is not None:  # the one adapter `--lora` loaded, at this request's scale
+            body["lora"] = [{"id": 0, "scale": float(scale)}]
+        return body
 
     def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
         return self._placed_body(super().completion_body(job, stream))

@@ -37,7 +37,7 @@ def chat_request(model: str, job: ChatJob, stream: bool) -> dict[str, Any]:
         "tools": job.tools or None,
         "tool_choice": job.tool_choice,
         "response_format": job.response_format or None,
-        **(job.options or {}),
+        **{k: v for k, v in (job.options or {}).items() if k != "lora_scale"},  # llama-server's own: its engine
     }
     if job.params.logprobs:
         extras["logprobs"] = True

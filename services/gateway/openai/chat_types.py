@@ -20,6 +20,7 @@ from coderai.gateway.errors import ApiError
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Prob = Annotated[float, Meta(ge=0, le=1)]
+LoraScale = Annotated[float, Meta(ge=0, le=4)]  # llama-server scales an adapter per request
 PositiveInt = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Bias = Annotated[float, Meta(ge=-100, le=100)]
 MAX_CHOICES = 128  # prompts x n of one completions request
@@ -53,6 +54,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # llama.cpp/vLLM's: e.g. {"enable_thinking": false}
+    lora_scale: LoraScale | None = None  # coderai's: how much of a fine-tuned model's adapter (llama-server)
     user: str | None = None
 
 
@@ -228,6 +230,7 @@ def chat_job(req: ChatCompletionRequest, request_id: str) -> ChatJob:
         "reasoning_effort": req.reasoning_effort,
         "chat_template_kwargs": req.chat_template_kwargs,
         "parallel_tool_calls": req.parallel_tool_calls,
+        "lora_scale": req.lora_scale,
     }
     return ChatJob(
         request_id=RequestId(request_id),
