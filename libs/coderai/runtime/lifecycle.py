@@ -47,7 +47,19 @@ async def serve_until_stopped(
         loop.add_signal_handler(s, _on_signal, s)
     stack = contextlib.AsyncExitStack()
     try:
-        await start(stack, stop)
+        # a signal while starting (a worker still looking for its head, a bus not reachable yet) stops the start
+        # at once: it would otherwise go on until the process is killed
+        starting = asyncio.ensure_future(start(stack, stop))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not starting.done():
+            await stop_task(starting)
+            log.info("stopped before it was ready")
+            return
+        starting.result()
         log.info("ready")
         await stop.wait()
     finally:
