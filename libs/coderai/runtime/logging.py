@@ -107,6 +107,18 @@ class RingHandler(logging.Handler):
 ring = RingHandler()
 
 
+class _KnownNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" each time a TLS connection
+    to NATS closes (nats-py's protocol returns True there): two lines per service at every reconnect or stop, none
+    of which an operator can act on. Every other asyncio warning is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+_known_noise = _KnownNoise()
+
+
 def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str = "auto") -> None:
     """Configure the root logger once per process."""
     _static.update(service=service, node_id=node_id)
@@ -123,6 +135,8 @@ def setup_logging(service: str, node_id: str = "", level: str = "INFO", fmt: str
     # llama-server engine (the worker polls its /metrics); the budget is docs/architecture.md's "Logs"
     for noisy in ("nats", "asyncio", "gguf", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    if _known_noise not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_known_noise)
 
 
 def log_fields(**fields: object) -> dict[str, dict[str, object]]:
