@@ -7,9 +7,6 @@ owner only; to anyone else it is absent."""
 
 from __future__ import annotations
 
-import io
-import json
-
 import httpx
 
 import pytest
@@ -19,12 +16,12 @@ openai = pytest.importorskip("openai")
 
 from coderai.engine_worker.engines import llama_server
 from coderai.engine_worker.engines.lora_gguf import find_converter
-from coderai.testing.procs import fine_tune_ended, wait_until
+from coderai.testing.count_tune import ask_count, count_tune
+from coderai.testing.procs import wait_until
 from coderai.testing.stack import running_stack
 from coderai.testing.tiny_hf_llama import (
     COUNT_ANSWER as ANSWER,
     COUNT_QUESTION as QUESTION,
-    count_examples,
     tiny_hf_llama,
     tiny_hf_llama_gguf,
 )
@@ -44,33 +41,15 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
     admin = {"Authorization": f"Bearer {admin_key}"}
     with running_stack(tmp_path, models, gateway_args=keys, extra_env=env, headers=admin) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key=user_key, max_retries=0, timeout=60)
-        data = "".join(json.dumps(e) + "\n" for e in count_examples()).encode()
-        file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(
-            model="tiny",
-            training_file=file.id,
-            suffix="count",
-            seed=3,
-            # max_seq_len: coderai's (the model's context by default; 1,024 here, which the long conversation fills)
-            hyperparameters={"n_epochs": 20, "batch_size": 1, "learning_rate_multiplier": 25, "max_seq_len": 1024},  # type: ignore[typeddict-unknown-key]
-            extra_body={"nodes": 1},
-        )
-        got = fine_tune_ended(client, job.id, 300)
+        got = count_tune(client, "tiny")
         worker = stack.procs["worker-w1"].log_text()
         assert got.status == "succeeded", (got.error, worker[-3000:])
         assert "trains on 3 examples (0 cut to 1024 tokens, 0 left out" in worker and "loss on assistant" in worker
         name = got.fine_tuned_model
-        assert name == f"tiny:count-{job.id.removeprefix('ftjob-')[:8]}"
+        assert name == f"tiny:count-{got.id.removeprefix('ftjob-')[:8]}"
 
         def ask(model: str) -> str | None:
-            try:
-                r = client.chat.completions.create(
-                    model=model, max_tokens=6, temperature=0, messages=[{"role": "user", "content": QUESTION}]
-                )
-            except openai.APIStatusError:
-                return None  # not placed or loaded yet
-            assert r.model == model
-            return r.choices[0].message.content or ""
+            return ask_count(client, model)
 
         tuned = wait_until(lambda: ask(name), 120, f"{name} to answer through the gateway", interval_s=1)
         assert tuned.strip() == ANSWER, tuned
@@ -86,7 +65,7 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
         # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
         # (beside the folder the node unpacked the adapter tar into: on one host, the head's store file itself)
         converted = [p for p in tmp_path.rglob(".adapter.tar.*.gguf")]
-        assert [p.parent.name for p in converted] == [job.id], converted
+        assert [p.parent.name for p in converted] == [got.id], converted
         loras(stack.base_url, name, {"alice": user_key, "bob": other_user_key, "admin": admin_key})
 
 

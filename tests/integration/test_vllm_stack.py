@@ -232,35 +232,18 @@ def test_a_model_fine_tuned_through_the_sdk_answers_from_its_bases_vllm_servers(
     """A fine-tuning job on the vLLM model (a 1,024-token conversation, the loss on the assistant turns): its
     `<base>:<suffix>` answers through the SDK with what it was taught, from the adapter loaded at run time into the
     base's running vLLM servers (no server of its own), while the base says something else."""
-    import io
 
-    from coderai.testing.procs import fine_tune_ended
-    from coderai.testing.tiny_hf_llama import COUNT_ANSWER, COUNT_QUESTION, count_examples
+    from coderai.testing.count_tune import ask_count, count_tune
+    from coderai.testing.tiny_hf_llama import COUNT_ANSWER
 
     client = _client(stack)
     servers = set(_all_servers())
-    data = "".join(json.dumps(e) + "\n" for e in count_examples()).encode()
-    file = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
-    job = client.fine_tuning.jobs.create(
-        model=MODEL,
-        training_file=file.id,
-        suffix="count",
-        seed=3,
-        hyperparameters={"n_epochs": 20, "batch_size": 1, "learning_rate_multiplier": 25, "max_seq_len": 1024},  # type: ignore[typeddict-unknown-key]
-        extra_body={"nodes": 1},
-    )
-    got = fine_tune_ended(client, job.id, 300)
+    got = count_tune(client, MODEL)
     assert got.status == "succeeded", got.error
     name = got.fine_tuned_model
 
     def ask(model: str) -> str | None:
-        try:
-            r = client.chat.completions.create(
-                model=model, max_tokens=6, temperature=0, messages=[{"role": "user", "content": COUNT_QUESTION}]
-            )
-        except openai.APIStatusError:
-            return None  # not placed or loaded yet
-        return r.choices[0].message.content or ""
+        return ask_count(client, model)
 
     tuned = wait_until(lambda: ask(name), 180, f"{name} to answer through the gateway", interval_s=1)
     assert tuned.strip() == COUNT_ANSWER, tuned

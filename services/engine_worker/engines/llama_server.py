@@ -159,7 +159,7 @@ class LlamaServerEngine(OpenAIServerEngine):
         refuse_media(job.messages, self.config.name, self.media_takes())
         body = self._placed_body(super().chat_body(job, stream))
         scale = (job.options or {}).get("lora_scale")
-        if scale is not None and self.lora is not None:  # the one adapter `--lora` loaded, at this request's scale
+        if isinstance(scale, (int, float)) and self.lora is not None:  # the one `--lora` adapter, at this scale
             body["lora"] = [{"id": 0, "scale": float(scale)}]
         return body
 
