@@ -262,6 +262,23 @@ def test_fine_tuned_models_load_into_their_bases_server_at_run_time_and_unload(e
     assert b.config.name not in _served(engine)
 
 
+def test_a_local_user_cannot_load_or_unload_adapters_in_the_server(engine, tmp_path):
+    """Attack: with run-time LoRA on, vLLM's `/v1/load_lora_adapter` loads whatever folder it is given (weights a
+    local user wrote, under any name, say the name of another tenant's fine-tuned model) and its unload drops
+    theirs. A local user who finds the child's loopback port in `ps` gets a 401 from both: they want the key
+    only the worker knows, as every /v1 route does."""
+    from coderai.testing.tiny_hf_llama import tiny_lora
+
+    evil = tiny_lora(tmp_path / "evil", seed=9)
+    for path, body in (
+        ("/v1/load_lora_adapter", {"lora_name": "tiny:pirate-1a2b3c4d", "lora_path": str(evil)}),
+        ("/v1/unload_lora_adapter", {"lora_name": "tiny"}),
+    ):
+        r = httpx.post(f"{engine.base_url}{path}", json=body, timeout=30)
+        assert r.status_code == 401, (path, r.status_code, r.text[:200])
+    assert "tiny:pirate-1a2b3c4d" not in _served(engine)
+
+
 def test_a_fine_tuned_model_without_its_bases_server_runs_its_own_and_others_ride_on_it(tmp_path):
     """No server of its base on this worker (here: a copy of the base folder): the fine-tuned model starts one,
     the base with `--enable-lora` and its adapter; a second fine-tuned model of that base loads into it, and is

@@ -62,6 +62,9 @@ def test_a_gguf_model_fine_tuned_answers_as_base_suffix_from_llama_server_with_i
         with pytest.raises(openai.BadRequestError) as refused:  # the base has no adapter to weigh
             client.chat.completions.create(model="tiny", extra_body={"lora_scale": 0.5}, **asked)
         assert refused.value.body["param"] == "lora_scale", refused.value.body  # type: ignore[index]
+        for wrong in (5, -1, "all", [1]):  # out of 0..4, or not a number: a 400, never passed on
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model=name, extra_body={"lora_scale": wrong}, **asked)
         # served by llama-server over the base GGUF, with the adapter converted to a GGUF LoRA on the node
         # (beside the folder the node unpacked the adapter tar into: on one host, the head's store file itself)
         converted = [p for p in tmp_path.rglob(".adapter.tar.*.gguf")]
