@@ -129,15 +129,19 @@ class OpenAIServerEngine(Engine):
 
     def connect(self) -> None:
         """A client for the child where it listens now (after a restart, on another port)."""
+        self.connect_to(self.child, self.auth_headers())
+
+    def connect_to(self, child: ChildServer, headers: dict[str, str]) -> None:
+        """A client for `child` (this engine's own, or a server it shares) with `headers` on every request."""
         old, self.client = (
             self.client,
             OpenAIClient(
-                self.child.base_url,
+                child.base_url,
                 self.config.name,
-                headers=self.auth_headers(),
+                headers=headers,
                 label=self.label,
                 counters=self.counters,
-                state=self.child.state,
+                state=child.state,
             ),
         )
         if old is not None:

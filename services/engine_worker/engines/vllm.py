@@ -40,7 +40,6 @@ import httpx
 from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import EngineLoadError, visible_devices
 from coderai.engine_worker.engines.hf_chat import unpack_adapter
-from coderai.engine_worker.engines.openai_client import OpenAIClient
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.engine_worker.engines.server_load import LoadPoll, read_vllm
 
@@ -196,19 +195,7 @@ class VllmEngine(OpenAIServerEngine):
         server = self.server
         if server is None:
             return super().connect()
-        old, self.client = (
-            self.client,
-            OpenAIClient(
-                server.child.base_url,
-                self.config.name,
-                headers=server.auth_headers(),
-                label=self.label,
-                counters=self.counters,
-                state=server.child.state,
-            ),
-        )
-        if old is not None:
-            old.close()
+        self.connect_to(server.child, server.auth_headers())  # the adapter's name, on the server it rides on
 
     def auth_headers(self) -> dict[str, str]:
         return self.server.auth_headers() if self.server is not None else super().auth_headers()
