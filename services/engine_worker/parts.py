@@ -101,6 +101,10 @@ class PartPuller:
             try:
                 msgs = await self._sub.fetch(1, timeout=FETCH_S)
             except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                # Python 3.11's wait_for can swallow a cancel that meets the fetch's own timeout (gh-86296): a
+                # stop asked for then would wait for this loop forever (an admin's drain timed out so in CI)
+                if self._stopping:
+                    raise asyncio.CancelledError from None
                 continue
             except asyncio.CancelledError:
                 raise
