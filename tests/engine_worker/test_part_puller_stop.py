@@ -15,7 +15,11 @@ from coderai.engine_worker.parts import PartPuller
 class _SwallowingFetch:
     """A pull subscription whose fetch turns the cancel it gets into its timeout, as the race does."""
 
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
     async def fetch(self, batch: int, timeout: float):
+        self.entered.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -24,15 +28,15 @@ class _SwallowingFetch:
 
 async def test_a_stop_ends_the_puller_when_the_cancel_comes_out_as_a_timeout():
     puller = object.__new__(PartPuller)
-    puller._stopping, puller._sub = False, _SwallowingFetch()
+    sub = _SwallowingFetch()
+    puller._stopping, puller._sub = False, sub
 
     async def bound() -> None:
         return None
 
     puller._subscribe = bound  # type: ignore[method-assign]
     task = asyncio.create_task(puller._loop())
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)  # in its fetch now
+    await asyncio.wait_for(sub.entered.wait(), 5)  # in its fetch now
     puller._stopping = True
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -15,9 +15,11 @@ from coderai.testing.stack import clean_env
 async def test_a_stop_while_starting_cancels_the_start_and_closes_what_it_opened():
     stop = asyncio.Event()
     opened, cancelled = [], []
+    started = asyncio.Event()
 
     async def start(stack, _stop):
         stack.callback(opened.append, "closed")
+        started.set()
         try:
             await asyncio.Event().wait()  # looking for a head that never shows up
         except asyncio.CancelledError:
@@ -25,7 +27,7 @@ async def test_a_stop_while_starting_cancels_the_start_and_closes_what_it_opened
             raise
 
     serving = asyncio.create_task(serve_until_stopped(start, stop=stop))
-    await asyncio.sleep(0)  # the start is under way
+    await asyncio.wait_for(started.wait(), 5)  # the start is under way
     stop.set()
     await asyncio.wait_for(serving, 5)
     assert cancelled == [True] and opened == ["closed"]
