@@ -66,12 +66,12 @@ async def _fan_out(call: Call) -> tuple[Final | None, RouteDecision | None]:
     the merged `Final`. Otherwise (None, the route decision to reuse for the single engine)."""
     decision = await call.gw.relay.route(call.route, [], call.bus_headers())
     plan = None
-    if decision.holders >= 2:  # transcription and OCR plans decode the upload: off the event loop
+    # a queue that took no parts lately (fanout/gate.py): whole to one engine at once, with no plan made for it
+    if decision.holders >= 2 and call.gw.queue_gate.open(work_consumer(call.job.model, call.op)):
+        # transcription and OCR plans decode the upload: off the event loop
         plan = await asyncio.to_thread(plans.plan, call.op, call.job, decision.holders, call.cfg.distribute)
     if plan is None:
         return None, decision
-    if not call.gw.queue_gate.open(work_consumer(call.job.model, call.op)):
-        return None, decision  # its queue took no parts lately (fanout/gate.py): whole to one engine, at once
     call.route_reason, call.parts = "fanout", len(plan.jobs)
     try:
         final = await scatter(call.gw, call.op, call.job, plan, call.bus_headers())
