@@ -96,6 +96,33 @@ def test_connections_number_the_requests_at_once_not_the_threads_that_ran_them(s
     c.close()
 
 
+def test_connections_idle_too_long_are_closed_and_the_pool_shrinks_back(server):
+    """A burst grows the pool to the requests it had at once; once they wait unused for `idle_s` they are closed
+    (by `prune`, which the engine's supervisor calls on every poll, or by the next request), so a worker's fds
+    come back to what they were after the burst (the soak read three kept connections as fd growth +2)."""
+    port = server.server_address[1]
+    kept = LoopbackClient("127.0.0.1", port, idle_s=3600.0)
+    gone = LoopbackClient("127.0.0.1", port, idle_s=0.0)
+    for c in (kept, gone):
+        with (
+            c.stream("/stream", b'{"n": 1}', {}) as (_, a),
+            c.stream("/stream", b'{"n": 1}', {}) as (_, b),
+            c.stream("/stream", b'{"n": 1}', {}) as (_, d),
+        ):
+            assert len(list(a)) == len(list(b)) == len(list(d)) == 2
+        assert len(c._all) == len(c._idle) == 3  # the burst's three, kept
+    assert kept.prune() == 0 and len(kept._all) == 3  # not idle long enough
+    assert gone.prune() == 3 and not gone._all and not gone._idle
+    socks = {conn.sock.getsockname() for conn in kept._all}
+    assert json.loads(kept.post("/x", b'{"i": 1}', {}).body)["echo"] == {"i": 1}
+    assert {conn.sock.getsockname() for conn in kept._all} == socks  # reused one of its three
+    gone.post("/x", b"{}", {})
+    gone.post("/x", b"{}", {})  # the first one's connection, idle past 0 s, is closed before this one goes
+    assert len(gone._all) == 1
+    kept.close()
+    gone.close()
+
+
 def test_a_connection_the_server_closed_is_replaced_and_the_request_sent_once(server):
     _Handler.drop_after_answer = True
     c = LoopbackClient("127.0.0.1", server.server_address[1])

@@ -221,3 +221,19 @@ def test_a_load_poll_reads_a_real_server_on_its_own_thread_and_stops(one_slot):
     finally:
         poll.stop()
     assert not poll._thread.is_alive()
+
+
+def test_the_supervisor_closes_the_server_connections_left_idle(one_slot):
+    """A connection kept after a request and then left unused is closed by the engine's supervisor (which polls
+    the child every half second), not held until the next request: a worker's fds shrink back after a burst."""
+    _, eng = one_slot
+    http = eng.client.http
+    was, http.idle_s = http.idle_s, 3600.0
+    try:
+        assert eng.post_json("/tokenize", {"content": "hi"}, "t")["tokens"]
+        assert http._idle  # kept
+        http.idle_s = 0.0
+        wait_until(lambda: not http._all, 30, "the supervisor to close the idle connection")
+        assert eng.post_json("/tokenize", {"content": "hi"}, "t")["tokens"]  # a new one serves the next request
+    finally:
+        http.idle_s = was

@@ -111,8 +111,17 @@ class OpenAIServerEngine(Engine):
     def supervise(self, on_alive: Callable[[httpx.Client], None] | None = None) -> None:
         """Have the child restarted when it dies (`child_server`'s supervisor, which starts every later child,
         so each dies with it): the engine is reported lost meanwhile, so a request it was answering goes to
-        another copy, and back once a new child answers; `on_alive(probe)` runs on every poll while it lives."""
-        self.child.supervise(on_alive=on_alive, on_exit=self._lost, on_restart=self._restarted)
+        another copy, and back once a new child answers; `on_alive(probe)` runs on every poll while it lives, after
+        the client's connections idle too long are closed."""
+
+        def alive(probe: httpx.Client) -> None:
+            client = self.client
+            if client is not None:
+                client.http.prune()
+            if on_alive is not None:
+                on_alive(probe)
+
+        self.child.supervise(on_alive=alive, on_exit=self._lost, on_restart=self._restarted)
 
     @property
     def restarts(self) -> int:
