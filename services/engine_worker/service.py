@@ -27,7 +27,7 @@ from coderai.engine_worker.settings import WorkerSettings
 from coderai.engine_worker.thermal import Thermal, thermal_for
 from coderai.engine_worker.training import TrainingHost, training_capabilities
 from coderai.contracts import BusError
-from coderai.runtime.joining import JoinRefused, join, saved_url
+from coderai.runtime.joining import JoinRefused, join, remember_head, saved_url
 from coderai.runtime.bus import DEFAULT_NATS_URL, Bus
 from coderai.runtime.members import node_inbox
 from coderai.runtime.tls import ca_text, client_context
@@ -100,6 +100,7 @@ class Worker:
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         s = self.settings
         self.bus = await self._connect()
+        self._note_head()
         stack.push_async_callback(self.bus.close)
         reached = self.bus.nc.connected_url  # the server this node reached
         if reached is None:
@@ -267,7 +268,18 @@ class Worker:
             self._watch_task.cancel()
         self._watch_task = asyncio.create_task(self._watch_assignment())
 
+    def _note_head(self) -> None:
+        """The head this node's saved login reached, kept in its list of heads (joining.remember_head)."""
+        s, bus = self.settings, self.bus
+        if bus is None or not s.cluster_token or user_of(s.nats_url)[0]:
+            return
+        where = bus.nc.connected_url
+        if where is not None and where.hostname and where.port:
+            host = f"[{where.hostname}]" if ":" in where.hostname else where.hostname
+            remember_head(s.data_dir, self.node_id, f"nats://{host}:{where.port}")
+
     async def _on_reconnect(self) -> None:
+        self._note_head()
         if self.settings.models_json:
             await self.publish_heartbeat()
             return

@@ -181,18 +181,20 @@ class Membership:
                 self._apply(reg)
         log.info("node %s joined", node_id)
         user = members.node_user(node_id)
+        # every head the bucket lists and this head's own file names (a read through a consumer can come back
+        # short on a busy head, and a head invited from here is in the file before it is in the bucket): a worker
+        # whose welcome named fewer could not reach the others once the head it joined died
+        on_file = heads.urls(heads.load(self.members_file.parent.parent))
         try:  # the heads bucket's keys are listed through a consumer: seconds on a busy head
-            urls = self._head_urls = await asyncio.wait_for(heads.client_urls(self.bus), 5)
-        except Exception as exc:  # the list read last, else this head's own file of the heads
-            # (without one, the worker reaches the others only through the head it joined while that one lives)
-            urls = self._head_urls or heads.urls(heads.load(self.members_file.parent.parent))
+            read = self._head_urls = await asyncio.wait_for(heads.client_urls(self.bus), 5)
+        except Exception as exc:  # the list read last
+            read = self._head_urls
             log.info(
-                "heads not read for %s's welcome (%s); told %d from %s",
+                "heads not read for %s's welcome (%s); told the last read and this head's heads file",
                 node_id,
-                exc or type(exc).__name__,
-                len(urls),
-                "the last read" if self._head_urls else "this head's heads file",
+                str(exc) or type(exc).__name__,
             )
+        urls = list(dict.fromkeys([*read, *on_file])) if read or len(on_file) > 1 else []
         return JoinWelcome(
             user=user,
             tls_fingerprint=self.tls_fingerprint,

@@ -238,3 +238,26 @@ async def test_over_tls_the_worker_pins_the_ca_it_was_given_and_refuses_another(
         server.stop()
         if other is not None:
             other.stop()
+
+
+async def test_a_welcome_names_every_head_this_head_knows_and_a_node_keeps_the_ones_it_reaches(head, tmp_path):
+    """The welcome lists the heads the bucket reads and those this head's file names (here no bucket answers, as a
+    short read on a busy head once gave a node only the head it joined: restarted while that head was dead, it
+    reached no other). A head the node's saved login reaches later is kept in its list too."""
+    from coderai.runtime.joining import remember_head, saved_url
+    from coderai.stack.heads import Head, save
+
+    server, _, _ = head
+    save(tmp_path, [Head("h1", "10.9.0.1"), Head("h2", "10.9.0.2")])  # this head's data dir is tmp_path
+    url, _ = await join(server.url, TOKEN, "n2", str(tmp_path / "n2"))
+    creds = tmp_path / "n2" / "node-credentials.json"
+    assert json.loads(creds.read_text())["heads"] == ["nats://10.9.0.1:4222", "nats://10.9.0.2:4222"]
+
+    assert remember_head(str(tmp_path / "n2"), "n2", "nats://10.9.0.3:4222")  # a head that joined later
+    assert not remember_head(str(tmp_path / "n2"), "n2", "nats://10.9.0.3:4222")  # known now
+    assert not remember_head(str(tmp_path / "n2"), "n3", "nats://10.9.0.4:4222")  # another node's file: untouched
+    saved = json.loads(creds.read_text())
+    assert saved["heads"] == ["nats://10.9.0.1:4222", "nats://10.9.0.2:4222", "nats://10.9.0.3:4222"]
+    assert saved["password"] == url.split(":")[2].split("@")[0]  # the login kept as it was
+    dial, _ = saved_url(str(tmp_path / "n2"), server.url, "n2")
+    assert dial.split(",")[1:] == saved["heads"]  # every head after the one it joined

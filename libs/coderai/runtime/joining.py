@@ -56,6 +56,24 @@ def saved_url(data_dir: str, url: str, node_id: str) -> tuple[str, str]:
     return ",".join([with_user(url, saved["user"], saved["password"]), *others]), saved.get("ca_pem", "")
 
 
+def remember_head(data_dir: str, node_id: str, url: str) -> bool:
+    """Add `url` to the heads this node's saved credentials list, when its connection with them reached a head
+    that the list lacks (one that joined the cluster after this node, or that a short welcome left out): TLS with
+    the pinned CA proved it a head of this cluster. Whether the list changed."""
+    try:
+        saved = json.loads(creds_path(data_dir).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(saved, dict) or saved.get("node_id") != node_id or not saved.get("head"):
+        return False
+    known = [h for h in saved.get("heads", []) if isinstance(h, str)] or [saved["head"]]
+    if url in known:
+        return False
+    _save(data_dir, {**saved, "heads": [*known, url]})
+    log.info("this node reached head %s, which its saved list of heads lacked: added", url)
+    return True
+
+
 _SALT = re.compile(r"^\$2[aby]\$(0[4-9]|1[0-2])\$[./A-Za-z0-9]{22}$")  # a cost the worker can afford to recompute
 
 

@@ -69,12 +69,14 @@ async def connect(
             await on_disconnect()
 
     said = ""
+    last = ""  # the last error nats-py reported while connecting (a timeout ending the attempt says nothing)
     told: dict[tuple[str, str], float] = {}  # refusals logged, when
     safe_url = _without_credentials(url)
 
     async def _error(exc: Exception) -> None:
-        nonlocal said
+        nonlocal said, last
         text = str(exc)
+        last = text or type(exc).__name__
         refused = violation(text)
         if refused is not None:
             # a right this login lacks: loud (at ERROR, with the subject), so a missing right shows in the logs and
@@ -143,11 +145,12 @@ async def connect(
                 max(1.0, deadline - time.monotonic()),
             )
         except Exception as exc:  # any failure to reach NATS is retried until the deadline
-            if str(exc) != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
-                said = str(exc)
-                log.warning("cannot connect to NATS at %s: %s", safe_url, said or type(exc).__name__)
+            why = str(exc) or (f"no server answered within {connect_timeout_s:g} s; last: {last or 'nothing'}")
+            if why != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
+                said = why
+                log.warning("cannot connect to NATS at %s: %s", safe_url, why)
             if time.monotonic() > deadline:
-                raise BusError("internal", f"cannot reach NATS at {safe_url}: {exc}", retryable=True) from None
+                raise BusError("internal", f"cannot reach NATS at {safe_url}: {why}", retryable=True) from None
             await asyncio.sleep(0.2)
 
 
