@@ -75,6 +75,25 @@ def test_cancel_stops_the_stream():
     assert frames[-1] == (None, None, "stop")
 
 
+def test_cancel_ends_a_paced_whole_answer_at_the_next_token():
+    """A paced whole answer (no stream) stops at its cancel as a model's does: one whose client left while it was
+    queued used to sleep out all its tokens (2000 at 50 ms: the worker's stop waited out its drain for it)."""
+    eng = _engine(reply="w", token_delay_s=0.001)
+    flag, paced = CancelFlag(), []
+    pace = eng._pace
+
+    def one_token(tokens: int = 1) -> None:  # the client leaves after the third token
+        pace(tokens)
+        paced.append(tokens)
+        if len(paced) == 3:
+            flag.set()
+
+    eng._pace = one_token
+    choices, usage = eng.chat(_chat(max_tokens=100_000), flag, None)  # 100 s uncancelled
+    assert paced == [1, 1, 1] and usage.completion_tokens == 3
+    assert choices[0].finish_reason == "stop" and choices[0].message["content"] == "w w w"
+
+
 def test_complete_defaults_to_16_tokens_and_echo_prepends_prompt():
     eng = _engine(reply="w")
     choices, usage = eng.complete(CompletionJob(request_id="r", model="echo", prompt="p q"), CancelFlag(), None)

@@ -80,6 +80,9 @@ def up(tmp_path_factory, tiny_gguf):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    # a client's leaving cancels its job, whole or streamed, running or queued: nothing is left for the stop to
+    # wait out (a paced whole answer once slept through its cancel, and the worker was killed after its drain)
+    assert "did not stop in time" not in out.read_text(), out.read_text()[-2000:]
 
 
 class Up:

@@ -89,7 +89,13 @@ class EchoEngine(Engine):
                 sent += 1
             emit(None, None, finish if sent == len(pieces) else "stop")
             return [], _usage(prompt, sent)
-        self._pace(len(pieces))
+        if self.token_delay_s:  # a token at a time, as a model generates: a cancel ends it at the next token
+            done = 0
+            while done < len(pieces) and not cancel:
+                self._pace()
+                done += 1
+            if done < len(pieces):
+                pieces, finish = pieces[:done], "stop"
         text = "".join(pieces)
         n = max(1, job.params.n)
         choices = [
