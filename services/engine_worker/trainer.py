@@ -161,7 +161,11 @@ def context_of(model, tok) -> int:
     return 2048
 
 
-def _batch(torch, examples: list[Example], pad: int, device):
+def _batch(torch, examples: list[Example], pad: int, device, parts: list[list[int]] | None = None):
+    """(input ids, attention mask, labels, position ids, real tokens) of a step's rows, padded to the longest.
+    `parts`: each row's example lengths when rows are packs (`pack`): then the mask is 4-D and block-diagonal (a
+    token sees only the earlier tokens of its own example) and the positions start again at each example, so a
+    pack's logits are its examples' own, as if each ran alone; else the mask is the usual 2-D one."""
     n = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), n), pad, dtype=torch.long)
     mask = torch.zeros((len(examples), n), dtype=torch.long)
@@ -170,7 +174,58 @@ def _batch(torch, examples: list[Example], pad: int, device):
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1
         labels[i, : len(lab)] = torch.tensor(lab)
-    return ids.to(device), mask.to(device), labels.to(device)
+    real = int(mask.sum().item())
+    if parts is None:
+        return ids.to(device), mask.to(device), labels.to(device), None, real
+    seg = torch.empty((len(examples), n), dtype=torch.long)
+    pos = torch.zeros((len(examples), n), dtype=torch.long)
+    for i, lengths in enumerate(parts):
+        at = 0
+        for k, length in enumerate(lengths):
+            seg[i, at : at + length] = k
+            pos[i, at : at + length] = torch.arange(length)
+            at += length
+        seg[i, at:] = -1 - torch.arange(n - at)  # each padding position alone (a row with nothing to see is NaN)
+    causal = torch.ones((n, n), dtype=torch.bool).tril()
+    allow = (seg[:, :, None] == seg[:, None, :]) & causal
+    return ids.to(device), allow[:, None].to(device), labels.to(device), pos.to(device), real
+
+
+def pack(lengths: list[int], max_len: int) -> list[list[int]]:
+    """The examples (by index) in packs of at most `max_len` tokens in all, as few as best-fit decreasing finds:
+    the longest first, each into the fullest pack it still fits. The same on every rank (no randomness)."""
+    import bisect
+
+    packs: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, pack index), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(room, (lengths[i], -1))
+        if at < len(room):
+            left, p = room.pop(at)
+            packs[p].append(i)
+            left -= lengths[i]
+        else:
+            packs.append([i])
+            p, left = len(packs) - 1, max_len - lengths[i]
+        if left > 0:
+            bisect.insort(room, (left, p))
+    return packs
+
+
+def packed(examples: list[Example], packs: list[list[int]]) -> tuple[list[Example], list[list[int]]]:
+    """Each pack as one row (its examples' tokens one after another; each example's first token predicted by
+    nothing, as when it runs alone) and each row's example lengths, for `_batch`."""
+    rows, parts = [], []
+    for members in packs:
+        ids: list[int] = []
+        labels: list[int] = []
+        for i in members:
+            seq, lab = examples[i]
+            ids += seq
+            labels += [IGNORE, *lab[1:]]
+        rows.append((ids, labels))
+        parts.append([len(examples[i][0]) for i in members])
+    return rows, parts
 
 
 def validation_loss(model, examples: list[Example], device) -> tuple[float, int]:
@@ -310,6 +365,9 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
             )
         valid = _encode(tok, parse_examples(valid_path.read_bytes()), max_len, hp.train_on)[0] if valid_path else []
         mine = valid[spec.rank :: spec.world_size]  # this rank's share of the validation examples
+        n_examples, parts = len(examples), None
+        if hp.batching == "pack":  # several examples a row, each seeing only itself: fewer, fuller rows
+            examples, parts = packed(examples, pack([len(ids) for ids, _ in examples], max_len))
         per_epoch, total = plan_steps(len(examples), spec.world_size, hp.batch_size, hp.n_epochs)
         opt = torch.optim.AdamW(params, lr=BASE_LEARNING_RATE * hp.learning_rate_multiplier, weight_decay=0.0)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -317,7 +375,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         say(
             event="started",
             total_steps=total,
-            examples=len(examples),
+            examples=n_examples,
             valid_examples=len(valid),
             backend=backend,
             max_seq_len=max_len,
@@ -328,17 +386,20 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
         step = 0
         trained = 0
         lengths = [len(ids) for ids, _ in examples]
-        bucket = hp.batching == "bucket"
+        bucket = hp.batching != "shuffle"  # packs of unlike totals are bucketed as examples are
         for epoch in range(hp.n_epochs):
             order = epoch_order(lengths, spec.seed, epoch, hp.batch_size, spec.world_size, bucket)
             if epoch == 0:
                 waste = padding_share(order, lengths, per_epoch, hp.batch_size, spec.world_size)
-                say(event="batching", batching=hp.batching, padding=round(waste, 4))
+                packs = {"packs": len(examples)} if parts is not None else {}
+                say(event="batching", batching=hp.batching, padding=round(waste, 4), **packs)
             for s in range(per_epoch):
                 t0 = time.monotonic()
-                seqs = [examples[i] for i in rank_batch(order, s, spec.rank, spec.world_size, hp.batch_size)]
-                ids, mask, labels = _batch(torch, seqs, pad, device)
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                rows = rank_batch(order, s, spec.rank, spec.world_size, hp.batch_size)
+                seqs = [examples[i] for i in rows]
+                row_parts = [parts[i] for i in rows] if parts is not None else None
+                ids, mask, labels, pos, real = _batch(torch, seqs, pad, device, row_parts)
+                loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
                 loss.backward()
                 grads: list[torch.Tensor] = []
                 for p in params:
@@ -354,7 +415,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
                     off += n
                 opt.step()
                 opt.zero_grad(set_to_none=False)
-                stats = torch.tensor([loss.detach().float().item(), float(mask.sum().item())], device=device)
+                stats = torch.tensor([loss.detach().float().item(), float(real)], device=device)
                 _collective(dist.all_reduce, stats)
                 step += 1
                 tokens = int(stats[1].item())

@@ -336,10 +336,11 @@ class TrainingHost:
                 )
             elif kind == "batching":
                 log.info(
-                    "training job %s: rank %d batches by %s, %.1f %% of the first epoch's batches padding",
+                    "training job %s: rank %d batches by %s%s, %.1f %% of the first epoch's batches padding",
                     spec.job_id,
                     spec.rank,
                     evt.get("batching"),
+                    f" ({evt['packs']} packs)" if "packs" in evt else "",
                     100 * float(evt.get("padding") or 0),
                 )
             elif kind == "step" and spec.rank == 0:

@@ -245,9 +245,11 @@ def test_a_long_example_is_cut_to_the_sequence_length_and_says_so():
 
 
 @pytest.mark.slow
-def test_one_rank_learns_a_1024_token_conversation_and_leaves_out_one_with_nothing_left_to_learn(tmp_path):
+@pytest.mark.parametrize("batching", ["bucket", "pack"])
+def test_one_rank_learns_a_1024_token_conversation_and_leaves_out_one_with_nothing_left_to_learn(tmp_path, batching):
     """The trainer process itself (one rank, gloo on loopback): a 1,024-token limit, a conversation that fills
-    it, one whose answer lies past it (left out, and said), and the loss on the answers going down."""
+    it, one whose answer lies past it (left out, and said), and the loss on the answers going down; batched as
+    examples of like lengths, or packed (the short one and the one that fills the limit share one row)."""
     import json
     import subprocess
     import sys
@@ -284,7 +286,9 @@ def test_one_rank_learns_a_1024_token_conversation_and_leaves_out_one_with_nothi
         base_path=str(tiny_hf_llama()),
         data_store_path="",
         adapter_store_path="",
-        hyperparameters=Hyperparameters(n_epochs=4, batch_size=2, learning_rate_multiplier=20, max_seq_len=1024),
+        hyperparameters=Hyperparameters(
+            n_epochs=4, batch_size=2, learning_rate_multiplier=20, max_seq_len=1024, batching=batching
+        ),
     )
     (tmp_path / "spec.json").write_bytes(encode(spec))
     r = subprocess.run(
@@ -299,6 +303,8 @@ def test_one_rank_learns_a_1024_token_conversation_and_leaves_out_one_with_nothi
     started = events[0]
     assert started["event"] == "started" and started["max_seq_len"] == 1024 and started["train_on"] == "assistant"
     assert (started["examples"], started["cut_examples"], started["left_out"]) == (2, 1, 1)
+    batched = next(e for e in events if e["event"] == "batching")
+    assert batched["batching"] == batching and batched.get("packs") == (1 if batching == "pack" else None)
     losses = [e["loss"] for e in events if e["event"] == "step"]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert events[-1]["event"] == "done" and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
@@ -320,3 +326,65 @@ def test_bucketed_batches_hold_like_lengths_cover_every_example_and_agree_on_eve
     firsts = [lengths[bucketed[s * 8]] for s in range(per_epoch)]
     assert firsts != sorted(firsts)
     assert epoch_order(lengths, 7, 0, 1, 2, bucket=True) == epoch_order(lengths, 7, 0, 1, 2, bucket=False)
+
+
+def test_packs_hold_every_example_once_within_the_length_and_few_rows():
+    from coderai.engine_worker.trainer import pack
+
+    lengths = [random.Random(i).choice((20, 60, 300, 1000)) for i in range(200)]
+    packs = pack(lengths, 1024)
+    assert sorted(i for p in packs for i in p) == list(range(200))  # each example once
+    assert all(sum(lengths[i] for i in p) <= 1024 for p in packs)
+    assert packs == pack(lengths, 1024)  # the same on every rank
+    fill = sum(lengths) / (len(packs) * 1024)
+    assert len(packs) < 200 / 2 and fill > 0.9, (len(packs), fill)  # here 200 examples in 67 rows, 99 % full
+    assert pack([1024, 1024], 1024) == [[0], [1]] and pack([], 8) == []
+    assert pack([3, 5, 4, 4], 8) == [[1, 0], [2, 3]]  # best fit: the 3 joins the 5, the 4s share a row
+
+
+def test_a_pack_gives_each_example_the_logits_and_loss_it_has_alone():
+    """Packed rows are exact: a token sees only the earlier tokens of its own example (a block-diagonal mask)
+    and positions start again at each example, so the pack's logits are each example's own, its loss is their
+    token-weighted mean, and no example's first token is predicted from the one before it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from coderai.engine_worker.trainer import IGNORE, _batch, encode_example, pack, packed
+    from coderai.testing.tiny_hf_llama import tiny_hf_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_llama())
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf_llama(), dtype=torch.float32)
+    model.eval()
+    convs = [
+        CONVERSATION,
+        [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "Seven."}],
+        [{"role": "user", "content": "Say hi " * 30}, {"role": "assistant", "content": "Hi."}],
+    ]
+    examples = [encode_example(tok, c, 4096)[0] for c in convs]
+    lengths = [len(ids) for ids, _ in examples]
+    packs = pack(lengths, sum(lengths))  # all three in one row
+    rows, parts = packed(examples, packs)
+    assert len(rows) == 1 and parts == [[lengths[i] for i in packs[0]]]
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        ids, mask, labels, pos, real = _batch(torch, rows + [examples[1]], 0, cpu, parts + [[lengths[1]]])
+        assert mask.shape == (2, 1, ids.shape[1], ids.shape[1]) and real == sum(lengths) + lengths[1]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+        at, total, count = 0, 0.0, 0
+        for i in packs[0]:
+            seq, lab = examples[i]
+            alone = model(input_ids=torch.tensor([seq]), labels=torch.tensor([lab]))
+            assert torch.allclose(out.logits[0, at : at + len(seq)], alone.logits[0], atol=1e-4), i
+            assert labels[0, at].item() == IGNORE  # nothing before it in the row predicts its first token
+            n = sum(1 for t in lab[1:] if t != IGNORE)
+            total, count = total + alone.loss.item() * n, count + n
+            at += len(seq)
+        # the second row (one example, padded to the pack's length) is its example alone too
+        alone = model(input_ids=torch.tensor([examples[1][0]]))
+        assert torch.allclose(out.logits[1, : lengths[1]], alone.logits[0], atol=1e-4)
+        n1 = sum(1 for t in examples[1][1][1:] if t != IGNORE)
+        mean = (
+            total
+            + model(input_ids=torch.tensor([examples[1][0]]), labels=torch.tensor([examples[1][1]])).loss.item() * n1
+        ) / (count + n1)
+        assert out.loss.item() == pytest.approx(mean, rel=1e-4)

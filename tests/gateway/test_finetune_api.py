@@ -103,6 +103,7 @@ def test_sequence_length_and_what_the_loss_counts_are_hyperparameters():
     assert (c.hyperparameters.max_seq_len, c.hyperparameters.train_on) == (1024, "all")
     assert c.hyperparameters.batching == "bucket"  # batches of like lengths unless asked
     assert resolve(req(hyperparameters={"batching": "shuffle"}), "ftjob-1").hyperparameters.batching == "shuffle"
+    assert resolve(req(hyperparameters={"batching": "pack"}), "ftjob-1").hyperparameters.batching == "pack"
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,8 @@ def test_sequence_length_and_what_the_loss_counts_are_hyperparameters():
         ({"hyperparameters": {"warmup": 3}}, "hyperparameters"),
         ({"hyperparameters": {"max_seq_len": -1}}, "hyperparameters.max_seq_len"),
         ({"hyperparameters": {"train_on": "user"}}, "hyperparameters.train_on"),
-        ({"hyperparameters": {"batching": "pack"}}, "hyperparameters.batching"),
+        ({"hyperparameters": {"batching": "packed"}}, "hyperparameters.batching"),
+        ({"hyperparameters": {"batching": ["pack"]}}, "hyperparameters.batching"),
         ({"lora_rank": 0}, "lora_rank"),
         ({"nodes": -1}, "nodes"),
         ({"method": {"type": "supervised", "supervised": "x"}}, "method.supervised"),

@@ -14,7 +14,7 @@ from coderai.contracts.base import Message
 
 Method = Literal["lora", "qlora"]
 TrainOn = Literal["assistant", "all"]
-Batching = Literal["bucket", "shuffle"]
+Batching = Literal["bucket", "shuffle", "pack"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[JobStatus] = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -36,7 +36,8 @@ class Hyperparameters(Message, frozen=True, kw_only=True):
     max_seq_len: int = 0
     train_on: TrainOn = "assistant"
     # how an epoch's examples make batches: "bucket" (of similar lengths, so little of a batch is padding; the
-    # steps in random order), "shuffle" (in random order, whatever their lengths)
+    # steps in random order), "shuffle" (in random order, whatever their lengths), "pack" (several examples a row
+    # of up to max_seq_len tokens, each seeing only itself; the rows then bucketed)
     batching: Batching = "bucket"
 
 

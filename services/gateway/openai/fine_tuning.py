@@ -128,7 +128,13 @@ def _train_on(value: object) -> TrainOn:
 
 
 def _batching(value: object) -> Batching:
-    return "shuffle" if _one_of(value, "batching", "bucket", "shuffle") == "shuffle" else "bucket"
+    if value in ("auto", "bucket"):
+        return "bucket"
+    if value in ("shuffle", "pack"):
+        return "shuffle" if value == "shuffle" else "pack"
+    raise _bad(
+        'hyperparameters.batching must be "bucket" (the default), "shuffle" or "pack".', "hyperparameters.batching"
+    )
 
 
 def _one_of(value: object, name: str, default: str, other: str) -> str:
