@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write every cell to this file")
     ap.add_argument("--hf-model", type=Path, help="the vLLM paths' Hugging Face folder (default: the tiny HF llama)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="vLLM's batch, both vLLM paths (default 32)")
+    ap.add_argument(
+        "--full-length",
+        action="store_true",
+        help="every request writes its whole max_tokens (the end-of-text token biased off with logit_bias): "
+        "tokens/s then measures serving, not which requests happened to sample their end early",
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         a.duration, a.concurrency, a.max_tokens, a.slots, a.rounds = 1.0, "1,2", 16, 2, 1
@@ -138,6 +144,19 @@ def start_vllm_bare(work: Path, python: str, hf: Path, params: dict, env: dict[s
     proc = Proc("vllm-bare", server_command(python, str(hf), "m", port, params), work / "logs", env=env)
     proc.wait_http(f"http://127.0.0.1:{port}/health", 600)
     return proc, Target("vllm-bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
+
+
+def end_tokens(t: Target, hf: Path | None, gguf: Path) -> list[int]:
+    """The model's end-of-text token ids: from the Hugging Face folder's config for the vLLM paths, from the GGUF's
+    metadata for the others."""
+    if t.name.startswith("vllm"):
+        assert hf is not None
+        eos = json.loads((hf / "config.json").read_text()).get("eos_token_id")
+        return eos if isinstance(eos, list) else [int(eos)]
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields["tokenizer.ggml.eos_token_id"]
+    return [int(field.parts[field.data[0]][0])]
 
 
 async def _cell(t: Target, conc: int, seconds: float, max_tokens: int, tag: str) -> Cell:
@@ -295,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         if paths & {"server", "inproc", "vllm"}:
             coderai = start_coderai(work, gguf, a, paths, hf, vparams)
             targets += [coderai.target(p, f"m-{p}") for p in ("server", "inproc", "vllm") if p in paths]
+        if a.full_length:
+            for t in targets:
+                t.extra_body["logit_bias"] = {str(eos): -100 for eos in end_tokens(t, hf, gguf)}
         for t in targets:  # warm every path
             asyncio.run(_cell(t, 1, 0.01, a.max_tokens, "warm"))
         print(f"[bench] up in {time.monotonic() - t0:.0f}s; measuring", file=sys.stderr, flush=True)
