@@ -191,6 +191,16 @@ def _batch(torch, examples: list[Example], pad: int, device, parts: list[list[in
     return ids.to(device), allow[:, None].to(device), labels.to(device), pos.to(device), real
 
 
+PACK_MAX_TOKENS = 8192  # a packed row's longest: its mask is rows x n x n booleans (64 MiB a row at 8,192)
+
+
+def sequence_length(asked: int, context: int, batching: str) -> int:
+    """The tokens an example (a packed row) may have: what the job asked (0: the model's context), never past the
+    context, and packed rows at most PACK_MAX_TOKENS (their n x n mask: a 128k-token row would want 16 GiB)."""
+    n = min(asked or context, context)
+    return min(n, PACK_MAX_TOKENS) if batching == "pack" else n
+
+
 def pack(lengths: list[int], max_len: int) -> list[list[int]]:
     """The examples (by index) in packs of at most `max_len` tokens in all, as few as best-fit decreasing finds:
     the longest first, each into the fullest pack it still fits. The same on every rank (no randomness)."""
@@ -356,7 +366,7 @@ def train(spec: TrainSpec, data_path: Path, out: Path, valid_path: Path | None =
             _collective(dist.broadcast, p.data, src=0)
         hp = spec.hyperparameters
         context = context_of(model, tok)
-        max_len = min(hp.max_seq_len or context, context)
+        max_len = sequence_length(hp.max_seq_len, context, hp.batching)
         examples, cut, empty = _encode(tok, parse_examples(data_path.read_bytes()), max_len, hp.train_on)
         if not examples:
             raise SystemExit(

@@ -342,6 +342,16 @@ def test_packs_hold_every_example_once_within_the_length_and_few_rows():
     assert pack([3, 5, 4, 4], 8) == [[1, 0], [2, 3]]  # best fit: the 3 joins the 5, the 4s share a row
 
 
+def test_packed_rows_are_capped_where_their_mask_stays_small():
+    """A job may ask any length up to the model's context; packed rows stop at 8,192 tokens, whose n x n mask is
+    64 MiB a row (a tenant's 128k-token pack would want 16 GiB on the node)."""
+    from coderai.engine_worker.trainer import PACK_MAX_TOKENS, sequence_length
+
+    assert sequence_length(0, 131072, "bucket") == 131072 and sequence_length(0, 131072, "pack") == PACK_MAX_TOKENS
+    assert sequence_length(1 << 20, 4096, "pack") == 4096 and sequence_length(1024, 131072, "pack") == 1024
+    assert sequence_length(1 << 20, 131072, "shuffle") == 131072
+
+
 def test_a_pack_gives_each_example_the_logits_and_loss_it_has_alone():
     """Packed rows are exact: a token sees only the earlier tokens of its own example (a block-diagonal mask)
     and positions start again at each example, so the pack's logits are each example's own, its loss is their
