@@ -20,7 +20,7 @@ import msgspec
 from coderai.contracts import ChatJob, Choice, CompletionJob, Usage
 from coderai.engine_worker.engines.base import CancelFlag, EngineLost
 from coderai.engine_worker.engines.child_server import EXITED
-from coderai.engine_worker.engines.loopback_http import Answer, LoopbackClient, TransportError
+from coderai.engine_worker.engines.loopback_http import IDLE_S, Answer, LoopbackClient, TransportError
 from coderai.engine_worker.engines.openai_wire import (
     Assembly,
     choice_logprobs,
@@ -110,6 +110,7 @@ class OpenAIClient:
         connect_timeout_s: float = 30.0,
         read_timeout_s: float | None = None,
         max_body: int = 0,
+        idle_s: float = IDLE_S,
     ) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -130,6 +131,7 @@ class OpenAIClient:
             tls=tls,
             read_timeout_s=read_timeout_s,
             max_body=max_body,
+            idle_s=idle_s,
         )
 
     def close(self) -> None:

@@ -32,6 +32,9 @@ from coderai.runtime.members import read_secret
 
 SECRET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MB = 1 << 20
+# a kept connection to a remote endpoint waits longer for its next request than one to a child here: a new one
+# elsewhere costs a TLS handshake over the network, and one the server closed meanwhile is sent again on a new one
+REMOTE_IDLE_S = 30.0
 
 
 def worker_data_dir() -> str:
@@ -83,6 +86,7 @@ def relay_clients(cfg: ModelConfig, urls: list[str], what: str, counters: Prompt
                     connect_timeout_s=min(timeout, 10.0),
                     read_timeout_s=timeout,
                     max_body=int((cfg.param_float("max_answer_mb") or 16) * MB),
+                    idle_s=REMOTE_IDLE_S,
                 )
             )
     except ValueError:
