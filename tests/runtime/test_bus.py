@@ -61,7 +61,7 @@ async def test_handler_errors_come_back_typed(bus, unique):
 async def test_malformed_request_gets_bad_request(bus, unique):
     subj = _subject(unique)
     await bus.serve(subj, lambda req, m: None)
-    reply = await bus.nc.request(subj(), b'{"not": "a route request"}', timeout=2)
+    reply = await bus.nc.request(subj(), b'{"not": "a route request"}', timeout=30)
     err = decode(reply.data, ErrorReply)
     assert err.code == "bad_request"
 
@@ -72,7 +72,7 @@ async def test_bad_bytes_deep_or_huge_get_a_short_bad_request(bus, unique):
     subj = Subject(f"test.{unique}.chat", ChatJob, Frame)
     await bus.serve(subj, lambda req, m: None)
     for payload in (b'{"messages":[{"content":' + b"[" * 200_000, b'{"' + b"k" * 500_000 + b'":1}'):
-        err = decode((await bus.nc.request(subj(), payload, timeout=2)).data, ErrorReply)
+        err = decode((await bus.nc.request(subj(), payload, timeout=30)).data, ErrorReply)
         assert err.code == "bad_request" and len(err.message) < 300, err.message[:300]
 
 
@@ -111,7 +111,7 @@ async def _fake_engine(bus: Bus, engine_id: str, frames: int, cancelled: asyncio
 async def test_stream_delivers_frames_in_order(bus, unique):
     await _fake_engine(bus, unique, frames=50, cancelled=asyncio.Event(), keepalives=2)
     job = ChatJob(request_id="r1", model="m", messages=[], stream=True)
-    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, node_id="n", engine_id=unique)
+    stream = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=30, node_id="n", engine_id=unique)
     frames = []
     while True:
         f = decode(await stream.next_raw(), Frame)
@@ -129,7 +129,7 @@ async def test_concurrent_streams_do_not_mix(bus, unique):
 
     async def one(rid: str) -> list[str]:
         job = ChatJob(request_id=rid, model="m", messages=[], stream=True)
-        s = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=5, node_id="n", engine_id=unique)
+        s = await bus.open_stream(ENGINE_CHAT, job, idle_timeout_s=30, node_id="n", engine_id=unique)
         out = []
         while not isinstance(f := decode(await s.next_raw(), Frame), Final):
             out.append(f.delta["content"])
@@ -151,7 +151,7 @@ async def test_cancel_reaches_the_callee(bus, unique):
     s = await bus.open_stream(
         ENGINE_CHAT,
         ChatJob(request_id="r", model="m", messages=[]),
-        idle_timeout_s=5,
+        idle_timeout_s=30,
         on_cancel=send_cancel,
         node_id="n",
         engine_id=unique,
