@@ -374,9 +374,13 @@ async def test_a_real_llama_server_on_a_hot_card_finishes_its_stream_and_serves_
     )
     try:
         [host] = await _load(w, cfg)
-        # the end of turn biased away: a stream the tiny model ended after one token would prove nothing
-        eos = host.engine.post_json("/tokenize", {"content": "<|im_end|>", "parse_special": True}, "t")["tokens"]
-        running = await _ask(bus, w, "ls0", tokens=200, logit_bias={str(eos[0]): -100.0})
+        # every end-of-generation token biased away (llama.cpp ends at <|endoftext|> too, by its text): a stream the
+        # tiny model ended after one token would prove nothing
+        ends = [
+            host.engine.post_json("/tokenize", {"content": t, "parse_special": True}, "t")["tokens"][0]
+            for t in ("<|im_end|>", "<|endoftext|>")
+        ]
+        running = await _ask(bus, w, "ls0", tokens=200, logit_bias={str(t): -100.0 for t in ends})
         first = decode(await running.next_raw(), Frame)
         assert isinstance(first, Chunk)
         temps.write_text('{"0": 97}')
