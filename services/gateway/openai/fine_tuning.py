@@ -9,7 +9,7 @@ Job records are written by the scheduler, which runs the jobs, and read here fro
 from __future__ import annotations
 
 import secrets
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 from litestar import Request, Response, get, post
@@ -128,22 +128,20 @@ def _train_on(value: object) -> TrainOn:
 
 
 def _batching(value: object) -> Batching:
-    if value in ("auto", "bucket"):
-        return "bucket"
-    if value in ("shuffle", "pack"):
-        return "shuffle" if value == "shuffle" else "pack"
-    raise _bad(
-        'hyperparameters.batching must be "bucket" (the default), "shuffle" or "pack".', "hyperparameters.batching"
-    )
+    return cast(Batching, _one_of(value, "batching", "bucket", "shuffle", "pack"))
 
 
-def _one_of(value: object, name: str, default: str, other: str) -> str:
-    """`default` for "auto" or itself, `other` for itself; else a 400 naming `hyperparameters.<name>`."""
+def _one_of(value: object, name: str, default: str, *others: str) -> str:
+    """`default` for "auto" or itself, each of `others` for itself; else a 400 naming `hyperparameters.<name>`."""
     if value in ("auto", default):
         return default
-    if value == other:
-        return other
-    raise _bad(f'hyperparameters.{name} must be "{default}" (the default) or "{other}".', f"hyperparameters.{name}")
+    if value in others:
+        return str(value)
+    *rest, last = others
+    listed = "".join(f', "{o}"' for o in rest)
+    raise _bad(
+        f'hyperparameters.{name} must be "{default}" (the default){listed} or "{last}".', f"hyperparameters.{name}"
+    )
 
 
 def job_json(job: FineTuneJob) -> dict[str, Any]:
