@@ -49,7 +49,7 @@ class Metrics:
         self.series = Series()
         self.redis: Any = None
         self.applied = 0  # the last EVENTS sequence counted (Redis keeps it across restarts: usage.record_new)
-        self._marked = False  # this process has written the usage mark in this Redis
+        self._stored_up_to = 0  # the usage mark this process last saw Redis store (a lower one: Redis lost usage)
         self._mark_name = ""
         self._live: dict[str, tuple[float, Heartbeat]] = {}
         self._pod_kvs: tuple[Any, Any] | None = None
@@ -205,8 +205,8 @@ class Metrics:
         top = max((seq for seq, _e in events), default=0)
         while True:
             try:
-                fresh = await usage.record_new(self.redis, events, mark, must_exist=self._marked, writer=writer)
-                self._marked = True
+                fresh = await usage.record_new(self.redis, events, mark, stored_up_to=self._stored_up_to, writer=writer)
+                self._stored_up_to = max(self._stored_up_to, top)
                 if unsure and not fresh and events:
                     # an attempt that failed may have been stored with its answer lost (Redis killed after EXEC):
                     # Prometheus counts the batch then, or it would miss it. But this head's next consumer (after
@@ -227,6 +227,18 @@ class Metrics:
                 log.warning("usage not recorded (%s); trying again in %.1fs", exc, wait)
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 5.0)
+
+    async def _check_mark(self, mark: str) -> None:
+        """MarkLost if Redis' mark is behind what this process saw it store: a replica promoted before the last
+        batches reached it, or an emptied Redis. One GET a second, only while no events come."""
+        if self.redis is None or not self._stored_up_to:
+            return
+        try:
+            stored = int(await self.redis.get(mark) or 0)
+        except Exception:  # Redis down: the next batch's write waits for it
+            return
+        if stored < self._stored_up_to:
+            raise usage.MarkLost(mark)
 
     async def _mark(self) -> str:
         """The Redis key holding the last EVENTS sequence whose usage is recorded; named after the stream's
@@ -252,7 +264,7 @@ class Metrics:
             try:
                 mark = await self._mark()
                 if mark != self._mark_name:  # another EVENTS stream (made anew): its sequences start over
-                    self._mark_name, self._marked, self.applied = mark, False, 0
+                    self._mark_name, self._stored_up_to, self.applied = mark, 0, 0
                 start = int(await self.redis.get(mark) or 0) + 1 if resume else 0
                 sub = await self._subscribe(start)
                 if resume:
@@ -261,7 +273,8 @@ class Metrics:
                 while True:
                     try:
                         msgs = await sub.fetch(batch=BATCH, timeout=1.0)
-                    except asyncio.TimeoutError:
+                    except asyncio.TimeoutError:  # idle: is what Redis counted still there? (the next batch
+                        await self._check_mark(mark)  # would tell, but an idle cluster may send none for hours)
                         continue
                     if not msgs:  # nats-py may end a wait with nothing in hand (a stray status message)
                         continue
@@ -291,10 +304,10 @@ class Metrics:
                 raise
             except usage.MarkLost:
                 log.warning(
-                    "Redis has lost the usage it had counted (a new or emptied Redis): counting it again "
-                    "from the start of the EVENTS stream"
+                    "Redis has lost usage it had counted (a new or emptied Redis, or a replica promoted before the "
+                    "last batches reached it): counting again from the EVENTS sequence Redis still holds"
                 )
-                resume, self._marked = True, False
+                resume, self._stored_up_to = True, 0
             except Exception as exc:  # the bus may be reconnecting; resubscribe
                 log.warning("event consumer stopped (%s); restarting", exc)
                 await asyncio.sleep(0.5)

@@ -100,3 +100,20 @@ async def test_an_event_stored_twice_in_the_stream_is_counted_once(r, unique):
     row = (await read(r, [day_of(time.time())], key=key))[0]
     assert (row["requests"], row["prompt_tokens"]) == (1, 7)
     print("one request's event stored three times in the stream: counted once")
+
+
+async def test_a_mark_behind_what_its_writer_stored_is_a_loss_and_records_nothing(r, unique):
+    """Redis' mark only moves forward. Below what the caller saw it store (a replica promoted before the last
+    batches reached it), or gone, usage is lost: MarkLost, and the batch is not recorded on top of the loss."""
+    from coderai.accounts.usage import MarkLost, record_new
+
+    key, mark = f"k{unique}", f"coderai:usage:applied:test:{unique}"
+    assert len(await record_new(r, [(1, ev(key)), (2, ev(key))], mark)) == 2
+    await r.set(mark, 1)  # the promoted replica had the first event only
+    with pytest.raises(MarkLost):
+        await record_new(r, [(3, ev(key))], mark, stored_up_to=2)
+    await r.delete(mark)
+    with pytest.raises(MarkLost):
+        await record_new(r, [(3, ev(key))], mark, stored_up_to=2)
+    assert (await read(r, [day_of(time.time())], key=key))[0]["requests"] == 2
+    assert len(await record_new(r, [(3, ev(key))], mark, stored_up_to=0)) == 1  # a first batch: no mark needed

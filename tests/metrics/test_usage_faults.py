@@ -248,6 +248,47 @@ async def test_a_redis_that_lost_the_usage_gets_it_counted_again_from_events(nat
         redis_server.stop()
 
 
+async def test_a_redis_that_went_back_to_an_older_state_gets_the_missing_usage_counted_again(
+    nats_server, tmp_path, unique
+):
+    """Sentinel promotes a replica that had not yet received the last batches (replication is asynchronous): Redis
+    holds an older mark and older usage, not an empty one. The consumer, whose last batches were stored and acked,
+    sees the mark behind what it stored and counts again from there, so usage is whole again (CI's SIGKILL of the
+    leading head once left the usage short by the batches its Redis took just before it died); Prometheus, which
+    never lost its counts, does not count them twice."""
+    redis_server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    key = f"k{unique}"
+    r = aioredis.from_url(redis_server.url)
+    try:
+        async with running(nats_server, settings_for(nats_server, unique, redis_server.url)) as (metrics, bus):
+            await send(bus, key, 10)
+            await wait_for(lambda: requests_seen(metrics, key) >= 10, 20, what="the first events counted")
+            replica = {k: await r.dump(k) for k in await r.keys("*")}  # what the replica had received
+            await send(bus, key, 10)
+            await wait_for(lambda: requests_seen(metrics, key) >= 20, 20, what="the next events counted")
+            async with r.pipeline(transaction=True) as pipe:  # the promoted replica: the state at once, never empty
+                pipe.flushall()
+                for k, dumped in replica.items():
+                    pipe.restore(k, 0, dumped)
+                await pipe.execute()
+            assert await requests_of(r, key) == 10
+
+            def usage_is(n: int):
+                async def check() -> bool:
+                    return await requests_of(r, key) == n
+
+                return check
+
+            # with no event coming, the consumer finds the mark behind while it waits (an idle cluster's loss)
+            await wait_for(usage_is(20), 30, what="usage counted again, whole, while no events came")
+            await send(bus, key, 5)
+            await wait_for(usage_is(25), 30, what="the next events counted")
+            assert requests_seen(metrics, key) == 25  # Prometheus counted each event once
+    finally:
+        await r.aclose()
+        redis_server.stop()
+
+
 async def test_a_batch_given_up_when_the_lease_lapsed_is_counted_once_the_lease_is_held_again(
     nats_server, tmp_path, unique
 ):

@@ -68,7 +68,9 @@ def seen_key(day: str) -> str:
 
 
 class MarkLost(Exception):
-    """The mark a consumer wrote is gone: Redis was replaced or emptied, and the usage counted before with it."""
+    """The mark a consumer wrote is gone or behind what it wrote: Redis was replaced or emptied, or a replica that
+    had not yet received the last batches was promoted (Sentinel's failover; replication is asynchronous), and the
+    usage counted with them is gone too."""
 
 
 BATCH_STAMP_TTL_S = 86400
@@ -86,12 +88,13 @@ async def stored_by(redis, mark: str, top: int) -> str:
 
 
 async def record_new(
-    redis, events: list[tuple[int, RequestCompleted]], mark: str, must_exist: bool = False, writer: str = ""
+    redis, events: list[tuple[int, RequestCompleted]], mark: str, stored_up_to: int = 0, writer: str = ""
 ) -> list[RequestCompleted]:
     """Record the events (each with its EVENTS stream sequence) past the sequence stored at `mark`, and move the
     mark, in one transaction: a batch delivered again (its ack lost to a NATS restart after Redis took it) is not
-    counted twice. The events recorded, which Prometheus then counts too. `must_exist`: the caller wrote the mark
-    before, so its absence is MarkLost (nothing recorded), not a first batch. `writer`: kept with the batch for a
+    counted twice. The events recorded, which Prometheus then counts too. `stored_up_to`: the mark the caller saw
+    stored last (0: none), so a mark absent or below it is MarkLost (nothing recorded): usage counted up to there
+    is gone, not a first batch's. A mark only moves forward, so going back is never another consumer. `writer`: kept with the batch for a
     day (`stored_by`), so a caller whose answer was lost can tell its own stored batch from another's."""
     from redis.exceptions import WatchError
 
@@ -100,9 +103,9 @@ async def record_new(
             try:
                 await pipe.watch(mark)  # another consumer moving the mark meanwhile makes this try again
                 stored = await pipe.get(mark)
-                if stored is None and must_exist:
-                    raise MarkLost(mark)
                 done = int(stored or 0)
+                if done < stored_up_to:
+                    raise MarkLost(mark)
                 fresh = [e for seq, e in events if seq > done]
                 fresh = await _unseen(pipe, fresh)  # by request id too: a replay past the stream's window
                 top = max((seq for seq, _e in events), default=0)
