@@ -4,14 +4,16 @@ head's side what the cluster holds."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from coderai.testing.netns import Lab
-from coderai.testing.procs import ServiceProcess
+from coderai.testing.procs import ServiceProcess, deadline_scale, wait_until
 from coderai.testing.stack import head_up
 
 
@@ -39,6 +41,27 @@ class LabCluster:
         nodes = self.probe("nodes", "--data-dir", str(self.root / "head"))
         assert isinstance(nodes, list), nodes
         return nodes
+
+    @contextlib.contextmanager
+    def watching_nodes(self, present: tuple[str, ...] = (), absent: tuple[str, ...] = (), timeout_s: float = 60):
+        """A probe on the head that reads the nodes every 0.1 s until `present` are all there and `absent` all
+        gone, started (its first read done) before the block runs. Yields a callable that waits for its answer:
+        `{"nodes", "at", "met"}`, `at` the wall time of the read that saw it."""
+        ready = self.root / f"watch-{time.monotonic_ns()}"
+        watch_s = timeout_s * deadline_scale()
+        args = ["nodes", "--data-dir", str(self.root / "head"), "--timeout", str(watch_s), "--ready-file", str(ready)]
+        args += ["--until-present", ",".join(present), "--until-absent", ",".join(absent)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            run_s = timeout_s * deadline_scale() + 60  # its own start, and the watch
+            answer = pool.submit(self.last_json, "head", "-m", "coderai.testing.probe", *args, timeout_s=run_s)
+            wait_until(lambda: ready.exists() or answer.done(), 60, "the nodes probe watching")
+
+            def result() -> dict:
+                got = answer.result(run_s + 10)
+                assert isinstance(got, dict), got
+                return got
+
+            yield result
 
     def chat(self, model: str) -> dict:
         answer = self.probe("chat", "--base-url", "http://127.0.0.1:8000/v1", "--key", self.key, "--model", model)
