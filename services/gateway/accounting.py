@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,7 @@ class Accounts:
         self.bus = bus
         self.limiter = limiter
         self.outbox = Outbox(bus, journal_dir=journal_dir)
+        self.on_done: Callable[[RequestCompleted], None] | None = None
 
     def start(self) -> None:
         self.outbox.start()
@@ -176,6 +178,8 @@ class Accounts:
                 log.warning("could not charge key %s: %s", key.name, exc)
         trace.end(done)
         self.outbox.put(done)
+        if self.on_done is not None:  # the gateway's routing copy: the engine's load goes down
+            self.on_done(done)
         log_completed(done)
 
 

@@ -32,6 +32,7 @@ from coderai.runtime.tracing import NO_SPAN
 
 if TYPE_CHECKING:
     from coderai.gateway.accounting import Trace
+    from coderai.gateway.picker import Picker
 
 log = logging.getLogger("coderai.gateway")
 
@@ -42,15 +43,21 @@ that was reconnecting, and a busy engine that frees up is announced by nobody.""
 
 
 class Relay:
-    def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
+    def __init__(self, bus: Bus, settings: GatewaySettings, picker: Picker | None = None) -> None:
         self.bus = bus
         self.settings = settings
+        self.picker = picker  # the router's pick made here when its copy is whole (gateway/picker.py)
         self._background: set[asyncio.Task] = set()
 
     async def route(self, req: RouteRequest, tried: list[str], headers: dict[str, str]) -> RouteDecision:
-        """The router's pick for `req` (the request's model, op and affinity hints), without the engines `tried`."""
+        """The router's pick for `req` (the request's model, op and affinity hints), without the engines `tried`:
+        made here from this gateway's copy when it can, else asked of the router."""
         if tried:
             req = msgspec.structs.replace(req, exclude=tried)
+        if self.picker is not None:
+            if (decision := self.picker.pick(req, headers)) is not None:
+                return decision
+            self.picker.asked += 1
         try:
             return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
         except BusError as exc:

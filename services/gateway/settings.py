@@ -28,6 +28,9 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     files_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_files` store's cap, every key together
     blobs_max_bytes: int = 4 * 1024 * 1024 * 1024  # the `coderai_blobs` store's cap (inputs and outputs, 1 h each)
     route_timeout_s: float = 2.0
+    # picks made in this process from its own copy of the router's view (gateway/picker.py), the router asked only
+    # while that copy is not whole or finds no engine; false: every pick is the router's, over the bus
+    local_pick: bool = True
     idle_timeout_s: float = 5.0  # an engine silent this long (no token, no keep-alive) is taken for dead
     # an engine that sends nothing at all this long after it was sent a job (a worker keeps alive each second) never
     # got it: a NATS server died under it. The job goes to another engine, as nothing ran

@@ -80,7 +80,15 @@ class Gateway:
         self.catalog.start()
         self.copies = Copies(self.bus)
         self.copies.start()
-        self.relay = Relay(self.bus, self.settings)
+        picker = None
+        if self.settings.local_pick:
+            from coderai.gateway.picker import Picker
+
+            picker = Picker(self.bus)
+            picker.start()
+            self.reconnect_hooks.append(picker.on_reconnect)
+            self.accounts.on_done = lambda done: picker.completed(done.engine_id)
+        self.relay = Relay(self.bus, self.settings, picker)
         self.queue_gate = QueueGate(self.bus)
         self.blobs = BlobStore(self.bus, create=True, max_bytes=self.settings.blobs_max_bytes)
         # workers store large outputs there but may not create it: it must exist before the first one answers
@@ -96,6 +104,8 @@ class Gateway:
             self.catalog.stop()
             self.copies.stop()
             self.queue_gate.stop()
+            if self.relay.picker is not None:
+                await self.relay.picker.stop()
             await self.accounts.close()  # the last request.completed events sent before the bus drains
             await self.bus.close()
             if self.redis is not None:

@@ -51,8 +51,11 @@ REMEMBERED = 10_000
 
 
 class Router:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, embedded: bool = False) -> None:
         self.settings = settings
+        # embedded: a gateway's own copy, picking in its process (coderai.gateway.picker). The router service
+        # announces engines and logs what nodes do wrong; a copy in every gateway would say it all again
+        self.embedded = embedded
         self.table = EngineTable(ttl_s=settings.engine_ttl_s)
         self.guard = LoadGuard(settings.guard_ratio, settings.guard_slack)
         self.round_robin = RoundRobin()
@@ -71,6 +74,18 @@ class Router:
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
         stack.push_async_callback(self.bus.close)
+        await self.follow(self.bus, stack)
+        done_sub = await self.bus.listen(EVT_REQUEST_COMPLETED, self._on_completed)
+        stack.push_async_callback(done_sub.unsubscribe)
+        pick_sub = await self.bus.serve(ROUTE_PICK, self._on_pick, queue="router")
+        stack.push_async_callback(pick_sub.unsubscribe)
+        log.info("routing with policy %s; %d affinity entries", self.settings.policy, len(self.affinity.values))
+
+    async def follow(self, bus: Bus, stack: contextlib.AsyncExitStack, sync_wait_s: float = 10.0) -> None:
+        """Keep the engine table and the mirrors current on `bus`: the models, affinity, assignments and pods
+        buckets, the nodes' last recorded heartbeats, then every heartbeat. What a pick is made from. Waits up to
+        `sync_wait_s` for the mirrors' first reading (`synced`)."""
+        self.bus = bus
         self.models = KVMirror(self.bus, MODELS, ModelConfig, on_change=self._model_changed)
         self.affinity = KVMirror(
             self.bus, AFFINITY, AffinityEntry, max_entries=self.settings.affinity_max_entries, shrink=_shared_ids
@@ -83,19 +98,20 @@ class Router:
             mirror.start()
             stack.callback(mirror.stop)
         try:  # a restarted router answers with the affinity it had, not from scratch
-            await asyncio.wait_for(asyncio.gather(*(m.synced.wait() for m in mirrors)), 10)
+            await asyncio.wait_for(asyncio.gather(*(m.synced.wait() for m in mirrors)), sync_wait_s)
         except asyncio.TimeoutError:
-            log.warning("KV mirrors not synced within 10 s; serving with what has arrived")
+            if sync_wait_s:
+                log.warning("KV mirrors not synced within %g s; serving with what has arrived", sync_wait_s)
         await self._seed_engines()
         prune = asyncio.create_task(self._prune_loop())
         stack.callback(prune.cancel)
         hb_sub = await self.bus.listen(HEARTBEAT, self._on_heartbeat)
         stack.push_async_callback(hb_sub.unsubscribe)
-        done_sub = await self.bus.listen(EVT_REQUEST_COMPLETED, self._on_completed)
-        stack.push_async_callback(done_sub.unsubscribe)
-        pick_sub = await self.bus.serve(ROUTE_PICK, self._on_pick, queue="router")
-        stack.push_async_callback(pick_sub.unsubscribe)
-        log.info("routing with policy %s; %d affinity entries", self.settings.policy, len(self.affinity.values))
+
+    @property
+    def synced(self) -> bool:
+        """Every mirror has had its first whole reading (`follow`)."""
+        return all(m.synced.is_set() for m in (self.models, self.affinity, self.assignments, self.pods))
 
     @property
     def _bus(self) -> Bus:
@@ -164,7 +180,7 @@ class Router:
     def _announce(self, node_id: str, before: set[str]) -> None:
         """`EngineReady` for each engine of `node_id` this router routes to now and did not `before`: requests
         waiting for a load on demand or a pod (the gateway's escalation) ask again at once."""
-        if self.bus is None:
+        if self.bus is None or self.embedded:
             return
         for v in [v for v in self.table.engines.values() if v.node_id == node_id and v.engine_id not in before]:
             task = asyncio.create_task(
@@ -182,6 +198,8 @@ class Router:
     def _faults(self, hb: Heartbeat, refused: list[tuple[EngineStatus, str]]) -> None:
         """Log, once each, what a node claimed beyond what it was given (a node fault) and why its engines failed
         (under the reference a tenant's 503 names; the node's text capped)."""
+        if self.embedded:
+            return
         for e, why in refused:
             self._once(
                 ("claim", hb.node_id, e.engine_id, e.model), "node fault: node %s claims %s; ignored", hb.node_id, why
@@ -215,12 +233,17 @@ class Router:
         self.table.completed(e.engine_id)
 
     async def _on_pick(self, req: RouteRequest, m: Msg) -> RouteDecision:
+        return self.pick(req, m.headers)
+
+    def pick(self, req: RouteRequest, headers: dict[str, str] | None, kind: str = "server") -> RouteDecision:
+        """`req`'s engine, in a `router.pick` span under the asker's (`headers`) while tracing is on: a span of
+        the router's when asked over the bus, of the gateway's when its copy picks (`kind` "internal")."""
         if not tracing.enabled():
             return self._pick(req)
         with tracing.start_span(
             "router.pick",
-            headers=m.headers,
-            kind="server",
+            headers=headers,
+            kind=kind,
             attributes={
                 "coderai.request_id": req.request_id,
                 "coderai.model": req.model,
@@ -233,7 +256,9 @@ class Router:
 
     def _pick(self, req: RouteRequest) -> RouteDecision:
         for gone in self.table.expire(time.monotonic()):
-            log.info("node %s went silent; no longer routing to it", gone)
+            log.log(
+                logging.DEBUG if self.embedded else logging.INFO, "node %s went silent; no longer routing to it", gone
+            )
         for failed in req.exclude:
             self.table.suspect(failed)
         policy = self.settings.policy

@@ -96,7 +96,9 @@ def inventory(hb: Heartbeat) -> list[Target]:
     node, eid = hb.node_id, engine.engine_id
     out = [
         Target(S.ROUTE_PICK, S.ROUTE_PICK(), True, read_only=True),  # router
-        Target(S.HEARTBEAT, S.HEARTBEAT(node_id="fuzz"), False, ("router", "scheduler", "metrics", "pod-broker")),
+        Target(
+            S.HEARTBEAT, S.HEARTBEAT(node_id="fuzz"), False, ("router", "scheduler", "metrics", "pod-broker", "gateway")
+        ),  # the gateway: its copy of the router's view (gateway/picker.py)
         Target(S.EVT_REQUEST_COMPLETED, S.EVT_REQUEST_COMPLETED(), False, ("router", "metrics")),
     ]
     for subject in (

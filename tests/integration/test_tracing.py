@@ -1,5 +1,6 @@
 """One trace per request across processes: gateway, router and worker each write their spans to their own file
-(`CODERAI_TRACE_FILE=<dir>/{service}.jsonl`), joined by the `traceparent` header on the bus."""
+(`CODERAI_TRACE_FILE=<dir>/{service}.jsonl`), joined by the `traceparent` header on the bus. The pick's span is
+the gateway's own once its copy of the router's view is whole (gateway/picker.py), the router's before."""
 
 from __future__ import annotations
 
@@ -61,13 +62,10 @@ def _whole_trace(folder: Path, request_id: str, op: str) -> dict[str, dict] | No
         return None
     trace = {s["span_id"]: s for s in spans if s["trace_id"] == roots[0]["trace_id"]}
     names = {(s["service"], s["name"]) for s in trace.values()}
-    want = {
-        ("gateway", "route.pick"),
-        ("gateway", "engine.call"),
-        ("router", "router.pick"),
-        ("worker", f"engine.{op}"),
-    }
-    return trace if want <= names else None
+    want = {("gateway", "route.pick"), ("gateway", "engine.call"), ("worker", f"engine.{op}")}
+    # the pick itself: made by the gateway's copy of the router's view (gateway/picker.py), or by the router
+    picked = {("gateway", "router.pick"), ("router", "router.pick")} & names
+    return trace if want <= names and picked else None
 
 
 def _ancestors(trace: dict[str, dict], span: dict) -> list[str]:

@@ -146,6 +146,10 @@ def test_the_gateways_user_cannot_do_what_only_other_services_may(stack):
                 "coderai.cmd.scheduler.pod_user": "make a pod's NATS user",
                 "$JS.API.CONSUMER.CREATE.WORK.thief.coderai.work.x.chat": "take fan-out parts from the nodes' work queue",
                 f"$JS.API.STREAM.DELETE.KV_{ASSIGNMENTS.name}": "delete the assignments bucket",
+                # its routing copy reads these two (gateway/picker.py), and writes nothing there
+                f"$JS.API.STREAM.UPDATE.KV_{ASSIGNMENTS.name}": "change the assignments bucket (a TTL would empty it)",
+                "$KV.coderai_pods.p1": "write a pod's record (the pod broker's bucket)",
+                "coderai.evt.engine.ready.tiny": "announce an engine in the router's place",
             },
             subs={
                 "coderai.engine.>": "receive every engine's jobs",
@@ -153,7 +157,7 @@ def test_the_gateways_user_cannot_do_what_only_other_services_may(stack):
                 "coderai.route.pick": "answer route picks in the router's place",
                 "_S.scheduler.>": "read the scheduler's replies",
                 "_INBOX.>": "read other connections' replies",
-                "coderai.hb.*": "follow the nodes' heartbeats (not its job)",
+                "coderai.cmd.node.>": "receive the commands sent to nodes",
             },
         )
     )

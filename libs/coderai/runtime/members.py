@@ -272,7 +272,9 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
       `request.completed`; serves nodes' blob reads and writes; follows the routers' `engine.ready` (a request
       waiting for a model to load or a pod to start asks again then); takes handed-out replies; reads nodes, models,
       leaders and heads (`/admin/nodes` names every head's URL); writes the buckets and object stores of what
-      tenants keep (keys journal, files, responses, batches, videos, fine-tuning records, blobs). WORK: only its consumers' info (how many holders pull a model), never a
+      tenants keep (keys journal, files, responses, batches, videos, fine-tuning records, blobs). Its copy of the
+      router's view (gateway/picker.py) follows heartbeats, reads the assignments and pods buckets and writes
+      `coderai_affinity`, as the router does. WORK: only its consumers' info (how many holders pull a model), never a
       consumer of its own (a work queue's consumer that acked would take parts from the nodes)."""
     if role == "router":
         publish = (
@@ -320,8 +322,8 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
             + [f"coderai.cmd.scheduler.{verb}" for verb in scheduler]
             + _stream_read(EVENTS.name)
             + [f"$JS.API.STREAM.INFO.{WORK.name}", f"$JS.API.CONSUMER.INFO.{WORK.name}.*"]
-            + [r for b in (NODES, MODELS, LEADERS, HEADS) for r in _kv_read(b)]
-            + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES) for r in _kv_write(b)]
+            + [r for b in (NODES, MODELS, LEADERS, HEADS, ASSIGNMENTS, PODS) for r in _kv_read(b)]
+            + [r for b in (KEYS, VIDEOS, FINETUNE, RESPONSES, BATCHES, BATCH_LINES, AFFINITY) for r in _kv_write(b)]
             + _objects(BLOBS)
             + _objects(FILES)
             + ["_N.*.>"]
@@ -331,6 +333,7 @@ def _service_rights(role: str) -> tuple[list[str], list[str]]:
             "coderai.cmd.blob.write",
             "coderai.reply.>",
             "coderai.evt.engine.ready.*",
+            "coderai.hb.*",
         ]
     raise ValueError(f"no allow-list for service {role!r}")
 

@@ -1,0 +1,141 @@
+"""A gateway picks engines from its own copy of the router's view (gateway/picker.py): on a real stack (secured
+NATS, the gateway under its own service user, two llama-server workers of the tiny GGUF), chats through the OpenAI
+SDK send no `coderai.route.pick` once the copy is whole, keep a conversation on one engine, and still reach the
+router from a gateway that has the copy turned off. A spy with the service's rights counts the picks on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import nats
+import openai
+import pytest
+
+from coderai.contracts import decode
+from coderai.contracts.routing import AffinityEntry
+from coderai.contracts.topology import AFFINITY
+from coderai.runtime.bus import Bus
+from coderai.runtime.embedded import free_port
+from coderai.testing.procs import wait_until
+from coderai.testing.stack import running_stack
+
+pytestmark = pytest.mark.slow
+
+
+class PickSpy:
+    """Counts `coderai.route.pick` requests on the bus, from a thread of its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.count = 0
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+
+    async def _run(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.url)
+
+        async def on_pick(_m) -> None:
+            self.count += 1
+
+        await nc.subscribe("coderai.route.pick", cb=on_pick)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def __enter__(self) -> PickSpy:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_gguf):
+    root = tmp_path_factory.mktemp("local-pick")
+    models = [{"name": "tiny", "engine": "llama", "path": str(tiny_gguf), "params": {"n_ctx": 256}}]
+    with running_stack(root, models, workers=("w1", "w2"), gateway_args=("--no-auth",)) as s:
+        yield s
+
+
+def _chat(client: openai.OpenAI, user: str, text: str = "hi") -> None:
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2, user=user)
+
+
+def test_chats_send_no_route_pick_once_the_gateways_copy_is_whole(stack):
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    with PickSpy(stack.nats.service_url) as spy:
+        # the copy is whole within a heartbeat or two of the gateway's start: until then the router answers
+        def quiet() -> bool:
+            before = spy.count
+            _chat(client, "warm-up")
+            time.sleep(0.05)  # the spy's count of a pick sent before the answer is in by then
+            return spy.count == before
+
+        wait_until(quiet, 30, "a chat picked without asking the router")
+        before = spy.count
+        for i in range(10):
+            _chat(client, "alice", f"turn {i}")
+        assert spy.count == before, f"{spy.count - before} of 10 chats asked the router"
+
+
+def _affinity(stack) -> dict[str, str]:
+    """The affinity bucket: key -> engine id."""
+
+    async def read() -> dict[str, str]:
+        bus = await Bus.connect(stack.nats.service_url, "test-reader")
+        try:
+            kv = await bus.kv(AFFINITY)
+            try:
+                keys = await kv.keys()
+            except Exception:  # nats-py: no keys yet
+                return {}
+            return {k: decode((await kv.get(k)).value, AffinityEntry).engine_id for k in keys}
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
+
+
+def test_the_copy_writes_where_a_conversation_went_and_keeps_it_there(stack):
+    """The copy writes where a conversation went to the affinity bucket, as the router does (every gateway and the
+    router then send its next turns there), with no pick asked of the router."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    _chat(client, "warm-up")
+    before = _affinity(stack)
+    user = f"bob-{time.monotonic_ns()}"
+    with PickSpy(stack.nats.service_url) as spy:
+        for i in range(5):
+            _chat(client, user, f"turn {i}")
+    new = wait_until(
+        lambda: {k: e for k, e in _affinity(stack).items() if k not in before} or None, 10, "affinity written"
+    )
+    assert spy.count == 0
+    # the conversation's keys (its user, its prefix chain's first and last elements) all name one engine
+    assert len(set(new.values())) == 1, new
+
+
+def test_a_gateway_with_the_copy_turned_off_asks_the_router_for_every_pick(stack):
+    port = free_port()
+    stack.start(
+        "gateway-no-copy",
+        "coderai.gateway",
+        ["--port", str(port), "--no-auth"],
+        env={"CODERAI_GATEWAY_LOCAL_PICK": "false"},
+        ready="gateway listening",
+    )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    wait_until(lambda: _chat(client, "carol") is None, 30, "the second gateway answering")
+    with PickSpy(stack.nats.service_url) as spy:
+        for i in range(5):
+            _chat(client, "carol", f"turn {i}")
+    assert spy.count == 5
