@@ -109,11 +109,6 @@ class Router:
         stack.push_async_callback(hb_sub.unsubscribe)
 
     @property
-    def synced(self) -> bool:
-        """Every mirror has had its first whole reading (`follow`)."""
-        return all(m.synced.is_set() for m in (self.models, self.affinity, self.assignments, self.pods))
-
-    @property
     def _bus(self) -> Bus:
         """The bus `start` connected (heartbeats and announcements come only after)."""
         if self.bus is None:
