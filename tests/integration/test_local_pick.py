@@ -15,7 +15,8 @@ import pytest
 
 from coderai.contracts import decode
 from coderai.contracts.routing import AffinityEntry
-from coderai.contracts.topology import AFFINITY
+from coderai.contracts.subjects import ROUTE_PICK
+from coderai.contracts.topology import AFFINITY, HDR_REQUEST_ID
 from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import free_port
 from coderai.testing.procs import wait_until
@@ -25,28 +26,36 @@ pytestmark = pytest.mark.slow
 
 
 class PickSpy:
-    """Counts `coderai.route.pick` requests on the bus, from a thread of its own."""
+    """The request ids of the `coderai.route.pick` requests on the bus, heard from a thread of its own. `sync()`
+    returns once every pick the server took before the call has reached the spy: a pick is sent before its
+    request is answered, and the server queues it to the spy before the PONG of a later ping."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.count = 0
+        self.ids: list[str] = []
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._nc = None
         self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
 
     async def _run(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(self.url)
+        self._nc = nc = await nats.connect(self.url)
 
-        async def on_pick(_m) -> None:
-            self.count += 1
+        async def on_pick(m) -> None:
+            self.ids.append(ROUTE_PICK.decode(m.data).request_id)
 
         await nc.subscribe("coderai.route.pick", cb=on_pick)
         await nc.flush()
         self._ready.set()
         await self._stop.wait()
         await nc.close()
+
+    def sync(self) -> list[str]:
+        assert self._loop is not None and self._nc is not None
+        asyncio.run_coroutine_threadsafe(self._nc.flush(), self._loop).result(10)
+        return list(self.ids)
 
     def __enter__(self) -> PickSpy:
         self._thread.start()
@@ -67,25 +76,23 @@ def stack(tmp_path_factory, tiny_gguf):
         yield s
 
 
-def _chat(client: openai.OpenAI, user: str, text: str = "hi") -> None:
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2, user=user)
+def _chat(client: openai.OpenAI, user: str, text: str = "hi") -> str:
+    """A chat through the SDK; its request id."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2, user=user
+    )
+    raw.parse()
+    return raw.headers[HDR_REQUEST_ID]
 
 
 def test_chats_send_no_route_pick_once_the_gateways_copy_is_whole(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     with PickSpy(stack.nats.service_url) as spy:
         # the copy is whole within a heartbeat or two of the gateway's start: until then the router answers
-        def quiet() -> bool:
-            before = spy.count
-            _chat(client, "warm-up")
-            time.sleep(0.05)  # the spy's count of a pick sent before the answer is in by then
-            return spy.count == before
-
-        wait_until(quiet, 30, "a chat picked without asking the router")
-        before = spy.count
-        for i in range(10):
-            _chat(client, "alice", f"turn {i}")
-        assert spy.count == before, f"{spy.count - before} of 10 chats asked the router"
+        wait_until(lambda: _chat(client, "warm-up") not in spy.sync(), 30, "a chat picked without the router")
+        ids = [_chat(client, "alice", f"turn {i}") for i in range(10)]
+        asked = set(ids) & set(spy.sync())
+    assert not asked, f"{len(asked)} of 10 chats asked the router"
 
 
 def _affinity(stack) -> dict[str, str]:
@@ -114,12 +121,11 @@ def test_the_copy_writes_where_a_conversation_went_and_keeps_it_there(stack):
     before = _affinity(stack)
     user = f"bob-{time.monotonic_ns()}"
     with PickSpy(stack.nats.service_url) as spy:
-        for i in range(5):
-            _chat(client, user, f"turn {i}")
+        ids = [_chat(client, user, f"turn {i}") for i in range(5)]
+        assert not set(ids) & set(spy.sync())
     new = wait_until(
         lambda: {k: e for k, e in _affinity(stack).items() if k not in before} or None, 10, "affinity written"
     )
-    assert spy.count == 0
     # the conversation's keys (its user, its prefix chain's first and last elements) all name one engine
     assert len(set(new.values())) == 1, new
 
@@ -134,8 +140,7 @@ def test_a_gateway_with_the_copy_turned_off_asks_the_router_for_every_pick(stack
         ready="gateway listening",
     )
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    wait_until(lambda: _chat(client, "carol") is None, 30, "the second gateway answering")
+    wait_until(lambda: _chat(client, "carol"), 30, "the second gateway answering")
     with PickSpy(stack.nats.service_url) as spy:
-        for i in range(5):
-            _chat(client, "carol", f"turn {i}")
-    assert spy.count == 5
+        ids = [_chat(client, "carol", f"turn {i}") for i in range(5)]
+        assert set(ids) <= set(spy.sync())
