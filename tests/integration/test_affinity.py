@@ -23,7 +23,10 @@ def duo(tmp_path_factory, tiny_gguf, keys_file, admin_key):
         ],
     )
     nats = NatsServer(root / "nats").start()  # last: nothing that can fail runs before the `try` below
-    stack = Stack(root, nats.url, extra_env={"CODERAI_ROUTER_LOG_LEVEL": "DEBUG"})
+    # the gateway asks the routers for every pick: this module is about them (their restart, two of them agreeing
+    # through the bucket); a gateway's own copy of their view picks with the same code (tests/integration/test_local_pick.py)
+    env = {"CODERAI_ROUTER_LOG_LEVEL": "DEBUG", "CODERAI_GATEWAY_LOCAL_PICK": "false"}
+    stack = Stack(root, nats.url, extra_env=env)
     try:
         stack.start_core(models)
         stack.start_worker("w1")
