@@ -44,6 +44,12 @@ def url_user(url: str) -> str:
     return ""
 
 
+ATTEMPT_S = 4.0
+"""The longest one connection attempt may take (a third of the window when that is longer): a TCP connect, a TLS
+handshake, INFO, CONNECT and a PING's PONG, each bounded at 2 s by nats-py, take well under it when the server
+answers; one that has not connected by then is given up and a new one made."""
+
+
 async def connect(
     url: str,
     name: str,
@@ -120,9 +126,13 @@ async def connect(
         None,
     )
     deadline = time.monotonic() + connect_timeout_s
+    attempt_s = max(ATTEMPT_S, connect_timeout_s / 3)
     while True:
         try:
-            # nats-py retries a refused login forever inside connect(); the deadline bounds that too
+            # nats-py retries a refused login forever inside connect(); the deadline bounds that too. Each attempt
+            # is bounded as well: after a TLS handshake that timed out nats-py makes no other (measured: one attempt
+            # then nothing until the deadline), so a worker that met its head reloading nats-server's users lost its
+            # whole window, 10 s, before joining again
             return await asyncio.wait_for(
                 nats.connect(
                     split_urls(url) if "," in url else url,  # several heads' URLs
@@ -142,10 +152,11 @@ async def connect(
                     # TLS before anything else: a server that cannot (a plain-text impostor) never sees a login
                     **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
                 ),
-                max(1.0, deadline - time.monotonic()),
+                max(1.0, min(attempt_s, deadline - time.monotonic())),
             )
         except Exception as exc:  # any failure to reach NATS is retried until the deadline
-            why = str(exc) or (f"no server answered within {connect_timeout_s:g} s; last: {last or 'nothing'}")
+            waited = connect_timeout_s if time.monotonic() > deadline else min(attempt_s, connect_timeout_s)
+            why = str(exc) or (f"no server answered within {waited:g} s; last: {last or 'nothing'}")
             if why != said:  # say each distinct reason once (a wrong token reads "Authorization Violation")
                 said = why
                 log.warning("cannot connect to NATS at %s: %s", safe_url, why)
