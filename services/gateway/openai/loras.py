@@ -16,6 +16,8 @@ key every one); another key's adapter is as absent as a missing one (404), never
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -31,6 +33,9 @@ from coderai.gateway.http import json_response, read_json
 from coderai.gateway.openai.models import residency
 from coderai.gateway.pipeline import touch
 from coderai.gateway.state import InferenceController
+
+RECORD_WAIT_S = 5.0
+"""How long a load waits for the cluster's record to show the copy that answered it (a heartbeat is sent at each load)."""
 
 
 class LoadRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -84,7 +89,15 @@ class LorasController(InferenceController):
         if req.keep_alive is not None and req.keep_alive < 0:
             raise ApiError(400, "keep_alive must be 0 or more seconds", param="keep_alive")
         await touch(self.gw, self.caller(request), m.name, req.keep_alive, request)
+        # an engine answered, so it is loaded; the cluster's record of it comes with the node's next heartbeat,
+        # which can be a moment behind the answer (an engine that was just loaded answers an empty job at once)
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while not self._ready(m) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         return json_response(self._json(m, admin))
+
+    def _ready(self, m: ModelConfig) -> bool:
+        return any(c.status.state == "ready" for c in self.gw.copies.by_model().get(m.name, []))
 
     @post("/{name:str}/unload", status_code=200)
     async def unload(self, request: Request, name: FromPath[str]) -> Response:
