@@ -52,7 +52,7 @@ class LabCluster:
         args = ["nodes", "--data-dir", str(self.root / "head"), "--timeout", str(watch_s), "--ready-file", str(ready)]
         args += ["--until-present", ",".join(present), "--until-absent", ",".join(absent)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            run_s = timeout_s * deadline_scale() + 60  # its own start, and the watch
+            run_s = watch_s + 60  # its own start, and the watch
             answer = pool.submit(self.last_json, "head", "-m", "coderai.testing.probe", *args, timeout_s=run_s)
             wait_until(lambda: ready.exists() or answer.done(), 60, "the nodes probe watching")
 

@@ -92,12 +92,9 @@ class LorasController(InferenceController):
         # an engine answered, so it is loaded; the cluster's record of it comes with the node's next heartbeat,
         # which can be a moment behind the answer (an engine that was just loaded answers an empty job at once)
         deadline = time.monotonic() + RECORD_WAIT_S
-        while not self._ready(m) and time.monotonic() < deadline:
+        while not (answer := self._json(m, admin))["coderai"]["loaded"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return json_response(self._json(m, admin))
-
-    def _ready(self, m: ModelConfig) -> bool:
-        return any(c.status.state == "ready" for c in self.gw.copies.by_model().get(m.name, []))
+        return json_response(answer)
 
     @post("/{name:str}/unload", status_code=200)
     async def unload(self, request: Request, name: FromPath[str]) -> Response:
