@@ -58,6 +58,14 @@ def _csv_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _variant(s: str) -> tuple[str, dict[str, str]]:
+    name, sep, pairs = s.partition(":")
+    env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+    if not sep or not name or not env:
+        raise argparse.ArgumentTypeError(f"{s!r}: want NAME:KEY=VALUE[,KEY=VALUE]")
+    return name, env
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="a few requests per path; no installs; seconds, not minutes")
@@ -86,6 +94,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="another checkout with its own .venv (e.g. the commit before a change): its stack joins the "
         "pure part as path `coderai-base`, measured interleaved with this one",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="another coderai stack whose services get these environment variables (e.g. "
+        "`rust-tasks:CODERAI_GATEWAY_TASK_IMPL=rust`): a path of its own in the routers and pure parts, measured "
+        "interleaved with the others; repeatable",
     )
     a = ap.parse_args(argv)
     if a.smoke:
@@ -174,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--baseline-tree: {python} does not exist (run that checkout's scripts/setup)", file=sys.stderr)
             return 2
         base = Coderai(work / "base", python=str(python))
+    variants = [(name, Coderai(work / f"variant-{name}", extra_env=env)) for name, env in a.variant]
     t_start = time.monotonic()
     quiet = os.getloadavg()
     notes.append(f"load average before anything started: {quiet[0]:.2f} (1 min), {quiet[1]:.2f} (5 min)")
@@ -208,14 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             "cache_ram_mb": 256,
             "queue": 128,
         }  # queue: the bare replicas queue without bound too
-        coderai.start(
-            gguf if "real" in parts else None,
-            a.n_threads,
-            512,
-            a.gateway_workers,
-            ls_params=ls_params if "routers" in parts else None,
-            ls_gguf=gguf,
-        )
+        for stack in [coderai] + [v for _, v in variants]:  # a variant serves what coderai serves
+            stack.start(
+                gguf if "real" in parts else None,
+                a.n_threads,
+                512,
+                a.gateway_workers,
+                ls_params=ls_params if "routers" in parts else None,
+                ls_gguf=gguf,
+            )
         if base is not None and "pure" in parts:
             base.start_models(
                 [{"name": "echo", "engine": "echo", "path": "-", "nodes": ["echo"]}], [], a.gateway_workers, echo=True
@@ -270,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 t.pids += [r.pids[0] for r in replicas]
                 targets.append(t)
             targets.append(coderai.target("coderai-ls", "tiny-ls"))
+            targets += [v.target(f"{name}-ls", "tiny-ls") for name, v in variants]
             for t in targets:
                 t.extra_body = dict(REAL_EXTRA)
             routed, router_probes = measure(
@@ -289,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     base.target("coderai-base", "echo") if base and base.stack else None,
                 )
                 if t is not None
-            ]
+            ] + [v.target(name, "echo") for name, v in variants]
             pure, _ = measure(
                 "pure", "Pure orchestration (no model work)", targets, a.pure_concurrency, "litellm", " (mock_response)"
             )
@@ -300,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         coderai.stop()
         if base is not None:
             base.stop()
+        for _, v in variants:
+            v.stop()
         for p in reversed(started):
             p.stop()
     m = out["machine"]

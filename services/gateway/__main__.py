@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[f"CODERAI_GATEWAY_{name.upper()}"] = str(value)
 
     from granian import Granian
-    from granian.constants import HTTPModes, Interfaces
+    from granian.constants import HTTPModes, Interfaces, RuntimeModes, TaskImpl
     from granian.http import HTTP1Settings
     from granian.log import LogLevels
 
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         http=HTTPModes.http1,
         http1_settings=HTTP1Settings(header_read_timeout=max(1, round(settings.header_timeout_s * 1000))),
         workers=settings.workers,
+        task_impl=TaskImpl(settings.task_impl),
+        runtime_mode=RuntimeModes(settings.runtime_mode),
         backpressure=connection_limit(settings.max_connections),
         log_level=LogLevels.warning,
         backlog=2048,

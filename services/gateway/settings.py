@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from coderai.runtime.settings import CommonSettings, SettingsError
 
@@ -12,6 +13,10 @@ class GatewaySettings(CommonSettings, frozen=True, kw_only=True):
     port: int = 8000
     workers: int = 1
     max_connections: int = 0  # connections one HTTP worker holds at once; 0: its open-file limit less 256
+    # granian's task implementation (`rust`: its own, Python 3.11 and older) and runtime (one thread or several per
+    # worker): knobs for bench/overhead.py's A/B of the HTTP layer (docs/performance.md)
+    task_impl: Literal["asyncio", "rust"] = "asyncio"
+    runtime_mode: Literal["auto", "st", "mt"] = "auto"
     header_timeout_s: float = 30.0  # a connection without a whole request head this long (idle, slowloris) is closed
     no_auth: bool = False  # only allowed on a loopback host
     api_keys_file: str = ""  # TOML [[keys]] with name, sha256, scopes
