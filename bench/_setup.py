@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -181,3 +183,12 @@ def load_note(before: tuple[int, int], after: tuple[int, int]) -> str:
     one, five, _ = os.getloadavg()
     share = 100 * busy / total if total else float("nan")
     return f"machine during this part: CPUs {share:.0f} % busy (every process, the bench's own included); load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def run_main(main: Callable[[], int], what: str) -> None:
+    """A bench's entry point: unbuffered output, `main()`'s exit code, and how long it took (on stderr)."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    t0 = time.monotonic()
+    rc = main()
+    print(f"[bench] {what} took {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    sys.exit(rc)

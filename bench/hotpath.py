@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,8 +232,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    t0 = time.monotonic()
-    rc = main()
-    print(f"[bench] profile took {time.monotonic() - t0:.0f}s", file=sys.stderr)
-    sys.exit(rc)
+    _setup.run_main(main, "profile")

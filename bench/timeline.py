@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+import _setup
 from _servers import Coderai, Target, start_llama_replica
 from coderai.contracts.topology import HDR_REQUEST_ID
 
@@ -243,8 +244,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    t0 = time.monotonic()
-    rc = main()
-    print(f"[bench] timeline took {time.monotonic() - t0:.0f}s", file=sys.stderr)
-    sys.exit(rc)
+    _setup.run_main(main, "timeline")
