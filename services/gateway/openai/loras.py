@@ -16,8 +16,7 @@ key every one); another key's adapter is as absent as a missing one (404), never
 
 from __future__ import annotations
 
-import asyncio
-import time
+import contextlib
 from typing import Any
 
 import msgspec
@@ -33,6 +32,7 @@ from coderai.gateway.http import json_response, read_json
 from coderai.gateway.openai.models import residency
 from coderai.gateway.pipeline import touch
 from coderai.gateway.state import InferenceController
+from coderai.runtime.lifecycle import wait_for
 
 RECORD_WAIT_S = 5.0
 """How long a load waits for the cluster's record to show the copy that answered it (a heartbeat is sent at each load)."""
@@ -91,10 +91,11 @@ class LorasController(InferenceController):
         await touch(self.gw, self.caller(request), m.name, req.keep_alive, request)
         # an engine answered, so it is loaded; the cluster's record of it comes with the node's next heartbeat,
         # which can be a moment behind the answer (an engine that was just loaded answers an empty job at once)
-        deadline = time.monotonic() + RECORD_WAIT_S
-        while not (answer := self._json(m, admin))["coderai"]["loaded"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return json_response(answer)
+        with contextlib.suppress(TimeoutError):  # then the record as it stands (a heartbeat lost): the load worked
+            await wait_for(
+                lambda: self._json(m, admin)["coderai"]["loaded"], RECORD_WAIT_S, what=f"the record of {m.name}'s copy"
+            )
+        return json_response(self._json(m, admin))
 
     @post("/{name:str}/unload", status_code=200)
     async def unload(self, request: Request, name: FromPath[str]) -> Response:
