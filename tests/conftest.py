@@ -45,7 +45,9 @@ def pytest_configure(config):
     global _suite_root
     if _suite_root is not None:
         return
-    real_home = Path(os.path.expanduser("~"))
+    # an xdist worker inherits the controller's environment, whose HOME is the controller's own new home: the home
+    # from outside is the one the controller was started with
+    real_home = Path(os.environ.get("CODERAI_TEST_OUTSIDE_HOME") or os.path.expanduser("~"))
     pip_cache = os.environ.get("PIP_CACHE_DIR") or str(
         Path(os.environ.get("XDG_CACHE_HOME") or real_home / ".cache") / "pip"
     )

@@ -74,6 +74,13 @@ class Host:
         return ["ip", "netns", "exec", self.name]
 
 
+def _subnet() -> int:
+    """A /24 of 10.231.0.0/16 for this process's labs: by its pid, and apart for each xdist worker of the suite
+    (two workers' labs at once must not share a subnet: the root namespace would have two routes to it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return 100 + (int(worker) % 3 if worker.isdigit() else 0) * 50 + os.getpid() % 50
+
+
 class Lab:
     """`hosts` namespaces with one veth each into a bridge that lives in a hub namespace."""
 
@@ -83,7 +90,7 @@ class Lab:
         if os.geteuid() != 0 or not shutil.which("ip"):
             raise NetnsUnavailable("network namespaces need root and iproute2")
         tag = f"{os.getpid() % 10000}"
-        self.subnet = subnet if subnet is not None else 100 + os.getpid() % 100
+        self.subnet = subnet if subnet is not None else _subnet()
         self.hub = f"crhub{tag}"
         self.hosts: dict[str, Host] = {}
         self._made: list[str] = []
