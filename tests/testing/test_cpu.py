@@ -21,3 +21,14 @@ def test_cpu_a_child_used_counts_as_this_runs():
         )
     assert _tree_jiffies(os.getpid()) - before >= 0.4 * hz
     assert 0.0 <= load.share <= 1.0
+
+
+def test_on_an_xdist_worker_the_run_is_the_controllers_tree(monkeypatch):
+    """Two workers are one run: the other worker's tests (children of the same controller) are not outside load."""
+    from coderai.testing.cpu import _run_root
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert _run_root() == os.getpid()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    assert _run_root() == os.getppid()
+    assert _tree_jiffies(_run_root()) >= _tree_jiffies(os.getpid())  # the controller's tree holds this process's

@@ -32,20 +32,27 @@ def _tree_jiffies(root: int) -> int:
     return total
 
 
+def _run_root() -> int:
+    """The process whose tree is this test run: pytest's, or on an xdist worker the controller's (the parent of
+    both workers: the other worker's tests are the same run, not load from outside)."""
+    return os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+
+
 class OutsideLoad:
     """`with OutsideLoad() as load: ...`, then `load.share`: the CPUs' worth that processes outside this test
-    process's tree used meanwhile, as a share of the machine (0: all of it was ours or idle, 1: others kept every
+    run's tree used meanwhile, as a share of the machine (0: all of it was ours or idle, 1: others kept every
     CPU busy)."""
 
     def __init__(self) -> None:
         self.share = 0.0
 
     def __enter__(self) -> "OutsideLoad":
-        self._t, self._busy, self._ours = time.monotonic(), _busy_jiffies(), _tree_jiffies(os.getpid())
+        self._root = _run_root()
+        self._t, self._busy, self._ours = time.monotonic(), _busy_jiffies(), _tree_jiffies(self._root)
         return self
 
     def __exit__(self, *_exc: object) -> None:
         hz = os.sysconf("SC_CLK_TCK")
         elapsed = max(1e-6, time.monotonic() - self._t) * hz * (os.cpu_count() or 1)
-        outside = (_busy_jiffies() - self._busy) - (_tree_jiffies(os.getpid()) - self._ours)
+        outside = (_busy_jiffies() - self._busy) - (_tree_jiffies(self._root) - self._ours)
         self.share = max(0.0, min(1.0, outside / elapsed))
