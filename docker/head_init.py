@@ -13,7 +13,8 @@
 - `--keys-dir DIR`: on first run, an admin API key: its hash in DIR/keys.toml (the gateway's
   CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
 
-The token comes from CODERAI_CLUSTER_TOKEN (never a flag: flags show in `ps`); nothing is derived from it but
+The token comes from CODERAI_CLUSTER_TOKEN or the file CODERAI_CLUSTER_TOKEN_FILE names (never a flag: flags show
+in `ps`); nothing is derived from it but
 the join user's password.
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token
 from coderai.runtime.embedded import store_limit
+from coderai.runtime.settings import SettingsError, env_or_file
 from coderai.runtime.tls import ensure_certs
 
 
@@ -77,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.nats_conf or args.keys_dir):
         ap.error("nothing to do: give --nats-conf and/or --keys-dir")
     if args.nats_conf:
-        token = os.environ.get("CODERAI_CLUSTER_TOKEN", "")
+        try:  # the token itself, or (kept out of `docker inspect`) the file CODERAI_CLUSTER_TOKEN_FILE names
+            token = env_or_file("CODERAI_CLUSTER_TOKEN")
+        except SettingsError as exc:
+            print(f"coderai-init: {exc}", file=sys.stderr)
+            return 2
         if not token:
             print("coderai-init: CODERAI_CLUSTER_TOKEN is empty: a head that other machines join needs the cluster "
                   "token (make one with `coderai token new`)", file=sys.stderr)

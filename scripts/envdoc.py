@@ -29,7 +29,7 @@ from pathlib import Path
 
 import msgspec
 
-from coderai.runtime.settings import CommonSettings
+from coderai.runtime.settings import CommonSettings, file_settable
 
 # service name as load_settings and `coderai <command>` know it -> "module:Struct"
 SERVICES: dict[str, str] = {
@@ -108,6 +108,7 @@ class Field:
     type: str
     default: str
     description: str
+    from_file: bool = False  # may come from the file a `..._FILE` variable names
 
 
 def prefix(service: str) -> str:
@@ -188,7 +189,7 @@ def fields(cls: type[msgspec.Struct], own_only: bool = False) -> list[Field]:
             continue
         description, default_src = info.get(f.name, ("", ""))
         description = description or FALLBACK_DESCRIPTIONS.get(f.name, "")
-        out.append(Field(f.name, _type_name(f.type), _default(f, default_src), description))
+        out.append(Field(f.name, _type_name(f.type), _default(f, default_src), description, file_settable(cls, f.name)))
     return out
 
 
@@ -198,9 +199,10 @@ def variables(service: str | None = None) -> set[str]:
     names: set[str] = set()
     for svc in services:
         if svc in SERVICES:
-            for name in settings_class(svc).__struct_fields__:
-                names.add(prefix(svc) + name.upper())
-                names.add("CODERAI_" + name.upper())
+            cls = settings_class(svc)
+            for name in cls.__struct_fields__:
+                ends = ("", "_FILE") if file_settable(cls, name) else ("",)
+                names.update(v + end for v in (prefix(svc) + name.upper(), "CODERAI_" + name.upper()) for end in ends)
         names.update(var for var, (readers, _) in OTHER_VARIABLES.items() if svc in readers)
     if service is None:
         names.update(OTHER_VARIABLES)
@@ -210,7 +212,8 @@ def variables(service: str | None = None) -> set[str]:
 def _table(rows: list[tuple[str, Field]]) -> list[str]:
     out = ["| variable | type | default | meaning |", "|---|---|---|---|"]
     for var, f in rows:
-        out.append(f"| `{var}` | {f.type} | {f.default} | {f.description.replace('|', chr(92) + '|')} |")
+        shown = f"`{var}` (or `_FILE`)" if f.from_file else f"`{var}`"
+        out.append(f"| {shown} | {f.type} | {f.default} | {f.description.replace('|', chr(92) + '|')} |")
     return out
 
 
@@ -229,6 +232,11 @@ def render() -> str:
         "",
         "A shared name serves every service that has the field: `CODERAI_REDIS_URL` sets both the gateway's and the",
         "metrics service's `redis_url`; `CODERAI_SCRAPE_TOKEN` both `scrape_token`s.",
+        "",
+        'A secret or a URL (marked "or `_FILE`" below) may instead be in a file: `CODERAI_CLUSTER_TOKEN_FILE=/run/secrets/token`',
+        "reads the token from that file (its line end dropped), as Docker's and systemd's secrets are handed over, so",
+        "the value is not in the environment that `docker inspect` prints. It takes the place of its variable in the",
+        "order above; setting both a variable and its `_FILE` is an error, as is a file that cannot be read or is empty.",
         "",
         "## Every service",
         "",

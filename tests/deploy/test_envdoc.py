@@ -28,20 +28,35 @@ def test_every_field_of_every_service_is_documented(envdoc):
             assert f"`{shown}`" in text, shown
 
 
-def test_variables_are_the_names_load_settings_reads(envdoc):
-    """Each name variables() gives a service really sets a field when load_settings reads it."""
+def test_variables_are_the_names_load_settings_reads(envdoc, tmp_path):
+    """Each name variables() gives a service really sets a field when load_settings reads it (a `..._FILE` name
+    of a secret or a URL: through the file it names)."""
     for svc in envdoc.SERVICES:
         cls = envdoc.settings_class(svc)
         for var in sorted(envdoc.variables(svc) - set(envdoc.OTHER_VARIABLES)):
-            field = next(
-                f for f in cls.__struct_fields__ if var in (envdoc.prefix(svc) + f.upper(), "CODERAI_" + f.upper())
-            )
+
+            def field_of(name: str) -> str | None:
+                names = (
+                    f for f in cls.__struct_fields__ if name in (envdoc.prefix(svc) + f.upper(), "CODERAI_" + f.upper())
+                )
+                return next(names, None)
+
+            field, through_file = field_of(var), False
+            if field is None and var.endswith("_FILE"):
+                field, through_file = field_of(var.removesuffix("_FILE")), True
+            assert field is not None, f"{var} sets no field of {svc}"
             kind = {f.name: f.type for f in msgspec.structs.fields(cls)}[field]
             value = {str: "x", int: "7", float: "7.5", bool: "true"}.get(kind)
             if value is None:
                 continue  # lists and literals: parsing is runtime/settings.py's own test
-            got = getattr(load_settings(cls, svc, env={var: value}), field)
+            if through_file:
+                (tmp_path / "value").write_text(value + "\n")
+                got = getattr(load_settings(cls, svc, env={var: str(tmp_path / "value")}), field)
+            else:
+                got = getattr(load_settings(cls, svc, env={var: value}), field)
             assert str(got).lower() == value.lower() or got == type(got)(value), var
+    assert "CODERAI_WORKER_CLUSTER_TOKEN_FILE" in envdoc.variables("worker")  # a secret, from a file
+    assert "CODERAI_GATEWAY_HOST_FILE" not in envdoc.variables("gateway")
     assert "CODERAI_GATEWAY_PORT" in envdoc.variables("gateway")
     assert "CODERAI_GATEWAY_PORT" not in envdoc.variables("metrics")
     assert "CODERAI_REDIS_URL" in envdoc.variables("metrics")  # the shared name of its redis_url

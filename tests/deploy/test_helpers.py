@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
 import urllib.request
 
+import bcrypt
 import pytest
 from coderai.runtime.cluster import JOIN_USER, join_password, new_token, with_user
 from coderai.runtime.embedded import _find, free_port
@@ -64,6 +66,23 @@ def test_no_token_no_config(tmp_path, head_init, monkeypatch, capsys):
     monkeypatch.delenv("CODERAI_CLUSTER_TOKEN", raising=False)
     assert head_init.main(["--nats-conf", str(tmp_path / "nats.conf")]) == 2
     assert "CODERAI_CLUSTER_TOKEN" in capsys.readouterr().err and not (tmp_path / "nats.conf").exists()
+
+
+def test_the_token_may_come_from_a_file_kept_out_of_the_environment(tmp_path, head_init, monkeypatch, capsys):
+    """A compose secret: `docker inspect` prints the environment, so the token is in a file the variable names."""
+    monkeypatch.delenv("CODERAI_CLUSTER_TOKEN", raising=False)
+    token_file = tmp_path / "cluster.token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN_FILE", str(token_file))
+    conf = tmp_path / "nats" / "nats.conf"
+    assert head_init.main(["--nats-conf", str(conf), "--secrets-dir", str(tmp_path / "secrets")]) == 0
+    users = (tmp_path / "nats" / "users.conf").read_text()
+    [join_hash] = re.findall(r'"user": "' + JOIN_USER + r'",\s*"password": "([^"]+)"', users)
+    assert bcrypt.checkpw(join_password(TOKEN).encode(), join_hash.encode()), "the join user's, from the file's token"
+    assert TOKEN not in users
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", TOKEN)  # both: which one is meant is not guessed
+    assert head_init.main(["--nats-conf", str(tmp_path / "other.conf")]) == 2
+    assert "both set" in capsys.readouterr().err and not (tmp_path / "other.conf").exists()
 
 
 def test_admin_key_is_made_once(tmp_path, head_init):

@@ -266,3 +266,79 @@ def test_describe_masks_every_password_of_a_url_over_several_hosts():
     assert d["nats_url"] == "nats://service:***@h1:4222,nats://service:***@h2:4222"
     assert d["redis_url"] == "redis+sentinel://:***@a:26379,b:26379/coderai?sentinel_password=***"
     assert all(redact(f"x {secret} y") == "x *** y" for secret in secrets)
+
+
+# --- secrets from files: CODERAI_..._FILE -------------------------------------------------------------------------
+
+
+def secret_file(tmp_path, text: str, name: str = "secret") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_a_secret_comes_from_the_file_its_file_variable_names(tmp_path):
+    """As Docker's and systemd's secrets are handed over: the value is not in the environment (which `docker
+    inspect` prints), only the file's path; the line end an editor or `echo` leaves is not part of it."""
+    path = secret_file(tmp_path, "t0ken-from-a-file\n")
+    s = load({"CODERAI_CLUSTER_TOKEN_FILE": path, "CODERAI_GATEWAY_API_TOKEN_FILE": path})
+    assert s.cluster_token == "t0ken-from-a-file" and s.api_token == "t0ken-from-a-file"
+    assert describe(s)["cluster_token"] == "***"
+
+
+def test_a_url_may_come_from_a_file_and_its_password_stays_masked(tmp_path):
+    path = secret_file(tmp_path, "nats://svc:s3cret-pass@head:4222\n")
+    s = load({"CODERAI_NATS_URL_FILE": path})
+    assert s.nats_url == "nats://svc:s3cret-pass@head:4222"
+    assert "s3cret-pass" not in describe(s)["nats_url"]
+
+
+def test_a_file_variable_keeps_its_place_in_the_order(tmp_path):
+    """The service's own name beats the shared one, value or file alike."""
+    shared, own = secret_file(tmp_path, "shared", "a"), secret_file(tmp_path, "own", "b")
+    assert load({"CODERAI_CLUSTER_TOKEN_FILE": shared, "CODERAI_GATEWAY_CLUSTER_TOKEN": "direct"}).cluster_token == (
+        "direct"
+    )
+    assert load({"CODERAI_CLUSTER_TOKEN": "direct", "CODERAI_GATEWAY_CLUSTER_TOKEN_FILE": own}).cluster_token == "own"
+    assert load({"CODERAI_CLUSTER_TOKEN_FILE": shared}, service="router").cluster_token == "shared"
+
+
+def test_a_value_and_its_file_both_set_is_an_error(tmp_path):
+    with pytest.raises(SettingsError, match="CODERAI_CLUSTER_TOKEN and CODERAI_CLUSTER_TOKEN_FILE are both set"):
+        load({"CODERAI_CLUSTER_TOKEN": "x" * 20, "CODERAI_CLUSTER_TOKEN_FILE": secret_file(tmp_path, "y" * 20)})
+
+
+@pytest.mark.parametrize("what", ["missing", "empty", "a folder"])
+def test_an_unreadable_or_empty_file_names_its_variable_never_a_value(tmp_path, what):
+    path = {"missing": str(tmp_path / "absent"), "empty": secret_file(tmp_path, "\n"), "a folder": str(tmp_path)}[what]
+    with pytest.raises(SettingsError) as ei:
+        load({"CODERAI_DB_PASSWORD_FILE": path})
+    assert str(ei.value).startswith(f"CODERAI_DB_PASSWORD_FILE={path}: ")
+
+
+def test_only_secrets_and_urls_come_from_files(tmp_path):
+    """A port, a host or a path setting is given as itself: `CODERAI_HOST_FILE` is not a variable, and a field that
+    is a path already (`nats_password_file`) is not read through another file."""
+    from coderai.runtime.settings import file_settable
+
+    path = secret_file(tmp_path, "10.0.0.1")
+    assert load({"CODERAI_HOST_FILE": path}).host == "127.0.0.1"
+    assert load({"CODERAI_NATS_PASSWORD_FILE": path}).nats_password_file == path  # the field itself
+    assert not file_settable(GwSettings, "port") and not file_settable(GwSettings, "nats_password_file")
+    assert file_settable(GwSettings, "db_password") and file_settable(GwSettings, "nats_url")
+
+
+def test_coderai_up_reads_its_token_from_the_file_too(tmp_path, monkeypatch, capsys):
+    """`coderai up` and `coderai heads invite` read the token outside a settings struct: the same two ways."""
+    from coderai.stack.plan import parse_args
+
+    monkeypatch.delenv("CODERAI_CLUSTER_TOKEN", raising=False)
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN_FILE", secret_file(tmp_path, "a-token-from-its-file\n"))
+    assert parse_args([]).cluster_token == "a-token-from-its-file"
+    assert parse_args(["--cluster-token", "the-flag-wins"]).cluster_token == "the-flag-wins"
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN", "and-one-in-the-environment")
+    with pytest.raises(SystemExit) as ei:
+        parse_args([])
+    assert ei.value.code == 2 and "both set" in capsys.readouterr().err
+    monkeypatch.delenv("CODERAI_CLUSTER_TOKEN_FILE")
+    assert parse_args([]).cluster_token == "and-one-in-the-environment"

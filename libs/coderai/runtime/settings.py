@@ -2,7 +2,8 @@
 
 For a field `port` of the gateway, the value comes from `CODERAI_GATEWAY_PORT`, else `CODERAI_PORT` (shared
 names such as `CODERAI_NATS_URL` serve every service), else the `[gateway]` table of the TOML file named by
-`CODERAI_CONFIG`, else that file's top level, else the default. A bad value fails at start with the name of
+`CODERAI_CONFIG`, else that file's top level, else the default. A secret or a URL may instead be in a file that
+`CODERAI_..._FILE` names, at the same place in that order (`file_settable`). A bad value fails at start with the name of
 the variable (or TOML key) that held it.
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -77,7 +79,13 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
 
     hints = {f.name: f.type for f in msgspec.structs.fields(cls)}
     for name in cls.__struct_fields__:
+        from_file = file_settable(cls, name)
         for var in (f"CODERAI_{svc}_{name.upper()}", f"CODERAI_{name.upper()}"):
+            if from_file and var + "_FILE" in env:
+                if var in env:
+                    raise SettingsError(f"{var} and {var}_FILE are both set: set one of them")
+                values[name], sources[name] = _read_value_file(var + "_FILE", env[var + "_FILE"]), var + "_FILE"
+                break
             if var in env:
                 try:
                     values[name] = _parse_env(env[var], hints[name])
@@ -100,6 +108,41 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
 
 
 SECRET_WORDS = ("token", "secret", "password", "key_hash", "api_key", "apikey", "passphrase")
+
+
+def file_settable(cls: type[msgspec.Struct], name: str) -> bool:
+    """Whether field `name` may also be read from a file: `CODERAI_..._FILE` naming a file that holds the value, as
+    Docker's and systemd's secrets are handed over (a value in the environment is printed by `docker inspect` and
+    read from /proc by the same user). Text fields that hold a secret or a URL (which may carry a password), and
+    only where no field of that name with `_file` exists already (`nats_password_file` is a path itself)."""
+    field = next((f for f in msgspec.structs.fields(cls) if f.name == name), None)
+    if field is None or field.type is not str or f"{name}_file" in cls.__struct_fields__ or name.endswith("_file"):
+        return False
+    return name.endswith("_url") or any(word in name for word in SECRET_WORDS)
+
+
+def env_or_file(var: str, env: Mapping[str, str] | None = None) -> str:
+    """The value of `var`, or of the file `var`_FILE names (for what reads a secret outside a settings struct:
+    `coderai up`'s and `coderai-init`'s cluster token); "" when neither is set. Both set, or a file that cannot be
+    read or is empty, is a SettingsError naming the variable."""
+    env = os.environ if env is None else env
+    if var + "_FILE" in env:
+        if var in env:
+            raise SettingsError(f"{var} and {var}_FILE are both set: set one of them")
+        return _read_value_file(var + "_FILE", env[var + "_FILE"])
+    return env.get(var, "")
+
+
+def _read_value_file(var: str, path: str) -> str:
+    """The value in the file `var` names, without the line end an editor or `echo` leaves; unreadable or empty is a
+    SettingsError naming `var` (never the value)."""
+    try:
+        value = Path(os.path.expanduser(path)).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{var}={path}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    if not value:
+        raise SettingsError(f"{var}={path}: the file is empty")
+    return value
 
 
 def _mask_url(value: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from coderai.runtime import members
+from coderai.runtime.settings import SettingsError, env_or_file
 from coderai.stack.ha import known
 from coderai.stack.heads import INVITE_TTL_S, Head, Invite, head_certificate, load, merge, write_private
 from coderai.stack.local import service_bus
@@ -33,10 +34,15 @@ def invite_main(argv: list[str]) -> int:
     ap.add_argument("--ttl", type=float, default=INVITE_TTL_S, help="seconds the invite is good for (default 3600)")
     ap.add_argument(
         "--cluster-token",
-        default=os.environ.get("CODERAI_CLUSTER_TOKEN", ""),
+        default=None,
         help="the cluster token, so the new head answers workers' joins (default: this head's)",
     )
     args = ap.parse_args(argv)
+    if args.cluster_token is None:  # not a flag: CODERAI_CLUSTER_TOKEN, or the file CODERAI_CLUSTER_TOKEN_FILE names
+        try:
+            args.cluster_token = env_or_file("CODERAI_CLUSTER_TOKEN")
+        except SettingsError as exc:
+            ap.error(str(exc))
     data = Path(os.path.expanduser(args.data_dir)).resolve()
     tls, sec = data / "nats" / "tls", data / "secrets"
     if not (tls / "ca-key.pem").exists() or not (sec / "route.password").exists():

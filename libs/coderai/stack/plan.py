@@ -17,6 +17,7 @@ from coderai.runtime import members
 from coderai.runtime.cluster import WeakToken, check_token
 from coderai.runtime.embedded import Routes, free_port
 from coderai.runtime.node_id import stable_node_id
+from coderai.runtime.settings import SettingsError, env_or_file
 from coderai.runtime.tls import TlsFiles, ensure_certs
 from coderai.stack import heads
 from coderai.stack.datadir import ensure_api_key, ensure_members, port_free, runpod_api_key
@@ -46,9 +47,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-auth", action="store_true", help="no API key (only with a loopback --host)")
     ap.add_argument(
         "--cluster-token",
-        default=os.environ.get("CODERAI_CLUSTER_TOKEN", ""),
+        default=None,
         help="let other machines join: NATS then requires credentials derived from this token and "
-        "listens on --nats-host; workers started with the same token find this head by mDNS",
+        "listens on --nats-host; workers started with the same token find this head by mDNS "
+        "(default: CODERAI_CLUSTER_TOKEN, or the file CODERAI_CLUSTER_TOKEN_FILE names)",
     )
     ap.add_argument(
         "--nats-host", default="", help="NATS listen address (default: 0.0.0.0 with a token, else 127.0.0.1)"
@@ -96,6 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The arguments, with the head options checked against each other (argparse's usage error, status 2)."""
     ap = parser()
     args = ap.parse_args(argv)
+    if args.cluster_token is None:  # not a flag: CODERAI_CLUSTER_TOKEN, or the file CODERAI_CLUSTER_TOKEN_FILE names
+        try:
+            args.cluster_token = env_or_file("CODERAI_CLUSTER_TOKEN")
+        except SettingsError as exc:
+            ap.error(str(exc))
     if (args.join or args.address) and not args.head:
         ap.error("--join and --address are for a head: add --head")
     if args.head and not (args.address or args.join):
