@@ -342,3 +342,41 @@ def test_coderai_up_reads_its_token_from_the_file_too(tmp_path, monkeypatch, cap
     assert ei.value.code == 2 and "both set" in capsys.readouterr().err
     monkeypatch.delenv("CODERAI_CLUSTER_TOKEN_FILE")
     assert parse_args([]).cluster_token == "and-one-in-the-environment"
+
+
+def test_coderai_up_hands_its_children_no_token_file_and_its_own_values_win(monkeypatch):
+    """`coderai up` gives each child what it needs itself; a token file in up's environment goes to no child (the
+    token is the scheduler's alone), and a value up sets wins over a file of the same variable from outside,
+    which the child would otherwise refuse to choose between."""
+    from coderai.stack.children import SECRET_ENV, given_wins
+
+    env = {
+        "CODERAI_CLUSTER_TOKEN": "given-to-the-scheduler",
+        "CODERAI_CLUSTER_TOKEN_FILE": "/run/secrets/token",
+        "CODERAI_GATEWAY_REDIS_URL_FILE": "/run/secrets/redis",
+        "CODERAI_SCHEDULER_MODELS_FILE": "/etc/models.toml",  # a path setting, not a value's file
+    }
+    assert given_wins(env) == {
+        "CODERAI_CLUSTER_TOKEN": "given-to-the-scheduler",
+        "CODERAI_GATEWAY_REDIS_URL_FILE": "/run/secrets/redis",
+        "CODERAI_SCHEDULER_MODELS_FILE": "/etc/models.toml",
+    }
+    assert "CODERAI_CLUSTER_TOKEN" in SECRET_ENV
+
+
+def test_no_child_of_coderai_up_inherits_the_token_or_its_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from coderai.stack.children import common_env
+
+    monkeypatch.setenv("CODERAI_CLUSTER_TOKEN_FILE", "/run/secrets/token")
+    monkeypatch.setenv("CODERAI_POD_BROKER_RUNPOD_API_KEY_FILE", "/run/secrets/runpod")
+    monkeypatch.setenv("CODERAI_LOG_LEVEL", "DEBUG")  # what is not a secret is handed on
+    plan = SimpleNamespace(data=tmp_path, metrics_port=9464, worker_id="n1", tls=None, me=None, redis_password="pw")
+    servers = SimpleNamespace(
+        redis_url=lambda pw: f"redis://:{pw}@127.0.0.1:6379/0",
+        started_nats=SimpleNamespace(url="nats://127.0.0.1:4222"),
+    )
+    env = common_env(plan, servers)  # type: ignore[arg-type]  # stand-ins with what it reads
+    assert "CODERAI_CLUSTER_TOKEN_FILE" not in env and "CODERAI_POD_BROKER_RUNPOD_API_KEY_FILE" not in env
+    assert env["CODERAI_LOG_LEVEL"] == "DEBUG"

@@ -3,8 +3,8 @@
 For a field `port` of the gateway, the value comes from `CODERAI_GATEWAY_PORT`, else `CODERAI_PORT` (shared
 names such as `CODERAI_NATS_URL` serve every service), else the `[gateway]` table of the TOML file named by
 `CODERAI_CONFIG`, else that file's top level, else the default. A secret or a URL may instead be in a file that
-`CODERAI_..._FILE` names, at the same place in that order (`file_settable`). A bad value fails at start with the name of
-the variable (or TOML key) that held it.
+`CODERAI_..._FILE` names, at the same place in that order (`file_settable`). A bad value fails at start with the
+name of the variable (or TOML key) that held it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ token, the pod broker the RunPod key), never every service."""
 Env = dict[str, str]
 
 
+def given_wins(env: Env) -> Env:
+    """`env` without the `X_FILE` of each `X` it holds: what `coderai up` hands a child itself (its NATS URL, the
+    token to the scheduler) wins over a file of `up`'s own environment, which the child would otherwise find
+    beside it (both set: runtime/settings.py refuses to guess)."""
+    return {k: v for k, v in env.items() if not (k.endswith("_FILE") and k.removesuffix("_FILE") in env)}
+
+
 def common_env(plan: Plan, servers: Servers) -> Env:
     """What every child is given: `coderai up`'s own environment less its secrets, and where the stack answers."""
     redis_url, metrics_port = servers.redis_url(plan.redis_password), plan.metrics_port
@@ -31,7 +38,8 @@ def common_env(plan: Plan, servers: Servers) -> Env:
         {
             k: v
             for k, v in os.environ.items()
-            if k not in SECRET_ENV and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")
+            if k.removesuffix("_FILE") not in SECRET_ENV  # a secret's file, as the secret: only to who needs it
+            and k not in ("CODERAI_NATS_PASSWORD_FILE", "CODERAI_NATS_USER")
         }
         | {
             "CODERAI_NATS_URL": servers.started_nats.url,
@@ -118,5 +126,6 @@ def start(sup: Supervisor, plan: Plan, servers: Servers) -> Path:
             if name in members.SERVICE_ROLES:
                 own = with_user(nats.url, members.service_user(name), passwords[name])
                 child_env = child_env | {"CODERAI_NATS_URL": own}
+            child_env = given_wins(child_env)
             sup.add(Child(name, [sys.executable, "-m", module, *extra], child_env, data / "logs" / f"{name}.log"))
     return models_file
