@@ -14,8 +14,7 @@
   CODERAI_GATEWAY_API_KEYS_FILE) and the key itself in DIR/admin.key (mode 0600), as `coderai up` does.
 
 The token comes from CODERAI_CLUSTER_TOKEN or the file CODERAI_CLUSTER_TOKEN_FILE names (never a flag: flags show
-in `ps`); nothing is derived from it but
-the join user's password.
+in `ps`); nothing is derived from it but the join user's password.
 """
 
 from __future__ import annotations
