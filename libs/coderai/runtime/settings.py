@@ -82,9 +82,7 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
         from_file = file_settable(cls, name)
         for var in (f"CODERAI_{svc}_{name.upper()}", f"CODERAI_{name.upper()}"):
             if from_file and var + "_FILE" in env:
-                if var in env:
-                    raise SettingsError(f"{var} and {var}_FILE are both set: set one of them")
-                values[name], sources[name] = _read_value_file(var + "_FILE", env[var + "_FILE"]), var + "_FILE"
+                values[name], sources[name] = env_or_file(var, env), var + "_FILE"
                 break
             if var in env:
                 try:

@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 
 from coderai.runtime import members
-from coderai.runtime.settings import SettingsError, env_or_file
 from coderai.stack.ha import known
 from coderai.stack.heads import INVITE_TTL_S, Head, Invite, head_certificate, load, merge, write_private
 from coderai.stack.local import service_bus
+from coderai.stack.plan import token_from_env
 
 
 def invite_main(argv: list[str]) -> int:
@@ -38,11 +38,7 @@ def invite_main(argv: list[str]) -> int:
         help="the cluster token, so the new head answers workers' joins (default: this head's)",
     )
     args = ap.parse_args(argv)
-    if args.cluster_token is None:  # not a flag: CODERAI_CLUSTER_TOKEN, or the file CODERAI_CLUSTER_TOKEN_FILE names
-        try:
-            args.cluster_token = env_or_file("CODERAI_CLUSTER_TOKEN")
-        except SettingsError as exc:
-            ap.error(str(exc))
+    token_from_env(ap, args)
     data = Path(os.path.expanduser(args.data_dir)).resolve()
     tls, sec = data / "nats" / "tls", data / "secrets"
     if not (tls / "ca-key.pem").exists() or not (sec / "route.password").exists():

@@ -94,15 +94,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The arguments, with the head options checked against each other (argparse's usage error, status 2)."""
-    ap = parser()
-    args = ap.parse_args(argv)
-    if args.cluster_token is None:  # not a flag: CODERAI_CLUSTER_TOKEN, or the file CODERAI_CLUSTER_TOKEN_FILE names
+def token_from_env(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--cluster-token` when given, else CODERAI_CLUSTER_TOKEN or the file CODERAI_CLUSTER_TOKEN_FILE names (both
+    set, or a bad file: argparse's usage error). For `coderai up` and `coderai heads invite`."""
+    if args.cluster_token is None:
         try:
             args.cluster_token = env_or_file("CODERAI_CLUSTER_TOKEN")
         except SettingsError as exc:
             ap.error(str(exc))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with the head options checked against each other (argparse's usage error, status 2)."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    token_from_env(ap, args)
     if (args.join or args.address) and not args.head:
         ap.error("--join and --address are for a head: add --head")
     if args.head and not (args.address or args.join):
