@@ -58,19 +58,24 @@ class Relay:
             if (decision := self.picker.pick(req, headers)) is not None:
                 return decision
             self.picker.asked += 1
-        try:
-            return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
-        except BusError as exc:
-            if exc.code != "timeout":
-                raise
-            # no router answered in time (this gateway's nats-server just died under the request, the routers are
-            # reconnecting): the cluster's moment, not the client's fault, so a 503 with Retry-After, not a 504 (and
-            # not "no engine", which would have the scheduler load the model or rent a pod)
-            raise BusError(
-                "overloaded",
-                f"no router answered within {self.settings.route_timeout_s:g} s; try again shortly",
-                retryable=True,
-            ) from None
+        for ask in range(2):
+            try:
+                return await self.bus.request(ROUTE_PICK, req, timeout=self.settings.route_timeout_s, headers=headers)
+            except BusError as exc:
+                if exc.code != "timeout":
+                    raise
+            # asked once more while connected: a router that did not run for a moment (a loaded box, its pages read
+            # back from disk) answers a second ask at once, where the first one's 503 would cost the client a retry
+            if ask or not self.bus.nc.is_connected:
+                break
+        # no router answered in time (this gateway's nats-server just died under the request, the routers are
+        # reconnecting): the cluster's moment, not the client's fault, so a 503 with Retry-After, not a 504 (and
+        # not "no engine", which would have the scheduler load the model or rent a pod)
+        raise BusError(
+            "overloaded",
+            f"no router answered within {self.settings.route_timeout_s:g} s; try again shortly",
+            retryable=True,
+        )
 
     async def _pick(
         self, req: RouteRequest, tried: list[str], headers: dict[str, str], on_loading: Callable[[], None] | None = None

@@ -320,6 +320,10 @@ def test_a_killed_server_fails_over_to_the_other_copy(stack):
         if busy > 0:
             os.kill(busy, signal.SIGKILL)
         t.join(120)
+        if "error" in answer:  # what the services said meanwhile, for a failure seen only in CI
+            for name in ("gateway", "router", "worker-w1", "worker-w2"):
+                lines = (stack.root / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+                print(f"--- {name}.log, its last lines\n" + "\n".join(line[:400] for line in lines[-12:]))
         assert "error" not in answer, answer.get("error")
         if busy < 0:
             return None

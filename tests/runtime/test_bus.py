@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -21,7 +23,7 @@ from coderai.contracts import (
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, Subject
 from coderai.contracts.topology import BucketSpec
-from coderai.runtime.bus import Bus, FrameWriter
+from coderai.runtime.bus import LATE_S, Bus, FrameWriter
 from coderai.runtime.kv import RevisionCache, put_if_changed
 
 
@@ -160,6 +162,57 @@ async def test_cancel_reaches_the_callee(bus, unique):
     await s.cancel()
     await asyncio.wait_for(cancelled.wait(), 5)
     assert s.token not in bus._streams
+
+
+async def test_an_answer_that_came_while_the_asker_was_stalled_is_not_a_timeout(bus, nats_server, unique):
+    """The asker's process does not run past its timeout (starved, its pages read back from disk) while the answer
+    arrives: the answer waits in its socket behind the due timer, and is taken, not a `timeout`. A real silence
+    is still one, the same length as before."""
+    subj = _subject(unique)
+    answering = threading.Event()
+
+    def responder(ready: threading.Event, stop: threading.Event) -> None:
+        async def main() -> None:
+            other = await Bus.connect(nats_server.url, "test")
+
+            async def handler(req: RouteRequest, _m):
+                answering.set()
+                return RouteDecision(engine_id="e", node_id="n", reason="least_busy")
+
+            await other.serve(subj, handler)
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await other.close()
+
+        asyncio.run(main())
+
+    ready, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=responder, args=(ready, stop))
+    t.start()
+    try:
+        assert await asyncio.to_thread(ready.wait, 10)
+        ask = asyncio.create_task(bus.request(subj, RouteRequest(request_id="r", model="m", op="chat"), timeout=0.3))
+        await asyncio.sleep(0)  # the request is sent
+        assert await asyncio.to_thread(answering.wait, 10)
+        time.sleep(0.8)  # this loop stalls past the timeout with the answer on its way or in its socket
+        assert (await asyncio.wait_for(ask, 10)).engine_id == "e"
+
+        async def listen_only(_m) -> None:  # there, and silent
+            return None
+
+        sub = await bus.nc.subscribe(_subject(unique + "-silent").pattern, cb=listen_only)
+        start = time.monotonic()
+        with pytest.raises(BusError) as exc:
+            await bus.request(
+                _subject(unique + "-silent"), RouteRequest(request_id="r", model="m", op="chat"), timeout=0.3
+            )
+        assert exc.value.code == "timeout"
+        assert time.monotonic() - start < 0.3 + LATE_S  # a timer on time gets no grace
+        await sub.unsubscribe()
+    finally:
+        stop.set()
+        await asyncio.to_thread(t.join, 10)
 
 
 async def test_silent_engine_times_out(bus, unique):

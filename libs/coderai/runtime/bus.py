@@ -74,23 +74,42 @@ class _Tick:
 TIMED_OUT: Any = object()
 
 
+LATE_S = 0.25
+"""A timer that fires this much after its deadline says the process itself was not running (starved of CPU, its
+pages read back from disk): the wait is given once more as long as it was late, at most `LATE_GRACE_S`."""
+LATE_GRACE_S = 1.0
+
+
 async def get_or_timeout(queue: asyncio.Queue, timeout_s: float) -> Any:
     """`queue.get()`, or TIMED_OUT after `timeout_s` without an item.
 
     On the hot path: asyncio.wait_for costs a task per call; a timer handle that drops a marker into the queue
     costs far less. A marker whose wait already ended (the item won the race) is skipped later.
+
+    A process that did not run for a while finds its timer due and the answer that arrived meanwhile still in its
+    socket, a few loop turns from the queue; the timer runs first. So a marker that comes late (`LATE_S`) is a
+    stall of this process, not silence of the peer: the wait goes on once, as long as it was late (at most
+    `LATE_GRACE_S`), and the answer wins if it was there.
     """
     if not queue.empty():
         item = queue.get_nowait()
         if not isinstance(item, _Tick):
             return item
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     tick = _Tick()
-    handle = asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, tick)
+    handle = loop.call_later(timeout_s, queue.put_nowait, tick)
+    extended = False
     try:
         while True:
             item = await queue.get()
             if item is tick:
-                return TIMED_OUT
+                late = loop.time() - deadline
+                if extended or late < LATE_S:
+                    return TIMED_OUT
+                tick, extended = _Tick(), True
+                handle = loop.call_later(min(late, LATE_GRACE_S), queue.put_nowait, tick)
+                continue
             if not isinstance(item, _Tick):
                 return item
     finally:
