@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import statistics
-import subprocess
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-import httpx
-from coderai.runtime.embedded import free_port
-from coderai.testing.procs import wait_until
 
 WINDOW_TAIL_S = 5.0  # a fault's window ends this long after the fault does: the recovery target
 
@@ -171,64 +165,6 @@ def table(fig: dict, command: str, seconds: float) -> str:
 
 
 # --- Prometheus and Redis ---------------------------------------------------------------------------------------
-
-
-class Prometheus:
-    """Debian's `prometheus`, scraping the metrics service every second, on a loopback port of its own."""
-
-    def __init__(self, root: Path, metrics_port: int, logs: Path) -> None:
-        self.root, self.metrics_port, self.logs = root, metrics_port, logs
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Prometheus":
-        binary = shutil.which("prometheus")
-        if binary is None:
-            raise SystemExit("needs Debian's prometheus (apt-get install prometheus)")
-        self.root.mkdir(parents=True, exist_ok=True)
-        conf = self.root / "prometheus.yml"
-        conf.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
-            f"  - job_name: coderai\n    static_configs:\n      - targets: ['127.0.0.1:{self.metrics_port}']\n"
-        )
-        log = open(self.logs / "prometheus.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={conf}",
-                f"--storage.tsdb.path={self.root / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status_code == 200,
-            60,
-            "prometheus to be ready",
-        )
-        return self
-
-    def query(self, q: str) -> list[dict]:
-        r = httpx.get(f"http://127.0.0.1:{self.port}/api/v1/query", params={"query": q}, timeout=10)
-        r.raise_for_status()
-        return r.json()["data"]["result"]
-
-    def scalar(self, q: str) -> float:
-        res = self.query(q)
-        return float(res[0]["value"][1]) if res else 0.0
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def prom_text_sum(text: str, name: str) -> float:

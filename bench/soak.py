@@ -55,6 +55,7 @@ import httpx
 from coderai.engine_worker.engines.loopback_http import IDLE_S
 from coderai.accounts.keyfile import KeyRecord, hash_key, new_key, write_keys
 from coderai.runtime.embedded import NatsServer, free_port
+from coderai.testing.prometheus import Prometheus
 from coderai.runtime.embedded_redis import RedisServer
 from coderai.runtime.store_watch import StoreWatch
 from coderai.testing import faults as fx
@@ -64,7 +65,7 @@ from coderai.testing.stack import Stack, write_models_file
 from _soak_clients import KEYS, MIX, RUDE, Client, Fault, Ledger
 from _soak_faults import Faults
 from _soak_figures import Figures
-from _soak_report import WINDOW_TAIL_S, Prometheus, table, targets
+from _soak_report import WINDOW_TAIL_S, table, targets
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_KINDS = ("kill-worker", "stop-worker", "nats", "redis", "gateway", "slow-link", "disk-full")

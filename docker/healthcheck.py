@@ -42,7 +42,9 @@ def service_of(argv: list[str]) -> str:
 
 
 def find_service(proc: Path = Path("/proc")) -> tuple[str, list[int]]:
-    """The service this container runs and the pids of our processes (readable /proc entries)."""
+    """The service this container runs and the pids of our processes (readable /proc entries). A coderai service
+    wins over nats-server: compose/head.yml's scheduler shares the nats container's pid namespace (to reload it),
+    and sees its process too."""
     found, pids = "", []
     for entry in sorted(proc.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -52,7 +54,9 @@ def find_service(proc: Path = Path("/proc")) -> tuple[str, list[int]]:
         except OSError:
             continue
         pids.append(int(entry.name))
-        found = found or service_of([a.decode(errors="replace") for a in argv if a])
+        service = service_of([a.decode(errors="replace") for a in argv if a])
+        if service and (not found or found == "nats"):
+            found = service
     return found, pids
 
 

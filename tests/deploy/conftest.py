@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 DOCKER = ROOT / "docker"
 TEST_TOKEN = "test-token_0123456789-abcdefghij"
-TEST_REDIS_PASSWORD = "test-redis-password"
 
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
@@ -74,8 +73,9 @@ def env_example() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def compose_env(env_example) -> dict[str, str]:
-    """What a filled-in .env gives compose: the example with a token."""
-    return {**env_example, "CODERAI_CLUSTER_TOKEN": TEST_TOKEN, "REDIS_PASSWORD": TEST_REDIS_PASSWORD}
+    """What a filled-in .env gives compose: the example as it is (the token is a file), and a token in the
+    environment too, which no service may take from there."""
+    return {**env_example, "CODERAI_CLUSTER_TOKEN": TEST_TOKEN}
 
 
 @pytest.fixture(scope="session")

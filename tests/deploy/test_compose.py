@@ -61,7 +61,9 @@ def test_commands_are_real_entry_points(head, node, compose_env, head_init, envd
             cmd = svc["command"]
             assert isinstance(cmd, list) and cmd, f"{name}: command must be an exec-form list"
             if not _is_coderai(svc, compose_env):
-                assert name == "redis" and cmd[0] == "redis-server", name
+                assert name == "redis" and cmd[:2] == ["sh", "-c"] and "exec redis-server /tmp/redis.conf" in cmd[2], (
+                    name
+                )
                 continue
             kind = _kind(svc)
             seen.add(kind)
@@ -81,11 +83,16 @@ def test_commands_are_real_entry_points(head, node, compose_env, head_init, envd
     assert [_kind(s) for s in node["services"].values()] == ["worker"]
 
 
-def test_redis_keeps_an_append_only_file(head):
-    cmd = head["services"]["redis"]["command"]
-    assert cmd[cmd.index("--appendonly") + 1] == "yes"
-    assert ("redis-data", "/data") in _mounts(head["services"]["redis"]) and cmd[cmd.index("--dir") + 1] == "/data"
-    assert "ports" not in head["services"]["redis"], "Redis holds key hashes and budgets: never publish it"
+def test_redis_keeps_an_append_only_file_and_its_password_out_of_sight(head, head_init):
+    redis = head["services"]["redis"]
+    script = redis["command"][2]
+    assert "--appendonly yes" in script and "--dir /data" in script and ("redis-data", "/data") in _mounts(redis)
+    assert "ports" not in redis, "Redis holds key hashes and budgets: never publish it"
+    # its password from the file init made, into a config file: not in its command line, nor its environment
+    init_args = head_init.parser().parse_args(head["services"]["init"]["command"][1:])
+    assert ("secrets", "/secrets") in _mounts(redis) and "cat /secrets/redis.password" in script
+    assert ("secrets", str(init_args.secrets_dir)) in _mounts(head["services"]["init"])
+    assert "environment" not in redis and "redis.password" in redis["healthcheck"]["test"][1]
 
 
 def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env, envdoc):
@@ -95,17 +102,23 @@ def test_every_coderai_variable_is_read_by_its_service(head, node, compose_env, 
             assert isinstance(env, dict), f"{name}: environment as a mapping"
             names = {k for k in env if k.startswith("CODERAI_")}
             kind = _kind(svc) if "command" in svc else name
+            assert not any(TEST_TOKEN in str(v) for v in env.values()), f"{name}: the token in its environment"
             if kind == "init":
-                assert names == {"CODERAI_CLUSTER_TOKEN"}
+                assert names == {"CODERAI_CLUSTER_TOKEN_FILE"} and svc["secrets"] == ["cluster_token"]
             elif kind in envdoc.SERVICES:
                 unknown = names - envdoc.variables(kind)
                 assert not unknown, f"{name} does not read {sorted(unknown)} (docs/env.md lists what it reads)"
                 assert "CODERAI_NATS_URL" in env
-                # the token only where joins happen: the worker joins with it, the scheduler answers joins
+                # the token only where joins happen: the worker joins with it, the scheduler answers joins; from the
+                # compose secret's file, never the environment (`docker inspect` prints that)
                 if kind in ("worker", "scheduler"):
-                    assert env["CODERAI_CLUSTER_TOKEN"] == TEST_TOKEN
+                    assert env["CODERAI_CLUSTER_TOKEN_FILE"] == "/run/secrets/cluster_token"
+                    assert svc["secrets"] == ["cluster_token"]
                 else:
-                    assert "CODERAI_CLUSTER_TOKEN" not in env, f"{name} has no use for the cluster token"
+                    assert "cluster_token" not in svc.get("secrets", []), f"{name} has no use for the cluster token"
+                assert not {"CODERAI_CLUSTER_TOKEN", "CODERAI_REDIS_URL"} & names, (
+                    f"{name}: a secret in its environment"
+                )
                 if kind != "worker":
                     # its own NATS user (svc-<kind>, named by the file), never `service`'s every right
                     assert env["CODERAI_NATS_PASSWORD_FILE"] == f"{DATA_DIR}/secrets/nats-svc-{kind}.password"
@@ -131,11 +144,9 @@ def test_env_example_documents_exactly_what_the_files_use(env_example, helpers, 
             commented = True
         else:
             assert commented, f"undocumented: {line}"
-    for name in FILES:
-        text = (COMPOSE / name).read_text()
-        assert text.count("${CODERAI_CLUSTER_TOKEN") == text.count("${CODERAI_CLUSTER_TOKEN:?"), (
-            f"{name}: the token must be required (`:?`), never silently empty"
-        )
+    for name in ("head.yml", "node.yml"):  # the token's file: a compose secret, the .env names its path only
+        doc = helpers.load_compose(name, env_example)
+        assert doc["secrets"]["cluster_token"]["file"] == env_example["CLUSTER_TOKEN_FILE"]
 
 
 def test_ports_match_the_settings(head, head_init, compose_env, envdoc):
@@ -172,9 +183,9 @@ def test_ports_match_the_settings(head, head_init, compose_env, envdoc):
     metrics_url = urlsplit(services["gateway"]["environment"]["CODERAI_GATEWAY_METRICS_URL"])
     metrics_port = _port(services["metrics"]["ports"][0])[2]
     assert (metrics_url.hostname, metrics_url.port, metrics_url.path) == ("metrics", metrics_port, "/metrics")
-    for name in ("gateway", "metrics"):
-        redis = urlsplit(services[name]["environment"]["CODERAI_REDIS_URL"])
-        assert (redis.hostname, redis.port) == ("redis", 6379) and "--port" not in services["redis"]["command"]
+    for name in ("gateway", "metrics", "pod-broker"):  # the URL init writes, with the password it made
+        assert services[name]["environment"]["CODERAI_REDIS_URL_FILE"] == f"{init_args.secrets_dir}/redis.url"
+    assert init_args.redis == "redis:6379" and "--port" not in services["redis"]["command"][2]
 
 
 def test_host_networking_for_workers_only(head, node):
@@ -239,7 +250,8 @@ def test_startup_order(head):
             assert "nats" in svc["depends_on"], f"{name} must wait for NATS"
     assert "init" in services["nats"]["depends_on"] and "init" in services["gateway"]["depends_on"]
     assert services["init"]["restart"] == "no" and services["init"]["healthcheck"] == {"disable": True}
-    assert services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+    assert services["redis"]["healthcheck"]["test"][0] == "CMD-SHELL"
+    assert "redis-cli ping" in services["redis"]["healthcheck"]["test"][1]
 
 
 def test_gpu_override_fits_both_files(head, node, compose_env, helpers):

@@ -192,6 +192,19 @@ def test_find_service_reads_the_process_list(tmp_path, healthcheck):
     assert healthcheck.find_service(tmp_path) == ("scheduler", [1, 7, 9])
 
 
+def test_the_scheduler_sharing_nats_pid_namespace_is_checked_as_the_scheduler(tmp_path, healthcheck):
+    """compose/head.yml's scheduler sees the nats container's processes (pid: service:nats), nats-server first."""
+    for pid, argv in (
+        (1, ["/sbin/docker-init", "--", "nats-server", "-c", "/var/lib/coderai/nats/nats.conf"]),
+        (7, ["nats-server", "-c", "/var/lib/coderai/nats/nats.conf"]),
+        (30, ["/sbin/docker-init", "--", "coderai", "scheduler"]),
+        (36, ["coderai", "scheduler"]),
+    ):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    assert healthcheck.find_service(tmp_path)[0] == "scheduler"
+
+
 def test_nats_port_from_the_url(healthcheck):
     assert healthcheck.nats_port({}, "router") == 4222
     assert healthcheck.nats_port({"CODERAI_NATS_URL": "nats://nats:4222"}, "router") == 4222

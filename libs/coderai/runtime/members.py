@@ -511,6 +511,8 @@ def data_secret(data_dir: str | os.PathLike, name: str) -> str:
     """The secret `<data_dir>/secrets/<name>`, made on first use under a lock: a head's gateway workers start
     together, one makes it and the others read it, so every gateway of the head signs and checks with one key."""
     path = Path(os.path.expanduser(data_dir)) / "secrets" / name
+    if path.exists():  # made before (by coderai-init in compose, where the gateway's folder is read-only): no lock
+        return read_secret(path)
     with file_lock(path):
         return ensure_secret(path)
 
