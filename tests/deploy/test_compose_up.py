@@ -222,7 +222,9 @@ def cluster(tmp_path_factory, images, compose_cli, tiny_gguf):
         yield {"base": base, "admin": admin, "head": head, "nodes": nodes, "ports": ports, "root": root}
     except BaseException:
         for p in projects:
-            print(f"--- {p.name} logs\n" + p.compose("logs", "--no-color", "--tail", "150", check=False).stdout[-20000:])
+            print(
+                f"--- {p.name} logs\n" + p.compose("logs", "--no-color", "--tail", "150", check=False).stdout[-20000:]
+            )
         raise
     finally:
         left = {}
