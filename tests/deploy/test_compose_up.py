@@ -2,7 +2,9 @@
 debootstrap base), `compose/head.yml` on the head and `compose/node.yml` as two more machines' workers (compose
 projects of their own), joining with the cluster token from a file. The openai SDK chats and streams through the
 gateway's container, Debian's Prometheus scrapes the metrics container, a worker container killed under load is
-failed over, and `docker compose down -v` leaves no container, network or volume.
+failed over, and `docker compose down -v` leaves no container, network or volume. The worker image, pushed to a
+real registry (Debian's docker-registry) and signed with a GPG key (scripts/image-trust), pulls only with its
+signature: unsigned, damaged or another key's, it is refused.
 
 Needs root and Debian's docker.io and debootstrap (scripts/setup installs them with the dev extra); starts
 dockerd when it is not running (and stops it after), with no iptables rules: published ports go through
@@ -326,3 +328,92 @@ def test_no_secret_is_in_what_docker_inspect_prints(cluster):
         ids += n.compose("ps", "-a", "-q").stdout.split()
     shown = json.dumps(json.loads(_run(["docker", "inspect", *ids], 60).stdout))
     assert token not in shown and redis_password not in shown and cluster["admin"] not in shown
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, docker):
+    """Debian's docker-registry (distribution 2.8) on a loopback port: a real registry to push to and pull from."""
+    if not shutil.which("docker-registry") or not shutil.which("skopeo") or not shutil.which("gpg"):
+        pytest.skip("needs Debian's docker-registry, skopeo and gpg (scripts/setup installs them with dev)")
+    root = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    (root / "config.yml").write_text(
+        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {root / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+    )
+    log = open(root / "registry.log", "ab")
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(root / "config.yml")], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+    )
+    log.close()
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=2).status_code == 200, 60, "the registry")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture
+def gpg_homes():
+    """GNUPGHOMEs made by the test; the gpg-agent that gpg starts in each is stopped after it."""
+    homes: list[Path] = []
+    yield homes
+    for home in homes:
+        subprocess.run(["gpgconf", "--kill", "all"], env={**os.environ, "GNUPGHOME": str(home)}, check=False)
+
+
+def _gpg_key(home: Path, name: str) -> tuple[str, Path, dict[str, str]]:
+    """A signing key made in its own GNUPGHOME: (fingerprint, exported public key file, environment to sign with)."""
+    home.mkdir(mode=0o700, parents=True)
+    env = {**os.environ, "GNUPGHOME": str(home)}
+    uid = f"{name} <{name}@coderai.invalid>"
+    _run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key", uid, "ed25519", "sign", "never"], 60, env=env)
+    fpr = next(
+        line.split(":")[9]
+        for line in _run(["gpg", "--with-colons", "--list-keys", uid], 30, env=env).stdout.splitlines()
+        if line.startswith("fpr:")
+    )
+    public = home.parent / f"{name}.pub.gpg"
+    public.write_bytes(subprocess.run(["gpg", "--export", fpr], capture_output=True, env=env, check=True).stdout)
+    return fpr, public, env
+
+
+def test_a_worker_image_pulls_only_with_its_signature(tmp_path, images, registry, gpg_homes):
+    """The worker image pushed to a real registry and signed with a GPG key (scripts/image-trust sign) pulls onto a
+    machine that has the public key (scripts/image-trust pull); the same tag pushed over without a signature, a
+    damaged signature and another key's signature are each refused, with a clear message."""
+    trust = str(ROOT / "scripts" / "image-trust")
+    gpg_homes += [tmp_path / "release", tmp_path / "stranger"]
+    fpr, public, signer = _gpg_key(tmp_path / "release", "release")
+    other, _other_public, stranger = _gpg_key(tmp_path / "stranger", "stranger")
+    sigstore = tmp_path / "sigstore"
+    sigstore.mkdir()
+    ref = f"{registry}/coderai-cpu:{TAG}"
+    base = ["--sigstore", str(sigstore), "--insecure"]
+
+    _run([trust, "sign", "--key-id", fpr, *base, images, ref], 600, env=signer)
+    pulled = _run([trust, "pull", "--key", str(public), *base, ref, f"coderai-cpu:{TAG}-verified"], 600)
+    assert "pulled" in pulled.stdout
+    verified = _run(["docker", "image", "inspect", "-f", "{{.Id}}", f"coderai-cpu:{TAG}-verified"], 30).stdout
+    assert verified.strip() == _run(["docker", "image", "inspect", "-f", "{{.Id}}", images], 30).stdout.strip()
+
+    def refused(why: str) -> None:
+        r = _run([trust, "pull", "--key", str(public), *base, ref, f"coderai-cpu:{TAG}-refused"], 600, check=False)
+        assert r.returncode == 1 and "refused" in r.stderr, f"{why}: {r.stdout}{r.stderr}"
+        gone = _run(["docker", "image", "inspect", f"coderai-cpu:{TAG}-refused"], 30, check=False)
+        assert gone.returncode != 0, f"{why}: an image was loaded all the same"
+
+    [signature] = [p for p in sigstore.rglob("signature-*")]
+    good = signature.read_bytes()
+    signature.write_bytes(good[:-40] + bytes(40))  # damaged
+    refused("a damaged signature")
+    signature.write_bytes(good)
+
+    signature.unlink()  # only another key's signature of the very same image
+    _run([trust, "sign", "--key-id", other, *base, images, ref], 600, env=stranger)
+    refused("a signature by another key")
+    signature.write_bytes(good)
+
+    _run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"docker-daemon:{BASE}", f"docker://{ref}"], 600)
+    refused("an unsigned image pushed over the signed tag")
+    _run(["docker", "image", "rm", f"coderai-cpu:{TAG}-verified"], 60)
