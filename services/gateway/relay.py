@@ -64,18 +64,12 @@ class Relay:
             except BusError as exc:
                 if exc.code != "timeout":
                     raise
-            # asked once more while connected: a router that did not run for a moment (a loaded box, its pages read
-            # back from disk) answers a second ask at once, where the first one's 503 would cost the client a retry
-            if ask or not self.bus.nc.is_connected:
+            if ask or not self.bus.nc.is_connected:  # once more: a router that did not run for a moment answers
                 break
-        # no router answered in time (this gateway's nats-server just died under the request, the routers are
-        # reconnecting): the cluster's moment, not the client's fault, so a 503 with Retry-After, not a 504 (and
-        # not "no engine", which would have the scheduler load the model or rent a pod)
-        raise BusError(
-            "overloaded",
-            f"no router answered within {self.settings.route_timeout_s:g} s; try again shortly",
-            retryable=True,
-        )
+        # none in time (a nats-server died under the request, the routers reconnect): the cluster's moment, not the
+        # client's fault: a 503 with Retry-After, not a 504, nor "no engine" (which would load the model, rent a pod)
+        why = f"no router answered within {self.settings.route_timeout_s:g} s; try again shortly"
+        raise BusError("overloaded", why, retryable=True)
 
     async def _pick(
         self, req: RouteRequest, tried: list[str], headers: dict[str, str], on_loading: Callable[[], None] | None = None
