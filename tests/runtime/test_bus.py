@@ -20,11 +20,13 @@ from coderai.contracts import (
     RouteDecision,
     RouteRequest,
     decode,
+    encode,
 )
 from coderai.contracts.subjects import ENGINE_CANCEL, ENGINE_CHAT, Subject
 from coderai.contracts.topology import BucketSpec
 from coderai.runtime.bus import LATE_S, Bus, FrameWriter
 from coderai.runtime.kv import RevisionCache, put_if_changed
+from coderai.testing.procs import wait_until
 
 
 def _subject(unique: str) -> Subject:
@@ -169,20 +171,23 @@ async def test_an_answer_that_came_while_the_asker_was_stalled_is_not_a_timeout(
     arrives: the answer waits in its socket behind the due timer, and is taken, not a `timeout`. A real silence
     is still one, the same length as before."""
     subj = _subject(unique)
-    answering = threading.Event()
+    asked, stalled, answered = threading.Event(), threading.Event(), threading.Event()
 
     def responder(ready: threading.Event, stop: threading.Event) -> None:
         async def main() -> None:
             other = await Bus.connect(nats_server.url, "test")
 
-            async def handler(req: RouteRequest, _m):
-                answering.set()
-                return RouteDecision(engine_id="e", node_id="n", reason="least_busy")
+            async def answer(m) -> None:  # only once the asker's loop has stopped running
+                asked.set()
+                await asyncio.to_thread(stalled.wait, 10)
+                await m.respond(encode(RouteDecision(engine_id="e", node_id="n", reason="least_busy")))
+                await other.nc.flush()  # on its way to the asker's socket
+                answered.set()
 
-            await other.serve(subj, handler)
+            await other.nc.subscribe(subj.pattern, cb=answer)
+            await other.nc.flush()
             ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(stop.wait)
             await other.close()
 
         asyncio.run(main())
@@ -193,9 +198,12 @@ async def test_an_answer_that_came_while_the_asker_was_stalled_is_not_a_timeout(
     try:
         assert await asyncio.to_thread(ready.wait, 10)
         ask = asyncio.create_task(bus.request(subj, RouteRequest(request_id="r", model="m", op="chat"), timeout=0.3))
-        await asyncio.sleep(0)  # the request is sent
-        assert await asyncio.to_thread(answering.wait, 10)
-        time.sleep(0.8)  # this loop stalls past the timeout with the answer on its way or in its socket
+        assert await asyncio.to_thread(asked.wait, 10)  # meanwhile the ask runs and is sent
+        # this loop stops running (the poll blocks it) until the answer has been sent to its socket and the ask's
+        # timer is overdue by more than LATE_S
+        due = time.monotonic() + 0.3 + LATE_S + 0.1
+        stalled.set()
+        wait_until(lambda: answered.is_set() and time.monotonic() > due, 10, "the answer sent, the timer overdue")
         assert (await asyncio.wait_for(ask, 10)).engine_id == "e"
 
         async def listen_only(_m) -> None:  # there, and silent
