@@ -18,6 +18,7 @@ training reports under its own id, and blobs only through the gateway's blob ser
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -511,10 +512,13 @@ def data_secret(data_dir: str | os.PathLike, name: str) -> str:
     """The secret `<data_dir>/secrets/<name>`, made on first use under a lock: a head's gateway workers start
     together, one makes it and the others read it, so every gateway of the head signs and checks with one key."""
     path = Path(os.path.expanduser(data_dir)) / "secrets" / name
-    if path.exists():  # made before (by coderai-init in compose, where the gateway's folder is read-only): no lock
+    try:
+        with file_lock(path):
+            return ensure_secret(path)
+    except OSError as exc:  # a read-only folder (compose's secrets volume, whose keys coderai-init made): nobody
+        if exc.errno not in (errno.EROFS, errno.EACCES) or not path.exists():  # writes it, so no lock is needed
+            raise
         return read_secret(path)
-    with file_lock(path):
-        return ensure_secret(path)
 
 
 def ensure_secret(path: Path) -> str:
