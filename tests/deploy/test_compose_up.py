@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from coderai.runtime.embedded import free_port
-from coderai.testing.procs import wait_until
+from coderai.testing.procs import run_interruptible, wait_until
 from coderai.testing.prometheus import Prometheus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -41,7 +41,9 @@ NODES = ("n1", "n2")
 
 
 def _run(cmd: list[str], timeout_s: float = 600, env: dict[str, str] | None = None, check: bool = True):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)
+    """The command's result (an AssertionError with its output when it fails and `check`); one stopped midway (its
+    timeout, pytest's) gets SIGINT first, so that `docker compose up` or a build cleans up after itself."""
+    r = run_interruptible(cmd, timeout_s, env=env)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
@@ -357,8 +359,8 @@ def _served(cluster, node_id: str) -> int:
 
 
 def test_no_secret_is_in_what_docker_inspect_prints(cluster):
-    """The cluster token, Redis' password and the NATS passwords are in files: `docker inspect` of every container
-    shows none of them (their environment, command line and labels)."""
+    """The cluster token, Redis' password, a NATS password and the admin key are in files: `docker inspect` of every
+    container shows none of them (their environment, command line and labels)."""
     head = cluster["head"]
     token = (head.folder / "secrets" / "cluster_token").read_text().strip()
     redis_password = head.compose("exec", "-T", "gateway", "cat", "/var/lib/coderai/secrets/redis.url").stdout
@@ -366,8 +368,13 @@ def test_no_secret_is_in_what_docker_inspect_prints(cluster):
     ids = head.compose("ps", "-a", "-q").stdout.split()
     for n in cluster["nodes"]:
         ids += n.compose("ps", "-a", "-q").stdout.split()
+    nats_password = head.compose(
+        "exec", "-T", "gateway", "cat", "/var/lib/coderai/secrets/nats-svc-gateway.password"
+    ).stdout.strip()
     shown = json.dumps(json.loads(_run(["docker", "inspect", *ids], 60).stdout))
-    assert token not in shown and redis_password not in shown and cluster["admin"] not in shown
+    assert nats_password and redis_password and token
+    for secret in (token, redis_password, nats_password, cluster["admin"]):
+        assert secret not in shown
 
 
 @pytest.fixture(scope="module")
