@@ -87,7 +87,7 @@ def _send(client: httpx.Client, method: str, url: str, **kw) -> httpx.Response:
         raise _Unreachable(_host(url), exc) from None
 
 
-def _anonymous_token(client: httpx.Client, challenge_header: str, ref: ImageRef) -> str:
+def anonymous_token(client: httpx.Client, challenge_header: str, ref: ImageRef) -> str:
     """The bearer token a registry's challenge hands out to anyone for a pull; "" when it hands out none."""
     challenge = parse_www_authenticate(challenge_header)
     if challenge is None or challenge.scheme != "bearer":
@@ -113,7 +113,7 @@ def check_image(client: httpx.Client, ref: ImageRef, registry_url: str = "") -> 
         r = _send(client, "HEAD", url, headers=headers)
         if r.status_code == 401:
             try:
-                token = _anonymous_token(client, r.headers.get("WWW-Authenticate", ""), ref)
+                token = anonymous_token(client, r.headers.get("WWW-Authenticate", ""), ref)
             except ImageRefError as exc:
                 return Outcome("denied", f"{exc}; a pod pulls anonymously")
             if token:

@@ -63,6 +63,7 @@ from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
 from coderai.runtime.leader import Fence, singleton
 from coderai.runtime.mirror import KVMirror
+from coderai.runtime.settings import SettingsError
 
 log = logging.getLogger("coderai.pod_broker")
 
@@ -82,6 +83,7 @@ class Broker:
         self.hbs: dict[str, tuple[float, Heartbeat]] = {}
         self.leases: dict[str, tuple[int, float]] = {}
         self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
+        self._refused: dict[str, str] = {}  # image -> why its signature was refused (said once)
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_orphan_scan = 0.0
         self.redis: Any = None
@@ -121,6 +123,8 @@ class Broker:
         stack.push_async_callback(hb.unsubscribe)
         if not self.configured:
             log.info("pods are off: %s", self._why_off())
+        elif not s.pod_image_key:
+            log.info("pod images are not checked for a signature (CODERAI_POD_BROKER_POD_IMAGE_KEY, docs/deploy.md)")
         task = asyncio.create_task(self._reconcile_loop())
         stack.callback(task.cancel)
 
@@ -247,6 +251,7 @@ class Broker:
         if down is not None and time.time() - down.last < DOWN_RETRY_S:
             raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._outage()}", retryable=True)
         s = self.settings
+        image = await self._pod_image(m)
         try:
             offers = [
                 # an unpriced type (None) is 0: never a candidate; no spot price, no spot
@@ -283,7 +288,7 @@ class Broker:
             )
             t0 = time.time()
             try:
-                rec = await self._create_once(m, name, offer)
+                rec = await self._create_once(m, name, offer, image)
             except NoCapacity:
                 tried.append(offer.id)
                 await self._forget(info, reservation)
@@ -300,7 +305,28 @@ class Broker:
             return info
         raise BusError("no_engine", f"no capacity on RunPod for {m.name!r} (tried {', '.join(tried)})", True)
 
-    async def _create_once(self, m: ModelConfig, name: str, offer: choosing.Offer) -> Any:
+    async def _pod_image(self, m: ModelConfig) -> str:
+        """The image a pod for `m` runs: with a trusted key set, pinned to the digest its signature covers
+        (coderai.image_trust), so the pod pulls exactly what was checked; an image that does not check is refused."""
+        s = self.settings
+        image = m.pod.image or s.pod_image
+        if not s.pod_image_key:
+            return image
+        from coderai.image_trust import Trust, Untrusted, verify
+
+        try:
+            pinned = await asyncio.to_thread(
+                verify, image, Trust(s.pod_image_key, s.pod_image_sigstore, s.pod_image_registry_url)
+            )
+        except Untrusted as exc:
+            if self._refused.get(image) != str(exc):
+                self._refused[image] = str(exc)
+                log.error("no pod runs %s: %s", image, exc)
+            raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: its image is refused: {exc}") from None
+        self._refused.pop(image, None)
+        return pinned
+
+    async def _create_once(self, m: ModelConfig, name: str, offer: choosing.Offer, image: str) -> Any:
         """Create the pod; after an error that may or may not have reached RunPod, look it up by name (never two
         pods, never an untracked one) and create again only when it is surely not there."""
         from coderai.pod_broker.runpod_api import NoCapacity, RunPodError
@@ -314,7 +340,7 @@ class Broker:
             try:
                 return await self.api.create_pod(
                     name=name,
-                    image=m.pod.image or s.pod_image,
+                    image=image,
                     gpu_type_id=offer.id,
                     gpu_count=m.pod.gpu_count,
                     env=choosing.pod_env(
@@ -575,5 +601,13 @@ class Broker:
 
 def make(settings: BrokerSettings):
     """The broker runs on every head and acts on one: the holder of the `pod-broker` lease (acquire, reap,
-    reconcile: renting twice what one head rents is money)."""
+    reconcile: renting twice what one head rents is money). A pod image key that cannot be used is a SettingsError
+    here, at start: every pod would be refused."""
+    if settings.pod_image_key:
+        from coderai.image_trust import Untrusted, check_settings
+
+        try:
+            check_settings(settings.pod_image_key, settings.pod_image_sigstore)
+        except Untrusted as exc:
+            raise SettingsError(f"CODERAI_POD_BROKER_POD_IMAGE_KEY: {exc}") from None
     return singleton("pod-broker", settings, lambda _leader: Broker(settings).start)

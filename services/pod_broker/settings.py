@@ -16,6 +16,9 @@ class BrokerSettings(CommonSettings, frozen=True, kw_only=True):
     pod_nats_url: str = ""  # how a pod reaches this cluster's NATS (a public address); pods are off without it
     deployment: str = "default"  # pods are named coderai-<deployment>-...; the orphan reaper owns that prefix
     pod_image: str = DEFAULT_POD_IMAGE  # the release's CUDA worker for this version (coderai.oci); `coderai pods check` looks it up. A model's pod.image overrides it
+    pod_image_key: str = ""  # public keys (gpg --export) a pod's image must be signed by; empty: images not checked
+    pod_image_sigstore: str = ""  # where the images' signatures are (image-trust sign --sigstore): URL or folder
+    pod_image_registry_url: str = ""  # registry API base URL for that check when not https://<registry>
     max_hourly_usd: float = 0.0  # global cap: the hourly rates of every pod together; 0 forbids renting
     global_budget_usd: float = 0.0  # global spend cap per global_period; 0: none
     global_period: str = "month"

@@ -264,3 +264,11 @@ def test_gpu_override_fits_both_files(head, node, compose_env, helpers):
 def test_the_example_models_file_loads():
     models = load_models(str(COMPOSE / "models.example.toml"))
     assert models and all(m.path.startswith("/models/") for m in models)
+
+
+def test_coderai_images_are_never_pulled_unchecked(head, node, compose_env):
+    """compose never fetches a coderai image itself: what runs was built on this machine or pulled by
+    scripts/image-trust after its signature checked (PULL_POLICY in .env can say otherwise, and says so)."""
+    for doc in (head, node):
+        ours = [svc for svc in doc["services"].values() if _is_coderai(svc, compose_env)]
+        assert ours and all(svc["pull_policy"] == "never" for svc in ours)

@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from coderai.runtime.embedded import free_port
+from coderai.testing import registry as reg
 from coderai.testing.procs import run_interruptible, wait_until
 from coderai.testing.prometheus import Prometheus
 
@@ -380,59 +381,34 @@ def test_no_secret_is_in_what_docker_inspect_prints(cluster):
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory, docker):
     """Debian's docker-registry (distribution 2.8) on a loopback port: a real registry to push to and pull from."""
-    if not shutil.which("docker-registry") or not shutil.which("skopeo") or not shutil.which("gpg"):
-        pytest.skip("needs Debian's docker-registry, skopeo and gpg (scripts/setup installs them with dev)")
-    root = tmp_path_factory.mktemp("registry")
-    port = free_port()
-    (root / "config.yml").write_text(
-        f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {root / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
-    )
-    log = open(root / "registry.log", "ab")
-    proc = subprocess.Popen(
-        ["docker-registry", "serve", str(root / "config.yml")], stdout=log, stderr=log, stdin=subprocess.DEVNULL
-    )
-    log.close()
-    try:
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=2).status_code == 200, 60, "the registry")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    if reg.missing_tools():
+        pytest.skip(f"needs {', '.join(reg.missing_tools())} (scripts/setup installs them with the dev extra)")
+    with reg.registry(tmp_path_factory.mktemp("registry")) as host:
+        yield host
 
 
 @pytest.fixture
-def gpg_homes():
-    """GNUPGHOMEs made by the test; the gpg-agent that gpg starts in each is stopped after it."""
-    homes: list[Path] = []
-    yield homes
-    for home in homes:
-        subprocess.run(["gpgconf", "--kill", "all"], env={**os.environ, "GNUPGHOME": str(home)}, check=False)
+def gpg_keys(tmp_path):
+    """A factory of signing keys in GNUPGHOMEs of their own; their gpg-agents are stopped after the test."""
+    keys: list[reg.GpgKey] = []
+
+    def make(name: str) -> reg.GpgKey:
+        keys.append(reg.GpgKey(tmp_path / name, name))
+        return keys[-1]
+
+    yield make
+    for key in keys:
+        key.close()
 
 
-def _gpg_key(home: Path, name: str) -> tuple[str, Path, dict[str, str]]:
-    """A signing key made in its own GNUPGHOME: (fingerprint, exported public key file, environment to sign with)."""
-    home.mkdir(mode=0o700, parents=True)
-    env = {**os.environ, "GNUPGHOME": str(home)}
-    uid = f"{name} <{name}@coderai.invalid>"
-    _run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key", uid, "ed25519", "sign", "never"], 60, env=env)
-    fpr = next(
-        line.split(":")[9]
-        for line in _run(["gpg", "--with-colons", "--list-keys", uid], 30, env=env).stdout.splitlines()
-        if line.startswith("fpr:")
-    )
-    public = home.parent / f"{name}.pub.gpg"
-    public.write_bytes(subprocess.run(["gpg", "--export", fpr], capture_output=True, env=env, check=True).stdout)
-    return fpr, public, env
-
-
-def test_a_worker_image_pulls_only_with_its_signature(tmp_path, images, registry, gpg_homes):
+def test_a_worker_image_pulls_only_with_its_signature(tmp_path, images, registry, gpg_keys):
     """The worker image pushed to a real registry and signed with a GPG key (scripts/image-trust sign) pulls onto a
     machine that has the public key (scripts/image-trust pull); the same tag pushed over without a signature, a
     damaged signature and another key's signature are each refused, with a clear message."""
     trust = str(ROOT / "scripts" / "image-trust")
-    gpg_homes += [tmp_path / "release", tmp_path / "stranger"]
-    fpr, public, signer = _gpg_key(tmp_path / "release", "release")
-    other, _other_public, stranger = _gpg_key(tmp_path / "stranger", "stranger")
+    release, stranger = gpg_keys("release"), gpg_keys("stranger")
+    fpr, public, signer = release.fingerprint, release.public, release.env
+    other = stranger.fingerprint
     sigstore = tmp_path / "sigstore"
     sigstore.mkdir()
     ref = f"{registry}/coderai-cpu:{TAG}"
@@ -457,7 +433,7 @@ def test_a_worker_image_pulls_only_with_its_signature(tmp_path, images, registry
     signature.write_bytes(good)
 
     signature.unlink()  # only another key's signature of the very same image
-    _run([trust, "sign", "--key-id", other, *base, images, ref], 600, env=stranger)
+    _run([trust, "sign", "--key-id", other, *base, images, ref], 600, env=stranger.env)
     refused("a signature by another key")
     signature.write_bytes(good)
 
