@@ -157,11 +157,11 @@ class Project:
         }
 
 
-def _secret(folder: Path, token: str) -> None:
-    """secrets/cluster_token as docs/deploy.md makes it: the folder 0700, the file 0444 (the containers' user)."""
+def _secret(folder: Path, token: str, name: str = "cluster_token") -> None:
+    """secrets/<name> as docs/deploy.md makes it: the folder 0700, the file 0444 (the containers' user)."""
     (folder / "secrets").mkdir(mode=0o700, parents=True, exist_ok=True)
-    (folder / "secrets" / "cluster_token").write_text(token + "\n")
-    os.chmod(folder / "secrets" / "cluster_token", 0o444)
+    (folder / "secrets" / name).write_text(token + "\n")
+    os.chmod(folder / "secrets" / name, 0o444)
 
 
 def _models(folder: Path, gguf: Path) -> None:
@@ -205,6 +205,7 @@ def cluster(tmp_path_factory, images, compose_cli, tiny_gguf):
             "MODELS_FILE": "./models.toml",
             "REDIS_IMAGE": BASE,  # no registry serves redis:7.4-alpine here: the base has redis-server
             "CODERAI_WORKER_NODE_ID": "head",
+            "SCRAPE_TOKEN_FILE": "./secrets/scrape_token",
         },
         compose_cli,
     )
@@ -225,6 +226,8 @@ def cluster(tmp_path_factory, images, compose_cli, tiny_gguf):
     for p in (head, *nodes):
         _secret(p.folder, token)
         _models(p.folder, tiny_gguf)
+    scrape = new_token()
+    _secret(head.folder, scrape, "scrape_token")
     projects = [head]
     try:
         start = time.monotonic()
@@ -237,7 +240,15 @@ def cluster(tmp_path_factory, images, compose_cli, tiny_gguf):
         base = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
         wait_until(lambda: _ready_nodes(base, admin) >= {"head", *NODES}, 300, "three workers with the model ready")
         print(f"three workers joined with the model ready {time.monotonic() - start:.0f} s after `up`")
-        yield {"base": base, "admin": admin, "head": head, "nodes": nodes, "ports": ports, "root": root}
+        yield {
+            "base": base,
+            "admin": admin,
+            "head": head,
+            "nodes": nodes,
+            "ports": ports,
+            "root": root,
+            "scrape": scrape,
+        }
     except BaseException:
         for p in projects:
             print(
@@ -283,7 +294,12 @@ def test_the_sdk_chats_and_streams_through_the_gateway_container(cluster):
 
 
 def test_prometheus_scrapes_the_metrics_container(cluster, tmp_path):
-    prometheus = Prometheus(tmp_path / "prometheus", cluster["ports"]["METRICS_PORT"], tmp_path).start()
+    """With the scrape token from its file (SCRAPE_TOKEN_FILE): without it /metrics is refused."""
+    plain = httpx.get(f"http://127.0.0.1:{cluster['ports']['METRICS_PORT']}/metrics", timeout=10)
+    assert plain.status_code == 401, plain.text[:200]
+    prometheus = Prometheus(
+        tmp_path / "prometheus", cluster["ports"]["METRICS_PORT"], tmp_path, bearer=cluster["scrape"]
+    ).start()
     try:
         _client(cluster).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "count me"}], max_tokens=4
@@ -360,8 +376,8 @@ def _served(cluster, node_id: str) -> int:
 
 
 def test_no_secret_is_in_what_docker_inspect_prints(cluster):
-    """The cluster token, Redis' password, a NATS password and the admin key are in files: `docker inspect` of every
-    container shows none of them (their environment, command line and labels)."""
+    """The cluster token, Redis' password, a NATS password, the scrape token and the admin key are in files: `docker
+    inspect` of every container shows none of them (their environment, command line and labels)."""
     head = cluster["head"]
     token = (head.folder / "secrets" / "cluster_token").read_text().strip()
     redis_password = head.compose("exec", "-T", "gateway", "cat", "/var/lib/coderai/secrets/redis.url").stdout
@@ -374,7 +390,7 @@ def test_no_secret_is_in_what_docker_inspect_prints(cluster):
     ).stdout.strip()
     shown = json.dumps(json.loads(_run(["docker", "inspect", *ids], 60).stdout))
     assert nats_password and redis_password and token
-    for secret in (token, redis_password, nats_password, cluster["admin"]):
+    for secret in (token, redis_password, nats_password, cluster["scrape"], cluster["admin"]):
         assert secret not in shown
 
 

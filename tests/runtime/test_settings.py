@@ -308,6 +308,13 @@ def test_a_value_and_its_file_both_set_is_an_error(tmp_path):
         load({"CODERAI_CLUSTER_TOKEN": "x" * 20, "CODERAI_CLUSTER_TOKEN_FILE": secret_file(tmp_path, "y" * 20)})
 
 
+def test_an_empty_file_variable_is_as_if_unset(tmp_path):
+    """compose hands `${RUNPOD_API_KEY_FILE:+/run/secrets/...}` over as "" when no file is given: the setting keeps
+    its default (and its plain variable still counts), it is not a read of the current folder."""
+    assert load({"CODERAI_DB_PASSWORD_FILE": ""}).db_password == ""
+    assert load({"CODERAI_DB_PASSWORD_FILE": "", "CODERAI_DB_PASSWORD": "pw"}).db_password == "pw"
+
+
 @pytest.mark.parametrize("what", ["missing", "empty", "a folder"])
 def test_an_unreadable_or_empty_file_names_its_variable_never_a_value(tmp_path, what):
     path = {"missing": str(tmp_path / "absent"), "empty": secret_file(tmp_path, "\n"), "a folder": str(tmp_path)}[what]

@@ -81,7 +81,7 @@ def load_settings(cls: type[S], service: str, env: Mapping[str, str] | None = No
     for name in cls.__struct_fields__:
         from_file = file_settable(cls, name)
         for var in (f"CODERAI_{svc}_{name.upper()}", f"CODERAI_{name.upper()}"):
-            if from_file and var + "_FILE" in env:
+            if from_file and env.get(var + "_FILE"):
                 values[name], sources[name] = env_or_file(var, env), var + "_FILE"
                 break
             if var in env:
@@ -122,9 +122,10 @@ def file_settable(cls: type[msgspec.Struct], name: str) -> bool:
 def env_or_file(var: str, env: Mapping[str, str] | None = None) -> str:
     """The value of `var`, or of the file `var`_FILE names (for what reads a secret outside a settings struct:
     `coderai up`'s and `coderai-init`'s cluster token); "" when neither is set. Both set, or a file that cannot be
-    read or is empty, is a SettingsError naming the variable."""
+    read or is empty, is a SettingsError naming the variable. An empty `var`_FILE is as if unset (what compose's
+    `${X:+...}` gives when X is not set)."""
     env = os.environ if env is None else env
-    if var + "_FILE" in env:
+    if env.get(var + "_FILE"):
         if var in env:
             raise SettingsError(f"{var} and {var}_FILE are both set: set one of them")
         return _read_value_file(var + "_FILE", env[var + "_FILE"])
