@@ -71,6 +71,7 @@ LIVE = ("creating", "booting", "ready")
 MB = 1024 * 1024
 PodWhat = Literal["created", "ready", "billed", "stopped"]  # PodEvent.what
 DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
+RECHECK_S = 30.0  # an image whose signature was refused is refused again without asking, for this long
 
 
 class Broker:
@@ -83,7 +84,7 @@ class Broker:
         self.hbs: dict[str, tuple[float, Heartbeat]] = {}
         self.leases: dict[str, tuple[int, float]] = {}
         self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
-        self._refused: dict[str, str] = {}  # image -> why its signature was refused (said once)
+        self._refused: dict[str, tuple[str, float]] = {}  # image -> (why its signature was refused, when)
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_orphan_scan = 0.0
         self.redis: Any = None
@@ -314,17 +315,21 @@ class Broker:
             return image
         from coderai.image_trust import Trust, Untrusted, verify
 
-        try:
-            pinned = await asyncio.to_thread(
-                verify, image, Trust(s.pod_image_key, s.pod_image_sigstore, s.pod_image_registry_url)
-            )
-        except Untrusted as exc:
-            if self._refused.get(image) != str(exc):
-                self._refused[image] = str(exc)
-                log.error("no pod runs %s: %s", image, exc)
-            raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: its image is refused: {exc}") from None
-        self._refused.pop(image, None)
-        return pinned
+        why, when = self._refused.get(image, ("", 0.0))
+        if not why or time.monotonic() - when >= RECHECK_S:  # a warm floor asks every round: the registry less often
+            try:
+                pinned = await asyncio.to_thread(
+                    verify, image, Trust(s.pod_image_key, s.pod_image_sigstore, s.pod_image_registry_url)
+                )
+            except Untrusted as exc:
+                if why != str(exc):
+                    log.error("no pod runs %s: %s", image, exc)
+                why = str(exc)
+                self._refused[image] = (why, time.monotonic())
+            else:
+                self._refused.pop(image, None)
+                return pinned
+        raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: its image is refused: {why}")
 
     async def _create_once(self, m: ModelConfig, name: str, offer: choosing.Offer, image: str) -> Any:
         """Create the pod; after an error that may or may not have reached RunPod, look it up by name (never two
