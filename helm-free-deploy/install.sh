@@ -15,7 +15,7 @@
 #   --units-dir DIR        where unit files go (default /etc/systemd/system)
 #   --user NAME            the system user the services run as (default coderai; created unless --no-start)
 #   --spec SPEC            what pip installs (default: this checkout with EXTRAS, e.g. a wheel path also works)
-#   --extras LIST          extras for the default spec (head: llama,runpod,otel; node: llama)
+#   --extras LIST          extras for the default spec (head: llama,otel; node: llama)
 #   --python PATH          interpreter for the venv, 3.11 or newer (default python3)
 #   --nats-url URL         node: the head's NATS when mDNS cannot find it (other subnet)
 #   --nats-port N          head: NATS client port (default 4222)
@@ -100,7 +100,7 @@ if [ "$skip_install" = 0 ]; then
     "$venv/bin/python" -m pip install -q --index-url "$TORCH_INDEX" "${TORCH_SPEC:-torch}"
   fi
   if [ -z "$spec" ]; then
-    [ -n "$extras" ] || { [ "$role" = head ] && extras="llama,runpod,otel" || extras="llama"; }
+    [ -n "$extras" ] || { [ "$role" = head ] && extras="llama,otel" || extras="llama"; }
     spec="$repo[$extras]"
   fi
   echo "== pip install $spec (llama.cpp compiles on first install: minutes)"
