@@ -41,7 +41,7 @@ def hf_greedy(adapter: Path | None) -> str:
         model = PeftModel.from_pretrained(model, str(adapter))
     ids = tok(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=N, do_sample=False)
-    return tok.decode(out[0, ids.shape[1] :])
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)  # llama-server writes no control tokens
 
 
 def served(cfg: ModelConfig) -> str:
