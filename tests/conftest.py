@@ -14,6 +14,7 @@ its own, and never fails the next test.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -87,17 +88,19 @@ def suite_home() -> Path:
 _outliving = Snapshot()  # what session-scoped fixtures started: it outlives the module that first asked for it
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    """Note what a session-scoped fixture starts (the session's nats-server and redis-server), so the check of the
-    module that happened to ask for it first does not count it as left behind."""
+@contextlib.contextmanager
+def outliving_modules():
+    """Around the start of what a session-scoped fixture runs (the session's nats-server and redis-server): what
+    it starts outlives the module that happened to ask for it first, whose check must not count it as left
+    behind. (Not a `pytest_fixture_setup` hook: pytest calls that hook for a session-scoped fixture through the
+    session's plugins, which do not include this conftest, so it never saw them, and a module whose first tests
+    ran before a later one asked for the session's NATS had it killed as its leftover.)"""
     global _outliving
-    if fixturedef.scope not in ("session", "package"):
-        yield
-        return
     before = snapshot()
-    yield
-    _outliving = _outliving.plus(snapshot().minus(before))
+    try:
+        yield
+    finally:
+        _outliving = _outliving.plus(snapshot().minus(before))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,7 +119,8 @@ def nothing_left_behind(request):
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
-    server = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    with outliving_modules():
+        server = NatsServer(tmp_path_factory.mktemp("nats")).start()
     yield server
     server.stop()
 
@@ -133,7 +137,8 @@ async def bus(nats_server):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    with outliving_modules():
+        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
 

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +35,6 @@ class Snapshot:
     processes: dict[tuple[int, int], str] = field(default_factory=dict)
     namespaces: frozenset[str] = frozenset()
     listening: dict[int, int] = field(default_factory=dict)
-    taken_at: int = 0  # when it was taken, in the clock ticks since boot that /proc/<pid>/stat's start time counts
 
     def __bool__(self) -> bool:
         return bool(self.processes or self.namespaces or self.listening)
@@ -47,7 +45,6 @@ class Snapshot:
             {k: v for k, v in self.processes.items() if not any(k in o.processes for o in others)},
             self.namespaces.difference(*(o.namespaces for o in others)),
             {k: v for k, v in self.listening.items() if not any(k in o.listening for o in others)},
-            self.taken_at,
         )
 
     def plus(self, other: Snapshot) -> Snapshot:
@@ -109,12 +106,7 @@ def snapshot(home: str | None = None) -> Snapshot:
             continue
         if not any(helper in cmd for helper in LIBRARY_HELPERS):
             processes[(pid, stats[pid][1])] = cmd
-    return Snapshot(processes, frozenset(noted_namespaces()), _listening(), _ticks_now())
-
-
-def _ticks_now() -> int:
-    """Now, in the unit and from the origin of a process's start time in /proc/<pid>/stat."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+    return Snapshot(processes, frozenset(noted_namespaces()), _listening())
 
 
 def _listening() -> dict[int, int]:
@@ -139,37 +131,15 @@ def _listening() -> dict[int, int]:
     return found
 
 
-def left_behind(
-    before: Snapshot, outliving: Snapshot, grace_s: float = 5.0, home: str | None = None, slack_s: float = 1.0
-) -> Snapshot:
+def left_behind(before: Snapshot, outliving: Snapshot, grace_s: float = 5.0, home: str | None = None) -> Snapshot:
     """What runs now that did not `before`, less what is meant to `outlive` the module. Something on its way out
     (a browser's helper after its browser quit) gets `grace_s` to go: only what is still there counts."""
     deadline = time.monotonic() + grace_s
     while True:
-        left = _started_since(snapshot(home).minus(before, outliving), before, slack_s)
+        left = snapshot(home).minus(before, outliving)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
-
-
-def _started_since(left: Snapshot, before: Snapshot, slack_s: float) -> Snapshot:
-    """`left` less the processes that started before `before` was taken (less `slack_s` for the clocks): those
-    ran when the module began, so the module did not leave them, whatever that snapshot missed. Seen once with two
-    xdist workers, where each worker's session nats-server, running since the start, was not in a module's first
-    snapshot: it was killed as that module's leftover, and every test after it that needed NATS failed. Each such
-    miss is a warning, for whoever looks into why."""
-    if not before.taken_at:
-        return left
-    cutoff = before.taken_at - int(slack_s * os.sysconf("SC_CLK_TCK"))
-    kept = {}
-    for (pid, started), cmd in left.processes.items():
-        if started < cutoff:
-            warnings.warn(
-                f"a process that ran before the module began was not in its first snapshot: {pid} {cmd[:200]}"
-            )
-            continue
-        kept[(pid, started)] = cmd
-    return Snapshot(kept, left.namespaces, left.listening, left.taken_at)
 
 
 def clean(left: Snapshot) -> None:
