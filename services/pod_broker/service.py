@@ -57,13 +57,13 @@ from coderai.contracts.subjects import (
 )
 from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
 from coderai.pod_broker import choosing
+from coderai.pod_broker.pod_images import PodImages, check_trust_settings
 from coderai.pod_broker.serverless import Serverless
 from coderai.pod_broker.settings import BrokerSettings
 from coderai.runtime.bus import Bus
 from coderai.runtime.kv import read_all
 from coderai.runtime.leader import Fence, singleton
 from coderai.runtime.mirror import KVMirror
-from coderai.runtime.settings import SettingsError
 
 log = logging.getLogger("coderai.pod_broker")
 
@@ -71,7 +71,6 @@ LIVE = ("creating", "booting", "ready")
 MB = 1024 * 1024
 PodWhat = Literal["created", "ready", "billed", "stopped"]  # PodEvent.what
 DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
-RECHECK_S = 30.0  # an image whose signature was refused is refused again without asking, for this long
 
 
 class Broker:
@@ -84,7 +83,7 @@ class Broker:
         self.hbs: dict[str, tuple[float, Heartbeat]] = {}
         self.leases: dict[str, tuple[int, float]] = {}
         self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
-        self._refused: dict[str, tuple[str, float]] = {}  # image -> (why its signature was refused, when)
+        self.images = PodImages(settings)  # which image a pod runs, its signature checked (pod_images.py)
         self._locks: dict[str, asyncio.Lock] = {}
         self._last_orphan_scan = 0.0
         self.redis: Any = None
@@ -252,7 +251,7 @@ class Broker:
         if down is not None and time.time() - down.last < DOWN_RETRY_S:
             raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: {self._outage()}", retryable=True)
         s = self.settings
-        image = await self._pod_image(m)
+        image = await self.images.for_model(m)
         try:
             offers = [
                 # an unpriced type (None) is 0: never a candidate; no spot price, no spot
@@ -305,31 +304,6 @@ class Broker:
             await self._event("created", info)
             return info
         raise BusError("no_engine", f"no capacity on RunPod for {m.name!r} (tried {', '.join(tried)})", True)
-
-    async def _pod_image(self, m: ModelConfig) -> str:
-        """The image a pod for `m` runs: with a trusted key set, pinned to the digest its signature covers
-        (coderai.image_trust), so the pod pulls exactly what was checked; an image that does not check is refused."""
-        s = self.settings
-        image = m.pod.image or s.pod_image
-        if not s.pod_image_key:
-            return image
-        from coderai.image_trust import Trust, Untrusted, verify
-
-        why, when = self._refused.get(image, ("", 0.0))
-        if not why or time.monotonic() - when >= RECHECK_S:  # a warm floor asks every round: the registry less often
-            try:
-                pinned = await asyncio.to_thread(
-                    verify, image, Trust(s.pod_image_key, s.pod_image_sigstore, s.pod_image_registry_url)
-                )
-            except Untrusted as exc:
-                if why != str(exc):
-                    log.error("no pod runs %s: %s", image, exc)
-                why = str(exc)
-                self._refused[image] = (why, time.monotonic())
-            else:
-                self._refused.pop(image, None)
-                return pinned
-        raise BusError("no_engine", f"cannot rent a pod for {m.name!r}: its image is refused: {why}")
 
     async def _create_once(self, m: ModelConfig, name: str, offer: choosing.Offer, image: str) -> Any:
         """Create the pod; after an error that may or may not have reached RunPod, look it up by name (never two
@@ -608,11 +582,5 @@ def make(settings: BrokerSettings):
     """The broker runs on every head and acts on one: the holder of the `pod-broker` lease (acquire, reap,
     reconcile: renting twice what one head rents is money). A pod image key that cannot be used is a SettingsError
     here, at start: every pod would be refused."""
-    if settings.pod_image_key:
-        from coderai.image_trust import Untrusted, check_settings
-
-        try:
-            check_settings(settings.pod_image_key, settings.pod_image_sigstore)
-        except Untrusted as exc:
-            raise SettingsError(f"CODERAI_POD_BROKER_POD_IMAGE_KEY: {exc}") from None
+    check_trust_settings(settings)
     return singleton("pod-broker", settings, lambda _leader: Broker(settings).start)

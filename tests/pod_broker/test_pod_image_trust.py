@@ -225,7 +225,7 @@ def test_a_broker_whose_key_cannot_be_used_does_not_start(tmp_path, world):
 async def test_a_refusal_is_kept_a_while_then_the_image_is_checked_again(world, broker, monkeypatch):
     """A warm floor asks for a pod every round: a refused image is refused again from memory for RECHECK_S, not
     fetched each time; once that has passed, a signature added meanwhile is seen."""
-    from coderai.pod_broker import service
+    from coderai.pod_broker import pod_images
 
     ref = f"{world.host}/coderai-worker:later"
     source = image(world, "later")
@@ -237,7 +237,7 @@ async def test_a_refusal_is_kept_a_while_then_the_image_is_checked_again(world, 
     reg.push(source, ref, sigstore=world.sigstore, key=world.release)  # now signed
     with pytest.raises(BusError, match="no signature"):  # still the remembered refusal
         await b.acquire("m")
-    monkeypatch.setattr(service, "RECHECK_S", 0.0)
+    monkeypatch.setattr(pod_images, "RECHECK_S", 0.0)
     await b.acquire("m")
     [rented] = fake.pods()
     assert rented.image == f"{world.host}/coderai-worker@{digest_of(world, 'coderai-worker', 'later')}"
