@@ -48,6 +48,9 @@ log = logging.getLogger("coderai.router")
 
 REMEMBERED = 10_000
 """Faults logged once each; past this many distinct ones the memory starts afresh (a few repeats, no flood)."""
+PICKS_KEPT = 65_536
+"""Requests this router picked an engine for and has not yet seen finish; past this many the oldest is forgotten
+(a request whose `request.completed` was lost would otherwise be kept for ever)."""
 
 
 class Router:
@@ -70,6 +73,9 @@ class Router:
         self.fences: dict[str, Fence] = {}
         self.accepted: dict[str, Assignment] = {}
         self._logged: set[tuple[str, ...]] = set()
+        # request id -> the engine this router picked for it, until its `request.completed`: only these finish
+        # against the load it counted (a gateway that picked in its own copy counts its own requests there)
+        self._picked: dict[str, str] = {}
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
@@ -225,10 +231,20 @@ class Router:
         self._apply(hb, time.monotonic())
 
     async def _on_completed(self, e: RequestCompleted, _m: Msg) -> None:
-        self.table.completed(e.engine_id)
+        """One of this router's picks finished: its engine's load goes down until the next heartbeat. Every other
+        request (most of them: gateways pick in their own copies) was never counted here, so it is not taken off:
+        that would read an engine busy with other gateways' requests as idle."""
+        engine = self._picked.pop(e.request_id, None)
+        if engine is not None:
+            self.table.completed(engine)
 
     async def _on_pick(self, req: RouteRequest, m: Msg) -> RouteDecision:
-        return self.pick(req, m.headers)
+        decision = self.pick(req, m.headers)
+        self._picked.pop(req.request_id, None)  # a failover's second pick: the request is the newest again
+        self._picked[req.request_id] = decision.engine_id
+        if len(self._picked) > PICKS_KEPT:
+            del self._picked[next(iter(self._picked))]
+        return decision
 
     def pick(self, req: RouteRequest, headers: dict[str, str] | None, kind: str = "server") -> RouteDecision:
         """`req`'s engine, in a `router.pick` span under the asker's (`headers`) while tracing is on: a span of
