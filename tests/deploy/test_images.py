@@ -132,3 +132,81 @@ def test_the_images_script_knows_every_flavor_compose_asks_for(env_example):
 def test_a_pod_image_can_fetch_weights_by_source(name):
     """A rented pod fetches its model's weights with the catalogue's pull (docs/pods.md): huggingface_hub is in."""
     assert "catalog" in _extras_in((DOCKER / name).read_text())
+
+
+def _dry_run(*args: str, env: dict[str, str] | None = None) -> tuple[list[list[str]], str]:
+    """scripts/images --dry-run: (the build command lines, what it would run before them)."""
+    res = subprocess.run(
+        [str(ROOT / "scripts" / "images"), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
+    return [shlex.split(line) for line in res.stdout.splitlines()], res.stderr
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.media", "Dockerfile.vllm"])
+def test_an_image_installs_from_a_staged_wheelhouse_with_no_index(name):
+    """What scripts/images stages in docker/local is installed with pip's --no-index, dependencies before the
+    source (a code change reuses their layer); without it, the index."""
+    text = (DOCKER / name).read_text()
+    assert "COPY docker/local /local" in text
+    deps = text.index("pip install -q --no-index /local/wheels/*.whl")
+    assert deps < text.index("COPY libs libs")
+    assert 'pip install -q --no-index --find-links /local/wheels --no-build-isolation "/src[${EXTRAS}]"' in text
+    ignore = Path(f"{DOCKER / name}.dockerignore").read_text().splitlines()
+    assert "docker/local/cache/" in ignore, "every flavor's cached wheelhouse stays out of the build context"
+
+
+def test_llama_server_is_copied_or_built_once_for_every_cpu_llama_image():
+    """coderai-cpu and the media flavors get llama.cpp's llama-server from one script (the staged binary, else one
+    portable build), before the source; none compiles llama-cpp-python (the in-process engine, an optional extra)."""
+    for name in ("Dockerfile.cpu", "Dockerfile.media"):
+        text = (DOCKER / name).read_text()
+        run = text.index('RUN sh /opt/coderai/llama_server.sh "${CMAKE_ARGS}"')
+        assert run < text.index("COPY libs libs"), "a change to coderai's code does not rebuild llama-server"
+        assert "-DGGML_NATIVE=OFF" in text and "llama-python" not in _extras_in(text)
+    script = (DOCKER / "llama_server.sh").read_text()
+    assert "/local/bin/llama-server" in script and "--target llama-server ggml-rpc-server" in script
+    builds, _ = _dry_run("--prefix", "p", "--tag", "t", "media", "media-cpu", "diffusers", "whisper")
+    for argv in builds:
+        extras = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")["EXTRAS"]
+        assert "llama-python" not in extras.split(","), argv
+
+
+def test_every_flavor_but_llama_cuda_stages_its_wheels_in_its_own_base(tmp_path):
+    """The wheelhouse is resolved by pip inside the image's base (its Python's markers), with the build's own
+    extras, one per flavor; media-cpu's torch is the CPU build (a local +cpu wheel where PIP_FIND_LINKS has one,
+    else the CPU index), never CUDA's."""
+    import os
+
+    links = tmp_path / "wheels"
+    links.mkdir()
+    env = {**os.environ, "PIP_FIND_LINKS": str(links)}
+    builds, staged = _dry_run("--base", "debian", "--prefix", "p", "--tag", "t", env=env)
+    steps = [shlex.split(line) for line in staged.splitlines() if line.startswith("docker run ")]
+    by_flavor = {}
+    for argv in steps:
+        script = argv[-1]
+        flavor = re.search(r"-w /out/cache/([\w-]+)\.tmp", script).group(1)
+        by_flavor[flavor] = (argv[argv.index("--entrypoint") + 2], script)
+    built = {}
+    for argv in builds:
+        args = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
+        built[argv[argv.index("-t") + 1].removeprefix("p-").removesuffix(":t")] = args
+    assert set(by_flavor) == set(built) - {"llama-cuda"}
+    for flavor, (base, script) in by_flavor.items():
+        assert built[flavor]["BASE_IMAGE"] == base, "resolved in the base the image is built on"
+        assert f"[{built[flavor]['EXTRAS']}]" in script
+        media = built[flavor].get("TORCH_INDEX") or "torch==" in script
+        assert base == ("coderai-base-media:bookworm" if media else "coderai-base:bookworm"), flavor
+    assert "/whl/cpu" in by_flavor["media-cpu"][1] and "/whl/cu" not in by_flavor["media-cpu"][1]
+    assert "/whl/cu128" in by_flavor["media"][1]
+    assert "libgl1" in staged and "debootstrap" in staged
+    (links / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    _, staged = _dry_run("--base", "debian", "--prefix", "p", "--tag", "t", "media-cpu", env=env)
+    [script] = [shlex.split(line)[-1] for line in staged.splitlines() if line.startswith("docker run ")]
+    assert "torch==2.13.0" in script and "--extra-index-url" not in script, "the local CPU wheel, no index"
+    assert f"-v {links}:{links}:ro" in staged and f"PIP_FIND_LINKS={links}" in staged
