@@ -23,6 +23,7 @@ from coderai.gateway.pricing import checked_work
 from coderai.gateway.bounds import check_lora_scale, check_schemas
 from coderai.gateway.errors import ApiError
 from coderai.gateway.http import priority_var
+from coderai.router.picking import keys_to_record
 
 if TYPE_CHECKING:
     from coderai.gateway.pipeline import Call
@@ -134,9 +135,15 @@ async def admit(call: Call) -> ModelConfig:
     return cfg
 
 
+CACHE_REPORTING = frozenset({"vllm"})
+"""Engine families whose workers say when their cache dropped a prompt (vLLM's KV events): their jobs carry the
+affinity keys, so the router forgets a conversation's engine once it no longer holds the conversation."""
+
+
 def scope_cache(call: Call, cfg: ModelConfig) -> None:
     """Unless this key may share the model's prompt cache, its affinity keys and its job carry the key's scope:
-    the router never sends it after another key's prefix, nor does an engine serve it from one."""
+    the router never sends it after another key's prefix, nor does an engine serve it from one. A job for an engine
+    that reports its cache carries the keys its pick is remembered under (`CACHE_REPORTING`)."""
     key = call.who.key
     scope = affinity.cache_scope(
         call.who.key_name, cfg.share_cache, key.share_cache if key else None, call.gw.settings.share_cache
@@ -145,6 +152,10 @@ def scope_cache(call: Call, cfg: ModelConfig) -> None:
         call.route = affinity.scoped(call.route, scope)
         if hasattr(call.job, "cache_scope"):
             call.job = msgspec.structs.replace(call.job, cache_scope=scope)
+    if cfg.engine in CACHE_REPORTING and hasattr(call.job, "cache_keys"):
+        keys = keys_to_record(call.route)  # what the pick is remembered under, scoped as the router sees them
+        if keys:
+            call.job = msgspec.structs.replace(call.job, cache_keys=keys)
 
 
 def check_size(call: Call, job: Any) -> bytes:

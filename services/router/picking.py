@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coderai.contracts import BusError, Heartbeat, ModelConfig, RouteDecision, RouteRequest
-from coderai.contracts.nodes import EngineStatus
+from coderai.contracts.nodes import EVICTED_MAX, EngineStatus
 from coderai.contracts.routing import AffinityEntry, RouteReason
 from coderai.runtime.claims import claim_fault
 
@@ -236,6 +236,23 @@ def keys_to_record(req: RouteRequest) -> list[str]:
     """
     keys = [req.session, req.user] + (req.prefix[:1] + req.prefix[-1:] if req.prefix else [])
     return list(dict.fromkeys(k for k in keys if k))
+
+
+def evicted_keys(hb: Heartbeat, table: EngineTable, affinity: Mapping[str, AffinityEntry]) -> list[str]:
+    """The affinity keys the node's heartbeat says its engines' caches dropped (`EngineStatus.evicted`, from vLLM's
+    KV events) that point at those very engines: what the router forgets, so the next turn goes to the least busy
+    holder instead of a cold engine. Only engines the table routes to on that node count, and at most EVICTED_MAX
+    keys each: a node can take conversations off its own engines only."""
+    out: list[str] = []
+    for e in hb.engines:
+        view = table.engines.get(e.engine_id) if e.evicted else None
+        if view is None or view.node_id != hb.node_id:
+            continue
+        for key in e.evicted[:EVICTED_MAX]:
+            entry = affinity.get(key)
+            if entry is not None and entry.engine_id == e.engine_id and entry.node_id == hb.node_id:
+                out.append(key)
+    return out
 
 
 def _busy(model: ModelConfig | None, v: EngineView) -> bool:

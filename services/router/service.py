@@ -34,6 +34,7 @@ from coderai.router.picking import (
     EngineTable,
     LoadGuard,
     RoundRobin,
+    evicted_keys,
     keys_to_record,
     pick,
 )
@@ -76,6 +77,7 @@ class Router:
         # request id -> the engine this router picked for it, until its `request.completed`: only these finish
         # against the load it counted (a gateway that picked in its own copy counts its own requests there)
         self._picked: dict[str, str] = {}
+        self.forgotten = 0  # affinity keys dropped because their engine's cache no longer holds them
 
     async def start(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> None:
         self.bus = await Bus.connect_as(self.settings, "router", on_reconnect=self._on_reconnect)
@@ -177,6 +179,26 @@ class Router:
         before = self.table.on_node(hb.node_id)
         self._faults(hb, self.table.apply(hb, now, self.placed.get(hb.node_id, frozenset())))
         self._announce(hb.node_id, before)
+        if not self.embedded:  # one deleter: the copies see the deletes through their watch
+            for key in evicted_keys(hb, self.table, self.affinity.values):
+                self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """Delete the key's affinity entry, unless it was written since (a revision-checked delete): its engine's
+        cache no longer holds the conversation."""
+        rev = self.affinity.revisions.get(key, 0)
+        self.affinity.forget(key)
+        self.forgotten += 1
+        if rev and key not in self._writing:
+            task = asyncio.create_task(self._delete(key, rev))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _delete(self, key: str, rev: int) -> None:
+        try:
+            await self.affinity.kv.delete(key, last=rev)
+        except Exception as exc:  # written again meanwhile (that entry stands), or the bus is away
+            log.debug("affinity delete for %s not done: %s", key, exc)
 
     def _announce(self, node_id: str, before: set[str]) -> None:
         """`EngineReady` for each engine of `node_id` this router routes to now and did not `before`: requests

@@ -136,3 +136,29 @@ def test_the_setting_is_read_from_a_models_file_the_admin_api_and_a_key(tmp_path
     for share in (None, True, False):  # a Redis key's record keeps it through its hash
         rec = ApiKey(name="k", sha256="0" * 64, share_cache=share)
         assert _from_hash({k.encode(): v.encode() for k, v in _to_hash(rec).items()}).share_cache is share
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llama-server"])
+def test_a_job_for_an_engine_that_reports_its_cache_carries_its_scoped_affinity_keys(engine):
+    """vLLM's worker says which keys' prompts its cache dropped (engines/kv_events.py): its jobs carry the keys the
+    pick is remembered under, scoped as the router sees them; other engines' jobs carry none (bytes on every
+    request for nothing)."""
+    from types import SimpleNamespace
+
+    from coderai.contracts import ChatJob
+    from coderai.gateway.pipeline_admit import scope_cache
+
+    chain = chat_chain("m", [SYSTEM, USER, {"role": "assistant", "content": "hello"}, USER])
+    call = SimpleNamespace(
+        who=SimpleNamespace(key=None, key_name="tenant-a"),
+        gw=SimpleNamespace(settings=SimpleNamespace(share_cache=False)),
+        route=route(chain, session=session_key("m", "s1")),
+        job=ChatJob(request_id="r", model="m", messages=[SYSTEM, USER]),
+    )
+    scope_cache(call, ModelConfig(name="m", engine=engine, path="/m"))
+    assert call.job.cache_scope == cache_scope("tenant-a", None, None, False)
+    if engine == "vllm":
+        assert call.job.cache_keys == keys_to_record(call.route) and len(call.job.cache_keys) == 3
+        assert not set(call.job.cache_keys) & set(chain), "scoped: not the unscoped chain's digests"
+    else:
+        assert call.job.cache_keys == []

@@ -52,6 +52,9 @@ class ChatJob(Message, frozen=True, kw_only=True):
     # set by the gateway only: "" when the prompt cache is shared by every key, else an opaque digest of the key; an
     # engine never serves a prompt from a prefix another scope left in its cache
     cache_scope: str = ""
+    # set by the gateway only: the affinity keys the router remembers this request's engine under (opaque digests),
+    # so that an engine that reports its cache (vLLM's KV events) can say when it no longer holds their prompt
+    cache_keys: list[str] = []
 
 
 class CompletionJob(Message, frozen=True, kw_only=True):
@@ -66,6 +69,7 @@ class CompletionJob(Message, frozen=True, kw_only=True):
     stream: bool = False
     priority: int = 0  # as ChatJob's
     cache_scope: str = ""  # as ChatJob's
+    cache_keys: list[str] = []  # as ChatJob's
 
 
 INTERACTIVE, BACKGROUND = 0, 1  # a chat or completion job's priority

@@ -9,6 +9,9 @@ from coderai.contracts.jobs import Op
 from coderai.contracts.models import ModelConfig
 from coderai.contracts.split import RpcServer
 
+EVICTED_MAX = 256
+"""Affinity keys one engine's heartbeat may say its cache dropped; the router reads no more than these."""
+
 EngineState = Literal["loading", "ready", "failed", "unloading", "draining"]
 
 
@@ -42,6 +45,9 @@ class EngineStatus(Message, frozen=True, kw_only=True):
     )
     memory: int = 0  # bytes this copy was placed for (the scheduler's estimate)
     devices: list[int] = []  # the GPUs it was started on (indices on the node); [] the engine's default or the CPU
+    # affinity keys (a job's cache_keys) whose prompt the engine's cache dropped since the last heartbeat, as its
+    # server reports its cache (vLLM's KV events): the router forgets them for this engine (it reads EVICTED_MAX)
+    evicted: list[str] = []
 
 
 class GpuMemory(Message, frozen=True, kw_only=True):

@@ -23,6 +23,10 @@ them again before they take jobs.
 
 A request whose prompt cache is scoped to its key (ChatJob.cache_scope) carries it as vLLM's `cache_salt` (vLLM 0.9
 and later): its prefix-cache blocks are then hashed with the salt, so one key never hits another's cached prefix.
+
+The server publishes its KV-cache events to the worker (kv_events.py; `params.kv_events = false` turns it off, and
+it is off where the worker's interpreter has no pyzmq): a request carries its id as vLLM's `session_id`, and the
+heartbeat says which affinity keys' prompts the cache dropped (`evicted`), which the router then forgets.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import httpx
 from coderai.contracts import ChatJob, CompletionJob
 from coderai.engine_worker.engines.base import EngineLoadError, visible_devices
 from coderai.engine_worker.engines.hf_chat import unpack_adapter
+from coderai.engine_worker.engines.kv_events import KvEvents
 from coderai.engine_worker.engines.openai_server import OpenAIServerEngine, param_flags
 from coderai.engine_worker.engines.server_load import LoadPoll, read_vllm
 
@@ -56,6 +61,7 @@ OWN_PARAMS = frozenset(
         "crash_limit",
         "crash_window_s",
         "base",
+        "kv_events",
     }
 )
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM takes
@@ -127,6 +133,7 @@ class VllmEngine(OpenAIServerEngine):
     load_poll: LoadPoll | None = None  # its requests running and waiting and its KV share, for the heartbeat
 
     server: VllmEngine | None = None  # the engine whose server this adapter rides on, if not its own
+    kv: KvEvents | None = None  # its server's KV-cache events (kv_events.py), when it publishes them
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -158,6 +165,8 @@ class VllmEngine(OpenAIServerEngine):
         # answering goes to another copy); it starts every later server, which then dies with it
         self.supervise()
         self.load_poll = LoadPoll(self.child, read_vllm, poll_s=LOAD_POLL_S)
+        if self.kv is not None:
+            self.kv.start()
         if self.lora_on:
             with _lora_servers_lock:
                 _lora_servers.setdefault(self.base_key, self)
@@ -209,7 +218,10 @@ class VllmEngine(OpenAIServerEngine):
             rider._lost(why)
 
     def _restarted(self) -> None:
-        """A new server: the adapters loaded at run time are loaded again before any of them takes jobs."""
+        """A new server: the adapters loaded at run time are loaded again before any of them takes jobs. Its cache
+        starts empty: every conversation the old one held is lost."""
+        if self.kv is not None:
+            self.kv.book.cleared()
         self.connect()
         for rider, adapter in self._rider_list():
             try:
@@ -229,7 +241,14 @@ class VllmEngine(OpenAIServerEngine):
 
     def stats(self) -> dict[str, Any]:
         poll = self.load_poll if self.server is None else self.server.load_poll
-        return {**super().stats(), **poll.load.stats()} if poll is not None else super().stats()
+        out = {**super().stats(), **poll.load.stats()} if poll is not None else super().stats()
+        kv = self._kv()
+        evicted = kv.book.drain(self.config.name) if kv is not None else []
+        return {**out, "evicted": evicted} if evicted else out
+
+    def _kv(self) -> KvEvents | None:
+        """The KV events of the server this engine's requests run on (its own, or the one its adapter rides on)."""
+        return self.server.kv if self.server is not None else self.kv
 
     def close(self) -> None:
         server, self.server = self.server, None
@@ -256,6 +275,8 @@ class VllmEngine(OpenAIServerEngine):
         if self.load_poll is not None:
             self.load_poll.stop()
         super().close()
+        if self.kv is not None:
+            self.kv.stop()
 
     def command(self, port: int) -> tuple[list[str], dict[str, str]]:
         params = dict(self.config.params)
@@ -267,6 +288,10 @@ class VllmEngine(OpenAIServerEngine):
             cmd += lora_flags(name, unpack_adapter(Path(os.path.expanduser(self.config.path))))
         else:
             cmd = server_command(python, os.path.expanduser(self.config.path), name, port, params)
+        if self.kv is None and self.config.param_bool("kv_events", True) and KvEvents.available():
+            self.kv = KvEvents()  # one endpoint for the engine's life: a restarted server publishes on it again
+        if self.kv is not None:
+            cmd += ["--kv-events-config", self.kv.config()]
         return cmd, {
             **os.environ,
             **visible_devices(self.config),
@@ -275,9 +300,18 @@ class VllmEngine(OpenAIServerEngine):
         }
 
     def chat_body(self, job: ChatJob, stream: bool) -> dict[str, Any]:
-        body = super().chat_body(job, stream)
-        return {**body, "cache_salt": job.cache_scope} if job.cache_scope else body
+        return self._cached(job, super().chat_body(job, stream))
 
     def completion_body(self, job: CompletionJob, stream: bool) -> dict[str, Any]:
-        body = super().completion_body(job, stream)
-        return {**body, "cache_salt": job.cache_scope} if job.cache_scope else body
+        return self._cached(job, super().completion_body(job, stream))
+
+    def _cached(self, job: ChatJob | CompletionJob, body: dict[str, Any]) -> dict[str, Any]:
+        """The job's cache scope as vLLM's `cache_salt`; with KV events on, its request id as vLLM's `session_id`
+        (which its cache events carry), and its affinity keys noted as what the blocks it stores will hold."""
+        if job.cache_scope:
+            body["cache_salt"] = job.cache_scope
+        kv = self._kv()
+        if kv is not None and job.cache_keys:
+            body["session_id"] = job.request_id
+            kv.book.began(job.request_id, self.config.name, job.cache_keys)
+        return body
