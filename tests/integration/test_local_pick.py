@@ -13,14 +13,11 @@ import nats
 import openai
 import pytest
 
-from coderai.contracts import decode
-from coderai.contracts.routing import AffinityEntry
 from coderai.contracts.subjects import ROUTE_PICK
-from coderai.contracts.topology import AFFINITY, HDR_REQUEST_ID
-from coderai.runtime.bus import Bus
+from coderai.contracts.topology import HDR_REQUEST_ID
 from coderai.runtime.embedded import free_port
 from coderai.testing.procs import wait_until
-from coderai.testing.stack import running_stack
+from coderai.testing.stack import affinity, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -96,21 +93,7 @@ def test_chats_send_no_route_pick_once_the_gateways_copy_is_whole(stack):
 
 
 def _affinity(stack) -> dict[str, str]:
-    """The affinity bucket: key -> engine id."""
-
-    async def read() -> dict[str, str]:
-        bus = await Bus.connect(stack.nats.service_url, "test-reader")
-        try:
-            kv = await bus.kv(AFFINITY)
-            try:
-                keys = await kv.keys()
-            except Exception:  # nats-py: no keys yet
-                return {}
-            return {k: decode((await kv.get(k)).value, AffinityEntry).engine_id for k in keys}
-        finally:
-            await bus.close()
-
-    return asyncio.run(read())
+    return affinity(stack.nats.service_url)
 
 
 def test_the_copy_writes_where_a_conversation_went_and_keeps_it_there(stack):

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from coderai.testing.procs import wait_until
-from coderai.testing.stack import running_stack
+from coderai.testing.stack import affinity, running_stack
 from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -344,3 +344,45 @@ def test_a_killed_server_fails_over_to_the_other_copy(stack):
     r, killed = got
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     wait_until(lambda: len(_children()) == 2 and killed not in _children(), 60, "a new vLLM server")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    for _ in range(64):
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def test_a_conversation_whose_engine_lost_its_cache_is_routed_anew(stack):
+    """Routing on what the engine's cache really holds (issue 44), end to end: a conversation's affinity entries name
+    the engine that answered it. That engine's vLLM server is killed while idle, and its worker starts a new one,
+    whose cache is empty: the worker's heartbeat names the conversation's keys (vLLM's KV events told it which blocks
+    held them), the router deletes them from `coderai_affinity`, and the next turn is routed as a new conversation
+    (least busy) instead of after a cache that is no longer there."""
+    rules = " ".join(f"Rule {i}: answer in one word." for i in range(80))  # many KV blocks
+    messages = [{"role": "system", "content": rules}, {"role": "user", "content": f"hello {os.getpid()}"}]
+    before = set(affinity(stack.nats.service_url))
+    r = _client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0
+    )
+    engine = r.headers["coderai-engine"]
+    mine = wait_until(
+        lambda: {k for k, e in affinity(stack.nats.service_url).items() if k not in before and e == engine} or None,
+        10,
+        "the conversation's affinity written",
+    )
+    node = next(n for n in ("w1", "w2") if engine.startswith(f"{n}-"))
+    worker = stack.procs[f"worker-{node}"].proc.pid
+    [server] = [pid for pid in _children() if _descends(pid, worker)]
+    os.kill(server, signal.SIGKILL)
+    wait_until(lambda: not mine & set(affinity(stack.nats.service_url)), 240, "the lost conversation forgotten")
+    wait_until(lambda: [e["state"] for e in _engines(stack)] == ["ready", "ready"], 240, "the new server ready")
+    turn = [*messages, {"role": "assistant", "content": r.parse().choices[0].message.content or ""}]
+    turn.append({"role": "user", "content": "and again"})
+    again = _client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=turn, max_tokens=2, temperature=0
+    )
+    assert again.headers["coderai-route"] == "least_busy", again.headers.get("coderai-route")

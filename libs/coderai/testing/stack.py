@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Iterator
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import httpx
 
+from coderai.contracts import decode
+from coderai.contracts.routing import AffinityEntry
+from coderai.contracts.topology import AFFINITY
 from coderai.models_file import write_models_file as write_models_file  # tests and benches take it from here too
+from coderai.runtime.bus import Bus
 from coderai.runtime.embedded import NatsServer, free_port
 from coderai.testing.procs import ProcessDied, ServiceProcess, wait_until
 
@@ -262,3 +267,27 @@ def node_up(
         root / "logs",
         prefix=host.prefix() + (wrap or []),
     )
+
+
+def affinity(nats_url: str) -> dict[str, str]:
+    """The `coderai_affinity` bucket on that NATS, read once: key -> the engine id it names."""
+
+    async def read() -> dict[str, str]:
+        bus = await Bus.connect(nats_url, "test-reader")
+        try:
+            kv = await bus.kv(AFFINITY)
+            try:
+                keys = await kv.keys()
+            except Exception:  # nats-py: no keys yet
+                return {}
+            out = {}
+            for k in keys:
+                try:
+                    out[k] = decode((await kv.get(k)).value, AffinityEntry).engine_id
+                except Exception:  # deleted between the listing and the read
+                    continue
+            return out
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
