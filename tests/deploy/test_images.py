@@ -200,11 +200,10 @@ def test_every_flavor_but_llama_cuda_stages_its_wheels_in_its_own_base(tmp_path)
     for flavor, (base, script) in by_flavor.items():
         assert built[flavor]["BASE_IMAGE"] == base, "resolved in the base the image is built on"
         assert f"[{built[flavor]['EXTRAS']}]" in script
-        media = built[flavor].get("TORCH_INDEX") or "torch==" in script
-        assert base == ("coderai-base-media:bookworm" if media else "coderai-base:bookworm"), flavor
+        assert base == "coderai-base:bookworm", flavor
     assert "/whl/cpu" in by_flavor["media-cpu"][1] and "/whl/cu" not in by_flavor["media-cpu"][1]
     assert "/whl/cu128" in by_flavor["media"][1]
-    assert "libgl1" in staged and "debootstrap" in staged
+    assert "debootstrap" in staged
     (links / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
     _, staged = _dry_run("--base", "debian", "--prefix", "p", "--tag", "t", "media-cpu", env=env)
     [script] = [shlex.split(line)[-1] for line in staged.splitlines() if line.startswith("docker run ")]
