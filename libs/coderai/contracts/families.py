@@ -229,6 +229,8 @@ FAMILIES: dict[str, FamilySpec] = {
                 "swap_space": num(0, 1 << 20),
                 "cpu_offload_gb": num(0, 1 << 20),
                 "block_size": whole(1, 1024),
+                "num_gpu_blocks_override": whole(1, 1 << 24),  # the KV cache's size in blocks, whatever memory says
+                "kv_events": BOOL,  # its KV-cache events to the worker (engines/kv_events.py): on unless false
                 "kv_cache_dtype": choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"),
                 "quantization": P("str", size=64),
                 "max_logprobs": whole(0, 1 << 20),
