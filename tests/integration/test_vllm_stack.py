@@ -90,17 +90,21 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def _mine(pid: int) -> bool:
-    """Whether `pid` descends from this test process (its stack's workers started it): another test run on the
-    same machine has vLLM servers of the same model name, which this module must neither count nor kill."""
-    me = os.getpid()
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether `ancestor` is among `pid`'s parents."""
     for _ in range(64):
         pid = _parent(pid)
-        if pid == me:
+        if pid == ancestor:
             return True
         if pid <= 1:
             return False
     return False
+
+
+def _mine(pid: int) -> bool:
+    """Whether `pid` descends from this test process (its stack's workers started it): another test run on the
+    same machine has vLLM servers of the same model name, which this module must neither count nor kill."""
+    return _descends(pid, os.getpid())
 
 
 def _children() -> dict[int, list[str]]:
@@ -344,16 +348,6 @@ def test_a_killed_server_fails_over_to_the_other_copy(stack):
     r, killed = got
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
     wait_until(lambda: len(_children()) == 2 and killed not in _children(), 60, "a new vLLM server")
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    for _ in range(64):
-        pid = _parent(pid)
-        if pid == ancestor:
-            return True
-        if pid <= 1:
-            return False
-    return False
 
 
 def test_a_conversation_whose_engine_lost_its_cache_is_routed_anew(stack):
