@@ -100,3 +100,13 @@ def test_an_event_without_a_session_of_ours_changes_nothing(session):
     book.began("r", "m", ["k"])
     apply_batch(book, batch(stored(session, 1)))
     assert book.holds("m", "k") == 0
+
+
+def test_a_block_evicted_and_stored_again_counts_once():
+    book = CacheBook()
+    book.began("r", "m", ["k"])
+    apply_batch(book, batch(stored("r", 1, 2, 3, 4)))
+    apply_batch(book, batch(removed(4), stored("r", 4), removed(3, 2)))  # 4 came back: 2 of 4 still held
+    assert book.drain("m") == [] and book.holds("m", "k") == 2
+    apply_batch(book, batch(removed(1)))
+    assert book.drain("m") == ["k"]

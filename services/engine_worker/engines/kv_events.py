@@ -53,7 +53,7 @@ class CacheBook:
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[str, tuple[str, ...]]] = OrderedDict()  # session -> (owner, keys)
         self._blocks: OrderedDict[tuple[str, str], tuple[set[Any], list[int]]] = OrderedDict()  # (owner, key) ->
-        # (its blocks still held, [how many it had])
+        # (its blocks still held, [the most it held at once])
         self._holders: dict[Any, set[tuple[str, str]]] = {}  # block hash -> the keys whose prompt it holds
         self._evicted: dict[str, list[str]] = {}  # owner (an engine id) -> keys lost since the last drain
 
@@ -84,14 +84,14 @@ class CacheBook:
                 held = self._blocks.get((owner, key))
                 if held is None:
                     continue
-                blocks, total = held
+                blocks, most = held
                 for h in hashes:
                     if len(blocks) >= MAX_BLOCKS:
                         break
                     if h not in blocks:
                         blocks.add(h)
-                        total[0] += 1
                         self._holders.setdefault(h, set()).add((owner, key))
+                most[0] = max(most[0], len(blocks))  # a block evicted and stored again counts once
 
     def removed(self, hashes: list[Any]) -> None:
         """Blocks the server evicted: a key that lost more than half of its blocks is lost."""
@@ -101,9 +101,9 @@ class CacheBook:
                     held = self._blocks.get(owned)
                     if held is None:
                         continue
-                    blocks, total = held
+                    blocks, most = held
                     blocks.discard(h)
-                    if len(blocks) * 2 < total[0]:
+                    if len(blocks) * 2 < most[0]:
                         self._drop(owned)
                         self._evicted.setdefault(owned[0], []).append(owned[1])
 
