@@ -197,6 +197,9 @@ def test_a_vllm_engine_reports_its_running_and_waiting_requests_and_kv_share(eng
         s = eng.stats()
         return s if s["slots_busy"] == 2 and s["queued"] >= 1 and s["kv_used"] > 0 else None
 
+    # its batch is the router's slots: a warm conversation stays while the batch has room (router/picking.py)
+    assert eng.stats()["slots"] == 2
+
     threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(5)]
     try:
         for t in threads:

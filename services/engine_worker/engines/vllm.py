@@ -70,6 +70,7 @@ ADAPTER_CALL_TIMEOUT_S = 120.0  # loading an adapter reads its weights
 # how often the server's load is read: once a heartbeat (every 2 s), which is what carries it. A scrape of vLLM's
 # /metrics (~46 KB of text) costs its API server ~6 ms of CPU on the event loop its requests share
 LOAD_POLL_S = 2.0
+DEFAULT_BATCH = 256  # vLLM's max_num_seqs for its OpenAI server unless set (1,024 on the largest GPUs)
 
 _lora_servers: dict[str, VllmEngine] = {}  # a base folder (resolved) -> the engine whose server runs it, LoRA on
 _lora_servers_lock = threading.Lock()
@@ -242,6 +243,10 @@ class VllmEngine(OpenAIServerEngine):
     def stats(self) -> dict[str, Any]:
         poll = self.load_poll if self.server is None else self.server.load_poll
         out = {**super().stats(), **poll.load.stats()} if poll is not None else super().stats()
+        # the requests its server batches (max_num_seqs): the router's slots, so a warm conversation is not passed
+        # over while the batch has room (a server reporting none read as one slot, and a load of 5 moved it)
+        server = self.server or self
+        out["slots"] = server.config.param_int("max_num_seqs") or DEFAULT_BATCH
         kv = self._kv()
         evicted = kv.book.drain(self.config.name) if kv is not None else []
         return {**out, "evicted": evicted} if evicted else out
