@@ -283,9 +283,11 @@ def affinity(nats_url: str) -> dict[str, str]:
             out = {}
             for k in keys:
                 try:
-                    out[k] = decode((await kv.get(k)).value, AffinityEntry).engine_id
+                    value = (await kv.get(k)).value
                 except Exception:  # deleted between the listing and the read
                     continue
+                if value:
+                    out[k] = decode(value, AffinityEntry).engine_id
             return out
         finally:
             await bus.close()
