@@ -162,3 +162,23 @@ def test_a_job_for_an_engine_that_reports_its_cache_carries_its_scoped_affinity_
         assert not set(call.job.cache_keys) & set(chain), "scoped: not the unscoped chain's digests"
     else:
         assert call.job.cache_keys == []
+
+
+def test_a_client_cannot_name_cache_keys_or_a_scope():
+    """The keys a vLLM worker reports evictions for are the gateway's alone: a client's `cache_keys` (say another
+    tenant's digests, to have their affinity dropped) or `cache_scope` in the body never reach the job."""
+    import msgspec
+
+    from coderai.gateway.openai.chat_types import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        chat_job,
+        completion_job,
+    )
+
+    body = {"model": "m", "messages": [USER], "cache_keys": ["victim"], "cache_scope": "someone-else"}
+    job = chat_job(msgspec.convert(body, ChatCompletionRequest), "r")
+    assert job.cache_keys == [] and job.cache_scope == ""
+    body = {"model": "m", "prompt": "hi", "cache_keys": ["victim"], "cache_scope": "someone-else"}
+    job = completion_job(msgspec.convert(body, CompletionRequest), "r")
+    assert job.cache_keys == [] and job.cache_scope == ""
