@@ -179,7 +179,8 @@ class Router:
         before = self.table.on_node(hb.node_id)
         self._faults(hb, self.table.apply(hb, now, self.placed.get(hb.node_id, frozenset())))
         self._announce(hb.node_id, before)
-        if not self.embedded:  # one deleter: the copies see the deletes through their watch
+        # one deleter (the copies see the deletes through their watch), and only when an engine says it lost some
+        if not self.embedded and any(e.evicted for e in hb.engines):
             for key in evicted_keys(hb, self.table, self.affinity.values):
                 self._forget(key)
 
