@@ -191,9 +191,13 @@ class Router:
         self.affinity.forget(key)
         self.forgotten += 1
         if rev and key not in self._writing:
-            task = asyncio.create_task(self._delete(key, rev))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._delete(key, rev))
+
+    def _spawn(self, work: Any) -> None:
+        """Run `work` off the path that asked for it, kept referenced until it ends."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _delete(self, key: str, rev: int) -> None:
         try:
@@ -207,11 +211,9 @@ class Router:
         if self.bus is None or self.embedded:
             return
         for v in [v for v in self.table.engines.values() if v.node_id == node_id and v.engine_id not in before]:
-            task = asyncio.create_task(
+            self._spawn(
                 self._publish_ready(EngineReady(model=v.model, engine_id=v.engine_id, node_id=node_id, ts=time.time()))
             )
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
 
     async def _publish_ready(self, e: EngineReady) -> None:
         try:
@@ -335,9 +337,7 @@ class Router:
             self._latest[key] = entry
             if key not in self._writing:  # one writer per key, so this router's own decisions land in order
                 self._writing.add(key)
-                task = asyncio.create_task(self._writer(key))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self._writer(key))
 
     async def _writer(self, key: str) -> None:
         """Write the newest decision for `key`, revision-checked. Losing to another router means re-reading:
