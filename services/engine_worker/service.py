@@ -39,6 +39,8 @@ from coderai.runtime.kv import KeyWatch
 from coderai.runtime.leader import Fence
 from coderai.runtime.logging import add_secret, ring
 
+LEAVE_TIMEOUT_S = 2.0  # how long a stopping worker tries to say so before it lets the heartbeat timeout say it
+
 log = logging.getLogger("coderai.engine_worker")
 
 
@@ -77,6 +79,7 @@ class Worker:
         self._load_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self.draining = False
+        self.leaving = False  # stopping: every heartbeat from now on says so (`_leave`)
         self.models_dir = Path(os.path.expanduser(settings.data_dir)) / "models"  # files fetched from the head
         self.addrs: list[str] = []  # this node's addresses, the one it reaches the bus from first
         # NVIDIA GPUs and their memory, for placement; without them, the Vulkan devices a Vulkan llama-server lists
@@ -140,6 +143,7 @@ class Worker:
         self.stored = await asyncio.to_thread(stored_files, self.models_dir)
         hb = asyncio.create_task(self._heartbeat_loop())
         stack.callback(hb.cancel)
+        stack.push_async_callback(self._leave, hb)
         self.thermal = await asyncio.to_thread(thermal_for, s.thermal_file, s.thermal_limit_c, s.thermal_resume_c)
         if self.thermal is not None:
             watch = asyncio.create_task(self.thermal.run(s.thermal_poll_s, self.hold), name="thermal")
@@ -235,11 +239,14 @@ class Worker:
         if self.bus is None or not self.bus.connected:
             return
         self._seq += 1
+        engines = [h.status() for h in self.hosts.values()]
+        if self.leaving:  # said before the engines are paused (`_leave`): the word goes out first
+            engines = [msgspec.structs.replace(e, state="draining") if e.state == "ready" else e for e in engines]
         hb = build_heartbeat(
             self.node_id,
             self._seq,
             self.families + self.train_caps,
-            [h.status() for h in self.hosts.values()],
+            engines,
             pod=self.settings.pod,
             addrs=self.addrs,
             rpc=self.rpc.info(*memory()) if self.rpc is not None else None,
@@ -249,7 +256,23 @@ class Worker:
         )
         if self.thermal is not None and self.thermal.hot:
             hb = msgspec.structs.replace(hb, hot=self.thermal.hot_temps())
+        if self.leaving:
+            hb = msgspec.structs.replace(hb, leaving=True)
         await self.bus.publish(HEARTBEAT, hb, node_id=self.node_id)
+
+    async def _leave(self, beating: asyncio.Task) -> None:
+        """The worker is stopping (SIGTERM: its operator, `docker compose down`, RunPod taking a spot pod back):
+        from now on its heartbeats say it is leaving, the first one at once with every engine draining, so the
+        routers stop sending it work now rather than a heartbeat timeout later, and the pod broker bills a
+        preempted pod to this moment. Jobs in flight go on until the engines close."""
+        beating.cancel()
+        self.draining = self.leaving = True
+        try:
+            await asyncio.wait_for(self.publish_heartbeat(), LEAVE_TIMEOUT_S)
+        except Exception as exc:  # the bus is away: the heartbeat timeout says it instead
+            log.info("could not say this node is leaving: %s", exc)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.hold(), LEAVE_TIMEOUT_S)
 
     async def _heartbeat_loop(self) -> None:
         while True:

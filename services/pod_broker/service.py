@@ -68,6 +68,8 @@ from coderai.runtime.mirror import KVMirror
 log = logging.getLogger("coderai.pod_broker")
 
 LIVE = ("creating", "booting", "ready")
+# a stopping worker is quiet within its drain (30 s): one still heard this long after it said it was leaving was not
+LEAVING_S = 35.0
 MB = 1024 * 1024
 PodWhat = Literal["created", "ready", "billed", "stopped"]  # PodEvent.what
 DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
@@ -81,6 +83,7 @@ class Broker:
         self.money = money
         self.pods: dict[str, PodInfo] = {}
         self.hbs: dict[str, tuple[float, Heartbeat]] = {}
+        self.left: dict[str, float] = {}  # pod -> when its first `leaving` heartbeat came (wall time)
         self.leases: dict[str, tuple[int, float]] = {}
         self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
         self.images = PodImages(settings)  # which image a pod runs, its signature checked (pod_images.py)
@@ -371,6 +374,9 @@ class Broker:
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         if hb.pod:
             self.hbs[hb.node_id] = (time.monotonic(), hb)
+            p = self.pods.get(hb.node_id)
+            if hb.leaving and p is not None and p.state in LIVE:  # the first one heard: when it was told to stop
+                self.left.setdefault(hb.node_id, time.time())
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -424,7 +430,7 @@ class Broker:
         billing its volume) and nothing replaces it here: this round's floors, or the next request's escalation,
         rent another if the policy still asks for one."""
         if p.spot and await self._stopped_at_runpod(p):
-            last = time.time() - (time.monotonic() - last_seen) if last_seen is not None else None
+            last = self._left_at(p.name, last_seen)
             log.warning(
                 "spot pod %s of %s was preempted by RunPod; another is rented only for a warm floor or a request",
                 p.name,
@@ -433,6 +439,17 @@ class Broker:
             await self.end(p, "preempted", "preempted: RunPod took the spot pod's GPU back", billed_until=last)
         else:
             await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
+
+    def _left_at(self, name: str, last_seen: float | None) -> float | None:
+        """When a preempted pod stopped running, as the broker heard it: when its worker said it was leaving (its
+        SIGTERM, which RunPod sends as it takes the GPU back), if it then went quiet as a stopping worker does
+        (a pod that says so and heartbeats on does not end its own bill early); else its last heartbeat (wall time;
+        `last_seen` is monotonic); None: never heard from."""
+        last = time.time() - (time.monotonic() - last_seen) if last_seen is not None else None
+        left = self.left.get(name)
+        if left is not None and (last is None or last - left <= LEAVING_S):
+            return left
+        return last
 
     async def _stopped_at_runpod(self, p: PodInfo) -> bool:
         """RunPod stopped the pod (desiredStatus EXITED): only RunPod or its user stop one, a dead container does not
@@ -507,6 +524,8 @@ class Broker:
             return await self.serverless.end(p, state, reason)
 
         p = await self._save(msgspec.structs.replace(p, state="stopping"))
+        self.hbs.pop(p.name, None)
+        self.left.pop(p.name, None)
         t0 = time.time()
         try:
             await self.api.terminate_pod(p.pod_id)
@@ -535,7 +554,8 @@ class Broker:
 
     async def reap_orphans(self) -> list[str]:
         """Terminate (and bill) pods named for this deployment that no live record tracks. A tracked spot pod RunPod
-        stopped while it booted (it never heartbeated) was preempted: ended here, billed until now."""
+        stopped while it booted was preempted: ended here, billed until it stopped running as far as it was
+        heard (`_left_at`), else until now (it never heartbeated)."""
         prefix = choosing.name_prefix(self.settings.deployment)
         if self.api is None:
             return []
@@ -548,7 +568,12 @@ class Broker:
         for rec in listed:
             tracked = self.pods.get(rec.name)
             if tracked is not None and tracked.state == "booting" and tracked.spot and rec.status == "EXITED":
-                await self.end(tracked, "preempted", "preempted while booting: RunPod took the spot pod's GPU back")
+                await self.end(
+                    tracked,
+                    "preempted",
+                    "preempted while booting: RunPod took the spot pod's GPU back",
+                    billed_until=self._left_at(tracked.name, seen[0] if (seen := self.hbs.get(tracked.name)) else None),
+                )
                 continue
             if not rec.name.startswith(prefix) or rec.status == "TERMINATED":
                 continue

@@ -370,8 +370,8 @@ def test_a_spot_pod_preempted_mid_stream_ends_the_stream_with_an_error_and_both_
     preempted = wait_until(lambda: over(stack, fake, first), 60, "the preemption to be noticed and billed")
     assert preempted["state"] == "preempted" and "preempted" in preempted["error"]
 
-    # nothing rented a replacement in between: this request does (the router dropped the silent pod's engine
-    # before the broker noticed it: 6 s against 8 s without a heartbeat)
+    # nothing rented a replacement in between: this request does (the router dropped the pod's engine as soon as
+    # its worker said it was leaving, before the broker gave the pod up: 8 s without a heartbeat)
     r = chat(stack, "spot")
     assert r.status_code == 200, r.text
     [second] = live(stack, "spot")
@@ -381,9 +381,14 @@ def test_a_spot_pod_preempted_mid_stream_ends_the_stream_with_an_error_and_both_
     booked = {e.pod_id: e for e in asyncio.run(_ledger(stack, deployment)) if e.pod_id in names}
     assert len(booked) == 2  # each booked, once (the ledger has one entry per pod)
     for p in (first, second):
-        # RunPod stopped billing the preempted pod when it took it back, a heartbeat (0.5 s) at most after its
-        # last one, to which it is booked; the crashed one is billed to the middle of its terminate call
-        assert booked[p["name"]].usd == pytest.approx(fake.billed_usd(p["pod_id"]), abs=p["hourly_usd"] / 3600)
+        # RunPod stopped billing the preempted pod when it took it back (its SIGTERM), to which it is booked (its
+        # worker's first `leaving` heartbeat); the crashed one is billed to the middle of its terminate call
+        entry, billed = booked[p["name"]], fake.pod(p["pod_id"]).intervals
+        assert entry.usd == pytest.approx(fake.billed_usd(p["pod_id"]), abs=p["hourly_usd"] / 3600), (
+            p["name"],
+            (entry.start, entry.end),
+            billed,
+        )
 
 
 async def _ledger(stack, deployment: str) -> list:

@@ -108,6 +108,62 @@ async def test_a_preempted_spot_pod_is_booked_once_to_its_last_heartbeat_and_not
     assert [p.id for p in fake.pods()] == [pod.pod_id]  # nothing asked for another: none rented
 
 
+async def test_a_preempted_spot_pod_is_booked_to_when_its_worker_said_it_was_leaving(env):
+    """RunPod's SIGTERM reaches the pod's worker as RunPod takes the GPU back: the worker's first heartbeat after it
+    says it is leaving, and that is when the pod stopped billing, however late the broker gives it up; the
+    heartbeats of its unloads after it change nothing."""
+    broker, fake = env
+    pod = await ready_pod(broker)
+    hb = broker.hbs[pod.name][1]
+    fake.preempt(pod.pod_id, warning_s=0)
+    await broker._on_heartbeat(msgspec.structs.replace(hb, seq=2, leaving=True), None)
+    said = broker.left[pod.name] = time.time() - 5  # heard 5 s ago
+    await broker._on_heartbeat(msgspec.structs.replace(hb, seq=3, leaving=True, engines=[]), None)
+    broker.hbs[pod.name] = (time.monotonic() - NODE_TTL_S - 1, hb)  # then quiet past the TTL
+    await broker.reconcile()
+    over = broker.pods[pod.name]
+    assert over.state == "preempted" and over.ended_at == said
+    [entry] = [e for e in await broker.money.ledger() if e.pod_id == pod.name]
+    assert entry.end == said and pod.name not in broker.left
+
+
+async def test_a_spot_pod_preempted_before_it_was_seen_ready_is_booked_to_its_leaving(env):
+    broker, fake = env
+    pod = await broker.acquire("m")
+    broker.pods[pod.name] = msgspec.structs.replace(pod, created_at=pod.created_at - 60)
+    engine = EngineStatus(engine_id=f"{pod.name}/m", model="m", engine="llama", ops=["chat"], state="draining")
+    hb = Heartbeat(
+        node_id=pod.name,
+        version="t",
+        seq=1,
+        ts=time.time(),
+        host="pod",
+        pod=pod.name,
+        engines=[engine],
+        capabilities=["llama"],
+        leaving=True,
+    )
+    await broker._on_heartbeat(hb, None)  # its first word: it is leaving (the stream it served was on)
+    said = broker.left[pod.name] = time.time() - 20
+    fake.preempt(pod.pod_id, warning_s=0)
+    await broker.reap_orphans()
+    over = broker.pods[pod.name]
+    assert over.state == "preempted" and over.ended_at == said  # not "now", when the scan came round
+
+
+async def test_a_pod_that_says_it_is_leaving_and_heartbeats_on_does_not_end_its_bill_early(env):
+    """Attack: a pod's worker claims to be leaving, then goes on serving; when RunPod later stops it, the bill runs
+    to its last heartbeat, not to the claim."""
+    broker, fake = env
+    pod = await ready_pod(broker, seen_s_ago=NODE_TTL_S + 1)
+    broker.left[pod.name] = time.time() - 300  # it said so 5 minutes ago, and was heard since
+    fake.preempt(pod.pod_id, warning_s=0)
+    await broker.reconcile()
+    over = broker.pods[pod.name]
+    assert over.state == "preempted"
+    assert over.ended_at == pytest.approx(time.time() - NODE_TTL_S - 1, abs=1.0)  # its last heartbeat
+
+
 async def test_a_warm_floor_replaces_a_preempted_spot_pod_in_the_same_round(env):
     broker, fake = env
     pod = await ready_pod(broker, seen_s_ago=NODE_TTL_S + 1)

@@ -83,6 +83,9 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     # sensors over the worker's temperature limit, with their last reading (°C): a GPU's index ("0"), or "node" for
     # the machine; the engines they hold report `draining` until they cool (empty, and left out, while none is hot)
     hot: dict[str, float] = {}
+    # the worker is stopping (SIGTERM): its engines take no new work, and this heartbeat, and any after it, are its
+    # last; the first one heard is when it was told (the pod broker bills a preempted pod to it)
+    leaving: bool = False
 
 
 class Assignment(Message, frozen=True, kw_only=True):
