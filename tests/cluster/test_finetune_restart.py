@@ -1,5 +1,5 @@
 """A fine-tuning job survives a scheduler restart (one host, one rank, a stack of real processes without
-namespaces): the scheduler is SIGKILLed after the job's first step, the trainer finishes while no scheduler runs
+namespaces): the scheduler is SIGKILLed as soon as the job's rank runs, the trainer finishes while no scheduler runs
 (its step and done reports go nowhere, rank 0's adapter upload finds nobody and keeps retrying), then a new
 scheduler adopts the job, gets the missed steps from the worker, takes the upload, and the job succeeds; its model
 answers a chat through the gateway."""
@@ -14,11 +14,13 @@ import pytest
 pytest.importorskip("peft")
 openai = pytest.importorskip("openai")
 
-from coderai.testing.procs import fine_tune_ended, wait_until
+from coderai.testing.procs import FINE_TUNE_ENDED, wait_until
 from coderai.testing.stack import running_stack
 from coderai.testing.tiny_hf_llama import tiny_hf_llama
 
-pytestmark = pytest.mark.slow
+# each wait below is bounded (times CODERAI_TEST_DEADLINE_SCALE) and says which one failed, with the logs: the
+# suite's 300 s timeout would cut a stuck wait short without saying which
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1000)]
 
 EXAMPLES = [
     {
@@ -29,7 +31,7 @@ EXAMPLES = [
     }
     for i in range(4)
 ]
-EPOCHS = 15  # 60 steps (a few seconds): the kill after the first step lands mid-training
+EPOCHS = 15  # 60 steps (a few seconds, after the rank's start: loading torch and the model)
 
 
 def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_path):
@@ -52,23 +54,38 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
             events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
             return sorted(e.data["step"] for e in events if e.type == "metrics")
 
-        wait_until(steps, 120, "the job's first step", interval_s=0.2)
         sched, worker = stack.procs["scheduler"], stack.procs["worker-w1"]
+
+        def phase(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+            """wait_until, failing with both logs' tails: which part got stuck is the first thing to know."""
+            try:
+                return wait_until(predicate, timeout_s, what, interval_s=interval_s)
+            except TimeoutError as exc:
+                tails = (f"--- {p.name}:\n{p.log_text()[-4000:]}" for p in (sched, worker))
+                raise AssertionError(f"{exc}\n" + "\n".join(tails)) from None
+
+        # killed as soon as its rank runs (steps take a few seconds in all: one wait for the first step could see
+        # them all on a loaded machine)
+        phase(lambda: client.fine_tuning.jobs.retrieve(job.id).status == "running", 60, "the job's rank to run")
         sched.kill()  # SIGKILL mid-training: nothing of the old scheduler gets to say goodbye
         seen = len(steps())  # the record as the dead scheduler left it
         assert seen < 4 * EPOCHS, "the job ended before the restart"
         assert client.fine_tuning.jobs.retrieve(job.id).status == "running"
         offset = len(worker.log_text())
         # the trainer finishes with no scheduler listening: rank 0's upload finds nobody and is retried
-        wait_until(
+        phase(
             lambda: f"training job {job.id}: adapter upload failed" in worker.log_text()[offset:],
-            120,
+            60,
             "rank 0's upload to find no scheduler",
-            interval_s=0.2,
         )
         sched.start()
-        sched.wait_log('"msg": "ready"', 60)
-        got = fine_tune_ended(client, job.id, 90, "the adopted job to end")
+        sched.wait_log('"msg": "ready"', 30)
+        got = phase(
+            lambda: (j := client.fine_tuning.jobs.retrieve(job.id)).status in FINE_TUNE_ENDED and j,
+            60,
+            "the adopted job to end",
+            interval_s=0.5,
+        )
         events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
         said = [e.message for e in events]
         assert got.status == "succeeded", (got.error, said, worker.log_text()[-3000:])
@@ -89,4 +106,4 @@ def test_a_running_job_survives_a_scheduler_restart_and_its_model_answers(tmp_pa
                 return False  # not placed / loaded yet
             return r.model == name and isinstance(r.choices[0].message.content, str)
 
-        wait_until(answered, 90, f"{name} to answer through the gateway", interval_s=1)
+        phase(answered, 90, f"{name} to answer through the gateway", interval_s=1)
