@@ -258,18 +258,19 @@ def run_mode(
 
 
 def _cache_stats(metrics_port: int) -> str:
-    """Prompt tokens served from the engines' caches, summed over engines, from the metrics service."""
-    sums = {"coderai_engine_prompt_tokens": 0.0, "coderai_engine_cached_prompt_tokens": 0.0}
+    """Prompt tokens served from the engines' caches, summed over engines, from the metrics service; and, where the
+    engines publish KV events (vLLM), how many conversations their caches dropped (the router forgot them)."""
+    evicted = "coderai_engine_cache_evicted_keys_total"
+    sums = {"coderai_engine_prompt_tokens": 0.0, "coderai_engine_cached_prompt_tokens": 0.0, evicted: 0.0}
     for line in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0]
         if name in sums:
             sums[name] += float(line.rsplit(" ", 1)[1])
     total = sums["coderai_engine_prompt_tokens"]
-    return (
-        f"{sums['coderai_engine_cached_prompt_tokens'] / total:.0%} of prompt tokens from cache"
-        if total
-        else "no cache stats"
-    )
+    said = f"{sums['coderai_engine_cached_prompt_tokens'] / total:.0%} of prompt tokens from cache" if total else ""
+    if sums[evicted]:
+        said += f"; {sums[evicted]:.0f} conversation keys dropped from cache and forgotten"
+    return said or "no cache stats"
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coderai.contracts import Heartbeat, ModelLoaded, ModelUnloaded, PartDone, RequestCompleted
+from coderai.contracts.nodes import EVICTED_MAX
 from coderai.contracts.leaders import LeaderInfo
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -66,6 +67,12 @@ class Series:
         self.cache_bytes = Gauge(
             "coderai_engine_prompt_cache_bytes",
             "memory held by the engine's prompt cache",
+            ["node", "engine", "model"],
+            registry=r,
+        )
+        self.cache_evicted = Counter(
+            "coderai_engine_cache_evicted_keys",
+            "conversations the engine's KV cache dropped, as its KV events said (vLLM): the router forgets them there",
             ["node", "engine", "model"],
             registry=r,
         )
@@ -226,11 +233,13 @@ class Series:
             self.engine_memory,
         )
         for gone in self._engines.get(hb.node_id, set()) - now:
-            for g in per_engine:
+            for g in (*per_engine, self.cache_evicted):
                 g.remove(*gone)
         self._engines[hb.node_id] = now
         for e in hb.engines:
             labels = (hb.node_id, e.engine_id, e.model)
+            if e.evicted:  # each key named once, in the heartbeat after its blocks went
+                self.cache_evicted.labels(*labels).inc(min(len(e.evicted), EVICTED_MAX))
             for g, v in zip(
                 per_engine,
                 (

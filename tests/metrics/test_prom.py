@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from coderai.contracts import EngineStatus, Heartbeat, RequestCompleted
+from coderai.contracts.nodes import EVICTED_MAX
 from coderai.metrics.prom import Series
 from coderai.testing.heartbeats import heartbeat
 
@@ -187,6 +188,19 @@ def test_engine_prefix_cache_counters_come_from_the_heartbeat():
     assert get("coderai_engine_prompt_cache_bytes", labels) == 4096
     s.on_heartbeat(beat("n1"))
     assert get("coderai_engine_prefix_hits", labels) is None
+
+
+def test_the_conversations_an_engine_cache_dropped_are_counted_once_each():
+    s = Series()
+    e = EngineStatus(engine_id="e1", model="m", engine="vllm", ops=["chat"], state="ready", evicted=["k1", "k2"])
+    s.on_heartbeat(beat("n1", e))
+    s.on_heartbeat(beat("n1", msgspec.structs.replace(e, evicted=[])))  # named once, in the heartbeat after
+    s.on_heartbeat(beat("n1", msgspec.structs.replace(e, evicted=[f"x{i}" for i in range(1000)])))
+    labels = {"node": "n1", "engine": "e1", "model": "m"}
+    get = s.registry.get_sample_value
+    assert get("coderai_engine_cache_evicted_keys_total", labels) == 2 + EVICTED_MAX  # a node's word, bounded
+    s.on_heartbeat(beat("n1"))
+    assert get("coderai_engine_cache_evicted_keys_total", labels) is None  # the engine went: so did its series
 
 
 def test_spend_and_census():
