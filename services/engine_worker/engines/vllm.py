@@ -161,13 +161,23 @@ class VllmEngine(OpenAIServerEngine):
                     return
             except EngineLoadError as exc:  # say a rank over the server's --max-lora-rank: a server of its own
                 log.info("%s: not loaded into its base's server (%s); starting its own", self.config.name, exc)
-        super().load()
+        if self.kv is None and self.config.param_bool("kv_events", True) and KvEvents.available():
+            # one endpoint for the engine's life (a restarted server publishes on it again), subscribed before the
+            # server starts: a PUB socket drops what it sends before a subscription has reached it, so one made
+            # once the server answers would miss the first requests' blocks (a flaky test showed it)
+            self.kv = KvEvents()
+            self.kv.start()
+        try:
+            super().load()
+        except BaseException:
+            if self.kv is not None:
+                self.kv.stop()
+                self.kv = None
+            raise
         # the supervisor restarts a server that dies (the engine is reported failed meanwhile, a request it was
         # answering goes to another copy); it starts every later server, which then dies with it
         self.supervise()
         self.load_poll = LoadPoll(self.child, read_vllm, poll_s=LOAD_POLL_S)
-        if self.kv is not None:
-            self.kv.start()
         if self.lora_on:
             with _lora_servers_lock:
                 _lora_servers.setdefault(self.base_key, self)
@@ -293,9 +303,7 @@ class VllmEngine(OpenAIServerEngine):
             cmd += lora_flags(name, unpack_adapter(Path(os.path.expanduser(self.config.path))))
         else:
             cmd = server_command(python, os.path.expanduser(self.config.path), name, port, params)
-        if self.kv is None and self.config.param_bool("kv_events", True) and KvEvents.available():
-            self.kv = KvEvents()  # one endpoint for the engine's life: a restarted server publishes on it again
-        if self.kv is not None:
+        if self.kv is not None:  # made and subscribed in `load`
             cmd += ["--kv-events-config", self.kv.config()]
         return cmd, {
             **os.environ,
