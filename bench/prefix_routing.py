@@ -200,6 +200,8 @@ def _vllm_metric(t, name: str) -> float:
 def run_mode(
     root: Path, model: str, mode: str, a: argparse.Namespace, exes: dict | None = None
 ) -> tuple[list[float], dict[str, int]]:
+    for left in (root / f"nats-{mode}", root / mode):  # afresh: the last round's affinity entries (JetStream) and
+        shutil.rmtree(left, ignore_errors=True)  # node records would route this round's first turns
     nats = NatsServer(root / f"nats-{mode}").start()
     workers = 1 if mode == "warm" else 2
     cache_mb = a.cache_mb * (a.conversations / 2 if mode == "warm" else 1)  # warm: room for every conversation
