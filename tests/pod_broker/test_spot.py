@@ -19,7 +19,7 @@ from coderai.contracts import BusError, ModelConfig
 from coderai.contracts.admin import PodUser
 from coderai.contracts.models import PodPolicy
 from coderai.contracts.nodes import EngineStatus, Heartbeat
-from coderai.contracts.pods import BrokerStatusRequest
+from coderai.contracts.pods import BrokerStatusRequest, PodInfo
 from coderai.contracts.subjects import CMD_SCHEDULER_POD_USER
 from coderai.contracts.topology import NODE_TTL_S, PODS
 from coderai.pod_broker.runpod_api import RunPodClient
@@ -63,13 +63,17 @@ async def env(bus, redis_server):
             yield broker, fake
 
 
-async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):
-    """A pod rented for `m` a minute ago (as the broker has it), its worker heard from with `m` ready `seen_s_ago`
-    seconds ago, and marked ready."""
+async def rented(broker: Broker) -> PodInfo:
+    """A pod rented for `m` a minute ago, as the broker has it."""
     pod = await broker.acquire("m")
     broker.pods[pod.name] = msgspec.structs.replace(pod, created_at=pod.created_at - 60)
-    engine = EngineStatus(engine_id=f"{pod.name}/m", model="m", engine="llama", ops=["chat"], state="ready")
-    hb = Heartbeat(
+    return broker.pods[pod.name]
+
+
+def pod_beat(pod: PodInfo, state: str = "ready", leaving: bool = False) -> Heartbeat:
+    """Its worker's heartbeat, with `m` in `state`."""
+    engine = EngineStatus(engine_id=f"{pod.name}/m", model="m", engine="llama", ops=["chat"], state=state)
+    return Heartbeat(
         node_id=pod.name,
         version="t",
         seq=1,
@@ -78,7 +82,15 @@ async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):
         capabilities=["llama"],
         pod=pod.name,
         engines=[engine],
+        leaving=leaving,
     )
+
+
+async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):
+    """A pod rented for `m` a minute ago (as the broker has it), its worker heard from with `m` ready `seen_s_ago`
+    seconds ago, and marked ready."""
+    pod = await rented(broker)
+    hb = pod_beat(pod)
     await broker._on_heartbeat(hb, None)
     await broker.reconcile()
     assert broker.pods[pod.name].state == "ready"
@@ -129,21 +141,9 @@ async def test_a_preempted_spot_pod_is_booked_to_when_its_worker_said_it_was_lea
 
 async def test_a_spot_pod_preempted_before_it_was_seen_ready_is_booked_to_its_leaving(env):
     broker, fake = env
-    pod = await broker.acquire("m")
-    broker.pods[pod.name] = msgspec.structs.replace(pod, created_at=pod.created_at - 60)
-    engine = EngineStatus(engine_id=f"{pod.name}/m", model="m", engine="llama", ops=["chat"], state="draining")
-    hb = Heartbeat(
-        node_id=pod.name,
-        version="t",
-        seq=1,
-        ts=time.time(),
-        host="pod",
-        pod=pod.name,
-        engines=[engine],
-        capabilities=["llama"],
-        leaving=True,
-    )
-    await broker._on_heartbeat(hb, None)  # its first word: it is leaving (the stream it served was on)
+    pod = await rented(broker)
+    # its first word: it is leaving (the stream it served was on before the broker saw it ready)
+    await broker._on_heartbeat(pod_beat(pod, "draining", leaving=True), None)
     said = broker.left[pod.name] = time.time() - 20
     fake.preempt(pod.pod_id, warning_s=0)
     await broker.reap_orphans()
