@@ -57,6 +57,7 @@ from coderai.contracts.subjects import (
 )
 from coderai.contracts.topology import MODELS, NODE_TTL_S, PODS
 from coderai.pod_broker import choosing
+from coderai.pod_broker.heard import Heard
 from coderai.pod_broker.pod_images import PodImages, check_trust_settings
 from coderai.pod_broker.serverless import Serverless
 from coderai.pod_broker.settings import BrokerSettings
@@ -68,8 +69,6 @@ from coderai.runtime.mirror import KVMirror
 log = logging.getLogger("coderai.pod_broker")
 
 LIVE = ("creating", "booting", "ready")
-# a stopping worker is quiet within its drain (30 s): one still heard this long after it said it was leaving was not
-LEAVING_S = 35.0
 MB = 1024 * 1024
 PodWhat = Literal["created", "ready", "billed", "stopped"]  # PodEvent.what
 DOWN_RETRY_S = 30.0  # while RunPod's API fails, renting is refused at once; tried again this long after a failure
@@ -82,8 +81,7 @@ class Broker:
         self.api = api
         self.money = money
         self.pods: dict[str, PodInfo] = {}
-        self.hbs: dict[str, tuple[float, Heartbeat]] = {}
-        self.left: dict[str, float] = {}  # pod -> when its first `leaving` heartbeat came (wall time)
+        self.heard = Heard()  # what the pods' workers said (heard.py)
         self.leases: dict[str, tuple[int, float]] = {}
         self._unfilled: dict[str, str] = {}  # model -> why its warm floor could not be filled (said once)
         self.images = PodImages(settings)  # which image a pod runs, its signature checked (pod_images.py)
@@ -373,10 +371,8 @@ class Broker:
 
     async def _on_heartbeat(self, hb: Heartbeat, _m: Msg) -> None:
         if hb.pod:
-            self.hbs[hb.node_id] = (time.monotonic(), hb)
             p = self.pods.get(hb.node_id)
-            if hb.leaving and p is not None and p.state in LIVE:  # the first one heard: when it was told to stop
-                self.left.setdefault(hb.node_id, time.time())
+            self.heard.note(hb, live=p is not None and p.state in LIVE)
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -393,12 +389,11 @@ class Broker:
         reservations, floors, orphans."""
         if self.money is not None:
             await self.money.restore()
-        now, mono = time.time(), time.monotonic()
+        now = time.time()
         for p in list(self.pods.values()):
             if p.state not in LIVE or not p.pod_id:
                 continue
-            seen = self.hbs.get(p.name)
-            hb = seen[1] if seen and mono - seen[0] <= NODE_TTL_S else None
+            hb = self.heard.recent(p.name, NODE_TTL_S)
             if p.state == "booting":
                 if hb is not None and any(e.model == p.model and e.state == "ready" for e in hb.engines):
                     p = await self._save(msgspec.structs.replace(p, state="ready", ready_at=now, last_busy_at=now))
@@ -409,7 +404,7 @@ class Broker:
                     continue
             elif p.state == "ready":
                 if hb is None:
-                    await self._lost(p, seen[0] if seen else None)
+                    await self._lost(p)
                     continue
                 if hb.in_flight > 0:
                     p = await self._save(msgspec.structs.replace(p, last_busy_at=now))
@@ -423,14 +418,14 @@ class Broker:
             self._last_orphan_scan = now
             await self.reap_orphans()
 
-    async def _lost(self, p: PodInfo, last_seen: float | None) -> None:
-        """A ready pod's worker stopped heartbeating (`last_seen`: the monotonic time of its last heartbeat). A spot
-        pod RunPod shows stopped was preempted: RunPod took its GPU back and stopped billing it, so it is booked to
-        its last heartbeat, not to now. Anything else crashed. Either way it is terminated (a stopped pod would keep
-        billing its volume) and nothing replaces it here: this round's floors, or the next request's escalation,
-        rent another if the policy still asks for one."""
+    async def _lost(self, p: PodInfo) -> None:
+        """A ready pod's worker stopped heartbeating. A spot pod RunPod shows stopped was preempted: RunPod took its
+        GPU back and stopped billing it, so it is booked to when it stopped as heard (`Heard.stopped_at`), not to
+        now. Anything else crashed. Either way it is terminated (a stopped pod would keep billing its volume) and
+        nothing replaces it here: this round's floors, or the next request's escalation, rent another if the policy
+        still asks for one."""
         if p.spot and await self._stopped_at_runpod(p):
-            last = self._left_at(p.name, last_seen)
+            last = self.heard.stopped_at(p.name)
             log.warning(
                 "spot pod %s of %s was preempted by RunPod; another is rented only for a warm floor or a request",
                 p.name,
@@ -439,17 +434,6 @@ class Broker:
             await self.end(p, "preempted", "preempted: RunPod took the spot pod's GPU back", billed_until=last)
         else:
             await self.end(p, "failed", "its worker stopped heartbeating (crashed?)")
-
-    def _left_at(self, name: str, last_seen: float | None) -> float | None:
-        """When a preempted pod stopped running, as the broker heard it: when its worker said it was leaving (its
-        SIGTERM, which RunPod sends as it takes the GPU back), if it then went quiet as a stopping worker does
-        (a pod that says so and heartbeats on does not end its own bill early); else its last heartbeat (wall time;
-        `last_seen` is monotonic); None: never heard from."""
-        last = time.time() - (time.monotonic() - last_seen) if last_seen is not None else None
-        left = self.left.get(name)
-        if left is not None and (last is None or last - left <= LEAVING_S):
-            return left
-        return last
 
     async def _stopped_at_runpod(self, p: PodInfo) -> bool:
         """RunPod stopped the pod (desiredStatus EXITED): only RunPod or its user stop one, a dead container does not
@@ -524,8 +508,7 @@ class Broker:
             return await self.serverless.end(p, state, reason)
 
         p = await self._save(msgspec.structs.replace(p, state="stopping"))
-        self.hbs.pop(p.name, None)
-        self.left.pop(p.name, None)
+        self.heard.forget(p.name)
         t0 = time.time()
         try:
             await self.api.terminate_pod(p.pod_id)
@@ -555,7 +538,7 @@ class Broker:
     async def reap_orphans(self) -> list[str]:
         """Terminate (and bill) pods named for this deployment that no live record tracks. A tracked spot pod RunPod
         stopped while it booted was preempted: ended here, billed until it stopped running as far as it was
-        heard (`_left_at`), else until now (it never heartbeated)."""
+        heard (`Heard.stopped_at`), else until now (it never heartbeated)."""
         prefix = choosing.name_prefix(self.settings.deployment)
         if self.api is None:
             return []
@@ -572,7 +555,7 @@ class Broker:
                     tracked,
                     "preempted",
                     "preempted while booting: RunPod took the spot pod's GPU back",
-                    billed_until=self._left_at(tracked.name, seen[0] if (seen := self.hbs.get(tracked.name)) else None),
+                    billed_until=self.heard.stopped_at(tracked.name),
                 )
                 continue
             if not rec.name.startswith(prefix) or rec.status == "TERMINATED":

@@ -94,7 +94,7 @@ async def ready_pod(broker: Broker, seen_s_ago: float = 0.0):
     await broker._on_heartbeat(hb, None)
     await broker.reconcile()
     assert broker.pods[pod.name].state == "ready"
-    broker.hbs[pod.name] = (time.monotonic() - seen_s_ago, hb)
+    broker.heard.last[pod.name] = (time.monotonic() - seen_s_ago, hb)
     return broker.pods[pod.name]
 
 
@@ -126,17 +126,17 @@ async def test_a_preempted_spot_pod_is_booked_to_when_its_worker_said_it_was_lea
     heartbeats of its unloads after it change nothing."""
     broker, fake = env
     pod = await ready_pod(broker)
-    hb = broker.hbs[pod.name][1]
+    hb = broker.heard.last[pod.name][1]
     fake.preempt(pod.pod_id, warning_s=0)
     await broker._on_heartbeat(msgspec.structs.replace(hb, seq=2, leaving=True), None)
-    said = broker.left[pod.name] = time.time() - 5  # heard 5 s ago
+    said = broker.heard.left[pod.name] = time.time() - 5  # heard 5 s ago
     await broker._on_heartbeat(msgspec.structs.replace(hb, seq=3, leaving=True, engines=[]), None)
-    broker.hbs[pod.name] = (time.monotonic() - NODE_TTL_S - 1, hb)  # then quiet past the TTL
+    broker.heard.last[pod.name] = (time.monotonic() - NODE_TTL_S - 1, hb)  # then quiet past the TTL
     await broker.reconcile()
     over = broker.pods[pod.name]
     assert over.state == "preempted" and over.ended_at == said
     [entry] = [e for e in await broker.money.ledger() if e.pod_id == pod.name]
-    assert entry.end == said and pod.name not in broker.left
+    assert entry.end == said and pod.name not in broker.heard.left
 
 
 async def test_a_spot_pod_preempted_before_it_was_seen_ready_is_booked_to_its_leaving(env):
@@ -144,7 +144,7 @@ async def test_a_spot_pod_preempted_before_it_was_seen_ready_is_booked_to_its_le
     pod = await rented(broker)
     # its first word: it is leaving (the stream it served was on before the broker saw it ready)
     await broker._on_heartbeat(pod_beat(pod, "draining", leaving=True), None)
-    said = broker.left[pod.name] = time.time() - 20
+    said = broker.heard.left[pod.name] = time.time() - 20
     fake.preempt(pod.pod_id, warning_s=0)
     await broker.reap_orphans()
     over = broker.pods[pod.name]
@@ -156,7 +156,7 @@ async def test_a_pod_that_says_it_is_leaving_and_heartbeats_on_does_not_end_its_
     to its last heartbeat, not to the claim."""
     broker, fake = env
     pod = await ready_pod(broker, seen_s_ago=NODE_TTL_S + 1)
-    broker.left[pod.name] = time.time() - 300  # it said so 5 minutes ago, and was heard since
+    broker.heard.left[pod.name] = time.time() - 300  # it said so 5 minutes ago, and was heard since
     fake.preempt(pod.pod_id, warning_s=0)
     await broker.reconcile()
     over = broker.pods[pod.name]
