@@ -264,8 +264,7 @@ class Training:
         )
         job = tp.add_event(job, f"Created fine-tuning job {job.id} ({req.method}, {len(nodes)} node(s))", now=now)
         await self._save(job)
-        self._tasks.add(task := asyncio.create_task(self._run(job, base, name)))
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._run(job, base, name))
         return FineTuneReply(job=job)
 
     async def _file(self, file_id: str, param: str) -> FileRecord:
@@ -554,8 +553,7 @@ class Training:
         live.uploaded = got
         async with live.lock:
             await self._save(tp.add_event(self.jobs[chunk.job_id], f"Adapter stored ({have} bytes)"))
-        self._tasks.add(task := asyncio.create_task(self._check(chunk.job_id)))
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._check(chunk.job_id))
         return AdapterAck(received=have, complete=True)
 
 
